@@ -1,0 +1,21 @@
+"""`fp4rl bench NAME`: reproducible benchmarks. Each NAME is a module here with
+`add_arguments(parser)` and `run(args)`; figures go to bench/RESULTS.md."""
+
+from __future__ import annotations
+
+import importlib
+
+BENCHMARKS = {
+    "quantize": "CPU throughput of each NVFP4 quantize mode; SNR of 6 vs 4/6",
+}
+
+
+def add_arguments(parser):
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="NAME")
+    for name, help_text in BENCHMARKS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(f"fp4rl.benchmarks.{name}").add_arguments(p)
+
+
+def run(args):
+    return importlib.import_module(f"fp4rl.benchmarks.{args.bench}").run(args)
