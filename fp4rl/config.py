@@ -1,0 +1,474 @@
+"""Run configuration: small validated dataclasses, loaded from TOML with `--set` overrides.
+
+A run is described by one `RunConfig`, made of one dataclass per TOML table:
+
+    [model] [precision] [sampler] [grpo] [trainer] [loop] [task] [eval] [run] [logging]
+
+Every field carries a one-line doc and its validation rules in `dataclasses.field(metadata=...)`
+("doc", and optionally "choices", "ge", "gt", "le", "lt"); `validate_fields` checks type and
+rules on construction, so a bad value fails at load time with the key and the allowed values
+in the message, never halfway through a run. `describe_fields()` lists every key with its
+default and doc (for `fp4rl train --help-config`).
+
+Precedence: dataclass defaults < TOML file < `--set section.key=value` overrides. An override
+value is parsed as a TOML literal (`1e-5`, `true`, `[0.9, 0.95]`, `{max_digits = 2}`) and
+falls back to the raw string (`task.name=gcd`). Dotted keys reach into table-valued fields:
+`task.kwargs.max_digits=2`.
+
+`dump_toml(config)` writes the resolved config (runs/<name>/config.toml) with a tiny TOML
+writer; `load_config` reads it back to an equal config.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import operator
+import re
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import ClassVar
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from fp4rl.grpo import GRPOConfig
+from fp4rl.tasks import EXTRACT_MODES
+
+
+class ConfigError(ValueError):
+    """A config key is unknown or its value is invalid; the message names the key."""
+
+
+# ---------------------------------------------------------------------------------- validation
+
+_RULES = (
+    ("ge", operator.ge, ">="),
+    ("gt", operator.gt, ">"),
+    ("le", operator.le, "<="),
+    ("lt", operator.lt, "<"),
+)
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _check_type(key: str, value, tp):
+    """Return value (ints widened to float where a float is expected) or raise ConfigError."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check_type(key, value, inner)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} = {value!r}: expected a list of {_type_name(args[0])}")
+        return [_check_type(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} = {value!r}: expected a table, e.g. {{name = value}}")
+        return dict(value)
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, tp)
+    if not ok:
+        raise ConfigError(f"{key} = {value!r}: expected {_type_name(tp)}")
+    return value
+
+
+def validate_fields(obj, section: str) -> None:
+    """Check every field of dataclass `obj` against its type and metadata rules (in place)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in fields(obj):
+        key = f"{section}.{f.name}"
+        value = _check_type(key, getattr(obj, f.name), hints[f.name])
+        object.__setattr__(obj, f.name, value)
+        meta = f.metadata
+        if "choices" in meta and value not in meta["choices"]:
+            allowed = ", ".join(repr(c) for c in meta["choices"])
+            raise ConfigError(f"{key} = {value!r}: allowed values are {allowed}")
+        for rule, op, text in _RULES:
+            if rule in meta and value is not None:
+                items = value if isinstance(value, list) else [value]
+                if (
+                    isinstance(value, float)
+                    and math.isnan(value)
+                    or not all(op(v, meta[rule]) for v in items)
+                ):
+                    raise ConfigError(f"{key} = {value!r}: must be {text} {meta[rule]}")
+
+
+def _knob(default, doc: str, **rules):
+    """A field with a one-line doc and validation rules; mutable defaults are copied."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc, **rules})
+    return field(default=default, metadata={"doc": doc, **rules})
+
+
+@dataclass
+class _Section:
+    SECTION: ClassVar[str] = ""
+
+    def __post_init__(self):
+        validate_fields(self, self.SECTION)
+        self.check()
+
+    def check(self) -> None:
+        """Cross-field rules of the section (overridden where needed)."""
+
+
+# ---------------------------------------------------------------------------------- sections
+
+PRECISION_PRESETS = ("bf16", "nvfp4-experts", "nvfp4-linear")
+
+
+@dataclass
+class ModelConfig(_Section):
+    SECTION: ClassVar[str] = "model"
+    name: str = _knob(
+        "default", "Hugging Face id, local path, or 'default' (the built-in SmolLM2-135M-Instruct)"
+    )
+    dtype: str = _knob("float32", "dtype of the master weights", choices=("float32", "bfloat16"))
+    device: str = _knob(
+        "auto", "where the trainer runs ('auto': cuda if available)", choices=("auto", "cpu", "cuda")
+    )
+
+
+@dataclass
+class PrecisionConfig(_Section):
+    SECTION: ClassVar[str] = "precision"
+    preset: str = _knob(
+        "nvfp4-linear", "which modules run in NVFP4 (see fp4rl.precision)", choices=PRECISION_PRESETS
+    )
+    bf16_last_frac: float = _knob(0.15, "fraction of the last decoder layers kept in BF16", ge=0.0, le=1.0)
+    four_over_six: bool = _knob(False, "4/6 block scales: per block keep the better of max->6 and max->4")
+    four_over_six_err: str = _knob("mse", "error measure that picks 4 or 6 per block", choices=("mse", "mae"))
+    backward: str = _knob(
+        "dequantized",
+        "backward GEMM operands: dequantized forward operands, or the original high-precision ones",
+        choices=("dequantized", "high-precision"),
+    )
+    trace: bool = _knob(False, "TRACE: round trainer activations towards the sampler's recorded FP4 codes")
+
+    def check(self):
+        if self.trace and self.preset == "bf16":
+            raise ConfigError("precision.trace = true needs an NVFP4 preset, not precision.preset = 'bf16'")
+
+
+@dataclass
+class SamplerConfig(_Section):
+    SECTION: ClassVar[str] = "sampler"
+    n: int = _knob(8, "completions per prompt (the GRPO group size)", ge=2)
+    temperature: float = _knob(1.0, "sampling temperature (0: greedy)", ge=0.0)
+    top_p: float = _knob(1.0, "nucleus sampling mass (1: off)", gt=0.0, le=1.0)
+    top_k: int = _knob(0, "sample among the k most likely tokens (0: off)", ge=0)
+    max_new_tokens: int = _knob(32, "completion length limit in tokens", ge=1)
+    kv_cache: str = _knob("bf16", "KV-cache storage format of the sampler", choices=("bf16", "fp8", "nvfp4"))
+
+
+@dataclass
+class TrainerConfig(_Section):
+    SECTION: ClassVar[str] = "trainer"
+    lr: float = _knob(5e-6, "AdamW peak learning rate", gt=0.0)
+    betas: list[float] = _knob([0.9, 0.999], "AdamW (beta1, beta2)", ge=0.0, lt=1.0)
+    weight_decay: float = _knob(0.0, "AdamW decoupled weight decay", ge=0.0)
+    grad_clip: float = _knob(1.0, "clip the global gradient norm to this (0: off)", ge=0.0)
+    lr_schedule: str = _knob(
+        "constant", "learning-rate shape after warmup", choices=("constant", "cosine", "linear")
+    )
+    warmup_steps: int = _knob(0, "steps of linear warmup from 0 to lr", ge=0)
+    micro_batch_size: int = _knob(8, "sequences per forward/backward (0: the whole batch at once)", ge=0)
+    autocast: str = _knob("bf16", "autocast dtype of the training forward/backward", choices=("bf16", "none"))
+    seed: int = _knob(0, "seed of sampling, training order and initialisation", ge=0)
+    steps: int = _knob(33, "RL steps (one rollout batch each)", ge=1)
+    checkpoint_every: int = _knob(0, "steps between checkpoints (0: final checkpoint only)", ge=0)
+
+    def check(self):
+        if len(self.betas) != 2:
+            raise ConfigError(f"trainer.betas = {self.betas}: expected two values [beta1, beta2]")
+
+
+@dataclass
+class LoopConfig(_Section):
+    SECTION: ClassVar[str] = "loop"
+    mode: str = _knob(
+        "sync", "sync: sample then train; async: sample step v+1 while training v", choices=("sync", "async")
+    )
+    max_staleness: int = _knob(1, "async: policy versions the sampler may lag behind the trainer", ge=0)
+    updates_per_batch: int = _knob(1, "optimizer steps on each rollout batch (1: on-policy trainer)", ge=1)
+
+
+@dataclass
+class TaskConfig(_Section):
+    SECTION: ClassVar[str] = "task"
+    name: str = _knob("basic_arithmetic", "a reasoning-gym dataset name, or 'jsonl' (kwargs: path, reward)")
+    kwargs: dict = _knob({}, "passed to the reasoning-gym dataset config (or path/reward for jsonl)")
+    prompts_per_step: int = _knob(4, "distinct prompts per RL step (each sampled sampler.n times)", ge=1)
+    eval_size: int = _knob(100, "held-out questions, disjoint from every training question", ge=0)
+    eval_every: int = _knob(10, "steps between held-out evaluations (0: only before and after)", ge=0)
+    suffix: str = _knob("Answer with the number only.", "appended to every question (empty: nothing)")
+    system: str = _knob("", "system message for the chat template (empty: none)")
+    extract: str = _knob("last_number", "which part of a completion is scored", choices=EXTRACT_MODES)
+    pool_size: int = _knob(2000, "questions drawn from the generator before dedupe and split", ge=1)
+    seed: int = _knob(0, "seed of question generation and of the held-out split", ge=0)
+
+
+@dataclass
+class EvalConfig(_Section):
+    SECTION: ClassVar[str] = "eval"
+    temperatures: list[float] = _knob([0.0, 1.0], "one held-out accuracy per temperature (0: greedy)", ge=0.0)
+    max_new_tokens: int = _knob(0, "completion length limit (0: sampler.max_new_tokens)", ge=0)
+    at_start: bool = _knob(True, "evaluate the initial policy before step 1")
+
+
+@dataclass
+class RunSection(_Section):
+    SECTION: ClassVar[str] = "run"
+    name: str = _knob("default", "run name: outputs go to <dir>/<name>/")
+    dir: str = _knob("runs", "parent directory of run directories")
+    resume: bool = _knob(False, "continue from the latest checkpoint in the run directory")
+
+    def check(self):
+        if not re.fullmatch(r"[A-Za-z0-9._=+-]+", self.name) or self.name in (".", ".."):
+            raise ConfigError(f"run.name = {self.name!r}: use letters, digits and . _ - = + only")
+
+
+@dataclass
+class LoggingConfig(_Section):
+    SECTION: ClassVar[str] = "logging"
+    tensorboard: bool = _knob(True, "write TensorBoard scalars to <run dir>/tensorboard/")
+    wandb: bool = _knob(False, "also log to Weights & Biases (needs `pip install wandb`)")
+    wandb_project: str = _knob("fp4rl", "W&B project name")
+    progress: bool = _knob(True, "show a tqdm progress bar with the key figures")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "precision": PrecisionConfig,
+    "sampler": SamplerConfig,
+    "grpo": GRPOConfig,
+    "trainer": TrainerConfig,
+    "loop": LoopConfig,
+    "task": TaskConfig,
+    "eval": EvalConfig,
+    "run": RunSection,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    """Everything a run needs; one attribute per TOML table."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunSection = field(default_factory=RunSection)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self):
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(
+                    f"[{name}] must be a {cls.__name__}, got {type(getattr(self, name)).__name__}"
+                )
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) / self.run.name
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunConfig:
+        """Build from nested tables {section: {key: value}}; unknown keys raise ConfigError."""
+        sections = {}
+        for name, values in data.items():
+            section_cls = _section_class(name)
+            if not isinstance(values, dict):
+                raise ConfigError(f"[{name}] must be a table, got {values!r}")
+            for key in values:
+                _field(section_cls, name, key)
+            sections[name] = section_cls(**values)
+        return cls(**sections)
+
+    def to_dict(self) -> dict:
+        return {
+            name: {f.name: getattr(getattr(self, name), f.name) for f in fields(cls)}
+            for name, cls in SECTIONS.items()
+        }
+
+
+def _unknown(kind: str, key: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key.split(".")[-1], known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown {kind} {key!r}{hint} (known: {', '.join(known)})")
+
+
+def _section_class(name: str) -> type:
+    if name not in SECTIONS:
+        raise _unknown("config section", name, list(SECTIONS))
+    return SECTIONS[name]
+
+
+def _field(section_cls: type, section: str, key: str):
+    by_name = {f.name: f for f in fields(section_cls)}
+    if key not in by_name:
+        raise _unknown(f"key in [{section}]:", f"{section}.{key}", list(by_name))
+    return by_name[key]
+
+
+# ---------------------------------------------------------------------------------- loading
+
+
+def _parse_literal(raw: str):
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _key_path(key: str) -> list[str]:
+    """A TOML dotted key (quoted parts allowed: task.kwargs."a b") -> its parts."""
+    try:
+        node = tomllib.loads(f"{key} = 0")
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"override key {key!r} is not a valid dotted key, e.g. trainer.lr") from e
+    parts = []
+    while isinstance(node, dict):
+        ((part, node),) = node.items()
+        parts.append(part)
+    return parts
+
+
+def apply_override(data: dict, item: str) -> None:
+    """Apply one 'section.key[.subkey...]=value' override to nested dict `data` in place."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value, e.g. sampler.temperature=0.7")
+    key, raw = (s.strip() for s in item.split("=", 1))
+    parts = _key_path(key)
+    if len(parts) < 2:
+        raise ConfigError(f"override key {key!r} must be section.key, e.g. trainer.lr")
+    section_cls = _section_class(parts[0])
+    f = _field(section_cls, parts[0], parts[1])
+    hint = typing.get_type_hints(section_cls)[f.name]
+    if len(parts) > 2 and not (hint is dict or typing.get_origin(hint) is dict):
+        raise ConfigError(f"{parts[0]}.{parts[1]} is not a table, so {key!r} cannot be set")
+    value = _parse_literal(raw)
+    if len(parts) == 2 and hint in (str, str | None) and not isinstance(value, str):
+        value = raw  # run.name=2024 is the name "2024"
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {key!r}: {part!r} holds a value, not a table")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> RunConfig:
+    """Defaults < TOML file at `path` < overrides ('section.key=value') -> validated RunConfig."""
+    data: dict = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from e
+    for item in overrides:
+        apply_override(data, item)
+    return RunConfig.from_dict(data)
+
+
+# ---------------------------------------------------------------------------------- writing
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_value(str(key))
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        # JSON string escapes are valid TOML basic-string escapes; TOML also forbids raw DEL
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        items = [f"{_toml_key(str(k))} = {_toml_value(v)}" for k, v in value.items() if v is not None]
+        return "{ " + ", ".join(items) + " }" if items else "{}"
+    raise ConfigError(f"cannot write {value!r} ({type(value).__name__}) as TOML")
+
+
+def dump_toml(config: RunConfig) -> str:
+    """The resolved config as TOML text (None values are left out: they are the defaults)."""
+    lines = ["# fp4rl run config, resolved (defaults + file + overrides)"]
+    for name, values in config.to_dict().items():
+        lines.append(f"\n[{name}]")
+        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+def save_config(config: RunConfig, path: str | Path) -> Path:
+    """Write dump_toml(config) to `path` (e.g. runs/<name>/config.toml)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_toml(config))
+    return path
+
+
+def describe_fields() -> list[dict]:
+    """Every config key with type, default, allowed values and doc, in TOML order."""
+    out = []
+    defaults = RunConfig()
+    for name, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            rules = [f"{text} {f.metadata[r]}" for r, _, text in _RULES if r in f.metadata]
+            if "choices" in f.metadata:
+                rules.append(" | ".join(repr(c) for c in f.metadata["choices"]))
+            out.append(
+                {
+                    "key": f"{name}.{f.name}",
+                    "type": _type_name(hints[f.name]),
+                    "default": getattr(getattr(defaults, name), f.name),
+                    "allowed": ", ".join(rules),
+                    "doc": f.metadata.get("doc", ""),
+                }
+            )
+    return out
+
+
+def format_fields() -> str:
+    """describe_fields() as aligned text, one key per line (for --help-config)."""
+    rows = describe_fields()
+    width = max(len(r["key"]) for r in rows)
+    lines = []
+    for r in rows:
+        allowed = f" [{r['allowed']}]" if r["allowed"] else ""
+        lines.append(f"{r['key']:<{width}}  = {_toml_value(r['default'])}{allowed}  # {r['doc']}")
+    return "\n".join(lines)

@@ -1,0 +1,242 @@
+"""Run metrics: one JSON object per step in runs/<name>/metrics.jsonl, TensorBoard, plots.
+
+metrics.jsonl is the source of truth: every line is `{"step": s, key: value, ...}` with
+strictly increasing steps, appended and flushed as each step ends, so a crashed run keeps every
+finished step. Resuming from the checkpoint of step k truncates the lines after step k (they
+belong to steps that will be redone) so no step appears twice; TensorBoard gets the same
+`purge_step`. wandb is used only when asked for and imported only then.
+
+`plot(run_dir)` (also `fp4rl plot RUN_DIR`) draws PNGs into runs/<name>/plots/ from the JSONL:
+reward and accuracy, sampler/trainer mismatch (|logprob diff|, KL), gradient norm, and held-out
+accuracy (every `eval/*accuracy*` key). Keys follow DESIGN.md (`reward/mean`,
+`mismatch/logprob_abs_diff`, `mismatch/kl_k3`, `train/grad_norm`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """All step records of a run (or of a metrics.jsonl path), in file order."""
+    path = Path(run_dir)
+    path = path if path.suffix == ".jsonl" else path / METRICS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: is {path.parent} a run directory?")
+    records = []
+    with open(path) as fh:
+        for line_no, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{line_no}: not JSON ({e})") from e
+    return records
+
+
+def _jsonable(value):
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        value = float(value)
+        return value if math.isfinite(value) else str(value)  # JSON has no NaN/Inf: "nan", "inf"
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:  # 0-d tensor / numpy scalar
+        return _jsonable(value.item())
+    return value
+
+
+class MetricsLogger:
+    """Append step metrics to metrics.jsonl, TensorBoard and (optionally) wandb.
+
+    resume_step=k keeps the records of steps <= k and drops the rest; resume_step=None starts a
+    new log and refuses to touch an existing non-empty one unless overwrite=True.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        tensorboard: bool = True,
+        wandb: bool = False,
+        wandb_project: str = "fp4rl",
+        config: dict | None = None,
+        resume_step: int | None = None,
+        overwrite: bool = False,
+    ):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self.last_step: int | None = None
+        if resume_step is not None:
+            kept = (
+                [r for r in read_metrics(self.path) if r["step"] <= resume_step] if self.path.exists() else []
+            )
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self.last_step = kept[-1]["step"] if kept else None
+        elif self.path.exists() and self.path.stat().st_size > 0 and not overwrite:
+            raise FileExistsError(
+                f"{self.path} already holds metrics; resume the run, pick another run.name, "
+                "or pass overwrite=True"
+            )
+        else:
+            self.path.write_text("")
+        self._file = open(self.path, "a")  # noqa: SIM115 (held open for the run; closed by close())
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge)
+        self._wandb = None
+        if wandb:
+            try:
+                import wandb as wandb_module
+            except ImportError as e:
+                raise RuntimeError(
+                    "logging.wandb = true but wandb is not installed: pip install wandb "
+                    "(or set logging.wandb = false)"
+                ) from e
+            self._wandb = wandb_module.init(
+                project=wandb_project,
+                name=self.run_dir.name,
+                dir=str(self.run_dir),
+                config=config,
+                resume="allow",
+            )
+
+    def log(self, step: int, metrics: dict) -> None:
+        """Record the metrics of `step` (must be larger than every step logged before)."""
+        if self.last_step is not None and step <= self.last_step:
+            raise ValueError(f"step {step} logged after step {self.last_step}: steps must increase")
+        record = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items() if k != "step"}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        self.last_step = int(step)
+        scalars = {
+            k: v
+            for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        if self._tb is not None:
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, global_step=step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---------------------------------------------------------------------------------- progress
+
+_PROGRESS_KEYS = (
+    ("reward/mean", "reward", "{:.3f}"),
+    ("reward/accuracy", "acc", "{:.2f}"),
+    ("mismatch/logprob_abs_diff", "|dlp|", "{:.4f}"),
+    ("mismatch/kl_k3", "kl", "{:.1e}"),
+    ("train/grad_norm", "gn", "{:.2f}"),
+    ("eval/accuracy", "eval", "{:.2f}"),
+)
+
+
+def format_progress(metrics: dict) -> str:
+    """The key figures of a step as one short line for tqdm's set_postfix_str."""
+    parts = [
+        f"{label} {fmt.format(metrics[key])}"
+        for key, label, fmt in _PROGRESS_KEYS
+        if isinstance(metrics.get(key), (int, float))
+    ]
+    return " ".join(parts)
+
+
+# ---------------------------------------------------------------------------------- plots
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pairs = [(r["step"], float(r[key])) for r in records if isinstance(r.get(key), (int, float))]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def plot(run_dir: str | Path) -> list[Path]:
+    """Draw the run's curves as PNGs into <run_dir>/plots/; returns the files written.
+
+    A figure whose metrics the run never logged is not drawn.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    out_dir = run_dir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    eval_keys = sorted({k for r in records for k in r if k.startswith("eval/") and "accuracy" in k})
+    figures = [
+        ("reward", "reward and training accuracy", [["reward/mean", "reward/accuracy"]], False),
+        (
+            "mismatch",
+            "sampler vs trainer",
+            [
+                ["mismatch/logprob_abs_diff", "mismatch/logprob_abs_diff_max"],
+                ["mismatch/kl_k3"],
+                ["mismatch/tis_clip_frac", "mismatch/mis_mask_frac"],
+            ],
+            True,
+        ),
+        ("grad_norm", "gradient norm", [["train/grad_norm"]], False),
+        ("eval", "held-out accuracy", [eval_keys], False),
+    ]
+    written = []
+    for name, title, panels, log_y in figures:
+        panels = [[k for k in keys if _series(records, k)[0]] for keys in panels]
+        panels = [keys for keys in panels if keys]
+        if not panels:
+            continue
+        fig, axes = plt.subplots(len(panels), 1, figsize=(7, 3.2 * len(panels)), squeeze=False, sharex=True)
+        for ax, keys in zip(axes[:, 0], panels):
+            for key in keys:
+                steps, values = _series(records, key)
+                ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=key)
+            if log_y and all(v > 0 for k in keys for v in _series(records, k)[1]):
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        axes[0, 0].set_title(f"{run_dir.name}: {title}")
+        axes[-1, 0].set_xlabel("step")
+        fig.tight_layout()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("run_dir", help="a run directory holding metrics.jsonl (e.g. runs/default)")
+
+
+def run(args) -> int:
+    written = plot(args.run_dir)
+    if not written:
+        print(f"{args.run_dir}: no plottable metrics in {METRICS_FILE}")
+        return 1
+    for path in written:
+        print(path)
+    return 0

@@ -1,0 +1,145 @@
+"""Run config: validation, TOML loading, overrides, round trip."""
+
+from pathlib import Path
+
+import pytest
+
+from fp4rl.config import (
+    SECTIONS,
+    ConfigError,
+    RunConfig,
+    SamplerConfig,
+    TrainerConfig,
+    apply_override,
+    describe_fields,
+    dump_toml,
+    format_fields,
+    load_config,
+    save_config,
+    tomllib,  # tomli on Python 3.10
+)
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_defaults_are_valid_and_documented():
+    cfg = RunConfig()
+    assert cfg.run_dir == Path("runs/default")
+    rows = describe_fields()
+    keys = [r["key"] for r in rows]
+    assert len(keys) == len(set(keys))
+    assert {"sampler.n", "grpo.tis_cap", "trainer.lr", "task.kwargs", "precision.preset"} <= set(keys)
+    assert all(r["doc"] for r in rows), [r["key"] for r in rows if not r["doc"]]
+    assert {k.split(".")[0] for k in keys} == set(SECTIONS)
+    text = format_fields()
+    assert "precision.preset" in text and "'nvfp4-linear'" in text
+
+
+def test_shipped_configs_load():
+    default = load_config(CONFIGS / "default.toml")
+    assert default.model.name == "default"
+    assert default.precision.preset == "nvfp4-linear"
+    assert (default.sampler.n, default.task.prompts_per_step) == (8, 4)
+    assert default.sampler.temperature == 1.0 and default.sampler.max_new_tokens == 32
+    assert default.trainer.lr == 5e-6
+    assert default.task.name == "basic_arithmetic" and default.task.kwargs["operators"] == ["+", "-"]
+    tiny = load_config(CONFIGS / "tiny.toml")
+    assert tiny.run.name == "tiny" and tiny.trainer.steps <= 3 and not tiny.logging.tensorboard
+
+
+def test_invalid_values_name_the_key_and_the_allowed_values():
+    with pytest.raises(
+        ConfigError, match=r"precision.preset = 'fp4'.*'bf16', 'nvfp4-experts', 'nvfp4-linear'"
+    ):
+        load_config(overrides=["precision.preset=fp4"])
+    with pytest.raises(ConfigError, match=r"sampler.temperature = -1.0: must be >= 0"):
+        load_config(overrides=["sampler.temperature=-1"])
+    with pytest.raises(ConfigError, match=r"sampler.n = 1: must be >= 2"):
+        SamplerConfig(n=1)
+    with pytest.raises(ConfigError, match=r"sampler.n = 'eight': expected int"):
+        SamplerConfig(n="eight")
+    with pytest.raises(ConfigError, match=r"sampler.n = 2.5: expected int"):
+        load_config(overrides=["sampler.n=2.5"])
+    with pytest.raises(ConfigError, match=r"trainer.betas"):
+        TrainerConfig(betas=[0.9])
+    with pytest.raises(ConfigError, match=r"trainer.betas\[1\]|trainer.betas = \[0.9, 1.0\]"):
+        TrainerConfig(betas=[0.9, 1.0])
+    with pytest.raises(ConfigError, match=r"logging.wandb = 'yes': expected bool"):
+        load_config(overrides=["logging.wandb=yes"])
+    with pytest.raises(ConfigError, match=r"precision.trace"):
+        load_config(overrides=["precision.preset=bf16", "precision.trace=true"])
+    with pytest.raises(ConfigError, match=r"run.name"):
+        load_config(overrides=["run.name=../x"])
+
+
+def test_unknown_keys_are_rejected_with_a_suggestion(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key in \[sampler\]: 'sampler.temprature'.*'temperature'"):
+        load_config(overrides=["sampler.temprature=0.5"])
+    with pytest.raises(ConfigError, match=r"unknown config section 'sampelr'.*'sampler'"):
+        load_config(overrides=["sampelr.n=4"])
+    path = tmp_path / "bad.toml"
+    path.write_text("[trainer]\nlearning_rate = 1e-5\n")
+    with pytest.raises(ConfigError, match=r"trainer.learning_rate"):
+        load_config(path)
+    path.write_text("[trainer\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(overrides=["trainer.lr"])
+    with pytest.raises(ConfigError, match="not a table"):
+        load_config(overrides=["trainer.lr.x=1"])
+
+
+def test_overrides_parse_toml_literals_and_fall_back_to_strings():
+    cfg = load_config(
+        CONFIGS / "default.toml",
+        overrides=[
+            "trainer.lr=1e-5",
+            "trainer.betas=[0.9, 0.95]",
+            "task.name=gcd",
+            "task.kwargs={max_value = 30}",
+            "task.kwargs.min_value=2",
+            "run.name=2024",
+            "grpo.tis_cap=3",
+            "logging.wandb=false",
+            'task.suffix="Answer: 3 = 3"',
+        ],
+    )
+    assert cfg.trainer.lr == 1e-5 and cfg.trainer.betas == [0.9, 0.95]
+    assert cfg.task.name == "gcd" and cfg.task.kwargs == {"max_value": 30, "min_value": 2}
+    assert cfg.run.name == "2024"
+    assert cfg.grpo.tis_cap == 3.0 and isinstance(cfg.grpo.tis_cap, float)
+    assert cfg.task.suffix == "Answer: 3 = 3"
+    # dotted override merges into a table from the file
+    cfg = load_config(CONFIGS / "default.toml", overrides=["task.kwargs.max_digits=2"])
+    assert cfg.task.kwargs["max_digits"] == 2 and cfg.task.kwargs["operators"] == ["+", "-"]
+    data = {}
+    apply_override(data, "sampler.top_k = 5")
+    assert data == {"sampler": {"top_k": 5}}
+
+
+def test_dump_toml_round_trips(tmp_path):
+    cfg = load_config(
+        CONFIGS / "default.toml",
+        overrides=[
+            'task.suffix="tab\\there \\"quoted\\" \\\\ é"',
+            'task.kwargs.odd_key="x"',
+            "eval.temperatures=[0, 0.7]",
+            'task.kwargs."key with space"=1',
+        ],
+    )
+    text = dump_toml(cfg)
+    assert tomllib.loads(text)["trainer"]["lr"] == 5e-6
+    path = save_config(cfg, tmp_path / "run" / "config.toml")
+    again = load_config(path)
+    assert again == cfg
+    assert again.task.suffix == 'tab\there "quoted" \\ é'
+    assert again.task.kwargs["key with space"] == 1
+    assert again.eval.temperatures == [0.0, 0.7]
+
+
+def test_defaults_are_not_shared_between_instances():
+    a, b = RunConfig(), RunConfig()
+    a.task.kwargs["x"] = 1
+    a.trainer.betas[0] = 0.5
+    assert b.task.kwargs == {} and b.trainer.betas == [0.9, 0.999]

@@ -1,0 +1,124 @@
+"""Metrics logging, resume truncation, progress line and plots on a synthetic run."""
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from fp4rl import metrics as metrics_module
+from fp4rl.metrics import MetricsLogger, format_progress, plot, read_metrics
+
+
+def _step_metrics(step):
+    m = {
+        "policy_version": step,
+        "reward/mean": 0.3 + 0.01 * step,
+        "reward/accuracy": torch.tensor(0.25 + 0.01 * step),  # 0-d tensors are accepted
+        "mismatch/logprob_abs_diff": 0.03 / step,
+        "mismatch/logprob_abs_diff_max": 0.5,
+        "mismatch/kl_k3": 1e-3 / step,
+        "train/grad_norm": 1.0 + math.sin(step),
+        "time/rollout_s": 10,
+    }
+    if step % 5 == 0:
+        m["eval/accuracy"] = 0.5 + 0.02 * step
+        m["eval/accuracy_t1"] = 0.3 + 0.02 * step
+    return m
+
+
+def test_log_writes_one_line_per_step_and_tensorboard(tmp_path):
+    run = tmp_path / "run"
+    with MetricsLogger(run, tensorboard=True) as log:
+        for step in range(1, 4):
+            log.log(step, _step_metrics(step))
+            assert len((run / "metrics.jsonl").read_text().splitlines()) == step  # flushed per step
+        with pytest.raises(ValueError, match="steps must increase"):
+            log.log(3, {"reward/mean": 0.0})
+        log.log(4, {"loss": float("nan")})
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[0]["reward/accuracy"] == pytest.approx(0.26) and records[0]["time/rollout_s"] == 10
+    assert records[3]["loss"] == "nan"
+    events = list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+
+
+def test_new_run_refuses_to_overwrite(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False) as log:
+        log.log(1, {"reward/mean": 1.0})
+    with pytest.raises(FileExistsError, match="resume"):
+        MetricsLogger(tmp_path, tensorboard=False)
+    with MetricsLogger(tmp_path, tensorboard=False, overwrite=True) as log:
+        log.log(1, {"reward/mean": 2.0})
+    assert read_metrics(tmp_path) == [{"step": 1, "reward/mean": 2.0}]
+
+
+def test_resume_truncates_steps_after_the_checkpoint(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=True) as log:
+        for step in range(1, 8):
+            log.log(step, {"reward/mean": float(step)})
+    # crashed after step 7, last checkpoint at step 5: steps 6 and 7 are redone
+    with MetricsLogger(tmp_path, tensorboard=True, resume_step=5) as log:
+        assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
+        with pytest.raises(ValueError):
+            log.log(5, {"reward/mean": 0.0})
+        for step in (6, 7, 8):
+            log.log(step, {"reward/mean": 10.0 + step})
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert records[5]["reward/mean"] == 16.0
+    # resuming a run that has no metrics yet starts empty
+    with MetricsLogger(tmp_path / "fresh", tensorboard=False, resume_step=3) as log:
+        log.log(4, {"reward/mean": 1.0})
+    assert read_metrics(tmp_path / "fresh") == [{"step": 4, "reward/mean": 1.0}]
+
+
+def test_wandb_missing_gives_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
+    with pytest.raises(RuntimeError, match="pip install wandb"):
+        MetricsLogger(tmp_path, tensorboard=False, wandb=True)
+
+
+def test_format_progress():
+    line = format_progress(
+        {
+            "reward/mean": 0.4567,
+            "reward/accuracy": 0.375,
+            "mismatch/logprob_abs_diff": 0.0123,
+            "mismatch/kl_k3": 2.5e-4,
+            "train/grad_norm": 0.81,
+            "other": 1,
+        }
+    )
+    assert line == "reward 0.457 acc 0.38 |dlp| 0.0123 kl 2.5e-04 gn 0.81"
+    assert format_progress({}) == ""
+
+
+def test_plot_draws_every_figure(tmp_path):
+    run = tmp_path / "runs" / "synthetic"
+    run.mkdir(parents=True)
+    lines = [
+        json.dumps({"step": s, **{k: float(v) for k, v in _step_metrics(s).items()}}) for s in range(1, 21)
+    ]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    written = plot(run)
+    names = sorted(p.name for p in written)
+    assert names == ["eval.png", "grad_norm.png", "mismatch.png", "reward.png"]
+    for path in written:
+        assert path.parent == run / "plots"
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_plot_skips_missing_metrics_and_cli(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/grad_norm": 2.0}) + "\n")
+    assert [p.name for p in plot(tmp_path)] == ["grad_norm.png"]
+
+    class Args:
+        run_dir = str(tmp_path)
+
+    assert metrics_module.run(Args) == 0
+    assert "grad_norm.png" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match="run directory"):
+        plot(tmp_path / "nope")
