@@ -196,3 +196,25 @@ def test_summary_counts_tied_weights_once_and_bias_as_bf16():
     total_line = next(line for line in text.splitlines() if line.strip().startswith("total")).split()
     assert total_line[1:3] == [f"{total:,}", f"{nvfp4:,}"]
     assert "layers with every linear BF16: 1" in text
+
+
+def test_fp4rl_qwen2_moe_model_under_nvfp4_experts():
+    from fp4rl.model import CausalLM, ModelConfig
+
+    cfg = ModelConfig(model_type="qwen2_moe", vocab_size=96, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      qkv_bias=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64)
+    model = CausalLM(cfg)
+    c = PrecisionContract("nvfp4-experts")
+    resolved = c.resolve(model)
+    assert len(resolved) == sum(isinstance(m, nn.Linear) for m in model.modules())
+    quantized = {n for n, p in resolved.items() if p == "w4a4"}
+    assert quantized == {f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(5) for e in range(4)
+                         for p in ("gate_proj", "up_proj", "down_proj")}
+    assert set(resolved.values()) == {"bf16", "w4a4"}
+    text = c.summary(model)
+    rows = {line[:18].strip(): line.split()[-1] for line in text.splitlines()[3:]}
+    assert rows["routed experts"] == f"{100 * 5 / 7:.1f}%"
+    assert all(rows[k] == "0.0%" for k in ("attention", "shared experts", "router", "lm_head", "embeddings"))
+    assert "ceil(0.15 * 7) = 2 BF16: 5-6" in text

@@ -185,25 +185,30 @@ def test_quantize_input_is_the_activation_hook():
     assert torch.equal(z(torch.randn(3, 64)), m.bias.detach().expand(3, 48))
 
 
-def tiny_llama(layers=4):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_model(model_type="llama", layers=4, **kw):
+    """fp4rl's own decoder (HF names, plain nn.Linear everywhere, experts included), random weights."""
+    from fp4rl.model import CausalLM, ModelConfig
 
+    if model_type == "qwen2_moe":
+        kw = dict(qkv_bias=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=64, **kw)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return LlamaForCausalLM(cfg).eval()
+    cfg = ModelConfig(model_type=model_type, vocab_size=96, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      **kw)
+    return CausalLM(cfg).eval()
 
 
 def test_convert_keeps_names_and_parameters_and_trains():
-    model = tiny_llama()
+    model = tiny_model()
     ids = torch.randint(0, 96, (2, 12))
-    before = model(ids).logits
+    before = model(ids)
     params = dict(model.named_parameters())
     keys = list(model.state_dict())
 
     assert convert(model, PrecisionContract("bf16")) is model
     assert not any(isinstance(m, NVFP4Linear) for m in model.modules())
-    assert torch.equal(model(ids).logits, before)
+    assert torch.equal(model(ids), before)
 
     convert(model, W4A4)
     converted = {n for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
@@ -212,7 +217,7 @@ def test_convert_keeps_names_and_parameters_and_trains():
     assert list(model.state_dict()) == keys
     assert all(p is params[n] for n, p in model.named_parameters())
     assert set(packed_state(model)) == {f"{n}.weight" for n in converted}
-    logits = model(ids).logits
+    logits = model(ids)
     assert torch.isfinite(logits).all() and not torch.equal(logits, before)
     logits.logsumexp(-1).mean().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
@@ -220,11 +225,11 @@ def test_convert_keeps_names_and_parameters_and_trains():
 
     convert(model, PrecisionContract("bf16"))  # and back
     assert not any(isinstance(m, NVFP4Linear) for m in model.modules())
-    assert torch.equal(model(ids).logits, before)
+    assert torch.equal(model(ids), before)
 
 
 def test_convert_refuses_shapes_that_do_not_tile():
-    model = tiny_llama(layers=1)
+    model = tiny_model(layers=1)
     model.model.layers[0].mlp.up_proj = nn.Linear(64, 120, bias=False)
     model.model.layers[0].mlp.down_proj = nn.Linear(120, 64, bias=False)
     c = PrecisionContract("nvfp4-linear", bf16_last_fraction=0)
@@ -247,3 +252,28 @@ def test_memory_bench_packed_operands_under_0_3x_naive_fake_quant():
     assert packed == (64 * 256 + 256 * 256) * 9 // 16 + 4 * 64 + 4
     assert packed <= 0.3 * naive
     assert rows["fp4rl W4A4, backward=high_precision"]["held"] == 64 * 256 * 2  # x only
+
+
+def test_convert_qwen2_moe_nvfp4_experts_converts_routed_experts_and_trains():
+    model = tiny_model("qwen2_moe", layers=7)
+    c = PrecisionContract("nvfp4-experts")
+    convert(model, c)
+    converted = {n for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    assert converted == {f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(5) for e in range(4)
+                         for p in ("gate_proj", "up_proj", "down_proj")}  # layers 5, 6: last 15%
+    assert all(m.mode == "w4a4" for n, m in model.named_modules() if n in converted)
+    ids = torch.randint(0, 96, (2, 16))
+    logits, routing = model(ids, return_routing=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {k: v.data.clone() for k, v in packed_state(model).items()}
+    F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    expert = model.model.layers[0].mlp.experts[int(routing[0][0, 0, 0])]
+    assert isinstance(expert.up_proj, NVFP4Linear) and torch.isfinite(expert.up_proj.weight.grad).all()
+    assert expert.up_proj.weight.grad.abs().sum() > 0
+    opt.step()
+    after = packed_state(model)
+    assert set(after) == set(before)
+    key = f"model.layers.0.mlp.experts.{int(routing[0][0, 0, 0])}.up_proj.weight"
+    assert not torch.equal(after[key].data, before[key])
+    replayed = model(ids, routing=routing)  # routing replay runs through the converted experts
+    assert torch.isfinite(replayed).all()
