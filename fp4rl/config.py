@@ -132,7 +132,11 @@ class _Section:
 
 # ---------------------------------------------------------------------------------- sections
 
-PRECISION_PRESETS = ("bf16", "nvfp4-experts", "nvfp4-linear")
+# mirrors of fp4rl.precision's names (kept import-free here; tests check they agree)
+PRECISION_PRESETS = ("bf16", "nvfp4-experts", "nvfp4-linear", "nvfp4-w4a16")
+LINEAR_PRECISIONS = ("bf16", "w4a16", "w4a4")
+BACKWARD_MODES = ("dequantized", "high_precision")
+ERR_METRICS = ("mse", "mae")
 
 
 @dataclass
@@ -151,21 +155,43 @@ class ModelConfig(_Section):
 class PrecisionConfig(_Section):
     SECTION: ClassVar[str] = "precision"
     preset: str = _knob(
-        "nvfp4-linear", "which modules run in NVFP4 (see fp4rl.precision)", choices=PRECISION_PRESETS
+        "nvfp4-linear", "which linears run in NVFP4 (see fp4rl.precision)", choices=PRECISION_PRESETS
     )
-    bf16_last_frac: float = _knob(0.15, "fraction of the last decoder layers kept in BF16", ge=0.0, le=1.0)
-    four_over_six: bool = _knob(False, "4/6 block scales: per block keep the better of max->6 and max->4")
-    four_over_six_err: str = _knob("mse", "error measure that picks 4 or 6 per block", choices=("mse", "mae"))
+    rules: dict = _knob(
+        {}, "ordered {module glob = 'bf16' | 'w4a16' | 'w4a4'} overrides; the last match wins"
+    )
+    bf16_last_fraction: float = _knob(
+        0.15, "fraction of the last decoder layers NVFP4 presets keep BF16 (rounded up)", ge=0.0, le=1.0
+    )
+    weight_four_over_six: bool = _knob(
+        True, "4/6 for weights: per block keep the better of max->6 and max->4"
+    )
+    weight_err: str = _knob("mse", "error measure of the weights' 4/6 choice", choices=ERR_METRICS)
+    act_four_over_six: bool = _knob(True, "4/6 for activations (W4A4 only)")
+    act_err: str = _knob("mse", "error measure of the activations' 4/6 choice", choices=ERR_METRICS)
+    weight_tile: str = _knob("1x16", "weight block-scale tile", choices=("1x16", "16x16"))
     backward: str = _knob(
         "dequantized",
-        "backward GEMM operands: dequantized forward operands, or the original high-precision ones",
-        choices=("dequantized", "high-precision"),
+        "backward GEMM operands: the dequantized forward operands, or the original W and x",
+        choices=BACKWARD_MODES,
     )
     trace: bool = _knob(False, "TRACE: round trainer activations towards the sampler's recorded FP4 codes")
 
     def check(self):
+        for glob, precision in self.rules.items():
+            if precision not in LINEAR_PRECISIONS:
+                raise ConfigError(
+                    f"precision.rules.{glob!r} = {precision!r}: allowed values are "
+                    + ", ".join(map(repr, LINEAR_PRECISIONS))
+                )
         if self.trace and self.preset == "bf16":
             raise ConfigError("precision.trace = true needs an NVFP4 preset, not precision.preset = 'bf16'")
+
+    def contract_kwargs(self) -> dict:
+        """Keyword arguments of fp4rl.precision.PrecisionContract (everything but `trace`)."""
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "trace"}
+        kwargs["rules"] = tuple(self.rules.items())
+        return kwargs
 
 
 @dataclass

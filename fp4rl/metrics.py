@@ -151,16 +151,27 @@ _PROGRESS_KEYS = (
     ("mismatch/logprob_abs_diff", "|dlp|", "{:.4f}"),
     ("mismatch/kl_k3", "kl", "{:.1e}"),
     ("train/grad_norm", "gn", "{:.2f}"),
-    ("eval/accuracy", "eval", "{:.2f}"),
 )
 
 
 def format_progress(metrics: dict) -> str:
-    """The key figures of a step as one short line for tqdm's set_postfix_str."""
+    """The key figures of a step as one short line for tqdm's set_postfix_str.
+
+    Held-out accuracies (`eval/accuracy`, `eval/accuracy_t1`, ...) are shown when present.
+    """
+
+    def is_number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
     parts = [
         f"{label} {fmt.format(metrics[key])}"
         for key, label, fmt in _PROGRESS_KEYS
-        if isinstance(metrics.get(key), (int, float))
+        if is_number(metrics.get(key))
+    ]
+    parts += [
+        f"eval{key[len('eval/accuracy') :]} {value:.2f}"
+        for key, value in metrics.items()
+        if key.startswith("eval/accuracy") and is_number(value)
     ]
     return " ".join(parts)
 

@@ -149,12 +149,14 @@ class Task:
                 f"{self.name}: task.prompts_per_step = {size} exceeds the {len(self.train)} "
                 "training questions"
             )
+        orders: dict[int, list[int]] = {}  # epoch -> permutation of the training questions
         out = []
         for i in range(step * size, (step + 1) * size):
             epoch, pos = divmod(i, len(self.train))
-            order = list(range(len(self.train)))
-            random.Random(f"{self.seed}/{epoch}").shuffle(order)
-            out.append(self.train[order[pos]])
+            if epoch not in orders:
+                orders[epoch] = list(range(len(self.train)))
+                random.Random(f"{self.seed}/{epoch}").shuffle(orders[epoch])
+            out.append(self.train[orders[epoch][pos]])
         return out
 
     def score(self, prompts: Sequence[Prompt], completions: Sequence, **kw) -> list[float]:

@@ -143,3 +143,22 @@ def test_defaults_are_not_shared_between_instances():
     a.task.kwargs["x"] = 1
     a.trainer.betas[0] = 0.5
     assert b.task.kwargs == {} and b.trainer.betas == [0.9, 0.999]
+
+
+def test_precision_section_builds_the_precision_contract():
+    precision = pytest.importorskip("fp4rl.precision")
+    from fp4rl import config
+
+    assert config.PRECISION_PRESETS == precision.PRESETS
+    assert config.LINEAR_PRECISIONS == precision.PRECISIONS
+    assert config.BACKWARD_MODES == precision.BACKWARD_MODES
+    assert config.ERR_METRICS == precision.ERR_METRICS
+    cfg = load_config(
+        CONFIGS / "default.toml",
+        overrides=['precision.rules={"model.layers.0.*" = "bf16"}', "precision.weight_tile=16x16"],
+    )
+    contract = precision.PrecisionContract(**cfg.precision.contract_kwargs())
+    assert contract.preset == "nvfp4-linear" and contract.rules == (("model.layers.0.*", "bf16"),)
+    assert contract.weight_tile == (16, 16)
+    with pytest.raises(ConfigError, match=r"precision.rules.'x' = 'fp4'.*'w4a4'"):
+        load_config(overrides=["precision.rules.x=fp4"])

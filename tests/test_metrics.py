@@ -94,6 +94,10 @@ def test_format_progress():
     )
     assert line == "reward 0.457 acc 0.38 |dlp| 0.0123 kl 2.5e-04 gn 0.81"
     assert format_progress({}) == ""
+    assert (
+        format_progress({"eval/accuracy": 0.7, "eval/accuracy_t1": 0.55, "eval/other": 1})
+        == "eval 0.70 eval_t1 0.55"
+    )
 
 
 def test_plot_draws_every_figure(tmp_path):
