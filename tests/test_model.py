@@ -1,0 +1,220 @@
+"""fp4rl.model against transformers, on tiny random models of every supported family (fp32, CPU)."""
+
+import copy
+
+import pytest
+import torch
+import transformers as tf
+
+from fp4rl.hf import load_model
+from fp4rl.model import KVCache, ModelConfig
+
+V = 97
+BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=16)
+FAMILIES = {
+    # GQA, tied embeddings, llama3 rope scaling
+    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE)),
+    # every bias, linear rope scaling, head_dim != hidden / heads
+    "llama_bias": (tf.LlamaConfig, tf.LlamaForCausalLM,
+                   dict(attention_bias=True, mlp_bias=True, head_dim=16,
+                        rope_scaling=dict(rope_type="linear", factor=2.0))),
+    "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict(rope_theta=1e6)),  # q/k/v biases
+    "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=16)),  # qk-norm
+    "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM,
+                  dict(MOE, head_dim=8, num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True)),
+    "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, dict(MOE, shared_expert_intermediate_size=24)),
+}
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
+
+
+def make_hf(family, seed=0):
+    """A transformers model of the family with weights large enough that errors show in the logits."""
+    config_cls, model_cls, kw = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**copy.deepcopy({**BASE, **kw}))).eval()  # transformers edits dicts in place
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def pair(request, tmp_path_factory):
+    """(transformers model, fp4rl model loaded from its save_pretrained directory)."""
+    hf = make_hf(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    with pytest.warns(UserWarning, match="no tokenizer"):
+        ours, tokenizer = load_model(path)
+    assert tokenizer is None
+    return hf, ours.eval()
+
+
+@pytest.fixture(scope="module", params=MOE_FAMILIES)
+def moe(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    make_hf(request.param).save_pretrained(path)
+    with pytest.warns(UserWarning):
+        return load_model(path)[0].eval()
+
+
+def left_pad(seqs, pad_id=0):
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, T - len(s):], mask[b, T - len(s):] = torch.tensor(s), 1
+    return ids, mask
+
+
+@torch.no_grad()
+def test_logits_match_transformers(pair):
+    hf, ours = pair
+    ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(1))
+    expected = hf(ids).logits
+    got = ours(ids)
+    assert got.shape == (2, 11, V) and got.dtype == torch.float32
+    assert expected.std() > 0.1  # the comparison below is not trivially small
+    assert (got - expected).abs().max() <= 1e-4
+
+
+@torch.no_grad()
+def test_left_padded_batch_matches_single_sequences(pair):
+    _, ours = pair
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(1, V, (n,), generator=g).tolist() for n in (7, 4, 1)]
+    ids, mask = left_pad(seqs)
+    batched = ours(ids, attention_mask=mask)
+    assert torch.isfinite(batched).all()  # padding rows too
+    for b, s in enumerate(seqs):
+        single = ours(torch.tensor([s]))[0]
+        assert (batched[b, -len(s):] - single).abs().max() <= 1e-5
+
+
+@torch.no_grad()
+def test_kv_cache_chunks_and_decode_match_full_forward(pair):
+    _, ours = pair
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, V, (n,), generator=g).tolist() for n in (5, 3)]
+    ids, mask = left_pad(prompts)
+    ids = torch.cat([ids, torch.randint(1, V, (2, 4), generator=g)], dim=1)  # [2, 9]: prompt + 4 new
+    mask = torch.cat([mask, torch.ones(2, 4, dtype=torch.long)], dim=1)
+    full = ours(ids, attention_mask=mask)
+
+    cache = KVCache(ours.config, batch_size=2, max_len=12)
+    start = 0
+    for chunk in (3, 2, 1, 1, 2):  # a prefill in two chunks, then one-token decode steps
+        end = start + chunk
+        step = ours(ids[:, start:end], attention_mask=mask[:, :end], kv_cache=cache)
+        real = mask[:, start:end].bool()
+        assert (step - full[:, start:end])[real].abs().max() <= 1e-5
+        start = end
+    assert cache.length == 9
+    with pytest.raises(ValueError, match="KVCache"):
+        ours(ids[:, :4], kv_cache=cache)  # 9 + 4 slots > 12
+
+
+@torch.no_grad()
+def test_kv_cache_subclass_needs_only_update(tmp_path):
+    """A cache with a different storage (here: growing lists, no preallocation) plugs in by
+    overriding __init__ and update; the model code is unchanged."""
+
+    class ListCache(KVCache):
+        def __init__(self, config, batch_size, max_len):
+            self.batch_size, self.max_len, self.length = batch_size, max_len, 0
+            self.kv = [[] for _ in range(config.num_hidden_layers)]
+            self.positions_seen = []
+
+        def update(self, layer_idx, k, v, positions):
+            self.kv[layer_idx].append((k, v))
+            self.positions_seen.append(positions.tolist())
+            return tuple(torch.cat(t, dim=2) for t in zip(*self.kv[layer_idx]))
+
+    make_hf("llama").save_pretrained(tmp_path)
+    with pytest.warns(UserWarning):
+        ours, _ = load_model(tmp_path)
+    ids = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(4))
+    cache = ListCache(ours.config, 1, 6)
+    steps = [ours(ids[:, :4], kv_cache=cache)] + [ours(ids[:, t:t + 1], kv_cache=cache) for t in (4, 5)]
+    assert (torch.cat(steps, dim=1) - ours(ids)).abs().max() <= 1e-5
+    assert cache.positions_seen[0] == [0, 1, 2, 3] and cache.positions_seen[-1] == [5]
+
+
+def test_routing_replay_reproduces_logits_and_trains_the_router(moe):
+    ids = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        logits, routing = moe(ids, return_routing=True)
+    assert len(routing) == len(moe.config.moe_layers)
+    assert all(r.shape == (2, 8, moe.config.num_experts_per_tok) and r.dtype == torch.long for r in routing)
+    with torch.no_grad():
+        assert torch.equal(moe(ids, routing=routing), logits)
+
+    # another router (think: the trainer's policy after a step) would pick other experts;
+    # replay forces the recorded ones and the router still gets a gradient
+    other = copy.deepcopy(moe)
+    with torch.no_grad():
+        for i in other.config.moe_layers:
+            other.model.layers[i].mlp.gate.weight.add_(torch.randn_like(other.model.layers[i].mlp.gate.weight))
+        free_routing = other(ids, return_routing=True)[1]
+    assert any(not torch.equal(a, b) for a, b in zip(free_routing, routing))
+    replayed, used = other(ids, routing=routing, return_routing=True)
+    assert all(torch.equal(a, b) for a, b in zip(used, routing))
+    replayed.logsumexp(-1).mean().backward()
+    for i in other.config.moe_layers:
+        mlp = other.model.layers[i].mlp
+        assert mlp.gate.weight.grad.abs().sum() > 0
+        assert any(e.gate_proj.weight.grad is not None for e in mlp.experts)
+    with pytest.raises(ValueError, match="routing"):
+        moe(ids, routing=routing[:-1])
+
+
+@torch.no_grad()
+def test_run_experts_touches_only_routed_tokens(moe):
+    block = moe.model.layers[moe.config.moe_layers[0]].mlp
+    rows = [0] * block.num_experts
+    hooks = [e.register_forward_pre_hook(lambda m, a, e=e_i: rows.__setitem__(e, rows[e] + a[0].shape[0]))
+             for e_i, e in enumerate(block.experts)]
+    x = torch.randn(3, 5, moe.config.hidden_size)
+    y, idx = block(x)
+    for h in hooks:
+        h.remove()
+    assert rows == torch.bincount(idx.flatten(), minlength=block.num_experts).tolist()
+    # the loop equals the dense definition: every expert on every token, weighted by the routing
+    flat = x.reshape(-1, x.shape[-1])
+    topk_idx, topk_weight = block.route(flat)
+    dense = torch.stack([e(flat) for e in block.experts], dim=1)  # [N, E, H]
+    picked = dense.gather(1, topk_idx[..., None].expand(-1, -1, flat.shape[1]))  # [N, k, H]
+    expected = (picked * topk_weight[..., None]).sum(1)
+    assert (block.run_experts(flat, topk_idx, topk_weight) - expected).abs().max() <= 1e-6
+
+
+def hf_dict(**kw):
+    return {"model_type": "llama", **BASE, **kw}
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(model_type="mistral"), "model_type"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
+    (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "dynamic"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16), "sliding"),
+    (dict(layer_types=["sliding_attention", "full_attention"]), "sliding"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(num_key_value_heads=3), "num_key_value_heads"),
+    (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8), "experts"),
+])
+def test_unsupported_configs_raise_naming_the_key(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(hf_dict(**kw))
+
+
+def test_config_reads_both_rope_spellings_and_writes_back():
+    legacy = ModelConfig.from_hf(hf_dict(rope_theta=5e5, rope_scaling=dict(LLAMA3_ROPE)))
+    v5 = ModelConfig.from_hf(hf_dict(rope_parameters={"rope_theta": 5e5, **LLAMA3_ROPE}))
+    assert legacy == v5 and legacy.rope_theta == 5e5 and legacy.rope_scaling["rope_type"] == "llama3"
+    assert ModelConfig.from_hf(legacy.to_hf()) == legacy
+    q2 = ModelConfig.from_hf(hf_dict(model_type="qwen2", use_sliding_window=False, sliding_window=4096))
+    assert q2.qkv_bias and not q2.o_bias and q2.rope_scaling is None
