@@ -228,11 +228,13 @@ class PrecisionContract:
     def summary(self, model: nn.Module) -> str:
         """Parameters in NVFP4 per module kind and which decoder layers stay BF16, as text."""
         resolved = self.resolve(model)
-        owner = {}  # parameter id -> (owning module name, is the weight of a quantized linear)
-        for mname, module in model.named_modules():
+        owner, tied = {}, []  # parameter id -> (first owning module, is a quantized linear's weight)
+        for mname, module in model.named_modules(remove_duplicate=False):
             for pname, p in module.named_parameters(recurse=False):
                 if id(p) not in owner:
                     owner[id(p)] = (mname, pname == "weight" and resolved.get(mname, "bf16") != "bf16")
+                else:
+                    tied.append(f"{mname}.{pname} is {owner[id(p)][0]}.{pname}")
         rows = {k: [0, 0, 0] for k in KINDS}  # kind -> [params, w4a4 params, w4a16 params]
         for p in model.parameters():  # each shared (tied) parameter once
             mname, quantized = owner[id(p)]
@@ -268,6 +270,8 @@ class PrecisionContract:
         rule_text = "no last-layer rule (bf16 preset)" if self.preset == "bf16" else (
             f"last-layer rule keeps ceil({self.bf16_last_fraction:g} * {num_layers}) = {len(last)} BF16: "
             f"{_ranges(last)}")
+        if tied:
+            lines.append(f"  tied (counted once, under the first owner): {'; '.join(tied)}")
         lines.append(f"  decoder layers: {num_layers}; {rule_text}")
         lines.append(f"  layers with every linear BF16: {_ranges(bf16_layers)}")
         return "\n".join(lines)

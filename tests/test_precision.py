@@ -196,6 +196,7 @@ def test_summary_counts_tied_weights_once_and_bias_as_bf16():
     total_line = next(line for line in text.splitlines() if line.strip().startswith("total")).split()
     assert total_line[1:3] == [f"{total:,}", f"{nvfp4:,}"]
     assert "layers with every linear BF16: 1" in text
+    assert "tied (counted once, under the first owner): lm_head.weight is model.embed_tokens.weight" in text
 
 
 def test_fp4rl_qwen2_moe_model_under_nvfp4_experts():

@@ -177,7 +177,10 @@ def _provenance() -> str:
     cpu = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
     machine = f"{cpu.group(1) if cpu else platform.machine()}, {torch.get_num_threads()} torch threads"
     argv = sys.argv[1:]
-    command = "fp4rl bench memory " + " ".join(argv[2:] if argv[:2] == ["bench", "memory"] else argv)
+    if sys.argv[0].endswith("memory.py"):  # python -m fp4rl.benchmarks.memory
+        command = "python -m fp4rl.benchmarks.memory " + " ".join(argv)
+    else:
+        command = "fp4rl bench memory " + " ".join(argv[2:] if argv[:2] == ["bench", "memory"] else argv)
     return f"Date: {date}. Machine: {machine}, torch {torch.__version__}. Command: `{command.strip()}`."
 
 
