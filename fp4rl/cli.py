@@ -14,6 +14,7 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("fp4rl.benchmarks", "run a benchmark (quantize, memory, rollout, ...)"),
+    "plot": ("fp4rl.metrics", "draw a run's curves as PNGs into RUN_DIR/plots/"),
 }
 
 
