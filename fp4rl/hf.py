@@ -188,6 +188,7 @@ def write_atomically(out_dir: Path, write: Callable[[Path], None]) -> None:
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is not
     try:
         write(tmp)
         try:

@@ -1,0 +1,191 @@
+"""fp4rl.hf: config.json + safetensors in and out, errors that name the fix, the default model."""
+
+import copy
+import json
+import time
+
+import pytest
+import torch
+import transformers as tf
+
+from fp4rl.hf import default_model_dir, load_model, load_state_dict, save_model, write_atomically
+
+V = 61
+BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)
+FAMILIES = {
+    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM,
+              dict(tie_word_embeddings=True, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                               high_freq_factor=4.0,
+                                                               original_max_position_embeddings=16))),
+    "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=24, mlp_only_layers=[1])),
+}
+
+
+def save_hf(family, path, dtype=torch.float32):
+    config_cls, model_cls, kw = FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**copy.deepcopy({**BASE, **kw}))).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"[UNK]": 0, **{f"w{i}": i for i in range(1, V)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+def load_quietly(path, **kw):
+    with pytest.warns(UserWarning, match="no tokenizer"):
+        return load_model(path, **kw)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_save_is_byte_identical_and_transformers_reads_it(family, tmp_path):
+    hf = save_hf(family, tmp_path / "hf")
+    model, _ = load_quietly(tmp_path / "hf")
+    save_model(model, None, tmp_path / "ours")
+    original = (tmp_path / "hf" / "model.safetensors").read_bytes()
+    assert (tmp_path / "ours" / "model.safetensors").read_bytes() == original
+
+    again, _ = load_quietly(tmp_path / "ours")  # our config.json reads back to the same model
+    assert again.config == model.config
+    save_model(again, None, tmp_path / "again")
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == original
+
+    reread = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()  # and transformers reads it
+    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        assert (reread(ids).logits - expected).abs().max() <= 1e-5
+        assert (again(ids) - expected).abs().max() <= 1e-4
+
+
+def test_sharded_save_and_load(tmp_path):
+    save_hf("qwen2_moe", tmp_path / "hf")
+    model, _ = load_quietly(tmp_path / "hf")
+    save_model(model, None, tmp_path / "out", max_shard_bytes=20_000)
+    shards = sorted(p.name for p in (tmp_path / "out").glob("model-*.safetensors"))
+    assert len(shards) > 3 and not (tmp_path / "out" / "model.safetensors").exists()
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == shards
+    assert set(index["weight_map"]) == set(model.state_dict())
+    loaded = load_state_dict(tmp_path / "out")
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+
+    save_model(model, None, tmp_path / "out")  # one file now: the old shards and index go
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == ["model.safetensors"]
+    assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
+
+
+def test_tokenizer_round_trip(tmp_path):
+    save_hf("llama", tmp_path / "hf")
+    model, _ = load_quietly(tmp_path / "hf")
+    save_model(model, tiny_tokenizer(), tmp_path / "out")
+    _, tokenizer = load_model(tmp_path / "out")
+    assert tokenizer("w3 w7 w60")["input_ids"] == [3, 7, 60]
+
+
+def test_dtype_choice(tmp_path):
+    save_hf("llama", tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    cpu_default, _ = load_quietly(tmp_path / "bf16")
+    assert {p.dtype for p in cpu_default.parameters()} == {torch.float32}  # CPU default: fp32
+    as_bf16, _ = load_quietly(tmp_path / "bf16", dtype="bfloat16")
+    assert {p.dtype for p in as_bf16.parameters()} == {torch.bfloat16}
+    assert as_bf16.lm_head.weight is as_bf16.model.embed_tokens.weight  # still tied
+    logits = as_bf16(torch.tensor([[1, 2, 3]]))
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match="dtype"):
+        load_model(tmp_path / "bf16", dtype="int8")
+
+
+def test_errors_name_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="'default'"):
+        load_model(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        load_model("some-org/some-model-that-is-not-cached")
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        load_model(tmp_path / "file.txt")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path)
+
+    save_hf("llama", tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="gpt2.*supports"):
+        load_model(tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(ValueError, match="missing.*model.layers.2"):
+        load_model(tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "intermediate_size": 40}))
+    with pytest.raises(ValueError, match="shape"):
+        load_model(tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").rename(tmp_path / "m" / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="pytorch_model.bin"):
+        load_model(tmp_path / "m")
+
+
+def test_write_atomically(tmp_path):
+    out = tmp_path / "cache" / "model"
+
+    def broken(tmp):
+        (tmp / "config.json").write_text("{}")
+        raise KeyboardInterrupt  # an interrupted conversion
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(out, broken)
+    assert not out.exists() and list((tmp_path / "cache").iterdir()) == []  # no cache, no temp dir
+
+    write_atomically(out, lambda tmp: (tmp / "config.json").write_text("first"))
+    write_atomically(out, lambda tmp: (tmp / "config.json").write_text("second"))  # lost a race: kept
+    assert (out / "config.json").read_text() == "first"
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["model"]
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The default model; converts the GGUF into the cache on the first run ever (~30-60 s)."""
+    cached = (default_model_dir() / "config.json").is_file()
+    start = time.perf_counter()
+    model, tokenizer = load_model("default")
+    print(f"\nload_model('default'): {time.perf_counter() - start:.1f} s ({'cached' if cached else 'converted'})")
+    return model, tokenizer
+
+
+def test_default_model_loads(default_model):
+    model, tokenizer = default_model
+    c = model.config
+    assert (c.model_type, c.num_hidden_layers, c.hidden_size, c.vocab_size) == ("llama", 30, 576, 49152)
+    assert c.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    with torch.no_grad():
+        logits = model(ids)
+    assert logits.shape == (1, ids.shape[1], 49152) and torch.isfinite(logits).all()
+    assert logits[0, -1].std() > 1.0  # a trained model, not zeros
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers_gguf(default_model):
+    from fp4rl.hf import default_gguf_path
+
+    model, tokenizer = default_model
+    gguf = default_gguf_path()
+    hf = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True).eval()
+    ids = torch.tensor([tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]])
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max() <= 1e-4
