@@ -15,9 +15,9 @@ BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layer
             num_key_value_heads=2, max_position_embeddings=64)
 FAMILIES = {
     "llama": (tf.LlamaConfig, tf.LlamaForCausalLM,
-              dict(tie_word_embeddings=True, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                                               high_freq_factor=4.0,
-                                                               original_max_position_embeddings=16))),
+              dict(tie_word_embeddings=True,
+                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                     high_freq_factor=4.0, original_max_position_embeddings=16))),
     "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        shared_expert_intermediate_size=24, mlp_only_layers=[1])),
@@ -159,7 +159,8 @@ def default_model():
     cached = (default_model_dir() / "config.json").is_file()
     start = time.perf_counter()
     model, tokenizer = load_model("default")
-    print(f"\nload_model('default'): {time.perf_counter() - start:.1f} s ({'cached' if cached else 'converted'})")
+    how = "cached" if cached else "converted"
+    print(f"\nload_model('default'): {time.perf_counter() - start:.1f} s ({how})")
     return model, tokenizer
 
 
@@ -185,7 +186,8 @@ def test_default_model_matches_transformers_gguf(default_model):
 
     model, tokenizer = default_model
     gguf = default_gguf_path()
-    hf = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True).eval()
+    hf = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    hf.eval()
     ids = torch.tensor([tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]])
     with torch.no_grad():
         assert (model(ids) - hf(ids).logits).abs().max() <= 1e-4
