@@ -32,6 +32,7 @@ the unpadded one.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -425,8 +426,11 @@ class DecoderLayer(nn.Module):
         self.is_moe = config.is_moe_layer(layer_idx)
         if self.is_moe:
             H, I_e = config.hidden_size, config.moe_intermediate_size
-            shared = (MLP(H, config.shared_expert_intermediate_size)
-                      if config.model_type == "qwen2_moe" else None)
+            shared = None
+            if config.model_type == "qwen2_moe":
+                with warnings.catch_warnings():  # width 0 is legal (no shared expert); init warns
+                    warnings.filterwarnings("ignore", "Initializing zero-element tensors")
+                    shared = MLP(H, config.shared_expert_intermediate_size)
             self.mlp = SparseMoeBlock(H, [MLP(H, I_e) for _ in range(config.num_experts)],
                                       top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
                                       shared_expert=shared)

@@ -1,0 +1,91 @@
+"""Sparse upcycling: a dense model becomes an MoE that computes the same function at initialisation.
+
+The experts-only NVFP4 recipe quantizes routed experts; a dense checkpoint has none. Upcycling
+gives it some without changing what it computes, so the recipe runs on real pretrained weights
+(the default SmolLM2 among them).
+
+Each chosen layer's dense SwiGLU MLP, with intermediate channels c = 1..I,
+    MLP(x) = sum_c down[:, c] * silu(gate[c] . x) * (up[c] . x),
+is a sum over channels, so splitting the channels into a set S (s of them) and the rest R gives
+MLP = MLP_S + MLP_R exactly (up to summation order). Then:
+  routed experts   each a copy of MLP_R (width I - s). With norm_topk_prob the top-k weights sum
+                   to 1, so sum_k w_k MLP_R(x) = MLP_R(x) whatever the router says.
+  shared expert    (Qwen2-MoE only; s > 0) MLP_S with down_proj doubled and shared_expert_gate
+                   zero: sigmoid(0) * 2 * MLP_S(x) = MLP_S(x), exact in floating point (x2 and
+                   x0.5 are exact). S is the first s channels; channels have no order, so any
+                   split is exact, and s trades BF16 shared width against quantized routed width.
+  router           random (normal, router_std). Not zero: with identical experts the mixture
+                   does not depend on the router, so its gradient is zero at first, and a zero
+                   router would send every token to the same k experts forever (a tie nothing
+                   breaks). A random router spreads tokens, the experts see different tokens and
+                   drift apart, and the router then has something to learn.
+The result is a Qwen2-MoE (from Llama or Qwen2: no qk-norm, optional q/k/v bias) or a Qwen3-MoE
+(from Qwen3: qk-norm, no shared expert) that hf.save_model writes and transformers, vLLM and
+SGLang read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+
+from fp4rl.model import CausalLM, build_model
+
+TARGET = {"llama": "qwen2_moe", "qwen2": "qwen2_moe", "qwen3": "qwen3_moe"}
+
+
+def upcycle(model: CausalLM, num_experts: int, top_k: int, *, shared_expert_intermediate_size: int = 0,
+            layers: Iterable[int] | None = None, router_std: float = 0.02, seed: int = 0) -> CausalLM:
+    """A new MoE CausalLM equal to `model` at initialisation (`model` is left unchanged).
+
+    num_experts, top_k     routed experts per MoE layer and experts per token.
+    shared_expert_intermediate_size
+                           channels of each dense MLP given to a shared expert (Qwen2-MoE only).
+    layers                 layers to make MoE (default all); the others keep their dense MLP.
+    router_std, seed       the router's random init.
+    """
+    src = model.config
+    if src.model_type not in TARGET:
+        raise ValueError(f"upcycle needs a dense llama, qwen2 or qwen3 model, got {src.model_type!r}")
+    if src.o_bias or src.mlp_bias:
+        raise ValueError("upcycle: Qwen2-MoE has no o_proj or MLP biases; this Llama has "
+                         f"attention_bias={src.o_bias}, mlp_bias={src.mlp_bias}")
+    target = TARGET[src.model_type]
+    s = shared_expert_intermediate_size
+    if target == "qwen3_moe" and s:
+        raise ValueError("upcycle: a Qwen3 model becomes a Qwen3-MoE, which has no shared expert; "
+                         "use shared_expert_intermediate_size=0")
+    if not 0 <= s < src.intermediate_size:
+        raise ValueError(f"upcycle: shared_expert_intermediate_size={s} must be in [0, intermediate_size="
+                         f"{src.intermediate_size}) so the routed experts keep some channels")
+    moe_layers = sorted(set(range(src.num_hidden_layers) if layers is None else layers))
+    if not moe_layers or not all(0 <= i < src.num_hidden_layers for i in moe_layers):
+        raise ValueError(f"upcycle: layers={moe_layers} must be non-empty, all < {src.num_hidden_layers}")
+
+    extra = {k: v for k, v in src.extra.items() if k not in ("architectures", "pretraining_tp")}
+    config = dataclasses.replace(
+        src, model_type=target, num_experts=num_experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=src.intermediate_size - s, shared_expert_intermediate_size=s,
+        norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=tuple(i for i in range(src.num_hidden_layers) if i not in moe_layers), extra=extra)
+
+    weight = model.model.embed_tokens.weight
+    generator = torch.Generator().manual_seed(seed)
+    state_dict = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for i in moe_layers:
+        p = f"model.layers.{i}.mlp"
+        gate, up, down = (state_dict.pop(f"{p}.{n}_proj.weight") for n in ("gate", "up", "down"))
+        router = torch.randn(num_experts, src.hidden_size, generator=generator) * router_std  # [E, H]
+        state_dict[f"{p}.gate.weight"] = router.to(weight.dtype)
+        for e in range(num_experts):
+            state_dict[f"{p}.experts.{e}.gate_proj.weight"] = gate[s:].clone()  # [I - s, H]
+            state_dict[f"{p}.experts.{e}.up_proj.weight"] = up[s:].clone()
+            state_dict[f"{p}.experts.{e}.down_proj.weight"] = down[:, s:].clone()  # [H, I - s]
+        if target == "qwen2_moe":
+            state_dict[f"{p}.shared_expert.gate_proj.weight"] = gate[:s].clone()  # [s, H]
+            state_dict[f"{p}.shared_expert.up_proj.weight"] = up[:s].clone()
+            state_dict[f"{p}.shared_expert.down_proj.weight"] = down[:, :s] * 2  # [H, s]
+            state_dict[f"{p}.shared_expert_gate.weight"] = torch.zeros_like(gate[:1])  # [1, H]
+    return build_model(config, state_dict, device=weight.device)
