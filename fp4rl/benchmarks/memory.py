@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import platform
 import re
@@ -124,13 +123,12 @@ def step_child(args) -> dict:
     convert(model, contract)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = model.model.embed_tokens.num_embeddings  # HF names
     ids = torch.randint(0, vocab, (args.batch, args.seq))
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(ids)
-            logits = getattr(logits, "logits", logits)  # [B, T, V]
+            logits = model(ids)  # [B, T, V]
         loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
         opt.step()
@@ -154,8 +152,10 @@ def step_table(args) -> list[dict]:
     for preset in args.presets.split(","):
         cmd = [sys.executable, "-m", "fp4rl.benchmarks.memory", "--step-child", preset, "--model", args.model,
                "--batch", str(args.batch), "--seq", str(args.seq)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"bench memory: the {preset} step failed:\n{done.stderr[-3000:]}")
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     return rows
 
 
@@ -173,7 +173,7 @@ def format_step_table(rows, args) -> str:
 
 
 def _provenance() -> str:
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     cpu = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
     machine = f"{cpu.group(1) if cpu else platform.machine()}, {torch.get_num_threads()} torch threads"
     argv = sys.argv[1:]
