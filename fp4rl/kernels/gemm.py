@@ -1,0 +1,450 @@
+"""W4A16 and W4A4-emulation GEMMs on packed NVFP4 weights: y = x @ DQ(W).T, dequantized in registers.
+
+Hopper has no FP4 tensor cores, so the win is bytes: a weight streams as 0.5625 B/element
+instead of 2 (3.56x less), and is turned into bfloat16 only in registers. One kernel body
+serves four uses, chosen by compile-time flags:
+
+- decode (``SWAP``, 1..64 rows): purely memory bound. The product is computed transposed,
+  y.T[N, M] = W[N, K] @ x.T[K, M], so the weight fills the MMA's large dimension and the few
+  rows of x its small one (padded to 16). Split-K over a grid of (N tiles, K splits) keeps
+  every multiprocessor streaming weights; the last program to finish a tile (an atomic
+  counter per tile) adds the others' FP32 partials and writes y, so it is one launch.
+- prefill (many rows): ordinary tiled MMA, bfloat16 operands after dequantization.
+- grouped (``GROUPED``): routed MoE experts, weights [E, N, K/2], tokens sorted by expert
+  with offsets [E+1]; program (m tile, n tile) finds its expert by walking the offsets, and
+  an expert with no tokens costs nothing (its weights are never read).
+- W4A4 emulation (``XQ``): x is itself packed NVFP4 (per-token global scale, from
+  fp4rl.kernels.quantize) and is dequantized in registers like W.
+
+Arithmetic (the same in every path): each K element contributes
+x * (e2m1 * block_scale), where e2m1 * block_scale is exact in bfloat16 (see _common), with an
+FP32 accumulator; the FP32 global scale(s) multiply the accumulator once at the end:
+y = (sum_k x_k * (e2m1_k * s_k)) * g_w (* g_x for W4A4). This is Blackwell's block-scaled MMA
+arithmetic; against the reference dequantize (which rounds (e2m1 * s) * g to bfloat16 per
+element before a bfloat16 matmul) it differs by bfloat16 rounding, i.e. within bfloat16 GEMM
+tolerance, and it spends no instruction per element on g.
+
+Dispatch (``linear``): rows <= 64 take the decode kernel, more rows the prefill kernel, and
+beyond the measured crossover a dequantize-then-cuBLAS path (a one-off bf16 copy of W per call:
+2.56 B/element of traffic, small next to an M x N x K GEMM once M is in the thousands). The
+crossover and each shape's tile configuration are measured on first use per (rows bucket, N,
+K) on the GPU (``tune``), never assumed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4rl.kernels._common import INTERPRET, dot_acc, e2m1_value, e4m3_to_f32, load_unpacked
+
+DECODE_MAX_ROWS = 64
+
+
+@triton.jit
+def _w4_gemm_kernel(
+    x_ptr, xs_ptr, xg_ptr,  # x: bf16 [M, K], or (XQ) packed uint8 [M, K/2] + E4M3 bits [M, K/16] + fp32 [M]
+    w_ptr, ws_ptr, wg_ptr,  # W: uint8 [E, N, K/2], E4M3 bits [E, N, K/16], fp32 [E] or [E, N]
+    y_ptr, part_ptr, lock_ptr, offs_ptr,  # y [M, N]; split-K workspace; expert offsets int32 [E+1]
+    M, N, K, KH, E,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_ym,
+    GROUPED: tl.constexpr, XQ: tl.constexpr, WG_ROW: tl.constexpr, SWAP: tl.constexpr,
+    SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    USE_ASM: tl.constexpr, INTERP: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    BKH: tl.constexpr = BK // 2
+
+    if GROUPED:  # which expert's token tile is program pid_m? walk the offsets
+        expert = tl.full((), -1, tl.int32)
+        m_lo = tl.full((), 0, tl.int32)
+        m_hi = tl.full((), 0, tl.int32)
+        tiles_before = tl.full((), 0, tl.int32)
+        for e in range(E):
+            lo = tl.load(offs_ptr + e)
+            hi = tl.load(offs_ptr + e + 1)
+            n_tiles = tl.cdiv(hi - lo, BM)
+            hit = (pid_m >= tiles_before) & (pid_m < tiles_before + n_tiles)
+            expert = tl.where(hit, e, expert)
+            m_lo = tl.where(hit, lo + (pid_m - tiles_before) * BM, m_lo)
+            m_hi = tl.where(hit, hi, m_hi)
+            tiles_before += n_tiles
+        active = expert >= 0
+        expert = tl.maximum(expert, 0)
+    else:
+        expert = 0
+        m_lo = pid_m * BM
+        m_hi = M
+        active = True
+
+    if active:
+        rows_m = m_lo + tl.arange(0, BM)  # [BM]
+        mask_m = rows_m < m_hi
+        rows_n = pid_n * BN + tl.arange(0, BN)  # [BN]
+        mask_n = rows_n < N
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        ws_base = ws_ptr + expert.to(tl.int64) * stride_wse
+
+        kh_per = tl.cdiv(tl.cdiv(KH, SPLIT_K), BKH) * BKH  # bytes of K per split
+        kb_lo = pid_k * kh_per
+        kb_hi = tl.minimum(KH, kb_lo + kh_per)
+        if SWAP:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb0 in range(kb_lo, kb_hi, BKH):
+            w_lo, w_hi = load_unpacked(w_base, ws_base, rows_n, mask_n, kb0, KH, stride_wn, stride_wsn,
+                                       BN, BKH, USE_ASM)  # [BN, BKH] each: even / odd k
+            if XQ:
+                x_lo, x_hi = load_unpacked(x_ptr, xs_ptr, rows_m, mask_m, kb0, KH, stride_xm, stride_xsm,
+                                           BM, BKH, USE_ASM)  # [BM, BKH]
+            else:
+                k = 2 * kb0 + tl.arange(0, BK)
+                xt = tl.load(x_ptr + rows_m[:, None] * stride_xm + k[None, :],
+                             mask=mask_m[:, None] & (k[None, :] < K), other=0.0)  # [BM, BK]
+                x_lo, x_hi = tl.split(tl.reshape(xt, (BM, BKH, 2)))
+            if SWAP:
+                acc = dot_acc(w_lo, tl.trans(x_lo), acc, INTERP)
+                acc = dot_acc(w_hi, tl.trans(x_hi), acc, INTERP)
+            else:
+                acc = dot_acc(x_lo, tl.trans(w_lo), acc, INTERP)
+                acc = dot_acc(x_hi, tl.trans(w_hi), acc, INTERP)
+
+        if SWAP:
+            idx = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
+        else:
+            idx = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        last = True
+        if SPLIT_K > 1:  # publish this split's partial; the last split of the tile reduces
+            tile = pid_m * tl.num_programs(1) + pid_n
+            tl.store(part_ptr + (tile * SPLIT_K + pid_k) * (BM * BN) + idx, acc, cache_modifier=".cg")
+            tl.debug_barrier()
+            done = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            last = done == SPLIT_K - 1
+            if last:
+                for s in range(SPLIT_K):
+                    if s != pid_k:
+                        acc += tl.load(part_ptr + (tile * SPLIT_K + s) * (BM * BN) + idx,
+                                       cache_modifier=".cg")
+                tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next call
+        if last:
+            if WG_ROW:
+                g_w = tl.load(wg_ptr + expert * stride_wge + rows_n, mask=mask_n, other=0.0)  # [BN]
+            else:
+                g_w = tl.load(wg_ptr + expert * stride_wge)
+            if XQ:
+                g_x = tl.load(xg_ptr + rows_m, mask=mask_m, other=0.0)  # [BM]
+            if SWAP:
+                if WG_ROW:
+                    acc = acc * g_w[:, None]
+                else:
+                    acc = acc * g_w
+                if XQ:
+                    acc = acc * g_x[None, :]
+                ptrs = y_ptr + rows_m[None, :] * stride_ym + rows_n[:, None]
+                tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
+            else:
+                if WG_ROW:
+                    acc = acc * g_w[None, :]
+                else:
+                    acc = acc * g_w
+                if XQ:
+                    acc = acc * g_x[:, None]
+                ptrs = y_ptr + rows_m[:, None] * stride_ym + rows_n[None, :]
+                tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _dequantize_kernel(d_ptr, s_ptr, g_ptr, out_ptr, R, KH, stride_d, stride_s, stride_o, rows_per_g,
+                       APPLY_G: tl.constexpr, BR: tl.constexpr, BKH: tl.constexpr):
+    """out[r, k] = (e2m1 * block_scale) * g (float32 math, then out's dtype), reference order.
+    g is per tensor (rows_per_g = R) or per row group (g index = r // rows_per_g)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BKH + tl.arange(0, BKH)
+    m = (rows[:, None] < R) & (cols[None, :] < KH)
+    b = tl.load(d_ptr + rows[:, None] * stride_d + cols[None, :], mask=m, other=0).to(tl.int32)
+    sb = tl.load(s_ptr + rows[:, None] * stride_s + cols[None, :] // 8, mask=m, other=0)
+    s = e4m3_to_f32(sb)
+    lo = e2m1_value(b & 15) * s
+    hi = e2m1_value(b >> 4) * s
+    if APPLY_G:
+        g = tl.load(g_ptr + rows // rows_per_g, mask=rows < R, other=0.0)[:, None]
+        lo = lo * g
+        hi = hi * g
+    v = tl.reshape(tl.join(lo, hi), (BR, 2 * BKH)).to(out_ptr.dtype.element_ty)
+    k = 2 * cols[:, None] + tl.arange(0, 2)[None, :]
+    k = tl.reshape(k, (2 * BKH,))
+    om = (rows[:, None] < R) & (k[None, :] < 2 * KH)
+    tl.store(out_ptr + rows[:, None] * stride_o + k[None, :], v, mask=om)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _weight_parts(weight, grouped: bool):
+    """(data uint8 [E, N, KH], scale uint8 [E, N, K/16], global fp32 [E] or [E, N]) of an
+    NVFP4 weight (anything with .data, .block_scale, .global_scale)."""
+    data, scale, g = weight.data, weight.block_scale, weight.global_scale
+    if data.dtype != torch.uint8 or scale.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise TypeError(
+            f"weight must hold uint8 data and float8_e4m3fn block scales, got {data.dtype}, {scale.dtype}"
+        )
+    want = 3 if grouped else 2
+    if data.ndim != want or scale.shape[:-1] != data.shape[:-1] or scale.shape[-1] * 8 != data.shape[-1]:
+        raise ValueError(
+            f"weight.data must be [{'E, ' if grouped else ''}N, K/2] with block_scale [..., K/16]; got "
+            f"{tuple(data.shape)} and {tuple(scale.shape)}"
+        )
+    if not grouped:
+        data, scale = data.unsqueeze(0), scale.unsqueeze(0)
+    e, n, _ = data.shape
+    g = g.float().reshape(-1)
+    if g.numel() == e:
+        g = g.reshape(e)
+    elif g.numel() == e * n:
+        g = g.reshape(e, n)
+    else:
+        raise ValueError(f"weight.global_scale must have one value per {'expert' if grouped else 'tensor'} "
+                         f"or per output row, got {g.numel()} values for data {tuple(weight.data.shape)}")
+    return data.contiguous(), _u8(scale).contiguous(), g.contiguous()
+
+
+class _Workspace:
+    """Split-K partials and per-tile counters, one set per device. The counters return to zero
+    after every call, so the buffers are reused (and CUDA-graph safe) on one stream."""
+
+    def __init__(self):
+        self.part: dict[torch.device, torch.Tensor] = {}
+        self.lock: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device, n_part: int, n_lock: int):
+        p, k = self.part.get(device), self.lock.get(device)
+        if p is None or p.numel() < n_part:
+            p = self.part[device] = torch.empty(max(n_part, 1 << 20), dtype=torch.float32, device=device)
+        if k is None or k.numel() < n_lock:
+            k = self.lock[device] = torch.zeros(max(n_lock, 4096), dtype=torch.int32, device=device)
+        return p, k
+
+
+_WORKSPACE = _Workspace()
+
+
+def _launch(x, xq, wd, ws, wg, y, cfg, offsets=None):
+    """Run the fused kernel with one configuration. x bf16 [M, K] or xq=(data, scale, g)."""
+    e, n, kh = wd.shape
+    m = y.shape[0]
+    k = xq[0].shape[1] * 2 if xq is not None else x.shape[1]
+    bm, bn, bk, split = cfg["BM"], cfg["BN"], cfg["BK"], cfg["SPLIT_K"]
+    grouped = offsets is not None
+    m_tiles = triton.cdiv(m, bm) + (e if grouped else 0)
+    grid = (m_tiles, triton.cdiv(n, bn), split)
+    part, lock = _WORKSPACE.get(y.device, m_tiles * grid[1] * split * bm * bn if split > 1 else 0,
+                                m_tiles * grid[1])
+    if xq is not None:
+        xd, xs, xg = xq
+        x_args = (xd, _u8(xs), xg)
+        stride_xm, stride_xsm = xd.stride(0), xs.stride(0)
+    else:
+        x_args = (x, x, x)
+        stride_xm, stride_xsm = x.stride(0), 0
+    _w4_gemm_kernel[grid](
+        *x_args, wd, ws, wg, y, part, lock, offsets if grouped else lock,
+        m, n, k, kh, e,
+        stride_xm, stride_xsm, wd.stride(0), wd.stride(1), ws.stride(0), ws.stride(1),
+        wg.stride(0), y.stride(0),
+        GROUPED=grouped, XQ=xq is not None, WG_ROW=wg.ndim == 2, SWAP=cfg["SWAP"], SPLIT_K=split,
+        BM=bm, BN=bn, BK=bk, USE_ASM=not INTERPRET, INTERP=INTERPRET,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return y
+
+
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
+def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False) -> list[dict]:
+    """The tile configurations tried for m rows (see module docstring); first is the default."""
+    if INTERPRET:  # small tiles: the CPU interpreter runs every program in Python
+        swap = m <= 16
+        bm = 16 if swap else 32
+        return [dict(SWAP=swap, BM=bm, BN=32, BK=64, SPLIT_K=2 if (swap and not grouped) else 1,
+                     num_warps=4, num_stages=1)]
+    out = []
+    if m <= DECODE_MAX_ROWS:
+        bm = max(16, _pow2(m))
+        sms = _sm_count(device)
+        for bn, bk, warps, stages in ((64, 256, 4, 4), (32, 512, 4, 4), (128, 256, 4, 3), (64, 512, 4, 3),
+                                      (128, 128, 8, 4), (32, 256, 4, 6)):
+            tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
+            split = 1
+            if not grouped:  # enough programs for ~3 waves, each split >= 2 K steps
+                while split < 16 and tiles * split < 3 * sms and kh // (split * 2) >= 2 * (bk // 2):
+                    split *= 2
+            out.append(dict(SWAP=True, BM=bm, BN=bn, BK=bk, SPLIT_K=split,
+                            num_warps=warps, num_stages=stages))
+    if m > 16:
+        for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 128, 4, 4),
+                                          (128, 128, 128, 8, 3), (64, 64, 128, 4, 4), (128, 64, 128, 4, 4)):
+            if bm > 2 * _pow2(m):
+                continue
+            out.append(dict(SWAP=False, BM=bm, BN=bn, BK=bk, SPLIT_K=1, num_warps=warps, num_stages=stages))
+    return out
+
+
+_TUNED: dict[tuple, dict | str] = {}
+FALLBACK = "dequantize+cublas"
+
+
+def _bucket(m: int) -> int:
+    return _pow2(m)
+
+
+def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune):
+    """Pick (and cache) the fastest candidate for this key by timing each on the GPU."""
+    if key in _TUNED:
+        return _TUNED[key]
+    cands = candidate_configs(m, n, kh, device, grouped)
+    if allow_fallback and m > DECODE_MAX_ROWS:
+        cands = cands + [FALLBACK]
+    if not tune or INTERPRET or device.type != "cuda" or len(cands) == 1:
+        _TUNED[key] = cands[0]
+        return cands[0]
+    best, best_t = None, float("inf")
+    for c in cands:
+        try:
+            t = triton.testing.do_bench(lambda c=c: run(c), warmup=5, rep=20, return_mode="median")
+        except Exception:  # a configuration that does not compile on this GPU is skipped
+            continue
+        if t < best_t:
+            best, best_t = c, t
+    if best is None:
+        raise RuntimeError(f"no NVFP4 GEMM configuration ran for {key}")
+    _TUNED[key] = best
+    return best
+
+
+def _check_x(x: torch.Tensor, k: int, name: str = "x") -> torch.Tensor:
+    if x.shape[-1] != k:
+        raise ValueError(f"{name} has K={x.shape[-1]} but the weight has K={k} (data is [N, K/2])")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"{name} must be bfloat16 for the W4A16 kernels, got {x.dtype}: pass x.bfloat16()")
+    return x.reshape(-1, k).contiguous()
+
+
+def dequantize(data, block_scale, global_scale, dtype=torch.bfloat16, apply_global: bool = True):
+    """Packed NVFP4 [..., K/2] -> dtype [..., K]: (e2m1 * block_scale) * global_scale in float32
+    (the reference order; bit-identical to fp4rl.nvfp4.dequantize), or e2m1 * block_scale
+    (exact in bfloat16) when apply_global=False. global_scale: one value, or one per row, or one
+    per leading index (e.g. per expert of [E, N, K/2])."""
+    lead, kh = data.shape[:-1], data.shape[-1]
+    d2 = data.reshape(-1, kh).contiguous()
+    s2 = _u8(block_scale).reshape(-1, kh // 8).contiguous()
+    r = d2.shape[0]
+    g = global_scale.float().reshape(-1).contiguous()
+    if r % g.numel():
+        raise ValueError(f"global_scale has {g.numel()} values, which do not divide the {r} rows")
+    out = torch.empty(r, 2 * kh, dtype=dtype, device=data.device)
+    br, bkh = (16, 64) if INTERPRET else (32, 128)
+    grid = (triton.cdiv(r, br), triton.cdiv(kh, bkh))
+    _dequantize_kernel[grid](d2, s2, g, out, r, kh, d2.stride(0), s2.stride(0), out.stride(0),
+                             r // g.numel(), APPLY_G=apply_global, BR=br, BKH=bkh, num_warps=4)
+    return out.reshape(*lead, 2 * kh)
+
+
+def _fallback(x2, xq, wd, ws, wg, y):
+    """Reference dequantize to bfloat16 once per call, then cuBLAS."""
+    w = dequantize(wd[0], ws[0], wg[0] if wg.ndim == 1 else wg[0], torch.bfloat16)  # [N, K]
+    if xq is not None:
+        x2 = dequantize(xq[0], xq[1], xq[2], torch.bfloat16)
+    torch.matmul(x2, w.t(), out=y)
+    return y
+
+
+def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None):
+    """Core entry: y [M, N] = x @ DQ(W).T on packed NVFP4 weights.
+
+    x: bfloat16 [M, K] (W4A16), or None with xq = (data uint8 [M, K/2], block_scale [M, K/16],
+    global_scale fp32 [M] or [M, 1]) for W4A4 emulation. weight: NVFP4 with data [N, K/2] (or
+    [E, N, K/2] with offsets int32 [E+1] over the expert-sorted rows of x). config: a dict from
+    candidate_configs, or FALLBACK, to bypass the tuner.
+    """
+    grouped = offsets is not None
+    wd, ws, wg = _weight_parts(weight, grouped)
+    e, n, kh = wd.shape
+    if xq is not None:
+        xd, xs, xg = xq
+        if xd.shape[-1] != kh:
+            raise ValueError(f"xq data has K/2={xd.shape[-1]}, the weight {kh}")
+        xq = (xd.reshape(-1, kh).contiguous(), _u8(xs).reshape(-1, kh // 8).contiguous(),
+              xg.float().reshape(-1).contiguous())
+        m = xq[0].shape[0]
+        x2 = None
+    else:
+        x2 = _check_x(x, 2 * kh)
+        m = x2.shape[0]
+    if grouped:
+        offsets = offsets.to(torch.int32).contiguous()
+        if offsets.numel() != e + 1:
+            raise ValueError(
+                f"offsets must have E+1={e + 1} entries (expert starts and the end), got {offsets.numel()}"
+            )
+    device = wd.device
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+    if m == 0:
+        return y
+
+    def run(c):
+        if c == FALLBACK:
+            return _fallback(x2, xq, wd, ws, wg, y)
+        return _launch(x2, xq, wd, ws, wg, y, c, offsets)
+
+    if config is None:
+        key = (_bucket(m), n, kh, e, grouped, xq is not None, wg.ndim, device)
+        config = _choose(key, m, n, kh, device, run, grouped, allow_fallback=not grouped, tune=tune)
+    return run(config)
+
+
+def linear(x, weight, *, tune: bool = True):
+    """W4A16: x [..., K] bfloat16 @ DQ(weight).T -> [..., N] bfloat16 (weight data [N, K/2])."""
+    lead = x.shape[:-1]
+    y = gemm(x.reshape(-1, x.shape[-1]), weight, tune=tune)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def grouped_linear(x, weight, offsets, *, tune: bool = True):
+    """Routed experts, W4A16: x [M, K] sorted by expert, offsets int32 [E+1] (rows
+    offsets[e]:offsets[e+1] go to expert e), weight data [E, N, K/2] -> y [M, N]."""
+    return gemm(x, weight, offsets=offsets, tune=tune)
+
+
+def quantize_activations(x, *, scale_rule: str = "6", err: str = "mse"):
+    """Per-token NVFP4 quantization of x [M, K] (1x16 blocks, one FP32 global scale per row),
+    no device sync: (data, block_scale, global_scale [M])."""
+    from fp4rl.kernels.quantize import quantize_2d
+
+    return quantize_2d(x.reshape(-1, x.shape[-1]), per_row=True, scale_rule=scale_rule, err=err,
+                       check_finite=False)
+
+
+def linear_w4a4(x, weight, *, scale_rule: str = "6", err: str = "mse", offsets=None, tune: bool = True):
+    """W4A4 emulation (Blackwell numerics on Hopper): x [..., K] is quantized per token (the
+    recipe's online per-token global scale), then y = (sum_k (e2m1 s)_x (e2m1 s)_w) * g_x * g_w,
+    the exact-operand block-scaled product that an FP4 MMA computes. offsets: grouped experts."""
+    lead = x.shape[:-1]
+    xq = quantize_activations(x, scale_rule=scale_rule, err=err)
+    y = gemm(None, weight, xq=xq, offsets=offsets, tune=tune)
+    return y.reshape(*lead, y.shape[-1])

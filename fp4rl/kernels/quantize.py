@@ -1,0 +1,385 @@
+"""NVFP4 quantization in Triton, byte-identical to fp4rl.nvfp4.reference for deterministic modes.
+
+The arithmetic is the reference's (TransformerEngine's), step for step in FP32, with IEEE
+division (``div_rn``: never an approximate reciprocal) and without FMA contraction (the kernel
+is compiled with ``enable_fp_fusion=False``, so a*b+c stays two roundings):
+
+    amax  -> S_enc = min(M / amax, FLT_MAX) (1 if amax is 0 or S_enc is 0), S_dec = 1 / S_enc,
+             g = amax / M                                 (M = 2688, or 1536 for 4/6)
+    rule 6:   s = e4m3(block_amax * (S_enc * fp32(1/6)))
+    rule 4/6: base = (block_amax / 6) * S_enc; s6 = e4m3(base), s4 = e4m3(base * 1.5)
+    enc   = min(1 / (s * S_dec), FLT_MAX); code = e2m1_rne(x * enc)
+    4/6 choice: per block, the summed squared (mse) or absolute (mae) error of
+             ((e2m1 * s) * amax) / 1536 against x, added left to right over the 16 elements
+             (and, for 16x16 tiles, the 16 row sums as a tree: rows i + i+8, i + i+4, ...);
+             4 wins only when strictly lower.
+
+E4M3 rounding is done with integer arithmetic (round-half-even on the 3 mantissa bits, or on
+multiples of 2^-9 below 2^-6) so that the CPU interpreter and the GPU agree bit for bit.
+
+Two launches for a per-tensor scale (an amax pass writing per-program partial maxima, then the
+quantize pass, which reduces the partials itself), one for per-row scales (each program reads
+its rows twice: once for the row amax, once to quantize; the second read hits L1/L2).
+amax is taken as an integer max over |x|'s bit patterns, exact and order-free; the same pass
+flags NaN/Inf (bit patterns >= 0x7F800000) so that the caller can refuse them.
+
+Stochastic rounding draws one uniform per element from Philox (``tl.rand(seed, index)``),
+shared by the two 4/6 candidates like the reference's draw; it is unbiased, not byte-equal to
+torch's generator.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4rl.kernels._common import INTERPRET, e2m1_value
+
+FLT_MAX: tl.constexpr = 3.4028234663852886e38
+ONE_SIXTH: tl.constexpr = 0.1666666716337204  # fp32(1/6), as TE folds it
+PMAX = 1024  # most amax partials the quantize pass reduces
+
+
+@triton.jit
+def _amax_kernel(x_ptr, part_ptr, numel, n_prog, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """part[pid] = max |x| bits with NaN as 0; part[n_prog + pid] = max raw |x| bits (NaN/Inf flag)."""
+    pid = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), tl.int32)
+    raw = tl.zeros((BLOCK,), tl.int32)
+    base = pid.to(tl.int64) * (BLOCK * ITERS)
+    for i in range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+        bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        raw = tl.maximum(raw, bits)
+        acc = tl.maximum(acc, tl.where(bits > 0x7F800000, 0, bits))
+    tl.store(part_ptr + pid, tl.max(acc, 0))
+    tl.store(part_ptr + n_prog + pid, tl.max(raw, 0))
+
+
+@triton.jit
+def _e4m3_round(v):
+    """float32 v >= 0 -> the E4M3 value nearest to min(v, 448) (ties to even), as float32."""
+    v = tl.minimum(v, 448.0)
+    b = v.to(tl.int32, bitcast=True)
+    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    sub = ((v * 512.0 + 8388608.0) - 8388608.0) * 0.001953125  # multiples of 2^-9
+    return tl.where(v >= 0.015625, normal, sub)
+
+
+@triton.jit
+def _e4m3_bits(r):
+    """An exact E4M3 value (float32) -> its bit pattern (int32 0..126)."""
+    b = r.to(tl.int32, bitcast=True)
+    normal = (((b >> 23) - 120) << 3) | ((b >> 20) & 7)
+    return tl.where(r >= 0.015625, normal, (r * 512.0).to(tl.int32))
+
+
+@triton.jit
+def _round_e2m1(z, u, STOCH: tl.constexpr):
+    """Scaled float32 z -> E2M1 codes (int32): RNE saturating at 6, or stochastic with uniforms u."""
+    a = tl.abs(z)
+    if STOCH:
+        a = tl.minimum(a, 6.0)
+        idx = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
+               + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
+               + (a >= 6.0).to(tl.int32))
+        step = tl.where(idx < 4, 0.5, tl.where(idx < 6, 1.0, tl.where(idx == 6, 2.0, 1.0)))
+        up = (a - e2m1_value(idx)) / step  # exact: step is a power of two
+        idx = idx + (u < up).to(tl.int32)
+        idx = tl.where(z == z, idx, 0)  # NaN -> code 0
+    else:
+        idx = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+               + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+               + (a > 5.0).to(tl.int32))
+    return idx | ((z < 0).to(tl.int32) << 3)
+
+
+@triton.jit
+def _encode(xb, s, s_dec, u, STOCH: tl.constexpr):
+    """Codes [R, NB, 16] of blocks xb under block scales s [R, NB] (E4M3 values as float32)."""
+    enc = tl.minimum(tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s * s_dec), FLT_MAX)
+    return _round_e2m1(xb * enc[:, :, None], u, STOCH)
+
+
+@triton.jit
+def _halves(t, R: tl.constexpr, NB: tl.constexpr, W: tl.constexpr):
+    """[R, NB, W] -> its even and odd positions along the last axis, [R, NB, W/2] each."""
+    return tl.split(tl.reshape(t, (R, NB, W // 2, 2)))
+
+
+@triton.jit
+def _sum16(e, R: tl.constexpr, NB: tl.constexpr):
+    """[R, NB, 16] -> [R, NB]: e[..., 0] + e[..., 1] + ... + e[..., 15], strictly left to right."""
+    e0, e1 = _halves(e, R, NB, 16)  # 0 2 4 .. 14 | 1 3 .. 15
+    e00, e01 = _halves(e0, R, NB, 8)  # 0 4 8 12 | 2 6 10 14
+    e10, e11 = _halves(e1, R, NB, 8)  # 1 5 9 13 | 3 7 11 15
+    a0, a4 = _halves(e00, R, NB, 4)  # 0 8 | 4 12
+    a2, a6 = _halves(e01, R, NB, 4)  # 2 10 | 6 14
+    a1, a5 = _halves(e10, R, NB, 4)  # 1 9 | 5 13
+    a3, a7 = _halves(e11, R, NB, 4)  # 3 11 | 7 15
+    c0, c8 = tl.split(a0)
+    c4, c12 = tl.split(a4)
+    c2, c10 = tl.split(a2)
+    c6, c14 = tl.split(a6)
+    c1, c9 = tl.split(a1)
+    c5, c13 = tl.split(a5)
+    c3, c11 = tl.split(a3)
+    c7, c15 = tl.split(a7)
+    t = c0 + c1
+    t = t + c2
+    t = t + c3
+    t = t + c4
+    t = t + c5
+    t = t + c6
+    t = t + c7
+    t = t + c8
+    t = t + c9
+    t = t + c10
+    t = t + c11
+    t = t + c12
+    t = t + c13
+    t = t + c14
+    t = t + c15
+    return t
+
+
+@triton.jit
+def _tile_tree(t, R: tl.constexpr, NB: tl.constexpr):
+    """Row sums [R, NB] of 16x16 tiles -> tile sums broadcast back to [R, NB]:
+    rows i + i+8, then i + i+4, i + i+2, i + i+1 (TE's warp-reduction order)."""
+    TR: tl.constexpr = R // 16
+    v = tl.reshape(t, (TR, 2, 8, NB))
+    a, b = tl.split(tl.permute(v, (0, 2, 3, 1)))  # [TR, 8, NB]: rows 0-7 | 8-15
+    v = tl.reshape(a + b, (TR, 2, 4, NB))
+    a, b = tl.split(tl.permute(v, (0, 2, 3, 1)))
+    v = tl.reshape(a + b, (TR, 2, 2, NB))
+    a, b = tl.split(tl.permute(v, (0, 2, 3, 1)))
+    v = tl.reshape(a + b, (TR, 2, 1, NB))
+    a, b = tl.split(tl.permute(v, (0, 2, 3, 1)))  # [TR, 1, NB]
+    return tl.reshape(tl.broadcast_to(a + b, (TR, 16, NB)), (R, NB))
+
+
+@triton.jit
+def _block_error(codes, s, xb, g, err_amax, R: tl.constexpr, NB: tl.constexpr,
+                 IMPOSED_G: tl.constexpr, MAE: tl.constexpr, TILE16: tl.constexpr):
+    values = e2m1_value(codes) * s[:, :, None]
+    if IMPOSED_G:
+        decoded = values * g
+    else:
+        decoded = tl.math.div_rn(values * err_amax, tl.full(values.shape, 1536.0, tl.float32))
+    diff = decoded - xb
+    if MAE:
+        e = tl.abs(diff)
+    else:
+        e = diff * diff
+    total = _sum16(e, R, NB)
+    if TILE16:
+        total = _tile_tree(total, R, NB)
+    return total
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, d_ptr, s_ptr, g_ptr, given_ptr, flag_ptr, part_ptr, n_part,
+    R, K, stride_x, stride_d, stride_s, seed,
+    SCALE_SRC: tl.constexpr,  # 0: tensor amax from partials, 1: row amax here, 2: given amax, 3: given g
+    PER_ROW: tl.constexpr, RULE46: tl.constexpr, MAE: tl.constexpr, STOCH: tl.constexpr,
+    TILE16: tl.constexpr, ALLOW_NF: tl.constexpr,
+    BR: tl.constexpr, BC: tl.constexpr, PMAX: tl.constexpr,
+):
+    NB: tl.constexpr = BC // 16
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BR + tl.arange(0, BR)  # [BR]
+    rmask = rows < R
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+
+    # ---- global scale: S_enc, S_dec (for encoding), g (stored), amax (for the 4/6 error)
+    if SCALE_SRC == 0:
+        p = tl.arange(0, PMAX)
+        amax = tl.max(tl.load(part_ptr + p, mask=p < n_part, other=0), 0).to(tl.float32, bitcast=True)
+    elif SCALE_SRC == 1:
+        acc = tl.zeros((BR, BC), tl.int32)
+        raw = tl.zeros((BR, BC), tl.int32)
+        for c0 in range(0, K, BC):
+            cols = c0 + tl.arange(0, BC)
+            v = tl.load(x_rows + cols[None, :], mask=rmask[:, None] & (cols[None, :] < K), other=0.0)
+            bits = v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            raw = tl.maximum(raw, bits)
+            acc = tl.maximum(acc, tl.where(bits > 0x7F800000, 0, bits))
+        amax = tl.max(acc, 1).to(tl.float32, bitcast=True)  # [BR]
+        tl.store(flag_ptr + rows, tl.max(raw, 1), mask=rmask)
+    elif PER_ROW:
+        amax = tl.load(given_ptr + rows, mask=rmask, other=1.0)
+    else:
+        amax = tl.load(given_ptr)
+    if SCALE_SRC == 3:  # imposed decode-direction scale
+        g = amax
+        s_enc = tl.minimum(tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), g), FLT_MAX)
+        s_dec = g
+    else:
+        if RULE46:
+            m_const = tl.full(amax.shape, 1536.0, tl.float32)
+        else:
+            m_const = tl.full(amax.shape, 2688.0, tl.float32)
+        s_enc = tl.minimum(tl.math.div_rn(m_const, amax), FLT_MAX)
+        s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+        s_dec = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc)
+        g = tl.math.div_rn(amax, m_const)
+    if PER_ROW or SCALE_SRC == 1:
+        if pid_c == 0:
+            tl.store(g_ptr + rows, g, mask=rmask)
+        s_enc_b = s_enc[:, None]  # [BR, 1]
+        s_dec_b = s_dec[:, None]
+        g_b = g[:, None, None]
+        amax_b = amax[:, None, None]
+    else:
+        if (pid_c == 0) & (pid_r == 0):
+            tl.store(g_ptr, g)
+        s_enc_b = s_enc
+        s_dec_b = s_dec
+        g_b = g
+        amax_b = amax
+
+    if SCALE_SRC == 1:
+        c_begin = 0
+        c_end = K
+    else:
+        c_begin = pid_c * BC
+        c_end = tl.minimum(K, c_begin + BC)
+    for c0 in range(c_begin, c_end, BC):
+        cols = c0 + tl.arange(0, BC)  # [BC]
+        m2 = rmask[:, None] & (cols[None, :] < K)
+        x = tl.load(x_rows + cols[None, :], mask=m2, other=0.0).to(tl.float32)  # [BR, BC]
+        xb = tl.reshape(x, (BR, NB, 16))
+        a = tl.abs(xb)
+        if ALLOW_NF:
+            a = tl.where(a == a, a, 0.0)  # NaN -> 0 for the block amax
+        bamax = tl.max(a, 2)  # [BR, NB]
+        if TILE16:
+            t = tl.max(tl.reshape(bamax, (BR // 16, 16, NB)), 1)  # [BR/16, NB]
+            bamax = tl.reshape(tl.broadcast_to(t[:, None, :], (BR // 16, 16, NB)), (BR, NB))
+        u = xb  # unused unless stochastic
+        if STOCH:
+            idx = rows.to(tl.int64)[:, None] * K + cols[None, :]
+            u = tl.reshape(tl.rand(seed, idx.to(tl.uint32)), (BR, NB, 16))
+        if RULE46:
+            base = tl.math.div_rn(bamax, tl.full(bamax.shape, 6.0, tl.float32)) * s_enc_b
+            s6 = _e4m3_round(base)
+            s4 = _e4m3_round(base * 1.5)
+            codes6 = _encode(xb, s6, s_dec_b, u, STOCH)
+            codes4 = _encode(xb, s4, s_dec_b, u, STOCH)
+            err6 = _block_error(codes6, s6, xb, g_b, amax_b, BR, NB, SCALE_SRC == 3, MAE, TILE16)
+            err4 = _block_error(codes4, s4, xb, g_b, amax_b, BR, NB, SCALE_SRC == 3, MAE, TILE16)
+            pick4 = err4 < err6
+            codes = tl.where(pick4[:, :, None], codes4, codes6)
+            s = tl.where(pick4, s4, s6)
+        else:
+            s = _e4m3_round(bamax * (s_enc_b * ONE_SIXTH))
+            codes = _encode(xb, s, s_dec_b, u, STOCH)
+        lo, hi = tl.split(tl.reshape(codes, (BR, BC // 2, 2)))
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        bcols = c0 // 2 + tl.arange(0, BC // 2)
+        tl.store(d_ptr + rows.to(tl.int64)[:, None] * stride_d + bcols[None, :], packed,
+                 mask=rmask[:, None] & (bcols[None, :] < K // 2))
+        scols = c0 // 16 + tl.arange(0, NB)
+        tl.store(s_ptr + rows.to(tl.int64)[:, None] * stride_s + scols[None, :], _e4m3_bits(s).to(tl.uint8),
+                 mask=rmask[:, None] & (scols[None, :] < K // 16))
+
+
+def _configs(k: int, tile16: bool, rule46: bool, row_pass: bool):
+    """(BR, BC, num_warps) for the quantize pass."""
+    if INTERPRET:  # few, large programs: the interpreter's cost is per program and per op
+        return 16, min(64, triton.next_power_of_2(max(k, 16))), 4
+    bc = min(256 if rule46 else 512, triton.next_power_of_2(max(k, 16)))
+    br = 16 if tile16 else max(1, 2048 // bc)
+    if row_pass:
+        br = max(1, min(br, 4))
+    return br, bc, 4 if rule46 else 8
+
+
+def amax_partials(x: torch.Tensor):
+    """Per-program partial maxima of |x| bit patterns: (parts int32 [2, P], P). parts[0] ignores
+    NaN, parts[1] includes it (>= 0x7F800000 means NaN or Inf)."""
+    flat = x.reshape(-1)
+    numel = flat.numel()
+    block = 256 if INTERPRET else 2048
+    n_prog = max(1, min(PMAX, triton.cdiv(numel, block * 4)))
+    iters = triton.cdiv(numel, n_prog * block)
+    parts = torch.empty(2, n_prog, dtype=torch.int32, device=x.device)
+    _amax_kernel[(n_prog,)](flat, parts, numel, n_prog, BLOCK=block, ITERS=iters, num_warps=8)
+    return parts, n_prog
+
+
+def quantize_2d(
+    x: torch.Tensor,
+    *,
+    tile16: bool = False,
+    scale_rule: str = "6",
+    err: str = "mse",
+    stochastic: bool = False,
+    per_row: bool = False,
+    amax: torch.Tensor | None = None,
+    global_scale: torch.Tensor | None = None,
+    allow_nonfinite: bool = False,
+    check_finite: bool = True,
+    seed: int = 0,
+):
+    """Quantize a 2-D tensor x [R, K] (K a multiple of 16; float32/bfloat16/float16) to NVFP4.
+
+    Returns (data uint8 [R, K/2], block_scale float8_e4m3fn [R, K/16], global_scale float32:
+    [] per tensor or [R] per row). per_row: one global scale per row (the activation recipe).
+    amax / global_scale: imposed ([] or [R] float32 on x's device), as in the reference.
+    check_finite: raise on NaN/Inf (a device sync; pass False inside CUDA graphs), unless
+    allow_nonfinite, which quantizes them as the reference does (NaN -> 0, Inf -> +-6).
+    """
+    if x.ndim != 2 or x.shape[1] % 16:
+        raise ValueError(f"quantize_2d needs x [R, K] with K a multiple of 16, got {tuple(x.shape)}")
+    if tile16 and (per_row or x.shape[0] % 16):
+        raise ValueError("16x16 tiles need a per-tensor scale and a row count that is a multiple of 16")
+    x = x.contiguous()
+    r, k = x.shape
+    dev = x.device
+    data = torch.empty(r, k // 2, dtype=torch.uint8, device=dev)
+    scale = torch.empty(r, k // 16, dtype=torch.uint8, device=dev)
+    rows_scaled = per_row and global_scale is None and amax is None
+    imposed = global_scale if global_scale is not None else amax
+    per_row_given = imposed is not None and imposed.numel() > 1
+    g = torch.empty(r if (rows_scaled or per_row_given or per_row) else 1, dtype=torch.float32, device=dev)
+    flag = parts = None
+    n_part = 0
+    if global_scale is not None:
+        src = 3
+    elif amax is not None:
+        src = 2
+    elif rows_scaled:
+        src = 1
+        flag = torch.empty(r, dtype=torch.int32, device=dev)
+    else:
+        src = 0
+        parts, n_part = amax_partials(x)
+    given = imposed.float().reshape(-1).contiguous() if imposed is not None else g
+    br, bc, warps = _configs(k, tile16, scale_rule == "4/6", src == 1)
+    grid = (triton.cdiv(r, br), 1 if src == 1 else triton.cdiv(k, bc))
+    _quantize_kernel[grid](
+        x, data, scale, g, given, flag if flag is not None else g, parts if parts is not None else g,
+        n_part, r, k, x.stride(0), data.stride(0), scale.stride(0), seed,
+        SCALE_SRC=src, PER_ROW=per_row_given, RULE46=scale_rule == "4/6", MAE=err == "mae",
+        STOCH=stochastic, TILE16=tile16, ALLOW_NF=allow_nonfinite, BR=br, BC=bc, PMAX=PMAX,
+        num_warps=warps, enable_fp_fusion=False,
+    )
+    if check_finite and not allow_nonfinite:
+        if src in (0, 1):
+            raw = (parts[1] if src == 0 else flag).max()
+        else:
+            raw = (x.float().abs().view(torch.int32)).max()
+        if int(raw) >= 0x7F800000:
+            raise ValueError(
+                "x contains NaN or Inf; fix the producer, or pass allow_nonfinite=True "
+                "(NaN -> code 0 and ignored by amax, +-Inf -> +-6)"
+            )
+    out_g = g if g.numel() > 1 or per_row else g.reshape(())
+    return data, scale.view(torch.float8_e4m3fn), out_g
+
