@@ -221,6 +221,7 @@ class TrainerConfig(_Section):
     seed: int = _knob(0, "seed of sampling, training order and initialisation", ge=0)
     steps: int = _knob(33, "RL steps (one rollout batch each)", ge=1)
     checkpoint_every: int = _knob(0, "steps between checkpoints (0: final checkpoint only)", ge=0)
+    checkpoint_keep: int = _knob(2, "newest checkpoints kept on disk (older ones are deleted)", ge=1)
 
     def check(self):
         if len(self.betas) != 2:

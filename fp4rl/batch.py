@@ -1,0 +1,127 @@
+"""Batch: the one data type between rollout and training.
+
+The sampler returns `Completion`s (prompt ids, completion ids, the sampler's per-token
+logprobs, the policy version that sampled, MoE routing); the loop scores them and computes
+GRPO advantages; `Batch.from_completions` packs the result into right-padded tensors, which
+is all `Trainer.step` reads.
+
+Alignment. Row i holds the tokens x = prompt + completion (L_i of them), right-padded to T.
+The trainer feeds x[:, :-1] and scores x[:, 1:], so every per-token tensor has T - 1 columns
+and column t is about token x[t + 1], predicted from x[: t + 1]:
+
+    loss_mask[i, t] = 1   where x[i, t + 1] is a completion token
+    sampler_logprobs[i, t] = log mu(x[i, t + 1])   on those columns, 0 elsewhere
+    routing[l, i, t] = experts the sampler used in MoE layer l for input token x[i, t]
+
+That is exactly the sampler's own view: it fed L_i - 1 tokens (the last completion token is
+never fed back), which is why `Completion.routing` has L_i - 1 rows. Right padding needs no
+attention mask: with a causal mask a real token never sees the padding after it, and RoPE
+positions 0, 1, ... of a row are those the sampler used for the unpadded sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class Batch:
+    """Training data of one RL step; B sequences right-padded to T tokens."""
+
+    input_ids: torch.Tensor  # [B, T] long: prompt + completion, then pad_id
+    loss_mask: torch.Tensor  # [B, T-1] float: 1 where input_ids[:, 1:] is a completion token
+    sampler_logprobs: torch.Tensor  # [B, T-1] fp32: log mu of input_ids[:, 1:], 0 off the mask
+    advantages: torch.Tensor  # [B] fp32: one GRPO advantage per sequence
+    policy_version: torch.Tensor  # [B] long: the policy version that sampled each sequence
+    routing: torch.Tensor | None = None  # [num_moe_layers, B, T-1, top_k] long, or None (dense)
+
+    def __post_init__(self):
+        B, T = self.input_ids.shape
+        want = {"loss_mask": (B, T - 1), "sampler_logprobs": (B, T - 1), "advantages": (B,),
+                "policy_version": (B,)}
+        for name, shape in want.items():
+            if tuple(getattr(self, name).shape) != shape:
+                raise ValueError(f"Batch.{name} has shape {list(getattr(self, name).shape)}, expected "
+                                 f"{list(shape)} for input_ids {[B, T]}")
+        routing = self.routing
+        if routing is not None and (routing.dim() != 4 or tuple(routing.shape[1:3]) != (B, T - 1)):
+            raise ValueError(f"Batch.routing has shape {list(self.routing.shape)}, expected "
+                             f"[num_moe_layers, {B}, {T - 1}, top_k]")
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens the loss sees."""
+        return int(self.loss_mask.sum().item())
+
+    @classmethod
+    def from_completions(cls, completions: Sequence, advantages: Sequence[float] | torch.Tensor, *,
+                         pad_id: int = 0) -> Batch:
+        """Completions (fp4rl.sampler.Completion) and one advantage each -> a Batch.
+
+        A completion with no tokens contributes a row with an empty loss mask.
+        """
+        advantages = torch.as_tensor(advantages, dtype=torch.float32).reshape(-1)
+        if len(completions) != advantages.numel():
+            raise ValueError(f"{len(completions)} completions but {advantages.numel()} advantages")
+        rows = [list(c.prompt_ids) + list(c.completion_ids) for c in completions]
+        B = len(rows)
+        T = max((len(r) for r in rows), default=1)
+        input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+        loss_mask = torch.zeros(B, T - 1)
+        sampler_logprobs = torch.zeros(B, T - 1)
+        routed = [c.routing is not None for c in completions]
+        if any(routed) and not all(routed):
+            raise ValueError("some completions carry MoE routing and some do not: one sampler, one model")
+        routing = None
+        if B and all(routed):
+            layers, _, top_k = completions[0].routing.shape
+            routing = torch.zeros(layers, B, T - 1, top_k, dtype=torch.long)  # padding routes to expert 0
+        for i, (c, row) in enumerate(zip(completions, rows)):
+            P, C = len(c.prompt_ids), len(c.completion_ids)
+            if len(c.logprobs) != C:
+                raise ValueError(f"completion {i}: {C} tokens but {len(c.logprobs)} sampler logprobs")
+            if P == 0:
+                raise ValueError(f"completion {i}: empty prompt (the first token has nothing to predict it)")
+            input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            loss_mask[i, P - 1 : P - 1 + C] = 1.0
+            sampler_logprobs[i, P - 1 : P - 1 + C] = torch.tensor(c.logprobs, dtype=torch.float32)
+            if routing is not None:
+                r = torch.as_tensor(c.routing, dtype=torch.long)  # [layers, P + C - 1, top_k]
+                if r.shape[1] != len(row) - 1:
+                    raise ValueError(f"completion {i}: routing covers {r.shape[1]} tokens, expected "
+                                     f"len(prompt) + len(completion) - 1 = {len(row) - 1}")
+                routing[:, i, : len(row) - 1] = r
+        versions = torch.tensor([c.policy_version for c in completions], dtype=torch.long)
+        return cls(input_ids, loss_mask, sampler_logprobs, advantages, versions, routing)
+
+    def select(self, rows: slice | torch.Tensor) -> Batch:
+        """The rows `rows`, trimmed to their longest sequence (so micro-batches pay no extra padding)."""
+        mask = self.loss_mask[rows]
+        used = torch.nonzero(mask.sum(0)).flatten()
+        width = int(used.max().item()) + 2 if used.numel() else 2  # T of the trimmed rows
+        width = min(width, self.input_ids.shape[1])
+        return Batch(
+            input_ids=self.input_ids[rows, :width],
+            loss_mask=mask[:, : width - 1],
+            sampler_logprobs=self.sampler_logprobs[rows, : width - 1],
+            advantages=self.advantages[rows],
+            policy_version=self.policy_version[rows],
+            routing=None if self.routing is None else self.routing[:, rows, : width - 1],
+        )
+
+    def split(self, size: int) -> list[Batch]:
+        """Consecutive micro-batches of `size` rows (0: the whole batch as one)."""
+        if len(self) == 0:
+            return []
+        size = size or len(self)
+        return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                        for f in fields(self)})

@@ -1,0 +1,326 @@
+"""Trainer: one GRPO update of the QAT policy per rollout batch, and its checkpoints.
+
+`Trainer(model, contract, config)` converts the model with the precision contract (the same
+NVFP4 linears the sampler runs), and `step(batch)`:
+
+1. recomputes the log-probabilities of the sampled tokens with the QAT forward, at the
+   sampling temperature, as the sampler defines them: log_softmax(logits / T). MoE layers
+   replay the sampler's routing (`batch.routing`), so both score the same experts.
+   The decoder runs under the configured autocast (BF16); lm_head and log_softmax run in FP32,
+   because BF16 logits alone would put ~0.03 nats of rounding into every logprob and drown the
+   NVFP4 mismatch this project measures;
+2. computes the GRPO loss of fp4rl.grpo with the importance-sampling correction of
+   pi_old / mu (trainer at rollout time over sampler), over micro-batches whose losses share
+   one denominator (the whole batch's tokens or sequences), so accumulating them gives the
+   full-batch gradient;
+3. clips the global gradient norm, steps AdamW at the learning rate of the schedule
+   (linear warmup, then constant, linear or cosine decay to 0), and bumps `policy_version`.
+
+With `loop.updates_per_batch = k > 1` the batch is used for k optimizer updates; pi_old is
+then the trainer before the first one (one extra no-grad forward). A batch with no sequences
+(every group had zero advantage and was dropped) makes no update but still counts as a step:
+`policy_version` is the number of steps taken, so staleness is counted in steps.
+
+Mismatch metrics (fp4rl.grpo) are computed once over the whole batch from pi_old and mu:
+mean/max |logprob diff|, the k3 KL(mu || pi_old), the TIS clip fraction and mean IS weight.
+
+Checkpoints (`save_checkpoint`, `load_checkpoint`, `latest_checkpoint`). A checkpoint is a
+directory `checkpoints/step_{step:06d}/` holding the model (HF names: config.json +
+model.safetensors, loadable by fp4rl.load_model and transformers), `trainer.pt` (optimizer,
+update count that drives the LR schedule, step, policy_version, the torch/python/numpy RNG
+states and whatever the loop adds, e.g. in-flight rollouts) and `config.toml`. It is written
+into a hidden temporary directory, every file and the directory fsynced, then renamed into
+place: a directory named step_* is complete by construction, and a temporary one left by a
+kill is ignored (and removed) later. The newest `keep` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import random
+import re
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fp4rl.batch import Batch
+from fp4rl.config import RunConfig, dump_toml
+from fp4rl.grpo import grpo_loss, importance_weights, mismatch_metrics, token_logprobs
+from fp4rl.hf import load_state_dict, save_model
+from fp4rl.precision import PrecisionContract
+from fp4rl.qat import convert
+
+CHECKPOINT_DIR = "checkpoints"
+_CHECKPOINT = re.compile(r"step_(\d{6,})")
+_STATE_FILE = "trainer.pt"
+
+
+def lr_factor(update: int, *, schedule: str, warmup: int, total: int) -> float:
+    """Multiplier of the peak learning rate for optimizer update `update` (from 0) of `total`.
+
+    Warmup: (update + 1) / warmup for the first `warmup` updates. Then, with
+    p = (update - warmup) / (total - warmup) in [0, 1): constant 1, linear 1 - p,
+    cosine (1 + cos(pi p)) / 2.
+    """
+    if update < warmup:
+        return (update + 1) / warmup
+    p = (update - warmup) / max(1, total - warmup)
+    if schedule == "constant":
+        return 1.0
+    if schedule == "linear":
+        return max(0.0, 1.0 - p)
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(p, 1.0)))
+    raise ValueError(f"trainer.lr_schedule = {schedule!r}: allowed values are 'constant', 'linear', 'cosine'")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory: CUDA bytes allocated since the last reset, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+class Trainer:
+    """The policy's optimizer side: `step(batch) -> metrics`, checkpoints. See the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, contract: PrecisionContract, config: RunConfig):
+        tc = config.trainer
+        if config.sampler.temperature <= 0:
+            raise ValueError(f"sampler.temperature = {config.sampler.temperature}: RL needs sampling, "
+                             "so it must be > 0 (greedy decoding is for eval.temperatures)")
+        self.config, self.contract = config, contract
+        self.model = convert(model, contract)
+        self.device = next(self.model.parameters()).device
+        self.temperature = config.sampler.temperature
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, betas=tuple(tc.betas),
+                                           weight_decay=tc.weight_decay)
+        self.updates_per_batch = config.loop.updates_per_batch
+        self.total_updates = tc.steps * self.updates_per_batch
+        self.autocast_dtype = torch.bfloat16 if tc.autocast == "bf16" else None
+        self.policy_version = 0  # steps taken; the sampler's weights carry the same number
+        self.updates = 0  # optimizer updates taken; drives the LR schedule
+        self.ref_model = None
+        if config.grpo.kl_coef > 0:  # a frozen copy of the initial policy
+            self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
+
+    # ------------------------------------------------------------------------------ forward
+
+    def logprobs(self, batch: Batch, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """log_softmax(logits / T) of input_ids[:, 1:] -> [B, T-1] fp32 (with grad when enabled)."""
+        model = model or self.model
+        routing = None if batch.routing is None else list(batch.routing)  # per layer [B, T-1, top_k]
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
+                            enabled=self.autocast_dtype is not None):
+            hidden, _ = model.model(batch.input_ids[:, :-1], routing=routing)  # [B, T-1, H]
+        with torch.autocast(self.device.type, enabled=False):
+            logits = model.lm_head(hidden.float())  # [B, T-1, V] fp32
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return token_logprobs(logits, batch.input_ids[:, 1:])  # [B, T-1]
+
+    # ------------------------------------------------------------------------------ step
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        """One RL step on `batch` (see the module docstring) -> train/*, mismatch/*, time/, memory/."""
+        start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        config = self.config
+        metrics: dict[str, float] = {"train/sequences": len(batch), "train/tokens": batch.num_tokens}
+        batch = batch.to(self.device)
+        micro = batch.split(config.trainer.micro_batch_size)
+        if config.grpo.loss_agg == "token-mean":
+            denominator = float(max(batch.num_tokens, 1))
+        else:
+            denominator = float(max(int((batch.loss_mask.sum(1) > 0).sum()), 1))
+
+        self.model.train()
+        old, ref = [None] * len(micro), [None] * len(micro)
+        with torch.no_grad():
+            if self.updates_per_batch > 1:
+                old = [self.logprobs(mb) for mb in micro]
+            if self.ref_model is not None:
+                ref = [self.logprobs(mb, self.ref_model) for mb in micro]
+        pi_old = list(old)
+        sums: dict[str, float] = {}  # token-weighted sums of per-micro-batch metrics
+        weight_total, losses, grad_norms, lrs = 0.0, [], [], []
+        for _ in range(self.updates_per_batch if micro else 0):
+            lr = config.trainer.lr * lr_factor(self.updates, schedule=config.trainer.lr_schedule,
+                                               warmup=config.trainer.warmup_steps, total=self.total_updates)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for i, mb in enumerate(micro):
+                logprobs = self.logprobs(mb)  # [b, t] with grad
+                if pi_old[i] is None:
+                    pi_old[i] = logprobs.detach()
+                loss, m = grpo_loss(logprobs, mb.advantages, mb.loss_mask, config.grpo,
+                                    old_logprobs=old[i], sampler_logprobs=mb.sampler_logprobs,
+                                    ref_logprobs=ref[i], loss_denominator=denominator)
+                loss.backward()
+                loss_sum += loss.item()
+                tokens = float(mb.loss_mask.sum())
+                weight_total += tokens
+                for key in ("train/clip_frac", "train/ratio_mean", "train/kl_ref"):
+                    if key in m:
+                        sums[key] = sums.get(key, 0.0) + m[key] * tokens
+            max_norm = config.trainer.grad_clip if config.trainer.grad_clip > 0 else math.inf
+            grad_norms.append(torch.nn.utils.clip_grad_norm_(self.params, max_norm).item())
+            self.optimizer.step()
+            self.updates += 1
+            losses.append(loss_sum)
+            lrs.append(lr)
+        self.policy_version += 1
+
+        if micro:
+            metrics["train/loss"] = sum(losses) / len(losses)
+            metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+            metrics["train/grad_norm_max"] = max(grad_norms)
+            metrics["train/lr"] = lrs[-1]
+            metrics.update({k: v / max(weight_total, 1.0) for k, v in sums.items()})
+            metrics.update(self._mismatch(batch, micro, pi_old))
+        metrics["time/train_s"] = time.perf_counter() - start
+        metrics["memory/peak_bytes"] = peak_memory_bytes(self.device)
+        return metrics
+
+    def _mismatch(self, batch: Batch, micro: list[Batch], pi_old: list[torch.Tensor]) -> dict[str, float]:
+        """Whole-batch trainer-vs-sampler metrics from pi_old (micro-batches padded back together)."""
+        trainer_lp = torch.zeros_like(batch.sampler_logprobs)  # [B, T-1]
+        row = 0
+        for mb, lp in zip(micro, pi_old):
+            trainer_lp[row : row + len(mb), : lp.shape[1]] = lp
+            row += len(mb)
+        g = self.config.grpo
+        out = mismatch_metrics(trainer_lp, batch.sampler_logprobs, batch.loss_mask)
+        _, _, tis = importance_weights(trainer_lp, batch.sampler_logprobs, batch.loss_mask, mode="tis",
+                                       level=g.is_level, tis_cap=g.tis_cap)
+        out.update(tis)
+        if g.is_correction == "mis":
+            _, _, mis = importance_weights(trainer_lp, batch.sampler_logprobs, batch.loss_mask, mode="mis",
+                                           level=g.is_level, mis_low=g.mis_low, mis_high=g.mis_high)
+            out.update(mis)
+        return out
+
+    # ------------------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, run_dir: str | os.PathLike, step: int, *, extra: dict | None = None,
+                        keep: int = 2) -> Path:
+        """Write run_dir/checkpoints/step_{step:06d}/ atomically; keep the newest `keep`. -> its path."""
+        root = Path(run_dir) / CHECKPOINT_DIR
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / f"step_{step:06d}"
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+        try:
+            save_model(self.model, None, tmp)
+            state = {
+                "step": step,
+                "policy_version": self.policy_version,
+                "updates": self.updates,
+                "optimizer": self.optimizer.state_dict(),
+                "rng": rng_state(),
+                "extra": extra or {},
+            }
+            torch.save(state, tmp / _STATE_FILE)
+            (tmp / "config.toml").write_text(dump_toml(self.config))
+            _fsync_tree(tmp)
+            if final.exists():  # a checkpoint of this step from an earlier attempt: replace it
+                old = Path(tempfile.mkdtemp(prefix=f".old-{final.name}-", dir=root))
+                os.rename(final, old / final.name)
+                shutil.rmtree(old)
+            os.rename(tmp, final)
+            _fsync_dir(root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for path in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+        return final
+
+    def load_checkpoint(self, path: str | os.PathLike) -> dict:
+        """Restore model, optimizer, counters and RNG states from a checkpoint directory.
+
+        Returns {"step", "policy_version", "extra"}.
+        """
+        path = Path(path)
+        state_dict = load_state_dict(path)
+        missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
+        if self.model.config.tie_word_embeddings:
+            missing = [k for k in missing if k != "lm_head.weight"]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        state = torch.load(path / _STATE_FILE, map_location="cpu", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.policy_version, self.updates = state["policy_version"], state["updates"]
+        set_rng_state(state["rng"])
+        return {"step": state["step"], "policy_version": state["policy_version"], "extra": state["extra"]}
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temporary directories are not listed)."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _CHECKPOINT.fullmatch(p.name)
+             and (p / _STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(_CHECKPOINT.fullmatch(p.name).group(1)))
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint, or None. Leftover temporary directories are removed."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    if root.is_dir():
+        for leftover in root.glob(".tmp-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        for leftover in root.glob(".old-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def rng_state() -> dict:
+    """Every global RNG state a run draws from (torch CPU and CUDA, python, numpy)."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+    for path in [*[p for p in root.rglob("*") if p.is_dir()], root]:
+        _fsync_dir(path)

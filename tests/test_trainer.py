@@ -1,0 +1,244 @@
+"""Trainer: QAT logprobs at temperature, micro-batching, mismatch metrics, schedule, routing
+replay, checkpoints (round trip, atomicity, retention). Tiny random models on CPU."""
+
+import copy
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from rl_fixtures import tiny_model
+
+from fp4rl.batch import Batch
+from fp4rl.config import RunConfig, load_config
+from fp4rl.grpo import grpo_loss, token_logprobs
+from fp4rl.hf import load_model
+from fp4rl.precision import PrecisionContract
+from fp4rl.trainer import Trainer, latest_checkpoint, list_checkpoints, lr_factor
+
+NVFP4 = PrecisionContract("nvfp4-linear")
+
+
+def config(**sets) -> RunConfig:
+    base = {"trainer.autocast": "none", "trainer.lr": 1e-3, "trainer.micro_batch_size": 0}
+    base.update(sets)
+    return load_config(None, [f"{k}={v}" for k, v in base.items()])
+
+
+class FakeCompletion:
+    """What Batch.from_completions reads of a sampler Completion."""
+
+    def __init__(self, prompt_ids, completion_ids, logprobs, policy_version=0, routing=None):
+        self.prompt_ids, self.completion_ids, self.logprobs = prompt_ids, completion_ids, logprobs
+        self.policy_version, self.routing = policy_version, routing
+
+
+def make_batch(model, advantages=(1.0, -1.0, 0.5, -0.5), temperature=1.0, offset=0.0, seed=0, routing=False):
+    """Random prompts/completions of different lengths; sampler logprobs = the model's own + offset."""
+    g = torch.Generator().manual_seed(seed)
+    completions = []
+    for i, _ in enumerate(advantages):
+        prompt = torch.randint(4, 64, (3 + i,), generator=g).tolist()
+        completion = torch.randint(4, 64, (5 - i % 3,), generator=g).tolist()
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            out = model(ids[:, :-1], return_routing=routing)
+            logits, chosen = out if routing else (out, None)
+            lp = token_logprobs(logits.float() / temperature, ids[:, 1:])[0, len(prompt) - 1 :]
+        r = torch.stack([c[0] for c in chosen]) if routing else None  # [layers, L-1, top_k]
+        completions.append(FakeCompletion(prompt, completion, (lp + offset).tolist(), routing=r))
+    return Batch.from_completions(completions, advantages)
+
+
+def test_batch_alignment_and_micro_batches_trim_padding():
+    model = tiny_model()
+    batch = make_batch(model)
+    assert batch.input_ids.shape == (4, 11) and batch.loss_mask.shape == (4, 10)
+    # row 0: prompt 3 tokens, completion 5 -> targets 3..7 are completion tokens, columns 2..6
+    assert batch.loss_mask[0].tolist() == [0, 0, 1, 1, 1, 1, 1, 0, 0, 0]
+    assert batch.num_tokens == 5 + 4 + 3 + 5
+    first, second = batch.split(2)
+    assert first.input_ids.shape == (2, 8) and second.input_ids.shape == (2, 11)
+    assert torch.equal(first.sampler_logprobs, batch.sampler_logprobs[:2, :7])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_the_model_at_the_sampling_temperature(temperature):
+    model = tiny_model()
+    trainer = Trainer(model, PrecisionContract("bf16"), config(**{"sampler.temperature": temperature}))
+    batch = make_batch(trainer.model, temperature=temperature)
+    with torch.no_grad():
+        lp = trainer.logprobs(batch)
+    diff = (lp - batch.sampler_logprobs).abs() * batch.loss_mask
+    assert diff.max() < 1e-5  # right padding changes nothing for the real tokens
+
+
+def test_micro_batches_give_the_full_batch_update():
+    base = tiny_model()
+    results = []
+    for mbs in (0, 1, 3):
+        trainer = Trainer(copy.deepcopy(base), NVFP4, config(**{"trainer.micro_batch_size": mbs}))
+        batch = make_batch(trainer.model, offset=0.05)
+        metrics = trainer.step(batch)
+        results.append((metrics, [p.detach().clone() for p in trainer.params]))
+    (m0, p0), *others = results
+    for m, p in others:
+        assert m["train/loss"] == pytest.approx(m0["train/loss"], rel=1e-5, abs=1e-7)
+        assert m["train/grad_norm"] == pytest.approx(m0["train/grad_norm"], rel=1e-4)
+        assert m["mismatch/logprob_abs_diff"] == pytest.approx(m0["mismatch/logprob_abs_diff"], rel=1e-5)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(p0, p))
+
+
+def test_grad_norm_is_that_of_the_grpo_loss_before_clipping():
+    model = tiny_model()
+    cfg = config(**{"trainer.grad_clip": 1e-3})
+    trainer = Trainer(copy.deepcopy(model), NVFP4, cfg)
+    batch = make_batch(trainer.model)
+    reference = Trainer(copy.deepcopy(model), NVFP4, cfg)
+    loss, _ = grpo_loss(reference.logprobs(batch), batch.advantages, batch.loss_mask, cfg.grpo,
+                        sampler_logprobs=batch.sampler_logprobs)
+    loss.backward()
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.params])).item()
+    metrics = trainer.step(batch)
+    assert metrics["train/grad_norm"] == pytest.approx(expected, rel=1e-4)
+    assert metrics["train/loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7)
+    assert expected > 1e-3  # so the clip was active
+
+
+def test_mismatch_metrics_measure_the_sampler_offset():
+    trainer = Trainer(tiny_model(), NVFP4, config())
+    exact = trainer.step(make_batch(trainer.model))
+    assert exact["mismatch/logprob_abs_diff"] < 1e-5 and exact["mismatch/kl_k3"] < 1e-9
+
+    trainer = Trainer(tiny_model(), NVFP4, config())
+    shifted = trainer.step(make_batch(trainer.model, offset=0.1))  # mu = pi * e^0.1: r = e^-0.1
+    assert shifted["mismatch/logprob_abs_diff"] == pytest.approx(0.1, abs=1e-5)
+    assert shifted["mismatch/logprob_abs_diff_max"] == pytest.approx(0.1, abs=1e-5)
+    assert shifted["mismatch/kl_k3"] == pytest.approx(math.exp(-0.1) - 1 + 0.1, rel=1e-3)
+    assert shifted["mismatch/tis_clip_frac"] == 0.0
+
+    trainer = Trainer(tiny_model(), NVFP4, config())
+    clipped = trainer.step(make_batch(trainer.model, offset=-1.0))  # r = e^1 > tis_cap 2
+    assert clipped["mismatch/tis_clip_frac"] == 1.0
+
+
+def test_a_step_moves_logprobs_along_the_advantages():
+    trainer = Trainer(tiny_model(), NVFP4, config(**{"trainer.lr": 3e-3}))
+    batch = make_batch(trainer.model, advantages=(1.0, -1.0, 1.0, -1.0))
+    with torch.no_grad():
+        before = (trainer.logprobs(batch) * batch.loss_mask).sum(1)
+    assert trainer.policy_version == 0
+    trainer.step(batch)
+    assert trainer.policy_version == 1 and trainer.updates == 1
+    with torch.no_grad():
+        after = (trainer.logprobs(batch) * batch.loss_mask).sum(1)
+    assert (torch.sign(after - before) == batch.advantages.sign()).all()
+
+
+def test_empty_batch_counts_a_step_without_an_update():
+    trainer = Trainer(tiny_model(), NVFP4, config())
+    params = [p.detach().clone() for p in trainer.params]
+    metrics = trainer.step(Batch.from_completions([], []))
+    assert trainer.policy_version == 1 and trainer.updates == 0
+    assert metrics["train/sequences"] == 0 and "train/loss" not in metrics
+    assert all(torch.equal(a, b) for a, b in zip(params, trainer.params))
+
+
+def test_bf16_autocast_and_updates_per_batch():
+    cfg = config(**{"trainer.autocast": "bf16", "loop.updates_per_batch": 3})
+    trainer = Trainer(tiny_model(), NVFP4, cfg)
+    batch = make_batch(trainer.model)
+    metrics = trainer.step(batch)
+    assert trainer.updates == 3 and trainer.policy_version == 1
+    assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
+    # pi_old is the bf16-autocast trainer before the first update, mu the fp32 model: they differ
+    assert 0 < metrics["mismatch/logprob_abs_diff"] < 1.0
+
+
+def test_kl_to_the_reference_policy_starts_at_zero():
+    trainer = Trainer(tiny_model(), NVFP4, config(**{"grpo.kl_coef": 0.1}))
+    batch = make_batch(trainer.model)
+    assert trainer.step(batch)["train/kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    assert trainer.step(batch)["train/kl_ref"] > 1e-6
+
+
+def test_lr_schedules():
+    assert [lr_factor(u, schedule="constant", warmup=2, total=6) for u in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    assert [lr_factor(u, schedule="linear", warmup=0, total=4) for u in range(4)] == [1.0, 0.75, 0.5, 0.25]
+    cos = [lr_factor(u, schedule="cosine", warmup=1, total=5) for u in range(5)]
+    c1, c3 = (1 + math.cos(math.pi / 4)) / 2, (1 + math.cos(3 * math.pi / 4)) / 2
+    assert cos == pytest.approx([1.0, 1.0, c1, 0.5, c3])
+    trainer = Trainer(tiny_model(), NVFP4, config(**{"trainer.lr_schedule": "linear", "trainer.steps": 4}))
+    batch = make_batch(trainer.model)
+    assert [trainer.step(batch)["train/lr"] for _ in range(3)] == pytest.approx([1e-3, 7.5e-4, 5e-4])
+
+
+def test_routing_replay_scores_the_sampler_experts():
+    model = tiny_model(moe=True)
+    trainer = Trainer(model, PrecisionContract("nvfp4-experts"), config())
+    batch = make_batch(trainer.model, routing=True)
+    assert batch.routing.shape[:3] == (4, 4, batch.input_ids.shape[1] - 1)  # 4 MoE layers
+    with torch.no_grad():
+        replayed = trainer.logprobs(batch)
+        flipped = copy.copy(batch)
+        flipped.routing = 3 - batch.routing  # other experts (4 experts, top-2)
+        other = trainer.logprobs(flipped)
+    mask = batch.loss_mask.bool()
+    assert torch.allclose(replayed[mask], batch.sampler_logprobs[mask], atol=1e-5)
+    assert (other[mask] - replayed[mask]).abs().max() > 1e-3
+    assert math.isfinite(trainer.step(batch)["train/grad_norm"])
+
+
+def test_bad_settings_fail_early():
+    with pytest.raises(ValueError, match="sampler.temperature"):
+        Trainer(tiny_model(), NVFP4, config(**{"sampler.temperature": 0.0}))
+    with pytest.raises(ValueError, match="Batch.advantages"):
+        Batch(torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(3),
+              torch.zeros(2, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_round_trip_resumes_identically(tmp_path):
+    cfg = config()
+    trainer = Trainer(tiny_model(), NVFP4, cfg)
+    batch = make_batch(trainer.model)
+    trainer.step(batch)
+    random.seed(7)
+    np.random.seed(7)
+    torch.manual_seed(7)
+    path = trainer.save_checkpoint(tmp_path, step=1, extra={"note": [1, 2]})
+    draws = (random.random(), np.random.rand(), torch.rand(1).item())
+    saved = trainer.model.model.embed_tokens.weight.detach().clone()
+    after = trainer.step(batch)
+
+    fresh = Trainer(tiny_model(seed=5), NVFP4, cfg)  # other weights: the checkpoint must overwrite them
+    state = fresh.load_checkpoint(path)
+    assert state == {"step": 1, "policy_version": 1, "extra": {"note": [1, 2]}}
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == draws
+    again = fresh.step(batch)
+    assert again["train/loss"] == after["train/loss"]
+    assert all(torch.equal(a, b) for a, b in zip(trainer.params, fresh.params))
+    assert fresh.policy_version == trainer.policy_version == 2
+
+    with pytest.warns(UserWarning, match="no tokenizer"):
+        loaded, _ = load_model(path)  # the model part is a plain HF checkpoint
+    assert torch.equal(loaded.model.embed_tokens.weight, saved)
+
+
+def test_checkpoints_keep_the_newest_and_ignore_partial_ones(tmp_path):
+    trainer = Trainer(tiny_model(), NVFP4, config())
+    for step in (1, 2, 3):
+        trainer.save_checkpoint(tmp_path, step=step, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000002", "step_000003"]
+    # a kill during a save leaves a temporary directory, and maybe a half-written step dir
+    partial = tmp_path / "checkpoints" / ".tmp-step_000004-abc"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+    half = tmp_path / "checkpoints" / "step_000005"
+    half.mkdir()
+    assert latest_checkpoint(tmp_path).name == "step_000003"
+    assert not partial.exists()
+    assert trainer.load_checkpoint(latest_checkpoint(tmp_path))["step"] == 3
