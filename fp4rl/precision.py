@@ -43,9 +43,11 @@ The contract refuses, with an error naming the key and the fix:
 
 4/6 (mission point 4) and its error metric are set separately for weights and activations;
 the weight tile is 1x16 (one E4M3 scale per 16 values of a row) or 16x16 (one scale per tile:
-the transposed copy is identical). The backward mode is "dequantized" (the backward GEMMs use
-the exact operands of the forward, DQ(Q(W)) and DQ(Q(x))) or "high_precision" (they use the
-original W and x); see fp4rl/qat.py.
+the transposed copy is identical). With `fuse_global_scales` (default) the linears that
+servers fuse into one GEMM, q/k/v_proj and gate/up_proj of one block, share one per-tensor
+global scale computed from the amax of the whole group. The backward mode is "dequantized"
+(the backward GEMMs use the exact operands of the forward, DQ(Q(W)) and DQ(Q(x))) or
+"high_precision" (they use the original W and x); see fp4rl/qat.py.
 """
 
 from __future__ import annotations
@@ -126,6 +128,9 @@ class PrecisionContract:
     """weight scale tile: 16 (1x16, one scale per 16 values of a row) or (16, 16)."""
     backward: str = "dequantized"
     """"dequantized" (backward on DQ(Q(W)), DQ(Q(x))) or "high_precision" (on W, x)."""
+    fuse_global_scales: bool = True
+    """q/k/v_proj and gate/up_proj of one block share one weight global scale (amax of the group),
+    as servers fuse them into one GEMM with one scale: the served bytes are the trained bytes."""
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -138,7 +143,7 @@ class PrecisionContract:
         for key in ("weight_err", "act_err"):
             if getattr(self, key) not in ERR_METRICS:
                 raise ValueError(f"PrecisionContract.{key}={getattr(self, key)!r}: use one of {ERR_METRICS}")
-        for key in ("weight_four_over_six", "act_four_over_six"):
+        for key in ("weight_four_over_six", "act_four_over_six", "fuse_global_scales"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"PrecisionContract.{key}={getattr(self, key)!r}: must be True or False")
         if self.backward not in BACKWARD_MODES:

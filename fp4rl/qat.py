@@ -13,6 +13,9 @@ Forward. With Q the NVFP4 quantizer of fp4rl.nvfp4 and DQ its dequantizer (decod
 
 Q(W) has one FP32 global scale per tensor and is cached per weight version: it is computed
 again only when the weight changes (the optimizer's in-place step bumps `weight._version`).
+Linears that inference servers fuse into one GEMM with one global scale (q/k/v_proj, and
+gate/up_proj, of one block) share one: the amax of the group (contract.fuse_global_scales), so
+the bytes exported to a server are the bytes trained with.
 Q(x) has one FP32 global scale per token (`scale_scope="row"`), computed online from that
 token alone: no calibration, no dependence on the batch or on future tokens. Both follow the
 contract's 4/6 settings. `NVFP4Linear.quantize_input` is the one place where activations are
@@ -52,6 +55,7 @@ from fp4rl.nvfp4 import NVFP4Tensor, dequantize, quantize
 from fp4rl.precision import PrecisionContract
 
 _PACKED_FIELDS = ("data", "block_scale", "global_scale")
+_FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one GEMM in servers
 
 
 def _split(q: NVFP4Tensor) -> tuple[list[torch.Tensor], tuple]:
@@ -137,14 +141,18 @@ class NVFP4Linear(nn.Module):
         self.input_kwargs = contract.input_quantize_kwargs()
         self._qweight: NVFP4Tensor | None = None
         self._qweight_key = None
+        self.scale_group = [self]  # linears sharing one weight global scale (a plain list: set by convert)
 
     def quantized_weight(self) -> NVFP4Tensor:
         """Q(W), cached until the weight changes (in place, or a new tensor/storage)."""
-        w = self.weight
-        key = (w._version, w.data_ptr(), w.dtype, w.device, tuple(w.shape))
+        weights = [m.weight for m in self.scale_group]
+        key = [(w._version, w.data_ptr(), w.dtype, w.device, tuple(w.shape)) for w in weights]
         if self._qweight is None or self._qweight_key != key:
-            with torch.no_grad(), torch.autocast(w.device.type, enabled=False):
-                self._qweight = quantize(w.detach(), **self.weight_kwargs)
+            with torch.no_grad(), torch.autocast(self.weight.device.type, enabled=False):
+                amax = None
+                if len(weights) > 1:  # one global scale for the group: its amax
+                    amax = torch.stack([w.detach().abs().amax().float() for w in weights]).amax()
+                self._qweight = quantize(self.weight.detach(), amax=amax, **self.weight_kwargs)
             self._qweight_key = key
         return self._qweight
 
@@ -194,6 +202,13 @@ def convert(model: nn.Module, contract: PrecisionContract) -> nn.Module:
     for name, new in swaps:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    if contract.fuse_global_scales:
+        for parent in model.modules():
+            for names in _FUSED_GROUPS:
+                group = [getattr(parent, n, None) for n in names]
+                group = [m for m in group if isinstance(m, NVFP4Linear)]
+                for m in group:
+                    m.scale_group = group
     return model
 
 

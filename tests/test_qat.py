@@ -277,3 +277,31 @@ def test_convert_qwen2_moe_nvfp4_experts_converts_routed_experts_and_trains():
     assert not torch.equal(after[key].data, before[key])
     replayed = model(ids, routing=routing)  # routing replay runs through the converted experts
     assert torch.isfinite(replayed).all()
+
+
+def test_fused_groups_share_one_weight_global_scale():
+    from fp4rl.nvfp4 import global_scales_from_amax
+
+    model = convert(tiny_model(), W4A4)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(10)  # k has the largest amax of q/k/v
+    qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+    group_amax = torch.stack([m.weight.detach().abs().amax() for m in qkv]).amax()
+    expected = global_scales_from_amax(group_amax, "4/6").global_scale
+    for m in qkv:
+        q = m.quantized_weight()
+        assert torch.equal(q.global_scale, expected.reshape(()))
+        assert same_bytes(q, quantize(m.weight.detach(), amax=group_amax, **W4A4.weight_quantize_kwargs()))
+    gate, up = mlp.gate_proj.quantized_weight(), mlp.up_proj.quantized_weight()
+    assert torch.equal(gate.global_scale, up.global_scale)
+    assert attn.o_proj.scale_group == [attn.o_proj] and mlp.down_proj.scale_group == [mlp.down_proj]
+    q_before = attn.q_proj.quantized_weight()
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(2)  # a sibling's change re-quantizes q (its global scale moved)
+    assert not torch.equal(attn.q_proj.quantized_weight().global_scale, q_before.global_scale)
+
+    separate = convert(tiny_model(), PrecisionContract("nvfp4-linear", fuse_global_scales=False))
+    attn = separate.model.layers[0].self_attn
+    assert same_bytes(attn.q_proj.quantized_weight(),
+                      quantize(attn.q_proj.weight.detach(), **W4A4.weight_quantize_kwargs()))
