@@ -18,12 +18,37 @@ Two implementations of the unpack, chosen at compile time:
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 
 import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# The last compiled kernel of each family (registers, spills, SASS), for benchmarks and notes.
+COMPILED: dict = {}
+# Whether kernels use the PTX unpack; switched off (with a warning) if this GPU/toolchain rejects it.
+ASM = {"on": not INTERPRET}
+
+
+def with_asm_fallback(launch):
+    """Run a launcher; if its PTX unpack fails to assemble here, retry once with arithmetic."""
+
+    @functools.wraps(launch)
+    def run(*args, **kwargs):
+        try:
+            return launch(*args, **kwargs)
+        except Exception as exc:
+            text = str(exc).lower()
+            if not ASM["on"] or not ("ptx" in text or "asm" in text):
+                raise
+            warnings.warn(f"PTX E2M1 unpack failed ({str(exc)[:200]}); using the arithmetic unpack",
+                          stacklevel=2)
+            ASM["on"] = False
+            return launch(*args, **kwargs)
+
+    return run
 
 # Four packed bytes (8 E2M1 codes: n0 = low nibble of byte 0, ...) and four per-byte bfloat16
 # scales in; out: lo = (e2m1(n0), e2m1(n2), e2m1(n4), e2m1(n6)) * scale and hi the odd ones.

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4rl.kernels._common import INTERPRET, dot_acc, load_unpacked
+from fp4rl.kernels._common import ASM, COMPILED, INTERPRET, dot_acc, load_unpacked, with_asm_fallback
 
 
 @triton.jit
@@ -193,6 +193,7 @@ def _splits(b: int, hkv: int, t: int, device) -> int:
     return n
 
 
+@with_asm_fallback
 def decode_attention(q, lengths, k, v, k_global, v_global, *, k_scale=None, v_scale=None, sm_scale=None,
                      num_splits=None, block_t=None, num_warps=4, num_stages=3):
     """One decode step of attention: out [B, Hq, D] bfloat16.
@@ -222,7 +223,7 @@ def decode_attention(q, lengths, k, v, k_global, v_global, *, k_scale=None, v_sc
     out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=q.device)
     part, ml, lock = _WORKSPACE.get(q.device, b * hkv * num_splits, gp, d, b * hkv)
     lengths = lengths.to(device=q.device, dtype=torch.int32)
-    _decode_attn_kernel[(b * hkv, num_splits)](
+    COMPILED["decode_attn " + ("nvfp4" if fp4 else "fp8")] = _decode_attn_kernel[(b * hkv, num_splits)](
         q, k, ks, k_global, v, vs, v_global, lengths, out, part, ml, lock,
         hkv, sm_scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
@@ -231,7 +232,7 @@ def decode_attention(q, lengths, k, v, k_global, v_global, *, k_scale=None, v_sc
         vs.stride(0), vs.stride(1), vs.stride(2), v_global.stride(0), v_global.stride(1),
         out.stride(0), out.stride(1),
         G=g, GP=gp, D=d, FP4=fp4, NUM_SPLITS=num_splits, BT=block_t,
-        USE_ASM=not INTERPRET, INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages,
+        USE_ASM=ASM["on"], INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

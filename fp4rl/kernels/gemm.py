@@ -37,7 +37,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4rl.kernels._common import INTERPRET, dot_acc, e2m1_value, e4m3_to_f32, load_unpacked
+from fp4rl.kernels._common import (
+    ASM,
+    COMPILED,
+    INTERPRET,
+    dot_acc,
+    e2m1_value,
+    e4m3_to_f32,
+    load_unpacked,
+    with_asm_fallback,
+)
 
 DECODE_MAX_ROWS = 64
 
@@ -75,7 +84,7 @@ def _w4_gemm_kernel(
         active = expert >= 0
         expert = tl.maximum(expert, 0)
     else:
-        expert = 0
+        expert = pid_m * 0
         m_lo = pid_m * BM
         m_hi = M
         active = True
@@ -236,6 +245,7 @@ class _Workspace:
 _WORKSPACE = _Workspace()
 
 
+@with_asm_fallback
 def _launch(x, xq, wd, ws, wg, y, cfg, offsets=None):
     """Run the fused kernel with one configuration. x bf16 [M, K] or xq=(data, scale, g)."""
     e, n, kh = wd.shape
@@ -254,13 +264,15 @@ def _launch(x, xq, wd, ws, wg, y, cfg, offsets=None):
     else:
         x_args = (x, x, x)
         stride_xm, stride_xsm = x.stride(0), 0
-    _w4_gemm_kernel[grid](
+    name = "w4_gemm " + ("decode" if cfg["SWAP"] else "prefill") + (" grouped" if grouped else "") + (
+        " w4a4" if xq is not None else "")
+    COMPILED[name] = _w4_gemm_kernel[grid](
         *x_args, wd, ws, wg, y, part, lock, offsets if grouped else lock,
         m, n, k, kh, e,
         stride_xm, stride_xsm, wd.stride(0), wd.stride(1), ws.stride(0), ws.stride(1),
         wg.stride(0), y.stride(0),
         GROUPED=grouped, XQ=xq is not None, WG_ROW=wg.ndim == 2, SWAP=cfg["SWAP"], SPLIT_K=split,
-        BM=bm, BN=bn, BK=bk, USE_ASM=not INTERPRET, INTERP=INTERPRET,
+        BM=bm, BN=bn, BK=bk, USE_ASM=ASM["on"], INTERP=INTERPRET,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y

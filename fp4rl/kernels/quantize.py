@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4rl.kernels._common import INTERPRET, e2m1_value
+from fp4rl.kernels._common import COMPILED, INTERPRET, e2m1_value
 
 FLT_MAX: tl.constexpr = 3.4028234663852886e38
 ONE_SIXTH: tl.constexpr = 0.1666666716337204  # fp32(1/6), as TE folds it
@@ -43,7 +43,7 @@ PMAX = 1024  # most amax partials the quantize pass reduces
 
 @triton.jit
 def _amax_kernel(x_ptr, part_ptr, numel, n_prog, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """part[pid] = max |x| bits with NaN as 0; part[n_prog + pid] = max raw |x| bits (NaN/Inf flag)."""
+    """part[pid] = max |x| bits over finite x; part[n_prog + pid] = max raw |x| bits (NaN/Inf flag)."""
     pid = tl.program_id(0)
     acc = tl.zeros((BLOCK,), tl.int32)
     raw = tl.zeros((BLOCK,), tl.int32)
@@ -53,7 +53,7 @@ def _amax_kernel(x_ptr, part_ptr, numel, n_prog, BLOCK: tl.constexpr, ITERS: tl.
         v = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
         bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         raw = tl.maximum(raw, bits)
-        acc = tl.maximum(acc, tl.where(bits > 0x7F800000, 0, bits))
+        acc = tl.maximum(acc, tl.where(bits >= 0x7F800000, 0, bits))
     tl.store(part_ptr + pid, tl.max(acc, 0))
     tl.store(part_ptr + n_prog + pid, tl.max(raw, 0))
 
@@ -208,7 +208,7 @@ def _quantize_kernel(
             v = tl.load(x_rows + cols[None, :], mask=rmask[:, None] & (cols[None, :] < K), other=0.0)
             bits = v.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
             raw = tl.maximum(raw, bits)
-            acc = tl.maximum(acc, tl.where(bits > 0x7F800000, 0, bits))
+            acc = tl.maximum(acc, tl.where(bits >= 0x7F800000, 0, bits))
         amax = tl.max(acc, 1).to(tl.float32, bitcast=True)  # [BR]
         tl.store(flag_ptr + rows, tl.max(raw, 1), mask=rmask)
     elif PER_ROW:
@@ -256,7 +256,7 @@ def _quantize_kernel(
         xb = tl.reshape(x, (BR, NB, 16))
         a = tl.abs(xb)
         if ALLOW_NF:
-            a = tl.where(a == a, a, 0.0)  # NaN -> 0 for the block amax
+            a = tl.where(a < float("inf"), a, 0.0)  # amax over the finite values only
         bamax = tl.max(a, 2)  # [BR, NB]
         if TILE16:
             t = tl.max(tl.reshape(bamax, (BR // 16, 16, NB)), 1)  # [BR/16, NB]
@@ -301,8 +301,8 @@ def _configs(k: int, tile16: bool, rule46: bool, row_pass: bool):
 
 
 def amax_partials(x: torch.Tensor):
-    """Per-program partial maxima of |x| bit patterns: (parts int32 [2, P], P). parts[0] ignores
-    NaN, parts[1] includes it (>= 0x7F800000 means NaN or Inf)."""
+    """Per-program partial maxima of |x| bit patterns: (parts int32 [2, P], P). parts[0] is over
+    the finite values, parts[1] over all (>= 0x7F800000 means NaN or Inf)."""
     flat = x.reshape(-1)
     numel = flat.numel()
     block = 256 if INTERPRET else 2048
@@ -333,7 +333,8 @@ def quantize_2d(
     [] per tensor or [R] per row). per_row: one global scale per row (the activation recipe).
     amax / global_scale: imposed ([] or [R] float32 on x's device), as in the reference.
     check_finite: raise on NaN/Inf (a device sync; pass False inside CUDA graphs), unless
-    allow_nonfinite, which quantizes them as the reference does (NaN -> 0, Inf -> +-6).
+    allow_nonfinite, which quantizes them as the reference does (amaxes over the finite values,
+    NaN -> code 0, Inf -> +-6).
     """
     if x.ndim != 2 or x.shape[1] % 16:
         raise ValueError(f"quantize_2d needs x [R, K] with K a multiple of 16, got {tuple(x.shape)}")
@@ -363,7 +364,8 @@ def quantize_2d(
     given = imposed.float().reshape(-1).contiguous() if imposed is not None else g
     br, bc, warps = _configs(k, tile16, scale_rule == "4/6", src == 1)
     grid = (triton.cdiv(r, br), 1 if src == 1 else triton.cdiv(k, bc))
-    _quantize_kernel[grid](
+    name = f"quantize src{src} {scale_rule} {err}{' 16x16' if tile16 else ''}{' sr' if stochastic else ''}"
+    COMPILED[name] = _quantize_kernel[grid](
         x, data, scale, g, given, flag if flag is not None else g, parts if parts is not None else g,
         n_part, r, k, x.stride(0), data.stride(0), scale.stride(0), seed,
         SCALE_SRC=src, PER_ROW=per_row_given, RULE46=scale_rule == "4/6", MAE=err == "mae",

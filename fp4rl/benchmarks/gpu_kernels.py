@@ -1,0 +1,451 @@
+"""`fp4rl bench gpu_kernels`: the NVFP4 Triton kernels against torch BF16 and the byte floor.
+
+Everything is measured in one run on one GPU: the copy bandwidth (a device-to-device copy,
+bytes read + written), then each kernel next to its BF16 counterpart (cuBLAS matmul, SDPA) and
+next to its byte floor = the fewest bytes it must move / that copy bandwidth.
+
+Timing: each measured call is captured in a CUDA graph many times over, cycling through
+enough copies of the operands that none is still in L2 when it is read again (the way a
+sampler replays a decode step); the figure is the median over replays of (graph time / calls).
+Every kernel is checked against the reference in the same run before it is timed.
+
+Sections: copy, quantize, gemm (dense W4A16, shapes N x K = out x in features), moe (grouped
+experts), w4a4, attention. Prints a short table per section; --out writes all of it as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+import traceback
+
+import torch
+
+L2_BYTES = 60 * 2**20  # H200; rotation makes the working set several times larger
+
+
+def add_arguments(parser):
+    parser.add_argument("--sections", default="copy,quantize,gemm,moe,w4a4,attention",
+                        help="comma-separated subset of copy,quantize,gemm,moe,w4a4,attention")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512", help="GEMM row counts")
+    parser.add_argument("--shapes", default="4096x14336,14336x4096,4096x6144",
+                        help="dense weights as NxK (out x in features)")
+    parser.add_argument("--context", default="4096,32768", help="attention context lengths")
+    parser.add_argument("--out", default=None, help="write all results as JSON here")
+
+
+def _env() -> dict:
+    import triton
+
+    p = torch.cuda.get_device_properties(0)
+    return {"date": time.strftime("%Y-%m-%d"), "gpu": p.name, "sms": p.multi_processor_count,
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda}
+
+
+def time_calls(calls, min_calls: int = 24, replays: int = 7) -> float:
+    """Median microseconds per call of `calls` (zero-arg callables over different operand
+    copies), replayed from one CUDA graph."""
+    for c in calls:  # compile, tune and allocate outside the capture
+        c()
+    torch.cuda.synchronize()
+    n = max(min_calls, len(calls))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(n):
+            calls[i % len(calls)]()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            calls[i % len(calls)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        t0.record()
+        graph.replay()
+        t1.record()
+        t1.synchronize()
+        times.append(t0.elapsed_time(t1) * 1e3 / n)
+    return statistics.median(times)
+
+
+def copies_for(nbytes: int, at_least: int = 2, cap: int = 64) -> int:
+    """How many copies of an operand of nbytes keep the rotation's footprint >= 4 x L2."""
+    return max(at_least, min(cap, math.ceil(4 * L2_BYTES / max(nbytes, 1))))
+
+
+def copy_bandwidth() -> dict:
+    n = 2**29  # 1 GiB per buffer
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = time_calls([lambda: dst.copy_(src)], min_calls=10)
+    return {"bytes": 2 * n, "us": us, "tb_s": 2 * n / us / 1e6}
+
+
+def _rel(y, ref) -> float:
+    return ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+# --------------------------------------------------------------------------- quantize
+
+
+def bench_quantize(bw: float) -> list[dict]:
+    from fp4rl.kernels.quantize import quantize_2d
+    from fp4rl.nvfp4 import reference
+
+    rows, k = 32768, 4096  # 256 MiB of bf16 input
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-2, 2, k, device="cuda")
+    xs = [x] + [x.roll(i, 0) for i in range(1, 2)]
+    modes = [
+        ("1x16 tensor 6", dict(), dict()),
+        ("1x16 row 6", dict(per_row=True), dict(scale_scope="row")),
+        ("1x16 row 4/6 mse", dict(per_row=True, scale_rule="4/6"), dict(scale_scope="row", scale_rule="4/6")),
+        ("1x16 tensor 4/6 mae", dict(scale_rule="4/6", err="mae"), dict(scale_rule="4/6", err="mae")),
+        ("16x16 tensor 6", dict(tile16=True), dict(tile=(16, 16))),
+        ("16x16 tensor 4/6 mse", dict(tile16=True, scale_rule="4/6"), dict(tile=(16, 16), scale_rule="4/6")),
+        ("1x16 row 6 stochastic", dict(per_row=True, stochastic=True), None),
+    ]
+    out_bytes = rows * k // 2 + rows * k // 16
+    moved = rows * k * 2 + out_bytes
+    res = []
+    for name, kw, ref_kw in modes:
+        exact = None
+        if ref_kw is not None:  # byte equality on 4096 rows (the reference is slow on the full tensor)
+            d, s, g = quantize_2d(x[:4096], check_finite=False, **kw)
+            q = reference.quantize(x[:4096], **ref_kw)
+            exact = bool(torch.equal(d, q.data) and torch.equal(g.reshape(-1), q.global_scale.reshape(-1))
+                         and torch.equal(s.view(torch.uint8), q.block_scale.view(torch.uint8)))
+        us = time_calls([lambda xi=xi, kw=kw: quantize_2d(xi, check_finite=False, **kw) for xi in xs],
+                        min_calls=6)
+        res.append({"mode": name, "rows": rows, "k": k, "us": us, "tb_s": moved / us / 1e6,
+                    "floor_us": moved / bw / 1e6, "byte_exact": exact})
+    return res
+
+
+# --------------------------------------------------------------------------- dense GEMM
+
+
+def _nvfp4_weight(n, k, seed=0):
+    from fp4rl.nvfp4 import reference
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    return w.bfloat16(), reference.quantize(w)
+
+
+def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
+    from fp4rl.kernels import gemm
+    from fp4rl.nvfp4 import reference
+    from fp4rl.nvfp4.format import NVFP4Tensor
+
+    res = []
+    for n, k in shapes:
+        w_bf16, wq = _nvfp4_weight(n, k)
+        fp4_bytes = wq.data.nbytes + wq.block_scale.nbytes
+        n_fp4 = copies_for(fp4_bytes)
+        n_bf16 = copies_for(w_bf16.nbytes)
+        wqs = [wq] + [NVFP4Tensor(data=wq.data.clone(), block_scale=wq.block_scale.clone(),
+                                  global_scale=wq.global_scale.clone(), shape=wq.shape, dtype=wq.dtype)
+                      for _ in range(n_fp4 - 1)]
+        wbs = [w_bf16] + [w_bf16.clone() for _ in range(n_bf16 - 1)]
+        w_ref = reference.dequantize(wq).double()
+        for m in rows_list:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            y = gemm.linear(x, wq)  # tunes this (rows bucket, N, K) once
+            err = _rel(y, x.double() @ w_ref.T)
+            key = next(kk for kk in gemm._TUNED
+                       if kk[:3] == (gemm._bucket(m), n, k // 2) and not kk[4] and not kk[5])
+            cfg = gemm._TUNED[key]
+            us = time_calls([lambda w=w, x=x: gemm.linear(x, w) for w in wqs])
+            us_bf16 = time_calls([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbs])
+            io = x.nbytes + m * n * 2
+            res.append({"n": n, "k": k, "rows": m, "us": us, "bf16_us": us_bf16, "speedup": us_bf16 / us,
+                        "floor_us": (fp4_bytes + io) / bw / 1e6,
+                        "bf16_floor_us": (w_bf16.nbytes + io) / bw / 1e6,
+                        "rel_err": err, "path": cfg if isinstance(cfg, str) else
+                        ("decode" if cfg["SWAP"] else "prefill") + " " + _cfg_str(cfg)})
+        del wqs, wbs
+        torch.cuda.empty_cache()
+    return res
+
+
+def _cfg_str(c) -> str:
+    return f"BM{c['BM']} BN{c['BN']} BK{c['BK']} S{c['SPLIT_K']} w{c['num_warps']} s{c['num_stages']}"
+
+
+# --------------------------------------------------------------------------- grouped experts
+
+
+def bench_moe(bw: float, rows_list, experts=8, n=2048, k=768) -> list[dict]:
+    from fp4rl.kernels import gemm
+    from fp4rl.nvfp4 import reference
+    from fp4rl.nvfp4.format import NVFP4Tensor
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(experts, n, k, device="cuda", generator=g) * 0.02
+    qs = [reference.quantize(w[e]) for e in range(experts)]
+    wq = NVFP4Tensor(data=torch.stack([q.data for q in qs]),
+                     block_scale=torch.stack([q.block_scale for q in qs]),
+                     global_scale=torch.stack([q.global_scale for q in qs]), shape=w.shape, dtype=w.dtype)
+    w_bf16 = w.bfloat16()
+    per_expert_fp4 = wq.data[0].nbytes + wq.block_scale[0].nbytes
+    n_fp4 = copies_for(wq.data.nbytes + wq.block_scale.nbytes)
+    n_bf16 = copies_for(w_bf16.nbytes)
+    wqs = [wq] + [NVFP4Tensor(data=wq.data.clone(), block_scale=wq.block_scale.clone(),
+                              global_scale=wq.global_scale.clone(), shape=wq.shape, dtype=wq.dtype)
+                  for _ in range(n_fp4 - 1)]
+    wbs = [w_bf16] + [w_bf16.clone() for _ in range(n_bf16 - 1)]
+    w_ref = torch.stack([reference.dequantize(q) for q in qs]).double()
+    grouped_mm = getattr(torch, "_grouped_mm", None)
+    res = []
+    for m in rows_list:
+        counts = [m // experts + (1 if e < m % experts else 0) for e in range(experts)]
+        offs = [0]
+        for c in counts:
+            offs.append(offs[-1] + c)
+        offsets = torch.tensor(offs, dtype=torch.int32, device="cuda")
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        y = gemm.grouped_linear(x, wq, offsets)
+        ref = torch.cat([x[offs[e]:offs[e + 1]].double() @ w_ref[e].T for e in range(experts)])
+        err = _rel(y, ref)
+        us = time_calls([lambda wi=wi, x=x, o=offsets: gemm.grouped_linear(x, wi, o) for wi in wqs])
+        active = [e for e in range(experts) if counts[e]]
+        slices = [(x[offs[e]:offs[e + 1]], e) for e in active]
+
+        def loop(wb, slices=slices):
+            return [torch.matmul(xe, wb[e].t()) for xe, e in slices]
+
+        base = {"loop": time_calls([lambda wb=wb: loop(wb) for wb in wbs])}
+        if grouped_mm is not None:
+            try:
+                ends = offsets[1:].contiguous()
+                wbt = [wb.transpose(1, 2) for wb in wbs]  # [E, K, N] views
+                grouped_mm(x, wbt[0], offs=ends)
+                base["grouped_mm"] = time_calls([lambda wt=wt, x=x, o=ends: grouped_mm(x, wt, offs=o)
+                                                 for wt in wbt])
+            except Exception as exc:  # not supported on this build / GPU
+                base["grouped_mm_error"] = repr(exc)[:120]
+        best = min(v for v in base.values() if isinstance(v, float))
+        moved = len(active) * per_expert_fp4 + x.nbytes + m * n * 2
+        res.append({"experts": experts, "n": n, "k": k, "rows": m, "active": len(active), "us": us,
+                    "bf16_us": best, "bf16_variants": base, "speedup": best / us,
+                    "floor_us": moved / bw / 1e6, "rel_err": err})
+    return res
+
+
+# --------------------------------------------------------------------------- W4A4 emulation
+
+
+def bench_w4a4(bw: float, rows_list, n=14336, k=4096) -> list[dict]:
+    from fp4rl.kernels import gemm
+    from fp4rl.nvfp4 import reference
+
+    w_bf16, wq = _nvfp4_weight(n, k, seed=2)
+    w_ref = reference.dequantize(wq).double()
+    n_fp4 = copies_for(wq.data.nbytes)
+    wqs = [wq] * 1 + [type(wq)(data=wq.data.clone(), block_scale=wq.block_scale.clone(),
+                               global_scale=wq.global_scale.clone(), shape=wq.shape, dtype=wq.dtype)
+                      for _ in range(n_fp4 - 1)]
+    res = []
+    for m in rows_list:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        xq = reference.quantize(x, scale_scope="row")
+        ref = reference.dequantize(xq).double() @ w_ref.T
+        err = _rel(gemm.linear_w4a4(x, wq), ref)
+        us = time_calls([lambda w=w, x=x: gemm.linear_w4a4(x, w) for w in wqs])
+        us_bf16 = time_calls([lambda x=x: torch.matmul(x, w_bf16.t())] * 2)
+        res.append({"n": n, "k": k, "rows": m, "us": us, "bf16_us": us_bf16, "speedup": us_bf16 / us,
+                    "rel_err_vs_fake_quant": err})
+    return res
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def bench_attention(bw: float, contexts, b=8, hq=32, hkv=8, d=128) -> list[dict]:
+    import torch.nn.functional as F
+
+    from fp4rl.kernels import attention
+
+    res = []
+    for t in contexts:
+        q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+        lengths = torch.full((b,), t, dtype=torch.int32, device="cuda")
+        kq, vq = attention.quantize_kv_nvfp4(k), attention.quantize_kv_nvfp4(v)
+        k8, v8 = attention.quantize_kv_fp8(k), attention.quantize_kv_fp8(v)
+        q4 = q[:, :, None, :]
+
+        def sdpa(kk, vv, q4=q4):
+            return F.scaled_dot_product_attention(q4, kk, vv, enable_gqa=True)
+
+        # reference: SDPA in float32 on the dequantized NVFP4 cache
+        from fp4rl.nvfp4.format import NVFP4Tensor
+        from fp4rl.nvfp4.reference import dequantize
+
+        def dq(parts):
+            data, scale, g = parts
+            qt = NVFP4Tensor(data=data, block_scale=scale, global_scale=g[..., None],
+                             shape=torch.Size((*data.shape[:-1], d)), dtype=torch.float32)
+            return dequantize(qt)
+
+        ref4 = F.scaled_dot_product_attention(q4.float(), dq(kq), dq(vq), enable_gqa=True)[:, :, 0]
+        ref8 = F.scaled_dot_product_attention(q4.float(), k8[0].float() * k8[1][..., None],
+                                              v8[0].float() * v8[1][..., None], enable_gqa=True)[:, :, 0]
+        kv_bf16 = k.nbytes + v.nbytes
+        n_bf16 = copies_for(kv_bf16, at_least=1)
+        bf16_sets = [(k, v)] + [(k.clone(), v.clone()) for _ in range(n_bf16 - 1)]
+        us_sdpa = time_calls([lambda s=s: sdpa(*s) for s in bf16_sets], min_calls=8)
+        fp4_bytes = sum(p.nbytes for p in kq) + sum(p.nbytes for p in vq)
+        fp8_bytes = sum(p.nbytes for p in k8) + sum(p.nbytes for p in v8)
+        n4 = copies_for(fp4_bytes, at_least=1)
+        sets4 = [(kq, vq)] + [(tuple(p.clone() for p in kq), tuple(p.clone() for p in vq))
+                              for _ in range(n4 - 1)]
+        variants = [dict(), dict(block_t=128), dict(num_warps=8), dict(num_stages=4), dict(block_t=32),
+                    dict(num_splits=attention._splits(b, hkv, t, q.device) * 2)]
+        for kind, ref, nbytes in (("nvfp4", ref4, fp4_bytes), ("fp8", ref8, fp8_bytes)):
+            best = None
+            for var in variants:
+                if kind == "nvfp4":
+                    def call(s, var=var, q=q, lengths=lengths):
+                        (kd, ks, kg), (vd, vs, vg) = s
+                        return attention.decode_attention(q, lengths, kd, vd, kg, vg, k_scale=ks, v_scale=vs,
+                                                          **var)
+                    sets = sets4
+                else:
+                    def call(s, var=var, q=q, lengths=lengths):
+                        (kd, kg), (vd, vg) = s
+                        return attention.decode_attention(q, lengths, kd, vd, kg, vg, **var)
+                    sets = [(k8, v8)] + [(tuple(p.clone() for p in k8), tuple(p.clone() for p in v8))
+                                         for _ in range(copies_for(fp8_bytes, at_least=1) - 1)]
+                try:
+                    err = _rel(call(sets[0]), ref)
+                    us = time_calls([lambda s=s: call(s) for s in sets], min_calls=8)
+                except Exception as exc:
+                    print(f"attention {kind} {var}: {exc!r}"[:300])
+                    continue
+                row = {"kind": kind, "context": t, "batch": b, "hq": hq, "hkv": hkv, "d": d, "variant": var,
+                       "us": us, "sdpa_bf16_us": us_sdpa, "speedup": us_sdpa / us, "rel_err": err,
+                       "floor_us": (nbytes + 2 * q.nbytes) / bw / 1e6,
+                       "bf16_floor_us": (kv_bf16 + 2 * q.nbytes) / bw / 1e6}
+                res.append(row)
+                if best is None or us < best["us"]:
+                    best = row
+            if best is not None:
+                best["best"] = True
+            if kind == "nvfp4":
+                del sets4
+        del bf16_sets
+        torch.cuda.empty_cache()
+    return res
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _print_table(title, rows, cols):
+    print(f"\n## {title}")
+    print("| " + " | ".join(c for c, _ in cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f(r) for _, f in cols) + " |")
+
+
+def run(args):
+    if not torch.cuda.is_available():
+        print("gpu_kernels needs a CUDA GPU")
+        return 1
+    sections = args.sections.split(",")
+    rows_list = [int(v) for v in args.rows.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    out = {"env": _env(), "command": "fp4rl bench gpu_kernels " + " ".join(
+        f"--{k} {v}" for k, v in vars(args).items() if k in ("sections", "rows", "shapes", "context"))}
+    print(json.dumps(out["env"]))
+    bw = copy_bandwidth()
+    out["copy"] = bw
+    print(f"copy bandwidth: {bw['tb_s']:.2f} TB/s")
+    tbs = bw["tb_s"] * 1e12
+    f1, f2 = (lambda v: f"{v:.1f}"), (lambda v: f"{v:.2f}")
+    jobs = {
+        "quantize": lambda: bench_quantize(tbs),
+        "gemm": lambda: bench_gemm(tbs, shapes, rows_list),
+        "moe": lambda: bench_moe(tbs, rows_list),
+        "w4a4": lambda: bench_w4a4(tbs, [r for r in rows_list if r in (1, 16, 128, 512)] or rows_list[:2]),
+        "attention": lambda: bench_attention(tbs, [int(v) for v in args.context.split(",")]),
+    }
+    for name, job in jobs.items():
+        if name not in sections:
+            continue
+        t0 = time.time()
+        try:
+            out[name] = job()
+        except Exception:
+            traceback.print_exc()
+            out[name] = {"error": traceback.format_exc()[-2000:]}
+        print(f"[{name}: {time.time() - t0:.0f} s]")
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(out, fh, indent=1, default=str)
+    if isinstance(out.get("quantize"), list):
+        _print_table("quantize (32768 x 4096 bf16)", out["quantize"], [
+            ("mode", lambda r: r["mode"]), ("us", lambda r: f1(r["us"])),
+            ("TB/s", lambda r: f2(r["tb_s"])), ("floor us", lambda r: f1(r["floor_us"])),
+            ("bytes = ref", lambda r: str(r["byte_exact"]))])
+    if isinstance(out.get("gemm"), list):
+        _print_table("W4A16 GEMM (W is N x K)", out["gemm"], [
+            ("N x K", lambda r: f"{r['n']}x{r['k']}"), ("rows", lambda r: str(r["rows"])),
+            ("nvfp4 us", lambda r: f1(r["us"])), ("bf16 us", lambda r: f1(r["bf16_us"])),
+            ("speedup", lambda r: f2(r["speedup"])), ("floor us", lambda r: f1(r["floor_us"])),
+            ("rel err", lambda r: f"{r['rel_err']:.1e}"), ("path", lambda r: r["path"])])
+    if isinstance(out.get("moe"), list):
+        _print_table("grouped experts W4A16 (8 x 2048x768)", out["moe"], [
+            ("rows", lambda r: str(r["rows"])), ("active", lambda r: str(r["active"])),
+            ("nvfp4 us", lambda r: f1(r["us"])), ("bf16 us", lambda r: f1(r["bf16_us"])),
+            ("speedup", lambda r: f2(r["speedup"])), ("floor us", lambda r: f1(r["floor_us"])),
+            ("rel err", lambda r: f"{r['rel_err']:.1e}")])
+    if isinstance(out.get("w4a4"), list):
+        _print_table("W4A4 emulation (quantize x per token + GEMM), 14336x4096", out["w4a4"], [
+            ("rows", lambda r: str(r["rows"])), ("us", lambda r: f1(r["us"])),
+            ("bf16 us", lambda r: f1(r["bf16_us"])), ("speedup", lambda r: f2(r["speedup"])),
+            ("rel err", lambda r: f"{r['rel_err_vs_fake_quant']:.1e}")])
+    if isinstance(out.get("attention"), list):
+        _print_table("decode attention, batch 8, 32/8 heads, d=128 (best variant)",
+                     [r for r in out["attention"] if r.get("best")], [
+            ("cache", lambda r: r["kind"]), ("context", lambda r: str(r["context"])),
+            ("us", lambda r: f1(r["us"])),
+            ("sdpa bf16 us", lambda r: f1(r["sdpa_bf16_us"])), ("speedup", lambda r: f2(r["speedup"])),
+            ("floor us", lambda r: f1(r["floor_us"])), ("rel err", lambda r: f"{r['rel_err']:.1e}"),
+            ("variant", lambda r: str(r["variant"]))])
+    return 0
+
+
+def dump_compiled(path: str) -> dict:
+    """Registers / spills of the last compiled kernel of each family, and their PTX (to path)."""
+    from fp4rl.kernels._common import ASM, COMPILED
+
+    info = {"asm_unpack": ASM["on"]}
+    with open(path, "w") as fh:
+        for name, ck in COMPILED.items():
+            info[name] = {"regs": getattr(ck, "n_regs", None), "spills": getattr(ck, "n_spills", None)}
+            fh.write(f"//// {name}\n{ck.asm.get('ptx', '')}\n")
+    return info
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    _parser = argparse.ArgumentParser(prog="python -m fp4rl.benchmarks.gpu_kernels")
+    add_arguments(_parser)
+    _parser.add_argument("--ptx", default=None, help="write the compiled kernels' PTX here")
+    _args = _parser.parse_args()
+    _code = run(_args)
+    if _args.ptx:
+        print(json.dumps(dump_compiled(_args.ptx)))
+    sys.exit(_code)
