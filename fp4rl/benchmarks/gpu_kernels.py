@@ -373,11 +373,11 @@ def run(args):
     tbs = bw["tb_s"] * 1e12
     f1, f2 = (lambda v: f"{v:.1f}"), (lambda v: f"{v:.2f}")
     jobs = {
-        "quantize": lambda: bench_quantize(tbs),
         "gemm": lambda: bench_gemm(tbs, shapes, rows_list),
+        "attention": lambda: bench_attention(tbs, [int(v) for v in args.context.split(",")]),
+        "quantize": lambda: bench_quantize(tbs),
         "moe": lambda: bench_moe(tbs, rows_list),
         "w4a4": lambda: bench_w4a4(tbs, [r for r in rows_list if r in (1, 16, 128, 512)] or rows_list[:2]),
-        "attention": lambda: bench_attention(tbs, [int(v) for v in args.context.split(",")]),
     }
     for name, job in jobs.items():
         if name not in sections:
