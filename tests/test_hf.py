@@ -24,6 +24,15 @@ FAMILIES = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: OpenMP threads only add barrier waits, badly so on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def save_hf(family, path, dtype=torch.float32):
     config_cls, model_cls, kw = FAMILIES[family]
     torch.manual_seed(0)

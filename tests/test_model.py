@@ -31,6 +31,15 @@ FAMILIES = {
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: OpenMP threads only add barrier waits, badly so on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_hf(family, seed=0):
     """A transformers model of the family with weights large enough that errors show in the logits."""
     config_cls, model_cls, kw = FAMILIES[family]

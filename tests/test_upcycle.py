@@ -13,6 +13,15 @@ from fp4rl.upcycle import upcycle
 V = 89
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: OpenMP threads only add barrier waits, badly so on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def dense(model_type="llama", **kw):
     """A random dense model with weights large enough that errors show in the logits."""
     torch.manual_seed(0)
