@@ -7,6 +7,7 @@ import importlib
 
 BENCHMARKS = {
     "quantize": "CPU throughput of each NVFP4 quantize mode; SNR of 6 vs 4/6",
+    "memory": "bytes saved for backward per quantized linear (BF16, naive fake-quant, fp4rl); peak RSS of a training step",
 }
 
 
