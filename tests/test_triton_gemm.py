@@ -95,9 +95,9 @@ def test_bad_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 7, 16, 64, 200, 1024])
+@pytest.mark.parametrize("m", [1, 7, 64, 200, 512])
 def test_gpu_shapes_every_config(m):
-    n, k = 1024, 2048
+    n, k = 4096, 14336  # a benchmark shape (its kernels are then compiled once)
     w = _weight(n, k, seed=m)
     x = _x(m, k, seed=m)
     ref = x.double() @ reference.dequantize(w).double().T

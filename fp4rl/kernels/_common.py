@@ -54,7 +54,7 @@ def with_asm_fallback(launch):
 # scales in; out: lo = (e2m1(n0), e2m1(n2), e2m1(n4), e2m1(n6)) * scale and hi the odd ones.
 # Byte tables: low byte of bf16(e2m1(m)) for m = 0..7 is 00 00 80 C0 00 40 80 C0, the high
 # byte 00 3F 3F 3F 40 40 40 40; the sign bit (nibble bit 3) becomes 0x80 in the high byte.
-_UNPACK_ASM = """
+_UNPACK_ASM = tl.constexpr("""
 {
 .reg .b32 t<13>;
 and.b32 t0, $4, 0x88888888;
@@ -79,7 +79,7 @@ mul.rn.bf16x2 $1, t12, $6;
 mul.rn.bf16x2 $2, t9, $5;
 mul.rn.bf16x2 $3, t10, $6;
 }
-"""
+""")
 
 
 @triton.jit

@@ -36,8 +36,8 @@ import triton.language as tl
 
 from fp4rl.kernels._common import COMPILED, INTERPRET, e2m1_value
 
-FLT_MAX: tl.constexpr = 3.4028234663852886e38
-ONE_SIXTH: tl.constexpr = 0.1666666716337204  # fp32(1/6), as TE folds it
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+ONE_SIXTH = tl.constexpr(0.1666666716337204)  # fp32(1/6), as TE folds it
 PMAX = 1024  # most amax partials the quantize pass reduces
 
 
