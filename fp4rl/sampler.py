@@ -1,0 +1,496 @@
+"""Batched rollout on packed NVFP4 weights: KV cache, per-token logprobs, routing replay, weight sync.
+
+The sampler runs the trainer's own model code (fp4rl.model) on its own copy of the weights. Each
+linear that the precision contract quantizes holds only the packed NVFP4 bytes the trainer's
+forward computed with (`PackedNVFP4Linear`: E2M1 codes, E4M3 block scales, FP32 global scale;
+no master weight), and computes exactly what the trainer's `qat.NVFP4Linear` computes:
+
+    W4A16:  y = x @ DQ(W).T + b          W4A4:  y = DQ(Q(x)) @ DQ(W).T + b
+
+with Q(x) the same `fp4rl.nvfp4.quantize` call (one FP32 scale per token, the contract's 4/6
+settings). Everything else (attention, norms, embeddings, routers, lm_head, BF16 layers) is a
+copy of the trainer's tensors. A packed linear takes 0.5625 byte/parameter (+ 4 bytes of global
+scale) against 2 for BF16: ~0.28x.
+
+Dequantizing every weight on every decode step is what a fused W4A16 kernel does in registers;
+in plain torch on a CPU it costs more than the matmul. So on the CPU each packed linear keeps a
+dequantized copy per weight version (`cache_dequantized`, on by default on the CPU, off on
+CUDA): the packed bytes stay the source of truth (weight sync writes them, the copy is rebuilt
+when they change), at the price of 2 (BF16) or 4 (FP32) extra bytes per quantized parameter.
+A GPU kernel plugs in by overriding one method, `PackedNVFP4Linear.linear`.
+
+Generation (`Sampler.generate`), for P prompts x n samples:
+1. prefill: the P distinct prompts, left-padded into one [P, T_p] batch with an attention mask,
+   run once; lm_head only on the last position. Their cache rows are then copied n times
+   (`SamplerKVCache.select`), so the n samples of a prompt share one prefill.
+2. decode: one token per active row per step, written to a preallocated cache slot; positions
+   count real tokens, so a left-padded row sees the positions of the unpadded prompt.
+3. a row finishes on an EOS token ("eos"), a stop string in its decoded text ("stop", the text is
+   cut before it, the tokens are kept) or max_new_tokens ("length"); finished rows leave the
+   batch (the cache, mask and positions are compacted), so they cost nothing afterwards.
+Sampling draws from softmax(logits / T) restricted by top-k then top-p, with a seeded
+torch.Generator (same seed, same inputs -> same completions). The logprob recorded for a token
+is log_softmax(logits / T) (T = 1 when greedy), computed in fp32 like grpo.token_logprobs, and
+*not* renormalised by top-k/top-p: it is the distribution the trainer scores.
+
+MoE routing replay: the experts chosen for every position the trainer scores (the prompt and all
+completion tokens but the last) come back as `Completion.routing` [num_moe_layers, L - 1, top_k],
+ready for `model(ids[:, :-1], routing=[r[i][None] for i ...])`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp4rl.kvcache import KV_CACHE_KINDS, make_kv_cache
+from fp4rl.model import CausalLM
+from fp4rl.nvfp4 import NVFP4Tensor, dequantize, quantize
+from fp4rl.qat import NVFP4Linear
+
+FINISH_REASONS = ("eos", "stop", "length")
+
+
+# ----------------------------------------------------------------------------------------------
+# Requests and results
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    """completions per prompt (they share the prompt's prefill)."""
+    temperature: float = 1.0
+    """softmax temperature T > 0 (ignored when greedy)."""
+    top_p: float = 1.0
+    """nucleus sampling: the smallest set of most likely tokens with mass >= top_p, in (0, 1]."""
+    top_k: int = 0
+    """sample among the k most likely tokens; 0 = all."""
+    greedy: bool = False
+    """argmax decoding (logprobs then use T = 1)."""
+    max_new_tokens: int = 32
+    """completion length limit (finish_reason "length")."""
+    stop: tuple[str, ...] = ()
+    """stop strings: a completion ends when its decoded text contains one (finish_reason "stop")."""
+    seed: int | None = None
+    """seed of the sampling generator; None draws a fresh one."""
+
+    def __post_init__(self):
+        def fail(key, fix):
+            raise ValueError(f"SamplingParams.{key}={getattr(self, key)!r}: {fix}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            fail("n", "must be an integer >= 1")
+        if not isinstance(self.greedy, bool):
+            fail("greedy", "must be True or False")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float) \
+                or not math.isfinite(self.temperature) or self.temperature <= 0:
+            fail("temperature", "must be a finite number > 0 (use greedy=True for argmax decoding)")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+            fail("top_p", "must be in (0, 1] (1 disables nucleus sampling)")
+        if not is_int(self.top_k) or self.top_k < 0:
+            fail("top_k", "must be an integer >= 0 (0 disables top-k)")
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            fail("max_new_tokens", "must be an integer >= 1")
+        if isinstance(self.stop, str):
+            fail("stop", "must be a tuple of strings, e.g. ('\\n\\n',), not one string")
+        self.stop = tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            fail("stop", "every stop string must be a non-empty str")
+        if self.seed is not None and not is_int(self.seed):
+            fail("seed", "must be an integer or None")
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    """sampler logprob of each completion token under log_softmax(logits / T) (T = 1 when greedy),
+    not renormalised by top-p/top-k: the distribution the trainer scores."""
+    text: str
+    """decoded completion (special tokens skipped; cut before the stop string when one matched)."""
+    finish_reason: str  # "eos" | "stop" | "length"
+    policy_version: int
+    routing: torch.Tensor | None
+    """MoE: experts [num_moe_layers, len(prompt_ids) + len(completion_ids) - 1, top_k] for every
+    position the trainer scores, replayable with model(..., routing=...); None for dense models."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The packed linear
+
+
+class PackedNVFP4Linear(nn.Module):
+    """The sampler's side of `qat.NVFP4Linear`: packed NVFP4 weight buffers + bias, same forward.
+
+    Buffers (HF-style names under the linear's name): `weight_data` uint8 [N, K/2],
+    `weight_block_scale` float8_e4m3fn [N, K/16], `weight_global_scale` float32 [] (decode).
+    """
+
+    is_linear = True  # precision.is_linear
+
+    def __init__(self, qweight: NVFP4Tensor, bias: torch.Tensor | None, mode: str, input_kwargs: dict, *,
+                 cache_dequantized: bool = True):
+        super().__init__()
+        if mode not in ("w4a16", "w4a4"):
+            raise ValueError(f"PackedNVFP4Linear mode={mode!r}: use 'w4a16' or 'w4a4'")
+        self.register_buffer("weight_data", qweight.data)
+        self.register_buffer("weight_block_scale", qweight.block_scale)
+        self.register_buffer("weight_global_scale", qweight.global_scale)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.weight_meta = dict(shape=qweight.shape, dtype=qweight.dtype, tile=qweight.tile,
+                                scale_rule=qweight.scale_rule, hadamard_seed=qweight.hadamard_seed)
+        self.out_features, self.in_features = qweight.shape
+        self.mode, self.input_kwargs, self.cache_dequantized = mode, dict(input_kwargs), cache_dequantized
+        self._dequantized: torch.Tensor | None = None
+        self._dequantized_key = None
+
+    @classmethod
+    def from_trainer(cls, m: NVFP4Linear, *, dtype: torch.dtype, device, cache_dequantized: bool):
+        """A packed copy of a trainer NVFP4Linear: the bytes of its cached Q(W), its bias in `dtype`."""
+        q = m.quantized_weight()
+        q = NVFP4Tensor(**{**vars(q), "data": q.data.to(device, copy=True),
+                           "block_scale": q.block_scale.to(device, copy=True),
+                           "global_scale": q.global_scale.to(device, copy=True)})
+        bias = None if m.bias is None else m.bias.detach().to(device=device, dtype=dtype, copy=True)
+        return cls(q, bias, m.mode, m.input_kwargs, cache_dequantized=cache_dequantized)
+
+    def quantized_weight(self) -> NVFP4Tensor:
+        return NVFP4Tensor(data=self.weight_data, block_scale=self.weight_block_scale,
+                           global_scale=self.weight_global_scale, **self.weight_meta)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """DQ(W) [N, K] in dtype; cached per weight version when cache_dequantized."""
+        if not self.cache_dequantized:
+            return dequantize(self.quantized_weight(), dtype)
+        key = (dtype, self.weight_data.device, *(b._version for b in (
+            self.weight_data, self.weight_block_scale, self.weight_global_scale)))
+        if self._dequantized_key != key:
+            self._dequantized = dequantize(self.quantized_weight(), dtype)
+            self._dequantized_key = key
+        return self._dequantized
+
+    def quantize_input(self, x: torch.Tensor) -> NVFP4Tensor:
+        """Q(x) of activations [M, K], one global scale per token: the trainer's exact call."""
+        return quantize(x, **self.input_kwargs)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ DQ(W).T + b, x [..., K] (already DQ(Q(x)) in W4A4). Override for a W4A16 GPU kernel."""
+        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "w4a4":
+            x = dequantize(self.quantize_input(x.reshape(-1, x.shape[-1])), x.dtype).reshape(x.shape)
+        return self.linear(x)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, mode={self.mode}, cache_dequantized={self.cache_dequantized}")
+
+
+def build_sampler_model(model: CausalLM, *, dtype: torch.dtype, device, cache_dequantized: bool) -> CausalLM:
+    """The sampler's own copy of a (converted) trainer CausalLM: PackedNVFP4Linear for each
+    NVFP4Linear, copies of every other tensor in `dtype` on `device`. Shares nothing with `model`."""
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    with torch.device("meta"):
+        copy = CausalLM(model.config)
+    for name, m in quantized.items():
+        parent, _, child = name.rpartition(".")
+        packed = PackedNVFP4Linear.from_trainer(m, dtype=dtype, device=device,
+                                                cache_dequantized=cache_dequantized)
+        setattr(copy.get_submodule(parent) if parent else copy, child, packed)
+    skip = {f"{name}.{p}" for name in quantized for p in ("weight", "bias")}
+    if model.config.tie_word_embeddings:
+        skip.add("lm_head.weight")
+    state = {k: v.detach().to(device=device, dtype=dtype, copy=True)
+             for k, v in model.state_dict().items() if k not in skip}
+    missing, unexpected = copy.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if k not in skip and not k.startswith(tuple(f"{q}." for q in quantized))]
+    if missing or unexpected:
+        raise ValueError(f"Sampler: the trainer model's tensors do not match a {model.config.model_type} "
+                         f"CausalLM (missing {missing[:5]}, unexpected {unexpected[:5]}); pass an fp4rl "
+                         "CausalLM converted with qat.convert")
+    copy.tie_weights()
+    for p in copy.parameters():
+        p.requires_grad_(False)
+    return copy.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
+    """Next tokens [b] and their logprobs [b] (fp32, under log_softmax(logits / T)) from logits [b, V]."""
+    logits = logits.float()
+    if params.greedy:
+        scaled = logits
+        tokens = logits.argmax(-1)
+    else:
+        scaled = logits / params.temperature if params.temperature != 1.0 else logits
+        filtered = scaled
+        if 0 < params.top_k < scaled.shape[-1]:
+            kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]  # [b, 1]
+            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+        if params.top_p < 1.0:
+            sorted_logits, order = filtered.sort(dim=-1, descending=True)  # [b, V]
+            probs = sorted_logits.softmax(-1)
+            drop = (probs.cumsum(-1) - probs) >= params.top_p  # mass before the token already >= top_p
+            drop[:, 0] = False
+            filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        tokens = torch.multinomial(filtered.softmax(-1), 1, generator=generator).squeeze(1)
+    picked = scaled.gather(-1, tokens[:, None]).squeeze(1)
+    return tokens, picked - torch.logsumexp(scaled, dim=-1)  # as grpo.token_logprobs computes it
+
+
+class Sampler:
+    """Generates completions with packed NVFP4 weights; `load(payload)` syncs weights from the trainer.
+
+    model        a CausalLM converted with qat.convert (any contract, "bf16" included); it is copied.
+    tokenizer    a Hugging Face tokenizer (needed for str prompts, text and stop strings) or None.
+    kv_cache     "bf16" (the model's dtype), "fp8" or "nvfp4"; see fp4rl.kvcache.
+    max_seq_len  prompt + completion limit (default: the config's max_position_embeddings).
+    dtype        compute dtype of the copy (default: the trainer model's).
+    cache_dequantized  keep DQ(W) per weight version (default: on for the CPU, off on CUDA).
+    eos_token_ids      tokens that end a completion (default: the tokenizer's eos_token_id).
+    """
+
+    def __init__(self, model: CausalLM, tokenizer=None, *, kv_cache: str = "bf16", device="cpu",
+                 max_seq_len: int | None = None, dtype: torch.dtype | None = None,
+                 cache_dequantized: bool | None = None, eos_token_ids=None, policy_version: int = 0):
+        if not isinstance(model, CausalLM):
+            raise TypeError(f"Sampler needs an fp4rl CausalLM (fp4rl.load_model + qat.convert), got "
+                            f"{type(model).__name__}")
+        if kv_cache not in KV_CACHE_KINDS:
+            raise ValueError(f"Sampler kv_cache={kv_cache!r}: use one of {KV_CACHE_KINDS}")
+        self.device = torch.device(device)
+        self.dtype = dtype or model.model.embed_tokens.weight.dtype
+        if cache_dequantized is None:
+            cache_dequantized = self.device.type == "cpu"
+        self.config = model.config
+        self.max_seq_len = max_seq_len or self.config.max_position_embeddings
+        if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
+            raise ValueError(f"Sampler max_seq_len={max_seq_len!r}: must be an integer >= 2")
+        self.model = build_sampler_model(model, dtype=self.dtype, device=self.device,
+                                         cache_dequantized=cache_dequantized)
+        self.tokenizer, self.kv_cache = tokenizer, kv_cache
+        if eos_token_ids is None:
+            eos = getattr(tokenizer, "eos_token_id", None)
+            eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.eos_token_ids = set(eos_token_ids)
+        self.pad_token_id = getattr(tokenizer, "pad_token_id", None) or 0
+        self.policy_version = policy_version
+        self.num_moe_layers = len(self.config.moe_layers)
+
+    # -- weights -----------------------------------------------------------------------------
+    def load(self, payload, *, verify: bool = False) -> None:
+        """Apply a weight_sync.Payload in place. Everything is validated first (version, names,
+        shapes, dtypes, checksums); a refused payload raises and leaves the old weights. With
+        verify=True the sampler's tensors are re-hashed afterwards and must equal the payload's."""
+        from fp4rl.weight_sync import apply_payload
+
+        apply_payload(self.model, payload, current_version=self.policy_version, verify=verify)
+        self.policy_version = payload.version
+
+    def memory(self) -> dict[str, float]:
+        """Bytes of the packed linears vs the same weights in BF16, the dequantized cache, the rest."""
+        packed = [m for m in self.model.modules() if isinstance(m, PackedNVFP4Linear)]
+        params = sum(m.in_features * m.out_features for m in packed)
+        packed_bytes = sum(m.quantized_weight().nbytes for m in packed)
+        cache_bytes = sum(m._dequantized.nbytes for m in packed if m._dequantized is not None)
+        return dict(quantized_params=params, packed_bytes=packed_bytes, bf16_bytes=2 * params,
+                    packed_vs_bf16=packed_bytes / max(2 * params, 1), dequantized_cache_bytes=cache_bytes,
+                    other_bytes=sum(p.nbytes for p in self.model.parameters()))
+
+    # -- generation --------------------------------------------------------------------------
+    def _encode(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, str | torch.Tensor) or not isinstance(prompts, list | tuple) or not prompts:
+            raise ValueError("generate: prompts must be a non-empty list of prompts, each a list of token "
+                             "ids or a str")
+        V, out = self.config.vocab_size, []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError(f"generate: prompt {i} is a str but the Sampler has no tokenizer; "
+                                     "pass token ids or a tokenizer")
+                p = self.tokenizer(p)["input_ids"]
+            elif isinstance(p, torch.Tensor):
+                p = p.tolist()
+            ids = list(p)
+            if not ids:
+                raise ValueError(f"generate: prompt {i} is empty; a completion needs at least one token to "
+                                 "condition on (e.g. the BOS token)")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError(f"generate: prompt {i} must hold int token ids, got {type(ids[0]).__name__}")
+            if min(ids) < 0 or max(ids) >= V:
+                raise ValueError(f"generate: prompt {i} has token ids outside [0, {V}) (the vocabulary)")
+            out.append(ids)
+        return out
+
+    def _decode(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]] | list[str], params: SamplingParams) -> list[Completion]:
+        """Completions for every prompt x params.n, ordered prompt by prompt, sample by sample."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"generate: params must be a SamplingParams, got {type(params).__name__}")
+        prompt_ids = self._encode(prompts)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("generate: stop strings need a tokenizer to decode the text")
+        for i, ids in enumerate(prompt_ids):
+            if len(ids) + params.max_new_tokens > self.max_seq_len:
+                raise ValueError(f"generate: prompt {i} has {len(ids)} tokens and max_new_tokens="
+                                 f"{params.max_new_tokens}, more than the context of {self.max_seq_len} "
+                                 "tokens (max_seq_len); shorten the prompt or lower max_new_tokens")
+        version, dev = self.policy_version, self.device
+        P, n, new = len(prompt_ids), params.n, params.max_new_tokens
+        lens = [len(ids) for ids in prompt_ids]
+        T_p = max(lens)
+        total = T_p + new  # cache slots: padded prompt, then one per generated token
+        generator = torch.Generator(dev)
+        generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
+
+        # prefill the P distinct prompts, left-padded; lm_head on the last position only
+        ids = torch.full((P, T_p), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(P, total, dtype=torch.long)
+        for i, p in enumerate(prompt_ids):
+            ids[i, T_p - len(p):] = torch.tensor(p)
+            mask[i, T_p - len(p):T_p] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        cache = make_kv_cache(self.kv_cache, self.config, P, total, dtype=self.dtype, device=dev)
+        h, chosen = self.model.model(ids, None, mask[:, :T_p], cache, None)  # h [P, T_p, H]
+        logits = self.model.lm_head(h[:, -1])  # [P, V]
+
+        # n samples per prompt share the prefill: copy each prompt's rows n times
+        B = P * n
+        rows = torch.arange(P, device=dev).repeat_interleave(n)  # [B] prompt of each row
+        if n > 1:
+            cache.select(rows)
+            mask, logits = mask[rows], logits[rows]
+        routing = None
+        if self.num_moe_layers:
+            k = self.config.num_experts_per_tok
+            routing = torch.zeros(self.num_moe_layers, B, total, k, dtype=torch.long, device=dev)
+            prefill = torch.stack(chosen)  # [L_moe, P, T_p, k]
+            for r in range(B):
+                L = lens[r // n]
+                routing[:, r, :L] = prefill[:, r // n, T_p - L:]
+
+        active = list(range(B))  # original row of each batch row
+        positions = torch.tensor([lens[r // n] for r in range(B)], device=dev)  # next RoPE position per row
+        completion: list[list[int]] = [[] for _ in range(B)]
+        logprobs = torch.zeros(B, new, dtype=torch.float32, device=dev)
+        reasons, texts = [""] * B, [None] * B
+        for step in range(new):
+            tokens, lp = sample_next(logits, params, generator)  # [b], [b]
+            logprobs[active, step] = lp
+            finished = []
+            for i, t in enumerate(tokens.tolist()):
+                r = active[i]
+                completion[r].append(t)
+                if t in self.eos_token_ids:
+                    reasons[r] = "eos"
+                elif params.stop and (cut := self._find_stop(completion[r], params.stop)) is not None:
+                    reasons[r], texts[r] = "stop", cut
+                elif step == new - 1:
+                    reasons[r] = "length"
+                if reasons[r]:
+                    finished.append(i)
+            if len(finished) == len(active):
+                break
+            if finished:  # compaction: finished rows leave the batch
+                gone = set(finished)
+                keep = [i for i in range(len(active)) if i not in gone]
+                idx = torch.tensor(keep, device=dev)
+                cache.select(idx)
+                mask, positions, tokens = mask[idx], positions[idx], tokens[idx]
+                active = [active[i] for i in keep]
+            mask[:, T_p + step] = 1
+            h, chosen = self.model.model(tokens[:, None], positions[:, None], mask[:, :T_p + step + 1], cache,
+                                         None)  # h [b, 1, H]
+            if routing is not None:
+                rows_now = torch.tensor(active, device=dev)
+                routing[:, rows_now, positions] = torch.stack(chosen)[:, :, 0]  # [L_moe, b, k]
+            positions = positions + 1
+            logits = self.model.lm_head(h[:, -1])  # [b, V]
+
+        logprobs = logprobs.cpu()
+        out = []
+        for r in range(B):
+            p, c = prompt_ids[r // n], completion[r]
+            out.append(Completion(
+                prompt_index=r // n, sample_index=r % n, prompt_ids=list(p), completion_ids=c,
+                logprobs=logprobs[r, :len(c)].tolist(),
+                text=texts[r] if texts[r] is not None else self._decode(c),
+                finish_reason=reasons[r], policy_version=version,
+                routing=None if routing is None else routing[:, r, :len(p) + len(c) - 1].cpu().clone(),
+            ))
+        return out
+
+    def _find_stop(self, ids: list[int], stop: tuple[str, ...]) -> str | None:
+        """The text before the first stop string in decode(ids), or None when none occurs."""
+        text = self._decode(ids)
+        hits = [i for s in stop if (i := text.find(s)) >= 0]
+        return text[:min(hits)] if hits else None
+
+
+# ----------------------------------------------------------------------------------------------
+# `fp4rl generate`
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from fp4rl.precision import PRESETS
+
+    parser.add_argument("--prompt", required=True, help="the user message (the chat template is applied for "
+                        "chat models)")
+    parser.add_argument("--model", default="default", help="'default' or a local Hugging Face model dir")
+    parser.add_argument("--precision", default="bf16", choices=PRESETS, help="PrecisionContract preset")
+    parser.add_argument("--greedy", action="store_true", help="argmax decoding")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--kv-cache", default="bf16", choices=KV_CACHE_KINDS)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--n", type=int, default=1, help="completions to sample")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
+    parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
+
+
+def run(args) -> int:
+    from fp4rl.hf import load_model
+    from fp4rl.precision import PrecisionContract
+    from fp4rl.qat import convert
+
+    model, tokenizer = load_model(args.model)
+    if tokenizer is None:
+        raise SystemExit(f"{args.model} has no tokenizer; fp4rl generate needs one")
+    contract = PrecisionContract(args.precision)
+    convert(model, contract)
+    sampler = Sampler(model, tokenizer, kv_cache=args.kv_cache, dtype=getattr(torch, args.dtype))
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            greedy=args.greedy, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
+                            seed=args.seed)
+    if getattr(tokenizer, "chat_template", None) and not args.raw:
+        from fp4rl.tasks import apply_chat_template
+
+        prompt = apply_chat_template(tokenizer, args.prompt, tokenize=True)
+    else:
+        prompt = tokenizer(args.prompt)["input_ids"]
+    for c in sampler.generate([prompt], params):
+        if params.n > 1:
+            print(f"--- sample {c.sample_index} ({c.finish_reason}, {len(c.completion_ids)} tokens)")
+        print(c.text)
+    return 0

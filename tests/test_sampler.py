@@ -1,0 +1,268 @@
+"""Sampler: KV-cache decode vs full forward, parity with transformers, logprobs vs the trainer,
+routing replay, shared prefill, compaction, stop strings, seeds, packed linears, bad input."""
+
+import pytest
+import torch
+
+from fp4rl.grpo import token_logprobs
+from fp4rl.model import CausalLM, ModelConfig
+from fp4rl.precision import PrecisionContract
+from fp4rl.qat import NVFP4Linear, convert
+from fp4rl.sampler import Completion, PackedNVFP4Linear, Sampler, SamplingParams
+
+V = 128
+DENSE = dict(model_type="llama", vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+MOE = dict(DENSE, model_type="qwen3_moe", qk_norm=True, num_experts=8, num_experts_per_tok=2,
+           moe_intermediate_size=32, norm_topk_prob=True)
+PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13]]
+
+
+def tiny(config=DENSE, contract="bf16", seed=0):
+    """A random fp4rl model with peaked logits, converted with the contract preset."""
+    torch.manual_seed(seed)
+    model = CausalLM(ModelConfig(**config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.2)
+    return convert(model.eval(), PrecisionContract(contract))
+
+
+class CharTokenizer:
+    """A fake tokenizer: one token per ASCII character, 0 is EOS (a special token)."""
+
+    eos_token_id, pad_token_id = 0, 0
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0))
+
+
+def greedy_full_forward(model, prompt, steps):
+    """Greedy decoding by a full forward over the whole sequence at every step (no cache)."""
+    ids, logprobs = list(prompt), []
+    for _ in range(steps):
+        logits = model(torch.tensor([ids]))[0, -1].float()
+        t = int(logits.argmax())
+        logprobs.append(float(logits.log_softmax(-1)[t]))
+        ids.append(t)
+    return ids[len(prompt):], logprobs
+
+
+def trainer_logprobs(model, c: Completion, temperature=1.0, replay=True):
+    """What the trainer computes: a full forward over prompt + completion, scoring the completion."""
+    ids = torch.tensor([c.prompt_ids + c.completion_ids])
+    routing = [r[None] for r in c.routing] if replay and c.routing is not None else None
+    with torch.no_grad():
+        logits = model(ids[:, :-1], routing=routing) / temperature
+    return token_logprobs(logits, ids[:, 1:])[0, len(c.prompt_ids) - 1:]
+
+
+@pytest.mark.parametrize("config,contract", [(DENSE, "bf16"), (DENSE, "nvfp4-linear"), (MOE, "bf16"),
+                                             (MOE, "nvfp4-experts")])
+def test_greedy_kv_cache_decode_equals_full_forward(config, contract):
+    sampler = Sampler(tiny(config, contract), eos_token_ids=[])
+    out = sampler.generate(PROMPTS, SamplingParams(n=2, greedy=True, max_new_tokens=8))
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(p, s) for p in range(3) for s in range(2)]
+    for c in out:
+        assert c.completion_ids == out[2 * c.prompt_index].completion_ids
+    for c in out[::2]:
+        expected, logprobs = greedy_full_forward(sampler.model, PROMPTS[c.prompt_index], 8)
+        assert c.completion_ids == expected and c.finish_reason == "length"
+        assert c.prompt_ids == PROMPTS[c.prompt_index]
+        assert max(abs(a - b) for a, b in zip(c.logprobs, logprobs)) < 1e-5
+
+
+@pytest.mark.parametrize("config", [DENSE, MOE])
+def test_sampler_logprobs_equal_trainer_recompute_fp32(config):
+    trainer = tiny(config)
+    sampler = Sampler(trainer, eos_token_ids=[])
+    params = SamplingParams(n=3, temperature=0.7, top_k=40, top_p=0.9, max_new_tokens=12, seed=1)
+    out = sampler.generate(PROMPTS, params)
+    diffs = [float((trainer_logprobs(trainer, c, 0.7) - torch.tensor(c.logprobs)).abs().max()) for c in out]
+    assert max(diffs) < 1e-5
+    assert len({tuple(c.completion_ids) for c in out}) > 3  # it did sample
+
+
+def test_moe_routing_is_returned_and_replay_reproduces_the_sampler():
+    trainer = tiny(MOE, "nvfp4-experts")
+    sampler = Sampler(trainer, eos_token_ids=[])
+    out = sampler.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=8, seed=0))
+    top_k, num_moe = MOE["num_experts_per_tok"], len(trainer.config.moe_layers)
+    for c in out:
+        L = len(c.prompt_ids) + len(c.completion_ids)
+        assert c.routing.shape == (num_moe, L - 1, top_k) and c.routing.dtype == torch.long
+        ids = torch.tensor([c.prompt_ids + c.completion_ids])[:, :-1]
+        with torch.no_grad():
+            _, chosen = trainer(ids, return_routing=True)
+        assert torch.equal(torch.stack(chosen)[:, 0], c.routing)  # the router's own choices
+    # Perturb the trainer's routers: left alone it routes differently; replay forces the sampler's experts.
+    with torch.no_grad():
+        for name, p in trainer.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.add_(torch.randn_like(p) * 0.5)
+    c = out[0]
+    ids = torch.tensor([c.prompt_ids + c.completion_ids])[:, :-1]
+    with torch.no_grad():
+        _, free = trainer(ids, return_routing=True)
+        _, replayed = trainer(ids, routing=[r[None] for r in c.routing], return_routing=True)
+    assert not torch.equal(torch.stack(free)[:, 0], c.routing)
+    assert torch.equal(torch.stack(replayed)[:, 0], c.routing)
+
+
+def test_matches_transformers_generate_on_the_default_model():
+    transformers = pytest.importorskip("transformers")
+    from fp4rl.hf import default_model_dir, load_model
+
+    model, tokenizer = load_model("default")
+    convert(model, PrecisionContract("bf16"))
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(default_model_dir()), dtype=torch.float32).eval()
+    prompts = ["The capital of France is", "def fibonacci(n):\n    "]
+    sampler = Sampler(model, tokenizer)
+    out = sampler.generate(prompts, SamplingParams(greedy=True, max_new_tokens=12))
+    for prompt, c in zip(prompts, out):
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                              pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        if tokenizer.eos_token_id in ref:  # transformers pads after EOS; we stop
+            ref = ref[:ref.index(tokenizer.eos_token_id) + 1]
+        assert c.completion_ids == ref, (prompt, c.text)
+        assert c.text == tokenizer.decode(ref, skip_special_tokens=True)
+
+
+def test_n_samples_share_one_prefill_and_finished_rows_leave_the_batch():
+    sampler = Sampler(tiny(), eos_token_ids=[])
+    batch_sizes = []
+    embed = sampler.model.model.embed_tokens
+    embed.register_forward_pre_hook(lambda m, a: batch_sizes.append(tuple(a[0].shape)))
+    params = SamplingParams(n=3, greedy=True, max_new_tokens=6)
+    out = sampler.generate(PROMPTS, params)
+    assert batch_sizes[0] == (3, 7)  # one prefill of the 3 distinct prompts, padded to the longest
+    assert set(batch_sizes[1:]) == {(9, 1)}  # then 3 x 3 rows decode
+    for p in range(3):
+        assert len({tuple(c.completion_ids) for c in out if c.prompt_index == p}) == 1
+
+    # Make the second token of prompt 1's greedy completion an EOS: that row stops and leaves the batch.
+    eos = out[3].completion_ids[1]
+    sampler.eos_token_ids = {eos}
+    batch_sizes.clear()
+    stopped = sampler.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=6))
+    assert stopped[1].completion_ids == out[3].completion_ids[:2] and stopped[1].finish_reason == "eos"
+    assert batch_sizes[1] == (3, 1) and batch_sizes[-1][0] < 3
+    for c in stopped:
+        if eos not in c.completion_ids:  # the other rows are unchanged by their neighbour leaving
+            assert c.completion_ids == out[3 * c.prompt_index].completion_ids and c.finish_reason == "length"
+
+
+def test_stop_strings_end_the_completion_and_cut_the_text():
+    tokenizer = CharTokenizer()
+    sampler = Sampler(tiny(), tokenizer, eos_token_ids=[])
+    prompt = "Hello"
+    free = sampler.generate([prompt], SamplingParams(greedy=True, max_new_tokens=12))[0]
+    assert free.text == "".join(map(chr, free.completion_ids)) and free.finish_reason == "length"
+    stop = free.text[5:7]
+    first = free.text.find(stop)
+    c = sampler.generate([prompt], SamplingParams(greedy=True, max_new_tokens=12, stop=("\x7f" * 3, stop)))[0]
+    assert c.finish_reason == "stop"
+    assert c.text == free.text[:first]
+    assert c.completion_ids == free.completion_ids[:first + len(stop)]  # up to the token completing it
+    assert c.logprobs == free.logprobs[:len(c.completion_ids)]
+
+
+def test_seeds_are_reproducible_and_top_k_1_is_greedy():
+    sampler = Sampler(tiny(), eos_token_ids=[])
+    params = dict(n=4, temperature=1.3, max_new_tokens=10)
+    a = sampler.generate(PROMPTS, SamplingParams(**params, seed=7))
+    b = sampler.generate(PROMPTS, SamplingParams(**params, seed=7))
+    c = sampler.generate(PROMPTS, SamplingParams(**params, seed=8))
+    assert [x.completion_ids for x in a] == [x.completion_ids for x in b]
+    assert [x.logprobs for x in a] == [x.logprobs for x in b]
+    assert [x.completion_ids for x in a] != [x.completion_ids for x in c]
+    assert len({tuple(x.completion_ids) for x in a if x.prompt_index == 0}) > 1  # samples of a prompt differ
+
+    greedy = sampler.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=10))
+    for restricted in (dict(top_k=1), dict(top_p=1e-6)):
+        got = sampler.generate(PROMPTS, SamplingParams(max_new_tokens=10, seed=3, **restricted))
+        assert [x.completion_ids for x in got] == [x.completion_ids for x in greedy]
+        # logprobs are under the untruncated softmax (T = 1 here, as greedy), not renormalised to 0
+        assert [x.logprobs for x in got] == [x.logprobs for x in greedy]
+        assert all(lp < 0 for x in got for lp in x.logprobs)
+
+
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
+def test_packed_linear_computes_the_trainer_linear_exactly(mode):
+    trainer = tiny(DENSE, "nvfp4-linear" if mode == "w4a4" else "nvfp4-w4a16")
+    name = "model.layers.0.mlp.up_proj"
+    sampler = Sampler(trainer, eos_token_ids=[])
+    theirs, ours = trainer.get_submodule(name), sampler.model.get_submodule(name)
+    assert isinstance(theirs, NVFP4Linear) and isinstance(ours, PackedNVFP4Linear) and ours.mode == mode
+    assert not any(p.numel() == theirs.weight.numel() for p in ours.parameters())  # no master weight
+    x = torch.randn(3, 5, 64) * torch.logspace(-2, 2, 5)[:, None]
+    with torch.no_grad():
+        expected = theirs(x)
+    assert torch.equal(ours(x), expected)
+    ours.cache_dequantized = False
+    assert torch.equal(ours(x), expected)
+    mem = sampler.memory()
+    assert 0.28 < mem["packed_vs_bf16"] < 0.29  # 0.5625 B/param + one FP32 scale per linear, vs 2 B
+    assert mem["quantized_params"] == 2 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 96)  # layers 0-1 (2 is BF16)
+
+
+def test_the_sampler_copy_shares_nothing_with_the_trainer():
+    trainer = tiny(DENSE, "nvfp4-linear")
+    sampler = Sampler(trainer, eos_token_ids=[])
+    before = sampler.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=5))
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.mul_(-1.0)
+    after = sampler.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=5))
+    assert [c.completion_ids for c in before] == [c.completion_ids for c in after]
+    assert [c.policy_version for c in after] == [0, 0, 0]
+
+
+def test_a_bfloat16_sampler_computes_what_the_trainer_computes_on_bfloat16_inputs():
+    trainer = tiny(DENSE, "nvfp4-linear")
+    sampler = Sampler(trainer, eos_token_ids=[], dtype=torch.bfloat16)
+    assert {p.dtype for p in sampler.model.parameters()} == {torch.bfloat16}
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        k = trainer.get_submodule(name).in_features
+        with torch.no_grad():
+            torch.manual_seed(0)
+            x = torch.randn(4, k).bfloat16()
+            expected = trainer.get_submodule(name)(x)
+        got = sampler.model.get_submodule(name)(x)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+    out = sampler.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=3))
+    assert all(len(c.completion_ids) == 3 and all(lp <= 0 for lp in c.logprobs) for c in out)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(n=0), "n="), (dict(n=1.5), "n="), (dict(temperature=0.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"), (dict(max_new_tokens=0), "max_new_tokens"), (dict(stop="x"), "stop"),
+    (dict(stop=("",)), "stop"), (dict(seed="1"), "seed"), (dict(greedy=1), "greedy"),
+])
+def test_bad_sampling_params_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=f"SamplingParams.{match}"):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_are_refused_with_a_clear_error():
+    sampler = Sampler(tiny(), eos_token_ids=[])
+    params = SamplingParams(max_new_tokens=4)
+    cases = [([], "non-empty list"), ([[1, 2], []], "prompt 1 is empty"), ([[1, V]], "outside"),
+             ([[1, -1]], "outside"), (["text"], "no tokenizer"), ([[1.0]], "int token ids"),
+             ([list(range(62))], "context of 64"), ("abc", "non-empty list")]
+    for prompts, match in cases:
+        with pytest.raises(ValueError, match=match):
+            sampler.generate(prompts, params)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        sampler.generate([[1]], SamplingParams(stop=("x",)))
+    with pytest.raises(TypeError, match="SamplingParams"):
+        sampler.generate([[1]], dict(max_new_tokens=3))
+    with pytest.raises(ValueError, match="kv_cache"):
+        Sampler(tiny(), kv_cache="int8")
+    assert len(sampler.generate([list(range(60))], params)[0].completion_ids) == 4  # exactly fits
