@@ -1,0 +1,194 @@
+"""Weight sync: payload contents and size, in-place load with equality checks, refusal of corrupted or
+mismatched payloads (old weights kept), serialisation."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from fp4rl.model import CausalLM, ModelConfig
+from fp4rl.precision import PrecisionContract
+from fp4rl.qat import NVFP4Linear, convert, packed_state
+from fp4rl.sampler import Sampler, SamplingParams
+from fp4rl.weight_sync import Payload, build_payload, verify_equal
+
+CONFIG = dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+              tie_word_embeddings=True)
+MOE = dict(CONFIG, model_type="qwen2_moe", qkv_bias=True, num_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=32, shared_expert_intermediate_size=48, tie_word_embeddings=False)
+PROMPTS = [[3, 4, 5], [9, 1]]
+GREEDY = SamplingParams(greedy=True, max_new_tokens=6)
+
+
+def trainer(config=CONFIG, preset="nvfp4-linear", seed=0):
+    torch.manual_seed(seed)
+    model = CausalLM(ModelConfig(**config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.2)
+    contract = PrecisionContract(preset)
+    return convert(model.eval(), contract), contract
+
+
+def optimizer_step(model, seed=1):
+    """Change every parameter in place, as an optimizer step does."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def snapshot(sampler):
+    return {k: v.clone() for k, v in sampler.model.state_dict().items()}
+
+
+def assert_unchanged(sampler, before, version):
+    after = sampler.model.state_dict()
+    assert all(torch.equal(after[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
+               for k, v in before.items())
+    assert sampler.policy_version == version
+
+
+def test_payload_ships_the_bytes_the_trainer_forward_used_at_4_5_bits_per_param():
+    model, contract = trainer()
+    payload = build_payload(model, contract, version=3)
+    quantized = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    assert set(payload.packed) == set(quantized) and len(quantized) == 14  # 7 linears x layers 0-1
+    for name, q in payload.packed.items():
+        assert q is quantized[name].quantized_weight()  # the forward's cached Q(W) itself
+    assert 4.5 < payload.bits_per_quantized_param <= 4.6
+    assert payload.packed_bytes == sum(q.nbytes for q in packed_state(model).values())
+    # the rest in BF16, tied embeddings once, no master weight of a quantized linear
+    assert {t.dtype for t in payload.dense.values()} == {torch.bfloat16}
+    assert "model.embed_tokens.weight" in payload.dense and "lm_head.weight" not in payload.dense
+    assert not set(payload.dense) & set(quantized)
+    assert payload.nbytes == payload.packed_bytes + payload.dense_bytes
+    assert "bits/param" in payload.summary()
+
+
+@pytest.mark.parametrize("config,preset", [(CONFIG, "nvfp4-linear"), (MOE, "nvfp4-experts")])
+def test_load_applies_a_training_step_in_place_and_proves_byte_equality(config, preset):
+    model, contract = trainer(config, preset)
+    sampler = Sampler(model, eos_token_ids=[])
+    old = sampler.generate(PROMPTS, GREEDY)
+    buffers = {k: v.data_ptr() for k, v in sampler.model.state_dict().items()}
+    optimizer_step(model)
+    with pytest.raises(ValueError, match="differs from the bytes"):
+        verify_equal(sampler, model)  # stale sampler
+    payload = build_payload(model, contract, version=1, dense_dtype=torch.float32)
+    sampler.load(payload, verify=True)
+    verify_equal(sampler, model)
+    assert sampler.policy_version == 1
+    assert {k: v.data_ptr() for k, v in sampler.model.state_dict().items()} == buffers  # in place
+    new = sampler.generate(PROMPTS, GREEDY)
+    fresh = Sampler(model, eos_token_ids=[]).generate(PROMPTS, GREEDY)
+    assert [c.completion_ids for c in new] == [c.completion_ids for c in fresh]
+    assert [c.logprobs for c in new] == [c.logprobs for c in fresh]  # dequantized caches were rebuilt
+    assert [c.logprobs for c in new] != [c.logprobs for c in old]
+    assert {c.policy_version for c in new} == {1}
+
+
+def test_dense_tensors_travel_in_bf16_by_default():
+    model, contract = trainer()
+    sampler = Sampler(model)
+    optimizer_step(model)
+    sampler.load(build_payload(model, contract, version=1), verify=True)
+    ours = dict(sampler.model.named_parameters())["model.norm.weight"]
+    assert torch.equal(ours, model.model.norm.weight.detach().bfloat16().float())
+    verify_equal(sampler, model)  # packed bytes are exact whatever dense_dtype is
+
+
+def _flip_byte(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    t.reshape(-1).view(torch.uint8)[t.numel() * t.element_size() // 2] ^= 0x10
+    return t
+
+
+def test_a_corrupted_payload_is_refused_and_the_old_weights_are_kept():
+    model, contract = trainer()
+    sampler = Sampler(model)
+    optimizer_step(model)
+    good = build_payload(model, contract, version=1)
+    before = snapshot(sampler)
+    name = "model.layers.1.mlp.down_proj.weight"
+    corruptions = {
+        "packed data": dataclasses.replace(good, packed={**good.packed, name: dataclasses.replace(
+            good.packed[name], data=_flip_byte(good.packed[name].data))}),
+        "block scale": dataclasses.replace(good, packed={**good.packed, name: dataclasses.replace(
+            good.packed[name], block_scale=_flip_byte(good.packed[name].block_scale))}),
+        "dense": dataclasses.replace(good, dense={**good.dense, "model.norm.weight": _flip_byte(
+            good.dense["model.norm.weight"])}),
+    }
+    for what, payload in corruptions.items():
+        with pytest.raises(ValueError, match="does not match its checksum"):
+            sampler.load(payload, verify=True)
+        assert_unchanged(sampler, before, 0), what
+    relabelled = dataclasses.replace(good, version=5)  # version changed without resealing
+    with pytest.raises(ValueError, match="digest"):
+        sampler.load(relabelled)
+    assert_unchanged(sampler, before, 0)
+    sampler.load(good)  # the intact payload still applies
+    assert sampler.policy_version == 1
+
+
+def test_mismatched_or_stale_payloads_are_refused_and_the_old_weights_are_kept():
+    model, contract = trainer()
+    sampler = Sampler(model)
+    sampler.load(build_payload(model, contract, version=2))
+    before = snapshot(sampler)
+    other_shape, _ = trainer(dict(CONFIG, intermediate_size=128))
+    w4a16, w4a16_contract = trainer(preset="nvfp4-w4a16")
+    missing = build_payload(model, contract, version=3)
+    missing.dense.pop("model.norm.weight")
+    cases = [
+        (build_payload(model, contract, version=1), "older than the sampler's policy v2"),
+        (build_payload(other_shape, contract, version=3),
+         r"gate_proj.weight.data is torch.uint8 \[128, 32\] in the payload, the sampler holds"),
+        (build_payload(w4a16, w4a16_contract, version=3), "w4a16 in the payload, w4a4 in the sampler"),
+        (missing.seal(), "dense tensors do not match .*missing \\['model.norm.weight'\\]"),
+        (build_payload(trainer(MOE, "nvfp4-experts")[0], PrecisionContract("nvfp4-experts"), version=3),
+         "packed tensors do not match"),
+    ]
+    for payload, match in cases:
+        with pytest.raises(ValueError, match=match):
+            sampler.load(payload)
+        assert_unchanged(sampler, before, 2)
+    with pytest.raises(TypeError, match="Payload"):
+        sampler.load({"version": 3})
+    sampler.load(build_payload(model, contract, version=2))  # the same version again: an idempotent re-push
+
+
+def test_build_payload_refuses_a_model_converted_with_another_contract():
+    model, _ = trainer(preset="nvfp4-linear")
+    with pytest.raises(ValueError, match="not converted with this contract"):
+        build_payload(model, PrecisionContract("nvfp4-w4a16"), version=1)
+    with pytest.raises(ValueError, match="not converted with this contract"):
+        build_payload(model, PrecisionContract("nvfp4-linear", bf16_last_fraction=0.0), version=1)
+    with pytest.raises(ValueError, match="version"):
+        build_payload(model, PrecisionContract("nvfp4-linear"), version=-1)
+
+
+def test_payload_round_trips_through_bytes_and_files(tmp_path):
+    model, contract = trainer()
+    sampler = Sampler(model, eos_token_ids=[])
+    optimizer_step(model)
+    payload = build_payload(model, contract, version=4)
+    blob = payload.to_bytes()
+    assert len(blob) < payload.nbytes + 64 * 1024  # tensors plus a JSON header
+    again = Payload.from_bytes(blob)
+    assert again.digest == payload.digest and again.checksums == payload.checksums
+    again.check()
+    payload.save(tmp_path / "v4.fp4rl")
+    from_file = Payload.load(tmp_path / "v4.fp4rl")
+    sampler.load(from_file, verify=True)
+    verify_equal(sampler, model)
+
+    before = snapshot(sampler)
+    tampered = bytearray(blob)
+    tampered[-100] ^= 0x01  # inside the tensor data
+    with pytest.raises(ValueError, match="does not match its checksum"):
+        sampler.load(Payload.from_bytes(bytes(tampered)))
+    assert_unchanged(sampler, before, 4)
+    with pytest.raises(ValueError, match="not a readable fp4rl payload"):
+        Payload.from_bytes(blob[:1000])
