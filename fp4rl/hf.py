@@ -46,6 +46,10 @@ def load_model(name_or_path: str | os.PathLike = "default", dtype: torch.dtype |
     The tokenizer is None (with a warning) when the directory has no tokenizer files.
     """
     path = default_model_dir(convert=True) if str(name_or_path) == "default" else _resolve(name_or_path)
+    from fp4rl.export_import import is_exported, load_exported  # imports this module
+
+    if is_exported(path):  # an NVFP4 ModelOpt / compressed-tensors checkpoint
+        return load_exported(path, dtype=dtype, device=device)[:2]
     config = load_config(path)
     dtype = _pick_dtype(dtype, config, device)
     model = build_model(config, load_state_dict(path), dtype=dtype, device=device)

@@ -1,0 +1,165 @@
+"""The files of an NVFP4 export directory: safetensors shards, JSON configs, README.md, and
+fp4rl_manifest.json, which records the size and sha256 of every file so a load can refuse a
+file that changed after export.
+
+The directory is written into a temporary sibling and renamed into place, so OUT is either
+complete or absent; an existing non-empty OUT is replaced only when asked (overwrite=True).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+MANIFEST = "fp4rl_manifest.json"
+INDEX_FILE = "model.safetensors.index.json"
+# Files whose presence changes what a loader reads: any of them not in the manifest is refused.
+_CHECKED_SUFFIXES = (".safetensors", ".json")
+
+
+def readme(name: str, manifest: dict, summary: str) -> str:
+    """README.md of an export: what it holds and the commands that serve it."""
+    fmt, act = manifest["format"], manifest["activations"]
+    if fmt == "modelopt":
+        vllm = f"vllm serve ./{name} --quantization modelopt_fp4"
+        sglang = (f"python -m sglang.launch_server --model-path ./{name} --quantization modelopt_fp4"
+                  if act == "w4a4" else
+                  "# SGLang's ModelOpt loader reads quant_algo FP8/NVFP4 only; for W4A16 export with "
+                  "--format compressed-tensors")
+    else:
+        vllm = f"vllm serve ./{name}"
+        sglang = f"python -m sglang.launch_server --model-path ./{name} --quantization compressed-tensors"
+    calib = manifest["calibration"]
+    scales = ("no input scales (activations stay BF16)" if calib is None else
+              f"static input scales from the activation amax over {calib['prompts']} calibration prompts "
+              f"({calib['tokens']} tokens; {calib['source']})")
+    gs = manifest["global_scales"]
+    return f"""# {name}: NVFP4 ({fmt}, {act.upper()}) exported by fp4rl {manifest['producer']['version']}
+
+Source: `{manifest['source'] or 'in-memory model'}`. Every quantized linear holds the bytes the
+trainer's forward computed with: E2M1 codes, E4M3 scales per 16 values (4/6 scales are ordinary
+E4M3 values), one FP32 global scale per tensor, shared by q/k/v and by gate/up. Unquantized
+tensors are {manifest['dtype']}; the {manifest['excluded_modules']} BF16 modules are listed in the
+exclude/ignore list. W4A4: {scales}. Global scales exactly as trained: {gs['exact']} of {gs['tensors']}.
+
+## Serve
+
+```bash
+{vllm}
+{sglang}
+```
+
+fp4rl quantizes activations per token, online; the static input scales here serve engines that
+use one scale per tensor. Engines that scale activations per token ignore them: SGLang's
+FlashInfer TRT-LLM MoE path with `SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION=1`, and the online
+modes that quantize a BF16 checkpoint themselves (vLLM `--quantization nvfp4_per_token`, SGLang
+`--quantization nvfp4_online`, Blackwell only: serve the BF16 run checkpoint for those).
+On Hopper, vLLM runs NVFP4 weights through its FP4 Marlin kernel with BF16 activations (W4A16);
+SGLang's `modelopt_fp4` needs Blackwell (SM100). These commands follow the vLLM/SGLang loaders'
+source; they were not run by the exporter.
+
+## Load back into fp4rl (evaluate, or continue RL from the served weights)
+
+```python
+import fp4rl
+model, tokenizer = fp4rl.load_model("./{name}")  # checks {MANIFEST}: sha256 of every file
+```
+
+## Precision contract
+
+```
+{summary}
+```
+"""
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_safetensors(tensors: dict, out: Path, max_shard_bytes: int) -> None:
+    shards, size = [{}], 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name], size = tensors[name], size + nbytes
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def write_dir(out: Path, write, overwrite: bool) -> Path:
+    """write(tmp) into a temporary sibling, then rename it to OUT: OUT is complete or absent."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(f"export: {out} exists and is not empty; pass overwrite=True (--force) to "
+                              "replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write(tmp)
+        tmp.chmod(0o755)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / out.name)
+            os.rename(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def write_json(file: Path, obj: dict) -> None:
+    with open(file, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def verify_manifest(path: str | os.PathLike) -> dict:
+    """Check every file listed in path/fp4rl_manifest.json (size, then sha256) and that no
+    safetensors or JSON file was added; -> the manifest. Raises ValueError naming the file."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path / MANIFEST} is not a valid fp4rl manifest ({e}); the export is damaged: "
+                         "export again") from e
+    for name, entry in sorted(files.items()):
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"{file} is listed in {MANIFEST} but missing: the export is incomplete")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise ValueError(f"{file} is {size} bytes, {MANIFEST} says {entry['bytes']}: it was truncated or "
+                             "altered after export; export again")
+        if sha256(file) != entry["sha256"]:
+            raise ValueError(f"{file} does not match its sha256 in {MANIFEST}: it was altered after export; "
+                             "export again")
+    extra = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != MANIFEST
+                   and p.name.endswith(_CHECKED_SUFFIXES) and p.name not in files)
+    if extra:
+        raise ValueError(f"{path / extra[0]} is not in {MANIFEST}: it was added after export "
+                         f"({len(extra)} such file(s)); remove it or export again")
+    return manifest
