@@ -395,3 +395,16 @@ def test_cuda_stochastic_rounding_is_reproducible():
     a = nvfp4.quantize(x, rounding="stochastic", generator=gen(1, "cuda"))
     b = nvfp4.quantize(x, rounding="stochastic", generator=gen(1, "cuda"))
     assert torch.equal(a.data, b.data)
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------
+def test_bench_quantize_runs_and_4_over_6_wins(tmp_path, capsys):
+    from fp4rl.cli import main
+
+    results = tmp_path / "RESULTS.md"
+    assert main(["bench", "quantize", "--size", "64", "--snr-size", "128", "--repeats", "1",
+                 "--results", str(results)]) == 0
+    text = results.read_text()
+    assert text.startswith("\n## quantize\n") and "| quantize 1x16, tensor scale, 4/6 mae |" in text
+    assert "Command: `fp4rl bench quantize --size 64" in text
+    assert "| normal N(0, 1) | 1x16 |" in capsys.readouterr().out
