@@ -210,6 +210,9 @@ def export_model(model: nn.Module, contract: PrecisionContract, out: str | os.Pa
 
 def _check_servable(model: nn.Module, resolved: dict[str, str], packed: dict) -> None:
     """Refuse what a server would load differently from how it was trained (see module docstring)."""
+    if model.config.tie_word_embeddings and "lm_head.weight" in packed:
+        raise ValueError("export: lm_head is NVFP4 but tied to embed_tokens (tie_word_embeddings); a "
+                         "checkpoint stores the tied weight once, as the embedding. Keep lm_head BF16")
     for parent_name, parent in model.named_modules():
         prefix = f"{parent_name}." if parent_name else ""
         for names in FUSED_GROUPS:

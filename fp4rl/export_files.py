@@ -45,8 +45,9 @@ def readme(name: str, manifest: dict, summary: str) -> str:
 Source: `{manifest['source'] or 'in-memory model'}`. Every quantized linear holds the bytes the
 trainer's forward computed with: E2M1 codes, E4M3 scales per 16 values (4/6 scales are ordinary
 E4M3 values), one FP32 global scale per tensor, shared by q/k/v and by gate/up. Unquantized
-tensors are {manifest['dtype']}; the {manifest['excluded_modules']} BF16 modules are listed in the
-exclude/ignore list. W4A4: {scales}. Global scales exactly as trained: {gs['exact']} of {gs['tensors']}.
+tensors are {manifest['dtype']}; the modules the contract keeps BF16 are the exclude/ignore list
+({manifest['excluded_modules']} entries). Activations: {scales}. Global scales exactly as trained:
+{gs['exact']} of {gs['tensors']}.
 
 ## Serve
 
@@ -60,9 +61,10 @@ use one scale per tensor. Engines that scale activations per token ignore them: 
 FlashInfer TRT-LLM MoE path with `SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION=1`, and the online
 modes that quantize a BF16 checkpoint themselves (vLLM `--quantization nvfp4_per_token`, SGLang
 `--quantization nvfp4_online`, Blackwell only: serve the BF16 run checkpoint for those).
-On Hopper, vLLM runs NVFP4 weights through its FP4 Marlin kernel with BF16 activations (W4A16);
-SGLang's `modelopt_fp4` needs Blackwell (SM100). These commands follow the vLLM/SGLang loaders'
-source; they were not run by the exporter.
+Routed-expert layers kept BF16 (the last-layer rule) need a server that honours the exclude list
+for its fused MoE modules (vLLM does); check yours. On Hopper, vLLM runs NVFP4 weights through
+its FP4 Marlin kernel with BF16 activations (W4A16); SGLang's `modelopt_fp4` needs Blackwell
+(SM100). These commands follow the vLLM/SGLang loaders' source; the exporter did not run them.
 
 ## Load back into fp4rl (evaluate, or continue RL from the served weights)
 

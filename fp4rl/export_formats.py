@@ -6,12 +6,13 @@ NVFP4Tensor holds, under different names and with the global scale in different 
     ModelOpt (hf_quant_config.json, quant_algo "NVFP4" = W4A4 or "W4A16_NVFP4"):
         name.weight          uint8 [N, K/2]     E2M1 codes, element 2i in the low nibble
         name.weight_scale    float8_e4m3fn [N, K/16]
-        name.weight_scale_2  float32 []         DECODE direction: g = amax/2688, fp4rl's own
+        name.weight_scale_2  float32 []         DECODE direction: g = amax/2688 (amax/1536 with
+                                                4/6 weights), fp4rl's own
         name.input_scale     float32 []         DECODE direction, W4A4 only
     compressed-tensors (config.json quantization_config, format "nvfp4-pack-quantized"):
         name.weight_packed        uint8 [N, K/2]
         name.weight_scale         float8_e4m3fn [N, K/16]
-        name.weight_global_scale  float32 [1]   ENCODE direction: G = 2688/amax
+        name.weight_global_scale  float32 [1]   ENCODE direction: G = 1/g
         name.input_global_scale   float32 [1]   ENCODE direction, W4A4 only
 
 A value decodes as e2m1 * block_scale * g. The codes and block scales are written byte for

@@ -25,6 +25,7 @@ that hold no NVFP4 linear as the BF16 last layers), else explicit per-module rul
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -75,6 +76,12 @@ def load_exported(path: str | os.PathLike, dtype: torch.dtype | str | None = Non
     dtype = _pick_dtype(dtype, model_config, device)
 
     tensors = load_state_dict(path)
+    kv_scales = [k for k in tensors if k.endswith((".k_scale", ".v_scale"))]
+    if kv_scales:
+        warnings.warn(f"{path}: ignoring {len(kv_scales)} FP8 KV-cache scales (e.g. {kv_scales[0]}); fp4rl "
+                      "chooses its KV cache format itself", stacklevel=2)
+        for k in kv_scales:
+            del tensors[k]
     packed = {}
     for name in fmt.quantized_names(tensors):
         if excluded(name, exclude):
@@ -147,7 +154,8 @@ def _contract(model, quantized: set[str], activations: str, manifest: dict | Non
     base = dict(preset="nvfp4-linear", rules=(), bf16_last_fraction=last / num_layers if num_layers else 0.15)
     bases = [base]
     if manifest is not None and isinstance(manifest.get("precision"), dict):  # fp4rl's own export
-        p = dict(manifest["precision"])
+        fields = {f.name for f in dataclasses.fields(PrecisionContract)}
+        p = {k: v for k, v in manifest["precision"].items() if k in fields}
         bases.insert(0, {**p, "rules": tuple(tuple(r) for r in p.get("rules", ()))})
         settings = {k: v for k, v in p.items() if k not in ("preset", "rules", "bf16_last_fraction")}
         base.update(settings)

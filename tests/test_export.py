@@ -435,3 +435,24 @@ def test_cli_exports_a_run_checkpoint_with_its_contract_and_tokenizer(tmp_path):
         export(base, tmp_path / "nope")
     export(base, tmp_path / "from_model", precision="nvfp4-experts", calib_prompts=1)
     assert (tmp_path / "from_model" / "tokenizer.json").is_file()
+
+
+def test_sharded_export_and_a_checkpoint_without_manifest(tmp_path):
+    model = tiny("qwen3_moe")
+    out = export_model(model, PrecisionContract("nvfp4-linear"), tmp_path / "out",
+                       format="compressed-tensors", max_shard_bytes=30_000, calib_prompts=1)
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (out / "model.safetensors.index.json").is_file()
+    assert set(shards) <= set(json.loads((out / MANIFEST).read_text())["files"])
+    with torch.no_grad():
+        expected = model(IDS)
+    (out / MANIFEST).unlink()  # as a checkpoint from another producer: no integrity check, no contract
+    with pytest.warns(UserWarning, match="no fp4rl_manifest.json"):
+        loaded, _ = fp4rl.load_model(out)
+    with torch.no_grad():
+        got = loaded(IDS)
+    exact = all(torch.equal(reciprocal(encode_global_scale(q.global_scale)), q.global_scale)
+                for q in packed_state(model).values())
+    assert torch.equal(got, expected) if exact else torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+    recovered = loaded.precision_contract  # from the files alone: 3 of 4 layers NVFP4
+    assert (recovered.preset, recovered.bf16_last_fraction, recovered.rules) == ("nvfp4-linear", 0.25, ())
