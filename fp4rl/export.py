@@ -130,9 +130,6 @@ def export_model(model: nn.Module, contract: PrecisionContract, out: str | os.Pa
         raise ValueError(f"export: dtype={dtype!r} must be a floating torch dtype (e.g. bfloat16)")
     fmt = FORMAT_CLASSES[format]
     resolved = contract.resolve(model)
-    modules = dict(model.named_modules())
-    if any(getattr(modules[n], "mode", "bf16") != p for n, p in resolved.items()):
-        convert(model, contract)  # else keep its NVFP4Linears: their cached bytes are the forward's
     modes = {p for p in resolved.values() if p != "bf16"}
     if not modes:
         raise ValueError(f"export: the precision contract (preset {contract.preset!r}) quantizes no linear; "
@@ -144,6 +141,13 @@ def export_model(model: nn.Module, contract: PrecisionContract, out: str | os.Pa
         (activations,) = modes
     if activations not in ACTIVATIONS:
         raise ValueError(f"export: activations={activations!r}; use one of {ACTIVATIONS}")
+    if modes != {activations}:
+        warnings.warn(f"export: linears trained {sorted(modes)} are exported {activations}: the server "
+                      f"{'quantizes' if activations == 'w4a4' else 'does not quantize'} their activations, "
+                      "so it computes another function than the trainer did", stacklevel=2)
+    modules = dict(model.named_modules())
+    if any(getattr(modules[n], "mode", "bf16") != p for n, p in resolved.items()):
+        convert(model, contract)  # else keep its NVFP4Linears: their cached bytes are the forward's
     packed = packed_state(model)  # {name.weight: the bytes the forward computes with}
     _check_servable(model, resolved, packed)
     quantized = sorted(k.removesuffix(".weight") for k in packed)
@@ -162,7 +166,7 @@ def export_model(model: nn.Module, contract: PrecisionContract, out: str | os.Pa
     tensors = {}
     tied = model.config.tie_word_embeddings
     for key, t in model.state_dict().items():
-        module, _, field = key.rpartition(".")
+        module = key.rpartition(".")[0]
         if tied and key == "lm_head.weight":
             continue
         if key in packed:

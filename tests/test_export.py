@@ -2,6 +2,7 @@
 oracles, the config fields vLLM/SGLang read, export -> import -> identical logits, tampering."""
 
 import argparse
+import contextlib
 import json
 import shutil
 
@@ -19,6 +20,7 @@ from fp4rl.nvfp4 import E2M1_TABLE, NVFP4Tensor, dequantize, unpack_fp4
 from fp4rl.precision import PrecisionContract, is_linear
 from fp4rl.qat import NVFP4Linear, convert, packed_state
 
+pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer files")  # tiny models have none
 POW2_CODES = torch.tensor([0, 1, 2, 4, 6, 8, 9, 10, 12, 14])  # |e2m1| in {0, .5, 1, 2, 4}: order-free
 
 
@@ -53,10 +55,18 @@ def tiny(model_type="llama", layers=4, seed=0):
 IDS = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
 
 
+def export_as(model, preset, out, fmt, activations, **kw):
+    """export_model, which warns when the activation mode is not the one the model was trained in."""
+    trained = "w4a16" if preset == "nvfp4-w4a16" else "w4a4"
+    warns = activations not in (None, trained)
+    with pytest.warns(UserWarning, match="another function") if warns else contextlib.nullcontext():
+        return export_model(model, PrecisionContract(preset), out, format=fmt, activations=activations, **kw)
+
+
 def exported(tmp_path_factory, model_type, preset, fmt, activations=None, **kw):
     model = tiny(model_type)
     out = tmp_path_factory.mktemp("export") / "out"
-    export_model(model, PrecisionContract(preset), out, format=fmt, activations=activations, **kw)
+    export_as(model, preset, out, fmt, activations, **kw)
     return model, out, load_file(out / "model.safetensors"), json.loads((out / "config.json").read_text())
 
 
@@ -273,8 +283,7 @@ CASES = [  # (model, preset, format, activations)
 def test_export_import_gives_the_served_model(tmp_path, model_type, preset, fmt, activations):
     model = tiny(model_type)
     contract = PrecisionContract(preset)
-    out = export_model(model, contract, tmp_path / "out", format=fmt, activations=activations,
-                       calib_prompts=3)
+    out = export_as(model, preset, tmp_path / "out", fmt, activations, calib_prompts=3)
     packed = packed_state(model)
     served_g = {k: (q.global_scale if fmt == "modelopt" else reciprocal(encode_global_scale(q.global_scale)))
                 for k, q in packed.items()}
@@ -395,10 +404,12 @@ def test_refuses_what_a_server_would_run_differently(tmp_path):
     with pytest.raises(ValueError, match="mixes.*activations="):
         attempt(tiny(), mixed)
     assert not (tmp_path / "x").exists()  # nothing half-written
-    attempt(tiny(), mixed, activations="w4a16")
-    with pytest.raises(FileExistsError, match="overwrite=True"):
+    with pytest.warns(UserWarning, match=r"trained \['w4a16', 'w4a4'\] are exported w4a16"):
         attempt(tiny(), mixed, activations="w4a16")
-    attempt(tiny(), mixed, activations="w4a16", overwrite=True)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        attempt(tiny(), PrecisionContract("nvfp4-linear"))
+    attempt(tiny(), PrecisionContract("nvfp4-linear"), overwrite=True)
+    assert json.loads((tmp_path / "x" / MANIFEST).read_text())["activations"] == "w4a4"
 
 
 def test_cli_exports_a_run_checkpoint_with_its_contract_and_tokenizer(tmp_path):
