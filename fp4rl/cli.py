@@ -13,7 +13,9 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("fp4rl.benchmarks", "run a benchmark (quantize, memory, rollout, ...)"),
+    "generate": ("fp4rl.sampler", "sample a completion for one prompt (chat template applied)"),
+    "export": ("fp4rl.export", "write an NVFP4 checkpoint for vLLM/SGLang (ModelOpt or compressed-tensors)"),
+    "bench": ("fp4rl.benchmarks", "run a benchmark (quantize, memory, rollout, gpu_kernels)"),
     "plot": ("fp4rl.metrics", "draw a run's curves as PNGs into RUN_DIR/plots/"),
 }
 
