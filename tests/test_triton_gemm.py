@@ -57,6 +57,9 @@ def test_fallback_and_configs_agree():
     y_fb = gemm.gemm(x, w, config=gemm.FALLBACK)  # reference dequantize -> bf16, then matmul
     assert _rel(y_fb, ref) < TOL_BF16
     assert _rel(gemm.gemm(x, w), ref) < TOL
+    for swap in (True, False):  # many-row tiles interleave W back to natural order instead of splitting x
+        cfg = dict(SWAP=swap, BM=64, BN=32, BK=64, SPLIT_K=2 if swap else 1, num_warps=4, num_stages=1)
+        assert _rel(gemm.gemm(x, w, config=cfg), ref) < TOL
 
 
 def test_grouped_with_empty_experts():

@@ -21,7 +21,11 @@ merges the partial results, so one launch does it all.
 Arithmetic: scores = (q . (e2m1 * s_blk)) * (g_tok * sm_scale): the exact bfloat16 products
 e2m1 * s_blk enter the MMA, the per-token scale is applied to the FP32 scores, not to every
 element. For V the per-token scale is folded into the probabilities before their bfloat16
-rounding (p * g_tok), again one multiply per token rather than per element.
+rounding (p * g_tok), again one multiply per token rather than per element. The FP8 cache is
+computed in FP16 (q converted once; |q| must stay below 65504), because Hopper converts FP8
+to FP16 in one instruction per two values and to BF16 only through FP32; its probabilities
+are scaled by g_tok / max(g_tok over the tile) so that small scales do not fall into FP16
+subnormals.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ def _decode_attn_kernel(
         acc_lo = tl.zeros((GP, DH), tl.float32)
         acc_hi = tl.zeros((GP, DH), tl.float32)
     else:
+        q16 = q.to(tl.float16)  # FP8 -> FP16 is one hardware conversion per 2 values; FP8 -> BF16 is not
         acc = tl.zeros((GP, D), tl.float32)
 
     for t0 in range(t_lo, t_hi, BT):
@@ -88,24 +93,29 @@ def _decode_attn_kernel(
             s = dot_acc(q_hi, tl.trans(k_hi), s, INTERP)  # [GP, BT]
         else:
             kt = tl.load(k_base + t[:, None] * stride_kt + tl.arange(0, D)[None, :], mask=tmask[:, None],
-                         other=0.0).to(tl.bfloat16)  # [BT, D], exact
-            s = dot_acc(q, tl.trans(kt), tl.zeros((GP, BT), tl.float32), INTERP)
+                         other=0.0).to(tl.float16)  # [BT, D], exact
+            s = dot_acc(q16, tl.trans(kt), tl.zeros((GP, BT), tl.float32), INTERP)
         s = s * (kg * sm_scale_log2)[None, :]  # log2-domain scores
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # [GP, BT]
         l_i = l_i * alpha + tl.sum(p, 1)
-        pv = (p * vg[None, :]).to(tl.bfloat16)
         if FP4:
+            pv = (p * vg[None, :]).to(tl.bfloat16)
             v_lo, v_hi = load_unpacked(v_base, vs_base, t, tmask, 0, DH, stride_vt, stride_vst,
                                        BT, DH, USE_ASM)
             acc_lo = dot_acc(pv, v_lo, acc_lo * alpha[:, None], INTERP)
             acc_hi = dot_acc(pv, v_hi, acc_hi * alpha[:, None], INTERP)
         else:
             vt = tl.load(v_base + t[:, None] * stride_vt + tl.arange(0, D)[None, :], mask=tmask[:, None],
-                         other=0.0).to(tl.bfloat16)
-            acc = dot_acc(pv, vt, acc * alpha[:, None], INTERP)
+                         other=0.0).to(tl.float16)
+            # p * g_tok in FP16 would lose tiny scales to subnormals: divide by the tile's largest g
+            v_max = tl.max(vg, 0)
+            v_max = tl.where(v_max > 0.0, v_max, 1.0)
+            pv = (p * (vg / v_max)[None, :]).to(tl.float16)
+            pv_acc = dot_acc(pv, vt, tl.zeros((GP, D), tl.float32), INTERP)
+            acc = acc * alpha[:, None] + pv_acc * v_max
         m_i = m_new
 
     # ---- publish this split, the last one merges: o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s

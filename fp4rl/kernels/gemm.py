@@ -24,11 +24,12 @@ arithmetic; against the reference dequantize (which rounds (e2m1 * s) * g to bfl
 element before a bfloat16 matmul) it differs by bfloat16 rounding, i.e. within bfloat16 GEMM
 tolerance, and it spends no instruction per element on g.
 
-Dispatch (``linear``): rows <= 64 take the decode kernel, more rows the prefill kernel, and
-beyond the measured crossover a dequantize-then-cuBLAS path (a one-off bf16 copy of W per call:
-2.56 B/element of traffic, small next to an M x N x K GEMM once M is in the thousands). The
-crossover and each shape's tile configuration are measured on first use per (rows bucket, N,
-K) on the GPU (``tune``), never assumed.
+Dispatch (``linear``): for each (rows bucket, N, K) the candidates are timed once on the GPU
+(``tune``; call once before CUDA-graph capture) and the fastest is kept: the transposed kernel
+(rows <= 256: the weights are unpacked exactly once per call when the rows fit one tile), the
+tiled prefill kernel (rows > 32), and for rows > 64 a dequantize-then-cuBLAS path (a bf16 copy
+of W made per call: 2.56 B/element of extra traffic, small next to an M x N x K GEMM once M is
+in the thousands). Nothing is assumed about where the crossovers lie.
 """
 
 from __future__ import annotations
@@ -42,13 +43,11 @@ from fp4rl.kernels._common import (
     COMPILED,
     INTERPRET,
     dot_acc,
-    e2m1_value,
-    e4m3_to_f32,
     load_unpacked,
     with_asm_fallback,
 )
 
-DECODE_MAX_ROWS = 64
+DECODE_MAX_ROWS = 256  # rows up to this take the transposed (weights-as-M) kernel
 
 
 @triton.jit
@@ -60,7 +59,7 @@ def _w4_gemm_kernel(
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_ym,
     GROUPED: tl.constexpr, XQ: tl.constexpr, WG_ROW: tl.constexpr, SWAP: tl.constexpr,
     SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    USE_ASM: tl.constexpr, INTERP: tl.constexpr,
+    USE_ASM: tl.constexpr, INTERP: tl.constexpr, EVEN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -106,7 +105,7 @@ def _w4_gemm_kernel(
             acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kb0 in range(kb_lo, kb_hi, BKH):
             w_lo, w_hi = load_unpacked(w_base, ws_base, rows_n, mask_n, kb0, KH, stride_wn, stride_wsn,
-                                       BN, BKH, USE_ASM)  # [BN, BKH] each: even / odd k
+                                       BN, BKH, USE_ASM, EVEN)  # [BN, BKH] each: even / odd k
             if XQ:
                 x_lo, x_hi = load_unpacked(x_ptr, xs_ptr, rows_m, mask_m, kb0, KH, stride_xm, stride_xsm,
                                            BM, BKH, USE_ASM)  # [BM, BKH]
@@ -114,13 +113,23 @@ def _w4_gemm_kernel(
                 k = 2 * kb0 + tl.arange(0, BK)
                 xt = tl.load(x_ptr + rows_m[:, None] * stride_xm + k[None, :],
                              mask=mask_m[:, None] & (k[None, :] < K), other=0.0)  # [BM, BK]
-                x_lo, x_hi = tl.split(tl.reshape(xt, (BM, BKH, 2)))
-            if SWAP:
-                acc = dot_acc(w_lo, tl.trans(x_lo), acc, INTERP)
-                acc = dot_acc(w_hi, tl.trans(x_hi), acc, INTERP)
-            else:
-                acc = dot_acc(x_lo, tl.trans(w_lo), acc, INTERP)
-                acc = dot_acc(x_hi, tl.trans(w_hi), acc, INTERP)
+            if BM <= 32:  # few rows: split x into even / odd k (cheap) and do two MMAs
+                if not XQ:
+                    x_lo, x_hi = tl.split(tl.reshape(xt, (BM, BKH, 2)))
+                if SWAP:
+                    acc = dot_acc(w_lo, tl.trans(x_lo), acc, INTERP)
+                    acc = dot_acc(w_hi, tl.trans(x_hi), acc, INTERP)
+                else:
+                    acc = dot_acc(x_lo, tl.trans(w_lo), acc, INTERP)
+                    acc = dot_acc(x_hi, tl.trans(w_hi), acc, INTERP)
+            else:  # many rows: interleave W back to natural k order instead, x goes to the MMA as is
+                wt = tl.reshape(tl.join(w_lo, w_hi), (BN, BK))
+                if XQ:
+                    xt = tl.reshape(tl.join(x_lo, x_hi), (BM, BK))
+                if SWAP:
+                    acc = dot_acc(wt, tl.trans(xt), acc, INTERP)
+                else:
+                    acc = dot_acc(xt, tl.trans(wt), acc, INTERP)
 
         if SWAP:
             idx = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
@@ -168,26 +177,20 @@ def _w4_gemm_kernel(
 
 @triton.jit
 def _dequantize_kernel(d_ptr, s_ptr, g_ptr, out_ptr, R, KH, stride_d, stride_s, stride_o, rows_per_g,
-                       APPLY_G: tl.constexpr, BR: tl.constexpr, BKH: tl.constexpr):
+                       APPLY_G: tl.constexpr, BR: tl.constexpr, BKH: tl.constexpr, USE_ASM: tl.constexpr):
     """out[r, k] = (e2m1 * block_scale) * g (float32 math, then out's dtype), reference order.
     g is per tensor (rows_per_g = R) or per row group (g index = r // rows_per_g)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.program_id(1) * BKH + tl.arange(0, BKH)
-    m = (rows[:, None] < R) & (cols[None, :] < KH)
-    b = tl.load(d_ptr + rows[:, None] * stride_d + cols[None, :], mask=m, other=0).to(tl.int32)
-    sb = tl.load(s_ptr + rows[:, None] * stride_s + cols[None, :] // 8, mask=m, other=0)
-    s = e4m3_to_f32(sb)
-    lo = e2m1_value(b & 15) * s
-    hi = e2m1_value(b >> 4) * s
+    rmask = rows < R
+    kb0 = tl.program_id(1) * BKH
+    lo, hi = load_unpacked(d_ptr, s_ptr, rows, rmask, kb0, KH, stride_d, stride_s, BR, BKH, USE_ASM)
+    v = tl.reshape(tl.join(lo, hi), (BR, 2 * BKH))  # exact e2m1 * s, natural order
     if APPLY_G:
-        g = tl.load(g_ptr + rows // rows_per_g, mask=rows < R, other=0.0)[:, None]
-        lo = lo * g
-        hi = hi * g
-    v = tl.reshape(tl.join(lo, hi), (BR, 2 * BKH)).to(out_ptr.dtype.element_ty)
-    k = 2 * cols[:, None] + tl.arange(0, 2)[None, :]
-    k = tl.reshape(k, (2 * BKH,))
-    om = (rows[:, None] < R) & (k[None, :] < 2 * KH)
-    tl.store(out_ptr + rows[:, None] * stride_o + k[None, :], v, mask=om)
+        g = tl.load(g_ptr + rows // rows_per_g, mask=rmask, other=0.0)
+        v = v.to(tl.float32) * g[:, None]
+    k = 2 * kb0 + tl.arange(0, 2 * BKH)
+    tl.store(out_ptr + rows[:, None] * stride_o + k[None, :], v.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & (k[None, :] < 2 * KH))
 
 
 # ----------------------------------------------------------------------------- host side
@@ -273,6 +276,7 @@ def _launch(x, xq, wd, ws, wg, y, cfg, offsets=None):
         wg.stride(0), y.stride(0),
         GROUPED=grouped, XQ=xq is not None, WG_ROW=wg.ndim == 2, SWAP=cfg["SWAP"], SPLIT_K=split,
         BM=bm, BN=bn, BK=bk, USE_ASM=ASM["on"], INTERP=INTERPRET,
+        EVEN=n % bn == 0 and kh % (bk // 2) == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y
@@ -299,9 +303,13 @@ def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False) ->
     if m <= DECODE_MAX_ROWS:
         bm = max(16, _pow2(m))
         sms = _sm_count(device)
-        # (compiled for sm_90: 95-186 registers, no spills; the 512-wide K tiles spilled)
-        for bn, bk, warps, stages in ((64, 256, 4, 4), (64, 128, 4, 6), (128, 128, 8, 4), (128, 256, 8, 3),
-                                      (256, 128, 8, 4), (32, 256, 4, 6)):
+        # Compiled for sm_90 these use 79-214 registers and no spills (512-wide K tiles spilled).
+        if bm <= 32:
+            tiles_cfg = ((64, 128, 4, 6), (128, 128, 8, 4), (64, 256, 4, 4), (128, 256, 8, 4),
+                         (256, 128, 8, 4), (32, 256, 4, 6))
+        else:
+            tiles_cfg = ((64, 128, 4, 4), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3))
+        for bn, bk, warps, stages in tiles_cfg:
             tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
             split = 1
             if not grouped:  # enough programs for ~3 waves, each split >= 2 K steps
@@ -309,9 +317,9 @@ def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False) ->
                     split *= 2
             out.append(dict(SWAP=True, BM=bm, BN=bn, BK=bk, SPLIT_K=split,
                             num_warps=warps, num_stages=stages))
-    if m > 16:
-        for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 128, 4, 4),
-                                          (128, 128, 128, 8, 3), (64, 64, 128, 4, 4), (128, 64, 128, 4, 4)):
+    if m > 32:
+        for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
+                                          (64, 128, 128, 4, 4)):
             if bm > 2 * _pow2(m):
                 continue
             out.append(dict(SWAP=False, BM=bm, BN=bn, BK=bk, SPLIT_K=1, num_warps=warps, num_stages=stages))
@@ -331,7 +339,7 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune):
     if key in _TUNED:
         return _TUNED[key]
     cands = candidate_configs(m, n, kh, device, grouped)
-    if allow_fallback and m > DECODE_MAX_ROWS:
+    if allow_fallback and m > 64:
         cands = cands + [FALLBACK]
     if not tune or INTERPRET or device.type != "cuda" or len(cands) == 1:
         _TUNED[key] = cands[0]
@@ -375,7 +383,8 @@ def dequantize(data, block_scale, global_scale, dtype=torch.bfloat16, apply_glob
     br, bkh = (16, 64) if INTERPRET else (32, 128)
     grid = (triton.cdiv(r, br), triton.cdiv(kh, bkh))
     _dequantize_kernel[grid](d2, s2, g, out, r, kh, d2.stride(0), s2.stride(0), out.stride(0),
-                             r // g.numel(), APPLY_G=apply_global, BR=br, BKH=bkh, num_warps=4)
+                             r // g.numel(), APPLY_G=apply_global, BR=br, BKH=bkh, USE_ASM=ASM["on"],
+                             num_warps=4)
     return out.reshape(*lead, 2 * kh)
 
 
