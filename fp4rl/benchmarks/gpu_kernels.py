@@ -169,7 +169,7 @@ def bench_quantize(bw: float) -> list[dict]:
         us = time_calls([lambda xi=xi, kw=kw: quantize_2d(xi, check_finite=False, **kw) for xi in xs],
                         min_calls=6)
         res.append({"mode": name, "rows": rows, "k": k, "us": us, "tb_s": moved / us / 1e6,
-                    "floor_us": moved / bw / 1e6, "byte_exact": exact})
+                    "floor_us": moved / bw * 1e6, "byte_exact": exact})
     return res
 
 
@@ -211,8 +211,8 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
             us_bf16 = time_calls([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbs])
             io = x.nbytes + m * n * 2
             res.append({"n": n, "k": k, "rows": m, "us": us, "bf16_us": us_bf16, "speedup": us_bf16 / us,
-                        "floor_us": (fp4_bytes + io) / bw / 1e6,
-                        "bf16_floor_us": (w_bf16.nbytes + io) / bw / 1e6,
+                        "floor_us": (fp4_bytes + io) / bw * 1e6,
+                        "bf16_floor_us": (w_bf16.nbytes + io) / bw * 1e6,
                         "rel_err": err, "path": cfg if isinstance(cfg, str) else
                         ("decode" if cfg["SWAP"] else "prefill") + " " + _cfg_str(cfg)})
         del wqs, wbs
@@ -280,7 +280,7 @@ def bench_moe(bw: float, rows_list, experts=8, n=2048, k=768) -> list[dict]:
         moved = len(active) * per_expert_fp4 + x.nbytes + m * n * 2
         res.append({"experts": experts, "n": n, "k": k, "rows": m, "active": len(active), "us": us,
                     "bf16_us": best, "bf16_variants": base, "speedup": best / us,
-                    "floor_us": moved / bw / 1e6, "rel_err": err})
+                    "floor_us": moved / bw * 1e6, "rel_err": err})
     return res
 
 
@@ -353,8 +353,8 @@ def bench_attention(bw: float, contexts, b=8, hq=32, hkv=8, d=128) -> list[dict]
         n4 = copies_for(fp4_bytes, at_least=1)
         sets4 = [(kq, vq)] + [(tuple(p.clone() for p in kq), tuple(p.clone() for p in vq))
                               for _ in range(n4 - 1)]
-        variants = [dict(), dict(block_t=128), dict(num_warps=8), dict(num_stages=4), dict(block_t=32),
-                    dict(num_splits=attention._splits(b, hkv, t, q.device) * 2)]
+        variants = [dict(), dict(block_t=128), dict(num_stages=4), dict(block_t=32),
+                    dict(block_t=128, num_warps=8)]
         for kind, ref, nbytes in (("nvfp4", ref4, fp4_bytes), ("fp8", ref8, fp8_bytes)):
             best = None
             for var in variants:
@@ -378,8 +378,8 @@ def bench_attention(bw: float, contexts, b=8, hq=32, hkv=8, d=128) -> list[dict]
                     continue
                 row = {"kind": kind, "context": t, "batch": b, "hq": hq, "hkv": hkv, "d": d, "variant": var,
                        "us": us, "sdpa_bf16_us": us_sdpa, "speedup": us_sdpa / us, "rel_err": err,
-                       "floor_us": (nbytes + 2 * q.nbytes) / bw / 1e6,
-                       "bf16_floor_us": (kv_bf16 + 2 * q.nbytes) / bw / 1e6}
+                       "floor_us": (nbytes + 2 * q.nbytes) / bw * 1e6,
+                       "bf16_floor_us": (kv_bf16 + 2 * q.nbytes) / bw * 1e6}
                 res.append(row)
                 if best is None or us < best["us"]:
                     best = row
