@@ -59,27 +59,24 @@ def _w4_gemm_kernel(
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wge, stride_ym,
     GROUPED: tl.constexpr, XQ: tl.constexpr, WG_ROW: tl.constexpr, SWAP: tl.constexpr,
     SPLIT_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    USE_ASM: tl.constexpr, INTERP: tl.constexpr, EVEN: tl.constexpr,
+    USE_ASM: tl.constexpr, INTERP: tl.constexpr, EVEN: tl.constexpr, E_PAD: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     BKH: tl.constexpr = BK // 2
 
-    if GROUPED:  # which expert's token tile is program pid_m? walk the offsets
-        expert = tl.full((), -1, tl.int32)
-        m_lo = tl.full((), 0, tl.int32)
-        m_hi = tl.full((), 0, tl.int32)
-        tiles_before = tl.full((), 0, tl.int32)
-        for e in range(E):
-            lo = tl.load(offs_ptr + e)
-            hi = tl.load(offs_ptr + e + 1)
-            n_tiles = tl.cdiv(hi - lo, BM)
-            hit = (pid_m >= tiles_before) & (pid_m < tiles_before + n_tiles)
-            expert = tl.where(hit, e, expert)
-            m_lo = tl.where(hit, lo + (pid_m - tiles_before) * BM, m_lo)
-            m_hi = tl.where(hit, hi, m_hi)
-            tiles_before += n_tiles
+    if GROUPED:  # which expert's token tile is program pid_m? one vector pass over the offsets
+        e_idx = tl.arange(0, E_PAD)
+        e_lo = tl.load(offs_ptr + e_idx, mask=e_idx < E, other=0)
+        e_hi = tl.load(offs_ptr + e_idx + 1, mask=e_idx < E, other=0)
+        n_tiles = tl.cdiv(e_hi - e_lo, BM)  # [E_PAD], 0 for an expert without tokens
+        ends = tl.cumsum(n_tiles, 0)
+        starts = ends - n_tiles
+        hit = (pid_m >= starts) & (pid_m < ends)
+        expert = tl.max(tl.where(hit, e_idx, -1), 0)
+        m_lo = tl.sum(tl.where(hit, e_lo + (pid_m - starts) * BM, 0), 0)
+        m_hi = tl.sum(tl.where(hit, e_hi, 0), 0)
         active = expert >= 0
         expert = tl.maximum(expert, 0)
     else:
@@ -276,7 +273,7 @@ def _launch(x, xq, wd, ws, wg, y, cfg, offsets=None):
         wg.stride(0), y.stride(0),
         GROUPED=grouped, XQ=xq is not None, WG_ROW=wg.ndim == 2, SWAP=cfg["SWAP"], SPLIT_K=split,
         BM=bm, BN=bn, BK=bk, USE_ASM=ASM["on"], INTERP=INTERPRET,
-        EVEN=n % bn == 0 and kh % (bk // 2) == 0,
+        EVEN=n % bn == 0 and kh % (bk // 2) == 0, E_PAD=triton.next_power_of_2(e + 1),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y
@@ -286,6 +283,15 @@ def _sm_count(device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+SMEM_BUDGET = 200 * 1024  # of the H100/H200's 227 KB per block, leaving room for Triton's scratch
+
+
+def _smem_bytes(bm: int, bn: int, bk: int, stages: int) -> int:
+    """Shared memory a configuration needs, roughly: pipelined weight bytes, scales and x tiles,
+    plus one bfloat16 weight tile staged for the MMA."""
+    return stages * (bn * bk // 2 + bn * bk // 16 + bm * bk * 2) + bn * bk * 2
 
 
 def _pow2(v: int) -> int:
@@ -305,11 +311,13 @@ def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False) ->
         sms = _sm_count(device)
         # Compiled for sm_90 these use 79-214 registers and no spills (512-wide K tiles spilled).
         if bm <= 32:
-            tiles_cfg = ((64, 128, 4, 6), (128, 128, 8, 4), (64, 256, 4, 4), (128, 256, 8, 4),
-                         (256, 128, 8, 4), (32, 256, 4, 6))
+            tiles_cfg = ((64, 128, 4, 6), (128, 128, 8, 4), (64, 256, 4, 4), (64, 256, 8, 4),
+                         (128, 256, 8, 4))
         else:
-            tiles_cfg = ((64, 128, 4, 4), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3))
+            tiles_cfg = ((64, 128, 4, 4), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 2))
         for bn, bk, warps, stages in tiles_cfg:
+            if _smem_bytes(bm, bn, bk, stages) > SMEM_BUDGET:
+                continue
             tiles = triton.cdiv(n, bn) * triton.cdiv(m, bm)
             split = 1
             if not grouped:  # enough programs for ~3 waves, each split >= 2 K steps
@@ -320,7 +328,7 @@ def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False) ->
     if m > 32:
         for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
                                           (64, 128, 128, 4, 4)):
-            if bm > 2 * _pow2(m):
+            if bm > 2 * _pow2(m) or _smem_bytes(bm, bn, bk, stages) > SMEM_BUDGET:
                 continue
             out.append(dict(SWAP=False, BM=bm, BN=bn, BK=bk, SPLIT_K=1, num_warps=warps, num_stages=stages))
     return out
