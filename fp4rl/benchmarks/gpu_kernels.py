@@ -447,6 +447,9 @@ def run(args):
             traceback.print_exc()
             out[name] = {"error": traceback.format_exc()[-2000:]}
         print(f"[{name}: {time.time() - t0:.0f} s]")
+        from fp4rl.kernels import gemm as _gemm
+
+        out["tune_log"] = {str(k[:7]): v for k, v in _gemm.TUNE_LOG.items()}
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(out, fh, indent=1, default=str)

@@ -323,8 +323,9 @@ def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False) ->
             if not grouped:  # enough programs for ~3 waves, each split >= 2 K steps
                 while split < 16 and tiles * split < 3 * sms and kh // (split * 2) >= 2 * (bk // 2):
                     split *= 2
-            out.append(dict(SWAP=True, BM=bm, BN=bn, BK=bk, SPLIT_K=split,
-                            num_warps=warps, num_stages=stages))
+            for sk in dict.fromkeys((split, max(1, split // 2), max(1, split // 4))):  # longer K loops too
+                out.append(dict(SWAP=True, BM=bm, BN=bn, BK=bk, SPLIT_K=sk,
+                                num_warps=warps, num_stages=stages))
     if m > 32:
         for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3),
                                           (64, 128, 128, 4, 4)):
@@ -335,6 +336,7 @@ def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False) ->
 
 
 _TUNED: dict[tuple, dict | str] = {}
+TUNE_LOG: dict[tuple, list] = {}  # every candidate's time (us, L2 flushed) per key, for notes
 FALLBACK = "dequantize+cublas"
 
 
@@ -353,12 +355,15 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune):
         _TUNED[key] = cands[0]
         return cands[0]
     best, best_t, first_error = None, float("inf"), None
+    log = TUNE_LOG.setdefault(key, [])
     for c in cands:
         try:
             t = triton.testing.do_bench(lambda c=c: run(c), warmup=5, rep=20, return_mode="median")
         except Exception as exc:  # a configuration that does not compile on this GPU is skipped
             first_error = first_error or exc
+            log.append((c, repr(exc)[:100]))
             continue
+        log.append((c, t * 1e3))  # microseconds
         if t < best_t:
             best, best_t = c, t
     if best is None:
