@@ -118,7 +118,9 @@ def write_dir(out: Path, write, overwrite: bool) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         write(tmp)
-        tmp.chmod(0o755)
+        tmp.chmod(0o755)  # mkdtemp and safetensors make them private; a server may run as another user
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.rename(out, old / out.name)
