@@ -1,10 +1,10 @@
 """`fp4rl bench quantize`: CPU speed of every NVFP4 quantize mode, and the error 4/6 saves.
 
-1. Throughput of fp4rl.nvfp4.quantize on one N x N tensor (default 4096 x 4096, float32, the
-   machine's torch threads): the median wall time of a few repeats after a warm-up, given as
-   GB/s of input read and elements/s, for 1x16 and 16x16 tiles, per-tensor and per-row
-   global scales, rule 6 and 4/6 (MSE and MAE), stochastic rounding, the random Hadamard
-   transform, and dequantize.
+1. Throughput of fp4rl.nvfp4.quantize on one N x N tensor (default 4096 x 4096, float32), on
+   one torch thread and on the current number: the median wall time of a few repeats after a
+   warm-up, given as GB/s of input read and elements/s, for 1x16 and 16x16 tiles, per-tensor
+   and per-row global scales, rule 6 and 4/6 (MSE and MAE), stochastic rounding, the random
+   Hadamard transform, and dequantize.
 2. Reconstruction SNR, 10 log10(sum x^2 / sum (x - DQ(Q(x)))^2) in dB, of rule 6 vs 4/6 on
    normal and heavy-tailed (Student t, 3 degrees of freedom) data, 1x16 and 16x16 tiles. With
    1x16 blocks 4/6 must beat 6 on both: the command exits with status 1 if it does not.
@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=int, default=4096, help="the tensor is size x size (4096)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="input dtype (float32)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per mode, median shown (3)")
+    parser.add_argument("--threads", default=None,
+                        help="comma-separated torch thread counts to time (default: 1 and the current count)")
     parser.add_argument("--snr-size", type=int, default=1024, help="the SNR tensors are snr-size^2 (1024)")
     parser.add_argument("--results", default=None, help="append the tables to this markdown file")
 
@@ -101,12 +103,19 @@ def snr_rows(size: int) -> list[dict]:
     return rows
 
 
-def markdown(speed: list[dict], snr: list[dict], size: int, dtype: str, snr_size: int) -> str:
-    lines = [f"Throughput on one {size}x{size} {dtype} tensor (median wall time):", "",
-             "| mode | time | input read | elements/s |", "|---|---:|---:|---:|"]
-    for r in speed:
-        gbps, meps = r["bytes"] / r["seconds"] / 1e9, r["elements"] / r["seconds"] / 1e6
-        lines.append(f"| {r['mode']} | {r['seconds'] * 1e3:.0f} ms | {gbps:.2f} GB/s | {meps:.1f} M |")
+def markdown(speed: dict[int, list[dict]], snr: list[dict], size: int, dtype: str, snr_size: int) -> str:
+    threads = list(speed)
+    lines = [f"Throughput on one {size}x{size} {dtype} tensor (median wall time; GB/s of input read, "
+             "elements/s), by torch thread count:", "",
+             "| mode | " + " | ".join(f"{t} thread{'s' * (t > 1)}" for t in threads) + " |",
+             "|---|" + "---:|" * len(threads)]
+    for i, r in enumerate(speed[threads[0]]):
+        cells = []
+        for t in threads:
+            s = speed[t][i]
+            gbps, meps = s["bytes"] / s["seconds"] / 1e9, s["elements"] / s["seconds"] / 1e6
+            cells.append(f"{s['seconds'] * 1e3:.0f} ms, {gbps:.2f} GB/s, {meps:.0f} M/s")
+        lines.append(f"| {r['mode']} | " + " | ".join(cells) + " |")
     lines += ["", f"Reconstruction SNR (dB, higher is better) on {snr_size}x{snr_size} float32 tensors:", "",
               "| data | tile | rule 6 | 4/6 mse | 4/6 mae | 4/6 mse - 6 |", "|---|---|---:|---:|---:|---:|"]
     for r in snr:
@@ -127,12 +136,22 @@ def header(args: argparse.Namespace) -> str:
     if Path("/proc/loadavg").exists():
         load = f" (shared with other jobs: load average {Path('/proc/loadavg').read_text().split()[0]})"
     command = (f"fp4rl bench quantize --size {args.size} --dtype {args.dtype} --repeats {args.repeats} "
-               f"--snr-size {args.snr_size}" + (f" --results {args.results}" if args.results else ""))
+               f"--threads {args.threads} --snr-size {args.snr_size}"
+               + (f" --results {args.results}" if args.results else ""))
     return f"Date: {date}. Machine: {machine}{load}, torch {torch.__version__}. Command: `{command}`."
 
 
 def run(args: argparse.Namespace) -> int:
-    speed = throughput_rows(args.size, DTYPES[args.dtype], args.repeats)
+    default_threads = torch.get_num_threads()
+    if args.threads is None:
+        args.threads = ",".join(str(t) for t in sorted({1, default_threads}))
+    speed = {}
+    try:
+        for threads in (int(t) for t in args.threads.split(",")):
+            torch.set_num_threads(threads)
+            speed[threads] = throughput_rows(args.size, DTYPES[args.dtype], args.repeats)
+    finally:
+        torch.set_num_threads(default_threads)
     snr = snr_rows(args.snr_size)
     text = "\n\n".join([header(args), markdown(speed, snr, args.size, args.dtype, args.snr_size)])
     print(text)

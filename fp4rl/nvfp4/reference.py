@@ -270,10 +270,14 @@ def quantize(
     if rounding == "stochastic":
         uniform = torch.rand(x2.shape, generator=generator, device=x.device, dtype=torch.float32)
 
-    # Blocks are independent once the global scales are known: on a CPU, work through
-    # cache-sized groups of rows (about 1.8x faster than whole-tensor passes).
+    # Blocks are independent once the global scales are known. On one CPU thread, work
+    # through cache-sized groups of rows (about 1.8x faster than whole-tensor passes); with
+    # several threads each op is a parallel region, and on a busy machine the many small
+    # regions of row groups wait on each other, so whole-tensor passes are faster there.
     rows, kp = x2.shape
-    step = max(tile_rows, _CHUNK_ELEMENTS // kp // tile_rows * tile_rows) if x.device.type == "cpu" else rows
+    step = rows
+    if x.device.type == "cpu" and torch.get_num_threads() == 1:
+        step = max(tile_rows, _CHUNK_ELEMENTS // kp // tile_rows * tile_rows)
     data = torch.empty(rows, kp // 2, dtype=torch.uint8, device=x.device)
     block_scale = torch.empty(rows, kp // BLOCK, dtype=torch.float8_e4m3fn, device=x.device)
     for r0 in range(0, rows, step):
