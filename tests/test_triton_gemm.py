@@ -60,6 +60,9 @@ def test_fallback_and_configs_agree():
     for swap in (True, False):  # many-row tiles interleave W back to natural order instead of splitting x
         cfg = dict(SWAP=swap, BM=64, BN=32, BK=64, SPLIT_K=2 if swap else 1, num_warps=4, num_stages=1)
         assert _rel(gemm.gemm(x, w, config=cfg), ref) < TOL
+    for bm in (1, 2):  # the CUDA-core path for 1-2 rows (any row count still works, tile by tile)
+        cfg = dict(SWAP=True, BM=bm, BN=32, BK=64, SPLIT_K=2, num_warps=4, num_stages=1)
+        assert _rel(gemm.gemm(x[:3], w, config=cfg), ref[:3]) < TOL
 
 
 def test_grouped_with_empty_experts():

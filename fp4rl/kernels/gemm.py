@@ -110,7 +110,22 @@ def _w4_gemm_kernel(
                 k = 2 * kb0 + tl.arange(0, BK)
                 xt = tl.load(x_ptr + rows_m[:, None] * stride_xm + k[None, :],
                              mask=mask_m[:, None] & (k[None, :] < K), other=0.0)  # [BM, BK]
-            if BM <= 32:  # few rows: split x into even / odd k (cheap) and do two MMAs
+            if BM <= 2:  # 1-2 rows: CUDA-core FMAs, no tensor cores and no shared-memory staging
+                if not XQ:
+                    x_lo, x_hi = tl.split(tl.reshape(xt, (BM, BKH, 2)))
+                wl = w_lo.to(tl.float32)
+                wh = w_hi.to(tl.float32)
+                if BM == 1:
+                    xl0 = tl.reshape(x_lo, (BKH,)).to(tl.float32)
+                    xh0 = tl.reshape(x_hi, (BKH,)).to(tl.float32)
+                    acc += tl.reshape(tl.sum(wl * xl0[None, :] + wh * xh0[None, :], 1), (BN, 1))
+                else:
+                    xl0, xl1 = tl.split(tl.trans(x_lo.to(tl.float32)))  # [BKH] rows 0 and 1
+                    xh0, xh1 = tl.split(tl.trans(x_hi.to(tl.float32)))
+                    p0 = tl.sum(wl * xl0[None, :] + wh * xh0[None, :], 1)  # [BN]
+                    p1 = tl.sum(wl * xl1[None, :] + wh * xh1[None, :], 1)
+                    acc += tl.join(p0, p1)  # [BN, 2]
+            elif BM <= 32:  # few rows: split x into even / odd k (cheap) and do two MMAs
                 if not XQ:
                     x_lo, x_hi = tl.split(tl.reshape(xt, (BM, BKH, 2)))
                 if SWAP:
@@ -306,6 +321,17 @@ def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False) ->
         return [dict(SWAP=swap, BM=bm, BN=32, BK=64, SPLIT_K=2 if (swap and not grouped) else 1,
                      num_warps=4, num_stages=1)]
     out = []
+    if m <= 2:  # CUDA-core kernel: BM = rows
+        sms = _sm_count(device)
+        for bn, bk, warps, stages in ((64, 128, 4, 4), (32, 256, 4, 4), (128, 128, 8, 4), (64, 256, 8, 3)):
+            tiles = triton.cdiv(n, bn)
+            split = 1
+            if not grouped:
+                while split < 16 and tiles * split < 4 * sms and kh // (split * 2) >= 2 * (bk // 2):
+                    split *= 2
+            for sk in dict.fromkeys((split, max(1, split // 2))):
+                out.append(dict(SWAP=True, BM=_pow2(m), BN=bn, BK=bk, SPLIT_K=sk,
+                                num_warps=warps, num_stages=stages))
     if m <= DECODE_MAX_ROWS:
         bm = max(16, _pow2(m))
         sms = _sm_count(device)
