@@ -52,14 +52,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results", default=None, help="append the tables to this markdown file")
 
 
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def median_seconds(fn, repeats: int) -> tuple[float, float]:
+    """(median wall seconds, median CPU seconds of this process) over repeats, after a warm-up."""
+    fn()
+    wall, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def throughput_rows(size: int, dtype: torch.dtype, repeats: int) -> list[dict]:
@@ -68,13 +70,13 @@ def throughput_rows(size: int, dtype: torch.dtype, repeats: int) -> list[dict]:
     for name, kwargs in MODES:
         if kwargs.get("rounding") == "stochastic":
             kwargs = {**kwargs, "generator": torch.Generator().manual_seed(1)}
-        seconds = median_seconds(lambda kw=kwargs: nvfp4.quantize(x, **kw), repeats)
-        rows.append({"mode": f"quantize {name}", "seconds": seconds, "bytes": x.nbytes,
+        seconds, cpu = median_seconds(lambda kw=kwargs: nvfp4.quantize(x, **kw), repeats)
+        rows.append({"mode": f"quantize {name}", "seconds": seconds, "cpu": cpu, "bytes": x.nbytes,
                      "elements": x.numel()})
     q = nvfp4.quantize(x)
-    seconds = median_seconds(lambda: nvfp4.dequantize(q, dtype), repeats)
-    rows.append({"mode": "dequantize (reads the packed tensor)", "seconds": seconds, "bytes": q.nbytes,
-                 "elements": x.numel()})
+    seconds, cpu = median_seconds(lambda: nvfp4.dequantize(q, dtype), repeats)
+    rows.append({"mode": "dequantize (reads the packed tensor)", "seconds": seconds, "cpu": cpu,
+                 "bytes": q.nbytes, "elements": x.numel()})
     return rows
 
 
@@ -106,15 +108,20 @@ def snr_rows(size: int) -> list[dict]:
 def markdown(speed: dict[int, list[dict]], snr: list[dict], size: int, dtype: str, snr_size: int) -> str:
     threads = list(speed)
     lines = [f"Throughput on one {size}x{size} {dtype} tensor (median wall time; GB/s of input read, "
-             "elements/s), by torch thread count:", "",
-             "| mode | " + " | ".join(f"{t} thread{'s' * (t > 1)}" for t in threads) + " |",
-             "|---|" + "---:|" * len(threads)]
+             "elements/s), by torch thread count; on one thread also the process's CPU time, which a "
+             "busy machine inflates less than wall time:", "",
+             "| mode | " + " | ".join(f"{t} thread{'s' * (t > 1)}" for t in threads)
+             + (" | 1 thread, CPU time |" if 1 in threads else " |"),
+             "|---|" + "---:|" * (len(threads) + (1 in threads))]
     for i, r in enumerate(speed[threads[0]]):
         cells = []
         for t in threads:
             s = speed[t][i]
             gbps, meps = s["bytes"] / s["seconds"] / 1e9, s["elements"] / s["seconds"] / 1e6
             cells.append(f"{s['seconds'] * 1e3:.0f} ms, {gbps:.2f} GB/s, {meps:.0f} M/s")
+        if 1 in threads:
+            s = speed[1][i]
+            cells.append(f"{s['cpu'] * 1e3:.0f} ms, {s['elements'] / s['cpu'] / 1e6:.0f} M/s")
         lines.append(f"| {r['mode']} | " + " | ".join(cells) + " |")
     lines += ["", f"Reconstruction SNR (dB, higher is better) on {snr_size}x{snr_size} float32 tensors:", "",
               "| data | tile | rule 6 | 4/6 mse | 4/6 mae | 4/6 mse - 6 |", "|---|---|---:|---:|---:|---:|"]
