@@ -1,23 +1,10 @@
 """Batched rollout on packed NVFP4 weights: KV cache, per-token logprobs, routing replay, weight sync.
 
-The sampler runs the trainer's own model code (fp4rl.model) on its own copy of the weights. Each
-linear that the precision contract quantizes holds only the packed NVFP4 bytes the trainer's
-forward computed with (`PackedNVFP4Linear`: E2M1 codes, E4M3 block scales, FP32 global scale;
-no master weight), and computes exactly what the trainer's `qat.NVFP4Linear` computes:
-
-    W4A16:  y = x @ DQ(W).T + b          W4A4:  y = DQ(Q(x)) @ DQ(W).T + b
-
-with Q(x) the same `fp4rl.nvfp4.quantize` call (one FP32 scale per token, the contract's 4/6
-settings). Everything else (attention, norms, embeddings, routers, lm_head, BF16 layers) is a
-copy of the trainer's tensors. A packed linear takes 0.5625 byte/parameter (+ 4 bytes of global
-scale) against 2 for BF16: ~0.28x.
-
-Dequantizing every weight on every decode step is what a fused W4A16 kernel does in registers;
-in plain torch on a CPU it costs more than the matmul. So on the CPU each packed linear keeps a
-dequantized copy per weight version (`cache_dequantized`, on by default on the CPU, off on
-CUDA): the packed bytes stay the source of truth (weight sync writes them, the copy is rebuilt
-when they change), at the price of 2 (BF16) or 4 (FP32) extra bytes per quantized parameter.
-A GPU kernel plugs in by overriding one method, `PackedNVFP4Linear.linear`.
+The sampler runs the trainer's own model code (fp4rl.model) on its own copy of the weights, in
+which every linear the precision contract quantizes holds only the packed NVFP4 bytes the
+trainer's forward computed with and computes exactly what the trainer computes (W4A4: the same
+per-token activation quantizer); see fp4rl/packed.py. Weight sync (fp4rl/weight_sync.py) writes
+new bytes in place; the KV cache is BF16, FP8 or NVFP4 (fp4rl/kvcache.py).
 
 Generation (`Sampler.generate`), for P prompts x n samples:
 1. prefill: the P distinct prompts, left-padded into one [P, T_p] batch with an attention mask,
@@ -45,13 +32,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from fp4rl.kvcache import KV_CACHE_KINDS, make_kv_cache
 from fp4rl.model import CausalLM
-from fp4rl.nvfp4 import NVFP4Tensor, dequantize, quantize
-from fp4rl.qat import NVFP4Linear
+from fp4rl.packed import PackedNVFP4Linear, build_sampler_model
+
+__all__ = ["Completion", "PackedNVFP4Linear", "Sampler", "SamplingParams", "sample_next"]
 
 FINISH_REASONS = ("eos", "stop", "length")
 
@@ -127,106 +113,6 @@ class Completion:
 
 
 # ----------------------------------------------------------------------------------------------
-# The packed linear
-
-
-class PackedNVFP4Linear(nn.Module):
-    """The sampler's side of `qat.NVFP4Linear`: packed NVFP4 weight buffers + bias, same forward.
-
-    Buffers (HF-style names under the linear's name): `weight_data` uint8 [N, K/2],
-    `weight_block_scale` float8_e4m3fn [N, K/16], `weight_global_scale` float32 [] (decode).
-    """
-
-    is_linear = True  # precision.is_linear
-
-    def __init__(self, qweight: NVFP4Tensor, bias: torch.Tensor | None, mode: str, input_kwargs: dict, *,
-                 cache_dequantized: bool = True):
-        super().__init__()
-        if mode not in ("w4a16", "w4a4"):
-            raise ValueError(f"PackedNVFP4Linear mode={mode!r}: use 'w4a16' or 'w4a4'")
-        self.register_buffer("weight_data", qweight.data)
-        self.register_buffer("weight_block_scale", qweight.block_scale)
-        self.register_buffer("weight_global_scale", qweight.global_scale)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.weight_meta = dict(shape=qweight.shape, dtype=qweight.dtype, tile=qweight.tile,
-                                scale_rule=qweight.scale_rule, hadamard_seed=qweight.hadamard_seed)
-        self.out_features, self.in_features = qweight.shape
-        self.mode, self.input_kwargs, self.cache_dequantized = mode, dict(input_kwargs), cache_dequantized
-        self._dequantized: torch.Tensor | None = None
-        self._dequantized_key = None
-
-    @classmethod
-    def from_trainer(cls, m: NVFP4Linear, *, dtype: torch.dtype, device, cache_dequantized: bool):
-        """A packed copy of a trainer NVFP4Linear: the bytes of its cached Q(W), its bias in `dtype`."""
-        q = m.quantized_weight()
-        q = NVFP4Tensor(**{**vars(q), "data": q.data.to(device, copy=True),
-                           "block_scale": q.block_scale.to(device, copy=True),
-                           "global_scale": q.global_scale.to(device, copy=True)})
-        bias = None if m.bias is None else m.bias.detach().to(device=device, dtype=dtype, copy=True)
-        return cls(q, bias, m.mode, m.input_kwargs, cache_dequantized=cache_dequantized)
-
-    def quantized_weight(self) -> NVFP4Tensor:
-        return NVFP4Tensor(data=self.weight_data, block_scale=self.weight_block_scale,
-                           global_scale=self.weight_global_scale, **self.weight_meta)
-
-    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """DQ(W) [N, K] in dtype; cached per weight version when cache_dequantized."""
-        if not self.cache_dequantized:
-            return dequantize(self.quantized_weight(), dtype)
-        key = (dtype, self.weight_data.device, *(b._version for b in (
-            self.weight_data, self.weight_block_scale, self.weight_global_scale)))
-        if self._dequantized_key != key:
-            self._dequantized = dequantize(self.quantized_weight(), dtype)
-            self._dequantized_key = key
-        return self._dequantized
-
-    def quantize_input(self, x: torch.Tensor) -> NVFP4Tensor:
-        """Q(x) of activations [M, K], one global scale per token: the trainer's exact call."""
-        return quantize(x, **self.input_kwargs)
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ DQ(W).T + b, x [..., K] (already DQ(Q(x)) in W4A4). Override for a W4A16 GPU kernel."""
-        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "w4a4":
-            x = dequantize(self.quantize_input(x.reshape(-1, x.shape[-1])), x.dtype).reshape(x.shape)
-        return self.linear(x)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, mode={self.mode}, cache_dequantized={self.cache_dequantized}")
-
-
-def build_sampler_model(model: CausalLM, *, dtype: torch.dtype, device, cache_dequantized: bool) -> CausalLM:
-    """The sampler's own copy of a (converted) trainer CausalLM: PackedNVFP4Linear for each
-    NVFP4Linear, copies of every other tensor in `dtype` on `device`. Shares nothing with `model`."""
-    quantized = {name: m for name, m in model.named_modules() if isinstance(m, NVFP4Linear)}
-    with torch.device("meta"):
-        copy = CausalLM(model.config)
-    for name, m in quantized.items():
-        parent, _, child = name.rpartition(".")
-        packed = PackedNVFP4Linear.from_trainer(m, dtype=dtype, device=device,
-                                                cache_dequantized=cache_dequantized)
-        setattr(copy.get_submodule(parent) if parent else copy, child, packed)
-    skip = {f"{name}.{p}" for name in quantized for p in ("weight", "bias")}
-    if model.config.tie_word_embeddings:
-        skip.add("lm_head.weight")
-    state = {k: v.detach().to(device=device, dtype=dtype, copy=True)
-             for k, v in model.state_dict().items() if k not in skip}
-    missing, unexpected = copy.load_state_dict(state, strict=False, assign=True)
-    missing = [k for k in missing if k not in skip and not k.startswith(tuple(f"{q}." for q in quantized))]
-    if missing or unexpected:
-        raise ValueError(f"Sampler: the trainer model's tensors do not match a {model.config.model_type} "
-                         f"CausalLM (missing {missing[:5]}, unexpected {unexpected[:5]}); pass an fp4rl "
-                         "CausalLM converted with qat.convert")
-    copy.tie_weights()
-    for p in copy.parameters():
-        p.requires_grad_(False)
-    return copy.eval()
-
-
-# ----------------------------------------------------------------------------------------------
 # Sampling
 
 
@@ -262,12 +148,14 @@ class Sampler:
     max_seq_len  prompt + completion limit (default: the config's max_position_embeddings).
     dtype        compute dtype of the copy (default: the trainer model's).
     cache_dequantized  keep DQ(W) per weight version (default: on for the CPU, off on CUDA).
+    fuse         one GEMM (and one Q(x)) for q/k/v and for gate/up (default: on for the CPU).
     eos_token_ids      tokens that end a completion (default: the tokenizer's eos_token_id).
     """
 
     def __init__(self, model: CausalLM, tokenizer=None, *, kv_cache: str = "bf16", device="cpu",
                  max_seq_len: int | None = None, dtype: torch.dtype | None = None,
-                 cache_dequantized: bool | None = None, eos_token_ids=None, policy_version: int = 0):
+                 cache_dequantized: bool | None = None, fuse: bool | None = None, eos_token_ids=None,
+                 policy_version: int = 0):
         if not isinstance(model, CausalLM):
             raise TypeError(f"Sampler needs an fp4rl CausalLM (fp4rl.load_model + qat.convert), got "
                             f"{type(model).__name__}")
@@ -275,14 +163,15 @@ class Sampler:
             raise ValueError(f"Sampler kv_cache={kv_cache!r}: use one of {KV_CACHE_KINDS}")
         self.device = torch.device(device)
         self.dtype = dtype or model.model.embed_tokens.weight.dtype
-        if cache_dequantized is None:
-            cache_dequantized = self.device.type == "cpu"
+        on_cpu = self.device.type == "cpu"
+        cache_dequantized = on_cpu if cache_dequantized is None else cache_dequantized
+        fuse = on_cpu if fuse is None else fuse
         self.config = model.config
         self.max_seq_len = max_seq_len or self.config.max_position_embeddings
         if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
             raise ValueError(f"Sampler max_seq_len={max_seq_len!r}: must be an integer >= 2")
         self.model = build_sampler_model(model, dtype=self.dtype, device=self.device,
-                                         cache_dequantized=cache_dequantized)
+                                         cache_dequantized=cache_dequantized, fuse=fuse)
         self.tokenizer, self.kv_cache = tokenizer, kv_cache
         if eos_token_ids is None:
             eos = getattr(tokenizer, "eos_token_id", None)
@@ -308,6 +197,7 @@ class Sampler:
         params = sum(m.in_features * m.out_features for m in packed)
         packed_bytes = sum(m.quantized_weight().nbytes for m in packed)
         cache_bytes = sum(m._dequantized.nbytes for m in packed if m._dequantized is not None)
+        cache_bytes += sum(g.nbytes for g in self.model.fused_groups)
         return dict(quantized_params=params, packed_bytes=packed_bytes, bf16_bytes=2 * params,
                     packed_vs_bf16=packed_bytes / max(2 * params, 1), dequantized_cache_bytes=cache_bytes,
                     other_bytes=sum(p.nbytes for p in self.model.parameters()))

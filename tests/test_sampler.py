@@ -266,3 +266,18 @@ def test_bad_prompts_are_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="kv_cache"):
         Sampler(tiny(), kv_cache="int8")
     assert len(sampler.generate([list(range(60))], params)[0].completion_ids) == 4  # exactly fits
+
+
+@pytest.mark.parametrize("config,contract,groups", [(DENSE, "bf16", 6), (DENSE, "nvfp4-linear", 6),
+                                                    (MOE, "nvfp4-experts", 3 + 3 * 8)])
+def test_fused_qkv_and_gate_up_compute_exactly_the_separate_linears(config, contract, groups):
+    trainer = tiny(config, contract)
+    fused = Sampler(trainer, eos_token_ids=[], fuse=True)
+    plain = Sampler(trainer, eos_token_ids=[], fuse=False)
+    assert len(fused.model.fused_groups) == groups and not plain.model.fused_groups
+    params = SamplingParams(n=2, max_new_tokens=6, seed=0)
+    a, b = fused.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+    assert [c.completion_ids for c in a] == [c.completion_ids for c in b]
+    assert [c.logprobs for c in a] == [c.logprobs for c in b]
+    attn = fused.model.model.layers[2].self_attn  # BF16 (last layer): weights are views of one buffer
+    assert attn.k_proj.weight.data_ptr() == attn.q_proj.weight.data_ptr() + attn.q_proj.weight.nbytes

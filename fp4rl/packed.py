@@ -1,0 +1,242 @@
+"""The sampler's weights: packed NVFP4 linears, fused input groups, and the sampler's model copy.
+
+The sampler runs the trainer's model code (fp4rl.model) on its own copy of the weights
+(`build_sampler_model`). Each linear the precision contract quantizes becomes a
+`PackedNVFP4Linear` holding only the bytes the trainer's forward computed with (E2M1 codes, E4M3
+block scales, FP32 global scale; no master weight) and computing what `qat.NVFP4Linear` computes:
+
+    W4A16:  y = x @ DQ(W).T + b          W4A4:  y = DQ(Q(x)) @ DQ(W).T + b
+
+with Q(x) the same `fp4rl.nvfp4.quantize` call (one FP32 scale per token, the contract's 4/6
+settings). Everything else is a copy of the trainer's tensors in the sampler's dtype. A packed
+linear takes 0.5625 byte/parameter + 4 bytes of global scale, against 2 for BF16: ~0.28x.
+
+Dequantized cache. Dequantizing every weight on every decode step is what a fused W4A16 kernel
+does in registers; in plain torch on a CPU it costs more than the matmul. So with
+`cache_dequantized` (the sampler's default on the CPU, off on CUDA) a linear keeps DQ(W) per
+weight version: the packed bytes stay the source of truth (weight sync writes them, the copy is
+rebuilt when their version changes), at 2 (BF16) or 4 (FP32) extra bytes per quantized
+parameter. A GPU kernel plugs in by overriding one method, `PackedNVFP4Linear.linear`.
+
+Fused groups (CPU). q/k/v read the same input, and so do an MLP's gate/up. `fuse_linears` makes
+each such group one GEMM on the concatenated weights, and in W4A4 one Q(x) instead of three (or
+two): x is quantized by the same call either way, so the bytes are the trainer's. The model code
+is unchanged: the first member called computes the whole group's output for that input tensor and
+the others take their slice when called with the same tensor object. Dense members' weights
+become views of one fused buffer (no extra memory; weight sync writes through the views); packed
+members share one dequantized cache. It is exact only if the BLAS computes a row of x @ W.T the
+same way whatever N is; tests/test_sampler.py checks fused == unfused bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp4rl.model import MLP, Attention, CausalLM
+from fp4rl.nvfp4 import NVFP4Tensor, dequantize, quantize
+from fp4rl.qat import NVFP4Linear
+
+
+class PackedNVFP4Linear(nn.Module):
+    """The sampler's side of `qat.NVFP4Linear`: packed NVFP4 weight buffers + bias, same forward.
+
+    Buffers (under the linear's HF name): `weight_data` uint8 [N, K/2], `weight_block_scale`
+    float8_e4m3fn [N, K/16], `weight_global_scale` float32 [] (decode direction).
+    """
+
+    is_linear = True  # precision.is_linear
+    group: FusedGroup | None = None
+
+    def __init__(self, qweight: NVFP4Tensor, bias: torch.Tensor | None, mode: str, input_kwargs: dict, *,
+                 cache_dequantized: bool = True):
+        super().__init__()
+        if mode not in ("w4a16", "w4a4"):
+            raise ValueError(f"PackedNVFP4Linear mode={mode!r}: use 'w4a16' or 'w4a4'")
+        self.register_buffer("weight_data", qweight.data)
+        self.register_buffer("weight_block_scale", qweight.block_scale)
+        self.register_buffer("weight_global_scale", qweight.global_scale)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.weight_meta = dict(shape=qweight.shape, dtype=qweight.dtype, tile=qweight.tile,
+                                scale_rule=qweight.scale_rule, hadamard_seed=qweight.hadamard_seed)
+        self.out_features, self.in_features = qweight.shape
+        self.mode, self.input_kwargs, self.cache_dequantized = mode, dict(input_kwargs), cache_dequantized
+        self._dequantized: torch.Tensor | None = None
+        self._dequantized_key = None
+
+    @classmethod
+    def from_trainer(cls, m: NVFP4Linear, *, dtype: torch.dtype, device, cache_dequantized: bool):
+        """A packed copy of a trainer NVFP4Linear: the bytes of its cached Q(W), its bias in `dtype`."""
+        q = m.quantized_weight()
+        q = NVFP4Tensor(**{**vars(q), "data": q.data.to(device, copy=True),
+                           "block_scale": q.block_scale.to(device, copy=True),
+                           "global_scale": q.global_scale.to(device, copy=True)})
+        bias = None if m.bias is None else m.bias.detach().to(device=device, dtype=dtype, copy=True)
+        return cls(q, bias, m.mode, m.input_kwargs, cache_dequantized=cache_dequantized)
+
+    def quantized_weight(self) -> NVFP4Tensor:
+        return NVFP4Tensor(data=self.weight_data, block_scale=self.weight_block_scale,
+                           global_scale=self.weight_global_scale, **self.weight_meta)
+
+    def weight_version(self) -> tuple:
+        """Changes whenever the packed bytes are written (in-place copies bump `_version`)."""
+        return tuple((b._version, b.data_ptr()) for b in (
+            self.weight_data, self.weight_block_scale, self.weight_global_scale))
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """DQ(W) [N, K] in dtype; cached per weight version when cache_dequantized."""
+        if not self.cache_dequantized:
+            return dequantize(self.quantized_weight(), dtype)
+        key = (dtype, self.weight_version())
+        if self._dequantized_key != key:
+            self._dequantized = dequantize(self.quantized_weight(), dtype)
+            self._dequantized_key = key
+        return self._dequantized
+
+    def quantize_input(self, x: torch.Tensor) -> NVFP4Tensor:
+        """Q(x) of activations [M, K], one global scale per token: the trainer's exact call."""
+        return quantize(x, **self.input_kwargs)
+
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        """DQ(Q(x)) in W4A4, x itself in W4A16."""
+        if self.mode == "w4a16":
+            return x
+        return dequantize(self.quantize_input(x.reshape(-1, x.shape[-1])), x.dtype).reshape(x.shape)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ DQ(W).T + b, x [..., K] (already DQ(Q(x)) in W4A4). Override for a W4A16 GPU kernel."""
+        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            return self.group(self, x)
+        return self.linear(self.prepare_input(x))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, mode={self.mode}, cache_dequantized={self.cache_dequantized}")
+
+
+class GroupedLinear(nn.Linear):
+    """An unquantized member of a FusedGroup: its weight and bias are views of the group's buffers."""
+
+    group: FusedGroup | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group(self, x) if self.group is not None else super().forward(x)
+
+
+class FusedGroup:
+    """Linears reading the same input, computed as one GEMM (see the module docstring)."""
+
+    def __init__(self, members: list[nn.Module]):
+        self.members = members
+        self.splits = [m.out_features for m in members]
+        self.packed = isinstance(members[0], PackedNVFP4Linear)
+        self._x, self._outs = None, {}
+        self._weight, self._weight_key = None, None
+        if not self.packed:  # one buffer, members' Parameters become views of it
+            self._weight = torch.cat([m.weight.detach() for m in members])  # [sum N, K]
+            self._bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
+            start = 0
+            for m, n in zip(members, self.splits):
+                m.weight = nn.Parameter(self._weight[start:start + n], requires_grad=False)
+                if self._bias is not None:
+                    m.bias = nn.Parameter(self._bias[start:start + n], requires_grad=False)
+                start += n
+        for m in members:
+            m.group = self
+
+    @property
+    def nbytes(self) -> int:
+        """Extra bytes the group holds (the packed members' shared dequantized weight)."""
+        return self._weight.nbytes if self.packed and self._weight is not None else 0
+
+    def weight_and_bias(self, dtype: torch.dtype):
+        if not self.packed:
+            return self._weight, self._bias
+        bias = None if self.members[0].bias is None else torch.cat([m.bias for m in self.members])
+        if not self.members[0].cache_dequantized:
+            return torch.cat([m.dequantized_weight(dtype) for m in self.members]), bias
+        key = (dtype, tuple(m.weight_version() for m in self.members))
+        if self._weight_key != key:
+            self._weight = torch.cat([dequantize(m.quantized_weight(), dtype) for m in self.members])
+            self._weight_key = key
+        return self._weight, bias
+
+    def __call__(self, member: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x is not self._x or id(member) not in self._outs:
+            x_in = self.members[0].prepare_input(x) if self.packed else x
+            weight, bias = self.weight_and_bias(x_in.dtype)
+            y = F.linear(x_in, weight, bias)  # [..., sum N]
+            self._x, self._outs = x, {id(m): part for m, part in zip(self.members, y.split(self.splits, -1))}
+        out = self._outs.pop(id(member))
+        if not self._outs:
+            self._x = None  # every member took its slice: hold nothing between calls
+        return out
+
+
+def _fusable(members: list[nn.Module]) -> bool:
+    first = members[0]
+    if any((m.bias is None) != (first.bias is None) for m in members):
+        return False
+    if all(type(m) is nn.Linear for m in members):
+        return len({(m.weight.dtype, m.weight.device) for m in members}) == 1
+    if all(isinstance(m, PackedNVFP4Linear) for m in members):
+        return all(m.mode == first.mode and m.input_kwargs == first.input_kwargs
+                   and m.cache_dequantized == first.cache_dequantized for m in members)
+    return False  # mixed precisions in one group (a rule quantizes q_proj only): leave them apart
+
+
+def fuse_linears(model: nn.Module) -> list[FusedGroup]:
+    """Fuse q/k/v of every Attention and gate/up of every MLP (experts included) where possible."""
+    groups = []
+    for module in list(model.modules()):
+        names = ("q_proj", "k_proj", "v_proj") if isinstance(module, Attention) else \
+            ("gate_proj", "up_proj") if isinstance(module, MLP) else None
+        if names is None:
+            continue
+        members = [getattr(module, n) for n in names]
+        if not _fusable(members):
+            continue
+        if type(members[0]) is nn.Linear:
+            dense = []
+            for name, m in zip(names, members):
+                g = GroupedLinear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+                g.weight, g.bias = m.weight, m.bias
+                setattr(module, name, g)
+                dense.append(g)
+            members = dense
+        groups.append(FusedGroup(members))
+    return groups
+
+
+def build_sampler_model(model: CausalLM, *, dtype: torch.dtype, device, cache_dequantized: bool,
+                        fuse: bool) -> CausalLM:
+    """The sampler's own copy of a (converted) trainer CausalLM: PackedNVFP4Linear for each
+    NVFP4Linear, copies of every other tensor in `dtype` on `device`. Shares nothing with `model`."""
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    with torch.device("meta"):
+        copy = CausalLM(model.config)
+    for name, m in quantized.items():
+        parent, _, child = name.rpartition(".")
+        packed = PackedNVFP4Linear.from_trainer(m, dtype=dtype, device=device,
+                                                cache_dequantized=cache_dequantized)
+        setattr(copy.get_submodule(parent) if parent else copy, child, packed)
+    skip = {f"{name}.{p}" for name in quantized for p in ("weight", "bias")}
+    if model.config.tie_word_embeddings:
+        skip.add("lm_head.weight")
+    state = {k: v.detach().to(device=device, dtype=dtype, copy=True)
+             for k, v in model.state_dict().items() if k not in skip}
+    missing, unexpected = copy.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if k not in skip and not k.startswith(tuple(f"{q}." for q in quantized))]
+    if missing or unexpected:
+        raise ValueError(f"Sampler: the trainer model's tensors do not match a {model.config.model_type} "
+                         f"CausalLM (missing {missing[:5]}, unexpected {unexpected[:5]}); pass an fp4rl "
+                         "CausalLM converted with qat.convert")
+    copy.tie_weights()
+    for p in copy.parameters():
+        p.requires_grad_(False)
+    copy.fused_groups = fuse_linears(copy) if fuse else []
+    return copy.eval()
