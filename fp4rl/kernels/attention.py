@@ -224,7 +224,7 @@ def decode_attention(q, lengths, k, v, k_global, v_global, *, k_scale=None, v_sc
     if INTERPRET:
         num_splits, block_t = num_splits or 2, block_t or 16
     num_splits = num_splits or _splits(b, hkv, t_cap, q.device)
-    block_t = block_t or 64
+    block_t = block_t or 128  # measured best at 4K and 32K context on the H200 (bench/gpu_kernels.md)
     if fp4:
         k, v = k.view(torch.uint8), v.view(torch.uint8)
         ks, vs = k_scale.view(torch.uint8), v_scale.view(torch.uint8)
