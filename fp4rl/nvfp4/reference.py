@@ -1,7 +1,9 @@
 """Plain-torch NVFP4 quantizer: the specification every faster implementation must match byte for byte.
 
-Runs on CPU and CUDA, vectorised, no Python loop over blocks. The arithmetic is
-TransformerEngine's, in fp32, in this order (load-bearing: reordering changes last bits):
+Runs on CPU and CUDA (same bytes on both), vectorised, no Python loop over blocks. The
+arithmetic is TransformerEngine's, in fp32, in this order (load-bearing: reordering changes
+last bits), every division a true IEEE division (format.true_div: torch's scalar shortcuts
+multiply by a reciprocal):
 
     amax   = max |x| over the tensor (scale_scope="tensor") or over each row ("row")
     S_enc  = fp32(M / amax), M = 6*448 = 2688 (rule "6") or 6*256 = 1536 (rule "4/6");
@@ -36,6 +38,11 @@ what TE does with that amax (a fused q/k/v group quantized with its group amax g
 same bytes as quantizing the concatenation); ``global_scale=g`` takes a decode-direction
 scale (e.g. the sampler's) and encodes with S_dec = g, S_enc = fp32(1/g), the 4/6 errors
 then decode with (e2m1 * s) * g. Values beyond the imposed range saturate.
+
+NaN/Inf raise unless ``allow_nonfinite``; then every amax is taken over the finite values
+(TE would take amax = inf and fall back to S_enc = 1), NaN gets code 0 and +-Inf +-6.
+
+How torchao, ModelOpt and fouroversix differ from this, and where: tests/test_nvfp4_oracles.py.
 """
 
 from __future__ import annotations
