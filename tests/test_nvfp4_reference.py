@@ -208,6 +208,28 @@ def test_padding_keeps_the_original_shape():
     assert nvfp4.fake_quantize(x, pad=True).shape == x.shape
 
 
+@pytest.mark.parametrize("kwargs", [
+    {}, {"tile": (16, 16)}, {"scale_scope": "row"}, {"scale_rule": "4/6", "tile": (16, 16)},
+    {"scale_rule": "4/6", "err": "mae", "scale_scope": "row"}, {"rounding": "stochastic"},
+])
+def test_row_groups_give_the_same_bytes(kwargs):
+    """On one CPU thread the reference works through groups of rows (2^18 elements): the
+    bytes are those of whole-tensor passes."""
+    x = randn(96, 4096, seed=21)  # 96 * 4096 > 2^18: two groups, the second one partial
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            extra = {"generator": gen(5)} if "rounding" in kwargs else {}
+            results.append(nvfp4.quantize(x, **kwargs, **extra))
+    finally:
+        torch.set_num_threads(threads)
+    a, b = results
+    assert torch.equal(a.data, b.data) and torch.equal(a.global_scale, b.global_scale)
+    assert torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8))
+
+
 def test_all_zero_tensor():
     q = nvfp4.quantize(torch.zeros(16, 32))
     assert (q.data == 0).all() and (q.block_scale.float() == 0).all() and q.global_scale.item() == 0

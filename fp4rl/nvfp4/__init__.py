@@ -27,6 +27,7 @@ from fp4rl.nvfp4.format import (
     e2m1_codes_to_values,
     pack_fp4,
     round_to_e2m1,
+    true_div,
     unpack_fp4,
 )
 from fp4rl.nvfp4.hadamard import hadamard_signs, inverse_random_hadamard, random_hadamard
@@ -64,5 +65,6 @@ __all__ = [
     "quantize",
     "random_hadamard",
     "round_to_e2m1",
+    "true_div",
     "unpack_fp4",
 ]
