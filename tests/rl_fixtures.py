@@ -49,7 +49,10 @@ def tiny_model(moe: bool = False, seed: int = 0):
     else:
         config = ModelConfig(model_type="llama", **common)
     torch.manual_seed(seed)
-    return CausalLM(config)
+    model = CausalLM(config)
+    with torch.no_grad():  # N(0, 1) tied embeddings make every logit row peak at the input token
+        model.model.embed_tokens.weight.mul_(0.2)
+    return model
 
 
 def save_tiny_model(path, moe: bool = False, seed: int = 0) -> Path:

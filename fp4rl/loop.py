@@ -1,0 +1,468 @@
+"""The RL loop: rollout in NVFP4, score, GRPO update, weight sync; `fp4rl train`.
+
+One step s = 1, 2, ..., trainer.steps:
+
+    prompts   = task.batch(s - 1)                         task.prompts_per_step questions
+    rollout   = sampler.generate(prompts, n)              sampler.n completions each, seed (seed, s)
+    rewards   = task.score(...)                           -> group advantages (fp4rl.grpo)
+    batch     = Batch.from_completions(kept groups)       zero-variance groups dropped (if configured)
+    metrics   = trainer.step(batch)                       policy_version s - 1 -> s
+    payload   = weight_sync.build_payload(trainer)        packed NVFP4 + the BF16 rest
+    sampler.load(payload)                                  the sampler now holds version s
+
+Versions. policy_version v is the policy after v trainer steps (v = 0: the initial model).
+Every completion carries the version that sampled it, and the step logs its staleness:
+trainer version when training on it (s - 1) minus the version that sampled it.
+
+Synchronous (loop.mode = "sync", or async with max_staleness = 0): the rollout of step s
+uses version s - 1, so every sample is on-policy (staleness 0).
+
+Asynchronous with k = loop.max_staleness >= 1: the rollout of step s uses version
+
+    v(s) = max(0, s - 1 - k)
+
+A background thread owns the sampler and produces rollouts in step order; for step s it
+waits until version v(s) has been published, loads it, and generates. The trainer publishes
+version s right after step s, so while it trains step s the thread can already generate the
+rollouts of steps s + 1 .. s + k + 1 (those need versions <= s). Staleness is exactly k once
+s > k + 1 (smaller in the first steps, which all use version 0), never more. Because a rollout
+depends only on v(s) and its per-step seed, never on thread timing, an async run is as
+deterministic as a sync one. A checkpoint after step s waits for the rollouts of steps
+s + 1 .. s + k (they need versions <= s - 1, all published) and stores them, so a resumed run
+trains on exactly the data the uninterrupted one would have.
+
+Held-out evaluation uses the trainer's current weights (the rollout sampler in sync mode, a
+second sampler in async mode): greedy accuracy as `eval/accuracy` and sampled accuracy at each
+other temperature T of eval.temperatures as `eval/accuracy_t{T}`, before step 1 (logged as
+step 0), every task.eval_every steps and after the last step.
+
+Determinism and resume. Every random draw is seeded from trainer.seed: sampling uses a seed
+derived from (seed, "rollout", s) (and (seed, "eval", s, T)), training order is fixed, and the
+global torch/python/numpy RNG states travel in the checkpoint. `fp4rl train --resume RUN_DIR`
+after a crash (even kill -9) loads the newest complete checkpoint, drops the metrics.jsonl
+lines of later steps and redoes them: the metrics, apart from time/* and memory/*, equal
+those of an uninterrupted run.
+
+What this loop leaves out: multiple samplers or trainers (fp4rl.distributed), a value model,
+and a KL penalty's reference beyond the frozen initial policy (grpo.kl_coef).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import random
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fp4rl.batch import Batch
+from fp4rl.config import ConfigError, RunConfig, format_fields, load_config, save_config
+from fp4rl.grpo import group_advantages, reward_metrics
+from fp4rl.metrics import MetricsLogger, format_progress, plot, read_metrics
+from fp4rl.tasks import Prompt, Task, apply_chat_template, task_from_config
+from fp4rl.trainer import CHECKPOINT_DIR, Trainer, latest_checkpoint
+
+EVAL_CHUNK = 64  # held-out prompts per generate call
+
+
+def derive_seed(seed: int, *parts) -> int:
+    """A 63-bit seed from (seed, parts...), stable across processes and Python versions."""
+    digest = hashlib.sha256(repr((seed, *parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rollout_version(step: int, staleness: int) -> int:
+    """The policy version that samples the rollout of `step` (from 1): max(0, step - 1 - staleness)."""
+    return max(0, step - 1 - staleness)
+
+
+# ---------------------------------------------------------------------------------- rollout
+
+
+@dataclass
+class Rollout:
+    """Scored completions of one step: G prompts x n samples, grouped by prompt."""
+
+    step: int
+    prompts: list[Prompt]  # [G]
+    completions: list  # [G * n] fp4rl.sampler.Completion, prompt-major
+    rewards: torch.Tensor  # [G, n] fp32
+    seconds: float  # generation + scoring wall time
+
+    def state_dict(self) -> dict:
+        """Plain data (for a checkpoint): the prompts by id, the completions as dicts."""
+        return {"step": self.step, "prompt_ids": [p.id for p in self.prompts],
+                "completions": [dataclasses.asdict(c) for c in self.completions],
+                "rewards": self.rewards, "seconds": self.seconds}
+
+    @classmethod
+    def from_state_dict(cls, state: dict, task: Task, prompts_per_step: int) -> Rollout:
+        from fp4rl.sampler import Completion
+
+        prompts = task.batch(state["step"] - 1, prompts_per_step)
+        if [p.id for p in prompts] != state["prompt_ids"]:
+            raise ValueError(f"the checkpoint's rollout of step {state['step']} was made for other prompts "
+                             "than the task gives now: was task.* changed before resuming?")
+        return cls(state["step"], prompts, [Completion(**c) for c in state["completions"]], state["rewards"],
+                   state["seconds"])
+
+
+class Rollouts:
+    """Generate, encode and score; shared by the training rollouts and held-out eval."""
+
+    def __init__(self, task: Task, tokenizer, config: RunConfig):
+        self.task, self.tokenizer, self.config = task, tokenizer, config
+        self._ids: dict[str, list[int]] = {}
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if prompt.id not in self._ids:
+            self._ids[prompt.id] = apply_chat_template(self.tokenizer, prompt.question,
+                                                       system=self.config.task.system, tokenize=True)
+        return self._ids[prompt.id]
+
+    def generate(self, sampler, prompts: list[Prompt], params) -> list:
+        completions = sampler.generate([self.encode(p) for p in prompts], params)
+        return sorted(completions, key=lambda c: (c.prompt_index, c.sample_index))
+
+    def score(self, prompts: list[Prompt], completions: list) -> list[float]:
+        return self.task.score([prompts[c.prompt_index] for c in completions], [c.text for c in completions])
+
+    def rollout(self, sampler, step: int) -> Rollout:
+        from fp4rl.sampler import SamplingParams
+
+        start = time.perf_counter()
+        c = self.config
+        prompts = self.task.batch(step - 1, c.task.prompts_per_step)
+        params = SamplingParams(n=c.sampler.n, temperature=c.sampler.temperature, top_p=c.sampler.top_p,
+                                top_k=c.sampler.top_k, max_new_tokens=c.sampler.max_new_tokens,
+                                seed=derive_seed(c.trainer.seed, "rollout", step))
+        completions = self.generate(sampler, prompts, params)
+        rewards = torch.tensor(self.score(prompts, completions), dtype=torch.float32)
+        return Rollout(step, prompts, completions, rewards.view(len(prompts), c.sampler.n),
+                       time.perf_counter() - start)
+
+    def evaluate(self, sampler, step: int) -> dict[str, float]:
+        """Held-out accuracy at every eval temperature (0: greedy)."""
+        from fp4rl.sampler import SamplingParams
+
+        c = self.config
+        prompts = self.task.eval
+        out: dict[str, float] = {}
+        if not prompts:
+            return out
+        start = time.perf_counter()
+        for temperature in c.eval.temperatures:
+            params = SamplingParams(
+                n=1, greedy=temperature == 0, temperature=temperature or 1.0, top_p=c.sampler.top_p,
+                top_k=c.sampler.top_k, max_new_tokens=c.eval.max_new_tokens or c.sampler.max_new_tokens,
+                seed=derive_seed(c.trainer.seed, "eval", step, temperature))
+            correct, lengths = 0, 0
+            for i in range(0, len(prompts), EVAL_CHUNK):
+                chunk = prompts[i : i + EVAL_CHUNK]
+                completions = self.generate(sampler, chunk, params)
+                correct += sum(r >= 1.0 for r in self.score(chunk, completions))
+                lengths += sum(len(x.completion_ids) for x in completions)
+            suffix = "" if temperature == 0 else f"_t{temperature:g}"
+            out[f"eval/accuracy{suffix}"] = correct / len(prompts)
+            out[f"eval/length_mean{suffix}"] = lengths / len(prompts)
+        out["time/eval_s"] = time.perf_counter() - start
+        return out
+
+
+def make_batch(rollout: Rollout, config: RunConfig, pad_id: int) -> tuple[Batch, dict[str, float]]:
+    """GRPO advantages of a rollout -> (the training Batch, reward/* and response/* metrics)."""
+    g = config.grpo
+    advantages, zero_variance = group_advantages(rollout.rewards, normalize_std=g.normalize_std,
+                                                 eps=g.adv_eps)
+    n = rollout.rewards.shape[1]
+    keep = [i for i in range(len(rollout.completions))
+            if not (g.skip_zero_variance_groups and zero_variance[i // n])]
+    batch = Batch.from_completions([rollout.completions[i] for i in keep],
+                                   advantages.flatten()[keep], pad_id=pad_id)
+    lengths = [len(x.completion_ids) for x in rollout.completions]
+    truncated = sum(x.finish_reason == "length" for x in rollout.completions)
+    metrics = reward_metrics(rollout.rewards, rollout.rewards >= 1.0, zero_variance)
+    metrics.update({
+        "response/length_mean": sum(lengths) / len(lengths),
+        "response/length_max": max(lengths),
+        "response/truncated_frac": truncated / len(lengths),
+        "time/rollout_s": rollout.seconds,
+    })
+    return batch, metrics
+
+
+# ---------------------------------------------------------------------------------- async
+
+
+class RolloutWorker:
+    """Background thread that owns a sampler and produces rollouts in step order (module docstring).
+
+    `get(step)` blocks until the rollout of `step` exists; `publish(version, payload)` hands
+    the trainer's weights of `version` to the thread.
+    """
+
+    def __init__(self, sampler, produce: Callable[[object, int], Rollout], *, staleness: int,
+                 first_step: int, last_step: int, ready: dict[int, Rollout] | None = None):
+        self.sampler, self.produce, self.staleness = sampler, produce, staleness
+        self.ready: dict[int, Rollout] = dict(ready or {})
+        self.payloads: dict[int, object] = {}
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._work, args=(first_step, last_step), daemon=True,
+                                       name="fp4rl-rollout")
+        self.thread.start()
+
+    def _work(self, first_step: int, last_step: int) -> None:
+        try:
+            for step in range(first_step, last_step + 1):
+                version = rollout_version(step, self.staleness)
+                with self.cond:
+                    self.cond.wait_for(lambda v=version: self.stopped or self.sampler.policy_version == v
+                                       or v in self.payloads)
+                    if self.stopped:
+                        return
+                    payload = self.payloads.get(version)
+                    for old in [v for v in self.payloads if v <= version]:
+                        del self.payloads[old]  # later steps need later versions only
+                if self.sampler.policy_version != version:
+                    self.sampler.load(payload)
+                rollout = self.produce(self.sampler, step)
+                with self.cond:
+                    self.ready[step] = rollout
+                    self.cond.notify_all()
+        except BaseException as e:  # surfaced to the trainer thread by get()/wait()
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def _wait(self, steps) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.error is not None or all(s in self.ready for s in steps))
+            if self.error is not None:
+                raise RuntimeError("the rollout thread failed") from self.error
+
+    def get(self, step: int) -> Rollout:
+        self._wait([step])
+        with self.cond:
+            return self.ready.pop(step)
+
+    def pending(self, steps) -> dict[int, Rollout]:
+        """The rollouts of `steps` once they exist (for a checkpoint); they stay queued."""
+        self._wait(steps)
+        with self.cond:
+            return {s: self.ready[s] for s in steps}
+
+    def publish(self, version: int, payload) -> None:
+        with self.cond:
+            self.payloads[version] = payload
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        self.thread.join()
+
+
+# ---------------------------------------------------------------------------------- train
+
+
+def _check_fresh_run_dir(run_dir: Path) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    if (metrics.exists() and metrics.stat().st_size > 0) or latest_checkpoint(run_dir) is not None:
+        raise FileExistsError(f"{run_dir} already holds a run: continue it with `fp4rl train --resume "
+                              f"{run_dir}` (or run.resume = true), or pick another run.name")
+
+
+def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
+    """Run (or resume) the RL job described by `config`; returns the run's metrics records."""
+    from fp4rl import weight_sync
+    from fp4rl.hf import load_model
+    from fp4rl.precision import PrecisionContract
+    from fp4rl.sampler import Sampler
+
+    c = config
+    run_dir = c.run_dir
+    checkpoint = latest_checkpoint(run_dir) if c.run.resume else None
+    if not c.run.resume:
+        _check_fresh_run_dir(run_dir)
+    seed_everything(c.trainer.seed)
+    task = task or task_from_config(c.task)
+    task.batch(0, c.task.prompts_per_step)  # fails now, not at step 1, if the split is too small
+
+    device = c.model.device if c.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_model(c.model.name, dtype=getattr(torch, c.model.dtype), device=device)
+    if tokenizer is None:
+        raise ValueError(f"model.name = {c.model.name!r} has no tokenizer files: RL needs one for prompts")
+    contract = PrecisionContract(**c.precision.contract_kwargs())
+    trainer = Trainer(model, contract, c)
+    staleness = c.loop.max_staleness if c.loop.mode == "async" else 0
+
+    start_step, pending = 0, {}
+    if checkpoint is not None:
+        state = trainer.load_checkpoint(checkpoint)
+        start_step = state["step"]
+        pending = {step: Rollout.from_state_dict(r, task, c.task.prompts_per_step)
+                   for step, r in state["extra"].get("pending_rollouts", {}).items()}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(c, run_dir / "config.toml")
+    print(task.describe())
+    print(contract.summary(trainer.model))
+    print(f"run directory {run_dir}; " + (f"resuming after step {start_step} from {checkpoint}"
+                                          if checkpoint else "starting at step 1"))
+
+    # Samplers start from a payload like every later version does (dense tensors in BF16), so
+    # version 0 and a resumed version are held exactly as a synced one
+    payload = weight_sync.build_payload(trainer.model, contract, trainer.policy_version)
+    sampler = Sampler(trainer.model, tokenizer, kv_cache=c.sampler.kv_cache, device=device,
+                      policy_version=trainer.policy_version)
+    sampler.load(payload)
+    rollouts = Rollouts(task, tokenizer, c)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    worker, eval_sampler = None, sampler
+    if staleness > 0:
+        first = start_step + 1 + len(pending)
+        worker = RolloutWorker(sampler, rollouts.rollout, staleness=staleness, first_step=first,
+                               last_step=c.trainer.steps, ready=pending)
+        eval_sampler = Sampler(trainer.model, tokenizer, kv_cache=c.sampler.kv_cache, device=device,
+                               policy_version=trainer.policy_version)
+        eval_sampler.load(payload)
+
+    # resuming without a checkpoint starts over: every line of metrics.jsonl is dropped
+    resume_step = (start_step if checkpoint else -1) if c.run.resume else None
+    logger = MetricsLogger(run_dir, tensorboard=c.logging.tensorboard, wandb=c.logging.wandb,
+                           wandb_project=c.logging.wandb_project, config=c.to_dict(), resume_step=resume_step)
+    progress = None
+    if c.logging.progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=c.trainer.steps, initial=start_step, desc=c.run.name, unit="step")
+    try:
+        if start_step == 0 and c.eval.at_start and task.eval:
+            record = {"policy_version": 0, **rollouts.evaluate(eval_sampler, 0)}
+            logger.log(0, record)
+            print("step 0 (before training): " + format_progress(record))
+        for step in range(start_step + 1, c.trainer.steps + 1):
+            step_start = time.perf_counter()
+            trained_on = trainer.policy_version
+            rollout = worker.get(step) if worker else rollouts.rollout(sampler, step)
+            wait_s = time.perf_counter() - step_start
+            batch, record = make_batch(rollout, c, pad_id)
+            versions = [x.policy_version for x in rollout.completions]
+            record.update({
+                "rollout/policy_version": min(versions),
+                "rollout/staleness_mean": trained_on - sum(versions) / len(versions),
+                "rollout/staleness_max": trained_on - min(versions),
+            })
+            record.update(trainer.step(batch))
+            sync_start = time.perf_counter()
+            payload = weight_sync.build_payload(trainer.model, contract, trainer.policy_version)
+            if worker:
+                worker.publish(trainer.policy_version, payload)
+            else:
+                sampler.load(payload)
+            record["time/sync_s"] = time.perf_counter() - sync_start
+            record["sync/bytes"] = payload.nbytes
+            record["policy_version"] = trainer.policy_version
+            is_last = step == c.trainer.steps
+            if task.eval and (is_last or (c.task.eval_every and step % c.task.eval_every == 0)):
+                if eval_sampler is not sampler:
+                    eval_sampler.load(payload)
+                record.update(rollouts.evaluate(eval_sampler, step))
+            if worker:
+                record["time/rollout_wait_s"] = wait_s
+            record["time/step_s"] = time.perf_counter() - step_start
+            logger.log(step, record)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix_str(format_progress(record))
+            if is_last or (c.trainer.checkpoint_every and step % c.trainer.checkpoint_every == 0):
+                extra = {}
+                if worker:
+                    ahead = range(step + 1, min(step + staleness, c.trainer.steps) + 1)
+                    extra["pending_rollouts"] = {s: r.state_dict() for s, r in worker.pending(ahead).items()}
+                trainer.save_checkpoint(run_dir, step, extra=extra, keep=c.trainer.checkpoint_keep)
+    finally:
+        if worker:
+            worker.close()
+        if progress is not None:
+            progress.close()
+        logger.close()
+    records = read_metrics(run_dir)
+    plot(run_dir)
+    _print_summary(records)
+    return records
+
+
+def _print_summary(records: list[dict]) -> None:
+    evals = [r for r in records if "eval/accuracy" in r]
+    if len(evals) >= 2:
+        first, last = evals[0], evals[-1]
+        print(f"held-out greedy accuracy: {first['eval/accuracy']:.3f} (step {first['step']}) -> "
+              f"{last['eval/accuracy']:.3f} (step {last['step']})")
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE.toml", help="run config (defaults < file < --set)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one key, e.g. --set trainer.lr=1e-5 (repeatable)")
+    parser.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue RUN_DIR from its newest checkpoint, with its config.toml (+ --set)")
+    parser.add_argument("--help-config", action="store_true", help="list every config key and exit")
+
+
+def config_from_args(args) -> RunConfig:
+    """The RunConfig that `fp4rl train` runs: --config or RUN_DIR/config.toml, then --set."""
+    if args.resume is None:
+        return load_config(args.config, args.overrides)
+    run_dir = Path(args.resume)
+    if args.config is not None:
+        raise ConfigError("--resume RUN_DIR reads RUN_DIR/config.toml; change keys with --set, not --config")
+    if not (run_dir / "config.toml").is_file():
+        raise ConfigError(f"--resume {run_dir}: no config.toml there; is it a run directory "
+                          f"(runs/<name>/ with config.toml, metrics.jsonl, {CHECKPOINT_DIR}/)?")
+    where = [f"run.dir={json.dumps(str(run_dir.resolve().parent))}", f"run.name={run_dir.resolve().name}",
+             "run.resume=true"]
+    return load_config(run_dir / "config.toml", [*args.overrides, *where])
+
+
+def run(args) -> int:
+    if args.help_config:
+        print(format_fields())
+        return 0
+    try:
+        config = config_from_args(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"fp4rl train: error: {e}", file=sys.stderr)
+        return 2
+    train(config)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fp4rl train", description="Run (or resume) an RL job.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
