@@ -122,7 +122,8 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(assets, tmp_path, mode
     argv = [sys.executable, "-m", "fp4rl.loop", "--config", str(TINY)]
     for item in tiny_sets(assets, tmp_path, "killed", *sets):
         argv += ["--set", item]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         _wait_for_step(run_dir / "metrics.jsonl", 3, proc)
