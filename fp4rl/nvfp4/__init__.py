@@ -8,11 +8,13 @@ Public API (the contract used by the trainer, the sampler and the exporter):
 and the format's building blocks (E2M1 table, packing, rounding, E4M3 cast, Hadamard).
 
 reference.py is the specification (plain torch, CPU and CUDA). A faster implementation
-(fp4rl/nvfp4/triton.py, byte-identical to the reference) is chosen here, in
-``_select_implementation``, once it exists; until then every device uses the reference.
+(fp4rl/nvfp4/triton.py, byte-identical to the reference) is chosen here, per call, for CUDA
+tensors (``_implementation``); CPU tensors always use the reference.
 """
 
 from __future__ import annotations
+
+import torch
 
 from fp4rl.nvfp4 import reference
 from fp4rl.nvfp4.format import (
@@ -34,16 +36,33 @@ from fp4rl.nvfp4.hadamard import hadamard_signs, inverse_random_hadamard, random
 from fp4rl.nvfp4.reference import GLOBAL_SCALE_MAX, global_scales_from_amax
 
 
-def _select_implementation():
-    """The module providing quantize/dequantize/fake_quantize. Only the reference exists yet;
-    the Triton kernels will be picked here for CUDA tensors."""
+def _implementation(t):
+    """The module that quantizes `t`: the Triton kernels (byte-identical to the reference) for
+    CUDA tensors, the reference everywhere else. Imported lazily: triton is only needed, and
+    only imported, once a CUDA tensor is quantized."""
+    if isinstance(t, torch.Tensor) and t.is_cuda:
+        try:
+            from fp4rl.nvfp4 import triton as kernels
+        except ImportError:  # no triton on this CUDA machine: the reference runs on CUDA too
+            return reference
+        return kernels
     return reference
 
 
-_impl = _select_implementation()
-quantize = _impl.quantize
-dequantize = _impl.dequantize
-fake_quantize = _impl.fake_quantize
+def quantize(x, **kwargs) -> NVFP4Tensor:
+    """See fp4rl.nvfp4.reference.quantize (the specification)."""
+    return _implementation(x).quantize(x, **kwargs)
+
+
+def dequantize(q: NVFP4Tensor, dtype=torch.float32):
+    """(e2m1 * block_scale) * global_scale; see fp4rl.nvfp4.reference.dequantize."""
+    return _implementation(getattr(q, "data", None)).dequantize(q, dtype)
+
+
+def fake_quantize(x, **kwargs):
+    """dequantize(quantize(x)) in x's dtype; see fp4rl.nvfp4.reference.fake_quantize."""
+    return _implementation(x).fake_quantize(x, **kwargs)
+
 
 __all__ = [
     "BLOCK",
