@@ -80,9 +80,14 @@ class PackedNVFP4Linear(nn.Module):
                            global_scale=self.weight_global_scale, **self.weight_meta)
 
     def weight_version(self) -> tuple:
-        """Changes whenever the packed bytes are written (in-place copies bump `_version`)."""
-        return tuple((b._version, b.data_ptr()) for b in (
+        """Changes whenever the packed bytes are written (in-place copies bump `_version`; inference-mode
+        tensors have no version counter, so `Sampler.load` also calls `invalidate`)."""
+        return tuple((_version(b), b.data_ptr()) for b in (
             self.weight_data, self.weight_block_scale, self.weight_global_scale))
+
+    def invalidate(self) -> None:
+        """Drop the dequantized cache (rebuilt on the next forward)."""
+        self._dequantized, self._dequantized_key = None, None
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """DQ(W) [N, K] in dtype; cached per weight version when cache_dequantized."""
@@ -118,6 +123,10 @@ class PackedNVFP4Linear(nn.Module):
                 f"bias={self.bias is not None}, mode={self.mode}, cache_dequantized={self.cache_dequantized}")
 
 
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version
+
+
 class GroupedLinear(nn.Linear):
     """An unquantized member of a FusedGroup: its weight and bias are views of the group's buffers."""
 
@@ -147,6 +156,10 @@ class FusedGroup:
                 start += n
         for m in members:
             m.group = self
+
+    def invalidate(self) -> None:
+        if self.packed:
+            self._weight, self._weight_key = None, None
 
     @property
     def nbytes(self) -> int:

@@ -189,6 +189,11 @@ class Sampler:
         from fp4rl.weight_sync import apply_payload
 
         apply_payload(self.model, payload, current_version=self.policy_version, verify=verify)
+        for m in self.model.modules():
+            if isinstance(m, PackedNVFP4Linear):
+                m.invalidate()
+        for group in self.model.fused_groups:
+            group.invalidate()
         self.policy_version = payload.version
 
     def memory(self) -> dict[str, float]:

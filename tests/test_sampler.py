@@ -281,3 +281,23 @@ def test_fused_qkv_and_gate_up_compute_exactly_the_separate_linears(config, cont
     assert [c.logprobs for c in a] == [c.logprobs for c in b]
     attn = fused.model.model.layers[2].self_attn  # BF16 (last layer): weights are views of one buffer
     assert attn.k_proj.weight.data_ptr() == attn.q_proj.weight.data_ptr() + attn.q_proj.weight.nbytes
+
+
+def test_generate_command_prints_the_greedy_completion(capsys):
+    import argparse
+
+    from fp4rl import sampler as command
+    from fp4rl.hf import load_model
+    from fp4rl.tasks import apply_chat_template
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(["--prompt", "What is 2 + 3?", "--greedy", "--max-new-tokens", "6",
+                              "--kv-cache", "fp8"])
+    assert command.run(args) == 0
+    printed = capsys.readouterr().out
+    model, tokenizer = load_model("default")
+    prompt = apply_chat_template(tokenizer, "What is 2 + 3?", tokenize=True)  # a chat model: templated
+    expected = Sampler(convert(model, PrecisionContract("bf16")), tokenizer, kv_cache="fp8").generate(
+        [prompt], SamplingParams(greedy=True, max_new_tokens=6))[0]
+    assert printed == expected.text + "\n" and expected.text.strip()
