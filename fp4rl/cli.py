@@ -13,6 +13,7 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("fp4rl.loop", "run an RL job (TOML config + --set key=value; --resume RUN_DIR)"),
     "generate": ("fp4rl.sampler", "sample a completion for one prompt (chat template applied)"),
     "export": ("fp4rl.export", "write an NVFP4 checkpoint for vLLM/SGLang (ModelOpt or compressed-tensors)"),
     "bench": ("fp4rl.benchmarks", "run a benchmark (quantize, memory, rollout, gpu_kernels)"),
