@@ -7,9 +7,9 @@ import importlib
 
 BENCHMARKS = {
     "quantize": "CPU throughput of each NVFP4 quantize mode; SNR of 6 vs 4/6",
-    "memory": "bytes saved for backward per quantized linear (BF16, naive fake-quant, fp4rl); peak RSS of a training step",
+    "memory": "bytes saved for backward per quantized linear; peak RSS of a training step",
     "rollout": "CPU tokens/s of the fp4rl sampler vs transformers generate; packed memory; sync bytes",
-    "gpu_kernels": "H200: Triton NVFP4 quantize, W4A16/grouped GEMM, FP4/FP8-KV decode attention vs cuBLAS/SDPA",
+    "gpu_kernels": "H200: Triton quantize, W4A16/grouped GEMM, FP4/FP8-KV attention vs cuBLAS/SDPA",
 }
 
 
