@@ -7,16 +7,23 @@ Public API (the contract used by the trainer, the sampler and the exporter):
     fake_quantize(x, **same) -> Tensor                (dequantize(quantize(x)) in x's dtype)
 and the format's building blocks (E2M1 table, packing, rounding, E4M3 cast, Hadamard).
 
-reference.py is the specification (plain torch, CPU and CUDA). A faster implementation
-(fp4rl/nvfp4/triton.py, byte-identical to the reference) is chosen here, per call, for CUDA
-tensors (``_implementation``); CPU tensors always use the reference.
+reference.py is the specification (plain torch, CPU and CUDA). Faster implementations,
+byte-identical to the reference, are chosen here per call (``_implementation``): the Triton
+kernels (fp4rl/nvfp4/triton.py) for CUDA tensors, and a C kernel (fp4rl/nvfp4/cpu.py, built
+with the system C compiler on first use and cached) for CPU tensors. Each hands what it does
+not cover (stochastic rounding, Hadamard, non-finite input, ...) to the reference. The CPU
+path pays off from the smallest tensor (one 16-block), so there is no size threshold; set
+``FP4RL_NVFP4_CPU=reference`` to force the reference on CPU (read on every call). If the C
+kernel cannot be built, one warning is issued and CPU tensors use the reference.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from fp4rl.nvfp4 import reference
+from fp4rl.nvfp4 import cpu, reference
 from fp4rl.nvfp4.format import (
     BLOCK,
     E2M1_MAX,
@@ -37,15 +44,19 @@ from fp4rl.nvfp4.reference import GLOBAL_SCALE_MAX, global_scales_from_amax
 
 
 def _implementation(t):
-    """The module that quantizes `t`: the Triton kernels (byte-identical to the reference) for
-    CUDA tensors, the reference everywhere else. Imported lazily: triton is only needed, and
-    only imported, once a CUDA tensor is quantized."""
+    """The module that quantizes `t`: the Triton kernels for CUDA tensors (imported lazily:
+    triton is only needed, and only imported, once a CUDA tensor is quantized), the C kernel
+    for CPU tensors (unless FP4RL_NVFP4_CPU=reference, or it cannot be built), else the
+    reference. All are byte-identical to the reference."""
     if isinstance(t, torch.Tensor) and t.is_cuda:
         try:
             from fp4rl.nvfp4 import triton as kernels
         except ImportError:  # no triton on this CUDA machine: the reference runs on CUDA too
             return reference
         return kernels
+    if (isinstance(t, torch.Tensor) and t.device.type == "cpu"
+            and os.environ.get("FP4RL_NVFP4_CPU", "fast") != "reference" and cpu.available()):
+        return cpu
     return reference
 
 
