@@ -4,7 +4,10 @@ The sampler runs the trainer's own model code (fp4rl.model) on its own copy of t
 which every linear the precision contract quantizes holds only the packed NVFP4 bytes the
 trainer's forward computed with and computes exactly what the trainer computes (W4A4: the same
 per-token activation quantizer); see fp4rl/packed.py. Weight sync (fp4rl/weight_sync.py) writes
-new bytes in place; the KV cache is BF16, FP8 or NVFP4 (fp4rl/kvcache.py).
+new bytes in place; the KV cache is BF16, FP8 or NVFP4 (fp4rl/kvcache.py). On CUDA in bfloat16
+(`kernels=True`) the packed linears, routed experts and quantized-KV decode attention run the
+Triton kernels, the KV cache is static and every decode step is a CUDA graph replay; see
+fp4rl/gpu_decode.py.
 
 Generation (`Sampler.generate`), for P prompts x n samples:
 1. prefill: the P distinct prompts, left-padded into one [P, T_p] batch with an attention mask,
@@ -150,12 +153,16 @@ class Sampler:
     cache_dequantized  keep DQ(W) per weight version (default: on for the CPU, off on CUDA).
     fuse         one GEMM (and one Q(x)) for q/k/v and for gate/up (default: on for the CPU).
     eos_token_ids      tokens that end a completion (default: the tokenizer's eos_token_id).
+    kernels      Triton NVFP4 kernels, static KV cache, grouped experts (fp4rl/gpu_decode.py); needs
+                 dtype bfloat16 (default: on for CUDA in bfloat16, off elsewhere; the CPU runs them
+                 only under TRITON_INTERPRET=1).
+    cuda_graphs  with kernels on CUDA: one CUDA graph per decode batch bucket (default: on).
     """
 
     def __init__(self, model: CausalLM, tokenizer=None, *, kv_cache: str = "bf16", device="cpu",
                  max_seq_len: int | None = None, dtype: torch.dtype | None = None,
                  cache_dequantized: bool | None = None, fuse: bool | None = None, eos_token_ids=None,
-                 policy_version: int = 0):
+                 policy_version: int = 0, kernels: bool | None = None, cuda_graphs: bool | None = None):
         if not isinstance(model, CausalLM):
             raise TypeError(f"Sampler needs an fp4rl CausalLM (fp4rl.load_model + qat.convert), got "
                             f"{type(model).__name__}")
@@ -165,13 +172,20 @@ class Sampler:
         self.dtype = dtype or model.model.embed_tokens.weight.dtype
         on_cpu = self.device.type == "cpu"
         cache_dequantized = on_cpu if cache_dequantized is None else cache_dequantized
-        fuse = on_cpu if fuse is None else fuse
+        if kernels is None:
+            kernels = self.device.type == "cuda" and self.dtype == torch.bfloat16
+        fuse = (on_cpu or kernels) if fuse is None else fuse
         self.config = model.config
         self.max_seq_len = max_seq_len or self.config.max_position_embeddings
         if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
             raise ValueError(f"Sampler max_seq_len={max_seq_len!r}: must be an integer >= 2")
         self.model = build_sampler_model(model, dtype=self.dtype, device=self.device,
                                          cache_dequantized=cache_dequantized, fuse=fuse)
+        self.engine = None
+        if kernels:
+            from fp4rl.gpu_decode import DecodeEngine
+
+            self.engine = DecodeEngine(self.model, graphs=True if cuda_graphs is None else cuda_graphs)
         self.tokenizer, self.kv_cache = tokenizer, kv_cache
         if eos_token_ids is None:
             eos = getattr(tokenizer, "eos_token_id", None)
@@ -263,12 +277,15 @@ class Sampler:
             ids[i, T_p - len(p):] = torch.tensor(p)
             mask[i, T_p - len(p):T_p] = 1
         ids, mask = ids.to(dev), mask.to(dev)
-        cache = make_kv_cache(self.kv_cache, self.config, P, total, dtype=self.dtype, device=dev)
+        B = P * n
+        if self.engine is not None:  # a view of the engine's static cache
+            cache = self.engine.new_cache(self.kv_cache, P, B, total)
+        else:
+            cache = make_kv_cache(self.kv_cache, self.config, P, total, dtype=self.dtype, device=dev)
         h, chosen = self.model.model(ids, None, mask[:, :T_p], cache, None)  # h [P, T_p, H]
         logits = self.model.lm_head(h[:, -1])  # [P, V]
 
         # n samples per prompt share the prefill: copy each prompt's rows n times
-        B = P * n
         rows = torch.arange(P, device=dev).repeat_interleave(n)  # [B] prompt of each row
         if n > 1:
             cache.select(rows)
@@ -312,13 +329,16 @@ class Sampler:
                 mask, positions, tokens = mask[idx], positions[idx], tokens[idx]
                 active = [active[i] for i in keep]
             mask[:, T_p + step] = 1
-            h, chosen = self.model.model(tokens[:, None], positions[:, None], mask[:, :T_p + step + 1], cache,
-                                         None)  # h [b, 1, H]
+            if self.engine is not None:  # kernels on the static cache, a CUDA graph replay per step
+                logits, chosen = self.engine.decode(cache, tokens, positions, mask[:, :T_p + step + 1])
+            else:
+                h, chosen = self.model.model(tokens[:, None], positions[:, None], mask[:, :T_p + step + 1],
+                                             cache, None)  # h [b, 1, H]
+                logits = self.model.lm_head(h[:, -1])  # [b, V]
             if routing is not None:
                 rows_now = torch.tensor(active, device=dev)
                 routing[:, rows_now, positions] = torch.stack(chosen)[:, :, 0]  # [L_moe, b, k]
             positions = positions + 1
-            logits = self.model.lm_head(h[:, -1])  # [b, V]
 
         logprobs = logprobs.cpu()
         out = []

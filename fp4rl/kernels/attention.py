@@ -8,6 +8,7 @@ fp4rl.kernels.quantize with per-row scales, a row being one token of one head).
 
 Layouts (the kernel takes strides; the last dim must be contiguous):
     q        [B, Hq, D] bfloat16              lengths int32 [B] (valid tokens per sequence)
+    starts   optional int32 [B]: sequence b's valid tokens are [starts[b], lengths[b]) (left padding)
     NVFP4:   k_data, v_data uint8 [B, Hkv, T, D/2]; k_scale, v_scale float8_e4m3fn
              [B, Hkv, T, D/16]; k_global, v_global float32 [B, Hkv, T]
     FP8:     k_data, v_data float8_e4m3fn [B, Hkv, T, D]; k_global, v_global float32 [B, Hkv, T]
@@ -41,14 +42,14 @@ from fp4rl.kernels._common import ASM, COMPILED, INTERPRET, dot_acc, load_unpack
 
 @triton.jit
 def _decode_attn_kernel(
-    q_ptr, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, len_ptr, out_ptr,
+    q_ptr, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, len_ptr, start_ptr, out_ptr,
     part_ptr, ml_ptr, lock_ptr,
     Hkv, sm_scale_log2,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_ksb, stride_ksh, stride_kst,
     stride_kgb, stride_kgh, stride_vb, stride_vh, stride_vt, stride_vsb, stride_vsh, stride_vst,
     stride_vgb, stride_vgh, stride_ob, stride_oh,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BT: tl.constexpr, USE_ASM: tl.constexpr, INTERP: tl.constexpr,
+    BT: tl.constexpr, USE_ASM: tl.constexpr, INTERP: tl.constexpr, HAS_START: tl.constexpr = False,
 ):
     DH: tl.constexpr = D // 2
     bh = tl.program_id(0)
@@ -56,8 +57,13 @@ def _decode_attn_kernel(
     b = bh // Hkv
     hk = bh % Hkv
     length = tl.load(len_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BT) * BT
-    t_lo = split * chunk
+    if HAS_START:  # tokens [start, length) are valid (a left-padded sequence)
+        start = tl.minimum(tl.load(start_ptr + b), length)
+        chunk = tl.cdiv(tl.cdiv(length - start, NUM_SPLITS), BT) * BT
+        t_lo = start + split * chunk
+    else:
+        chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BT) * BT
+        t_lo = split * chunk
     t_hi = tl.minimum(length, t_lo + chunk)
 
     heads = hk * G + tl.arange(0, GP)  # [GP] query heads sharing this KV head
@@ -205,11 +211,13 @@ def _splits(b: int, hkv: int, t: int, device) -> int:
 
 @with_asm_fallback
 def decode_attention(q, lengths, k, v, k_global, v_global, *, k_scale=None, v_scale=None, sm_scale=None,
-                     num_splits=None, block_t=None, num_warps=4, num_stages=3):
+                     num_splits=None, block_t=None, num_warps=4, num_stages=3, starts=None):
     """One decode step of attention: out [B, Hq, D] bfloat16.
 
     NVFP4 cache when k_scale/v_scale (E4M3 block scales) are given, else FP8 (e4m3) cache.
     See the module docstring for the layouts. lengths: valid tokens per sequence (<= T).
+    starts: optional int32 [B], the first valid token of each sequence (left padding); tokens
+    before it are skipped. No host sync: safe inside CUDA graphs.
     """
     fp4 = k_scale is not None
     if fp4 != (v_scale is not None):
@@ -233,8 +241,13 @@ def decode_attention(q, lengths, k, v, k_global, v_global, *, k_scale=None, v_sc
     out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=q.device)
     part, ml, lock = _WORKSPACE.get(q.device, b * hkv * num_splits, gp, d, b * hkv)
     lengths = lengths.to(device=q.device, dtype=torch.int32)
+    if starts is not None:
+        if starts.shape != (b,):
+            raise ValueError(f"starts must be int32 [B={b}], got {tuple(starts.shape)}")
+        starts = starts.to(device=q.device, dtype=torch.int32)
     COMPILED["decode_attn " + ("nvfp4" if fp4 else "fp8")] = _decode_attn_kernel[(b * hkv, num_splits)](
-        q, k, ks, k_global, v, vs, v_global, lengths, out, part, ml, lock,
+        q, k, ks, k_global, v, vs, v_global, lengths, starts if starts is not None else lengths, out,
+        part, ml, lock,
         hkv, sm_scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         ks.stride(0), ks.stride(1), ks.stride(2),
@@ -242,7 +255,8 @@ def decode_attention(q, lengths, k, v, k_global, v_global, *, k_scale=None, v_sc
         vs.stride(0), vs.stride(1), vs.stride(2), v_global.stride(0), v_global.stride(1),
         out.stride(0), out.stride(1),
         G=g, GP=gp, D=d, FP4=fp4, NUM_SPLITS=num_splits, BT=block_t,
-        USE_ASM=ASM["on"], INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages,
+        USE_ASM=ASM["on"], INTERP=INTERPRET, HAS_START=starts is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

@@ -8,7 +8,8 @@ serves four uses, chosen by compile-time flags:
   y.T[N, M] = W[N, K] @ x.T[K, M], so the weight fills the MMA's large dimension and the few
   rows of x its small one (padded to 16). Split-K over a grid of (N tiles, K splits) keeps
   every multiprocessor streaming weights; the last program to finish a tile (an atomic
-  counter per tile) adds the others' FP32 partials and writes y, so it is one launch.
+  counter per tile) adds all FP32 partials in split order (so the sum does not depend on which
+  program finished last: run-to-run and graph-vs-eager identical) and writes y, in one launch.
 - prefill (many rows): ordinary tiled MMA, bfloat16 operands after dequantization.
 - grouped (``GROUPED``): routed MoE experts, weights [E, N, K/2], tokens sorted by expert
   with offsets [E+1]; program (m tile, n tile) finds its expert by walking the offsets, and
@@ -154,11 +155,10 @@ def _w4_gemm_kernel(
             tl.debug_barrier()
             done = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
             last = done == SPLIT_K - 1
-            if last:
-                for s in range(SPLIT_K):
-                    if s != pid_k:
-                        acc += tl.load(part_ptr + (tile * SPLIT_K + s) * (BM * BN) + idx,
-                                       cache_modifier=".cg")
+            if last:  # sum all splits in split order, whichever finished last: bitwise reproducible
+                acc = tl.load(part_ptr + (tile * SPLIT_K) * (BM * BN) + idx, cache_modifier=".cg")
+                for s in range(1, SPLIT_K):
+                    acc += tl.load(part_ptr + (tile * SPLIT_K + s) * (BM * BN) + idx, cache_modifier=".cg")
                 tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next call
         if last:
             if WG_ROW:

@@ -1,0 +1,435 @@
+"""`fp4rl bench sampler_gpu`: decode tokens/s of the fp4rl Sampler on one GPU, random-weight models
+of real shapes (Qwen3-8B, Qwen3-30B-A3B), by precision preset, KV cache and batch.
+
+One engine for every row: `Sampler(..., device="cuda", dtype=bfloat16)`, i.e. the kernel path of
+fp4rl/gpu_decode.py (Triton W4A16/W4A4 GEMMs, grouped experts, decode attention over FP8/NVFP4
+caches, BF16 weights on cuBLAS, a CUDA graph per decode batch bucket). Each row: P = batch random
+prompts of `--prompt` tokens, n = 1, temperature 1 (multinomial sampling on the host side of the
+graph, as in RL), no EOS, so every row decodes the same number of tokens.
+
+decode tok/s = batch * (N2 - N1) / (t(N2) - t(N1)), t(N) = best wall time of a whole `generate`
+of N new tokens (after a warm-up call that compiles, tunes and captures): prefill, graph capture
+and setup cancel out, sampling and the per-step host sync stay in. `graph us` is one replay of the
+captured decode step alone (CUDA events): the GPU time of a step without sampling or host work.
+
+Speed-up limits beside each ratio: weight bytes a decode step must read in BF16 over those of the
+preset (NVFP4 0.5625 B/param, BF16 2; routed experts scaled by the expected fraction of experts
+that batch tokens touch under uniform routing, 1 - (1 - k/E)^batch; KV bytes ignored: short
+context), computed from the built model at the benchmarked depth and at the shape's full depth
+(MISSION.md's figures are the latter). The step-time split comes from torch.profiler over a few
+sampler steps (CUDA kernels by family, and wall time per step).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import time
+
+import torch
+from torch import nn
+
+SHAPES = {
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=40960, rope_theta=1000000.0, qk_norm=True),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          max_position_embeddings=40960, rope_theta=1000000.0, qk_norm=True, num_experts=128,
+                          num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    "tiny": dict(model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=96,  # smoke test
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 max_position_embeddings=512, qk_norm=True, num_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=32, norm_topk_prob=True),
+}
+# (label, preset, bf16_last_fraction): all-linears W4A16, and the recipe preset with its BF16 last layers
+PRECISIONS = {
+    "qwen3-8b": [("bf16", "bf16", 0.15), ("nvfp4-w4a16 all linears", "nvfp4-w4a16", 0.0),
+                 ("nvfp4-linear W4A4, last 15% BF16", "nvfp4-linear", 0.15)],
+    "qwen3-30b-a3b": [("bf16", "bf16", 0.15), ("nvfp4-w4a16 all linears", "nvfp4-w4a16", 0.0),
+                      ("nvfp4-experts W4A4, last 15% BF16", "nvfp4-experts", 0.15)],
+    "tiny": [("bf16", "bf16", 0.15), ("nvfp4-w4a16 all linears", "nvfp4-w4a16", 0.0),
+             ("nvfp4-experts W4A4, last 15% BF16", "nvfp4-experts", 0.15)],
+}
+CATEGORIES = [  # kernel name fragments (lower case), first match wins
+    ("nvfp4 GEMM (Triton)", ("w4_gemm",)),
+    ("dequantize (Triton)", ("_dequantize_kernel",)),
+    ("quantize (Triton)", ("_quantize_kernel", "_amax_kernel")),
+    ("decode attention (Triton)", ("_decode_attn",)),
+    ("SDPA (BF16 KV)", ("fmha", "flash", "attention", "efficient")),
+    ("BF16 GEMM (cuBLAS, grouped_mm)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk",
+                                        "grouped")),
+    ("sort / index / scatter", ("sort", "radix", "scan", "index", "gather", "scatter", "bitonic", "search")),
+    ("softmax / sampling / top-k", ("softmax", "multinomial", "distribution", "topk", "logsumexp", "argmax",
+                                    "cumsum", "reduce")),
+]
+
+
+def add_arguments(parser):
+    parser.add_argument("--shapes", default="qwen3-8b:36,qwen3-30b-a3b:12",
+                        help="comma-separated SHAPE:LAYERS (decoder layers built; time is linear in layers)")
+    parser.add_argument("--batch", default="1,8,32", help="batch sizes (prompts, n=1)")
+    parser.add_argument("--kv", default="bf16,nvfp4,fp8", help="KV caches")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--tokens", default="8,56", help="N1,N2 new tokens of the two timed generates")
+    parser.add_argument("--repeats", type=int, default=2, help="timed generates per N (best is kept)")
+    parser.add_argument("--tune", action="store_true", help="time every GEMM candidate per shape (compiles "
+                        "~20 Triton configurations per shape and batch bucket); default: first candidate")
+    parser.add_argument("--profile-batch", default="1,32", help="batches profiled (kv bf16), '' for none")
+    parser.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default=None, help="JSON results (rewritten after every row)")
+
+
+# ----------------------------------------------------------------------------------------------
+# models and byte counts
+
+
+def build_trainer(cfg: dict, layers: int, device) -> nn.Module:
+    """A random BF16 CausalLM of the shape (weights N(0, 0.02), norms 1), built on the device."""
+    from fp4rl.model import CausalLM, ModelConfig, rope_inv_freq
+
+    config = ModelConfig(**{**cfg, "num_hidden_layers": layers})
+    with torch.device("meta"):
+        model = CausalLM(config).to(torch.bfloat16)
+    model = model.to_empty(device=device)
+    model.model.rope_inv_freq = rope_inv_freq(config)
+    g = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02, generator=g)
+    model.tie_weights()
+    return model.eval()
+
+
+def expert_fraction(config, batch: int) -> float:
+    """Expected fraction of a layer's experts that `batch` tokens route to (uniform top-k)."""
+    if not config.num_experts:
+        return 1.0
+    return 1.0 - (1.0 - config.num_experts_per_tok / config.num_experts) ** batch
+
+
+def layer_bytes(layer: nn.Module, frac: float, force_bf16: bool = False) -> float:
+    """Weight bytes one decode step reads from a decoder layer (packed 0.5625 B/param, else 2)."""
+    from fp4rl.packed import PackedNVFP4Linear
+
+    total = 0.0
+    for name, m in layer.named_modules():
+        if isinstance(m, PackedNVFP4Linear):
+            b = m.in_features * m.out_features * (2.0 if force_bf16 else 0.5625)
+        elif isinstance(m, nn.Linear):
+            b = m.in_features * m.out_features * 2.0
+        else:
+            continue
+        total += b * (frac if "experts." in name else 1.0)
+    return total
+
+
+def step_bytes(sampler, contract, full_layers: int, batch: int) -> dict:
+    """Weight bytes per decode step at the built depth and at full depth (same per-layer layout)."""
+    m, cfg = sampler.model, sampler.config
+    frac = expert_fraction(cfg, batch)
+    head = m.lm_head.in_features * m.lm_head.out_features * 2.0
+    built = head + sum(layer_bytes(layer, frac) for layer in m.model.layers)
+    n_bf16 = full_layers if contract.preset == "bf16" else len(contract.bf16_last_layers(full_layers))
+    first = m.model.layers[0]
+    full = head + (full_layers - n_bf16) * layer_bytes(first, frac) + n_bf16 * layer_bytes(first, frac, True)
+    return {"built": built, "full": full}
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_generate(sampler, prompts, tokens: int) -> float:
+    from fp4rl.sampler import SamplingParams
+
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=tokens, seed=0)
+    _sync(sampler.device)
+    t = time.perf_counter()
+    sampler.generate(prompts, params)
+    _sync(sampler.device)
+    return time.perf_counter() - t
+
+
+def replay_us(sampler, batch: int, n: int = 20):
+    """Microseconds of one replay of the captured decode step of this batch's bucket, or None."""
+    eng = sampler.engine
+    if eng is None or not eng.graphs or sampler.device.type != "cuda":
+        return None
+    bucket = min(1 << max(0, (batch - 1).bit_length()), eng.static.batch_size)
+    if bucket not in eng.graphs:
+        return None
+    graph = eng.graphs[bucket][0]
+    with torch.inference_mode():
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / n
+
+
+def graph_check(sampler, prompts) -> dict:
+    """Greedy decode with graphs vs the same engine stepping eagerly: tokens and logprobs."""
+    from fp4rl.sampler import SamplingParams
+
+    eng = sampler.engine
+    if eng is None or not eng.graphs_enabled:
+        return {"checked": False}
+    params = SamplingParams(greedy=True, max_new_tokens=6)
+    a = sampler.generate(prompts, params)
+    eng.graphs_enabled = False
+    try:
+        b = sampler.generate(prompts, params)
+    finally:
+        eng.graphs_enabled = True
+    same = all(x.completion_ids == y.completion_ids for x, y in zip(a, b))
+    diff = max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x.logprobs, y.logprobs))
+    return {"checked": True, "tokens_equal": same, "max_logprob_diff": diff}
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for label, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return label
+    return "elementwise / norm / copy / other"
+
+
+def profile_split(sampler, batch: int, steps: int = 10) -> dict:
+    """CUDA kernel time by family of the engine's decode step for this batch, run eagerly `steps`
+    times on the static buffers of the last generate (the kernels a graph replay runs; eager so
+    that every kernel is visible to the profiler whatever it does with graphs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = sampler.engine
+    bucket = min(1 << max(0, (batch - 1).bit_length()), eng.static.batch_size)
+    with torch.inference_mode():
+        eng._step(bucket)
+        _sync(sampler.device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            for _ in range(steps):
+                eng._step(bucket)
+            _sync(sampler.device)
+            wall = time.perf_counter() - t
+    split: dict[str, float] = {}
+    for evt in prof.key_averages():
+        if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:
+            us = getattr(evt, "self_cuda_time_total", 0.0)
+        split[category(evt.key)] = split.get(category(evt.key), 0.0) + us
+    total = sum(split.values())
+    return {"eager_wall_ms": wall * 1e3, "kernel_ms": total / 1e3, "steps": steps,
+            "split_ms": {k: v / 1e3 for k, v in sorted(split.items(), key=lambda kv: -kv[1])}}
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+
+
+def copy_bandwidth(device) -> float:
+    """Device copy bytes (read + write) per second through an SM kernel, 1 GiB, best of 5."""
+    x = torch.ones(1 << 29, dtype=torch.float16, device=device)
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(6):
+        _sync(device)
+        t = time.perf_counter()
+        torch.mul(x, 1.0, out=y)
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    del x, y
+    return 2 * (1 << 30) / best
+
+
+def measure_row(sampler, contract, row: dict, prompts, args, env, results, base) -> None:
+    """Time one (precision, KV, batch) row into `row` (see the module docstring)."""
+    n1, n2 = (int(v) for v in args.tokens.split(","))
+    batch, shape = row["batch"], row["shape"]
+    t_warm = timed_generate(sampler, prompts, 4)  # compiles, tunes, captures this bucket's graph
+    t1 = min(timed_generate(sampler, prompts, n1) for _ in range(args.repeats))
+    t2 = min(timed_generate(sampler, prompts, n2) for _ in range(args.repeats))
+    tok_s = batch * (n2 - n1) / (t2 - t1)
+    nbytes = step_bytes(sampler, contract, row["full_layers"], batch)
+    if contract.preset == "bf16":
+        results.setdefault("bf16_bytes", {})[f"{shape}/{batch}"] = nbytes
+        if row["kv"] == "bf16":
+            base[batch] = tok_s
+    row.update(tok_s=tok_s, step_ms=(t2 - t1) / (n2 - n1) * 1e3, warm_s=t_warm,
+               graph_us=replay_us(sampler, batch), bytes_built=nbytes["built"], bytes_full=nbytes["full"],
+               graph_error=sampler.engine.graph_error, counts=dict(sampler.engine.counts))
+    ref = results.get("bf16_bytes", {}).get(f"{shape}/{batch}")
+    if ref:
+        row["limit_built"] = ref["built"] / nbytes["built"]
+        row["limit_full"] = ref["full"] / nbytes["full"]
+    if batch in base:
+        row["vs_bf16"] = tok_s / base[batch]
+    if env["copy_bw"]:
+        row["floor_tok_s"] = batch * env["copy_bw"] / nbytes["built"]
+
+
+def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, args, env, results, base):
+    """Every (KV, batch) row of one precision preset, plus its graph check and profiles."""
+    from fp4rl.precision import PrecisionContract
+    from fp4rl.qat import convert
+    from fp4rl.sampler import Sampler
+
+    device = torch.device(args.device)
+    batches = [int(b) for b in args.batch.split(",")]
+    kvs = args.kv.split(",")
+    n2 = int(args.tokens.split(",")[1])
+    prof_batches = [int(b) for b in args.profile_batch.split(",") if b]
+    check_kv = "nvfp4" if "nvfp4" in kvs else kvs[-1]
+    contract = PrecisionContract(preset, bf16_last_fraction=frac)
+    convert(trainer, contract)
+    t0 = time.perf_counter()
+    sampler = Sampler(trainer, device=device, dtype=torch.bfloat16, eos_token_ids=[],
+                      max_seq_len=args.prompt + n2 + 8, kernels=True, cuda_graphs=not args.no_graphs)
+    mem = sampler.memory()
+    results["builds"].append({"shape": shape, "precision": label, "build_s": time.perf_counter() - t0,
+                              "packed_vs_bf16": mem["packed_vs_bf16"], "packed_bytes": mem["packed_bytes"]})
+    head = {"shape": shape, "precision": label}
+    for kv in kvs:
+        sampler.kv_cache = kv
+        for batch in batches:
+            g = torch.Generator().manual_seed(batch)
+            prompts = torch.randint(0, trainer.config.vocab_size, (batch, args.prompt), generator=g).tolist()
+            row = {**head, "layers": layers, "full_layers": full_layers, "preset": preset,
+                   "bf16_last_fraction": frac, "kv": kv, "batch": batch}
+            try:
+                measure_row(sampler, contract, row, prompts, args, env, results, base)
+            except Exception as exc:  # noqa: BLE001 - record and go on with the next row
+                row["error"] = repr(exc)[:400]
+            results["rows"].append(row)
+            shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "counts"}
+            print(json.dumps(shown), flush=True)
+            if kv == check_kv and batch == batches[min(1, len(batches) - 1)]:
+                try:
+                    check = graph_check(sampler, prompts)
+                    results["checks"].append({**head, "kv": kv, "batch": batch, **check})
+                except Exception as exc:  # noqa: BLE001
+                    results["checks"].append({**head, "error": repr(exc)[:300]})
+                print(json.dumps(results["checks"][-1]), flush=True)
+            if kv == "bf16" and batch in prof_batches and device.type == "cuda":
+                try:
+                    split = profile_split(sampler, batch)
+                    results["profiles"].append({**head, "kv": kv, "batch": batch, **split})
+                except Exception as exc:  # noqa: BLE001
+                    results["profiles"].append({**head, "batch": batch, "error": repr(exc)[:300]})
+                print(json.dumps(results["profiles"][-1]), flush=True)
+            yield
+
+
+def run(args) -> int:
+    from fp4rl import gpu_decode
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("sampler_gpu needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1 for a smoke test)")
+        return 1
+    gpu_decode.TUNE = args.tune
+    env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+           "triton": __import__("triton").__version__, "device": str(device),
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "cuda": torch.version.cuda, "tune": args.tune, "graphs": not args.no_graphs,
+           "prompt": args.prompt, "tokens": args.tokens}
+    env["copy_bw"] = copy_bandwidth(device) if device.type == "cuda" else None
+    results = {"env": env, "rows": [], "profiles": [], "checks": [], "builds": [], "errors": []}
+
+    def save():
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(results, fh, indent=1)
+
+    print(json.dumps(env), flush=True)
+    t_start = time.perf_counter()
+    for spec in args.shapes.split(","):
+        shape, _, layers = spec.partition(":")
+        full_layers = SHAPES[shape]["num_hidden_layers"]
+        layers = int(layers or full_layers)
+        base: dict[int, float] = {}  # BF16 weights + BF16 KV tokens/s per batch, this run
+        try:
+            trainer = build_trainer(SHAPES[shape], layers, device)
+        except Exception as exc:  # noqa: BLE001
+            results["errors"].append({"shape": shape, "stage": "build", "error": repr(exc)[:400]})
+            save()
+            continue
+        for label, preset, frac in PRECISIONS[shape]:
+            try:
+                for _ in measure_precision(trainer, shape, layers, full_layers, label, preset, frac, args,
+                                           env, results, base):
+                    save()
+            except Exception as exc:  # noqa: BLE001
+                results["errors"].append({"shape": shape, "precision": label, "error": repr(exc)[:400]})
+                print(json.dumps(results["errors"][-1]), flush=True)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        del trainer
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    env["total_s"] = time.perf_counter() - t_start
+    save()
+    print(markdown(results))
+    return 0
+
+
+def _f(v, fmt="{:.2f}"):
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+
+def _mode(r) -> str:
+    """'graph' when the row's decode steps were graph replays, 'eager' after a failed capture."""
+    return "eager" if r.get("graph_error") or not r.get("graph_us") else "graph"
+
+
+def markdown(results) -> str:
+    rows = [r for r in results["rows"] if "error" not in r]
+    base = {(r["shape"], r["batch"]): _mode(r) for r in rows if r["preset"] == "bf16" and r["kv"] == "bf16"}
+    lines = ["| shape (layers built / full) | precision | KV | batch | decode | tok/s | vs BF16 | "
+             "limit built / full depth | step ms | graph replay ms | byte floor tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['shape']} ({r['layers']}) | {r['precision']} | {r['kv']} | {r['batch']} | | "
+                         f"error: {r['error'][:80]} | | | | | |")
+            continue
+        lim = f"{_f(r.get('limit_built'))} / {_f(r.get('limit_full'))}"
+        vs = _f(r.get("vs_bf16"))
+        if base.get((r["shape"], r["batch"])) == "eager" and r["preset"] != "bf16":
+            vs += " (BF16 eager)"
+        graph_ms = r["graph_us"] / 1e3 if r.get("graph_us") else None
+        lines.append(f"| {r['shape']} ({r['layers']}/{r['full_layers']}) | {r['precision']} | {r['kv']} | "
+                     f"{r['batch']} | {_mode(r)} | {_f(r['tok_s'], '{:.0f}')} | {vs} | {lim} | "
+                     f"{_f(r['step_ms'])} | {_f(graph_ms)} | {_f(r.get('floor_tok_s'), '{:.0f}')} |")
+    for p in results["profiles"]:
+        if "error" in p:
+            lines.append(f"\nprofile {p['shape']} {p['precision']} b{p['batch']}: error {p['error'][:100]}")
+            continue
+        parts = ", ".join(f"{k} {v / p['steps']:.2f}" for k, v in p["split_ms"].items())
+        per = p["steps"]
+        lines.append(f"\nprofile {p['shape']} {p['precision']} kv {p['kv']} b{p['batch']}: eager step "
+                     f"{p['eager_wall_ms'] / per:.1f} ms, kernels {p['kernel_ms'] / per:.2f} ms: {parts}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    _parser = argparse.ArgumentParser(prog="python -m fp4rl.benchmarks.sampler_gpu")
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))
