@@ -9,6 +9,7 @@ BENCHMARKS = {
     "quantize": "CPU throughput of each NVFP4 quantize mode; SNR of 6 vs 4/6",
     "memory": "bytes saved for backward per quantized linear; peak RSS of a training step",
     "rollout": "CPU tokens/s of the fp4rl sampler vs transformers generate; packed memory; sync bytes",
+    "sampler_gpu": "GPU: sampler decode tokens/s (Triton kernels, CUDA graphs) per preset vs BF16",
     "gpu_kernels": "H200: Triton quantize, W4A16/grouped GEMM, FP4/FP8-KV attention vs cuBLAS/SDPA",
 }
 
