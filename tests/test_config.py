@@ -38,10 +38,10 @@ def test_defaults_are_valid_and_documented():
 def test_shipped_configs_load():
     default = load_config(CONFIGS / "default.toml")
     assert default.model.name == "default"
-    assert default.precision.preset == "nvfp4-linear"
+    assert default.precision.preset == "nvfp4-w4a16"
     assert (default.sampler.n, default.task.prompts_per_step) == (8, 4)
     assert default.sampler.temperature == 1.0 and default.sampler.max_new_tokens == 32
-    assert default.trainer.lr == 5e-6
+    assert default.trainer.lr == 1e-5
     assert default.task.name == "basic_arithmetic" and default.task.kwargs["operators"] == ["+", "-"]
     tiny = load_config(CONFIGS / "tiny.toml")
     assert tiny.run.name == "tiny" and tiny.trainer.steps <= 3 and not tiny.logging.tensorboard
@@ -129,7 +129,7 @@ def test_dump_toml_round_trips(tmp_path):
         ],
     )
     text = dump_toml(cfg)
-    assert tomllib.loads(text)["trainer"]["lr"] == 5e-6
+    assert tomllib.loads(text)["trainer"]["lr"] == 1e-5
     path = save_config(cfg, tmp_path / "run" / "config.toml")
     again = load_config(path)
     assert again == cfg
@@ -158,7 +158,7 @@ def test_precision_section_builds_the_precision_contract():
         overrides=['precision.rules={"model.layers.0.*" = "bf16"}', "precision.weight_tile=16x16"],
     )
     contract = precision.PrecisionContract(**cfg.precision.contract_kwargs())
-    assert contract.preset == "nvfp4-linear" and contract.rules == (("model.layers.0.*", "bf16"),)
+    assert contract.preset == "nvfp4-w4a16" and contract.rules == (("model.layers.0.*", "bf16"),)
     assert contract.weight_tile == (16, 16)
     with pytest.raises(ConfigError, match=r"precision.rules.'x' = 'fp4'.*'w4a4'"):
         load_config(overrides=["precision.rules.x=fp4"])
