@@ -298,6 +298,9 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     from fp4rl.sampler import Sampler
 
     c = config
+    if c.precision.trace:
+        raise ConfigError("precision.trace = true: rollout-guided rounding (TRACE) is not wired into the "
+                          "loop yet; set precision.trace = false")
     run_dir = c.run_dir
     checkpoint = latest_checkpoint(run_dir) if c.run.resume else None
     if not c.run.resume:
@@ -450,11 +453,10 @@ def run(args) -> int:
         print(format_fields())
         return 0
     try:
-        config = config_from_args(args)
-    except (ConfigError, FileNotFoundError) as e:
+        train(config_from_args(args))
+    except (ConfigError, FileNotFoundError, FileExistsError) as e:  # raised before step 1
         print(f"fp4rl train: error: {e}", file=sys.stderr)
         return 2
-    train(config)
     return 0
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from rl_fixtures import run_overrides, save_tiny_model, write_prompts
 
-from fp4rl.config import load_config
+from fp4rl.config import ConfigError, load_config
 from fp4rl.loop import derive_seed, main, rollout_version, train
 from fp4rl.metrics import read_metrics
 from fp4rl.trainer import list_checkpoints
@@ -188,8 +188,47 @@ def test_config_errors_name_the_key(tmp_path, capsys, assets):
     assert "--resume RUN_DIR reads RUN_DIR/config.toml" in capsys.readouterr().err
     assert main(["--help-config"]) == 0
     assert "trainer.checkpoint_keep" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="precision.trace"):
+        run_tiny(assets, tmp_path, "trace", "precision.trace=true")
+    assert main(["--config", str(TINY), *sum((["--set", x] for x in tiny_sets(
+        assets, tmp_path, "trace", "precision.trace=true")), [])]) == 2
+    assert "TRACE" in capsys.readouterr().err
     with pytest.raises(ValueError, match="sampler.temperature"):
         run_tiny(assets, tmp_path, "greedy", "sampler.temperature=0")
     run_tiny(assets, tmp_path, "twice", "trainer.steps=1")
     with pytest.raises(FileExistsError, match="--resume"):
         run_tiny(assets, tmp_path, "twice", "trainer.steps=1")
+    capsys.readouterr()
+    assert main(["--config", str(TINY), *sum((["--set", x] for x in tiny_sets(
+        assets, tmp_path, "twice", "trainer.steps=1")), [])]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_default_job_learns_beyond_the_seed_spread(tmp_path):
+    """`make run`'s config, three seeds side by side (one torch thread each): held-out greedy
+    accuracy after training beats the accuracy before by more than the spread between seeds.
+    Run with: .venv/bin/python -m pytest -m slow tests/test_loop.py -k default_job -s"""
+    seeds = (0, 1, 2)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {}
+    start = time.monotonic()
+    for seed in seeds:
+        argv = [sys.executable, "-m", "fp4rl.loop", "--config", str(ROOT / "configs" / "default.toml"),
+                "--set", f"run.dir={json.dumps(str(tmp_path))}", "--set", f"run.name=s{seed}",
+                "--set", f"trainer.seed={seed}", "--set", "logging.progress=false"]
+        log = open(tmp_path / f"s{seed}.log", "w")  # noqa: SIM115 (closed with the process)
+        procs[seed] = (subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT), log)
+    for seed, (proc, log) in procs.items():
+        code = proc.wait()
+        log.close()
+        assert code == 0, (tmp_path / f"s{seed}.log").read_text()[-3000:]
+    before, after = {}, {}
+    for seed in seeds:
+        evals = [r for r in read_metrics(tmp_path / f"s{seed}") if "eval/accuracy" in r]
+        before[seed], after[seed] = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
+        print(f"seed {seed}: held-out greedy accuracy {before[seed]:.2f} -> {after[seed]:.2f}")
+    print(f"{len(seeds)} runs side by side: {(time.monotonic() - start) / 60:.1f} min")
+    spread = max(after.values()) - min(after.values())
+    assert len(set(before.values())) == 1  # greedy decoding of one initial model: seed-independent
+    assert min(after[s] - before[s] for s in seeds) > spread, (before, after)
