@@ -45,8 +45,9 @@ import torch
 from torch import nn
 
 from fp4rl import __version__
-from fp4rl.export_files import MANIFEST, readme, sha256, write_dir, write_json, write_safetensors
+from fp4rl.export_files import MANIFEST, readme, sha256, write_dir, write_json
 from fp4rl.export_formats import ACTIVATIONS, FORMAT_CLASSES, FORMATS, encode_global_scale, reciprocal
+from fp4rl.hf import write_safetensors
 from fp4rl.moe import SparseMoeBlock
 from fp4rl.nvfp4 import global_scales_from_amax
 from fp4rl.precision import PRESETS, PrecisionContract, is_linear

@@ -15,8 +15,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from safetensors.torch import save_file
-
 MANIFEST = "fp4rl_manifest.json"
 INDEX_FILE = "model.safetensors.index.json"
 # Files whose presence changes what a loader reads: any of them not in the manifest is refused.
@@ -87,26 +85,6 @@ def sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def write_safetensors(tensors: dict, out: Path, max_shard_bytes: int) -> None:
-    shards, size = [{}], 0
-    for name in sorted(tensors):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name], size = tensors[name], size + nbytes
-    if len(shards) == 1:
-        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, out / file, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 def write_dir(out: Path, write, overwrite: bool) -> Path:

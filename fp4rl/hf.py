@@ -103,6 +103,28 @@ def load_tokenizer(path: str | os.PathLike):
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
+
+def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
+    """Write `tensors` as out/model.safetensors, or as shards of at most max_shard_bytes (a tensor
+    larger than that gets a shard of its own) plus the HF index file mapping names to shards."""
+    shards, size = [{}], 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name], size = tensors[name], size + nbytes
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    _write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
 def save_model(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *,
                max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write config.json + safetensors (sharded above max_shard_bytes, with an index) + tokenizer.
@@ -118,23 +140,7 @@ def save_model(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *,
     for old in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
         old.unlink(missing_ok=True)
 
-    shards, size = [{}], 0
-    for name in sorted(tensors):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name], size = tensors[name], size + nbytes
-    if len(shards) == 1:
-        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, out / file, metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, file))
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        _write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_safetensors(tensors, out, max_shard_bytes)
 
     config = model.config.to_hf()
     config["torch_dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
