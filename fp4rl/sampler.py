@@ -38,7 +38,7 @@ import torch
 
 from fp4rl.kvcache import KV_CACHE_KINDS, make_kv_cache
 from fp4rl.model import CausalLM
-from fp4rl.packed import PackedNVFP4Linear, build_sampler_model
+from fp4rl.packed import PackedNVFP4Linear, PrepackedLinear, build_sampler_model, onednn_bf16_available
 
 __all__ = ["Completion", "PackedNVFP4Linear", "Sampler", "SamplingParams", "sample_next"]
 
@@ -157,12 +157,19 @@ class Sampler:
                  dtype bfloat16 (default: on for CUDA in bfloat16, off elsewhere; the CPU runs them
                  only under TRITON_INTERPRET=1).
     cuda_graphs  with kernels on CUDA: one CUDA graph per decode batch bucket (default: on).
+    prepack      BF16 on the CPU: every linear computes with its weight reordered once per weight
+                 version for oneDNN, bit-identical to F.linear and 1.5-2.6x faster per GEMM (default:
+                 on for a BF16 CPU sampler where torch's oneDNN supports BF16); see fp4rl/packed.py.
+    nvfp4_gemm   BF16 on the CPU: NVFP4 linears multiply up to 64 rows straight from the packed bytes
+                 with the AMX kernel of fp4rl.nvfp4.cpu_gemm (no dequantized copy is kept; larger
+                 prefills dequantize per call); default: on where that kernel is available.
     """
 
     def __init__(self, model: CausalLM, tokenizer=None, *, kv_cache: str = "bf16", device="cpu",
                  max_seq_len: int | None = None, dtype: torch.dtype | None = None,
                  cache_dequantized: bool | None = None, fuse: bool | None = None, eos_token_ids=None,
-                 policy_version: int = 0, kernels: bool | None = None, cuda_graphs: bool | None = None):
+                 policy_version: int = 0, kernels: bool | None = None, cuda_graphs: bool | None = None,
+                 prepack: bool | None = None, nvfp4_gemm: bool | None = None):
         if not isinstance(model, CausalLM):
             raise TypeError(f"Sampler needs an fp4rl CausalLM (fp4rl.load_model + qat.convert), got "
                             f"{type(model).__name__}")
@@ -175,12 +182,27 @@ class Sampler:
         if kernels is None:
             kernels = self.device.type == "cuda" and self.dtype == torch.bfloat16
         fuse = (on_cpu or kernels) if fuse is None else fuse
+        if prepack is None:
+            prepack = on_cpu and self.dtype == torch.bfloat16 and onednn_bf16_available()
+        elif prepack and not (on_cpu and self.dtype == torch.bfloat16):
+            raise ValueError(f"Sampler prepack=True is for a BF16 sampler on the CPU (got {self.dtype} on "
+                             f"{self.device}); pass prepack=False or dtype=torch.bfloat16")
+        self.prepack = prepack
+        if nvfp4_gemm is None:
+            from fp4rl.nvfp4 import cpu_gemm
+
+            nvfp4_gemm = on_cpu and self.dtype == torch.bfloat16 and cpu_gemm.available()
+        elif nvfp4_gemm and not (on_cpu and self.dtype == torch.bfloat16):
+            raise ValueError(f"Sampler nvfp4_gemm=True is for a BF16 sampler on the CPU (got {self.dtype} on "
+                             f"{self.device}); pass nvfp4_gemm=False or dtype=torch.bfloat16")
+        self.nvfp4_gemm = nvfp4_gemm
         self.config = model.config
         self.max_seq_len = max_seq_len or self.config.max_position_embeddings
         if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
             raise ValueError(f"Sampler max_seq_len={max_seq_len!r}: must be an integer >= 2")
         self.model = build_sampler_model(model, dtype=self.dtype, device=self.device,
-                                         cache_dequantized=cache_dequantized, fuse=fuse)
+                                         cache_dequantized=cache_dequantized, fuse=fuse, prepack=prepack,
+                                         nvfp4_gemm=nvfp4_gemm)
         self.engine = None
         if kernels:
             from fp4rl.gpu_decode import DecodeEngine
@@ -204,7 +226,7 @@ class Sampler:
 
         apply_payload(self.model, payload, current_version=self.policy_version, verify=verify)
         for m in self.model.modules():
-            if isinstance(m, PackedNVFP4Linear):
+            if isinstance(m, PackedNVFP4Linear | PrepackedLinear):
                 m.invalidate()
         for group in self.model.fused_groups:
             group.invalidate()
@@ -216,9 +238,14 @@ class Sampler:
         params = sum(m.in_features * m.out_features for m in packed)
         packed_bytes = sum(m.quantized_weight().nbytes for m in packed)
         cache_bytes = sum(m._dequantized.nbytes for m in packed if m._dequantized is not None)
-        cache_bytes += sum(g.nbytes for g in self.model.fused_groups)
+        cache_bytes += sum(m._prepacked.nbytes for m in packed)
+        cache_bytes += sum(g.nbytes for g in self.model.fused_groups if g.packed)
+        prepacked_dense = sum(m._prepacked.nbytes for m in self.model.modules()
+                              if isinstance(m, PrepackedLinear))
+        prepacked_dense += sum(g.nbytes for g in self.model.fused_groups if not g.packed)
         return dict(quantized_params=params, packed_bytes=packed_bytes, bf16_bytes=2 * params,
                     packed_vs_bf16=packed_bytes / max(2 * params, 1), dequantized_cache_bytes=cache_bytes,
+                    prepacked_dense_bytes=prepacked_dense,
                     other_bytes=sum(p.nbytes for p in self.model.parameters()))
 
     # -- generation --------------------------------------------------------------------------

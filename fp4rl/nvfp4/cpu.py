@@ -113,20 +113,21 @@ def _cpu_signature() -> str:
         return platform.processor() + platform.machine()
 
 
-def build() -> Path:
-    """Compile the kernel (or find it in the cache); returns the shared library's path."""
+def build(source: Path = _SOURCE_FILE, cflags: tuple[str, ...] = _CFLAGS) -> Path:
+    """Compile a C file of this package (or find it in the cache); returns the shared library's path.
+    The cache key covers the source, the flags, the compiler's version and this CPU."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc, or $CC) found")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    source = _SOURCE_FILE.read_text()
-    key = hashlib.sha256("\0".join([source, " ".join(_CFLAGS), version, _cpu_signature()]).encode())
-    target = _cache_dir() / f"nvfp4_cpu-{key.hexdigest()[:20]}.so"
+    text = source.read_text()
+    key = hashlib.sha256("\0".join([text, " ".join(cflags), version, _cpu_signature()]).encode())
+    target = _cache_dir() / f"{source.stem}-{key.hexdigest()[:20]}.so"
     if target.exists():
         return target
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / "nvfp4_cpu.so"
-        command = [cc, *_CFLAGS, "-o", str(out), str(_SOURCE_FILE)]
+        out = Path(tmp) / f"{source.stem}.so"
+        command = [cc, *cflags, "-o", str(out), str(source)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed: {result.stderr.strip()[:2000]}")

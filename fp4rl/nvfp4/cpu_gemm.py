@@ -1,0 +1,187 @@
+"""W4A16 GEMM reading packed NVFP4 weights on x86 CPUs with AMX-BF16 (the sampler's CPU linear).
+
+    y = x @ DQ(W).T + b        x, b, y bfloat16; W an NVFP4Tensor with 1x16 blocks
+
+A BF16 decode step on a CPU is bound by the bytes of its weights (a batch-16 step of the default
+model reads every weight once, ~9 GB/s on one core here): a linear that reads 0.5625 byte per
+weight instead of 2 moves 3.6x fewer. The kernel (gemm_cpu.c, compiled once per machine by
+fp4rl.nvfp4.cpu.build) forms DQ(W) 16 rows at a time in L1/L2, bit for bit what
+`dequantize(q, torch.bfloat16)` returns, and multiplies on AMX tiles with float32 accumulation,
+so results equal `F.linear(x, dequantize(q, bf16), b)` up to the order of float32 additions.
+
+Runs when: the CPU has AMX-BF16 and AVX512-BF16 (Linux grants the tile state), gcc builds the
+file, x is bfloat16, W has 1x16 blocks without a Hadamard transform, and every global scale is
+finite and >= 2^-116 (so no product can be a float32 subnormal, which the conversion instruction
+would flush). Anything else: `supported()` is False and callers use dequantize + F.linear.
+`FP4RL_CPU_GEMM=off` disables it. Work is split over torch.get_num_threads() threads by
+16-row panels of W (ctypes releases the GIL).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from fp4rl.nvfp4 import cpu
+from fp4rl.nvfp4.format import BLOCK, NVFP4Tensor
+
+_SOURCE_FILE = Path(__file__).with_name("gemm_cpu.c")
+_CFLAGS = ("-O3", "-march=native", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl",
+           "-mavx512bf16", "-std=gnu11", "-fPIC", "-shared")
+_CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl")
+_MIN_GLOBAL_SCALE = 2.0 ** -116
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed: str | None = None
+
+
+def _cpu_has_flags() -> str | None:
+    """None when /proc/cpuinfo lists every flag the kernel needs, else what is missing."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "no /proc/cpuinfo (not Linux)"
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    missing = [f for f in _CPU_FLAGS if f not in flags]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def _load() -> ctypes.CDLL:
+    reason = _cpu_has_flags()
+    if reason:
+        raise RuntimeError(reason)
+    lib = ctypes.CDLL(str(cpu.build(_SOURCE_FILE, _CFLAGS)))
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.nvfp4_gemm_init.argtypes = []
+    lib.nvfp4_gemm_init.restype = i32
+    lib.nvfp4_gemm_pack_x.argtypes = [ptr, i64, i64, i64, ptr]
+    lib.nvfp4_gemm_pack_x.restype = None
+    lib.nvfp4_gemm_rows.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i32, ptr, i64, i64, i64, ptr, i64, ptr]
+    lib.nvfp4_gemm_rows.restype = i32
+    if lib.nvfp4_gemm_init() != 0:
+        raise RuntimeError("the kernel refused AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM failed)")
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernel can run here (builds and loads it on the first call; False, with one
+    warning on a CPU that should support it, when that fails)."""
+    global _lib, _failed
+    if os.environ.get("FP4RL_CPU_GEMM", "").lower() in ("0", "off", "false", "no"):
+        return False
+    if _lib is not None:
+        return True
+    if _failed is not None:
+        return False
+    with _lock:
+        if _lib is None and _failed is None:
+            try:
+                _lib = _load()
+            except Exception as e:  # noqa: BLE001 - any build/load problem means: dequantize + F.linear
+                _failed = f"{type(e).__name__}: {e}"
+                if _cpu_has_flags() is None:
+                    warnings.warn(f"fp4rl.nvfp4.cpu_gemm: the AMX NVFP4 GEMM is unavailable ({_failed}); "
+                                  "CPU linears dequantize their weights instead (same values, slower)",
+                                  RuntimeWarning, stacklevel=3)
+    return _lib is not None
+
+
+class GemmWeight:
+    """An NVFP4 weight (or several, stacked along N) in the layout the kernel reads: codes uint8
+    [N, K/2], E4M3 bytes [N, K/16], float32 global scales [1] or [N] (one per row when stacked)."""
+
+    def __init__(self, parts: list[NVFP4Tensor]):
+        if not parts:
+            raise ValueError("GemmWeight needs at least one NVFP4Tensor")
+        K = parts[0].shape[-1]
+        for q in parts:
+            if not supported_weight(q) or q.shape[-1] != K:
+                raise ValueError(f"GemmWeight: {q!r} is not a 2-D 1x16 NVFP4 weight with K={K} (what the "
+                                 "kernel reads)")
+        self.K = K
+        self.N = sum(q.shape[0] for q in parts)
+        self.data = swizzle(torch.cat([q.data.reshape(q.shape[0], K // 2) for q in parts]))
+        self.scale = torch.cat([q.block_scale.reshape(q.shape[0], K // BLOCK) for q in parts]).contiguous()
+        self.scale = self.scale.view(torch.uint8)
+        per_row = len(parts) > 1 or parts[0].global_scale.numel() > 1
+        if per_row:
+            self.g = torch.cat([q.global_scale.float().reshape(-1).expand(q.shape[0]) for q in parts])
+        else:
+            self.g = parts[0].global_scale.float().reshape(1).contiguous()
+        self.per_row = per_row
+        g = self.g
+        self.ok = bool(torch.isfinite(g).all() and (g.abs() >= _MIN_GLOBAL_SCALE).all()
+                       and not torch.isnan(self.scale.view(torch.float8_e4m3fn).float()).any())
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scale.nbytes + self.g.nbytes
+
+
+def swizzle(data: torch.Tensor) -> torch.Tensor:
+    """NVFP4 codes [N, K/2] (element 2i in the low nibble of byte i) -> the kernel's order: per
+    group of 32 weights (16 bytes), byte j holds element j in its low nibble and element j + 16 in
+    its high nibble, so one AND and one shift give 32 indices in order. A last group of 16
+    weights (K % 32 == 16) keeps the NVFP4 order."""
+    N, half = data.shape
+    full = half // 16 * 16
+    codes = torch.stack((data[:, :full] & 0x0F, data[:, :full] >> 4), -1).reshape(N, full // 16, 2, 16)
+    out = torch.empty_like(data)
+    out[:, :full] = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(N, full)
+    out[:, full:] = data[:, full:]
+    return out
+
+
+def supported_weight(q: NVFP4Tensor) -> bool:
+    """A weight the kernel reads: 2-D, 1x16 blocks, K a multiple of 16, no Hadamard, on the CPU."""
+    return (isinstance(q, NVFP4Tensor) and len(q.shape) == 2 and q.tile in (16, (1, 16))
+            and q.hadamard_seed is None and q.shape[-1] % BLOCK == 0 and q.data.device.type == "cpu"
+            and q.data.dtype == torch.uint8 and q.block_scale.dtype == torch.float8_e4m3fn)
+
+
+def linear(x: torch.Tensor, w: GemmWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bfloat16 @ DQ(W).T + bias -> [..., N] bfloat16. Needs available() and w.ok."""
+    if not available():
+        raise RuntimeError("fp4rl.nvfp4.cpu_gemm.linear: the kernel is not available on this machine; "
+                           "check available() and use dequantize + F.linear")
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != w.K:
+        raise ValueError(f"cpu_gemm.linear: x must be bfloat16 [..., {w.K}] on the CPU, got {x.dtype} "
+                         f"{list(x.shape)} on {x.device}")
+    if not w.ok:
+        raise ValueError("cpu_gemm.linear: the weight has a non-finite or tiny global scale or a NaN block "
+                         "scale; use dequantize + F.linear")
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (w.N,)):
+        raise ValueError(f"cpu_gemm.linear: bias must be bfloat16 [{w.N}], got {bias.dtype} "
+                         f"{list(bias.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, w.K).contiguous()
+    M, K, N = x2.shape[0], w.K, w.N
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    if M == 0:
+        return y.reshape(*lead, N)
+    K32 = -(-K // 32) * 32
+    x_vnni = torch.empty(-(-M // 16) * K32 * 16, dtype=torch.bfloat16)
+    _lib.nvfp4_gemm_pack_x(x2.data_ptr(), M, K, K, x_vnni.data_ptr())
+    b = bias.contiguous() if bias is not None else None
+    panels = -(-N // 16)
+    threads = max(1, min(torch.get_num_threads(), panels, (M * N * K) // (1 << 20) or 1))
+
+    def rows(p0: int, p1: int) -> None:
+        panel = torch.empty(16 * K32, dtype=torch.bfloat16)
+        rc = _lib.nvfp4_gemm_rows(x_vnni.data_ptr(), M, K, w.data.data_ptr(), w.scale.data_ptr(),
+                                  w.g.data_ptr(), int(w.per_row), b.data_ptr() if b is not None else None,
+                                  p0 * 16, min(p1 * 16, N), N, y.data_ptr(), N, panel.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"nvfp4_gemm_rows failed ({rc})")
+
+    if threads == 1:
+        rows(0, panels)
+    else:
+        cpu._parallel_rows(rows, panels, 16 * K * max(M, 1), 1)
+    return y.reshape(*lead, N)

@@ -1,0 +1,176 @@
+"""The AMX W4A16 GEMM on packed NVFP4 bytes (fp4rl.nvfp4.cpu_gemm) and the sampler's fast BF16 CPU
+linears (oneDNN-prepacked weights, the AMX kernel): exact dequantization, results vs F.linear,
+odd shapes, fused stacks, refusals, and weight sync invalidating every derived copy."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp4rl.model import CausalLM, ModelConfig
+from fp4rl.nvfp4 import cpu_gemm, dequantize, quantize
+from fp4rl.packed import PrepackedLinear, onednn_bf16_available
+from fp4rl.precision import PrecisionContract
+from fp4rl.qat import convert
+from fp4rl.sampler import Sampler, SamplingParams
+from fp4rl.weight_sync import build_payload
+
+needs_amx = pytest.mark.skipif(not cpu_gemm.available(), reason="no AMX-BF16 CPU / compiler for cpu_gemm")
+needs_onednn = pytest.mark.skipif(not onednn_bf16_available(), reason="torch's oneDNN has no BF16 here")
+
+CONFIG = dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+              tie_word_embeddings=True)
+PROMPTS = [[3, 4, 5], [9, 1], [7, 7, 7, 7, 2]]
+
+
+def weight(n, k, seed=0, **kw):
+    g = torch.Generator().manual_seed(seed)
+    return quantize(torch.randn(n, k, generator=g) * 0.05, **kw)
+
+
+@needs_amx
+def test_the_kernel_dequantizes_exactly_what_dequantize_returns():
+    """With one-hot rows of x, y[m, n] is one product DQ(W)[n, k] * 1: exact in bf16."""
+    for n, k in ((40, 48), (16, 64), (33, 80)):
+        q = weight(n, k, seed=n, scale_rule="4/6")
+        x = torch.eye(k, dtype=torch.bfloat16)  # k rows
+        y = cpu_gemm.linear(x, cpu_gemm.GemmWeight([q]))
+        assert torch.equal(y.T, dequantize(q, torch.bfloat16))
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k,m", [(48, 64, 1), (37, 80, 17), (128, 96, 16), (200, 48, 64), (24, 32, 70)])
+def test_products_match_f_linear_on_the_dequantized_weight(n, k, m):
+    q = weight(n, k, seed=m)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    got = cpu_gemm.linear(x, cpu_gemm.GemmWeight([q]), bias)
+    exact = F.linear(x.double(), dequantize(q, torch.bfloat16).double(), bias.double())
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    # float32 accumulation, one rounding to bf16: within one bf16 ulp of the exact sum (plus fp32 noise)
+    ulp = exact.abs().clamp(min=1e-30).log2().floor().exp2() * 2.0 ** -7
+    assert ((got.double() - exact).abs() <= ulp + 1e-5).all()
+    # and what F.linear in bf16 gives, up to its own rounding
+    ref = F.linear(x, dequantize(q, torch.bfloat16), bias)
+    assert ((got.double() - ref.double()).abs() <= 2 * ulp + 1e-5).all()
+
+
+@needs_amx
+def test_a_stack_of_weights_with_their_own_global_scales_is_one_product():
+    parts = [weight(32, 64, seed=1), weight(16, 64, seed=2), weight(48, 64, seed=3)]
+    parts[1].global_scale.mul_(4.0)  # a different global scale per member (fused q/k/v)
+    x = torch.randn(5, 64).bfloat16()
+    got = cpu_gemm.linear(x, cpu_gemm.GemmWeight(parts))
+    separate = torch.cat([cpu_gemm.linear(x, cpu_gemm.GemmWeight([q])) for q in parts], -1)
+    assert torch.equal(got, separate)
+    assert torch.equal(cpu_gemm.linear(torch.eye(64, dtype=torch.bfloat16), cpu_gemm.GemmWeight(parts)).T,
+                       torch.cat([dequantize(q, torch.bfloat16) for q in parts]))
+
+
+def test_swizzle_is_a_permutation_of_the_nibbles():
+    q = weight(8, 80)  # 2 groups of 32 + one of 16
+    s = cpu_gemm.swizzle(q.data)
+    codes = torch.stack((q.data & 15, q.data >> 4), -1).reshape(8, 80)
+    lo, hi = s[:, :32] & 15, s[:, :32] >> 4  # groups of 16 bytes
+    assert torch.equal(torch.cat((lo[:, :16], hi[:, :16], lo[:, 16:32], hi[:, 16:32]), -1), codes[:, :64])
+    assert torch.equal(s[:, 32:], q.data[:, 32:])
+
+
+@needs_amx
+def test_bad_inputs_are_refused_or_left_to_the_fallback():
+    q = weight(32, 64)
+    w = cpu_gemm.GemmWeight([q])
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_gemm.linear(torch.randn(2, 64), w)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 64\]"):
+        cpu_gemm.linear(torch.randn(2, 48).bfloat16(), w)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_gemm.linear(torch.randn(2, 64).bfloat16(), w, torch.zeros(31, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="1x16"):
+        cpu_gemm.GemmWeight([weight(32, 64, tile=(16, 16))])
+    assert not cpu_gemm.supported_weight(weight(32, 64, hadamard_seed=3))
+    tiny = weight(32, 64)
+    tiny.global_scale.fill_(2.0 ** -120)  # products could be float32 subnormals: not for the kernel
+    assert not cpu_gemm.GemmWeight([tiny]).ok
+    with pytest.raises(ValueError, match="global scale"):
+        cpu_gemm.linear(torch.randn(2, 64).bfloat16(), cpu_gemm.GemmWeight([tiny]))
+    assert cpu_gemm.linear(torch.randn(0, 64).bfloat16(), w).shape == (0, 32)
+
+
+def tiny_model(preset, seed=0):
+    torch.manual_seed(seed)
+    model = CausalLM(ModelConfig(**CONFIG))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.2)
+    contract = PrecisionContract(preset)
+    return convert(model.eval(), contract), contract
+
+
+def step(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def outputs(sampler):
+    out = sampler.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=6, seed=0))
+    return [c.completion_ids for c in out], [c.logprobs for c in out]
+
+
+@needs_onednn
+def test_prepacked_bf16_linears_are_bit_identical_and_follow_weight_sync():
+    model, contract = tiny_model("bf16")
+    fast = Sampler(model, eos_token_ids=[], dtype=torch.bfloat16, prepack=True, nvfp4_gemm=False)
+    plain = Sampler(model, eos_token_ids=[], dtype=torch.bfloat16, prepack=False, nvfp4_gemm=False)
+    assert isinstance(fast.model.model.layers[0].self_attn.o_proj, PrepackedLinear)
+    assert fast.model.lm_head.weight is fast.model.model.embed_tokens.weight  # still tied
+    assert outputs(fast) == outputs(plain)
+    step(model)
+    payload = build_payload(model, contract, version=1)
+    fast.load(payload, verify=True)
+    plain.load(payload)
+    assert outputs(fast) == outputs(plain)  # the reordered copies were rebuilt
+    assert fast.memory()["prepacked_dense_bytes"] > 0
+
+
+@needs_amx
+@pytest.mark.parametrize("preset", ["nvfp4-w4a16", "nvfp4-linear"])
+def test_the_amx_sampler_matches_the_dequantizing_one_and_follows_weight_sync(preset):
+    model, contract = tiny_model(preset)
+    fast = Sampler(model, eos_token_ids=[], dtype=torch.bfloat16, nvfp4_gemm=True)
+    slow = Sampler(model, eos_token_ids=[], dtype=torch.bfloat16, nvfp4_gemm=False, prepack=False)
+
+    def close(a, b):
+        (ids_a, lp_a), (ids_b, lp_b) = a, b
+        # same products, float32 sums in another order: the first token of every row agrees, and the
+        # logprobs of tokens where both took the same path agree to BF16 rounding
+        assert [i[0] for i in ids_a] == [i[0] for i in ids_b]
+        diffs = [abs(x - y) for ia, ib, la, lb in zip(ids_a, ids_b, lp_a, lp_b) for x, y, s, t in
+                 zip(la, lb, ia, ib) if s == t]
+        assert max(diffs) < 0.1
+
+    close(outputs(fast), outputs(slow))
+    assert fast.memory()["dequantized_cache_bytes"] < 0.3 * slow.memory()["dequantized_cache_bytes"]
+    before = outputs(fast)
+    step(model)
+    payload = build_payload(model, contract, version=1)
+    fast.load(payload, verify=True)
+    slow.load(payload)
+    after = outputs(fast)
+    assert after != before  # the kernel's copy of the weights was rebuilt ...
+    close(after, outputs(slow))  # ... from the new bytes
+    fresh = Sampler(model, eos_token_ids=[], dtype=torch.bfloat16, nvfp4_gemm=True)
+    assert outputs(fresh) == after
+
+
+def test_fast_paths_are_refused_where_they_cannot_run():
+    model, _ = tiny_model("nvfp4-w4a16")
+    with pytest.raises(ValueError, match="prepack=True"):
+        Sampler(model, dtype=torch.float32, prepack=True)
+    with pytest.raises(ValueError, match="nvfp4_gemm=True"):
+        Sampler(model, dtype=torch.float32, nvfp4_gemm=True)
+    fp32 = Sampler(model, eos_token_ids=[])
+    assert not fp32.prepack and not fp32.nvfp4_gemm
