@@ -1,0 +1,305 @@
+/* Fused BF16 CPU kernels for the sampler's decoder layers (everything but the linears).
+ *
+ * Loaded by fp4rl/cpu_ops.py with ctypes; see its docstring for what each kernel computes and
+ * how it rounds. Tensors are bfloat16 (uint16_t bit patterns); arithmetic is float32; every
+ * bfloat16 result is rounded to nearest even as torch rounds (NaN -> 0x7fc0). Each elementwise
+ * kernel rounds where the eager torch code rounds (after each bfloat16 op), so RoPE, the residual
+ * adds and the weight multiply of RMSNorm give torch's bits; sums (RMSNorm's mean of squares,
+ * attention) are float32 in this file's order.
+ *
+ * AVX-512 paths are compiled when the compiler targets it (-march=native on such a CPU); the
+ * scalar code computes the same formulas everywhere else. Single-threaded.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define FP4RL_AVX512 1
+#else
+#define FP4RL_AVX512 0
+#endif
+
+typedef uint16_t bf16;
+typedef int64_t i64;
+
+static inline float bf2f(bf16 h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline bf16 f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+static inline float rbf(float f) { return bf2f(f2bf(f)); } /* round to bfloat16, back to float */
+
+#if FP4RL_AVX512
+static inline __m512 ld16(const bf16 *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m256i to_bf16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+static inline void st16(bf16 *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, to_bf16(x)); }
+
+static inline __m512 rbf16(__m512 x) { /* round to bfloat16, back to float */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
+}
+
+/* exp(x) in float32 (Cephes' range reduction and polynomial, about 1 ulp); NaN stays NaN,
+ * large |x| saturates to inf / 0. */
+static inline __m512 exp16(__m512 x) {
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    __m512 c = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512 y = _mm512_scalef_ps(p, n);
+    return _mm512_mask_mov_ps(y, nan, x);
+}
+#endif
+
+/* ---- RMSNorm with the residual add ------------------------------------------------------------
+ * For each of `rows` rows of n values: if delta, x = bf16(x + delta) (in place); then
+ * out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))), mean in float32. */
+void cpu_add_rms_norm(i64 rows, i64 n, bf16 *x, i64 x_row, const bf16 *delta, i64 d_row, const bf16 *w,
+                      float eps, bf16 *out, i64 out_row) {
+    for (i64 i = 0; i < rows; i++) {
+        bf16 *xr = x + i * x_row;
+        const bf16 *dr = delta ? delta + i * d_row : NULL;
+        bf16 *o = out + i * out_row;
+        i64 j = 0;
+        float ss = 0.0f;
+#if FP4RL_AVX512
+        __m512 acc = _mm512_setzero_ps();
+        for (; j + 16 <= n; j += 16) {
+            __m512 v = ld16(xr + j);
+            if (dr) {
+                v = rbf16(_mm512_add_ps(v, ld16(dr + j)));
+                st16(xr + j, v);
+            }
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        ss = _mm512_reduce_add_ps(acc);
+#endif
+        for (; j < n; j++) {
+            float v = bf2f(xr[j]);
+            if (dr) {
+                v = rbf(v + bf2f(dr[j]));
+                xr[j] = f2bf(v);
+            }
+            ss += v * v;
+        }
+        float r = 1.0f / sqrtf(ss / (float)n + eps);
+        j = 0;
+#if FP4RL_AVX512
+        __m512 rv = _mm512_set1_ps(r);
+        for (; j + 16 <= n; j += 16)
+            st16(o + j, _mm512_mul_ps(ld16(w + j), rbf16(_mm512_mul_ps(ld16(xr + j), rv))));
+#endif
+        for (; j < n; j++) o[j] = f2bf(bf2f(w[j]) * rbf(bf2f(xr[j]) * r));
+    }
+}
+
+/* ---- SiLU(gate) * up ----------------------------------------------------------------------------
+ * out = bf16(bf16(g / (1 + exp(-g))) * up), rows x n, rows strided. */
+void cpu_silu_mul(i64 rows, i64 n, const bf16 *g, i64 g_row, const bf16 *u, i64 u_row, bf16 *out, i64 out_row) {
+    for (i64 i = 0; i < rows; i++) {
+        const bf16 *gr = g + i * g_row, *ur = u + i * u_row;
+        bf16 *o = out + i * out_row;
+        i64 j = 0;
+#if FP4RL_AVX512
+        __m512 one = _mm512_set1_ps(1.0f);
+        for (; j + 16 <= n; j += 16) {
+            __m512 x = ld16(gr + j);
+            __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+            st16(o + j, _mm512_mul_ps(rbf16(s), ld16(ur + j)));
+        }
+#endif
+        for (; j < n; j++) {
+            float x = bf2f(gr[j]);
+            o[j] = f2bf(rbf(x / (1.0f + expf(-x))) * bf2f(ur[j]));
+        }
+    }
+}
+
+/* ---- RoPE on q and k, k and v written to their destination -------------------------------------
+ * Rows r = b * T + t of q [rows, H * D], k and v [rows, Hkv * D] (row strides q_row, k_row, v_row);
+ * cos, sin [rows, D] contiguous. q_out [rows, H, D] contiguous; k_out, v_out hold (b, h, slot)
+ * at b * kv_b + h * kv_h + (start + t) * kv_t (a KV cache's [B, H_kv, T_max, D] buffers, or
+ * fresh [B, H_kv, T, D] tensors with start = 0).
+ * rot(x)[d] = bf16(bf16(x[d] * cos[d]) + bf16(x'[d] * sin[d])), x' = (-x2, x1): model.py's
+ * q * cos + rotate_half(q) * sin, rounded as torch rounds each bfloat16 op. */
+static void rope_head(const bf16 *x, const bf16 *c, const bf16 *s, i64 D, bf16 *o) {
+    i64 half = D / 2, d = 0;
+#if FP4RL_AVX512
+    if (half % 16 == 0) {
+        for (; d < half; d += 16) {
+            __m512 x1 = ld16(x + d), x2 = ld16(x + half + d);
+            __m512 c1 = ld16(c + d), c2 = ld16(c + half + d), s1 = ld16(s + d), s2 = ld16(s + half + d);
+            __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+            st16(o + d, _mm512_add_ps(rbf16(_mm512_mul_ps(x1, c1)), rbf16(_mm512_mul_ps(neg, s1))));
+            st16(o + half + d, _mm512_add_ps(rbf16(_mm512_mul_ps(x2, c2)), rbf16(_mm512_mul_ps(x1, s2))));
+        }
+        return;
+    }
+#endif
+    for (; d < half; d++) {
+        float x1 = bf2f(x[d]), x2 = bf2f(x[half + d]);
+        o[d] = f2bf(rbf(x1 * bf2f(c[d])) + rbf(-x2 * bf2f(s[d])));
+        o[half + d] = f2bf(rbf(x2 * bf2f(c[half + d])) + rbf(x1 * bf2f(s[half + d])));
+    }
+}
+
+void cpu_rope_qkv(i64 B, i64 T, i64 H, i64 Hkv, i64 D, const bf16 *q, i64 q_row, const bf16 *k, i64 k_row,
+                  const bf16 *v, i64 v_row, const bf16 *cos, const bf16 *sin, bf16 *q_out, bf16 *k_out,
+                  bf16 *v_out, i64 kv_b, i64 kv_h, i64 kv_t, i64 start) {
+    for (i64 b = 0; b < B; b++)
+        for (i64 t = 0; t < T; t++) {
+            i64 r = b * T + t;
+            const bf16 *c = cos + r * D, *s = sin + r * D;
+            for (i64 h = 0; h < H; h++) rope_head(q + r * q_row + h * D, c, s, D, q_out + (r * H + h) * D);
+            for (i64 h = 0; h < Hkv; h++) {
+                i64 dst = b * kv_b + h * kv_h + (start + t) * kv_t;
+                rope_head(k + r * k_row + h * D, c, s, D, k_out + dst);
+                memcpy(v_out + dst, v + r * v_row + h * D, (size_t)D * sizeof(bf16));
+            }
+        }
+}
+
+/* ---- attention of T new queries over S = start + T key slots -------------------------------------
+ * q [B, T, H, D] contiguous; k, v at b * kv_b + h * kv_h + s * kv_t; real [B, S] (row stride
+ * real_b, nonzero = a real token) or NULL (all real). The query in slot p = start + t sees key
+ * slot s when s <= p and (real[s] or s == p) (model.py's mask); query head h reads kv head
+ * h / (H / Hkv). out [B, T, H, D] = softmax(scale * q.k) @ v, all in float32, rounded once.
+ * Returns 0, or -1 when the scratch memory cannot be allocated. */
+int cpu_attention(i64 B, i64 T, i64 H, i64 Hkv, i64 D, i64 start, const bf16 *q, const bf16 *k,
+                  const bf16 *v, i64 kv_b, i64 kv_h, i64 kv_t, const uint8_t *real, i64 real_b, float scale,
+                  bf16 *out) {
+    i64 S = start + T, rep = H / Hkv;
+    i64 Sp = (S + 15) & ~(i64)15;
+    float *work = (float *)malloc(sizeof(float) * (size_t)(rep * (Sp + 2 * D) + D));
+    if (!work) return -1;
+    float *sc = work, *qf = work + rep * Sp, *acc = qf + rep * D, *kf = acc + rep * D;
+    for (i64 b = 0; b < B; b++)
+        for (i64 hk = 0; hk < Hkv; hk++) {
+            const bf16 *kb = k + b * kv_b + hk * kv_h, *vb = v + b * kv_b + hk * kv_h;
+            const uint8_t *rb = real ? real + b * real_b : NULL;
+            for (i64 t = 0; t < T; t++) {
+                i64 p = start + t, n = p + 1;  /* keys 0..p */
+                for (i64 r = 0; r < rep; r++) {
+                    const bf16 *qr = q + ((b * T + t) * H + hk * rep + r) * D;
+                    for (i64 d = 0; d < D; d++) qf[r * D + d] = bf2f(qr[d]);
+                }
+                /* scores */
+                for (i64 s = 0; s < n; s++) {
+                    int vis = s == p || !rb || rb[s];
+                    if (!vis) {
+                        for (i64 r = 0; r < rep; r++) sc[r * Sp + s] = -INFINITY;
+                        continue;
+                    }
+                    const bf16 *ks = kb + s * kv_t;
+                    i64 d = 0;
+#if FP4RL_AVX512
+                    if (D % 16 == 0) {
+                        for (d = 0; d < D; d += 16) _mm512_storeu_ps(kf + d, ld16(ks + d));
+                        for (i64 r = 0; r < rep; r++) {
+                            __m512 a = _mm512_setzero_ps();
+                            for (i64 e = 0; e < D; e += 16)
+                                a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + r * D + e), _mm512_loadu_ps(kf + e), a);
+                            sc[r * Sp + s] = _mm512_reduce_add_ps(a) * scale;
+                        }
+                        continue;
+                    }
+#endif
+                    for (d = 0; d < D; d++) kf[d] = bf2f(ks[d]);
+                    for (i64 r = 0; r < rep; r++) {
+                        float a = 0.0f;
+                        for (d = 0; d < D; d++) a += qf[r * D + d] * kf[d];
+                        sc[r * Sp + s] = a * scale;
+                    }
+                }
+                /* softmax numerators (in place) and sums */
+                for (i64 r = 0; r < rep; r++) {
+                    float *row = sc + r * Sp, m = -INFINITY, sum = 0.0f;
+                    for (i64 s = 0; s < n; s++) m = row[s] > m ? row[s] : m;
+                    if (m != m) m = 0.0f; /* NaN scores: keep them NaN below */
+                    i64 s = 0;
+#if FP4RL_AVX512
+                    __m512 mv = _mm512_set1_ps(m), sv = _mm512_setzero_ps();
+                    for (; s + 16 <= n; s += 16) {
+                        __m512 x = _mm512_loadu_ps(row + s);
+                        __mmask16 masked = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+                        __m512 e = _mm512_maskz_mov_ps(~masked, exp16(_mm512_sub_ps(x, mv)));
+                        _mm512_storeu_ps(row + s, e);
+                        sv = _mm512_add_ps(sv, e);
+                    }
+                    sum = _mm512_reduce_add_ps(sv);
+#endif
+                    for (; s < n; s++) {
+                        float e = row[s] == -INFINITY ? 0.0f : expf(row[s] - m);
+                        row[s] = e;
+                        sum += e;
+                    }
+                    for (i64 d = 0; d < D; d++) acc[r * D + d] = 0.0f;
+                    qf[r * D] = 1.0f / sum; /* the query is no longer needed: keep 1/sum there */
+                }
+                /* weighted sum of values */
+                for (i64 s = 0; s < n; s++) {
+                    const bf16 *vs = vb + s * kv_t;
+#if FP4RL_AVX512
+                    if (D % 16 == 0) {
+                        for (i64 d = 0; d < D; d += 16) _mm512_storeu_ps(kf + d, ld16(vs + d));
+                        for (i64 r = 0; r < rep; r++) {
+                            float e = sc[r * Sp + s];
+                            if (e == 0.0f) continue;
+                            __m512 ev = _mm512_set1_ps(e);
+                            for (i64 d = 0; d < D; d += 16)
+                                _mm512_storeu_ps(acc + r * D + d, _mm512_fmadd_ps(ev, _mm512_loadu_ps(kf + d),
+                                                                                   _mm512_loadu_ps(acc + r * D + d)));
+                        }
+                        continue;
+                    }
+#endif
+                    for (i64 d = 0; d < D; d++) kf[d] = bf2f(vs[d]);
+                    for (i64 r = 0; r < rep; r++) {
+                        float e = sc[r * Sp + s];
+                        if (e == 0.0f) continue;
+                        for (i64 d = 0; d < D; d++) acc[r * D + d] += e * kf[d];
+                    }
+                }
+                for (i64 r = 0; r < rep; r++) {
+                    bf16 *o = out + ((b * T + t) * H + hk * rep + r) * D;
+                    float inv = qf[r * D];
+                    for (i64 d = 0; d < D; d++) o[d] = f2bf(acc[r * D + d] * inv);
+                }
+            }
+        }
+    free(work);
+    return 0;
+}

@@ -1,0 +1,420 @@
+"""Fused BF16 CPU kernels for the sampler's decoder: everything in a layer but the linears.
+
+`fast_cpu_ops(model)` switches a sampler copy (fp4rl.packed.build_sampler_model's CausalLM,
+BF16 on the CPU) to `FastCPUDecoder`, a subclass of model.Decoder whose forward runs, per layer:
+
+    h = RMSNorm(x)                                   cpu_add_rms_norm (first layer only)
+    q, k, v = q_proj(h), k_proj(h), v_proj(h)        the model's linears, as they are
+    RoPE(q), RoPE(k), k/v -> KV cache slots          cpu_rope_qkv (writes straight into a BF16 cache)
+    a = attention(q, cache)                          cpu_attention (GQA, padding mask, any T)
+    x = x + o_proj(a); h = RMSNorm(x)                cpu_add_rms_norm (x updated in place)
+    x = x + down_proj(silu(gate_proj(h)) * up_proj(h)); h = RMSNorm(x)   cpu_silu_mul, cpu_add_rms_norm
+
+so a layer is 4 C calls and the linears, instead of ~40 torch ops. The trainer's model (model.py)
+is untouched: only the sampler's copy changes class, and everything the kernels do not cover
+(no C compiler, FP32 or CUDA tensors, autograd on, a cache whose `update` is not the plain BF16
+one, odd strides) runs model.Decoder.forward unchanged, or, for a quantized cache, the same
+kernels around that cache's own `update`.
+
+Numerics (BF16, computed in float32): the residual adds, RoPE, and RMSNorm's two casts and weight
+multiply round where the eager code rounds, so they give torch's bits (RoPE and the adds exactly;
+RMSNorm up to its mean of squares, summed in another order). SiLU uses a Cephes-style exp (about
+1 ulp in float32) before the BF16 rounding torch also does. Attention computes scores, softmax and
+the weighted sum of values in float32 and rounds once (SDPA's CPU kernels round differently), so
+results differ from the eager path by BF16 rounding only; tests/test_cpu_ops.py checks each kernel
+against the torch formula and the sampler's logprobs with and without this path.
+
+The C file is compiled on first use with the same build cache as fp4rl.nvfp4.cpu (keyed by source,
+flags, compiler and CPU); without a compiler, `available()` is False (one warning) and
+`fast_cpu_ops` leaves the model as it is. FP4RL_CPU_OPS=0 turns the fast path off. The kernels
+run on one thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from fp4rl.model import CausalLM, Decoder, KVCache
+from fp4rl.nvfp4.cpu import _cache_dir, _compiler, _cpu_signature
+
+__all__ = ["FastCPUDecoder", "add_rms_norm", "attention", "available", "fast_cpu_ops", "rope_qkv", "silu_mul"]
+
+_SOURCE_FILE = Path(__file__).with_name("cpu_ops.c")
+_CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11", "-fPIC", "-shared")
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed: str | None = None
+
+
+# ---- build and load ----------------------------------------------------------------------------
+
+
+def build() -> Path:
+    """Compile cpu_ops.c (or find it in the cache); returns the shared library's path."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc or cc, or $CC) found")
+    if not _SOURCE_FILE.exists():
+        raise RuntimeError(f"{_SOURCE_FILE} is missing (not packaged?)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    source = _SOURCE_FILE.read_text()
+    key = hashlib.sha256("\0".join([source, " ".join(_CFLAGS), version, _cpu_signature()]).encode())
+    target = _cache_dir() / f"cpu_ops-{key.hexdigest()[:20]}.so"
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / "cpu_ops.so"
+        result = subprocess.run([cc, *_CFLAGS, "-o", str(out), str(_SOURCE_FILE), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {result.stderr.strip()[:2000]}")
+        os.replace(out, target)  # atomic: concurrent builders never load a half-written file
+    return target
+
+
+def _load() -> ctypes.CDLL:
+    path = build()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:  # a damaged cache entry: build it again once
+        path.unlink(missing_ok=True)
+        lib = ctypes.CDLL(str(build()))
+    i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    lib.cpu_add_rms_norm.argtypes = [i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64]
+    lib.cpu_add_rms_norm.restype = None
+    lib.cpu_silu_mul.argtypes = [i64, i64, ptr, i64, ptr, i64, ptr, i64]
+    lib.cpu_silu_mul.restype = None
+    lib.cpu_rope_qkv.argtypes = [i64] * 5 + [ptr, i64] * 3 + [ptr] * 5 + [i64] * 4
+    lib.cpu_rope_qkv.restype = None
+    lib.cpu_attention.argtypes = [i64] * 6 + [ptr] * 3 + [i64] * 3 + [ptr, i64, f32, ptr]
+    lib.cpu_attention.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernels can run (builds and loads them on the first call; warns once if not)."""
+    global _lib, _failed
+    if _lib is not None:
+        return True
+    if _failed is not None:
+        return False
+    with _lock:
+        if _lib is None and _failed is None:
+            try:
+                _lib = _load()
+            except Exception as e:  # noqa: BLE001 - any build/load problem means: the eager path
+                _failed = f"{type(e).__name__}: {e}"
+                warnings.warn(f"fp4rl.cpu_ops: the fused CPU kernels are unavailable ({_failed}); the "
+                              "sampler runs the eager model code", RuntimeWarning, stacklevel=3)
+    return _lib is not None
+
+
+def _need_lib() -> ctypes.CDLL:
+    if not available():
+        raise RuntimeError(f"fp4rl.cpu_ops: the fused CPU kernels are unavailable ({_failed})")
+    return _lib
+
+
+# ---- checked wrappers ----------------------------------------------------------------------------
+
+
+def _check(t: torch.Tensor, name: str, dim: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"cpu_ops: {name} must be a tensor, got {type(t).__name__}")
+    if t.dtype != torch.bfloat16 or t.device.type != "cpu":
+        raise ValueError(f"cpu_ops: {name} must be a bfloat16 CPU tensor, got {t.dtype} on {t.device}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"cpu_ops: {name} must have {dim} dims, got shape {list(t.shape)}")
+
+
+def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """t [..., n] as a [rows, n] view with unit inner stride (a copy when no such view exists)."""
+    _check(t, name)
+    if t.dim() == 0:
+        raise ValueError(f"cpu_ops: {name} must have at least one dim")
+    t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    if t2.stride(1) != 1 or t2.stride(0) < t2.shape[1]:
+        t2 = t2.contiguous()
+    return t2
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """x += delta (in place, BF16, skipped when delta is None), then return RMSNorm(x) * weight
+    as model.RMSNorm computes it. x [..., n] must be writable in place as a [rows, n] view."""
+    _check(x, "x")
+    n = x.shape[-1]
+    x2 = x.view(-1, n) if x.is_contiguous() else None
+    if x2 is None:
+        raise ValueError("cpu_ops.add_rms_norm: x must be contiguous (it is updated in place)")
+    _check(weight, "weight", 1)
+    if weight.shape[0] != n or not weight.is_contiguous():
+        raise ValueError(f"cpu_ops.add_rms_norm: weight must be a contiguous [{n}], got {list(weight.shape)}")
+    d2 = None
+    if delta is not None:
+        if tuple(delta.shape) != tuple(x.shape):
+            raise ValueError(f"cpu_ops.add_rms_norm: delta {list(delta.shape)} != x {list(x.shape)}")
+        d2 = _rows(delta, "delta")
+    if out is None:
+        out = torch.empty_like(x)
+    elif tuple(out.shape) != tuple(x.shape) or not out.is_contiguous():
+        raise ValueError("cpu_ops.add_rms_norm: out must be contiguous and shaped like x")
+    _check(out, "out")
+    lib = _need_lib()
+    lib.cpu_add_rms_norm(x2.shape[0], n, x2.data_ptr(), n, 0 if d2 is None else d2.data_ptr(),
+                         0 if d2 is None else d2.stride(0), weight.data_ptr(), float(eps), out.data_ptr(), n)
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in BF16 (rounded after silu and after the product, as torch); [..., n]."""
+    if tuple(gate.shape) != tuple(up.shape):
+        raise ValueError(f"cpu_ops.silu_mul: gate {list(gate.shape)} and up {list(up.shape)} differ")
+    g2, u2 = _rows(gate, "gate"), _rows(up, "up")
+    out = torch.empty(gate.shape, dtype=torch.bfloat16)
+    n = gate.shape[-1]
+    _need_lib().cpu_silu_mul(g2.shape[0], n, g2.data_ptr(), g2.stride(0), u2.data_ptr(), u2.stride(0),
+                             out.data_ptr(), n)
+    return out
+
+
+def _kv_strides(t: torch.Tensor, name: str, B: int, Hkv: int, D: int, min_slots: int) -> tuple[int, int, int]:
+    _check(t, name, 4)
+    if t.shape[0] != B or t.shape[1] != Hkv or t.shape[3] != D or t.shape[2] < min_slots or t.stride(3) != 1:
+        raise ValueError(f"cpu_ops: {name} must be [{B}, {Hkv}, >= {min_slots}, {D}] with unit inner stride, "
+                         f"got shape {list(t.shape)} strides {list(t.stride())}")
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def rope_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+             k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None, start: int = 0):
+    """model.py's RoPE on q [B, T, H, D] and k [B, T, H_kv, D] (any layout whose rows (b, t) are
+    evenly strided), v copied. Returns q_rot [B, T, H, D] (contiguous), k_rot and v as
+    [B, H_kv, T, D], written into k_out / v_out [B, H_kv, >= start + T, D] at slots
+    start.. when given (a KV cache's buffers), else into new tensors (start must be 0)."""
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        _check(t, name, 4)
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    if tuple(k.shape) != (B, T, Hkv, D) or tuple(v.shape) != (B, T, Hkv, D) or D % 2 or H % Hkv:
+        raise ValueError(f"cpu_ops.rope_qkv: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} must be "
+                         "[B, T, H, D], [B, T, H_kv, D] x2 with D even and H_kv dividing H")
+    for t, name in ((cos, "cos"), (sin, "sin")):
+        _check(t, name, 3)
+        if tuple(t.shape) != (B, T, D):
+            raise ValueError(f"cpu_ops.rope_qkv: {name} must be [{B}, {T}, {D}], got {list(t.shape)}")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    q2, k2, v2 = (_rows(t.reshape(B, T, -1), n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+    if (k_out is None) != (v_out is None):
+        raise ValueError("cpu_ops.rope_qkv: pass both k_out and v_out, or neither")
+    if k_out is None:
+        if start != 0:
+            raise ValueError("cpu_ops.rope_qkv: start must be 0 without k_out / v_out")
+        k_out = torch.empty(B, Hkv, T, D, dtype=torch.bfloat16)
+        v_out = torch.empty(B, Hkv, T, D, dtype=torch.bfloat16)
+    strides = _kv_strides(k_out, "k_out", B, Hkv, D, start + T)
+    if _kv_strides(v_out, "v_out", B, Hkv, D, start + T) != strides:
+        raise ValueError("cpu_ops.rope_qkv: k_out and v_out must have the same strides")
+    q_out = torch.empty(B, T, H, D, dtype=torch.bfloat16)
+    _need_lib().cpu_rope_qkv(B, T, H, Hkv, D, q2.data_ptr(), q2.stride(0), k2.data_ptr(), k2.stride(0),
+                             v2.data_ptr(), v2.stride(0), cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(),
+                             k_out.data_ptr(), v_out.data_ptr(), *strides, start)
+    return q_out, k_out[:, :, start:start + T], v_out[:, :, start:start + T]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, start: int = 0,
+              attention_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """Attention of the T queries q [B, T, H, D] in slots start.. over key slots [0, start + T) of
+    k, v [B, H_kv, >= start + T, D], with model.py's mask: causal, keys where attention_mask
+    [B, start + T] is 0 hidden (a query always sees its own slot); query head h reads kv head
+    h // (H / H_kv). Returns [B, T, H, D] (BF16; float32 inside)."""
+    _check(q, "q", 4)
+    B, T, H, D = q.shape
+    Hkv = k.shape[1] if k.dim() == 4 else -1
+    if Hkv <= 0 or H % Hkv:
+        raise ValueError(f"cpu_ops.attention: k must be [B, H_kv, S, D] with H_kv dividing H={H}, "
+                         f"got {list(k.shape)}")
+    if start < 0:
+        raise ValueError(f"cpu_ops.attention: start must be >= 0, got {start}")
+    S = start + T
+    strides = _kv_strides(k, "k", B, Hkv, D, S)
+    if _kv_strides(v, "v", B, Hkv, D, S) != strides:
+        raise ValueError("cpu_ops.attention: k and v must have the same strides")
+    q = q.contiguous()
+    real = None
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (B, S) or attention_mask.device.type != "cpu":
+            raise ValueError(f"cpu_ops.attention: attention_mask must be a CPU [B, start + T] = {[B, S]}, "
+                             f"got {list(attention_mask.shape)}")
+        real = (attention_mask != 0).contiguous()  # bool: one byte, 0 or 1
+    out = torch.empty(B, T, H, D, dtype=torch.bfloat16)
+    rc = _need_lib().cpu_attention(B, T, H, Hkv, D, start, q.data_ptr(), k.data_ptr(), v.data_ptr(), *strides,
+                                   None if real is None else real.data_ptr(), 0 if real is None else S,
+                                   1.0 / math.sqrt(D) if scale is None else float(scale), out.data_ptr())
+    if rc != 0:
+        raise MemoryError("cpu_ops.attention: out of memory for the scratch buffer")
+    return out
+
+
+# ---- the sampler's decoder --------------------------------------------------------------------------
+
+
+def _plain_bf16_cache(kv_cache, layer_idx: int, B: int, S: int) -> bool:
+    """Whether kv_cache is the unquantized cache (model.KVCache's update) in BF16 that the
+    kernels can write directly."""
+    if type(kv_cache).update is not KVCache.update:
+        return False
+    k, v = kv_cache.k[layer_idx], kv_cache.v[layer_idx]
+    return (k.dtype == v.dtype == torch.bfloat16 and k.device.type == "cpu" and k.is_contiguous()
+            and v.is_contiguous() and k.shape == v.shape and k.shape[0] == B and k.shape[2] >= S)
+
+
+class FastCPUDecoder(Decoder):
+    """model.Decoder whose forward runs the fused kernels (BF16, CPU, no autograd); anything else
+    goes to Decoder.forward. Set on a sampler copy by `fast_cpu_ops`."""
+
+    def _fast_ok(self, input_ids, attention_mask, kv_cache) -> bool:
+        if torch.is_grad_enabled() or input_ids.device.type != "cpu" or input_ids.dim() != 2:
+            return False
+        if self.embed_tokens.weight.dtype != torch.bfloat16 or os.environ.get("FP4RL_CPU_OPS", "1") == "0":
+            return False
+        B, T = input_ids.shape
+        start = 0 if kv_cache is None else kv_cache.length
+        if kv_cache is not None and (kv_cache.max_len < start + T or kv_cache.batch_size != B):
+            return False  # Decoder.forward raises its error
+        if attention_mask is not None and (tuple(attention_mask.shape) != (B, start + T)
+                                           or attention_mask.device.type != "cpu"):
+            return False
+        return available()
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, kv_cache=None, routing=None):
+        if not self._fast_ok(input_ids, attention_mask, kv_cache):
+            return super().forward(input_ids, position_ids, attention_mask, kv_cache, routing)
+        B, T = input_ids.shape
+        start = 0 if kv_cache is None else kv_cache.length
+        S = start + T
+        moe_layers = [layer for layer in self.layers if layer.is_moe]
+        if routing is not None and len(routing) != len(moe_layers):
+            return super().forward(input_ids, position_ids, attention_mask, kv_cache, routing)  # raises
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # [B, T]
+            else:
+                position_ids = torch.arange(start, S).expand(B, T)
+        if self.rope_inv_freq.device.type != "cpu":
+            self.rope_inv_freq = self.rope_inv_freq.cpu()
+        freqs = position_ids[..., None].float() * self.rope_inv_freq  # [B, T, D/2], as Decoder.forward
+        emb = torch.cat((freqs, freqs), dim=-1)
+        x = self.embed_tokens(input_ids).contiguous()  # [B, T, hidden], updated in place below
+        cos = emb.cos().to(torch.bfloat16).contiguous()
+        sin = emb.sin().to(torch.bfloat16).contiguous()
+        real = None if attention_mask is None else (attention_mask != 0).contiguous()  # [B, S] bool
+        lib = _need_lib()
+        cfg = self.config
+        H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        scale = 1.0 / math.sqrt(D)
+        hidden = x.shape[-1]
+        rows = B * T
+        slots = None
+
+        def norm(module, delta):
+            out = torch.empty_like(x)
+            if delta is not None and (delta.dtype != torch.bfloat16 or tuple(delta.shape) != tuple(x.shape)):
+                raise ValueError(f"cpu_ops: a layer returned {delta.dtype} {list(delta.shape)}, expected "
+                                 f"bfloat16 {list(x.shape)}")
+            d2 = None if delta is None else _rows(delta, "delta")
+            w = module.weight
+            if w.dtype != torch.bfloat16 or not w.is_contiguous():
+                raise ValueError(f"cpu_ops: RMSNorm weight must be contiguous bfloat16, got {w.dtype}")
+            lib.cpu_add_rms_norm(rows, hidden, x.data_ptr(), hidden, 0 if d2 is None else d2.data_ptr(),
+                                 0 if d2 is None else d2.stride(0), w.data_ptr(), module.eps, out.data_ptr(),
+                                 hidden)
+            return out
+
+        chosen, moe_i = [], 0
+        layers = self.layers
+        h = norm(layers[0].input_layernorm, None)
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            if hasattr(attn, "q_norm"):
+                q = attn.q_norm(q.view(B, T, H, D))
+                k = attn.k_norm(k.view(B, T, Hkv, D))
+            q2, k2, v2 = (_rows(t.reshape(B, T, -1), n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+            q_rot = torch.empty(B, T, H, D, dtype=torch.bfloat16)
+            direct = kv_cache is not None and _plain_bf16_cache(kv_cache, attn.layer_idx, B, S)
+            if direct:
+                k_buf, v_buf, at = kv_cache.k[attn.layer_idx], kv_cache.v[attn.layer_idx], start
+            else:
+                k_buf = torch.empty(B, Hkv, T, D, dtype=torch.bfloat16)
+                v_buf, at = torch.empty_like(k_buf), 0
+            kv_b, kv_h, kv_t = k_buf.stride(0), k_buf.stride(1), k_buf.stride(2)
+            lib.cpu_rope_qkv(B, T, H, Hkv, D, q2.data_ptr(), q2.stride(0), k2.data_ptr(), k2.stride(0),
+                             v2.data_ptr(), v2.stride(0), cos.data_ptr(), sin.data_ptr(), q_rot.data_ptr(),
+                             k_buf.data_ptr(), v_buf.data_ptr(), kv_b, kv_h, kv_t, at)
+            if not direct and kv_cache is not None:  # another cache: its own update (quantize, dequantize)
+                if slots is None:
+                    slots = torch.arange(start, S)
+                k_buf, v_buf = kv_cache.update(attn.layer_idx, k_buf, v_buf, slots)
+                k_buf, v_buf = k_buf.to(torch.bfloat16), v_buf.to(torch.bfloat16)
+                if k_buf.stride(3) != 1 or v_buf.stride() != k_buf.stride():
+                    k_buf, v_buf = k_buf.contiguous(), v_buf.contiguous()
+                kv_b, kv_h, kv_t = k_buf.stride(0), k_buf.stride(1), k_buf.stride(2)
+            if tuple(k_buf.shape[:2]) != (B, Hkv) or k_buf.shape[2] < S:
+                raise ValueError(f"cpu_ops: the KV cache returned keys {list(k_buf.shape)}, expected "
+                                 f"[{B}, {Hkv}, {S}, {D}]")
+            a = torch.empty(B, T, H * D, dtype=torch.bfloat16)
+            if lib.cpu_attention(B, T, H, Hkv, D, start, q_rot.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(),
+                                 kv_b, kv_h, kv_t, None if real is None else real.data_ptr(), S, scale,
+                                 a.data_ptr()) != 0:
+                raise MemoryError("cpu_ops.attention: out of memory for the scratch buffer")
+            h = norm(layer.post_attention_layernorm, attn.o_proj(a))
+            if layer.is_moe:
+                forced = None
+                if routing is not None:
+                    forced, moe_i = routing[moe_i], moe_i + 1
+                d, experts = layer.mlp(h, forced)
+                chosen.append(experts)
+            else:
+                mlp = layer.mlp
+                d = mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+            h = norm(layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm, d)
+        if kv_cache is not None:
+            kv_cache.length = S
+        return h, chosen
+
+
+def fast_cpu_ops(model: CausalLM, enable: bool = True) -> bool:
+    """Make a sampler's CausalLM (BF16 weights on the CPU) run its decoder with the fused kernels;
+    returns whether it does. Not for a model being trained (the kernels have no backward; with
+    autograd on, the forward is the eager one anyway). enable=False restores model.Decoder."""
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"fast_cpu_ops needs an fp4rl CausalLM, got {type(model).__name__}")
+    decoder = model.model
+    if not enable:
+        if type(decoder) is FastCPUDecoder:
+            decoder.__class__ = Decoder
+        return False
+    if type(decoder) not in (Decoder, FastCPUDecoder):
+        return False
+    w = decoder.embed_tokens.weight
+    norms = [decoder.norm] + [m for layer in decoder.layers
+                              for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or any(
+            n.weight.dtype != torch.bfloat16 or n.weight.device.type != "cpu" for n in norms):
+        return False
+    if not available():
+        return False
+    decoder.__class__ = FastCPUDecoder
+    return True
