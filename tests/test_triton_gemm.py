@@ -121,3 +121,21 @@ def test_gpu_asm_unpack_equals_arithmetic():
     y = gemm.gemm(x, w, config=dict(SWAP=False, BM=64, BN=64, BK=128, SPLIT_K=1, num_warps=4, num_stages=2))
     want = (gemm.dequantize(w.data, w.block_scale, w.global_scale, torch.float32).T[:64]).bfloat16()
     assert torch.equal(y, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k,kw", [(100, 224, {}), (37, 1056, {"scale_scope": "row"}), (512, 4096, {})])
+def test_gpu_gluon_gemv_every_config(n, k, kw):
+    from fp4rl.kernels import gemv
+
+    if not gemv.available():
+        pytest.skip(f"Gluon unavailable: {gemv.STATE['error']}")
+    w = _weight(n, k, seed=n, **kw)
+    for m in (1, 2):
+        x = _x(m, k, seed=m + n)
+        ref = x.double() @ reference.dequantize(w).double().T
+        for c in gemv.configs(n, k // 2, 132):
+            for _ in range(2):  # split-K counters must reset
+                y = gemm.gemm(x, w, config=dict(KIND="gemv", **c))
+                assert _rel(y, ref) < TOL, c

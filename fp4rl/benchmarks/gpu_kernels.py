@@ -213,14 +213,19 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
             res.append({"n": n, "k": k, "rows": m, "us": us, "bf16_us": us_bf16, "speedup": us_bf16 / us,
                         "floor_us": (fp4_bytes + io) / bw * 1e6,
                         "bf16_floor_us": (w_bf16.nbytes + io) / bw * 1e6,
-                        "rel_err": err, "path": cfg if isinstance(cfg, str) else
-                        ("decode" if cfg["SWAP"] else "prefill") + " " + _cfg_str(cfg)})
+                        "rel_err": err, "path": cfg if isinstance(cfg, str) else _path(cfg)})
         del wqs, wbs
         torch.cuda.empty_cache()
     return res
 
 
+def _path(c) -> str:
+    return ("" if c.get("KIND") else "decode " if c["SWAP"] else "prefill ") + _cfg_str(c)
+
+
 def _cfg_str(c) -> str:
+    if c.get("KIND") == "gemv":
+        return f"gluon-gemv R{c['R']} TR{c['TR']} TC{c['TC']} w{c['num_warps']} S{c['SPLIT_K']}"
     return f"BM{c['BM']} BN{c['BN']} BK{c['BK']} S{c['SPLIT_K']} w{c['num_warps']} s{c['num_stages']}"
 
 

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4rl.kernels import gemv as _gemv
 from fp4rl.kernels._common import (
     ASM,
     COMPILED,
@@ -313,8 +314,10 @@ def _pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
 
-def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False) -> list[dict]:
-    """The tile configurations tried for m rows (see module docstring); first is the default."""
+def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False,
+                      w4a16: bool = False) -> list[dict]:
+    """The tile configurations tried for m rows (see module docstring); first is the default.
+    w4a16 (dense bf16 x, CUDA): 1-2 rows also try the Gluon CUDA-core GEMV (fp4rl.kernels.gemv)."""
     if INTERPRET:  # small tiles: the CPU interpreter runs every program in Python
         swap = m <= 16
         bm = 16 if swap else 32
@@ -332,6 +335,8 @@ def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False) ->
             for sk in dict.fromkeys((split, max(1, split // 2))):
                 out.append(dict(SWAP=True, BM=_pow2(m), BN=bn, BK=bk, SPLIT_K=sk,
                                 num_warps=warps, num_stages=stages))
+        if w4a16 and not grouped and device.type == "cuda" and _gemv.available():  # measured on par
+            out += [dict(KIND="gemv", **c) for c in _gemv.configs(n, kh, _sm_count(device))]
     if m <= DECODE_MAX_ROWS:
         bm = max(16, _pow2(m))
         sms = _sm_count(device)
@@ -370,11 +375,11 @@ def _bucket(m: int) -> int:
     return _pow2(m)
 
 
-def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune):
+def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=False):
     """Pick (and cache) the fastest candidate for this key by timing each on the GPU."""
     if key in _TUNED:
         return _TUNED[key]
-    cands = candidate_configs(m, n, kh, device, grouped)
+    cands = candidate_configs(m, n, kh, device, grouped, w4a16)
     if allow_fallback and m > 64:
         cands = cands + [FALLBACK]
     if not tune or INTERPRET or device.type != "cuda" or len(cands) == 1:
@@ -472,11 +477,24 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None):
     def run(c):
         if c == FALLBACK:
             return _fallback(x2, xq, wd, ws, wg, y)
+        if isinstance(c, dict) and c.get("KIND") == "gemv":
+            if xq is not None or grouped or m > 2:
+                raise ValueError("the Gluon GEMV config is for dense W4A16 with 1-2 rows")
+            return _gemv.launch(x2, wd[0], ws[0], wg[0] if wg.ndim == 2 else wg, y, c, _WORKSPACE)
         return _launch(x2, xq, wd, ws, wg, y, c, offsets)
 
     if config is None:
         key = (_bucket(m), n, kh, e, grouped, xq is not None, wg.ndim, device)
-        config = _choose(key, m, n, kh, device, run, grouped, allow_fallback=not grouped, tune=tune)
+        config = _choose(key, m, n, kh, device, run, grouped, allow_fallback=not grouped, tune=tune,
+                         w4a16=xq is None)
+        if isinstance(config, dict) and config.get("KIND") == "gemv":
+            try:
+                return run(config)
+            except Exception as exc:  # noqa: BLE001  (Gluon is experimental: fall back for good)
+                _gemv.disable(exc)
+                _TUNED.pop(key, None)
+                config = _choose(key, m, n, kh, device, run, grouped, allow_fallback=not grouped, tune=tune,
+                                 w4a16=xq is None)
     return run(config)
 
 
