@@ -114,8 +114,7 @@ class NVFP4GemmCache:
         if w is None or not w.ok:
             return None
         if x.numel() // max(x.shape[-1], 1) > GEMM_MAX_ROWS:
-            full = torch.cat([dequantize(q, torch.bfloat16) for q in parts()])
-            return F.linear(x, full, bias)
+            return F.linear(x, cpu_gemm.dequantize_bf16(w), bias)
         return cpu_gemm.linear(x, w, bias)
 
 

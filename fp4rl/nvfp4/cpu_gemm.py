@@ -5,14 +5,16 @@
 A BF16 decode step on a CPU is bound by the bytes of its weights (a batch-16 step of the default
 model reads every weight once, ~9 GB/s on one core here): a linear that reads 0.5625 byte per
 weight instead of 2 moves 3.6x fewer. The kernel (gemm_cpu.c, compiled once per machine by
-fp4rl.nvfp4.cpu.build) forms DQ(W) 16 rows at a time in L1/L2, bit for bit what
-`dequantize(q, torch.bfloat16)` returns, and multiplies on AMX tiles with float32 accumulation,
+fp4rl.nvfp4.cpu.build) forms DQ(W) 16 rows at a time in L1/L2 by table lookups (per weight
+version, the 16 values each E4M3 scale byte gives, bf16((e2m1 * e4m3) * g), made by torch), bit for
+bit what `dequantize(q, torch.bfloat16)` returns, and multiplies on AMX tiles with float32 accumulation,
 so results equal `F.linear(x, dequantize(q, bf16), b)` up to the order of float32 additions.
 
 Runs when: the CPU has AMX-BF16 and AVX512-BF16 (Linux grants the tile state), gcc builds the
-file, x is bfloat16, W has 1x16 blocks without a Hadamard transform, and every global scale is
-finite and >= 2^-116 (so no product can be a float32 subnormal, which the conversion instruction
-would flush). Anything else: `supported()` is False and callers use dequantize + F.linear.
+file, x is bfloat16, W has 1x16 blocks without a Hadamard transform, its global scales are
+finite (at most 64 distinct ones: one per member of a fused stack) and no block scale is NaN.
+Anything else: `GemmWeight.ok` or `supported_weight` is False and callers use dequantize +
+F.linear.
 `FP4RL_CPU_GEMM=off` disables it. Work is split over torch.get_num_threads() threads by
 16-row panels of W (ctypes releases the GIL).
 """
@@ -28,13 +30,13 @@ from pathlib import Path
 import torch
 
 from fp4rl.nvfp4 import cpu
-from fp4rl.nvfp4.format import BLOCK, NVFP4Tensor
+from fp4rl.nvfp4.format import BLOCK, E2M1_TABLE, NVFP4Tensor
 
 _SOURCE_FILE = Path(__file__).with_name("gemm_cpu.c")
 _CFLAGS = ("-O3", "-march=native", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl",
            "-mavx512bf16", "-std=gnu11", "-fPIC", "-shared")
 _CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl")
-_MIN_GLOBAL_SCALE = 2.0 ** -116
+_MAX_TABLES = 64  # distinct global scales per stacked weight (one per fused member in practice)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -62,8 +64,10 @@ def _load() -> ctypes.CDLL:
     lib.nvfp4_gemm_init.restype = i32
     lib.nvfp4_gemm_pack_x.argtypes = [ptr, i64, i64, i64, ptr]
     lib.nvfp4_gemm_pack_x.restype = None
-    lib.nvfp4_gemm_rows.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i32, ptr, i64, i64, i64, ptr, i64, ptr]
+    lib.nvfp4_gemm_rows.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr]
     lib.nvfp4_gemm_rows.restype = i32
+    lib.nvfp4_gemm_dequantize.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr]
+    lib.nvfp4_gemm_dequantize.restype = None
     if lib.nvfp4_gemm_init() != 0:
         raise RuntimeError("the kernel refused AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM failed)")
     return lib
@@ -109,19 +113,23 @@ class GemmWeight:
         self.data = swizzle(torch.cat([q.data.reshape(q.shape[0], K // 2) for q in parts]))
         self.scale = torch.cat([q.block_scale.reshape(q.shape[0], K // BLOCK) for q in parts]).contiguous()
         self.scale = self.scale.view(torch.uint8)
-        per_row = len(parts) > 1 or parts[0].global_scale.numel() > 1
-        if per_row:
-            self.g = torch.cat([q.global_scale.float().reshape(-1).expand(q.shape[0]) for q in parts])
-        else:
-            self.g = parts[0].global_scale.float().reshape(1).contiguous()
-        self.per_row = per_row
-        g = self.g
-        self.ok = bool(torch.isfinite(g).all() and (g.abs() >= _MIN_GLOBAL_SCALE).all()
+        g = torch.cat([q.global_scale.float().reshape(-1).expand(q.shape[0]) for q in parts])  # [N]
+        distinct, row_table = torch.unique(g, return_inverse=True)
+        self.row_table = row_table.to(torch.int32).contiguous()
+        self.ok = bool(distinct.numel() <= _MAX_TABLES and torch.isfinite(distinct).all()
                        and not torch.isnan(self.scale.view(torch.float8_e4m3fn).float()).any())
+        # tables[t, s, c] = bf16((e2m1[c] * e4m3[s]) * g_t): torch's own products and cast, the
+        # order of dequantize, so the kernel's panels are its bytes; one padding row at the end
+        tables = torch.zeros(distinct.numel() * 256 + 1, BLOCK, dtype=torch.bfloat16)
+        if self.ok:
+            e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+            values = (E2M1_TABLE[None, None, :] * e4m3[None, :, None]) * distinct[:, None, None]
+            tables[:-1] = values.reshape(-1, BLOCK).to(torch.bfloat16)
+        self.tables = tables
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes + self.scale.nbytes + self.g.nbytes
+        return self.data.nbytes + self.scale.nbytes + self.tables.nbytes + self.row_table.nbytes
 
 
 def swizzle(data: torch.Tensor) -> torch.Tensor:
@@ -145,6 +153,18 @@ def supported_weight(q: NVFP4Tensor) -> bool:
             and q.data.dtype == torch.uint8 and q.block_scale.dtype == torch.float8_e4m3fn)
 
 
+def dequantize_bf16(w: GemmWeight) -> torch.Tensor:
+    """DQ(W) [N, K] in bfloat16 from the kernel's layout (what dequantize(q, torch.bfloat16) returns,
+    ~8x faster: table lookups), in a per-thread buffer that the next call overwrites: use it at
+    once (a prefill's F.linear) or clone it. Needs available() and w.ok."""
+    if not available() or not w.ok:
+        raise RuntimeError("cpu_gemm.dequantize_bf16 needs the kernel and a weight it reads (GemmWeight.ok)")
+    out = _scratch("dequantized", w.N * w.K + 16)
+    _lib.nvfp4_gemm_dequantize(w.data.data_ptr(), w.scale.data_ptr(), w.tables.data_ptr(),
+                               w.row_table.data_ptr(), 0, w.N, w.K, out)
+    return _local.buffers["dequantized"][:w.N * w.K].view(w.N, w.K)
+
+
 def linear(x: torch.Tensor, w: GemmWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] bfloat16 @ DQ(W).T + bias -> [..., N] bfloat16. Needs available() and w.ok."""
     if not available():
@@ -154,8 +174,8 @@ def linear(x: torch.Tensor, w: GemmWeight, bias: torch.Tensor | None = None) -> 
         raise ValueError(f"cpu_gemm.linear: x must be bfloat16 [..., {w.K}] on the CPU, got {x.dtype} "
                          f"{list(x.shape)} on {x.device}")
     if not w.ok:
-        raise ValueError("cpu_gemm.linear: the weight has a non-finite or tiny global scale or a NaN block "
-                         "scale; use dequantize + F.linear")
+        raise ValueError("cpu_gemm.linear: the weight has a non-finite global scale, a NaN block scale or "
+                         f"more than {_MAX_TABLES} distinct global scales; use dequantize + F.linear")
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (w.N,)):
         raise ValueError(f"cpu_gemm.linear: bias must be bfloat16 [{w.N}], got {bias.dtype} "
                          f"{list(bias.shape)}")
@@ -166,17 +186,17 @@ def linear(x: torch.Tensor, w: GemmWeight, bias: torch.Tensor | None = None) -> 
     if M == 0:
         return y.reshape(*lead, N)
     K32 = -(-K // 32) * 32
-    x_vnni = torch.empty(-(-M // 16) * K32 * 16, dtype=torch.bfloat16)
-    _lib.nvfp4_gemm_pack_x(x2.data_ptr(), M, K, K, x_vnni.data_ptr())
-    b = bias.contiguous() if bias is not None else None
+    x_vnni = _scratch("x_vnni", -(-M // 16) * K32 * 16)
+    _lib.nvfp4_gemm_pack_x(x2.data_ptr(), M, K, K, x_vnni)
+    bias_ptr = bias.contiguous().data_ptr() if bias is not None else None
     panels = -(-N // 16)
     threads = max(1, min(torch.get_num_threads(), panels, (M * N * K) // (1 << 20) or 1))
 
     def rows(p0: int, p1: int) -> None:
-        panel = torch.empty(16 * K32, dtype=torch.bfloat16)
-        rc = _lib.nvfp4_gemm_rows(x_vnni.data_ptr(), M, K, w.data.data_ptr(), w.scale.data_ptr(),
-                                  w.g.data_ptr(), int(w.per_row), b.data_ptr() if b is not None else None,
-                                  p0 * 16, min(p1 * 16, N), N, y.data_ptr(), N, panel.data_ptr())
+        panel = _scratch("panel", 16 * K32)
+        rc = _lib.nvfp4_gemm_rows(x_vnni, M, K, w.data.data_ptr(), w.scale.data_ptr(), w.tables.data_ptr(),
+                                  w.row_table.data_ptr(), bias_ptr, p0 * 16, min(p1 * 16, N), N, y.data_ptr(),
+                                  N, panel)
         if rc != 0:
             raise RuntimeError(f"nvfp4_gemm_rows failed ({rc})")
 
@@ -185,3 +205,18 @@ def linear(x: torch.Tensor, w: GemmWeight, bias: torch.Tensor | None = None) -> 
     else:
         cpu._parallel_rows(rows, panels, 16 * K * max(M, 1), 1)
     return y.reshape(*lead, N)
+
+
+_local = threading.local()
+
+
+def _scratch(name: str, elements: int) -> int:
+    """Address of a per-thread bfloat16 work buffer of at least `elements` (kept between calls:
+    fresh large allocations cost a page fault per 4 KiB on every call)."""
+    buffers = getattr(_local, "buffers", None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    buf = buffers.get(name)
+    if buf is None or buf.numel() < elements:
+        buf = buffers[name] = torch.empty(max(elements, 1 << 12), dtype=torch.bfloat16)
+    return buf.data_ptr()
