@@ -48,6 +48,11 @@ static inline __m512 ld16(const bf16 *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+#if defined(__AVX512BF16__)
+/* one instruction; rounds to nearest even like torch (it flushes float32 subnormals below
+ * 1.2e-38 to zero, which no activation of a BF16 model holds: BF16 keeps them as subnormals) */
+static inline __m256i to_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+#else
 static inline __m256i to_bf16(__m512 x) {
     __m512i u = _mm512_castps_si512(x);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -56,6 +61,7 @@ static inline __m256i to_bf16(__m512 x) {
     r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
     return _mm512_cvtepi32_epi16(r);
 }
+#endif
 
 static inline void st16(bf16 *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, to_bf16(x)); }
 
@@ -64,10 +70,12 @@ static inline __m512 rbf16(__m512 x) { /* round to bfloat16, back to float */
 }
 
 /* exp(x) in float32 (Cephes' range reduction and polynomial, about 1 ulp); NaN stays NaN,
- * large |x| saturates to inf / 0. */
+ * x > 88.7 gives inf, and x < -87.3 gives 0: results below float32's smallest normal are
+ * flushed, since producing subnormals costs a microcode assist (~100x slower) per vector. */
 static inline __m512 exp16(__m512 x) {
     __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    __m512 c = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+    __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+    __m512 c = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(89.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c);
@@ -79,7 +87,7 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512 y = _mm512_scalef_ps(p, n);
+    __m512 y = _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
     return _mm512_mask_mov_ps(y, nan, x);
 }
 #endif
@@ -137,8 +145,13 @@ void cpu_silu_mul(i64 rows, i64 n, const bf16 *g, i64 g_row, const bf16 *u, i64 
         __m512 one = _mm512_set1_ps(1.0f);
         for (; j + 16 <= n; j += 16) {
             __m512 x = ld16(gr + j);
-            __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-            st16(o + j, _mm512_mul_ps(rbf16(s), ld16(ur + j)));
+            __m512 d = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+            /* 1 / d: rcp14 and one Newton step (~2^-27 relative, below float32's own rounding
+             * for what BF16 keeps); d = inf (x < -88) gives 0, as x / inf does */
+            __m512 r = _mm512_rcp14_ps(d);
+            r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+            r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(INFINITY), _CMP_NEQ_UQ), r);
+            st16(o + j, _mm512_mul_ps(rbf16(_mm512_mul_ps(x, r)), ld16(ur + j)));
         }
 #endif
         for (; j < n; j++) {
@@ -198,6 +211,93 @@ void cpu_rope_qkv(i64 B, i64 T, i64 H, i64 Hkv, i64 D, const bf16 *q, i64 q_row,
  * slot s when s <= p and (real[s] or s == p) (model.py's mask); query head h reads kv head
  * h / (H / Hkv). out [B, T, H, D] = softmax(scale * q.k) @ v, all in float32, rounded once.
  * Returns 0, or -1 when the scratch memory cannot be allocated. */
+#if FP4RL_AVX512 && defined(__AVX512BF16__)
+#define FP4RL_ATTN_BF16 1
+/* v[16] -> one vector whose lane L is the sum of v[PERM[L]]'s 16 lanes (a transposed reduction:
+ * 45 instructions for 16 dot products instead of 16 horizontal sums). */
+static const int PERM[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 c[8], d[4], e[2];
+    for (int i = 0; i < 8; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++)
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[i], c[i + 4], 0x88), _mm512_shuffle_f32x4(c[i], c[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++)
+        e[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[i], d[i + 2]), _mm512_unpackhi_ps(d[i], d[i + 2]));
+    __m512d e0 = _mm512_castps_pd(e[0]), e1 = _mm512_castps_pd(e[1]);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(e0, e1)), _mm512_castpd_ps(_mm512_unpackhi_pd(e0, e1)));
+}
+
+/* One query row (head r of kv head hk, slot p) for D % 32 == 0, D <= 256: scores by BF16 dot
+ * products accumulated in float32 (vdpbf16ps), softmax and the weighted sum of values in float32. */
+static inline __attribute__((always_inline)) void attn_row_bf16(i64 D, i64 p, const bf16 *qr, const bf16 *kb, const bf16 *vb, i64 kv_t,
+                          const uint8_t *rb, float scale, float *row, bf16 *o) {
+    i64 n = p + 1, nq = D / 32, nv = D / 16;
+    __m512bh qv[8];
+    for (i64 k = 0; k < nq; k++) qv[k] = (__m512bh)_mm512_loadu_si512(qr + 32 * k);
+    __m512 sv = _mm512_set1_ps(scale), mx = _mm512_set1_ps(-INFINITY);
+    for (i64 s0 = 0; s0 < n; s0 += 16) {
+        __m512 part[16];
+        if (s0 + 16 <= n) {
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++) {
+                const bf16 *ks = kb + (s0 + j) * kv_t;
+                __m512 a = _mm512_setzero_ps();
+                for (i64 k = 0; k < nq; k++) a = _mm512_dpbf16_ps(a, qv[k], (__m512bh)_mm512_loadu_si512(ks + 32 * k));
+                part[PERM[j]] = a;
+            }
+        } else {
+            for (int j = 0; j < 16; j++) {
+                i64 s = s0 + j;
+                __m512 a = _mm512_setzero_ps();
+                if (s < n) {
+                    const bf16 *ks = kb + s * kv_t;
+                    for (i64 k = 0; k < nq; k++)
+                        a = _mm512_dpbf16_ps(a, qv[k], (__m512bh)_mm512_loadu_si512(ks + 32 * k));
+                }
+                part[PERM[j]] = a;
+            }
+        }
+        __m512 x = _mm512_mul_ps(hsum16(part), sv);
+        __mmask16 hide = n - s0 >= 16 ? 0 : (__mmask16)(0xffffu << (n - s0));
+        if (rb) {
+            __m128i r16 = _mm_setzero_si128();
+            memcpy(&r16, rb + s0, (size_t)(n - s0 >= 16 ? 16 : n - s0));
+            __mmask16 pad = _mm_cmpeq_epi8_mask(r16, _mm_setzero_si128());
+            if (p - s0 < 16) pad &= (__mmask16) ~(1u << (p - s0)); /* a query always sees its own slot */
+            hide |= pad;
+        }
+        x = _mm512_mask_mov_ps(x, hide, _mm512_set1_ps(-INFINITY));
+        mx = _mm512_max_ps(mx, x);
+        _mm512_storeu_ps(row + s0, x);
+    }
+    float m = _mm512_reduce_max_ps(mx);
+    if (m != m || m == -INFINITY) m = 0.0f;
+    __m512 mv = _mm512_set1_ps(m), sum = _mm512_setzero_ps();
+    for (i64 s0 = 0; s0 < n; s0 += 16) {
+        __m512 x = _mm512_loadu_ps(row + s0);
+        __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+        __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, mv)));
+        _mm512_storeu_ps(row + s0, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    float inv = 1.0f / _mm512_reduce_add_ps(sum);
+    __m512 acc[16];
+    for (i64 k = 0; k < nv; k++) acc[k] = _mm512_setzero_ps();
+    for (i64 s = 0; s < n; s++) {
+        float e = row[s];
+        if (e == 0.0f) continue;
+        __m512 ev = _mm512_set1_ps(e);
+        const bf16 *vs = vb + s * kv_t;
+        for (i64 k = 0; k < nv; k++) acc[k] = _mm512_fmadd_ps(ev, ld16(vs + 16 * k), acc[k]);
+    }
+    __m512 iv = _mm512_set1_ps(inv);
+    for (i64 k = 0; k < nv; k++) st16(o + 16 * k, _mm512_mul_ps(acc[k], iv));
+}
+#else
+#define FP4RL_ATTN_BF16 0
+#endif
+
 int cpu_attention(i64 B, i64 T, i64 H, i64 Hkv, i64 D, i64 start, const bf16 *q, const bf16 *k,
                   const bf16 *v, i64 kv_b, i64 kv_h, i64 kv_t, const uint8_t *real, i64 real_b, float scale,
                   bf16 *out) {
@@ -206,6 +306,24 @@ int cpu_attention(i64 B, i64 T, i64 H, i64 Hkv, i64 D, i64 start, const bf16 *q,
     float *work = (float *)malloc(sizeof(float) * (size_t)(rep * (Sp + 2 * D) + D));
     if (!work) return -1;
     float *sc = work, *qf = work + rep * Sp, *acc = qf + rep * D, *kf = acc + rep * D;
+#if FP4RL_ATTN_BF16
+    if (D % 32 == 0 && D <= 256) {
+        for (i64 b = 0; b < B; b++)
+            for (i64 t = 0; t < T; t++)
+                for (i64 h = 0; h < H; h++) {
+                    i64 hk = h / rep, off = b * kv_b + hk * kv_h, qo = ((b * T + t) * H + h) * D;
+                    const uint8_t *rb = real ? real + b * real_b : NULL;
+                    if (D == 64) /* constant head dims: loops unrolled, q and sums in registers */
+                        attn_row_bf16(64, start + t, q + qo, k + off, v + off, kv_t, rb, scale, sc, out + qo);
+                    else if (D == 128)
+                        attn_row_bf16(128, start + t, q + qo, k + off, v + off, kv_t, rb, scale, sc, out + qo);
+                    else
+                        attn_row_bf16(D, start + t, q + qo, k + off, v + off, kv_t, rb, scale, sc, out + qo);
+                }
+        free(work);
+        return 0;
+    }
+#endif
     for (i64 b = 0; b < B; b++)
         for (i64 hk = 0; hk < Hkv; hk++) {
             const bf16 *kb = k + b * kv_b + hk * kv_h, *vb = v + b * kv_b + hk * kv_h;

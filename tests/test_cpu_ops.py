@@ -48,7 +48,9 @@ def test_silu_mul_is_silu_times_up(n):
     got = cpu_ops.silu_mul(gate, up)
     ref = F.silu(gate) * up
     assert got.shape == ref.shape
-    torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -7, atol=1e-6)
+    # silu is float32 to ~1 ulp, then rounded to BF16 twice as torch does: a rare one-step flip
+    # of the first rounding moves the product by up to ~1.5 BF16 steps
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -6, atol=1e-6)
     assert (got != ref).float().mean() < 0.01
 
 
