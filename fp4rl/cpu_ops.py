@@ -149,6 +149,14 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
     return t2
 
 
+def _flat(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """The forward's fast _rows: a [rows, N] BF16 view of a linear's output (a copy if needed)."""
+    if t.dtype != torch.bfloat16:
+        raise ValueError(f"cpu_ops: a linear returned {t.dtype}, the fused path needs bfloat16")
+    t2 = t.reshape(rows, -1)
+    return t2 if t2.stride(1) == 1 and t2.stride(0) >= t2.shape[1] else t2.contiguous()
+
+
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """x += delta (in place, BF16, skipped when delta is None), then return RMSNorm(x) * weight
@@ -333,7 +341,7 @@ class FastCPUDecoder(Decoder):
             if delta is not None and (delta.dtype != torch.bfloat16 or tuple(delta.shape) != tuple(x.shape)):
                 raise ValueError(f"cpu_ops: a layer returned {delta.dtype} {list(delta.shape)}, expected "
                                  f"bfloat16 {list(x.shape)}")
-            d2 = None if delta is None else _rows(delta, "delta")
+            d2 = None if delta is None else _flat(delta, rows)
             w = module.weight
             if w.dtype != torch.bfloat16 or not w.is_contiguous():
                 raise ValueError(f"cpu_ops: RMSNorm weight must be contiguous bfloat16, got {w.dtype}")
@@ -351,7 +359,10 @@ class FastCPUDecoder(Decoder):
             if hasattr(attn, "q_norm"):
                 q = attn.q_norm(q.view(B, T, H, D))
                 k = attn.k_norm(k.view(B, T, Hkv, D))
-            q2, k2, v2 = (_rows(t.reshape(B, T, -1), n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+            q2, k2, v2 = _flat(q, rows), _flat(k, rows), _flat(v, rows)
+            if q2.shape[1] != H * D or k2.shape[1] != Hkv * D or v2.shape[1] != Hkv * D:
+                raise ValueError(f"cpu_ops: q/k/v projections returned widths {q2.shape[1]}, {k2.shape[1]}, "
+                                 f"{v2.shape[1]}; expected {H * D}, {Hkv * D}, {Hkv * D}")
             q_rot = torch.empty(B, T, H, D, dtype=torch.bfloat16)
             direct = kv_cache is not None and _plain_bf16_cache(kv_cache, attn.layer_idx, B, S)
             if direct:
@@ -388,7 +399,14 @@ class FastCPUDecoder(Decoder):
                 chosen.append(experts)
             else:
                 mlp = layer.mlp
-                d = mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+                g2, u2 = _flat(mlp.gate_proj(h), rows), _flat(mlp.up_proj(h), rows)
+                width = g2.shape[1]
+                if u2.shape[1] != width:
+                    raise ValueError(f"cpu_ops: gate_proj / up_proj widths differ ({width}, {u2.shape[1]})")
+                a = torch.empty(B, T, width, dtype=torch.bfloat16)
+                lib.cpu_silu_mul(rows, width, g2.data_ptr(), g2.stride(0), u2.data_ptr(), u2.stride(0),
+                                 a.data_ptr(), width)
+                d = mlp.down_proj(a)
             h = norm(layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm, d)
         if kv_cache is not None:
             kv_cache.length = S
