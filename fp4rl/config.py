@@ -203,6 +203,9 @@ class SamplerConfig(_Section):
     top_k: int = _knob(0, "sample among the k most likely tokens (0: off)", ge=0)
     max_new_tokens: int = _knob(32, "completion length limit in tokens", ge=1)
     kv_cache: str = _knob("bf16", "KV-cache storage format of the sampler", choices=("bf16", "fp8", "nvfp4"))
+    dtype: str = _knob("model", "compute dtype of the sampler ('model': the master weights' dtype); bfloat16 "
+                       "on a CPU runs the fast AMX/oneDNN linears and fused decode kernels",
+                       choices=("model", "float32", "bfloat16"))
 
 
 @dataclass

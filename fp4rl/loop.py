@@ -333,8 +333,9 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     # Samplers start from a payload like every later version does (dense tensors in BF16), so
     # version 0 and a resumed version are held exactly as a synced one
     payload = weight_sync.build_payload(trainer.model, contract, trainer.policy_version)
+    sampler_dtype = None if c.sampler.dtype == "model" else getattr(torch, c.sampler.dtype)
     sampler = Sampler(trainer.model, tokenizer, kv_cache=c.sampler.kv_cache, device=device,
-                      policy_version=trainer.policy_version)
+                      policy_version=trainer.policy_version, dtype=sampler_dtype)
     sampler.load(payload)
     rollouts = Rollouts(task, tokenizer, c)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
@@ -344,7 +345,7 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
         worker = RolloutWorker(sampler, rollouts.rollout, staleness=staleness, first_step=first,
                                last_step=c.trainer.steps, ready=pending)
         eval_sampler = Sampler(trainer.model, tokenizer, kv_cache=c.sampler.kv_cache, device=device,
-                               policy_version=trainer.policy_version)
+                               policy_version=trainer.policy_version, dtype=sampler_dtype)
         eval_sampler.load(payload)
 
     # resuming without a checkpoint starts over: every line of metrics.jsonl is dropped

@@ -80,6 +80,18 @@ def test_sync_run_logs_the_design_keys(assets, tmp_path):
     assert (run_dir / "plots" / "reward.png").is_file()
 
 
+def test_a_bfloat16_sampler_is_a_config_key(assets, tmp_path):
+    """sampler.dtype=bfloat16 samples in BF16 (the fast CPU path) while the master weights stay
+    FP32: the run works and its sampler/trainer mismatch shows the BF16 rounding."""
+    sets = ("trainer.steps=2", "task.eval_every=0", "precision.preset=\"nvfp4-w4a16\"")  # W4A16, FP32 trainer
+    fp32 = run_tiny(assets, tmp_path, "fp32", *sets)
+    bf16 = run_tiny(assets, tmp_path, "bf16", *sets, "sampler.dtype=bfloat16")
+    diff = [r["mismatch/logprob_abs_diff"] for r in bf16 if "mismatch/logprob_abs_diff" in r]
+    base = [r["mismatch/logprob_abs_diff"] for r in fp32 if "mismatch/logprob_abs_diff" in r]
+    assert diff and base and all(math.isfinite(d) for d in diff)
+    assert min(diff) > 2 * max(base)  # measured ~4x on this tiny model
+
+
 @pytest.mark.parametrize("staleness", [1, 2])
 def test_async_staleness_is_bounded_and_recorded(assets, tmp_path, staleness):
     records = run_tiny(assets, tmp_path, f"async{staleness}", "trainer.steps=5", "loop.mode=async",
