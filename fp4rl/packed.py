@@ -165,8 +165,9 @@ class PackedNVFP4Linear(nn.Module):
     def weight_version(self) -> tuple:
         """Changes whenever the packed bytes are written (in-place copies bump `_version`; inference-mode
         tensors have no version counter, so `Sampler.load` also calls `invalidate`)."""
-        return tuple((_version(b), b.data_ptr()) for b in (
-            self.weight_data, self.weight_block_scale, self.weight_global_scale))
+        b = self._buffers  # not nn.Module.__getattr__: this runs for every linear of every decode step
+        d, s, g = b["weight_data"], b["weight_block_scale"], b["weight_global_scale"]
+        return (_version(d), _version(s), _version(g), d.data_ptr(), s.data_ptr(), g.data_ptr())
 
     def invalidate(self) -> None:
         """Drop the dequantized cache (rebuilt on the next forward)."""
@@ -216,7 +217,10 @@ class PackedNVFP4Linear(nn.Module):
 
 
 def _version(t: torch.Tensor) -> int:
-    return -1 if t.is_inference() else t._version
+    try:
+        return t._version
+    except RuntimeError:  # an inference-mode tensor has no version counter
+        return -1
 
 
 class PrepackedLinear(nn.Linear):

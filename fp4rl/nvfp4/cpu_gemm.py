@@ -15,8 +15,8 @@ file, x is bfloat16, W has 1x16 blocks without a Hadamard transform, its global 
 finite (at most 64 distinct ones: one per member of a fused stack) and no block scale is NaN.
 Anything else: `GemmWeight.ok` or `supported_weight` is False and callers use dequantize +
 F.linear.
-`FP4RL_CPU_GEMM=off` disables it. Work is split over torch.get_num_threads() threads by
-16-row panels of W (ctypes releases the GIL).
+`FP4RL_CPU_GEMM=off` (set before the first use) disables it. Work is split over
+torch.get_num_threads() threads by 16-row panels of W (ctypes releases the GIL).
 """
 
 from __future__ import annotations
@@ -77,10 +77,10 @@ def available() -> bool:
     """Whether the kernel can run here (builds and loads it on the first call; False, with one
     warning on a CPU that should support it, when that fails)."""
     global _lib, _failed
-    if os.environ.get("FP4RL_CPU_GEMM", "").lower() in ("0", "off", "false", "no"):
-        return False
     if _lib is not None:
         return True
+    if os.environ.get("FP4RL_CPU_GEMM", "").lower() in ("0", "off", "false", "no"):
+        return False
     if _failed is not None:
         return False
     with _lock:
