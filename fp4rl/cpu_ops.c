@@ -282,17 +282,24 @@ static inline __attribute__((always_inline)) void attn_row_bf16(i64 D, i64 p, co
         sum = _mm512_add_ps(sum, e);
     }
     float inv = 1.0f / _mm512_reduce_add_ps(sum);
-    __m512 acc[16];
-    for (i64 k = 0; k < nv; k++) acc[k] = _mm512_setzero_ps();
-    for (i64 s = 0; s < n; s++) {
-        float e = row[s];
-        if (e == 0.0f) continue;
-        __m512 ev = _mm512_set1_ps(e);
-        const bf16 *vs = vb + s * kv_t;
-        for (i64 k = 0; k < nv; k++) acc[k] = _mm512_fmadd_ps(ev, ld16(vs + 16 * k), acc[k]);
+    /* two interleaved accumulator sets over even and odd slots: half the FMA dependency chain */
+    __m512 acc[16], acc2[16];
+    for (i64 k = 0; k < nv; k++) acc[k] = acc2[k] = _mm512_setzero_ps();
+    i64 s = 0;
+    for (; s + 2 <= n; s += 2) {
+        __m512 ev = _mm512_set1_ps(row[s]), ev2 = _mm512_set1_ps(row[s + 1]);
+        const bf16 *vs = vb + s * kv_t, *vs2 = vs + kv_t;
+        for (i64 k = 0; k < nv; k++) {
+            acc[k] = _mm512_fmadd_ps(ev, ld16(vs + 16 * k), acc[k]);
+            acc2[k] = _mm512_fmadd_ps(ev2, ld16(vs2 + 16 * k), acc2[k]);
+        }
+    }
+    if (s < n) {
+        __m512 ev = _mm512_set1_ps(row[s]);
+        for (i64 k = 0; k < nv; k++) acc[k] = _mm512_fmadd_ps(ev, ld16(vb + s * kv_t + 16 * k), acc[k]);
     }
     __m512 iv = _mm512_set1_ps(inv);
-    for (i64 k = 0; k < nv; k++) st16(o + 16 * k, _mm512_mul_ps(acc[k], iv));
+    for (i64 k = 0; k < nv; k++) st16(o + 16 * k, _mm512_mul_ps(_mm512_add_ps(acc[k], acc2[k]), iv));
 }
 #else
 #define FP4RL_ATTN_BF16 0

@@ -306,6 +306,34 @@ class FastCPUDecoder(Decoder):
             return False
         return available()
 
+    def _plan(self) -> list[tuple]:
+        """The modules each layer calls, looked up once (nn.Module attribute access is slow) and
+        checked against the modules' dicts on every forward, so a replaced module is noticed."""
+        plan = self.__dict__.get("_cpu_plan")
+        if plan is not None and len(plan) == len(self.layers) and all(
+                self.layers._modules[str(i)] is p[0] and p[0]._modules["self_attn"] is p[1]
+                and p[0]._modules["mlp"] is p[8] and p[1]._modules["q_proj"] is p[3]
+                and p[1]._modules["k_proj"] is p[4] and p[1]._modules["v_proj"] is p[5]
+                and p[1]._modules["o_proj"] is p[6] and (p[9] is None or (
+                    p[8]._modules["gate_proj"] is p[9] and p[8]._modules["up_proj"] is p[10]
+                    and p[8]._modules["down_proj"] is p[11]))
+                and p[0]._modules["post_attention_layernorm"] is p[12] for i, p in enumerate(plan)) \
+                and all(plan[i][13] is self.layers[i + 1].input_layernorm for i in range(len(plan) - 1)) \
+                and plan[-1][13] is self.norm:
+            return plan
+        layers = list(self.layers)
+        plan = []
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            dense = not layer.is_moe
+            plan.append((layer, attn, attn.layer_idx, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                         hasattr(attn, "q_norm"), mlp, mlp.gate_proj if dense else None,
+                         mlp.up_proj if dense else None, mlp.down_proj if dense else None,
+                         layer.post_attention_layernorm,
+                         layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm))
+        self.__dict__["_cpu_plan"] = plan
+        return plan
+
     def forward(self, input_ids, position_ids=None, attention_mask=None, kv_cache=None, routing=None):
         if not self._fast_ok(input_ids, attention_mask, kv_cache):
             return super().forward(input_ids, position_ids, attention_mask, kv_cache, routing)
@@ -351,12 +379,13 @@ class FastCPUDecoder(Decoder):
             return out
 
         chosen, moe_i = [], 0
-        layers = self.layers
-        h = norm(layers[0].input_layernorm, None)
-        for i, layer in enumerate(layers):
-            attn = layer.self_attn
-            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-            if hasattr(attn, "q_norm"):
+        plan = self._plan()
+        plain = kv_cache is not None and type(kv_cache).update is KVCache.update
+        h = norm(plan[0][0].input_layernorm, None)
+        for (_layer, attn, layer_idx, q_proj, k_proj, v_proj, o_proj, qk_norm, mlp, gate_proj, up_proj,
+             down_proj, post_norm, next_norm) in plan:
+            q, k, v = q_proj(h), k_proj(h), v_proj(h)
+            if qk_norm:
                 q = attn.q_norm(q.view(B, T, H, D))
                 k = attn.k_norm(k.view(B, T, Hkv, D))
             q2, k2, v2 = _flat(q, rows), _flat(k, rows), _flat(v, rows)
@@ -364,9 +393,9 @@ class FastCPUDecoder(Decoder):
                 raise ValueError(f"cpu_ops: q/k/v projections returned widths {q2.shape[1]}, {k2.shape[1]}, "
                                  f"{v2.shape[1]}; expected {H * D}, {Hkv * D}, {Hkv * D}")
             q_rot = torch.empty(B, T, H, D, dtype=torch.bfloat16)
-            direct = kv_cache is not None and _plain_bf16_cache(kv_cache, attn.layer_idx, B, S)
+            direct = plain and _plain_bf16_cache(kv_cache, layer_idx, B, S)
             if direct:
-                k_buf, v_buf, at = kv_cache.k[attn.layer_idx], kv_cache.v[attn.layer_idx], start
+                k_buf, v_buf, at = kv_cache.k[layer_idx], kv_cache.v[layer_idx], start
             else:
                 k_buf = torch.empty(B, Hkv, T, D, dtype=torch.bfloat16)
                 v_buf, at = torch.empty_like(k_buf), 0
@@ -377,7 +406,7 @@ class FastCPUDecoder(Decoder):
             if not direct and kv_cache is not None:  # another cache: its own update (quantize, dequantize)
                 if slots is None:
                     slots = torch.arange(start, S)
-                k_buf, v_buf = kv_cache.update(attn.layer_idx, k_buf, v_buf, slots)
+                k_buf, v_buf = kv_cache.update(layer_idx, k_buf, v_buf, slots)
                 k_buf, v_buf = k_buf.to(torch.bfloat16), v_buf.to(torch.bfloat16)
                 if k_buf.stride(3) != 1 or v_buf.stride() != k_buf.stride():
                     k_buf, v_buf = k_buf.contiguous(), v_buf.contiguous()
@@ -390,24 +419,23 @@ class FastCPUDecoder(Decoder):
                                  kv_b, kv_h, kv_t, None if real is None else real.data_ptr(), S, scale,
                                  a.data_ptr()) != 0:
                 raise MemoryError("cpu_ops.attention: out of memory for the scratch buffer")
-            h = norm(layer.post_attention_layernorm, attn.o_proj(a))
-            if layer.is_moe:
+            h = norm(post_norm, o_proj(a))
+            if gate_proj is None:  # MoE
                 forced = None
                 if routing is not None:
                     forced, moe_i = routing[moe_i], moe_i + 1
-                d, experts = layer.mlp(h, forced)
+                d, experts = mlp(h, forced)
                 chosen.append(experts)
             else:
-                mlp = layer.mlp
-                g2, u2 = _flat(mlp.gate_proj(h), rows), _flat(mlp.up_proj(h), rows)
+                g2, u2 = _flat(gate_proj(h), rows), _flat(up_proj(h), rows)
                 width = g2.shape[1]
                 if u2.shape[1] != width:
                     raise ValueError(f"cpu_ops: gate_proj / up_proj widths differ ({width}, {u2.shape[1]})")
                 a = torch.empty(B, T, width, dtype=torch.bfloat16)
                 lib.cpu_silu_mul(rows, width, g2.data_ptr(), g2.stride(0), u2.data_ptr(), u2.stride(0),
                                  a.data_ptr(), width)
-                d = mlp.down_proj(a)
-            h = norm(layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm, d)
+                d = down_proj(a)
+            h = norm(next_norm, d)
         if kv_cache is not None:
             kv_cache.length = S
         return h, chosen

@@ -222,6 +222,13 @@ def test_fast_path_is_sampler_side_only_and_falls_back():
     # a cache that is too small: Decoder.forward's own error
     with torch.no_grad(), pytest.raises(ValueError, match="allocate a larger KVCache"):
         fast(ids, kv_cache=KVCache(fast.config, 1, 2, dtype=BF))
+    # a module replaced after the first fast forward is used (the per-layer plan is rebuilt)
+    for m in (eager, fast):
+        m.model.layers[1].mlp.down_proj = torch.nn.Linear(96, 64, bias=False, dtype=BF)
+        torch.nn.init.zeros_(m.model.layers[1].mlp.down_proj.weight)
+    with torch.no_grad():
+        a, c = fast(ids), eager(ids)
+    assert (a.float() - c.float()).abs().max() < 0.1
     # FP32 models are left alone; enable=False restores the class
     trainer = tiny()
     assert not cpu_ops.fast_cpu_ops(trainer) and type(trainer.model) is Decoder
