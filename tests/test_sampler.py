@@ -301,3 +301,38 @@ def test_generate_command_prints_the_greedy_completion(capsys):
     expected = Sampler(convert(model, PrecisionContract("bf16")), tokenizer, kv_cache="fp8").generate(
         [prompt], SamplingParams(greedy=True, max_new_tokens=6))[0]
     assert printed == expected.text + "\n" and expected.text.strip()
+
+
+def test_inverse_cdf_sampling_draws_the_distribution_and_never_a_zero():
+    from fp4rl.sampler import inverse_cdf_sample
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.zeros(4, 300)
+    probs[:, [0, 2, 3, 299]] = torch.tensor([0.5, 0.2, 0.25, 0.05])
+    probs[1] = probs[1].roll(7)  # rows differ
+    draws = torch.stack([inverse_cdf_sample(probs, g) for _ in range(20_000)])  # [draws, rows]
+    for r in range(4):
+        freq = torch.bincount(draws[:, r], minlength=300).float() / draws.shape[0]
+        assert set(torch.nonzero(freq).flatten().tolist()) <= set(torch.nonzero(probs[r]).flatten().tolist())
+        assert (freq - probs[r]).abs().max() < 0.012  # ~4 sigma at 20k draws
+    again = torch.Generator().manual_seed(0)
+    assert torch.equal(inverse_cdf_sample(probs, again), draws[0])  # seeded: reproducible
+
+
+def test_nucleus_keeps_what_a_full_sort_keeps():
+    from fp4rl.sampler import nucleus
+
+    def full_sort(logits, top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[:, 0] = False
+        return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+    g = torch.Generator().manual_seed(0)
+    for scale in (0.3, 1.0, 4.0, 12.0):  # flat to peaked: the top-k prefix grows when it must
+        logits = torch.randn(6, 3000, generator=g) * scale
+        for top_p in (0.05, 0.5, 0.9, 0.999):
+            got, expected = nucleus(logits, top_p, first=32), full_sort(logits, top_p)
+            assert torch.equal(got.isinf(), expected.isinf()) and torch.equal(got[~got.isinf()],
+                                                                                expected[~expected.isinf()])
