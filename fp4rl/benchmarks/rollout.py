@@ -2,10 +2,11 @@
 
 1. Throughput: tokens/s of `Sampler.generate` vs transformers' `generate` on the same model, the
    same prompts (B token-id prompts of 24-40 tokens, left-padded) and exactly the same number of
-   new tokens (fp4rl: no EOS; transformers: min_new_tokens = max_new_tokens), greedy, at each
-   batch size and dtype, measured in one process, the two engines alternating, the median of a
-   few repeats after a warm-up. fp4rl runs the "bf16" contract (same weights as transformers) and
-   NVFP4 presets (packed weights, dequantized cache on the CPU).
+   new tokens (fp4rl: no EOS; transformers: min_new_tokens = max_new_tokens), greedy and sampled
+   (T = 1, full vocabulary: the RL setting), at each batch size and dtype, measured in one
+   process, the engines alternating, the median of a few repeats after a warm-up. fp4rl runs the
+   "bf16" contract (same weights as transformers) and NVFP4 presets (packed weights; in BF16 on an
+   AMX CPU the linears read them directly, see fp4rl/nvfp4/cpu_gemm.py).
 2. Memory and weight sync per NVFP4 preset: packed bytes of the quantized linears vs BF16, the
    payload's size and bits per quantized parameter, and the time of one sync (build, serialise,
    parse, load with verification).
@@ -39,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--presets", default="bf16,nvfp4-w4a16",
                         help="fp4rl presets to time (bf16,nvfp4-w4a16; W4A4 emulation is slow on a CPU)")
     parser.add_argument("--new-tokens", type=int, default=32, help="new tokens per sequence (32)")
+    parser.add_argument("--modes", default="greedy,sample",
+                        help="decoding to time: greedy and/or sample (T = 1, no top-k/top-p: RL rollout)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats, median shown (3)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: current)")
     parser.add_argument("--mismatch-presets", default="bf16,nvfp4-w4a16,nvfp4-linear",
@@ -51,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def make_prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(24, 41, (batch,), generator=g).tolist()
-    return [torch.randint(100, min(vocab, 20000), (n,), generator=g).tolist() for n in lengths]
+    low = min(100, vocab // 2)  # skip the first ids (special tokens) of a real vocabulary
+    return [torch.randint(low, min(vocab, 20000), (n,), generator=g).tolist() for n in lengths]
 
 
 def load(model_name: str, preset: str, dtype=torch.float32):
@@ -70,20 +74,24 @@ def hf_model_dir(model_name: str) -> str:
     return str(default_model_dir(convert=True) if model_name == "default" else model_name)
 
 
-def time_engines(hf, samplers: dict, batch: int, new: int, repeats: int) -> dict[str, float]:
-    """Median (wall, CPU) seconds of transformers and of each sampler for one batch, engines alternating."""
+def time_engines(hf, samplers: dict, batch: int, new: int, repeats: int,
+                 mode: str = "greedy") -> dict[str, float]:
+    """Median (wall, CPU) seconds of transformers and of each sampler for one batch, engines alternating.
+    mode "greedy" (argmax) or "sample" (T = 1 from the full softmax, seeded)."""
     prompts = make_prompts(batch, hf.config.vocab_size)
     T = max(map(len, prompts))
     ids = torch.zeros(batch, T, dtype=torch.long)
     mask = torch.zeros(batch, T, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, T - len(p):], mask[i, T - len(p):] = torch.tensor(p), 1
-    params = SamplingParams(greedy=True, max_new_tokens=new)
+    greedy = mode == "greedy"
+    params = SamplingParams(greedy=greedy, temperature=1.0, max_new_tokens=new, seed=0)
+    sampling = {} if greedy else dict(temperature=1.0, top_k=0, top_p=1.0)  # transformers defaults top_k=50
 
     def run_hf():
         with torch.inference_mode():
-            out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                              min_new_tokens=new, pad_token_id=0)
+            out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=not greedy, max_new_tokens=new,
+                              min_new_tokens=new, pad_token_id=0, **sampling)
         assert out.shape == (batch, T + new)
 
     engines = {"transformers": run_hf}
@@ -113,13 +121,13 @@ def throughput(args) -> list[dict]:
             model, _, _ = load(args.model, preset)
             samplers[preset] = Sampler(model, None, dtype=dtype, eos_token_ids=[])
             del model
-        for batch in (int(b) for b in args.batches.split(",")):
-            seconds = time_engines(hf, samplers, batch, args.new_tokens, args.repeats)
+        for mode, batch in ((m, int(b)) for m in args.modes.split(",") for b in args.batches.split(",")):
+            seconds = time_engines(hf, samplers, batch, args.new_tokens, args.repeats, mode)
             for engine, (wall, cpu) in seconds.items():
                 rows.append(dict(engine=engine, dtype=dtype_name, batch=batch, seconds=wall, cpu_seconds=cpu,
-                                 tokens_per_s=batch * args.new_tokens / wall,
+                                 mode=mode, tokens_per_s=batch * args.new_tokens / wall,
                                  tokens_per_cpu_s=batch * args.new_tokens / cpu))
-            print(f"  {dtype_name} batch {batch}: " + ", ".join(
+            print(f"  {dtype_name} {mode} batch {batch}: " + ", ".join(
                 f"{r['engine']} {r['tokens_per_s']:.1f} tok/s ({r['tokens_per_cpu_s']:.1f} per CPU s)"
                 for r in rows[-len(seconds):]), flush=True)
         del hf, samplers
@@ -199,20 +207,23 @@ def header(args) -> str:
 def markdown(args, speed, memory, mism) -> str:
     out = ["## rollout", "", header(args), ""]
     if speed:
-        out += [f"Throughput: greedy, prompts of 24-40 tokens left-padded, exactly {args.new_tokens} new "
+        out += [f"Throughput: greedy (argmax) or sampled (T = 1 from the full softmax; transformers with "
+                "top_k=0, top_p=1), prompts of 24-40 tokens left-padded, exactly {args.new_tokens} new "
                 f"tokens per sequence (prefill included), median of {args.repeats} after a warm-up, "
                 "engines alternating in one process. Tokens per wall second, and per CPU second of this "
                 "process (less sensitive to other jobs on a shared CPU when torch runs one thread); ratios "
                 "are of wall tokens/s, against transformers at the same dtype and in float32 (its CPU "
                 "default):", "",
-                "| engine | dtype | batch | tokens/s | tokens/CPU-s | vs transformers, same dtype "
-                "| vs transformers fp32 |", "|---|---|---:|---:|---:|---:|---:|"]
-        ref = {(r["dtype"], r["batch"]): r["tokens_per_s"] for r in speed if r["engine"] == "transformers"}
+                "| engine | dtype | decoding | batch | tokens/s | tokens/CPU-s | vs transformers, same dtype "
+                "| vs transformers fp32 |", "|---|---|---|---:|---:|---:|---:|---:|"]
+        ref = {(r["dtype"], r["mode"], r["batch"]): r["tokens_per_s"] for r in speed
+               if r["engine"] == "transformers"}
         for r in speed:
-            same = r["tokens_per_s"] / ref[(r["dtype"], r["batch"])]
-            fp32 = ref.get(("float32", r["batch"]))
+            same = r["tokens_per_s"] / ref[(r["dtype"], r["mode"], r["batch"])]
+            fp32 = ref.get(("float32", r["mode"], r["batch"]))
             vs_fp32 = f"{r['tokens_per_s'] / fp32:.2f}x" if fp32 else "-"
-            out.append(f"| {r['engine']} | {r['dtype']} | {r['batch']} | {r['tokens_per_s']:.1f} | "
+            out.append(f"| {r['engine']} | {r['dtype']} | {r['mode']} | {r['batch']} | "
+                       f"{r['tokens_per_s']:.1f} | "
                        f"{r['tokens_per_cpu_s']:.1f} | {same:.2f}x | {vs_fp32} |")
         out.append("")
     if memory:
