@@ -230,7 +230,8 @@ static inline __m512 hsum16(const __m512 *v) {
 
 /* One query row (head r of kv head hk, slot p) for D % 32 == 0, D <= 256: scores by BF16 dot
  * products accumulated in float32 (vdpbf16ps), softmax and the weighted sum of values in float32. */
-static inline __attribute__((always_inline)) void attn_row_bf16(i64 D, i64 p, const bf16 *qr, const bf16 *kb, const bf16 *vb, i64 kv_t,
+static inline __attribute__((always_inline)) void attn_row_bf16(i64 D, i64 p, const bf16 *qr, const bf16 *kb,
+                                                                const bf16 *vb, const float *vf, i64 kv_t,
                           const uint8_t *rb, float scale, float *row, bf16 *o) {
     i64 n = p + 1, nq = D / 32, nv = D / 16;
     __m512bh qv[8];
@@ -282,21 +283,37 @@ static inline __attribute__((always_inline)) void attn_row_bf16(i64 D, i64 p, co
         sum = _mm512_add_ps(sum, e);
     }
     float inv = 1.0f / _mm512_reduce_add_ps(sum);
-    /* two interleaved accumulator sets over even and odd slots: half the FMA dependency chain */
+    /* values from vf, the float32 copy of this kv head's V [n, D] (converted once per kv head);
+     * two interleaved accumulator sets over even and odd slots: half the FMA dependency chain */
     __m512 acc[16], acc2[16];
     for (i64 k = 0; k < nv; k++) acc[k] = acc2[k] = _mm512_setzero_ps();
     i64 s = 0;
-    for (; s + 2 <= n; s += 2) {
-        __m512 ev = _mm512_set1_ps(row[s]), ev2 = _mm512_set1_ps(row[s + 1]);
-        const bf16 *vs = vb + s * kv_t, *vs2 = vs + kv_t;
-        for (i64 k = 0; k < nv; k++) {
-            acc[k] = _mm512_fmadd_ps(ev, ld16(vs + 16 * k), acc[k]);
-            acc2[k] = _mm512_fmadd_ps(ev2, ld16(vs2 + 16 * k), acc2[k]);
+    if (vf) {
+        for (; s + 2 <= n; s += 2) {
+            __m512 ev = _mm512_set1_ps(row[s]), ev2 = _mm512_set1_ps(row[s + 1]);
+            const float *vs = vf + s * D, *vs2 = vs + D;
+            for (i64 k = 0; k < nv; k++) {
+                acc[k] = _mm512_fmadd_ps(ev, _mm512_loadu_ps(vs + 16 * k), acc[k]);
+                acc2[k] = _mm512_fmadd_ps(ev2, _mm512_loadu_ps(vs2 + 16 * k), acc2[k]);
+            }
         }
-    }
-    if (s < n) {
-        __m512 ev = _mm512_set1_ps(row[s]);
-        for (i64 k = 0; k < nv; k++) acc[k] = _mm512_fmadd_ps(ev, ld16(vb + s * kv_t + 16 * k), acc[k]);
+        if (s < n) {
+            __m512 ev = _mm512_set1_ps(row[s]);
+            for (i64 k = 0; k < nv; k++) acc[k] = _mm512_fmadd_ps(ev, _mm512_loadu_ps(vf + s * D + 16 * k), acc[k]);
+        }
+    } else { /* few rows per kv head (decode): convert each value row where it is used */
+        for (; s + 2 <= n; s += 2) {
+            __m512 ev = _mm512_set1_ps(row[s]), ev2 = _mm512_set1_ps(row[s + 1]);
+            const bf16 *vs = vb + s * kv_t, *vs2 = vs + kv_t;
+            for (i64 k = 0; k < nv; k++) {
+                acc[k] = _mm512_fmadd_ps(ev, ld16(vs + 16 * k), acc[k]);
+                acc2[k] = _mm512_fmadd_ps(ev2, ld16(vs2 + 16 * k), acc2[k]);
+            }
+        }
+        if (s < n) {
+            __m512 ev = _mm512_set1_ps(row[s]);
+            for (i64 k = 0; k < nv; k++) acc[k] = _mm512_fmadd_ps(ev, ld16(vb + s * kv_t + 16 * k), acc[k]);
+        }
     }
     __m512 iv = _mm512_set1_ps(inv);
     for (i64 k = 0; k < nv; k++) st16(o + 16 * k, _mm512_mul_ps(_mm512_add_ps(acc[k], acc2[k]), iv));
@@ -310,23 +327,35 @@ int cpu_attention(i64 B, i64 T, i64 H, i64 Hkv, i64 D, i64 start, const bf16 *q,
                   bf16 *out) {
     i64 S = start + T, rep = H / Hkv;
     i64 Sp = (S + 15) & ~(i64)15;
-    float *work = (float *)malloc(sizeof(float) * (size_t)(rep * (Sp + 2 * D) + D));
+    float *work = (float *)malloc(sizeof(float) * (size_t)(rep * (Sp + 2 * D) + D + S * D));
     if (!work) return -1;
     float *sc = work, *qf = work + rep * Sp, *acc = qf + rep * D, *kf = acc + rep * D;
 #if FP4RL_ATTN_BF16
     if (D % 32 == 0 && D <= 256) {
+        float *vf = kf + D; /* [S, D]: one kv head's values in float32 */
         for (i64 b = 0; b < B; b++)
-            for (i64 t = 0; t < T; t++)
-                for (i64 h = 0; h < H; h++) {
-                    i64 hk = h / rep, off = b * kv_b + hk * kv_h, qo = ((b * T + t) * H + h) * D;
-                    const uint8_t *rb = real ? real + b * real_b : NULL;
-                    if (D == 64) /* constant head dims: loops unrolled, q and sums in registers */
-                        attn_row_bf16(64, start + t, q + qo, k + off, v + off, kv_t, rb, scale, sc, out + qo);
-                    else if (D == 128)
-                        attn_row_bf16(128, start + t, q + qo, k + off, v + off, kv_t, rb, scale, sc, out + qo);
-                    else
-                        attn_row_bf16(D, start + t, q + qo, k + off, v + off, kv_t, rb, scale, sc, out + qo);
-                }
+            for (i64 hk = 0; hk < Hkv; hk++) {
+                i64 off = b * kv_b + hk * kv_h;
+                float *vfh = T * rep >= 8 ? vf : NULL; /* enough rows to share one float32 copy of V */
+                if (vfh)
+                    for (i64 s = 0; s < S; s++)
+                        for (i64 d = 0; d < D; d += 16)
+                            _mm512_storeu_ps(vf + s * D + d, ld16(v + off + s * kv_t + d));
+                const uint8_t *rb = real ? real + b * real_b : NULL;
+                for (i64 t = 0; t < T; t++)
+                    for (i64 h = hk * rep; h < (hk + 1) * rep; h++) {
+                        i64 qo = ((b * T + t) * H + h) * D;
+                        if (D == 64) /* constant head dims: loops unrolled, q and sums in registers */
+                            attn_row_bf16(64, start + t, q + qo, k + off, v + off, vfh, kv_t, rb, scale, sc,
+                                          out + qo);
+                        else if (D == 128)
+                            attn_row_bf16(128, start + t, q + qo, k + off, v + off, vfh, kv_t, rb, scale, sc,
+                                          out + qo);
+                        else
+                            attn_row_bf16(D, start + t, q + qo, k + off, v + off, vfh, kv_t, rb, scale, sc,
+                                          out + qo);
+                    }
+            }
         free(work);
         return 0;
     }
