@@ -188,6 +188,9 @@ class Sampler:
     prepack      BF16 on the CPU: every linear computes with its weight reordered once per weight
                  version for oneDNN, bit-identical to F.linear and 1.5-2.6x faster per GEMM (default:
                  on for a BF16 CPU sampler where torch's oneDNN supports BF16); see fp4rl/packed.py.
+    fast_head    choose tokens (greedy, or temperature sampling without top-k/top-p) with the fused C
+                 pass of fp4rl/cpu_head.py instead of torch ops (default: on for a BF16 CPU sampler
+                 where it builds); same distribution, float32-rounding-level logprob differences.
     nvfp4_gemm   BF16 on the CPU: NVFP4 linears multiply up to 64 rows straight from the packed bytes
                  with the AMX kernel of fp4rl.nvfp4.cpu_gemm (no dequantized copy is kept; larger
                  prefills dequantize per call); default: on where that kernel is available.
@@ -197,7 +200,7 @@ class Sampler:
                  max_seq_len: int | None = None, dtype: torch.dtype | None = None,
                  cache_dequantized: bool | None = None, fuse: bool | None = None, eos_token_ids=None,
                  policy_version: int = 0, kernels: bool | None = None, cuda_graphs: bool | None = None,
-                 prepack: bool | None = None, nvfp4_gemm: bool | None = None):
+                 prepack: bool | None = None, nvfp4_gemm: bool | None = None, fast_head: bool | None = None):
         if not isinstance(model, CausalLM):
             raise TypeError(f"Sampler needs an fp4rl CausalLM (fp4rl.load_model + qat.convert), got "
                             f"{type(model).__name__}")
@@ -224,6 +227,11 @@ class Sampler:
             raise ValueError(f"Sampler nvfp4_gemm=True is for a BF16 sampler on the CPU (got {self.dtype} on "
                              f"{self.device}); pass nvfp4_gemm=False or dtype=torch.bfloat16")
         self.nvfp4_gemm = nvfp4_gemm
+        if fast_head is None:
+            from fp4rl import cpu_head
+
+            fast_head = on_cpu and self.dtype == torch.bfloat16 and cpu_head.available()
+        self.fast_head = fast_head
         self.config = model.config
         self.max_seq_len = max_seq_len or self.config.max_position_embeddings
         if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
@@ -360,7 +368,7 @@ class Sampler:
         logprobs = torch.zeros(B, new, dtype=torch.float32, device=dev)
         reasons, texts = [""] * B, [None] * B
         for step in range(new):
-            tokens, lp = sample_next(logits, params, generator)  # [b], [b]
+            tokens, lp = self._next_tokens(logits, params, generator)  # [b], [b]
             logprobs[active, step] = lp
             finished = []
             for i, t in enumerate(tokens.tolist()):
@@ -407,6 +415,15 @@ class Sampler:
                 routing=None if routing is None else routing[:, r, :len(p) + len(c) - 1].cpu().clone(),
             ))
         return out
+
+    def _next_tokens(self, logits: torch.Tensor, params: SamplingParams, generator):
+        if self.fast_head and (params.greedy or (params.top_k == 0 and params.top_p == 1.0)):
+            from fp4rl.cpu_head import sample_head
+
+            out = sample_head(logits, params.greedy, params.temperature, generator)
+            if out is not None:
+                return out
+        return sample_next(logits, params, generator)
 
     def _find_stop(self, ids: list[int], stop: tuple[str, ...]) -> str | None:
         """The text before the first stop string in decode(ids), or None when none occurs."""
