@@ -457,3 +457,17 @@ int cpu_attention(i64 B, i64 T, i64 H, i64 Hkv, i64 D, i64 start, const bf16 *q,
     free(work);
     return 0;
 }
+
+/* ---- RoPE, the KV cache write and attention in one call (the plain BF16 cache) --------------------
+ * cpu_rope_qkv into the cache buffers kc, vc at slots start.., then cpu_attention over slots
+ * [0, start + T) of them; out [B, T, H, D]. Returns 0, or -1 when scratch memory runs out. */
+int cpu_rope_attention(i64 B, i64 T, i64 H, i64 Hkv, i64 D, i64 start, const bf16 *q, i64 q_row, const bf16 *k,
+                       i64 k_row, const bf16 *v, i64 v_row, const bf16 *cos, const bf16 *sin, bf16 *kc, bf16 *vc,
+                       i64 kv_b, i64 kv_h, i64 kv_t, const uint8_t *real, i64 real_b, float scale, bf16 *out) {
+    bf16 *q_rot = (bf16 *)malloc(sizeof(bf16) * (size_t)(B * T * H * D));
+    if (!q_rot) return -1;
+    cpu_rope_qkv(B, T, H, Hkv, D, q, q_row, k, k_row, v, v_row, cos, sin, q_rot, kc, vc, kv_b, kv_h, kv_t, start);
+    int rc = cpu_attention(B, T, H, Hkv, D, start, q_rot, kc, vc, kv_b, kv_h, kv_t, real, real_b, scale, out);
+    free(q_rot);
+    return rc;
+}

@@ -5,24 +5,28 @@ BF16 on the CPU) to `FastCPUDecoder`, a subclass of model.Decoder whose forward 
 
     h = RMSNorm(x)                                   cpu_add_rms_norm (first layer only)
     q, k, v = q_proj(h), k_proj(h), v_proj(h)        the model's linears, as they are
-    RoPE(q), RoPE(k), k/v -> KV cache slots          cpu_rope_qkv (writes straight into a BF16 cache)
-    a = attention(q, cache)                          cpu_attention (GQA, padding mask, any T)
+    RoPE(q), RoPE(k), k/v -> KV cache slots,         cpu_rope_attention: cpu_rope_qkv writing straight
+    a = attention(q, cache)                          into a BF16 cache, then cpu_attention (GQA, padding
+                                                     mask, any T)
     x = x + o_proj(a); h = RMSNorm(x)                cpu_add_rms_norm (x updated in place)
     x = x + down_proj(silu(gate_proj(h)) * up_proj(h)); h = RMSNorm(x)   cpu_silu_mul, cpu_add_rms_norm
 
 so a layer is 4 C calls and the linears, instead of ~40 torch ops. The trainer's model (model.py)
 is untouched: only the sampler's copy changes class, and everything the kernels do not cover
-(no C compiler, FP32 or CUDA tensors, autograd on, a cache whose `update` is not the plain BF16
-one, odd strides) runs model.Decoder.forward unchanged, or, for a quantized cache, the same
-kernels around that cache's own `update`.
+(no C compiler, FP32 or CUDA tensors, autograd on) runs model.Decoder.forward unchanged; a cache
+whose `update` is not the plain BF16 one (FP8, NVFP4) gets the same kernels around its own
+`update`; a linear output without evenly strided rows is copied first.
 
 Numerics (BF16, computed in float32): the residual adds, RoPE, and RMSNorm's two casts and weight
 multiply round where the eager code rounds, so they give torch's bits (RoPE and the adds exactly;
-RMSNorm up to its mean of squares, summed in another order). SiLU uses a Cephes-style exp (about
-1 ulp in float32) before the BF16 rounding torch also does. Attention computes scores, softmax and
-the weighted sum of values in float32 and rounds once (SDPA's CPU kernels round differently), so
-results differ from the eager path by BF16 rounding only; tests/test_cpu_ops.py checks each kernel
-against the torch formula and the sampler's logprobs with and without this path.
+RMSNorm up to its mean of squares, summed in another order). SiLU uses a Cephes-style exp and a
+Newton-refined reciprocal (about 1 ulp in float32) before the two BF16 roundings torch also does.
+Attention computes scores (BF16 products, float32 sums: AVX512-BF16 dot products where the CPU has
+them), softmax and the weighted sum of values in float32 and rounds once (SDPA's CPU kernels round
+differently), so results differ from the eager path by BF16 rounding only. On the default model
+(16 x 33 teacher-forced positions) the logprobs are as close to an FP32 sampler's as the eager BF16
+path's are; tests/test_cpu_ops.py checks each kernel against the torch formula and the sampler's
+logprobs with and without this path.
 
 The C file is compiled on first use with the same build cache as fp4rl.nvfp4.cpu (keyed by source,
 flags, compiler and CPU); without a compiler, `available()` is False (one warning) and
@@ -99,6 +103,9 @@ def _load() -> ctypes.CDLL:
     lib.cpu_rope_qkv.restype = None
     lib.cpu_attention.argtypes = [i64] * 6 + [ptr] * 3 + [i64] * 3 + [ptr, i64, f32, ptr]
     lib.cpu_attention.restype = ctypes.c_int
+    lib.cpu_rope_attention.argtypes = ([i64] * 6 + [ptr, i64] * 3 + [ptr] * 4 + [i64] * 3
+                                       + [ptr, i64, f32, ptr])
+    lib.cpu_rope_attention.restype = ctypes.c_int
     return lib
 
 
@@ -306,6 +313,17 @@ class FastCPUDecoder(Decoder):
             return False
         return available()
 
+    @staticmethod
+    def _silu_mul(lib, gate, up, B, T, rows):
+        g2, u2 = _flat(gate, rows), _flat(up, rows)
+        width = g2.shape[1]
+        if u2.shape[1] != width:
+            raise ValueError(f"cpu_ops: gate_proj / up_proj widths differ ({width}, {u2.shape[1]})")
+        a = torch.empty(B, T, width, dtype=torch.bfloat16)
+        lib.cpu_silu_mul(rows, width, g2.data_ptr(), g2.stride(0), u2.data_ptr(), u2.stride(0), a.data_ptr(),
+                         width)
+        return a
+
     def _plan(self) -> list[tuple]:
         """The modules each layer calls, looked up once (nn.Module attribute access is slow) and
         checked against the modules' dicts on every forward, so a replaced module is noticed."""
@@ -356,6 +374,7 @@ class FastCPUDecoder(Decoder):
         cos = emb.cos().to(torch.bfloat16).contiguous()
         sin = emb.sin().to(torch.bfloat16).contiguous()
         real = None if attention_mask is None else (attention_mask != 0).contiguous()  # [B, S] bool
+        real_p, cos_p, sin_p = None if real is None else real.data_ptr(), cos.data_ptr(), sin.data_ptr()
         lib = _need_lib()
         cfg = self.config
         H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -392,32 +411,35 @@ class FastCPUDecoder(Decoder):
             if q2.shape[1] != H * D or k2.shape[1] != Hkv * D or v2.shape[1] != Hkv * D:
                 raise ValueError(f"cpu_ops: q/k/v projections returned widths {q2.shape[1]}, {k2.shape[1]}, "
                                  f"{v2.shape[1]}; expected {H * D}, {Hkv * D}, {Hkv * D}")
-            q_rot = torch.empty(B, T, H, D, dtype=torch.bfloat16)
-            direct = plain and _plain_bf16_cache(kv_cache, layer_idx, B, S)
-            if direct:
-                k_buf, v_buf, at = kv_cache.k[layer_idx], kv_cache.v[layer_idx], start
-            else:
-                k_buf = torch.empty(B, Hkv, T, D, dtype=torch.bfloat16)
-                v_buf, at = torch.empty_like(k_buf), 0
-            kv_b, kv_h, kv_t = k_buf.stride(0), k_buf.stride(1), k_buf.stride(2)
-            lib.cpu_rope_qkv(B, T, H, Hkv, D, q2.data_ptr(), q2.stride(0), k2.data_ptr(), k2.stride(0),
-                             v2.data_ptr(), v2.stride(0), cos.data_ptr(), sin.data_ptr(), q_rot.data_ptr(),
-                             k_buf.data_ptr(), v_buf.data_ptr(), kv_b, kv_h, kv_t, at)
-            if not direct and kv_cache is not None:  # another cache: its own update (quantize, dequantize)
-                if slots is None:
-                    slots = torch.arange(start, S)
-                k_buf, v_buf = kv_cache.update(layer_idx, k_buf, v_buf, slots)
-                k_buf, v_buf = k_buf.to(torch.bfloat16), v_buf.to(torch.bfloat16)
-                if k_buf.stride(3) != 1 or v_buf.stride() != k_buf.stride():
-                    k_buf, v_buf = k_buf.contiguous(), v_buf.contiguous()
-                kv_b, kv_h, kv_t = k_buf.stride(0), k_buf.stride(1), k_buf.stride(2)
-            if tuple(k_buf.shape[:2]) != (B, Hkv) or k_buf.shape[2] < S:
-                raise ValueError(f"cpu_ops: the KV cache returned keys {list(k_buf.shape)}, expected "
-                                 f"[{B}, {Hkv}, {S}, {D}]")
             a = torch.empty(B, T, H * D, dtype=torch.bfloat16)
-            if lib.cpu_attention(B, T, H, Hkv, D, start, q_rot.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(),
-                                 kv_b, kv_h, kv_t, None if real is None else real.data_ptr(), S, scale,
-                                 a.data_ptr()) != 0:
+            if plain and _plain_bf16_cache(kv_cache, layer_idx, B, S):  # RoPE, cache write, attention
+                k_buf, v_buf = kv_cache.k[layer_idx], kv_cache.v[layer_idx]
+                rc = lib.cpu_rope_attention(
+                    B, T, H, Hkv, D, start, q2.data_ptr(), q2.stride(0), k2.data_ptr(), k2.stride(0),
+                    v2.data_ptr(), v2.stride(0), cos_p, sin_p, k_buf.data_ptr(), v_buf.data_ptr(),
+                    k_buf.stride(0), k_buf.stride(1), k_buf.stride(2), real_p, S, scale, a.data_ptr())
+            else:  # no cache, or another cache: RoPE into new tensors, the cache's own update, attention
+                q_rot = torch.empty(B, T, H, D, dtype=torch.bfloat16)
+                k_buf = torch.empty(B, Hkv, T, D, dtype=torch.bfloat16)
+                v_buf = torch.empty_like(k_buf)
+                lib.cpu_rope_qkv(B, T, H, Hkv, D, q2.data_ptr(), q2.stride(0), k2.data_ptr(), k2.stride(0),
+                                 v2.data_ptr(), v2.stride(0), cos_p, sin_p, q_rot.data_ptr(),
+                                 k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(0), k_buf.stride(1),
+                                 k_buf.stride(2), 0)
+                if kv_cache is not None:  # quantize and dequantize (FP8, NVFP4 caches)
+                    if slots is None:
+                        slots = torch.arange(start, S)
+                    k_buf, v_buf = kv_cache.update(layer_idx, k_buf, v_buf, slots)
+                    k_buf, v_buf = k_buf.to(torch.bfloat16), v_buf.to(torch.bfloat16)
+                    if k_buf.stride(3) != 1 or v_buf.stride() != k_buf.stride():
+                        k_buf, v_buf = k_buf.contiguous(), v_buf.contiguous()
+                if tuple(k_buf.shape[:2]) != (B, Hkv) or k_buf.shape[2] < S or k_buf.shape[3] != D:
+                    raise ValueError(f"cpu_ops: the KV cache returned keys {list(k_buf.shape)}, expected "
+                                     f"[{B}, {Hkv}, {S}, {D}]")
+                rc = lib.cpu_attention(B, T, H, Hkv, D, start, q_rot.data_ptr(), k_buf.data_ptr(),
+                                       v_buf.data_ptr(), k_buf.stride(0), k_buf.stride(1), k_buf.stride(2),
+                                       real_p, S, scale, a.data_ptr())
+            if rc != 0:
                 raise MemoryError("cpu_ops.attention: out of memory for the scratch buffer")
             h = norm(post_norm, o_proj(a))
             if gate_proj is None:  # MoE
@@ -427,14 +449,7 @@ class FastCPUDecoder(Decoder):
                 d, experts = mlp(h, forced)
                 chosen.append(experts)
             else:
-                g2, u2 = _flat(gate_proj(h), rows), _flat(up_proj(h), rows)
-                width = g2.shape[1]
-                if u2.shape[1] != width:
-                    raise ValueError(f"cpu_ops: gate_proj / up_proj widths differ ({width}, {u2.shape[1]})")
-                a = torch.empty(B, T, width, dtype=torch.bfloat16)
-                lib.cpu_silu_mul(rows, width, g2.data_ptr(), g2.stride(0), u2.data_ptr(), u2.stride(0),
-                                 a.data_ptr(), width)
-                d = down_proj(a)
+                d = down_proj(self._silu_mul(lib, gate_proj(h), up_proj(h), B, T, rows))
             h = norm(next_norm, d)
         if kv_cache is not None:
             kv_cache.length = S
