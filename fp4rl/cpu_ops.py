@@ -64,8 +64,9 @@ _failed: str | None = None
 # ---- build and load ----------------------------------------------------------------------------
 
 
-def build() -> Path:
-    """Compile cpu_ops.c (or find it in the cache); returns the shared library's path."""
+def build(cflags: tuple[str, ...] = _CFLAGS) -> Path:
+    """Compile cpu_ops.c (or find it in the cache); returns the shared library's path. Tests pass
+    other -march flags to check the AVX-512 and the scalar code on one machine."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc, or $CC) found")
@@ -73,13 +74,13 @@ def build() -> Path:
         raise RuntimeError(f"{_SOURCE_FILE} is missing (not packaged?)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     source = _SOURCE_FILE.read_text()
-    key = hashlib.sha256("\0".join([source, " ".join(_CFLAGS), version, _cpu_signature()]).encode())
+    key = hashlib.sha256("\0".join([source, " ".join(cflags), version, _cpu_signature()]).encode())
     target = _cache_dir() / f"cpu_ops-{key.hexdigest()[:20]}.so"
     if target.exists():
         return target
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / "cpu_ops.so"
-        result = subprocess.run([cc, *_CFLAGS, "-o", str(out), str(_SOURCE_FILE), "-lm"],
+        result = subprocess.run([cc, *cflags, "-o", str(out), str(_SOURCE_FILE), "-lm"],
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed: {result.stderr.strip()[:2000]}")
@@ -87,13 +88,13 @@ def build() -> Path:
     return target
 
 
-def _load() -> ctypes.CDLL:
-    path = build()
+def _load(cflags: tuple[str, ...] = _CFLAGS) -> ctypes.CDLL:
+    path = build(cflags)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError:  # a damaged cache entry: build it again once
         path.unlink(missing_ok=True)
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(cflags)))
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     lib.cpu_add_rms_norm.argtypes = [i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64]
     lib.cpu_add_rms_norm.restype = None

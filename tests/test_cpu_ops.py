@@ -268,3 +268,35 @@ def test_bf16_sampler_logprobs_with_and_without_the_fast_path(contract):
         if params.greedy:  # a sampled token at a CDF boundary may differ, and then the rest does
             assert same >= 0.8 * total, (same, total)
         assert err_fast <= 1.5 * err_eager + 0.02, (err_fast, err_eager)
+
+
+# ---- the other code paths of the C file ---------------------------------------------------------------
+
+VARIANTS = {
+    "avx512 without avx512-bf16": ("-march=skylake-avx512",),  # AVX-512 kernels, the float32 attention
+    "scalar": ("-march=x86-64-v2",),  # no AVX-512 at all
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_the_fallback_code_paths_compute_the_same(variant, monkeypatch):
+    """cpu_ops.c built for an older CPU (this machine runs those instructions too): the same checks."""
+    flags = tuple(f for f in cpu_ops._CFLAGS if not f.startswith("-march")) + VARIANTS[variant]
+    try:
+        lib = cpu_ops._load(flags)
+    except Exception as e:  # noqa: BLE001 - not an x86 compiler, or an old one
+        pytest.skip(f"cannot build the {variant} variant: {e}")
+    monkeypatch.setattr(cpu_ops, "_lib", lib)
+    for with_delta in (False, True):
+        test_add_rms_norm_is_the_residual_add_then_model_rmsnorm((3, 5, 37), with_delta)
+        test_add_rms_norm_is_the_residual_add_then_model_rmsnorm((2, 7, 64), with_delta)
+    for n in (1536, 19):
+        test_silu_mul_is_silu_times_up(n)
+    test_silu_mul_keeps_nan_and_handles_extremes()
+    test_rope_qkv_is_model_rope_bit_for_bit_and_writes_the_cache_slots(3, 5, 6, 2, 64)
+    test_rope_qkv_is_model_rope_bit_for_bit_and_writes_the_cache_slots(2, 1, 4, 4, 6)
+    for padded in (False, True):
+        test_attention_is_sdpa_with_model_mask(16, 1, 9, 3, 64, 40, padded)
+        test_attention_is_sdpa_with_model_mask(2, 17, 6, 2, 128, 2, padded)
+        test_attention_is_sdpa_with_model_mask(2, 3, 4, 4, 24, 5, padded)
+    test_fast_decoder_computes_the_eager_decoder_up_to_bf16_rounding(DENSE, "bf16")
