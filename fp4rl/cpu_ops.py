@@ -161,6 +161,8 @@ def _flat(t: torch.Tensor, rows: int) -> torch.Tensor:
     """The forward's fast _rows: a [rows, N] BF16 view of a linear's output (a copy if needed)."""
     if t.dtype != torch.bfloat16:
         raise ValueError(f"cpu_ops: a linear returned {t.dtype}, the fused path needs bfloat16")
+    if t.is_contiguous():
+        return t.view(rows, -1)
     t2 = t.reshape(rows, -1)
     return t2 if t2.stride(1) == 1 and t2.stride(0) >= t2.shape[1] else t2.contiguous()
 
@@ -384,18 +386,23 @@ class FastCPUDecoder(Decoder):
         rows = B * T
         slots = None
 
+        x_shape, x_ptr = x.shape, x.data_ptr()
+
         def norm(module, delta):
             out = torch.empty_like(x)
-            if delta is not None and (delta.dtype != torch.bfloat16 or tuple(delta.shape) != tuple(x.shape)):
-                raise ValueError(f"cpu_ops: a layer returned {delta.dtype} {list(delta.shape)}, expected "
-                                 f"bfloat16 {list(x.shape)}")
-            d2 = None if delta is None else _flat(delta, rows)
+            d_ptr = 0
+            if delta is not None:
+                if delta.dtype != torch.bfloat16 or delta.shape != x_shape:
+                    raise ValueError(f"cpu_ops: a layer returned {delta.dtype} {list(delta.shape)}, expected "
+                                     f"bfloat16 {list(x_shape)}")
+                if not delta.is_contiguous():
+                    delta = delta.contiguous()
+                d_ptr = delta.data_ptr()
             w = module.weight
             if w.dtype != torch.bfloat16 or not w.is_contiguous():
                 raise ValueError(f"cpu_ops: RMSNorm weight must be contiguous bfloat16, got {w.dtype}")
-            lib.cpu_add_rms_norm(rows, hidden, x.data_ptr(), hidden, 0 if d2 is None else d2.data_ptr(),
-                                 0 if d2 is None else d2.stride(0), w.data_ptr(), module.eps, out.data_ptr(),
-                                 hidden)
+            lib.cpu_add_rms_norm(rows, hidden, x_ptr, hidden, d_ptr, hidden, w.data_ptr(), module.eps,
+                                 out.data_ptr(), hidden)
             return out
 
         chosen, moe_i = [], 0
