@@ -213,6 +213,16 @@ void cpu_rope_qkv(i64 B, i64 T, i64 H, i64 Hkv, i64 D, const bf16 *q, i64 q_row,
  * Returns 0, or -1 when the scratch memory cannot be allocated. */
 #if FP4RL_AVX512 && defined(__AVX512BF16__)
 #define FP4RL_ATTN_BF16 1
+/* float32 -> the same bits rounded to nearest even at bit 16 (the BF16 value in the high half),
+ * NaN -> 0x7fc0 in the high half: what f2bf gives, without packing. */
+static inline __m512i rne_hi(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc00000));
+}
+
 /* v[16] -> one vector whose lane L is the sum of v[PERM[L]]'s 16 lanes (a transposed reduction:
  * 45 instructions for 16 dot products instead of 16 horizontal sums). */
 static const int PERM[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
@@ -262,8 +272,13 @@ static inline __attribute__((always_inline)) void attn_row_bf16(i64 D, i64 p, co
         __m512 x = _mm512_mul_ps(hsum16(part), sv);
         __mmask16 hide = n - s0 >= 16 ? 0 : (__mmask16)(0xffffu << (n - s0));
         if (rb) {
+            i64 cnt = n - s0 >= 16 ? 16 : n - s0;
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+            __m128i r16 = _mm_maskz_loadu_epi8((__mmask16)((1u << cnt) - 1u), rb + s0);
+#else
             __m128i r16 = _mm_setzero_si128();
-            memcpy(&r16, rb + s0, (size_t)(n - s0 >= 16 ? 16 : n - s0));
+            memcpy(&r16, rb + s0, (size_t)cnt);
+#endif
             __mmask16 pad = _mm_cmpeq_epi8_mask(r16, _mm_setzero_si128());
             if (p - s0 < 16) pad &= (__mmask16) ~(1u << (p - s0)); /* a query always sees its own slot */
             hide |= pad;
@@ -301,22 +316,40 @@ static inline __attribute__((always_inline)) void attn_row_bf16(i64 D, i64 p, co
             __m512 ev = _mm512_set1_ps(row[s]);
             for (i64 k = 0; k < nv; k++) acc[k] = _mm512_fmadd_ps(ev, _mm512_loadu_ps(vf + s * D + 16 * k), acc[k]);
         }
-    } else { /* few rows per kv head (decode): convert each value row where it is used */
-        for (; s + 2 <= n; s += 2) {
-            __m512 ev = _mm512_set1_ps(row[s]), ev2 = _mm512_set1_ps(row[s + 1]);
-            const bf16 *vs = vb + s * kv_t, *vs2 = vs + kv_t;
-            for (i64 k = 0; k < nv; k++) {
-                acc[k] = _mm512_fmadd_ps(ev, ld16(vs + 16 * k), acc[k]);
-                acc2[k] = _mm512_fmadd_ps(ev2, ld16(vs2 + 16 * k), acc2[k]);
-            }
+        __m512 iv = _mm512_set1_ps(inv);
+        for (i64 k = 0; k < nv; k++) st16(o + 16 * k, _mm512_mul_ps(_mm512_add_ps(acc[k], acc2[k]), iv));
+        return;
+    }
+    /* few rows per kv head (decode): values straight from BF16, 32 at a time: the even elements
+     * are the low halves shifted up, the odd ones the high halves masked (exact float32 values);
+     * acc[2c] / acc[2c + 1] hold the even / odd elements of chunk c */
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    for (; s + 2 <= n; s += 2) {
+        __m512 ev = _mm512_set1_ps(row[s]), ev2 = _mm512_set1_ps(row[s + 1]);
+        const bf16 *vs = vb + s * kv_t, *vs2 = vs + kv_t;
+        for (i64 c = 0; c < nq; c++) {
+            __m512i x = _mm512_loadu_si512(vs + 32 * c), x2 = _mm512_loadu_si512(vs2 + 32 * c);
+            acc[2 * c] = _mm512_fmadd_ps(ev, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), acc[2 * c]);
+            acc[2 * c + 1] = _mm512_fmadd_ps(ev, _mm512_castsi512_ps(_mm512_and_si512(x, hi)), acc[2 * c + 1]);
+            acc2[2 * c] = _mm512_fmadd_ps(ev2, _mm512_castsi512_ps(_mm512_slli_epi32(x2, 16)), acc2[2 * c]);
+            acc2[2 * c + 1] = _mm512_fmadd_ps(ev2, _mm512_castsi512_ps(_mm512_and_si512(x2, hi)),
+                                              acc2[2 * c + 1]);
         }
-        if (s < n) {
-            __m512 ev = _mm512_set1_ps(row[s]);
-            for (i64 k = 0; k < nv; k++) acc[k] = _mm512_fmadd_ps(ev, ld16(vb + s * kv_t + 16 * k), acc[k]);
+    }
+    if (s < n) {
+        __m512 ev = _mm512_set1_ps(row[s]);
+        for (i64 c = 0; c < nq; c++) {
+            __m512i x = _mm512_loadu_si512(vb + s * kv_t + 32 * c);
+            acc[2 * c] = _mm512_fmadd_ps(ev, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), acc[2 * c]);
+            acc[2 * c + 1] = _mm512_fmadd_ps(ev, _mm512_castsi512_ps(_mm512_and_si512(x, hi)), acc[2 * c + 1]);
         }
     }
     __m512 iv = _mm512_set1_ps(inv);
-    for (i64 k = 0; k < nv; k++) st16(o + 16 * k, _mm512_mul_ps(_mm512_add_ps(acc[k], acc2[k]), iv));
+    for (i64 c = 0; c < nq; c++) { /* round both halves to BF16 in place and interleave them back */
+        __m512i e = rne_hi(_mm512_mul_ps(_mm512_add_ps(acc[2 * c], acc2[2 * c]), iv));
+        __m512i od = rne_hi(_mm512_mul_ps(_mm512_add_ps(acc[2 * c + 1], acc2[2 * c + 1]), iv));
+        _mm512_storeu_si512(o + 32 * c, _mm512_or_si512(_mm512_and_si512(od, hi), _mm512_srli_epi32(e, 16)));
+    }
 }
 #else
 #define FP4RL_ATTN_BF16 0
