@@ -1,6 +1,7 @@
-"""Sweep the W4A16 decode kernels for 1-2 rows on the GPU: every Gluon GEMV configuration and the
-Triton decode candidates, checked against the reference, timed like fp4rl.benchmarks.gpu_kernels
-(CUDA-graph replay, operands rotated through >= 4x L2), next to cuBLAS BF16.
+"""Sweep the W4A16 decode kernels for 1-2 rows on the GPU: every configuration of the Gluon
+tensor-core GEMV (standard and gemv32 code layouts) and the first Triton decode candidates,
+checked against the reference, timed like fp4rl.benchmarks.gpu_kernels (CUDA-graph replay,
+operands rotated through >= 4x L2), next to cuBLAS BF16.
 
   python3 bench/gemv_sweep.py [--out FILE]
 """
@@ -22,20 +23,49 @@ from fp4rl.nvfp4 import reference  # noqa: E402
 from fp4rl.nvfp4.format import NVFP4Tensor  # noqa: E402
 
 
-def check_odd():
-    """Masked edges (N, K not multiples of the tile), per-row global scales, 1 and 2 rows."""
+def _direct(kind, layout):
+    """A call of a Gluon GEMV launcher on (x, weight parts); layout 1 takes swizzled data."""
+    fn = {"mma": gemv.launch_mma}[kind]
+
+    def run(x, wd, ws, wg, c):
+        y = torch.empty(x.shape[0], wd.shape[0], dtype=torch.bfloat16, device=x.device)
+        return fn(x, wd, ws, wg, y, c, gemm._WORKSPACE, layout=layout)
+
+    return run
+
+
+VARIANTS = [("mma", 0), ("mma", 1)]
+
+
+def _cfgs(kind, n, kh, sms, m=1):
+    return gemv.configs_mma(n, kh, sms, m)
+
+
+def check_variants():
+    """Every new variant x config on odd shapes (masked edges), per-tensor and per-row scales, 1-2 rows,
+    plus the swizzle round trip."""
     bad = []
     for n, k, kw in ((100, 224, {}), (37, 1056, {"scale_scope": "row"}), (256, 4096, {})):
         w = reference.quantize((torch.randn(n, k, device="cuda") * 0.05), **kw)
-        for m in (1, 2):
+        sw = gemv.swizzle(w.data)
+        if not torch.equal(gemv.unswizzle(sw), w.data):
+            bad.append(("swizzle round trip", n, k))
+        g = w.global_scale.float().reshape(-1).contiguous()
+        ws = w.block_scale.view(torch.uint8)
+        for m in (1, 2, 4, 5, 8, 16):
             x = torch.randn(m, k, device="cuda").bfloat16()
             ref = x.double() @ reference.dequantize(w).double().T
-            for c in gemv.configs(n, k // 2, 132):
-                y = gemm.gemm(x, w, config=dict(KIND="gemv", **c))
-                e = _rel(y, ref)
-                if not e < 4e-3:
-                    bad.append((n, k, m, c, e))
-    print("odd-shape check:", bad if bad else "ok", flush=True)
+            for kind, layout in VARIANTS:
+                run = _direct(kind, layout)
+                for c in _cfgs(kind, n, k // 2, 132, m)[:2]:
+                    try:
+                        e = _rel(run(x, sw if layout else w.data, ws, g, c), ref)
+                    except Exception as exc:  # noqa: BLE001
+                        bad.append((kind, layout, n, k, m, c, repr(exc)[:300]))
+                        break
+                    if not e < 4e-3:
+                        bad.append((kind, layout, n, k, m, c, e))
+    print("variant check:", bad if bad else "ok", flush=True)
     return bad
 
 
@@ -44,9 +74,16 @@ def main():
     ap.add_argument("--shapes", default="4096x14336,14336x4096,4096x6144")
     ap.add_argument("--rows", default="1,2")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--max-cfg", type=int, default=100, help="Gluon configurations per shape and rows")
+    ap.add_argument("--max-triton", type=int, default=4, help="Triton candidates per shape and rows")
+    ap.add_argument("--layout2", action="store_true", help="also time layout 2 (no unpack: timing only)")
     a = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    out = {"odd_bad": [str(b) for b in check_odd()], "rows": []}
+    from fp4rl.benchmarks.gpu_kernels import _env, copy_bandwidth
+
+    out = {"env": _env(), "copy": copy_bandwidth()}
+    out.update(variant_bad=[str(b) for b in check_variants()], rows=[])
+    print("copy", out["copy"], flush=True)
     for shp in a.shapes.split(","):
         n, k = map(int, shp.split("x"))
         w_bf16, wq = _nvfp4_weight(n, k)
@@ -56,12 +93,28 @@ def main():
                       for _ in range(nf - 1)]
         wbs = [w_bf16] + [w_bf16.clone() for _ in range(copies_for(w_bf16.nbytes) - 1)]
         w_ref = reference.dequantize(wq).double()
+        swz = [gemv.swizzle(q.data) for q in wqs]
         for m in map(int, a.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.double() @ w_ref.T
             bf = time_calls([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbs])
-            cands = [dict(KIND="gemv", **c) for c in gemv.configs(n, k // 2, sms)]
-            cands += gemm.candidate_configs(m, n, k // 2, x.device)[:6]
+            cands = gemm.candidate_configs(m, n, k // 2, x.device)[:a.max_triton]
+            for kind, layout in VARIANTS + ([("mma", 2)] if a.layout2 else []):  # 2: no unpack (timing only)
+                run = _direct(kind, layout)
+                for c in _cfgs(kind, n, k // 2, sms, m)[:(a.max_cfg if layout < 2 else 1)]:
+                    parts = [(q.data if not layout else sw, q.block_scale.view(torch.uint8),
+                              q.global_scale.float().reshape(-1)) for q, sw in zip(wqs, swz)]
+                    try:
+                        err = _rel(run(x, *parts[0], c), ref)
+                        us = time_calls([lambda p=p, c=c, run=run, x=x: run(x, *p, c) for p in parts])
+                    except Exception as exc:  # noqa: BLE001
+                        print(n, k, m, kind, layout, c, "FAILED", repr(exc)[:300], flush=True)
+                        continue
+                    row = dict(n=n, k=k, rows=m, cfg=dict(KIND=kind, LAYOUT=layout, **c), us=us, bf16_us=bf,
+                               speedup=bf / us, rel_err=err)
+                    out["rows"].append(row)
+                    print(f"{n}x{k} m{m} {us:7.1f} us  bf16 {bf:6.1f}  x{bf / us:4.2f}  err {err:.1e}  "
+                          f"{kind} L{layout} {c}", flush=True)
             for c in cands:
                 try:
                     err = _rel(gemm.gemm(x, wq, config=c), ref)
@@ -74,7 +127,7 @@ def main():
                 print(f"{n}x{k} m{m} {us:7.1f} us  bf16 {bf:6.1f}  x{bf / us:4.2f}  err {err:.1e}  {c}",
                       flush=True)
             del x
-        del wqs, wbs
+        del wqs, wbs, swz
         torch.cuda.empty_cache()
     if a.out:
         with open(a.out, "w") as f:

@@ -127,15 +127,34 @@ def test_gpu_asm_unpack_equals_arithmetic():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n,k,kw", [(100, 224, {}), (37, 1056, {"scale_scope": "row"}), (512, 4096, {})])
 def test_gpu_gluon_gemv_every_config(n, k, kw):
+    """The tensor-core GEMV for 1-4 rows, both code layouts, every candidate (masked edges too); 5-16
+    rows (which it computes, but slower than the Triton kernels) with the first candidate."""
+    from types import SimpleNamespace
+
     from fp4rl.kernels import gemv
 
     if not gemv.available():
         pytest.skip(f"Gluon unavailable: {gemv.STATE['error']}")
     w = _weight(n, k, seed=n, **kw)
-    for m in (1, 2):
+    swz = gemv.swizzle(w.data)
+    assert torch.equal(gemv.unswizzle(swz), w.data)
+    w32 = SimpleNamespace(data=w.data, block_scale=w.block_scale, global_scale=w.global_scale, gemv32=swz)
+    for m in (1, 2, 3, 4):
         x = _x(m, k, seed=m + n)
         ref = x.double() @ reference.dequantize(w).double().T
-        for c in gemv.configs(n, k // 2, 132):
-            for _ in range(2):  # split-K counters must reset
-                y = gemm.gemm(x, w, config=dict(KIND="gemv", **c))
-                assert _rel(y, ref) < TOL, c
+        for layout, wt in ((0, w), (1, w32)):
+            for c in gemm.candidate_configs(m, n, k // 2, x.device, w4a16=True, layout=layout):
+                for _ in range(2):  # split-K counters must reset
+                    y = gemm.gemm(x, wt, config=c)
+                    assert _rel(y, ref) < TOL, c
+        assert _rel(gemm.gemm(x, w32), ref) < TOL  # tuned dispatch with the gemv32 copy
+    for m in (6, 16):
+        x = _x(m, k, seed=m + n)
+        ref = x.double() @ reference.dequantize(w).double().T
+        cfg = dict(KIND="gemv_mma", LAYOUT=1, **gemv.configs_mma(n, k // 2, 132, m)[0])
+        from fp4rl.kernels.gemm import _WORKSPACE
+
+        y = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
+        g = w.global_scale.float().reshape(-1).contiguous()
+        gemv.launch_mma(x, swz, w.block_scale.view(torch.uint8), g, y, cfg, _WORKSPACE, layout=1)
+        assert _rel(y, ref) < TOL

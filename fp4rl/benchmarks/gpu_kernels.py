@@ -185,7 +185,10 @@ def _nvfp4_weight(n, k, seed=0):
 
 
 def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
+    from types import SimpleNamespace
+
     from fp4rl.kernels import gemm
+    from fp4rl.kernels import gemv as _gemv
     from fp4rl.nvfp4 import reference
     from fp4rl.nvfp4.format import NVFP4Tensor
 
@@ -205,15 +208,25 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
             y = gemm.linear(x, wq)  # tunes this (rows bucket, N, K) once
             err = _rel(y, x.double() @ w_ref.T)
             key = next(kk for kk in gemm._TUNED
-                       if kk[:3] == (gemm._bucket(m), n, k // 2) and not kk[4] and not kk[5])
+                       if kk[:3] == (gemm._bucket(m), n, k // 2) and not kk[4] and not kk[5] and not kk[-1])
             cfg = gemm._TUNED[key]
             us = time_calls([lambda w=w, x=x: gemm.linear(x, w) for w in wqs])
             us_bf16 = time_calls([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbs])
             io = x.nbytes + m * n * 2
+            extra = {}
+            if m <= _gemv.MAX_ROWS and _gemv.available():  # the same weights, codes in the gemv32 layout
+                wsw = [SimpleNamespace(data=q.data, block_scale=q.block_scale, global_scale=q.global_scale,
+                                       gemv32=_gemv.swizzle(q.data)) for q in wqs]
+                ysw = gemm.linear(x, wsw[0])
+                extra = {"gemv32_us": time_calls([lambda w=w, x=x: gemm.linear(x, w) for w in wsw]),
+                         "gemv32_rel_err": _rel(ysw, x.double() @ w_ref.T),
+                         "gemv32_path": _path(gemm._TUNED[key[:-1] + (1,)])}
+                extra["gemv32_speedup"] = us_bf16 / extra["gemv32_us"]
+                del wsw
             res.append({"n": n, "k": k, "rows": m, "us": us, "bf16_us": us_bf16, "speedup": us_bf16 / us,
                         "floor_us": (fp4_bytes + io) / bw * 1e6,
                         "bf16_floor_us": (w_bf16.nbytes + io) / bw * 1e6,
-                        "rel_err": err, "path": cfg if isinstance(cfg, str) else _path(cfg)})
+                        "rel_err": err, "path": cfg if isinstance(cfg, str) else _path(cfg), **extra})
         del wqs, wbs
         torch.cuda.empty_cache()
     return res
@@ -224,8 +237,8 @@ def _path(c) -> str:
 
 
 def _cfg_str(c) -> str:
-    if c.get("KIND") == "gemv":
-        return f"gluon-gemv R{c['R']} TR{c['TR']} TC{c['TC']} w{c['num_warps']} S{c['SPLIT_K']}"
+    if c.get("KIND") == "gemv_mma":
+        return f"gluon-mma-gemv L{c['LAYOUT']} R{c['R']} w{c['num_warps']} S{c['SPLIT_K']}"
     return f"BM{c['BM']} BN{c['BN']} BK{c['BK']} S{c['SPLIT_K']} w{c['num_warps']} s{c['num_stages']}"
 
 
@@ -468,7 +481,9 @@ def run(args):
             ("N x K", lambda r: f"{r['n']}x{r['k']}"), ("rows", lambda r: str(r["rows"])),
             ("nvfp4 us", lambda r: f1(r["us"])), ("bf16 us", lambda r: f1(r["bf16_us"])),
             ("speedup", lambda r: f2(r["speedup"])), ("floor us", lambda r: f1(r["floor_us"])),
-            ("rel err", lambda r: f"{r['rel_err']:.1e}"), ("path", lambda r: r["path"])])
+            ("rel err", lambda r: f"{r['rel_err']:.1e}"), ("path", lambda r: r["path"]),
+            ("gemv32 us", lambda r: f1(r["gemv32_us"]) if "gemv32_us" in r else "-"),
+            ("gemv32 x", lambda r: f2(r["gemv32_speedup"]) if "gemv32_us" in r else "-")])
     if isinstance(out.get("moe"), list):
         _print_table("grouped experts W4A16 (8 x 2048x768)", out["moe"], [
             ("rows", lambda r: str(r["rows"])), ("active", lambda r: str(r["active"])),

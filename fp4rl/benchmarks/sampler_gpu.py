@@ -53,7 +53,7 @@ PRECISIONS = {
              ("nvfp4-experts W4A4, last 15% BF16", "nvfp4-experts", 0.15)],
 }
 CATEGORIES = [  # kernel name fragments (lower case), first match wins
-    ("nvfp4 GEMM (Triton)", ("w4_gemm",)),
+    ("nvfp4 GEMM (Triton, Gluon)", ("w4_gemm", "_gemv_mma")),
     ("dequantize (Triton)", ("_dequantize_kernel",)),
     ("quantize (Triton)", ("_quantize_kernel", "_amax_kernel")),
     ("decode attention (Triton)", ("_decode_attn",)),

@@ -315,15 +315,21 @@ def _pow2(v: int) -> int:
 
 
 def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False,
-                      w4a16: bool = False) -> list[dict]:
+                      w4a16: bool = False, layout: int = 0) -> list[dict]:
     """The tile configurations tried for m rows (see module docstring); first is the default.
-    w4a16 (dense bf16 x, CUDA): 1-2 rows also try the Gluon CUDA-core GEMV (fp4rl.kernels.gemv)."""
+    w4a16 (dense bf16 x, CUDA): 1-16 rows first try the Gluon tensor-core GEMV (fp4rl.kernels.gemv;
+    layout 1: the weight also carries its codes in the gemv32 layout, see gemm())."""
     if INTERPRET:  # small tiles: the CPU interpreter runs every program in Python
         swap = m <= 16
         bm = 16 if swap else 32
         return [dict(SWAP=swap, BM=bm, BN=32, BK=64, SPLIT_K=2 if (swap and not grouped) else 1,
                      num_warps=4, num_stages=1)]
     out = []
+    if m <= _gemv.MAX_ROWS and w4a16 and not grouped and device.type == "cuda" and kh % 4 == 0 \
+            and _gemv.available():
+        # the Gluon tensor-core GEMV (fp4rl.kernels.gemv): 1.3-1.5x the Triton kernels below at 1-2 rows
+        out += [dict(KIND="gemv_mma", LAYOUT=layout, **c)
+                for c in _gemv.configs_mma(n, kh, _sm_count(device), m)]
     if m <= 2:  # CUDA-core kernel: BM = rows
         sms = _sm_count(device)
         for bn, bk, warps, stages in ((64, 128, 4, 4), (32, 256, 4, 4), (128, 128, 8, 4), (64, 256, 8, 3)):
@@ -335,8 +341,6 @@ def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False,
             for sk in dict.fromkeys((split, max(1, split // 2))):
                 out.append(dict(SWAP=True, BM=_pow2(m), BN=bn, BK=bk, SPLIT_K=sk,
                                 num_warps=warps, num_stages=stages))
-        if w4a16 and not grouped and device.type == "cuda" and _gemv.available():  # measured on par
-            out += [dict(KIND="gemv", **c) for c in _gemv.configs(n, kh, _sm_count(device))]
     if m <= DECODE_MAX_ROWS:
         bm = max(16, _pow2(m))
         sms = _sm_count(device)
@@ -375,11 +379,11 @@ def _bucket(m: int) -> int:
     return _pow2(m)
 
 
-def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=False):
+def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=False, layout=0):
     """Pick (and cache) the fastest candidate for this key by timing each on the GPU."""
     if key in _TUNED:
         return _TUNED[key]
-    cands = candidate_configs(m, n, kh, device, grouped, w4a16)
+    cands = candidate_configs(m, n, kh, device, grouped, w4a16, layout)
     if allow_fallback and m > 64:
         cands = cands + [FALLBACK]
     if not tune or INTERPRET or device.type != "cuda" or len(cands) == 1:
@@ -451,6 +455,10 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None):
     """
     grouped = offsets is not None
     wd, ws, wg = _weight_parts(weight, grouped)
+    swz = getattr(weight, "gemv32", None)  # the same codes in the gemv32 layout (1-16 row GEMV only)
+    if swz is not None and (grouped or swz.shape != wd.shape[1:] or swz.dtype != torch.uint8):
+        raise ValueError("weight.gemv32 must be uint8 data of the weight's shape [N, K/2] (dense weights "
+                         "only)")
     e, n, kh = wd.shape
     if xq is not None:
         xd, xs, xg = xq
@@ -477,24 +485,29 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None):
     def run(c):
         if c == FALLBACK:
             return _fallback(x2, xq, wd, ws, wg, y)
-        if isinstance(c, dict) and c.get("KIND") == "gemv":
-            if xq is not None or grouped or m > 2:
-                raise ValueError("the Gluon GEMV config is for dense W4A16 with 1-2 rows")
-            return _gemv.launch(x2, wd[0], ws[0], wg[0] if wg.ndim == 2 else wg, y, c, _WORKSPACE)
+        if isinstance(c, dict) and c.get("KIND") == "gemv_mma":
+            if xq is not None or grouped or m > _gemv.MAX_ROWS:
+                raise ValueError(f"the Gluon GEMV config is for dense W4A16 with 1-{_gemv.MAX_ROWS} rows")
+            if c["LAYOUT"] == 1 and swz is None:
+                raise ValueError("a gemv32 (LAYOUT 1) config needs weight.gemv32 (gemv.swizzle of its data)")
+            g1 = wg[0] if wg.ndim == 2 else wg
+            return _gemv.launch_mma(x2, swz if c["LAYOUT"] == 1 else wd[0], ws[0], g1, y, c, _WORKSPACE,
+                                    layout=c["LAYOUT"])
         return _launch(x2, xq, wd, ws, wg, y, c, offsets)
 
     if config is None:
-        key = (_bucket(m), n, kh, e, grouped, xq is not None, wg.ndim, device)
+        layout = int(swz is not None)
+        key = (_bucket(m), n, kh, e, grouped, xq is not None, wg.ndim, device, layout)
         config = _choose(key, m, n, kh, device, run, grouped, allow_fallback=not grouped, tune=tune,
-                         w4a16=xq is None)
-        if isinstance(config, dict) and config.get("KIND") == "gemv":
+                         w4a16=xq is None, layout=layout)
+        if isinstance(config, dict) and config.get("KIND") == "gemv_mma":
             try:
                 return run(config)
             except Exception as exc:  # noqa: BLE001  (Gluon is experimental: fall back for good)
                 _gemv.disable(exc)
                 _TUNED.pop(key, None)
                 config = _choose(key, m, n, kh, device, run, grouped, allow_fallback=not grouped, tune=tune,
-                                 w4a16=xq is None)
+                                 w4a16=xq is None, layout=layout)
     return run(config)
 
 
