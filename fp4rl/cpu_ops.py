@@ -30,8 +30,10 @@ logprobs with and without this path.
 
 The C file is compiled on first use with the same build cache as fp4rl.nvfp4.cpu (keyed by source,
 flags, compiler and CPU); without a compiler, `available()` is False (one warning) and
-`fast_cpu_ops` leaves the model as it is. FP4RL_CPU_OPS=0 turns the fast path off. The kernels
-run on one thread.
+`fast_cpu_ops` leaves the model as it is. FP4RL_CPU_OPS=0 turns the fast path off. A prefill's
+kernels are split over torch.get_num_threads() pool threads (by rows, attention by batch rows; the
+same bits as one thread); a decode step's run on the calling thread (they are shorter than a
+hand-off).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -132,6 +136,33 @@ def _need_lib() -> ctypes.CDLL:
     if not available():
         raise RuntimeError(f"fp4rl.cpu_ops: the fused CPU kernels are unavailable ({_failed})")
     return _lib
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
+_MIN_ROWS_PER_THREAD = 32  # prefill-sized calls only: a decode step's kernels are shorter than a hand-off
+
+
+def _chunks(n: int, min_per_thread: int = _MIN_ROWS_PER_THREAD) -> list[tuple[int, int]]:
+    """[0, n) in up to torch.get_num_threads() pieces of at least min_per_thread."""
+    k = max(1, min(torch.get_num_threads(), n // max(min_per_thread, 1)))
+    step = -(-n // k)
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)] if n else [(0, 0)]
+
+
+def _run(calls: list) -> list:
+    """Results of the zero-argument callables (C calls: ctypes releases the GIL), the first run here."""
+    global _pool, _pool_pid
+    if len(calls) == 1:
+        return [calls[0]()]
+    with _lock:  # a pool inherited through fork has no threads: make a new one
+        if _pool is None or _pool_pid != os.getpid() or _pool._max_workers < len(calls) - 1:
+            _pool = ThreadPoolExecutor(max_workers=len(calls) - 1, thread_name_prefix="fp4rl-cpu-ops")
+            _pool_pid = os.getpid()
+        pool = _pool
+    futures = [pool.submit(c) for c in calls[1:]]
+    first = calls[0]()
+    return [first] + [f.result() for f in futures]
 
 
 # ---- checked wrappers ----------------------------------------------------------------------------
@@ -323,8 +354,9 @@ class FastCPUDecoder(Decoder):
         if u2.shape[1] != width:
             raise ValueError(f"cpu_ops: gate_proj / up_proj widths differ ({width}, {u2.shape[1]})")
         a = torch.empty(B, T, width, dtype=torch.bfloat16)
-        lib.cpu_silu_mul(rows, width, g2.data_ptr(), g2.stride(0), u2.data_ptr(), u2.stride(0), a.data_ptr(),
-                         width)
+        g_p, g_r, u_p, u_r, a_p = g2.data_ptr(), g2.stride(0), u2.data_ptr(), u2.stride(0), a.data_ptr()
+        _run([partial(lib.cpu_silu_mul, hi - lo, width, g_p + 2 * lo * g_r, g_r, u_p + 2 * lo * u_r, u_r,
+                      a_p + 2 * lo * width, width) for lo, hi in _chunks(rows)])
         return a
 
     def _plan(self) -> list[tuple]:
@@ -387,6 +419,8 @@ class FastCPUDecoder(Decoder):
         slots = None
 
         x_shape, x_ptr = x.shape, x.data_ptr()
+        row_chunks = _chunks(rows)  # one piece per thread for a prefill, one in all for a decode step
+        batch_chunks = _chunks(B, 1) if T > 1 else [(0, B)]
 
         def norm(module, delta):
             out = torch.empty_like(x)
@@ -401,8 +435,10 @@ class FastCPUDecoder(Decoder):
             w = module.weight
             if w.dtype != torch.bfloat16 or not w.is_contiguous():
                 raise ValueError(f"cpu_ops: RMSNorm weight must be contiguous bfloat16, got {w.dtype}")
-            lib.cpu_add_rms_norm(rows, hidden, x_ptr, hidden, d_ptr, hidden, w.data_ptr(), module.eps,
-                                 out.data_ptr(), hidden)
+            w_ptr, o_ptr, row_bytes = w.data_ptr(), out.data_ptr(), 2 * hidden
+            _run([partial(lib.cpu_add_rms_norm, hi - lo, hidden, x_ptr + lo * row_bytes, hidden,
+                          d_ptr and d_ptr + lo * row_bytes, hidden, w_ptr, module.eps, o_ptr + lo * row_bytes,
+                          hidden) for lo, hi in row_chunks])
             return out
 
         chosen, moe_i = [], 0
@@ -422,10 +458,16 @@ class FastCPUDecoder(Decoder):
             a = torch.empty(B, T, H * D, dtype=torch.bfloat16)
             if plain and _plain_bf16_cache(kv_cache, layer_idx, B, S):  # RoPE, cache write, attention
                 k_buf, v_buf = kv_cache.k[layer_idx], kv_cache.v[layer_idx]
-                rc = lib.cpu_rope_attention(
-                    B, T, H, Hkv, D, start, q2.data_ptr(), q2.stride(0), k2.data_ptr(), k2.stride(0),
-                    v2.data_ptr(), v2.stride(0), cos_p, sin_p, k_buf.data_ptr(), v_buf.data_ptr(),
-                    k_buf.stride(0), k_buf.stride(1), k_buf.stride(2), real_p, S, scale, a.data_ptr())
+                qp, qr, kp, kr, vp, vr = q2.data_ptr(), q2.stride(0), k2.data_ptr(), k2.stride(0), \
+                    v2.data_ptr(), v2.stride(0)
+                kcp, vcp, kv_b, ap = k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(0), a.data_ptr()
+                # batch rows [lo, hi): their tokens (rows lo * T..), cache rows, mask rows and outputs
+                rc = max(_run([partial(
+                    lib.cpu_rope_attention, hi - lo, T, H, Hkv, D, start, qp + 2 * lo * T * qr, qr,
+                    kp + 2 * lo * T * kr, kr, vp + 2 * lo * T * vr, vr, cos_p + 2 * lo * T * D,
+                    sin_p + 2 * lo * T * D, kcp + 2 * lo * kv_b, vcp + 2 * lo * kv_b, kv_b, k_buf.stride(1),
+                    k_buf.stride(2), real_p and real_p + lo * S, S, scale, ap + 2 * lo * T * H * D)
+                    for lo, hi in batch_chunks]), key=abs)
             else:  # no cache, or another cache: RoPE into new tensors, the cache's own update, attention
                 q_rot = torch.empty(B, T, H, D, dtype=torch.bfloat16)
                 k_buf = torch.empty(B, Hkv, T, D, dtype=torch.bfloat16)

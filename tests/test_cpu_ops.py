@@ -306,3 +306,25 @@ def test_the_fallback_code_paths_compute_the_same(variant, monkeypatch):
         test_attention_is_sdpa_with_model_mask(2, 17, 6, 2, 128, 2, padded)
         test_attention_is_sdpa_with_model_mask(2, 3, 4, 4, 24, 5, padded)
     test_fast_decoder_computes_the_eager_decoder_up_to_bf16_rounding(DENSE, "bf16", True)
+
+
+def test_prefill_split_over_threads_gives_the_same_bits():
+    """With several torch threads a prefill's kernels run in pieces (rows, batch rows) on a pool."""
+    eager, fast = bf16_pair()
+    torch.manual_seed(6)
+    B, T = 5, 20  # 100 rows: split over 2+ threads
+    ids = torch.randint(1, 128, (B, T + 1))
+    mask = torch.ones(B, T + 1, dtype=torch.long)
+    mask[1, :7] = 0
+    out = {}
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            cache = make_kv_cache("bf16", fast.config, B, T + 1, dtype=BF, device="cpu")
+            with torch.inference_mode():
+                out[n] = (fast(ids[:, :T], attention_mask=mask[:, :T], kv_cache=cache),
+                          fast(ids[:, T:], attention_mask=mask, kv_cache=cache), cache.k[1].clone())
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(out[1], out[3]))
