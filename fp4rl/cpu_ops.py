@@ -401,6 +401,8 @@ class FastCPUDecoder(Decoder):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, start:]  # [B, T]
             else:
                 position_ids = torch.arange(start, S).expand(B, T)
+        elif tuple(position_ids.shape) != (B, T):  # [T] or [1, T]: as broadcast by Decoder.forward
+            position_ids = position_ids.expand(B, T)  # (the kernels read B * T rows of cos and sin)
         if self.rope_inv_freq.device.type != "cpu":
             self.rope_inv_freq = self.rope_inv_freq.cpu()
         freqs = position_ids[..., None].float() * self.rope_inv_freq  # [B, T, D/2], as Decoder.forward
@@ -483,7 +485,8 @@ class FastCPUDecoder(Decoder):
                     k_buf, v_buf = k_buf.to(torch.bfloat16), v_buf.to(torch.bfloat16)
                     if k_buf.stride(3) != 1 or v_buf.stride() != k_buf.stride():
                         k_buf, v_buf = k_buf.contiguous(), v_buf.contiguous()
-                if tuple(k_buf.shape[:2]) != (B, Hkv) or k_buf.shape[2] < S or k_buf.shape[3] != D:
+                if (tuple(k_buf.shape[:2]) != (B, Hkv) or k_buf.shape[2] < S or k_buf.shape[3] != D
+                        or v_buf.shape != k_buf.shape):
                     raise ValueError(f"cpu_ops: the KV cache returned keys {list(k_buf.shape)}, expected "
                                      f"[{B}, {Hkv}, {S}, {D}]")
                 rc = lib.cpu_attention(B, T, H, Hkv, D, start, q_rot.data_ptr(), k_buf.data_ptr(),

@@ -225,6 +225,12 @@ def test_fast_path_is_sampler_side_only_and_falls_back():
     with torch.no_grad():
         c = eager(ids)
     assert torch.equal(b, c) and (a.float() - c.float()).abs().max() < 0.1
+    # position ids given as [1, T] are broadcast over the batch, as Decoder.forward does
+    ids2 = torch.tensor([[5, 17, 99, 3], [8, 9, 10, 11]])
+    with torch.no_grad():
+        full = fast(ids2, position_ids=torch.arange(4).expand(2, 4))
+        assert torch.equal(fast(ids2, position_ids=torch.arange(4)[None]), full)
+        assert (eager(ids2, position_ids=torch.arange(4)[None]).float() - full.float()).abs().max() < 0.1
     # a cache that is too small: Decoder.forward's own error
     with torch.no_grad(), pytest.raises(ValueError, match="allocate a larger KVCache"):
         fast(ids, kv_cache=KVCache(fast.config, 1, 2, dtype=BF))
