@@ -334,7 +334,8 @@ class FastCPUDecoder(Decoder):
     goes to Decoder.forward. Set on a sampler copy by `fast_cpu_ops`."""
 
     def _fast_ok(self, input_ids, attention_mask, kv_cache) -> bool:
-        if torch.is_grad_enabled() or input_ids.device.type != "cpu" or input_ids.dim() != 2:
+        if torch.is_grad_enabled() or input_ids.device.type != "cpu" or input_ids.dim() != 2 \
+                or input_ids.numel() == 0:
             return False
         if self.embed_tokens.weight.dtype != torch.bfloat16 or os.environ.get("FP4RL_CPU_OPS", "1") == "0":
             return False
