@@ -240,10 +240,12 @@ static inline __m512 hsum16(const __m512 *v) {
 
 /* One query row (head r of kv head hk, slot p) for D % 32 == 0, D <= 256: scores by BF16 dot
  * products accumulated in float32 (vdpbf16ps), softmax and the weighted sum of values in float32. */
-static inline __attribute__((always_inline)) void attn_row_bf16(i64 D, i64 p, const bf16 *qr, const bf16 *kb,
-                                                                const bf16 *vb, const float *vf, i64 kv_t,
-                          const uint8_t *rb, float scale, float *row, bf16 *o) {
-    i64 n = p + 1, nq = D / 32, nv = D / 16;
+/* Scores of one query row against keys 0..p, softmax numerators into row[0..p] (0 where hidden);
+ * returns 1 / their sum. */
+static inline __attribute__((always_inline)) float attn_scores_bf16(i64 D, i64 p, const bf16 *qr, const bf16 *kb,
+                                                                   i64 kv_t, const uint8_t *rb, float scale,
+                                                                   float *row) {
+    i64 n = p + 1, nq = D / 32;
     __m512bh qv[8];
     for (i64 k = 0; k < nq; k++) qv[k] = (__m512bh)_mm512_loadu_si512(qr + 32 * k);
     __m512 sv = _mm512_set1_ps(scale), mx = _mm512_set1_ps(-INFINITY);
@@ -297,7 +299,52 @@ static inline __attribute__((always_inline)) void attn_row_bf16(i64 D, i64 p, co
         _mm512_storeu_ps(row + s0, e);
         sum = _mm512_add_ps(sum, e);
     }
-    float inv = 1.0f / _mm512_reduce_add_ps(sum);
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+/* R query rows (the heads of one kv head, R <= 4, D <= 128) of one decode slot p: scores per row,
+ * then one pass over the values for all R rows (each value row loaded and split once). */
+static inline __attribute__((always_inline)) void attn_group_bf16(i64 D, i64 R, i64 p, const bf16 *q,
+                                                                  const bf16 *kb, const bf16 *vb, i64 kv_t,
+                                                                  const uint8_t *rb, float scale, float *sc,
+                                                                  i64 Sp, bf16 *o) {
+    i64 n = p + 1, nq = D / 32;
+    float inv[4];
+    for (i64 r = 0; r < R; r++) inv[r] = attn_scores_bf16(D, p, q + r * D, kb, kv_t, rb, scale, sc + r * Sp);
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 acc[4][8];
+    for (i64 r = 0; r < R; r++)
+        for (i64 c = 0; c < 2 * nq; c++) acc[r][c] = _mm512_setzero_ps();
+    for (i64 s = 0; s < n; s++) {
+        __m512 ve[4], vo[4];
+        for (i64 c = 0; c < nq; c++) {
+            __m512i x = _mm512_loadu_si512(vb + s * kv_t + 32 * c);
+            ve[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+            vo[c] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+        }
+        for (i64 r = 0; r < R; r++) {
+            __m512 ev = _mm512_set1_ps(sc[r * Sp + s]);
+            for (i64 c = 0; c < nq; c++) {
+                acc[r][2 * c] = _mm512_fmadd_ps(ev, ve[c], acc[r][2 * c]);
+                acc[r][2 * c + 1] = _mm512_fmadd_ps(ev, vo[c], acc[r][2 * c + 1]);
+            }
+        }
+    }
+    for (i64 r = 0; r < R; r++) {
+        __m512 iv = _mm512_set1_ps(inv[r]);
+        for (i64 c = 0; c < nq; c++) {
+            __m512i e = rne_hi(_mm512_mul_ps(acc[r][2 * c], iv)), od = rne_hi(_mm512_mul_ps(acc[r][2 * c + 1], iv));
+            _mm512_storeu_si512(o + r * D + 32 * c, _mm512_or_si512(_mm512_and_si512(od, hi), _mm512_srli_epi32(e, 16)));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void attn_row_bf16(i64 D, i64 p, const bf16 *qr, const bf16 *kb,
+                                                                const bf16 *vb, const float *vf, i64 kv_t,
+                                                                const uint8_t *rb, float scale, float *row,
+                                                                bf16 *o) {
+    i64 n = p + 1, nq = D / 32, nv = D / 16;
+    float inv = attn_scores_bf16(D, p, qr, kb, kv_t, rb, scale, row);
     /* values from vf, the float32 copy of this kv head's V [n, D] (converted once per kv head);
      * two interleaved accumulator sets over even and odd slots: half the FMA dependency chain */
     __m512 acc[16], acc2[16];
@@ -375,6 +422,22 @@ int cpu_attention(i64 B, i64 T, i64 H, i64 Hkv, i64 D, i64 start, const bf16 *q,
                         for (i64 d = 0; d < D; d += 16)
                             _mm512_storeu_ps(vf + s * D + d, ld16(v + off + s * kv_t + d));
                 const uint8_t *rb = real ? real + b * real_b : NULL;
+                if (!vfh && rep <= 4 && (D == 64 || D == 128)) { /* decode: the rep rows together */
+                    for (i64 t = 0; t < T; t++) {
+                        i64 qo = ((b * T + t) * H + hk * rep) * D;
+#define FP4RL_GROUP(DD, RR) attn_group_bf16(DD, RR, start + t, q + qo, k + off, v + off, kv_t, rb, scale, sc, Sp, \
+                                            out + qo)
+                        if (D == 64) {
+                            if (rep == 1) FP4RL_GROUP(64, 1); else if (rep == 2) FP4RL_GROUP(64, 2);
+                            else if (rep == 3) FP4RL_GROUP(64, 3); else FP4RL_GROUP(64, 4);
+                        } else {
+                            if (rep == 1) FP4RL_GROUP(128, 1); else if (rep == 2) FP4RL_GROUP(128, 2);
+                            else if (rep == 3) FP4RL_GROUP(128, 3); else FP4RL_GROUP(128, 4);
+                        }
+#undef FP4RL_GROUP
+                    }
+                    continue;
+                }
                 for (i64 t = 0; t < T; t++)
                     for (i64 h = hk * rep; h < (hk + 1) * rep; h++) {
                         i64 qo = ((b * T + t) * H + h) * D;

@@ -116,6 +116,9 @@ def attention_ref(q, k, v, start, attention_mask):
     (3, 1, 8, 1, 16, 0),  # one slot
     (2, 17, 6, 2, 128, 2),
     (2, 1, 4, 2, 64, 300),  # a long cache: many 16-key blocks
+    (3, 1, 8, 2, 128, 21),  # decode, 4 query heads per kv head, D = 128
+    (2, 1, 10, 2, 64, 20),  # decode, 5 query heads per kv head (one row at a time)
+    (2, 2, 4, 4, 64, 9),  # two new tokens, no GQA
     (1, 33, 2, 1, 32, 0),  # 33 queries: partial blocks, the float32 copy of V
 ])
 @pytest.mark.parametrize("padded", [False, True])
