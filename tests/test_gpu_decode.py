@@ -213,7 +213,8 @@ def test_kernels_need_bfloat16():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config,contract,kv", [(DENSE, "nvfp4-linear", "nvfp4"),
-                                                (MOE, "nvfp4-experts", "fp8"), (MOE, "bf16", "bf16")])
+                                                (MOE, "nvfp4-experts", "fp8"), (MOE, "bf16", "bf16"),
+                                                (DENSE, "nvfp4-w4a16", "bf16")])
 def test_gpu_cuda_graphs_replay_the_eager_step(config, contract, kv):
     model = tiny(config, contract)
     params = SamplingParams(n=3, greedy=True, max_new_tokens=8)  # 9 rows: bucket 16, then smaller
@@ -230,3 +231,21 @@ def test_gpu_cuda_graphs_replay_the_eager_step(config, contract, kv):
     sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=7)
     assert [c.completion_ids for c in graphs.generate(PROMPTS, sampled)] == \
         [c.completion_ids for c in eager.generate(PROMPTS, sampled)]
+
+
+@pytest.mark.gpu
+def test_gpu_gemv32_copy_follows_the_weights():
+    """The 1-4 row GEMV reads a gemv32 copy of the packed bytes: it must follow in-place writes."""
+    s = Sampler(tiny(DENSE, "nvfp4-w4a16"), device=DEV)
+    lins = [m for m in s.model.modules() if isinstance(m, gpu_decode.KernelPackedLinear)]
+    x = torch.randn(2, lins[0].in_features, device=DEV).bfloat16()
+    for lin in lins:
+        if lin.in_features != x.shape[1]:
+            continue
+        for step in range(2):
+            ref = x.double() @ reference.dequantize(lin.quantized_weight()).double().T
+            y = lin.linear(x) if lin.group is None else lin.group(lin, x)
+            assert ((y.double() - ref).norm() / ref.norm()).item() < 4e-3, (lin, step)
+            owner = lin if lin.group is None else lin.group
+            assert owner._gemv32 is not None and owner._gemv32.key is not None  # the copy was used
+            lin.weight_data.copy_(lin.weight_data.flip(0))  # a weight sync writes in place

@@ -143,7 +143,9 @@ def test_gpu_gluon_gemv_every_config(n, k, kw):
         x = _x(m, k, seed=m + n)
         ref = x.double() @ reference.dequantize(w).double().T
         for layout, wt in ((0, w), (1, w32)):
-            for c in gemm.candidate_configs(m, n, k // 2, x.device, w4a16=True, layout=layout):
+            cands = gemm.candidate_configs(m, n, k // 2, x.device, w4a16=True, layout=layout)
+            assert cands[0]["KIND"] == "gemv_mma"
+            for c in cands:
                 for _ in range(2):  # split-K counters must reset
                     y = gemm.gemm(x, wt, config=c)
                     assert _rel(y, ref) < TOL, c

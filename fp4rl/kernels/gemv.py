@@ -40,7 +40,10 @@ except Exception as exc:  # noqa: BLE001
     gluon = gl = None
     _IMPORT_ERROR = exc
 
-from fp4rl.kernels._common import COMPILED
+import triton
+import triton.language as tl
+
+from fp4rl.kernels._common import COMPILED, INTERPRET
 
 STATE = {"ok": _IMPORT_ERROR is None, "error": repr(_IMPORT_ERROR) if _IMPORT_ERROR else None}
 
@@ -101,9 +104,45 @@ def _permute_words(data: torch.Tensor, moves) -> torch.Tensor:
     return out.view(torch.uint8).reshape(data.shape)
 
 
-def swizzle(data: torch.Tensor) -> torch.Tensor:
-    """Standard packed NVFP4 bytes [..., K/2] -> the gemv32 layout (same shape and size)."""
-    return _permute_words(data, _MOVES)
+def _moves_asm(moves) -> str:
+    """PTX for one word: the bit moves grouped by distance (one and/shift/or per distance)."""
+    groups: dict[int, int] = {}
+    for src, dst in moves:
+        groups[dst - src] = groups.get(dst - src, 0) | (1 << src)
+    lines = ["{\n.reg .b32 t, o;\nmov.b32 o, 0;\n"]
+    for d, mask in sorted(groups.items()):
+        lines.append(f"and.b32 t, $1, {mask:#010x};\n")
+        if d:
+            lines.append(f"{'shl' if d > 0 else 'shr'}.b32 t, t, {abs(d)};\n")
+        lines.append("or.b32 o, o, t;\n")
+    return "".join(lines) + "mov.b32 $0, o;\n}\n"
+
+
+_SWZ_ASM = _moves_asm(_MOVES)
+
+
+@triton.jit
+def _swizzle_kernel(src_ptr, dst_ptr, n, ASM: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    w = tl.load(src_ptr + offs, mask=m, other=0)
+    o = tl.inline_asm_elementwise(ASM, "=r,r", [w], dtype=tl.int32, is_pure=True, pack=1)
+    tl.store(dst_ptr + offs, o, mask=m)
+
+
+def swizzle(data: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Standard packed NVFP4 bytes [..., K/2] -> the gemv32 layout (same shape and size); on CUDA one
+    memory-bound kernel (into `out` if given), elsewhere torch integer ops."""
+    if not (data.is_cuda and not INTERPRET):
+        return _permute_words(data, _MOVES)
+    if data.dtype != torch.uint8 or data.shape[-1] % 4:
+        raise ValueError(f"packed NVFP4 data must be uint8 with K/2 a multiple of 4, got {data.dtype} "
+                         f"{tuple(data.shape)}")
+    src = data.contiguous().view(torch.int32).reshape(-1)
+    out = torch.empty_like(data) if out is None else out
+    dst = out.view(torch.int32).reshape(-1)
+    _swizzle_kernel[(triton.cdiv(src.numel(), 4096),)](src, dst, src.numel(), ASM=_SWZ_ASM, BLOCK=4096)
+    return out
 
 
 def unswizzle(data: torch.Tensor) -> torch.Tensor:
@@ -372,7 +411,7 @@ def configs_mma(n: int, kh: int, sms: int, m: int = 1) -> list[dict]:
         while tiles * split * 2 <= 2 * sms and kw // (2 * split) >= 2 * 32:
             split *= 2
         for sk in dict.fromkeys((split, 2 * split, max(1, split // 2))):
-            if kw // sk >= 32:
+            if sk == 1 or kw // sk >= 32:  # a split of fewer than 32 words is masked loads only
                 out.append(dict(R=r, num_warps=nw, SPLIT_K=sk))
     return out
 
