@@ -59,5 +59,28 @@ def summary(k, label="") -> str:
             f"convert_layout={conv}\n  " + " ".join(f"{o}:{c}" for o, c in hist.most_common(28)))
 
 
+def hot_loops(sass_text: str) -> list[str]:
+    """Instruction mix of every backward-branch loop body in a SASS listing (the hot loops)."""
+    lines = sass_text.splitlines()
+
+    def addr(line):
+        m = re.search(r"/\*([0-9a-f]{4,})\*/", line)
+        return int(m.group(1), 16) if m else None
+
+    out = []
+    for line in lines:
+        m = re.search(r"BRA (0x[0-9a-f]+)", line)
+        a = addr(line)
+        if m and a is not None and int(m.group(1), 16) < a:
+            start = int(m.group(1), 16)
+            body = [x for x in lines if addr(x) is not None and start <= addr(x) <= a]
+            ops = [o.group(1).split(".")[0] for o in
+                   (re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", x) for x in body) if o]
+            hist = collections.Counter(ops)
+            out.append(f"loop {start:#x}-{a:#x}: {len(ops)} instr: "
+                       + " ".join(f"{k}:{v}" for k, v in hist.most_common(16)))
+    return out
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
