@@ -179,6 +179,7 @@ def bf16_pair(config=DENSE, contract="bf16"):
     trainer = tiny(config, contract)
     eager = Sampler(trainer, eos_token_ids=[], dtype=BF).model
     fast = Sampler(trainer, eos_token_ids=[], dtype=BF).model
+    cpu_ops.fast_cpu_ops(eager, enable=False)  # whether or not build_sampler_model turned it on
     assert cpu_ops.fast_cpu_ops(fast)
     return eager, fast
 
@@ -267,6 +268,7 @@ def test_bf16_sampler_logprobs_with_and_without_the_fast_path(contract):
     trainer = tiny(DENSE, contract)
     eager = Sampler(trainer, eos_token_ids=[], dtype=BF)
     fast = Sampler(trainer, eos_token_ids=[], dtype=BF)
+    cpu_ops.fast_cpu_ops(eager.model, enable=False)
     assert cpu_ops.fast_cpu_ops(fast.model)
     for params in (SamplingParams(greedy=True, max_new_tokens=8),
                    SamplingParams(n=2, temperature=0.8, max_new_tokens=6, seed=0)):
