@@ -41,7 +41,7 @@ def _cfgs(kind, n, kh, sms, m=1):
     return gemv.configs_mma(n, kh, sms, m)
 
 
-def check_variants():
+def check_variants(a_check=2):
     """Every new variant x config on odd shapes (masked edges), per-tensor and per-row scales, 1-2 rows,
     plus the swizzle round trip."""
     bad = []
@@ -57,7 +57,7 @@ def check_variants():
             ref = x.double() @ reference.dequantize(w).double().T
             for kind, layout in VARIANTS:
                 run = _direct(kind, layout)
-                for c in _cfgs(kind, n, k // 2, 132, m)[:2]:
+                for c in _cfgs(kind, n, k // 2, 132, m)[:a_check]:
                     try:
                         e = _rel(run(x, sw if layout else w.data, ws, g, c), ref)
                     except Exception as exc:  # noqa: BLE001
@@ -75,6 +75,7 @@ def main():
     ap.add_argument("--rows", default="1,2")
     ap.add_argument("--out", default=None)
     ap.add_argument("--max-cfg", type=int, default=100, help="Gluon configurations per shape and rows")
+    ap.add_argument("--check-cfg", type=int, default=2, help="configurations checked on the odd shapes")
     ap.add_argument("--max-triton", type=int, default=4, help="Triton candidates per shape and rows")
     ap.add_argument("--layout2", action="store_true", help="also time layout 2 (no unpack: timing only)")
     a = ap.parse_args()
@@ -82,7 +83,7 @@ def main():
     from fp4rl.benchmarks.gpu_kernels import _env, copy_bandwidth
 
     out = {"env": _env(), "copy": copy_bandwidth()}
-    out.update(variant_bad=[str(b) for b in check_variants()], rows=[])
+    out.update(variant_bad=[str(b) for b in check_variants(a.check_cfg)], rows=[])
     print("copy", out["copy"], flush=True)
     for shp in a.shapes.split(","):
         n, k = map(int, shp.split("x"))

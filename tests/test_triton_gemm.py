@@ -127,8 +127,8 @@ def test_gpu_asm_unpack_equals_arithmetic():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n,k,kw", [(100, 224, {}), (37, 1056, {"scale_scope": "row"}), (512, 4096, {})])
 def test_gpu_gluon_gemv_every_config(n, k, kw):
-    """The tensor-core GEMV for 1-4 rows, both code layouts, every candidate (masked edges too); 5-16
-    rows (which it computes, but slower than the Triton kernels) with the first candidate."""
+    """The tensor-core GEMV for 1-4 rows, both code layouts, every candidate (masked edges too); 6 and
+    16 rows (which it computes, but the dispatcher leaves to the Triton kernels) with the first one."""
     from types import SimpleNamespace
 
     from fp4rl.kernels import gemv

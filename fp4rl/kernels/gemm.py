@@ -317,7 +317,7 @@ def _pow2(v: int) -> int:
 def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False,
                       w4a16: bool = False, layout: int = 0) -> list[dict]:
     """The tile configurations tried for m rows (see module docstring); first is the default.
-    w4a16 (dense bf16 x, CUDA): 1-16 rows first try the Gluon tensor-core GEMV (fp4rl.kernels.gemv;
+    w4a16 (dense bf16 x, CUDA): 1-4 rows first try the Gluon tensor-core GEMV (fp4rl.kernels.gemv;
     layout 1: the weight also carries its codes in the gemv32 layout, see gemm())."""
     if INTERPRET:  # small tiles: the CPU interpreter runs every program in Python
         swap = m <= 16
@@ -327,7 +327,7 @@ def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False,
     out = []
     if m <= _gemv.MAX_ROWS and w4a16 and not grouped and device.type == "cuda" and kh % 4 == 0 \
             and _gemv.available():
-        # the Gluon tensor-core GEMV (fp4rl.kernels.gemv): 1.3-1.5x the Triton kernels below at 1-2 rows
+        # the Gluon tensor-core GEMV (fp4rl.kernels.gemv): 1.1-1.9x the Triton kernels below at 1-4 rows
         out += [dict(KIND="gemv_mma", LAYOUT=layout, **c)
                 for c in _gemv.configs_mma(n, kh, _sm_count(device), m)]
     if m <= 2:  # CUDA-core kernel: BM = rows
@@ -455,7 +455,7 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None):
     """
     grouped = offsets is not None
     wd, ws, wg = _weight_parts(weight, grouped)
-    swz = getattr(weight, "gemv32", None)  # the same codes in the gemv32 layout (1-16 row GEMV only)
+    swz = getattr(weight, "gemv32", None)  # the same codes in the gemv32 layout (1-4 row GEMV only)
     if swz is not None and (grouped or swz.shape != wd.shape[1:] or swz.dtype != torch.uint8):
         raise ValueError("weight.gemv32 must be uint8 data of the weight's shape [N, K/2] (dense weights "
                          "only)")

@@ -231,13 +231,24 @@ if gluon is not None:
 
     @gluon.jit
     def _x_tile(xbase, xq, xmask, wk2, k0, kw_hi, EVEN: gl.constexpr):
-        """The two B words [RT, BKW] of one group of 4 x rows at word k0."""
+        """The two B words of one group of 4 x rows at word k0, [RT, 1, BKW] in the MMA operands' layout.
+        xq [RT, BKW, 4]: the 4 x words of each weight word (one lane: 16 consecutive words, four
+        16-byte loads); the lane keeps words 0 and 2 (even quads) or 1 and 3 (odd quads)."""
         if EVEN:
             m = xmask & (k0 < kw_hi)
         else:
-            m = xmask & (wk2 + k0 < kw_hi)
-        b0 = gl.load(xbase + xq + k0 * 4, mask=m, other=0)
-        b1 = gl.load(xbase + xq + k0 * 4 + 2, mask=m, other=0)
+            m = xmask & (gl.expand_dims(wk2, 2) + k0 < kw_hi)
+        x4 = gl.load(xbase + xq + k0 * 4, mask=m, other=0)  # [RT, BKW, 4]
+        ev, od = gl.split(gl.reshape(x4, [x4.shape[0], x4.shape[1], 2, 2]))  # words {0, 2} and {1, 3}
+        w0, w2 = gl.split(ev)
+        w1, w3 = gl.split(od)
+        return w0, w1, w2, w3
+
+    @gluon.jit
+    def _xb(odd, LB: gl.constexpr, xbase, xq, xmask, wk2, k0, kw_hi, EVEN: gl.constexpr):
+        w0, w1, w2, w3 = _x_tile(xbase, xq, xmask, wk2, k0, kw_hi, EVEN)
+        b0 = gl.where(odd, gl.convert_layout(w1, LB), gl.convert_layout(w0, LB))
+        b1 = gl.where(odd, gl.convert_layout(w3, LB), gl.convert_layout(w2, LB))
         return gl.expand_dims(b0, 1), gl.expand_dims(b1, 1)
 
     @gluon.jit
@@ -290,8 +301,14 @@ if gluon is not None:
         soff = rows3 * stride_wsn + wk3 // 2
         rmask = rows3 < N
         q = gl.expand_dims(gl.arange(0, RT, layout=gl.SliceLayout(1, L2)) % 8, 1)  # [RT, 1]: lane // 4
-        xq = wk2 * 4 + (q % 2)  # + word * 4: x pair (0,1) / (2,3) of the word; +2: (4,5) / (6,7)
-        xr0 = q // 2  # x row of this lane's B column in group 0 (group j: 4j + xr0)
+        odd = (q % 2) == 1  # [RT, 1]: B columns 2r+1 take x pairs (2,3 | 6,7)
+        L4: gl.constexpr = gl.BlockedLayout([1, 4, 4], [8, 4, 1], [NW, 1, 1], [2, 1, 0])  # [RT, BKW, 4]
+        q4 = gl.arange(0, RT, layout=gl.SliceLayout(1, gl.SliceLayout(2, L4))) % 8
+        xr0 = gl.expand_dims(gl.expand_dims(q4 // 2, 1), 2)  # [RT, 1, 1]: x row of the lane's B column
+        wk4 = gl.arange(0, BKW, layout=gl.SliceLayout(0, gl.SliceLayout(2, L4)))
+        i4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L4)))
+        xq = gl.expand_dims(gl.expand_dims(wk4, 0), 2) * 4 + gl.expand_dims(gl.expand_dims(i4, 0), 1)
+        wk2 = gl.expand_dims(wk4, 0)  # [1, BKW] for the K mask of x
         xb0 = x_ptr + xr0 * stride_xm
         xb1 = x_ptr + (xr0 + 4) * stride_xm
         xb2 = x_ptr + (xr0 + 8) * stride_xm
@@ -301,22 +318,23 @@ if gluon is not None:
         kw_lo = pid_k * kw_per
         kw_hi = gl.minimum(KW, kw_lo + kw_per)
 
+        LB: gl.constexpr = gl.SliceLayout(1, L3)
         acc0 = gl.zeros([RT, R, BKW], gl.float32, L3)
         acc1 = gl.zeros([RT, R, BKW], gl.float32, L3)
         acc2 = gl.zeros([RT, R, BKW], gl.float32, L3)
         acc3 = gl.zeros([RT, R, BKW], gl.float32, L3)
         wa, sa = _w_tile(w_ptr, ws_ptr, woff, soff, wk3, rmask, kw_lo, kw_hi, EVEN)
         wb, sb = _w_tile(w_ptr, ws_ptr, woff, soff, wk3, rmask, kw_lo + BKW, kw_hi, EVEN)
-        a00, a01 = _x_tile(xb0, xq, xr0 < M, wk2, kw_lo, kw_hi, EVEN)
-        b00, b01 = _x_tile(xb0, xq, xr0 < M, wk2, kw_lo + BKW, kw_hi, EVEN)
+        a00, a01 = _xb(odd, LB, xb0, xq, xr0 < M, wk2, kw_lo, kw_hi, EVEN)
+        b00, b01 = _xb(odd, LB, xb0, xq, xr0 < M, wk2, kw_lo + BKW, kw_hi, EVEN)
         if J >= 2:
-            a10, a11 = _x_tile(xb1, xq, xr0 + 4 < M, wk2, kw_lo, kw_hi, EVEN)
-            b10, b11 = _x_tile(xb1, xq, xr0 + 4 < M, wk2, kw_lo + BKW, kw_hi, EVEN)
+            a10, a11 = _xb(odd, LB, xb1, xq, xr0 + 4 < M, wk2, kw_lo, kw_hi, EVEN)
+            b10, b11 = _xb(odd, LB, xb1, xq, xr0 + 4 < M, wk2, kw_lo + BKW, kw_hi, EVEN)
         if J >= 4:
-            a20, a21 = _x_tile(xb2, xq, xr0 + 8 < M, wk2, kw_lo, kw_hi, EVEN)
-            b20, b21 = _x_tile(xb2, xq, xr0 + 8 < M, wk2, kw_lo + BKW, kw_hi, EVEN)
-            a30, a31 = _x_tile(xb3, xq, xr0 + 12 < M, wk2, kw_lo, kw_hi, EVEN)
-            b30, b31 = _x_tile(xb3, xq, xr0 + 12 < M, wk2, kw_lo + BKW, kw_hi, EVEN)
+            a20, a21 = _xb(odd, LB, xb2, xq, xr0 + 8 < M, wk2, kw_lo, kw_hi, EVEN)
+            b20, b21 = _xb(odd, LB, xb2, xq, xr0 + 8 < M, wk2, kw_lo + BKW, kw_hi, EVEN)
+            a30, a31 = _xb(odd, LB, xb3, xq, xr0 + 12 < M, wk2, kw_lo, kw_hi, EVEN)
+            b30, b31 = _xb(odd, LB, xb3, xq, xr0 + 12 < M, wk2, kw_lo + BKW, kw_hi, EVEN)
         CON: gl.constexpr = "=f" + ",=f" * (4 * J - 1) + ",r" * (4 * (2 + 2 * J)) + ",f" * (4 * J)
         for kw0 in range(kw_lo, kw_hi, 2 * BKW):
             for half in gl.static_range(2):
@@ -351,20 +369,20 @@ if gluon is not None:
                 nk = kw0 + (2 + half) * BKW  # refill the buffer just consumed
                 if half == 0:
                     wa, sa = _w_tile(w_ptr, ws_ptr, woff, soff, wk3, rmask, nk, kw_hi, EVEN)
-                    a00, a01 = _x_tile(xb0, xq, xr0 < M, wk2, nk, kw_hi, EVEN)
+                    a00, a01 = _xb(odd, LB, xb0, xq, xr0 < M, wk2, nk, kw_hi, EVEN)
                     if J >= 2:
-                        a10, a11 = _x_tile(xb1, xq, xr0 + 4 < M, wk2, nk, kw_hi, EVEN)
+                        a10, a11 = _xb(odd, LB, xb1, xq, xr0 + 4 < M, wk2, nk, kw_hi, EVEN)
                     if J >= 4:
-                        a20, a21 = _x_tile(xb2, xq, xr0 + 8 < M, wk2, nk, kw_hi, EVEN)
-                        a30, a31 = _x_tile(xb3, xq, xr0 + 12 < M, wk2, nk, kw_hi, EVEN)
+                        a20, a21 = _xb(odd, LB, xb2, xq, xr0 + 8 < M, wk2, nk, kw_hi, EVEN)
+                        a30, a31 = _xb(odd, LB, xb3, xq, xr0 + 12 < M, wk2, nk, kw_hi, EVEN)
                 else:
                     wb, sb = _w_tile(w_ptr, ws_ptr, woff, soff, wk3, rmask, nk, kw_hi, EVEN)
-                    b00, b01 = _x_tile(xb0, xq, xr0 < M, wk2, nk, kw_hi, EVEN)
+                    b00, b01 = _xb(odd, LB, xb0, xq, xr0 < M, wk2, nk, kw_hi, EVEN)
                     if J >= 2:
-                        b10, b11 = _x_tile(xb1, xq, xr0 + 4 < M, wk2, nk, kw_hi, EVEN)
+                        b10, b11 = _xb(odd, LB, xb1, xq, xr0 + 4 < M, wk2, nk, kw_hi, EVEN)
                     if J >= 4:
-                        b20, b21 = _x_tile(xb2, xq, xr0 + 8 < M, wk2, nk, kw_hi, EVEN)
-                        b30, b31 = _x_tile(xb3, xq, xr0 + 12 < M, wk2, nk, kw_hi, EVEN)
+                        b20, b21 = _xb(odd, LB, xb2, xq, xr0 + 8 < M, wk2, nk, kw_hi, EVEN)
+                        b30, b31 = _xb(odd, LB, xb3, xq, xr0 + 12 < M, wk2, nk, kw_hi, EVEN)
 
         nmask = rows < N
         if WG_ROW:
@@ -417,9 +435,9 @@ def configs_mma(n: int, kh: int, sms: int, m: int = 1) -> list[dict]:
 
 
 # Rows of x the dispatcher sends here. The kernel computes up to 16 (one MMA per word for each 4
-# rows), but with 8 and 16 rows it measured 1.5-3x slower than the Triton tensor-core kernel on the
-# H200 (46-98 us vs 32-37 us for 4096 x 14336): every lane then loads 4-8 scalar x words per weight
-# word. The gain is at 1-4 rows.
+# rows); on the H200 (bench/data/gemv_sweep8_h200.json) it also beat the Triton kernels' first
+# candidate at 8 rows (4096 x 14336: 31.4-34.9 vs 37.9 us; their best, split 4: 31.7) and lost at 16
+# (50-57 vs 36-37 us). 5-8 rows stay on the Triton kernels until the full GPU test has run there.
 MAX_ROWS = 4
 
 
