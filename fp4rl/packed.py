@@ -404,7 +404,8 @@ def use_nvfp4_gemm(model: nn.Module) -> int:
 
 
 def build_sampler_model(model: CausalLM, *, dtype: torch.dtype, device, cache_dequantized: bool,
-                        fuse: bool, prepack: bool = False, nvfp4_gemm: bool = False) -> CausalLM:
+                        fuse: bool, prepack: bool = False, nvfp4_gemm: bool = False,
+                        cpu_ops: bool = False) -> CausalLM:
     """The sampler's own copy of a (converted) trainer CausalLM: PackedNVFP4Linear for each
     NVFP4Linear, copies of every other tensor in `dtype` on `device`. Shares nothing with `model`."""
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, NVFP4Linear)}
@@ -437,4 +438,8 @@ def build_sampler_model(model: CausalLM, *, dtype: torch.dtype, device, cache_de
         prepack_linears(copy)
     if nvfp4_gemm:
         use_nvfp4_gemm(copy)
+    if cpu_ops:  # fused non-GEMM decoder kernels (fp4rl/cpu_ops.py); where they cannot build: unchanged
+        from fp4rl.cpu_ops import fast_cpu_ops
+
+        fast_cpu_ops(copy)
     return copy.eval()

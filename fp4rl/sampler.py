@@ -188,6 +188,8 @@ class Sampler:
     prepack      BF16 on the CPU: every linear computes with its weight reordered once per weight
                  version for oneDNN, bit-identical to F.linear and 1.5-2.6x faster per GEMM (default:
                  on for a BF16 CPU sampler where torch's oneDNN supports BF16); see fp4rl/packed.py.
+    cpu_ops      BF16 on the CPU: RMSNorm + residual, RoPE + KV write + attention and SiLU*up as fused C
+                 kernels (fp4rl/cpu_ops.py; default: on for a BF16 CPU sampler where they build).
     fast_head    choose tokens (greedy, or temperature sampling without top-k/top-p) with the fused C
                  pass of fp4rl/cpu_head.py instead of torch ops (default: on for a BF16 CPU sampler
                  where it builds); same distribution, float32-rounding-level logprob differences.
@@ -200,7 +202,8 @@ class Sampler:
                  max_seq_len: int | None = None, dtype: torch.dtype | None = None,
                  cache_dequantized: bool | None = None, fuse: bool | None = None, eos_token_ids=None,
                  policy_version: int = 0, kernels: bool | None = None, cuda_graphs: bool | None = None,
-                 prepack: bool | None = None, nvfp4_gemm: bool | None = None, fast_head: bool | None = None):
+                 prepack: bool | None = None, nvfp4_gemm: bool | None = None, fast_head: bool | None = None,
+                 cpu_ops: bool | None = None):
         if not isinstance(model, CausalLM):
             raise TypeError(f"Sampler needs an fp4rl CausalLM (fp4rl.load_model + qat.convert), got "
                             f"{type(model).__name__}")
@@ -232,13 +235,18 @@ class Sampler:
 
             fast_head = on_cpu and self.dtype == torch.bfloat16 and cpu_head.available()
         self.fast_head = fast_head
+        if cpu_ops is None:
+            cpu_ops = on_cpu and self.dtype == torch.bfloat16
+        elif cpu_ops and not (on_cpu and self.dtype == torch.bfloat16):
+            raise ValueError(f"Sampler cpu_ops=True is for a BF16 sampler on the CPU (got {self.dtype} on "
+                             f"{self.device}); pass cpu_ops=False or dtype=torch.bfloat16")
         self.config = model.config
         self.max_seq_len = max_seq_len or self.config.max_position_embeddings
         if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
             raise ValueError(f"Sampler max_seq_len={max_seq_len!r}: must be an integer >= 2")
         self.model = build_sampler_model(model, dtype=self.dtype, device=self.device,
                                          cache_dequantized=cache_dequantized, fuse=fuse, prepack=prepack,
-                                         nvfp4_gemm=nvfp4_gemm)
+                                         nvfp4_gemm=nvfp4_gemm, cpu_ops=cpu_ops)
         self.engine = None
         if kernels:
             from fp4rl.gpu_decode import DecodeEngine
@@ -250,6 +258,9 @@ class Sampler:
             eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.eos_token_ids = set(eos_token_ids)
         self.pad_token_id = getattr(tokenizer, "pad_token_id", None) or 0
+        from fp4rl.cpu_ops import FastCPUDecoder
+
+        self.cpu_ops = isinstance(self.model.model, FastCPUDecoder)
         self.policy_version = policy_version
         self.num_moe_layers = len(self.config.moe_layers)
 

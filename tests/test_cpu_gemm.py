@@ -196,5 +196,7 @@ def test_fast_paths_are_refused_where_they_cannot_run():
         Sampler(model, dtype=torch.float32, prepack=True)
     with pytest.raises(ValueError, match="nvfp4_gemm=True"):
         Sampler(model, dtype=torch.float32, nvfp4_gemm=True)
+    with pytest.raises(ValueError, match="cpu_ops=True"):
+        Sampler(model, dtype=torch.float32, cpu_ops=True)
     fp32 = Sampler(model, eos_token_ids=[])
-    assert not fp32.prepack and not fp32.nvfp4_gemm
+    assert not fp32.prepack and not fp32.nvfp4_gemm and not fp32.cpu_ops and not fp32.fast_head
