@@ -89,6 +89,9 @@ GEMM_MAX_ROWS = 64
 whose blocked GEMM is faster once the dequantization is shared by that many rows."""
 
 
+from fp4rl.nvfp4 import cpu_gemm  # noqa: E402 - after dequantize/quantize, which it builds on
+
+
 class NVFP4GemmCache:
     """A linear's (or fused group's) weights in `cpu_gemm`'s layout, rebuilt when `key` changes."""
 
@@ -104,8 +107,6 @@ class NVFP4GemmCache:
 
     def linear(self, x: torch.Tensor, key, parts, bias: torch.Tensor | None) -> torch.Tensor | None:
         """x @ DQ(W).T + b for BF16 x on the CPU, or None when the kernel does not apply here."""
-        from fp4rl.nvfp4 import cpu_gemm
-
         if self.key != key or self.weight is None:
             qs = parts()
             self.weight = cpu_gemm.GemmWeight(qs) if all(map(cpu_gemm.supported_weight, qs)) else None

@@ -200,3 +200,19 @@ def test_fast_paths_are_refused_where_they_cannot_run():
         Sampler(model, dtype=torch.float32, cpu_ops=True)
     fp32 = Sampler(model, eos_token_ids=[])
     assert not fp32.prepack and not fp32.nvfp4_gemm and not fp32.cpu_ops and not fp32.fast_head
+
+
+@needs_amx
+def test_two_threads_give_the_same_bits_as_one():
+    q = weight(272, 256, seed=5)  # 17 panels: an uneven split
+    w = cpu_gemm.GemmWeight([q])
+    x = torch.randn(40, 256).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_gemm.linear(x, w)
+        torch.set_num_threads(2)
+        two = cpu_gemm.linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)

@@ -66,6 +66,8 @@ def _load() -> ctypes.CDLL:
     lib.nvfp4_gemm_pack_x.restype = None
     lib.nvfp4_gemm_rows.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr]
     lib.nvfp4_gemm_rows.restype = i32
+    lib.nvfp4_gemm.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+    lib.nvfp4_gemm.restype = i32
     lib.nvfp4_gemm_dequantize.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr]
     lib.nvfp4_gemm_dequantize.restype = None
     if lib.nvfp4_gemm_init() != 0:
@@ -187,10 +189,18 @@ def linear(x: torch.Tensor, w: GemmWeight, bias: torch.Tensor | None = None) -> 
         return y.reshape(*lead, N)
     K32 = -(-K // 32) * 32
     x_vnni = _scratch("x_vnni", -(-M // 16) * K32 * 16)
-    _lib.nvfp4_gemm_pack_x(x2.data_ptr(), M, K, K, x_vnni)
     bias_ptr = bias.contiguous().data_ptr() if bias is not None else None
     panels = -(-N // 16)
-    threads = max(1, min(torch.get_num_threads(), panels, (M * N * K) // (1 << 20) or 1))
+    threads = min(torch.get_num_threads(), panels) if M * N * K >= (1 << 20) else 1
+    if threads <= 1:  # pack x and run every panel in one C call
+        panel = _scratch("panel", 16 * K32)
+        rc = _lib.nvfp4_gemm(x2.data_ptr(), M, K, K, w.data.data_ptr(), w.scale.data_ptr(),
+                             w.tables.data_ptr(), w.row_table.data_ptr(), bias_ptr, N, y.data_ptr(), x_vnni,
+                             panel)
+        if rc != 0:
+            raise RuntimeError(f"nvfp4_gemm failed ({rc})")
+        return y.reshape(*lead, N)
+    _lib.nvfp4_gemm_pack_x(x2.data_ptr(), M, K, K, x_vnni)
 
     def rows(p0: int, p1: int) -> None:
         panel = _scratch("panel", 16 * K32)
@@ -200,10 +210,7 @@ def linear(x: torch.Tensor, w: GemmWeight, bias: torch.Tensor | None = None) -> 
         if rc != 0:
             raise RuntimeError(f"nvfp4_gemm_rows failed ({rc})")
 
-    if threads == 1:
-        rows(0, panels)
-    else:
-        cpu._parallel_rows(rows, panels, 16 * K * max(M, 1), 1)
+    cpu._parallel_rows(rows, panels, 16 * K * max(M, 1), 1)
     return y.reshape(*lead, N)
 
 

@@ -265,3 +265,11 @@ void nvfp4_gemm_dequantize(const uint8_t *data, const uint8_t *scale, const uint
                            const int32_t *row_table, int64_t n_begin, int64_t n_end, int64_t K, uint16_t *out) {
     for (int64_t n = n_begin; n < n_end; n++) dequantize_row(data, scale, tables, row_table, n, K, out + n * K);
 }
+
+/* The whole product on one thread: pack x, then every panel (one call from Python instead of two). */
+int nvfp4_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *data, const uint8_t *scale,
+               const uint16_t *tables, const int32_t *row_table, const uint16_t *bias, int64_t N, uint16_t *y,
+               uint16_t *x_vnni, uint16_t *panel) {
+    nvfp4_gemm_pack_x(x, M, K, ldx, x_vnni);
+    return nvfp4_gemm_rows(x_vnni, M, K, data, scale, tables, row_table, bias, 0, N, N, y, N, panel);
+}
