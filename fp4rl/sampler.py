@@ -280,12 +280,14 @@ class Sampler:
         self.policy_version = payload.version
 
     def memory(self) -> dict[str, float]:
-        """Bytes of the packed linears vs the same weights in BF16, the dequantized cache, the rest."""
+        """Bytes of the packed linears vs the same weights in BF16; what the sampler derives from them
+        per weight version (`dequantized_cache_bytes`: a DQ(W) cache, oneDNN-reordered DQ(W), or the
+        AMX kernel's copy); prepacked copies of BF16 linears; every parameter and buffer."""
         packed = [m for m in self.model.modules() if isinstance(m, PackedNVFP4Linear)]
         params = sum(m.in_features * m.out_features for m in packed)
         packed_bytes = sum(m.quantized_weight().nbytes for m in packed)
         cache_bytes = sum(m._dequantized.nbytes for m in packed if m._dequantized is not None)
-        cache_bytes += sum(m._prepacked.nbytes for m in packed)
+        cache_bytes += sum(m._prepacked.nbytes + m._gemm.nbytes for m in packed)
         cache_bytes += sum(g.nbytes for g in self.model.fused_groups if g.packed)
         prepacked_dense = sum(m._prepacked.nbytes for m in self.model.modules()
                               if isinstance(m, PrepackedLinear))
