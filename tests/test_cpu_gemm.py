@@ -216,3 +216,20 @@ def test_two_threads_give_the_same_bits_as_one():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+@needs_amx
+def test_a_long_prefill_dequantizes_per_call_and_matches_the_dequantizing_sampler():
+    """More than GEMM_MAX_ROWS rows: each NVFP4 linear dequantizes into one reused buffer and runs
+    oneDNN; every layer must still see its own weight."""
+    from fp4rl.packed import GEMM_MAX_ROWS
+
+    model, _ = tiny_model("nvfp4-w4a16")
+    fast = Sampler(model, eos_token_ids=[], dtype=torch.bfloat16, nvfp4_gemm=True)
+    slow = Sampler(model, eos_token_ids=[], dtype=torch.bfloat16, nvfp4_gemm=False, prepack=False)
+    prompts = [[(7 * i + j) % 90 + 1 for j in range(20)] for i in range(6)]  # 120 prefill rows
+    assert sum(map(len, prompts)) > GEMM_MAX_ROWS
+    greedy = SamplingParams(greedy=True, max_new_tokens=4)
+    a, b = fast.generate(prompts, greedy), slow.generate(prompts, greedy)
+    assert [c.completion_ids[0] for c in a] == [c.completion_ids[0] for c in b]
+    assert max(abs(x.logprobs[0] - y.logprobs[0]) for x, y in zip(a, b)) < 0.05
