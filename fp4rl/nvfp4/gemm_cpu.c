@@ -83,6 +83,9 @@ static inline void dequantize_row(const uint8_t *data, const uint8_t *scale, con
     const uint8_t *codes = data + n * (K / 2);
     const uint8_t *scales = scale + n * (K / 16);
     const uint16_t *table = tables + (int64_t)row_table[n] * 256 * 16;
+    /* the same row of the next panel, to L2 while this one is unpacked (prefetches never fault) */
+    for (int64_t p = 0; p < K / 2; p += 64) _mm_prefetch((const char *)(codes + 16 * (K / 2) + p), _MM_HINT_T1);
+    _mm_prefetch((const char *)(scales + 16 * (K / 16)), _MM_HINT_T1);
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
         __m512i lut0 = _mm512_loadu_si512((const void *)(table + scales[k / 16] * 16));
