@@ -18,45 +18,36 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import warnings
 from pathlib import Path
 
 import torch
 
+from fp4rl.nvfp4 import cpu
+
 _SOURCE = Path(__file__).with_name("sampling_cpu.c")
 _CFLAGS = ("-O3", "-march=native", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-std=gnu11",
-           "-fPIC", "-shared", "-lm")
+           "-fPIC", "-shared")
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 _lock = threading.Lock()
 _lib = None
 _failed: str | None = None
 
 
+def _load() -> ctypes.CDLL:
+    reason = cpu.missing_cpu_flags(_CPU_FLAGS)
+    if reason:
+        raise RuntimeError(reason)
+    lib = cpu.open_library(lambda: cpu.build(_SOURCE, _CFLAGS, ldflags=("-lm",)))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.sampling_head.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
+    lib.sampling_head.restype = ctypes.c_int
+    return lib
+
+
 def available() -> bool:
     """Whether the fused head runs here (builds it on first use; warns once if that fails)."""
-    global _lib, _failed
-    if _lib is not None:
-        return True
-    if _failed is not None:
-        return False
-    with _lock:
-        if _lib is None and _failed is None:
-            try:
-                flags = Path("/proc/cpuinfo").read_text()
-                if not all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq")):
-                    raise RuntimeError("the CPU lacks AVX-512 (F/BW/VL/DQ)")
-                from fp4rl.nvfp4 import cpu
-
-                lib = ctypes.CDLL(str(cpu.build(_SOURCE, _CFLAGS)))
-                i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                lib.sampling_head.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, ctypes.c_float, ptr, ptr,
-                                              ptr]
-                lib.sampling_head.restype = ctypes.c_int
-                _lib = lib
-            except Exception as e:  # noqa: BLE001 - any build/load problem: the torch code runs instead
-                _failed = f"{type(e).__name__}: {e}"
-                warnings.warn(f"fp4rl.cpu_head: the fused sampling head is unavailable ({_failed}); the "
-                              "sampler uses torch ops", RuntimeWarning, stacklevel=2)
-    return _lib is not None
+    return cpu.load_once(globals(), _load, lambda failed: (
+        f"fp4rl.cpu_head: the fused sampling head is unavailable ({failed}); the sampler uses torch ops"))
 
 
 def sample_head(logits: torch.Tensor, greedy: bool, temperature: float,

@@ -39,21 +39,16 @@ hand-off).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
 import os
-import subprocess
-import tempfile
 import threading
-import warnings
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
 import torch
 
 from fp4rl.model import CausalLM, Decoder, KVCache
-from fp4rl.nvfp4.cpu import _cache_dir, _compiler, _cpu_signature
+from fp4rl.nvfp4 import cpu
 
 __all__ = ["FastCPUDecoder", "add_rms_norm", "attention", "available", "fast_cpu_ops", "rope_qkv", "silu_mul"]
 
@@ -69,36 +64,14 @@ _failed: str | None = None
 
 
 def build(cflags: tuple[str, ...] = _CFLAGS) -> Path:
-    """Compile cpu_ops.c (or find it in the cache); returns the shared library's path. Tests pass
-    other -march flags to check the AVX-512 and the scalar code on one machine."""
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (gcc or cc, or $CC) found")
-    if not _SOURCE_FILE.exists():
-        raise RuntimeError(f"{_SOURCE_FILE} is missing (not packaged?)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    source = _SOURCE_FILE.read_text()
-    key = hashlib.sha256("\0".join([source, " ".join(cflags), version, _cpu_signature()]).encode())
-    target = _cache_dir() / f"cpu_ops-{key.hexdigest()[:20]}.so"
-    if target.exists():
-        return target
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / "cpu_ops.so"
-        result = subprocess.run([cc, *cflags, "-o", str(out), str(_SOURCE_FILE), "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {result.stderr.strip()[:2000]}")
-        os.replace(out, target)  # atomic: concurrent builders never load a half-written file
-    return target
+    """Compile cpu_ops.c (or find it in the cache; fp4rl.nvfp4.cpu.build); returns the shared
+    library's path. Tests pass other -march flags to check the AVX-512 and the scalar code on one
+    machine."""
+    return cpu.build(_SOURCE_FILE, cflags, ldflags=("-lm",))
 
 
 def _load(cflags: tuple[str, ...] = _CFLAGS) -> ctypes.CDLL:
-    path = build(cflags)
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError:  # a damaged cache entry: build it again once
-        path.unlink(missing_ok=True)
-        lib = ctypes.CDLL(str(build(cflags)))
+    lib = cpu.open_library(partial(build, cflags))
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     lib.cpu_add_rms_norm.argtypes = [i64, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64]
     lib.cpu_add_rms_norm.restype = None
@@ -116,20 +89,9 @@ def _load(cflags: tuple[str, ...] = _CFLAGS) -> ctypes.CDLL:
 
 def available() -> bool:
     """Whether the kernels can run (builds and loads them on the first call; warns once if not)."""
-    global _lib, _failed
-    if _lib is not None:
-        return True
-    if _failed is not None:
-        return False
-    with _lock:
-        if _lib is None and _failed is None:
-            try:
-                _lib = _load()
-            except Exception as e:  # noqa: BLE001 - any build/load problem means: the eager path
-                _failed = f"{type(e).__name__}: {e}"
-                warnings.warn(f"fp4rl.cpu_ops: the fused CPU kernels are unavailable ({_failed}); the "
-                              "sampler runs the eager model code", RuntimeWarning, stacklevel=3)
-    return _lib is not None
+    return cpu.load_once(globals(), _load, lambda failed: (
+        f"fp4rl.cpu_ops: the fused CPU kernels are unavailable ({failed}); the sampler runs the eager model "
+        "code"))
 
 
 def _need_lib() -> ctypes.CDLL:
@@ -138,8 +100,6 @@ def _need_lib() -> ctypes.CDLL:
     return _lib
 
 
-_pool: ThreadPoolExecutor | None = None
-_pool_pid = 0
 _MIN_ROWS_PER_THREAD = 32  # prefill-sized calls only: a decode step's kernels are shorter than a hand-off
 
 
@@ -152,14 +112,9 @@ def _chunks(n: int, min_per_thread: int = _MIN_ROWS_PER_THREAD) -> list[tuple[in
 
 def _run(calls: list) -> list:
     """Results of the zero-argument callables (C calls: ctypes releases the GIL), the first run here."""
-    global _pool, _pool_pid
     if len(calls) == 1:
         return [calls[0]()]
-    with _lock:  # a pool inherited through fork has no threads: make a new one
-        if _pool is None or _pool_pid != os.getpid() or _pool._max_workers < len(calls) - 1:
-            _pool = ThreadPoolExecutor(max_workers=len(calls) - 1, thread_name_prefix="fp4rl-cpu-ops")
-            _pool_pid = os.getpid()
-        pool = _pool
+    pool = cpu.thread_pool(len(calls) - 1)
     futures = [pool.submit(c) for c in calls[1:]]
     first = calls[0]()
     return [first] + [f.result() for f in futures]

@@ -113,21 +113,26 @@ def _cpu_signature() -> str:
         return platform.processor() + platform.machine()
 
 
-def build(source: Path = _SOURCE_FILE, cflags: tuple[str, ...] = _CFLAGS) -> Path:
+def build(source: Path = _SOURCE_FILE, cflags: tuple[str, ...] = _CFLAGS,
+          ldflags: tuple[str, ...] = ()) -> Path:
     """Compile a C file of this package (or find it in the cache); returns the shared library's path.
-    The cache key covers the source, the flags, the compiler's version and this CPU."""
+    The cache key covers the source, the flags, the compiler's version and this CPU. The other C
+    kernels of fp4rl (nvfp4/cpu_gemm.py, cpu_ops.py, cpu_head.py) are built by this function too."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc, or $CC) found")
+    if not source.exists():
+        raise RuntimeError(f"{source} is missing (not packaged?)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    text = source.read_text()
-    key = hashlib.sha256("\0".join([text, " ".join(cflags), version, _cpu_signature()]).encode())
+    parts = [source.read_text(), " ".join(cflags), version, _cpu_signature()]
+    parts += [" ".join(ldflags)] if ldflags else []
+    key = hashlib.sha256("\0".join(parts).encode())
     target = _cache_dir() / f"{source.stem}-{key.hexdigest()[:20]}.so"
     if target.exists():
         return target
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / f"{source.stem}.so"
-        command = [cc, *cflags, "-o", str(out), str(source)]
+        command = [cc, *cflags, "-o", str(out), str(source), *ldflags]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed: {result.stderr.strip()[:2000]}")
@@ -135,13 +140,61 @@ def build(source: Path = _SOURCE_FILE, cflags: tuple[str, ...] = _CFLAGS) -> Pat
     return target
 
 
-def _load() -> ctypes.CDLL:
-    path = build()
+def open_library(build_library) -> ctypes.CDLL:
+    """ctypes.CDLL of the library build_library() returns; a damaged cache entry is deleted and
+    built once more."""
+    path = build_library()
     try:
-        lib = ctypes.CDLL(str(path))
-    except OSError:  # a damaged cache entry: build it again once
+        return ctypes.CDLL(str(path))
+    except OSError:
         path.unlink(missing_ok=True)
-        lib = ctypes.CDLL(str(build()))
+        return ctypes.CDLL(str(build_library()))
+
+
+def missing_cpu_flags(flags: tuple[str, ...]) -> str | None:
+    """None when /proc/cpuinfo lists every one of `flags`, else what is missing."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "no /proc/cpuinfo (not Linux)"
+    have = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    missing = [f for f in flags if f not in have]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def load_once(state: dict, load, warning) -> bool:
+    """The lazy loading every C-kernel module of fp4rl shares, on that module's globals `state`
+    (`_lib`, `_failed`, `_lock`): the first call runs load(); a failure is kept in `_failed` and,
+    when warning(failed) gives a text, warned once. Returns whether `_lib` is loaded."""
+    if state["_lib"] is not None:
+        return True
+    if state["_failed"] is not None:
+        return False
+    with state["_lock"]:
+        if state["_lib"] is None and state["_failed"] is None:
+            try:
+                state["_lib"] = load()
+            except Exception as e:  # noqa: BLE001 - any build/load problem means: the fallback runs
+                state["_failed"] = failed = f"{type(e).__name__}: {e}"
+                text = warning(failed)
+                if text:
+                    warnings.warn(text, RuntimeWarning, stacklevel=4)
+    return state["_lib"] is not None
+
+
+def thread_pool(workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool of at least `workers` threads for the C kernels (ctypes releases the GIL);
+    a pool inherited through fork has no threads, so a forked child makes its own."""
+    global _pool, _pool_pid
+    with _lock:
+        if _pool is None or _pool_pid != os.getpid() or _pool._max_workers < workers:
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fp4rl-cpu")
+            _pool_pid = os.getpid()
+        return _pool
+
+
+def _load() -> ctypes.CDLL:
+    lib = open_library(build)
     i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     lib.nvfp4_row_amax.argtypes = [ptr, i32, i64, i64, i64, ptr]
     lib.nvfp4_row_amax.restype = i32
@@ -159,27 +212,14 @@ def _load() -> ctypes.CDLL:
 def available() -> bool:
     """Whether the fast path can run (builds and loads the kernel on the first call). On
     failure, warns once; the caller then uses the reference."""
-    global _lib, _failed
-    if _lib is not None:
-        return True
-    if _failed is not None:
-        return False
-    with _lock:
-        if _lib is None and _failed is None:
-            try:
-                _lib = _load()
-            except Exception as e:  # noqa: BLE001 - any build/load problem means: use the reference
-                _failed = f"{type(e).__name__}: {e}"
-                warnings.warn(f"fp4rl.nvfp4: the fast CPU quantizer is unavailable ({_failed}); "
-                              "CPU tensors use the reference quantizer (same bytes, slower)",
-                              RuntimeWarning, stacklevel=3)
-    return _lib is not None
+    return load_once(globals(), _load, lambda failed: (
+        f"fp4rl.nvfp4: the fast CPU quantizer is unavailable ({failed}); CPU tensors use the reference "
+        "quantizer (same bytes, slower)"))
 
 
 def _parallel_rows(fn, rows: int, elements_per_row: int, align: int) -> None:
     """fn(r0, r1) over [0, rows) split into up to torch.get_num_threads() aligned chunks, run
     on Python threads (the C calls release the GIL)."""
-    global _pool, _pool_pid
     n = min(torch.get_num_threads(), max(1, rows * elements_per_row // _MIN_ELEMENTS_PER_THREAD))
     n = min(n, rows // align) if rows >= align else 1
     if n <= 1:
@@ -187,11 +227,7 @@ def _parallel_rows(fn, rows: int, elements_per_row: int, align: int) -> None:
         return
     step = -(-rows // n // align) * align
     bounds = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
-    with _lock:  # a pool inherited through fork has no threads: make a new one
-        if _pool is None or _pool_pid != os.getpid() or _pool._max_workers < len(bounds) - 1:
-            _pool = ThreadPoolExecutor(max_workers=len(bounds) - 1, thread_name_prefix="fp4rl-nvfp4")
-            _pool_pid = os.getpid()
-        pool = _pool
+    pool = thread_pool(len(bounds) - 1)
     futures = [pool.submit(fn, r0, r1) for r0, r1 in bounds[1:]]
     fn(*bounds[0])
     for f in futures:

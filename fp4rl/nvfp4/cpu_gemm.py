@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-import warnings
 from pathlib import Path
 
 import torch
@@ -43,22 +42,11 @@ _lib: ctypes.CDLL | None = None
 _failed: str | None = None
 
 
-def _cpu_has_flags() -> str | None:
-    """None when /proc/cpuinfo lists every flag the kernel needs, else what is missing."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "no /proc/cpuinfo (not Linux)"
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
-    missing = [f for f in _CPU_FLAGS if f not in flags]
-    return f"the CPU lacks {', '.join(missing)}" if missing else None
-
-
 def _load() -> ctypes.CDLL:
-    reason = _cpu_has_flags()
+    reason = cpu.missing_cpu_flags(_CPU_FLAGS)
     if reason:
         raise RuntimeError(reason)
-    lib = ctypes.CDLL(str(cpu.build(_SOURCE_FILE, _CFLAGS)))
+    lib = cpu.open_library(lambda: cpu.build(_SOURCE_FILE, _CFLAGS))
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.nvfp4_gemm_init.argtypes = []
     lib.nvfp4_gemm_init.restype = i32
@@ -78,24 +66,11 @@ def _load() -> ctypes.CDLL:
 def available() -> bool:
     """Whether the kernel can run here (builds and loads it on the first call; False, with one
     warning on a CPU that should support it, when that fails)."""
-    global _lib, _failed
-    if _lib is not None:
-        return True
-    if os.environ.get("FP4RL_CPU_GEMM", "").lower() in ("0", "off", "false", "no"):
+    if _lib is None and os.environ.get("FP4RL_CPU_GEMM", "").lower() in ("0", "off", "false", "no"):
         return False
-    if _failed is not None:
-        return False
-    with _lock:
-        if _lib is None and _failed is None:
-            try:
-                _lib = _load()
-            except Exception as e:  # noqa: BLE001 - any build/load problem means: dequantize + F.linear
-                _failed = f"{type(e).__name__}: {e}"
-                if _cpu_has_flags() is None:
-                    warnings.warn(f"fp4rl.nvfp4.cpu_gemm: the AMX NVFP4 GEMM is unavailable ({_failed}); "
-                                  "CPU linears dequantize their weights instead (same values, slower)",
-                                  RuntimeWarning, stacklevel=3)
-    return _lib is not None
+    return cpu.load_once(globals(), _load, lambda failed: None if cpu.missing_cpu_flags(_CPU_FLAGS) else (
+        f"fp4rl.nvfp4.cpu_gemm: the AMX NVFP4 GEMM is unavailable ({failed}); CPU linears dequantize "
+        "their weights instead (same values, slower)"))
 
 
 class GemmWeight:
