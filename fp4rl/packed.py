@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4rl.model import MLP, Attention, CausalLM
-from fp4rl.nvfp4 import NVFP4Tensor, dequantize, quantize
+from fp4rl.nvfp4 import NVFP4Tensor, cpu_gemm, dequantize, quantize
 from fp4rl.qat import NVFP4Linear
 
 
@@ -87,9 +87,6 @@ GEMM_MAX_ROWS = 64
 """Rows up to which a BF16 CPU product with NVFP4 weights runs the AMX kernel on the packed bytes
 (`fp4rl.nvfp4.cpu_gemm`); above, a prefill dequantizes the weight for that call and runs oneDNN,
 whose blocked GEMM is faster once the dequantization is shared by that many rows."""
-
-
-from fp4rl.nvfp4 import cpu_gemm  # noqa: E402 - after dequantize/quantize, which it builds on
 
 
 class NVFP4GemmCache:
@@ -293,38 +290,41 @@ class FusedGroup:
     def weight_and_bias(self, dtype: torch.dtype):
         if not self.packed:
             return self._weight, self._bias
-        bias = None if self.members[0].bias is None else torch.cat([m.bias for m in self.members])
+        bias = self._stacked_bias()
         if not self.members[0].cache_dequantized:
             return torch.cat([m.dequantized_weight(dtype) for m in self.members]), bias
-        key = (dtype, tuple(m.weight_version() for m in self.members))
+        key = (dtype, self._versions())
         if self._weight_key != key:
-            self._weight = torch.cat([dequantize(m.quantized_weight(), dtype) for m in self.members])
+            self._weight = self._dequantized_stack(dtype)
             self._weight_key = key
         return self._weight, bias
 
+    def _versions(self) -> tuple:
+        return tuple(m.weight_version() for m in self.members)
+
+    def _stacked_bias(self) -> torch.Tensor | None:
+        """The packed members' biases as one vector (None without biases)."""
+        return None if self.members[0].bias is None else torch.cat([m.bias for m in self.members])
+
+    def _quantized_parts(self) -> list[NVFP4Tensor]:
+        return [m.quantized_weight() for m in self.members]
+
+    def _dequantized_stack(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([dequantize(m.quantized_weight(), dtype) for m in self.members])
+
     def _prepacked_linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            key = tuple(m.weight_version() for m in self.members)
-            bias = None if self.members[0].bias is None else torch.cat([m.bias for m in self.members])
-
-            def make():
-                return torch.cat([dequantize(m.quantized_weight(), x.dtype) for m in self.members])
-        else:
-            key, bias = (self._weight.data_ptr(), _version(self._weight)), self._bias
-
-            def make():
-                return self._weight
-
-        return self._prepacked.linear(x, key, make, bias)
+            return self._prepacked.linear(x, self._versions(), lambda: self._dequantized_stack(x.dtype),
+                                          self._stacked_bias())
+        key = (self._weight.data_ptr(), _version(self._weight))
+        return self._prepacked.linear(x, key, lambda: self._weight, self._bias)
 
     def __call__(self, member: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x is not self._x or id(member) not in self._outs:
             x_in = self.members[0].prepare_input(x) if self.packed else x
             y = None
             if self.amx and _prepackable(x_in):
-                bias = None if self.members[0].bias is None else torch.cat([m.bias for m in self.members])
-                y = self._gemm.linear(x_in, tuple(m.weight_version() for m in self.members),
-                                      lambda: [m.quantized_weight() for m in self.members], bias)
+                y = self._gemm.linear(x_in, self._versions(), self._quantized_parts, self._stacked_bias())
             if y is None and self.prepack and _prepackable(x_in):
                 y = self._prepacked_linear(x_in)
             elif y is None:

@@ -36,8 +36,11 @@ from dataclasses import dataclass
 
 import torch
 
+from fp4rl import cpu_head
+from fp4rl.cpu_ops import FastCPUDecoder
 from fp4rl.kvcache import KV_CACHE_KINDS, make_kv_cache
 from fp4rl.model import CausalLM
+from fp4rl.nvfp4 import cpu_gemm
 from fp4rl.packed import PackedNVFP4Linear, PrepackedLinear, build_sampler_model, onednn_bf16_available
 
 __all__ = ["Completion", "PackedNVFP4Linear", "Sampler", "SamplingParams", "sample_next"]
@@ -216,30 +219,21 @@ class Sampler:
         if kernels is None:
             kernels = self.device.type == "cuda" and self.dtype == torch.bfloat16
         fuse = (on_cpu or kernels) if fuse is None else fuse
-        if prepack is None:
-            prepack = on_cpu and self.dtype == torch.bfloat16 and onednn_bf16_available()
-        elif prepack and not (on_cpu and self.dtype == torch.bfloat16):
-            raise ValueError(f"Sampler prepack=True is for a BF16 sampler on the CPU (got {self.dtype} on "
-                             f"{self.device}); pass prepack=False or dtype=torch.bfloat16")
-        self.prepack = prepack
-        if nvfp4_gemm is None:
-            from fp4rl.nvfp4 import cpu_gemm
+        cpu_bf16 = on_cpu and self.dtype == torch.bfloat16
 
-            nvfp4_gemm = on_cpu and self.dtype == torch.bfloat16 and cpu_gemm.available()
-        elif nvfp4_gemm and not (on_cpu and self.dtype == torch.bfloat16):
-            raise ValueError(f"Sampler nvfp4_gemm=True is for a BF16 sampler on the CPU (got {self.dtype} on "
-                             f"{self.device}); pass nvfp4_gemm=False or dtype=torch.bfloat16")
-        self.nvfp4_gemm = nvfp4_gemm
-        if fast_head is None:
-            from fp4rl import cpu_head
+        def cpu_bf16_path(name: str, value: bool | None, available) -> bool:
+            """A fast path of the BF16 CPU sampler: on by default where it can run, refused elsewhere."""
+            if value is None:
+                return cpu_bf16 and available()
+            if value and not cpu_bf16:
+                raise ValueError(f"Sampler {name}=True is for a BF16 sampler on the CPU (got {self.dtype} on "
+                                 f"{self.device}); pass {name}=False or dtype=torch.bfloat16")
+            return value
 
-            fast_head = on_cpu and self.dtype == torch.bfloat16 and cpu_head.available()
-        self.fast_head = fast_head
-        if cpu_ops is None:
-            cpu_ops = on_cpu and self.dtype == torch.bfloat16
-        elif cpu_ops and not (on_cpu and self.dtype == torch.bfloat16):
-            raise ValueError(f"Sampler cpu_ops=True is for a BF16 sampler on the CPU (got {self.dtype} on "
-                             f"{self.device}); pass cpu_ops=False or dtype=torch.bfloat16")
+        self.prepack = prepack = cpu_bf16_path("prepack", prepack, onednn_bf16_available)
+        self.nvfp4_gemm = nvfp4_gemm = cpu_bf16_path("nvfp4_gemm", nvfp4_gemm, cpu_gemm.available)
+        cpu_ops = cpu_bf16_path("cpu_ops", cpu_ops, lambda: True)  # if unbuildable, fast_cpu_ops does nothing
+        self.fast_head = cpu_bf16 and cpu_head.available() if fast_head is None else fast_head
         self.config = model.config
         self.max_seq_len = max_seq_len or self.config.max_position_embeddings
         if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
@@ -258,8 +252,6 @@ class Sampler:
             eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.eos_token_ids = set(eos_token_ids)
         self.pad_token_id = getattr(tokenizer, "pad_token_id", None) or 0
-        from fp4rl.cpu_ops import FastCPUDecoder
-
         self.cpu_ops = isinstance(self.model.model, FastCPUDecoder)
         self.policy_version = policy_version
         self.num_moe_layers = len(self.config.moe_layers)
@@ -431,9 +423,7 @@ class Sampler:
 
     def _next_tokens(self, logits: torch.Tensor, params: SamplingParams, generator):
         if self.fast_head and (params.greedy or (params.top_k == 0 and params.top_p == 1.0)):
-            from fp4rl.cpu_head import sample_head
-
-            out = sample_head(logits, params.greedy, params.temperature, generator)
+            out = cpu_head.sample_head(logits, params.greedy, params.temperature, generator)
             if out is not None:
                 return out
         return sample_next(logits, params, generator)
