@@ -91,3 +91,26 @@ def run_overrides(model_dir, prompts_path, run_dir, name: str) -> list[str]:
         f"run.dir={json.dumps(str(run_dir))}",
         f"run.name={name}",
     ]
+
+
+def converted_model(config: dict, preset: str, seed: int = 0):
+    """(a random fp4rl CausalLM of `config` with peaked logits, converted with the preset, the contract)."""
+    from fp4rl.model import CausalLM, ModelConfig
+    from fp4rl.precision import PrecisionContract
+    from fp4rl.qat import convert
+
+    torch.manual_seed(seed)
+    model = CausalLM(ModelConfig(**config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.2)
+    contract = PrecisionContract(preset)
+    return convert(model.eval(), contract), contract
+
+
+def optimizer_step(model, seed: int = 1) -> None:
+    """Change every parameter in place, as an optimizer step does."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)

@@ -5,12 +5,10 @@ odd shapes, fused stacks, refusals, and weight sync invalidating every derived c
 import pytest
 import torch
 import torch.nn.functional as F
+from rl_fixtures import converted_model, optimizer_step
 
-from fp4rl.model import CausalLM, ModelConfig
 from fp4rl.nvfp4 import cpu_gemm, dequantize, quantize
 from fp4rl.packed import PrepackedLinear, onednn_bf16_available
-from fp4rl.precision import PrecisionContract
-from fp4rl.qat import convert
 from fp4rl.sampler import Sampler, SamplingParams
 from fp4rl.weight_sync import build_payload
 
@@ -122,21 +120,8 @@ def test_bad_inputs_are_refused_or_left_to_the_fallback():
     assert cpu_gemm.linear(torch.randn(0, 64).bfloat16(), w).shape == (0, 32)
 
 
-def tiny_model(preset, seed=0):
-    torch.manual_seed(seed)
-    model = CausalLM(ModelConfig(**CONFIG))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.2)
-    contract = PrecisionContract(preset)
-    return convert(model.eval(), contract), contract
-
-
-def step(model, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+def tiny_model(preset):
+    return converted_model(CONFIG, preset)
 
 
 def outputs(sampler):
@@ -152,7 +137,7 @@ def test_prepacked_bf16_linears_are_bit_identical_and_follow_weight_sync():
     assert isinstance(fast.model.model.layers[0].self_attn.o_proj, PrepackedLinear)
     assert fast.model.lm_head.weight is fast.model.model.embed_tokens.weight  # still tied
     assert outputs(fast) == outputs(plain)
-    step(model)
+    optimizer_step(model)
     payload = build_payload(model, contract, version=1)
     fast.load(payload, verify=True)
     plain.load(payload)
@@ -179,7 +164,7 @@ def test_the_amx_sampler_matches_the_dequantizing_one_and_follows_weight_sync(pr
     close(outputs(fast), outputs(slow))
     assert fast.memory()["dequantized_cache_bytes"] < slow.memory()["dequantized_cache_bytes"]  # no DQ(W)
     before = outputs(fast)
-    step(model)
+    optimizer_step(model)
     payload = build_payload(model, contract, version=1)
     fast.load(payload, verify=True)
     slow.load(payload)

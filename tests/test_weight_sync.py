@@ -5,10 +5,10 @@ import dataclasses
 
 import pytest
 import torch
+from rl_fixtures import converted_model, optimizer_step
 
-from fp4rl.model import CausalLM, ModelConfig
 from fp4rl.precision import PrecisionContract
-from fp4rl.qat import NVFP4Linear, convert, packed_state
+from fp4rl.qat import NVFP4Linear, packed_state
 from fp4rl.sampler import Sampler, SamplingParams
 from fp4rl.weight_sync import Payload, build_payload, verify_equal
 
@@ -22,21 +22,7 @@ GREEDY = SamplingParams(greedy=True, max_new_tokens=6)
 
 
 def trainer(config=CONFIG, preset="nvfp4-linear", seed=0):
-    torch.manual_seed(seed)
-    model = CausalLM(ModelConfig(**config))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.2)
-    contract = PrecisionContract(preset)
-    return convert(model.eval(), contract), contract
-
-
-def optimizer_step(model, seed=1):
-    """Change every parameter in place, as an optimizer step does."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return converted_model(config, preset, seed)
 
 
 def snapshot(sampler):
