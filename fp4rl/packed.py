@@ -31,10 +31,11 @@ Prepacked BF16 GEMMs (CPU). `F.linear` on a BF16 CPU tensor hands oneDNN a plain
 and oneDNN reorders it into its blocked (AMX / AVX-512 BF16) layout on every call: for the small
 M of a decode step that reorder costs as much as the product. With `prepack` (the sampler's
 default on a CPU with oneDNN BF16 support) every linear of the sampler copy computes with a copy
-of its weight reordered once per weight version (`PrepackedWeight`): 1.5-2.6x faster per GEMM at
-1-16 rows on the default model's shapes, and bit-identical to `F.linear` (tests/test_sampler.py).
-A packed NVFP4 linear then keeps the reordered DQ(W) instead of the plain one (no extra bytes);
-a BF16 linear keeps its weight (weight sync writes it) and the reordered copy (2x its bytes).
+of its weight laid out once per weight version (`PrepackedWeight`): on an AMX CPU the tiled copy
+of fp4rl.nvfp4.cpu_gemm (one sequential stream per weight; up to GEMM_MAX_ROWS rows, above which a
+dense weight goes to F.linear), elsewhere oneDNN's reordered copy (bit-identical to `F.linear`).
+A packed NVFP4 linear then keeps the laid-out DQ(W) instead of the plain one (no extra bytes);
+a BF16 linear keeps its weight (weight sync writes it) and the copy (2x its bytes).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def onednn_bf16_available() -> bool:
 
 
 class PrepackedWeight:
-    """oneDNN's reordered copy of one BF16 CPU weight [N, K], rebuilt when `key` changes."""
+    """One BF16 CPU weight [N, K] in a GEMM-ready layout, rebuilt when `key` changes: the AMX kernel's
+    tiled copy (`cpu_gemm.BF16Weight`) where that kernel runs, else oneDNN's reordered copy."""
 
     def __init__(self):
         self.packed, self.key, self.nbytes = None, None, 0
@@ -67,15 +69,30 @@ class PrepackedWeight:
     def invalidate(self) -> None:
         self.packed, self.key, self.nbytes = None, None, 0
 
-    def linear(self, x: torch.Tensor, key, make_weight, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ W.T + b with W = make_weight() reordered once per key; x [..., K] BF16 on the CPU."""
+    def linear(self, x: torch.Tensor, key, make_weight, bias: torch.Tensor | None,
+               plain: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T + b with W = make_weight() laid out once per key; x [..., K] BF16 on the CPU. `plain`:
+        W itself when the caller holds it (a dense weight), for prefills above GEMM_MAX_ROWS rows, where
+        oneDNN's blocked GEMM on W is faster than the AMX kernel."""
+        amx = cpu_gemm.available()
+        if amx and plain is not None and x.numel() // max(x.shape[-1], 1) > GEMM_MAX_ROWS:
+            return F.linear(x, plain, bias)
         if self.key != key or self.packed is None:
             weight = make_weight()
             if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
                 raise ValueError(f"prepacked linear: the weight is {weight.dtype} on {weight.device}; "
                                  "prepacking is for BF16 weights on the CPU (else Sampler(prepack=False))")
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-            self.key, self.nbytes = key, weight.numel() * weight.element_size()
+            if amx and weight.dim() == 2 and weight.shape[1] % 16 == 0:
+                self.packed = cpu_gemm.BF16Weight(weight)
+            else:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+            self.key = key
+            self.nbytes = self.packed.nbytes if isinstance(self.packed, cpu_gemm.BF16Weight) else \
+                weight.numel() * weight.element_size()
+        if isinstance(self.packed, cpu_gemm.BF16Weight):
+            if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+                bias = bias.to(torch.bfloat16).contiguous()
+            return cpu_gemm.linear(x, self.packed, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
@@ -238,7 +255,7 @@ class PrepackedLinear(nn.Linear):
         if not _prepackable(x) or self.weight.dtype != torch.bfloat16:
             return F.linear(x, self.weight, self.bias)
         w = self.weight
-        return self._prepacked.linear(x, (w.data_ptr(), _version(w)), lambda: w.detach(), self.bias)
+        return self._prepacked.linear(x, (w.data_ptr(), _version(w)), lambda: w.detach(), self.bias, plain=w)
 
 
 class GroupedLinear(nn.Linear):
@@ -317,7 +334,7 @@ class FusedGroup:
             return self._prepacked.linear(x, self._versions(), lambda: self._dequantized_stack(x.dtype),
                                           self._stacked_bias())
         key = (self._weight.data_ptr(), _version(self._weight))
-        return self._prepacked.linear(x, key, lambda: self._weight, self._bias)
+        return self._prepacked.linear(x, key, lambda: self._weight, self._bias, plain=self._weight)
 
     def __call__(self, member: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x is not self._x or id(member) not in self._outs:

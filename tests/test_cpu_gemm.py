@@ -43,8 +43,8 @@ def test_the_lookup_tables_hold_the_dequantized_values_subnormals_included():
         q.global_scale.mul_(scale)
         w = cpu_gemm.GemmWeight([q])
         codes = torch.stack((q.data & 15, q.data >> 4), -1).reshape(24, 48).long()
-        block = w.scale.reshape(24, 3).long().repeat_interleave(16, -1)
-        looked_up = w.tables[w.row_table.long()[:, None] * 256 + block, codes]
+        block = q.block_scale.view(torch.uint8).reshape(24, 3).long().repeat_interleave(16, -1)
+        looked_up = w.tables[w.row_table[:24].long()[:, None] * 256 + block, codes]
         assert torch.equal(looked_up.view(torch.int16), dequantize(q, torch.bfloat16).view(torch.int16))
 
 
@@ -74,6 +74,40 @@ def test_products_match_f_linear_on_the_dequantized_weight(n, k, m):
     # and what F.linear in bf16 gives, up to its own rounding
     ref = F.linear(x, dequantize(q, torch.bfloat16), bias)
     assert ((got.double() - ref.double()).abs() <= 2 * ulp + 1e-5).all()
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k,m", [(48, 64, 1), (37, 80, 17), (130, 96, 16), (200, 48, 64), (24, 32, 3)])
+def test_bf16_weights_in_the_tiled_layout_match_f_linear(n, k, m):
+    g = torch.Generator().manual_seed(m)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    got = cpu_gemm.linear(x, cpu_gemm.BF16Weight(w), bias)
+    exact = F.linear(x.double(), w.double(), bias.double())
+    ulp = exact.abs().clamp(min=1e-30).log2().floor().exp2() * 2.0 ** -7
+    assert got.shape == (m, n) and ((got.double() - exact).abs() <= ulp + 1e-5).all()
+
+
+@needs_amx
+def test_a_row_of_the_product_does_not_depend_on_the_batch():
+    """Every C tile sums its chunks in the same order whatever M: decode (<= 16 rows), the 17-64 row
+    path and one row alone give the same bits for the same row of x."""
+    q = weight(100, 96, seed=3)
+    dense = (torch.randn(100, 96) * 0.05).bfloat16()
+    x = torch.randn(40, 96).bfloat16()
+    for w in (cpu_gemm.GemmWeight([q]), cpu_gemm.BF16Weight(dense)):
+        full = cpu_gemm.linear(x, w)
+        assert torch.equal(cpu_gemm.linear(x[:16], w), full[:16])
+        assert torch.equal(cpu_gemm.linear(x[5:6], w), full[5:6])
+        assert torch.equal(cpu_gemm.linear(x[20:23], w), full[20:23])
+
+
+def test_bf16_weight_refuses_what_the_kernel_cannot_read():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_gemm.BF16Weight(torch.zeros(8, 24, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_gemm.BF16Weight(torch.zeros(8, 32))
 
 
 @needs_amx

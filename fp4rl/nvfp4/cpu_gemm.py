@@ -1,22 +1,28 @@
-"""W4A16 GEMM reading packed NVFP4 weights on x86 CPUs with AMX-BF16 (the sampler's CPU linear).
+"""GEMMs for the sampler's CPU linears on x86 CPUs with AMX-BF16: packed NVFP4 or BF16 weights.
 
-    y = x @ DQ(W).T + b        x, b, y bfloat16; W an NVFP4Tensor with 1x16 blocks
+    y = x @ DQ(W).T + b        x, b, y bfloat16; W an NVFP4Tensor with 1x16 blocks (GemmWeight)
+    y = x @ W.T + b            W bfloat16 (BF16Weight)
 
-A BF16 decode step on a CPU is bound by the bytes of its weights (a batch-16 step of the default
-model reads every weight once, ~9 GB/s on one core here): a linear that reads 0.5625 byte per
-weight instead of 2 moves 3.6x fewer. The kernel (gemm_cpu.c, compiled once per machine by
-fp4rl.nvfp4.cpu.build) forms DQ(W) 16 rows at a time in L1/L2 by table lookups (per weight
-version, the 16 values each E4M3 scale byte gives, bf16((e2m1 * e4m3) * g), made by torch), bit for
-bit what `dequantize(q, torch.bfloat16)` returns, and multiplies on AMX tiles with float32 accumulation,
-so results equal `F.linear(x, dequantize(q, bf16), b)` up to the order of float32 additions.
+A decode step on a CPU is bound by the bytes of its weights (a batch-16 step of the default model
+reads every weight once): a linear that reads 0.5625 byte per weight instead of 2 moves 3.6x fewer,
+if the 4-bit codes can be turned into BF16 fast enough. The kernel (gemm_cpu.c, compiled once per
+machine by fp4rl.nvfp4.cpu.build) keeps each weight in a tiled copy made per weight version: groups
+of 64 rows, 32 columns at a time, so the whole weight is one sequential stream (the hardware
+prefetcher and a software prefetch keep it coming at ~13-18 GB/s on one core here, against ~6-8 GB/s
+for oneDNN's blocked BF16 GEMM at 16 rows). NVFP4 values come from tables of the 16 values each E4M3
+scale byte gives, bf16((e2m1 * e4m3) * g), made by torch: bit for bit what
+`dequantize(q, torch.bfloat16)` returns. Each 64 x 32 chunk is unpacked into L1 and multiplied at
+once on AMX tiles with float32 accumulation, so results equal `F.linear(x, dequantize(q, bf16), b)`
+up to the order of float32 additions; that order is fixed per output element, so a row of y does
+not depend on the other rows of x (batch-invariant).
 
 Runs when: the CPU has AMX-BF16 and AVX512-BF16 (Linux grants the tile state), gcc builds the
-file, x is bfloat16, W has 1x16 blocks without a Hadamard transform, its global scales are
-finite (at most 64 distinct ones: one per member of a fused stack) and no block scale is NaN.
-Anything else: `GemmWeight.ok` or `supported_weight` is False and callers use dequantize +
-F.linear.
+file, x is bfloat16, K is a multiple of 16; for NVFP4, W has 1x16 blocks without a Hadamard
+transform, its global scales are finite (at most 64 distinct ones: one per member of a fused stack)
+and no block scale is NaN. Anything else: `GemmWeight.ok` or `supported_weight` is False and
+callers use dequantize + F.linear.
 `FP4RL_CPU_GEMM=off` (set before the first use) disables it. Work is split over
-torch.get_num_threads() threads by 16-row panels of W (ctypes releases the GIL).
+torch.get_num_threads() threads by groups of 64 rows of W (ctypes releases the GIL).
 """
 
 from __future__ import annotations
@@ -58,6 +64,10 @@ def _load() -> ctypes.CDLL:
     lib.nvfp4_gemm.restype = i32
     lib.nvfp4_gemm_dequantize.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr]
     lib.nvfp4_gemm_dequantize.restype = None
+    lib.bf16_gemm_rows.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64]
+    lib.bf16_gemm_rows.restype = i32
+    lib.bf16_gemm.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr]
+    lib.bf16_gemm.restype = i32
     if lib.nvfp4_gemm_init() != 0:
         raise RuntimeError("the kernel refused AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM failed)")
     return lib
@@ -73,9 +83,23 @@ def available() -> bool:
         "their weights instead (same values, slower)"))
 
 
+GROUP = 64  # rows of W per group of the tiled layouts (gemm_cpu.c)
+
+
+def _tiled(t: torch.Tensor) -> torch.Tensor:
+    """[N, C, E] per row and 32-column chunk -> [ceil(N/64), C, 64, E], rows zero-padded: the order in
+    which the kernel streams a weight (one group of 64 rows, chunk after chunk)."""
+    N, C, E = t.shape
+    G = -(-N // GROUP)
+    t = torch.nn.functional.pad(t, (0, 0, 0, 0, 0, G * GROUP - N))
+    return t.reshape(G, GROUP, C, E).transpose(1, 2).contiguous()
+
+
 class GemmWeight:
-    """An NVFP4 weight (or several, stacked along N) in the layout the kernel reads: codes uint8
-    [N, K/2], E4M3 bytes [N, K/16], float32 global scales [1] or [N] (one per row when stacked)."""
+    """An NVFP4 weight (or several, stacked along N) in the layout the kernel reads (gemm_cpu.c): codes
+    uint8 [G, C, 64, 16] (swizzled per 32 weights), E4M3 bytes [G, C, 64, 2], int32 table per row [64 G],
+    and the value tables of its float32 global scales (one, or one per stacked member); G = ceil(N/64),
+    C = ceil(K/32), zero-padded."""
 
     def __init__(self, parts: list[NVFP4Tensor]):
         if not parts:
@@ -87,14 +111,19 @@ class GemmWeight:
                                  "kernel reads)")
         self.K = K
         self.N = sum(q.shape[0] for q in parts)
-        self.data = swizzle(torch.cat([q.data.reshape(q.shape[0], K // 2) for q in parts]))
-        self.scale = torch.cat([q.block_scale.reshape(q.shape[0], K // BLOCK) for q in parts]).contiguous()
-        self.scale = self.scale.view(torch.uint8)
+        C = -(-K // 32)
+        codes = torch.cat([q.data.reshape(q.shape[0], K // 2) for q in parts])
+        codes = swizzle(torch.nn.functional.pad(codes, (0, C * 16 - K // 2)))  # zero codes past K
+        scale = torch.cat([q.block_scale.reshape(q.shape[0], K // BLOCK) for q in parts]).view(torch.uint8)
+        self.ok = not torch.isnan(scale.view(torch.float8_e4m3fn).float()).any().item()
+        scale = torch.nn.functional.pad(scale, (0, 2 * C - K // BLOCK))  # scale byte 0 (value 0) past K
+        self.data = _tiled(codes.reshape(self.N, C, 16))
+        self.scale = _tiled(scale.reshape(self.N, C, 2))
         g = torch.cat([q.global_scale.float().reshape(-1).expand(q.shape[0]) for q in parts])  # [N]
         distinct, row_table = torch.unique(g, return_inverse=True)
-        self.row_table = row_table.to(torch.int32).contiguous()
-        self.ok = bool(distinct.numel() <= _MAX_TABLES and torch.isfinite(distinct).all()
-                       and not torch.isnan(self.scale.view(torch.float8_e4m3fn).float()).any())
+        self.row_table = torch.nn.functional.pad(row_table.to(torch.int32), (0, self.data.shape[0] * GROUP
+                                                                             - self.N)).contiguous()
+        self.ok = bool(self.ok and distinct.numel() <= _MAX_TABLES and torch.isfinite(distinct).all())
         # tables[t, s, c] = bf16((e2m1[c] * e4m3[s]) * g_t): torch's own products and cast, the
         # order of dequantize, so the kernel's panels are its bytes; one padding row at the end
         tables = torch.zeros(distinct.numel() * 256 + 1, BLOCK, dtype=torch.bfloat16)
@@ -107,6 +136,25 @@ class GemmWeight:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes + self.scale.nbytes + self.tables.nbytes + self.row_table.nbytes
+
+
+class BF16Weight:
+    """A BF16 weight [N, K] in the kernel's tiled layout: bf16 [G, C, 64, 32], zero-padded (a copy)."""
+
+    def __init__(self, weight: torch.Tensor):
+        if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" \
+                or weight.shape[1] % BLOCK:
+            raise ValueError(f"BF16Weight: needs a 2-D bfloat16 CPU weight with K a multiple of {BLOCK}, got "
+                             f"{weight.dtype} {list(weight.shape)} on {weight.device}")
+        self.N, self.K = weight.shape
+        C = -(-self.K // 32)
+        w = torch.nn.functional.pad(weight.detach(), (0, C * 32 - self.K))
+        self.data = _tiled(w.reshape(self.N, C, 32))
+        self.ok = True
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
 
 
 def swizzle(data: torch.Tensor) -> torch.Tensor:
@@ -136,14 +184,15 @@ def dequantize_bf16(w: GemmWeight) -> torch.Tensor:
     once (a prefill's F.linear) or clone it. Needs available() and w.ok."""
     if not available() or not w.ok:
         raise RuntimeError("cpu_gemm.dequantize_bf16 needs the kernel and a weight it reads (GemmWeight.ok)")
-    out = _scratch("dequantized", w.N * w.K + 16)
+    out = _scratch("dequantized", w.N * w.K)
     _lib.nvfp4_gemm_dequantize(w.data.data_ptr(), w.scale.data_ptr(), w.tables.data_ptr(),
                                w.row_table.data_ptr(), 0, w.N, w.K, out)
     return _local.buffers["dequantized"][:w.N * w.K].view(w.N, w.K)
 
 
-def linear(x: torch.Tensor, w: GemmWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] bfloat16 @ DQ(W).T + bias -> [..., N] bfloat16. Needs available() and w.ok."""
+def linear(x: torch.Tensor, w: GemmWeight | BF16Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] bfloat16 @ W.T + bias -> [..., N] bfloat16, W = DQ(packed NVFP4) for a GemmWeight, or
+    a BF16Weight's own values. Needs available() and w.ok."""
     if not available():
         raise RuntimeError("fp4rl.nvfp4.cpu_gemm.linear: the kernel is not available on this machine; "
                            "check available() and use dequantize + F.linear")
@@ -165,28 +214,38 @@ def linear(x: torch.Tensor, w: GemmWeight, bias: torch.Tensor | None = None) -> 
     K32 = -(-K // 32) * 32
     x_vnni = _scratch("x_vnni", -(-M // 16) * K32 * 16)
     bias_ptr = bias.contiguous().data_ptr() if bias is not None else None
-    panels = -(-N // 16)
-    threads = min(torch.get_num_threads(), panels) if M * N * K >= (1 << 20) else 1
-    if threads <= 1:  # pack x and run every panel in one C call
-        panel = _scratch("panel", 16 * K32)
-        rc = _lib.nvfp4_gemm(x2.data_ptr(), M, K, K, w.data.data_ptr(), w.scale.data_ptr(),
-                             w.tables.data_ptr(), w.row_table.data_ptr(), bias_ptr, N, y.data_ptr(), x_vnni,
-                             panel)
+    groups = -(-N // GROUP)
+    packed = isinstance(w, GemmWeight)
+    threads = min(torch.get_num_threads(), groups) if M * N * K >= (1 << 20) else 1
+    if threads <= 1:  # pack x and run every group in one C call
+        if packed:
+            rc = _lib.nvfp4_gemm(x2.data_ptr(), M, K, K, w.data.data_ptr(), w.scale.data_ptr(),
+                                 w.tables.data_ptr(), w.row_table.data_ptr(), bias_ptr, N, y.data_ptr(),
+                                 x_vnni, _work(M, K32))
+        else:
+            rc = _lib.bf16_gemm(x2.data_ptr(), M, K, K, w.data.data_ptr(), bias_ptr, N, y.data_ptr(), x_vnni)
         if rc != 0:
-            raise RuntimeError(f"nvfp4_gemm failed ({rc})")
+            raise RuntimeError(f"cpu_gemm kernel failed ({rc})")
         return y.reshape(*lead, N)
     _lib.nvfp4_gemm_pack_x(x2.data_ptr(), M, K, K, x_vnni)
 
-    def rows(p0: int, p1: int) -> None:
-        panel = _scratch("panel", 16 * K32)
-        rc = _lib.nvfp4_gemm_rows(x_vnni, M, K, w.data.data_ptr(), w.scale.data_ptr(), w.tables.data_ptr(),
-                                  w.row_table.data_ptr(), bias_ptr, p0 * 16, min(p1 * 16, N), N, y.data_ptr(),
-                                  N, panel)
+    def rows(g0: int, g1: int) -> None:
+        if packed:
+            rc = _lib.nvfp4_gemm_rows(x_vnni, M, K, w.data.data_ptr(), w.scale.data_ptr(),
+                                      w.tables.data_ptr(), w.row_table.data_ptr(), bias_ptr, g0, g1, N,
+                                      y.data_ptr(), N, _work(M, K32))
+        else:
+            rc = _lib.bf16_gemm_rows(x_vnni, M, K, w.data.data_ptr(), bias_ptr, g0, g1, N, y.data_ptr(), N)
         if rc != 0:
-            raise RuntimeError(f"nvfp4_gemm_rows failed ({rc})")
+            raise RuntimeError(f"cpu_gemm kernel failed ({rc})")
 
-    cpu._parallel_rows(rows, panels, 16 * K * max(M, 1), 1)
+    cpu._parallel_rows(rows, groups, GROUP * K * max(M, 1), 1)
     return y.reshape(*lead, N)
+
+
+def _work(M: int, K32: int) -> int:
+    """The NVFP4 kernel's per-thread unpack buffer: a group's 64 x K32 weights (M > 16) or two chunks."""
+    return _scratch("work", GROUP * K32 if M > 16 else 2 * GROUP * 32)
 
 
 _local = threading.local()

@@ -1,31 +1,41 @@
-/* W4A16 GEMM on packed NVFP4 weights for x86 CPUs with AMX-BF16: y = x @ DQ(W).T (+ b).
+/* GEMMs for x86 CPUs with AMX-BF16 on weights kept in a tiled layout: y = x @ W.T (+ b).
+
+   W is either packed NVFP4 (1x16 blocks: E2M1 codes, E4M3 block scales, float32 global scales)
+   or BF16. Both are stored by fp4rl/nvfp4/cpu_gemm.py in groups of 64 rows of W (N padded to a
+   multiple of 64, K to a multiple of 32 with zeros), chunk by chunk of 32 columns, so that a whole
+   weight is one sequential stream:
+
+     NVFP4 codes   uint8  [N64/64][K32/32][64][16]   per row and chunk, byte j holds element j in
+                                                      its low nibble and element j + 16 in its high
+     NVFP4 scales  uint8  [N64/64][K32/32][64][2]    the chunk's two E4M3 block-scale bytes
+     row_table     int32  [N64]                      which global scale (table) a row uses
+     BF16          uint16 [N64/64][K32/32][64][32]
 
    x      bfloat16 [M, K] (row stride ldx elements), K a multiple of 16
-   W      packed NVFP4, 1x16 blocks: data uint8 [N, K/2], swizzled per 32 weights (see
-          cpu_gemm.swizzle: byte j of a 32-weight group holds element j in its low nibble and
-          element j + 16 in its high one; a last group of 16 keeps the NVFP4 order, 2i low),
-          block scales E4M3 bytes [N, K/16], global scale float32 (one, or one per row of W)
    y      bfloat16 [M, N] (row stride ldy elements)
 
-   DQ(W) is formed 16 rows of W at a time ("panel", bfloat16 [16, K32], K32 = K rounded up to
-   32 and zero-filled) from tables of the 16 values a block with scale byte s can take,
-   bf16((e2m1[c] * e4m3[s]) * g) (see dequantize_panel): bit for bit what
-   fp4rl.nvfp4.dequantize(q, torch.bfloat16) returns. The panel never leaves L1/L2: the weight
-   bytes are read once, 0.5625 byte per weight, against 2 for a BF16 weight.
+   NVFP4 values come from tables of the 16 values a block with scale byte s can take,
+   bf16((e2m1[c] * e4m3[s]) * g) (made by torch: bit for bit what
+   fp4rl.nvfp4.dequantize(q, torch.bfloat16) returns): one vpermt2w gives 32 weights.
 
-   The product runs on AMX tiles, transposed so that W is the row-major A operand:
-       C[n, m] += sum_k A[n, k] * B[k, m]     A = panel (16 x 32 bf16), B = x in VNNI pairs
-   x is rearranged once per call ("x_vnni", by nvfp4_gemm_pack_x) into blocks of 16 rows,
-   [M16][K32 / 2][16][2] bf16, zero-padded. Each panel's A tile is reused across every 16-row
-   block of x, so a prefill of hundreds of tokens dequantizes each weight once.
+   The product runs on AMX tiles with W as the row-major A operand (16 rows of W x 32 columns
+   = one 1 KiB tile of the layout above) and x as B, in VNNI pairs ("x_vnni", made once per call
+   by nvfp4_gemm_pack_x: [ceil(M/16)][K32/2][16][2] bf16, zero-padded):
+       C[n, m] += sum_k A[n, k] * B[k, m]
+   Every C tile accumulates its chunks in increasing k (hardware order inside a tile) in float32,
+   the bias is added in float32 and the sum rounded once to bfloat16 (round to nearest even),
+   whatever M: a row of y does not depend on the other rows of the batch.
 
-   Accumulation is float32 over k in increasing tile order (hardware order inside a tile),
-   bias added in float32, one rounding to bfloat16. Results therefore match F.linear on the
-   bfloat16 DQ(W) up to accumulation order (products are exact in float32 either way).
+   Per group of 64 rows of W:
+   - M <= 16 (decode): chunk by chunk, the 64 x 32 weights are unpacked (NVFP4) into a 4 KiB
+     buffer that stays in L1 and multiplied at once by four tile products into four C tiles
+     (independent accumulators); BF16 tiles are loaded straight from the weight stream.
+   - M > 16: the group's 64 x K32 weights are unpacked once into a buffer (L2) and multiplied
+     by every 16-row block of x, four blocks at a time.
+   Results go through a 16 x 16 transpose of each C tile (AVX-512) to y.
 
-   Threads: callers split [0, N) into ranges that are multiples of 16 and call
-   nvfp4_gemm_rows on each range from its own thread with its own panel workspace; the AMX
-   tile configuration is per thread and loaded on every call. */
+   Threads: callers split the groups [0, N64/64) over threads (nvfp4_gemm_rows / bf16_gemm_rows),
+   each with its own workspace; the AMX tile configuration is per thread and loaded on every call. */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -35,6 +45,17 @@
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
+#define GROUP 64          /* rows of W per group */
+#define CHUNK_CODES 1024  /* bytes of codes per group and chunk (64 rows x 16) */
+#define CHUNK_SCALES 128  /* bytes of block scales per group and chunk (64 rows x 2) */
+#define CHUNK_BF16 2048   /* bf16 elements per group and chunk (64 rows x 32) */
+#define TABLE 4096        /* bf16 elements per table: 256 scale bytes x 16 codes */
+#ifndef PREFETCH_CODES
+#define PREFETCH_CODES 4096  /* bytes ahead in the code stream */
+#endif
+#ifndef PREFETCH_BF16
+#define PREFETCH_BF16 16384  /* bytes ahead in a BF16 weight stream */
+#endif
 
 typedef struct {
     uint8_t palette_id;
@@ -54,7 +75,7 @@ static void configure_tiles(void) {
     tile_config cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {  /* 0-3: C (16 x 16 fp32), 4: A, 5-6: B; all 16 rows x 64 bytes */
+    for (int t = 0; t < 8; t++) {  /* 0-3: C (16 x 16 fp32), 4-6: A, 5-7: B; all 16 rows x 64 bytes */
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
@@ -66,213 +87,290 @@ void nvfp4_gemm_pack_x(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, uin
     const int64_t K32 = (K + 31) / 32 * 32, M16 = (M + 15) / 16;
     memset(x_vnni, 0, (size_t)(M16 * K32 * 16) * sizeof(uint16_t));
     for (int64_t m = 0; m < M; m++) {
-        const uint16_t *row = x + m * ldx;
-        uint16_t *block = x_vnni + (m / 16) * K32 * 16 + (m % 16) * 2;
-        for (int64_t k = 0; k < K; k += 2) {
-            uint16_t *dst = block + (k / 2) * 32;
-            dst[0] = row[k];
-            dst[1] = row[k + 1];
-        }
+        const uint32_t *row = (const uint32_t *)(x + m * ldx);  /* bf16 pairs */
+        uint32_t *block = (uint32_t *)(x_vnni + (m / 16) * K32 * 16) + (m % 16);
+        for (int64_t p = 0; p < K / 2; p++) block[p * 16] = row[p];
     }
 }
 
-static inline void dequantize_row(const uint8_t *data, const uint8_t *scale, const uint16_t *tables,
-                                  const int32_t *row_table, int64_t n, int64_t K, uint16_t *out) {
+/* 32 weights of one row and chunk: codes (16 bytes), its two scale bytes, the row's table. */
+static inline __m512i unpack32(const uint8_t *codes, const uint8_t *scales, const uint16_t *table) {
     const __m128i low4 = _mm_set1_epi8(0x0F);
     const __m128i bit5 = _mm_set1_epi8(0x20);  /* upper 16 indices read the second table */
-    const uint8_t *codes = data + n * (K / 2);
-    const uint8_t *scales = scale + n * (K / 16);
-    const uint16_t *table = tables + (int64_t)row_table[n] * 256 * 16;
-    /* the same row of the next panel, to L2 while this one is unpacked (prefetches never fault) */
-    for (int64_t p = 0; p < K / 2; p += 64) _mm_prefetch((const char *)(codes + 16 * (K / 2) + p), _MM_HINT_T1);
-    _mm_prefetch((const char *)(scales + 16 * (K / 16)), _MM_HINT_T1);
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        __m512i lut0 = _mm512_loadu_si512((const void *)(table + scales[k / 16] * 16));
-        __m512i lut1 = _mm512_loadu_si512((const void *)(table + scales[k / 16 + 1] * 16));
-        /* swizzled: byte j holds element j (low nibble) and element j + 16 (high nibble) */
-        __m128i b = _mm_loadu_si128((const __m128i *)(codes + k / 2));
-        __m128i lo = _mm_and_si128(b, low4);
-        __m128i hi = _mm_ternarylogic_epi32(_mm_srli_epi16(b, 4), low4, bit5, 0xEA);  /* (a & b) | c */
-        __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
-        _mm512_storeu_si512((void *)(out + k), _mm512_permutex2var_epi16(lut0, idx, lut1));
+    /* 64 bytes from entry s: the 16 values of scale s (and of s + 1, unused; tables end with a
+       padding row) */
+    __m512i lut0 = _mm512_loadu_si512((const void *)(table + scales[0] * 16));
+    __m512i lut1 = _mm512_loadu_si512((const void *)(table + scales[1] * 16));
+    __m128i b = _mm_loadu_si128((const __m128i *)codes);
+    __m128i lo = _mm_and_si128(b, low4);
+    __m128i hi = _mm_ternarylogic_epi32(_mm_srli_epi16(b, 4), low4, bit5, 0xEA);  /* (a & b) | c */
+    __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
+    return _mm512_permutex2var_epi16(lut0, idx, lut1);
+}
+
+/* Rows [0, rows) of one group's chunk -> out [rows][32] bf16. */
+static inline void unpack_chunk(const uint8_t *codes, const uint8_t *scales, const uint16_t *tables,
+                                const int32_t *row_table, int rows, uint16_t *out) {
+    for (int r = 0; r < rows; r++) {
+        if ((r & 3) == 0) _mm_prefetch((const char *)(codes + r * 16 + PREFETCH_CODES), _MM_HINT_T0);
+        _mm512_storeu_si512((void *)(out + r * 32),
+                            unpack32(codes + r * 16, scales + r * 2, tables + (int64_t)row_table[r] * TABLE));
     }
-    if (k < K) {  /* one block of 16 left, NVFP4 order (element 2i in the low nibble of byte i) */
-        __m256i lut = _mm256_loadu_si256((const __m256i *)(table + scales[k / 16] * 16));
-        __m128i b = _mm_loadl_epi64((const __m128i *)(codes + k / 2));
-        __m128i lo = _mm_and_si128(b, low4);
-        __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-        __m256i idx = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(lo, hi));
-        _mm256_storeu_si256((__m256i *)(out + k), _mm256_permutexvar_epi16(idx, lut));
-        memset(out + k + 16, 0, 16 * sizeof(uint16_t));
+    _mm_prefetch((const char *)(scales + PREFETCH_CODES / 8), _MM_HINT_T0);
+    _mm_prefetch((const char *)(scales + PREFETCH_CODES / 8 + 64), _MM_HINT_T0);
+}
+
+/* float32 -> bfloat16, round to nearest even, NaN kept quiet (as torch's cast). */
+static inline __m256i to_bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_srli_epi32(r, 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* In-register transpose of 16 x 16 float32: r[i][j] -> r[j][i]. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    __m512 u[16];  /* u[4q + j]: rows 4q..4q+3 of columns j, j+4, j+8, j+12 (one per 128-bit lane) */
+    for (int q = 0; q < 4; q++) {
+        __m512d a = _mm512_castps_pd(t[4 * q]), b = _mm512_castps_pd(t[4 * q + 1]);
+        __m512d c = _mm512_castps_pd(t[4 * q + 2]), d = _mm512_castps_pd(t[4 * q + 3]);
+        u[4 * q + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int j = 0; j < 4; j++) {
+        __m512 s0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44);
+        __m512 s1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xEE);
+        __m512 s2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
+        __m512 s3 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_f32x4(s0, s2, 0x88);
+        r[j + 4] = _mm512_shuffle_f32x4(s0, s2, 0xDD);
+        r[j + 8] = _mm512_shuffle_f32x4(s1, s3, 0x88);
+        r[j + 12] = _mm512_shuffle_f32x4(s1, s3, 0xDD);
     }
 }
 
-/* DQ of rows [n0, n0 + 16) of W into panel [16][K32] bf16 (rows >= N and k >= K zero).
-   tables[t][s][c] = bf16((e2m1[c] * e4m3[s]) * g_t), made by the caller once per weight version
-   (torch's own float32 products and cast: bit for bit what dequantize returns), with one row of
-   padding after the last table; row n uses table row_table[n]. A block's 16 values are then one
-   load, and two blocks (32 weights) one vpermt2w over their two tables. */
-static void dequantize_panel(const uint8_t *data, const uint8_t *scale, const uint16_t *tables,
-                             const int32_t *row_table, int64_t n0, int64_t N, int64_t K, uint16_t *panel) {
-    const int64_t K32 = (K + 31) / 32 * 32;
-    for (int64_t r = 0; r < 16; r++) {
-        uint16_t *out = panel + r * K32;
-        const int64_t n = n0 + r;
-        if (n >= N) {
-            memset(out, 0, (size_t)K32 * sizeof(uint16_t));
-            continue;
+/* c[n][m] (16 x 16 float32, a stored C tile) -> y[m0 + m, n0 + n] for m0 + m < M, n0 + n < N. */
+static void store_block(const float *c, int64_t n0, int64_t N, int64_t m0, int64_t M, const uint16_t *bias,
+                        uint16_t *y, int64_t ldy) {
+    const int64_t rows = M - m0 < 16 ? M - m0 : 16;
+    const __mmask16 cols = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias)
+        b = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(cols, bias + n0)), 16));
+    if (rows <= 2) {  /* decode of one or two rows: read the columns directly */
+        for (int64_t m = 0; m < rows; m++) {
+            __m512 v = _mm512_i32gather_ps(_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                                                5, 4, 3, 2, 1, 0),
+                                                              _mm512_set1_epi32(16)),
+                                           c + m, 4);
+            if (bias) v = _mm512_add_ps(v, b);
+            _mm256_mask_storeu_epi16(y + (m0 + m) * ldy + n0, cols, to_bf16x16(v));
         }
-        dequantize_row(data, scale, tables, row_table, n, K, out);
+        return;
+    }
+    __m512 r[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(c + i * 16);
+    transpose16(r);  /* r[m][n] */
+    for (int64_t m = 0; m < rows; m++) {
+        __m512 v = bias ? _mm512_add_ps(r[m], b) : r[m];
+        _mm256_mask_storeu_epi16(y + (m0 + m) * ldy + n0, cols, to_bf16x16(v));
     }
 }
 
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);  /* quiet NaN */
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+/* Store C tiles 0 .. count-1 (one tile register per call: tile ids are immediates). */
+#define STORE_TILE(T, n0_, m0_)                                                 \
+    do {                                                                        \
+        _tile_stored(T, cbuf, 64);                                              \
+        store_block(cbuf, (n0_), N, (m0_), M, bias, y, ldy);                    \
+    } while (0)
 
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static void store_block(const float *c, int64_t n0, int64_t N, int64_t m0, int64_t M,
-                        const uint16_t *bias, uint16_t *y, int64_t ldy) {
-    /* c[n][m] (16 x 16 fp32) -> y[m0 + m, n0 + n] */
-    for (int64_t m = 0; m < 16 && m0 + m < M; m++) {
-        uint16_t *row = y + (m0 + m) * ldy + n0;
-        for (int64_t n = 0; n < 16 && n0 + n < N; n++) {
-            float v = c[n * 16 + m];
-            if (bias) v += from_bf16(bias[n0 + n]);
-            row[n] = to_bf16(v);
-        }
-    }
-}
-
-/* Products of one dequantized panel with every 16-row block of x into y. The four C tiles
-   accumulate either four blocks of x at once, or, for one or two blocks (decode), the K steps
-   split over 4 or 2 partial sums (summed in float32 at the end, in a fixed order), so that
-   consecutive tile products do not wait on each other. */
-static void panel_products(const uint16_t *panel, const uint16_t *x_vnni, int64_t M, int64_t K32,
-                           int64_t n0, int64_t N, const uint16_t *bias, uint16_t *y, int64_t ldy) {
-    const int64_t M16 = (M + 15) / 16, stride_b = K32 * 16 * 2;
-    float c[4][256] __attribute__((aligned(64)));
-    for (int64_t mb = 0; mb < M16; mb += 4) {
-        const int64_t nb = M16 - mb < 4 ? M16 - mb : 4;
-        const char *b0 = (const char *)(x_vnni + mb * K32 * 16);
+/* One group (nt tiles of 16 rows, A tiles in `a`: [K32/32][64][32] bf16 with chunk stride
+   `chunk_stride` elements) times every block of x; used for BF16 weights and for unpacked NVFP4
+   groups (M > 16). */
+static void group_products(const uint16_t *a, int64_t chunk_stride, int nt, const uint16_t *x_vnni, int64_t M,
+                           int64_t K32, int64_t n0, int64_t N, const uint16_t *bias, uint16_t *y, int64_t ldy,
+                           int prefetch) {
+    const int64_t C = K32 / 32, M16 = (M + 15) / 16, stride_b = K32 * 16 * 2;
+    float cbuf[256] __attribute__((aligned(64)));
+    if (M16 == 1) {  /* four W tiles, one x block: four independent accumulators */
+        const char *b0 = (const char *)x_vnni;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        if (nb == 1) {  /* K split over 4 accumulators */
-            int64_t k = 0;
-            for (; k + 128 <= K32; k += 128) {
-                _tile_loadd(4, panel + k, K32 * 2);
-                _tile_loadd(5, b0 + k * 32, 64);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(6, panel + k + 32, K32 * 2);
-                _tile_loadd(7, b0 + (k + 32) * 32, 64);
-                _tile_dpbf16ps(1, 6, 7);
-                _tile_loadd(4, panel + k + 64, K32 * 2);
-                _tile_loadd(5, b0 + (k + 64) * 32, 64);
-                _tile_dpbf16ps(2, 4, 5);
-                _tile_loadd(6, panel + k + 96, K32 * 2);
-                _tile_loadd(7, b0 + (k + 96) * 32, 64);
-                _tile_dpbf16ps(3, 6, 7);
+        for (int64_t kc = 0; kc < C; kc++) {
+            const uint16_t *ak = a + kc * chunk_stride;
+            if (prefetch)
+                for (int p = 0; p < CHUNK_BF16 * 2; p += 64) _mm_prefetch((const char *)ak + PREFETCH_BF16 + p, _MM_HINT_T0);
+            _tile_loadd(7, b0 + kc * 1024, 64);
+            _tile_loadd(4, ak, 64);
+            _tile_dpbf16ps(0, 4, 7);
+            if (nt > 1) {
+                _tile_loadd(5, ak + 16 * 32, 64);
+                _tile_dpbf16ps(1, 5, 7);
             }
-            for (; k < K32; k += 32) {
-                _tile_loadd(4, panel + k, K32 * 2);
-                _tile_loadd(5, b0 + k * 32, 64);
-                _tile_dpbf16ps(0, 4, 5);
+            if (nt > 2) {
+                _tile_loadd(6, ak + 32 * 32, 64);
+                _tile_dpbf16ps(2, 6, 7);
             }
-        } else if (nb == 2) {  /* two blocks, K split over 2 accumulators each */
-            int64_t k = 0;
-            for (; k + 64 <= K32; k += 64) {
-                _tile_loadd(4, panel + k, K32 * 2);
-                _tile_loadd(5, b0 + k * 32, 64);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(7, b0 + stride_b + k * 32, 64);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_loadd(6, panel + k + 32, K32 * 2);
-                _tile_loadd(5, b0 + (k + 32) * 32, 64);
-                _tile_dpbf16ps(2, 6, 5);
-                _tile_loadd(7, b0 + stride_b + (k + 32) * 32, 64);
-                _tile_dpbf16ps(3, 6, 7);
+            if (nt > 3) {
+                _tile_loadd(4, ak + 48 * 32, 64);
+                _tile_dpbf16ps(3, 4, 7);
             }
-            for (; k < K32; k += 32) {
-                _tile_loadd(4, panel + k, K32 * 2);
-                _tile_loadd(5, b0 + k * 32, 64);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(7, b0 + stride_b + k * 32, 64);
-                _tile_dpbf16ps(1, 4, 7);
-            }
-        } else {
-            for (int64_t k = 0; k < K32; k += 32) {
-                const char *bk = b0 + k * 32;  /* k/2 pair rows of 64 bytes */
-                _tile_loadd(4, panel + k, K32 * 2);
+        }
+        STORE_TILE(0, n0, 0);
+        if (nt > 1) STORE_TILE(1, n0 + 16, 0);
+        if (nt > 2) STORE_TILE(2, n0 + 32, 0);
+        if (nt > 3) STORE_TILE(3, n0 + 48, 0);
+        return;
+    }
+    for (int t = 0; t < nt; t++) {
+        const uint16_t *at = a + t * 16 * 32;
+        for (int64_t mb = 0; mb < M16; mb += 4) {
+            const int64_t nb = M16 - mb < 4 ? M16 - mb : 4;
+            const char *b0 = (const char *)(x_vnni + mb * K32 * 16);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kc = 0; kc < C; kc++) {
+                const char *bk = b0 + kc * 1024;
+                _tile_loadd(4, at + kc * chunk_stride, 64);
                 _tile_loadd(5, bk, 64);
                 _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(6, bk + stride_b, 64);
-                _tile_dpbf16ps(1, 4, 6);
+                if (nb > 1) {
+                    _tile_loadd(6, bk + stride_b, 64);
+                    _tile_dpbf16ps(1, 4, 6);
+                }
                 if (nb > 2) {
-                    _tile_loadd(5, bk + 2 * stride_b, 64);
-                    _tile_dpbf16ps(2, 4, 5);
+                    _tile_loadd(7, bk + 2 * stride_b, 64);
+                    _tile_dpbf16ps(2, 4, 7);
                 }
                 if (nb > 3) {
-                    _tile_loadd(6, bk + 3 * stride_b, 64);
-                    _tile_dpbf16ps(3, 4, 6);
+                    _tile_loadd(5, bk + 3 * stride_b, 64);
+                    _tile_dpbf16ps(3, 4, 5);
                 }
             }
+            const int64_t nt0 = n0 + 16 * t;
+            STORE_TILE(0, nt0, mb * 16);
+            if (nb > 1) STORE_TILE(1, nt0, (mb + 1) * 16);
+            if (nb > 2) STORE_TILE(2, nt0, (mb + 2) * 16);
+            if (nb > 3) STORE_TILE(3, nt0, (mb + 3) * 16);
         }
-        _tile_stored(0, c[0], 64);
-        _tile_stored(1, c[1], 64);
-        _tile_stored(2, c[2], 64);
-        _tile_stored(3, c[3], 64);
-        if (nb == 1) {
-            for (int i = 0; i < 256; i++) c[0][i] = ((c[0][i] + c[1][i]) + c[2][i]) + c[3][i];
-        } else if (nb == 2) {
-            for (int i = 0; i < 256; i++) {
-                c[0][i] += c[2][i];
-                c[1][i] += c[3][i];
-            }
-        }
-        for (int64_t j = 0; j < nb; j++) store_block(c[j], n0, N, (mb + j) * 16, M, bias, y, ldy);
     }
 }
 
-/* y[:, n_begin:n_end] for one thread; n_begin a multiple of 16. panels: 2 * 16 * K32 bf16 of
-   workspace (the next panel is dequantized while the tiles read the other one). */
-int nvfp4_gemm_rows(const uint16_t *x_vnni, int64_t M, int64_t K, const uint8_t *data, const uint8_t *scale,
-                    const uint16_t *tables, const int32_t *row_table, const uint16_t *bias, int64_t n_begin,
-                    int64_t n_end, int64_t N, uint16_t *y, int64_t ldy, uint16_t *panels) {
-    const int64_t K32 = (K + 31) / 32 * 32;
-    if (K % 16 || n_begin % 16) return -1;
+static inline int tiles_in_group(int64_t n0, int64_t N) {
+    const int64_t left = (N - n0 + 15) / 16;
+    return left < 4 ? (int)left : 4;
+}
+
+/* NVFP4: groups [g_begin, g_end) for one thread. work: 64 * K32 bf16 (M > 16) or 2 * 64 * 32. */
+int nvfp4_gemm_rows(const uint16_t *x_vnni, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *scales,
+                    const uint16_t *tables, const int32_t *row_table, const uint16_t *bias, int64_t g_begin,
+                    int64_t g_end, int64_t N, uint16_t *y, int64_t ldy, uint16_t *work) {
+    const int64_t K32 = (K + 31) / 32 * 32, C = K32 / 32;
+    if (K % 16) return -1;
     configure_tiles();
-    for (int64_t n0 = n_begin; n0 < n_end; n0 += 16) {
-        dequantize_panel(data, scale, tables, row_table, n0, N, K, panels);
-        panel_products(panels, x_vnni, M, K32, n0, N, bias, y, ldy);
+    float cbuf[256] __attribute__((aligned(64)));
+    for (int64_t g = g_begin; g < g_end; g++) {
+        const int64_t n0 = g * GROUP;
+        const int nt = tiles_in_group(n0, N);
+        const uint8_t *cg = codes + g * C * CHUNK_CODES, *sg = scales + g * C * CHUNK_SCALES;
+        const int32_t *rt = row_table + n0;
+        if (M > 16) {  /* unpack the group once, multiply it by every block of x */
+            for (int64_t kc = 0; kc < C; kc++)
+                unpack_chunk(cg + kc * CHUNK_CODES, sg + kc * CHUNK_SCALES, tables, rt, nt * 16,
+                             work + kc * CHUNK_BF16);
+            group_products(work, CHUNK_BF16, nt, x_vnni, M, K32, n0, N, bias, y, ldy, 0);
+            continue;
+        }
+        const char *b0 = (const char *)x_vnni;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kc = 0; kc < C; kc++) {  /* unpack a chunk (L1), multiply it at once */
+            uint16_t *ak = work + (kc & 1) * CHUNK_BF16;
+            unpack_chunk(cg + kc * CHUNK_CODES, sg + kc * CHUNK_SCALES, tables, rt, nt * 16, ak);
+            _tile_loadd(7, b0 + kc * 1024, 64);
+            _tile_loadd(4, ak, 64);
+            _tile_dpbf16ps(0, 4, 7);
+            if (nt > 1) {
+                _tile_loadd(5, ak + 16 * 32, 64);
+                _tile_dpbf16ps(1, 5, 7);
+            }
+            if (nt > 2) {
+                _tile_loadd(6, ak + 32 * 32, 64);
+                _tile_dpbf16ps(2, 6, 7);
+            }
+            if (nt > 3) {
+                _tile_loadd(4, ak + 48 * 32, 64);
+                _tile_dpbf16ps(3, 4, 7);
+            }
+        }
+        STORE_TILE(0, n0, 0);
+        if (nt > 1) STORE_TILE(1, n0 + 16, 0);
+        if (nt > 2) STORE_TILE(2, n0 + 32, 0);
+        if (nt > 3) STORE_TILE(3, n0 + 48, 0);
     }
     _tile_release();
     return 0;
 }
 
-/* DQ(W) rows [n_begin, n_end) into out [N, K] bf16 (row stride K), the panels' arithmetic; out
-   must have 16 spare elements after its end (a last odd block is followed by 16 zeros). */
-void nvfp4_gemm_dequantize(const uint8_t *data, const uint8_t *scale, const uint16_t *tables,
-                           const int32_t *row_table, int64_t n_begin, int64_t n_end, int64_t K, uint16_t *out) {
-    for (int64_t n = n_begin; n < n_end; n++) dequantize_row(data, scale, tables, row_table, n, K, out + n * K);
+/* BF16: groups [g_begin, g_end) for one thread. */
+int bf16_gemm_rows(const uint16_t *x_vnni, int64_t M, int64_t K, const uint16_t *w, const uint16_t *bias,
+                   int64_t g_begin, int64_t g_end, int64_t N, uint16_t *y, int64_t ldy) {
+    const int64_t K32 = (K + 31) / 32 * 32, C = K32 / 32;
+    if (K % 16) return -1;
+    configure_tiles();
+    for (int64_t g = g_begin; g < g_end; g++) {
+        const int64_t n0 = g * GROUP;
+        group_products(w + g * C * CHUNK_BF16, CHUNK_BF16, tiles_in_group(n0, N), x_vnni, M, K32, n0, N, bias,
+                       y, ldy, 1);
+    }
+    _tile_release();
+    return 0;
 }
 
-/* The whole product on one thread: pack x, then every panel (one call from Python instead of two). */
-int nvfp4_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *data, const uint8_t *scale,
+/* DQ(W) rows [n_begin, n_end) into out [N, K] bf16 (row stride K), the kernel's arithmetic. */
+void nvfp4_gemm_dequantize(const uint8_t *codes, const uint8_t *scales, const uint16_t *tables,
+                           const int32_t *row_table, int64_t n_begin, int64_t n_end, int64_t K, uint16_t *out) {
+    const int64_t C = (K + 31) / 32;
+    for (int64_t n = n_begin; n < n_end; n++) {
+        const int64_t g = n / GROUP, r = n % GROUP;
+        const uint16_t *table = tables + (int64_t)row_table[n] * TABLE;
+        for (int64_t kc = 0; kc < C; kc++) {
+            const int64_t at = (g * C + kc) * GROUP + r;
+            __m512i v = unpack32(codes + at * 16, scales + at * 2, table);
+            const int64_t left = K - kc * 32;
+            _mm512_mask_storeu_epi16(out + n * K + kc * 32, left >= 32 ? 0xFFFFFFFFu : 0xFFFFu, v);
+        }
+    }
+}
+
+/* The whole product on one thread: pack x, then every group (one call from Python instead of two). */
+int nvfp4_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *codes, const uint8_t *scales,
                const uint16_t *tables, const int32_t *row_table, const uint16_t *bias, int64_t N, uint16_t *y,
-               uint16_t *x_vnni, uint16_t *panel) {
+               uint16_t *x_vnni, uint16_t *work) {
     nvfp4_gemm_pack_x(x, M, K, ldx, x_vnni);
-    return nvfp4_gemm_rows(x_vnni, M, K, data, scale, tables, row_table, bias, 0, N, N, y, N, panel);
+    return nvfp4_gemm_rows(x_vnni, M, K, codes, scales, tables, row_table, bias, 0, (N + GROUP - 1) / GROUP, N,
+                           y, N, work);
+}
+
+int bf16_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w, const uint16_t *bias,
+              int64_t N, uint16_t *y, uint16_t *x_vnni) {
+    nvfp4_gemm_pack_x(x, M, K, ldx, x_vnni);
+    return bf16_gemm_rows(x_vnni, M, K, w, bias, 0, (N + GROUP - 1) / GROUP, N, y, N);
 }
