@@ -1,0 +1,11 @@
+#!/bin/bash
+# Device call 9 (session 3): Gluon NVFP4 decode attention: checks, timing vs SDPA / Triton / FP8; GPU tests.
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
+OUT=${OUT:-/tmp/out}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tail -1
+timeout ${T_A:-330} python3 bench/attn9.py --out $OUT/attn9.json ${ATTN_ARGS} > $OUT/attn9.log 2>&1
+grep -v "^check {\|^bench {" $OUT/attn9.log | tail -30 | cut -c1-260
+if [ -n "$RUN_TESTS" ]; then
+  timeout ${T_T:-200} python3 -m pytest -q -m gpu $RUN_TESTS > $OUT/gputests.log 2>&1
+  tail -5 $OUT/gputests.log
+fi
