@@ -126,8 +126,11 @@ def test_swizzle_is_a_permutation_of_the_nibbles():
     q = weight(8, 80)  # 2 groups of 32 + one of 16
     s = cpu_gemm.swizzle(q.data)
     codes = torch.stack((q.data & 15, q.data >> 4), -1).reshape(8, 80)
-    lo, hi = s[:, :32] & 15, s[:, :32] >> 4  # groups of 16 bytes
-    assert torch.equal(torch.cat((lo[:, :16], hi[:, :16], lo[:, 16:32], hi[:, 16:32]), -1), codes[:, :64])
+    for g in range(2):
+        for w in range(32):  # weight w of a group: qword (w // 4) % 2, position p in that qword
+            p = (w // 8) * 4 + w % 4
+            byte = 16 * g + 8 * ((w // 4) % 2) + p // 2
+            assert torch.equal((s[:, byte] >> (4 * (p % 2))) & 15, codes[:, 32 * g + w])
     assert torch.equal(s[:, 32:], q.data[:, 32:])
 
 

@@ -16,7 +16,7 @@ once on AMX tiles with float32 accumulation, so results equal `F.linear(x, dequa
 up to the order of float32 additions; that order is fixed per output element, so a row of y does
 not depend on the other rows of x (batch-invariant).
 
-Runs when: the CPU has AMX-BF16 and AVX512-BF16 (Linux grants the tile state), gcc builds the
+Runs when: the CPU has AMX-BF16, AVX512-BF16 and AVX512-VBMI (Linux grants the tile state), gcc builds the
 file, x is bfloat16, K is a multiple of 16; for NVFP4, W has 1x16 blocks without a Hadamard
 transform, its global scales are finite (at most 64 distinct ones: one per member of a fused stack)
 and no block scale is NaN. Anything else: `GemmWeight.ok` or `supported_weight` is False and
@@ -39,8 +39,8 @@ from fp4rl.nvfp4.format import BLOCK, E2M1_TABLE, NVFP4Tensor
 
 _SOURCE_FILE = Path(__file__).with_name("gemm_cpu.c")
 _CFLAGS = ("-O3", "-march=native", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl",
-           "-mavx512bf16", "-std=gnu11", "-fPIC", "-shared")
-_CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl")
+           "-mavx512bf16", "-mavx512vbmi", "-std=gnu11", "-fPIC", "-shared")
+_CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512bw", "avx512vl", "avx512vbmi")
 _MAX_TABLES = 64  # distinct global scales per stacked weight (one per fused member in practice)
 
 _lock = threading.Lock()
@@ -157,16 +157,29 @@ class BF16Weight:
         return self.data.nbytes
 
 
+def _slots() -> torch.Tensor:
+    """slot[w]: where weight w of a 32-weight group goes among the group's 32 nibbles (nibble 2b + h is
+    the low (h = 0) or high nibble of byte b). Weights 4j..4j+3 are read from qword j % 2 of the 16
+    bytes (gemm_cpu.c broadcasts them to every 128-bit lane and vpmultishiftqb reads qword j of lane
+    j // 2), so qword 0 holds weights 0-3, 8-11, 16-19, 24-27 in that order and qword 1 the others."""
+    w = torch.arange(32)
+    return 16 * ((w // 4) % 2) + (w // 8) * 4 + w % 4
+
+
+_SLOTS = _slots()
+
+
 def swizzle(data: torch.Tensor) -> torch.Tensor:
-    """NVFP4 codes [N, K/2] (element 2i in the low nibble of byte i) -> the kernel's order: per
-    group of 32 weights (16 bytes), byte j holds element j in its low nibble and element j + 16 in
-    its high nibble, so one AND and one shift give 32 indices in order. A last group of 16
-    weights (K % 32 == 16) keeps the NVFP4 order."""
+    """NVFP4 codes [N, K/2] (element 2i in the low nibble of byte i) -> the kernel's order: per group of
+    32 weights (16 bytes), weight w in nibble _SLOTS[w] (see _slots). A last group of 16 weights
+    (K % 32 == 16) keeps the NVFP4 order; GemmWeight pads K to a multiple of 32 first."""
     N, half = data.shape
     full = half // 16 * 16
-    codes = torch.stack((data[:, :full] & 0x0F, data[:, :full] >> 4), -1).reshape(N, full // 16, 2, 16)
+    codes = torch.stack((data[:, :full] & 0x0F, data[:, :full] >> 4), -1).reshape(N, full // 16, 32)
+    nibbles = torch.empty_like(codes)
+    nibbles[:, :, _SLOTS] = codes
     out = torch.empty_like(data)
-    out[:, :full] = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(N, full)
+    out[:, :full] = (nibbles[:, :, 0::2] | (nibbles[:, :, 1::2] << 4)).reshape(N, full)
     out[:, full:] = data[:, full:]
     return out
 

@@ -5,8 +5,8 @@
    multiple of 64, K to a multiple of 32 with zeros), chunk by chunk of 32 columns, so that a whole
    weight is one sequential stream:
 
-     NVFP4 codes   uint8  [N64/64][K32/32][64][16]   per row and chunk, byte j holds element j in
-                                                      its low nibble and element j + 16 in its high
+     NVFP4 codes   uint8  [N64/64][K32/32][64][16]   per row and chunk, the 32 codes in the order
+                                                      of cpu_gemm.swizzle (for vpmultishiftqb)
      NVFP4 scales  uint8  [N64/64][K32/32][64][2]    the chunk's two E4M3 block-scale bytes
      row_table     int32  [N64]                      which global scale (table) a row uses
      BF16          uint16 [N64/64][K32/32][64][32]
@@ -93,18 +93,29 @@ void nvfp4_gemm_pack_x(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, uin
     }
 }
 
-/* 32 weights of one row and chunk: codes (16 bytes), its two scale bytes, the row's table. */
+/* vpmultishiftqb controls: destination byte 2i of each qword j takes the 8 bits at offset 4 p of
+   source qword j, p = the slot of weight w = 4 j + i in its qword (see cpu_gemm.swizzle); odd bytes
+   are don't-cares (vpermt2w reads the low 6 bits of each index word). */
+static const uint8_t MULTISHIFT[64] __attribute__((aligned(64))) = {
+    0, 0, 4, 0, 8, 0, 12, 0, 0, 0, 4, 0, 8, 0, 12, 0, 16, 0, 20, 0, 24, 0, 28, 0, 16, 0, 20, 0, 24, 0, 28, 0,
+    32, 0, 36, 0, 40, 0, 44, 0, 32, 0, 36, 0, 40, 0, 44, 0, 48, 0, 52, 0, 56, 0, 60, 0, 48, 0, 52, 0, 56, 0, 60, 0};
+
+/* 32 weights of one row and chunk: codes (16 bytes in the swizzled order), its two scale bytes, the
+   row's table. The 16 bytes are broadcast to the 4 lanes, one vpmultishiftqb moves each weight's
+   nibble into the low bits of its own 16-bit word, a mask keeps 4 bits and sets bit 5 for the upper
+   16 weights (which read the second block's table), and one vpermt2w looks the 32 values up. */
 static inline __m512i unpack32(const uint8_t *codes, const uint8_t *scales, const uint16_t *table) {
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    const __m128i bit5 = _mm_set1_epi8(0x20);  /* upper 16 indices read the second table */
+    const __m512i ctrl = _mm512_load_si512((const void *)MULTISHIFT);
+    const __m512i low4 = _mm512_set1_epi16(0x0F);
+    const __m512i upper = _mm512_set_epi16(32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 32,
+                                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     /* 64 bytes from entry s: the 16 values of scale s (and of s + 1, unused; tables end with a
        padding row) */
-    __m512i lut0 = _mm512_loadu_si512((const void *)(table + scales[0] * 16));
-    __m512i lut1 = _mm512_loadu_si512((const void *)(table + scales[1] * 16));
-    __m128i b = _mm_loadu_si128((const __m128i *)codes);
-    __m128i lo = _mm_and_si128(b, low4);
-    __m128i hi = _mm_ternarylogic_epi32(_mm_srli_epi16(b, 4), low4, bit5, 0xEA);  /* (a & b) | c */
-    __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
+    const __m512i lut0 = _mm512_loadu_si512((const void *)(table + (size_t)scales[0] * 16));
+    const __m512i lut1 = _mm512_loadu_si512((const void *)(table + (size_t)scales[1] * 16));
+    __m512i idx = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)codes));
+    idx = _mm512_multishift_epi64_epi8(ctrl, idx);
+    idx = _mm512_ternarylogic_epi32(idx, low4, upper, 0xEA);  /* (a & b) | c */
     return _mm512_permutex2var_epi16(lut0, idx, lut1);
 }
 
