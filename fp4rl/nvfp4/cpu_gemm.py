@@ -132,6 +132,9 @@ class GemmWeight:
             values = (E2M1_TABLE[None, None, :] * e4m3[None, :, None]) * distinct[:, None, None]
             tables[:-1] = values.reshape(-1, BLOCK).to(torch.bfloat16)
         self.tables = tables
+        self.packed = True
+        self.ptrs = (self.data.data_ptr(), self.scale.data_ptr(), self.tables.data_ptr(),
+                     self.row_table.data_ptr())
 
     @property
     def nbytes(self) -> int:
@@ -150,7 +153,8 @@ class BF16Weight:
         C = -(-self.K // 32)
         w = torch.nn.functional.pad(weight.detach(), (0, C * 32 - self.K))
         self.data = _tiled(w.reshape(self.N, C, 32))
-        self.ok = True
+        self.ok, self.packed = True, False
+        self.ptrs = (self.data.data_ptr(),)
 
     @property
     def nbytes(self) -> int:
@@ -198,62 +202,63 @@ def dequantize_bf16(w: GemmWeight) -> torch.Tensor:
     if not available() or not w.ok:
         raise RuntimeError("cpu_gemm.dequantize_bf16 needs the kernel and a weight it reads (GemmWeight.ok)")
     out = _scratch("dequantized", w.N * w.K)
-    _lib.nvfp4_gemm_dequantize(w.data.data_ptr(), w.scale.data_ptr(), w.tables.data_ptr(),
-                               w.row_table.data_ptr(), 0, w.N, w.K, out)
+    _lib.nvfp4_gemm_dequantize(*w.ptrs, 0, w.N, w.K, out)
     return _local.buffers["dequantized"][:w.N * w.K].view(w.N, w.K)
 
 
 def linear(x: torch.Tensor, w: GemmWeight | BF16Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] bfloat16 @ W.T + bias -> [..., N] bfloat16, W = DQ(packed NVFP4) for a GemmWeight, or
-    a BF16Weight's own values. Needs available() and w.ok."""
-    if not available():
+    a BF16Weight's own values. Needs available() and w.ok. (Runs for every linear of every decode
+    step: the checks are kept to what a wrong call would need.)"""
+    if _lib is None and not available():
         raise RuntimeError("fp4rl.nvfp4.cpu_gemm.linear: the kernel is not available on this machine; "
                            "check available() and use dequantize + F.linear")
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != w.K:
-        raise ValueError(f"cpu_gemm.linear: x must be bfloat16 [..., {w.K}] on the CPU, got {x.dtype} "
+    K, N = w.K, w.N
+    if x.dtype is not torch.bfloat16 or not x.is_cpu or x.shape[-1] != K:
+        raise ValueError(f"cpu_gemm.linear: x must be bfloat16 [..., {K}] on the CPU, got {x.dtype} "
                          f"{list(x.shape)} on {x.device}")
     if not w.ok:
         raise ValueError("cpu_gemm.linear: the weight has a non-finite global scale, a NaN block scale or "
                          f"more than {_MAX_TABLES} distinct global scales; use dequantize + F.linear")
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (w.N,)):
-        raise ValueError(f"cpu_gemm.linear: bias must be bfloat16 [{w.N}], got {bias.dtype} "
-                         f"{list(bias.shape)}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, w.K).contiguous()
-    M, K, N = x2.shape[0], w.K, w.N
+    bias_ptr = None
+    if bias is not None:
+        if bias.dtype is not torch.bfloat16 or bias.dim() != 1 or bias.shape[0] != N:
+            raise ValueError(f"cpu_gemm.linear: bias must be bfloat16 [{N}], got {bias.dtype} "
+                             f"{list(bias.shape)}")
+        if not bias.is_contiguous():
+            bias = bias.contiguous()
+        bias_ptr = bias.data_ptr()
+    flat = x.dim() == 2 and x.is_contiguous()
+    x2 = x if flat else x.reshape(-1, K).contiguous()
+    M = x2.shape[0]
     y = torch.empty(M, N, dtype=torch.bfloat16)
     if M == 0:
-        return y.reshape(*lead, N)
+        return y if flat else y.reshape(*x.shape[:-1], N)
     K32 = -(-K // 32) * 32
     x_vnni = _scratch("x_vnni", -(-M // 16) * K32 * 16)
-    bias_ptr = bias.contiguous().data_ptr() if bias is not None else None
-    groups = -(-N // GROUP)
-    packed = isinstance(w, GemmWeight)
-    threads = min(torch.get_num_threads(), groups) if M * N * K >= (1 << 20) else 1
-    if threads <= 1:  # pack x and run every group in one C call
+    packed = w.packed
+    if M * N * K < (1 << 20) or torch.get_num_threads() <= 1:  # pack x and run every group in one C call
         if packed:
-            rc = _lib.nvfp4_gemm(x2.data_ptr(), M, K, K, w.data.data_ptr(), w.scale.data_ptr(),
-                                 w.tables.data_ptr(), w.row_table.data_ptr(), bias_ptr, N, y.data_ptr(),
-                                 x_vnni, _work(M, K32))
+            rc = _lib.nvfp4_gemm(x2.data_ptr(), M, K, K, *w.ptrs, bias_ptr, N, y.data_ptr(), x_vnni,
+                                 _work(M, K32))
         else:
-            rc = _lib.bf16_gemm(x2.data_ptr(), M, K, K, w.data.data_ptr(), bias_ptr, N, y.data_ptr(), x_vnni)
+            rc = _lib.bf16_gemm(x2.data_ptr(), M, K, K, *w.ptrs, bias_ptr, N, y.data_ptr(), x_vnni)
         if rc != 0:
             raise RuntimeError(f"cpu_gemm kernel failed ({rc})")
-        return y.reshape(*lead, N)
+        return y if flat else y.reshape(*x.shape[:-1], N)
     _lib.nvfp4_gemm_pack_x(x2.data_ptr(), M, K, K, x_vnni)
 
     def rows(g0: int, g1: int) -> None:
         if packed:
-            rc = _lib.nvfp4_gemm_rows(x_vnni, M, K, w.data.data_ptr(), w.scale.data_ptr(),
-                                      w.tables.data_ptr(), w.row_table.data_ptr(), bias_ptr, g0, g1, N,
-                                      y.data_ptr(), N, _work(M, K32))
+            rc = _lib.nvfp4_gemm_rows(x_vnni, M, K, *w.ptrs, bias_ptr, g0, g1, N, y.data_ptr(), N,
+                                      _work(M, K32))
         else:
-            rc = _lib.bf16_gemm_rows(x_vnni, M, K, w.data.data_ptr(), bias_ptr, g0, g1, N, y.data_ptr(), N)
+            rc = _lib.bf16_gemm_rows(x_vnni, M, K, *w.ptrs, bias_ptr, g0, g1, N, y.data_ptr(), N)
         if rc != 0:
             raise RuntimeError(f"cpu_gemm kernel failed ({rc})")
 
-    cpu._parallel_rows(rows, groups, GROUP * K * max(M, 1), 1)
-    return y.reshape(*lead, N)
+    cpu._parallel_rows(rows, -(-N // GROUP), GROUP * K * M, 1)
+    return y if flat else y.reshape(*x.shape[:-1], N)
 
 
 def _work(M: int, K32: int) -> int:
