@@ -16,5 +16,10 @@ def test_throughput_times_both_engines_greedy_and_sampled(tmp_path):
     assert keys == {(e, d, m) for e in ("transformers", "fp4rl bf16") for d in ("float32", "bfloat16")
                     for m in ("greedy", "sample")}
     assert all(r["tokens_per_s"] > 0 and r["batch"] == 2 for r in speed)
+    # the paired ratio is transformers' wall time over the engine's in the same repeat (one repeat here)
+    for r in speed:
+        ref = next(h for h in speed if h["engine"] == "transformers" and (h["dtype"], h["mode"]) ==
+                   (r["dtype"], r["mode"]))
+        assert abs(r["paired_ratio"] - ref["seconds"] / r["seconds"]) < 1e-9
     text = rollout.markdown(args, speed, [], [])
     assert text.count("| fp4rl bf16 |") == 4 and "| sample | 2 |" in text

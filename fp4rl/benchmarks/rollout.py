@@ -76,8 +76,10 @@ def hf_model_dir(model_name: str) -> str:
 
 def time_engines(hf, samplers: dict, batch: int, new: int, repeats: int,
                  mode: str = "greedy") -> dict[str, float]:
-    """Median (wall, CPU) seconds of transformers and of each sampler for one batch, engines alternating.
-    mode "greedy" (argmax) or "sample" (T = 1 from the full softmax, seeded)."""
+    """Median (wall, CPU) seconds of transformers and of each sampler for one batch, engines alternating,
+    and the median over repeats of (transformers' wall seconds / the engine's) in the same repeat: on a
+    shared machine whose speed drifts between phases, a ratio of neighbouring runs is steadier than a
+    ratio of medians. mode "greedy" (argmax) or "sample" (T = 1 from the full softmax, seeded)."""
     prompts = make_prompts(batch, hf.config.vocab_size)
     T = max(map(len, prompts))
     ids = torch.zeros(batch, T, dtype=torch.long)
@@ -106,7 +108,9 @@ def time_engines(hf, samplers: dict, batch: int, new: int, repeats: int,
             fn()
             wall[name].append(time.perf_counter() - start)
             cpu[name].append(time.process_time() - start_cpu)
-    return {name: (statistics.median(wall[name]), statistics.median(cpu[name])) for name in engines}
+    ref = wall["transformers"]
+    return {name: (statistics.median(wall[name]), statistics.median(cpu[name]),
+                   statistics.median(r / w for r, w in zip(ref, wall[name]))) for name in engines}
 
 
 def throughput(args) -> list[dict]:
@@ -123,12 +127,13 @@ def throughput(args) -> list[dict]:
             del model
         for mode, batch in ((m, int(b)) for m in args.modes.split(",") for b in args.batches.split(",")):
             seconds = time_engines(hf, samplers, batch, args.new_tokens, args.repeats, mode)
-            for engine, (wall, cpu) in seconds.items():
+            for engine, (wall, cpu, paired) in seconds.items():
                 rows.append(dict(engine=engine, dtype=dtype_name, batch=batch, seconds=wall, cpu_seconds=cpu,
-                                 mode=mode, tokens_per_s=batch * args.new_tokens / wall,
+                                 paired_ratio=paired, mode=mode, tokens_per_s=batch * args.new_tokens / wall,
                                  tokens_per_cpu_s=batch * args.new_tokens / cpu))
             print(f"  {dtype_name} {mode} batch {batch}: " + ", ".join(
-                f"{r['engine']} {r['tokens_per_s']:.1f} tok/s ({r['tokens_per_cpu_s']:.1f} per CPU s)"
+                f"{r['engine']} {r['tokens_per_s']:.1f} tok/s ({r['tokens_per_cpu_s']:.1f} per CPU s, "
+                f"{r['paired_ratio']:.2f}x paired)"
                 for r in rows[-len(seconds):]), flush=True)
         del hf, samplers
     return rows
@@ -216,10 +221,11 @@ def markdown(args, speed, memory, mism) -> str:
                 f"tokens per sequence (prefill included), median of {args.repeats} after a warm-up, "
                 "engines alternating in one process. Tokens per wall second, and per CPU second of this "
                 "process (less sensitive to other jobs on a shared CPU when torch runs one thread); ratios "
-                "are of wall tokens/s, against transformers at the same dtype and in float32 (its CPU "
-                "default):", "",
+                "are of wall tokens/s, against transformers at the same dtype (of the medians, and the "
+                "median of the ratios to the transformers run of the same repeat: steadier when the "
+                "machine's speed drifts) and in float32 (its CPU default):", "",
                 "| engine | dtype | decoding | batch | tokens/s | tokens/CPU-s | vs transformers, same dtype "
-                "| vs transformers fp32 |", "|---|---|---|---:|---:|---:|---:|---:|"]
+                "| paired | vs transformers fp32 |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
         ref = {(r["dtype"], r["mode"], r["batch"]): r["tokens_per_s"] for r in speed
                if r["engine"] == "transformers"}
         for r in speed:
@@ -228,7 +234,7 @@ def markdown(args, speed, memory, mism) -> str:
             vs_fp32 = f"{r['tokens_per_s'] / fp32:.2f}x" if fp32 else "-"
             out.append(f"| {r['engine']} | {r['dtype']} | {r['mode']} | {r['batch']} | "
                        f"{r['tokens_per_s']:.1f} | "
-                       f"{r['tokens_per_cpu_s']:.1f} | {same:.2f}x | {vs_fp32} |")
+                       f"{r['tokens_per_cpu_s']:.1f} | {same:.2f}x | {r['paired_ratio']:.2f}x | {vs_fp32} |")
         out.append("")
     if memory:
         out += ["Packed weights in the sampler, and one weight sync (build the payload, serialise, parse, "
