@@ -164,13 +164,17 @@ def main():
     print(f"copy {bw['tb_s']:.2f} TB/s")
     import re
     configs = []
-    for c in a.configs.split(","):  # w<warps>s<splits, 0 = auto>[p<prefetch steps>][m<asm mode>]
-        f = dict(re.findall(r"([wspm])(\d+)", c))
+    for c in a.configs.split(","):  # w<warps>s<splits, 0 = auto>[p<prefetch>][m<asm mode>][r<maxnreg>]
+        f = dict(re.findall(r"([wspmrd])(\d+)", c))
         kw = dict(kernel="gluon", num_warps=int(f["w"]), num_splits=int(f.get("s", 0)) or None)
         if "p" in f:
             kw["_pf"] = int(f["p"])
         if "m" in f:
             kw["_mode"] = int(f["m"])
+        if "r" in f:
+            kw["_maxnreg"] = int(f["r"])
+        if "d" in f:
+            kw["_dbg"] = int(f["d"])
         configs.append((c, kw))
     bench(res, bw["tb_s"] * 1e12, [int(x) for x in a.contexts.split(",")], configs)
     with open(a.out, "w") as fh:

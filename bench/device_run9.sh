@@ -9,3 +9,11 @@ if [ -n "$RUN_TESTS" ]; then
   timeout ${T_T:-200} python3 -m pytest -q -m gpu $RUN_TESTS > $OUT/gputests.log 2>&1
   tail -5 $OUT/gputests.log
 fi
+if [ -n "$RUN_QUANT" ]; then
+  timeout ${T_Q:-200} python3 bench/quant9.py --out $OUT/quant9.json > $OUT/quant9.log 2>&1
+  grep -v "^bench {" $OUT/quant9.log | tail -22 | cut -c1-200
+fi
+if [ -n "$NCU" ]; then
+  timeout ${T_N:-200} ncu --clock-control none --metrics gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed -k regex:decode_attn python3 bench/attn9_ncu.py > $OUT/ncu.log 2>&1
+  grep -E "decode_attn|duration|warps_active|dram__" $OUT/ncu.log | tail -40 | cut -c1-160
+fi

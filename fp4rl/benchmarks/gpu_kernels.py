@@ -152,6 +152,7 @@ def bench_quantize(bw: float) -> list[dict]:
         ("1x16 row 6", dict(per_row=True), dict(scale_scope="row")),
         ("1x16 row 4/6 mse", dict(per_row=True, scale_rule="4/6"), dict(scale_scope="row", scale_rule="4/6")),
         ("1x16 tensor 4/6 mae", dict(scale_rule="4/6", err="mae"), dict(scale_rule="4/6", err="mae")),
+        ("1x16 tensor 4/6 mse", dict(scale_rule="4/6"), dict(scale_rule="4/6")),
         ("16x16 tensor 6", dict(tile16=True), dict(tile=(16, 16))),
         ("16x16 tensor 4/6 mse", dict(tile16=True, scale_rule="4/6"), dict(tile=(16, 16), scale_rule="4/6")),
         ("1x16 row 6 stochastic", dict(per_row=True, stochastic=True), None),
@@ -371,8 +372,8 @@ def bench_attention(bw: float, contexts, b=8, hq=32, hkv=8, d=128) -> list[dict]
         n4 = copies_for(fp4_bytes, at_least=1)
         sets4 = [(kq, vq)] + [(tuple(p.clone() for p in kq), tuple(p.clone() for p in vq))
                               for _ in range(n4 - 1)]
-        variants = [dict(), dict(block_t=128), dict(num_stages=4), dict(block_t=32),
-                    dict(block_t=128, num_warps=8)]
+        # NVFP4: the default (the Gluon kernel on sm_90) and the Triton kernel; FP8: Triton only
+        variants = [dict(), dict(kernel="triton", block_t=128), dict(kernel="triton", block_t=64)]
         for kind, ref, nbytes in (("nvfp4", ref4, fp4_bytes), ("fp8", ref8, fp8_bytes)):
             best = None
             for var in variants:

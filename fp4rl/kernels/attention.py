@@ -214,11 +214,13 @@ def _attn_unpack(w, r):
 def _attn_asm(mode: int = 0) -> str:
     """One 16-token step of one warp, per lane (pack = 8). Operands: out acc0..3 (8 each), st (m, l, M
     for queries 2c, 2c+1); in kw, vw, ks, vs, kq, bias, vg, qa, qb, st, acc0..3 (8 each).
-    mode 1: no unpack (wrong values; timing only)."""
+    mode bits (experiments): 1 no unpack (wrong values; timing only), 2 rescale the accumulators
+    every step (no warp vote and branch), 4 S in two independent MMA chains."""
     OACC, OST = 0, 32
     KW, VW, KS, VS, KQ, BIAS, VG, QA, QB, ST, ACC = (40 + 8 * i for i in range(11))
     a = ["{\n.reg .b32 ut, uE, uO, k7, k70, msk, r<4>, rb<4>, sk, sA, sB, sC, sD, mx, mxb, X0, X1, Y0, Y1;\n"
-         ".reg .b16 h0, h1;\n.reg .f32 d<4>, s<4>, u<4>, lv0, lv1, tm, tt, m<2>, mn<2>, mu<2>, al<2>, M<2>, "
+         ".reg .b16 h0, h1;\n.reg .f32 d<4>, e<4>, s<4>, u<4>, lv0, lv1, tm, tt, m<2>, mn<2>, mu<2>, al<2>, "
+         "M<2>, "
          "Mn<2>, Mu<2>, Al<2>, pp<4>, l<2>, o<32>;\n.reg .pred pz;\n"
          f"mov.b32 k7, 0x07070707;\nmov.b32 k70, 0x70707070;\nmov.b32 msk, {_ATTN_MSK:#x};\n"]
     a.append("".join(f"mov.f32 o{i}, ${ACC + i};\n" for i in range(32)))
@@ -226,7 +228,7 @@ def _attn_asm(mode: int = 0) -> str:
              f"mov.f32 M0, ${ST + 4};\nmov.f32 M1, ${ST + 5};\n")
 
     def unpack(w, r):
-        if mode == 1:
+        if mode & 1:
             return "".join(f"and.b32 {x}, {w}, msk;\n" for x in r)
         return _attn_unpack(w, r)
 
@@ -235,17 +237,21 @@ def _attn_asm(mode: int = 0) -> str:
              "mov.b32 {h0, h1}, sk;\nmov.b32 sA, {h0, h0};\nmov.b32 sB, {h1, h1};\n"
              f"mov.b32 {{h0, h1}}, ${KS + 4};\ncvt.rn.f16x2.e4m3x2 sk, h0;\n"
              "mov.b32 {h0, h1}, sk;\nmov.b32 sC, {h0, h0};\nmov.b32 sD, {h1, h1};\n"
-             + "".join(f"mov.f32 d{i}, 0f00000000;\n" for i in range(4)))
+             + "".join(f"mov.f32 d{i}, 0f00000000;\n" for i in range(4))
+             + "".join(f"mov.f32 e{i}, 0f00000000;\n" for i in range(4 if mode & 4 else 0)))
     for m in range(4):
         ra, rb = ["r0", "r1", "r2", "r3"], ["rb0", "rb1", "rb2", "rb3"]
         a.append(unpack(f"${KW + m}", ra) + unpack(f"${KW + 4 + m}", rb))
         a.append("".join(f"mul.rn.f16x2 {x}, {x}, {'sA' if m < 2 else 'sB'};\n" for x in ra))
         a.append("".join(f"mul.rn.f16x2 {x}, {x}, {'sC' if m < 2 else 'sD'};\n" for x in rb))
         qb = (QA if m < 2 else QB) + 4 * (m % 2)
+        acc = "e" if (mode & 4) and m % 2 else "d"
         for h in range(2):
-            a.append("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, "
+            a.append(f"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{acc}0, {acc}1, {acc}2, {acc}3}}, "
                      f"{{{ra[2 * h]}, {rb[2 * h]}, {ra[2 * h + 1]}, {rb[2 * h + 1]}}}, "
-                     f"{{${qb + h}, ${qb + h + 2}}}, {{d0, d1, d2, d3}};\n")
+                     f"{{${qb + h}, ${qb + h + 2}}}, {{{acc}0, {acc}1, {acc}2, {acc}3}};\n")
+    if mode & 4:
+        a.append("".join(f"add.f32 d{i}, d{i}, e{i};\n" for i in range(4)))
     # ---- online softmax per query (2c: scores s0, s2; 2c+1: s1, s3); u = s + log2 g_v with max M
     a.append(f"lg2.approx.f32 lv0, ${VG};\nlg2.approx.f32 lv1, ${VG + 4};\n")
     for t in range(4):
@@ -267,9 +273,13 @@ def _attn_asm(mode: int = 0) -> str:
     # P'^T fragments (t = g | g+8, q = 2c, 2c+1) -> transposed: P'(q = g, t = 2c, 2c+1 | 8+2c, 9+2c)
     a.append("cvt.rn.f16x2.f32 X0, pp1, pp0;\ncvt.rn.f16x2.f32 X1, pp3, pp2;\n"
              "movmatrix.sync.aligned.m8n8.trans.b16 Y0, X0;\nmovmatrix.sync.aligned.m8n8.trans.b16 Y1, X1;\n")
-    a.append("setp.neu.f32 pz, Al0, 0f3F800000;\nsetp.neu.or.f32 pz, Al1, 0f3F800000, pz;\n"
-             "vote.sync.any.pred pz, pz, 0xffffffff;\n@!pz bra SKIP${:uid};\n"
-             + "".join(f"mul.f32 o{i}, o{i}, Al{i % 2};\n" for i in range(32)) + "SKIP${:uid}:\n")
+    rescale = "".join(f"mul.f32 o{i}, o{i}, Al{i % 2};\n" for i in range(32))
+    if mode & 2:
+        a.append(rescale)
+    else:  # the references rarely move: skip the 32 multiplies unless a lane's did (warp-uniform branch)
+        a.append("setp.neu.f32 pz, Al0, 0f3F800000;\nsetp.neu.or.f32 pz, Al1, 0f3F800000, pz;\n"
+                 "vote.sync.any.pred pz, pz, 0xffffffff;\n@!pz bra SKIP${:uid};\n" + rescale
+                 + "SKIP${:uid}:\n")
     # ---- O^T += V^T P'^T: A = V^T (rows: head dims of block g; k: tokens 2c, 2c+1 | 8+2c, 9+2c)
     a.append(f"prmt.b32 mx, ${VS}, ${VS + 2}, 0x40;\nmov.b32 {{h0, h1}}, mx;\ncvt.rn.f16x2.e4m3x2 sA, h0;\n"
              f"prmt.b32 mx, ${VS + 4}, ${VS + 6}, 0x40;\nmov.b32 {{h0, h1}}, mx;\n"
@@ -294,7 +304,7 @@ def _attn_asm(mode: int = 0) -> str:
     return "".join(a)
 
 
-_ATTN_ASM = {m: _attn_asm(m) for m in (0, 1)}
+_ATTN_ASM = {m: _attn_asm(m) for m in range(8)}
 _ATTN_CON = ",".join(["=f"] * 40 + ["r"] * 32 + ["f"] * 24 + ["r"] * 16 + ["f"] * 40)
 
 if gluon is not None:
@@ -363,7 +373,7 @@ if gluon is not None:
         stride_kst: gl.constexpr, stride_kgb, stride_kgh, stride_vb, stride_vh, stride_vt: gl.constexpr,
         stride_vsb, stride_vsh, stride_vst: gl.constexpr, stride_vgb, stride_vgh, stride_ob, stride_oh,
         G: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_START: gl.constexpr, ASM: gl.constexpr,
-        CON: gl.constexpr, PF: gl.constexpr = 3,
+        CON: gl.constexpr, PF: gl.constexpr = 3, DBG: gl.constexpr = 0,
     ):
         """kw/vw: int32 words [B, Hkv, T, 16] (D = 128); ks int16 [B, Hkv, T, 4] (scale byte pairs),
         vs uint8 [B, Hkv, T, 8]. Partials: one slot per (b, kv head, split, warp): acc [8 queries, 128]
@@ -439,6 +449,8 @@ if gluon is not None:
         acc3 = gl.zeros([R, 4, 2, 2, 2], gl.float32, L5)
         tb0 = t_lo + 16 * w5
         n_steps = gl.cdiv(t_hi - t_lo, STEP)
+        if DBG & 1:  # timing experiment: no streaming
+            n_steps = 0
         # L2 prefetch of the step PF steps ahead: lane 4g + c of each warp takes one 128-byte line of its
         # warp's step (K words 0-7, V words 8-15, then scales and per-token scales)
         L2D: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5)))
@@ -488,9 +500,15 @@ if gluon is not None:
         mlp = ml_ptr + slot * 80 + gl.where(kind == 1, 16 + 8 * g5, 8 * (kind // 2)) + 2 * c5 + e1
         gl.store(mlp, st, mask=(kind == 1) | ((kind != 3) & (g5 == 0)), cache_modifier=".cg")
         gl.thread_barrier()
-        done = gl.atomic_add(lock_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if DBG & 4:  # timing experiment: no fence (wrong memory ordering)
+            done = gl.atomic_add(lock_ptr + bh, 1, sem="relaxed", scope="gpu")
+        else:
+            done = gl.atomic_add(lock_ptr + bh, 1, sem="acq_rel", scope="gpu")
         if done == NUM_SPLITS - 1:
-            _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, NUM_SPLITS * NW, NW)
+            if DBG & 2:  # timing experiment: merge one slot only (wrong output)
+                _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, 1, NW)
+            else:
+                _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, NUM_SPLITS * NW, NW)
             gl.atomic_xchg(lock_ptr + bh, 0)
 
     @gluon.jit
@@ -593,11 +611,12 @@ def _splits(b: int, hkv: int, t: int, device) -> int:
 GLUON = {"on": gluon is not None and not INTERPRET, "error": None}
 
 
-def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device) -> int:
-    """Splits so that the warps of the whole grid fill the H200 about once (12 resident warps per
-    multiprocessor at ~163 registers) and each warp streams >= 64 tokens."""
+def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int | None) -> int:
+    """Splits so that the warps of the whole grid fill the H200 about once (16 resident warps per
+    multiprocessor at <= 128 registers, 12 at ~168) and each warp streams >= 64 tokens."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    target = 12 * sms // num_warps  # programs that fit at once
+    per_sm = 65536 // (32 * (maxnreg or 168))
+    target = (per_sm // num_warps) * sms  # programs that fit at once
     n = max(1, min(64, target // max(1, b * hkv)))
     while n > 1 and t // (n * num_warps) < 64:
         n -= 1
@@ -605,14 +624,14 @@ def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device) -> int:
 
 
 def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, num_splits, num_warps,
-                            mode: int = 0, pf: int = 3):
+                            mode: int = 0, pf: int = 3, maxnreg: int | None = None, dbg: int = 0):
     b, hq, d = q.shape
     hkv, t_cap = k.shape[1], k.shape[2]
     g = hq // hkv
     kw, vw = k.view(torch.int32), v.view(torch.int32)  # [B, Hkv, T, 16] words
     ks16 = ks.view(torch.int16)  # [B, Hkv, T, 4]: scale byte pairs (2c, 2c+1)
     vs8 = vs.view(torch.uint8)
-    num_splits = num_splits or _splits_gluon(b, hkv, t_cap, num_warps, q.device)
+    num_splits = num_splits or _splits_gluon(b, hkv, t_cap, num_warps, q.device, maxnreg)
     n_slots = b * hkv * num_splits * num_warps
     part, ml, lock = _WORKSPACE.get(q.device, n_slots, 8, 128, b * hkv, ml_cols=80)
     out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=q.device)
@@ -625,7 +644,7 @@ def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, 
         vw.stride(0), vw.stride(1), vw.stride(2), vs8.stride(0), vs8.stride(1), vs8.stride(2),
         vg.stride(0), vg.stride(1), out.stride(0), out.stride(1),
         G=g, NUM_SPLITS=num_splits, HAS_START=starts is not None, ASM=_ATTN_ASM[mode], CON=_ATTN_CON, PF=pf,
-        num_warps=num_warps,
+        DBG=dbg, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return out
 
@@ -633,7 +652,7 @@ def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, 
 @with_asm_fallback
 def decode_attention(q, lengths, k, v, k_global, v_global, *, k_scale=None, v_scale=None, sm_scale=None,
                      num_splits=None, block_t=None, num_warps=None, num_stages=3, starts=None, kernel=None,
-                     _mode: int = 0, _pf: int = 3):
+                     _mode: int = 0, _pf: int = 3, _maxnreg: int | None = None, _dbg: int = 0):
     """One decode step of attention: out [B, Hq, D] bfloat16.
 
     NVFP4 cache when k_scale/v_scale (E4M3 block scales) are given, else FP8 (e4m3) cache.
@@ -665,7 +684,8 @@ def decode_attention(q, lengths, k, v, k_global, v_global, *, k_scale=None, v_sc
             starts_i = starts.to(device=q.device, dtype=torch.int32)
         try:
             return _decode_attention_gluon(q, lengths_i, starts_i, k, v, k_global, v_global, k_scale, v_scale,
-                                           sm_scale, num_splits, num_warps or 4, _mode, _pf)
+                                           sm_scale, num_splits, num_warps or 4, _mode, _pf,
+                                           _maxnreg, _dbg)
         except Exception as exc:  # noqa: BLE001  (Gluon failed to compile or launch here)
             if kernel == "gluon":
                 raise

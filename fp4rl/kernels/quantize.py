@@ -299,6 +299,233 @@ def _quantize_kernel(
                  mask=rmask[:, None] & (scols[None, :] < K // 16))
 
 
+
+# ----------------------------------------------------------------------------- one block per thread
+# The kernels below hold each 16-element block in one thread ([N, 16] tiles, a blocked layout with 16
+# elements per thread along the last dim), so the block max, the scale, the 4/6 errors and the nibble
+# packing need no data exchange between threads, and all of a program's loads are issued before the
+# first use (one pass; the measured bound of the [R, NB, 16] kernel above was latency, not issue).
+# Same arithmetic, same order, so the same bytes as the reference.
+
+
+@triton.jit
+def _div1536(v):
+    """fp32(v / 1536), correctly rounded, without a division: q = v * c (c = fp32(1/1536)), then one
+    FMA-corrected step q + (v - 1536 q) * c (Markstein); the FMAs are explicit (the kernels are compiled
+    without contraction). Checked against IEEE division on every float32 mantissa (bench/quant9.py)."""
+    c: tl.constexpr = 6.510416860692203e-04  # fp32(1/1536)
+    q = v * c
+    r = tl.math.fma(-q, 1536.0, v)
+    return tl.math.fma(r, c, q)
+
+
+@triton.jit
+def _round_e2m1_v(z, NONFINITE: tl.constexpr):
+    """_round_e2m1 (nearest) plus the signed E2M1 value of the code, from the rounding itself
+    (rint(t) / step, exact) instead of decoding the code again."""
+    a = tl.minimum(tl.abs(z), 6.0)
+    lt2 = a < 2.0
+    lt4 = a < 4.0
+    mult = tl.where(lt2, 2.0, tl.where(lt4, 1.0, 0.5))
+    tr = a * mult + 8388608.0  # a * mult is exact: the same value as two roundings
+    r = tr.to(tl.int32, bitcast=True)
+    idx = r + tl.where(lt2, -0x4B000000, tl.where(lt4, 2 - 0x4B000000, 4 - 0x4B000000))
+    v = (tr - 8388608.0) * tl.where(lt2, 0.5, tl.where(lt4, 1.0, 2.0))
+    neg = z < 0
+    if NONFINITE:
+        idx = tl.where(z == z, idx, 0)  # NaN -> code 0 (min() above would have made it 6)
+        v = tl.where(z == z, v, 0.0)
+    return idx | (neg.to(tl.int32) << 3), tl.where(neg, -v, v)
+
+
+@triton.jit
+def _sum16_2d(e, N: tl.constexpr):
+    """[N, 16] -> [N]: e[:, 0] + e[:, 1] + ... + e[:, 15], strictly left to right."""
+    e0, e1 = tl.split(tl.reshape(e, (N, 8, 2)))  # 0 2 .. 14 | 1 3 .. 15
+    e00, e01 = tl.split(tl.reshape(e0, (N, 4, 2)))  # 0 4 8 12 | 2 6 10 14
+    e10, e11 = tl.split(tl.reshape(e1, (N, 4, 2)))  # 1 5 9 13 | 3 7 11 15
+    a0, a4 = tl.split(tl.reshape(e00, (N, 2, 2)))  # 0 8 | 4 12
+    a2, a6 = tl.split(tl.reshape(e01, (N, 2, 2)))
+    a1, a5 = tl.split(tl.reshape(e10, (N, 2, 2)))
+    a3, a7 = tl.split(tl.reshape(e11, (N, 2, 2)))
+    c0, c8 = tl.split(a0)
+    c4, c12 = tl.split(a4)
+    c2, c10 = tl.split(a2)
+    c6, c14 = tl.split(a6)
+    c1, c9 = tl.split(a1)
+    c5, c13 = tl.split(a5)
+    c3, c11 = tl.split(a3)
+    c7, c15 = tl.split(a7)
+    t = c0 + c1
+    t = t + c2
+    t = t + c3
+    t = t + c4
+    t = t + c5
+    t = t + c6
+    t = t + c7
+    t = t + c8
+    t = t + c9
+    t = t + c10
+    t = t + c11
+    t = t + c12
+    t = t + c13
+    t = t + c14
+    t = t + c15
+    return t
+
+
+@triton.jit
+def _encode_2d(xb, s, s_dec, NONFINITE: tl.constexpr):
+    enc = tl.minimum(tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s * s_dec), FLT_MAX)
+    return _round_e2m1(xb * enc[:, None], xb, False, NONFINITE)
+
+
+@triton.jit
+def _encode_v_2d(xb, s, s_dec, NONFINITE: tl.constexpr):
+    enc = tl.minimum(tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s * s_dec), FLT_MAX)
+    return _round_e2m1_v(xb * enc[:, None], NONFINITE)
+
+
+@triton.jit
+def _error_2d(ev, s, xb, g, err_amax, N: tl.constexpr, IMPOSED_G: tl.constexpr, MAE: tl.constexpr, FAST_DIV):
+    """Summed error of one candidate; ev: the signed E2M1 values of its codes."""
+    values = ev * s[:, None]
+    if IMPOSED_G:
+        decoded = values * g[:, None]
+    else:
+        v = values * err_amax[:, None]
+        if FAST_DIV:  # a runtime scalar: the program's amaxes allow the division-free x / 1536
+            decoded = _div1536(v)
+        else:
+            decoded = tl.math.div_rn(v, tl.full(values.shape, 1536.0, tl.float32))
+    diff = decoded - xb
+    if MAE:
+        e = tl.abs(diff)
+    else:
+        e = diff * diff
+    return _sum16_2d(e, N)
+
+
+@triton.jit
+def _quantize_blocks(xb, s_enc, s_dec, g, amax, N: tl.constexpr, IMPOSED_G: tl.constexpr,
+                     RULE46: tl.constexpr, MAE: tl.constexpr, ALLOW_NF: tl.constexpr):
+    """Blocks xb [N, 16] (float32) -> (codes [N, 16] int32, block scales [N] as float32 E4M3 values).
+    s_enc, s_dec, g, amax: [N] (per block)."""
+    a = tl.abs(xb)
+    if ALLOW_NF:
+        a = tl.where(a < float("inf"), a, 0.0)
+    bamax = tl.max(a, 1)  # [N]
+    if RULE46:
+        base = tl.math.div_rn(bamax, tl.full(bamax.shape, 6.0, tl.float32)) * s_enc
+        s6 = _e4m3_round(base)
+        s4 = _e4m3_round(base * 1.5)
+        codes6, ev6 = _encode_v_2d(xb, s6, s_dec, ALLOW_NF)
+        codes4, ev4 = _encode_v_2d(xb, s4, s_dec, ALLOW_NF)
+        # the division-free x / 1536 is exact while no product underflows or overflows (checked on
+        # every float32); outside 2^-70 <= amax <= 2^100 the program takes IEEE division
+        fast = (tl.min(amax, 0) >= 8.470329472543003e-22) & (tl.max(amax, 0) <= 1.2676506002282294e30)
+        err6 = _error_2d(ev6, s6, xb, g, amax, N, IMPOSED_G, MAE, fast)
+        err4 = _error_2d(ev4, s4, xb, g, amax, N, IMPOSED_G, MAE, fast)
+        pick4 = err4 < err6
+        codes = tl.where(pick4[:, None], codes4, codes6)
+        s = tl.where(pick4, s4, s6)
+    else:
+        s = _e4m3_round(bamax * (s_enc * ONE_SIXTH))
+        codes = _encode_2d(xb, s, s_dec, ALLOW_NF)
+    return codes, s
+
+
+@triton.jit
+def _global_from_amax(amax, RULE46: tl.constexpr, SCALE_SRC: tl.constexpr):
+    """(s_enc, s_dec, g) from amax (or, SCALE_SRC 3, from an imposed decode-direction g)."""
+    if SCALE_SRC == 3:
+        g = amax
+        s_enc = tl.minimum(tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), g), FLT_MAX)
+        s_dec = g
+    else:
+        if RULE46:
+            m_const = tl.full(amax.shape, 1536.0, tl.float32)
+        else:
+            m_const = tl.full(amax.shape, 2688.0, tl.float32)
+        s_enc = tl.minimum(tl.math.div_rn(m_const, amax), FLT_MAX)
+        s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+        s_dec = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc)
+        g = tl.math.div_rn(amax, m_const)
+    return s_enc, s_dec, g
+
+
+@triton.jit
+def _store_blocks(d_ptr, s_ptr, blk, bmask, codes, s, N: tl.constexpr):
+    lo, hi = tl.split(tl.reshape(codes, (N, 8, 2)))
+    packed = (lo | (hi << 4)).to(tl.uint8)  # [N, 8]
+    tl.store(d_ptr + blk.to(tl.int64)[:, None] * 8 + tl.arange(0, 8)[None, :], packed, mask=bmask[:, None])
+    tl.store(s_ptr + blk, _e4m3_bits(s).to(tl.uint8), mask=bmask)
+
+
+@triton.jit
+def _quantize_flat_kernel(
+    x_ptr, d_ptr, s_ptr, g_ptr, given_ptr, part_ptr, n_part, n_blocks, nb_row,
+    SCALE_SRC: tl.constexpr,  # 0: tensor amax from partials, 2: given amax, 3: given g
+    PER_ROW: tl.constexpr, RULE46: tl.constexpr, MAE: tl.constexpr, ALLOW_NF: tl.constexpr,
+    N: tl.constexpr, PMAX: tl.constexpr,
+):
+    """Blocks [pid N, pid N + N) of the flat tensor (a block never straddles a row: K % 16 == 0)."""
+    pid = tl.program_id(0)
+    blk = pid * N + tl.arange(0, N)
+    bmask = blk < n_blocks
+    x = tl.load(x_ptr + blk.to(tl.int64)[:, None] * 16 + tl.arange(0, 16)[None, :], mask=bmask[:, None],
+                other=0.0).to(tl.float32)
+    if SCALE_SRC == 0:
+        p = tl.arange(0, PMAX)
+        amax = tl.max(tl.load(part_ptr + p, mask=p < n_part, other=0), 0).to(tl.float32, bitcast=True)
+    elif PER_ROW:
+        amax = tl.load(given_ptr + blk // nb_row, mask=bmask, other=1.0)
+    else:
+        amax = tl.load(given_ptr)
+    s_enc, s_dec, g = _global_from_amax(amax, RULE46, SCALE_SRC)  # once (tensor) or per block (rows)
+    amax = tl.broadcast_to(amax, (N,))
+    codes, s = _quantize_blocks(x, tl.broadcast_to(s_enc, (N,)), tl.broadcast_to(s_dec, (N,)),
+                                tl.broadcast_to(g, (N,)), amax, N, SCALE_SRC == 3, RULE46, MAE, ALLOW_NF)
+    _store_blocks(d_ptr, s_ptr, blk, bmask, codes, s, N)
+    if PER_ROW:
+        tl.store(g_ptr + blk // nb_row, g, mask=bmask & (blk % nb_row == 0))
+    else:
+        if pid == 0:
+            tl.store(g_ptr, g)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, d_ptr, s_ptr, g_ptr, flag_ptr, R, nb_row,
+    RULE46: tl.constexpr, MAE: tl.constexpr, ALLOW_NF: tl.constexpr, BR: tl.constexpr, NBP: tl.constexpr,
+):
+    """Per-row scales in one pass: BR whole rows (nb_row <= NBP blocks each) held in registers; the row
+    amax (an integer max over |x|'s bit patterns, exact) and the NaN/Inf flag, then the blocks."""
+    N: tl.constexpr = BR * NBP
+    pid = tl.program_id(0)
+    i = tl.arange(0, N)
+    row = pid * BR + i // NBP
+    col = i % NBP
+    bmask = (col < nb_row) & (row < R)
+    blk = row * nb_row + col
+    x = tl.load(x_ptr + blk.to(tl.int64)[:, None] * 16 + tl.arange(0, 16)[None, :], mask=bmask[:, None],
+                other=0.0).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    raw = tl.max(tl.reshape(tl.max(bits, 1), (BR, NBP)), 1)  # [BR]
+    fin = tl.max(tl.reshape(tl.max(tl.where(bits >= 0x7F800000, 0, bits), 1), (BR, NBP)), 1)
+    rows_r = pid * BR + tl.arange(0, BR)
+    tl.store(flag_ptr + rows_r, raw, mask=rows_r < R)
+    amax_r = fin.to(tl.float32, bitcast=True)
+    s_enc_r, s_dec_r, g_r = _global_from_amax(amax_r, RULE46, 1)
+    tl.store(g_ptr + rows_r, g_r, mask=rows_r < R)
+    amax = tl.reshape(tl.broadcast_to(amax_r[:, None], (BR, NBP)), (N,))
+    s_enc = tl.reshape(tl.broadcast_to(s_enc_r[:, None], (BR, NBP)), (N,))
+    s_dec = tl.reshape(tl.broadcast_to(s_dec_r[:, None], (BR, NBP)), (N,))
+    g = tl.reshape(tl.broadcast_to(g_r[:, None], (BR, NBP)), (N,))
+    codes, s = _quantize_blocks(x, s_enc, s_dec, g, amax, N, False, RULE46, MAE, ALLOW_NF)
+    _store_blocks(d_ptr, s_ptr, blk, bmask, codes, s, N)
+
+
 def _configs(k: int, tile16: bool, rule46: bool, row_pass: bool):
     """(BR, BC, num_warps) for the quantize pass: 16-32 elements per thread, no register spills
     when compiled for sm_90 (checked with ptxas; the 16x16 4/6 pass spilled at BC=256, 4 warps)."""
@@ -311,12 +538,56 @@ def _configs(k: int, tile16: bool, rule46: bool, row_pass: bool):
     return br, bc, 4
 
 
+# The one-block-per-thread kernels (the default); BLOCKS["on"] = False selects the older [R, NB, 16] tiles
+# (still used for 16x16 tiles, stochastic rounding and per-row scales of rows longer than
+# ROWS_MAX_BLOCKS blocks).
+BLOCKS = {"on": True}
+ROWS_MAX_BLOCKS = 512
+
+
+def _launch_blocks(x, data, scale, g, given, flag, parts, n_part, src, per_row_given, rule46, mae, allow_nf,
+                   scale_rule, err):
+    r, k = x.shape
+    nb_row = k // 16
+    name = f"quantize blocks src{src} {scale_rule} {err}"
+    if src == 1:
+        nbp = triton.next_power_of_2(nb_row)
+        br = max(1, (128 if rule46 else 256) // nbp)
+        warps = max(1, min(8, br * nbp // (32 if rule46 else 64)))
+        COMPILED[name] = _quantize_rows_kernel[(triton.cdiv(r, br),)](
+            x, data, scale, g, flag, r, nb_row, RULE46=rule46, MAE=mae, ALLOW_NF=allow_nf, BR=br, NBP=nbp,
+            num_warps=warps, enable_fp_fusion=False)
+    else:
+        n_blocks = r * nb_row
+        nblk = 128 if rule46 else 256
+        COMPILED[name] = _quantize_flat_kernel[(triton.cdiv(n_blocks, nblk),)](
+            x, data, scale, g, given, parts if parts is not None else g, n_part, n_blocks, nb_row,
+            SCALE_SRC=src, PER_ROW=per_row_given, RULE46=rule46, MAE=mae, ALLOW_NF=allow_nf, N=nblk,
+            PMAX=PMAX,
+            num_warps=nblk // (32 if rule46 else 64), enable_fp_fusion=False)
+
+
+def _launch_tiles(x, data, scale, g, given, flag, parts, n_part, src, per_row_given, rule46, err, allow_nf,
+                  tile16, stochastic, seed, scale_rule):
+    r, k = x.shape
+    br, bc, warps = _configs(k, tile16, rule46, src == 1)
+    grid = (triton.cdiv(r, br), 1 if src == 1 else triton.cdiv(k, bc))
+    name = f"quantize src{src} {scale_rule} {err}{' 16x16' if tile16 else ''}{' sr' if stochastic else ''}"
+    COMPILED[name] = _quantize_kernel[grid](
+        x, data, scale, g, given, flag if flag is not None else g, parts if parts is not None else g,
+        n_part, r, k, x.stride(0), data.stride(0), scale.stride(0), seed,
+        SCALE_SRC=src, PER_ROW=per_row_given, RULE46=rule46, MAE=err == "mae",
+        STOCH=stochastic, TILE16=tile16, ALLOW_NF=allow_nf, BR=br, BC=bc, PMAX=PMAX,
+        num_warps=warps, enable_fp_fusion=False,
+    )
+
+
 def amax_partials(x: torch.Tensor):
     """Per-program partial maxima of |x| bit patterns: (parts int32 [2, P], P). parts[0] is over
     the finite values, parts[1] over all (>= 0x7F800000 means NaN or Inf)."""
     flat = x.reshape(-1)
     numel = flat.numel()
-    block = 256 if INTERPRET else 2048
+    block = 256 if INTERPRET else 8192
     n_prog = max(1, min(PMAX, triton.cdiv(numel, block * 4)))
     iters = triton.cdiv(numel, n_prog * block)
     parts = torch.empty(2, n_prog, dtype=torch.int32, device=x.device)
@@ -373,16 +644,13 @@ def quantize_2d(
         src = 0
         parts, n_part = amax_partials(x)
     given = imposed.float().reshape(-1).contiguous() if imposed is not None else g
-    br, bc, warps = _configs(k, tile16, scale_rule == "4/6", src == 1)
-    grid = (triton.cdiv(r, br), 1 if src == 1 else triton.cdiv(k, bc))
-    name = f"quantize src{src} {scale_rule} {err}{' 16x16' if tile16 else ''}{' sr' if stochastic else ''}"
-    COMPILED[name] = _quantize_kernel[grid](
-        x, data, scale, g, given, flag if flag is not None else g, parts if parts is not None else g,
-        n_part, r, k, x.stride(0), data.stride(0), scale.stride(0), seed,
-        SCALE_SRC=src, PER_ROW=per_row_given, RULE46=scale_rule == "4/6", MAE=err == "mae",
-        STOCH=stochastic, TILE16=tile16, ALLOW_NF=allow_nonfinite, BR=br, BC=bc, PMAX=PMAX,
-        num_warps=warps, enable_fp_fusion=False,
-    )
+    rule46 = scale_rule == "4/6"
+    if BLOCKS["on"] and not tile16 and not stochastic and (src != 1 or k // 16 <= ROWS_MAX_BLOCKS):
+        _launch_blocks(x, data, scale, g, given, flag, parts, n_part, src, per_row_given, rule46,
+                       err == "mae", allow_nonfinite, scale_rule, err)
+    else:
+        _launch_tiles(x, data, scale, g, given, flag, parts, n_part, src, per_row_given, rule46, err,
+                      allow_nonfinite, tile16, stochastic, seed, scale_rule)
     if check_finite and not allow_nonfinite:
         if src in (0, 1):
             raw = (parts[1] if src == 0 else flag).max()
