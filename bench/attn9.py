@@ -5,6 +5,7 @@ dequantized cache), then batch 8, 32/8 heads, d=128 at 4K and 32K: Gluon (config
 FP8 (Triton), BF16 SDPA, copy bandwidth, all in one process."""
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -123,6 +124,8 @@ def bench(res, bw, contexts, configs):
                        "rel_err": err}
             except Exception as exc:  # noqa: BLE001
                 row = {**base, "kind": "nvfp4", "config": name, "error": repr(exc)[:300]}
+            with contextlib.suppress(Exception):  # NVML may be missing
+                row["sm_clock_mhz"] = torch.cuda.clock_rate()
             print("bench", json.dumps(row))
             res.setdefault("bench", []).append(row)
         del sets4
@@ -148,8 +151,12 @@ def main():
     ap.add_argument("--contexts", default="32768,4096")
     ap.add_argument("--configs", default="w4s0,w4s0p0,w4s0p2,w4s0p4,w4s0p6,w2s12,w4s0m1")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--warm-ms", type=float, default=0.0, help="replay each graph this long before timing")
     a = ap.parse_args()
     res = {"env": _env(), "argv": sys.argv}
+    import fp4rl.benchmarks.gpu_kernels as gk
+
+    gk.WARM_MS = a.warm_ms
     t0 = time.time()
     if not a.skip_check:
         try:
@@ -181,7 +188,7 @@ def main():
         json.dump(res, fh, indent=1, default=str)
     print(f"[total {time.time() - t0:.0f}s]")
     for r in res.get("bench", []):
-        print(f"{r['kind']} T={r['context']} {r['config']}: "
+        print(f"{r['kind']} T={r['context']} {r['config']} [{r.get('sm_clock_mhz', '?')} MHz]: "
               + (f"{r['us']:.1f} us ({r['speedup']:.2f}x SDPA "
               f"{r['sdpa_bf16_us']:.1f}; floor {r['floor_us']:.1f}) err {r['rel_err']:.1e}" if "us" in r
               else r["error"][:150]))

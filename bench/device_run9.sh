@@ -17,3 +17,12 @@ if [ -n "$NCU" ]; then
   timeout ${T_N:-200} ncu --clock-control none --metrics gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed -k regex:decode_attn python3 bench/attn9_ncu.py > $OUT/ncu.log 2>&1
   grep -E "decode_attn|duration|warps_active|dram__" $OUT/ncu.log | tail -40 | cut -c1-160
 fi
+if [ -n "$ATTN2_ARGS" ]; then
+  timeout ${T_A2:-200} python3 bench/attn9.py --out $OUT/attn9b.json ${ATTN2_ARGS} > $OUT/attn9b.log 2>&1
+  grep -v "^check {\|^bench {" $OUT/attn9b.log | tail -30 | cut -c1-260
+fi
+if [ -n "$RUN_GK" ]; then
+  timeout ${T_G:-200} python3 -m fp4rl.benchmarks.gpu_kernels --sections copy,quantize,attention --workers 0 \
+    --out $OUT/gpu_kernels9.json > $OUT/gpu_kernels9.log 2>&1
+  grep -A30 "^## quantize\|^## decode attention" $OUT/gpu_kernels9.log | cut -c1-200 | head -30
+fi

@@ -93,8 +93,12 @@ def bench(res, bw):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="quant9.json")
+    ap.add_argument("--warm-ms", type=float, default=0.0, help="replay each graph this long before timing")
     a = ap.parse_args()
     res = {"env": _env()}
+    import fp4rl.benchmarks.gpu_kernels as gk
+
+    gk.WARM_MS = a.warm_ms
     t0 = time.time()
     check_div(res)
     bw = copy_bandwidth()

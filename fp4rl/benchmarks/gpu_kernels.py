@@ -24,6 +24,7 @@ import traceback
 import torch
 
 L2_BYTES = 60 * 2**20  # H200; rotation makes the working set several times larger
+WARM_MS = 0.0  # set > 0 to replay each graph this long before timing it (steady clocks)
 W4A4_ROWS = (1, 16, 128, 512)
 
 
@@ -64,9 +65,16 @@ def time_calls(calls, min_calls: int = 24, replays: int = 7) -> float:
     with torch.cuda.graph(graph):
         for i in range(n):
             calls[i % len(calls)]()
-    graph.replay()
-    torch.cuda.synchronize()
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    graph.replay()
+    t1.record()
+    t1.synchronize()
+    # steady clocks: keep the GPU busy for >= WARM_MS with this graph before timing it (an idle H200
+    # drops its SM clock within milliseconds; instruction-bound kernels then time slower)
+    for _ in range(min(2000, int(WARM_MS / max(t0.elapsed_time(t1), 1e-3)))):
+        graph.replay()
+    torch.cuda.synchronize()
     times = []
     for _ in range(replays):
         t0.record()

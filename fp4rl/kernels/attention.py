@@ -491,11 +491,12 @@ if gluon is not None:
         # ---- publish this warp's partial. acc tensor T, element (e2, e3, e1): query 2c + e1,
         # head dim 16 g + 4 T + e2 + 2 e3; state: m, M per query (equal in the 8 lanes g), l per lane
         slot = (bh * NUM_SPLITS + split) * NW + w5  # [R, 1, 1, 1, 1]
-        pbase = part_ptr + slot * 1024 + (2 * c5 + e1) * 128 + 16 * g5 + e2 + 2 * e3
+        # stored register-major ([T, e2, e3, e1] x 32 lanes): each warp store writes 128 contiguous bytes
+        pbase = part_ptr + slot * 1024 + (e2 * 4 + e3 * 2 + e1) * 32 + 4 * g5 + c5
         gl.store(pbase, acc0, cache_modifier=".cg")
-        gl.store(pbase + 4, acc1, cache_modifier=".cg")
-        gl.store(pbase + 8, acc2, cache_modifier=".cg")
-        gl.store(pbase + 12, acc3, cache_modifier=".cg")
+        gl.store(pbase + 256, acc1, cache_modifier=".cg")
+        gl.store(pbase + 512, acc2, cache_modifier=".cg")
+        gl.store(pbase + 768, acc3, cache_modifier=".cg")
         kind = 2 * e2 + e3  # 0: m, 1: l, 2: M, 3: l again (skipped)
         mlp = ml_ptr + slot * 80 + gl.where(kind == 1, 16 + 8 * g5, 8 * (kind // 2)) + 2 * c5 + e1
         gl.store(mlp, st, mask=(kind == 1) | ((kind != 3) & (g5 == 0)), cache_modifier=".cg")
@@ -540,7 +541,12 @@ if gluon is not None:
         L2: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
         rows = gl.arange(0, 8, layout=gl.SliceLayout(1, L2))
         cols = gl.arange(0, 128, layout=gl.SliceLayout(0, L2))
-        offs = gl.expand_dims(rows, 1) * 128 + gl.expand_dims(cols, 0)
+        # (query q, head dim d) -> the writer's lane 4 (d // 16) + q // 2 and register (T, e2, e3, e1)
+        q2 = gl.expand_dims(rows, 1)
+        d2 = gl.expand_dims(cols, 0)
+        rem = d2 % 16
+        offs = ((rem // 4) * 256 + ((rem % 2) * 4 + ((rem // 2) % 2) * 2 + q2 % 2) * 32
+                + 4 * (d2 // 16) + q2 // 2)
         rmask = gl.expand_dims(rows, 1) < G
         big_r = gl.convert_layout(big_mx, gl.SliceLayout(1, L2))
         num = gl.zeros([8, 128], gl.float32, L2)
@@ -652,7 +658,7 @@ def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, 
 @with_asm_fallback
 def decode_attention(q, lengths, k, v, k_global, v_global, *, k_scale=None, v_scale=None, sm_scale=None,
                      num_splits=None, block_t=None, num_warps=None, num_stages=3, starts=None, kernel=None,
-                     _mode: int = 0, _pf: int = 3, _maxnreg: int | None = None, _dbg: int = 0):
+                     _mode: int = 4, _pf: int = 3, _maxnreg: int | None = None, _dbg: int = 0):
     """One decode step of attention: out [B, Hq, D] bfloat16.
 
     NVFP4 cache when k_scale/v_scale (E4M3 block scales) are given, else FP8 (e4m3) cache.

@@ -42,8 +42,9 @@ PMAX = 1024  # most amax partials the quantize pass reduces
 
 
 @triton.jit
-def _amax_kernel(x_ptr, part_ptr, numel, n_prog, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    """part[pid] = max |x| bits over finite x; part[n_prog + pid] = max raw |x| bits (NaN/Inf flag)."""
+def _amax_kernel(x_ptr, part_ptr, numel, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """part[0] = max |x| bits over finite x, part[1] = max raw |x| bits (NaN/Inf flag), by atomic max over
+    programs (exact and order-free; part must start at 0)."""
     pid = tl.program_id(0)
     acc = tl.zeros((BLOCK,), tl.int32)
     raw = tl.zeros((BLOCK,), tl.int32)
@@ -54,8 +55,8 @@ def _amax_kernel(x_ptr, part_ptr, numel, n_prog, BLOCK: tl.constexpr, ITERS: tl.
         bits = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         raw = tl.maximum(raw, bits)
         acc = tl.maximum(acc, tl.where(bits >= 0x7F800000, 0, bits))
-    tl.store(part_ptr + pid, tl.max(acc, 0))
-    tl.store(part_ptr + n_prog + pid, tl.max(raw, 0))
+    tl.atomic_max(part_ptr, tl.max(acc, 0))
+    tl.atomic_max(part_ptr + 1, tl.max(raw, 0))
 
 
 @triton.jit
@@ -583,16 +584,15 @@ def _launch_tiles(x, data, scale, g, given, flag, parts, n_part, src, per_row_gi
 
 
 def amax_partials(x: torch.Tensor):
-    """Per-program partial maxima of |x| bit patterns: (parts int32 [2, P], P). parts[0] is over
-    the finite values, parts[1] over all (>= 0x7F800000 means NaN or Inf)."""
+    """max |x| bit patterns: (parts int32 [2, 1], 1). parts[0] is over the finite values, parts[1] over
+    all (>= 0x7F800000 means NaN or Inf). Many small programs (loads in flight), one atomic max each."""
     flat = x.reshape(-1)
     numel = flat.numel()
-    block = 256 if INTERPRET else 8192
-    n_prog = max(1, min(PMAX, triton.cdiv(numel, block * 4)))
-    iters = triton.cdiv(numel, n_prog * block)
-    parts = torch.empty(2, n_prog, dtype=torch.int32, device=x.device)
-    _amax_kernel[(n_prog,)](flat, parts, numel, n_prog, BLOCK=block, ITERS=iters, num_warps=8)
-    return parts, n_prog
+    block, iters = (256, 4) if INTERPRET else (4096, 4)
+    n_prog = max(1, triton.cdiv(numel, block * iters))
+    parts = torch.zeros(2, 1, dtype=torch.int32, device=x.device)
+    _amax_kernel[(n_prog,)](flat, parts, numel, BLOCK=block, ITERS=iters, num_warps=8)
+    return parts, 1
 
 
 def quantize_2d(
