@@ -26,3 +26,7 @@ if [ -n "$RUN_GK" ]; then
     --out $OUT/gpu_kernels9.json > $OUT/gpu_kernels9.log 2>&1
   grep -A30 "^## quantize\|^## decode attention" $OUT/gpu_kernels9.log | cut -c1-200 | head -30
 fi
+if [ -n "$QNCU" ]; then
+  timeout ${T_N:-200} ncu --clock-control none --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,dram__bytes_write.sum,launch__registers_per_thread,launch__occupancy_limit_registers -k regex:quantize\|amax python3 bench/quant9_ncu.py > $OUT/qncu.log 2>&1
+  grep -E "_kernel|duration|throughput|warps_active|issue_active|bytes|registers" $OUT/qncu.log | tail -48 | cut -c1-130
+fi
