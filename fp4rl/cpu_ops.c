@@ -567,3 +567,66 @@ int cpu_rope_attention(i64 B, i64 T, i64 H, i64 Hkv, i64 D, i64 start, const bf1
     free(q_rot);
     return rc;
 }
+
+/* ---- a whole decode step of dense layers in one call ---------------------------------------------
+ * The sequence FastCPUDecoder.forward runs per layer for one new token per row (T = 1), with every
+ * linear a GEMM "site" of fp4rl/nvfp4/gemm_cpu.c (called through the function pointers it is given,
+ * the kernels' own library): q/k/v fused, gate/up fused, a plain BF16 KV cache, no q/k norm:
+ *     qkv = h @ Wqkv.T;  a = attention(RoPE(q), cache <- (RoPE(k), v));  x += a @ Wo.T; h = norm(x)
+ *     gu = h @ Wgu.T;    x += (silu(g) * u) @ Wdown.T;  h = next_norm(x)
+ * Same kernels, same order, same bits as the Python loop; only the per-call overhead goes.
+ * step and layers are int64 records laid out by fp4rl/cpu_ops.py (DecodePlan); a site is
+ * [kind (0 NVFP4, 1 BF16), ptr0..ptr3, bias, N, K]. Returns 0, or the first kernel's error. */
+typedef int (*nvfp4_gemm_fn)(const bf16 *x, i64 M, i64 K, i64 ldx, const uint8_t *codes, const uint8_t *scales,
+                             const bf16 *tables, const int32_t *row_table, const bf16 *bias, i64 N, bf16 *y,
+                             bf16 *x_vnni, bf16 *work);
+typedef int (*bf16_gemm_fn)(const bf16 *x, i64 M, i64 K, i64 ldx, const bf16 *w, const bf16 *bias, i64 N, bf16 *y,
+                            bf16 *x_vnni);
+
+enum { ST_B, ST_START, ST_X, ST_H, ST_COS, ST_SIN, ST_REAL, ST_REAL_B, ST_HIDDEN, ST_H_Q, ST_H_KV, ST_D, ST_SCALE,
+       ST_QKV, ST_A, ST_O, ST_GU, ST_ACT, ST_DOWN, ST_XV, ST_WORK, ST_NVFP4, ST_BF16, ST_I, ST_LEN };
+enum { SITE = 8, LY_QKV = 0, LY_O = SITE, LY_GU = 2 * SITE, LY_DOWN = 3 * SITE, LY_POST_W = 4 * SITE, LY_POST_EPS,
+       LY_NEXT_W, LY_NEXT_EPS, LY_KC, LY_VC, LY_KV_B, LY_KV_H, LY_KV_T, LY_LEN };
+
+static float f32_bits(i64 v) {
+    float f;
+    uint32_t u = (uint32_t)v;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static int site_gemm(const i64 *s, const i64 *st, const bf16 *x, bf16 *y) {
+    const i64 M = st[ST_B], K = s[7], N = s[6];
+    if (s[0] == 0)
+        return ((nvfp4_gemm_fn)st[ST_NVFP4])(x, M, K, K, (const uint8_t *)s[1], (const uint8_t *)s[2],
+                                               (const bf16 *)s[3], (const int32_t *)s[4], (const bf16 *)s[5], N, y,
+                                               (bf16 *)st[ST_XV], (bf16 *)st[ST_WORK]);
+    return ((bf16_gemm_fn)st[ST_BF16])(x, M, K, K, (const bf16 *)s[1], (const bf16 *)s[5], N, y, (bf16 *)st[ST_XV]);
+}
+
+int cpu_decode_layers(const i64 *st, i64 st_len, const i64 *layers, i64 ly_len, i64 n_layers) {
+    if (st_len != ST_LEN || ly_len != LY_LEN) return -2; /* the Python side's records have another layout */
+    const i64 B = st[ST_B], hidden = st[ST_HIDDEN], H = st[ST_H_Q], Hkv = st[ST_H_KV], D = st[ST_D], I = st[ST_I];
+    const i64 nqkv = (H + 2 * Hkv) * D;
+    bf16 *x = (bf16 *)st[ST_X], *h = (bf16 *)st[ST_H], *qkv = (bf16 *)st[ST_QKV], *a = (bf16 *)st[ST_A];
+    bf16 *o = (bf16 *)st[ST_O], *gu = (bf16 *)st[ST_GU], *act = (bf16 *)st[ST_ACT], *dn = (bf16 *)st[ST_DOWN];
+    for (i64 l = 0; l < n_layers; l++) {
+        const i64 *ly = layers + l * LY_LEN;
+        int rc = site_gemm(ly + LY_QKV, st, h, qkv);
+        if (rc) return rc;
+        rc = cpu_rope_attention(B, 1, H, Hkv, D, st[ST_START], qkv, nqkv, qkv + H * D, nqkv, qkv + (H + Hkv) * D,
+                                nqkv, (const bf16 *)st[ST_COS], (const bf16 *)st[ST_SIN], (bf16 *)ly[LY_KC],
+                                (bf16 *)ly[LY_VC], ly[LY_KV_B], ly[LY_KV_H], ly[LY_KV_T],
+                                (const uint8_t *)st[ST_REAL], st[ST_REAL_B], f32_bits(st[ST_SCALE]), a);
+        if (rc) return rc;
+        if ((rc = site_gemm(ly + LY_O, st, a, o))) return rc;
+        cpu_add_rms_norm(B, hidden, x, hidden, o, hidden, (const bf16 *)ly[LY_POST_W], f32_bits(ly[LY_POST_EPS]), h,
+                         hidden);
+        if ((rc = site_gemm(ly + LY_GU, st, h, gu))) return rc;
+        cpu_silu_mul(B, I, gu, 2 * I, gu + I, 2 * I, act, I);
+        if ((rc = site_gemm(ly + LY_DOWN, st, act, dn))) return rc;
+        cpu_add_rms_norm(B, hidden, x, hidden, dn, hidden, (const bf16 *)ly[LY_NEXT_W], f32_bits(ly[LY_NEXT_EPS]), h,
+                         hidden);
+    }
+    return 0;
+}

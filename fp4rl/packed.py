@@ -77,6 +77,18 @@ class PrepackedWeight:
         amx = cpu_gemm.available()
         if amx and plain is not None and x.numel() // max(x.shape[-1], 1) > GEMM_MAX_ROWS:
             return F.linear(x, plain, bias)
+        self.get(key, make_weight, amx)
+        if isinstance(self.packed, cpu_gemm.BF16Weight):
+            if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+                bias = bias.to(torch.bfloat16).contiguous()
+            return cpu_gemm.linear(x, self.packed, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+    def get(self, key, make_weight, amx: bool | None = None):
+        """The laid-out weight for `key` (built from make_weight() when the key changed): a
+        cpu_gemm.BF16Weight where the AMX kernel runs, else oneDNN's reordered tensor."""
+        if amx is None:
+            amx = cpu_gemm.available()
         if self.key != key or self.packed is None:
             weight = make_weight()
             if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
@@ -89,11 +101,7 @@ class PrepackedWeight:
             self.key = key
             self.nbytes = self.packed.nbytes if isinstance(self.packed, cpu_gemm.BF16Weight) else \
                 weight.numel() * weight.element_size()
-        if isinstance(self.packed, cpu_gemm.BF16Weight):
-            if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
-                bias = bias.to(torch.bfloat16).contiguous()
-            return cpu_gemm.linear(x, self.packed, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return self.packed
 
 
 def _prepackable(x: torch.Tensor) -> bool:
@@ -119,13 +127,17 @@ class NVFP4GemmCache:
     def nbytes(self) -> int:
         return self.weight.nbytes if self.weight is not None else 0
 
-    def linear(self, x: torch.Tensor, key, parts, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """x @ DQ(W).T + b for BF16 x on the CPU, or None when the kernel does not apply here."""
+    def get(self, key, parts) -> cpu_gemm.GemmWeight | None:
+        """The kernel's copy for `key` (rebuilt from parts() when the key changed), None if unsupported."""
         if self.key != key or self.weight is None:
             qs = parts()
             self.weight = cpu_gemm.GemmWeight(qs) if all(map(cpu_gemm.supported_weight, qs)) else None
             self.key = key
-        w = self.weight
+        return self.weight
+
+    def linear(self, x: torch.Tensor, key, parts, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """x @ DQ(W).T + b for BF16 x on the CPU, or None when the kernel does not apply here."""
+        w = self.get(key, parts)
         if w is None or not w.ok:
             return None
         if x.numel() // max(x.shape[-1], 1) > GEMM_MAX_ROWS:
@@ -387,6 +399,51 @@ def fuse_linears(model: nn.Module) -> list[FusedGroup]:
             members = dense
         groups.append(FusedGroup(members))
     return groups
+
+
+def gemm_site(m) -> tuple | None:
+    """(weight, bias) of a sampler linear or fused group as the AMX kernel reads it (a cpu_gemm.GemmWeight
+    or BF16Weight, refreshed for the current weight version), for a caller that runs the GEMM itself
+    (cpu_ops' whole-step decode); None where that linear does not run the kernel on BF16 inputs (W4A4
+    inputs, no AMX, no fast path enabled)."""
+    if not cpu_gemm.available():
+        return None
+    if isinstance(m, FusedGroup):
+        if m.packed:
+            if m.members[0].mode != "w4a16":
+                return None
+            if m.amx:
+                w = m._gemm.get(m._versions(), m._quantized_parts)
+            elif m.prepack:
+                w = m._prepacked.get(m._versions(), lambda: m._dequantized_stack(torch.bfloat16))
+            else:
+                return None
+            bias = m._stacked_bias()
+        elif m.prepack:
+            w = m._prepacked.get((m._weight.data_ptr(), _version(m._weight)), lambda: m._weight)
+            bias = m._bias
+        else:
+            return None
+    elif isinstance(m, PackedNVFP4Linear):
+        if m.mode != "w4a16" or m.group is not None:
+            return None
+        if m.amx:
+            w = m._gemm.get(m.weight_version(), lambda: [m.quantized_weight()])
+        elif m.prepack:
+            w = m._prepacked.get(m.weight_version(), lambda: dequantize(m.quantized_weight(), torch.bfloat16))
+        else:
+            return None
+        bias = m.bias
+    elif isinstance(m, PrepackedLinear) and m.weight.dtype == torch.bfloat16:
+        w = m._prepacked.get((m.weight.data_ptr(), _version(m.weight)), lambda: m.weight.detach())
+        bias = m.bias
+    else:
+        return None
+    if not isinstance(w, cpu_gemm.GemmWeight | cpu_gemm.BF16Weight) or not w.ok:
+        return None
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.dim() != 1 or not bias.is_contiguous()):
+        return None
+    return w, bias
 
 
 def prepack_linears(model: nn.Module) -> int:

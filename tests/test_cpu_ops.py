@@ -4,11 +4,14 @@ fused decoder against the eager one, the BF16 sampler with and without the fast 
 import pytest
 import torch
 import torch.nn.functional as F
+from rl_fixtures import converted_model, optimizer_step
 
 from fp4rl import cpu_ops
 from fp4rl.kvcache import make_kv_cache
 from fp4rl.model import Decoder, KVCache, RMSNorm, rotate_half
+from fp4rl.nvfp4 import cpu_gemm
 from fp4rl.sampler import Sampler, SamplingParams
+from fp4rl.weight_sync import build_payload
 from tests.test_sampler import DENSE, MOE, PROMPTS, tiny, trainer_logprobs
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler for fp4rl.cpu_ops")
@@ -339,3 +342,48 @@ def test_prefill_split_over_threads_gives_the_same_bits():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(out[1], out[3]))
+
+
+# ---- a whole decode step in one C call ------------------------------------------------------------------
+
+QWEN2 = dict(DENSE, model_type="qwen2", qkv_bias=True)  # q/k/v biases: the sites' bias pointers
+needs_amx = pytest.mark.skipif(not cpu_gemm.available(), reason="no AMX-BF16 CPU / compiler for cpu_gemm")
+
+
+@needs_amx
+@pytest.mark.parametrize("config,contract", [(DENSE, "nvfp4-w4a16"), (DENSE, "bf16"), (QWEN2, "nvfp4-w4a16")])
+def test_a_whole_decode_step_in_one_call_gives_the_same_bits(config, contract, monkeypatch):
+    """cpu_decode_layers runs the per-kernel loop's kernels in the same order: the same tokens and
+    logprobs, greedy and sampled, before and after a weight sync (the plan follows the new copies)."""
+    trainer, contract = converted_model(config, contract)
+    s = Sampler(trainer, eos_token_ids=[], dtype=BF)
+    params = (SamplingParams(greedy=True, max_new_tokens=8), SamplingParams(n=2, max_new_tokens=6, seed=0))
+
+    def run(flag):
+        monkeypatch.setattr(cpu_ops, "WHOLE_STEP", flag)
+        return [[(c.completion_ids, c.logprobs) for c in s.generate(PROMPTS, p)] for p in params]
+
+    per_kernel = run(False)
+    assert "_step_plan" not in s.model.model.__dict__
+    whole = run(True)
+    plan = s.model.model.__dict__.get("_step_plan")
+    assert plan is not None  # the one-call path ran
+    assert whole == per_kernel
+    optimizer_step(trainer)
+    s.load(build_payload(trainer, contract, version=1), verify=True)
+    after = run(True)
+    assert s.model.model.__dict__["_step_plan"] is not plan  # new weight copies, a new plan
+    assert after == run(False) and after != whole
+
+
+@needs_amx
+@pytest.mark.parametrize("config,contract,kv", [(DENSE, "nvfp4-linear", "bf16"), (MOE, "nvfp4-w4a16", "bf16"),
+                                                (DENSE, "nvfp4-w4a16", "fp8")])
+def test_what_one_call_cannot_run_takes_the_per_kernel_loop(config, contract, kv):
+    """W4A4 inputs (quantized per token in Python), MoE layers and a quantized KV cache are not
+    cpu_decode_layers' form: no plan is made and generation works as before."""
+    trainer, _ = converted_model(config, contract)
+    s = Sampler(trainer, eos_token_ids=[], dtype=BF, kv_cache=kv)
+    out = s.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=4))
+    assert all(len(c.completion_ids) == 4 for c in out)
+    assert "_step_plan" not in s.model.model.__dict__
