@@ -69,8 +69,11 @@ def bench(res, bw):
     ]
     moved = rows * k * 2 + rows * k // 2 + rows * k // 16
     for name, kw, ref_kw in modes:
-        for impl in ("blocks", "tiles"):
-            Q.BLOCKS["on"] = impl == "blocks"
+        for impl in ("gluon", "blocks", "tiles"):
+            if impl == "gluon" and "4/6" in name:
+                continue  # rule 6 only
+            Q.BLOCKS["on"] = impl != "tiles"
+            Q.GLUON_BLOCKS["on"] = impl == "gluon"
             try:
                 d, s, g = Q.quantize_2d(x[:4096], check_finite=False, **kw)
                 q = reference.quantize(x[:4096], **ref_kw)
@@ -78,13 +81,15 @@ def bench(res, bw):
                              and torch.equal(s.view(torch.uint8), q.block_scale.view(torch.uint8)))
                 calls = [lambda xi=xi, kw=kw: Q.quantize_2d(xi, check_finite=False, **kw) for xi in xs]
                 us = time_calls(calls, min_calls=6)
-                row = {"mode": name, "impl": impl, "us": us, "tb_s": moved / us / 1e6,
+                row = {"mode": name, "impl": impl, "gluon_on": Q.GLUON_BLOCKS["on"], "us": us,
+                       "tb_s": moved / us / 1e6,
                        "floor_us": moved / bw * 1e6, "byte_exact": exact}
             except Exception as exc:  # noqa: BLE001
                 row = {"mode": name, "impl": impl, "error": repr(exc)[:300]}
             print("bench", json.dumps(row))
             res.setdefault("bench", []).append(row)
     Q.BLOCKS["on"] = True
+    Q.GLUON_BLOCKS["on"] = True
     # the amax pass alone (tensor scale), for the notes
     res["amax_pass_us"] = time_calls([lambda xi=xi: Q.amax_partials(xi) for xi in xs], min_calls=6)
     print("amax pass us", res["amax_pass_us"])

@@ -36,6 +36,12 @@ import triton.language as tl
 
 from fp4rl.kernels._common import COMPILED, INTERPRET, e2m1_value
 
+try:  # Gluon (explicit layouts) for the GPU block kernels; the CPU interpreter runs the Triton ones
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+except Exception:  # noqa: BLE001
+    gluon = gl = None
+
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 ONE_SIXTH = tl.constexpr(0.1666666716337204)  # fp32(1/6), as TE folds it
 PMAX = 1024  # most amax partials the quantize pass reduces
@@ -310,6 +316,12 @@ def _quantize_kernel(
 
 
 @triton.jit
+def _like(t, c):
+    """A float32 tensor of t's shape (and layout, also under Gluon) filled with c."""
+    return tl.where(t != t, c, c).to(tl.float32)
+
+
+@triton.jit
 def _div1536(v):
     """fp32(v / 1536), correctly rounded, without a division: q = v * c (c = fp32(1/1536)), then one
     FMA-corrected step q + (v - 1536 q) * c (Markstein); the FMAs are explicit (the kernels are compiled
@@ -377,13 +389,13 @@ def _sum16_2d(e, N: tl.constexpr):
 
 @triton.jit
 def _encode_2d(xb, s, s_dec, NONFINITE: tl.constexpr):
-    enc = tl.minimum(tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s * s_dec), FLT_MAX)
+    enc = tl.minimum(tl.math.div_rn(_like(s, 1.0), s * s_dec), FLT_MAX)
     return _round_e2m1(xb * enc[:, None], xb, False, NONFINITE)
 
 
 @triton.jit
 def _encode_v_2d(xb, s, s_dec, NONFINITE: tl.constexpr):
-    enc = tl.minimum(tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s * s_dec), FLT_MAX)
+    enc = tl.minimum(tl.math.div_rn(_like(s, 1.0), s * s_dec), FLT_MAX)
     return _round_e2m1_v(xb * enc[:, None], NONFINITE)
 
 
@@ -398,7 +410,7 @@ def _error_2d(ev, s, xb, g, err_amax, N: tl.constexpr, IMPOSED_G: tl.constexpr, 
         if FAST_DIV:  # a runtime scalar: the program's amaxes allow the division-free x / 1536
             decoded = _div1536(v)
         else:
-            decoded = tl.math.div_rn(v, tl.full(values.shape, 1536.0, tl.float32))
+            decoded = tl.math.div_rn(v, _like(values, 1536.0))
     diff = decoded - xb
     if MAE:
         e = tl.abs(diff)
@@ -417,7 +429,7 @@ def _quantize_blocks(xb, s_enc, s_dec, g, amax, N: tl.constexpr, IMPOSED_G: tl.c
         a = tl.where(a < float("inf"), a, 0.0)
     bamax = tl.max(a, 1)  # [N]
     if RULE46:
-        base = tl.math.div_rn(bamax, tl.full(bamax.shape, 6.0, tl.float32)) * s_enc
+        base = tl.math.div_rn(bamax, _like(bamax, 6.0)) * s_enc
         s6 = _e4m3_round(base)
         s4 = _e4m3_round(base * 1.5)
         codes6, ev6 = _encode_v_2d(xb, s6, s_dec, ALLOW_NF)
@@ -441,16 +453,16 @@ def _global_from_amax(amax, RULE46: tl.constexpr, SCALE_SRC: tl.constexpr):
     """(s_enc, s_dec, g) from amax (or, SCALE_SRC 3, from an imposed decode-direction g)."""
     if SCALE_SRC == 3:
         g = amax
-        s_enc = tl.minimum(tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), g), FLT_MAX)
+        s_enc = tl.minimum(tl.math.div_rn(_like(g, 1.0), g), FLT_MAX)
         s_dec = g
     else:
         if RULE46:
-            m_const = tl.full(amax.shape, 1536.0, tl.float32)
+            m_const = _like(amax, 1536.0)
         else:
-            m_const = tl.full(amax.shape, 2688.0, tl.float32)
+            m_const = _like(amax, 2688.0)
         s_enc = tl.minimum(tl.math.div_rn(m_const, amax), FLT_MAX)
         s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
-        s_dec = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s_enc)
+        s_dec = tl.math.div_rn(_like(amax, 1.0), s_enc)
         g = tl.math.div_rn(amax, m_const)
     return s_enc, s_dec, g
 
@@ -539,10 +551,88 @@ def _configs(k: int, tile16: bool, rule46: bool, row_pass: bool):
     return br, bc, 4
 
 
+
+if gluon is not None:
+    # The same two kernels in Gluon with the layout written out: 16 elements (one block, two 16-byte
+    # loads) per thread, so the block max, the 4/6 sums and the nibble packing stay in the thread (Triton's
+    # own layout puts a block on two threads). Same arithmetic helpers, so the same bytes.
+
+    @gluon.jit
+    def _g_store(d_ptr, s_ptr, blk, bmask, codes, s, N: gl.constexpr):
+        lo, hi = gl.split(gl.reshape(codes, [N, 8, 2]))
+        packed = (lo | (hi << 4)).to(gl.uint8)  # [N, 8]
+        LP: gl.constexpr = packed.type.layout
+        b2 = gl.convert_layout(blk, gl.SliceLayout(1, LP))
+        m2 = gl.convert_layout(bmask, gl.SliceLayout(1, LP))
+        j = gl.arange(0, 8, layout=gl.SliceLayout(0, LP))
+        gl.store(d_ptr + gl.expand_dims(b2.to(gl.int64), 1) * 8 + gl.expand_dims(j, 0), packed,
+                 mask=gl.expand_dims(m2, 1))
+        gl.store(s_ptr + blk, _e4m3_bits(s).to(gl.uint8), mask=bmask)
+
+    @gluon.jit
+    def _g_load(x_ptr, blk, bmask, L: gl.constexpr):
+        cols = gl.arange(0, 16, layout=gl.SliceLayout(0, L))
+        return gl.load(x_ptr + gl.expand_dims(blk.to(gl.int64), 1) * 16 + gl.expand_dims(cols, 0),
+                       mask=gl.expand_dims(bmask, 1), other=0.0).to(gl.float32)
+
+    @gluon.jit
+    def _quantize_flat_gluon(
+        x_ptr, d_ptr, s_ptr, g_ptr, given_ptr, part_ptr, n_blocks, nb_row,
+        SCALE_SRC: gl.constexpr, PER_ROW: gl.constexpr, RULE46: gl.constexpr, MAE: gl.constexpr,
+        ALLOW_NF: gl.constexpr, N: gl.constexpr,
+    ):
+        NW: gl.constexpr = gl.num_warps()
+        L: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NW, 1], [1, 0])
+        LB: gl.constexpr = gl.SliceLayout(1, L)
+        pid = gl.program_id(0)
+        blk = pid * N + gl.arange(0, N, layout=LB)
+        bmask = blk < n_blocks
+        x = _g_load(x_ptr, blk, bmask, L)
+        zero = gl.zeros([N], gl.float32, LB)
+        if SCALE_SRC == 0:  # amax from the atomic-max pass (one value)
+            amax = zero + gl.load(part_ptr).to(gl.float32, bitcast=True)
+        elif PER_ROW:
+            amax = gl.load(given_ptr + blk // nb_row, mask=bmask, other=1.0)
+        else:
+            amax = zero + gl.load(given_ptr)
+        s_enc, s_dec, g = _global_from_amax(amax, RULE46, SCALE_SRC)
+        codes, s = _quantize_blocks(x, s_enc, s_dec, g, amax, N, SCALE_SRC == 3, RULE46, MAE, ALLOW_NF)
+        _g_store(d_ptr, s_ptr, blk, bmask, codes, s, N)
+        if PER_ROW:
+            gl.store(g_ptr + blk // nb_row, g, mask=bmask & (blk % nb_row == 0))
+        else:
+            gl.store(g_ptr + blk * 0, g, mask=blk == 0)
+
+    @gluon.jit
+    def _quantize_rows_gluon(
+        x_ptr, d_ptr, s_ptr, g_ptr, flag_ptr, nb_row,
+        RULE46: gl.constexpr, MAE: gl.constexpr, ALLOW_NF: gl.constexpr, NBP: gl.constexpr,
+    ):
+        """One row per program, its NBP >= nb_row blocks one per thread."""
+        NW: gl.constexpr = gl.num_warps()
+        L: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NW, 1], [1, 0])
+        LB: gl.constexpr = gl.SliceLayout(1, L)
+        row = gl.program_id(0)
+        col = gl.arange(0, NBP, layout=LB)
+        bmask = col < nb_row
+        blk = row * nb_row + col
+        x = _g_load(x_ptr, blk, bmask, L)
+        bits = x.to(gl.int32, bitcast=True) & 0x7FFFFFFF
+        raw = gl.max(gl.max(bits, 1), 0)
+        fin = gl.max(gl.max(gl.where(bits >= 0x7F800000, 0, bits), 1), 0)
+        gl.store(flag_ptr + row, raw)
+        amax = gl.zeros([NBP], gl.float32, LB) + fin.to(gl.float32, bitcast=True)
+        s_enc, s_dec, g = _global_from_amax(amax, RULE46, 1)
+        codes, s = _quantize_blocks(x, s_enc, s_dec, g, amax, NBP, False, RULE46, MAE, ALLOW_NF)
+        _g_store(d_ptr, s_ptr, blk, bmask, codes, s, NBP)
+        gl.store(g_ptr + row + col * 0, g, mask=col == 0)
+
+
 # The one-block-per-thread kernels (the default); BLOCKS["on"] = False selects the older [R, NB, 16] tiles
 # (still used for 16x16 tiles, stochastic rounding and per-row scales of rows longer than
 # ROWS_MAX_BLOCKS blocks).
 BLOCKS = {"on": True}
+GLUON_BLOCKS = {"on": True, "error": None}  # Gluon versions of the rule-6 block kernels on CUDA
 ROWS_MAX_BLOCKS = 512
 
 
@@ -551,6 +641,27 @@ def _launch_blocks(x, data, scale, g, given, flag, parts, n_part, src, per_row_g
     r, k = x.shape
     nb_row = k // 16
     name = f"quantize blocks src{src} {scale_rule} {err}"
+    if GLUON_BLOCKS["on"] and gluon is not None and x.is_cuda and not INTERPRET and not rule46:
+        try:
+            if src == 1:
+                nbp = max(32, triton.next_power_of_2(nb_row))
+                COMPILED[name + " gluon"] = _quantize_rows_gluon[(r,)](
+                    x, data, scale, g, flag, nb_row, RULE46=rule46, MAE=mae, ALLOW_NF=allow_nf, NBP=nbp,
+                    num_warps=min(8, nbp // 32), enable_fp_fusion=False)
+            else:
+                n_blocks = r * nb_row
+                nblk = 128 if rule46 else 256
+                COMPILED[name + " gluon"] = _quantize_flat_gluon[(triton.cdiv(n_blocks, nblk),)](
+                    x, data, scale, g, given, parts if parts is not None else g, n_blocks, nb_row,
+                    SCALE_SRC=src, PER_ROW=per_row_given, RULE46=rule46, MAE=mae, ALLOW_NF=allow_nf, N=nblk,
+                    num_warps=nblk // 32, enable_fp_fusion=False)
+            return
+        except Exception as exc:  # noqa: BLE001  (Gluon failed to compile or launch here)
+            import warnings
+
+            GLUON_BLOCKS["on"], GLUON_BLOCKS["error"] = False, repr(exc)[:300]
+            warnings.warn(f"Gluon quantize disabled ({GLUON_BLOCKS['error']}); using the Triton kernels",
+                          stacklevel=3)
     if src == 1:
         nbp = triton.next_power_of_2(nb_row)
         br = max(1, (128 if rule46 else 256) // nbp)
