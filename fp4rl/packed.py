@@ -307,6 +307,7 @@ class FusedGroup:
     def invalidate(self) -> None:
         self._prepacked.invalidate()
         self._gemm.invalidate()
+        self._bias_stack = None
         if self.packed:
             self._weight, self._weight_key = None, None
 
@@ -332,8 +333,15 @@ class FusedGroup:
         return tuple(m.weight_version() for m in self.members)
 
     def _stacked_bias(self) -> torch.Tensor | None:
-        """The packed members' biases as one vector (None without biases)."""
-        return None if self.members[0].bias is None else torch.cat([m.bias for m in self.members])
+        """The packed members' biases as one vector (None without biases), kept while the members' bias
+        tensors are the same and unwritten (weight sync writes them in place: their versions move)."""
+        if self.members[0].bias is None:
+            return None
+        key = tuple((id(m.bias), m.bias.data_ptr(), _version(m.bias)) for m in self.members)
+        cached = self.__dict__.get("_bias_stack")
+        if cached is None or cached[0] != key or -1 in (k[2] for k in key):
+            cached = self._bias_stack = (key, torch.cat([m.bias for m in self.members]))
+        return cached[1]
 
     def _quantized_parts(self) -> list[NVFP4Tensor]:
         return [m.quantized_weight() for m in self.members]

@@ -359,9 +359,9 @@ def test_a_whole_decode_step_in_one_call_gives_the_same_bits(config, contract, m
     s = Sampler(trainer, eos_token_ids=[], dtype=BF)
     params = (SamplingParams(greedy=True, max_new_tokens=8), SamplingParams(n=2, max_new_tokens=6, seed=0))
 
-    def run(flag):
+    def run(flag, sampler=s):
         monkeypatch.setattr(cpu_ops, "WHOLE_STEP", flag)
-        return [[(c.completion_ids, c.logprobs) for c in s.generate(PROMPTS, p)] for p in params]
+        return [[(c.completion_ids, c.logprobs) for c in sampler.generate(PROMPTS, p)] for p in params]
 
     per_kernel = run(False)
     assert "_step_plan" not in s.model.model.__dict__
@@ -374,6 +374,8 @@ def test_a_whole_decode_step_in_one_call_gives_the_same_bits(config, contract, m
     after = run(True)
     assert s.model.model.__dict__["_step_plan"] is not plan  # new weight copies, a new plan
     assert after == run(False) and after != whole
+    # ... and what a sampler built from the new weights computes (no stale copy, bias stack included)
+    assert after == run(True, Sampler(trainer, eos_token_ids=[], dtype=BF))
 
 
 @needs_amx
