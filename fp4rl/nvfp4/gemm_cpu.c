@@ -246,38 +246,39 @@ static void group_products(const uint16_t *a, int64_t chunk_stride, int nt, cons
         if (nt > 3) STORE_TILE(3, n0 + 48, 0);
         return;
     }
-    for (int t = 0; t < nt; t++) {
-        const uint16_t *at = a + t * 16 * 32;
-        for (int64_t mb = 0; mb < M16; mb += 4) {
-            const int64_t nb = M16 - mb < 4 ? M16 - mb : 4;
-            const char *b0 = (const char *)(x_vnni + mb * K32 * 16);
+    /* two W tiles x two blocks of x: four C tiles, two A and two B loads per four tile products */
+    for (int tp = 0; tp < nt; tp += 2) {
+        const int two_t = nt - tp > 1;
+        const uint16_t *a0 = a + tp * 16 * 32, *a1 = a0 + 16 * 32;
+        for (int64_t mp = 0; mp < M16; mp += 2) {
+            const int two_m = M16 - mp > 1;
+            const char *b0 = (const char *)(x_vnni + mp * K32 * 16), *b1 = b0 + stride_b;
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
             for (int64_t kc = 0; kc < C; kc++) {
-                const char *bk = b0 + kc * 1024;
-                _tile_loadd(4, at + kc * chunk_stride, 64);
-                _tile_loadd(5, bk, 64);
-                _tile_dpbf16ps(0, 4, 5);
-                if (nb > 1) {
-                    _tile_loadd(6, bk + stride_b, 64);
-                    _tile_dpbf16ps(1, 4, 6);
+                if (prefetch && tp == 0 && mp == 0) /* the first pass streams the group's chunks (all tiles) */
+                    for (int p = 0; p < CHUNK_BF16 * 2; p += 64)
+                        _mm_prefetch((const char *)(a + kc * chunk_stride) + PREFETCH_BF16 / 4 + p, _MM_HINT_T1);
+                _tile_loadd(4, a0 + kc * chunk_stride, 64);
+                _tile_loadd(6, b0 + kc * 1024, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two_m) {
+                    _tile_loadd(7, b1 + kc * 1024, 64);
+                    _tile_dpbf16ps(1, 4, 7);
                 }
-                if (nb > 2) {
-                    _tile_loadd(7, bk + 2 * stride_b, 64);
-                    _tile_dpbf16ps(2, 4, 7);
-                }
-                if (nb > 3) {
-                    _tile_loadd(5, bk + 3 * stride_b, 64);
-                    _tile_dpbf16ps(3, 4, 5);
+                if (two_t) {
+                    _tile_loadd(5, a1 + kc * chunk_stride, 64);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two_m) _tile_dpbf16ps(3, 5, 7);
                 }
             }
-            const int64_t nt0 = n0 + 16 * t;
-            STORE_TILE(0, nt0, mb * 16);
-            if (nb > 1) STORE_TILE(1, nt0, (mb + 1) * 16);
-            if (nb > 2) STORE_TILE(2, nt0, (mb + 2) * 16);
-            if (nb > 3) STORE_TILE(3, nt0, (mb + 3) * 16);
+            const int64_t n0a = n0 + 16 * tp;
+            STORE_TILE(0, n0a, mp * 16);
+            if (two_m) STORE_TILE(1, n0a, (mp + 1) * 16);
+            if (two_t) STORE_TILE(2, n0a + 16, mp * 16);
+            if (two_t && two_m) STORE_TILE(3, n0a + 16, (mp + 1) * 16);
         }
     }
 }
