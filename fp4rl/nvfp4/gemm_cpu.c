@@ -206,6 +206,35 @@ static void store_block(const float *c, int64_t n0, int64_t N, int64_t m0, int64
         store_block(cbuf, (n0_), N, (m0_), M, bias, y, ldy);                    \
     } while (0)
 
+/* One chunk of a group (nt A tiles of 16 rows x 32 columns in ak, rows 64 bytes apart) times one block
+   of x (the B tile at bk) into C tiles 0 .. nt-1: the decode step's four independent accumulators. */
+static inline void chunk_products(const uint16_t *ak, const char *bk, int nt) {
+    _tile_loadd(7, bk, 64);
+    _tile_loadd(4, ak, 64);
+    _tile_dpbf16ps(0, 4, 7);
+    if (nt > 1) {
+        _tile_loadd(5, ak + 16 * 32, 64);
+        _tile_dpbf16ps(1, 5, 7);
+    }
+    if (nt > 2) {
+        _tile_loadd(6, ak + 32 * 32, 64);
+        _tile_dpbf16ps(2, 6, 7);
+    }
+    if (nt > 3) {
+        _tile_loadd(4, ak + 48 * 32, 64);
+        _tile_dpbf16ps(3, 4, 7);
+    }
+}
+
+/* C tiles 0 .. nt-1 of a decode (one block of x, M <= 16) -> rows n0 .. n0 + 16 nt of y. */
+static void store_decode_tiles(float *cbuf, int nt, int64_t n0, int64_t N, int64_t M, const uint16_t *bias,
+                               uint16_t *y, int64_t ldy) {
+    STORE_TILE(0, n0, 0);
+    if (nt > 1) STORE_TILE(1, n0 + 16, 0);
+    if (nt > 2) STORE_TILE(2, n0 + 32, 0);
+    if (nt > 3) STORE_TILE(3, n0 + 48, 0);
+}
+
 /* One group (nt tiles of 16 rows, A tiles in `a`: [K32/32][64][32] bf16 with chunk stride
    `chunk_stride` elements) times every block of x; used for BF16 weights and for unpacked NVFP4
    groups (M > 16). */
@@ -224,26 +253,9 @@ static void group_products(const uint16_t *a, int64_t chunk_stride, int nt, cons
             const uint16_t *ak = a + kc * chunk_stride;
             if (prefetch)
                 for (int p = 0; p < CHUNK_BF16 * 2; p += 64) _mm_prefetch((const char *)ak + PREFETCH_BF16 + p, _MM_HINT_T0);
-            _tile_loadd(7, b0 + kc * 1024, 64);
-            _tile_loadd(4, ak, 64);
-            _tile_dpbf16ps(0, 4, 7);
-            if (nt > 1) {
-                _tile_loadd(5, ak + 16 * 32, 64);
-                _tile_dpbf16ps(1, 5, 7);
-            }
-            if (nt > 2) {
-                _tile_loadd(6, ak + 32 * 32, 64);
-                _tile_dpbf16ps(2, 6, 7);
-            }
-            if (nt > 3) {
-                _tile_loadd(4, ak + 48 * 32, 64);
-                _tile_dpbf16ps(3, 4, 7);
-            }
+            chunk_products(ak, b0 + kc * 1024, nt);
         }
-        STORE_TILE(0, n0, 0);
-        if (nt > 1) STORE_TILE(1, n0 + 16, 0);
-        if (nt > 2) STORE_TILE(2, n0 + 32, 0);
-        if (nt > 3) STORE_TILE(3, n0 + 48, 0);
+        store_decode_tiles(cbuf, nt, n0, N, M, bias, y, ldy);
         return;
     }
     /* two W tiles x two blocks of x: four C tiles, two A and two B loads per four tile products */
@@ -316,26 +328,9 @@ int nvfp4_gemm_rows(const uint16_t *x_vnni, int64_t M, int64_t K, const uint8_t 
         for (int64_t kc = 0; kc < C; kc++) {  /* unpack a chunk (L1), multiply it at once */
             uint16_t *ak = work + (kc & 1) * CHUNK_BF16;
             unpack_chunk(cg + kc * CHUNK_CODES, sg + kc * CHUNK_SCALES, tables, rt, nt * 16, ak);
-            _tile_loadd(7, b0 + kc * 1024, 64);
-            _tile_loadd(4, ak, 64);
-            _tile_dpbf16ps(0, 4, 7);
-            if (nt > 1) {
-                _tile_loadd(5, ak + 16 * 32, 64);
-                _tile_dpbf16ps(1, 5, 7);
-            }
-            if (nt > 2) {
-                _tile_loadd(6, ak + 32 * 32, 64);
-                _tile_dpbf16ps(2, 6, 7);
-            }
-            if (nt > 3) {
-                _tile_loadd(4, ak + 48 * 32, 64);
-                _tile_dpbf16ps(3, 4, 7);
-            }
+            chunk_products(ak, b0 + kc * 1024, nt);
         }
-        STORE_TILE(0, n0, 0);
-        if (nt > 1) STORE_TILE(1, n0 + 16, 0);
-        if (nt > 2) STORE_TILE(2, n0 + 32, 0);
-        if (nt > 3) STORE_TILE(3, n0 + 48, 0);
+        store_decode_tiles(cbuf, nt, n0, N, M, bias, y, ldy);
     }
     _tile_release();
     return 0;
