@@ -576,7 +576,8 @@ int cpu_rope_attention(i64 B, i64 T, i64 H, i64 Hkv, i64 D, i64 start, const bf1
  *     gu = h @ Wgu.T;    x += (silu(g) * u) @ Wdown.T;  h = next_norm(x)
  * Same kernels, same order, same bits as the Python loop; only the per-call overhead goes.
  * step and layers are int64 records laid out by fp4rl/cpu_ops.py (DecodePlan); a site is
- * [kind (0 NVFP4, 1 BF16), ptr0..ptr3, bias, N, K]. Returns 0, or the first kernel's error. */
+ * [kind (0 NVFP4, 1 BF16), ptr0..ptr3, bias, N, K]. Returns 0; -1 when attention's scratch memory runs
+ * out, -2 for records of another layout, -3 when a GEMM refuses its arguments. */
 typedef int (*nvfp4_gemm_fn)(const bf16 *x, i64 M, i64 K, i64 ldx, const uint8_t *codes, const uint8_t *scales,
                              const bf16 *tables, const int32_t *row_table, const bf16 *bias, i64 N, bf16 *y,
                              bf16 *x_vnni, bf16 *work);
@@ -613,18 +614,18 @@ int cpu_decode_layers(const i64 *st, i64 st_len, const i64 *layers, i64 ly_len, 
     for (i64 l = 0; l < n_layers; l++) {
         const i64 *ly = layers + l * LY_LEN;
         int rc = site_gemm(ly + LY_QKV, st, h, qkv);
-        if (rc) return rc;
+        if (rc) return -3;
         rc = cpu_rope_attention(B, 1, H, Hkv, D, st[ST_START], qkv, nqkv, qkv + H * D, nqkv, qkv + (H + Hkv) * D,
                                 nqkv, (const bf16 *)st[ST_COS], (const bf16 *)st[ST_SIN], (bf16 *)ly[LY_KC],
                                 (bf16 *)ly[LY_VC], ly[LY_KV_B], ly[LY_KV_H], ly[LY_KV_T],
                                 (const uint8_t *)st[ST_REAL], st[ST_REAL_B], f32_bits(st[ST_SCALE]), a);
         if (rc) return rc;
-        if ((rc = site_gemm(ly + LY_O, st, a, o))) return rc;
+        if (site_gemm(ly + LY_O, st, a, o)) return -3;
         cpu_add_rms_norm(B, hidden, x, hidden, o, hidden, (const bf16 *)ly[LY_POST_W], f32_bits(ly[LY_POST_EPS]), h,
                          hidden);
-        if ((rc = site_gemm(ly + LY_GU, st, h, gu))) return rc;
+        if (site_gemm(ly + LY_GU, st, h, gu)) return -3;
         cpu_silu_mul(B, I, gu, 2 * I, gu + I, 2 * I, act, I);
-        if ((rc = site_gemm(ly + LY_DOWN, st, act, dn))) return rc;
+        if (site_gemm(ly + LY_DOWN, st, act, dn)) return -3;
         cpu_add_rms_norm(B, hidden, x, hidden, dn, hidden, (const bf16 *)ly[LY_NEXT_W], f32_bits(ly[LY_NEXT_EPS]), h,
                          hidden);
     }

@@ -15,7 +15,8 @@ so a layer is 4 C calls and the linears, instead of ~40 torch ops. A decode step
 row) of dense layers whose linears all run fp4rl.nvfp4.cpu_gemm (q/k/v and gate/up fused, W4A16 or
 BF16, at most 64 rows) with a plain BF16 cache is one C call for all layers (`cpu_decode_layers`: the
 same kernels in the same order, so the same bits, without ~8 Python-side calls per layer; about 1.2x
-per generate on the default model; `WHOLE_STEP = False` turns it off). The trainer's model (model.py)
+per generate on the default model at 1 and 2 threads; with more torch threads the per-kernel loop, whose
+GEMMs split over them, runs instead; `WHOLE_STEP = False` turns it off). The trainer's model (model.py)
 is untouched: only the sampler's copy changes class, and everything the kernels do not cover
 (no C compiler, FP32 or CUDA tensors, autograd on) runs model.Decoder.forward unchanged; a cache
 whose `update` is not the plain BF16 one (FP8, NVFP4) gets the same kernels around its own
@@ -387,7 +388,8 @@ class FastCPUDecoder(Decoder):
         from fp4rl.nvfp4 import cpu_gemm
         from fp4rl.packed import GEMM_MAX_ROWS, gemm_site
 
-        if not WHOLE_STEP or B > GEMM_MAX_ROWS or not cpu_gemm.available():
+        # the C step is serial: with more than 2 threads the per-kernel loop splits each GEMM over them
+        if not WHOLE_STEP or B > GEMM_MAX_ROWS or not cpu_gemm.available() or torch.get_num_threads() > 2:
             return False
         cfg = self.config
         H, Hkv, D, hidden = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, x.shape[-1]
@@ -404,7 +406,9 @@ class FastCPUDecoder(Decoder):
                 return False
             (wq, _), (wo, _), (wg, _), (wd, _) = layer_sites
             shapes = (wq.N, wq.K, wo.N, wo.K, wg.N, wg.K, wd.N)
-            if shapes != ((H + 2 * Hkv) * D, hidden, hidden, H * D, 2 * wd.K, hidden, hidden):
+            inter = sites[0][3][0].K if sites else wd.K  # one intermediate size: the step's buffers
+            expected = ((H + 2 * Hkv) * D, hidden, hidden, H * D, 2 * inter, hidden, hidden)
+            if shapes != expected or inter != wd.K:
                 return False
             for n in (post_norm, next_norm):
                 w = n.weight
@@ -412,8 +416,11 @@ class FastCPUDecoder(Decoder):
                     return False
             sites.append(layer_sites)
             norms.append((post_norm, next_norm))
-        key = tuple(id(o) for layer_sites in sites for site in layer_sites for o in site) + tuple(
-            id(n.weight) for pair in norms for n in pair)
+        # the records hold pointers: key them by object and storage (a Parameter given new storage keeps its
+        # id), and keep every object they point into alive with the plan
+        key = tuple((id(o), o.data_ptr() if isinstance(o, torch.Tensor) else 0) for layer_sites in sites
+                    for site in layer_sites for o in site) + tuple(
+            (id(n.weight), n.weight.data_ptr()) for pair in norms for n in pair)
         step_plan = self.__dict__.get("_step_plan")
         if step_plan is None or step_plan.key != key:
             records = []
@@ -422,7 +429,8 @@ class FastCPUDecoder(Decoder):
                     records += _site(weight, bias)
                 records += [post_norm.weight.data_ptr(), _f32_bits(post_norm.eps),
                             next_norm.weight.data_ptr(), _f32_bits(next_norm.eps), 0, 0, 0, 0, 0]
-            step_plan = self.__dict__["_step_plan"] = _StepPlan(key, array.array("q", records), sites)
+            keep = [sites, [n.weight for pair in norms for n in pair]]
+            step_plan = self.__dict__["_step_plan"] = _StepPlan(key, array.array("q", records), keep)
         layers = step_plan.layers
         for i, p in enumerate(plan):
             k_buf, v_buf = kv_cache.k[p[2]], kv_cache.v[p[2]]
@@ -446,7 +454,8 @@ class FastCPUDecoder(Decoder):
         if rc == -1:
             raise MemoryError("cpu_ops.attention: out of memory for the scratch buffer")
         if rc != 0:
-            raise RuntimeError(f"cpu_decode_layers failed ({rc})")
+            raise RuntimeError(f"cpu_decode_layers failed ({rc}: -2 record layout, -3 a GEMM refused its "
+                               "arguments)")
         return True
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, kv_cache=None, routing=None):

@@ -389,3 +389,32 @@ def test_what_one_call_cannot_run_takes_the_per_kernel_loop(config, contract, kv
     out = s.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=4))
     assert all(len(c.completion_ids) == 4 for c in out)
     assert "_step_plan" not in s.model.model.__dict__
+
+
+@needs_amx
+def test_the_one_call_plan_follows_new_storage_of_the_same_parameters(monkeypatch):
+    """A Parameter given new storage (`p.data = ...`) keeps its id: the plan's pointers must not go stale."""
+    trainer, _ = converted_model(QWEN2, "bf16")
+    s = Sampler(trainer, eos_token_ids=[], dtype=BF)
+    params = SamplingParams(greedy=True, max_new_tokens=6)
+
+    def run(flag):
+        monkeypatch.setattr(cpu_ops, "WHOLE_STEP", flag)
+        return [(c.completion_ids, c.logprobs) for c in s.generate(PROMPTS, params)]
+
+    before = run(True)
+    for layer in s.model.model.layers:
+        w = layer.post_attention_layernorm.weight
+        w.data = w.data * 1.5
+    after = run(True)
+    assert after == run(False) and after != before
+
+
+@needs_amx
+def test_more_than_two_threads_keep_the_per_kernel_loop(monkeypatch):
+    """The one-call step is serial; with more threads each GEMM of the per-kernel loop is split over them."""
+    trainer, _ = converted_model(DENSE, "nvfp4-w4a16")
+    s = Sampler(trainer, eos_token_ids=[], dtype=BF)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    out = s.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=3))
+    assert all(len(c.completion_ids) == 3 for c in out) and "_step_plan" not in s.model.model.__dict__
