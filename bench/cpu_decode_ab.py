@@ -1,4 +1,4 @@
-"""A decode step in one C call (cpu_ops.WHOLE_STEP) against one Python call per kernel, same process.
+"""A decode step in one C call (cpu_step.WHOLE_STEP) against one Python call per kernel, same process.
 
 The BF16 NVFP4 sampler on the default model generates a batch (16 prompts of 24-40 tokens, 32 new
 tokens, greedy) with the whole-step path on and off, alternating, after checking that both give the
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from fp4rl import cpu_ops
+from fp4rl import cpu_step
 from fp4rl.benchmarks.rollout import load, make_prompts
 from fp4rl.sampler import Sampler, SamplingParams
 
@@ -36,18 +36,18 @@ def main() -> None:
     params = SamplingParams(greedy=True, max_new_tokens=args.new_tokens, seed=0)
     tokens = {}
     for flag in (True, False):
-        cpu_ops.WHOLE_STEP = flag
+        cpu_step.WHOLE_STEP = flag
         tokens[flag] = [c.completion_ids for c in sampler.generate(prompts, params)]
     if tokens[True] != tokens[False]:
         raise SystemExit("the two paths generated different tokens")
     times = {True: [], False: []}
     for _ in range(args.repeats):
         for flag in (True, False):
-            cpu_ops.WHOLE_STEP = flag
+            cpu_step.WHOLE_STEP = flag
             start = time.perf_counter()
             sampler.generate(prompts, params)
             times[flag].append(time.perf_counter() - start)
-    cpu_ops.WHOLE_STEP = True
+    cpu_step.WHOLE_STEP = True
     paired = statistics.median(b / a for a, b in zip(times[True], times[False]))
     tok = args.batch * args.new_tokens
     now = datetime.datetime.now(datetime.UTC)

@@ -13,14 +13,12 @@ BF16 on the CPU) to `FastCPUDecoder`, a subclass of model.Decoder whose forward 
 
 so a layer is 4 C calls and the linears, instead of ~40 torch ops. A decode step (one new token per
 row) of dense layers whose linears all run fp4rl.nvfp4.cpu_gemm (q/k/v and gate/up fused, W4A16 or
-BF16, at most 64 rows) with a plain BF16 cache is one C call for all layers (`cpu_decode_layers`: the
-same kernels in the same order, so the same bits, without ~8 Python-side calls per layer; about 1.2x
-per generate on the default model at 1 and 2 threads; with more torch threads the per-kernel loop, whose
-GEMMs split over them, runs instead; `WHOLE_STEP = False` turns it off). The trainer's model (model.py)
-is untouched: only the sampler's copy changes class, and everything the kernels do not cover
-(no C compiler, FP32 or CUDA tensors, autograd on) runs model.Decoder.forward unchanged; a cache
-whose `update` is not the plain BF16 one (FP8, NVFP4) gets the same kernels around its own
-`update`; a linear output without evenly strided rows is copied first.
+BF16, at most 64 rows) with a plain BF16 cache is one C call for all layers (fp4rl/cpu_step.py: the
+same kernels in the same order, so the same bits, without ~8 Python-side calls per layer). The
+trainer's model (model.py) is untouched: only the sampler's copy changes class, and everything the
+kernels do not cover (no C compiler, FP32 or CUDA tensors, autograd on) runs model.Decoder.forward
+unchanged; a cache whose `update` is not the plain BF16 one (FP8, NVFP4) gets the same kernels around
+its own `update`; a linear output without evenly strided rows is copied first.
 
 Numerics (BF16, computed in float32): the residual adds, RoPE, and RMSNorm's two casts and weight
 multiply round where the eager code rounds, so they give torch's bits (RoPE and the adds exactly;
@@ -43,17 +41,16 @@ hand-off).
 
 from __future__ import annotations
 
-import array
 import ctypes
 import math
 import os
-import struct
 import threading
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from fp4rl import cpu_step
 from fp4rl.model import CausalLM, Decoder, KVCache
 from fp4rl.nvfp4 import cpu
 
@@ -293,35 +290,6 @@ def _plain_bf16_cache(kv_cache, layer_idx: int, B: int, S: int) -> bool:
             and v.is_contiguous() and k.shape == v.shape and k.shape[0] == B and k.shape[2] >= S)
 
 
-# ---- a whole decode step in one call ---------------------------------------------------------------
-
-WHOLE_STEP = True
-"""Run a decode step of dense layers as one C call (cpu_decode_layers) where every linear is a GEMM of
-fp4rl.nvfp4.cpu_gemm; False: one Python call per kernel (the same kernels, the same bits)."""
-
-# the records of cpu_ops.c (a step: ST_LEN = 24 values; a layer: LY_LEN); cpu_decode_layers refuses others
-_SITE_LEN = 8
-_LAYER_LEN = 4 * _SITE_LEN + 9
-
-
-def _f32_bits(v: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", v))[0]
-
-
-def _site(weight, bias) -> list[int]:
-    """[kind, ptr0..ptr3, bias, N, K] of cpu_ops.c's GEMM site."""
-    ptrs = list(weight.ptrs) + [0] * (4 - len(weight.ptrs))
-    return [0 if weight.packed else 1, *ptrs, 0 if bias is None else bias.data_ptr(), weight.N, weight.K]
-
-
-class _StepPlan:
-    """The per-layer records of cpu_decode_layers for one set of weight copies (rebuilt when any site's
-    weight copy or bias object changes); the KV-cache pointers are rewritten per step."""
-
-    def __init__(self, key, layers: array.array, keep: list):
-        self.key, self.layers, self.keep = key, layers, keep
-
-
 class FastCPUDecoder(Decoder):
     """model.Decoder whose forward runs the fused kernels (BF16, CPU, no autograd); anything else
     goes to Decoder.forward. Set on a sampler copy by `fast_cpu_ops`."""
@@ -380,83 +348,6 @@ class FastCPUDecoder(Decoder):
                          layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm))
         self.__dict__["_cpu_plan"] = plan
         return plan
-
-    def _whole_step(self, plan, kv_cache, B: int, start: int, x, h, cos, sin, real, scale: float) -> bool:
-        """One decode step (T = 1) of every layer in one C call; False (nothing done) where a layer is not
-        of the form cpu_decode_layers runs: dense MLP, no q/k norm, q/k/v and gate/up each one fused
-        GEMM of the AMX kernel, o/down too, a plain BF16 cache, at most GEMM_MAX_ROWS rows."""
-        from fp4rl.nvfp4 import cpu_gemm
-        from fp4rl.packed import GEMM_MAX_ROWS, gemm_site
-
-        # the C step is serial: with more than 2 threads the per-kernel loop splits each GEMM over them
-        if not WHOLE_STEP or B > GEMM_MAX_ROWS or not cpu_gemm.available() or torch.get_num_threads() > 2:
-            return False
-        cfg = self.config
-        H, Hkv, D, hidden = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, x.shape[-1]
-        sites, norms = [], []
-        for (_layer, _attn, layer_idx, q_proj, k_proj, v_proj, o_proj, qk_norm, _mlp, gate_proj, up_proj,
-             down_proj, post_norm, next_norm) in plan:
-            qkv, gu = getattr(q_proj, "group", None), getattr(gate_proj, "group", None)
-            if (qk_norm or gate_proj is None or qkv is None or gu is None
-                    or qkv.members != [q_proj, k_proj, v_proj] or gu.members != [gate_proj, up_proj]
-                    or not _plain_bf16_cache(kv_cache, layer_idx, B, start + 1)):
-                return False
-            layer_sites = [gemm_site(qkv), gemm_site(o_proj), gemm_site(gu), gemm_site(down_proj)]
-            if any(site is None for site in layer_sites):
-                return False
-            (wq, _), (wo, _), (wg, _), (wd, _) = layer_sites
-            shapes = (wq.N, wq.K, wo.N, wo.K, wg.N, wg.K, wd.N)
-            inter = sites[0][3][0].K if sites else wd.K  # one intermediate size: the step's buffers
-            expected = ((H + 2 * Hkv) * D, hidden, hidden, H * D, 2 * inter, hidden, hidden)
-            if shapes != expected or inter != wd.K:
-                return False
-            for n in (post_norm, next_norm):
-                w = n.weight
-                if w.dtype != torch.bfloat16 or not w.is_contiguous() or w.numel() != hidden:
-                    return False
-            sites.append(layer_sites)
-            norms.append((post_norm, next_norm))
-        # the records hold pointers: key them by object and storage (a Parameter given new storage keeps its
-        # id), and keep every object they point into alive with the plan
-        key = tuple((id(o), o.data_ptr() if isinstance(o, torch.Tensor) else 0) for layer_sites in sites
-                    for site in layer_sites for o in site) + tuple(
-            (id(n.weight), n.weight.data_ptr()) for pair in norms for n in pair)
-        step_plan = self.__dict__.get("_step_plan")
-        if step_plan is None or step_plan.key != key:
-            records = []
-            for layer_sites, (post_norm, next_norm) in zip(sites, norms):
-                for weight, bias in layer_sites:
-                    records += _site(weight, bias)
-                records += [post_norm.weight.data_ptr(), _f32_bits(post_norm.eps),
-                            next_norm.weight.data_ptr(), _f32_bits(next_norm.eps), 0, 0, 0, 0, 0]
-            keep = [sites, [n.weight for pair in norms for n in pair]]
-            step_plan = self.__dict__["_step_plan"] = _StepPlan(key, array.array("q", records), keep)
-        layers = step_plan.layers
-        for i, p in enumerate(plan):
-            k_buf, v_buf = kv_cache.k[p[2]], kv_cache.v[p[2]]
-            at = i * _LAYER_LEN + 4 * _SITE_LEN + 4
-            layers[at:at + 5] = array.array("q", (k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(0),
-                                                  k_buf.stride(1), k_buf.stride(2)))
-        inter = sites[0][3][0].K
-        K32 = -(-max(hidden, inter, H * D) // 32) * 32
-        new = partial(torch.empty, dtype=torch.bfloat16)
-        bufs = [new(B, (H + 2 * Hkv) * D), new(B, H * D), new(B, hidden), new(B, 2 * inter), new(B, inter),
-                new(B, hidden)]
-        gemm_lib = cpu_gemm._lib
-        step = array.array("q", [
-            B, start, x.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            0 if real is None else real.data_ptr(), start + 1, hidden, H, Hkv, D, _f32_bits(scale),
-            *(b.data_ptr() for b in bufs), cpu_gemm._scratch("x_vnni", -(-B // 16) * K32 * 16),
-            cpu_gemm._work(B, K32), ctypes.cast(gemm_lib.nvfp4_gemm, ctypes.c_void_p).value,
-            ctypes.cast(gemm_lib.bf16_gemm, ctypes.c_void_p).value, inter])
-        rc = _need_lib().cpu_decode_layers(step.buffer_info()[0], len(step), layers.buffer_info()[0],
-                                           _LAYER_LEN, len(plan))
-        if rc == -1:
-            raise MemoryError("cpu_ops.attention: out of memory for the scratch buffer")
-        if rc != 0:
-            raise RuntimeError(f"cpu_decode_layers failed ({rc}: -2 record layout, -3 a GEMM refused its "
-                               "arguments)")
-        return True
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, kv_cache=None, routing=None):
         if not self._fast_ok(input_ids, attention_mask, kv_cache):
@@ -518,8 +409,9 @@ class FastCPUDecoder(Decoder):
         plan = self._plan()
         plain = kv_cache is not None and type(kv_cache).update is KVCache.update
         h = norm(plan[0][0].input_layernorm, None)
-        if T == 1 and plain and not moe_layers and self._whole_step(plan, kv_cache, B, start, x, h, cos, sin,
-                                                                    real, scale):
+        if (T == 1 and plain and not moe_layers
+                and all(_plain_bf16_cache(kv_cache, p[2], B, S) for p in plan)
+                and cpu_step.whole_step(self, lib, plan, kv_cache, B, start, x, h, cos, sin, real, scale)):
             kv_cache.length = S
             return h, []
         for (_layer, attn, layer_idx, q_proj, k_proj, v_proj, o_proj, qk_norm, mlp, gate_proj, up_proj,

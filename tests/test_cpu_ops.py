@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from rl_fixtures import converted_model, optimizer_step
 
-from fp4rl import cpu_ops
+from fp4rl import cpu_ops, cpu_step
 from fp4rl.kvcache import make_kv_cache
 from fp4rl.model import Decoder, KVCache, RMSNorm, rotate_half
 from fp4rl.nvfp4 import cpu_gemm
@@ -360,7 +360,7 @@ def test_a_whole_decode_step_in_one_call_gives_the_same_bits(config, contract, m
     params = (SamplingParams(greedy=True, max_new_tokens=8), SamplingParams(n=2, max_new_tokens=6, seed=0))
 
     def run(flag, sampler=s):
-        monkeypatch.setattr(cpu_ops, "WHOLE_STEP", flag)
+        monkeypatch.setattr(cpu_step, "WHOLE_STEP", flag)
         return [[(c.completion_ids, c.logprobs) for c in sampler.generate(PROMPTS, p)] for p in params]
 
     per_kernel = run(False)
@@ -399,7 +399,7 @@ def test_the_one_call_plan_follows_new_storage_of_the_same_parameters(monkeypatc
     params = SamplingParams(greedy=True, max_new_tokens=6)
 
     def run(flag):
-        monkeypatch.setattr(cpu_ops, "WHOLE_STEP", flag)
+        monkeypatch.setattr(cpu_step, "WHOLE_STEP", flag)
         return [(c.completion_ids, c.logprobs) for c in s.generate(PROMPTS, params)]
 
     before = run(True)
