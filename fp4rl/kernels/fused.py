@@ -1,0 +1,386 @@
+"""Fused elementwise kernels of the decode step: residual add + RMSNorm, q/k-norm + RoPE + KV write,
+SiLU(gate) * up; the W4A4 activation quantizer fused into the first and the last.
+
+At batch 1 a decode step of a dense model is ~20 small kernels per layer outside the GEMMs (fp32
+upcasts, the norm's reductions, RoPE's cat/neg/mul/add, the residual adds, SiLU and the product, the
+KV index_copy), and in W4A4 four activation quantizations per layer. Each is latency bound; these
+kernels do the same arithmetic in three launches per layer, one program per row (or per head).
+
+The arithmetic is fp4rl/model.py's, rounding to bfloat16 where torch does:
+
+    x' = bf16(x + h)                                  (residual; fp32 add of two bf16, one rounding)
+    y  = bf16(w * bf16(x' * rsqrt(sum(x'^2) / K + eps)))    (RMSNorm: fp32 inside, bf16 out)
+    RoPE: out = bf16(bf16(q * cos) + bf16(rotate_half(q) * sin))   (cos, sin: the step's bf16 tables)
+    SiLU * up: y = bf16(bf16(g / (1 + exp(-g))) * u)  (IEEE division; libdevice expf on the GPU)
+
+Where these are bit for bit the unfused path's, and where not:
+- residual add, RoPE, the weight product, the KV write: exact (products of two bf16 are exact in
+  fp32, each sum rounds once in fp32 then to bf16, as torch's opmath does).
+- RMSNorm (and q/k-norm): the fp32 sum of squares is added in another order than torch's reduction,
+  so it can differ in its last bits; rsqrt then moves by an ulp and y = bf16(...) differs by one
+  bfloat16 ulp in the rare element that sits next to a rounding boundary. Bit-equal whenever the two
+  sums agree (the tests bound the rest to 1 ulp).
+- SiLU: on the GPU expf is libdevice's (what torch's CUDA kernel calls) and the division is IEEE, so
+  it is torch's result; in the CPU interpreter exp is numpy's, which may differ from torch's CPU exp
+  in the last fp32 bit (1 bf16 ulp, rarely).
+
+W4A4. A linear whose input is quantized per token (NVFP4, 1x16 blocks, one FP32 global scale per
+row) takes its Q(y) from the producing kernel: after y is known (rounded to bf16 exactly as above),
+the kernel takes the row amax (integer max of |y|'s bit patterns over the finite values) and runs
+fp4rl.kernels.quantize's own @triton.jit helpers (`_global_from_amax`, `_quantize_blocks`,
+`_store_blocks`) on the bfloat16 values: the bytes are those of `fp4rl.kernels.quantize.quantize_2d(y,
+per_row=True, check_finite=False)`, hence of the reference, for the same y (tested). A row is read
+in chunks: one pass for the statistics, one for the amax of y, one to quantize (y recomputed, the
+same bits each time), so any width works in one launch of one program per row.
+
+NaN/Inf follow the unfused path: a NaN in a row makes its norm NaN (as torch's), and the quantizer
+sees the same values the separate quantizer would (amax over finite values, no check: the engine's
+quantizer runs with check_finite=False inside CUDA graphs as well).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4rl.kernels._common import COMPILED, INTERPRET
+from fp4rl.kernels.quantize import _global_from_amax, _quantize_blocks, _store_blocks
+
+try:
+    from triton.language.extra import libdevice
+except Exception:  # noqa: BLE001
+    libdevice = None
+
+USE_LIBDEVICE = libdevice is not None and not INTERPRET  # the interpreter has no libdevice
+
+
+@triton.jit
+def _exp(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.exp(x)  # expf, as torch's CUDA SiLU (tl.exp is ex2.approx on NVIDIA)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _bf16(v):
+    """Round float32 to bfloat16 (RNE, as the GPU's cvt.rn and torch do) and back to float32. In integer
+    arithmetic: the CPU interpreter's float -> bfloat16 cast truncates. NaN stays NaN."""
+    b = v.to(tl.int32, bitcast=True)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(v == v, r, v)
+
+
+@triton.jit
+def _residual(x_ptr, h_ptr, row, cols, mask, stride_x, stride_h, HAS_RES: tl.constexpr):
+    """bf16(x + h) of one chunk of a row, as float32."""
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _bf16(x + h)
+    return x
+
+
+@triton.jit
+def _normed(x_ptr, h_ptr, w_ptr, row, cols, mask, stride_x, stride_h, rstd, HAS_RES: tl.constexpr):
+    """y = bf16(w * bf16(x' * rstd)) of one chunk (float32)."""
+    xs = _residual(x_ptr, h_ptr, row, cols, mask, stride_x, stride_h, HAS_RES)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return _bf16(w * _bf16(xs * rstd))
+
+
+@triton.jit
+def _silu_up(gu_ptr, row, cols, mask, stride_gu, I, LIBDEVICE: tl.constexpr):
+    """y = bf16(bf16(silu(g)) * u) of one chunk (float32); g, u: columns [0, I) and [I, 2I)."""
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_gu + I + cols, mask=mask, other=0.0).to(tl.float32)
+    s = _bf16(tl.math.div_rn(g, 1.0 + _exp(-g, LIBDEVICE)))
+    return _bf16(s * u)
+
+
+@triton.jit
+def _row_globals(amax_bits, N: tl.constexpr, RULE46: tl.constexpr):
+    """(s_enc, s_dec, g, amax) [N] of a row from its amax bit pattern (per-token scale)."""
+    amax = tl.zeros((N,), tl.float32) + amax_bits.to(tl.float32, bitcast=True)
+    s_enc, s_dec, g = _global_from_amax(amax, RULE46, 1)
+    return s_enc, s_dec, g, amax
+
+
+@triton.jit
+def _quantize_chunk(y, row, c0, K, d_ptr, s_ptr, s_enc, s_dec, g, amax,
+                    QBC: tl.constexpr, RULE46: tl.constexpr, MAE: tl.constexpr):
+    """Quantize columns [c0, c0 + QBC) of a row (y float32 [QBC], K % 16 == 0) into data/scales."""
+    NB: tl.constexpr = QBC // 16
+    xb = tl.reshape(y, (NB, 16))
+    codes, s = _quantize_blocks(xb, s_enc, s_dec, g, amax, NB, False, RULE46, MAE, False)
+    col = c0 // 16 + tl.arange(0, NB)
+    nb_row = K // 16
+    _store_blocks(d_ptr, s_ptr, row.to(tl.int64) * nb_row + col, col < nb_row, codes, s, NB)
+
+
+@triton.jit
+def _bits_max(acc, y):
+    """Running max of |y|'s bit patterns over the finite values (the quantizer's amax, exact)."""
+    bits = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.maximum(acc, tl.where(bits >= 0x7F800000, 0, bits))
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _add_rmsnorm_kernel(
+    x_ptr, h_ptr, w_ptr, xo_ptr, y_ptr, d_ptr, s_ptr, g_ptr,
+    K, stride_x, stride_h, stride_xo, stride_y, inv_k, eps,
+    HAS_RES: tl.constexpr, WRITE_Y: tl.constexpr, QUANT: tl.constexpr, RULE46: tl.constexpr,
+    MAE: tl.constexpr, BC: tl.constexpr, QBC: tl.constexpr,
+):
+    """One row: x' = x + h (stored), y = RMSNorm(x') * w (stored if WRITE_Y), Q(y) (if QUANT)."""
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros((BC,), tl.float32)
+    for c0 in range(0, K, BC):
+        cols = c0 + tl.arange(0, BC)
+        mask = cols < K
+        xs = _residual(x_ptr, h_ptr, row, cols, mask, stride_x, stride_h, HAS_RES)
+        if HAS_RES:
+            tl.store(xo_ptr + row * stride_xo + cols, xs.to(xo_ptr.dtype.element_ty), mask=mask)
+        acc += xs * xs
+    rstd = tl.math.rsqrt(tl.sum(acc, 0) * inv_k + eps)
+    if WRITE_Y or QUANT:
+        amax_acc = tl.zeros((BC,), tl.int32)
+        for c0 in range(0, K, BC):
+            cols = c0 + tl.arange(0, BC)
+            mask = cols < K
+            y = _normed(x_ptr, h_ptr, w_ptr, row, cols, mask, stride_x, stride_h, rstd, HAS_RES)
+            if WRITE_Y:
+                tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+            if QUANT:
+                amax_acc = _bits_max(amax_acc, y)
+    if QUANT:
+        s_enc, s_dec, g, amax = _row_globals(tl.max(amax_acc, 0), QBC // 16, RULE46)
+        for c0 in range(0, K, QBC):
+            cols = c0 + tl.arange(0, QBC)
+            mask = cols < K
+            y = _normed(x_ptr, h_ptr, w_ptr, row, cols, mask, stride_x, stride_h, rstd, HAS_RES)
+            _quantize_chunk(y, row, c0, K, d_ptr, s_ptr, s_enc, s_dec, g, amax, QBC, RULE46, MAE)
+        j = tl.arange(0, QBC // 16)
+        tl.store(g_ptr + row + j * 0, g, mask=j == 0)
+
+
+@triton.jit
+def _silu_mul_kernel(
+    gu_ptr, y_ptr, d_ptr, s_ptr, g_ptr, I, stride_gu, stride_y,
+    WRITE_Y: tl.constexpr, QUANT: tl.constexpr, RULE46: tl.constexpr, MAE: tl.constexpr,
+    BC: tl.constexpr, QBC: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    """Without QUANT: program (row, chunk) writes its chunk of y. With QUANT: program (row, 0) takes the
+    row's amax, then quantizes it (and writes y if WRITE_Y)."""
+    row = tl.program_id(0).to(tl.int64)
+    if QUANT:
+        amax_acc = tl.zeros((BC,), tl.int32)
+        for c0 in range(0, I, BC):
+            cols = c0 + tl.arange(0, BC)
+            mask = cols < I
+            y = _silu_up(gu_ptr, row, cols, mask, stride_gu, I, LIBDEVICE)
+            if WRITE_Y:
+                tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+            amax_acc = _bits_max(amax_acc, y)
+        s_enc, s_dec, g, amax = _row_globals(tl.max(amax_acc, 0), QBC // 16, RULE46)
+        for c0 in range(0, I, QBC):
+            cols = c0 + tl.arange(0, QBC)
+            y = _silu_up(gu_ptr, row, cols, cols < I, stride_gu, I, LIBDEVICE)
+            _quantize_chunk(y, row, c0, I, d_ptr, s_ptr, s_enc, s_dec, g, amax, QBC, RULE46, MAE)
+        j = tl.arange(0, QBC // 16)
+        tl.store(g_ptr + row + j * 0, g, mask=j == 0)
+    else:
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        mask = cols < I
+        y = _silu_up(gu_ptr, row, cols, mask, stride_gu, I, LIBDEVICE)
+        tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
+    H, HKV, D, stride_qkv, stride_cs, stride_qb, stride_kb, stride_kh, stride_kt, inv_d, eps,
+    HAS_NORM: tl.constexpr, TO_CACHE: tl.constexpr, BH: tl.constexpr,
+):
+    """Program (row, head): q heads 0..H-1, then k heads (each also moves its v head). The head's two
+    halves x1 = x[:D/2], x2 = x[D/2:] are loaded apart, so rotate_half is (-x2, x1)."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half = D // 2
+    i = tl.arange(0, BH)
+    m = i < half
+    is_q = head < H
+    src = qkv_ptr + row * stride_qkv + head * D
+    x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half + i, mask=m, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.math.rsqrt(tl.sum(x1 * x1 + x2 * x2, 0) * inv_d + eps)
+        if is_q:
+            w1 = tl.load(qw_ptr + i, mask=m, other=0.0).to(tl.float32)
+            w2 = tl.load(qw_ptr + half + i, mask=m, other=0.0).to(tl.float32)
+        else:
+            w1 = tl.load(kw_ptr + i, mask=m, other=0.0).to(tl.float32)
+            w2 = tl.load(kw_ptr + half + i, mask=m, other=0.0).to(tl.float32)
+        x1 = _bf16(w1 * _bf16(x1 * rstd))
+        x2 = _bf16(w2 * _bf16(x2 * rstd))
+    cs = cos_ptr + row * stride_cs
+    sn = sin_ptr + row * stride_cs
+    c1 = tl.load(cs + i, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(cs + half + i, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(sn + i, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(sn + half + i, mask=m, other=0.0).to(tl.float32)
+    o1 = _bf16(_bf16(x1 * c1) + _bf16(-x2 * s1))
+    o2 = _bf16(_bf16(x2 * c2) + _bf16(x1 * s2))
+    if is_q:
+        dst = q_ptr + row * stride_qb + head * D
+        tl.store(dst + i, o1.to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + half + i, o2.to(q_ptr.dtype.element_ty), mask=m)
+    else:
+        j = head - H
+        if TO_CACHE:  # the bf16 cache [B, H_kv, T, D]: slot `slot` of this row and head
+            off = row * stride_kb + j * stride_kh + tl.load(slot_ptr) * stride_kt
+        else:  # k out [B, H_kv, 1, D]
+            off = row * stride_kb + j * stride_kh
+        tl.store(k_ptr + off + i, o1.to(k_ptr.dtype.element_ty), mask=m)
+        tl.store(k_ptr + off + half + i, o2.to(k_ptr.dtype.element_ty), mask=m)
+        if TO_CACHE:
+            vsrc = qkv_ptr + row * stride_qkv + (H + HKV + j) * D
+            v1 = tl.load(vsrc + i, mask=m, other=0.0)
+            v2 = tl.load(vsrc + half + i, mask=m, other=0.0)
+            tl.store(v_ptr + off + i, v1.to(v_ptr.dtype.element_ty), mask=m)
+            tl.store(v_ptr + off + half + i, v2.to(v_ptr.dtype.element_ty), mask=m)
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+
+
+def _quant_flags(quant: dict | None):
+    if quant is None:
+        return False, False
+    rule, err = quant.get("scale_rule", "6"), quant.get("err", "mse")
+    if rule not in ("6", "4/6") or err not in ("mse", "mae"):
+        raise ValueError(f"fused quantize: scale_rule={rule!r} err={err!r}; use '6' or '4/6', 'mse' or 'mae'")
+    return rule == "4/6", err == "mae"
+
+
+def _quant_out(r: int, k: int, device):
+    if k % 16:
+        raise ValueError(f"fused quantize needs a row length that is a multiple of 16, got {k}")
+    return (torch.empty(r, k // 2, dtype=torch.uint8, device=device),
+            torch.empty(r, k // 16, dtype=torch.uint8, device=device),
+            torch.empty(r, dtype=torch.float32, device=device))
+
+
+def _qbc(k: int, rule46: bool, block: int | None) -> int:
+    if block is not None:
+        return block
+    if INTERPRET:
+        return max(16, min(512, triton.next_power_of_2(k)))
+    return max(16, min(1024 if rule46 else 2048, triton.next_power_of_2(k)))
+
+
+def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.ndim != 2 or t.stride(-1) != 1:
+        raise ValueError(f"{name} must be a 2-D tensor [rows, K] with unit column stride, got "
+                         f"{tuple(t.shape)} strides {t.stride()}")
+    return t
+
+
+def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
+                quant: dict | None = None, write_y: bool = True, block: int | None = None):
+    """x' = x + h (h None: x' = x) and y = RMSNorm(x') * weight, x/h [R, K]; with quant (the activation
+    quantizer's scale_rule/err) also Q(y) per row. Returns (x', y or None, (data, block_scale,
+    global_scale [R]) or None). block: the chunk width (tests; default from K)."""
+    _rows(x, "x")
+    if h is not None:
+        _rows(h, "h")
+        if h.shape != x.shape:
+            raise ValueError(f"add_rmsnorm: h {tuple(h.shape)} != x {tuple(x.shape)}")
+    r, k = x.shape
+    rule46, mae = _quant_flags(quant)
+    xo = torch.empty_like(x) if h is not None else x
+    y = torch.empty_like(x) if (write_y or quant is None) else x
+    xq = _quant_out(r, k, x.device) if quant is not None else None
+    bc = block or max(16, min(4096, triton.next_power_of_2(k)))
+    qbc = _qbc(k, rule46, block)
+    d, s, g = xq if xq is not None else (x, x, x)
+    if r:
+        COMPILED["fused add_rmsnorm"] = _add_rmsnorm_kernel[(r,)](
+            x, h if h is not None else x, weight, xo, y, d, s, g,
+            k, x.stride(0), h.stride(0) if h is not None else 0, xo.stride(0), y.stride(0), 1.0 / k, eps,
+            HAS_RES=h is not None, WRITE_Y=write_y or quant is None, QUANT=quant is not None,
+            RULE46=rule46, MAE=mae, BC=bc, QBC=qbc, num_warps=4 if k <= 4096 else 8,
+            enable_fp_fusion=False)
+    if xq is not None:
+        xq = (xq[0], xq[1].view(torch.float8_e4m3fn), xq[2])
+    return xo, (y if write_y or quant is None else None), xq
+
+
+def silu_mul(gu: torch.Tensor, *, quant: dict | None = None, write_y: bool = True, block: int | None = None):
+    """y = silu(gate) * up for gu [R, 2I] = (gate | up); with quant also Q(y) per row. Returns
+    (y [R, I] or None, (data, block_scale, global_scale [R]) or None)."""
+    _rows(gu, "gu")
+    r, i2 = gu.shape
+    if i2 % 2:
+        raise ValueError(f"silu_mul: gu must be [R, 2I], got {tuple(gu.shape)}")
+    i = i2 // 2
+    rule46, mae = _quant_flags(quant)
+    write_y = write_y or quant is None
+    y = torch.empty(r, i, dtype=gu.dtype, device=gu.device) if write_y else gu
+    xq = _quant_out(r, i, gu.device) if quant is not None else None
+    d, s, g = xq if xq is not None else (gu, gu, gu)
+    qbc = _qbc(i, rule46, block)
+    bc = block or (max(16, min(2048, triton.next_power_of_2(i))) if quant is not None
+                   else max(16, min(1024, triton.next_power_of_2(i))))
+    if r:
+        grid = (r, 1) if quant is not None else (r, triton.cdiv(i, bc))
+        COMPILED["fused silu_mul"] = _silu_mul_kernel[grid](
+            gu, y, d, s, g, i, gu.stride(0), y.stride(0),
+            WRITE_Y=write_y, QUANT=quant is not None, RULE46=rule46, MAE=mae, BC=bc, QBC=qbc,
+            LIBDEVICE=USE_LIBDEVICE, num_warps=4 if quant is None or i <= 4096 else 8, enable_fp_fusion=False)
+    if xq is not None:
+        xq = (xq[0], xq[1].view(torch.float8_e4m3fn), xq[2])
+    return (y if write_y else None), xq
+
+
+def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
+                 head_dim: int, q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                 eps: float = 1e-6, *, k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                 slot: torch.Tensor | None = None):
+    """q/k-norm (when weights are given) and RoPE of one token per row, qkv [R, (H + 2 H_kv) D] = the fused
+    q|k|v projection, cos/sin [R, D] (bf16, the step's tables). With k_cache/v_cache ([B >= R, H_kv, T, D]
+    bf16) and slot ([1] long on the device) k and v are written at that slot and (q, None) is returned;
+    otherwise (q, k) with q [R, H, 1, D], k [R, H_kv, 1, D]."""
+    _rows(qkv, "qkv")
+    _rows(cos, "cos")
+    r = qkv.shape[0]
+    d = head_dim
+    if qkv.shape[1] != (n_heads + 2 * n_kv_heads) * d or d % 2 or tuple(cos.shape) != (r, d) or \
+            cos.stride() != sin.stride():
+        raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)} do not fit "
+                         f"{n_heads}+2x{n_kv_heads} heads of {d}")
+    has_norm = q_weight is not None
+    q = torch.empty(r, n_heads, 1, d, dtype=qkv.dtype, device=qkv.device)
+    to_cache = k_cache is not None
+    if to_cache:
+        if v_cache is None or slot is None or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+            raise ValueError("qk_norm_rope: a cache write needs k_cache and v_cache of one layout and slot")
+        k_out, v_out = k_cache, v_cache
+        kb, kh, kt = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+    else:
+        k_out = torch.empty(r, n_kv_heads, 1, d, dtype=qkv.dtype, device=qkv.device)
+        v_out = k_out
+        kb, kh, kt = k_out.stride(0), k_out.stride(1), 0
+    if r:
+        COMPILED["fused qk_norm_rope"] = _qk_norm_rope_kernel[(r, n_heads + n_kv_heads)](
+            qkv, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos, q, k_out, v_out,
+            slot if slot is not None else q, n_heads, n_kv_heads, d, qkv.stride(0), cos.stride(0), q.stride(0),
+            kb, kh, kt, 1.0 / d, eps, HAS_NORM=has_norm, TO_CACHE=to_cache,
+            BH=max(16, triton.next_power_of_2(d // 2)), num_warps=1, enable_fp_fusion=False)
+    return q, (None if to_cache else k_out)
