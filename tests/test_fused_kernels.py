@@ -1,0 +1,256 @@
+"""fp4rl.kernels.fused against the unfused torch path of fp4rl/model.py and against the shared quantizer.
+
+Claims checked (fused.py's docstring): the residual add, RoPE, the weight product and the KV write are
+bit-equal; RMSNorm and q/k-norm are bit-equal except where the fp32 sum of squares, added in another
+order, moves y by one bfloat16 ulp; SiLU * up is bit-equal on the GPU and within one ulp on the CPU
+(numpy's exp); a fused Q(y) is byte-identical to fp4rl.kernels.quantize.quantize_2d (and so to the
+reference) for the y the kernel produced. On a machine without CUDA the kernels run in Triton's
+interpreter (conftest.py)."""
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (decoration time)
+
+from fp4rl.kernels import fused  # noqa: E402
+from fp4rl.kernels.quantize import quantize_2d  # noqa: E402
+from fp4rl.model import RMSNorm, rotate_half  # noqa: E402
+from fp4rl.nvfp4 import quantize as reference_quantize  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+QUANTS = [dict(scale_rule="6", err="mse"), dict(scale_rule="4/6", err="mse"),
+          dict(scale_rule="4/6", err="mae")]
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():  # the interpreter's numpy warns on the quantizer's 1/0 (then masked)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _bf16(shape, seed, scale=1.0):
+    return (torch.randn(*shape, generator=_gen(seed)) * scale).bfloat16().to(DEV)
+
+
+def _norm(k, seed):
+    n = RMSNorm(k, 1e-6).bfloat16().to(DEV)
+    with torch.no_grad():
+        n.weight.copy_(torch.rand(k, generator=_gen(seed)) + 0.5)
+    return n
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in bfloat16 ulps (same-sign finite values; NaN must match NaN)."""
+    assert torch.equal(a.isnan(), b.isnan())
+    fin = ~a.isnan()
+    ia, ib = a[fin].view(torch.int16).int(), b[fin].view(torch.int16).int()
+    return int((ia - ib).abs().max()) if ia.numel() else 0
+
+
+def assert_norm_close(y, ref):
+    """The RMSNorm claim: at most one ulp apart, and nearly always equal."""
+    assert ulps(y, ref) <= 1
+    assert (y != ref).float().mean().item() <= 0.02
+
+
+def assert_bytes(xq, y, quant):
+    """Fused Q(y) == quantize_2d(y) == the reference's per-token quantize of the same y."""
+    d, s, g = quantize_2d(y, per_row=True, check_finite=False, **quant)
+    assert torch.equal(xq[0], d)
+    assert torch.equal(xq[1].view(torch.uint8), s.view(torch.uint8))
+    assert torch.equal(xq[2], g)
+    if not y.isnan().any():
+        ref = reference_quantize(y.cpu(), tile=16, scale_scope="row", **quant)
+        assert torch.equal(xq[0].cpu(), ref.data)
+        assert torch.equal(xq[1].view(torch.uint8).cpu(), ref.block_scale.view(torch.uint8))
+        assert torch.equal(xq[2].cpu(), ref.global_scale.reshape(-1))
+
+
+# ----------------------------------------------------------------------------------------------
+# residual add + RMSNorm
+
+
+@pytest.mark.parametrize("r,k,block", [(3, 80, None), (2, 48, 16), (5, 208, 64), (1, 4096, None)])
+def test_add_rmsnorm_is_the_residual_add_and_rmsnorm(r, k, block):
+    x, h, norm = _bf16((r, k), 0, 3.0), _bf16((r, k), 1), _norm(k, 2)
+    xo, y, xq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, block=block)
+    assert xq is None
+    assert torch.equal(xo, x + h)  # bit-equal: one fp32 add, one rounding
+    with torch.no_grad():
+        assert_norm_close(y, norm(x + h))
+    xo2, y2, _ = fused.add_rmsnorm(x, None, norm.weight, norm.eps, block=block)  # first layer: no add
+    assert xo2 is x
+    with torch.no_grad():
+        assert_norm_close(y2, norm(x))
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("r,k,block", [(3, 80, None), (2, 96, 32)])
+def test_add_rmsnorm_quantizes_its_output_byte_for_byte(r, k, block, quant):
+    x, h, norm = _bf16((r, k), 3, 2.0), _bf16((r, k), 4), _norm(k, 5)
+    xo, y, xq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=quant, block=block)
+    assert_bytes(xq, y, quant)
+    xo2, y2, xq2 = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=quant, write_y=False, block=block)
+    assert y2 is None and torch.equal(xo2, xo)
+    for a, b in zip(xq, xq2):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
+def test_add_rmsnorm_nan_rows_follow_the_unfused_path():
+    """A NaN in a row makes that row's norm NaN (torch's too) and leaves the other rows alone; the fused
+    Q(y) is the separate quantizer's on the same values (engine setting: no finiteness check)."""
+    r, k = 3, 64
+    x, h, norm = _bf16((r, k), 6), _bf16((r, k), 7), _norm(k, 8)
+    x[1, 5] = float("nan")
+    quant = QUANTS[0]
+    xo, y, xq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=quant)
+    with torch.no_grad():
+        ref = norm(x + h)
+    assert y[1].isnan().all() and ref[1].isnan().all()
+    assert_norm_close(y[[0, 2]], ref[[0, 2]])
+    assert_bytes(xq, y, quant)
+
+
+def test_add_rmsnorm_zero_row():
+    x = torch.zeros(2, 32, dtype=torch.bfloat16, device=DEV)
+    norm = _norm(32, 9)
+    _, y, xq = fused.add_rmsnorm(x, None, norm.weight, norm.eps, quant=QUANTS[1])
+    with torch.no_grad():
+        assert torch.equal(y, norm(x))
+    assert_bytes(xq, y, QUANTS[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# q/k-norm + RoPE + KV write
+
+
+def _rope_tables(positions, d, theta=10000.0):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    freqs = positions[:, None].float() * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().bfloat16(), emb.sin().bfloat16()  # [R, D], as the engine's step
+
+
+def _unfused_qk(qkv, cos, sin, h, hkv, d, qn, kn):
+    """DecodeEngine._attention's arithmetic: q/k-norm, transpose, q * cos + rotate_half(q) * sin."""
+    r = qkv.shape[0]
+    q = qkv[:, :h * d].view(r, 1, h, d)
+    k = qkv[:, h * d:(h + hkv) * d].view(r, 1, hkv, d)
+    v = qkv[:, (h + hkv) * d:].view(r, 1, hkv, d).transpose(1, 2)
+    if qn is not None:
+        q, k = qn(q), kn(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    c, s = cos[:, None, None], sin[:, None, None]
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s, v
+
+
+@pytest.mark.parametrize("h,hkv,d,norm", [(4, 2, 32, True), (4, 2, 32, False), (3, 1, 24, True),
+                                         (2, 2, 20, False)])
+def test_qk_norm_rope_is_the_unfused_rope(h, hkv, d, norm):
+    r = 3
+    qkv = _bf16((r, (h + 2 * hkv) * d), 10, 2.0)
+    cos, sin = _rope_tables(torch.tensor([0, 7, 1000], device=DEV), d)
+    qn, kn = (_norm(d, 11), _norm(d, 12)) if norm else (None, None)
+    with torch.no_grad():
+        q_ref, k_ref, _ = _unfused_qk(qkv, cos, sin, h, hkv, d, qn, kn)
+    q, k = fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, qn and qn.weight, kn and kn.weight, 1e-6)
+    assert q.shape == q_ref.shape and k.shape == k_ref.shape
+    if norm:  # one ulp from the norm can grow through the rotation to a few ulps of the output
+        assert ((q.float() - q_ref.float()).abs() <= 2 ** -6 * q_ref.float().abs().clamp(min=1)).all()
+        assert (q != q_ref).float().mean().item() <= 0.05 and (k != k_ref).float().mean().item() <= 0.05
+    else:
+        assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+
+
+def test_qk_norm_rope_writes_the_bf16_cache_slot():
+    r, h, hkv, d, t, slot = 2, 4, 2, 32, 9, 6
+    qkv = _bf16((r, (h + 2 * hkv) * d), 13)
+    cos, sin = _rope_tables(torch.tensor([5, 3], device=DEV), d)
+    k_cache = _bf16((4, hkv, t, d), 14)  # more rows than the step's: rows >= r stay
+    v_cache = _bf16((4, hkv, t, d), 15)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    q, k_none = fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, None, None, k_cache=k_cache, v_cache=v_cache,
+                                   slot=torch.tensor([slot], device=DEV))
+    assert k_none is None
+    q_ref, k_ref, v_ref = _unfused_qk(qkv, cos, sin, h, hkv, d, None, None)
+    assert torch.equal(q, q_ref)
+    k0[:r].index_copy_(2, torch.tensor([slot], device=DEV), k_ref)
+    v0[:r].index_copy_(2, torch.tensor([slot], device=DEV), v_ref)
+    assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
+
+
+# ----------------------------------------------------------------------------------------------
+# SiLU(gate) * up
+
+
+@pytest.mark.parametrize("r,i,block", [(3, 40, None), (2, 100, 32), (1, 1536, None)])
+def test_silu_mul_is_silu_times_up(r, i, block):
+    gu = _bf16((r, 2 * i), 16, 4.0)
+    y, xq = fused.silu_mul(gu, block=block)
+    assert xq is None
+    ref = F.silu(gu[:, :i]) * gu[:, i:]
+    if DEV == "cuda":
+        assert torch.equal(y, ref)  # libdevice expf + IEEE division: torch's CUDA SiLU
+    else:
+        assert ulps(y, ref) <= 1 and (y != ref).float().mean().item() <= 0.02
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("r,i,block", [(3, 48, None), (2, 160, 32)])
+def test_silu_mul_quantizes_its_output_byte_for_byte(r, i, block, quant):
+    gu = _bf16((r, 2 * i), 17, 3.0)
+    y, xq = fused.silu_mul(gu, quant=quant, block=block)
+    y_plain, _ = fused.silu_mul(gu, block=block)
+    assert torch.equal(y, y_plain)
+    assert_bytes(xq, y, quant)
+    none, xq2 = fused.silu_mul(gu, quant=quant, write_y=False, block=block)
+    assert none is None and torch.equal(xq2[0], xq[0]) and torch.equal(xq2[2], xq[2])
+
+
+def test_silu_mul_nonfinite_follows_torch():
+    gu = _bf16((2, 64), 18)
+    gu[0, 3] = float("nan")
+    gu[0, 4] = float("inf")  # silu(inf) = inf
+    gu[1, 5] = float("-inf")  # -inf / (1 + inf) = NaN, as torch's x / (1 + exp(-x))
+    y, xq = fused.silu_mul(gu, quant=QUANTS[0])
+    ref = F.silu(gu[:, :32]) * gu[:, 32:]
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+    assert_bytes(xq, y, QUANTS[0])
+
+
+def test_fused_quantize_rejects_bad_settings():
+    gu = _bf16((1, 64), 19)
+    with pytest.raises(ValueError, match="scale_rule"):
+        fused.silu_mul(gu, quant=dict(scale_rule="5", err="mse"))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fused.silu_mul(_bf16((1, 40), 20), quant=QUANTS[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the real Qwen3-8B widths, bit for bit where claimed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", QUANTS)
+def test_gpu_qwen3_8b_widths(quant):
+    x, h, norm = _bf16((8, 4096), 21), _bf16((8, 4096), 22), _norm(4096, 23)
+    xo, y, xq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=quant)
+    assert torch.equal(xo, x + h)
+    with torch.no_grad():
+        assert_norm_close(y, norm(x + h))
+    assert_bytes(xq, y, quant)
+    gu = _bf16((8, 2 * 12288), 24, 2.0)
+    y, xq = fused.silu_mul(gu, quant=quant)
+    assert torch.equal(y, F.silu(gu[:, :12288]) * gu[:, 12288:])
+    assert_bytes(xq, y, quant)
