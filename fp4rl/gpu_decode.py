@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4rl.kvcache import _write, make_kv_cache
-from fp4rl.model import CausalLM, ModelConfig, rotate_half
+from fp4rl.model import MLP, CausalLM, ModelConfig, rotate_half
 from fp4rl.moe import SparseMoeBlock
 from fp4rl.packed import FusedGroup, PackedNVFP4Linear
 
@@ -60,6 +60,7 @@ TUNE = True  # time the GEMM candidates per shape on first use (gemm.tune); Fals
 # (one memory-bound kernel per weight) when the packed bytes change.
 GEMV32 = True
 SLOT_ALIGN = 64  # T_cap is rounded up to this
+FUSED = True  # new engines run the fused decode step (fp4rl.kernels.fused); DecodeEngine.set_fused for A/B
 
 
 def _pow2(v: int) -> int:
@@ -74,17 +75,21 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 # GEMMs
 
 
-def packed_gemm(x2: torch.Tensor, weight, mode: str, input_kwargs: dict, offsets=None) -> torch.Tensor:
+def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, offsets=None,
+                xq=None) -> torch.Tensor:
     """x2 [M, K] bfloat16 @ DQ(weight).T (weight: .data/.block_scale/.global_scale), W4A16 or W4A4
-    (x quantized per token with the contract's settings first); offsets: grouped experts."""
+    (x quantized per token with the contract's settings first, or xq: that Q(x) already made by a fused
+    producer, (data, block_scale, global_scale [M])); offsets: grouped experts."""
     from fp4rl.kernels import gemm
 
     config = None
-    if not TUNE and offsets is None and x2.shape[0] > gemm.DECODE_MAX_ROWS:
+    m = x2.shape[0] if xq is None else xq[0].shape[0]
+    if not TUNE and offsets is None and m > gemm.DECODE_MAX_ROWS:
         config = gemm.FALLBACK
     if mode == "w4a16":
         return gemm.gemm(x2, weight, offsets=offsets, tune=TUNE, config=config)
-    xq = gemm.quantize_activations(x2, scale_rule=input_kwargs["scale_rule"], err=input_kwargs["err"])
+    if xq is None:
+        xq = gemm.quantize_activations(x2, scale_rule=input_kwargs["scale_rule"], err=input_kwargs["err"])
     return gemm.gemm(None, weight, xq=xq, offsets=offsets, tune=TUNE, config=config)
 
 
@@ -175,8 +180,14 @@ class KernelPackedLinear(PackedNVFP4Linear):
             return self.group(self, x)
         if self.mode == "w4a16" or x.dtype != KERNEL_DTYPE:
             return self.linear(self.prepare_input(x))
-        y = packed_gemm(x.reshape(-1, x.shape[-1]), self.quantized_weight(), "w4a4", self.input_kwargs)
-        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        y = self.run(x.reshape(-1, x.shape[-1]))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def run(self, x2: torch.Tensor | None, xq=None) -> torch.Tensor:
+        """y [M, N] for x2 [M, K] bfloat16, or (W4A4) for its Q(x) made by a fused producer."""
+        if self.mode == "w4a16":
+            return self.linear(x2)
+        y = packed_gemm(x2, self.quantized_weight(), "w4a4", self.input_kwargs, xq=xq)
         return y if self.bias is None else y + self.bias
 
 
@@ -216,18 +227,22 @@ class KernelFusedGroup(FusedGroup):
             self._gemv32 = _Gemv32()
         return self._gemv32
 
+    def run(self, x2: torch.Tensor | None, xq=None) -> torch.Tensor:
+        """The whole group's y [M, sum N] for x2 [M, K] bfloat16, or (W4A4) for its Q(x) made by a fused
+        producer (then x2 may be None)."""
+        m0 = self.members[0]
+        w = SimpleNamespace(data=self.data, block_scale=self.scale, global_scale=self.g_rows)
+        if m0.mode == "w4a16" and x2.numel() <= 4 * x2.shape[-1]:
+            w = _with_gemv32(w, self._swz().get(self.data))
+        y = packed_gemm(x2, w, m0.mode, m0.input_kwargs, xq=xq)
+        return y if self.bias_cat is None else y + self.bias_cat
+
     def __call__(self, member: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != KERNEL_DTYPE:
             return super().__call__(member, x)
         if x is not self._x or id(member) not in self._outs:
-            m0 = self.members[0]
-            w = SimpleNamespace(data=self.data, block_scale=self.scale, global_scale=self.g_rows)
-            if m0.mode == "w4a16" and x.numel() <= 4 * x.shape[-1]:
-                w = _with_gemv32(w, self._swz().get(self.data))
-            y = packed_gemm(x.reshape(-1, x.shape[-1]), w, m0.mode, m0.input_kwargs)
+            y = self.run(x.reshape(-1, x.shape[-1]))
             y = y.reshape(*x.shape[:-1], y.shape[-1])
-            if self.bias_cat is not None:
-                y = y + self.bias_cat
             self._x, self._outs = x, {id(m): part for m, part in zip(self.members, y.split(self.splits, -1))}
         out = self._outs.pop(id(member))
         if not self._outs:
@@ -380,13 +395,86 @@ def attach_kernels(model: CausalLM) -> list:
 
 
 # ----------------------------------------------------------------------------------------------
+# The fused step's plan: which linears take a fused producer's output
+
+
+class _Site:
+    """A linear or fused group as the fused step calls it: run(x2 [M, K] bf16, xq=None) -> y [M, N]; quant:
+    the activation quantizer's settings when it takes a Q(x) made by the producer (W4A4), else None."""
+
+    def __init__(self, run, quant: dict | None = None):
+        self.run, self.quant = run, quant
+
+
+def _quant_of(m: PackedNVFP4Linear) -> dict | None:
+    kw = m.input_kwargs
+    return dict(scale_rule=kw["scale_rule"], err=kw["err"]) if m.mode == "w4a4" else None
+
+
+def _dense_group_run(group: FusedGroup):
+    return lambda x2, xq=None: F.linear(x2, group._weight, group._bias)
+
+
+def _module_run(m: nn.Module):
+    return lambda x2, xq=None: m(x2)
+
+
+def linear_site(mods: list) -> _Site | None:
+    """The site computing mods (one module, or the members of one fused group, in order), or None where
+    the fused step cannot call it on a [M, K] input (then the layer runs its modules)."""
+    group = getattr(mods[0], "group", None)
+    if len(mods) > 1:
+        if group is None or list(group.members) != list(mods):
+            return None
+        if isinstance(group, KernelFusedGroup):
+            return _Site(group.run, _quant_of(group.members[0]))
+        if not group.packed and group._weight is not None and group._weight.dtype == KERNEL_DTYPE:
+            return _Site(_dense_group_run(group))
+        return None
+    m = mods[0]
+    if group is not None:
+        return None
+    if isinstance(m, KernelPackedLinear):
+        return _Site(m.run, _quant_of(m))
+    return _Site(_module_run(m))
+
+
+def fused_plans(model: CausalLM) -> list | None:
+    """Per decoder layer: the q/k/v site (None: the layer's attention runs its modules), the gate/up and
+    down sites of a dense MLP (None: MoE or unfused), and which norm outputs are quantized for their
+    consumer. None when the fused kernels do not cover the model at all (norm weights not bf16)."""
+    m = model.model
+    norms = [m.norm] + [n for layer in m.layers
+                        for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if any(n.weight.dtype != KERNEL_DTYPE for n in norms):
+        return None
+    plans = []
+    for layer in m.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        p = SimpleNamespace(qkv=None, gate_up=None, down=None, in_quant=None, post_quant=None)
+        qk_ok = not hasattr(attn, "q_norm") or (
+            attn.q_norm.weight.dtype == KERNEL_DTYPE and attn.k_norm.weight.dtype == KERNEL_DTYPE
+            and attn.q_norm.eps == attn.k_norm.eps)
+        qkv = linear_site([attn.q_proj, attn.k_proj, attn.v_proj])
+        if qkv is not None and qk_ok:
+            p.qkv, p.in_quant = qkv, qkv.quant
+        if not layer.is_moe and isinstance(mlp, MLP):
+            gate_up = linear_site([mlp.gate_proj, mlp.up_proj])
+            down = linear_site([mlp.down_proj])
+            if gate_up is not None and down is not None:
+                p.gate_up, p.down, p.post_quant = gate_up, down, gate_up.quant
+        plans.append(p)
+    return plans
+
+
+# ----------------------------------------------------------------------------------------------
 # The decode engine
 
 
 class DecodeEngine:
     """Static KV cache + one decode step per batch bucket, replayed from CUDA graphs (see module doc)."""
 
-    def __init__(self, model: CausalLM, *, graphs: bool = True):
+    def __init__(self, model: CausalLM, *, graphs: bool = True, fused: bool | None = None):
         dtype = model.model.embed_tokens.weight.dtype
         if dtype != KERNEL_DTYPE:
             raise ValueError(f"Sampler kernels=True needs dtype=torch.bfloat16 (the kernels' activations), "
@@ -396,6 +484,8 @@ class DecodeEngine:
         self.device = model.model.embed_tokens.weight.device
         self.graphs_enabled = graphs and self.device.type == "cuda"
         self.refreshable = attach_kernels(model)
+        self.plans = fused_plans(model)  # None: the fused step does not cover this model
+        self.fused = (FUSED if fused is None else fused) and self.plans is not None
         self.static = None  # the SamplerKVCache all generate calls write into
         self.graphs: dict[int, tuple] = {}  # bucket -> (CUDAGraph, outputs, workspaces kept alive)
         self.graph_error: str | None = None
@@ -502,8 +592,93 @@ class DecodeEngine:
         self.counts["captures"] += 1
         return out
 
+    def set_fused(self, on: bool) -> bool:
+        """Run the fused decode step (where the model allows) or the module-forward one; drops the captured
+        graphs when it changes. Returns whether the fused step is on."""
+        on = bool(on) and self.plans is not None
+        if on != self.fused:
+            self.fused = on
+            self.graphs.clear()
+            self.pool = None
+        return self.fused
+
     def _step(self, bb: int):
         """The decode step on the static buffers' first bb rows (what a graph captures)."""
+        return self._step_fused(bb) if self.fused else self._step_modules(bb)
+
+    def _step_fused(self, bb: int):
+        """_step_modules' arithmetic in fused kernels (fp4rl.kernels.fused): per layer one residual-add +
+        RMSNorm kernel before attention and one before the MLP, one q/k-norm + RoPE (+ bf16 KV write)
+        kernel, one SiLU * up kernel; a W4A4 q/k/v, gate/up or down_proj takes its Q(x) from that kernel.
+        Layers (or halves) the plan does not cover run their modules on the norm's bf16 output."""
+        from fp4rl.kernels import fused
+
+        m = self.model.model
+        if m.rope_inv_freq.device != self.device:
+            m.rope_inv_freq = m.rope_inv_freq.to(self.device)
+        pos = self.positions[:bb]
+        x = m.embed_tokens(self.tokens[:bb])  # [bb, H]
+        freqs = pos[:, None].float() * m.rope_inv_freq  # [bb, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # [bb, D]
+        ctx = self._context(bb)
+        h, chosen = None, []
+        for layer, p in zip(m.layers, self.plans):
+            norm = layer.input_layernorm
+            x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.in_quant,
+                                         write_y=p.in_quant is None)
+            if p.qkv is not None:
+                h = self._attention_fused(layer.self_attn, p.qkv.run(n, nq), cos, sin, ctx, bb)
+            else:
+                h = self._attention(layer.self_attn, n[:, None], cos[:, None, None], sin[:, None, None], ctx,
+                                    bb)[:, 0]
+            norm = layer.post_attention_layernorm
+            x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.post_quant,
+                                         write_y=p.post_quant is None)
+            if p.gate_up is not None:
+                a, aq = fused.silu_mul(p.gate_up.run(n, nq), quant=p.down.quant, write_y=p.down.quant is None)
+                h = p.down.run(a, aq)  # [bb, H]
+            elif layer.is_moe:
+                h, experts = layer.mlp(n[:, None])  # experts [bb, 1, k]
+                chosen.append(experts)
+                h = h[:, 0]
+            else:
+                h = layer.mlp(n[:, None])[:, 0]
+        _, n, _ = fused.add_rmsnorm(x, h, m.norm.weight, m.norm.eps)
+        return self.model.lm_head(n), chosen  # [bb, V]
+
+    def _attention_fused(self, attn, qkv, cos, sin, ctx, bb: int) -> torch.Tensor:
+        """Attention of one token per row from the fused q|k|v projection qkv [bb, (H + 2 H_kv) D]."""
+        from fp4rl.kernels import fused
+
+        d, cfg = attn.head_dim, self.config
+        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        qw = kw = None
+        eps = cfg.rms_norm_eps
+        if hasattr(attn, "q_norm"):
+            qw, kw, eps = attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps
+        i, c = attn.layer_idx, self.static
+        if c.kind == "bf16":  # k and v go straight to their cache slot
+            q, _ = fused.qk_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps, k_cache=c.k[i], v_cache=c.v[i],
+                                      slot=ctx.slot)  # [bb, H, 1, D]
+            y = F.scaled_dot_product_attention(q, c.k[i][:bb], c.v[i][:bb], attn_mask=ctx.mask,
+                                               enable_gqa=attn.n_rep > 1)[:, :, 0]  # [bb, H, D]
+        else:
+            q, k = fused.qk_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps)
+            v = qkv[:, (hq + hkv) * d:].view(bb, hkv, 1, d)
+            y = self._attend_quantized(c, i, q, k, v, ctx, bb)
+        return attn.o_proj(y.reshape(bb, 1, -1))[:, 0]
+
+    def _context(self, bb: int) -> SimpleNamespace:
+        ctx = SimpleNamespace(lengths=self.lengths[:bb], starts=self.starts[:bb], slot=self.slot, mask=None)
+        if self.static.kind == "bf16":
+            key = torch.arange(self.static.max_len, device=self.device)
+            visible = (key[None] >= ctx.starts[:, None]) & (key[None] < ctx.lengths[:, None])  # [bb, T_cap]
+            ctx.mask = visible[:, None, None]
+        return ctx
+
+    def _step_modules(self, bb: int):
+        """The decode step through the model's modules (the unfused path)."""
         m = self.model.model
         if m.rope_inv_freq.device != self.device:
             m.rope_inv_freq = m.rope_inv_freq.to(self.device)
@@ -512,11 +687,7 @@ class DecodeEngine:
         freqs = pos[:, None, None].float() * m.rope_inv_freq  # [bb, 1, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]  # [bb, 1, 1, D]
-        ctx = SimpleNamespace(lengths=self.lengths[:bb], starts=self.starts[:bb], slot=self.slot, mask=None)
-        if self.static.kind == "bf16":
-            key = torch.arange(self.static.max_len, device=self.device)
-            visible = (key[None] >= ctx.starts[:, None]) & (key[None] < ctx.lengths[:, None])  # [bb, T_cap]
-            ctx.mask = visible[:, None, None]
+        ctx = self._context(bb)
         chosen = []
         for layer in m.layers:
             x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, ctx, bb)
@@ -548,19 +719,22 @@ class DecodeEngine:
             y = F.scaled_dot_product_attention(q, c.k[i][:bb], c.v[i][:bb], attn_mask=ctx.mask,
                                                enable_gqa=attn.n_rep > 1)[:, :, 0]  # [bb, H, D]
         else:
-            from fp4rl.kernels.attention import decode_attention
-
-            store_kv(c, i, k, v, ctx.slot, bb)
-            if kind == "nvfp4":
-                y = decode_attention(q[:, :, 0], ctx.lengths, c.k_data[i][:bb], c.v_data[i][:bb],
-                                     c.k_global_scale[i][:bb, :, :, 0], c.v_global_scale[i][:bb, :, :, 0],
-                                     k_scale=c.k_block_scale[i][:bb], v_scale=c.v_block_scale[i][:bb],
-                                     starts=ctx.starts)
-            else:
-                y = decode_attention(q[:, :, 0], ctx.lengths, c.k[i][:bb], c.v[i][:bb],
-                                     c.k_scale[i][:bb, :, :, 0], c.v_scale[i][:bb, :, :, 0],
-                                     starts=ctx.starts)
+            y = self._attend_quantized(c, i, q, k, v, ctx, bb)
         return attn.o_proj(y.reshape(bb, 1, -1))
+
+    @staticmethod
+    def _attend_quantized(c, i: int, q, k, v, ctx, bb: int) -> torch.Tensor:
+        """Write k/v [bb, H_kv, 1, D] into an FP8 / NVFP4 cache, attend with q [bb, H, 1, D] -> [bb, H, D]."""
+        from fp4rl.kernels.attention import decode_attention
+
+        store_kv(c, i, k, v, ctx.slot, bb)
+        if c.kind == "nvfp4":
+            return decode_attention(q[:, :, 0], ctx.lengths, c.k_data[i][:bb], c.v_data[i][:bb],
+                                    c.k_global_scale[i][:bb, :, :, 0], c.v_global_scale[i][:bb, :, :, 0],
+                                    k_scale=c.k_block_scale[i][:bb], v_scale=c.v_block_scale[i][:bb],
+                                    starts=ctx.starts)
+        return decode_attention(q[:, :, 0], ctx.lengths, c.k[i][:bb], c.v[i][:bb],
+                                c.k_scale[i][:bb, :, :, 0], c.v_scale[i][:bb, :, :, 0], starts=ctx.starts)
 
 
 def store_kv(cache, layer: int, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, bb: int) -> None:
