@@ -1,0 +1,224 @@
+"""Decode attention (one query token per sequence) over an NVFP4 or FP8 KV cache, in Triton and Gluon.
+
+Layouts (the kernels take strides; the last dim must be contiguous):
+    q        [B, Hq, D] bfloat16              lengths int32 [B] (valid tokens per sequence)
+    starts   optional int32 [B]: sequence b's valid tokens are [starts[b], lengths[b]) (left padding)
+    NVFP4:   k_data, v_data uint8 [B, Hkv, T, D/2]; k_scale, v_scale float8_e4m3fn
+             [B, Hkv, T, D/16]; k_global, v_global float32 [B, Hkv, T]
+    FP8:     k_data, v_data float8_e4m3fn [B, Hkv, T, D]; k_global, v_global float32 [B, Hkv, T]
+    out      [B, Hq, D] bfloat16
+
+Modules (this package re-exports all their names):
+    cache_formats.py  the NVFP4 and FP8 cache formats (bytes per token) and their quantizers
+    triton_decode.py  the Triton flash-decoding kernel, NVFP4 and FP8 (the fallback and CPU path)
+    gluon_decode.py   the Gluon NVFP4 kernel: tensor cores fed from registers (CUDA default)
+    gluon_ptx.py      the inline PTX of the Gluon kernel's 16-token step
+    __init__.py       decode_attention: checks, picks a kernel and its splits, the shared workspace
+
+Both kernels split the context (flash-decoding) and merge the splits in the last program of each
+(b, kv head): ``_WORKSPACE`` holds their partial results and the per-(b, kv head) counters, one
+object for the process (CUDA graphs capture its buffers). ``GLUON`` switches the Gluon kernel off
+(after a failed compile, or by hand).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl  # noqa: F401  (kept importable from here)
+
+from fp4rl.kernels._common import (  # noqa: F401
+    ASM,
+    COMPILED,
+    INTERPRET,
+    dot_acc,
+    load_unpacked,
+    with_asm_fallback,
+)
+from fp4rl.kernels.attention.cache_formats import quantize_kv_fp8, quantize_kv_nvfp4  # noqa: F401
+from fp4rl.kernels.attention.gluon_decode import gl, gluon  # noqa: F401
+from fp4rl.kernels.attention.gluon_ptx import _ATTN_ASM, _ATTN_CON, _ATTN_MSK, _attn_asm, _attn_unpack  # noqa: F401
+from fp4rl.kernels.attention.triton_decode import _decode_attn_kernel
+
+if gluon is not None:
+    from fp4rl.kernels.attention.gluon_decode import (  # noqa: F401
+        _ax,
+        _decode_attn_fp4_gluon,
+        _merge,
+        _prefetch,
+        _step,
+        _step_loads,
+    )
+
+
+class _Workspace:
+    def __init__(self):
+        self.bufs: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, device, n_slots: int, gp: int, d: int, n_lock: int, ml_cols: int | None = None):
+        ml_cols = ml_cols or 2 * gp
+        key = (device, gp, d, ml_cols)
+        cur = self.bufs.get(key)
+        if cur is None or cur[0].shape[0] < n_slots or cur[2].numel() < n_lock:
+            n_slots, n_lock = max(n_slots, 1024), max(n_lock, 1024)
+            cur = self.bufs[key] = (
+                torch.empty(n_slots, gp * d, dtype=torch.float32, device=device),
+                torch.empty(n_slots, ml_cols, dtype=torch.float32, device=device),
+                torch.zeros(n_lock, dtype=torch.int32, device=device),
+            )
+        return cur
+
+
+_WORKSPACE = _Workspace()
+
+
+def _check_cache(q, lengths, k, v, kg, vg, fp4: bool):
+    b, hq, d = q.shape
+    if q.dtype != torch.bfloat16:
+        raise TypeError(f"q must be bfloat16 [B, Hq, D], got {q.dtype}")
+    if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b:
+        raise ValueError(f"k/v cache must be [B, Hkv, T, {'D/2' if fp4 else 'D'}] and equal; got "
+                         f"{tuple(k.shape)}, {tuple(v.shape)} for q {tuple(q.shape)}")
+    hkv = k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if k.shape[3] * (2 if fp4 else 1) != d or d % 32:
+        raise ValueError(f"head_dim mismatch: q has D={d}, the cache last dim is {k.shape[3]}")
+    if kg.shape != k.shape[:3] or vg.shape != k.shape[:3]:
+        raise ValueError(f"per-token scales must be [B, Hkv, T] = {tuple(k.shape[:3])}, got "
+                         f"{tuple(kg.shape)}, {tuple(vg.shape)}")
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths must be int32 [B={b}], got {tuple(lengths.shape)}")
+    for name, t in (("k", k), ("v", v), ("q", q), ("k_global", kg), ("v_global", vg)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dim must be contiguous")
+
+
+def _splits(b: int, hkv: int, t: int, device) -> int:
+    """Splits of the context so that ~4 programs per multiprocessor stream the cache."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    n = 1
+    while n < 64 and b * hkv * n < 4 * sms and t // (2 * n) >= 128:
+        n *= 2
+    return n
+
+
+GLUON = {"on": gluon is not None and not INTERPRET, "error": None}
+
+
+def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int | None) -> int:
+    """Splits so that the warps of the whole grid fill the H200 about once (16 resident warps per
+    multiprocessor at <= 128 registers, 12 at ~168) and each warp streams >= 64 tokens."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    per_sm = 65536 // (32 * (maxnreg or 168))
+    target = (per_sm // num_warps) * sms  # programs that fit at once
+    n = max(1, min(64, target // max(1, b * hkv)))
+    while n > 1 and t // (n * num_warps) < 64:
+        n -= 1
+    return n
+
+
+def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, num_splits, num_warps,
+                            mode: int = 0, pf: int = 3, maxnreg: int | None = None, dbg: int = 0):
+    b, hq, d = q.shape
+    hkv, t_cap = k.shape[1], k.shape[2]
+    g = hq // hkv
+    kw, vw = k.view(torch.int32), v.view(torch.int32)  # [B, Hkv, T, 16] words
+    ks16 = ks.view(torch.int16)  # [B, Hkv, T, 4]: scale byte pairs (2c, 2c+1)
+    vs8 = vs.view(torch.uint8)
+    num_splits = num_splits or _splits_gluon(b, hkv, t_cap, num_warps, q.device, maxnreg)
+    n_slots = b * hkv * num_splits * num_warps
+    part, ml, lock = _WORKSPACE.get(q.device, n_slots, 8, 128, b * hkv, ml_cols=80)
+    out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=q.device)
+    COMPILED["decode_attn nvfp4 gluon"] = _decode_attn_fp4_gluon[(b * hkv, num_splits)](
+        q, kw, ks16, kg, vw, vs8, vg, lengths, starts if starts is not None else lengths, out,
+        part, ml, lock,
+        hkv, sm_scale * math.log2(math.e) * 16384.0,
+        q.stride(0), q.stride(1), kw.stride(0), kw.stride(1), kw.stride(2),
+        ks16.stride(0), ks16.stride(1), ks16.stride(2), kg.stride(0), kg.stride(1),
+        vw.stride(0), vw.stride(1), vw.stride(2), vs8.stride(0), vs8.stride(1), vs8.stride(2),
+        vg.stride(0), vg.stride(1), out.stride(0), out.stride(1),
+        G=g, NUM_SPLITS=num_splits, HAS_START=starts is not None, ASM=_ATTN_ASM[mode], CON=_ATTN_CON, PF=pf,
+        DBG=dbg, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+    )
+    return out
+
+
+@with_asm_fallback
+def decode_attention(q, lengths, k, v, k_global, v_global, *, k_scale=None, v_scale=None, sm_scale=None,
+                     num_splits=None, block_t=None, num_warps=None, num_stages=3, starts=None, kernel=None,
+                     _mode: int = 4, _pf: int = 3, _maxnreg: int | None = None, _dbg: int = 0):
+    """One decode step of attention: out [B, Hq, D] bfloat16.
+
+    NVFP4 cache when k_scale/v_scale (E4M3 block scales) are given, else FP8 (e4m3) cache.
+    See the module docstring for the layouts. lengths: valid tokens per sequence (<= T).
+    starts: optional int32 [B], the first valid token of each sequence (left padding); tokens
+    before it are skipped. No host sync: safe inside CUDA graphs.
+    """
+    fp4 = k_scale is not None
+    if fp4 != (v_scale is not None):
+        raise ValueError("pass both k_scale and v_scale (NVFP4 cache) or neither (FP8 cache)")
+    _check_cache(q, lengths, k, v, k_global, v_global, fp4)
+    b, hq, d = q.shape
+    hkv, t_cap = k.shape[1], k.shape[2]
+    g = hq // hkv
+    gp = max(16, triton.next_power_of_2(g))
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    use_gluon = (kernel in (None, "gluon") and fp4 and GLUON["on"] and q.is_cuda and d == 128 and g <= 8
+                 and block_t is None)
+    if kernel == "gluon" and not use_gluon:
+        raise ValueError("the Gluon kernel needs CUDA, an NVFP4 cache, head_dim 128 and <= 8 query heads "
+                         "per KV head")
+    if use_gluon:
+        lengths_i = lengths.to(device=q.device, dtype=torch.int32)
+        starts_i = None
+        if starts is not None:
+            if starts.shape != (b,):
+                raise ValueError(f"starts must be int32 [B={b}], got {tuple(starts.shape)}")
+            starts_i = starts.to(device=q.device, dtype=torch.int32)
+        try:
+            return _decode_attention_gluon(q, lengths_i, starts_i, k, v, k_global, v_global, k_scale, v_scale,
+                                           sm_scale, num_splits, num_warps or 4, _mode, _pf,
+                                           _maxnreg, _dbg)
+        except Exception as exc:  # noqa: BLE001  (Gluon failed to compile or launch here)
+            if kernel == "gluon":
+                raise
+            import warnings
+
+            GLUON["on"], GLUON["error"] = False, repr(exc)[:300]
+            warnings.warn(f"Gluon NVFP4 attention disabled ({GLUON['error']}); using the Triton kernel",
+                          stacklevel=2)
+    num_warps = num_warps or 4
+    if INTERPRET:
+        num_splits, block_t = num_splits or 2, block_t or 16
+    num_splits = num_splits or _splits(b, hkv, t_cap, q.device)
+    block_t = block_t or 128  # measured best at 4K and 32K context on the H200 (bench/gpu_kernels.md)
+    if fp4:
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+        ks, vs = k_scale.view(torch.uint8), v_scale.view(torch.uint8)
+    else:
+        ks, vs = k, v  # unused
+    out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=q.device)
+    part, ml, lock = _WORKSPACE.get(q.device, b * hkv * num_splits, gp, d, b * hkv)
+    lengths = lengths.to(device=q.device, dtype=torch.int32)
+    if starts is not None:
+        if starts.shape != (b,):
+            raise ValueError(f"starts must be int32 [B={b}], got {tuple(starts.shape)}")
+        starts = starts.to(device=q.device, dtype=torch.int32)
+    COMPILED["decode_attn " + ("nvfp4" if fp4 else "fp8")] = _decode_attn_kernel[(b * hkv, num_splits)](
+        q, k, ks, k_global, v, vs, v_global, lengths, starts if starts is not None else lengths, out,
+        part, ml, lock,
+        hkv, sm_scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2),
+        k_global.stride(0), k_global.stride(1), v.stride(0), v.stride(1), v.stride(2),
+        vs.stride(0), vs.stride(1), vs.stride(2), v_global.stride(0), v_global.stride(1),
+        out.stride(0), out.stride(1),
+        G=g, GP=gp, D=d, FP4=fp4, NUM_SPLITS=num_splits, BT=block_t,
+        USE_ASM=ASM["on"], INTERP=INTERPRET, HAS_START=starts is not None,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,287 @@
+"""The Gluon decode-attention kernel for the NVFP4 cache (sm_90, head_dim 128, <= 8 query heads per
+KV head).
+
+A decode-attention kernel for the NVFP4 cache written per lane in Gluon, with the tensor cores fed
+straight from registers (mma.sync.m16n8k16, FP16 operands), no shared memory and no barrier in its
+loop. One warp streams 16 tokens per step; a CTA's warps take interleaved steps of one split and each
+publishes its own partial result (merged by the last program of the (b, kv head), as in the Triton kernel).
+
+The arithmetic of a step (the E2M1 -> FP16 unpack, the two MMA products, the online softmax with
+the V scale in the exponent) is one inline-PTX block per step: fp4rl.kernels.attention.gluon_ptx
+explains it. This module holds the Gluon side: the lane layout (a 5-D blocked layout, ``_ax``),
+the operand loads of a step (two steps in flight), the L2 prefetch PF steps ahead, the
+register-major partials and their merge (``_merge``).
+Gluon is Triton's experimental explicit-layout dialect; this is written for Triton 3.6 (the
+dispatcher falls back to the Triton kernel, with a warning, if it fails to compile).
+"""
+
+from __future__ import annotations
+
+import triton
+
+try:  # Gluon (Triton's explicit-layout dialect) is experimental: its API moves between releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+except Exception:  # noqa: BLE001
+    gluon = gl = None
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _ax(n: gl.constexpr, dim: gl.constexpr, L5: gl.constexpr):
+        """arange(0, n) along dim of the 5-D layout L5, expanded to 5 dims."""
+        S4: gl.constexpr = gl.SliceLayout(4, L5)
+        if dim == 0:
+            x = gl.arange(0, n, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, S4))))
+            x = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 1), 2), 3), 4)
+        elif dim == 1:
+            x = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, S4))))
+            x = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 0), 2), 3), 4)
+        elif dim == 2:
+            x = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(3, S4))))
+            x = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 0), 0), 3), 4)
+        elif dim == 3:
+            x = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, S4))))
+            x = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 0), 0), 0), 4)
+        else:
+            S0: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L5))))
+            x = gl.arange(0, n, layout=S0)
+            x = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 0), 0), 0), 0)
+        return x
+
+
+    @gluon.jit
+    def _step_loads(kw_base, vw_base, ks_base, vs_base, kg_base, vg_base, tb, t_hi,
+                    kw_off, vw_off, ks_off, vs_off, tk_k, tk_v, stride_kt, stride_vt,
+                    stride_kst, stride_vst, kqs, big):
+        """The operands of one 16-token step of each warp (tb [R, 1, 1, 1, 1]: its first token)."""
+        tk = tb + tk_k  # [R, 1, 2, 1, 1]: tokens g, 8 + g (K rows this lane loads, its scores)
+        tv = tb + tk_v  # [R, 4, 2, 2, 1]: tokens 2c + e3 + 8 e2 (V rows this lane loads)
+        mk = tk < t_hi
+        mv = tv < t_hi
+        kw = gl.load(kw_base + tk * stride_kt + kw_off, mask=mk, other=0)
+        vw = gl.load(vw_base + tv * stride_vt + vw_off, mask=mv, other=0)
+        ks = gl.load(ks_base + tk * stride_kst + ks_off, mask=mk, other=0)
+        vs = gl.load(vs_base + tv * stride_vst + vs_off, mask=mv, other=0)
+        kq = gl.load(kg_base + tk, mask=mk, other=0.0) * kqs
+        vg = gl.load(vg_base + tk, mask=mk, other=0.0)
+        bias = gl.where(mk, 0.0, float("-inf"))
+        return (kw, vw, gl.broadcast(ks.to(gl.int32), big)[0], gl.broadcast(vs.to(gl.int32), big)[0],
+                gl.broadcast(kq, big)[0], gl.broadcast(bias, big)[0], gl.broadcast(vg, big)[0])
+
+
+    @gluon.jit
+    def _prefetch(addr, pred):
+        """prefetch.global.L2 of one line per thread (addr int64, pred: whether to)."""
+        gl.inline_asm_elementwise("{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p prefetch.global.L2 [$1];\n"
+                                  "mov.b32 $0, 0;\n}\n", "=r,l,r", [addr, pred.to(gl.int32)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+
+    @gluon.jit
+    def _step(ASM: gl.constexpr, CON: gl.constexpr, kw, vw, ks, vs, kq, bias, vg, qa, qb, st,
+              acc0, acc1, acc2, acc3):
+        return gl.inline_asm_elementwise(
+            ASM, CON, [kw, vw, ks, vs, kq, bias, vg, qa, qb, st, acc0, acc1, acc2, acc3],
+            dtype=(gl.float32, gl.float32, gl.float32, gl.float32, gl.float32), is_pure=False, pack=8)
+
+
+    @gluon.jit
+    def _decode_attn_fp4_gluon(
+        q_ptr, kw_ptr, ks_ptr, kg_ptr, vw_ptr, vs_ptr, vg_ptr, len_ptr, start_ptr, out_ptr,
+        part_ptr, ml_ptr, lock_ptr,
+        Hkv, qk_scale,
+        stride_qb, stride_qh, stride_kb, stride_kh, stride_kt: gl.constexpr, stride_ksb, stride_ksh,
+        stride_kst: gl.constexpr, stride_kgb, stride_kgh, stride_vb, stride_vh, stride_vt: gl.constexpr,
+        stride_vsb, stride_vsh, stride_vst: gl.constexpr, stride_vgb, stride_vgh, stride_ob, stride_oh,
+        G: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_START: gl.constexpr, ASM: gl.constexpr,
+        CON: gl.constexpr, PF: gl.constexpr = 3, DBG: gl.constexpr = 0,
+    ):
+        """kw/vw: int32 words [B, Hkv, T, 16] (D = 128); ks int16 [B, Hkv, T, 4] (scale byte pairs),
+        vs uint8 [B, Hkv, T, 8]. Partials: one slot per (b, kv head, split, warp): acc [8 queries, 128]
+        in part, (m [8], M [8], l [8 lanes, 8 queries]) in ml."""
+        NW: gl.constexpr = gl.num_warps()
+        R: gl.constexpr = 8 * NW
+        L5: gl.constexpr = gl.BlockedLayout([1, 1, 2, 2, 2], [8, 4, 1, 1, 1], [NW, 1, 1, 1, 1],
+                                            [4, 3, 2, 1, 0])
+        bh = gl.program_id(0)
+        split = gl.program_id(1)
+        b = bh // Hkv
+        hk = bh % Hkv
+        length = gl.load(len_ptr + b)
+        STEP: gl.constexpr = 16 * NW
+        if HAS_START:
+            start = gl.minimum(gl.load(start_ptr + b), length)
+            chunk = gl.cdiv(gl.cdiv(length - start, NUM_SPLITS), 2 * STEP) * (2 * STEP)
+            t_lo = start + split * chunk
+        else:
+            chunk = gl.cdiv(gl.cdiv(length, NUM_SPLITS), 2 * STEP) * (2 * STEP)
+            t_lo = split * chunk
+        t_hi = gl.minimum(length, t_lo + chunk)
+
+        r5 = _ax(R, 0, L5)
+        c5 = _ax(4, 1, L5)
+        e2 = _ax(2, 2, L5)
+        e3 = _ax(2, 3, L5)
+        e1 = _ax(2, 4, L5)
+        g5 = r5 % 8
+        w5 = r5 // 8
+        big = gl.full([R, 4, 2, 2, 2], 0, gl.int32, L5)
+        # ---- Q^T fragments: lane (g, c), word m, pair i: (q[g][32c + 8m + i], q[g][32c + 8m + i + 4]),
+        # times one power of two per (b, kv head) that puts max |q| in [2^14, 2^15) (FP16 range, exact)
+        qrow = q_ptr + b * stride_qb + (hk * G + g5) * stride_qh
+        i4 = e3 * 2 + e1  # pair index 0..3
+        dA = c5 * 32 + e2 * 8 + i4  # words m = 0, 1 (e2 = m); + 16: words 2, 3
+        qm = (g5 < G) & (dA >= 0)  # [R, 4, 2, 2, 2]
+        qa_lo = gl.load(qrow + dA, mask=qm, other=0.0).to(gl.float32)
+        qa_hi = gl.load(qrow + dA + 4, mask=qm, other=0.0).to(gl.float32)
+        qb_lo = gl.load(qrow + dA + 16, mask=qm, other=0.0).to(gl.float32)
+        qb_hi = gl.load(qrow + dA + 20, mask=qm, other=0.0).to(gl.float32)
+        amax = gl.maximum(gl.maximum(gl.abs(qa_lo), gl.abs(qa_hi)), gl.maximum(gl.abs(qb_lo), gl.abs(qb_hi)))
+        amax = gl.max(gl.max(gl.max(gl.max(gl.max(amax, 4), 3), 2), 1), 0)  # scalar
+        ex = (amax.to(gl.int32, bitcast=True) >> 23) & 255
+        fe = gl.minimum(gl.maximum(268 - ex, 1), 253)
+        fq = (fe << 23).to(gl.float32, bitcast=True)
+        kqs = ((254 - fe) << 23).to(gl.float32, bitcast=True) * qk_scale  # exact 1 / fq, times the scale
+        qa = ((qa_lo * fq).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 65535) | \
+            ((qa_hi * fq).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) << 16)
+        qb = ((qb_lo * fq).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 65535) | \
+            ((qb_hi * fq).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) << 16)
+
+        # ---- per-lane operand offsets
+        kw_base = kw_ptr + b.to(gl.int64) * stride_kb + hk.to(gl.int64) * stride_kh
+        vw_base = vw_ptr + b.to(gl.int64) * stride_vb + hk.to(gl.int64) * stride_vh
+        ks_base = ks_ptr + b.to(gl.int64) * stride_ksb + hk.to(gl.int64) * stride_ksh
+        vs_base = vs_ptr + b.to(gl.int64) * stride_vsb + hk.to(gl.int64) * stride_vsh
+        kg_base = kg_ptr + b.to(gl.int64) * stride_kgb + hk.to(gl.int64) * stride_kgh
+        vg_base = vg_ptr + b.to(gl.int64) * stride_vgb + hk.to(gl.int64) * stride_vgh
+        tk_k = g5 + 8 * e2  # [R, 1, 2, 1, 1]
+        tk_v = 2 * c5 + e3 + 8 * e2 + 0 * g5  # [R, 4, 2, 2, 1]
+        kw_off = 4 * c5 + 2 * e3 + e1  # words 4c .. 4c+3
+        vw_off = 2 * g5 + e1  # words 2g, 2g+1 (block g)
+        ks_off = c5  # scale bytes 2c, 2c+1 of the token, one int16
+        vs_off = g5
+
+        # state per lane (queries 2c + e1): m at (e2, e3) = (0, 0), l at (0, 1) and (1, 1), M at (1, 0)
+        st = gl.where(e2 == e3, float("-inf"), 0.0) + gl.zeros([R, 4, 2, 2, 2], gl.float32, L5)
+        st = gl.where((e2 == 1) & (e3 == 1), 0.0, st)
+        acc0 = gl.zeros([R, 4, 2, 2, 2], gl.float32, L5)
+        acc1 = gl.zeros([R, 4, 2, 2, 2], gl.float32, L5)
+        acc2 = gl.zeros([R, 4, 2, 2, 2], gl.float32, L5)
+        acc3 = gl.zeros([R, 4, 2, 2, 2], gl.float32, L5)
+        tb0 = t_lo + 16 * w5
+        n_steps = gl.cdiv(t_hi - t_lo, STEP)
+        if DBG & 1:  # timing experiment: no streaming
+            n_steps = 0
+        # L2 prefetch of the step PF steps ahead: lane 4g + c of each warp takes one 128-byte line of its
+        # warp's step (K words 0-7, V words 8-15, then scales and per-token scales)
+        L2D: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5)))
+        lane = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(1, L2D)) % 8, 1) * 4 + \
+            gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, L2D)), 0)  # [R, 4]
+        w2 = gl.expand_dims(gl.arange(0, R, layout=gl.SliceLayout(1, L2D)) // 8, 1)
+        li = lane % 8
+        pf_off = gl.where(lane < 8, kw_base.to(gl.int64, bitcast=True) + 8 * li * stride_kt,
+                          gl.where(lane < 16, vw_base.to(gl.int64, bitcast=True) + 8 * li * stride_vt,
+                                   gl.where(lane == 16, ks_base.to(gl.int64, bitcast=True),
+                                            gl.where(lane == 17, vs_base.to(gl.int64, bitcast=True),
+                                                     gl.where(lane == 18, kg_base.to(gl.int64, bitcast=True),
+                                                              vg_base.to(gl.int64, bitcast=True))))))
+        pf_tok = gl.where(lane < 8, 4 * stride_kt, gl.where(lane < 16, 4 * stride_vt, gl.where(
+            lane == 16, 2 * stride_kst, gl.where(lane == 17, stride_vst, 4))))  # bytes per token
+        pf_t0 = t_lo + 16 * w2
+        kwa, vwa, ksa, vsa, kqa, bia, vga = _step_loads(
+            kw_base, vw_base, ks_base, vs_base, kg_base, vg_base, tb0, t_hi, kw_off, vw_off, ks_off, vs_off,
+            tk_k, tk_v, stride_kt, stride_vt, stride_kst, stride_vst, kqs, big)
+        for i in range(0, n_steps, 2):  # two steps in flight, no register copies
+            if PF > 0:
+                _prefetch(pf_off + (pf_t0 + (i + PF) * STEP).to(gl.int64) * pf_tok,
+                          (pf_t0 + (i + PF) * STEP) < t_hi)
+            kwb, vwb, ksb, vsb, kqb, bib, vgb = _step_loads(
+                kw_base, vw_base, ks_base, vs_base, kg_base, vg_base, tb0 + (i + 1) * STEP, t_hi, kw_off,
+                vw_off, ks_off, vs_off, tk_k, tk_v, stride_kt, stride_vt, stride_kst, stride_vst, kqs, big)
+            acc0, acc1, acc2, acc3, st = _step(ASM, CON, kwa, vwa, ksa, vsa, kqa, bia, vga, qa, qb, st,
+                                               acc0, acc1, acc2, acc3)
+            if PF > 0:
+                _prefetch(pf_off + (pf_t0 + (i + 1 + PF) * STEP).to(gl.int64) * pf_tok,
+                          (pf_t0 + (i + 1 + PF) * STEP) < t_hi)
+            kwa, vwa, ksa, vsa, kqa, bia, vga = _step_loads(
+                kw_base, vw_base, ks_base, vs_base, kg_base, vg_base, tb0 + (i + 2) * STEP, t_hi, kw_off,
+                vw_off, ks_off, vs_off, tk_k, tk_v, stride_kt, stride_vt, stride_kst, stride_vst, kqs, big)
+            acc0, acc1, acc2, acc3, st = _step(ASM, CON, kwb, vwb, ksb, vsb, kqb, bib, vgb, qa, qb, st,
+                                               acc0, acc1, acc2, acc3)
+
+        # ---- publish this warp's partial. acc tensor T, element (e2, e3, e1): query 2c + e1,
+        # head dim 16 g + 4 T + e2 + 2 e3; state: m, M per query (equal in the 8 lanes g), l per lane
+        slot = (bh * NUM_SPLITS + split) * NW + w5  # [R, 1, 1, 1, 1]
+        # stored register-major ([T, e2, e3, e1] x 32 lanes): each warp store writes 128 contiguous bytes
+        pbase = part_ptr + slot * 1024 + (e2 * 4 + e3 * 2 + e1) * 32 + 4 * g5 + c5
+        gl.store(pbase, acc0, cache_modifier=".cg")
+        gl.store(pbase + 256, acc1, cache_modifier=".cg")
+        gl.store(pbase + 512, acc2, cache_modifier=".cg")
+        gl.store(pbase + 768, acc3, cache_modifier=".cg")
+        kind = 2 * e2 + e3  # 0: m, 1: l, 2: M, 3: l again (skipped)
+        mlp = ml_ptr + slot * 80 + gl.where(kind == 1, 16 + 8 * g5, 8 * (kind // 2)) + 2 * c5 + e1
+        gl.store(mlp, st, mask=(kind == 1) | ((kind != 3) & (g5 == 0)), cache_modifier=".cg")
+        gl.thread_barrier()
+        if DBG & 4:  # timing experiment: no fence (wrong memory ordering)
+            done = gl.atomic_add(lock_ptr + bh, 1, sem="relaxed", scope="gpu")
+        else:
+            done = gl.atomic_add(lock_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if done == NUM_SPLITS - 1:
+            if DBG & 2:  # timing experiment: merge one slot only (wrong output)
+                _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, 1, NW)
+            else:
+                _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, NUM_SPLITS * NW, NW)
+            gl.atomic_xchg(lock_ptr + bh, 0)
+
+
+    @gluon.jit
+    def _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G: gl.constexpr,
+               NS: gl.constexpr, NW: gl.constexpr):
+        """out = [sum_s acc_s 2^(M_s - Mx)] / [sum_s l_s 2^(m_s - mx)] * 2^(14 + Mx - mx), slots in order.
+        The per-slot statistics are read as one tile; the slot loop is unrolled so its loads overlap."""
+        NSP: gl.constexpr = triton.next_power_of_2(NS)
+        LS: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 8, 1], [NW, 1, 1], [2, 1, 0])  # [NSP, 8, 8 lanes]
+        sl = gl.arange(0, NSP, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS)))
+        ql = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, LS)))
+        ll = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LS)))
+        s2 = gl.expand_dims(sl, 1)  # [NSP, 1]
+        q2 = gl.expand_dims(ql, 0)  # [1, 8]
+        sm = (s2 < NS) & (q2 < G)
+        base = ml_ptr + (bh * NS + s2) * 80 + q2
+        m_s = gl.load(base, mask=sm, other=float("-inf"), cache_modifier=".cg")  # [NSP, 8]
+        big_s = gl.load(base + 8, mask=sm, other=float("-inf"), cache_modifier=".cg")
+        l3 = gl.load(gl.expand_dims(base + 16, 2) + gl.expand_dims(gl.expand_dims(ll, 0), 1) * 8,
+                     mask=gl.expand_dims(sm, 2), other=0.0, cache_modifier=".cg")  # [NSP, 8, 8]
+        l_s = gl.sum(l3, 2)
+        mx = gl.max(m_s, 0)
+        big_mx = gl.max(big_s, 0)
+        mx = gl.where(mx == float("-inf"), 0.0, mx)
+        big_mx = gl.where(big_mx == float("-inf"), 0.0, big_mx)
+        den = gl.sum(l_s * gl.exp2(m_s - gl.expand_dims(mx, 0)), 0)  # [8]
+        f = gl.exp2(big_mx - mx + 14.0) / gl.where(den == 0.0, 1.0, den)  # [8]
+        # weighted sum of the slots' accumulators, [8, 128] per slot
+        L2: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+        rows = gl.arange(0, 8, layout=gl.SliceLayout(1, L2))
+        cols = gl.arange(0, 128, layout=gl.SliceLayout(0, L2))
+        # (query q, head dim d) -> the writer's lane 4 (d // 16) + q // 2 and register (T, e2, e3, e1)
+        q2 = gl.expand_dims(rows, 1)
+        d2 = gl.expand_dims(cols, 0)
+        rem = d2 % 16
+        offs = ((rem // 4) * 256 + ((rem % 2) * 4 + ((rem // 2) % 2) * 2 + q2 % 2) * 32
+                + 4 * (d2 // 16) + q2 // 2)
+        rmask = gl.expand_dims(rows, 1) < G
+        big_r = gl.convert_layout(big_mx, gl.SliceLayout(1, L2))
+        num = gl.zeros([8, 128], gl.float32, L2)
+        for s_ in gl.static_range(NS):  # unrolled: the slots' loads are independent
+            ms = gl.load(ml_ptr + (bh * NS + s_) * 80 + 8 + rows, mask=rows < G, other=float("-inf"),
+                         cache_modifier=".cg")
+            o_s = gl.load(part_ptr + (bh * NS + s_) * 1024 + offs, mask=rmask, other=0.0,
+                          cache_modifier=".cg")
+            num += o_s * gl.expand_dims(gl.exp2(ms - big_r), 1)
+        o = num * gl.expand_dims(gl.convert_layout(f, gl.SliceLayout(1, L2)), 1)
+        optr = (out_ptr + b * stride_ob + (hk * G + gl.expand_dims(rows, 1)) * stride_oh
+                + gl.expand_dims(cols, 0))
+        gl.store(optr, o.to(gl.bfloat16), mask=rmask)
+

@@ -1,0 +1,147 @@
+"""The Triton decode-attention kernel, for both caches: NVFP4 (``FP4=True``) and FP8.
+
+Flash-decoding: program (b, kv head, split) handles the Hq/Hkv query heads that share the KV
+head (GQA: each KV byte is read once for all of them) over 1/NUM_SPLITS of sequence b's
+tokens, with an online softmax; the last split to finish (atomic counter per (b, kv head))
+merges the partial results, so one launch does it all.
+
+Arithmetic: scores = (q . (e2m1 * s_blk)) * (g_tok * sm_scale): the exact bfloat16 products
+e2m1 * s_blk enter the MMA, the per-token scale is applied to the FP32 scores, not to every
+element. For V the per-token scale is folded into the probabilities before their bfloat16
+rounding (p * g_tok), again one multiply per token rather than per element. The FP8 cache is
+computed in FP16 (q converted once; |q| must stay below 65504), because Hopper converts FP8
+to FP16 in one instruction per two values and to BF16 only through FP32; its probabilities
+are scaled by g_tok / max(g_tok over the tile) so that small scales do not fall into FP16
+subnormals.
+
+The FP8 cache is a constexpr branch of the same kernel (its loop shares the split, the online
+softmax and the merge), not a kernel of its own. On CUDA the NVFP4 cache goes to the Gluon kernel
+(fp4rl.kernels.attention.gluon_decode) when it applies; this one is its fallback and the one the
+CPU interpreter runs.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from fp4rl.kernels._common import dot_acc, load_unpacked
+
+
+@triton.jit
+def _decode_attn_kernel(
+    q_ptr, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, len_ptr, start_ptr, out_ptr,
+    part_ptr, ml_ptr, lock_ptr,
+    Hkv, sm_scale_log2,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_ksb, stride_ksh, stride_kst,
+    stride_kgb, stride_kgh, stride_vb, stride_vh, stride_vt, stride_vsb, stride_vsh, stride_vst,
+    stride_vgb, stride_vgh, stride_ob, stride_oh,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BT: tl.constexpr, USE_ASM: tl.constexpr, INTERP: tl.constexpr, HAS_START: tl.constexpr = False,
+):
+    DH: tl.constexpr = D // 2
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // Hkv
+    hk = bh % Hkv
+    length = tl.load(len_ptr + b)
+    if HAS_START:  # tokens [start, length) are valid (a left-padded sequence)
+        start = tl.minimum(tl.load(start_ptr + b), length)
+        chunk = tl.cdiv(tl.cdiv(length - start, NUM_SPLITS), BT) * BT
+        t_lo = start + split * chunk
+    else:
+        chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BT) * BT
+        t_lo = split * chunk
+    t_hi = tl.minimum(length, t_lo + chunk)
+
+    heads = hk * G + tl.arange(0, GP)  # [GP] query heads sharing this KV head
+    hmask = tl.arange(0, GP) < G
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + tl.arange(0, D)[None, :],
+                mask=hmask[:, None], other=0.0)  # [GP, D]
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    kg_base = kg_ptr + b.to(tl.int64) * stride_kgb + hk.to(tl.int64) * stride_kgh
+    vg_base = vg_ptr + b.to(tl.int64) * stride_vgb + hk.to(tl.int64) * stride_vgh
+
+    m_i = tl.full((GP,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GP,), tl.float32)
+    if FP4:
+        q_lo, q_hi = tl.split(tl.reshape(q, (GP, DH, 2)))  # even / odd head dims
+        ks_base = ks_ptr + b.to(tl.int64) * stride_ksb + hk.to(tl.int64) * stride_ksh
+        vs_base = vs_ptr + b.to(tl.int64) * stride_vsb + hk.to(tl.int64) * stride_vsh
+        acc_lo = tl.zeros((GP, DH), tl.float32)
+        acc_hi = tl.zeros((GP, DH), tl.float32)
+    else:
+        q16 = q.to(tl.float16)  # FP8 -> FP16 is one hardware conversion per 2 values; FP8 -> BF16 is not
+        acc = tl.zeros((GP, D), tl.float32)
+
+    for t0 in range(t_lo, t_hi, BT):
+        t = t0 + tl.arange(0, BT)  # [BT]
+        tmask = t < t_hi
+        kg = tl.load(kg_base + t, mask=tmask, other=0.0)  # [BT] per-token scales
+        vg = tl.load(vg_base + t, mask=tmask, other=0.0)
+        if FP4:
+            k_lo, k_hi = load_unpacked(k_base, ks_base, t, tmask, 0, DH, stride_kt, stride_kst,
+                                       BT, DH, USE_ASM)  # [BT, D/2] each
+            s = dot_acc(q_lo, tl.trans(k_lo), tl.zeros((GP, BT), tl.float32), INTERP)
+            s = dot_acc(q_hi, tl.trans(k_hi), s, INTERP)  # [GP, BT]
+        else:
+            kt = tl.load(k_base + t[:, None] * stride_kt + tl.arange(0, D)[None, :], mask=tmask[:, None],
+                         other=0.0).to(tl.float16)  # [BT, D], exact
+            s = dot_acc(q16, tl.trans(kt), tl.zeros((GP, BT), tl.float32), INTERP)
+        s = s * (kg * sm_scale_log2)[None, :]  # log2-domain scores
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [GP, BT]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP4:
+            pv = (p * vg[None, :]).to(tl.bfloat16)
+            v_lo, v_hi = load_unpacked(v_base, vs_base, t, tmask, 0, DH, stride_vt, stride_vst,
+                                       BT, DH, USE_ASM)
+            acc_lo = dot_acc(pv, v_lo, acc_lo * alpha[:, None], INTERP)
+            acc_hi = dot_acc(pv, v_hi, acc_hi * alpha[:, None], INTERP)
+        else:
+            vt = tl.load(v_base + t[:, None] * stride_vt + tl.arange(0, D)[None, :], mask=tmask[:, None],
+                         other=0.0).to(tl.float16)
+            # p * g_tok in FP16 would lose tiny scales to subnormals: divide by the tile's largest g
+            v_max = tl.max(vg, 0)
+            v_max = tl.where(v_max > 0.0, v_max, 1.0)
+            pv = (p * (vg / v_max)[None, :]).to(tl.float16)
+            pv_acc = dot_acc(pv, vt, tl.zeros((GP, D), tl.float32), INTERP)
+            acc = acc * alpha[:, None] + pv_acc * v_max
+        m_i = m_new
+
+    # ---- publish this split, the last one merges: o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
+    r = tl.arange(0, GP)
+    if FP4:
+        acc = tl.reshape(tl.join(acc_lo, acc_hi), (GP, D))  # back to natural head-dim order
+    slot = bh * NUM_SPLITS + split
+    tl.store(part_ptr + slot * (GP * D) + r[:, None] * D + tl.arange(0, D)[None, :], acc,
+             cache_modifier=".cg")
+    tl.store(ml_ptr + slot * (2 * GP) + r, m_i, cache_modifier=".cg")
+    tl.store(ml_ptr + slot * (2 * GP) + GP + r, l_i, cache_modifier=".cg")
+    tl.debug_barrier()
+    done = tl.atomic_add(lock_ptr + bh, 1, sem="acq_rel", scope="gpu")
+    if done == NUM_SPLITS - 1:
+        m_all = tl.full((GP,), float("-inf"), tl.float32)
+        for s_ in range(NUM_SPLITS):
+            m_s = tl.load(ml_ptr + (bh * NUM_SPLITS + s_) * (2 * GP) + r, cache_modifier=".cg")
+            m_all = tl.maximum(m_all, m_s)
+        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+        num = tl.zeros((GP, D), tl.float32)
+        den = tl.zeros((GP,), tl.float32)
+        for s_ in range(NUM_SPLITS):
+            base = (bh * NUM_SPLITS + s_)
+            m_s = tl.load(ml_ptr + base * (2 * GP) + r, cache_modifier=".cg")
+            l_s = tl.load(ml_ptr + base * (2 * GP) + GP + r, cache_modifier=".cg")
+            w = tl.exp2(m_s - m_safe)  # 0 for an empty split
+            o_s = tl.load(part_ptr + base * (GP * D) + r[:, None] * D + tl.arange(0, D)[None, :],
+                          cache_modifier=".cg")
+            num += o_s * w[:, None]
+            den += l_s * w
+        o = num / tl.where(den == 0.0, 1.0, den)[:, None]  # an empty sequence gives 0
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + tl.arange(0, D)[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        tl.atomic_xchg(lock_ptr + bh, 0)
+
