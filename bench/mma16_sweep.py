@@ -1,0 +1,120 @@
+"""Sweep the CUDA mma16 W4A16 kernel (fp4rl/kernels/gemv_mma16.cu) on the GPU against cuBLAS BF16 and the
+Gluon GEMV (gemv32 copy) measured in the same run; timing as fp4rl.benchmarks.gpu_kernels (CUDA-graph
+replay, operands rotated through >= 4x L2, median of 7). Each configuration is checked against the float64
+reference product before it is timed.
+
+  python3 bench/mma16_sweep.py [--shapes 4096x14336,...] [--rows 1,8,16] [--variants auto,d2,d6,nt1,...]
+                               [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fp4rl.benchmarks.gpu_kernels import _env, _nvfp4_weight, _rel, copies_for, copy_bandwidth, time_calls  # noqa: E402,E501
+from fp4rl.kernels import gemm, gemv, gemv_cuda  # noqa: E402
+from fp4rl.nvfp4 import reference  # noqa: E402
+
+
+def variant(name: str, base: dict) -> dict:
+    """auto = gemv_cuda.choose(); dN = DEPTH N; ntN = NT N; sN = SPLIT N (combined with '+');
+    s2x / sh: twice / half the chosen split."""
+    c = dict(base)
+    for part in name.split("+"):
+        if part == "auto":
+            continue
+        key = {"d": "DEPTH", "nt": "NT", "s": "SPLIT"}[part.rstrip("0123456789")]
+        c[key] = int(part[len(part.rstrip("0123456789")):])
+    return c
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="4096x14336,14336x4096,4096x6144,6144x4096,24576x4096,4096x12288")
+    ap.add_argument("--rows", default="1,4,8,16,32,64")
+    ap.add_argument("--variants", default="auto,d2,d3,d6,nt1,nt4,s2x,sh")
+    ap.add_argument("--gluon", action="store_true", help="also time the Gluon GEMV (gemv32) at 1-4 rows")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = {"env": _env(), "copy": copy_bandwidth(), "rows": []}
+    bw = out["copy"]["tb_s"]
+    print("copy", out["copy"], flush=True)
+    t_start = time.time()
+    for shp in a.shapes.split(","):
+        n, k = map(int, shp.split("x"))
+        w_bf16, wq = _nvfp4_weight(n, k)
+        w_ref = reference.dequantize(wq).double()
+        g = wq.global_scale.float().reshape(-1)
+        wc0 = gemv_cuda.relayout(wq.data, wq.block_scale)
+        nf = copies_for(wc0.wt.nbytes + wc0.st.nbytes)
+        wcs = [wc0] + [gemv_cuda.Mma16Weight(wt=wc0.wt.clone(), st=wc0.st.clone(), n=n, k=k)
+                       for _ in range(nf - 1)]
+        wbs = [w_bf16] + [w_bf16.clone() for _ in range(copies_for(w_bf16.nbytes) - 1)]
+        floor_bytes = wq.data.nbytes + wq.block_scale.nbytes
+        for m in map(int, a.rows.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.double() @ w_ref.T
+            bf = time_calls([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbs])
+            floor_us = (floor_bytes + x.nbytes + 2 * m * n) / bw / 1e6
+            base = gemv_cuda.choose(n, k, m, sms)
+            seen = []
+            for name in a.variants.split(","):
+                if name == "s2x":
+                    c = dict(base, SPLIT=min(8, base["SPLIT"] * 2))
+                elif name == "sh":
+                    c = dict(base, SPLIT=max(1, base["SPLIT"] // 2))
+                else:
+                    c = variant(name, base)
+                if c in seen or (k // 128) < c["SPLIT"]:
+                    continue
+                seen.append(c)
+                y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+                try:
+                    err = _rel(gemv_cuda.launch(x, wc0, g, y, cfg=c), ref)
+                    us = time_calls([lambda w=w, c=c, x=x, y=y, g=g: gemv_cuda.launch(x, w, g, y, cfg=c)
+                                     for w in wcs])
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{n}x{k} m{m} {name} {c} FAILED {repr(exc)[:400]}", flush=True)
+                    continue
+                row = dict(kernel="mma16", variant=name, n=n, k=k, rows=m, cfg=c, us=us, bf16_us=bf,
+                           speedup=bf / us, floor_us=floor_us, rel_err=err)
+                out["rows"].append(row)
+                print(f"{n}x{k} m{m:3d} {us:7.1f} us  bf16 {bf:6.1f}  x{bf / us:4.2f}  "
+                      f"floor {floor_us:5.1f}  err {err:.1e}  {name} {c}", flush=True)
+            if a.gluon and m <= gemv.MAX_ROWS and gemv.available():
+                from types import SimpleNamespace
+
+                cg = dict(KIND="gemv_mma", LAYOUT=1, **gemv.configs_mma(n, k // 2, sms, m)[0])
+                wsws = [SimpleNamespace(data=wq.data, block_scale=wq.block_scale.clone(),
+                                        global_scale=wq.global_scale, gemv32=gemv.swizzle(wq.data))
+                        for _ in range(copies_for(wq.data.nbytes + wq.block_scale.nbytes))]
+                try:
+                    err = _rel(gemm.gemm(x, wsws[0], config=cg), ref)
+                    us = time_calls([lambda x=x, w=w, c=cg: gemm.gemm(x, w, config=c) for w in wsws])
+                    print(f"{n}x{k} m{m:3d} {us:7.1f} us  bf16 {bf:6.1f}  x{bf / us:4.2f}  err {err:.1e}  "
+                          f"gluon gemv32 {cg}", flush=True)
+                    out["rows"].append(dict(kernel="gluon_gemv32", n=n, k=k, rows=m, us=us, bf16_us=bf,
+                                            speedup=bf / us, rel_err=err, cfg=cg))
+                except Exception as exc:  # noqa: BLE001
+                    print("gluon FAILED", repr(exc)[:300], flush=True)
+                del wsws
+            del x
+        del wcs, wbs
+        torch.cuda.empty_cache()
+        print(f"[{time.time() - t_start:.0f} s]", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

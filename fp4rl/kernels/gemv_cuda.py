@@ -1,0 +1,241 @@
+"""W4A16 skinny GEMM for 1-64 rows on Hopper in CUDA C++ (gemv_mma16.cu), compiled by NVRTC at run time.
+
+The kernel streams a re-laid-out copy of the packed weight (``Mma16Weight``, made once per weight
+version by ``relayout``: the same bytes per code, plus bf16 block scales) and puts x in the A operand
+of mma.sync.m16n8k16, so every row of x up to 16 (per m tile) rides on the same MMA: the cost per
+weight byte does not grow with the rows. Split-K partials are reduced inside a thread-block cluster
+through distributed shared memory, in a fixed order. The .cu file says how (layout, fragments).
+
+Arithmetic: the bf16 operands (e2m1 * block_scale, exact) times x in the tensor core with FP32
+accumulation, the FP32 global scale once on the sum, one bfloat16 rounding: the same products as
+fp4rl.kernels.gemm / gemv (within FP32 summation order).
+
+CUDA only (NVRTC through torch.cuda._compile_kernel); ``available()`` says whether it can run here.
+``relayout`` / ``unrelayout`` / ``emulate`` are plain torch and run anywhere (tests check the layout,
+the bit unpack and the fragment mapping on CPU with ``emulate``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fp4rl.kernels.gemv import _MOVES, _permute_words
+
+_SOURCE = Path(__file__).with_name("gemv_mma16.cu")
+WARPS = 8
+STAGE_BYTES = 640  # one n-tile and 128-k step: 512 B of weight words, 128 B of bf16 scales
+STATE = {"ok": None, "error": None}  # None: not tried yet on this process
+MAX_ROWS = 64  # MT up to 4 m16 tiles
+SMEM_LIMIT = 110 * 1024  # two CTAs per SM on an H100/H200 (227 KB)
+_TWO_POW_118 = 2.0 ** 118
+
+
+def available(device=None) -> bool:
+    """True where the kernel can run: a CUDA device of compute capability 9.x and NVRTC through torch."""
+    if STATE["ok"] is False:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
+        return False
+    return hasattr(torch.cuda, "_compile_kernel")
+
+
+def disable(exc: Exception) -> None:
+    STATE["ok"], STATE["error"] = False, repr(exc)[:300]
+    warnings.warn(f"CUDA mma16 W4A16 kernel disabled ({STATE['error']}); using the Triton/Gluon kernels",
+                  stacklevel=3)
+
+
+# ----------------------------------------------------------------------------- the weight copy
+@dataclass
+class Mma16Weight:
+    """The mma16 copy of one packed NVFP4 weight [N, K/2] (N % 8 == 0, K % 128 == 0)."""
+
+    wt: torch.Tensor  # int32 [N/8, K/128, 32, 4]
+    st: torch.Tensor  # bfloat16 [N/8, K/128, 8, 8]: block_scale * 2^118
+    n: int
+    k: int
+
+
+def supports(n: int, k: int) -> bool:
+    return n % 8 == 0 and k % 128 == 0 and n > 0 and k > 0
+
+
+def _codes(data: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> int64 codes [N, K] (element 2i in the low nibble)."""
+    d = data.to(torch.int64)
+    return torch.stack((d & 15, d >> 4), dim=-1).reshape(data.shape[0], -1)
+
+
+def _kk_index(device) -> torch.Tensor:
+    """[4 lanes t, 4]: k within a 16-block held by lane t in (b0, b1): 2t, 2t+1, 2t+8, 2t+9."""
+    t = torch.arange(4, device=device)[:, None] * 2
+    return t + torch.tensor([0, 1, 8, 9], device=device)
+
+
+def relayout(data: torch.Tensor, block_scale: torch.Tensor) -> Mma16Weight:
+    """Packed NVFP4 data uint8 [N, K/2] and E4M3 block scales [N, K/16] -> the kernel's copy.
+    Plain torch (runs on the weights' device; a one-time cost per weight version)."""
+    if data.dtype != torch.uint8 or data.ndim != 2:
+        raise ValueError(f"packed NVFP4 data must be uint8 [N, K/2], got {data.dtype} {tuple(data.shape)}")
+    n, k = data.shape[0], 2 * data.shape[1]
+    if not supports(n, k):
+        raise ValueError(f"the mma16 layout needs N % 8 == 0 and K % 128 == 0, got N={n}, K={k}")
+    if tuple(block_scale.shape) != (n, k // 16):
+        raise ValueError(f"block_scale must be [N, K/16] = [{n}, {k // 16}], got {tuple(block_scale.shape)}")
+    s = k // 128
+    c = _codes(data).reshape(n // 8, 8, s, 4, 2, 16)  # [tile, g, step, q, h, kk]
+    c = c[..., _kk_index(data.device)]  # [tile, g, step, q, h, t, 4]
+    c = c.permute(0, 2, 1, 5, 3, 4, 6).reshape(-1, 8)  # [tile, step, g, t, q] x (h, j)
+    packed = (c[:, 0::2] | (c[:, 1::2] << 4)).to(torch.uint8)  # 4 bytes per word, element 2i low nibble
+    wt = _permute_words(packed.reshape(-1, 4), _MOVES).view(torch.int32).reshape(n // 8, s, 32, 4)
+    sc = block_scale.view(torch.uint8) if block_scale.dtype != torch.uint8 else block_scale
+    sf = sc.view(torch.float8_e4m3fn).float() * _TWO_POW_118
+    st = sf.to(torch.bfloat16).reshape(n // 8, 8, s, 8).permute(0, 2, 1, 3).contiguous()
+    return Mma16Weight(wt=wt.contiguous(), st=st, n=n, k=k)
+
+
+def _unpack_pairs(w: torch.Tensor) -> list[torch.Tensor]:
+    """The kernel's unpack (gemv_mma16.cu `unpack`) on int64 words: four uint32 bf16 pairs."""
+    w = w & 0xFFFFFFFF
+    m = 0x81C081C0
+    p0 = w & m
+    p1 = (w << 3) & m
+    p2 = (w << 6) & m
+    p3 = ((w >> 4) & 0x00C000C0) | ((w << 1) & 0x80008000) | ((w >> 5) & 0x01000100)
+    return [p & 0xFFFFFFFF for p in (p0, p1, p2, p3)]
+
+
+def _bf16_bits_to_float(b: torch.Tensor) -> torch.Tensor:
+    return (b.to(torch.int32) << 16).view(torch.float32)
+
+
+def emulate_weight(wc: Mma16Weight) -> torch.Tensor:
+    """Float64 [N, K] of e2m1 * block_scale * 2^-8 as the kernel's lanes see it: each word unpacked by
+    the kernel's bit operations, times its bf16 scale, placed where the MMA's B fragment puts it."""
+    n, k, s = wc.n, wc.k, wc.k // 128
+    words = wc.wt.reshape(n // 8, s, 8, 4, 4).to(torch.int64)  # [tile, step, g, t, q]
+    pairs = _unpack_pairs(words)  # 4 x [tile, step, g, t, q]
+    scales = _bf16_bits_to_float(wc.st.view(torch.int16).to(torch.int32) & 0xFFFF).double()
+    scales = scales.reshape(n // 8, s, 8, 4, 2)  # [tile, step, g, q, h]
+    out = torch.zeros(n // 8, 8, s, 4, 2, 16, dtype=torch.float64, device=wc.wt.device)  # [.., q, h, kk]
+    t = torch.arange(4, device=wc.wt.device)
+    for j, p in enumerate(pairs):  # pair j: block h = j // 2, register b0 (j even) or b1 (odd)
+        h, reg = j // 2, j % 2
+        lo = _bf16_bits_to_float(p & 0xFFFF).double()
+        hi = _bf16_bits_to_float(p >> 16).double()
+        sc = scales[..., h][:, :, :, None, :]  # [tile, step, g, 1, q]
+        kk = 2 * t + 8 * reg  # [t]
+        for val, off in ((lo, 0), (hi, 1)):
+            v = (val * sc).permute(0, 2, 1, 4, 3)  # [tile, g, step, q, t]
+            out[:, :, :, :, h, :].index_copy_(-1, kk + off, v.contiguous())
+    return out.reshape(n, k)
+
+
+def unrelayout(wc: Mma16Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mma16 copy -> (standard packed data uint8 [N, K/2], E4M3 block scales uint8 [N, K/16])."""
+    n, k, s = wc.n, wc.k, wc.k // 128
+    inv = [(d, src) for src, d in _MOVES]
+    packed = _permute_words(wc.wt.view(torch.uint8).reshape(-1, 4), inv).to(torch.int64).reshape(-1, 4)
+    c = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(n // 8, s, 8, 4, 4, 2, 4)  # t,g,s..
+    # [tile, step, g, t, q, h, j] -> [tile, g, step, q, h, t, j]
+    c = c.permute(0, 2, 1, 4, 5, 3, 6)
+    codes = torch.zeros(n // 8, 8, s, 4, 2, 16, dtype=torch.int64, device=wc.wt.device)
+    codes[..., _kk_index(wc.wt.device).reshape(-1)] = c.reshape(n // 8, 8, s, 4, 2, 16)
+    codes = codes.reshape(n, k)
+    data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    sf = wc.st.permute(0, 2, 1, 3).reshape(n, k // 16).float() / _TWO_POW_118
+    return data, sf.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+# ----------------------------------------------------------------------------- configuration
+def choose(n: int, k: int, m: int, sms: int) -> dict:
+    """(NT, MT, SPLIT, DEPTH) for an N x K weight and m rows. Up to 16 rows the choice depends on N and
+    K only, so a row's result does not depend on how many rows (<= 16) come with it."""
+    if m > MAX_ROWS:
+        raise ValueError(f"the mma16 kernel takes 1-{MAX_ROWS} rows, got {m}")
+    nt = 2
+    mt = 1 if m <= 16 else 2 if m <= 32 else 4
+    nblocks = -(-n // (WARPS * nt * 8))
+    steps = k // 128
+    split = 1  # up to 2 CTAs per SM in one wave, >= 2 steps per split
+    while split < 8 and nblocks * split * 2 <= 2 * sms and steps // (split * 2) >= 2:
+        split *= 2
+    depth = 4 if mt == 1 else 3 if mt == 2 else 2
+    while smem_bytes(dict(NT=nt, MT=mt, SPLIT=split, DEPTH=depth), k) > SMEM_LIMIT and split < 8 \
+            and steps // (split * 2) >= 1:
+        split *= 2
+    return dict(NT=nt, MT=mt, SPLIT=split, DEPTH=depth)
+
+
+def smem_bytes(cfg: dict, k: int) -> int:
+    """Dynamic shared memory: x's K slice (16 MT rows, 16 B pad per row) and one cp.async ring per warp
+    (DEPTH stages x NT n-tiles x 640 B), or the split-K partials if larger."""
+    steps = k // 128
+    per = -(-steps // cfg["SPLIT"])
+    xrows = 16 * cfg["MT"]
+    xb = (xrows * (per * 128 + 8) * 2 + 127) // 128 * 128
+    ring = WARPS * cfg["DEPTH"] * cfg["NT"] * STAGE_BYTES
+    pb = xrows * WARPS * cfg["NT"] * 8 * 4 if cfg["SPLIT"] > 1 else 0
+    return max(xb + ring, pb)
+
+
+def source(cfg: dict, wg_row: bool) -> str:
+    defs = {**cfg, "WG_ROW": int(wg_row)}
+    head = "".join(f"#define {key} {val}\n" for key, val in defs.items())
+    cluster = f"__cluster_dims__(1, {cfg['SPLIT']}, 1)" if cfg["SPLIT"] > 1 else ""
+    return head + f"#define CLUSTER {cluster}\n" + _SOURCE.read_text()
+
+
+@functools.cache
+def _kernel(key: tuple):
+    cfg = dict(key[:-1])
+    src = source(cfg, key[-1])
+    kern = torch.cuda._compile_kernel(src, "w4a16_mma16", nvcc_options=["-std=c++17"])
+    return kern
+
+
+def _set_smem(kern, nbytes: int) -> None:
+    if nbytes < 48 * 1024:
+        return
+    if hasattr(kern, "set_shared_memory_config"):
+        kern.set_shared_memory_config(nbytes)
+        return
+    lib = torch.cuda._utils._get_gpu_runtime_library()  # libcuda: cuFuncSetAttribute directly
+    rc = lib.cuFuncSetAttribute(kern.func, 8, ctypes.c_int(nbytes))  # MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if rc != 0:
+        raise RuntimeError(f"cuFuncSetAttribute(max dynamic shared memory = {nbytes}) failed: {rc}")
+
+
+def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: torch.Tensor,
+           cfg: dict | None = None) -> torch.Tensor:
+    """y [M, N] bfloat16 = x2 [M, K] bfloat16 @ DQ(W).T with W's mma16 copy; global_scale fp32 [1]
+    or [N]."""
+    m, k = x2.shape
+    if k != wc.k:
+        raise ValueError(f"x has K={k}, the weight {wc.k}")
+    if x2.dtype != torch.bfloat16 or y.dtype != torch.bfloat16:
+        raise TypeError("the mma16 kernel takes bfloat16 x and y")
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    g = global_scale.float().reshape(-1).contiguous()
+    if g.numel() not in (1, wc.n):
+        raise ValueError(f"global_scale must have 1 or N={wc.n} values, got {g.numel()}")
+    dev = x2.device
+    cfg = cfg or choose(wc.n, wc.k, m, torch.cuda.get_device_properties(dev).multi_processor_count)
+    kern = _kernel(tuple(sorted(cfg.items())) + (g.numel() > 1,))
+    smem = smem_bytes(cfg, wc.k)
+    _set_smem(kern, smem)
+    nb = -(-wc.n // (WARPS * cfg["NT"] * 8))
+    kern(grid=(nb, cfg["SPLIT"], 1), block=(WARPS * 32, 1, 1),
+         args=[x2, wc.wt, wc.st, g, y, m, wc.n, wc.k, x2.stride(0), y.stride(0)], shared_mem=smem)
+    STATE["ok"] = True
+    return y

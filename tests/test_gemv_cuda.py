@@ -1,0 +1,136 @@
+"""The CUDA mma16 W4A16 kernel (fp4rl/kernels/gemv_mma16.cu): its weight copy on any device, the kernel on
+a Hopper GPU.
+
+On CPU: the copy round-trips to the standard bytes, and `emulate_weight` (the kernel's bit unpack and
+fragment placement, in torch) reproduces the reference dequantized weight exactly, so a layout, bit
+or fragment-mapping error is caught without a GPU. On the GPU (-m gpu): the kernel against the
+float64 reference product over odd shapes, 1-64 rows, per-tensor and per-row global scales, every
+split-K and depth it may choose, determinism and batch invariance."""
+
+import pytest
+import torch
+
+from fp4rl.kernels import gemv_cuda
+from fp4rl.nvfp4 import reference
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+
+
+def _exact(w):
+    """e2m1 * block_scale in float64 from the standard bytes (no global scale)."""
+    d = w.data.cpu().to(torch.int64)
+    codes = torch.stack((d & 15, d >> 4), dim=-1).reshape(d.shape[0], -1)
+    v = E2M1[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    s = w.block_scale.cpu().view(torch.float8_e4m3fn).double().repeat_interleave(16, dim=1)
+    return v * s
+
+
+def _weight(n, k, seed=0, device="cpu", **kw):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[: n // 4, :16] *= 1e-4  # tiny blocks: subnormal E4M3 scales
+    w[1, 32:48] = 0.0  # an all-zero block: scale 0
+    return reference.quantize(w.to(device), **kw)
+
+
+@pytest.mark.parametrize("n,k,kw", [(8, 128, {}), (40, 384, {"scale_rule": "4/6"}),
+                                    (136, 256, {"scale_scope": "row"})])
+def test_relayout_round_trip_and_emulation(n, k, kw):
+    w = _weight(n, k, **kw)
+    wc = gemv_cuda.relayout(w.data, w.block_scale)
+    assert wc.wt.shape == (n // 8, k // 128, 32, 4) and wc.wt.dtype == torch.int32
+    assert wc.st.shape == (n // 8, k // 128, 8, 8) and wc.st.dtype == torch.bfloat16
+    assert wc.wt.numel() * 4 == w.data.numel()  # same bytes per code
+    data, scale = gemv_cuda.unrelayout(wc)
+    assert torch.equal(data, w.data)
+    assert torch.equal(scale, w.block_scale.view(torch.uint8))
+    exact = _exact(w)
+    ref = reference.dequantize(w, torch.float64)  # the reference rounds (e2m1 s) g in float32
+    assert torch.allclose(exact * w.global_scale.double().reshape(-1, 1), ref, rtol=1e-6, atol=0)
+    assert torch.equal(gemv_cuda.emulate_weight(wc) * 256.0, exact)
+
+
+def test_emulation_catches_a_wrong_layout():
+    w = _weight(16, 256)
+    wc = gemv_cuda.relayout(w.data, w.block_scale)
+    exact = _exact(w)
+    assert torch.equal(gemv_cuda.emulate_weight(wc) * 256.0, exact)
+    swapped = gemv_cuda.Mma16Weight(wt=wc.wt.roll(1, dims=2), st=wc.st, n=wc.n, k=wc.k)  # lanes shifted
+    assert not torch.equal(gemv_cuda.emulate_weight(swapped) * 256.0, exact)
+
+
+def test_relayout_rejects_bad_shapes():
+    w = _weight(12, 128)
+    with pytest.raises(ValueError, match="N % 8 == 0 and K % 128 == 0"):
+        gemv_cuda.relayout(w.data, w.block_scale)
+    w = _weight(16, 96)
+    with pytest.raises(ValueError, match="K % 128"):
+        gemv_cuda.relayout(w.data, w.block_scale)
+    w = _weight(16, 128)
+    with pytest.raises(ValueError, match="block_scale must be"):
+        gemv_cuda.relayout(w.data, w.block_scale[:, :4])
+
+
+def test_choose_is_row_invariant_up_to_16_and_fits_shared_memory():
+    for n, k in ((4096, 14336), (14336, 4096), (6144, 4096), (24576, 4096), (2048, 768), (8, 128)):
+        cfgs = [gemv_cuda.choose(n, k, m, 132) for m in range(1, 17)]
+        assert all(c == cfgs[0] for c in cfgs)
+        for m in (1, 17, 33, 64):
+            c = gemv_cuda.choose(n, k, m, 132)
+            assert gemv_cuda.smem_bytes(c, k) <= gemv_cuda.SMEM_LIMIT or c["SPLIT"] == 8
+            assert (k // 128) >= c["SPLIT"]
+    with pytest.raises(ValueError, match="1-64 rows"):
+        gemv_cuda.choose(4096, 4096, 65, 132)
+
+
+def test_available_is_false_without_hopper():
+    if not torch.cuda.is_available():
+        assert not gemv_cuda.available()
+
+
+# ----------------------------------------------------------------------------- GPU
+def _rel(y, ref):
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,kw", [(8, 128, {}), (136, 384, {"scale_scope": "row"}), (1000, 1280, {}),
+                                    (4096, 4096, {"scale_rule": "4/6"}), (768, 14336, {})])
+def test_gpu_kernel_matches_reference(n, k, kw):
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    w = _weight(n, k, device="cuda", **kw)
+    wc = gemv_cuda.relayout(w.data, w.block_scale)
+    wd = reference.dequantize(w, torch.float64)
+    g = w.global_scale.float().reshape(-1)
+    base = torch.randn(64, k, generator=torch.Generator().manual_seed(3)).bfloat16().cuda()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ys = {}
+    for m in (1, 2, 5, 8, 9, 16, 17, 32, 40, 64):
+        x = base[:m]
+        ref = x.double() @ wd.T
+        y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        gemv_cuda.launch(x, wc, g, y)
+        assert _rel(y, ref) < 4e-3, (m, _rel(y, ref))
+        y2 = torch.empty_like(y)
+        gemv_cuda.launch(x, wc, g, y2)
+        assert torch.equal(y, y2)  # deterministic
+        ys[m] = y
+        for depth in (2, 3, 6):  # other pipeline depths and splits give the same products
+            cfg = dict(gemv_cuda.choose(n, k, m, sms), DEPTH=depth)
+            gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
+            assert _rel(y2, ref) < 4e-3
+        for split in (1, 2, 4, 8):
+            if (k // 128) >= split:
+                cfg = dict(gemv_cuda.choose(n, k, m, sms), SPLIT=split)
+                if gemv_cuda.smem_bytes(cfg, k) <= 200 * 1024:
+                    gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
+                    assert _rel(y2, ref) < 4e-3, (m, split)
+    for m in (2, 5, 8, 9, 16):  # rows up to 16 share a configuration: row 0 is bit-identical
+        assert torch.equal(ys[m][0], ys[1][0])
+    # a strided x (a view with a padded row stride) is read through its stride
+    xs = torch.zeros(3, k + 64, dtype=torch.bfloat16, device="cuda")[:, :k]
+    xs.copy_(base[:3])
+    y = torch.empty(3, n, dtype=torch.bfloat16, device="cuda")
+    gemv_cuda.launch(xs, wc, g, y)
+    assert torch.equal(y, ys[5][:3]) or _rel(y, base[:3].double() @ wd.T) < 4e-3
