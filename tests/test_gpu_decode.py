@@ -249,3 +249,64 @@ def test_gpu_gemv32_copy_follows_the_weights():
             owner = lin if lin.group is None else lin.group
             assert owner._gemv32 is not None and owner._gemv32.key is not None  # the copy was used
             lin.weight_data.copy_(lin.weight_data.flip(0))  # a weight sync writes in place
+
+
+@pytest.mark.parametrize("config,contract,kv", [(DENSE, "nvfp4-linear", "bf16"), (MOE, "bf16", "nvfp4")])
+def test_fused_step_computes_the_module_step(config, contract, kv):
+    """The fused decode step (fp4rl.kernels.fused; W4A4 Q(x) made by the norm and SiLU kernels) against
+    the same engine stepping through its modules: same logits up to the norms' one-ulp differences."""
+    s = Sampler(tiny(config, contract), kv_cache=kv, device=DEV, dtype=torch.bfloat16, eos_token_ids=[],
+                kernels=True)
+    eng = s.engine
+    assert eng.fused and all(p.qkv is not None for p in eng.plans)
+    assert all((p.gate_up is not None) == (config is DENSE) for p in eng.plans)  # MoE MLPs: modules
+    if contract == "nvfp4-linear":
+        assert all(p.in_quant and p.post_quant and p.down.quant for p in eng.plans)
+    forced = torch.randint(0, V, (len(PROMPTS), 2), generator=torch.Generator().manual_seed(4))
+    a = teacher_forced_logits(s, forced)
+    assert not eng.set_fused(False)
+    b = teacher_forced_logits(s, forced)
+    err = ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item()
+    print(f"fused vs module step: max relative logit difference {err:.2e}")
+    assert err < 1e-2, err
+
+
+def test_fused_step_falls_back_per_layer():
+    """A layer whose q/k/v are not one fused group (here: unfused linears) runs its attention modules; the
+    norms and the MLP stay fused, and the step still computes the module step."""
+    s = Sampler(tiny(DENSE, "bf16"), device=DEV, dtype=torch.bfloat16, eos_token_ids=[], kernels=True,
+                fuse=False)
+    eng = s.engine
+    assert eng.fused and all(p.qkv is None and p.gate_up is None for p in eng.plans)
+    forced = torch.randint(0, V, (len(PROMPTS), 2), generator=torch.Generator().manual_seed(5))
+    a = teacher_forced_logits(s, forced)
+    eng.set_fused(False)
+    b = teacher_forced_logits(s, forced)
+    assert ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config,contract,kv", [
+    (DENSE, "nvfp4-w4a16", "bf16"), (DENSE, "nvfp4-linear", "bf16"), (MOE, "nvfp4-experts", "fp8")])
+def test_gpu_fused_step_under_graphs(config, contract, kv):
+    """On the GPU (graph replays) the fused step decodes what the module step decodes. The norms' sums add
+    in another order than torch's (one-ulp differences); with no quantizer after them the greedy tokens
+    are the same, ahead of a W4A4 / FP8 quantizer an ulp can flip a code (a few % of a logit)."""
+    model = tiny(config, contract)
+    s = Sampler(model, kv_cache=kv, device=DEV, eos_token_ids=[])
+    assert s.engine.fused
+    forced = torch.randint(0, V, (len(PROMPTS), 3), generator=torch.Generator().manual_seed(6))
+    fa = teacher_forced_logits(s, forced)
+    s.engine.set_fused(False)
+    fb = teacher_forced_logits(s, forced)
+    err = ((fa - fb).norm(dim=-1) / fb.norm(dim=-1)).max().item()
+    print(f"{contract} kv {kv}: fused vs module step, max relative logit difference {err:.2e}")
+    assert err < (1e-2 if contract == "nvfp4-w4a16" else 1e-1), err
+    params = SamplingParams(n=2, greedy=True, max_new_tokens=8)
+    s.engine.set_fused(True)
+    a = s.generate(PROMPTS, params)
+    assert s.engine.graph_error is None and s.engine.counts["replays"] > 0
+    if contract == "nvfp4-w4a16":
+        s.engine.set_fused(False)
+        b = s.generate(PROMPTS, params)
+        assert [x.completion_ids for x in a] == [y.completion_ids for y in b]
