@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from fp4rl.kernels._common import e2m1_value
-from fp4rl.kernels.quantize.arith import FLT_MAX, ONE_SIXTH, _e4m3_bits, _e4m3_round, _round_e2m1
+from fp4rl.kernels.quantize.arith import FLT_MAX, ONE_SIXTH, _e4m3_bits, _e4m3_round, _round_e2m1, _sum16_2d
 
 
 @triton.jit
@@ -36,39 +36,10 @@ def _halves(t, R: tl.constexpr, NB: tl.constexpr, W: tl.constexpr):
 
 @triton.jit
 def _sum16(e, R: tl.constexpr, NB: tl.constexpr):
-    """[R, NB, 16] -> [R, NB]: e[..., 0] + e[..., 1] + ... + e[..., 15], strictly left to right."""
-    e0, e1 = _halves(e, R, NB, 16)  # 0 2 4 .. 14 | 1 3 .. 15
-    e00, e01 = _halves(e0, R, NB, 8)  # 0 4 8 12 | 2 6 10 14
-    e10, e11 = _halves(e1, R, NB, 8)  # 1 5 9 13 | 3 7 11 15
-    a0, a4 = _halves(e00, R, NB, 4)  # 0 8 | 4 12
-    a2, a6 = _halves(e01, R, NB, 4)  # 2 10 | 6 14
-    a1, a5 = _halves(e10, R, NB, 4)  # 1 9 | 5 13
-    a3, a7 = _halves(e11, R, NB, 4)  # 3 11 | 7 15
-    c0, c8 = tl.split(a0)
-    c4, c12 = tl.split(a4)
-    c2, c10 = tl.split(a2)
-    c6, c14 = tl.split(a6)
-    c1, c9 = tl.split(a1)
-    c5, c13 = tl.split(a5)
-    c3, c11 = tl.split(a3)
-    c7, c15 = tl.split(a7)
-    t = c0 + c1
-    t = t + c2
-    t = t + c3
-    t = t + c4
-    t = t + c5
-    t = t + c6
-    t = t + c7
-    t = t + c8
-    t = t + c9
-    t = t + c10
-    t = t + c11
-    t = t + c12
-    t = t + c13
-    t = t + c14
-    t = t + c15
-    return t
-
+    """[R, NB, 16] -> [R, NB]: e[..., 0] + e[..., 1] + ... + e[..., 15], strictly left to right.
+    The blocks' [N, 16] sum on the flattened tile: the same 15 FP32 adds in the same order, so the
+    same bits (the reshapes move data, no arithmetic)."""
+    return tl.reshape(_sum16_2d(tl.reshape(e, (R * NB, 16)), R * NB), (R, NB))
 
 
 @triton.jit
