@@ -1,7 +1,9 @@
 """Triton kernels for NVFP4 on GPUs without FP4 tensor cores (Hopper): the speed comes from bytes.
 
-quantize.py   quantize_2d: NVFP4 quantization, byte-identical to fp4rl.nvfp4.reference.
+quantize/     quantize_2d: NVFP4 quantization, byte-identical to fp4rl.nvfp4.reference
+              (arith, amax, tiles, blocks, gluon_blocks: one kernel family per module).
 gemm.py       linear / grouped_linear (W4A16), linear_w4a4 (W4A4 emulation), gemm, dequantize.
-attention.py  decode attention over an NVFP4 or FP8 KV cache (GQA, variable lengths).
+attention/    decode attention over an NVFP4 or FP8 KV cache (GQA, variable lengths)
+              (triton_decode, gluon_decode + gluon_ptx, cache_formats).
 _common.py    E2M1 unpacking (PTX byte-table lookup on the GPU) and E4M3 decoding.
 """
