@@ -26,12 +26,12 @@ from fp4rl.nvfp4 import reference  # noqa: E402
 
 def variant(name: str, base: dict) -> dict:
     """auto = gemv_cuda.choose(); dN = DEPTH N; ntN = NT N; sN = SPLIT N (combined with '+');
-    s2x / sh: twice / half the chosen split."""
+    tN = TIMING N (timing-only variants, see the .cu); s2x / sh: twice / half the chosen split."""
     c = dict(base)
     for part in name.split("+"):
         if part == "auto":
             continue
-        key = {"d": "DEPTH", "nt": "NT", "s": "SPLIT"}[part.rstrip("0123456789")]
+        key = {"d": "DEPTH", "nt": "NT", "s": "SPLIT", "t": "TIMING"}[part.rstrip("0123456789")]
         c[key] = int(part[len(part.rstrip("0123456789")):])
     return c
 

@@ -76,6 +76,9 @@ def test_choose_is_row_invariant_up_to_16_and_fits_shared_memory():
         cfgs = [gemv_cuda.choose(n, k, m, 132) for m in range(1, 17)]
         assert all(c == cfgs[0] for c in cfgs)
         for m in (1, 17, 33, 64):
+            if not gemv_cuda.fits(n, k, m):
+                assert m > 16 and k > 4096  # 64 rows of a long K slice: the dispatcher takes another kernel
+                continue
             c = gemv_cuda.choose(n, k, m, 132)
             assert gemv_cuda.smem_bytes(c, k) <= gemv_cuda.SMEM_LIMIT or c["SPLIT"] == 8
             assert (k // 128) >= c["SPLIT"]
@@ -107,6 +110,8 @@ def test_gpu_kernel_matches_reference(n, k, kw):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ys = {}
     for m in (1, 2, 5, 8, 9, 16, 17, 32, 40, 64):
+        if not gemv_cuda.fits(n, k, m, sms):
+            continue
         x = base[:m]
         ref = x.double() @ wd.T
         y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
@@ -118,12 +123,13 @@ def test_gpu_kernel_matches_reference(n, k, kw):
         ys[m] = y
         for depth in (2, 3, 6):  # other pipeline depths and splits give the same products
             cfg = dict(gemv_cuda.choose(n, k, m, sms), DEPTH=depth)
-            gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
-            assert _rel(y2, ref) < 4e-3
+            if gemv_cuda.smem_bytes(cfg, k) <= gemv_cuda.SMEM_MAX:
+                gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
+                assert _rel(y2, ref) < 4e-3
         for split in (1, 2, 4, 8):
             if (k // 128) >= split:
                 cfg = dict(gemv_cuda.choose(n, k, m, sms), SPLIT=split)
-                if gemv_cuda.smem_bytes(cfg, k) <= 200 * 1024:
+                if gemv_cuda.smem_bytes(cfg, k) <= gemv_cuda.SMEM_MAX:
                     gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
                     assert _rel(y2, ref) < 4e-3, (m, split)
     for m in (2, 5, 8, 9, 16):  # rows up to 16 share a configuration: row 0 is bit-identical

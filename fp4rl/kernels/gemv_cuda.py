@@ -33,6 +33,7 @@ STAGE_BYTES = 640  # one n-tile and 128-k step: 512 B of weight words, 128 B of 
 STATE = {"ok": None, "error": None}  # None: not tried yet on this process
 MAX_ROWS = 64  # MT up to 4 m16 tiles
 SMEM_LIMIT = 110 * 1024  # two CTAs per SM on an H100/H200 (227 KB)
+SMEM_MAX = 227 * 1024  # one CTA
 _TWO_POW_118 = 2.0 ** 118
 
 
@@ -173,7 +174,22 @@ def choose(n: int, k: int, m: int, sms: int) -> dict:
     while smem_bytes(dict(NT=nt, MT=mt, SPLIT=split, DEPTH=depth), k) > SMEM_LIMIT and split < 8 \
             and steps // (split * 2) >= 1:
         split *= 2
-    return dict(NT=nt, MT=mt, SPLIT=split, DEPTH=depth)
+    cfg = dict(NT=nt, MT=mt, SPLIT=split, DEPTH=depth)
+    if smem_bytes(cfg, k) > SMEM_MAX:
+        raise ValueError(f"{m} rows of K={k} do not fit the mma16 kernel's shared memory "
+                         f"({smem_bytes(cfg, k)} B)")
+    return cfg
+
+
+def fits(n: int, k: int, m: int, sms: int = 132) -> bool:
+    """Whether the kernel takes an N x K weight with m rows (shape and shared memory)."""
+    if not supports(n, k) or not 1 <= m <= MAX_ROWS:
+        return False
+    try:
+        choose(n, k, m, sms)
+    except ValueError:
+        return False
+    return True
 
 
 def smem_bytes(cfg: dict, k: int) -> int:

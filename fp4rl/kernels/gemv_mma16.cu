@@ -33,6 +33,9 @@ typedef unsigned short u16;
 typedef unsigned long long u64;
 
 #define WARPS 8
+#ifndef TIMING
+#define TIMING 0  // timing-only variants (wrong results): 1 no x staging, 2 no unpack/MMA, 4 no split-K reduction
+#endif
 #define NB (WARPS * NT * 8)
 #define XROWS (16 * MT)
 #define STAGE_BYTES 640  // one n-tile and step: 512 B of weight words + 128 B of scales
@@ -145,7 +148,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     {
         const int cw = per * 16;  // 16-byte chunks per row
         const int kbase = s0 * 128, kend = s1 * 128;
-        for (int c = threadIdx.x; c < XROWS * cw; c += WARPS * 32) {
+        for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : XROWS * cw); c += WARPS * 32) {
             const int m = c / cw, kc = (c - m * cw) * 8;
             const bool in = m < M && kbase + kc < kend;
             const u16* src = in ? x + (u64)m * stride_xm + kbase + kc : x;
@@ -230,7 +233,10 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #pragma unroll
                     for (int j = 0; j < NT; ++j) {
                         const u32 sw = word_of(sv[j], q);
-                        word_mma(acc[j], word_of(wv[j], q), dup_lo(sw), dup_hi(sw), af);
+                        if (TIMING & 2)
+                            acc[j][0][0] += __uint_as_float((word_of(wv[j], q) ^ sw) & 0x3F000000u);
+                        else
+                            word_mma(acc[j], word_of(wv[j], q), dup_lo(sw), dup_hi(sw), af);
                     }
                 }
             }
@@ -261,6 +267,10 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         return;
     }
 #if SPLIT > 1
+    if (TIMING & 4) {  // timing only: rank 0's partials straight out, no reduction
+        if (blockIdx.y == 0 && ok[0] && g < M) y[(u64)g * stride_ym + tile0 * 8 + 2 * t] = (u16)acc[0][0][0];
+        return;
+    }
     // partials -> own shared memory [XROWS][NB] fp32 (x is no longer needed)
     __syncthreads();
     float* part = reinterpret_cast<float*>(smem);
