@@ -18,6 +18,11 @@ that batch tokens touch under uniform routing, 1 - (1 - k/E)^batch; KV bytes ign
 context), computed from the built model at the benchmarked depth and at the shape's full depth
 (MISSION.md's figures are the latter). The step-time split comes from torch.profiler over a few
 sampler steps (CUDA kernels by family, and wall time per step).
+
+`--fusion on,off` measures every row with the engine's fused decode step (fp4rl.kernels.fused: add +
+RMSNorm, q/k-norm + RoPE + KV write, SiLU * up, W4A4 activations quantized by those kernels) and with
+the module step, on the same sampler (the graphs are recaptured in between); each row's `vs BF16` is
+against BF16 with the same setting.
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ PRECISIONS = {
 CATEGORIES = [  # kernel name fragments (lower case), first match wins
     ("nvfp4 GEMM (Triton, Gluon)", ("w4_gemm", "_gemv_mma")),
     ("dequantize (Triton)", ("_dequantize_kernel",)),
-    ("quantize (Triton)", ("_quantize_kernel", "_amax_kernel")),
+    ("quantize (Triton)", ("_quantize_kernel", "_amax_kernel", "_quantize_rows", "_quantize_flat")),
+    ("fused norm / rope / silu (Triton)", ("_add_rmsnorm", "_qk_norm_rope", "_silu_mul")),
     ("decode attention (Triton)", ("_decode_attn",)),
     ("SDPA (BF16 KV)", ("fmha", "flash", "attention", "efficient")),
     ("BF16 GEMM (cuBLAS, grouped_mm)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk",
@@ -78,6 +84,8 @@ def add_arguments(parser):
                         "~20 Triton configurations per shape and batch bucket); default: first candidate")
     parser.add_argument("--profile-batch", default="1,32", help="batches profiled (kv bf16), '' for none")
     parser.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    parser.add_argument("--fusion", default="on", help="'on', 'off' or 'on,off': the engine's fused decode "
+                        "step (fp4rl.kernels.fused) or the module step, each row measured with each")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None, help="JSON results (rewritten after every row)")
 
@@ -263,10 +271,11 @@ def measure_row(sampler, contract, row: dict, prompts, args, env, results, base)
     t2 = min(timed_generate(sampler, prompts, n2) for _ in range(args.repeats))
     tok_s = batch * (n2 - n1) / (t2 - t1)
     nbytes = step_bytes(sampler, contract, row["full_layers"], batch)
+    fused = row.get("fused", False)
     if contract.preset == "bf16":
         results.setdefault("bf16_bytes", {})[f"{shape}/{batch}"] = nbytes
         if row["kv"] == "bf16":
-            base[batch] = tok_s
+            base[(batch, fused)] = tok_s
     row.update(tok_s=tok_s, step_ms=(t2 - t1) / (n2 - n1) * 1e3, warm_s=t_warm,
                graph_us=replay_us(sampler, batch), bytes_built=nbytes["built"], bytes_full=nbytes["full"],
                graph_error=sampler.engine.graph_error, counts=dict(sampler.engine.counts))
@@ -274,8 +283,8 @@ def measure_row(sampler, contract, row: dict, prompts, args, env, results, base)
     if ref:
         row["limit_built"] = ref["built"] / nbytes["built"]
         row["limit_full"] = ref["full"] / nbytes["full"]
-    if batch in base:
-        row["vs_bf16"] = tok_s / base[batch]
+    if (batch, fused) in base:
+        row["vs_bf16"] = tok_s / base[(batch, fused)]
     if env["copy_bw"]:
         row["floor_tok_s"] = batch * env["copy_bw"] / nbytes["built"]
 
@@ -300,36 +309,39 @@ def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, 
     mem = sampler.memory()
     results["builds"].append({"shape": shape, "precision": label, "build_s": time.perf_counter() - t0,
                               "packed_vs_bf16": mem["packed_vs_bf16"], "packed_bytes": mem["packed_bytes"]})
-    head = {"shape": shape, "precision": label}
-    for kv in kvs:
+    fusions = [f == "on" for f in args.fusion.split(",")]
+    for kv, fusion, batch in ((kv, f, b) for kv in kvs for f in fusions for b in batches):
         sampler.kv_cache = kv
-        for batch in batches:
-            g = torch.Generator().manual_seed(batch)
-            prompts = torch.randint(0, trainer.config.vocab_size, (batch, args.prompt), generator=g).tolist()
-            row = {**head, "layers": layers, "full_layers": full_layers, "preset": preset,
-                   "bf16_last_fraction": frac, "kv": kv, "batch": batch}
+        if sampler.engine is not None:
+            sampler.engine.set_fused(fusion)
+        fused = bool(sampler.engine is not None and sampler.engine.fused)
+        head = {"shape": shape, "precision": label, "fused": fused}
+        g = torch.Generator().manual_seed(batch)
+        prompts = torch.randint(0, trainer.config.vocab_size, (batch, args.prompt), generator=g).tolist()
+        row = {**head, "layers": layers, "full_layers": full_layers, "preset": preset,
+               "bf16_last_fraction": frac, "kv": kv, "batch": batch}
+        try:
+            measure_row(sampler, contract, row, prompts, args, env, results, base)
+        except Exception as exc:  # noqa: BLE001 - record and go on with the next row
+            row["error"] = repr(exc)[:400]
+        results["rows"].append(row)
+        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "counts"}
+        print(json.dumps(shown), flush=True)
+        if kv == check_kv and batch == batches[min(1, len(batches) - 1)]:
             try:
-                measure_row(sampler, contract, row, prompts, args, env, results, base)
-            except Exception as exc:  # noqa: BLE001 - record and go on with the next row
-                row["error"] = repr(exc)[:400]
-            results["rows"].append(row)
-            shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "counts"}
-            print(json.dumps(shown), flush=True)
-            if kv == check_kv and batch == batches[min(1, len(batches) - 1)]:
-                try:
-                    check = graph_check(sampler, prompts)
-                    results["checks"].append({**head, "kv": kv, "batch": batch, **check})
-                except Exception as exc:  # noqa: BLE001
-                    results["checks"].append({**head, "error": repr(exc)[:300]})
-                print(json.dumps(results["checks"][-1]), flush=True)
-            if kv == "bf16" and batch in prof_batches and device.type == "cuda":
-                try:
-                    split = profile_split(sampler, batch)
-                    results["profiles"].append({**head, "kv": kv, "batch": batch, **split})
-                except Exception as exc:  # noqa: BLE001
-                    results["profiles"].append({**head, "batch": batch, "error": repr(exc)[:300]})
-                print(json.dumps(results["profiles"][-1]), flush=True)
-            yield
+                check = graph_check(sampler, prompts)
+                results["checks"].append({**head, "kv": kv, "batch": batch, **check})
+            except Exception as exc:  # noqa: BLE001
+                results["checks"].append({**head, "error": repr(exc)[:300]})
+            print(json.dumps(results["checks"][-1]), flush=True)
+        if kv == "bf16" and batch in prof_batches and device.type == "cuda":
+            try:
+                split = profile_split(sampler, batch)
+                results["profiles"].append({**head, "kv": kv, "batch": batch, **split})
+            except Exception as exc:  # noqa: BLE001
+                results["profiles"].append({**head, "batch": batch, "error": repr(exc)[:300]})
+            print(json.dumps(results["profiles"][-1]), flush=True)
+        yield
 
 
 def run(args) -> int:
@@ -344,7 +356,7 @@ def run(args) -> int:
            "triton": __import__("triton").__version__, "device": str(device),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "cuda": torch.version.cuda, "tune": args.tune, "graphs": not args.no_graphs,
-           "prompt": args.prompt, "tokens": args.tokens}
+           "prompt": args.prompt, "tokens": args.tokens, "fusion": args.fusion}
     env["copy_bw"] = copy_bandwidth(device) if device.type == "cuda" else None
     results = {"env": env, "rows": [], "profiles": [], "checks": [], "builds": [], "errors": []}
 
@@ -359,7 +371,7 @@ def run(args) -> int:
         shape, _, layers = spec.partition(":")
         full_layers = SHAPES[shape]["num_hidden_layers"]
         layers = int(layers or full_layers)
-        base: dict[int, float] = {}  # BF16 weights + BF16 KV tokens/s per batch, this run
+        base: dict[tuple, float] = {}  # BF16 weights + BF16 KV tokens/s per (batch, fused), this run
         try:
             trainer = build_trainer(SHAPES[shape], layers, device)
         except Exception as exc:  # noqa: BLE001
@@ -396,23 +408,28 @@ def _mode(r) -> str:
     return "eager" if r.get("graph_error") or not r.get("graph_us") else "graph"
 
 
+def _label(r) -> str:
+    return r["precision"] + ("" if r.get("fused", True) else " (unfused)")
+
+
 def markdown(results) -> str:
     rows = [r for r in results["rows"] if "error" not in r]
-    base = {(r["shape"], r["batch"]): _mode(r) for r in rows if r["preset"] == "bf16" and r["kv"] == "bf16"}
+    base = {(r["shape"], r["batch"], r.get("fused")): _mode(r) for r in rows
+            if r["preset"] == "bf16" and r["kv"] == "bf16"}
     lines = ["| shape (layers built / full) | precision | KV | batch | decode | tok/s | vs BF16 | "
              "limit built / full depth | step ms | graph replay ms | byte floor tok/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         if "error" in r:
-            lines.append(f"| {r['shape']} ({r['layers']}) | {r['precision']} | {r['kv']} | {r['batch']} | | "
+            lines.append(f"| {r['shape']} ({r['layers']}) | {_label(r)} | {r['kv']} | {r['batch']} | | "
                          f"error: {r['error'][:80]} | | | | | |")
             continue
         lim = f"{_f(r.get('limit_built'))} / {_f(r.get('limit_full'))}"
         vs = _f(r.get("vs_bf16"))
-        if base.get((r["shape"], r["batch"])) == "eager" and r["preset"] != "bf16":
+        if base.get((r["shape"], r["batch"], r.get("fused"))) == "eager" and r["preset"] != "bf16":
             vs += " (BF16 eager)"
         graph_ms = r["graph_us"] / 1e3 if r.get("graph_us") else None
-        lines.append(f"| {r['shape']} ({r['layers']}/{r['full_layers']}) | {r['precision']} | {r['kv']} | "
+        lines.append(f"| {r['shape']} ({r['layers']}/{r['full_layers']}) | {_label(r)} | {r['kv']} | "
                      f"{r['batch']} | {_mode(r)} | {_f(r['tok_s'], '{:.0f}')} | {vs} | {lim} | "
                      f"{_f(r['step_ms'])} | {_f(graph_ms)} | {_f(r.get('floor_tok_s'), '{:.0f}')} |")
     for p in results["profiles"]:
@@ -421,7 +438,7 @@ def markdown(results) -> str:
             continue
         parts = ", ".join(f"{k} {v / p['steps']:.2f}" for k, v in p["split_ms"].items())
         per = p["steps"]
-        lines.append(f"\nprofile {p['shape']} {p['precision']} kv {p['kv']} b{p['batch']}: eager step "
+        lines.append(f"\nprofile {p['shape']} {_label(p)} kv {p['kv']} b{p['batch']}: eager step "
                      f"{p['eager_wall_ms'] / per:.1f} ms, kernels {p['kernel_ms'] / per:.2f} ms: {parts}")
     return "\n".join(lines)
 
