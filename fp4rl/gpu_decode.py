@@ -28,6 +28,16 @@ sampler's own model copy. What it changes, and what it computes:
   the cache's own torch quantizer) and attends with `kernels.attention.decode_attention` over
   [first real token, slot] of each row (left padding skipped); the BF16 cache uses SDPA over all
   T_cap slots with a mask.
+- Fused decode step (`FUSED`, `DecodeEngine(fused=...)`, `set_fused` for A/B): the elementwise work between
+  the GEMMs runs as fp4rl.kernels.fused kernels, three per layer plus one per sublayer boundary: residual
+  add + RMSNorm (one kernel per boundary), q/k-norm + RoPE + the write of k/v into the BF16 cache slot
+  (FP8/NVFP4 caches keep `store_kv`), SiLU(gate) * up. Where the consumer is a W4A4 linear or fused group
+  (q/k/v, gate/up, down_proj), the producer kernel also quantizes its output per token with the shared
+  quantizer's own helpers (the bytes of `kernels.quantize` for the same input) and the GEMM takes that Q(x)
+  (`packed_gemm(..., xq=)`, `gemm.gemm`'s pre-quantized entry); o_proj (after SDPA) still quantizes its
+  input itself. Same arithmetic as the modules, bit for bit except the norms' fp32 sum of squares (added
+  in another order: y can move by one bfloat16 ulp, see fused.py). `fused_plans` decides per layer: q/k/v
+  that are not one fused group, MoE and unfused MLPs run their modules on the norm's bf16 output.
 - CUDA graphs: one graph per batch bucket (powers of two up to B_cap), captured on first use
   after an eager warm-up step on a side stream (Triton compiles and the GEMM tuner runs there,
   never during capture), replayed for every decode step of that bucket. Inputs (tokens, RoPE
