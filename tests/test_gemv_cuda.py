@@ -80,7 +80,7 @@ def test_choose_is_row_invariant_up_to_16_and_fits_shared_memory():
                 assert m > 16 and k > 4096  # 64 rows of a long K slice: the dispatcher takes another kernel
                 continue
             c = gemv_cuda.choose(n, k, m, 132)
-            assert gemv_cuda.smem_bytes(c, k) <= gemv_cuda.SMEM_LIMIT or c["SPLIT"] == 8
+            assert gemv_cuda.smem_bytes(c, k, 16 * c["MT"]) <= gemv_cuda.SMEM_LIMIT or c["SPLIT"] == 8
             assert (k // 128) >= c["SPLIT"]
     with pytest.raises(ValueError, match="1-64 rows"):
         gemv_cuda.choose(4096, 4096, 65, 132)
@@ -123,13 +123,13 @@ def test_gpu_kernel_matches_reference(n, k, kw):
         ys[m] = y
         for depth in (2, 3, 6):  # other pipeline depths and splits give the same products
             cfg = dict(gemv_cuda.choose(n, k, m, sms), DEPTH=depth)
-            if gemv_cuda.smem_bytes(cfg, k) <= gemv_cuda.SMEM_MAX:
+            if gemv_cuda.smem_bytes(cfg, k, m) <= gemv_cuda.SMEM_MAX:
                 gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
                 assert _rel(y2, ref) < 4e-3
         for split in (1, 2, 4, 8):
             if (k // 128) >= split:
                 cfg = dict(gemv_cuda.choose(n, k, m, sms), SPLIT=split)
-                if gemv_cuda.smem_bytes(cfg, k) <= gemv_cuda.SMEM_MAX:
+                if gemv_cuda.smem_bytes(cfg, k, m) <= gemv_cuda.SMEM_MAX:
                     gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
                     assert _rel(y2, ref) < 4e-3, (m, split)
     for m in (2, 5, 8, 9, 16):  # rows up to 16 share a configuration: row 0 is bit-identical

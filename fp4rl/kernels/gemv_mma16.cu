@@ -34,7 +34,7 @@ typedef unsigned long long u64;
 
 #define WARPS 8
 #ifndef TIMING
-#define TIMING 0  // timing-only variants (wrong results): 1 no x staging, 2 no unpack/MMA, 4 no split-K reduction
+#define TIMING 0  // timing-only variants (wrong results): 1 no x staging, 2 no unpack/MMA
 #endif
 #define NB (WARPS * NT * 8)
 #define XROWS (16 * MT)
@@ -86,7 +86,7 @@ __device__ __forceinline__ void unpack(u32 w, u32& p0, u32& p1, u32& p2, u32& p3
 }
 
 // One 32-bit word of weights (two k16 blocks) for all m tiles: 4 scale multiplies, 2 MMAs per tile.
-__device__ __forceinline__ void word_mma(float (*acc)[4], u32 w, u32 s_lo, u32 s_hi,
+__device__ __forceinline__ void word_mma(float (*acc)[4], float (*acc2)[4], u32 w, u32 s_lo, u32 s_hi,
                                          const u32 (*af)[2][4]) {
     u32 p0, p1, p2, p3;
     unpack(w, p0, p1, p2, p3);
@@ -97,7 +97,7 @@ __device__ __forceinline__ void word_mma(float (*acc)[4], u32 w, u32 s_lo, u32 s
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         mma(acc[mt], af[mt][0][0], af[mt][0][1], af[mt][0][2], af[mt][0][3], p0, p1);
-        mma(acc[mt], af[mt][1][0], af[mt][1][1], af[mt][1][2], af[mt][1][3], p2, p3);
+        mma(acc2[mt], af[mt][1][0], af[mt][1][1], af[mt][1][2], af[mt][1][3], p2, p3);  // 2nd chain
     }
 }
 
@@ -138,17 +138,19 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     const int tile0 = (blockIdx.x * WARPS + warp) * NT;
     const int XS = per * 128 + 8;  // smem row stride of x in bf16 (16 B pad: conflict-free ldmatrix)
 
-    // shared memory: x's K slice [XROWS][XS] bf16, then one ring per warp of DEPTH stages x NT x
-    // (32 lanes x 16 B of weight words + 8 rows x 16 B of scales)
+    // shared memory: x's K slice [XR + 1][XS] bf16 (rows < M, then one zero row that the A fragments
+    // of rows >= M read), then one ring per warp of DEPTH stages x NT x (32 lanes x 16 B of weight
+    // words + 8 rows x 16 B of scales)
+    const int XR = min(M, XROWS);
     u16* xs = reinterpret_cast<u16*>(smem);
-    unsigned char* ring = smem + ((XROWS * XS * 2 + 127) & ~127) + warp * (DEPTH * NT * STAGE_BYTES);
+    unsigned char* ring = smem + (((XR + 1) * XS * 2 + 127) & ~127) + warp * (DEPTH * NT * STAGE_BYTES);
     const u32 ring_s = smem_u32(ring);
 
     // 1. x[:, 128 s0 : 128 s1] -> shared memory (rows >= M and k beyond the range zero-filled), async
     {
         const int cw = per * 16;  // 16-byte chunks per row
         const int kbase = s0 * 128, kend = s1 * 128;
-        for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : XROWS * cw); c += WARPS * 32) {
+        for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : (XR + 1) * cw); c += WARPS * 32) {
             const int m = c / cw, kc = (c - m * cw) * 8;
             const bool in = m < M && kbase + kc < kend;
             const u16* src = in ? x + (u64)m * stride_xm + kbase + kc : x;
@@ -192,14 +194,15 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     u32 xa[MT];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)  // matrix j = rows 0-7 / 8-15 (j & 1) x k [0,8) / [8,16) (j >> 1)
-        xa[mt] = smem_u32(xs + (16 * mt + r8 + (mat & 1) * 8) * XS + (mat >> 1) * 8);
+        xa[mt] = smem_u32(xs + min(16 * mt + r8 + (mat & 1) * 8, XR) * XS + (mat >> 1) * 8);
 
-    float acc[NT][MT][4];
+    float acc[NT][MT][4], acc2[NT][MT][4];  // blocks 2q and 2q+1: two independent MMA chains
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
-            acc[j][mt][0] = acc[j][mt][1] = acc[j][mt][2] = acc[j][mt][3] = 0.f;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[j][mt][i] = acc2[j][mt][i] = 0.f;
 
     // 3. the stream
     const int g4 = lane >> 2;
@@ -236,13 +239,19 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                         if (TIMING & 2)
                             acc[j][0][0] += __uint_as_float((word_of(wv[j], q) ^ sw) & 0x3F000000u);
                         else
-                            word_mma(acc[j], word_of(wv[j], q), dup_lo(sw), dup_hi(sw), af);
+                            word_mma(acc[j], acc2[j], word_of(wv[j], q), dup_lo(sw), dup_hi(sw), af);
                     }
                 }
             }
         }
     }
     cp_async_wait<0>();  // no copy may still be in flight when shared memory is reused below
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[j][mt][i] += acc2[j][mt][i];
 
     // 4. epilogue. D fragment: c0, c1 = row g, columns 2t, 2t+1; c2, c3 = row g + 8.
     const int g = lane >> 2, t = lane & 3;
@@ -267,10 +276,6 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         return;
     }
 #if SPLIT > 1
-    if (TIMING & 4) {  // timing only: rank 0's partials straight out, no reduction
-        if (blockIdx.y == 0 && ok[0] && g < M) y[(u64)g * stride_ym + tile0 * 8 + 2 * t] = (u16)acc[0][0][0];
-        return;
-    }
     // partials -> own shared memory [XROWS][NB] fp32 (x is no longer needed)
     __syncthreads();
     float* part = reinterpret_cast<float*>(smem);
@@ -292,25 +297,30 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         u32 rank;
         asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
         const int cols = NB / SPLIT;
-        const int rows = min(M, XROWS);
+        const int total = XR * cols;
         const u32 base = smem_u32(part);
-        for (int e = threadIdx.x; e < rows * cols; e += WARPS * 32) {
-            const int m = e / cols, nl = rank * cols + (e - m * cols);
-            const int n = blockIdx.x * NB + nl;
-            const u32 off = base + (u32)(m * NB + nl) * 4;
-            float sum = 0.f;
-#pragma unroll
-            for (int r = 0; r < SPLIT; ++r) {
+        const int r = threadIdx.x % SPLIT;  // the rank this thread reads
+        for (int e0 = 0; e0 < total; e0 += (WARPS * 32) / SPLIT) {  // uniform per warp: shuffles below
+            const int e = e0 + threadIdx.x / SPLIT;
+            float v = 0.f;
+            int m = 0, nl = 0;
+            if (e < total) {
+                m = e / cols;
+                nl = rank * cols + (e - m * cols);
                 u32 ra;
-                float v;
-                asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(off), "r"(r));
+                asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(base + (u32)(m * NB + nl) * 4),
+                             "r"(r));
                 asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(ra) : "memory");
-                sum += v;
             }
-            if (n < N) {
+#pragma unroll
+            for (int off = 1; off < SPLIT; off <<= 1) {  // fixed tree over ranks: deterministic
+                const float o = __shfl_down_sync(0xffffffffu, v, off);
+                if ((r & (2 * off - 1)) == 0) v += o;
+            }
+            const int n = blockIdx.x * NB + nl;
+            if (r == 0 && e < total && n < N) {
                 const float gg = WG_ROW ? wg[n] * 256.f : gs;
-                const u32 b = f2_to_bf16x2(sum * gg, 0.f);
-                y[(u64)m * stride_ym + n] = (u16)(b & 0xFFFFu);
+                y[(u64)m * stride_ym + n] = (u16)(f2_to_bf16x2(v * gg, 0.f) & 0xFFFFu);
             }
         }
     }
