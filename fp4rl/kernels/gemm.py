@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from fp4rl.kernels import gemv as _gemv
+from fp4rl.kernels import gemv_cuda as _mma16
 from fp4rl.kernels._common import (
     ASM,
     COMPILED,
@@ -50,6 +51,10 @@ from fp4rl.kernels._common import (
 )
 
 DECODE_MAX_ROWS = 256  # rows up to this take the transposed (weights-as-M) kernel
+# Rows up to this go to the CUDA mma16 kernel when the weight carries its copy (weight.mma16): on the
+# H200 1.4-2.2x cuBLAS BF16 at 1-8 rows and 1.1-1.4x at 16 (bench/RESULTS.md); 32-64 rows measured slower
+# than cuBLAS, so they stay with the tuned Triton kernels.
+MMA16_MAX_ROWS = 16
 
 
 @triton.jit
@@ -451,11 +456,14 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None):
     x: bfloat16 [M, K] (W4A16), or None with xq = (data uint8 [M, K/2], block_scale [M, K/16],
     global_scale fp32 [M] or [M, 1]) for W4A4 emulation. weight: NVFP4 with data [N, K/2] (or
     [E, N, K/2] with offsets int32 [E+1] over the expert-sorted rows of x). config: a dict from
-    candidate_configs, or FALLBACK, to bypass the tuner.
+    candidate_configs, or FALLBACK, to bypass the tuner. A dense weight may carry `gemv32` (gemv.swizzle
+    of its data: the Gluon GEMV's copy) or `mma16` (gemv_cuda.relayout: the CUDA kernel's copy, taken for
+    1-MMA16_MAX_ROWS rows of W4A16 when no config is forced).
     """
     grouped = offsets is not None
     wd, ws, wg = _weight_parts(weight, grouped)
     swz = getattr(weight, "gemv32", None)  # the same codes in the gemv32 layout (1-4 row GEMV only)
+    m16 = getattr(weight, "mma16", None)  # the CUDA mma16 kernel's copy (gemv_cuda.relayout), 1-16 rows
     if swz is not None and (grouped or swz.shape != wd.shape[1:] or swz.dtype != torch.uint8):
         raise ValueError("weight.gemv32 must be uint8 data of the weight's shape [N, K/2] (dense weights "
                          "only)")
@@ -481,6 +489,15 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None):
     y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
     if m == 0:
         return y
+    if (m16 is not None and x2 is not None and not grouped and config is None and m <= MMA16_MAX_ROWS
+            and _mma16.available(device)):
+        if (m16.n, m16.k) != (n, 2 * kh):
+            raise ValueError(f"weight.mma16 is a copy of a {m16.n}x{m16.k} weight, the weight is "
+                             f"{n}x{2 * kh}")
+        try:  # the CUDA mma16 kernel (fp4rl.kernels.gemv_cuda): every row up to 16 on one MMA
+            return _mma16.launch(x2, m16, wg[0] if wg.ndim == 2 else wg, y)
+        except Exception as exc:  # noqa: BLE001  (NVRTC or the driver refused it here: fall back for good)
+            _mma16.disable(exc)
 
     def run(c):
         if c == FALLBACK:

@@ -70,6 +70,43 @@ def supports(n: int, k: int) -> bool:
     return n % 8 == 0 and k % 128 == 0 and n > 0 and k > 0
 
 
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference-mode tensors: the owner calls invalidate() instead
+        return -1
+
+
+class Mma16Cache:
+    """The mma16 copy of one packed weight for a sampler: rebuilt in place (same storage, so captured CUDA
+    graphs stay valid) when the packed bytes or block scales change (version counter or storage) or after
+    invalidate(); never during a graph capture (the engine refreshes before capturing)."""
+
+    def __init__(self):
+        self.copy: Mma16Weight | None = None
+        self.key = None
+
+    def get(self, data: torch.Tensor, block_scale: torch.Tensor) -> Mma16Weight | None:
+        if data.ndim != 2 or not available(data.device) or not supports(data.shape[0], 2 * data.shape[1]):
+            return None
+        key = (_version(data), data.data_ptr(), _version(block_scale), block_scale.data_ptr(),
+               tuple(data.shape))
+        if self.copy is None or key != self.key:
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            fresh = relayout(data, block_scale)
+            if self.copy is not None and self.copy.wt.shape == fresh.wt.shape:
+                self.copy.wt.copy_(fresh.wt)
+                self.copy.st.copy_(fresh.st)
+            else:
+                self.copy = fresh
+            self.key = key
+        return self.copy
+
+    def invalidate(self) -> None:
+        self.key = None
+
+
 def _codes(data: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K/2] -> int64 codes [N, K] (element 2i in the low nibble)."""
     d = data.to(torch.int64)
