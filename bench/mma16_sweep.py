@@ -25,7 +25,7 @@ from fp4rl.nvfp4 import reference  # noqa: E402
 
 
 def variant(name: str, base: dict) -> dict:
-    """auto = gemv_cuda.choose(); dN = DEPTH N; ntN = NT N; sN = SPLIT N (combined with '+');
+    """auto = gemv_cuda.choose(); dN = DEPTH N; ntN = NT N; sN = SPLIT N (combined with "+");
     tN = TIMING N (timing-only variants, see the .cu); s2x / sh: twice / half the chosen split."""
     c = dict(base)
     for part in name.split("+"):
@@ -40,7 +40,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4096x14336,14336x4096,4096x6144,6144x4096,24576x4096,4096x12288")
     ap.add_argument("--rows", default="1,4,8,16,32,64")
-    ap.add_argument("--variants", default="auto,d2,d3,d6,nt1,nt4,s2x,sh")
+    ap.add_argument("--variants", default="auto,nt2,d2,d4,s2x,sh,t2")
     ap.add_argument("--gluon", action="store_true", help="also time the Gluon GEMV (gemv32) at 1-4 rows")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()

@@ -29,9 +29,9 @@ from fp4rl.kernels.gemv import _MOVES, _permute_words
 
 _SOURCE = Path(__file__).with_name("gemv_mma16.cu")
 WARPS = 8
-STAGE_BYTES = 640  # one n-tile and 128-k step: 512 B of weight words, 128 B of bf16 scales
+STAGE_BYTES = 1280  # one 16-row n-tile and 128-k step: 1 KB of weight words, 256 B of bf16 scales
 STATE = {"ok": None, "error": None}  # None: not tried yet on this process
-MAX_ROWS = 64  # MT up to 4 m16 tiles
+MAX_ROWS = 64  # MG up to 8 groups of 8 rows
 SMEM_LIMIT = 110 * 1024  # two CTAs per SM on an H100/H200 (227 KB)
 SMEM_MAX = 227 * 1024  # one CTA
 _TWO_POW_118 = 2.0 ** 118
@@ -58,16 +58,16 @@ def disable(exc: Exception) -> None:
 # ----------------------------------------------------------------------------- the weight copy
 @dataclass
 class Mma16Weight:
-    """The mma16 copy of one packed NVFP4 weight [N, K/2] (N % 8 == 0, K % 128 == 0)."""
+    """The mma16 copy of one packed NVFP4 weight [N, K/2] (N % 16 == 0, K % 128 == 0)."""
 
-    wt: torch.Tensor  # int32 [N/8, K/128, 32, 4]
-    st: torch.Tensor  # bfloat16 [N/8, K/128, 8, 8]: block_scale * 2^118
+    wt: torch.Tensor  # int32 [N/16, K/128, 2, 32, 4]
+    st: torch.Tensor  # bfloat16 [N/16, K/128, 8, 8, 2]: block_scale * 2^118 of rows g, g + 8
     n: int
     k: int
 
 
 def supports(n: int, k: int) -> bool:
-    return n % 8 == 0 and k % 128 == 0 and n > 0 and k > 0
+    return n % 16 == 0 and k % 128 == 0 and n > 0 and k > 0
 
 
 def _version(t: torch.Tensor) -> int:
@@ -108,13 +108,12 @@ class Mma16Cache:
 
 
 def _codes(data: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K/2] -> int64 codes [N, K] (element 2i in the low nibble)."""
-    d = data.to(torch.int64)
-    return torch.stack((d & 15, d >> 4), dim=-1).reshape(data.shape[0], -1)
+    """uint8 [N, K/2] -> uint8 codes [N, K] (element 2i in the low nibble)."""
+    return torch.stack((data & 15, data >> 4), dim=-1).reshape(data.shape[0], -1)
 
 
 def _kk_index(device) -> torch.Tensor:
-    """[4 lanes t, 4]: k within a 16-block held by lane t in (b0, b1): 2t, 2t+1, 2t+8, 2t+9."""
+    """[4 lanes t, 4]: k within a 16-block of lane t's A fragment: 2t, 2t+1, 2t+8, 2t+9."""
     t = torch.arange(4, device=device)[:, None] * 2
     return t + torch.tensor([0, 1, 8, 9], device=device)
 
@@ -126,18 +125,19 @@ def relayout(data: torch.Tensor, block_scale: torch.Tensor) -> Mma16Weight:
         raise ValueError(f"packed NVFP4 data must be uint8 [N, K/2], got {data.dtype} {tuple(data.shape)}")
     n, k = data.shape[0], 2 * data.shape[1]
     if not supports(n, k):
-        raise ValueError(f"the mma16 layout needs N % 8 == 0 and K % 128 == 0, got N={n}, K={k}")
+        raise ValueError(f"the mma16 layout needs N % 16 == 0 and K % 128 == 0, got N={n}, K={k}")
     if tuple(block_scale.shape) != (n, k // 16):
         raise ValueError(f"block_scale must be [N, K/16] = [{n}, {k // 16}], got {tuple(block_scale.shape)}")
     s = k // 128
-    c = _codes(data).reshape(n // 8, 8, s, 4, 2, 16)  # [tile, g, step, q, h, kk]
-    c = c[..., _kk_index(data.device)]  # [tile, g, step, q, h, t, 4]
-    c = c.permute(0, 2, 1, 5, 3, 4, 6).reshape(-1, 8)  # [tile, step, g, t, q] x (h, j)
-    packed = (c[:, 0::2] | (c[:, 1::2] << 4)).to(torch.uint8)  # 4 bytes per word, element 2i low nibble
-    wt = _permute_words(packed.reshape(-1, 4), _MOVES).view(torch.int32).reshape(n // 8, s, 32, 4)
+    c = _codes(data).reshape(n // 16, 2, 8, s, 2, 4, 16)  # [tile, hh (row g / g+8), g, step, half, word, kk]
+    c = c[..., _kk_index(data.device)].reshape(n // 16, 2, 8, s, 2, 4, 4, 2, 2)  # ..., t, jp, je
+    # word codes in pair order (a0 a1 a2 a3) = (jp, hh) = (0, 0) (0, 1) (1, 0) (1, 1), element je
+    c = c.permute(0, 3, 4, 2, 6, 5, 7, 1, 8).reshape(-1, 8)  # [tile, step, half, g, t, word] x 8
+    packed = c[:, 0::2] | (c[:, 1::2] << 4)  # 4 bytes per word, element 2i in the low nibble
+    wt = _permute_words(packed.reshape(-1, 4), _MOVES).view(torch.int32).reshape(n // 16, s, 2, 32, 4)
     sc = block_scale.view(torch.uint8) if block_scale.dtype != torch.uint8 else block_scale
-    sf = sc.view(torch.float8_e4m3fn).float() * _TWO_POW_118
-    st = sf.to(torch.bfloat16).reshape(n // 8, 8, s, 8).permute(0, 2, 1, 3).contiguous()
+    sf = (sc.view(torch.float8_e4m3fn).float() * _TWO_POW_118).to(torch.bfloat16)
+    st = sf.reshape(n // 16, 2, 8, s, 8).permute(0, 3, 2, 4, 1).contiguous()  # [tile, step, g, block, hh]
     return Mma16Weight(wt=wt.contiguous(), st=st, n=n, k=k)
 
 
@@ -157,24 +157,25 @@ def _bf16_bits_to_float(b: torch.Tensor) -> torch.Tensor:
 
 
 def emulate_weight(wc: Mma16Weight) -> torch.Tensor:
-    """Float64 [N, K] of e2m1 * block_scale * 2^-8 as the kernel's lanes see it: each word unpacked by
-    the kernel's bit operations, times its bf16 scale, placed where the MMA's B fragment puts it."""
+    """Float64 [N, K] of e2m1 * block_scale * 2^-8 as the kernel's lanes see it: each word unpacked by the
+    kernel's bit operations, times its bf16 scale, placed where the MMA's A fragment puts it (pair j of lane
+    (g, t) = row g + 8 (j % 2), k 2t + 8 (j // 2) and the next)."""
     n, k, s = wc.n, wc.k, wc.k // 128
-    words = wc.wt.reshape(n // 8, s, 8, 4, 4).to(torch.int64)  # [tile, step, g, t, q]
-    pairs = _unpack_pairs(words)  # 4 x [tile, step, g, t, q]
+    dev = wc.wt.device
+    words = wc.wt.reshape(n // 16, s, 2, 8, 4, 4).to(torch.int64)  # [tile, step, half, g, t, word]
+    pairs = _unpack_pairs(words)
     scales = _bf16_bits_to_float(wc.st.view(torch.int16).to(torch.int32) & 0xFFFF).double()
-    scales = scales.reshape(n // 8, s, 8, 4, 2)  # [tile, step, g, q, h]
-    out = torch.zeros(n // 8, 8, s, 4, 2, 16, dtype=torch.float64, device=wc.wt.device)  # [.., q, h, kk]
-    t = torch.arange(4, device=wc.wt.device)
-    for j, p in enumerate(pairs):  # pair j: block h = j // 2, register b0 (j even) or b1 (odd)
-        h, reg = j // 2, j % 2
-        lo = _bf16_bits_to_float(p & 0xFFFF).double()
-        hi = _bf16_bits_to_float(p >> 16).double()
-        sc = scales[..., h][:, :, :, None, :]  # [tile, step, g, 1, q]
-        kk = 2 * t + 8 * reg  # [t]
-        for val, off in ((lo, 0), (hi, 1)):
-            v = (val * sc).permute(0, 2, 1, 4, 3)  # [tile, g, step, q, t]
-            out[:, :, :, :, h, :].index_copy_(-1, kk + off, v.contiguous())
+    scales = scales.reshape(n // 16, s, 8, 2, 4, 2)  # [tile, step, g, half, word, hh]
+    # [tile, hh, g, step, half, word, kk]
+    out = torch.zeros(n // 16, 2, 8, s, 2, 4, 16, dtype=torch.float64, device=dev)
+    t = torch.arange(4, device=dev)
+    for j, p in enumerate(pairs):
+        jp, hh = j // 2, j % 2
+        sc = scales[..., hh].permute(0, 1, 3, 2, 4)[:, :, :, :, None, :]  # [tile, step, half, g, 1, word]
+        for val, off in ((_bf16_bits_to_float(p & 0xFFFF).double(), 0),
+                         (_bf16_bits_to_float(p >> 16).double(), 1)):
+            v = (val * sc).permute(0, 3, 1, 2, 5, 4)  # [tile, g, step, half, word, t]
+            out[:, hh].index_copy_(-1, 2 * t + 8 * jp + off, v.contiguous())
     return out.reshape(n, k)
 
 
@@ -182,36 +183,36 @@ def unrelayout(wc: Mma16Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """The mma16 copy -> (standard packed data uint8 [N, K/2], E4M3 block scales uint8 [N, K/16])."""
     n, k, s = wc.n, wc.k, wc.k // 128
     inv = [(d, src) for src, d in _MOVES]
-    packed = _permute_words(wc.wt.view(torch.uint8).reshape(-1, 4), inv).to(torch.int64).reshape(-1, 4)
-    c = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(n // 8, s, 8, 4, 4, 2, 4)  # t,g,s..
-    # [tile, step, g, t, q, h, j] -> [tile, g, step, q, h, t, j]
-    c = c.permute(0, 2, 1, 4, 5, 3, 6)
-    codes = torch.zeros(n // 8, 8, s, 4, 2, 16, dtype=torch.int64, device=wc.wt.device)
-    codes[..., _kk_index(wc.wt.device).reshape(-1)] = c.reshape(n // 8, 8, s, 4, 2, 16)
+    packed = _permute_words(wc.wt.view(torch.uint8).reshape(-1, 4), inv).reshape(-1, 4)
+    c = torch.stack((packed & 15, packed >> 4), dim=-1)  # [..., byte, nibble] = 8 codes per word
+    c = c.reshape(n // 16, s, 2, 8, 4, 4, 2, 2, 2)  # [tile, step, half, g, t, word, jp, hh, je]
+    c = c.permute(0, 7, 3, 1, 2, 5, 4, 6, 8)  # [tile, hh, g, step, half, word, t, jp, je]
+    codes = torch.zeros(n // 16, 2, 8, s, 2, 4, 16, dtype=torch.uint8, device=wc.wt.device)
+    codes[..., _kk_index(wc.wt.device).reshape(-1)] = c.reshape(n // 16, 2, 8, s, 2, 4, 16)
     codes = codes.reshape(n, k)
-    data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
-    sf = wc.st.permute(0, 2, 1, 3).reshape(n, k // 16).float() / _TWO_POW_118
+    data = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    sf = wc.st.permute(0, 4, 2, 1, 3).reshape(n, k // 16).float() / _TWO_POW_118
     return data, sf.to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 # ----------------------------------------------------------------------------- configuration
 def choose(n: int, k: int, m: int, sms: int) -> dict:
-    """(NT, MT, SPLIT, DEPTH) for an N x K weight and m rows. Up to 16 rows the choice depends on N and
-    K only, so a row's result does not depend on how many rows (<= 16) come with it."""
+    """(NT, MG, SPLIT, DEPTH) for an N x K weight and m rows. SPLIT and the n-blocks depend on N and K
+    only, so a row's result does not depend on how many rows come with it."""
     if m > MAX_ROWS:
         raise ValueError(f"the mma16 kernel takes 1-{MAX_ROWS} rows, got {m}")
-    nt = 2
-    mt = 1 if m <= 16 else 2 if m <= 32 else 4
-    nblocks = -(-n // (WARPS * nt * 8))
+    nt = 1
+    mg = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
+    nblocks = -(-n // (WARPS * nt * 16))
     steps = k // 128
     split = 1  # up to 2 CTAs per SM in one wave, >= 2 steps per split
     while split < 8 and nblocks * split * 2 <= 2 * sms and steps // (split * 2) >= 2:
         split *= 2
-    depth = 3 if mt <= 2 else 2  # measured (H200): 3 as fast as 4 and 6 or faster
-    while smem_bytes(dict(NT=nt, MT=mt, SPLIT=split, DEPTH=depth), k, 16 * mt) > SMEM_LIMIT and split < 8 \
-            and steps // (split * 2) >= 1:
+    depth = 3
+    while smem_bytes(dict(NT=nt, MG=max(mg, 2), SPLIT=split, DEPTH=depth), k, max(m, 16)) > SMEM_LIMIT \
+            and split < 8 and steps // (split * 2) >= 1:  # the same split for every m <= 16
         split *= 2
-    cfg = dict(NT=nt, MT=mt, SPLIT=split, DEPTH=depth)
+    cfg = dict(NT=nt, MG=mg, SPLIT=split, DEPTH=depth)
     if smem_bytes(cfg, k, m) > SMEM_MAX:
         raise ValueError(f"{m} rows of K={k} do not fit the mma16 kernel's shared memory "
                          f"({smem_bytes(cfg, k, m)} B)")
@@ -229,15 +230,15 @@ def fits(n: int, k: int, m: int, sms: int = 132) -> bool:
     return True
 
 
-def smem_bytes(cfg: dict, k: int, m: int = 16) -> int:
-    """Dynamic shared memory: x's K slice (its rows up to 16 MT and one zero row, 16 B pad per row) and
-    one cp.async ring per warp (DEPTH stages x NT n-tiles x 640 B), or the split-K partials if larger."""
+def smem_bytes(cfg: dict, k: int, m: int = 8) -> int:
+    """Dynamic shared memory: x's K slice (its rows up to 8 MG and one zero row, 16 B pad per row) and one
+    cp.async ring per warp (DEPTH stages x NT n-tiles x 1280 B), or the split-K partials if larger."""
     steps = k // 128
     per = -(-steps // cfg["SPLIT"])
-    xrows = min(m, 16 * cfg["MT"]) + 1
+    xrows = min(m, 8 * cfg["MG"]) + 1
     xb = (xrows * (per * 128 + 8) * 2 + 127) // 128 * 128
     ring = WARPS * cfg["DEPTH"] * cfg["NT"] * STAGE_BYTES
-    pb = 16 * cfg["MT"] * WARPS * cfg["NT"] * 8 * 4 if cfg["SPLIT"] > 1 else 0
+    pb = 8 * cfg["MG"] * WARPS * cfg["NT"] * 16 * 4 if cfg["SPLIT"] > 1 else 0
     return max(xb + ring, pb)
 
 
@@ -287,7 +288,7 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
     kern = _kernel(tuple(sorted(cfg.items())) + (g.numel() > 1,))
     smem = smem_bytes(cfg, wc.k, m)
     _set_smem(kern, smem)
-    nb = -(-wc.n // (WARPS * cfg["NT"] * 8))
+    nb = -(-wc.n // (WARPS * cfg["NT"] * 16))
     kern(grid=(nb, cfg["SPLIT"], 1), block=(WARPS * 32, 1, 1),
          args=[x2, wc.wt, wc.st, g, y, m, wc.n, wc.k, x2.stride(0), y.stride(0)], shared_mem=smem)
     STATE["ok"] = True

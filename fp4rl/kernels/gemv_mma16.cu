@@ -1,32 +1,30 @@
-// W4A16 skinny GEMM for 1..16*MT rows of x on Hopper (sm_90): y[M, N] = x[M, K] @ DQ(W)[N, K]^T.
+// W4A16 skinny GEMM for 1..8*MG rows of x on Hopper (sm_90): y[M, N] = x[M, K] @ DQ(W)[N, K]^T.
 //
-// Compiled at run time by NVRTC (fp4rl/kernels/gemv_cuda.py prepends the #defines: NT, MT, SPLIT,
+// Compiled at run time by NVRTC (fp4rl/kernels/gemv_cuda.py prepends the #defines: NT, MG, SPLIT,
 // DEPTH, WG_ROW, and CLUSTER = __cluster_dims__(1, SPLIT, 1) when SPLIT > 1).
 //
-// Why this shape: a decode GEMM streams the weight once and is bound by how many bytes are in
-// flight per SM and by the integer pipe (Hopper has no FP4 conversion). Swapping A and B of
-// mma.sync.m16n8k16 puts x (up to 16 rows) in A and 8 weight rows x 16 k in B, so one MMA serves
-// every row of x at once: 1 and 16 rows cost the same instructions per weight byte.
+// A decode GEMM streams the weight once; on Hopper it is bound by the bytes in flight per SM and by
+// the instructions per weight (no FP4 conversion). mma.sync.m16n8k16 with the weights as A (16 rows x
+// 16 k) and x^T as B (16 k x 8 rows of x): one 32-bit word of 8 codes per lane is exactly its A fragment,
+// so every MMA consumes 256 codes and serves 8 rows of x at once (MG groups of 8 rows: MG MMAs).
 //
 // Weight copy ("mma16" layout, made once per weight version by gemv_cuda.relayout):
-//   wt: int32 [N/8][K/128][32 lanes][4]: lane (g = lane/4, t = lane%4) of n-tile i holds, in word q
-//       of 128-k step s, the 8 codes of row 8i+g at k = 128s + 32q + 16h + {2t, 2t+1, 2t+8, 2t+9}
-//       (h = 0, 1): exactly its B fragments (b0, b1) of two m16n8k16 MMAs. The bits of each word are
-//       permuted (gemv32 bit order, gemv.swizzle) so that each bf16 pair is a mask or a shift and
-//       a mask of the word: the bf16 pattern of e2m1 * 2^-126.
-//   st: bf16 [N/8][K/128][8 rows][8 blocks] = bf16(block_scale * 2^118), exact; a lane reads the
-//       16 bytes of its row g (the 4 lanes of a group read the same bytes).
+//   wt: int32 [N/16][K/128][2][32 lanes][4]: lane (g = lane/4, t = lane%4) of n-tile i holds in word w of
+//       half h of 128-k step s the codes of rows 16i+g, 16i+g+8 at k = 128s + 16(4h+w) + {2t, 2t+1, 2t+8,
+//       2t+9}: its A fragment (a0 a1 a2 a3 = (row g | g+8) x (k 2t | 2t+8) pairs) of one MMA. The bits of
+//       each word are permuted (gemv32 bit order, gemv.swizzle) so that each bf16 pair is a mask or a shift
+//       and a mask of the word: the bf16 pattern of e2m1 * 2^-126.
+//   st: bf16 [N/16][K/128][8 g][8 blocks][2] = bf16(block_scale * 2^118) of rows g and g+8, exact; the
+//       4 lanes of a group read the same 32 bytes.
 //   (e2m1 * 2^-126) * (s * 2^118) = e2m1 * s * 2^-8 exactly in bf16; the 2^8 goes to the global scale.
-// One warp owns NT n-tiles (8 rows each) over the CTA's K range; 8 warps per CTA (NB = 64 NT rows).
-// Each lane keeps DEPTH steps of its weight and scale words in registers (16 B loads that skip L1),
-// so ~DEPTH * NT * 32 B per lane are in flight. x's K slice is staged once per CTA in shared
-// memory (rows padded to 16 MT, zero-filled) and read as A fragments with ldmatrix (a tile of 8
-// rows with zeros in A rows 8-15 measured more instructions offline: the MMA's register quad must
-// be rebuilt around the zeros for every MMA).
-// Split-K: the SPLIT CTAs of an n-block form a cluster; each leaves its fp32 partial in shared
-// memory and CTA r adds the 1/SPLIT-th of the block's columns of all of them through distributed
-// shared memory, in rank order (deterministic: no atomics, no global workspace, no fence).
-// A row's result does not depend on the other rows of x (the configuration is chosen from N, K).
+// One warp owns NT n-tiles (16 rows each) over the CTA's K range; 8 warps per CTA (NB = 128 NT rows).
+// Each warp streams its weight and scale bytes through its own cp.async ring of DEPTH 128-k steps in
+// shared memory (one commit group per step). x's K slice is staged once per CTA in shared memory (its
+// rows, plus one zero row that the B fragments of missing rows read) and read with ldmatrix.
+// Split-K: the SPLIT CTAs of an n-block form a cluster; each leaves its fp32 partial in shared memory
+// and CTA r adds its 1/SPLIT-th of the block's outputs from all of them through distributed shared
+// memory, in a fixed order (deterministic: no atomics, no global workspace, no fence).
+// A row's result does not depend on the other rows of x (SPLIT and the n-blocks depend on N, K only).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -36,9 +34,9 @@ typedef unsigned long long u64;
 #ifndef TIMING
 #define TIMING 0  // timing-only variants (wrong results): 1 no x staging, 2 no unpack/MMA
 #endif
-#define NB (WARPS * NT * 8)
-#define XROWS (16 * MT)
-#define STAGE_BYTES 640  // one n-tile and step: 512 B of weight words + 128 B of scales
+#define NB (WARPS * NT * 16)
+#define XROWS (8 * MG)
+#define STAGE_BYTES 1280  // one n-tile and step: 1 KB of weight words + 256 B of scales
 
 __device__ __forceinline__ u32 smem_u32(const void* p);
 
@@ -85,24 +83,8 @@ __device__ __forceinline__ void unpack(u32 w, u32& p0, u32& p1, u32& p2, u32& p3
     p3 = ((w >> 4) & 0x00C000C0u) | ((w << 1) & 0x80008000u) | ((w >> 5) & 0x01000100u);
 }
 
-// One 32-bit word of weights (two k16 blocks) for all m tiles: 4 scale multiplies, 2 MMAs per tile.
-__device__ __forceinline__ void word_mma(float (*acc)[4], float (*acc2)[4], u32 w, u32 s_lo, u32 s_hi,
-                                         const u32 (*af)[2][4]) {
-    u32 p0, p1, p2, p3;
-    unpack(w, p0, p1, p2, p3);
-    p0 = mul_bf16x2(p0, s_lo);
-    p1 = mul_bf16x2(p1, s_lo);
-    p2 = mul_bf16x2(p2, s_hi);
-    p3 = mul_bf16x2(p3, s_hi);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        mma(acc[mt], af[mt][0][0], af[mt][0][1], af[mt][0][2], af[mt][0][3], p0, p1);
-        mma(acc2[mt], af[mt][1][0], af[mt][1][1], af[mt][1][2], af[mt][1][3], p2, p3);  // 2nd chain
-    }
-}
-
-// bf16 scale pair (lo: block 2q, hi: block 2q+1) -> each duplicated in both halves (ptxas folds the
-// moves into the multiply's operand selector .H0_H0 / .H1_H1: no instruction).
+// bf16 scale pair (lo: row g, hi: row g+8) -> each duplicated in both halves (ptxas folds the moves
+// into the multiply's operand selector .H0_H0 / .H1_H1: no instruction).
 __device__ __forceinline__ u32 dup_lo(u32 s) {
     u32 d;
     asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; mov.b32 %0, {l, l}; }" : "=r"(d) : "r"(s));
@@ -112,6 +94,19 @@ __device__ __forceinline__ u32 dup_hi(u32 s) {
     u32 d;
     asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; mov.b32 %0, {h, h}; }" : "=r"(d) : "r"(s));
     return d;
+}
+
+// One word (16 rows x 16 k of weights): unpack, 4 scale multiplies, one MMA per 8 rows of x.
+__device__ __forceinline__ void word_mma(float (*acc)[4], u32 w, u32 s, const u32 (*b)[2]) {
+    u32 a0, a1, a2, a3;
+    unpack(w, a0, a1, a2, a3);
+    const u32 sg = dup_lo(s), sg8 = dup_hi(s);
+    a0 = mul_bf16x2(a0, sg);
+    a1 = mul_bf16x2(a1, sg8);
+    a2 = mul_bf16x2(a2, sg);
+    a3 = mul_bf16x2(a3, sg8);
+#pragma unroll
+    for (int mg = 0; mg < MG; ++mg) mma(acc[mg], a0, a1, a2, a3, b[mg][0], b[mg][1]);
 }
 
 __device__ __forceinline__ u32 word_of(const uint4& v, int q) {
@@ -124,6 +119,8 @@ __device__ __forceinline__ u32 f2_to_bf16x2(float lo, float hi) {
     return d;
 }
 
+__device__ __forceinline__ u16 to_bf16(float v) { return (u16)(f2_to_bf16x2(v, 0.f) & 0xFFFFu); }
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32) CLUSTER
 w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4* __restrict__ st,
             const float* __restrict__ wg, u16* __restrict__ y, int M, int N, int K, int stride_xm,
@@ -134,13 +131,13 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     const int per = (S + SPLIT - 1) / SPLIT;  // steps per split
     const int s0 = blockIdx.y * per;
     const int s1 = min(S, s0 + per);
-    const int ntiles = N >> 3;
+    const int ntiles = N >> 4;
     const int tile0 = (blockIdx.x * WARPS + warp) * NT;
     const int XS = per * 128 + 8;  // smem row stride of x in bf16 (16 B pad: conflict-free ldmatrix)
 
-    // shared memory: x's K slice [XR + 1][XS] bf16 (rows < M, then one zero row that the A fragments
-    // of rows >= M read), then one ring per warp of DEPTH stages x NT x (32 lanes x 16 B of weight
-    // words + 8 rows x 16 B of scales)
+    // shared memory: x's K slice [XR + 1][XS] bf16 (rows < M, then one zero row that the B fragments
+    // of rows >= M read), then one ring per warp of DEPTH stages x NT x (1 KB of weight words + 256 B
+    // of scales)
     const int XR = min(M, XROWS);
     u16* xs = reinterpret_cast<u16*>(smem);
     unsigned char* ring = smem + (((XR + 1) * XS * 2 + 127) & ~127) + warp * (DEPTH * NT * STAGE_BYTES);
@@ -159,8 +156,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         cp_async_commit();
     }
 
-    // 2. the weight stream: each lane copies its 16 B of weight words per n-tile and step, lanes 0-7
-    // the 16 B of scales of row `lane`; one commit group per step, DEPTH steps ahead
+    // 2. the weight stream: per n-tile and step each lane copies its 2 x 16 B of weight words, lanes
+    // 0-15 one 16 B chunk of the 256 B of scales; one commit group per step, DEPTH steps ahead
     const uint4* wp[NT];
     const uint4* sp[NT];
     bool ok[NT];
@@ -168,8 +165,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     for (int j = 0; j < NT; ++j) {
         ok[j] = tile0 + j < ntiles;
         const u64 tile = ok[j] ? (u64)(tile0 + j) : 0;
-        wp[j] = wt + (tile * S) * 32 + lane;
-        sp[j] = st + (tile * S) * 8 + (lane & 7);
+        wp[j] = wt + (tile * S) * 64 + lane;
+        sp[j] = st + (tile * S) * 16 + (lane & 15);
     }
     auto issue = [&](int step, int stage) {
         if (step < s1) {
@@ -177,8 +174,9 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             for (int j = 0; j < NT; ++j) {
                 if (ok[j]) {
                     const u32 dst = ring_s + (stage * NT + j) * STAGE_BYTES;
-                    cp_async16(dst + lane * 16, wp[j] + (u64)step * 32, 16);
-                    if (lane < 8) cp_async16(dst + 512 + lane * 16, sp[j] + (u64)step * 8, 16);
+                    cp_async16(dst + lane * 16, wp[j] + (u64)step * 64, 16);
+                    cp_async16(dst + 512 + lane * 16, wp[j] + (u64)step * 64 + 32, 16);
+                    if (lane < 16) cp_async16(dst + 1024 + lane * 16, sp[j] + (u64)step * 16, 16);
                 }
             }
         }
@@ -189,20 +187,20 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     cp_async_wait<DEPTH>();  // x (the oldest group) has landed for this thread ...
     __syncthreads();         // ... and for every thread
 
-    // ldmatrix row addresses of this lane
-    const int mat = lane >> 3, r8 = lane & 7;
-    u32 xa[MT];
+    // ldmatrix.x4 row addresses: matrix j = x rows 8 mg + (lane & 7) (the zero row past M) x k [8j, 8j+8):
+    // b0, b1 of the block at k, b0, b1 of the block at k + 16
+    u32 xa[MG];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)  // matrix j = rows 0-7 / 8-15 (j & 1) x k [0,8) / [8,16) (j >> 1)
-        xa[mt] = smem_u32(xs + min(16 * mt + r8 + (mat & 1) * 8, XR) * XS + (mat >> 1) * 8);
+    for (int mg = 0; mg < MG; ++mg)
+        xa[mg] = smem_u32(xs + min(8 * mg + (lane & 7), XR) * XS + (lane >> 3) * 8);
 
-    float acc[NT][MT][4], acc2[NT][MT][4];  // blocks 2q and 2q+1: two independent MMA chains
+    float acc[NT][MG][4], acc2[NT][MG][4];  // even and odd blocks: two independent MMA chains
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int mg = 0; mg < MG; ++mg)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[j][mt][i] = acc2[j][mt][i] = 0.f;
+            for (int i = 0; i < 4; ++i) acc[j][mg][i] = acc2[j][mg][i] = 0.f;
 
     // 3. the stream
     const int g4 = lane >> 2;
@@ -212,34 +210,41 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             const int sd = s + d;
             if (sd < s1) {
                 cp_async_wait<DEPTH - 1>();  // this step's group (and all older) landed
-                __syncwarp();                // for every lane of the warp (the scales come from lanes 0-7)
-                uint4 wv[NT], sv[NT];
+                __syncwarp();                // for every lane of the warp (scales come from lanes 0-15)
+                uint4 wv[NT][2], sv[NT][2];
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
                     const unsigned char* b = ring + (d * NT + j) * STAGE_BYTES;
-                    wv[j] = *reinterpret_cast<const uint4*>(b + lane * 16);
-                    sv[j] = *reinterpret_cast<const uint4*>(b + 512 + g4 * 16);
+                    wv[j][0] = *reinterpret_cast<const uint4*>(b + lane * 16);
+                    wv[j][1] = *reinterpret_cast<const uint4*>(b + 512 + lane * 16);
+                    sv[j][0] = *reinterpret_cast<const uint4*>(b + 1024 + g4 * 32);
+                    sv[j][1] = *reinterpret_cast<const uint4*>(b + 1024 + g4 * 32 + 16);
                 }
                 __syncwarp();  // every lane has its copy: the stage can be refilled
                 issue(sd + DEPTH, d);
                 const u32 kb = (u32)(sd - s0) * 128 * 2;  // byte offset of this step in a smem row
 #pragma unroll
-                for (int q = 0; q < 4; ++q) {  // word q: k 32q .. 32q+31 (blocks 2q, 2q+1)
-                    u32 af[MT][2][4];
+                for (int bp = 0; bp < 4; ++bp) {  // block pair bp: blocks 2bp, 2bp+1 (k 32bp .. 32bp+31)
+                    u32 bf[MG][2][2];
 #pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        ldmatrix_x4(xa[mt] + kb + q * 64, af[mt][0][0], af[mt][0][1], af[mt][0][2],
-                                    af[mt][0][3]);
-                        ldmatrix_x4(xa[mt] + kb + q * 64 + 32, af[mt][1][0], af[mt][1][1], af[mt][1][2],
-                                    af[mt][1][3]);
-                    }
+                    for (int mg = 0; mg < MG; ++mg)
+                        ldmatrix_x4(xa[mg] + kb + bp * 64, bf[mg][0][0], bf[mg][0][1], bf[mg][1][0],
+                                    bf[mg][1][1]);
 #pragma unroll
                     for (int j = 0; j < NT; ++j) {
-                        const u32 sw = word_of(sv[j], q);
-                        if (TIMING & 2)
-                            acc[j][0][0] += __uint_as_float((word_of(wv[j], q) ^ sw) & 0x3F000000u);
-                        else
-                            word_mma(acc[j], acc2[j], word_of(wv[j], q), dup_lo(sw), dup_hi(sw), af);
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {  // block 2bp + e = word (2bp + e) % 4 of half bp / 2
+                            const int blk = 2 * bp + e;
+                            const u32 w = word_of(wv[j][blk >> 2], blk & 3);
+                            const u32 sw = word_of(sv[j][blk >> 2], blk & 3);
+                            u32 bb[MG][2];
+#pragma unroll
+                            for (int mg = 0; mg < MG; ++mg) bb[mg][0] = bf[mg][e][0], bb[mg][1] = bf[mg][e][1];
+                            if (TIMING & 2)
+                                acc[j][0][0] += __uint_as_float((w ^ sw) & 0x3F000000u);
+                            else
+                                word_mma(e ? acc2[j] : acc[j], w, sw, bb);
+                        }
                     }
                 }
             }
@@ -249,27 +254,28 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int mg = 0; mg < MG; ++mg)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[j][mt][i] += acc2[j][mt][i];
+            for (int i = 0; i < 4; ++i) acc[j][mg][i] += acc2[j][mg][i];
 
-    // 4. epilogue. D fragment: c0, c1 = row g, columns 2t, 2t+1; c2, c3 = row g + 8.
+    // 4. epilogue. D fragment: c0, c1 = weight row g, x rows 2t, 2t+1; c2, c3 = weight row g + 8.
     const int g = lane >> 2, t = lane & 3;
     const float gs = WG_ROW ? 0.f : wg[0] * 256.f;
     if (SPLIT == 1) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             if (!ok[j]) continue;
-            const int n = (tile0 + j) * 8 + 2 * t;
-            const float g0 = WG_ROW ? wg[n] * 256.f : gs, g1 = WG_ROW ? wg[n + 1] * 256.f : gs;
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
+            for (int hh = 0; hh < 2; ++hh) {
+                const int n = (tile0 + j) * 16 + g + 8 * hh;
+                const float gn = WG_ROW ? wg[n] * 256.f : gs;
 #pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int m = 16 * mt + g + 8 * hh;
-                    if (m < M)
-                        *reinterpret_cast<u32*>(y + (u64)m * stride_ym + n) =
-                            f2_to_bf16x2(acc[j][mt][2 * hh] * g0, acc[j][mt][2 * hh + 1] * g1);
+                for (int mg = 0; mg < MG; ++mg) {
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int m = 8 * mg + 2 * t + c;
+                        if (m < M) y[(u64)m * stride_ym + n] = to_bf16(acc[j][mg][2 * hh + c] * gn);
+                    }
                 }
             }
         }
@@ -281,15 +287,13 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     float* part = reinterpret_cast<float*>(smem);
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-        const int nl = (warp * NT + j) * 8 + 2 * t;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
+        for (int hh = 0; hh < 2; ++hh) {
+            const int nl = (warp * NT + j) * 16 + g + 8 * hh;
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int m = 16 * mt + g + 8 * hh;
-                part[m * NB + nl] = acc[j][mt][2 * hh];
-                part[m * NB + nl + 1] = acc[j][mt][2 * hh + 1];
-            }
+            for (int mg = 0; mg < MG; ++mg)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) part[(8 * mg + 2 * t + c) * NB + nl] = acc[j][mg][2 * hh + c];
         }
     }
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
