@@ -351,8 +351,8 @@ def silu_mul(gu: torch.Tensor, *, quant: dict | None = None, write_y: bool = Tru
 
 def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
                  head_dim: int, q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                 eps: float = 1e-6, *, k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-                 slot: torch.Tensor | None = None):
+                 eps: float = 1e-6, *, k_cache: torch.Tensor | None = None,
+                 v_cache: torch.Tensor | None = None, slot: torch.Tensor | None = None):
     """q/k-norm (when weights are given) and RoPE of one token per row, qkv [R, (H + 2 H_kv) D] = the fused
     q|k|v projection, cos/sin [R, D] (bf16, the step's tables). With k_cache/v_cache ([B >= R, H_kv, T, D]
     bf16) and slot ([1] long on the device) k and v are written at that slot and (q, None) is returned;
@@ -380,7 +380,8 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
     if r:
         COMPILED["fused qk_norm_rope"] = _qk_norm_rope_kernel[(r, n_heads + n_kv_heads)](
             qkv, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos, q, k_out, v_out,
-            slot if slot is not None else q, n_heads, n_kv_heads, d, qkv.stride(0), cos.stride(0), q.stride(0),
+            slot if slot is not None else q, n_heads, n_kv_heads, d, qkv.stride(0), cos.stride(0),
+            q.stride(0),
             kb, kh, kt, 1.0 / d, eps, HAS_NORM=has_norm, TO_CACHE=to_cache,
             BH=max(16, triton.next_power_of_2(d // 2)), num_warps=1, enable_fp_fusion=False)
     return q, (None if to_cache else k_out)
