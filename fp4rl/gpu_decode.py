@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import warnings
 from types import SimpleNamespace
 
@@ -65,10 +66,12 @@ from fp4rl.packed import FusedGroup, PackedNVFP4Linear
 
 KERNEL_DTYPE = torch.bfloat16
 TUNE = True  # time the GEMM candidates per shape on first use (gemm.tune); False: first candidate, no timing
-# Keep a copy of each dense W4A16 weight's codes in the gemv32 layout (fp4rl.kernels.gemv.swizzle) for
-# the 1-4 row tensor-core GEMV: ~1.2x faster GEMVs for +0.5 byte per weight of device memory. Rebuilt
-# (one memory-bound kernel per weight) when the packed bytes change.
-GEMV32 = True
+# Keep a decode copy of each dense W4A16 weight for the 1-16 row kernels: on Hopper with NVRTC the CUDA
+# mma16 kernel's copy (fp4rl.kernels.gemv_cuda: 1.4-2.5x cuBLAS BF16 at 1-8 rows on the H200, +0.625 byte
+# per weight of device memory), else the codes in the gemv32 layout (fp4rl.kernels.gemv.swizzle) for the
+# 1-4 row Gluon GEMV (+0.5 byte per weight). Rebuilt in place when the packed bytes change.
+GEMV32 = True  # any decode copy at all
+MMA16 = os.environ.get("FP4RL_MMA16", "1") != "0"  # the CUDA mma16 copy where it runs (else gemv32)
 SLOT_ALIGN = 64  # T_cap is rounded up to this
 FUSED = True  # new engines run the fused decode step (fp4rl.kernels.fused); DecodeEngine.set_fused for A/B
 
@@ -103,17 +106,27 @@ def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, 
     return gemm.gemm(None, weight, xq=xq, offsets=offsets, tune=TUNE, config=config)
 
 
-class _Gemv32:
-    """The gemv32 copy of some packed bytes, rebuilt when their version or storage changes (or after
+class _DecodeCopy:
+    """The decode copy of some packed bytes for the 1-16 row kernels: the CUDA mma16 kernel's copy
+    (fp4rl.kernels.gemv_cuda, bytes and block scales re-laid out) where that kernel runs, else the Gluon
+    GEMV's gemv32 copy. Rebuilt in place when the bytes' version or storage changes (or after
     invalidate()); never inside a CUDA-graph capture (the engine refreshes before capturing)."""
 
     def __init__(self):
         self.copy, self.key = None, None
+        self.mma16 = None
 
-    def get(self, src: torch.Tensor):
+    def get(self, src: torch.Tensor, scale: torch.Tensor | None = None):
         if not GEMV32 or src.device.type != "cuda":
             return None
-        from fp4rl.kernels import gemv
+        from fp4rl.kernels import gemv, gemv_cuda
+
+        if scale is not None and MMA16 and gemv_cuda.available(src.device):
+            if self.mma16 is None:
+                self.mma16 = gemv_cuda.Mma16Cache()
+            copy = self.mma16.get(src, scale)
+            if copy is not None:
+                return copy
 
         if not gemv.available() or src.shape[-1] % 4:
             return None
@@ -128,6 +141,8 @@ class _Gemv32:
 
     def invalidate(self) -> None:
         self.key = None  # the copy's storage is reused by the next get()
+        if self.mma16 is not None:
+            self.mma16.invalidate()
 
 
 def _version(t: torch.Tensor) -> int:
@@ -137,9 +152,20 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def _with_gemv32(weight, copy):
-    return weight if copy is None else SimpleNamespace(
-        data=weight.data, block_scale=weight.block_scale, global_scale=weight.global_scale, gemv32=copy)
+def _with_copy(weight, copy):
+    if copy is None:
+        return weight
+    kind = "gemv32" if isinstance(copy, torch.Tensor) else "mma16"
+    return SimpleNamespace(data=weight.data, block_scale=weight.block_scale, global_scale=weight.global_scale,
+                           **{kind: copy})
+
+
+def _decode_rows(x2: torch.Tensor) -> bool:
+    """Rows that the decode copies serve: up to gemm.MMA16_MAX_ROWS (the mma16 kernel), else 4 (Gluon)."""
+    from fp4rl.kernels import gemm, gemv_cuda
+
+    limit = gemm.MMA16_MAX_ROWS if MMA16 and gemv_cuda.available(x2.device) else 4
+    return x2.numel() <= limit * x2.shape[-1]
 
 
 def kernel_ready(m: nn.Module) -> bool:
@@ -163,24 +189,24 @@ class KernelPackedLinear(PackedNVFP4Linear):
     def refresh(self) -> None:
         """Rebuild the gemv32 copy if the packed bytes changed (called before graph capture/replay)."""
         if self.mode == "w4a16":
-            self._swz().get(self.weight_data)
+            self._swz().get(self.weight_data, self.weight_block_scale)
 
     def invalidate(self) -> None:
         super().invalidate()
         if self._gemv32 is not None:
             self._gemv32.invalidate()
 
-    def _swz(self) -> _Gemv32:
+    def _swz(self) -> _DecodeCopy:
         if self._gemv32 is None:
-            self._gemv32 = _Gemv32()
+            self._gemv32 = _DecodeCopy()
         return self._gemv32
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x @ DQ(W).T + b with the W4A16 kernel (x as given)."""
         if x.dtype != KERNEL_DTYPE:
             return super().linear(x)
-        w = _with_gemv32(self.quantized_weight(), self._swz().get(self.weight_data) if x.numel() <= 4 *
-                         x.shape[-1] else None)
+        w = _with_copy(self.quantized_weight(), self._swz().get(self.weight_data, self.weight_block_scale)
+                         if _decode_rows(x) else None)
         y = packed_gemm(x.reshape(-1, x.shape[-1]), w, "w4a16", self.input_kwargs)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if self.bias is None else y + self.bias
@@ -225,16 +251,16 @@ class KernelFusedGroup(FusedGroup):
         self.g_rows.copy_(torch.cat([m.weight_global_scale.float().reshape(1).expand(n)
                                      for m, n in zip(self.members, self.splits)]))
         if self.members[0].mode == "w4a16":
-            self._swz().get(self.data)
+            self._swz().get(self.data, self.scale)
 
     def invalidate(self) -> None:
         super().invalidate()
         if getattr(self, "_gemv32", None) is not None:
             self._gemv32.invalidate()
 
-    def _swz(self) -> _Gemv32:
+    def _swz(self) -> _DecodeCopy:
         if getattr(self, "_gemv32", None) is None:
-            self._gemv32 = _Gemv32()
+            self._gemv32 = _DecodeCopy()
         return self._gemv32
 
     def run(self, x2: torch.Tensor | None, xq=None) -> torch.Tensor:
@@ -242,8 +268,8 @@ class KernelFusedGroup(FusedGroup):
         producer (then x2 may be None)."""
         m0 = self.members[0]
         w = SimpleNamespace(data=self.data, block_scale=self.scale, global_scale=self.g_rows)
-        if m0.mode == "w4a16" and x2.numel() <= 4 * x2.shape[-1]:
-            w = _with_gemv32(w, self._swz().get(self.data))
+        if m0.mode == "w4a16" and _decode_rows(x2):
+            w = _with_copy(w, self._swz().get(self.data, self.scale))
         y = packed_gemm(x2, w, m0.mode, m0.input_kwargs, xq=xq)
         return y if self.bias_cat is None else y + self.bias_cat
 
