@@ -116,7 +116,9 @@ class _DecodeCopy:
         self.copy, self.key = None, None
         self.mma16 = None
 
-    def get(self, src: torch.Tensor, scale: torch.Tensor | None = None):
+    def get(self, src: torch.Tensor, scale: torch.Tensor | None = None, mma16_only: bool = False):
+        """The copy for these bytes (None where no decode kernel runs; mma16_only: W4A4, which only the
+        mma16 kernel serves)."""
         if not GEMV32 or src.device.type != "cuda":
             return None
         from fp4rl.kernels import gemv, gemv_cuda
@@ -127,6 +129,8 @@ class _DecodeCopy:
             copy = self.mma16.get(src, scale)
             if copy is not None:
                 return copy
+        if mma16_only:
+            return None
 
         if not gemv.available() or src.shape[-1] % 4:
             return None
@@ -160,12 +164,15 @@ def _with_copy(weight, copy):
                            **{kind: copy})
 
 
-def _decode_rows(x2: torch.Tensor) -> bool:
-    """Rows that the decode copies serve: up to gemm.MMA16_MAX_ROWS (the mma16 kernel), else 4 (Gluon)."""
+def _decode_copy(cache: _DecodeCopy, data, scale, mode: str, x2, xq=None):
+    """The decode copy for a call of `rows` rows, or None: W4A16 up to gemm.MMA16_MAX_ROWS rows where the
+    mma16 kernel runs (else up to 4, Gluon gemv32); W4A4 only on the mma16 kernel."""
     from fp4rl.kernels import gemm, gemv_cuda
 
-    limit = gemm.MMA16_MAX_ROWS if MMA16 and gemv_cuda.available(x2.device) else 4
-    return x2.numel() <= limit * x2.shape[-1]
+    rows = x2.numel() // x2.shape[-1] if x2 is not None else xq[0].shape[0]
+    mma = MMA16 and gemv_cuda.available(data.device)
+    limit = gemm.MMA16_MAX_ROWS if mma else 4 if mode == "w4a16" else 0
+    return cache.get(data, scale, mma16_only=mode != "w4a16") if rows <= limit else None
 
 
 def kernel_ready(m: nn.Module) -> bool:
@@ -187,9 +194,8 @@ class KernelPackedLinear(PackedNVFP4Linear):
     _gemv32 = None
 
     def refresh(self) -> None:
-        """Rebuild the gemv32 copy if the packed bytes changed (called before graph capture/replay)."""
-        if self.mode == "w4a16":
-            self._swz().get(self.weight_data, self.weight_block_scale)
+        """Rebuild the decode copy if the packed bytes changed (called before graph capture/replay)."""
+        self._swz().get(self.weight_data, self.weight_block_scale, mma16_only=self.mode != "w4a16")
 
     def invalidate(self) -> None:
         super().invalidate()
@@ -205,8 +211,8 @@ class KernelPackedLinear(PackedNVFP4Linear):
         """x @ DQ(W).T + b with the W4A16 kernel (x as given)."""
         if x.dtype != KERNEL_DTYPE:
             return super().linear(x)
-        w = _with_copy(self.quantized_weight(), self._swz().get(self.weight_data, self.weight_block_scale)
-                         if _decode_rows(x) else None)
+        w = _with_copy(self.quantized_weight(),
+                       _decode_copy(self._swz(), self.weight_data, self.weight_block_scale, "w4a16", x))
         y = packed_gemm(x.reshape(-1, x.shape[-1]), w, "w4a16", self.input_kwargs)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if self.bias is None else y + self.bias
@@ -223,7 +229,9 @@ class KernelPackedLinear(PackedNVFP4Linear):
         """y [M, N] for x2 [M, K] bfloat16, or (W4A4) for its Q(x) made by a fused producer."""
         if self.mode == "w4a16":
             return self.linear(x2)
-        y = packed_gemm(x2, self.quantized_weight(), "w4a4", self.input_kwargs, xq=xq)
+        w = _with_copy(self.quantized_weight(),
+                       _decode_copy(self._swz(), self.weight_data, self.weight_block_scale, "w4a4", x2, xq))
+        y = packed_gemm(x2, w, "w4a4", self.input_kwargs, xq=xq)
         return y if self.bias is None else y + self.bias
 
 
@@ -247,11 +255,10 @@ class KernelFusedGroup(FusedGroup):
 
     def refresh(self) -> None:
         """Copy the members' global scales into the per-row vector (after a weight sync), and rebuild
-        the gemv32 copy if the packed bytes changed."""
+        the decode copy if the packed bytes changed."""
         self.g_rows.copy_(torch.cat([m.weight_global_scale.float().reshape(1).expand(n)
                                      for m, n in zip(self.members, self.splits)]))
-        if self.members[0].mode == "w4a16":
-            self._swz().get(self.data, self.scale)
+        self._swz().get(self.data, self.scale, mma16_only=self.members[0].mode != "w4a16")
 
     def invalidate(self) -> None:
         super().invalidate()
@@ -268,8 +275,7 @@ class KernelFusedGroup(FusedGroup):
         producer (then x2 may be None)."""
         m0 = self.members[0]
         w = SimpleNamespace(data=self.data, block_scale=self.scale, global_scale=self.g_rows)
-        if m0.mode == "w4a16" and _decode_rows(x2):
-            w = _with_copy(w, self._swz().get(self.data, self.scale))
+        w = _with_copy(w, _decode_copy(self._swz(), self.data, self.scale, m0.mode, x2, xq))
         y = packed_gemm(x2, w, m0.mode, m0.input_kwargs, xq=xq)
         return y if self.bias_cat is None else y + self.bias_cat
 

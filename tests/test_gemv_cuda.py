@@ -140,3 +140,27 @@ def test_gpu_kernel_matches_reference(n, k, kw):
     y = torch.empty(3, n, dtype=torch.bfloat16, device="cuda")
     gemv_cuda.launch(xs, wc, g, y)
     assert torch.equal(y, ys[5][:3]) or _rel(y, base[:3].double() @ wd.T) < 4e-3
+
+
+@pytest.mark.gpu
+def test_gpu_w4a4_through_mma16():
+    """W4A4 emulation at 1-16 rows on the mma16 copy: x = e2m1 * block_scale (exact bf16), x's per-row global
+    scale applied to the FP32 sum with the weight's; the same products as the Triton W4A4 kernel."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    from types import SimpleNamespace
+
+    from fp4rl.kernels import gemm
+
+    w = _weight(512, 1024, device="cuda")
+    wc = gemv_cuda.relayout(w.data, w.block_scale)
+    wm = SimpleNamespace(data=w.data, block_scale=w.block_scale, global_scale=w.global_scale, mma16=wc)
+    for m in (1, 5, 16):
+        rows_scale = torch.logspace(-2, 2, m, device="cuda")[:, None]  # per-row global scales that differ
+        x = (torch.randn(m, 1024, device="cuda") * rows_scale).bfloat16()
+        xq = gemm.quantize_activations(x)
+        xr = gemm.dequantize(*xq, torch.float32).double()  # the quantized activation, exactly
+        ref = xr @ reference.dequantize(w, torch.float64).T
+        y = gemm.gemm(None, wm, xq=xq)
+        assert _rel(y, ref) < 4e-3
+        assert _rel(y, gemm.gemm(None, w, xq=xq).double()) < 4e-3  # the Triton W4A4 kernel

@@ -58,7 +58,7 @@ PRECISIONS = {
              ("nvfp4-experts W4A4, last 15% BF16", "nvfp4-experts", 0.15)],
 }
 CATEGORIES = [  # kernel name fragments (lower case), first match wins
-    ("nvfp4 GEMM (Triton, Gluon)", ("w4_gemm", "_gemv_mma")),
+    ("nvfp4 GEMM (Triton, Gluon, CUDA mma16)", ("w4_gemm", "_gemv_mma", "w4a16_mma16")),
     ("dequantize (Triton)", ("_dequantize_kernel",)),
     ("quantize (Triton)", ("_quantize_kernel", "_amax_kernel", "_quantize_rows", "_quantize_flat")),
     ("fused norm / rope / silu (Triton)", ("_add_rmsnorm", "_qk_norm_rope", "_silu_mul")),

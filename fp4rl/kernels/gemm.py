@@ -458,7 +458,7 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None):
     [E, N, K/2] with offsets int32 [E+1] over the expert-sorted rows of x). config: a dict from
     candidate_configs, or FALLBACK, to bypass the tuner. A dense weight may carry `gemv32` (gemv.swizzle
     of its data: the Gluon GEMV's copy) or `mma16` (gemv_cuda.relayout: the CUDA kernel's copy, taken for
-    1-MMA16_MAX_ROWS rows of W4A16 when no config is forced).
+    1-MMA16_MAX_ROWS rows of W4A16 or W4A4 when no config is forced).
     """
     grouped = offsets is not None
     wd, ws, wg = _weight_parts(weight, grouped)
@@ -489,13 +489,19 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None):
     y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
     if m == 0:
         return y
-    if (m16 is not None and x2 is not None and not grouped and config is None and m <= MMA16_MAX_ROWS
+    if (m16 is not None and not grouped and config is None and m <= MMA16_MAX_ROWS
             and _mma16.available(device)):
         if (m16.n, m16.k) != (n, 2 * kh):
             raise ValueError(f"weight.mma16 is a copy of a {m16.n}x{m16.k} weight, the weight is "
                              f"{n}x{2 * kh}")
         try:  # the CUDA mma16 kernel (fp4rl.kernels.gemv_cuda): every row up to 16 on one MMA
-            return _mma16.launch(x2, m16, wg[0] if wg.ndim == 2 else wg, y)
+            g1 = wg[0] if wg.ndim == 2 else wg
+            if x2 is not None:
+                return _mma16.launch(x2, m16, g1, y)
+            # W4A4: the same exact products from x = e2m1 * block_scale (bf16, exact), x's per-row global
+            # scale applied with the weight's to the FP32 sum
+            xdq = dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False)
+            return _mma16.launch(xdq, m16, g1, y, x_scale=xq[2])
         except Exception as exc:  # noqa: BLE001  (NVRTC or the driver refused it here: fall back for good)
             _mma16.disable(exc)
 

@@ -242,8 +242,8 @@ def smem_bytes(cfg: dict, k: int, m: int = 8) -> int:
     return max(xb + ring, pb)
 
 
-def source(cfg: dict, wg_row: bool) -> str:
-    defs = {**cfg, "WG_ROW": int(wg_row)}
+def source(cfg: dict, wg_row: bool, xg_row: bool = False) -> str:
+    defs = {**cfg, "WG_ROW": int(wg_row), "XG_ROW": int(xg_row)}
     head = "".join(f"#define {key} {val}\n" for key, val in defs.items())
     cluster = f"__cluster_dims__(1, {cfg['SPLIT']}, 1)" if cfg["SPLIT"] > 1 else ""
     return head + f"#define CLUSTER {cluster}\n" + _SOURCE.read_text()
@@ -251,8 +251,8 @@ def source(cfg: dict, wg_row: bool) -> str:
 
 @functools.cache
 def _kernel(key: tuple):
-    cfg = dict(key[:-1])
-    src = source(cfg, key[-1])
+    cfg = dict(key[:-2])
+    src = source(cfg, key[-2], key[-1])
     kern = torch.cuda._compile_kernel(src, "w4a16_mma16", nvcc_options=["-std=c++17"])
     return kern
 
@@ -270,9 +270,10 @@ def _set_smem(kern, nbytes: int) -> None:
 
 
 def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: torch.Tensor,
-           cfg: dict | None = None) -> torch.Tensor:
+           cfg: dict | None = None, x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] bfloat16 = x2 [M, K] bfloat16 @ DQ(W).T with W's mma16 copy; global_scale fp32 [1]
-    or [N]."""
+    or [N]. x_scale fp32 [M] (W4A4 emulation): x2 is e2m1 * block_scale of an NVFP4 activation and row m's
+    sum is multiplied by x_scale[m] and the weight's global scale before the one bfloat16 rounding."""
     m, k = x2.shape
     if k != wc.k:
         raise ValueError(f"x has K={k}, the weight {wc.k}")
@@ -283,13 +284,18 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
     g = global_scale.float().reshape(-1).contiguous()
     if g.numel() not in (1, wc.n):
         raise ValueError(f"global_scale must have 1 or N={wc.n} values, got {g.numel()}")
+    xg = g
+    if x_scale is not None:
+        xg = x_scale.float().reshape(-1).contiguous()
+        if xg.numel() != m:
+            raise ValueError(f"x_scale must have one value per row of x ({m}), got {xg.numel()}")
     dev = x2.device
     cfg = cfg or choose(wc.n, wc.k, m, torch.cuda.get_device_properties(dev).multi_processor_count)
-    kern = _kernel(tuple(sorted(cfg.items())) + (g.numel() > 1,))
+    kern = _kernel(tuple(sorted(cfg.items())) + (g.numel() > 1, x_scale is not None))
     smem = smem_bytes(cfg, wc.k, m)
     _set_smem(kern, smem)
     nb = -(-wc.n // (WARPS * cfg["NT"] * 16))
     kern(grid=(nb, cfg["SPLIT"], 1), block=(WARPS * 32, 1, 1),
-         args=[x2, wc.wt, wc.st, g, y, m, wc.n, wc.k, x2.stride(0), y.stride(0)], shared_mem=smem)
+         args=[x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0)], shared_mem=smem)
     STATE["ok"] = True
     return y

@@ -1,7 +1,9 @@
 // W4A16 skinny GEMM for 1..8*MG rows of x on Hopper (sm_90): y[M, N] = x[M, K] @ DQ(W)[N, K]^T.
 //
 // Compiled at run time by NVRTC (fp4rl/kernels/gemv_cuda.py prepends the #defines: NT, MG, SPLIT,
-// DEPTH, WG_ROW, and CLUSTER = __cluster_dims__(1, SPLIT, 1) when SPLIT > 1).
+// DEPTH, WG_ROW, XG_ROW, and CLUSTER = __cluster_dims__(1, SPLIT, 1) when SPLIT > 1).
+// XG_ROW: x is a dequantized NVFP4 activation without its per-row global scale (W4A4 emulation: x =
+// e2m1 * block_scale, exact in bf16); xg[m] multiplies row m's sum with the weight's global scale.
 //
 // A decode GEMM streams the weight once; on Hopper it is bound by the bytes in flight per SM and by
 // the instructions per weight (no FP4 conversion). mma.sync.m16n8k16 with the weights as A (16 rows x
@@ -123,8 +125,8 @@ __device__ __forceinline__ u16 to_bf16(float v) { return (u16)(f2_to_bf16x2(v, 0
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) CLUSTER
 w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4* __restrict__ st,
-            const float* __restrict__ wg, u16* __restrict__ y, int M, int N, int K, int stride_xm,
-            int stride_ym) {
+            const float* __restrict__ wg, const float* __restrict__ xg, u16* __restrict__ y, int M, int N,
+            int K, int stride_xm, int stride_ym) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int S = K >> 7;                    // 128-k steps
@@ -274,7 +276,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         const int m = 8 * mg + 2 * t + c;
-                        if (m < M) y[(u64)m * stride_ym + n] = to_bf16(acc[j][mg][2 * hh + c] * gn);
+                        if (m < M)
+                            y[(u64)m * stride_ym + n] = to_bf16(acc[j][mg][2 * hh + c] * (XG_ROW ? gn * xg[m] : gn));
                     }
                 }
             }
@@ -323,7 +326,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             }
             const int n = blockIdx.x * NB + nl;
             if (r == 0 && e < total && n < N) {
-                const float gg = WG_ROW ? wg[n] * 256.f : gs;
+                const float gg = (WG_ROW ? wg[n] * 256.f : gs) * (XG_ROW ? xg[m] : 1.f);
                 y[(u64)m * stride_ym + n] = (u16)(f2_to_bf16x2(v * gg, 0.f) & 0xFFFFu);
             }
         }
