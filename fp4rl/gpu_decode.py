@@ -148,6 +148,17 @@ class _DecodeCopy:
         if self.mma16 is not None:
             self.mma16.invalidate()
 
+    @property
+    def nbytes(self) -> int:
+        own = 0 if self.copy is None else self.copy.nbytes
+        return own + (0 if self.mma16 is None else self.mma16.nbytes)
+
+
+def decode_copy_bytes(model: nn.Module) -> int:
+    """Device bytes of every decode copy (mma16 or gemv32) that the kernel linears and groups hold."""
+    owners = list(model.modules()) + list(getattr(model, "fused_groups", []))
+    return sum(o._gemv32.nbytes for o in owners if getattr(o, "_gemv32", None) is not None)
+
 
 def _version(t: torch.Tensor) -> int:
     try:

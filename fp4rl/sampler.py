@@ -274,7 +274,8 @@ class Sampler:
     def memory(self) -> dict[str, float]:
         """Bytes of the packed linears vs the same weights in BF16; what the sampler derives from them
         per weight version (`dequantized_cache_bytes`: a DQ(W) cache, oneDNN-reordered DQ(W), or the
-        AMX kernel's copy); prepacked copies of BF16 linears; every parameter and buffer."""
+        AMX kernel's copy; `decode_copy_bytes`: the CUDA decode kernels' copies, mma16 or gemv32);
+        prepacked copies of BF16 linears; every parameter and buffer."""
         packed = [m for m in self.model.modules() if isinstance(m, PackedNVFP4Linear)]
         params = sum(m.in_features * m.out_features for m in packed)
         packed_bytes = sum(m.quantized_weight().nbytes for m in packed)
@@ -284,9 +285,11 @@ class Sampler:
         prepacked_dense = sum(m._prepacked.nbytes for m in self.model.modules()
                               if isinstance(m, PrepackedLinear))
         prepacked_dense += sum(g.nbytes for g in self.model.fused_groups if not g.packed)
+        from fp4rl.gpu_decode import decode_copy_bytes
+
         return dict(quantized_params=params, packed_bytes=packed_bytes, bf16_bytes=2 * params,
                     packed_vs_bf16=packed_bytes / max(2 * params, 1), dequantized_cache_bytes=cache_bytes,
-                    prepacked_dense_bytes=prepacked_dense,
+                    prepacked_dense_bytes=prepacked_dense, decode_copy_bytes=decode_copy_bytes(self.model),
                     other_bytes=sum(p.nbytes for p in self.model.parameters()))
 
     # -- generation --------------------------------------------------------------------------

@@ -76,7 +76,7 @@ def test_choose_is_row_invariant_up_to_16_and_fits_shared_memory():
         cfgs = [gemv_cuda.choose(n, k, m, 132) for m in range(1, 17)]
         assert all(c["SPLIT"] == cfgs[0]["SPLIT"] for c in cfgs)  # the split-K order decides the sums
         for m in (1, 17, 33, 64):
-            if not gemv_cuda.fits(n, k, m):
+            if not gemv_cuda.fits(n, k, m, 132):
                 assert m > 16 and k > 4096  # 64 rows of a long K slice: the dispatcher takes another kernel
                 continue
             c = gemv_cuda.choose(n, k, m, 132)
@@ -84,6 +84,24 @@ def test_choose_is_row_invariant_up_to_16_and_fits_shared_memory():
             assert (k // 128) >= c["SPLIT"]
     with pytest.raises(ValueError, match="1-64 rows"):
         gemv_cuda.choose(4096, 4096, 65, 132)
+
+
+def test_kernel_source_unpacks_like_the_emulation():
+    """emulate_weight mirrors the kernel's unpack: the .cu must use the same masks and shifts (a change on
+    one side only is caught here, without a GPU)."""
+    src = gemv_cuda._SOURCE.read_text()
+    body = src[src.index("void unpack("):src.index("}", src.index("void unpack("))]
+    for line in ("p0 = w & M;", "p1 = (w << 3) & M;", "p2 = (w << 6) & M;",
+                 "p3 = ((w >> 4) & 0x00C000C0u) | ((w << 1) & 0x80008000u) | ((w >> 5) & 0x01000100u);",
+                 "const u32 M = 0x81C081C0u;"):
+        assert line in body, line
+    w = torch.tensor([0x12345678, 0xFFFFFFFF, 0x80000001], dtype=torch.int64)
+    pairs = gemv_cuda._unpack_pairs(w)
+    m = 0x81C081C0
+    expect = [w & m, (w << 3) & m, (w << 6) & m,
+              ((w >> 4) & 0x00C000C0) | ((w << 1) & 0x80008000) | ((w >> 5) & 0x01000100)]
+    for p, e in zip(pairs, expect):
+        assert torch.equal(p, e & 0xFFFFFFFF)
 
 
 def test_available_is_false_without_hopper():
@@ -164,3 +182,31 @@ def test_gpu_w4a4_through_mma16():
         y = gemm.gemm(None, wm, xq=xq)
         assert _rel(y, ref) < 4e-3
         assert _rel(y, gemm.gemm(None, w, xq=xq).double()) < 4e-3  # the Triton W4A4 kernel
+
+
+@pytest.mark.gpu
+def test_gpu_refusals_fall_back_without_disabling():
+    """A shape whose x slice does not fit shared memory, and a misaligned x, go elsewhere (or are copied)
+    without switching the kernel off for the process."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    from types import SimpleNamespace
+
+    from fp4rl.kernels import gemm
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    k = 47232  # 16 rows of this K slice do not fit even at split 8
+    assert not gemv_cuda.fits(256, k, 16, sms) and gemv_cuda.fits(256, k, 1, sms)
+    w = _weight(256, k, device="cuda")
+    wm = SimpleNamespace(data=w.data, block_scale=w.block_scale, global_scale=w.global_scale,
+                         mma16=gemv_cuda.relayout(w.data, w.block_scale))
+    x = torch.randn(16, k, device="cuda").bfloat16()
+    ref = x.double() @ reference.dequantize(w, torch.float64).T
+    assert _rel(gemm.gemm(x, wm), ref) < 4e-3  # the Triton kernels
+    assert gemv_cuda.available()
+    buf = torch.randn(2 * k + 8, device="cuda").bfloat16()
+    xm = buf[4:4 + k].view(1, k)  # contiguous, 8 bytes off a 16-byte boundary
+    assert xm.is_contiguous() and xm.data_ptr() % 16
+    y = gemm.gemm(xm, wm)
+    assert _rel(y, xm.double() @ reference.dequantize(w, torch.float64).T) < 4e-3
+    assert gemv_cuda.available()

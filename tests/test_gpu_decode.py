@@ -25,6 +25,7 @@ V = 128
 DENSE = dict(model_type="qwen3", vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
              qk_norm=True)
+WIDE = dict(DENSE, hidden_size=128, intermediate_size=256)  # every linear N % 16 == 0, K % 128 == 0: mma16
 MOE = dict(DENSE, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
            norm_topk_prob=True)
 PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13]]  # left padding of 3, 6 and 0 slots
@@ -214,7 +215,8 @@ def test_kernels_need_bfloat16():
 @pytest.mark.gpu
 @pytest.mark.parametrize("config,contract,kv", [(DENSE, "nvfp4-linear", "nvfp4"),
                                                 (MOE, "nvfp4-experts", "fp8"), (MOE, "bf16", "bf16"),
-                                                (DENSE, "nvfp4-w4a16", "bf16")])
+                                                (DENSE, "nvfp4-w4a16", "bf16"), (WIDE, "nvfp4-w4a16", "bf16"),
+                                                (WIDE, "nvfp4-linear", "bf16")])
 def test_gpu_cuda_graphs_replay_the_eager_step(config, contract, kv):
     model = tiny(config, contract)
     params = SamplingParams(n=3, greedy=True, max_new_tokens=8)  # 9 rows: bucket 16, then smaller
@@ -234,9 +236,11 @@ def test_gpu_cuda_graphs_replay_the_eager_step(config, contract, kv):
 
 
 @pytest.mark.gpu
-def test_gpu_gemv32_copy_follows_the_weights():
-    """The 1-4 row GEMV reads a gemv32 copy of the packed bytes: it must follow in-place writes."""
-    s = Sampler(tiny(DENSE, "nvfp4-w4a16"), device=DEV)
+@pytest.mark.parametrize("config", [DENSE, WIDE])
+def test_gpu_decode_copy_follows_the_weights(config):
+    """The decode kernels read a copy of the packed bytes (DENSE: gemv32 for the Gluon GEMV; WIDE: the CUDA
+    mma16 kernel's where it runs): it must follow in-place writes."""
+    s = Sampler(tiny(config, "nvfp4-w4a16"), device=DEV)
     lins = [m for m in s.model.modules() if isinstance(m, gpu_decode.KernelPackedLinear)]
     x = torch.randn(2, lins[0].in_features, device=DEV).bfloat16()
     for lin in lins:
@@ -247,7 +251,9 @@ def test_gpu_gemv32_copy_follows_the_weights():
             y = lin.linear(x) if lin.group is None else lin.group(lin, x)
             assert ((y.double() - ref).norm() / ref.norm()).item() < 4e-3, (lin, step)
             owner = lin if lin.group is None else lin.group
-            assert owner._gemv32 is not None and owner._gemv32.key is not None  # the copy was used
+            copy = owner._gemv32
+            assert copy is not None and (copy.key is not None or (copy.mma16 is not None
+                                                                   and copy.mma16.key is not None))
             lin.weight_data.copy_(lin.weight_data.flip(0))  # a weight sync writes in place
 
 
@@ -287,7 +293,8 @@ def test_fused_step_falls_back_per_layer():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config,contract,kv", [
-    (DENSE, "nvfp4-w4a16", "bf16"), (DENSE, "nvfp4-linear", "bf16"), (MOE, "nvfp4-experts", "fp8")])
+    (DENSE, "nvfp4-w4a16", "bf16"), (DENSE, "nvfp4-linear", "bf16"), (MOE, "nvfp4-experts", "fp8"),
+    (WIDE, "nvfp4-linear", "bf16")])
 def test_gpu_fused_step_under_graphs(config, contract, kv):
     """On the GPU (graph replays) the fused step decodes what the module step decodes. The norms' sums add
     in another order than torch's (one-ulp differences); with no quantizer after them the greedy tokens

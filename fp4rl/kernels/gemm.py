@@ -490,19 +490,17 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None):
     if m == 0:
         return y
     if (m16 is not None and not grouped and config is None and m <= MMA16_MAX_ROWS
-            and _mma16.available(device)):
+            and _mma16.available(device) and _mma16.fits(n, 2 * kh, m, _sm_count(device))):
         if (m16.n, m16.k) != (n, 2 * kh):
             raise ValueError(f"weight.mma16 is a copy of a {m16.n}x{m16.k} weight, the weight is "
                              f"{n}x{2 * kh}")
+        g1 = wg[0] if wg.ndim == 2 else wg
+        # W4A4: the same exact products from x = e2m1 * block_scale (bf16, exact), x's per-row global scale
+        # applied with the weight's to the FP32 sum
+        xin = x2 if x2 is not None else dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False)
         try:  # the CUDA mma16 kernel (fp4rl.kernels.gemv_cuda): every row up to 16 on one MMA
-            g1 = wg[0] if wg.ndim == 2 else wg
-            if x2 is not None:
-                return _mma16.launch(x2, m16, g1, y)
-            # W4A4: the same exact products from x = e2m1 * block_scale (bf16, exact), x's per-row global
-            # scale applied with the weight's to the FP32 sum
-            xdq = dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False)
-            return _mma16.launch(xdq, m16, g1, y, x_scale=xq[2])
-        except Exception as exc:  # noqa: BLE001  (NVRTC or the driver refused it here: fall back for good)
+            return _mma16.launch(xin, m16, g1, y, x_scale=None if x2 is not None else xq[2])
+        except RuntimeError as exc:  # NVRTC or the driver refused it on this machine: fall back for good
             _mma16.disable(exc)
 
     def run(c):

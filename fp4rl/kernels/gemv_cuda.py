@@ -11,7 +11,7 @@ accumulation, the FP32 global scale once on the sum, one bfloat16 rounding: the 
 fp4rl.kernels.gemm / gemv (within FP32 summation order).
 
 CUDA only (NVRTC through torch.cuda._compile_kernel); ``available()`` says whether it can run here.
-``relayout`` / ``unrelayout`` / ``emulate`` are plain torch and run anywhere (tests check the layout,
+``relayout`` / ``unrelayout`` / ``emulate_weight`` are plain torch and run anywhere (tests check the layout,
 the bit unpack and the fragment mapping on CPU with ``emulate``).
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from fp4rl.kernels.gemv import _MOVES, _permute_words
+from fp4rl.kernels.gemv import _MOVES, _permute_words, swizzle
 
 _SOURCE = Path(__file__).with_name("gemv_mma16.cu")
 WARPS = 8
@@ -80,15 +80,24 @@ def _version(t: torch.Tensor) -> int:
 class Mma16Cache:
     """The mma16 copy of one packed weight for a sampler: rebuilt in place (same storage, so captured CUDA
     graphs stay valid) when the packed bytes or block scales change (version counter or storage) or after
-    invalidate(); never during a graph capture (the engine refreshes before capturing)."""
+    invalidate(); never during a graph capture (the engine refreshes before capturing). Costs 0.625 B per
+    weight of device memory (`nbytes`)."""
 
     def __init__(self):
         self.copy: Mma16Weight | None = None
         self.key = None
 
     def get(self, data: torch.Tensor, block_scale: torch.Tensor) -> Mma16Weight | None:
-        if data.ndim != 2 or not available(data.device) or not supports(data.shape[0], 2 * data.shape[1]):
+        """The copy, up to date. Once a copy exists it is kept up to date even if the kernel was disabled
+        since (a CUDA graph captured earlier still replays the kernel on it)."""
+        if data.ndim != 2 or not supports(data.shape[0], 2 * data.shape[1]):
             return None
+        if self.copy is None:
+            if not available(data.device):
+                return None
+            sms = torch.cuda.get_device_properties(data.device).multi_processor_count
+            if not fits(data.shape[0], 2 * data.shape[1], 1, sms):
+                return None
         key = (_version(data), data.data_ptr(), _version(block_scale), block_scale.data_ptr(),
                tuple(data.shape))
         if self.copy is None or key != self.key:
@@ -105,6 +114,10 @@ class Mma16Cache:
 
     def invalidate(self) -> None:
         self.key = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.copy is None else self.copy.wt.nbytes + self.copy.st.nbytes
 
 
 def _codes(data: torch.Tensor) -> torch.Tensor:
@@ -134,7 +147,8 @@ def relayout(data: torch.Tensor, block_scale: torch.Tensor) -> Mma16Weight:
     # word codes in pair order (a0 a1 a2 a3) = (jp, hh) = (0, 0) (0, 1) (1, 0) (1, 1), element je
     c = c.permute(0, 3, 4, 2, 6, 5, 7, 1, 8).reshape(-1, 8)  # [tile, step, half, g, t, word] x 8
     packed = c[:, 0::2] | (c[:, 1::2] << 4)  # 4 bytes per word, element 2i in the low nibble
-    wt = _permute_words(packed.reshape(-1, 4), _MOVES).view(torch.int32).reshape(n // 16, s, 2, 32, 4)
+    # the gemv32 bit order (gemv.swizzle: one memory-bound Triton kernel on CUDA, torch integer ops elsewhere)
+    wt = swizzle(packed.reshape(-1, 4)).view(torch.int32).reshape(n // 16, s, 2, 32, 4)
     sc = block_scale.view(torch.uint8) if block_scale.dtype != torch.uint8 else block_scale
     sf = (sc.view(torch.float8_e4m3fn).float() * _TWO_POW_118).to(torch.bfloat16)
     st = sf.reshape(n // 16, 2, 8, s, 8).permute(0, 3, 2, 4, 1).contiguous()  # [tile, step, g, block, hh]
@@ -197,8 +211,8 @@ def unrelayout(wc: Mma16Weight) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- configuration
 def choose(n: int, k: int, m: int, sms: int) -> dict:
-    """(NT, MG, SPLIT, DEPTH) for an N x K weight and m rows. SPLIT and the n-blocks depend on N and K
-    only, so a row's result does not depend on how many rows come with it."""
+    """(NT, MG, SPLIT, DEPTH) for an N x K weight and m rows. Up to 16 rows SPLIT and the n-blocks depend
+    on N and K only, so a row's result does not depend on how many rows (<= 16) come with it."""
     if m > MAX_ROWS:
         raise ValueError(f"the mma16 kernel takes 1-{MAX_ROWS} rows, got {m}")
     nt = 1
@@ -219,8 +233,9 @@ def choose(n: int, k: int, m: int, sms: int) -> dict:
     return cfg
 
 
-def fits(n: int, k: int, m: int, sms: int = 132) -> bool:
-    """Whether the kernel takes an N x K weight with m rows (shape and shared memory)."""
+def fits(n: int, k: int, m: int, sms: int) -> bool:
+    """Whether the kernel takes an N x K weight with m rows on a GPU of `sms` SMs (shape and shared memory:
+    very long K slices of many rows do not fit)."""
     if not supports(n, k) or not 1 <= m <= MAX_ROWS:
         return False
     try:
@@ -250,16 +265,27 @@ def source(cfg: dict, wg_row: bool, xg_row: bool = False) -> str:
 
 
 @functools.cache
-def _kernel(key: tuple):
+def _kernel(key: tuple, device_index: int):
+    """The compiled kernel for one configuration, per device (NVRTC builds for, and loads into, the current
+    device's context)."""
     cfg = dict(key[:-2])
     src = source(cfg, key[-2], key[-1])
-    kern = torch.cuda._compile_kernel(src, "w4a16_mma16", nvcc_options=["-std=c++17"])
-    return kern
+    with torch.cuda.device(device_index):
+        return torch.cuda._compile_kernel(src, "w4a16_mma16", nvcc_options=["-std=c++17"])
+
+
+@functools.cache
+def _plan(n: int, k: int, m: int, device_index: int) -> dict:
+    return choose(n, k, m, torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+_SMEM_SET: dict = {}  # (kernel, device) -> the largest dynamic shared memory size set on it
 
 
 def _set_smem(kern, nbytes: int) -> None:
-    if nbytes < 48 * 1024:
+    if nbytes < 48 * 1024 or _SMEM_SET.get(id(kern), 0) >= nbytes:
         return
+    _SMEM_SET[id(kern)] = nbytes
     if hasattr(kern, "set_shared_memory_config"):
         kern.set_shared_memory_config(nbytes)
         return
@@ -279,8 +305,11 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
         raise ValueError(f"x has K={k}, the weight {wc.k}")
     if x2.dtype != torch.bfloat16 or y.dtype != torch.bfloat16:
         raise TypeError("the mma16 kernel takes bfloat16 x and y")
-    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
-        x2 = x2.contiguous()
+    if tuple(y.shape) != (m, wc.n) or y.stride(1) != 1 or y.device != x2.device:
+        raise ValueError(f"y must be [{m}, {wc.n}] with unit column stride on x's device, got "
+                         f"{tuple(y.shape)} stride {y.stride()} on {y.device}")
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:  # 16-byte rows for cp.async
+        x2 = x2.clone(memory_format=torch.contiguous_format)  # a fresh allocation: 16-byte aligned
     g = global_scale.float().reshape(-1).contiguous()
     if g.numel() not in (1, wc.n):
         raise ValueError(f"global_scale must have 1 or N={wc.n} values, got {g.numel()}")
@@ -289,13 +318,17 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
         xg = x_scale.float().reshape(-1).contiguous()
         if xg.numel() != m:
             raise ValueError(f"x_scale must have one value per row of x ({m}), got {xg.numel()}")
-    dev = x2.device
-    cfg = cfg or choose(wc.n, wc.k, m, torch.cuda.get_device_properties(dev).multi_processor_count)
-    kern = _kernel(tuple(sorted(cfg.items())) + (g.numel() > 1, x_scale is not None))
+    dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+    cfg = cfg or _plan(wc.n, wc.k, m, dev)
+    if m > 8 * cfg["MG"]:
+        raise ValueError(f"configuration {cfg} covers {8 * cfg['MG']} rows, x has {m}")
+    kern = _kernel(tuple(sorted(cfg.items())) + (g.numel() > 1, x_scale is not None), dev)
     smem = smem_bytes(cfg, wc.k, m)
-    _set_smem(kern, smem)
     nb = -(-wc.n // (WARPS * cfg["NT"] * 16))
-    kern(grid=(nb, cfg["SPLIT"], 1), block=(WARPS * 32, 1, 1),
-         args=[x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0)], shared_mem=smem)
+    with torch.cuda.device(dev):
+        _set_smem(kern, smem)
+        kern(grid=(nb, cfg["SPLIT"], 1), block=(WARPS * 32, 1, 1),
+             args=[x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0)], shared_mem=smem,
+             stream=torch.cuda.current_stream(dev))
     STATE["ok"] = True
     return y
