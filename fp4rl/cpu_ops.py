@@ -365,13 +365,9 @@ class FastCPUDecoder(Decoder):
                 position_ids = torch.arange(start, S).expand(B, T)
         elif tuple(position_ids.shape) != (B, T):  # [T] or [1, T]: as broadcast by Decoder.forward
             position_ids = position_ids.expand(B, T)  # (the kernels read B * T rows of cos and sin)
-        if self.rope_inv_freq.device.type != "cpu":
-            self.rope_inv_freq = self.rope_inv_freq.cpu()
-        freqs = position_ids[..., None].float() * self.rope_inv_freq  # [B, T, D/2], as Decoder.forward
-        emb = torch.cat((freqs, freqs), dim=-1)
         x = self.embed_tokens(input_ids).contiguous()  # [B, T, hidden], updated in place below
-        cos = emb.cos().to(torch.bfloat16).contiguous()
-        sin = emb.sin().to(torch.bfloat16).contiguous()
+        cos, sin = self.rope_tables(position_ids, torch.bfloat16)  # [B, T, D], as Decoder.forward
+        cos, sin = cos.contiguous(), sin.contiguous()
         real = None if attention_mask is None else (attention_mask != 0).contiguous()  # [B, S] bool
         real_p, cos_p, sin_p = None if real is None else real.data_ptr(), cos.data_ptr(), sin.data_ptr()
         lib = _need_lib()

@@ -667,13 +667,8 @@ class DecodeEngine:
         from fp4rl.kernels import fused
 
         m = self.model.model
-        if m.rope_inv_freq.device != self.device:
-            m.rope_inv_freq = m.rope_inv_freq.to(self.device)
-        pos = self.positions[:bb]
         x = m.embed_tokens(self.tokens[:bb])  # [bb, H]
-        freqs = pos[:, None].float() * m.rope_inv_freq  # [bb, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # [bb, D]
+        cos, sin = m.rope_tables(self.positions[:bb], x.dtype)  # [bb, D]
         ctx = self._context(bb)
         h, chosen = None, []
         for layer, p in zip(m.layers, self.plans):
@@ -733,13 +728,9 @@ class DecodeEngine:
     def _step_modules(self, bb: int):
         """The decode step through the model's modules (the unfused path)."""
         m = self.model.model
-        if m.rope_inv_freq.device != self.device:
-            m.rope_inv_freq = m.rope_inv_freq.to(self.device)
-        pos = self.positions[:bb]
         x = m.embed_tokens(self.tokens[:bb])[:, None]  # [bb, 1, H]
-        freqs = pos[:, None, None].float() * m.rope_inv_freq  # [bb, 1, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]  # [bb, 1, 1, D]
+        cos, sin = m.rope_tables(self.positions[:bb, None], x.dtype)  # [bb, 1, D]
+        cos, sin = cos[:, None], sin[:, None]  # [bb, 1, 1, D]
         ctx = self._context(bb)
         chosen = []
         for layer in m.layers:

@@ -386,6 +386,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """RoPE's (cos, sin) [..., D] for positions [...] (integer), inv_freq [D/2] fp32 on positions' device:
+    angles in fp32, the tables rounded to dtype (the activations'), as every forward and decode step uses."""
+    freqs = positions[..., None].float() * inv_freq  # [..., D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [..., D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -493,12 +501,8 @@ class Decoder(nn.Module):
                 mask = mask & (real | (key_slots[None, :] == slots[:, None]))  # [B, T, S]
             mask = mask.expand(B, T, S)[:, None]  # [B, 1, T, S]
 
-        if self.rope_inv_freq.device != device:
-            self.rope_inv_freq = self.rope_inv_freq.to(device)
-        freqs = position_ids[..., None].float() * self.rope_inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, D]
         x = self.embed_tokens(input_ids)  # [B, T, H]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = self.rope_tables(position_ids, x.dtype)  # [B, T, D]
 
         chosen, moe_i = [], 0
         for layer in self.layers:
@@ -511,6 +515,13 @@ class Decoder(nn.Module):
         if kv_cache is not None:
             kv_cache.length = S
         return self.norm(x), chosen
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """rope_tables for these positions; inv_freq moves to their device once (kept there, so a CUDA-graph
+        capture of a decode step copies nothing from the host)."""
+        if self.rope_inv_freq.device != positions.device:
+            self.rope_inv_freq = self.rope_inv_freq.to(positions.device)
+        return rope_tables(self.rope_inv_freq, positions, dtype)
 
 
 class CausalLM(nn.Module):
