@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 from fp4rl.kernels import fused  # noqa: E402
 from fp4rl.kernels.quantize import quantize_2d  # noqa: E402
-from fp4rl.model import RMSNorm, rotate_half  # noqa: E402
+from fp4rl.model import RMSNorm, rope_tables, rotate_half  # noqa: E402
 from fp4rl.nvfp4 import quantize as reference_quantize  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,9 +137,7 @@ def test_add_rmsnorm_zero_row():
 
 def _rope_tables(positions, d, theta=10000.0):
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    freqs = positions[:, None].float() * inv_freq.to(positions.device)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().bfloat16(), emb.sin().bfloat16()  # [R, D], as the engine's step
+    return rope_tables(inv_freq.to(positions.device), positions, torch.bfloat16)  # [R, D]: the engine's
 
 
 def _unfused_qk(qkv, cos, sin, h, hkv, d, qn, kn):
@@ -180,14 +178,43 @@ def test_qk_norm_rope_writes_the_bf16_cache_slot():
     k_cache = _bf16((4, hkv, t, d), 14)  # more rows than the step's: rows >= r stay
     v_cache = _bf16((4, hkv, t, d), 15)
     k0, v0 = k_cache.clone(), v_cache.clone()
-    q, k_none = fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, None, None, k_cache=k_cache, v_cache=v_cache,
-                                   slot=torch.tensor([slot], device=DEV))
+    q, k_none = fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, None, None, 1e-6, k_cache=k_cache,
+                                   v_cache=v_cache, slot=torch.tensor([slot], device=DEV))
     assert k_none is None
     q_ref, k_ref, v_ref = _unfused_qk(qkv, cos, sin, h, hkv, d, None, None)
     assert torch.equal(q, q_ref)
     k0[:r].index_copy_(2, torch.tensor([slot], device=DEV), k_ref)
     v0[:r].index_copy_(2, torch.tensor([slot], device=DEV), v_ref)
     assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
+
+
+def test_fused_kernels_refuse_misfit_arguments():
+    """Wrong shapes, dtypes or devices are a ValueError naming the argument, never a silent misread."""
+    r, h, hkv, d = 2, 4, 2, 32
+    x = _bf16((r, 64), 30)
+    with pytest.raises(ValueError, match="weight must be the norm's contiguous \\[64\\]"):
+        fused.add_rmsnorm(x, None, _norm(48, 32).weight, 1e-6)
+    qkv = _bf16((r, (h + 2 * hkv) * d), 33)
+    cos, sin = _rope_tables(torch.tensor([1, 2], device=DEV), d)
+    qn, kn = _norm(d, 34), _norm(d, 35)
+    with pytest.raises(TypeError):  # eps is the model's (Qwen3 1e-6, Llama 1e-5): no default
+        fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, qn.weight, kn.weight)
+    with pytest.raises(ValueError, match="sin must be"):
+        fused.qk_norm_rope(qkv, cos, sin[:, :16].contiguous(), h, hkv, d, None, None, 1e-6)
+    with pytest.raises(ValueError, match="cos must be"):
+        fused.qk_norm_rope(qkv, cos.float(), sin, h, hkv, d, None, None, 1e-6)
+    with pytest.raises(ValueError, match="k_weight must be"):
+        fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, qn.weight, _norm(16, 36).weight, 1e-6)
+    with pytest.raises(ValueError, match="both q_weight and k_weight"):
+        fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, qn.weight, None, 1e-6)
+    k_cache, v_cache = _bf16((r, hkv, 8, d), 37), _bf16((r, hkv, 8, d), 38)
+    for bad in (torch.tensor([3], dtype=torch.int32, device=DEV), torch.tensor([3, 4], device=DEV)):
+        with pytest.raises(ValueError, match="slot must be a \\[1\\] torch.long tensor"):
+            fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, None, None, 1e-6, k_cache=k_cache, v_cache=v_cache,
+                               slot=bad)
+    with pytest.raises(ValueError, match="k_cache/v_cache must be"):
+        fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, None, None, 1e-6, k_cache=k_cache[:, :1].contiguous(),
+                           v_cache=v_cache[:, :1].contiguous(), slot=torch.tensor([3], device=DEV))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,6 +254,25 @@ def test_silu_mul_nonfinite_follows_torch():
     ref = F.silu(gu[:, :32]) * gu[:, 32:]
     assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
     assert_bytes(xq, y, QUANTS[0])
+
+
+def test_silu_without_libdevice_on_cuda_warns_once(monkeypatch):
+    """A compiled CUDA launch without libdevice falls back to tl.exp (approximate): say so, once."""
+    monkeypatch.setattr(fused, "USE_LIBDEVICE", False)
+    monkeypatch.setattr(fused, "INTERPRET", False)
+    monkeypatch.setattr(fused, "_WARNED_NO_LIBDEVICE", False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert fused._libdevice_for(torch.device("cuda")) is False
+        assert fused._libdevice_for(torch.device("cuda")) is False
+        assert fused._libdevice_for(torch.device("cpu")) is False  # the CPU never has it: no warning
+    assert sum("libdevice" in str(w.message) for w in seen) == 1
+    monkeypatch.setattr(fused, "INTERPRET", True)  # the interpreter has no libdevice by design: quiet
+    monkeypatch.setattr(fused, "_WARNED_NO_LIBDEVICE", False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fused._libdevice_for(torch.device("cuda"))
+    assert not seen
 
 
 def test_fused_quantize_rejects_bad_settings():

@@ -4,7 +4,9 @@ SiLU(gate) * up; the W4A4 activation quantizer fused into the first and the last
 At batch 1 a decode step of a dense model is ~20 small kernels per layer outside the GEMMs (fp32
 upcasts, the norm's reductions, RoPE's cat/neg/mul/add, the residual adds, SiLU and the product, the
 KV index_copy), and in W4A4 four activation quantizations per layer. Each is latency bound; these
-kernels do the same arithmetic in three launches per layer, one program per row (or per head).
+kernels do the same arithmetic in four launches per layer (residual add + RMSNorm before attention and
+before the MLP, q/k-norm + RoPE + KV write, SiLU * up) plus one for the final norm, one program per row
+(or per head, or per row chunk).
 
 The arithmetic is fp4rl/model.py's, rounding to bfloat16 where torch does:
 
@@ -17,9 +19,12 @@ Where these are bit for bit the unfused path's, and where not:
 - residual add, RoPE, the weight product, the KV write: exact (products of two bf16 are exact in
   fp32, each sum rounds once in fp32 then to bf16, as torch's opmath does).
 - RMSNorm (and q/k-norm): the fp32 sum of squares is added in another order than torch's reduction,
-  so it can differ in its last bits; rsqrt then moves by an ulp and y = bf16(...) differs by one
-  bfloat16 ulp in the rare element that sits next to a rounding boundary. Bit-equal whenever the two
-  sums agree (the tests bound the rest to 1 ulp).
+  so it can differ in its last bits, and rstd is tl.math.rsqrt's, not necessarily torch.rsqrt's to the
+  last fp32 bit; either moves x' * rstd by an fp32 ulp or so, and y = bf16(...) differs by one bfloat16
+  ulp in the rare element that sits next to a rounding boundary. What the tests check
+  (tests/test_fused_kernels.py): y within one bfloat16 ulp of torch's RMSNorm, equal in >= 98% of the
+  elements (q/k-norm + RoPE: within 2^-6 relative after the rotation, equal in >= 95%); the decode
+  step's CPU tests (tests/test_gpu_decode.py) see no difference at all in the logits.
 - SiLU: on the GPU expf is libdevice's (what torch's CUDA kernel calls) and the division is IEEE, so
   it is torch's result; in the CPU interpreter exp is numpy's, which may differ from torch's CPU exp
   in the last fp32 bit (1 bf16 ulp, rarely).
@@ -40,6 +45,8 @@ quantizer runs with check_finite=False inside CUDA graphs as well).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -49,10 +56,28 @@ from fp4rl.kernels.quantize import _global_from_amax, _quantize_blocks, _store_b
 
 try:
     from triton.language.extra import libdevice
-except Exception:  # noqa: BLE001
+    _LIBDEVICE_ERROR = None
+except Exception as exc:  # noqa: BLE001
     libdevice = None
+    _LIBDEVICE_ERROR = f"{type(exc).__name__}: {str(exc)[:200]}"
 
 USE_LIBDEVICE = libdevice is not None and not INTERPRET  # the interpreter has no libdevice
+_WARNED_NO_LIBDEVICE = False
+
+
+def _libdevice_for(device: torch.device) -> bool:
+    """Whether SiLU's exp is libdevice's expf for a launch on `device`; warns once when a compiled CUDA launch
+    has to fall back to tl.exp (ex2.approx: SiLU * up is then no longer torch's bit for bit)."""
+    global _WARNED_NO_LIBDEVICE
+    if USE_LIBDEVICE or INTERPRET or device.type != "cuda":
+        return USE_LIBDEVICE
+    if not _WARNED_NO_LIBDEVICE:
+        _WARNED_NO_LIBDEVICE = True
+        warnings.warn(f"fp4rl.kernels.fused: triton.language.extra.libdevice did not import "
+                      f"({_LIBDEVICE_ERROR}); SiLU uses tl.exp (approximate), so the fused SiLU * up can "
+                      "differ from torch's in the last bits. A Triton with libdevice restores bit-equality.",
+                      RuntimeWarning, stacklevel=3)
+    return False
 
 
 @triton.jit
@@ -303,6 +328,10 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, e
         if h.shape != x.shape:
             raise ValueError(f"add_rmsnorm: h {tuple(h.shape)} != x {tuple(x.shape)}")
     r, k = x.shape
+    if weight.numel() != k or not weight.is_contiguous() or weight.device != x.device:
+        raise ValueError(f"add_rmsnorm: weight must be the norm's contiguous [{k}] vector on {x.device} (one "
+                         f"per column of x), got {tuple(weight.shape)} on {weight.device}; pass the RMSNorm "
+                         "of this width")
     rule46, mae = _quant_flags(quant)
     xo = torch.empty_like(x) if h is not None else x
     y = torch.empty_like(x) if (write_y or quant is None) else x
@@ -343,34 +372,57 @@ def silu_mul(gu: torch.Tensor, *, quant: dict | None = None, write_y: bool = Tru
         COMPILED["fused silu_mul"] = _silu_mul_kernel[grid](
             gu, y, d, s, g, i, gu.stride(0), y.stride(0),
             WRITE_Y=write_y, QUANT=quant is not None, RULE46=rule46, MAE=mae, BC=bc, QBC=qbc,
-            LIBDEVICE=USE_LIBDEVICE, num_warps=4 if quant is None or i <= 4096 else 8, enable_fp_fusion=False)
+            LIBDEVICE=_libdevice_for(gu.device), num_warps=4 if quant is None or i <= 4096 else 8,
+            enable_fp_fusion=False)
     if xq is not None:
         xq = (xq[0], xq[1].view(torch.float8_e4m3fn), xq[2])
     return (y if write_y else None), xq
 
 
 def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
-                 head_dim: int, q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                 eps: float = 1e-6, *, k_cache: torch.Tensor | None = None,
-                 v_cache: torch.Tensor | None = None, slot: torch.Tensor | None = None):
-    """q/k-norm (when weights are given) and RoPE of one token per row, qkv [R, (H + 2 H_kv) D] = the fused
-    q|k|v projection, cos/sin [R, D] (bf16, the step's tables). With k_cache/v_cache ([B >= R, H_kv, T, D]
-    bf16) and slot ([1] long on the device) k and v are written at that slot and (q, None) is returned;
-    otherwise (q, k) with q [R, H, 1, D], k [R, H_kv, 1, D]."""
+                 head_dim: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, *,
+                 k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                 slot: torch.Tensor | None = None):
+    """q/k-norm (when weights are given; eps: the norms' epsilon, required since it is per model: Qwen3 1e-6,
+    Llama 1e-5) and RoPE of one token per row, qkv [R, (H + 2 H_kv) D] = the fused q|k|v projection, cos/sin
+    [R, D] of qkv's dtype (bf16, the step's tables). With k_cache/v_cache ([B >= R, H_kv, T, D] bf16) and
+    slot ([1] long on the device) k and v are written at that slot and (q, None) is returned; otherwise
+    (q, k) with q [R, H, 1, D], k [R, H_kv, 1, D]."""
     _rows(qkv, "qkv")
-    _rows(cos, "cos")
     r = qkv.shape[0]
     d = head_dim
-    if qkv.shape[1] != (n_heads + 2 * n_kv_heads) * d or d % 2 or tuple(cos.shape) != (r, d) or \
-            cos.stride() != sin.stride():
-        raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)} do not fit "
-                         f"{n_heads}+2x{n_kv_heads} heads of {d}")
+    if qkv.shape[1] != (n_heads + 2 * n_kv_heads) * d or d % 2:
+        raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)} does not fit {n_heads}+2x{n_kv_heads} heads "
+                         f"of {d} (an even head_dim); pass the fused q|k|v projection of one token per row")
+    for name, t in (("cos", cos), ("sin", sin)):
+        _rows(t, name)
+        if tuple(t.shape) != (r, d) or t.dtype != qkv.dtype or t.device != qkv.device:
+            raise ValueError(f"qk_norm_rope: {name} must be [{r}, {d}] {qkv.dtype} on {qkv.device} (one RoPE "
+                             f"row per qkv row, qkv's dtype: model.rope_tables(..., dtype=qkv.dtype)), got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if cos.stride() != sin.stride():
+        raise ValueError(f"qk_norm_rope: cos and sin need one layout, got strides {cos.stride()} and "
+                         f"{sin.stride()}; pass .contiguous() tables")
     has_norm = q_weight is not None
+    if (k_weight is not None) != has_norm:
+        raise ValueError("qk_norm_rope: pass both q_weight and k_weight (q/k-norm) or neither")
+    if has_norm:
+        for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+            if w.numel() != d or not w.is_contiguous() or w.device != qkv.device:
+                raise ValueError(f"qk_norm_rope: {name} must be the {name[0]}_norm's contiguous [{d}] weight "
+                                 f"(head_dim) on {qkv.device}, got {tuple(w.shape)} on {w.device}")
     q = torch.empty(r, n_heads, 1, d, dtype=qkv.dtype, device=qkv.device)
     to_cache = k_cache is not None
     if to_cache:
         if v_cache is None or slot is None or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
             raise ValueError("qk_norm_rope: a cache write needs k_cache and v_cache of one layout and slot")
+        if k_cache.ndim != 4 or k_cache.shape[0] < r or tuple(k_cache.shape[1:2]) + tuple(k_cache.shape[3:]) \
+                != (n_kv_heads, d) or k_cache.shape != v_cache.shape or k_cache.device != qkv.device:
+            raise ValueError(f"qk_norm_rope: k_cache/v_cache must be [B >= {r}, {n_kv_heads}, T, {d}] on "
+                             f"{qkv.device}, got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+        if slot.dtype != torch.long or slot.numel() != 1 or slot.device != qkv.device:
+            raise ValueError(f"qk_norm_rope: slot must be a [1] torch.long tensor on {qkv.device} (the cache "
+                             f"slot to write), got {slot.dtype} {tuple(slot.shape)} on {slot.device}")
         k_out, v_out = k_cache, v_cache
         kb, kh, kt = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
     else:
