@@ -29,22 +29,24 @@ sampler's own model copy. What it changes, and what it computes:
   [first real token, slot] of each row (left padding skipped); the BF16 cache uses SDPA over all
   T_cap slots with a mask.
 - Fused decode step (`FUSED`, `DecodeEngine(fused=...)`, `set_fused` for A/B): the elementwise work between
-  the GEMMs runs as fp4rl.kernels.fused kernels, three per layer plus one per sublayer boundary: residual
-  add + RMSNorm (one kernel per boundary), q/k-norm + RoPE + the write of k/v into the BF16 cache slot
+  the GEMMs runs as fp4rl.kernels.fused kernels, four per layer plus one for the final norm: residual add +
+  RMSNorm before attention and before the MLP, q/k-norm + RoPE + the write of k/v into the BF16 cache slot
   (FP8/NVFP4 caches keep `store_kv`), SiLU(gate) * up. Where the consumer is a W4A4 linear or fused group
   (q/k/v, gate/up, down_proj), the producer kernel also quantizes its output per token with the shared
   quantizer's own helpers (the bytes of `kernels.quantize` for the same input) and the GEMM takes that Q(x)
   (`packed_gemm(..., xq=)`, `gemm.gemm`'s pre-quantized entry); o_proj (after SDPA) still quantizes its
-  input itself. Same arithmetic as the modules, bit for bit except the norms' fp32 sum of squares (added
-  in another order: y can move by one bfloat16 ulp, see fused.py). `fused_plans` decides per layer: q/k/v
-  that are not one fused group, MoE and unfused MLPs run their modules on the norm's bf16 output.
+  input itself. Same arithmetic as the modules, bit for bit except the norms' rstd (fp32 sum of squares
+  added in another order, Triton's rsqrt: y can move by one bfloat16 ulp, see fused.py). `fused_plans`
+  decides per layer: q/k/v that are not one fused group, MoE and unfused MLPs run their modules on the
+  norm's bf16 output (a layer that falls back launches fewer fused kernels).
 - CUDA graphs: one graph per batch bucket (powers of two up to B_cap), captured on first use
   after an eager warm-up step on a side stream (Triton compiles and the GEMM tuner runs there,
   never during capture), replayed for every decode step of that bucket. Inputs (tokens, RoPE
   positions, first real slot per row, current length) are copied into static buffers; rows past
   the live batch in a bucket compute on stale data nobody reads. The step has no host sync
   (quantize with check_finite=False, routing sorted on the device). If capture fails the engine
-  warns once, records why (`graph_error`) and decodes eagerly with the same code.
+  warns once, records why (`graph_error`) and decodes eagerly with the same code (until `set_fused`
+  switches the step, which then gets its own capture).
 """
 
 from __future__ import annotations
@@ -95,6 +97,11 @@ def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, 
     producer, (data, block_scale, global_scale [M])); offsets: grouped experts."""
     from fp4rl.kernels import gemm
 
+    if xq is not None and mode != "w4a4":
+        raise ValueError(f"packed_gemm: xq (a pre-quantized activation) is for W4A4 only, got mode {mode!r}; "
+                         "pass x2 (the fused step's plan gives W4A16 sites no quantizer)")
+    if x2 is None and xq is None:
+        raise ValueError("packed_gemm: pass x2 [M, K] (or, W4A4, its Q(x) as xq)")
     config = None
     m = x2.shape[0] if xq is None else xq[0].shape[0]
     if not TUNE and offsets is None and m > gemm.DECODE_MAX_ROWS:
@@ -636,7 +643,8 @@ class DecodeEngine:
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self._step(bucket)
         except Exception as exc:  # noqa: BLE001 - any capture failure: decode eagerly, say why
-            self.graph_error = f"batch bucket {bucket}: {type(exc).__name__}: {str(exc)[:300]}"
+            step = "fused" if self.fused else "module"
+            self.graph_error = f"{step} step, batch bucket {bucket}: {type(exc).__name__}: {str(exc)[:300]}"
             warnings.warn(f"CUDA graph capture failed ({self.graph_error}); decoding eagerly", stacklevel=3)
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize(self.device)
@@ -647,12 +655,15 @@ class DecodeEngine:
 
     def set_fused(self, on: bool) -> bool:
         """Run the fused decode step (where the model allows) or the module-forward one; drops the captured
-        graphs when it changes. Returns whether the fused step is on."""
+        graphs and a capture failure (graph_error) when it changes, so that the other step gets its own
+        capture (an A/B never compares graphs with eager steps unnoticed: graph_error names the step that
+        failed). Returns whether the fused step is on."""
         on = bool(on) and self.plans is not None
         if on != self.fused:
             self.fused = on
             self.graphs.clear()
             self.pool = None
+            self.graph_error = None
         return self.fused
 
     def _step(self, bb: int):
