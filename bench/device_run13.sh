@@ -4,7 +4,7 @@
 # layers) at batch 1, 8 with the fused step.
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-timeout ${T_T:-260} python3 -m pytest -q -m gpu tests/test_gemv_cuda.py tests/test_gpu_decode.py \
+timeout ${T_T:-420} python3 -m pytest -q -m gpu tests/test_gemv_cuda.py tests/test_gpu_decode.py \
   tests/test_fused_kernels.py tests/test_triton_attention.py tests/test_triton_quantize.py tests/test_triton_gemm.py \
   2>&1 | tee $OUT/gputests13.log | grep -v "^$" | tail -20
 echo "tests exit ${PIPESTATUS[0]}"
