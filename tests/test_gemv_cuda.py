@@ -210,3 +210,34 @@ def test_gpu_refusals_fall_back_without_disabling():
     y = gemm.gemm(xm, wm)
     assert _rel(y, xm.double() @ reference.dequantize(w, torch.float64).T) < 4e-3
     assert gemv_cuda.available()
+
+
+@pytest.mark.gpu
+def test_gpu_gemm_dispatch_and_decode_copy():
+    """gemm.gemm takes the mma16 copy for 1-16 rows; the sampler's decode copy (gpu_linear._DecodeCopy) is
+    rebuilt in the same storage after an in-place weight update, so captured graphs read the new weight."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    from types import SimpleNamespace
+
+    from fp4rl.gpu_linear import _DecodeCopy
+    from fp4rl.kernels import gemm
+
+    w = _weight(256, 512, device="cuda")
+    cache = _DecodeCopy()
+    wc = cache.get(w.data, w.block_scale)
+    assert isinstance(wc, gemv_cuda.Mma16Weight)
+    assert wc is cache.get(w.data, w.block_scale)  # unchanged bytes: the same copy, not rebuilt
+    ptr = wc.wt.data_ptr()
+    for m in (1, 7, 16):
+        x = torch.randn(m, 512, device="cuda").bfloat16()
+        ref = x.double() @ reference.dequantize(w, torch.float64).T
+        wm = SimpleNamespace(data=w.data, block_scale=w.block_scale, global_scale=w.global_scale, mma16=wc)
+        assert _rel(gemm.gemm(x, wm), ref) < 4e-3
+    w2 = _weight(256, 512, seed=5, device="cuda")
+    w.data.copy_(w2.data)  # a weight sync writes new bytes in place
+    w.block_scale.copy_(w2.block_scale)
+    wc2 = cache.get(w.data, w.block_scale)
+    assert wc2 is wc and wc2.wt.data_ptr() == ptr  # same storage: captured graphs stay valid
+    data, scale = gemv_cuda.unrelayout(wc2)
+    assert torch.equal(data, w2.data) and torch.equal(scale, w2.block_scale.view(torch.uint8))

@@ -345,13 +345,13 @@ def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, 
 
 
 def run(args) -> int:
-    from fp4rl import gpu_decode
+    from fp4rl import gpu_linear
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("sampler_gpu needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1 for a smoke test)")
         return 1
-    gpu_decode.TUNE = args.tune
+    gpu_linear.TUNE = args.tune
     env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "device": str(device),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -1,10 +1,11 @@
 """W4A16 skinny GEMM for 1-64 rows on Hopper in CUDA C++ (gemv_mma16.cu), compiled by NVRTC at run time.
 
-The kernel streams a re-laid-out copy of the packed weight (``Mma16Weight``, made once per weight
-version by ``relayout``: the same bytes per code, plus bf16 block scales) and puts x in the A operand
-of mma.sync.m16n8k16, so every row of x up to 16 (per m tile) rides on the same MMA: the cost per
-weight byte does not grow with the rows. Split-K partials are reduced inside a thread-block cluster
-through distributed shared memory, in a fixed order. The .cu file says how (layout, fragments).
+The kernel streams a re-laid-out copy of the packed weight (``Mma16Weight``: the same bytes per code plus
+bf16 block scales, made once per weight version by ``relayout``; the sampler keeps it in
+``fp4rl.gpu_linear._DecodeCopy``). The weights are the A operand of mma.sync.m16n8k16 (one 32-bit word
+of codes = one lane's A fragment) and x^T the B operand, so each MMA serves 8 rows of x: up to 8 rows
+cost the same per weight byte as one. Split-K partials are reduced inside a thread-block cluster through
+distributed shared memory, in a fixed order. The .cu file says how (layout, fragments).
 
 Arithmetic: the bf16 operands (e2m1 * block_scale, exact) times x in the tensor core with FP32
 accumulation, the FP32 global scale once on the sum, one bfloat16 rounding: the same products as
@@ -68,56 +69,6 @@ class Mma16Weight:
 
 def supports(n: int, k: int) -> bool:
     return n % 16 == 0 and k % 128 == 0 and n > 0 and k > 0
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # inference-mode tensors: the owner calls invalidate() instead
-        return -1
-
-
-class Mma16Cache:
-    """The mma16 copy of one packed weight for a sampler: rebuilt in place (same storage, so captured CUDA
-    graphs stay valid) when the packed bytes or block scales change (version counter or storage) or after
-    invalidate(); never during a graph capture (the engine refreshes before capturing). Costs 0.625 B per
-    weight of device memory (`nbytes`)."""
-
-    def __init__(self):
-        self.copy: Mma16Weight | None = None
-        self.key = None
-
-    def get(self, data: torch.Tensor, block_scale: torch.Tensor) -> Mma16Weight | None:
-        """The copy, up to date. Once a copy exists it is kept up to date even if the kernel was disabled
-        since (a CUDA graph captured earlier still replays the kernel on it)."""
-        if data.ndim != 2 or not supports(data.shape[0], 2 * data.shape[1]):
-            return None
-        if self.copy is None:
-            if not available(data.device):
-                return None
-            sms = torch.cuda.get_device_properties(data.device).multi_processor_count
-            if not fits(data.shape[0], 2 * data.shape[1], 1, sms):
-                return None
-        key = (_version(data), data.data_ptr(), _version(block_scale), block_scale.data_ptr(),
-               tuple(data.shape))
-        if self.copy is None or key != self.key:
-            if torch.cuda.is_current_stream_capturing():
-                return None
-            fresh = relayout(data, block_scale)
-            if self.copy is not None and self.copy.wt.shape == fresh.wt.shape:
-                self.copy.wt.copy_(fresh.wt)
-                self.copy.st.copy_(fresh.st)
-            else:
-                self.copy = fresh
-            self.key = key
-        return self.copy
-
-    def invalidate(self) -> None:
-        self.key = None
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.copy is None else self.copy.wt.nbytes + self.copy.st.nbytes
 
 
 def _codes(data: torch.Tensor) -> torch.Tensor:

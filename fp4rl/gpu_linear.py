@@ -1,0 +1,424 @@
+"""The sampler's linears and routed experts on the GPU kernels (swapped in by `attach_kernels`), and the
+decode copies of their weights. `fp4rl.gpu_decode.DecodeEngine` runs them inside its CUDA-graph decode step.
+
+- Packed NVFP4 linears (`KernelPackedLinear`): W4A16 runs `fp4rl.kernels.gemm`, y = (sum_k x_k *
+  (e2m1 * s)_k) * g_w with an FP32 accumulator, the weight dequantized in registers. W4A4 first
+  quantizes x per token with `fp4rl.kernels.quantize` (byte-identical to the trainer's
+  `fp4rl.nvfp4.quantize` with the contract's activation settings, so Q(x) is the trainer's), or takes
+  that Q(x) from the fused step's producer kernel, then runs the exact-operand block-scaled product
+  (e2m1 s)_x (e2m1 s)_w * g_x * g_w that an FP4 MMA computes. Against the CPU path (DQ(Q(x)) @ DQ(W).T on
+  operands rounded to bfloat16) both differ by bfloat16 rounding only; rows of x never interact, so the
+  result does not depend on the batch. Above `gemm.DECODE_MAX_ROWS` rows (prefill) an untuned engine uses
+  the kernels' dequantize-then-cuBLAS path (measured best at 512 rows, bench/RESULTS.md).
+- Decode copies (`_DecodeCopy`): at 1-16 rows the dense linears run the CUDA mma16 kernel
+  (`fp4rl.kernels.gemv_cuda`, W4A16 and W4A4) on a re-laid-out copy of each weight, where it runs (Hopper,
+  NVRTC; `MMA16`, env FP4RL_MMA16=0 to turn it off), else the Gluon GEMV on a gemv32 copy at 1-4 rows
+  (W4A16). The copies follow in-place weight writes (rebuilt in the same storage when the bytes' version
+  changes; `refresh()` before every graph capture and `generate`).
+- Fused q/k/v and gate/up (`KernelFusedGroup`): the members' packed bytes become views of one
+  [sum N, K/2] buffer (weight sync writes through them), one kernel call per group, one Q(x) in
+  W4A4; the members' global scales are copied into a per-row vector at every `generate`.
+- Routed experts (`KernelMoeBlock.run_experts`): the (token, expert) pairs are sorted by expert
+  on the device (no host sync), gate/up and down of all experts run as two grouped GEMMs over
+  [E, N, K/2] stacks (`gemm.grouped_linear`, or W4A4 on one Q(x) per row); BF16 experts use
+  `torch._grouped_mm` on [E, N, K] stacks. The k expert outputs of a token are weighted and
+  summed in FP32 (the CPU loop adds them in bfloat16, expert by expert).
+- BF16 weights (lm_head, embeddings, BF16 layers) stay on cuBLAS.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp4rl.model import CausalLM
+from fp4rl.moe import SparseMoeBlock
+from fp4rl.packed import FusedGroup, PackedNVFP4Linear, _version
+
+KERNEL_DTYPE = torch.bfloat16
+TUNE = True  # time the GEMM candidates per shape on first use (gemm.tune); False: first candidate, no timing
+GEMV32 = True  # keep decode copies at all (see _DecodeCopy)
+MMA16 = os.environ.get("FP4RL_MMA16", "1") != "0"  # the CUDA mma16 copy where it runs (else gemv32)
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMMs
+
+
+def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, offsets=None,
+                xq=None) -> torch.Tensor:
+    """x2 [M, K] bfloat16 @ DQ(weight).T (weight: .data/.block_scale/.global_scale), W4A16 or W4A4
+    (x quantized per token with the contract's settings first, or xq: that Q(x) already made by a fused
+    producer, (data, block_scale, global_scale [M])); offsets: grouped experts."""
+    from fp4rl.kernels import gemm
+
+    if xq is not None and mode != "w4a4":
+        raise ValueError(f"packed_gemm: xq (a pre-quantized activation) is for W4A4 only, got mode {mode!r}; "
+                         "pass x2 (the fused step's plan gives W4A16 sites no quantizer)")
+    if x2 is None and xq is None:
+        raise ValueError("packed_gemm: pass x2 [M, K] (or, W4A4, its Q(x) as xq)")
+    config = None
+    m = x2.shape[0] if xq is None else xq[0].shape[0]
+    if not TUNE and offsets is None and m > gemm.DECODE_MAX_ROWS:
+        config = gemm.FALLBACK
+    if mode == "w4a16":
+        return gemm.gemm(x2, weight, offsets=offsets, tune=TUNE, config=config)
+    if xq is None:
+        xq = gemm.quantize_activations(x2, scale_rule=input_kwargs["scale_rule"], err=input_kwargs["err"])
+    return gemm.gemm(None, weight, xq=xq, offsets=offsets, tune=TUNE, config=config)
+
+
+class _DecodeCopy:
+    """The decode copy of one packed weight for the 1-16 row kernels: the CUDA mma16 kernel's copy
+    (fp4rl.kernels.gemv_cuda.relayout: codes and block scales re-laid out, +0.625 B per weight) where that
+    kernel runs and the shape fits, else the Gluon GEMV's gemv32 copy of the codes (+0.5 B per weight). The
+    kind is chosen at the first build and kept, so a copy that a captured CUDA graph reads keeps following
+    the weights even if its kernel is disabled later. Rebuilt in place (same storage: captured graphs stay
+    valid) when the bytes' or scales' version or storage changes, or after invalidate(); never inside a
+    graph capture (the engine refreshes before capturing)."""
+
+    def __init__(self):
+        self.copy = None  # gemv_cuda.Mma16Weight or the gemv32 uint8 tensor
+        self.key = None
+
+    def get(self, data: torch.Tensor, scale: torch.Tensor, mma16_only: bool = False):
+        """The copy, up to date (None where no decode kernel serves these bytes; mma16_only: W4A4, which only
+        the mma16 kernel serves)."""
+        if not GEMV32 or data.device.type != "cuda" or data.ndim != 2:
+            return None
+        from fp4rl.kernels import gemv, gemv_cuda
+
+        if self.copy is None:
+            sms = torch.cuda.get_device_properties(data.device).multi_processor_count
+            mma = MMA16 and gemv_cuda.available(data.device) and gemv_cuda.fits(
+                data.shape[0], 2 * data.shape[1], 1, sms)
+            if not mma and (mma16_only or not gemv.available() or data.shape[-1] % 4):
+                return None
+        else:
+            mma = not isinstance(self.copy, torch.Tensor)
+            if mma16_only and not mma:
+                return None
+        key = (_version(data), data.data_ptr(), _version(scale), scale.data_ptr(), tuple(data.shape))
+        if key != self.key:
+            if torch.cuda.is_current_stream_capturing():
+                return None
+            self.copy = _rebuild(self.copy, data, scale, mma)
+            self.key = key
+        return self.copy
+
+    def invalidate(self) -> None:
+        self.key = None  # the copy's storage is reused by the next get()
+
+    @property
+    def nbytes(self) -> int:
+        if self.copy is None:
+            return 0
+        if isinstance(self.copy, torch.Tensor):
+            return self.copy.nbytes
+        return self.copy.wt.nbytes + self.copy.st.nbytes
+
+
+def _rebuild(old, data: torch.Tensor, scale: torch.Tensor, mma: bool):
+    """A decode copy of (data, scale), written into `old`'s storage when the shapes allow."""
+    from fp4rl.kernels import gemv, gemv_cuda
+
+    if not mma:
+        return gemv.swizzle(data, out=old if old is not None and old.shape == data.shape else None)
+    fresh = gemv_cuda.relayout(data, scale)
+    if old is None or old.wt.shape != fresh.wt.shape:
+        return fresh
+    old.wt.copy_(fresh.wt)
+    old.st.copy_(fresh.st)
+    return old
+
+
+def decode_copy_bytes(model: nn.Module) -> int:
+    """Device bytes of every decode copy (mma16 or gemv32) that the kernel linears and groups hold."""
+    owners = list(model.modules()) + list(getattr(model, "fused_groups", []))
+    return sum(o._gemv32.nbytes for o in owners if getattr(o, "_gemv32", None) is not None)
+
+
+def _with_copy(weight, copy):
+    if copy is None:
+        return weight
+    kind = "gemv32" if isinstance(copy, torch.Tensor) else "mma16"
+    return SimpleNamespace(data=weight.data, block_scale=weight.block_scale, global_scale=weight.global_scale,
+                           **{kind: copy})
+
+
+def _decode_copy(cache: _DecodeCopy, data, scale, mode: str, x2, xq=None):
+    """The decode copy for this call, or None: the mma16 copy serves W4A16 and W4A4 at 1-16 rows
+    (gemm.MMA16_MAX_ROWS), the gemv32 copy W4A16 at 1-4 rows."""
+    from fp4rl.kernels import gemm
+
+    rows = x2.numel() // x2.shape[-1] if x2 is not None else xq[0].shape[0]
+    if rows > gemm.MMA16_MAX_ROWS:
+        return None
+    copy = cache.get(data, scale, mma16_only=mode != "w4a16")
+    return None if isinstance(copy, torch.Tensor) and rows > 4 else copy
+
+
+def kernel_ready(m: nn.Module) -> bool:
+    """Whether the kernels compute this packed linear: no Hadamard, K unpadded and a multiple of 16,
+    and (W4A4) the contract's activation quantizer is 1x16 blocks with a per-token scale."""
+    if not isinstance(m, PackedNVFP4Linear):
+        return False
+    kw = m.input_kwargs
+    return (m.weight_meta["hadamard_seed"] is None and m.in_features % 16 == 0
+            and m.weight_data.shape[-1] * 2 == m.in_features
+            and (m.mode == "w4a16" or (kw.get("tile", 16) in (16, (1, 16)) and kw.get("scale_scope") == "row"
+                                       and kw.get("rounding", "nearest") == "nearest"
+                                       and kw.get("hadamard_seed") is None)))
+
+
+class KernelPackedLinear(PackedNVFP4Linear):
+    """PackedNVFP4Linear computed by the Triton kernels (same buffers; swapped in by class)."""
+
+    _gemv32 = None
+
+    def refresh(self) -> None:
+        """Rebuild the decode copy if the packed bytes changed (called before graph capture/replay)."""
+        self._swz().get(self.weight_data, self.weight_block_scale, mma16_only=self.mode != "w4a16")
+
+    def invalidate(self) -> None:
+        super().invalidate()
+        if self._gemv32 is not None:
+            self._gemv32.invalidate()
+
+    def _swz(self) -> _DecodeCopy:
+        if self._gemv32 is None:
+            self._gemv32 = _DecodeCopy()
+        return self._gemv32
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ DQ(W).T + b with the W4A16 kernel (x as given)."""
+        if x.dtype != KERNEL_DTYPE:
+            return super().linear(x)
+        w = _with_copy(self.quantized_weight(),
+                       _decode_copy(self._swz(), self.weight_data, self.weight_block_scale, "w4a16", x))
+        y = packed_gemm(x.reshape(-1, x.shape[-1]), w, "w4a16", self.input_kwargs)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if self.bias is None else y + self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            return self.group(self, x)
+        if self.mode == "w4a16" or x.dtype != KERNEL_DTYPE:
+            return self.linear(self.prepare_input(x))
+        y = self.run(x.reshape(-1, x.shape[-1]))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def run(self, x2: torch.Tensor | None, xq=None) -> torch.Tensor:
+        """y [M, N] for x2 [M, K] bfloat16, or (W4A4) for its Q(x) made by a fused producer."""
+        if self.mode == "w4a16":
+            return self.linear(x2)
+        w = _with_copy(self.quantized_weight(),
+                       _decode_copy(self._swz(), self.weight_data, self.weight_block_scale, "w4a4", x2, xq))
+        y = packed_gemm(x2, w, "w4a4", self.input_kwargs, xq=xq)
+        return y if self.bias is None else y + self.bias
+
+
+class KernelFusedGroup(FusedGroup):
+    """A FusedGroup of packed linears computed as one kernel call on a stacked weight."""
+
+    def attach(self) -> None:
+        ms = self.members
+        self.data = torch.cat([m.weight_data for m in ms])  # [sum N, K/2]
+        self.scale = torch.cat([m.weight_block_scale for m in ms])  # [sum N, K/16]
+        self.bias_cat = None if ms[0].bias is None else torch.cat([m.bias.detach() for m in ms])
+        start = 0
+        for m, n in zip(ms, self.splits):  # the members' bytes become views of the stack
+            m.weight_data = self.data[start:start + n]
+            m.weight_block_scale = self.scale[start:start + n]
+            if self.bias_cat is not None:
+                m.bias = nn.Parameter(self.bias_cat[start:start + n], requires_grad=False)
+            start += n
+        self.g_rows = torch.empty(start, dtype=torch.float32, device=self.data.device)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Copy the members' global scales into the per-row vector (after a weight sync), and rebuild
+        the decode copy if the packed bytes changed."""
+        self.g_rows.copy_(torch.cat([m.weight_global_scale.float().reshape(1).expand(n)
+                                     for m, n in zip(self.members, self.splits)]))
+        self._swz().get(self.data, self.scale, mma16_only=self.members[0].mode != "w4a16")
+
+    def invalidate(self) -> None:
+        super().invalidate()
+        if getattr(self, "_gemv32", None) is not None:
+            self._gemv32.invalidate()
+
+    def _swz(self) -> _DecodeCopy:
+        if getattr(self, "_gemv32", None) is None:
+            self._gemv32 = _DecodeCopy()
+        return self._gemv32
+
+    def run(self, x2: torch.Tensor | None, xq=None) -> torch.Tensor:
+        """The whole group's y [M, sum N] for x2 [M, K] bfloat16, or (W4A4) for its Q(x) made by a fused
+        producer (then x2 may be None)."""
+        m0 = self.members[0]
+        w = SimpleNamespace(data=self.data, block_scale=self.scale, global_scale=self.g_rows)
+        w = _with_copy(w, _decode_copy(self._swz(), self.data, self.scale, m0.mode, x2, xq))
+        y = packed_gemm(x2, w, m0.mode, m0.input_kwargs, xq=xq)
+        return y if self.bias_cat is None else y + self.bias_cat
+
+    def __call__(self, member: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != KERNEL_DTYPE:
+            return super().__call__(member, x)
+        if x is not self._x or id(member) not in self._outs:
+            y = self.run(x.reshape(-1, x.shape[-1]))
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
+            self._x, self._outs = x, {id(m): part for m, part in zip(self.members, y.split(self.splits, -1))}
+        out = self._outs.pop(id(member))
+        if not self._outs:
+            self._x = None
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Routed experts
+
+
+class _PackedExperts:
+    """gate/up and down of all experts as [E, 2I, K/2] and [E, H, I/2] stacks (members are views)."""
+
+    def __init__(self, experts):
+        gates, ups, downs = ([getattr(e, n) for e in experts] for n in ("gate_proj", "up_proj", "down_proj"))
+        self.mode, self.input_kwargs = gates[0].mode, gates[0].input_kwargs
+        self.gates, self.ups, self.downs = gates, ups, downs
+        i = gates[0].out_features
+        self.gu_data = torch.stack([torch.cat([g.weight_data, u.weight_data]) for g, u in zip(gates, ups)])
+        self.gu_scale = torch.stack([torch.cat([g.weight_block_scale, u.weight_block_scale])
+                                     for g, u in zip(gates, ups)])
+        self.d_data = torch.stack([d.weight_data for d in downs])
+        self.d_scale = torch.stack([d.weight_block_scale for d in downs])
+        for e, (g, u, d) in enumerate(zip(gates, ups, downs)):
+            g.weight_data, u.weight_data = self.gu_data[e, :i], self.gu_data[e, i:]
+            g.weight_block_scale, u.weight_block_scale = self.gu_scale[e, :i], self.gu_scale[e, i:]
+            d.weight_data, d.weight_block_scale = self.d_data[e], self.d_scale[e]
+        dev = self.gu_data.device
+        self.gu_g = torch.empty(len(gates), 2 * i, dtype=torch.float32, device=dev)  # per output row
+        self.d_g = torch.empty(len(gates), dtype=torch.float32, device=dev)  # per expert
+        self.refresh()
+
+    def refresh(self) -> None:
+        e, i = self.gu_g.shape[0], self.gu_g.shape[1] // 2
+        g = torch.stack([m.weight_global_scale.float().reshape(()) for m in self.gates])
+        u = torch.stack([m.weight_global_scale.float().reshape(()) for m in self.ups])
+        self.gu_g.copy_(torch.cat([g[:, None].expand(e, i), u[:, None].expand(e, i)], 1))
+        self.d_g.copy_(torch.stack([m.weight_global_scale.float().reshape(()) for m in self.downs]))
+
+    def gate_up(self, xs, offsets):
+        w = SimpleNamespace(data=self.gu_data, block_scale=self.gu_scale, global_scale=self.gu_g)
+        return packed_gemm(xs, w, self.mode, self.input_kwargs, offsets)
+
+    def down(self, a, offsets):
+        w = SimpleNamespace(data=self.d_data, block_scale=self.d_scale, global_scale=self.d_g)
+        return packed_gemm(a, w, self.mode, self.input_kwargs, offsets)
+
+
+class _DenseExperts:
+    """BF16 experts as [E, 2I, H] and [E, H, I] stacks (members' weights are views) for _grouped_mm."""
+
+    def __init__(self, experts):
+        gates, ups, downs = ([getattr(e, n) for e in experts] for n in ("gate_proj", "up_proj", "down_proj"))
+        i = gates[0].out_features
+        self.gu = torch.stack([torch.cat([g.weight.detach(), u.weight.detach()]) for g, u in zip(gates, ups)])
+        self.d = torch.stack([d.weight.detach() for d in downs])
+        for e, (g, u, d) in enumerate(zip(gates, ups, downs)):
+            g.weight = nn.Parameter(self.gu[e, :i], requires_grad=False)
+            u.weight = nn.Parameter(self.gu[e, i:], requires_grad=False)
+            d.weight = nn.Parameter(self.d[e], requires_grad=False)
+            group = getattr(g, "group", None)
+            if group is not None and not group.packed:  # a dense FusedGroup: its buffer is this view too
+                group._weight = self.gu[e]
+        self.gu_t, self.d_t = self.gu.transpose(1, 2), self.d.transpose(1, 2)  # [E, K, N] views
+
+    def refresh(self) -> None:
+        pass
+
+    def gate_up(self, xs, offsets):
+        return torch._grouped_mm(xs, self.gu_t, offs=offsets[1:])
+
+    def down(self, a, offsets):
+        return torch._grouped_mm(a, self.d_t, offs=offsets[1:])
+
+
+def _uniform(linears, test) -> bool:
+    return all(test(m) for m in linears)
+
+
+def expert_plan(block: SparseMoeBlock):
+    """A grouped-GEMM plan for the block's experts, or None (the default loop stays)."""
+    experts = list(block.experts)
+    if not experts or not all(hasattr(e, "down_proj") for e in experts):
+        return None
+    linears = [getattr(e, n) for e in experts for n in ("gate_proj", "up_proj", "down_proj")]
+    first = linears[0]
+    if _uniform(linears, lambda m: kernel_ready(m) and m.bias is None and m.mode == first.mode
+                and m.input_kwargs == first.input_kwargs):
+        return _PackedExperts(experts)
+    if _uniform(linears, lambda m: isinstance(m, nn.Linear) and m.bias is None
+                and m.weight.dtype == KERNEL_DTYPE and m.weight.device == first.weight.device):
+        try:  # probe: not every build / device has it
+            x = torch.zeros(2, first.in_features, dtype=KERNEL_DTYPE, device=first.weight.device)
+            w = torch.zeros(2, first.in_features, 16, dtype=KERNEL_DTYPE, device=first.weight.device)
+            torch._grouped_mm(x, w, offs=torch.tensor([1, 2], dtype=torch.int32, device=x.device))
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"torch._grouped_mm is unavailable here ({str(exc)[:120]}); BF16 experts run one "
+                          "by one (with a host sync, so no CUDA graph)", stacklevel=3)
+            return None
+        return _DenseExperts(experts)
+    return None
+
+
+class KernelMoeBlock(SparseMoeBlock):
+    """SparseMoeBlock whose routed experts run as grouped GEMMs (`plan`), with no host sync."""
+
+    plan = None
+
+    def run_experts(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        if self.plan is None or x.dtype != KERNEL_DTYPE:
+            return super().run_experts(x, topk_idx, topk_weight)
+        n, k = topk_idx.shape
+        flat = topk_idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        ids = torch.arange(self.num_experts + 1, device=x.device)
+        offsets = torch.searchsorted(flat[order], ids).to(torch.int32)  # [E + 1] start of each expert
+        xs = x.index_select(0, order // k)  # [n k, H]
+        gu = self.plan.gate_up(xs, offsets)  # [n k, 2I]
+        i = gu.shape[-1] // 2
+        d = self.plan.down(F.silu(gu[:, :i]) * gu[:, i:], offsets)  # [n k, H]
+        out = torch.empty_like(d).index_copy_(0, order, d).view(n, k, -1)  # back to (token, slot) order
+        return (out.float() * topk_weight.float()[..., None]).sum(1).to(x.dtype)
+
+
+def attach_kernels(model: CausalLM) -> list:
+    """Swap the sampler model's packed linears, fused packed groups and MoE blocks to the kernel
+    versions (in place). Returns the objects whose derived global scales `refresh()` renews."""
+    refresh = []
+    expert_linears = set()
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.__class__ = KernelMoeBlock
+            module.plan = expert_plan(module)
+            if module.plan is not None:
+                refresh.append(module.plan)
+            expert_linears.update(id(m) for e in module.experts for m in e.modules())
+    for group in getattr(model, "fused_groups", []):
+        if group.packed and all(kernel_ready(m) for m in group.members) \
+                and not any(id(m) in expert_linears for m in group.members):
+            group.__class__ = KernelFusedGroup
+            group.attach()
+            refresh.append(group)
+    for module in model.modules():
+        if kernel_ready(module):
+            module.__class__ = KernelPackedLinear
+            if module.group is None and id(module) not in expert_linears:
+                refresh.append(module)
+    return refresh
