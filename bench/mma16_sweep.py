@@ -10,6 +10,7 @@ reference product before it is timed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -20,20 +21,27 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fp4rl.benchmarks.gpu_kernels import _env, _nvfp4_weight, _rel, copies_for, copy_bandwidth, time_calls  # noqa: E402,E501
-from fp4rl.kernels import gemm, gemv, gemv_cuda  # noqa: E402
+from fp4rl.kernels import gemm, gemv, gemv_cuda, pdl  # noqa: E402
 from fp4rl.nvfp4 import reference  # noqa: E402
 
 
 def variant(name: str, base: dict) -> dict:
     """auto = gemv_cuda.choose(); dN = DEPTH N; ntN = NT N; sN = SPLIT N (combined with "+");
-    tN = TIMING N (timing-only variants, see the .cu); s2x / sh: twice / half the chosen split."""
+    tN = TIMING N (timing-only variants, see the .cu); s2x / sh: twice / half the chosen split; pdl: the
+    launches carry the programmatic-dependent-launch attribute (fp4rl/kernels/pdl.py), so that in the timed
+    chain each GEMM prefetches its first weight steps while the one before it finishes."""
     c = dict(base)
     for part in name.split("+"):
-        if part == "auto":
+        if part in ("auto", "pdl"):
             continue
         key = {"d": "DEPTH", "nt": "NT", "s": "SPLIT", "t": "TIMING"}[part.rstrip("0123456789")]
         c[key] = int(part[len(part.rstrip("0123456789")):])
     return c
+
+
+def call(x, w, g, y, c, use_pdl: bool):
+    with pdl.step() if use_pdl else contextlib.nullcontext():
+        return gemv_cuda.launch(x, w, g, y, cfg=c)
 
 
 def main():
@@ -74,13 +82,14 @@ def main():
                     c = dict(base, SPLIT=max(1, base["SPLIT"] // 2))
                 else:
                     c = variant(name, base)
-                if c in seen or (k // 128) < c["SPLIT"]:
+                use_pdl = "pdl" in name.split("+")
+                if (c, use_pdl) in seen or (k // 128) < c["SPLIT"]:
                     continue
-                seen.append(c)
+                seen.append((c, use_pdl))
                 y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
                 try:
-                    err = _rel(gemv_cuda.launch(x, wc0, g, y, cfg=c), ref)
-                    us = time_calls([lambda w=w, c=c, x=x, y=y, g=g: gemv_cuda.launch(x, w, g, y, cfg=c)
+                    err = _rel(call(x, wc0, g, y, c, use_pdl), ref)
+                    us = time_calls([lambda w=w, c=c, x=x, y=y, g=g, p=use_pdl: call(x, w, g, y, c, p)
                                      for w in wcs])
                 except Exception as exc:  # noqa: BLE001
                     print(f"{n}x{k} m{m} {name} {c} FAILED {repr(exc)[:400]}", flush=True)

@@ -55,6 +55,7 @@ from fp4rl.gpu_linear import (  # noqa: F401  (the engine's modules; re-exported
     kernel_ready,
     packed_gemm,
 )
+from fp4rl.kernels import pdl
 from fp4rl.kvcache import _write, make_kv_cache
 from fp4rl.model import MLP, CausalLM, ModelConfig, rotate_half
 from fp4rl.packed import FusedGroup, PackedNVFP4Linear
@@ -278,14 +279,20 @@ class DecodeEngine:
         on = bool(on) and self.plans is not None
         if on != self.fused:
             self.fused = on
-            self.graphs.clear()
-            self.pool = None
-            self.graph_error = None
+            self.reset_graphs()
         return self.fused
+
+    def reset_graphs(self) -> None:
+        """Drop the captured graphs and a capture failure: the next step of each bucket recaptures (after
+        switching something a graph bakes in, e.g. programmatic dependent launch, fp4rl.kernels.pdl)."""
+        self.graphs.clear()
+        self.pool = None
+        self.graph_error = None
 
     def _step(self, bb: int):
         """The decode step on the static buffers' first bb rows (what a graph captures)."""
-        return self._step_fused(bb) if self.fused else self._step_modules(bb)
+        with pdl.step():  # programmatic dependent launches between the step's kernels (kernels/pdl.py)
+            return self._step_fused(bb) if self.fused else self._step_modules(bb)
 
     def _step_fused(self, bb: int):
         """_step_modules' arithmetic in fused kernels (fp4rl.kernels.fused): per layer one residual-add +

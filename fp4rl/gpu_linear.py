@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp4rl.kernels import pdl
 from fp4rl.model import CausalLM
 from fp4rl.moe import SparseMoeBlock
 from fp4rl.packed import FusedGroup, PackedNVFP4Linear, _version
@@ -109,6 +110,7 @@ class _DecodeCopy:
                 return None
             self.copy = _rebuild(self.copy, data, scale, mma)
             self.key = key
+            pdl.hazard()  # the next GEMM must not prefetch these bytes before the rebuild has finished
         return self.copy
 
     def invalidate(self) -> None:

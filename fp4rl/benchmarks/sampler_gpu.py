@@ -22,7 +22,8 @@ sampler steps (CUDA kernels by family, and wall time per step).
 `--fusion on,off` measures every row with the engine's fused decode step (fp4rl.kernels.fused: add +
 RMSNorm, q/k-norm + RoPE + KV write, SiLU * up, W4A4 activations quantized by those kernels) and with
 the module step, on the same sampler (the graphs are recaptured in between); each row's `vs BF16` is
-against BF16 with the same setting.
+against BF16 with the same setting. `--pdl on,off` likewise: programmatic dependent launch between the
+step's kernels (fp4rl.kernels.pdl; the graphs are recaptured when it changes).
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def add_arguments(parser):
                         "~20 Triton configurations per shape and batch bucket); default: first candidate")
     parser.add_argument("--profile-batch", default="1,32", help="batches profiled (kv bf16), '' for none")
     parser.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
+    parser.add_argument("--pdl", default="on", help="'on', 'off' or 'on,off': programmatic dependent launch "
+                        "between the decode step's kernels (fp4rl.kernels.pdl), each row measured with each")
     parser.add_argument("--fusion", default="on", help="'on', 'off' or 'on,off': the engine's fused decode "
                         "step (fp4rl.kernels.fused) or the module step, each row measured with each")
     parser.add_argument("--device", default="cuda")
@@ -271,11 +274,11 @@ def measure_row(sampler, contract, row: dict, prompts, args, env, results, base)
     t2 = min(timed_generate(sampler, prompts, n2) for _ in range(args.repeats))
     tok_s = batch * (n2 - n1) / (t2 - t1)
     nbytes = step_bytes(sampler, contract, row["full_layers"], batch)
-    fused = row.get("fused", False)
+    key = (batch, row.get("fused", False), row.get("pdl", True))
     if contract.preset == "bf16":
         results.setdefault("bf16_bytes", {})[f"{shape}/{batch}"] = nbytes
         if row["kv"] == "bf16":
-            base[(batch, fused)] = tok_s
+            base[key] = tok_s
     row.update(tok_s=tok_s, step_ms=(t2 - t1) / (n2 - n1) * 1e3, warm_s=t_warm,
                graph_us=replay_us(sampler, batch), bytes_built=nbytes["built"], bytes_full=nbytes["full"],
                graph_error=sampler.engine.graph_error, counts=dict(sampler.engine.counts))
@@ -283,8 +286,8 @@ def measure_row(sampler, contract, row: dict, prompts, args, env, results, base)
     if ref:
         row["limit_built"] = ref["built"] / nbytes["built"]
         row["limit_full"] = ref["full"] / nbytes["full"]
-    if (batch, fused) in base:
-        row["vs_bf16"] = tok_s / base[(batch, fused)]
+    if key in base:
+        row["vs_bf16"] = tok_s / base[key]
     if env["copy_bw"]:
         row["floor_tok_s"] = batch * env["copy_bw"] / nbytes["built"]
 
@@ -309,13 +312,21 @@ def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, 
     mem = sampler.memory()
     results["builds"].append({"shape": shape, "precision": label, "build_s": time.perf_counter() - t0,
                               "packed_vs_bf16": mem["packed_vs_bf16"], "packed_bytes": mem["packed_bytes"]})
+    from fp4rl.kernels import pdl
+
     fusions = [f == "on" for f in args.fusion.split(",")]
-    for kv, fusion, batch in ((kv, f, b) for kv in kvs for f in fusions for b in batches):
+    pdls = [f == "on" for f in args.pdl.split(",")]
+    for kv, fusion, use_pdl, batch in ((kv, f, p, b) for kv in kvs for f in fusions for p in pdls
+                                       for b in batches):
         sampler.kv_cache = kv
         if sampler.engine is not None:
             sampler.engine.set_fused(fusion)
+            if pdl.is_enabled() != use_pdl:
+                pdl.set_enabled(use_pdl)
+                sampler.engine.reset_graphs()
         fused = bool(sampler.engine is not None and sampler.engine.fused)
-        head = {"shape": shape, "precision": label, "fused": fused}
+        head = {"shape": shape, "precision": label, "fused": fused,
+                "pdl": bool(sampler.engine is not None and pdl.enabled(device))}
         g = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, trainer.config.vocab_size, (batch, args.prompt), generator=g).tolist()
         row = {**head, "layers": layers, "full_layers": full_layers, "preset": preset,
@@ -356,7 +367,7 @@ def run(args) -> int:
            "triton": __import__("triton").__version__, "device": str(device),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "cuda": torch.version.cuda, "tune": args.tune, "graphs": not args.no_graphs,
-           "prompt": args.prompt, "tokens": args.tokens, "fusion": args.fusion}
+           "prompt": args.prompt, "tokens": args.tokens, "fusion": args.fusion, "pdl": args.pdl}
     env["copy_bw"] = copy_bandwidth(device) if device.type == "cuda" else None
     results = {"env": env, "rows": [], "profiles": [], "checks": [], "builds": [], "errors": []}
 
@@ -409,12 +420,13 @@ def _mode(r) -> str:
 
 
 def _label(r) -> str:
-    return r["precision"] + ("" if r.get("fused", True) else " (unfused)")
+    return (r["precision"] + ("" if r.get("fused", True) else " (unfused)")
+            + ("" if r.get("pdl", True) else " (no PDL)"))
 
 
 def markdown(results) -> str:
     rows = [r for r in results["rows"] if "error" not in r]
-    base = {(r["shape"], r["batch"], r.get("fused")): _mode(r) for r in rows
+    base = {(r["shape"], r["batch"], r.get("fused"), r.get("pdl")): _mode(r) for r in rows
             if r["preset"] == "bf16" and r["kv"] == "bf16"}
     lines = ["| shape (layers built / full) | precision | KV | batch | decode | tok/s | vs BF16 | "
              "limit built / full depth | step ms | graph replay ms | byte floor tok/s |",
@@ -426,7 +438,8 @@ def markdown(results) -> str:
             continue
         lim = f"{_f(r.get('limit_built'))} / {_f(r.get('limit_full'))}"
         vs = _f(r.get("vs_bf16"))
-        if base.get((r["shape"], r["batch"], r.get("fused"))) == "eager" and r["preset"] != "bf16":
+        key = (r["shape"], r["batch"], r.get("fused"), r.get("pdl"))
+        if base.get(key) == "eager" and r["preset"] != "bf16":
             vs += " (BF16 eager)"
         graph_ms = r["graph_us"] / 1e3 if r.get("graph_us") else None
         lines.append(f"| {r['shape']} ({r['layers']}/{r['full_layers']}) | {_label(r)} | {r['kv']} | "

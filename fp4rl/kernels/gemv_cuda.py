@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from fp4rl.kernels import pdl
 from fp4rl.kernels.gemv import _MOVES, _permute_words, swizzle
 
 _SOURCE = Path(__file__).with_name("gemv_mma16.cu")
@@ -278,8 +279,8 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
     nb = -(-wc.n // (WARPS * cfg["NT"] * 16))
     with torch.cuda.device(dev):
         _set_smem(kern, smem)
-        kern(grid=(nb, cfg["SPLIT"], 1), block=(WARPS * 32, 1, 1),
-             args=[x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0)], shared_mem=smem,
-             stream=torch.cuda.current_stream(dev))
+        pdl.launch(kern, (nb, cfg["SPLIT"], 1), (WARPS * 32, 1, 1),
+                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0)], smem,
+                   torch.cuda.current_stream(dev), pdl.gemm_flag(dev))
     STATE["ok"] = True
     return y

@@ -27,6 +27,9 @@
 // and CTA r adds its 1/SPLIT-th of the block's outputs from all of them through distributed shared
 // memory, in a fixed order (deterministic: no atomics, no global workspace, no fence).
 // A row's result does not depend on the other rows of x (SPLIT and the n-blocks depend on N, K only).
+// Programmatic dependent launch (fp4rl/kernels/pdl.py): launched with the attribute, the kernel may start
+// while the previous one runs; it issues its first DEPTH weight steps (which nothing on the stream writes
+// during a decode step), then griddepcontrol.wait, then stages x. Without the attribute both are no-ops.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -136,6 +139,9 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     const int ntiles = N >> 4;
     const int tile0 = (blockIdx.x * WARPS + warp) * NT;
     const int XS = per * 128 + 8;  // smem row stride of x in bf16 (16 B pad: conflict-free ldmatrix)
+    // PDL (a no-op without the launch attribute): the next kernel may be scheduled once every CTA of this
+    // grid is resident; it waits for this grid's completion before reading what it writes
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
     // shared memory: x's K slice [XR + 1][XS] bf16 (rows < M, then one zero row that the B fragments
     // of rows >= M read), then one ring per warp of DEPTH stages x NT x (1 KB of weight words + 256 B
@@ -145,20 +151,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     unsigned char* ring = smem + (((XR + 1) * XS * 2 + 127) & ~127) + warp * (DEPTH * NT * STAGE_BYTES);
     const u32 ring_s = smem_u32(ring);
 
-    // 1. x[:, 128 s0 : 128 s1] -> shared memory (rows >= M and k beyond the range zero-filled), async
-    {
-        const int cw = per * 16;  // 16-byte chunks per row
-        const int kbase = s0 * 128, kend = s1 * 128;
-        for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : (XR + 1) * cw); c += WARPS * 32) {
-            const int m = c / cw, kc = (c - m * cw) * 8;
-            const bool in = m < M && kbase + kc < kend;
-            const u16* src = in ? x + (u64)m * stride_xm + kbase + kc : x;
-            cp_async16(smem_u32(xs + m * XS + kc), src, in ? 16 : 0);
-        }
-        cp_async_commit();
-    }
-
-    // 2. the weight stream: per n-tile and step each lane copies its 2 x 16 B of weight words, lanes
+    // 1. the weight stream: per n-tile and step each lane copies its 2 x 16 B of weight words, lanes
     // 0-15 one 16 B chunk of the 256 B of scales; one commit group per step, DEPTH steps ahead
     const uint4* wp[NT];
     const uint4* sp[NT];
@@ -186,8 +179,24 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     };
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) issue(s0 + d, d);
-    cp_async_wait<DEPTH>();  // x (the oldest group) has landed for this thread ...
-    __syncthreads();         // ... and for every thread
+
+    // PDL: the first DEPTH weight steps above do not depend on the previous kernel; x (its output) does
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    // 2. x[:, 128 s0 : 128 s1] -> shared memory (rows >= M and k beyond the range zero-filled), async
+    {
+        const int cw = per * 16;  // 16-byte chunks per row
+        const int kbase = s0 * 128, kend = s1 * 128;
+        for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : (XR + 1) * cw); c += WARPS * 32) {
+            const int m = c / cw, kc = (c - m * cw) * 8;
+            const bool in = m < M && kbase + kc < kend;
+            const u16* src = in ? x + (u64)m * stride_xm + kbase + kc : x;
+            cp_async16(smem_u32(xs + m * XS + kc), src, in ? 16 : 0);
+        }
+        cp_async_commit();
+    }
+
+    cp_async_wait<0>();  // x and the first weight steps have landed for this thread ...
+    __syncthreads();     // ... and for every thread
 
     // ldmatrix.x4 row addresses: matrix j = x rows 8 mg + (lane & 7) (the zero row past M) x k [8j, 8j+8):
     // b0, b1 of the block at k, b0, b1 of the block at k + 16

@@ -1,0 +1,138 @@
+"""Programmatic dependent launch (PDL) on Hopper for the decode step's kernels.
+
+A kernel launched with PDL may start while the kernel before it on the stream is still running; it does
+its independent work first (the mma16 GEMM streams its first weight stages into shared memory), then
+waits with ``griddepcontrol.wait`` until the previous grid has finished and its writes are visible. Each
+PDL kernel also calls ``griddepcontrol.launch_dependents`` at its start so the next one can be scheduled
+as soon as all of its own blocks are resident. At batch 1 a decode step is ~300 short kernels, so the
+launch gap and the DRAM ramp-up of each are a large part of the step.
+
+Only kernels that wait before touching their inputs may be launched with the attribute: the CUDA GEMM
+(fp4rl/kernels/gemv_mma16.cu) and the fused Triton kernels (fp4rl/kernels/fused.py). Others (cuBLAS,
+SDPA) launch normally and keep full stream ordering. CUDA graphs capture the programmatic edges.
+
+``FP4RL_PDL=0`` (or ``set_enabled(False)``) turns it off; launches made while it is off carry no
+attribute and the kernels' ``griddepcontrol`` instructions are no-ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+
+import torch
+
+_STATE = {"on": os.environ.get("FP4RL_PDL", "1") != "0", "step": 0, "hazard": False}
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+def set_enabled(on: bool) -> None:
+    """Switch PDL on or off for launches made from now on (graphs captured before keep what they have)."""
+    _STATE["on"] = bool(on)
+
+
+def is_enabled() -> bool:
+    return _STATE["on"]
+
+
+def enabled(device) -> bool:
+    """PDL for launches on `device`: switched on, a CUDA device of compute capability >= 9."""
+    if not _STATE["on"] or not torch.cuda.is_available():
+        return False
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(dev)[0] >= 9
+
+
+@functools.cache
+def triton_supported() -> bool:
+    """This Triton has the griddepcontrol builtins and the `launch_pdl` launch option."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra import cuda as tlcuda
+    except ImportError:
+        return False
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return hasattr(tlcuda, "gdc_wait") and hasattr(tlcuda, "gdc_launch_dependents") and "launch_pdl" in fields
+
+
+@contextlib.contextmanager
+def step():
+    """The scope of a decode step (the engine's eager step or graph capture): only inside it does the CUDA
+    GEMM prefetch weights before waiting, because only there is it known that no kernel just before it
+    wrote those weights (decode copies are rebuilt before the step; a rebuild inside calls `hazard`)."""
+    _STATE["step"] += 1
+    try:
+        yield
+    finally:
+        _STATE["step"] -= 1
+
+
+def hazard() -> None:
+    """The stream just wrote weights that a GEMM may read next: its launch goes without PDL."""
+    _STATE["hazard"] = True
+
+
+def gemm_flag(device) -> bool:
+    """Whether the CUDA GEMM's launch on `device` carries the PDL attribute now (consumes a hazard)."""
+    if _STATE["hazard"]:
+        _STATE["hazard"] = False
+        return False
+    return _STATE["step"] > 0 and enabled(device)
+
+
+def triton_flag(device) -> bool:
+    """The `PDL` constexpr (and `launch_pdl`) for a Triton kernel launched on `device`."""
+    return enabled(device) and triton_supported()
+
+
+# ----------------------------------------------------------------------------- cuLaunchKernelEx
+class _AttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int)]
+
+
+class _Attr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttrValue)]
+
+
+class _Config(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)), ("num_attrs", ctypes.c_uint)]
+
+
+def launch(kern, grid: tuple, block: tuple, args: list, shared_mem: int, stream: torch.cuda.Stream,
+           pdl: bool) -> None:
+    """Launch a kernel compiled by ``torch.cuda._compile_kernel`` (its ``.func``) through
+    cuLaunchKernelEx, with the programmatic-stream-serialization attribute when `pdl`. Tensors are
+    passed as device pointers, Python ints as 32-bit ints (the kernels' int parameters)."""
+    keep = []
+    ptrs = (ctypes.c_void_p * len(args))()
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            v = ctypes.c_void_p(a.data_ptr())
+        elif isinstance(a, bool) or not isinstance(a, int):
+            raise TypeError(f"kernel argument {i}: tensors and ints only, got {type(a).__name__}")
+        else:
+            if not -(2 ** 31) <= a < 2 ** 31:
+                raise ValueError(f"kernel argument {i} = {a} does not fit a 32-bit int")
+            v = ctypes.c_int(a)
+        keep.append(v)
+        ptrs[i] = ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
+    attr = _Attr()
+    attr.id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.flag = 1
+    cfg = _Config()
+    cfg.grid[:] = list(grid)
+    cfg.block[:] = list(block)
+    cfg.shared = shared_mem
+    cfg.stream = ctypes.c_void_p(stream.cuda_stream)
+    cfg.attrs = ctypes.pointer(attr) if pdl else None
+    cfg.num_attrs = 1 if pdl else 0
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    rc = lib.cuLaunchKernelEx(ctypes.byref(cfg), kern.func, ptrs, None)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc} (grid {grid}, block {block}, "
+                           f"{shared_mem} B shared, pdl={pdl})")
