@@ -36,6 +36,9 @@ typedef unsigned short u16;
 typedef unsigned long long u64;
 
 #define WARPS 8
+#ifndef TRIGGER
+#define TRIGGER 1  // where griddepcontrol.launch_dependents goes (see below)
+#endif
 #ifndef TIMING
 #define TIMING 0  // timing-only variants (wrong results): 1 no x staging, 2 no unpack/MMA
 #endif
@@ -140,8 +143,9 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     const int tile0 = (blockIdx.x * WARPS + warp) * NT;
     const int XS = per * 128 + 8;  // smem row stride of x in bf16 (16 B pad: conflict-free ldmatrix)
     // PDL (a no-op without the launch attribute): the next kernel may be scheduled once every CTA of this
-    // grid is resident; it waits for this grid's completion before reading what it writes
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    // grid has triggered (TRIGGER 1: at its start; 2: after its weight stream; 0: at its exit); it waits
+    // for this grid's completion before reading what it writes
+    if (TRIGGER == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
     // shared memory: x's K slice [XR + 1][XS] bf16 (rows < M, then one zero row that the B fragments
     // of rows >= M read), then one ring per warp of DEPTH stages x NT x (1 KB of weight words + 256 B
@@ -262,6 +266,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         }
     }
     cp_async_wait<0>();  // no copy may still be in flight when shared memory is reused below
+    if (TRIGGER == 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
