@@ -34,7 +34,8 @@ def variant(name: str, base: dict) -> dict:
     for part in name.split("+"):
         if part in ("auto", "pdl"):
             continue
-        key = {"d": "DEPTH", "nt": "NT", "s": "SPLIT", "t": "TIMING", "tr": "TRIGGER"}[part.rstrip("0123456789")]
+        keys = {"d": "DEPTH", "nt": "NT", "s": "SPLIT", "t": "TIMING", "tr": "TRIGGER"}
+        key = keys[part.rstrip("0123456789")]
         c[key] = int(part[len(part.rstrip("0123456789")):])
     return c
 

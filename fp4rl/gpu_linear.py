@@ -52,10 +52,11 @@ MMA16 = os.environ.get("FP4RL_MMA16", "1") != "0"  # the CUDA mma16 copy where i
 
 
 def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, offsets=None,
-                xq=None) -> torch.Tensor:
+                xq=None, group_rows: int | None = None) -> torch.Tensor:
     """x2 [M, K] bfloat16 @ DQ(weight).T (weight: .data/.block_scale/.global_scale), W4A16 or W4A4
     (x quantized per token with the contract's settings first, or xq: that Q(x) already made by a fused
-    producer, (data, block_scale, global_scale [M])); offsets: grouped experts."""
+    producer, (data, block_scale, global_scale [M])); offsets: grouped experts, group_rows: the most rows
+    one expert can get (gemm.gemm)."""
     from fp4rl.kernels import gemm
 
     if xq is not None and mode != "w4a4":
@@ -68,10 +69,10 @@ def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, 
     if not TUNE and offsets is None and m > gemm.DECODE_MAX_ROWS:
         config = gemm.FALLBACK
     if mode == "w4a16":
-        return gemm.gemm(x2, weight, offsets=offsets, tune=TUNE, config=config)
+        return gemm.gemm(x2, weight, offsets=offsets, tune=TUNE, config=config, group_rows=group_rows)
     if xq is None:
         xq = gemm.quantize_activations(x2, scale_rule=input_kwargs["scale_rule"], err=input_kwargs["err"])
-    return gemm.gemm(None, weight, xq=xq, offsets=offsets, tune=TUNE, config=config)
+    return gemm.gemm(None, weight, xq=xq, offsets=offsets, tune=TUNE, config=config, group_rows=group_rows)
 
 
 class _DecodeCopy:
@@ -142,7 +143,9 @@ def _rebuild(old, data: torch.Tensor, scale: torch.Tensor, mma: bool):
 def decode_copy_bytes(model: nn.Module) -> int:
     """Device bytes of every decode copy (mma16 or gemv32) that the kernel linears and groups hold."""
     owners = list(model.modules()) + list(getattr(model, "fused_groups", []))
-    return sum(o._gemv32.nbytes for o in owners if getattr(o, "_gemv32", None) is not None)
+    dense = sum(o._gemv32.nbytes for o in owners if getattr(o, "_gemv32", None) is not None)
+    return dense + sum(m.plan.copy_bytes for m in model.modules()
+                       if isinstance(m, KernelMoeBlock) and isinstance(m.plan, _PackedExperts))
 
 
 def _with_copy(weight, copy):
@@ -306,22 +309,52 @@ class _PackedExperts:
         dev = self.gu_data.device
         self.gu_g = torch.empty(len(gates), 2 * i, dtype=torch.float32, device=dev)  # per output row
         self.d_g = torch.empty(len(gates), dtype=torch.float32, device=dev)  # per expert
+        self.copies = (_DecodeCopy(), _DecodeCopy())  # the mma16 copies of the gate/up and down stacks
         self.refresh()
 
+    def _copy(self, which: int):
+        """The stacked mma16 copy (gemv_cuda.relayout_stack's layout) of gate/up (0) or down (1), or None."""
+        from fp4rl.kernels import gemv_cuda
+
+        data, scale = (self.gu_data, self.gu_scale) if which == 0 else (self.d_data, self.d_scale)
+        c = self.copies[which].get(data.reshape(-1, data.shape[-1]), scale.reshape(-1, scale.shape[-1]),
+                                   mma16_only=True)
+        return None if c is None else gemv_cuda.Mma16Weight(wt=c.wt, st=c.st, n=data.shape[1], k=c.k)
+
+    @property
+    def copy_bytes(self) -> int:
+        return sum(c.nbytes for c in self.copies)
+
+    def invalidate(self) -> None:
+        for c in self.copies:
+            c.invalidate()
+
     def refresh(self) -> None:
+        for which in (0, 1):  # rebuild the decode copies if the bytes moved (never inside a capture)
+            self._copy(which)
         e, i = self.gu_g.shape[0], self.gu_g.shape[1] // 2
         g = torch.stack([m.weight_global_scale.float().reshape(()) for m in self.gates])
         u = torch.stack([m.weight_global_scale.float().reshape(()) for m in self.ups])
         self.gu_g.copy_(torch.cat([g[:, None].expand(e, i), u[:, None].expand(e, i)], 1))
         self.d_g.copy_(torch.stack([m.weight_global_scale.float().reshape(()) for m in self.downs]))
 
-    def gate_up(self, xs, offsets):
-        w = SimpleNamespace(data=self.gu_data, block_scale=self.gu_scale, global_scale=self.gu_g)
-        return packed_gemm(xs, w, self.mode, self.input_kwargs, offsets)
+    def _run(self, which: int, x, offsets, group_rows):
+        data, scale, g = ((self.gu_data, self.gu_scale, self.gu_g) if which == 0
+                          else (self.d_data, self.d_scale, self.d_g))
+        w = SimpleNamespace(data=data, block_scale=scale, global_scale=g)
+        from fp4rl.kernels import gemm
 
-    def down(self, a, offsets):
-        w = SimpleNamespace(data=self.d_data, block_scale=self.d_scale, global_scale=self.d_g)
-        return packed_gemm(a, w, self.mode, self.input_kwargs, offsets)
+        if group_rows is not None and group_rows <= gemm.MMA16_MAX_ROWS:
+            c = self._copy(which)
+            if c is not None:
+                w.mma16 = c
+        return packed_gemm(x, w, self.mode, self.input_kwargs, offsets, group_rows=group_rows)
+
+    def gate_up(self, xs, offsets, group_rows: int | None = None):
+        return self._run(0, xs, offsets, group_rows)
+
+    def down(self, a, offsets, group_rows: int | None = None):
+        return self._run(1, a, offsets, group_rows)
 
 
 class _DenseExperts:
@@ -344,10 +377,10 @@ class _DenseExperts:
     def refresh(self) -> None:
         pass
 
-    def gate_up(self, xs, offsets):
+    def gate_up(self, xs, offsets, group_rows: int | None = None):
         return torch._grouped_mm(xs, self.gu_t, offs=offsets[1:])
 
-    def down(self, a, offsets):
+    def down(self, a, offsets, group_rows: int | None = None):
         return torch._grouped_mm(a, self.d_t, offs=offsets[1:])
 
 
@@ -393,9 +426,9 @@ class KernelMoeBlock(SparseMoeBlock):
         ids = torch.arange(self.num_experts + 1, device=x.device)
         offsets = torch.searchsorted(flat[order], ids).to(torch.int32)  # [E + 1] start of each expert
         xs = x.index_select(0, order // k)  # [n k, H]
-        gu = self.plan.gate_up(xs, offsets)  # [n k, 2I]
+        gu = self.plan.gate_up(xs, offsets, group_rows=n)  # [n k, 2I]; an expert gets <= n rows
         i = gu.shape[-1] // 2
-        d = self.plan.down(F.silu(gu[:, :i]) * gu[:, i:], offsets)  # [n k, H]
+        d = self.plan.down(F.silu(gu[:, :i]) * gu[:, i:], offsets, group_rows=n)  # [n k, H]
         out = torch.empty_like(d).index_copy_(0, order, d).view(n, k, -1)  # back to (token, slot) order
         return (out.float() * topk_weight.float()[..., None]).sum(1).to(x.dtype)
 

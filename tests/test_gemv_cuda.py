@@ -241,3 +241,88 @@ def test_gpu_gemm_dispatch_and_decode_copy():
     assert wc2 is wc and wc2.wt.data_ptr() == ptr  # same storage: captured graphs stay valid
     data, scale = gemv_cuda.unrelayout(wc2)
     assert torch.equal(data, w2.data) and torch.equal(scale, w2.block_scale.view(torch.uint8))
+
+
+def test_relayout_stack_is_the_experts_copies_one_after_another():
+    e, n, k = 3, 32, 256
+    ws = [_weight(n, k, seed=i) for i in range(e)]
+    data = torch.stack([w.data for w in ws])
+    scale = torch.stack([w.block_scale for w in ws])
+    st = gemv_cuda.relayout_stack(data, scale)
+    assert (st.n, st.k) == (n, k) and st.wt.shape[0] == e * n // 16
+    one = [gemv_cuda.relayout(w.data, w.block_scale) for w in ws]
+    assert torch.equal(st.wt, torch.cat([c.wt for c in one]))
+    assert torch.equal(st.st, torch.cat([c.st for c in one]))
+    with pytest.raises(ValueError, match=r"\[E, N, K/2\]"):
+        gemv_cuda.relayout_stack(ws[0].data, ws[0].block_scale)
+
+
+def test_choose_grouped_sizes_rows_and_split():
+    cfg = gemv_cuda.choose_grouped(1536, 2048, 1, 8, 132)
+    assert cfg["MG"] == 1 and cfg["SPLIT"] >= 2  # 8 experts x 12 n-blocks: split to fill the GPU
+    assert gemv_cuda.choose_grouped(1536, 2048, 16, 64, 132)["MG"] == 2
+    assert gemv_cuda.choose_grouped(1536, 2048, 9, 128, 132)["SPLIT"] == 1  # many experts: a wave already
+    with pytest.raises(ValueError, match="1-16 rows per expert"):
+        gemv_cuda.choose_grouped(1536, 2048, 17, 8, 132)
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_experts_match_reference_and_replay_new_routing():
+    """Routed experts on the grouped mma16 kernel: each expert's rows against the float64 reference, with
+    empty experts, one expert taking every row, 16 rows per expert, per-row and per-expert global scales,
+    W4A4 (x_scale), and a CUDA graph captured once and replayed with new routing (the kernel finds its
+    experts from the offsets on the device)."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    from fp4rl.kernels import gemm, pdl
+
+    e, n, k = 6, 256, 384
+    ws = [_weight(n, k, seed=10 + i, device="cuda") for i in range(e)]
+    data = torch.stack([w.data for w in ws])
+    scale = torch.stack([w.block_scale for w in ws])
+    wd = torch.stack([reference.dequantize(w, torch.float64) for w in ws])  # [E, N, K] with global scales
+    gexp = torch.stack([w.global_scale.float().reshape(()) for w in ws])  # [E]
+    wc = gemv_cuda.relayout_stack(data, scale)
+
+    def check(counts, per_row: bool, w4a4: bool = False):
+        offs = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32, device="cuda")
+        m = int(offs[-1])
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        g = gexp[:, None].expand(e, n).contiguous() if per_row else gexp
+        xs = None
+        if w4a4:
+            xq = gemm.quantize_activations(x)
+            x = gemm.dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False)
+            xs = xq[2]
+        y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        with pdl.step():
+            gemv_cuda.launch_grouped(x, wc, g, offs, y, max(counts), x_scale=xs)
+        xr = x.double() * (xs.double().reshape(-1, 1) if xs is not None else 1.0)
+        for i in range(e):
+            a, b = int(offs[i]), int(offs[i + 1])
+            if b > a:
+                assert _rel(y[a:b], xr[a:b] @ wd[i].T) < 4e-3, (counts, i)
+        return offs, x, y
+
+    check([1, 0, 2, 0, 0, 1], per_row=True)
+    check([0, 0, 0, 16, 0, 0], per_row=False)
+    check([16, 3, 16, 0, 9, 1], per_row=True)
+    check([2, 2, 0, 1, 0, 3], per_row=False, w4a4=True)
+    # one graph, new routing each replay (same M, same most-rows bound)
+    offs = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
+    m = 8
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    offs.copy_(torch.tensor([0, 8, 8, 8, 8, 8, 8], dtype=torch.int32))
+    gemv_cuda.launch_grouped(x, wc, gexp, offs, y, 8)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), pdl.step():
+        gemv_cuda.launch_grouped(x, wc, gexp, offs, y, 8)
+    for counts in ([8, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 3], [0, 0, 4, 0, 4, 0]):
+        offs.copy_(torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32))
+        y.fill_(float("nan"))
+        graph.replay()
+        for i in range(e):
+            a, b = int(offs[i]), int(offs[i + 1])
+            if b > a:
+                assert _rel(y[a:b], x[a:b].double() @ wd[i].T) < 4e-3, (counts, i)

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (decoration time)
 
 from fp4rl import gpu_decode, gpu_linear  # noqa: E402
-from fp4rl.kernels import attention  # noqa: E402
+from fp4rl.kernels import attention, gemv_cuda  # noqa: E402
 from fp4rl.kvcache import NVFP4KVCache, make_kv_cache  # noqa: E402
 from fp4rl.model import CausalLM, ModelConfig  # noqa: E402
 from fp4rl.nvfp4 import reference  # noqa: E402
@@ -28,6 +28,7 @@ DENSE = dict(model_type="qwen3", vocab_size=V, hidden_size=64, intermediate_size
 WIDE = dict(DENSE, hidden_size=128, intermediate_size=256)  # every linear N % 16 == 0, K % 128 == 0: mma16
 MOE = dict(DENSE, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
            norm_topk_prob=True)
+WIDE_MOE = dict(MOE, hidden_size=128, moe_intermediate_size=128)  # experts on the grouped mma16 kernel
 PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13]]  # left padding of 3, 6 and 0 slots
 
 
@@ -94,6 +95,7 @@ def teacher_forced_logits(sampler, forced):
     (DENSE, "bf16", "nvfp4"),
     (MOE, "nvfp4-w4a16", "bf16"),
     (MOE, "bf16", "fp8"),
+    pytest.param(WIDE_MOE, "nvfp4-w4a16", "bf16", marks=pytest.mark.gpu),
 ])
 def test_kernel_decode_steps_compute_the_torch_decode_steps(config, contract, kv):
     """Same tokens in, same logits out (to bfloat16 rounding), over left-padded prompts.
@@ -113,6 +115,8 @@ def test_kernel_decode_steps_compute_the_torch_decode_steps(config, contract, kv
         assert "KernelPackedLinear" in kinds
     if config is MOE:
         assert all(layer.mlp.plan is not None for layer in fast.model.model.layers)
+    if config is WIDE_MOE and gemv_cuda.available():  # the experts' stacked mma16 copies were used
+        assert all(layer.mlp.plan.copy_bytes > 0 for layer in fast.model.model.layers)
 
 
 @pytest.mark.parametrize("config", [DENSE, MOE])
@@ -218,7 +222,8 @@ def test_kernels_need_bfloat16():
 @pytest.mark.parametrize("config,contract,kv", [(DENSE, "nvfp4-linear", "nvfp4"),
                                                 (MOE, "nvfp4-experts", "fp8"), (MOE, "bf16", "bf16"),
                                                 (DENSE, "nvfp4-w4a16", "bf16"), (WIDE, "nvfp4-w4a16", "bf16"),
-                                                (WIDE, "nvfp4-linear", "bf16")])
+                                                (WIDE, "nvfp4-linear", "bf16"),
+                                                (WIDE_MOE, "nvfp4-experts", "bf16")])
 def test_gpu_cuda_graphs_replay_the_eager_step(config, contract, kv):
     model = tiny(config, contract)
     params = SamplingParams(n=3, greedy=True, max_new_tokens=8)  # 9 rows: bucket 16, then smaller

@@ -450,7 +450,7 @@ def _fallback(x2, xq, wd, ws, wg, y):
     return y
 
 
-def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None):
+def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, group_rows: int | None = None):
     """Core entry: y [M, N] = x @ DQ(W).T on packed NVFP4 weights.
 
     x: bfloat16 [M, K] (W4A16), or None with xq = (data uint8 [M, K/2], block_scale [M, K/16],
@@ -458,7 +458,9 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None):
     [E, N, K/2] with offsets int32 [E+1] over the expert-sorted rows of x). config: a dict from
     candidate_configs, or FALLBACK, to bypass the tuner. A dense weight may carry `gemv32` (gemv.swizzle
     of its data: the Gluon GEMV's copy) or `mma16` (gemv_cuda.relayout: the CUDA kernel's copy, taken for
-    1-MMA16_MAX_ROWS rows of W4A16 or W4A4 when no config is forced).
+    1-MMA16_MAX_ROWS rows of W4A16 or W4A4 when no config is forced). Grouped weights may carry `mma16` too
+    (gemv_cuda.relayout_stack): taken when `group_rows`, the most rows any one expert can get (a top-k batch's
+    tokens), is at most MMA16_MAX_ROWS.
     """
     grouped = offsets is not None
     wd, ws, wg = _weight_parts(weight, grouped)
@@ -489,6 +491,16 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None):
     y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
     if m == 0:
         return y
+    if (m16 is not None and grouped and config is None and group_rows is not None
+            and 1 <= group_rows <= MMA16_MAX_ROWS and _mma16.available(device)):
+        if (m16.n, m16.k, m16.wt.shape[0]) != (n, 2 * kh, e * n // 16):
+            raise ValueError(f"weight.mma16 is not a stacked copy of {e} experts of {n}x{2 * kh}")
+        xin = x2 if x2 is not None else dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False)
+        try:
+            return _mma16.launch_grouped(xin, m16, wg, offsets, y, group_rows,
+                                         x_scale=None if x2 is not None else xq[2])
+        except RuntimeError as exc:
+            _mma16.disable(exc)
     if (m16 is not None and not grouped and config is None and m <= MMA16_MAX_ROWS
             and _mma16.available(device) and _mma16.fits(n, 2 * kh, m, _sm_count(device))):
         if (m16.n, m16.k) != (n, 2 * kh):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,9 @@ STATE = {"ok": None, "error": None}  # None: not tried yet on this process
 MAX_ROWS = 64  # MG up to 8 groups of 8 rows
 SMEM_LIMIT = 110 * 1024  # two CTAs per SM on an H100/H200 (227 KB)
 SMEM_MAX = 227 * 1024  # one CTA
+# where the kernel signals programmatic dependent launch (gemv_mma16.cu: 1 at its start, 2 after its weight
+# stream, 0 at exit); only matters for launches with the PDL attribute (fp4rl/kernels/pdl.py)
+TRIGGER = int(os.environ.get("FP4RL_MMA16_TRIGGER", "2"))
 _TWO_POW_118 = 2.0 ** 118
 
 
@@ -174,7 +178,7 @@ def choose(n: int, k: int, m: int, sms: int) -> dict:
     split = 1  # up to 2 CTAs per SM in one wave, >= 2 steps per split
     while split < 8 and nblocks * split * 2 <= 2 * sms and steps // (split * 2) >= 2:
         split *= 2
-    depth = 3
+    depth = 2  # 2 beat 3-8 on every Qwen3-8B decode shape at 1 and 8 rows (bench/RESULTS.md, fifth session)
     while smem_bytes(dict(NT=nt, MG=max(mg, 2), SPLIT=split, DEPTH=depth), k, max(m, 16)) > SMEM_LIMIT \
             and split < 8 and steps // (split * 2) >= 1:  # the same split for every m <= 16
         split *= 2
@@ -209,8 +213,8 @@ def smem_bytes(cfg: dict, k: int, m: int = 8) -> int:
     return max(xb + ring, pb)
 
 
-def source(cfg: dict, wg_row: bool, xg_row: bool = False) -> str:
-    defs = {**cfg, "WG_ROW": int(wg_row), "XG_ROW": int(xg_row)}
+def source(cfg: dict, wg_row: bool, xg_row: bool = False, grouped: bool = False) -> str:
+    defs = {"TRIGGER": TRIGGER, **cfg, "WG_ROW": int(wg_row), "XG_ROW": int(xg_row), "GROUPED": int(grouped)}
     head = "".join(f"#define {key} {val}\n" for key, val in defs.items())
     cluster = f"__cluster_dims__(1, {cfg['SPLIT']}, 1)" if cfg["SPLIT"] > 1 else ""
     return head + f"#define CLUSTER {cluster}\n" + _SOURCE.read_text()
@@ -220,8 +224,8 @@ def source(cfg: dict, wg_row: bool, xg_row: bool = False) -> str:
 def _kernel(key: tuple, device_index: int):
     """The compiled kernel for one configuration, per device (NVRTC builds for, and loads into, the current
     device's context)."""
-    cfg = dict(key[:-2])
-    src = source(cfg, key[-2], key[-1])
+    cfg = dict(key[:-3])
+    src = source(cfg, *key[-3:])
     with torch.cuda.device(device_index):
         return torch.cuda._compile_kernel(src, "w4a16_mma16", nvcc_options=["-std=c++17"])
 
@@ -274,13 +278,85 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
     cfg = cfg or _plan(wc.n, wc.k, m, dev)
     if m > 8 * cfg["MG"]:
         raise ValueError(f"configuration {cfg} covers {8 * cfg['MG']} rows, x has {m}")
-    kern = _kernel(tuple(sorted(cfg.items())) + (g.numel() > 1, x_scale is not None), dev)
+    kern = _kernel(tuple(sorted(cfg.items())) + (g.numel() > 1, x_scale is not None, False), dev)
     smem = smem_bytes(cfg, wc.k, m)
     nb = -(-wc.n // (WARPS * cfg["NT"] * 16))
     with torch.cuda.device(dev):
         _set_smem(kern, smem)
         pdl.launch(kern, (nb, cfg["SPLIT"], 1), (WARPS * 32, 1, 1),
-                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0)], smem,
+                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), g, 0], smem,
+                   torch.cuda.current_stream(dev), pdl.gemm_flag(dev))
+    STATE["ok"] = True
+    return y
+
+
+# ----------------------------------------------------------------------------- routed experts
+def relayout_stack(data: torch.Tensor, block_scale: torch.Tensor) -> Mma16Weight:
+    """Experts' packed data [E, N, K/2] and block scales [E, N, K/16] -> one copy whose tiles are expert
+    after expert (16-row tiles never straddle two experts: N % 16 == 0). n is N per expert, k is K."""
+    if data.ndim != 3:
+        raise ValueError(f"expert data must be [E, N, K/2], got {tuple(data.shape)}")
+    e, n, kh = data.shape
+    wc = relayout(data.reshape(e * n, kh), block_scale.reshape(e * n, -1))
+    return Mma16Weight(wt=wc.wt, st=wc.st, n=n, k=wc.k)
+
+
+def choose_grouped(n: int, k: int, group_rows: int, slots: int, sms: int) -> dict:
+    """Configuration for `slots` experts of an N x K weight with up to `group_rows` rows each."""
+    if not 1 <= group_rows <= 16:
+        raise ValueError(f"the grouped mma16 kernel takes 1-16 rows per expert, got {group_rows}")
+    mg = 1 if group_rows <= 8 else 2
+    nblocks = -(-n // (WARPS * 16)) * slots
+    steps = k // 128
+    split = 1  # fill about one wave of 2 CTAs per SM, >= 2 steps per split
+    while split < 8 and nblocks * split * 2 <= 2 * sms and steps // (split * 2) >= 2:
+        split *= 2
+    cfg = dict(NT=1, MG=mg, SPLIT=split, DEPTH=2)
+    if smem_bytes(cfg, k, 8 * mg) > SMEM_MAX:
+        raise ValueError(f"{group_rows} rows of K={k} do not fit the mma16 kernel's shared memory")
+    return cfg
+
+
+def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, offsets: torch.Tensor,
+                   y: torch.Tensor, group_rows: int, x_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts: y [M, N] = x2 [M, K] (rows sorted by expert; offsets int32 [E + 1], rows
+    offsets[e]:offsets[e+1] go to expert e) @ DQ(W_e).T with the stacked copy of `relayout_stack`.
+    global_scale fp32 [E, N] (per output row) or [E] (per expert); group_rows: the most rows any one
+    expert can get (the tokens of a top-k batch; <= 16). x_scale fp32 [M]: W4A4 as in `launch`.
+    No host sync: the kernel finds its expert from the offsets (graph-capturable)."""
+    m, k = x2.shape
+    e = offsets.numel() - 1
+    if k != wc.k or wc.wt.shape[0] != e * (wc.n // 16):
+        raise ValueError(f"x [*, {k}] / offsets for {e} experts do not match the copy "
+                         f"({wc.wt.shape[0] * 16 // max(wc.n, 1)} experts of {wc.n}x{wc.k})")
+    if x2.dtype != torch.bfloat16 or y.dtype != torch.bfloat16 or offsets.dtype != torch.int32:
+        raise TypeError("the grouped mma16 kernel takes bfloat16 x and y and int32 offsets")
+    if tuple(y.shape) != (m, wc.n) or y.stride(1) != 1:
+        raise ValueError(f"y must be [{m}, {wc.n}] with unit column stride, got {tuple(y.shape)}")
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.clone(memory_format=torch.contiguous_format)
+    g = global_scale.float().reshape(-1).contiguous()
+    if g.numel() not in (e, e * wc.n):
+        raise ValueError(f"global_scale must have E={e} or E*N={e * wc.n} values, got {g.numel()}")
+    xg = g
+    if x_scale is not None:
+        xg = x_scale.float().reshape(-1).contiguous()
+        if xg.numel() != m:
+            raise ValueError(f"x_scale must have one value per row of x ({m}), got {xg.numel()}")
+    if m == 0:
+        return y
+    dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+    slots = min(e, m)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    cfg = choose_grouped(wc.n, wc.k, group_rows, slots, sms)
+    kern = _kernel(tuple(sorted(cfg.items())) + (g.numel() > e, x_scale is not None, True), dev)
+    smem = smem_bytes(cfg, wc.k, 8 * cfg["MG"])
+    nb = -(-wc.n // (WARPS * 16))
+    offs = offsets.contiguous()
+    with torch.cuda.device(dev):
+        _set_smem(kern, smem)
+        pdl.launch(kern, (nb, cfg["SPLIT"], slots), (WARPS * 32, 1, 1),
+                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), offs, e], smem,
                    torch.cuda.current_stream(dev), pdl.gemm_flag(dev))
     STATE["ok"] = True
     return y

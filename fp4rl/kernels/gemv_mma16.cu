@@ -1,7 +1,8 @@
 // W4A16 skinny GEMM for 1..8*MG rows of x on Hopper (sm_90): y[M, N] = x[M, K] @ DQ(W)[N, K]^T.
 //
 // Compiled at run time by NVRTC (fp4rl/kernels/gemv_cuda.py prepends the #defines: NT, MG, SPLIT,
-// DEPTH, WG_ROW, XG_ROW, and CLUSTER = __cluster_dims__(1, SPLIT, 1) when SPLIT > 1).
+// DEPTH, TRIGGER, WG_ROW, XG_ROW, GROUPED, and CLUSTER = __cluster_dims__(1, SPLIT, 1) when SPLIT > 1).
+// GROUPED: routed experts (see the kernel's first block): grid z = expert slots.
 // XG_ROW: x is a dequantized NVFP4 activation without its per-row global scale (W4A4 emulation: x =
 // e2m1 * block_scale, exact in bf16); xg[m] multiplies row m's sum with the weight's global scale.
 //
@@ -38,6 +39,9 @@ typedef unsigned long long u64;
 #define WARPS 8
 #ifndef TRIGGER
 #define TRIGGER 1  // where griddepcontrol.launch_dependents goes (see below)
+#endif
+#ifndef GROUPED
+#define GROUPED 0
 #endif
 #ifndef TIMING
 #define TIMING 0  // timing-only variants (wrong results): 1 no x staging, 2 no unpack/MMA
@@ -132,7 +136,7 @@ __device__ __forceinline__ u16 to_bf16(float v) { return (u16)(f2_to_bf16x2(v, 0
 extern "C" __global__ void __launch_bounds__(WARPS * 32) CLUSTER
 w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4* __restrict__ st,
             const float* __restrict__ wg, const float* __restrict__ xg, u16* __restrict__ y, int M, int N,
-            int K, int stride_xm, int stride_ym) {
+            int K, int stride_xm, int stride_ym, const int* __restrict__ offs, int E) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int S = K >> 7;                    // 128-k steps
@@ -146,6 +150,36 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // grid has triggered (TRIGGER 1: at its start; 2: after its weight stream; 0: at its exit); it waits
     // for this grid's completion before reading what it writes
     if (TRIGGER == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#if GROUPED
+    // Routed experts: x's rows are sorted by expert, offs[E + 1] the expert starts (written by the kernels
+    // before this one: wait first). Slot blockIdx.z serves the (z+1)-th expert that has rows; slots past
+    // the last one exit. wt / st / wg are stacks over experts ([E][N/16]... tiles; wg [E][N] or [E]).
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    int ex = -1;
+    for (int b = 0, seen = 0; b < E; b += 32) {  // warp-uniform: every warp finds the same expert
+        const int i = b + lane;
+        const bool nz = i < E && offs[i + 1] > offs[i];
+        const u32 bal = __ballot_sync(0xffffffffu, nz);
+        if ((int)blockIdx.z < seen + __popc(bal)) {
+            const int want = (int)blockIdx.z - seen;
+            const u32 hit = __ballot_sync(0xffffffffu, nz && __popc(bal & ((1u << lane) - 1u)) == want);
+            ex = b + __ffs(hit) - 1;
+            break;
+        }
+        seen += __popc(bal);
+    }
+    if (ex < 0) return;  // the whole cluster (same z) leaves before any barrier
+    {
+        const int r0 = offs[ex];
+        M = offs[ex + 1] - r0;  // <= 8 MG: the host sizes MG by the most rows an expert can get
+        x += (u64)r0 * stride_xm;
+        y += (u64)r0 * stride_ym;
+        wt += (u64)ex * (u64)(N >> 4) * S * 64;
+        st += (u64)ex * (u64)(N >> 4) * S * 16;
+        wg += WG_ROW ? (u64)ex * N : (u64)ex;
+        if (XG_ROW) xg += r0;
+    }
+#endif
 
     // shared memory: x's K slice [XR + 1][XS] bf16 (rows < M, then one zero row that the B fragments
     // of rows >= M read), then one ring per warp of DEPTH stages x NT x (1 KB of weight words + 256 B
