@@ -300,3 +300,95 @@ def test_gpu_qwen3_8b_widths(quant):
     y, xq = fused.silu_mul(gu, quant=quant)
     assert torch.equal(y, F.silu(gu[:, :12288]) * gu[:, 12288:])
     assert_bytes(xq, y, quant)
+
+
+# ----------------------------------------------------------------------------------------------
+# split rows: several programs per row (grid (rows, chunks)), each writing its own columns
+
+
+def _bits_eq(a, b):
+    """The same bfloat16 bit patterns (NaNs included)."""
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _nan_eq(a, b):
+    """Equal values, NaN where the other has NaN."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def _q_eq(a, b):
+    """Two (data, block_scale, global_scale) triples are the same bytes."""
+    return (torch.equal(a[0], b[0]) and torch.equal(a[1].view(torch.uint8), b[1].view(torch.uint8))
+            and torch.equal(a[2], b[2]))
+
+
+@pytest.mark.parametrize("quant", [None] + QUANTS)
+@pytest.mark.parametrize("r,k,chunk,block", [(3, 208, 48, None), (2, 96, 16, 16), (1, 4096, None, None)])
+def test_add_rmsnorm_split_rows_are_one_program_per_row_bit_for_bit(r, k, chunk, block, quant):
+    """chunk 48 of 208 columns (a partial last chunk, tile 16), chunk 16 (one block per program), the
+    default (4096 -> 8 programs of 512): x', y, codes, block scales and global scales equal those of one
+    program per row (chunk >= K) and the shared quantizer's, with y on and off, h given and not, a NaN row."""
+    x, h, norm = _bf16((r, k), 40, 3.0), _bf16((r, k), 41), _norm(k, 42)
+    if r > 2:
+        x[1, 7] = float("nan")
+    whole = triton_next_pow2(k)
+    for hh in (h, None) if quant in (None, QUANTS[2]) else (h,):  # no add: once unquantized, once with 4/6
+        xo1, y1, xq1 = fused.add_rmsnorm(x, hh, norm.weight, norm.eps, quant=quant, block=block, chunk=whole)
+        xo, y, xq = fused.add_rmsnorm(x, hh, norm.weight, norm.eps, quant=quant, block=block, chunk=chunk)
+        if hh is None:
+            assert xo is x
+        else:
+            assert xo.data_ptr() != x.data_ptr()  # x' is a new tensor: programs read all of x's row
+            assert _nan_eq(xo, x + h) and _bits_eq(xo, xo1)
+        assert _bits_eq(y, y1)
+        with torch.no_grad():
+            ref = norm(x + h if hh is not None else x)
+        fin = ~ref.isnan().any(1)
+        assert_norm_close(y[fin], ref[fin])
+        if quant is None:
+            assert xq is None
+            continue
+        assert _q_eq(xq, xq1)
+        assert_bytes(xq, y, quant)
+        xo2, none, xq2 = fused.add_rmsnorm(x, hh, norm.weight, norm.eps, quant=quant, write_y=False,
+                                           block=block, chunk=chunk)
+        assert none is None and _bits_eq(xo2, xo) and _q_eq(xq2, xq)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("r,i,chunk,block", [(3, 176, 48, None), (2, 96, 32, 16), (1, 3072, None, None)])
+def test_silu_mul_split_rows_are_one_program_per_row_bit_for_bit(r, i, chunk, block, quant):
+    """As above for SiLU * up with Q(y): chunk 48 of 176 (partial last chunk), 32 with a tile of 16, the
+    default (3072 -> 12 programs of 256); y on and off, a row with NaN/Inf."""
+    gu = _bf16((r, 2 * i), 43, 3.0)
+    if r > 2:
+        gu[1, 3], gu[1, 9] = float("nan"), float("inf")
+    y1, xq1 = fused.silu_mul(gu, quant=quant, block=block, chunk=triton_next_pow2(i))
+    y, xq = fused.silu_mul(gu, quant=quant, block=block, chunk=chunk)
+    y_plain, _ = fused.silu_mul(gu, block=block)
+    assert _bits_eq(y, y1) and _bits_eq(y, y_plain)
+    assert _q_eq(xq, xq1)
+    assert_bytes(xq, y, quant)
+    none, xq2 = fused.silu_mul(gu, quant=quant, write_y=False, block=block, chunk=chunk)
+    assert none is None and _q_eq(xq2, xq)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def test_split_chunk_choice():
+    """Default programs per row: 12 for a 12288-column row and 8 for 4096 at batch 1 (Qwen3-8B's down_proj
+    and q/k/v inputs), fewer as rows fill the GPU, never under 256 columns; a chunk is a multiple of 16 and
+    the loop's tile divides it."""
+    assert fused._chunk(12288, 1, 1024, None) == (1024, 1024)
+    assert fused._chunk(4096, 1, 2048, None) == (512, 512)
+    assert fused._chunk(12288, 64, 1024, None) == (4096, 1024)
+    assert fused._chunk(4096, 256, 2048, None) == (4096, 2048)
+    assert fused._chunk(1024, 1, 512, None) == (256, 256)
+    assert fused._chunk(80, 1, 128, None) == (128, 128)  # one program for a short row
+    assert fused._chunk(208, 3, 512, 48) == (48, 16)
+    for bad in (0, 40, -16):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            fused._chunk(256, 1, 256, bad)
+

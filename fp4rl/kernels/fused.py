@@ -5,8 +5,8 @@ At batch 1 a decode step of a dense model is ~20 small kernels per layer outside
 upcasts, the norm's reductions, RoPE's cat/neg/mul/add, the residual adds, SiLU and the product, the
 KV index_copy), and in W4A4 four activation quantizations per layer. Each is latency bound; these
 kernels do the same arithmetic in four launches per layer (residual add + RMSNorm before attention and
-before the MLP, q/k-norm + RoPE + KV write, SiLU * up) plus one for the final norm, one program per row
-(or per head, or per row chunk).
+before the MLP, q/k-norm + RoPE + KV write, SiLU * up) plus one for the final norm, with grid (rows,
+chunks of columns) or (rows, heads).
 
 The arithmetic is fp4rl/model.py's, rounding to bfloat16 where torch does:
 
@@ -34,9 +34,17 @@ row) takes its Q(y) from the producing kernel: after y is known (rounded to bf16
 the kernel takes the row amax (integer max of |y|'s bit patterns over the finite values) and runs
 fp4rl.kernels.quantize's own @triton.jit helpers (`_global_from_amax`, `_quantize_blocks`,
 `_store_blocks`) on the bfloat16 values: the bytes are those of `fp4rl.kernels.quantize.quantize_2d(y,
-per_row=True, check_finite=False)`, hence of the reference, for the same y (tested). A row is read
-in chunks: one pass for the statistics, one for the amax of y, one to quantize (y recomputed, the
-same bits each time), so any width works in one launch of one program per row.
+per_row=True, check_finite=False)`, hence of the reference, for the same y (tested).
+
+Split rows. A quantizing launch runs several programs per row (grid (rows, chunks); at batch 1 of
+Qwen3-8B 12 per 12288-column row, 8 per 4096, see SPLIT_PER_ROW), with no atomics and no second kernel:
+each program recomputes what it needs of the whole row itself (the sum of squares of x' with the same
+loop, so the same rstd bit for bit; the amax of y, an integer max, so the same in any order) and from it
+the same global scale, then writes only its own columns of x', y and the codes/block scales; program 0
+of the row writes the global scale. Programs only read the inputs (x, h, w; gu) and write outputs the
+wrappers allocate apart from them, so no program reads a column that another writes (x' is a new
+tensor, never x: an in-place x += h would let one program read another's updated columns). The
+add + RMSNorm launch without quantization is split the same way.
 
 NaN/Inf follow the unfused path: a NaN in a row makes its norm NaN (as torch's), and the quantizer
 sees the same values the separate quantizer would (amax over finite values, no check: the engine's
@@ -160,67 +168,76 @@ def _add_rmsnorm_kernel(
     x_ptr, h_ptr, w_ptr, xo_ptr, y_ptr, d_ptr, s_ptr, g_ptr,
     K, stride_x, stride_h, stride_xo, stride_y, inv_k, eps,
     HAS_RES: tl.constexpr, WRITE_Y: tl.constexpr, QUANT: tl.constexpr, RULE46: tl.constexpr,
-    MAE: tl.constexpr, BC: tl.constexpr, QBC: tl.constexpr,
+    MAE: tl.constexpr, BC: tl.constexpr, QBC: tl.constexpr, CH: tl.constexpr,
 ):
-    """One row: x' = x + h (stored), y = RMSNorm(x') * w (stored if WRITE_Y), Q(y) (if QUANT)."""
+    """Program (row, chunk): the row's statistics over the whole row (sum of x'^2; with QUANT the amax of
+    y), then its own columns [chunk * CH, chunk * CH + CH) of x' = x + h, y = RMSNorm(x') * w (if WRITE_Y)
+    and Q(y) (if QUANT); chunk 0 stores the row's global scale. Every program reads x and h only (never
+    xo or y), and the wrapper allocates xo apart from x and h, so no program reads what another writes."""
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     acc = tl.zeros((BC,), tl.float32)
-    for c0 in range(0, K, BC):
+    for c0 in range(0, K, BC):  # the same loop in every program: the same rstd, bit for bit
         cols = c0 + tl.arange(0, BC)
+        xs = _residual(x_ptr, h_ptr, row, cols, cols < K, stride_x, stride_h, HAS_RES)
+        acc += xs * xs
+    rstd = tl.math.rsqrt(tl.sum(acc, 0) * inv_k + eps)
+    if QUANT:
+        amax_acc = tl.zeros((BC,), tl.int32)
+        for c0 in range(0, K, BC):
+            cols = c0 + tl.arange(0, BC)
+            y = _normed(x_ptr, h_ptr, w_ptr, row, cols, cols < K, stride_x, stride_h, rstd, HAS_RES)
+            amax_acc = _bits_max(amax_acc, y)
+        s_enc, s_dec, g, amax = _row_globals(tl.max(amax_acc, 0), QBC // 16, RULE46)
+    for j0 in range(0, CH, QBC):
+        c0 = chunk * CH + j0
+        cols = c0 + tl.arange(0, QBC)
         mask = cols < K
         xs = _residual(x_ptr, h_ptr, row, cols, mask, stride_x, stride_h, HAS_RES)
         if HAS_RES:
             tl.store(xo_ptr + row * stride_xo + cols, xs.to(xo_ptr.dtype.element_ty), mask=mask)
-        acc += xs * xs
-    rstd = tl.math.rsqrt(tl.sum(acc, 0) * inv_k + eps)
-    if WRITE_Y or QUANT:
-        amax_acc = tl.zeros((BC,), tl.int32)
-        for c0 in range(0, K, BC):
-            cols = c0 + tl.arange(0, BC)
-            mask = cols < K
-            y = _normed(x_ptr, h_ptr, w_ptr, row, cols, mask, stride_x, stride_h, rstd, HAS_RES)
+        if WRITE_Y or QUANT:
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            y = _bf16(w * _bf16(xs * rstd))  # _normed's arithmetic on the x' just loaded
             if WRITE_Y:
                 tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
             if QUANT:
-                amax_acc = _bits_max(amax_acc, y)
+                _quantize_chunk(y, row, c0, K, d_ptr, s_ptr, s_enc, s_dec, g, amax, QBC, RULE46, MAE)
     if QUANT:
-        s_enc, s_dec, g, amax = _row_globals(tl.max(amax_acc, 0), QBC // 16, RULE46)
-        for c0 in range(0, K, QBC):
-            cols = c0 + tl.arange(0, QBC)
-            mask = cols < K
-            y = _normed(x_ptr, h_ptr, w_ptr, row, cols, mask, stride_x, stride_h, rstd, HAS_RES)
-            _quantize_chunk(y, row, c0, K, d_ptr, s_ptr, s_enc, s_dec, g, amax, QBC, RULE46, MAE)
         j = tl.arange(0, QBC // 16)
-        tl.store(g_ptr + row + j * 0, g, mask=j == 0)
+        tl.store(g_ptr + row + j * 0, g, mask=j + chunk == 0)  # element 0 of chunk 0
 
 
 @triton.jit
 def _silu_mul_kernel(
     gu_ptr, y_ptr, d_ptr, s_ptr, g_ptr, I, stride_gu, stride_y,
     WRITE_Y: tl.constexpr, QUANT: tl.constexpr, RULE46: tl.constexpr, MAE: tl.constexpr,
-    BC: tl.constexpr, QBC: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BC: tl.constexpr, QBC: tl.constexpr, CH: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    """Without QUANT: program (row, chunk) writes its chunk of y. With QUANT: program (row, 0) takes the
-    row's amax, then quantizes it (and writes y if WRITE_Y)."""
+    """Program (row, chunk). Without QUANT: its BC columns of y. With QUANT: the row's amax over the whole
+    row, then its own columns [chunk * CH, chunk * CH + CH) of y (if WRITE_Y) and Q(y); chunk 0 stores
+    the row's global scale. gu is only read, y and the codes only written: no program reads another's."""
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     if QUANT:
         amax_acc = tl.zeros((BC,), tl.int32)
         for c0 in range(0, I, BC):
             cols = c0 + tl.arange(0, BC)
+            y = _silu_up(gu_ptr, row, cols, cols < I, stride_gu, I, LIBDEVICE)
+            amax_acc = _bits_max(amax_acc, y)
+        s_enc, s_dec, g, amax = _row_globals(tl.max(amax_acc, 0), QBC // 16, RULE46)
+        for j0 in range(0, CH, QBC):
+            c0 = chunk * CH + j0
+            cols = c0 + tl.arange(0, QBC)
             mask = cols < I
             y = _silu_up(gu_ptr, row, cols, mask, stride_gu, I, LIBDEVICE)
             if WRITE_Y:
                 tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-            amax_acc = _bits_max(amax_acc, y)
-        s_enc, s_dec, g, amax = _row_globals(tl.max(amax_acc, 0), QBC // 16, RULE46)
-        for c0 in range(0, I, QBC):
-            cols = c0 + tl.arange(0, QBC)
-            y = _silu_up(gu_ptr, row, cols, cols < I, stride_gu, I, LIBDEVICE)
             _quantize_chunk(y, row, c0, I, d_ptr, s_ptr, s_enc, s_dec, g, amax, QBC, RULE46, MAE)
         j = tl.arange(0, QBC // 16)
-        tl.store(g_ptr + row + j * 0, g, mask=j == 0)
+        tl.store(g_ptr + row + j * 0, g, mask=j + chunk == 0)  # element 0 of chunk 0
     else:
-        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        cols = chunk * BC + tl.arange(0, BC)
         mask = cols < I
         y = _silu_up(gu_ptr, row, cols, mask, stride_gu, I, LIBDEVICE)
         tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -310,6 +327,28 @@ def _qbc(k: int, rule46: bool, block: int | None) -> int:
     return max(16, min(1024 if rule46 else 2048, triton.next_power_of_2(k)))
 
 
+# The quantizing kernels split each row over several programs (grid (rows, chunks)), each recomputing the
+# row's statistics over the whole row (8-48 KB, in L2) and writing its own chunk of columns. Default
+# chunk: SPLIT_PER_ROW programs per row at small batch (Qwen3-8B at batch 1: 12288 columns -> 12 programs
+# of 1024, 4096 -> 8 of 512), fewer as rows grow (about SPLIT_PROGRAMS programs in all: the redundant
+# statistics passes cost compute once the rows alone fill the GPU), never under SPLIT_MIN_COLS columns.
+SPLIT_PER_ROW = 12
+SPLIT_PROGRAMS = 192
+SPLIT_MIN_COLS = 256
+
+
+def _chunk(k: int, r: int, tile: int, chunk: int | None) -> tuple[int, int]:
+    """(columns per program, tile width of its loop): `chunk` if given (a multiple of 16), else the default
+    above (a power of two); the tile is `tile` cut to the largest power of two dividing the chunk."""
+    if chunk is None:
+        per_row = max(1, min(SPLIT_PER_ROW, SPLIT_PROGRAMS // max(r, 1)))
+        chunk = max(SPLIT_MIN_COLS, triton.next_power_of_2(triton.cdiv(k, per_row)))
+        chunk = min(chunk, max(16, triton.next_power_of_2(k)))
+    elif chunk <= 0 or chunk % 16:
+        raise ValueError(f"fused: chunk must be a positive multiple of 16 columns, got {chunk}")
+    return chunk, min(tile, chunk & -chunk)
+
+
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
     if t.ndim != 2 or t.stride(-1) != 1:
         raise ValueError(f"{name} must be a 2-D tensor [rows, K] with unit column stride, got "
@@ -318,10 +357,13 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
-                quant: dict | None = None, write_y: bool = True, block: int | None = None):
+                quant: dict | None = None, write_y: bool = True, block: int | None = None,
+                chunk: int | None = None):
     """x' = x + h (h None: x' = x) and y = RMSNorm(x') * weight, x/h [R, K]; with quant (the activation
     quantizer's scale_rule/err) also Q(y) per row. Returns (x', y or None, (data, block_scale,
-    global_scale [R]) or None). block: the chunk width (tests; default from K)."""
+    global_scale [R]) or None). block: the tile width of the kernel's loops (tests; default from K);
+    chunk: the columns each program writes (a multiple of 16; default: see SPLIT_PER_ROW). x' is a new
+    tensor (never x: every program reads all of x's row), or x itself when h is None."""
     _rows(x, "x")
     if h is not None:
         _rows(h, "h")
@@ -336,24 +378,27 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, e
     xo = torch.empty_like(x) if h is not None else x
     y = torch.empty_like(x) if (write_y or quant is None) else x
     xq = _quant_out(r, k, x.device) if quant is not None else None
-    bc = block or max(16, min(4096, triton.next_power_of_2(k)))
-    qbc = _qbc(k, rule46, block)
+    bc = block or max(16, min(4096, triton.next_power_of_2(k)))  # the statistics' tile (fixes the sum order)
+    ch, qbc = _chunk(k, r, _qbc(k, rule46, block), chunk)
     d, s, g = xq if xq is not None else (x, x, x)
     if r:
-        COMPILED["fused add_rmsnorm"] = _add_rmsnorm_kernel[(r,)](
+        COMPILED["fused add_rmsnorm"] = _add_rmsnorm_kernel[(r, triton.cdiv(k, ch))](
             x, h if h is not None else x, weight, xo, y, d, s, g,
             k, x.stride(0), h.stride(0) if h is not None else 0, xo.stride(0), y.stride(0), 1.0 / k, eps,
             HAS_RES=h is not None, WRITE_Y=write_y or quant is None, QUANT=quant is not None,
-            RULE46=rule46, MAE=mae, BC=bc, QBC=qbc, num_warps=4 if k <= 4096 else 8,
+            RULE46=rule46, MAE=mae, BC=bc, QBC=qbc, CH=ch, num_warps=4 if k <= 4096 else 8,
             enable_fp_fusion=False)
     if xq is not None:
         xq = (xq[0], xq[1].view(torch.float8_e4m3fn), xq[2])
     return xo, (y if write_y or quant is None else None), xq
 
 
-def silu_mul(gu: torch.Tensor, *, quant: dict | None = None, write_y: bool = True, block: int | None = None):
+def silu_mul(gu: torch.Tensor, *, quant: dict | None = None, write_y: bool = True, block: int | None = None,
+             chunk: int | None = None):
     """y = silu(gate) * up for gu [R, 2I] = (gate | up); with quant also Q(y) per row. Returns
-    (y [R, I] or None, (data, block_scale, global_scale [R]) or None)."""
+    (y [R, I] or None, (data, block_scale, global_scale [R]) or None). block: the tile width (tests);
+    chunk: the columns each quantizing program writes (a multiple of 16; default: see SPLIT_PER_ROW;
+    without quant each program writes one tile)."""
     _rows(gu, "gu")
     r, i2 = gu.shape
     if i2 % 2:
@@ -364,14 +409,16 @@ def silu_mul(gu: torch.Tensor, *, quant: dict | None = None, write_y: bool = Tru
     y = torch.empty(r, i, dtype=gu.dtype, device=gu.device) if write_y else gu
     xq = _quant_out(r, i, gu.device) if quant is not None else None
     d, s, g = xq if xq is not None else (gu, gu, gu)
-    qbc = _qbc(i, rule46, block)
     bc = block or (max(16, min(2048, triton.next_power_of_2(i))) if quant is not None
                    else max(16, min(1024, triton.next_power_of_2(i))))
+    if quant is not None:
+        ch, qbc = _chunk(i, r, _qbc(i, rule46, block), chunk)
+    else:
+        ch, qbc = bc, bc  # one tile of y per program
     if r:
-        grid = (r, 1) if quant is not None else (r, triton.cdiv(i, bc))
-        COMPILED["fused silu_mul"] = _silu_mul_kernel[grid](
+        COMPILED["fused silu_mul"] = _silu_mul_kernel[(r, triton.cdiv(i, ch))](
             gu, y, d, s, g, i, gu.stride(0), y.stride(0),
-            WRITE_Y=write_y, QUANT=quant is not None, RULE46=rule46, MAE=mae, BC=bc, QBC=qbc,
+            WRITE_Y=write_y, QUANT=quant is not None, RULE46=rule46, MAE=mae, BC=bc, QBC=qbc, CH=ch,
             LIBDEVICE=_libdevice_for(gu.device), num_warps=4 if quant is None or i <= 4096 else 8,
             enable_fp_fusion=False)
     if xq is not None:
