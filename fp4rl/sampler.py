@@ -371,15 +371,28 @@ class Sampler:
                 routing[:, r, :L] = prefill[:, r // n, T_p - L:]
 
         active = list(range(B))  # original row of each batch row
+        active_t = torch.arange(B, device=dev)  # the same on the device (indexing without a host copy)
         positions = torch.tensor([lens[r // n] for r in range(B)], device=dev)  # next RoPE position per row
         completion: list[list[int]] = [[] for _ in range(B)]
         logprobs = torch.zeros(B, new, dtype=torch.float32, device=dev)
         reasons, texts = [""] * B, [None] * B
+        # With the decode engine the next step is queued before this step's tokens reach the host (the
+        # tokens go through pinned memory, so only their copy is waited for): the host's per-step work
+        # (EOS / stop checks, bookkeeping, launches) overlaps the GPU's step. Rows that finish at this step
+        # ran one step too many; their outputs are dropped at the compaction below.
+        lookahead = self.engine is not None
+        tokens, lp = self._next_tokens(logits, params, generator)  # [b], [b]
         for step in range(new):
-            tokens, lp = self._next_tokens(logits, params, generator)  # [b], [b]
-            logprobs[active, step] = lp
+            logprobs[active_t, step] = lp
+            host, ready = _to_host(tokens)
+            logits = None
+            if lookahead and step < new - 1:
+                logits = self._decode_step(cache, tokens, positions, mask, T_p + step, routing, active_t)
+                positions = positions + 1
+            if ready is not None:
+                ready.synchronize()
             finished = []
-            for i, t in enumerate(tokens.tolist()):
+            for i, t in enumerate(host.tolist()):
                 r = active[i]
                 completion[r].append(t)
                 if t in self.eos_token_ids:
@@ -397,19 +410,14 @@ class Sampler:
                 keep = [i for i in range(len(active)) if i not in gone]
                 idx = torch.tensor(keep, device=dev)
                 cache.select(idx)
-                mask, positions, tokens = mask[idx], positions[idx], tokens[idx]
+                mask, positions, tokens, active_t = mask[idx], positions[idx], tokens[idx], active_t[idx]
+                if logits is not None:
+                    logits = logits[idx]
                 active = [active[i] for i in keep]
-            mask[:, T_p + step] = 1
-            if self.engine is not None:  # kernels on the static cache, a CUDA graph replay per step
-                logits, chosen = self.engine.decode(cache, tokens, positions, mask[:, :T_p + step + 1])
-            else:
-                h, chosen = self.model.model(tokens[:, None], positions[:, None], mask[:, :T_p + step + 1],
-                                             cache, None)  # h [b, 1, H]
-                logits = self.model.lm_head(h[:, -1])  # [b, V]
-            if routing is not None:
-                rows_now = torch.tensor(active, device=dev)
-                routing[:, rows_now, positions] = torch.stack(chosen)[:, :, 0]  # [L_moe, b, k]
-            positions = positions + 1
+            if logits is None:
+                logits = self._decode_step(cache, tokens, positions, mask, T_p + step, routing, active_t)
+                positions = positions + 1
+            tokens, lp = self._next_tokens(logits, params, generator)
 
         logprobs = logprobs.cpu()
         out = []
@@ -424,6 +432,19 @@ class Sampler:
             ))
         return out
 
+    def _decode_step(self, cache, tokens, positions, mask, slot: int, routing, rows):
+        """Logits [b, V] of one decode step: `tokens` [b] at `positions` [b] go to cache slot `slot` (the
+        mask's column, set here); the experts chosen are recorded for the original rows `rows` [b]."""
+        mask[:, slot] = 1
+        if self.engine is not None:  # kernels on the static cache, a CUDA graph replay per step
+            logits, chosen = self.engine.decode(cache, tokens, positions, mask[:, :slot + 1])
+        else:
+            h, chosen = self.model.model(tokens[:, None], positions[:, None], mask[:, :slot + 1], cache, None)
+            logits = self.model.lm_head(h[:, -1])  # [b, V]
+        if routing is not None:
+            routing[:, rows, positions] = torch.stack(chosen)[:, :, 0]  # [L_moe, b, k]
+        return logits
+
     def _next_tokens(self, logits: torch.Tensor, params: SamplingParams, generator):
         if self.fast_head and (params.greedy or (params.top_k == 0 and params.top_p == 1.0)):
             out = cpu_head.sample_head(logits, params.greedy, params.temperature, generator)
@@ -436,6 +457,18 @@ class Sampler:
         text = self._decode(ids)
         hits = [i for s in stop if (i := text.find(s)) >= 0]
         return text[:min(hits)] if hits else None
+
+
+def _to_host(tokens: torch.Tensor):
+    """(host tensor, event to wait for or None): a CUDA tensor is copied into pinned memory behind the work
+    queued so far, so that waiting for it does not wait for what is queued after."""
+    if tokens.device.type != "cuda":
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 # ----------------------------------------------------------------------------------------------

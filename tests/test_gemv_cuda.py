@@ -195,8 +195,9 @@ def test_gpu_refusals_fall_back_without_disabling():
     from fp4rl.kernels import gemm
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    k = 47232  # 16 rows of this K slice do not fit even at split 8
-    assert not gemv_cuda.fits(256, k, 16, sms) and gemv_cuda.fits(256, k, 1, sms)
+    # the shortest K whose slice of 16 rows does not fit even at split 8 (one row does)
+    k = next(k for k in range(1024, 1 << 17, 1024) if not gemv_cuda.fits(256, k, 16, sms))
+    assert gemv_cuda.fits(256, k, 1, sms)
     w = _weight(256, k, device="cuda")
     wm = SimpleNamespace(data=w.data, block_scale=w.block_scale, global_scale=w.global_scale,
                          mma16=gemv_cuda.relayout(w.data, w.block_scale))
