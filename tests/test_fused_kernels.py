@@ -392,3 +392,110 @@ def test_split_chunk_choice():
         with pytest.raises(ValueError, match="multiple of 16"):
             fused._chunk(256, 1, 256, bad)
 
+
+def test_launches_pass_launch_pdl_only_with_the_pdl_constexpr(monkeypatch):
+    """Each wrapper hands its launch the PDL constexpr and, only when PDL is on (fp4rl.kernels.pdl), Triton's
+    launch_pdl; on this machine's device PDL is off. The launches are recorded, not run."""
+    seen = {}
+
+    class Spy:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen[self.name] = (grid, kwargs)
+            return launch
+
+    for name in ("_add_rmsnorm_kernel", "_silu_mul_kernel", "_qk_norm_rope_kernel"):
+        monkeypatch.setattr(fused, name, Spy(name))
+    r, h, hkv, d = 2, 4, 2, 32
+    x, norm = _bf16((r, 64), 44), _norm(64, 45)
+    qkv = _bf16((r, (h + 2 * hkv) * d), 46)
+    cos, sin = _rope_tables(torch.tensor([1, 2], device=DEV), d)
+
+    def run_all():
+        seen.clear()
+        fused.add_rmsnorm(x, x, norm.weight, norm.eps, quant=QUANTS[0])
+        fused.silu_mul(_bf16((r, 128), 47), quant=QUANTS[0])
+        fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, None, None, 1e-6)
+        assert len(seen) == 3
+        return [kw for _, kw in seen.values()]
+
+    on_here = fused.pdl.triton_flag(torch.device(DEV))
+    for kw in run_all():
+        assert kw["PDL"] is on_here and ("launch_pdl" in kw) is on_here
+    if DEV == "cpu":
+        assert not on_here  # the interpreter has no griddepcontrol
+    monkeypatch.setattr(fused.pdl, "triton_flag", lambda device: True)
+    for kw in run_all():
+        assert kw["PDL"] is True and kw["launch_pdl"] is True
+    monkeypatch.setattr(fused.pdl, "triton_flag", lambda device: False)
+    for kw in run_all():
+        assert kw["PDL"] is False and "launch_pdl" not in kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", [None, QUANTS[1]])
+def test_gpu_pdl_chain_in_a_cuda_graph_is_the_plain_launch(quant):
+    """The three kernels with PDL on, each right after a kernel that writes its input on the same stream (a
+    torch copy, then fused kernels that let the next launch at their start), captured in a CUDA graph and
+    replayed on new inputs: the same bytes as without PDL (a missing griddepcontrol.wait reads stale data)."""
+    from fp4rl.kernels import pdl
+
+    dev = torch.device("cuda")
+    was = pdl.is_enabled()
+    pdl.set_enabled(True)
+    try:
+        if not pdl.triton_flag(dev):
+            pytest.skip("PDL needs compute capability >= 9 and a Triton with griddepcontrol and launch_pdl")
+        r, hq, hkv, d = 4, 16, 4, 128
+        k = (hq + 2 * hkv) * d  # add_rmsnorm's y is the qkv of qk_norm_rope
+        norm, norm2, qn, kn = _norm(k, 50), _norm(hq * d // 2, 51), _norm(d, 52), _norm(d, 53)
+        h0, h2 = _bf16((r, k), 54), _bf16((r, hq * d // 2), 55)
+        cos, sin = _rope_tables(torch.tensor([3, 70, 500, 9], device=DEV), d)
+        src = torch.empty(r, k, dtype=torch.bfloat16, device=dev)
+        xs = torch.empty_like(src)
+
+        def step():
+            with pdl.step():  # as the engine's decode step
+                xs.copy_(src)  # a plain kernel writes the first input
+                x1, y1, q1 = fused.add_rmsnorm(xs, h0, norm.weight, norm.eps, quant=quant)
+                q, kk = fused.qk_norm_rope(y1, cos, sin, hq, hkv, d, qn.weight, kn.weight, 1e-6)  # reads y1
+                a, aq = fused.silu_mul(q.view(r, hq * d), quant=quant)  # reads q
+                x3, y3, q3 = fused.add_rmsnorm(a, h2, norm2.weight, norm2.eps, quant=quant)  # reads a
+            outs = [x1, y1, q, kk, a, x3, y3]
+            for t in (q1, aq, q3):
+                outs += [] if t is None else [t[0], t[1].view(torch.uint8), t[2]]
+            return outs
+
+        def plain(seed):
+            src.copy_(_bf16((r, k), seed, 2.0))
+            pdl.set_enabled(False)
+            try:
+                return [t.clone() for t in step()]
+            finally:
+                pdl.set_enabled(True)
+
+        def same(a, b):
+            assert len(a) == len(b)
+            for u, v in zip(a, b):
+                assert torch.equal(u, v)
+
+        want = [plain(60), plain(61), plain(62)]
+        src.copy_(_bf16((r, k), 60, 2.0))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile the PDL variants outside the capture; eager PDL as well
+            same([t.clone() for t in step()], want[0])
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = step()
+        for seed, w in zip((61, 62, 60, 62), (want[1], want[2], want[0], want[2])):
+            src.copy_(_bf16((r, k), seed, 2.0))
+            graph.replay()
+            torch.cuda.synchronize()
+            same(got, w)
+    finally:
+        pdl.set_enabled(was)

@@ -46,6 +46,11 @@ wrappers allocate apart from them, so no program reads a column that another wri
 tensor, never x: an in-place x += h would let one program read another's updated columns). The
 add + RMSNorm launch without quantization is split the same way.
 
+Programmatic dependent launch (fp4rl.kernels.pdl; Hopper): with the PDL constexpr on, a kernel's first
+statements are griddepcontrol.launch_dependents (the next kernel on the stream may be scheduled now) and
+griddepcontrol.wait (until the previous grid has finished and its writes are visible), and the launch
+carries launch_pdl, so nothing is read or written before the previous kernel is done.
+
 NaN/Inf follow the unfused path: a NaN in a row makes its norm NaN (as torch's), and the quantizer
 sees the same values the separate quantizer would (amax over finite values, no check: the engine's
 quantizer runs with check_finite=False inside CUDA graphs as well).
@@ -59,8 +64,14 @@ import torch
 import triton
 import triton.language as tl
 
+from fp4rl.kernels import pdl
 from fp4rl.kernels._common import COMPILED, INTERPRET
 from fp4rl.kernels.quantize import _global_from_amax, _quantize_blocks, _store_blocks
+
+try:  # griddepcontrol (programmatic dependent launch); traced only when a kernel's PDL constexpr is on
+    from triton.language.extra import cuda as tlcuda
+except ImportError:
+    tlcuda = None
 
 try:
     from triton.language.extra import libdevice
@@ -168,12 +179,15 @@ def _add_rmsnorm_kernel(
     x_ptr, h_ptr, w_ptr, xo_ptr, y_ptr, d_ptr, s_ptr, g_ptr,
     K, stride_x, stride_h, stride_xo, stride_y, inv_k, eps,
     HAS_RES: tl.constexpr, WRITE_Y: tl.constexpr, QUANT: tl.constexpr, RULE46: tl.constexpr,
-    MAE: tl.constexpr, BC: tl.constexpr, QBC: tl.constexpr, CH: tl.constexpr,
+    MAE: tl.constexpr, BC: tl.constexpr, QBC: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row, chunk): the row's statistics over the whole row (sum of x'^2; with QUANT the amax of
     y), then its own columns [chunk * CH, chunk * CH + CH) of x' = x + h, y = RMSNorm(x') * w (if WRITE_Y)
     and Q(y) (if QUANT); chunk 0 stores the row's global scale. Every program reads x and h only (never
     xo or y), and the wrapper allocates xo apart from x and h, so no program reads what another writes."""
+    if PDL:  # programmatic dependent launch: let the next kernel launch, then wait for our inputs
+        tlcuda.gdc_launch_dependents()
+        tlcuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     acc = tl.zeros((BC,), tl.float32)
@@ -212,11 +226,14 @@ def _add_rmsnorm_kernel(
 def _silu_mul_kernel(
     gu_ptr, y_ptr, d_ptr, s_ptr, g_ptr, I, stride_gu, stride_y,
     WRITE_Y: tl.constexpr, QUANT: tl.constexpr, RULE46: tl.constexpr, MAE: tl.constexpr,
-    BC: tl.constexpr, QBC: tl.constexpr, CH: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BC: tl.constexpr, QBC: tl.constexpr, CH: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row, chunk). Without QUANT: its BC columns of y. With QUANT: the row's amax over the whole
     row, then its own columns [chunk * CH, chunk * CH + CH) of y (if WRITE_Y) and Q(y); chunk 0 stores
     the row's global scale. gu is only read, y and the codes only written: no program reads another's."""
+    if PDL:  # programmatic dependent launch: let the next kernel launch, then wait for our inputs
+        tlcuda.gdc_launch_dependents()
+        tlcuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if QUANT:
@@ -247,10 +264,13 @@ def _silu_mul_kernel(
 def _qk_norm_rope_kernel(
     qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
     H, HKV, D, stride_qkv, stride_cs, stride_qb, stride_kb, stride_kh, stride_kt, inv_d, eps,
-    HAS_NORM: tl.constexpr, TO_CACHE: tl.constexpr, BH: tl.constexpr,
+    HAS_NORM: tl.constexpr, TO_CACHE: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row, head): q heads 0..H-1, then k heads (each also moves its v head). The head's two
     halves x1 = x[:D/2], x2 = x[D/2:] are loaded apart, so rotate_half is (-x2, x1)."""
+    if PDL:  # programmatic dependent launch: let the next kernel launch, then wait for our inputs
+        tlcuda.gdc_launch_dependents()
+        tlcuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = D // 2
@@ -349,6 +369,13 @@ def _chunk(k: int, r: int, tile: int, chunk: int | None) -> tuple[int, int]:
     return chunk, min(tile, chunk & -chunk)
 
 
+def _launch_opts(device: torch.device) -> dict:
+    """The PDL constexpr and, only when it is on, Triton's launch_pdl option (fp4rl.kernels.pdl decides:
+    a CUDA device of compute capability >= 9, a Triton with griddepcontrol, PDL not switched off). Both
+    are part of the compiled variant's key."""
+    return {"PDL": True, "launch_pdl": True} if pdl.triton_flag(device) else {"PDL": False}
+
+
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
     if t.ndim != 2 or t.stride(-1) != 1:
         raise ValueError(f"{name} must be a 2-D tensor [rows, K] with unit column stride, got "
@@ -387,7 +414,7 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, e
             k, x.stride(0), h.stride(0) if h is not None else 0, xo.stride(0), y.stride(0), 1.0 / k, eps,
             HAS_RES=h is not None, WRITE_Y=write_y or quant is None, QUANT=quant is not None,
             RULE46=rule46, MAE=mae, BC=bc, QBC=qbc, CH=ch, num_warps=4 if k <= 4096 else 8,
-            enable_fp_fusion=False)
+            enable_fp_fusion=False, **_launch_opts(x.device))
     if xq is not None:
         xq = (xq[0], xq[1].view(torch.float8_e4m3fn), xq[2])
     return xo, (y if write_y or quant is None else None), xq
@@ -420,7 +447,7 @@ def silu_mul(gu: torch.Tensor, *, quant: dict | None = None, write_y: bool = Tru
             gu, y, d, s, g, i, gu.stride(0), y.stride(0),
             WRITE_Y=write_y, QUANT=quant is not None, RULE46=rule46, MAE=mae, BC=bc, QBC=qbc, CH=ch,
             LIBDEVICE=_libdevice_for(gu.device), num_warps=4 if quant is None or i <= 4096 else 8,
-            enable_fp_fusion=False)
+            enable_fp_fusion=False, **_launch_opts(gu.device))
     if xq is not None:
         xq = (xq[0], xq[1].view(torch.float8_e4m3fn), xq[2])
     return (y if write_y else None), xq
@@ -482,5 +509,6 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
             slot if slot is not None else q, n_heads, n_kv_heads, d, qkv.stride(0), cos.stride(0),
             q.stride(0),
             kb, kh, kt, 1.0 / d, eps, HAS_NORM=has_norm, TO_CACHE=to_cache,
-            BH=max(16, triton.next_power_of_2(d // 2)), num_warps=1, enable_fp_fusion=False)
+            BH=max(16, triton.next_power_of_2(d // 2)), num_warps=1, enable_fp_fusion=False,
+            **_launch_opts(qkv.device))
     return q, (None if to_cache else k_out)
