@@ -251,6 +251,22 @@ def _set_smem(kern, nbytes: int) -> None:
         raise RuntimeError(f"cuFuncSetAttribute(max dynamic shared memory = {nbytes}) failed: {rc}")
 
 
+def _operands(x2, global_scale, x_scale, counts: tuple, what: str):
+    """x2 with 16-byte rows for cp.async (copied if not), the global scales fp32 (one of `counts` values) and
+    the per-row x scales (W4A4; else the global scales again, unused by the kernel)."""
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.clone(memory_format=torch.contiguous_format)  # a fresh allocation: 16-byte aligned
+    g = global_scale.float().reshape(-1).contiguous()
+    if g.numel() not in counts:
+        raise ValueError(f"global_scale must have {what} values, got {g.numel()}")
+    xg = g
+    if x_scale is not None:
+        xg = x_scale.float().reshape(-1).contiguous()
+        if xg.numel() != x2.shape[0]:
+            raise ValueError(f"x_scale must have one value per row of x ({x2.shape[0]}), got {xg.numel()}")
+    return x2, g, xg
+
+
 def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: torch.Tensor,
            cfg: dict | None = None, x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] bfloat16 = x2 [M, K] bfloat16 @ DQ(W).T with W's mma16 copy; global_scale fp32 [1]
@@ -264,16 +280,7 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
     if tuple(y.shape) != (m, wc.n) or y.stride(1) != 1 or y.device != x2.device:
         raise ValueError(f"y must be [{m}, {wc.n}] with unit column stride on x's device, got "
                          f"{tuple(y.shape)} stride {y.stride()} on {y.device}")
-    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:  # 16-byte rows for cp.async
-        x2 = x2.clone(memory_format=torch.contiguous_format)  # a fresh allocation: 16-byte aligned
-    g = global_scale.float().reshape(-1).contiguous()
-    if g.numel() not in (1, wc.n):
-        raise ValueError(f"global_scale must have 1 or N={wc.n} values, got {g.numel()}")
-    xg = g
-    if x_scale is not None:
-        xg = x_scale.float().reshape(-1).contiguous()
-        if xg.numel() != m:
-            raise ValueError(f"x_scale must have one value per row of x ({m}), got {xg.numel()}")
+    x2, g, xg = _operands(x2, global_scale, x_scale, (1, wc.n), f"1 or N={wc.n}")
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     cfg = cfg or _plan(wc.n, wc.k, m, dev)
     if m > 8 * cfg["MG"]:
@@ -333,16 +340,7 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
         raise TypeError("the grouped mma16 kernel takes bfloat16 x and y and int32 offsets")
     if tuple(y.shape) != (m, wc.n) or y.stride(1) != 1:
         raise ValueError(f"y must be [{m}, {wc.n}] with unit column stride, got {tuple(y.shape)}")
-    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
-        x2 = x2.clone(memory_format=torch.contiguous_format)
-    g = global_scale.float().reshape(-1).contiguous()
-    if g.numel() not in (e, e * wc.n):
-        raise ValueError(f"global_scale must have E={e} or E*N={e * wc.n} values, got {g.numel()}")
-    xg = g
-    if x_scale is not None:
-        xg = x_scale.float().reshape(-1).contiguous()
-        if xg.numel() != m:
-            raise ValueError(f"x_scale must have one value per row of x ({m}), got {xg.numel()}")
+    x2, g, xg = _operands(x2, global_scale, x_scale, (e, e * wc.n), f"E={e} or E*N={e * wc.n}")
     if m == 0:
         return y
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
