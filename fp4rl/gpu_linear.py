@@ -416,6 +416,11 @@ class KernelMoeBlock(SparseMoeBlock):
     """SparseMoeBlock whose routed experts run as grouped GEMMs (`plan`), with no host sync."""
 
     plan = None
+    _forced = False
+
+    def route(self, x: torch.Tensor, forced_experts: torch.Tensor | None = None):
+        self._forced = forced_experts is not None  # replayed routing may repeat an expert within a token
+        return super().route(x, forced_experts)
 
     def run_experts(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         if self.plan is None or x.dtype != KERNEL_DTYPE:
@@ -426,9 +431,10 @@ class KernelMoeBlock(SparseMoeBlock):
         ids = torch.arange(self.num_experts + 1, device=x.device)
         offsets = torch.searchsorted(flat[order], ids).to(torch.int32)  # [E + 1] start of each expert
         xs = x.index_select(0, order // k)  # [n k, H]
-        gu = self.plan.gate_up(xs, offsets, group_rows=n)  # [n k, 2I]; an expert gets <= n rows
+        rows = n * k if self._forced else n  # the most rows one expert can get (top-k picks k distinct ones)
+        gu = self.plan.gate_up(xs, offsets, group_rows=rows)  # [n k, 2I]
         i = gu.shape[-1] // 2
-        d = self.plan.down(F.silu(gu[:, :i]) * gu[:, i:], offsets, group_rows=n)  # [n k, H]
+        d = self.plan.down(F.silu(gu[:, :i]) * gu[:, i:], offsets, group_rows=rows)  # [n k, H]
         out = torch.empty_like(d).index_copy_(0, order, d).view(n, k, -1)  # back to (token, slot) order
         return (out.float() * topk_weight.float()[..., None]).sum(1).to(x.dtype)
 

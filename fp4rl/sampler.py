@@ -379,7 +379,10 @@ class Sampler:
         # With the decode engine the next step is queued before this step's tokens reach the host (the
         # tokens go through pinned memory, so only their copy is waited for): the host's per-step work
         # (EOS / stop checks, bookkeeping, launches) overlaps the GPU's step. Rows that finish at this step
-        # ran one step too many; their outputs are dropped at the compaction below.
+        # ran one step too many; their outputs are dropped at the compaction below. (So the step after a row
+        # finishes runs on the batch before compaction: the other rows' arithmetic may differ in the last bits
+        # from a step on the compacted batch, as a row's already depends on its batch's size and bucket.
+        # The same seed still gives the same completions.)
         lookahead = self.engine is not None
         tokens, lp = self._next_tokens(logits, params, generator)  # [b], [b]
         for step in range(new):
@@ -467,7 +470,7 @@ def _to_host(tokens: torch.Tensor):
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
     host.copy_(tokens, non_blocking=True)
     ready = torch.cuda.Event()
-    ready.record()
+    ready.record(torch.cuda.current_stream(tokens.device))  # the copy's stream, whatever device is current
     return host, ready
 
 

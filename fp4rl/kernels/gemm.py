@@ -499,6 +499,8 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, gr
         try:
             return _mma16.launch_grouped(xin, m16, wg, offsets, y, group_rows,
                                          x_scale=None if x2 is not None else xq[2])
+        except ValueError:  # this K slice of group_rows rows does not fit its shared memory: Triton below
+            pass
         except RuntimeError as exc:
             _mma16.disable(exc)
     if (m16 is not None and not grouped and config is None and m <= MMA16_MAX_ROWS
