@@ -82,6 +82,10 @@ def test_choose_is_row_invariant_up_to_16_and_fits_shared_memory():
             c = gemv_cuda.choose(n, k, m, 132)
             assert gemv_cuda.smem_bytes(c, k, m) <= gemv_cuda.SMEM_LIMIT or c["SPLIT"] == 8
             assert (k // 128) >= c["SPLIT"]
+    # x streamed with the weights where 9+ rows of a long slice would be staged whole (measured: RESULTS.md)
+    assert gemv_cuda.choose(24576, 4096, 16, 132).get("XSTREAM") == 1
+    assert "XSTREAM" not in gemv_cuda.choose(24576, 4096, 8, 132)
+    assert "XSTREAM" not in gemv_cuda.choose(4096, 12288, 16, 132)  # split 8: short slices, staged
     with pytest.raises(ValueError, match="1-64 rows"):
         gemv_cuda.choose(4096, 4096, 65, 132)
 
@@ -150,6 +154,11 @@ def test_gpu_kernel_matches_reference(n, k, kw):
                 if gemv_cuda.smem_bytes(cfg, k, m) <= gemv_cuda.SMEM_MAX:
                     gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
                     assert _rel(y2, ref) < 4e-3, (m, split)
+                for depth in (2, 3, 4):  # x streamed in 128-k chunks with the weights (XSTREAM)
+                    cfg = dict(gemv_cuda.choose(n, k, m, sms), SPLIT=split, DEPTH=depth, XSTREAM=1)
+                    y2.fill_(float("nan"))
+                    gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
+                    assert _rel(y2, ref) < 4e-3, (m, split, depth, "xstream")
     for m in (2, 5, 8, 9, 16):  # rows up to 16 share a configuration: row 0 is bit-identical
         assert torch.equal(ys[m][0], ys[1][0])
     # a strided x (a view with a padded row stride) is read through its stride

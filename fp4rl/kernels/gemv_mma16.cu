@@ -43,6 +43,12 @@ typedef unsigned long long u64;
 #ifndef GROUPED
 #define GROUPED 0
 #endif
+#ifndef XSTREAM
+#define XSTREAM 0  // 1: x in 128-k chunks through a CTA ring with the weights (many rows; DEPTH >= 2)
+#endif
+#if XSTREAM && DEPTH < 2
+#error "XSTREAM needs DEPTH >= 2"
+#endif
 #ifndef TIMING
 #define TIMING 0  // timing-only variants (wrong results): 1 no x staging, 2 no unpack/MMA
 #endif
@@ -145,7 +151,11 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     const int s1 = min(S, s0 + per);
     const int ntiles = N >> 4;
     const int tile0 = (blockIdx.x * WARPS + warp) * NT;
+#if XSTREAM
+    const int XS = 136;  // x comes in 128-k chunks through a CTA ring (16 B pad: conflict-free ldmatrix)
+#else
     const int XS = per * 128 + 8;  // smem row stride of x in bf16 (16 B pad: conflict-free ldmatrix)
+#endif
     // PDL (a no-op without the launch attribute): the next kernel may be scheduled once every CTA of this
     // grid has triggered (TRIGGER 1: at its start; 2: after its weight stream; 0: at its exit); it waits
     // for this grid's completion before reading what it writes
@@ -186,7 +196,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // of scales)
     const int XR = min(M, XROWS);
     u16* xs = reinterpret_cast<u16*>(smem);
-    unsigned char* ring = smem + (((XR + 1) * XS * 2 + 127) & ~127) + warp * (DEPTH * NT * STAGE_BYTES);
+    const int XSTAGE = (XR + 1) * XS * 2;  // bytes of one x stage (XSTREAM) or of the whole slice
+    unsigned char* ring = smem + (((XSTREAM ? DEPTH : 1) * XSTAGE + 127) & ~127) + warp * (DEPTH * NT * STAGE_BYTES);
     const u32 ring_s = smem_u32(ring);
 
     // 1. the weight stream: per n-tile and step each lane copies its 2 x 16 B of weight words, lanes
@@ -201,7 +212,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         wp[j] = wt + (tile * S) * 64 + lane;
         sp[j] = st + (tile * S) * 16 + (lane & 15);
     }
-    auto issue = [&](int step, int stage) {
+    auto issue_w = [&](int step, int stage) {
         if (step < s1) {
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
@@ -213,13 +224,42 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                 }
             }
         }
+    };
+#if !XSTREAM
+    auto issue = [&](int step, int stage) {
+        issue_w(step, stage);
         cp_async_commit();  // possibly empty: one group per step keeps the count uniform
     };
+#else
+    // XSTREAM: the 128-k chunk of x for `step` (its rows, then the zero row) into x stage `stage`, by all
+    // threads of the CTA (the chunk is read by every warp: a CTA barrier per step orders it)
+    auto issue_x = [&](int step, int stage) {
+        for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : (XR + 1) * 16); c += WARPS * 32) {
+            const int m = c >> 4, kc = (c & 15) * 8;
+            const bool in = m < M && step < s1;
+            const u16* src = in ? x + (u64)m * stride_xm + (u64)step * 128 + kc : x;
+            cp_async16(smem_u32(xs) + stage * XSTAGE + (m * XS + kc) * 2, src, in ? 16 : 0);
+        }
+    };
+#endif
+#if XSTREAM
+    // group 0 = weight steps 0 .. DEPTH-2 + x step 0, group d = x step d: the group of step i is the i-th
+#pragma unroll
+    for (int d = 0; d < DEPTH - 1; ++d) issue_w(s0 + d, d);
+#else
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) issue(s0 + d, d);
+#endif
 
     // PDL: the first DEPTH weight steps above do not depend on the previous kernel; x (its output) does
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#if XSTREAM
+#pragma unroll
+    for (int d = 0; d < DEPTH - 1; ++d) {
+        issue_x(s0 + d, d);
+        cp_async_commit();
+    }
+#else
     // 2. x[:, 128 s0 : 128 s1] -> shared memory (rows >= M and k beyond the range zero-filled), async
     {
         const int cw = per * 16;  // 16-byte chunks per row
@@ -235,6 +275,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 
     cp_async_wait<0>();  // x and the first weight steps have landed for this thread ...
     __syncthreads();     // ... and for every thread
+#endif
 
     // ldmatrix.x4 row addresses: matrix j = x rows 8 mg + (lane & 7) (the zero row past M) x k [8j, 8j+8):
     // b0, b1 of the block at k, b0, b1 of the block at k + 16
@@ -258,8 +299,13 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         for (int d = 0; d < DEPTH; ++d) {
             const int sd = s + d;
             if (sd < s1) {
+#if XSTREAM
+                cp_async_wait<DEPTH - 2>();  // this step's group (and all older) landed, for this thread ...
+                __syncthreads();  // ... for every thread; and every warp is done with step sd - 1's stage
+#else
                 cp_async_wait<DEPTH - 1>();  // this step's group (and all older) landed
                 __syncwarp();                // for every lane of the warp (scales come from lanes 0-15)
+#endif
                 uint4 wv[NT][2], sv[NT][2];
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
@@ -269,9 +315,16 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                     sv[j][0] = *reinterpret_cast<const uint4*>(b + 1024 + g4 * 32);
                     sv[j][1] = *reinterpret_cast<const uint4*>(b + 1024 + g4 * 32 + 16);
                 }
+#if XSTREAM
+                issue_w(sd + DEPTH - 1, (d + DEPTH - 1) % DEPTH);  // into step sd - 1's stages
+                issue_x(sd + DEPTH - 1, (d + DEPTH - 1) % DEPTH);
+                cp_async_commit();
+                const u32 kb = (u32)d * XSTAGE;  // byte offset of this step's x stage
+#else
                 __syncwarp();  // every lane has its copy: the stage can be refilled
                 issue(sd + DEPTH, d);
                 const u32 kb = (u32)(sd - s0) * 128 * 2;  // byte offset of this step in a smem row
+#endif
 #pragma unroll
                 for (int bp = 0; bp < 4; ++bp) {  // block pair bp: blocks 2bp, 2bp+1 (k 32bp .. 32bp+31)
                     u32 bf[MG][2][2];
