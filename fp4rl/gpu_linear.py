@@ -52,11 +52,11 @@ MMA16 = os.environ.get("FP4RL_MMA16", "1") != "0"  # the CUDA mma16 copy where i
 
 
 def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, offsets=None,
-                xq=None, group_rows: int | None = None) -> torch.Tensor:
+                xq=None, tokens: int | None = None) -> torch.Tensor:
     """x2 [M, K] bfloat16 @ DQ(weight).T (weight: .data/.block_scale/.global_scale), W4A16 or W4A4
     (x quantized per token with the contract's settings first, or xq: that Q(x) already made by a fused
-    producer, (data, block_scale, global_scale [M])); offsets: grouped experts, group_rows: the most rows
-    one expert can get (gemm.gemm)."""
+    producer, (data, block_scale, global_scale [M])); offsets: grouped experts, tokens: the batch's tokens
+    (gemm.gemm)."""
     from fp4rl.kernels import gemm
 
     if xq is not None and mode != "w4a4":
@@ -69,10 +69,10 @@ def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, 
     if not TUNE and offsets is None and m > gemm.DECODE_MAX_ROWS:
         config = gemm.FALLBACK
     if mode == "w4a16":
-        return gemm.gemm(x2, weight, offsets=offsets, tune=TUNE, config=config, group_rows=group_rows)
+        return gemm.gemm(x2, weight, offsets=offsets, tune=TUNE, config=config, tokens=tokens)
     if xq is None:
         xq = gemm.quantize_activations(x2, scale_rule=input_kwargs["scale_rule"], err=input_kwargs["err"])
-    return gemm.gemm(None, weight, xq=xq, offsets=offsets, tune=TUNE, config=config, group_rows=group_rows)
+    return gemm.gemm(None, weight, xq=xq, offsets=offsets, tune=TUNE, config=config, tokens=tokens)
 
 
 class _DecodeCopy:
@@ -338,23 +338,23 @@ class _PackedExperts:
         self.gu_g.copy_(torch.cat([g[:, None].expand(e, i), u[:, None].expand(e, i)], 1))
         self.d_g.copy_(torch.stack([m.weight_global_scale.float().reshape(()) for m in self.downs]))
 
-    def _run(self, which: int, x, offsets, group_rows):
+    def _run(self, which: int, x, offsets, tokens):
         data, scale, g = ((self.gu_data, self.gu_scale, self.gu_g) if which == 0
                           else (self.d_data, self.d_scale, self.d_g))
         w = SimpleNamespace(data=data, block_scale=scale, global_scale=g)
         from fp4rl.kernels import gemm
 
-        if group_rows is not None and group_rows <= gemm.MMA16_MAX_ROWS:
+        if tokens is not None and tokens <= gemm.MMA16_GROUPED_MAX_TOKENS:
             c = self._copy(which)
             if c is not None:
                 w.mma16 = c
-        return packed_gemm(x, w, self.mode, self.input_kwargs, offsets, group_rows=group_rows)
+        return packed_gemm(x, w, self.mode, self.input_kwargs, offsets, tokens=tokens)
 
-    def gate_up(self, xs, offsets, group_rows: int | None = None):
-        return self._run(0, xs, offsets, group_rows)
+    def gate_up(self, xs, offsets, tokens: int | None = None):
+        return self._run(0, xs, offsets, tokens)
 
-    def down(self, a, offsets, group_rows: int | None = None):
-        return self._run(1, a, offsets, group_rows)
+    def down(self, a, offsets, tokens: int | None = None):
+        return self._run(1, a, offsets, tokens)
 
 
 class _DenseExperts:
@@ -377,10 +377,10 @@ class _DenseExperts:
     def refresh(self) -> None:
         pass
 
-    def gate_up(self, xs, offsets, group_rows: int | None = None):
+    def gate_up(self, xs, offsets, tokens: int | None = None):
         return torch._grouped_mm(xs, self.gu_t, offs=offsets[1:])
 
-    def down(self, a, offsets, group_rows: int | None = None):
+    def down(self, a, offsets, tokens: int | None = None):
         return torch._grouped_mm(a, self.d_t, offs=offsets[1:])
 
 
@@ -416,11 +416,6 @@ class KernelMoeBlock(SparseMoeBlock):
     """SparseMoeBlock whose routed experts run as grouped GEMMs (`plan`), with no host sync."""
 
     plan = None
-    _forced = False
-
-    def route(self, x: torch.Tensor, forced_experts: torch.Tensor | None = None):
-        self._forced = forced_experts is not None  # replayed routing may repeat an expert within a token
-        return super().route(x, forced_experts)
 
     def run_experts(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         if self.plan is None or x.dtype != KERNEL_DTYPE:
@@ -431,10 +426,9 @@ class KernelMoeBlock(SparseMoeBlock):
         ids = torch.arange(self.num_experts + 1, device=x.device)
         offsets = torch.searchsorted(flat[order], ids).to(torch.int32)  # [E + 1] start of each expert
         xs = x.index_select(0, order // k)  # [n k, H]
-        rows = n * k if self._forced else n  # the most rows one expert can get (top-k picks k distinct ones)
-        gu = self.plan.gate_up(xs, offsets, group_rows=rows)  # [n k, 2I]
+        gu = self.plan.gate_up(xs, offsets, tokens=n)  # [n k, 2I]
         i = gu.shape[-1] // 2
-        d = self.plan.down(F.silu(gu[:, :i]) * gu[:, i:], offsets, group_rows=rows)  # [n k, H]
+        d = self.plan.down(F.silu(gu[:, :i]) * gu[:, i:], offsets, tokens=n)  # [n k, H]
         out = torch.empty_like(d).index_copy_(0, order, d).view(n, k, -1)  # back to (token, slot) order
         return (out.float() * topk_weight.float()[..., None]).sum(1).to(x.dtype)
 

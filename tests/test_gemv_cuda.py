@@ -267,21 +267,19 @@ def test_relayout_stack_is_the_experts_copies_one_after_another():
         gemv_cuda.relayout_stack(ws[0].data, ws[0].block_scale)
 
 
-def test_choose_grouped_sizes_rows_and_split():
-    cfg = gemv_cuda.choose_grouped(1536, 2048, 1, 8, 132)
+def test_choose_grouped_splits_to_fill_the_gpu():
+    cfg = gemv_cuda.choose_grouped(1536, 2048, 8, 132)
     assert cfg["MG"] == 1 and cfg["SPLIT"] >= 2  # 8 experts x 12 n-blocks: split to fill the GPU
-    assert gemv_cuda.choose_grouped(1536, 2048, 16, 64, 132)["MG"] == 2
-    assert gemv_cuda.choose_grouped(1536, 2048, 9, 128, 132)["SPLIT"] == 1  # many experts: a wave already
-    with pytest.raises(ValueError, match="1-16 rows per expert"):
-        gemv_cuda.choose_grouped(1536, 2048, 17, 8, 132)
+    assert gemv_cuda.choose_grouped(1536, 2048, 128, 132)["SPLIT"] == 1  # many experts: a wave already
+    assert gemv_cuda.choose_grouped(2048, 768, 8, 132)["SPLIT"] <= 768 // 128 // 2
 
 
 @pytest.mark.gpu
 def test_gpu_grouped_experts_match_reference_and_replay_new_routing():
     """Routed experts on the grouped mma16 kernel: each expert's rows against the float64 reference, with
-    empty experts, one expert taking every row, 16 rows per expert, per-row and per-expert global scales,
-    W4A4 (x_scale), and a CUDA graph captured once and replayed with new routing (the kernel finds its
-    experts from the offsets on the device)."""
+    empty experts, one expert taking every row, 9-41 rows per expert (several 8-row chunks), per-row and
+    per-expert global scales, W4A4 (x_scale), and a CUDA graph captured once and replayed with new routing
+    (the kernel finds its experts and chunks from the offsets on the device)."""
     if not gemv_cuda.available():
         pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
     from fp4rl.kernels import gemm, pdl
@@ -306,7 +304,7 @@ def test_gpu_grouped_experts_match_reference_and_replay_new_routing():
             xs = xq[2]
         y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         with pdl.step():
-            gemv_cuda.launch_grouped(x, wc, g, offs, y, max(counts), x_scale=xs)
+            gemv_cuda.launch_grouped(x, wc, g, offs, y, x_scale=xs)
         xr = x.double() * (xs.double().reshape(-1, 1) if xs is not None else 1.0)
         for i in range(e):
             a, b = int(offs[i]), int(offs[i + 1])
@@ -315,19 +313,21 @@ def test_gpu_grouped_experts_match_reference_and_replay_new_routing():
         return offs, x, y
 
     check([1, 0, 2, 0, 0, 1], per_row=True)
-    check([0, 0, 0, 16, 0, 0], per_row=False)
+    check([0, 0, 0, 16, 0, 0], per_row=False)  # one expert, two 8-row chunks
     check([16, 3, 16, 0, 9, 1], per_row=True)
     check([2, 2, 0, 1, 0, 3], per_row=False, w4a4=True)
+    check([0, 41, 0, 7, 0, 0], per_row=True)  # 6 chunks of one expert (replayed routing can do this)
+    check([9, 9, 9, 9, 9, 9], per_row=False, w4a4=True)
     # one graph, new routing each replay (same M, same most-rows bound)
     offs = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
     m = 8
     x = torch.randn(m, k, device="cuda").bfloat16()
     y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     offs.copy_(torch.tensor([0, 8, 8, 8, 8, 8, 8], dtype=torch.int32))
-    gemv_cuda.launch_grouped(x, wc, gexp, offs, y, 8)  # compile outside the capture
+    gemv_cuda.launch_grouped(x, wc, gexp, offs, y)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), pdl.step():
-        gemv_cuda.launch_grouped(x, wc, gexp, offs, y, 8)
+        gemv_cuda.launch_grouped(x, wc, gexp, offs, y)
     for counts in ([8, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 3], [0, 0, 4, 0, 4, 0]):
         offs.copy_(torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32))
         y.fill_(float("nan"))

@@ -120,14 +120,14 @@ def test_kernel_decode_steps_compute_the_torch_decode_steps(config, contract, kv
 @pytest.mark.parametrize("contract,tol", [("nvfp4-w4a16", 1e-2), ("nvfp4-experts", 8e-2)])
 def test_gpu_grouped_mma16_experts_compute_the_packed_experts(contract, tol):
     """Routed experts on the grouped mma16 kernel (WIDE_MOE: every expert GEMM fits it) against the plain
-    packed modules on the same input, at decode batch sizes; the same experts chosen. (Teacher-forced
-    logits of a whole random model are not the check: a one-ulp router difference can pick another
-    expert.) W4A4's bound: down_proj's Q(x) sees bfloat16-level gate/up differences, as below."""
+    packed modules on the same input, at decode batch sizes (1-32 tokens); the same experts chosen.
+    (Teacher-forced logits of a whole random model are not the check: a one-ulp router difference can
+    pick another expert.) W4A4's bound: down_proj's Q(x) sees bfloat16-level gate/up differences."""
     if not gemv_cuda.available():
         pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
     fast, plain = _pair(WIDE_MOE, contract, "bf16")
     a, b = fast.model.model.layers[0].mlp, plain.model.model.layers[0].mlp
-    for rows in (1, 3, 8, 16):
+    for rows in (1, 3, 8, 16, 32):
         x = torch.randn(rows, 1, 128, generator=torch.Generator().manual_seed(rows)).bfloat16().to(DEV)
         with torch.inference_mode():
             ya, ea = a(x)

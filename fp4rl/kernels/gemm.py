@@ -55,6 +55,9 @@ DECODE_MAX_ROWS = 256  # rows up to this take the transposed (weights-as-M) kern
 # H200 1.4-2.2x cuBLAS BF16 at 1-8 rows and 1.1-1.4x at 16 (bench/RESULTS.md); 32-64 rows measured slower
 # than cuBLAS, so they stay with the tuned Triton kernels.
 MMA16_MAX_ROWS = 16
+# Routed experts of batches up to this many tokens go to the grouped mma16 kernel (8-row chunks per expert);
+# larger ones (prefill) to the Triton grouped GEMM, which reads each expert's weights once for all its rows.
+MMA16_GROUPED_MAX_TOKENS = 64
 
 
 @triton.jit
@@ -450,7 +453,7 @@ def _fallback(x2, xq, wd, ws, wg, y):
     return y
 
 
-def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, group_rows: int | None = None):
+def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, tokens: int | None = None):
     """Core entry: y [M, N] = x @ DQ(W).T on packed NVFP4 weights.
 
     x: bfloat16 [M, K] (W4A16), or None with xq = (data uint8 [M, K/2], block_scale [M, K/16],
@@ -459,8 +462,8 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, gr
     candidate_configs, or FALLBACK, to bypass the tuner. A dense weight may carry `gemv32` (gemv.swizzle
     of its data: the Gluon GEMV's copy) or `mma16` (gemv_cuda.relayout: the CUDA kernel's copy, taken for
     1-MMA16_MAX_ROWS rows of W4A16 or W4A4 when no config is forced). Grouped weights may carry `mma16` too
-    (gemv_cuda.relayout_stack): taken when `group_rows`, the most rows any one expert can get (a top-k batch's
-    tokens), is at most MMA16_MAX_ROWS.
+    (gemv_cuda.relayout_stack): taken for decode-sized batches, `tokens` (the batch's tokens before top-k)
+    <= MMA16_GROUPED_MAX_TOKENS.
     """
     grouped = offsets is not None
     wd, ws, wg = _weight_parts(weight, grouped)
@@ -491,15 +494,14 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, gr
     y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
     if m == 0:
         return y
-    if (m16 is not None and grouped and config is None and group_rows is not None
-            and 1 <= group_rows <= MMA16_MAX_ROWS and _mma16.available(device)):
+    if (m16 is not None and grouped and config is None and tokens is not None
+            and 1 <= tokens <= MMA16_GROUPED_MAX_TOKENS and _mma16.available(device)):
         if (m16.n, m16.k, m16.wt.shape[0]) != (n, 2 * kh, e * n // 16):
             raise ValueError(f"weight.mma16 is not a stacked copy of {e} experts of {n}x{2 * kh}")
         xin = x2 if x2 is not None else dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False)
         try:
-            return _mma16.launch_grouped(xin, m16, wg, offsets, y, group_rows,
-                                         x_scale=None if x2 is not None else xq[2])
-        except ValueError:  # this K slice of group_rows rows does not fit its shared memory: Triton below
+            return _mma16.launch_grouped(xin, m16, wg, offsets, y, x_scale=None if x2 is not None else xq[2])
+        except ValueError:  # this K slice does not fit its shared memory: the Triton kernels below
             pass
         except RuntimeError as exc:
             _mma16.disable(exc)

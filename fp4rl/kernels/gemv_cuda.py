@@ -314,29 +314,27 @@ def relayout_stack(data: torch.Tensor, block_scale: torch.Tensor) -> Mma16Weight
     return Mma16Weight(wt=wc.wt, st=wc.st, n=n, k=wc.k)
 
 
-def choose_grouped(n: int, k: int, group_rows: int, slots: int, sms: int) -> dict:
-    """Configuration for `slots` experts of an N x K weight with up to `group_rows` rows each."""
-    if not 1 <= group_rows <= 16:
-        raise ValueError(f"the grouped mma16 kernel takes 1-16 rows per expert, got {group_rows}")
-    mg = 1 if group_rows <= 8 else 2
+def choose_grouped(n: int, k: int, slots: int, sms: int) -> dict:
+    """Configuration for about `slots` busy (expert, 8-row chunk) CTAs of an N x K weight: 8 rows per chunk
+    (decode batches put a few rows on each expert; an expert with more gets more chunks)."""
     nblocks = -(-n // (WARPS * 16)) * slots
     steps = k // 128
     split = 1  # fill about one wave of 2 CTAs per SM, >= 2 steps per split
     while split < 8 and nblocks * split * 2 <= 2 * sms and steps // (split * 2) >= 2:
         split *= 2
-    cfg = dict(NT=1, MG=mg, SPLIT=split, DEPTH=2)
-    if smem_bytes(cfg, k, 8 * mg) > SMEM_MAX:
-        raise ValueError(f"{group_rows} rows of K={k} do not fit the mma16 kernel's shared memory")
+    cfg = dict(NT=1, MG=1, SPLIT=split, DEPTH=2)
+    if smem_bytes(cfg, k, 8) > SMEM_MAX:
+        raise ValueError(f"8 rows of K={k} do not fit the mma16 kernel's shared memory")
     return cfg
 
 
 def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, offsets: torch.Tensor,
-                   y: torch.Tensor, group_rows: int, x_scale: torch.Tensor | None = None) -> torch.Tensor:
+                   y: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts: y [M, N] = x2 [M, K] (rows sorted by expert; offsets int32 [E + 1], rows
     offsets[e]:offsets[e+1] go to expert e) @ DQ(W_e).T with the stacked copy of `relayout_stack`.
-    global_scale fp32 [E, N] (per output row) or [E] (per expert); group_rows: the most rows any one
-    expert can get (the tokens of a top-k batch; <= 16). x_scale fp32 [M]: W4A4 as in `launch`.
-    No host sync: the kernel finds its expert from the offsets (graph-capturable)."""
+    global_scale fp32 [E, N] (per output row) or [E] (per expert). x_scale fp32 [M]: W4A4 as in `launch`.
+    No host sync: each CTA finds its (expert, 8-row chunk) from the offsets (graph-capturable; any routing:
+    an expert with r rows takes ceil(r / 8) chunks, each streaming its weights)."""
     m, k = x2.shape
     e = offsets.numel() - 1
     if k != wc.k or wc.wt.shape[0] != e * (wc.n // 16):
@@ -350,9 +348,9 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     if m == 0:
         return y
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-    slots = min(e, m)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    cfg = choose_grouped(wc.n, wc.k, group_rows, slots, sms)
+    cfg = choose_grouped(wc.n, wc.k, min(e, m), sms)
+    slots = min(e, m) + -(-m // (8 * cfg["MG"]))  # >= sum over experts of ceil(rows / chunk rows)
     kern = _kernel(tuple(sorted(cfg.items())) + (g.numel() > e, x_scale is not None, True), dev)
     smem = smem_bytes(cfg, wc.k, 8 * cfg["MG"])
     nb = -(-wc.n // (WARPS * 16))

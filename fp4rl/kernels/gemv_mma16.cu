@@ -162,26 +162,36 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     if (TRIGGER == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #if GROUPED
     // Routed experts: x's rows are sorted by expert, offs[E + 1] the expert starts (written by the kernels
-    // before this one: wait first). Slot blockIdx.z serves the (z+1)-th expert that has rows; slots past
-    // the last one exit. wt / st / wg are stacks over experts ([E][N/16]... tiles; wg [E][N] or [E]).
+    // before this one: wait first). Slot blockIdx.z serves one chunk of up to XROWS rows of one expert
+    // (any number of rows per expert: more chunks); slots past the last chunk exit. wt / st / wg are stacks
+    // over experts ([E][N/16]... tiles; wg [E][N] or [E]).
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    int ex = -1;
+    // slot z -> (expert, chunk of 8 MG rows): expert i owns ceil(rows_i / XROWS) consecutive slots
+    int ex = -1, chunk = 0;
     for (int b = 0, seen = 0; b < E; b += 32) {  // warp-uniform: every warp finds the same expert
         const int i = b + lane;
-        const bool nz = i < E && offs[i + 1] > offs[i];
-        const u32 bal = __ballot_sync(0xffffffffu, nz);
-        if ((int)blockIdx.z < seen + __popc(bal)) {
-            const int want = (int)blockIdx.z - seen;
-            const u32 hit = __ballot_sync(0xffffffffu, nz && __popc(bal & ((1u << lane) - 1u)) == want);
-            ex = b + __ffs(hit) - 1;
+        const int nch = i < E ? (offs[i + 1] - offs[i] + XROWS - 1) / XROWS : 0;
+        int inc = nch;  // inclusive prefix sum of the slots over the lanes
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int t = __shfl_up_sync(0xffffffffu, inc, o);
+            if (lane >= o) inc += t;
+        }
+        const int total = __shfl_sync(0xffffffffu, inc, 31);
+        if ((int)blockIdx.z < seen + total) {
+            const int z = (int)blockIdx.z - seen;
+            const u32 hit = __ballot_sync(0xffffffffu, z >= inc - nch && z < inc);
+            const int src = __ffs(hit) - 1;
+            ex = b + src;
+            chunk = z - __shfl_sync(0xffffffffu, inc - nch, src);
             break;
         }
-        seen += __popc(bal);
+        seen += total;
     }
     if (ex < 0) return;  // the whole cluster (same z) leaves before any barrier
     {
-        const int r0 = offs[ex];
-        M = offs[ex + 1] - r0;  // <= 8 MG: the host sizes MG by the most rows an expert can get
+        const int r0 = offs[ex] + chunk * XROWS;
+        M = min(XROWS, offs[ex + 1] - r0);
         x += (u64)r0 * stride_xm;
         y += (u64)r0 * stride_ym;
         wt += (u64)ex * (u64)(N >> 4) * S * 64;
