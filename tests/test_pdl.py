@@ -1,0 +1,55 @@
+"""fp4rl.kernels.pdl on any machine: when a GEMM launch may carry the programmatic-dependent-launch attribute
+(only inside a decode step, never right after a decode-copy rebuild), the switch, and the launcher's argument
+checks (before anything reaches the driver)."""
+
+import pytest
+import torch
+
+from fp4rl.kernels import pdl
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """Pretend the device supports PDL (the step / hazard logic is the same everywhere)."""
+    monkeypatch.setattr(pdl, "enabled", lambda device: pdl.is_enabled())
+    pdl.set_enabled(True)
+    yield
+    pdl.set_enabled(True)
+    pdl._STATE["hazard"] = False
+
+
+def test_gemm_flag_only_inside_a_step_and_not_after_a_rebuild(on_gpu):
+    assert not pdl.gemm_flag("cuda")  # outside the engine's step: the weights may just have been written
+    with pdl.step():
+        assert pdl.gemm_flag("cuda")
+        with pdl.step():  # nested scopes (the capture's warm-up step inside another)
+            assert pdl.gemm_flag("cuda")
+        assert pdl.gemm_flag("cuda")
+        pdl.hazard()  # a decode copy was just rebuilt on the stream
+        assert not pdl.gemm_flag("cuda")  # the next launch waits for it in full ...
+        assert pdl.gemm_flag("cuda")  # ... and only that one
+    assert not pdl.gemm_flag("cuda")
+    with pytest.raises(RuntimeError, match="boom"), pdl.step():  # the scope ends on an exception too
+        raise RuntimeError("boom")
+    assert not pdl.gemm_flag("cuda")
+
+
+def test_switching_off(on_gpu):
+    pdl.set_enabled(False)
+    assert not pdl.is_enabled()
+    with pdl.step():
+        assert not pdl.gemm_flag("cuda")
+        assert not pdl.triton_flag("cuda")
+
+
+def test_off_on_a_cpu():
+    assert not pdl.enabled("cpu") and not pdl.triton_flag("cpu")
+    with pdl.step():
+        assert not pdl.gemm_flag("cpu")
+
+
+def test_launch_checks_arguments_before_the_driver():
+    stream = type("S", (), {"cuda_stream": 0})()
+    for bad, err in ((1.5, TypeError), (True, TypeError), (2 ** 31, ValueError), ("x", TypeError)):
+        with pytest.raises(err, match="kernel argument 1"):
+            pdl.launch(object(), (1, 1, 1), (32, 1, 1), [torch.zeros(1), bad], 0, stream, pdl=False)
