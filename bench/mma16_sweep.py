@@ -26,8 +26,8 @@ from fp4rl.nvfp4 import reference  # noqa: E402
 
 
 def variant(name: str, base: dict) -> dict:
-    """auto = gemv_cuda.choose(); dN = DEPTH N; ntN = NT N; sN = SPLIT N; trN = TRIGGER N; xsN = XSTREAM N
-    (combined with "+");
+    """auto = gemv_cuda.choose(); dN = DEPTH N; ntN = NT N; sN = SPLIT N; trN = TRIGGER N; xsN = XSTREAM N;
+    wgN = WGMMA N (with xs1) (combined with "+");
     tN = TIMING N (timing-only variants, see the .cu); s2x / sh: twice / half the chosen split; pdl: the
     launches carry the programmatic-dependent-launch attribute (fp4rl/kernels/pdl.py), so that in the timed
     chain each GEMM prefetches its first weight steps while the one before it finishes."""
@@ -35,7 +35,8 @@ def variant(name: str, base: dict) -> dict:
     for part in name.split("+"):
         if part in ("auto", "pdl"):
             continue
-        keys = {"d": "DEPTH", "nt": "NT", "s": "SPLIT", "t": "TIMING", "tr": "TRIGGER", "xs": "XSTREAM"}
+        keys = {"d": "DEPTH", "nt": "NT", "s": "SPLIT", "t": "TIMING", "tr": "TRIGGER", "xs": "XSTREAM",
+                "wg": "WGMMA"}
         key = keys[part.rstrip("0123456789")]
         c[key] = int(part[len(part.rstrip("0123456789")):])
     return c

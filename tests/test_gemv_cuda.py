@@ -159,6 +159,10 @@ def test_gpu_kernel_matches_reference(n, k, kw):
                     y2.fill_(float("nan"))
                     gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
                     assert _rel(y2, ref) < 4e-3, (m, split, depth, "xstream")
+                    if m <= 32:  # ... and multiplied by wgmma (weights: register A; x: B in shared memory)
+                        y2.fill_(float("nan"))
+                        gemv_cuda.launch(x, wc, g, y2, cfg=dict(cfg, WGMMA=1))
+                        assert _rel(y2, ref) < 4e-3, (m, split, depth, "wgmma")
     for m in (2, 5, 8, 9, 16):  # rows up to 16 share a configuration: row 0 is bit-identical
         assert torch.equal(ys[m][0], ys[1][0])
     # a strided x (a view with a padded row stride) is read through its stride
@@ -265,6 +269,17 @@ def test_relayout_stack_is_the_experts_copies_one_after_another():
     assert torch.equal(st.st, torch.cat([c.st for c in one]))
     with pytest.raises(ValueError, match=r"\[E, N, K/2\]"):
         gemv_cuda.relayout_stack(ws[0].data, ws[0].block_scale)
+
+
+def test_wgmma_source_has_one_operand_per_accumulator():
+    for mg in (1, 2, 3, 4):
+        src = gemv_cuda._wgmma_source(mg)
+        assert f"m64n{8 * mg}k16.f32.bf16.bf16" in src
+        assert src.count('"+f"(d[') == 4 * mg  # n / 2 fp32 accumulators per thread
+        assert f"%{4 * mg + 4}, p, 1, 1, 0" in src  # the descriptor follows the 4 A registers
+    cfg = dict(NT=1, MG=4, SPLIT=2, DEPTH=2)
+    assert "void wgmma_m64k16(" in gemv_cuda.source(dict(cfg, XSTREAM=1, WGMMA=1), False)
+    assert "void wgmma_m64k16(" not in gemv_cuda.source(cfg, False)
 
 
 def test_choose_grouped_splits_to_fill_the_gpu():

@@ -210,7 +210,9 @@ def smem_bytes(cfg: dict, k: int, m: int = 8) -> int:
     steps = k // 128
     per = -(-steps // cfg["SPLIT"])
     xrows = min(m, 8 * cfg["MG"]) + 1
-    if cfg.get("XSTREAM"):  # x in 128-k chunks through a ring of DEPTH stages
+    if cfg.get("WGMMA"):  # all 8 MG rows of each 128-k step as core matrices, DEPTH stages
+        xb = cfg["DEPTH"] * 8 * cfg["MG"] * 256
+    elif cfg.get("XSTREAM"):  # x in 128-k chunks through a ring of DEPTH stages
         xb = (cfg["DEPTH"] * xrows * 136 * 2 + 127) // 128 * 128
     else:
         xb = (xrows * (per * 128 + 8) * 2 + 127) // 128 * 128
@@ -219,9 +221,25 @@ def smem_bytes(cfg: dict, k: int, m: int = 8) -> int:
     return max(xb + ring, pb)
 
 
+def _wgmma_source(mg: int) -> str:
+    """wgmma_m64k16 for n = 8 MG: d (4 MG fp32 per thread) += A (registers) x B (shared-memory descriptor)."""
+    nd = 4 * mg
+    outs = ", ".join(f"%{i}" for i in range(nd))
+    ins = ", ".join(f"%{nd + i}" for i in range(4))
+    cons = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
+    return ("__device__ __forceinline__ void wgmma_m64k16(float* d, unsigned a0, unsigned a1, unsigned a2, "
+            "unsigned a3, unsigned long long desc) {\n"
+            f'  asm volatile("{{ .reg .pred p; setp.ne.b32 p, 1, 0; "\n'
+            f'      "wgmma.mma_async.sync.aligned.m64n{8 * mg}k16.f32.bf16.bf16 '
+            f'{{{outs}}}, {{{ins}}}, %{nd + 4}, p, 1, 1, 0; }}"\n'
+            f'      : {cons} : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc) : "memory");\n}}\n')
+
+
 def source(cfg: dict, wg_row: bool, xg_row: bool = False, grouped: bool = False) -> str:
     defs = {"TRIGGER": TRIGGER, **cfg, "WG_ROW": int(wg_row), "XG_ROW": int(xg_row), "GROUPED": int(grouped)}
     head = "".join(f"#define {key} {val}\n" for key, val in defs.items())
+    if cfg.get("WGMMA"):
+        head += _wgmma_source(cfg["MG"])
     cluster = f"__cluster_dims__(1, {cfg['SPLIT']}, 1)" if cfg["SPLIT"] > 1 else ""
     return head + f"#define CLUSTER {cluster}\n" + _SOURCE.read_text()
 
@@ -233,6 +251,10 @@ def _kernel(key: tuple, device_index: int):
     cfg = dict(key[:-3])
     src = source(cfg, *key[-3:])
     with torch.cuda.device(device_index):
+        if cfg.get("WGMMA"):  # wgmma needs the arch-specific target
+            major, minor = torch.cuda.get_device_capability(device_index)
+            return torch.cuda._compile_kernel(src, "w4a16_mma16", compute_capability=f"{major}{minor}a",
+                                              nvcc_options=["-std=c++17"])
         return torch.cuda._compile_kernel(src, "w4a16_mma16", nvcc_options=["-std=c++17"])
 
 
