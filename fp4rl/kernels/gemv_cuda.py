@@ -263,6 +263,11 @@ def _plan(n: int, k: int, m: int, device_index: int) -> dict:
     return choose(n, k, m, torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
+@functools.cache
+def _plan_grouped(n: int, k: int, slots: int, device_index: int) -> dict:
+    return choose_grouped(n, k, slots, torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
 _SMEM_SET: dict = {}  # (kernel, device) -> the largest dynamic shared memory size set on it
 
 
@@ -370,8 +375,7 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     if m == 0:
         return y
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    cfg = choose_grouped(wc.n, wc.k, min(e, m), sms)
+    cfg = _plan_grouped(wc.n, wc.k, min(e, m), dev)
     slots = min(e, m) + -(-m // (8 * cfg["MG"]))  # >= sum over experts of ceil(rows / chunk rows)
     kern = _kernel(tuple(sorted(cfg.items())) + (g.numel() > e, x_scale is not None, True), dev)
     smem = smem_bytes(cfg, wc.k, 8 * cfg["MG"])
