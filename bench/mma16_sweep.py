@@ -26,7 +26,9 @@ from fp4rl.nvfp4 import reference  # noqa: E402
 
 
 def variant(name: str, base: dict) -> dict:
-    """auto = gemv_cuda.choose(); dN = DEPTH N; ntN = NT N; sN = SPLIT N; trN = TRIGGER N; xsN = XSTREAM N;
+    """auto = gemv_cuda.choose(); wide = gemv_cuda.choose_wide() (wgmma, any rows; "wide+s4" etc.);
+    dN = DEPTH N; ntN = NT N; sN = SPLIT N; trN = TRIGGER N; xsN = XSTREAM N; wbN = WB N; mgN = MG N;
+    swN = SWZ N;
     wgN = WGMMA N (with xs1) (combined with "+");
     tN = TIMING N (timing-only variants, see the .cu); s2x / sh: twice / half the chosen split; pdl: the
     launches carry the programmatic-dependent-launch attribute (fp4rl/kernels/pdl.py), so that in the timed
@@ -36,7 +38,7 @@ def variant(name: str, base: dict) -> dict:
         if part in ("auto", "pdl"):
             continue
         keys = {"d": "DEPTH", "nt": "NT", "s": "SPLIT", "t": "TIMING", "tr": "TRIGGER", "xs": "XSTREAM",
-                "wg": "WGMMA"}
+                "wg": "WGMMA", "mg": "MG", "wb": "WB", "sw": "SWZ"}
         key = keys[part.rstrip("0123456789")]
         c[key] = int(part[len(part.rstrip("0123456789")):])
     return c
@@ -76,10 +78,15 @@ def main():
             ref = x.double() @ w_ref.T
             bf = time_calls([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbs])
             floor_us = (floor_bytes + x.nbytes + 2 * m * n) / bw / 1e6
-            base = gemv_cuda.choose(n, k, m, sms)
+            base = gemv_cuda.choose(n, k, m, sms) if gemv_cuda.fits(n, k, m, sms) else None
+            wide = gemv_cuda.choose_wide(n, k, m, sms)
             seen = []
             for name in a.variants.split(","):
-                if name == "s2x":
+                if name.startswith("wide"):  # the wgmma configuration (any rows), then its modifiers
+                    c = variant(name[len("wide+"):] if "+" in name else "auto", wide)
+                elif base is None:
+                    continue
+                elif name == "s2x":
                     c = dict(base, SPLIT=min(8, base["SPLIT"] * 2))
                 elif name == "sh":
                     c = dict(base, SPLIT=max(1, base["SPLIT"] // 2))

@@ -160,9 +160,10 @@ def test_gpu_kernel_matches_reference(n, k, kw):
                     gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
                     assert _rel(y2, ref) < 4e-3, (m, split, depth, "xstream")
                     if m <= 32:  # ... and multiplied by wgmma (weights: register A; x: B in shared memory)
-                        y2.fill_(float("nan"))
-                        gemv_cuda.launch(x, wc, g, y2, cfg=dict(cfg, WGMMA=1))
-                        assert _rel(y2, ref) < 4e-3, (m, split, depth, "wgmma")
+                        for nt in (1, 2):  # one or two m64 tiles per warpgroup
+                            y2.fill_(float("nan"))
+                            gemv_cuda.launch(x, wc, g, y2, cfg=dict(cfg, WGMMA=1, NT=nt))
+                            assert _rel(y2, ref) < 4e-3, (m, split, depth, "wgmma", nt)
     for m in (2, 5, 8, 9, 16):  # rows up to 16 share a configuration: row 0 is bit-identical
         assert torch.equal(ys[m][0], ys[1][0])
     # a strided x (a view with a padded row stride) is read through its stride
@@ -171,6 +172,64 @@ def test_gpu_kernel_matches_reference(n, k, kw):
     y = torch.empty(3, n, dtype=torch.bfloat16, device="cuda")
     gemv_cuda.launch(xs, wc, g, y)
     assert torch.equal(y, ys[5][:3]) or _rel(y, base[:3].double() @ wd.T) < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,kw", [(144, 384, {"scale_scope": "row"}), (1008, 1280, {}),
+                                    (4096, 4096, {"scale_rule": "4/6"}), (768, 14336, {})])
+def test_gpu_wide_matches_reference(n, k, kw):
+    """The wgmma configuration (17+ rows, row blocks of <= 128 in grid z) against the float64 product: odd
+    row counts, N not a multiple of the CTA's 256 rows (tiles past N read zeros), every split, W4A4's per-row
+    x scales, the dispatch in gemm.gemm, and a strided x."""
+    if not gemv_cuda.wide_available():
+        pytest.skip("needs an sm_90 GPU (wgmma) and torch.cuda._compile_kernel")
+    from types import SimpleNamespace
+
+    from fp4rl.kernels import gemm
+
+    w = _weight(n, k, device="cuda", **kw)
+    wc = gemv_cuda.relayout(w.data, w.block_scale)
+    wd = reference.dequantize(w, torch.float64)
+    g = w.global_scale.float().reshape(-1)
+    base = torch.randn(300, k, generator=torch.Generator().manual_seed(4)).bfloat16().cuda()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    wm = SimpleNamespace(data=w.data, block_scale=w.block_scale, global_scale=w.global_scale, mma16=wc)
+    for m in (17, 33, 100, 128, 129, 300):
+        x = base[:m]
+        ref = x.double() @ wd.T
+        y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gemv_cuda.launch_wide(x, wc, g, y)
+        assert _rel(y, ref) < 4e-3, (m, _rel(y, ref))
+        y2 = torch.empty_like(y)
+        gemv_cuda.launch_wide(x, wc, g, y2)
+        assert torch.equal(y, y2)  # deterministic
+        if m <= gemm.WIDE_MAX_ROWS:
+            assert torch.equal(gemm.gemm(x, wm), y)  # gemm.gemm dispatches 17..WIDE_MAX_ROWS rows here
+        for split in (1, 2, 4, 8) if m in (33, 129) else ():
+            for nt, swz in ((1, 0), (2, 0), (1, 1), (2, 1)):  # x stages without / with the 128 B swizzle
+                if (k // 128) >= split:
+                    cfg = dict(gemv_cuda.choose_wide(n, k, m, sms), SPLIT=split, NT=nt, SWZ=swz)
+                    y2.fill_(float("nan"))
+                    gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
+                    assert _rel(y2, ref) < 4e-3, (m, split, nt, swz)
+    # W4A4: x = e2m1 * block_scale with per-row global scales over 4 decades (through gemm.gemm at 48 rows,
+    # directly at 150: two row blocks)
+    for m in (48, 150):
+        x = (base[:m].float() * torch.logspace(-2, 2, m, device="cuda")[:, None]).bfloat16()
+        xq = gemm.quantize_activations(x)
+        ref = gemm.dequantize(*xq, torch.float32).double() @ wd.T
+        if m <= gemm.WIDE_MAX_ROWS:
+            assert _rel(gemm.gemm(None, wm, xq=xq), ref) < 4e-3
+        y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        xin = gemm.dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False)
+        gemv_cuda.launch_wide(xin, wc, g, y, x_scale=xq[2])
+        assert _rel(y, ref) < 4e-3, m
+    # a strided x (padded rows) is read through its stride
+    xs = torch.zeros(40, k + 64, dtype=torch.bfloat16, device="cuda")[:, :k]
+    xs.copy_(base[:40])
+    y = torch.empty(40, n, dtype=torch.bfloat16, device="cuda")
+    gemv_cuda.launch_wide(xs, wc, g, y)
+    assert _rel(y, base[:40].double() @ wd.T) < 4e-3
 
 
 @pytest.mark.gpu
@@ -243,7 +302,7 @@ def test_gpu_gemm_dispatch_and_decode_copy():
     assert isinstance(wc, gemv_cuda.Mma16Weight)
     assert wc is cache.get(w.data, w.block_scale)  # unchanged bytes: the same copy, not rebuilt
     ptr = wc.wt.data_ptr()
-    for m in (1, 7, 16):
+    for m in (1, 7, 16, 24, 48):  # mma.sync up to 16 rows, wgmma (on sm_90) above
         x = torch.randn(m, 512, device="cuda").bfloat16()
         ref = x.double() @ reference.dequantize(w, torch.float64).T
         wm = SimpleNamespace(data=w.data, block_scale=w.block_scale, global_scale=w.global_scale, mma16=wc)
@@ -272,7 +331,7 @@ def test_relayout_stack_is_the_experts_copies_one_after_another():
 
 
 def test_wgmma_source_has_one_operand_per_accumulator():
-    for mg in (1, 2, 3, 4):
+    for mg in (1, 2, 3, 4, 13, 16):
         src = gemv_cuda._wgmma_source(mg)
         assert f"m64n{8 * mg}k16.f32.bf16.bf16" in src
         assert src.count('"+f"(d[') == 4 * mg  # n / 2 fp32 accumulators per thread
@@ -280,6 +339,25 @@ def test_wgmma_source_has_one_operand_per_accumulator():
     cfg = dict(NT=1, MG=4, SPLIT=2, DEPTH=2)
     assert "void wgmma_m64k16(" in gemv_cuda.source(dict(cfg, XSTREAM=1, WGMMA=1), False)
     assert "void wgmma_m64k16(" not in gemv_cuda.source(cfg, False)
+
+
+def test_choose_wide_covers_every_row_in_blocks_of_at_most_128():
+    for n, k in ((4096, 14336), (14336, 4096), (6144, 4096), (144, 384), (2048, 768)):
+        for m in (1, 17, 24, 33, 64, 100, 128, 129, 300, 512, 1000, 4096):
+            cfg = gemv_cuda.choose_wide(n, k, m, 132)
+            zb = -(-m // (8 * cfg["MG"]))
+            assert cfg["WGMMA"] == 1 and cfg["XSTREAM"] == 1 and cfg["SWZ"] == 1 and cfg["MG"] <= 16
+            assert zb == -(-m // 128)  # as few row blocks as 128-row blocks allow ...
+            assert 8 * cfg["MG"] * zb - m < 8 * zb  # ... with the rows spread evenly (< 8 padding rows each)
+            assert cfg["NT"] == (1 if zb == 1 else 2)  # several row blocks: 256 weight rows share x chunks
+            assert gemv_cuda.smem_bytes(cfg, k, m) <= gemv_cuda.SMEM_MAX
+            assert cfg["SPLIT"] in (1, 2, 4, 8) and (cfg["SPLIT"] == 1 or (k // 128) // cfg["SPLIT"] >= 2)
+    # the splits the H200 sweep found best (bench/RESULTS.md, sixth session)
+    for n, k, m, split in ((4096, 14336, 32, 8), (14336, 4096, 64, 2), (24576, 4096, 32, 2),
+                           (6144, 4096, 64, 4), (4096, 6144, 128, 4), (14336, 4096, 512, 1)):
+        assert gemv_cuda.choose_wide(n, k, m, 132)["SPLIT"] == split, (n, k, m)
+    with pytest.raises(ValueError, match="at least one row"):
+        gemv_cuda.choose_wide(4096, 4096, 0, 132)
 
 
 def test_choose_grouped_splits_to_fill_the_gpu():

@@ -198,6 +198,7 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
 
     from fp4rl.kernels import gemm
     from fp4rl.kernels import gemv as _gemv
+    from fp4rl.kernels import gemv_cuda as _mma16
     from fp4rl.nvfp4 import reference
     from fp4rl.nvfp4.format import NVFP4Tensor
 
@@ -212,6 +213,10 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
                       for _ in range(n_fp4 - 1)]
         wbs = [w_bf16] + [w_bf16.clone() for _ in range(n_bf16 - 1)]
         w_ref = reference.dequantize(wq).double()
+        wms = None  # the same weights carrying the CUDA kernel's copy (what the sampler's linears hold)
+        if _mma16.available() and _mma16.supports(n, k):
+            wms = [SimpleNamespace(data=q.data, block_scale=q.block_scale, global_scale=q.global_scale,
+                                   mma16=_mma16.relayout(q.data, q.block_scale)) for q in wqs]
         for m in rows_list:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             y = gemm.linear(x, wq)  # tunes this (rows bucket, N, K) once
@@ -232,11 +237,18 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
                          "gemv32_path": _path(gemm._TUNED[key[:-1] + (1,)])}
                 extra["gemv32_speedup"] = us_bf16 / extra["gemv32_us"]
                 del wsw
+            if wms is not None and (m <= gemm.MMA16_MAX_ROWS or (m <= gemm.WIDE_MAX_ROWS
+                                                                 and _mma16.wide_available())):
+                ym = gemm.linear(x, wms[0])  # gemm.gemm's dispatch: mma.sync up to 16 rows, wgmma above
+                extra.update(mma16_us=time_calls([lambda w=w, x=x: gemm.linear(x, w) for w in wms]),
+                             mma16_rel_err=_rel(ym, x.double() @ w_ref.T),
+                             mma16_path="mma16" if m <= gemm.MMA16_MAX_ROWS else "wgmma")
+                extra["mma16_speedup"] = us_bf16 / extra["mma16_us"]
             res.append({"n": n, "k": k, "rows": m, "us": us, "bf16_us": us_bf16, "speedup": us_bf16 / us,
                         "floor_us": (fp4_bytes + io) / bw * 1e6,
                         "bf16_floor_us": (w_bf16.nbytes + io) / bw * 1e6,
                         "rel_err": err, "path": cfg if isinstance(cfg, str) else _path(cfg), **extra})
-        del wqs, wbs
+        del wqs, wbs, wms
         torch.cuda.empty_cache()
     return res
 
@@ -492,7 +504,10 @@ def run(args):
             ("speedup", lambda r: f2(r["speedup"])), ("floor us", lambda r: f1(r["floor_us"])),
             ("rel err", lambda r: f"{r['rel_err']:.1e}"), ("path", lambda r: r["path"]),
             ("gemv32 us", lambda r: f1(r["gemv32_us"]) if "gemv32_us" in r else "-"),
-            ("gemv32 x", lambda r: f2(r["gemv32_speedup"]) if "gemv32_us" in r else "-")])
+            ("gemv32 x", lambda r: f2(r["gemv32_speedup"]) if "gemv32_us" in r else "-"),
+            ("cuda us", lambda r: f1(r["mma16_us"]) if "mma16_us" in r else "-"),
+            ("cuda x", lambda r: f2(r["mma16_speedup"]) if "mma16_us" in r else "-"),
+            ("cuda path", lambda r: r.get("mma16_path", "-"))])
     if isinstance(out.get("moe"), list):
         _print_table("grouped experts W4A16 (8 x 2048x768)", out["moe"], [
             ("rows", lambda r: str(r["rows"])), ("active", lambda r: str(r["active"])),

@@ -58,6 +58,11 @@ MMA16_MAX_ROWS = 16
 # Routed experts of batches up to this many tokens go to the grouped mma16 kernel (8-row chunks per expert);
 # larger ones (prefill) to the Triton grouped GEMM, which reads each expert's weights once for all its rows.
 MMA16_GROUPED_MAX_TOKENS = 64
+# Rows in (MMA16_MAX_ROWS, WIDE_MAX_ROWS] go to the kernel's wgmma configuration (gemv_cuda.choose_wide:
+# weights as register A of wgmma m64n(<=128)k16, x in blocks of up to 128 rows) on sm_90 when the weight
+# carries its mma16 copy: on the H200 1.02-1.37x cuBLAS BF16 at 32 rows (the Triton kernels 0.74-0.94x);
+# at 128-512 rows the tuned Triton kernels / dequantize + cuBLAS are faster (bench/RESULTS.md, sixth session).
+WIDE_MAX_ROWS = 64
 
 
 @triton.jit
@@ -461,7 +466,8 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
     [E, N, K/2] with offsets int32 [E+1] over the expert-sorted rows of x). config: a dict from
     candidate_configs, or FALLBACK, to bypass the tuner. A dense weight may carry `gemv32` (gemv.swizzle
     of its data: the Gluon GEMV's copy) or `mma16` (gemv_cuda.relayout: the CUDA kernel's copy, taken for
-    1-MMA16_MAX_ROWS rows of W4A16 or W4A4 when no config is forced). Grouped weights may carry `mma16` too
+    1-MMA16_MAX_ROWS rows of W4A16 or W4A4 when no config is forced; up to WIDE_MAX_ROWS rows with its wgmma
+    configuration on sm_90). Grouped weights may carry `mma16` too
     (gemv_cuda.relayout_stack): taken for decode-sized batches, `tokens` (the batch's tokens before top-k)
     <= MMA16_GROUPED_MAX_TOKENS.
     """
@@ -517,6 +523,17 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
         try:  # the CUDA mma16 kernel (fp4rl.kernels.gemv_cuda): every row up to 16 on one MMA
             return _mma16.launch(xin, m16, g1, y, x_scale=None if x2 is not None else xq[2])
         except RuntimeError as exc:  # NVRTC or the driver refused it on this machine: fall back for good
+            _mma16.disable(exc)
+    if (m16 is not None and not grouped and config is None and MMA16_MAX_ROWS < m <= WIDE_MAX_ROWS
+            and _mma16.wide_available(device) and _mma16.supports(n, 2 * kh)):
+        if (m16.n, m16.k) != (n, 2 * kh):
+            raise ValueError(f"weight.mma16 is a copy of a {m16.n}x{m16.k} weight, the weight is "
+                             f"{n}x{2 * kh}")
+        g1 = wg[0] if wg.ndim == 2 else wg
+        xin = x2 if x2 is not None else dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False)
+        try:  # the same kernel's wgmma configuration: 17+ rows (wide decode batches, short prefills)
+            return _mma16.launch_wide(xin, m16, g1, y, x_scale=None if x2 is not None else xq[2])
+        except RuntimeError as exc:
             _mma16.disable(exc)
 
     def run(c):

@@ -192,6 +192,48 @@ def choose(n: int, k: int, m: int, sms: int) -> dict:
     return cfg
 
 
+WIDE_MG = 16  # the wgmma configuration: up to 128 rows of x per CTA (m64n128k16), more rows in grid z blocks
+
+
+def wide_available(device=None) -> bool:
+    """Whether the wgmma configuration (``choose_wide``) can run: sm_90 exactly (wgmma needs sm_90a)."""
+    if not available(device):
+        return False
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    return torch.cuda.get_device_capability(dev) == (9, 0)
+
+
+def choose_wide(n: int, k: int, m: int, sms: int) -> dict:
+    """The wgmma configuration for m rows (17 and more: wide decode batches and short prefills). x in blocks
+    of up to 128 rows (grid z, the rows spread evenly over the blocks); one m64 tile per warpgroup (NT 1:
+    128 weight rows per CTA, two CTAs per SM) for one row block, two (NT 2: 256 weight rows share every x
+    chunk, halving x's L2 reads) for several. Split-K by a cost model fitted on the H200 (bench/RESULTS.md,
+    sixth session; within 2% of the best split on 28 shape x row cases): busy SM-time = max(1, CTAs /
+    CTA slots) x steps per split x (2 + MG), plus 2 x SPLIT x MG x NT for the cluster reduction."""
+    if m < 1:
+        raise ValueError(f"the wgmma configuration needs at least one row, got {m}")
+    zb = -(-m // (8 * WIDE_MG))
+    per_block = -(-m // zb)  # rows per block (spread evenly) ...
+    mg = -(-per_block // 8)  # ... in groups of 8
+    nt = 1 if zb == 1 else 2
+    nblocks = -(-n // (WARPS * nt * 16))
+    steps = k // 128
+    slots = (2 if nt == 1 else 1) * sms
+
+    def cost(split: int) -> float:
+        busy = max(1.0, nblocks * zb * split / slots) * -(-steps // split) * (2 + mg)
+        return busy + (2 * split * mg * nt if split > 1 else 0)
+
+    # NT 2 (several row blocks of up to 128 rows): the cluster reduction of 256 x 128 partials per CTA
+    # outweighs more splits (4096x14336 at 256 rows: split 4 136.6 us, at 512 rows split 2 119.8 us)
+    splits = (1, 2) if nt == 2 else (1, 2, 4, 8)
+    split = min((s for s in splits if s == 1 or steps // s >= 2), key=cost)
+    cfg = dict(NT=nt, MG=mg, SPLIT=split, DEPTH=2, XSTREAM=1, WGMMA=1, SWZ=1)
+    if smem_bytes(cfg, k, m) > SMEM_MAX:  # cannot happen for the sizes above (<= 131 KB); kept as a guard
+        raise ValueError(f"the wgmma configuration {cfg} does not fit shared memory")
+    return cfg
+
+
 def fits(n: int, k: int, m: int, sms: int) -> bool:
     """Whether the kernel takes an N x K weight with m rows on a GPU of `sms` SMs (shape and shared memory:
     very long K slices of many rows do not fit)."""
@@ -210,14 +252,14 @@ def smem_bytes(cfg: dict, k: int, m: int = 8) -> int:
     steps = k // 128
     per = -(-steps // cfg["SPLIT"])
     xrows = min(m, 8 * cfg["MG"]) + 1
-    if cfg.get("WGMMA"):  # all 8 MG rows of each 128-k step as core matrices, DEPTH stages
-        xb = cfg["DEPTH"] * 8 * cfg["MG"] * 256
+    if cfg.get("WGMMA"):  # all 8 MG rows of each 128-k step, DEPTH stages, + 1 KB to align them to 1024 B
+        xb = cfg["DEPTH"] * 8 * cfg["MG"] * 256 + 1024
     elif cfg.get("XSTREAM"):  # x in 128-k chunks through a ring of DEPTH stages
         xb = (cfg["DEPTH"] * xrows * 136 * 2 + 127) // 128 * 128
     else:
         xb = (xrows * (per * 128 + 8) * 2 + 127) // 128 * 128
     ring = WARPS * cfg["DEPTH"] * cfg["NT"] * STAGE_BYTES
-    pb = 8 * cfg["MG"] * WARPS * cfg["NT"] * 16 * 4 if cfg["SPLIT"] > 1 else 0
+    pb = 8 * cfg["MG"] * (WARPS * cfg["NT"] * 16 + 4) * 4 if cfg["SPLIT"] > 1 else 0  # rows padded by 4
     return max(xb + ring, pb)
 
 
@@ -261,6 +303,18 @@ def _kernel(key: tuple, device_index: int):
 @functools.cache
 def _plan(n: int, k: int, m: int, device_index: int) -> dict:
     return choose(n, k, m, torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+@functools.cache
+def _plan_wide(n: int, k: int, m: int, device_index: int) -> dict:
+    return choose_wide(n, k, m, torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def launch_wide(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: torch.Tensor,
+                x_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``launch`` with the wgmma configuration (any number of rows; sm_90a)."""
+    dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+    return launch(x2, wc, global_scale, y, cfg=_plan_wide(wc.n, wc.k, x2.shape[0], dev), x_scale=x_scale)
 
 
 @functools.cache
@@ -316,14 +370,15 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
     x2, g, xg = _operands(x2, global_scale, x_scale, (1, wc.n), f"1 or N={wc.n}")
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     cfg = cfg or _plan(wc.n, wc.k, m, dev)
-    if m > 8 * cfg["MG"]:
+    if m > 8 * cfg["MG"] and not cfg.get("WGMMA"):
         raise ValueError(f"configuration {cfg} covers {8 * cfg['MG']} rows, x has {m}")
+    zb = -(-m // (8 * cfg["MG"]))  # row blocks (WGMMA: any number; else 1)
     kern = _kernel(tuple(sorted(cfg.items())) + (g.numel() > 1, x_scale is not None, False), dev)
     smem = smem_bytes(cfg, wc.k, m)
     nb = -(-wc.n // (WARPS * cfg["NT"] * 16))
     with torch.cuda.device(dev):
         _set_smem(kern, smem)
-        pdl.launch(kern, (nb, cfg["SPLIT"], 1), (WARPS * 32, 1, 1),
+        pdl.launch(kern, (nb, cfg["SPLIT"], zb), (WARPS * 32, 1, 1),
                    [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), g, 0], smem,
                    torch.cuda.current_stream(dev), pdl.gemm_flag(dev))
     STATE["ok"] = True
