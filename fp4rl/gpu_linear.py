@@ -158,14 +158,13 @@ def _with_copy(weight, copy):
 
 def _decode_copy(cache: _DecodeCopy, data, scale, mode: str, x2, xq=None):
     """The decode copy for this call, or None: the mma16 copy serves W4A16 and W4A4 at 1-16 rows
-    (gemm.MMA16_MAX_ROWS) and, with its wgmma configuration on sm_90, up to gemm.WIDE_MAX_ROWS; the gemv32
+    (gemm.MMA16_MAX_ROWS) and, with its wgmma configuration on sm_90, the rows of gemm.wide_rows; the gemv32
     copy W4A16 at 1-4 rows."""
     from fp4rl.kernels import gemm, gemv_cuda
 
     rows = x2.numel() // x2.shape[-1] if x2 is not None else xq[0].shape[0]
-    if rows > gemm.MMA16_MAX_ROWS and not (rows <= gemm.WIDE_MAX_ROWS and MMA16
-                                           and gemv_cuda.wide_available(x2.device if x2 is not None
-                                                                        else xq[0].device)):
+    if rows > gemm.MMA16_MAX_ROWS and not (MMA16 and gemm.wide_rows(rows, data.shape[-2])
+                                           and gemv_cuda.wide_available(data.device)):
         return None
     copy = cache.get(data, scale, mma16_only=mode != "w4a16")
     return None if isinstance(copy, torch.Tensor) and rows > 4 else copy

@@ -203,8 +203,8 @@ def test_gpu_wide_matches_reference(n, k, kw):
         y2 = torch.empty_like(y)
         gemv_cuda.launch_wide(x, wc, g, y2)
         assert torch.equal(y, y2)  # deterministic
-        if m <= gemm.WIDE_MAX_ROWS:
-            assert torch.equal(gemm.gemm(x, wm), y)  # gemm.gemm dispatches 17..WIDE_MAX_ROWS rows here
+        if gemm.wide_rows(m, n):
+            assert torch.equal(gemm.gemm(x, wm), y)  # gemm.gemm dispatches these rows here
         for split in (1, 2, 4, 8) if m in (33, 129) else ():
             for nt, swz in ((1, 0), (2, 0), (1, 1), (2, 1)):  # x stages without / with the 128 B swizzle
                 if (k // 128) >= split:
@@ -218,7 +218,7 @@ def test_gpu_wide_matches_reference(n, k, kw):
         x = (base[:m].float() * torch.logspace(-2, 2, m, device="cuda")[:, None]).bfloat16()
         xq = gemm.quantize_activations(x)
         ref = gemm.dequantize(*xq, torch.float32).double() @ wd.T
-        if m <= gemm.WIDE_MAX_ROWS:
+        if gemm.wide_rows(m, n):
             assert _rel(gemm.gemm(None, wm, xq=xq), ref) < 4e-3
         y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         xin = gemm.dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False)
@@ -358,6 +358,15 @@ def test_choose_wide_covers_every_row_in_blocks_of_at_most_128():
         assert gemv_cuda.choose_wide(n, k, m, 132)["SPLIT"] == split, (n, k, m)
     with pytest.raises(ValueError, match="at least one row"):
         gemv_cuda.choose_wide(4096, 4096, 0, 132)
+
+
+def test_wide_rows_dispatch_ranges():
+    from fp4rl.kernels import gemm
+
+    assert not gemm.wide_rows(16, 14336)  # mma.sync up to 16 rows
+    assert gemm.wide_rows(17, 4096) and gemm.wide_rows(32, 4096)  # wgmma at 17-32 rows on any weight
+    assert not gemm.wide_rows(48, 4096) and gemm.wide_rows(48, 14336)  # 33-64 rows on wide weights only
+    assert not gemm.wide_rows(65, 14336) and not gemm.wide_rows(512, 14336)  # Triton / dequantize+cuBLAS
 
 
 def test_choose_grouped_splits_to_fill_the_gpu():

@@ -1,6 +1,6 @@
 """Draw docs/img/h200_sampler.png from the sampler benchmark's JSON (fp4rl.benchmarks.sampler_gpu --out).
 
-    .venv/bin/python docs/img/h200_sampler.py bench/data/sampler_8b_s5d_h200.json \
+    .venv/bin/python docs/img/h200_sampler.py bench/data/sampler_8b_s6_h200.json \
         bench/data/sampler_30b_s5h_h200.json [--out FILE.png]
 
 One panel per model shape: the NVFP4 presets' decode speed relative to BF16 in the same engine and run, per

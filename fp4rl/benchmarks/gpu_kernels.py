@@ -237,7 +237,7 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
                          "gemv32_path": _path(gemm._TUNED[key[:-1] + (1,)])}
                 extra["gemv32_speedup"] = us_bf16 / extra["gemv32_us"]
                 del wsw
-            if wms is not None and (m <= gemm.MMA16_MAX_ROWS or (m <= gemm.WIDE_MAX_ROWS
+            if wms is not None and (m <= gemm.MMA16_MAX_ROWS or (gemm.wide_rows(m, n)
                                                                  and _mma16.wide_available())):
                 ym = gemm.linear(x, wms[0])  # gemm.gemm's dispatch: mma.sync up to 16 rows, wgmma above
                 extra.update(mma16_us=time_calls([lambda w=w, x=x: gemm.linear(x, w) for w in wms]),

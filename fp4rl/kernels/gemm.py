@@ -62,7 +62,15 @@ MMA16_GROUPED_MAX_TOKENS = 64
 # weights as register A of wgmma m64n(<=128)k16, x in blocks of up to 128 rows) on sm_90 when the weight
 # carries its mma16 copy: on the H200 1.02-1.37x cuBLAS BF16 at 32 rows (the Triton kernels 0.74-0.94x);
 # at 128-512 rows the tuned Triton kernels / dequantize + cuBLAS are faster (bench/RESULTS.md, sixth session).
+# At 33-64 rows it wins only on wide weights (N >= WIDE_MIN_N_ABOVE_32: 14336x4096 28.3 vs 39.6 us; N = 4096:
+# 42.9 vs 39.8, 22.9 vs 21.9 us).
 WIDE_MAX_ROWS = 64
+WIDE_MIN_N_ABOVE_32 = 8192
+
+
+def wide_rows(m: int, n: int) -> bool:
+    """Whether m rows of an N-row weight take the wgmma configuration (given the mma16 copy and sm_90)."""
+    return MMA16_MAX_ROWS < m <= WIDE_MAX_ROWS and (m <= 32 or n >= WIDE_MIN_N_ABOVE_32)
 
 
 @triton.jit
@@ -524,7 +532,7 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
             return _mma16.launch(xin, m16, g1, y, x_scale=None if x2 is not None else xq[2])
         except RuntimeError as exc:  # NVRTC or the driver refused it on this machine: fall back for good
             _mma16.disable(exc)
-    if (m16 is not None and not grouped and config is None and MMA16_MAX_ROWS < m <= WIDE_MAX_ROWS
+    if (m16 is not None and not grouped and config is None and wide_rows(m, n)
             and _mma16.wide_available(device) and _mma16.supports(n, 2 * kh)):
         if (m16.n, m16.k) != (n, 2 * kh):
             raise ValueError(f"weight.mma16 is a copy of a {m16.n}x{m16.k} weight, the weight is "

@@ -1,4 +1,5 @@
-// W4A16 skinny GEMM for 1..8*MG rows of x on Hopper (sm_90): y[M, N] = x[M, K] @ DQ(W)[N, K]^T.
+// W4A16 skinny GEMM for 1..8*MG rows of x on Hopper (sm_90): y[M, N] = x[M, K] @ DQ(W)[N, K]^T
+// (any number of rows in blocks of 8*MG with the WGMMA variant, below).
 //
 // Compiled at run time by NVRTC (fp4rl/kernels/gemv_cuda.py prepends the #defines: NT, MG, SPLIT,
 // DEPTH, TRIGGER, WG_ROW, XG_ROW, GROUPED, and CLUSTER = __cluster_dims__(1, SPLIT, 1) when SPLIT > 1).
@@ -31,6 +32,14 @@
 // Programmatic dependent launch (fp4rl/kernels/pdl.py): launched with the attribute, the kernel may start
 // while the previous one runs; it issues its first DEPTH weight steps (which nothing on the stream writes
 // during a decode step), then griddepcontrol.wait, then stages x. Without the attribute both are no-ops.
+//
+// WGMMA (sm_90a; gemv_cuda.choose_wide, 17+ rows): the same weight stream, multiplied by
+// wgmma.mma_async m64n(8 MG)k16 with the four warps' A fragments (their 16-row tiles) in registers and
+// x^T from shared memory as B; NT m64 tiles per warpgroup share each x chunk (two warpgroups: 128 NT
+// weight rows per CTA); x comes in 128-k chunks through a CTA ring (XSTREAM) in the 128-byte swizzle
+// (SWZ 1: [k half][row][128 B], 16 B chunk c at c ^ (row % 8), descriptor SBO 1024 B) or as plain 8 x 16 B
+// core matrices (SWZ 0); grid z = blocks of 8 MG rows. The accumulators are pinned (acc_fence) so that
+// ptxas never moves them while a multiply is in flight (it would serialize every wgmma: warning C7515).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
