@@ -118,17 +118,24 @@ def _rel(y, ref):
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
+def _gpu_case(n, k, kw, rows, seed):
+    """A quantized N x K weight on the GPU, its mma16 copy, its float64 dequantization, its global scale(s)
+    and `rows` rows of bf16 x."""
+    w = _weight(n, k, device="cuda", **kw)
+    wc = gemv_cuda.relayout(w.data, w.block_scale)
+    wd = reference.dequantize(w, torch.float64)
+    g = w.global_scale.float().reshape(-1)
+    base = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).bfloat16().cuda()
+    return w, wc, wd, g, base
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k,kw", [(16, 128, {}), (144, 384, {"scale_scope": "row"}), (1008, 1280, {}),
                                     (4096, 4096, {"scale_rule": "4/6"}), (768, 14336, {})])
 def test_gpu_kernel_matches_reference(n, k, kw):
     if not gemv_cuda.available():
         pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
-    w = _weight(n, k, device="cuda", **kw)
-    wc = gemv_cuda.relayout(w.data, w.block_scale)
-    wd = reference.dequantize(w, torch.float64)
-    g = w.global_scale.float().reshape(-1)
-    base = torch.randn(64, k, generator=torch.Generator().manual_seed(3)).bfloat16().cuda()
+    w, wc, wd, g, base = _gpu_case(n, k, kw, 64, seed=3)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ys = {}
     for m in (1, 2, 5, 8, 9, 16, 17, 32, 40, 64):
@@ -187,11 +194,7 @@ def test_gpu_wide_matches_reference(n, k, kw):
 
     from fp4rl.kernels import gemm
 
-    w = _weight(n, k, device="cuda", **kw)
-    wc = gemv_cuda.relayout(w.data, w.block_scale)
-    wd = reference.dequantize(w, torch.float64)
-    g = w.global_scale.float().reshape(-1)
-    base = torch.randn(300, k, generator=torch.Generator().manual_seed(4)).bfloat16().cuda()
+    w, wc, wd, g, base = _gpu_case(n, k, kw, 300, seed=4)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     wm = SimpleNamespace(data=w.data, block_scale=w.block_scale, global_scale=w.global_scale, mma16=wc)
     for m in (17, 33, 100, 128, 129, 300):
