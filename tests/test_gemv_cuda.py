@@ -215,6 +215,13 @@ def test_gpu_wide_matches_reference(n, k, kw):
                     y2.fill_(float("nan"))
                     gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
                     assert _rel(y2, ref) < 4e-3, (m, split, nt, swz)
+    # within a band of rows (17-32, 33-64) a row's result does not depend on the other rows
+    for band in ((17, 24, 32), (33, 50, 64)):
+        ys = []
+        for m in band:
+            y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            ys.append(gemv_cuda.launch_wide(base[:m], wc, g, y)[:band[0]])
+        assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), band
     # W4A4: x = e2m1 * block_scale with per-row global scales over 4 decades (through gemm.gemm at 48 rows,
     # directly at 150: two row blocks)
     for m in (48, 150):
@@ -370,6 +377,12 @@ def test_wide_rows_dispatch_ranges():
     assert gemm.wide_rows(17, 4096) and gemm.wide_rows(32, 4096)  # wgmma at 17-32 rows on any weight
     assert not gemm.wide_rows(48, 4096) and gemm.wide_rows(48, 14336)  # 33-64 rows on wide weights only
     assert not gemm.wide_rows(65, 14336) and not gemm.wide_rows(512, 14336)  # Triton / dequantize+cuBLAS
+
+
+def test_choose_wide_split_depends_on_the_band_of_rows_only():
+    for n, k in ((14336, 4096), (4096, 14336), (6144, 4096), (4096, 4096)):
+        for band in (range(1, 33), range(33, 65), range(65, 129)):
+            assert len({gemv_cuda.choose_wide(n, k, m, 132)["SPLIT"] for m in band}) == 1, (n, k, band)
 
 
 def test_choose_grouped_splits_to_fill_the_gpu():

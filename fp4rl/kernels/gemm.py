@@ -541,8 +541,8 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
         xin = x2 if x2 is not None else dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False)
         try:  # the same kernel's wgmma configuration: 17+ rows (wide decode batches, short prefills)
             return _mma16.launch_wide(xin, m16, g1, y, x_scale=None if x2 is not None else xq[2])
-        except RuntimeError as exc:
-            _mma16.disable(exc)
+        except RuntimeError as exc:  # sm_90a refused here: the wgmma configuration off, mma.sync stays on
+            _mma16.disable_wide(exc)
 
     def run(c):
         if c == FALLBACK:

@@ -34,7 +34,7 @@ from fp4rl.kernels.gemv import _MOVES, _permute_words, swizzle
 _SOURCE = Path(__file__).with_name("gemv_mma16.cu")
 WARPS = 8
 STAGE_BYTES = 1280  # one 16-row n-tile and 128-k step: 1 KB of weight words, 256 B of bf16 scales
-STATE = {"ok": None, "error": None}  # None: not tried yet on this process
+STATE = {"ok": None, "error": None, "wide": None}  # None: not tried yet here; "wide": the wgmma configuration
 MAX_ROWS = 64  # MG up to 8 groups of 8 rows
 SMEM_LIMIT = 110 * 1024  # two CTAs per SM on an H100/H200 (227 KB)
 SMEM_MAX = 227 * 1024  # one CTA
@@ -54,6 +54,14 @@ def available(device=None) -> bool:
     if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
         return False
     return hasattr(torch.cuda, "_compile_kernel")
+
+
+def disable_wide(exc: Exception) -> None:
+    """The wgmma configuration failed here (NVRTC or the driver refused sm_90a): off for good; the mma.sync
+    configurations stay on."""
+    STATE["wide"] = False
+    warnings.warn(f"CUDA wgmma W4A16 configuration disabled ({repr(exc)[:300]}); 17+ rows use the Triton "
+                  "kernels", stacklevel=3)
 
 
 def disable(exc: Exception) -> None:
@@ -197,8 +205,9 @@ WIDE_MG = 16  # the wgmma configuration: up to 128 rows of x per CTA (m64n128k16
 
 
 def wide_available(device=None) -> bool:
-    """Whether the wgmma configuration (``choose_wide``) can run: sm_90 exactly (wgmma needs sm_90a)."""
-    if not available(device):
+    """Whether the wgmma configuration (``choose_wide``) can run: sm_90 exactly (wgmma needs sm_90a), and it
+    has not failed on this process (``disable_wide``)."""
+    if STATE["wide"] is False or not available(device):
         return False
     dev = torch.device("cuda") if device is None else torch.device(device)
     return torch.cuda.get_device_capability(dev) == (9, 0)
@@ -219,11 +228,14 @@ def choose_wide(n: int, k: int, m: int, sms: int) -> dict:
     nt = 1 if zb == 1 else 2
     nblocks = -(-n // (WARPS * nt * 16))
     steps = k // 128
-    slots = (2 if nt == 1 else 1) * sms
+    slots = (2 if nt == 1 else 1) * sms  # as fitted (MG 9-16 at NT 1 fit one CTA per SM: the fit took that)
+    # the split depends on the band of rows (1-32, 33-64, 65+), not on m itself, so that a row's result does
+    # not depend on how many rows of the same band come with it
+    mg_band = 4 if m <= 32 else 8 if m <= 64 else 16
 
     def cost(split: int) -> float:
-        busy = max(1.0, nblocks * zb * split / slots) * -(-steps // split) * (2 + mg)
-        return busy + (2 * split * mg * nt if split > 1 else 0)
+        busy = max(1.0, nblocks * zb * split / slots) * -(-steps // split) * (2 + mg_band)
+        return busy + (2 * split * mg_band * nt if split > 1 else 0)
 
     # NT 2 (several row blocks of up to 128 rows): the cluster reduction of 256 x 128 partials per CTA
     # outweighs more splits (4096x14336 at 256 rows: split 4 136.6 us, at 512 rows split 2 119.8 us)

@@ -28,7 +28,8 @@
 // Split-K: the SPLIT CTAs of an n-block form a cluster; each leaves its fp32 partial in shared memory
 // and CTA r adds its 1/SPLIT-th of the block's outputs from all of them through distributed shared
 // memory, in a fixed order (deterministic: no atomics, no global workspace, no fence).
-// A row's result does not depend on the other rows of x (SPLIT and the n-blocks depend on N, K only).
+// A row's result does not depend on the other rows of x (up to 16 rows: SPLIT and the n-blocks depend on
+// N, K only; WGMMA: on N, K and the band of rows, gemv_cuda.choose_wide).
 // Programmatic dependent launch (fp4rl/kernels/pdl.py): launched with the attribute, the kernel may start
 // while the previous one runs; it issues its first DEPTH weight steps (which nothing on the stream writes
 // during a decode step), then griddepcontrol.wait, then stages x. Without the attribute both are no-ops.
@@ -69,6 +70,9 @@ typedef unsigned long long u64;
 #endif
 #ifndef WB
 #define WB 1  // WGMMA: 16-k blocks per batch of multiplies (one fence / commit / wait per batch)
+#endif
+#if WGMMA && (8 % WB)
+#error "WB must divide the 8 blocks of a 128-k step"
 #endif
 #ifndef TIMING
 #define TIMING 0  // timing-only variants (wrong results): 1 no x staging, 2 no unpack/MMA
@@ -398,6 +402,10 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                 acc_fence(&acc[0][0][0]);  // keep the accumulators in place across the loop (no moves)
 #endif
                 cp_async_wait<DEPTH - 2>();  // this step's group (and all older) landed, for this thread ...
+#if WGMMA
+                // ... and is visible to the async proxy that wgmma reads shared memory through
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
                 __syncthreads();  // ... for every thread; and every warp is done with step sd - 1's stage
 #else
                 cp_async_wait<DEPTH - 1>();  // this step's group (and all older) landed
