@@ -156,3 +156,98 @@ def test_gpu_large(rule, err, scope, tile):
         x = _data(kind, (4096, 2048), dtype, seed=11)
         kw = dict(scale_rule=rule, err=err, scale_scope=scope, tile=tile)
         _same(tq.quantize(x, **kw), reference.quantize(x, **kw))
+
+
+_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+# block values in units of the block's scale-6 step 2^j; 6-grid midpoints (0.25, 0.75, ...) are exact
+# ties of the encode (its factor 2^-j is exact), the 4-grid midpoints (V / 1.5 = 0.25, 0.75, ...:
+# V = 0.375, 1.125, ...) are left out (the 4 candidate's factor 1 / (1.5 2^j) is rounded)
+_V = [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0]
+_TIES = [[4.5, 4.0], [5.5], [4.5, 1.0, 2.0], [3.0, 1.5], [], [5.5, 5.5, 4.5, 4.0]]  # err4 == err6
+
+
+def _e2m1_rne(y):
+    """float64 y >= 0 (scaled) -> nearest E2M1 grid value, ties to the even code, saturating at 6."""
+    d = (y.clamp(max=6.0)[..., None] - _GRID).abs()
+    key = d + (torch.arange(8) % 2) * 1e-9  # exact dyadic distances: the tie break only picks the even code
+    return _GRID[key.argmin(-1)]
+
+
+def _crafted_46(rows, nb, t_rows, seed):
+    """x [rows, nb * 16] float32 whose every block is exact under both candidate scales' arithmetic:
+    row r's amax is 1536 2^t_r (so S_enc = 2^-t_r), block (r, b) has amax 6 2^(j + t_r) (s6 = 2^j,
+    s4 = 1.5 2^j, both E4M3), and values V 2^(j + t_r), V from _V. Returns x, the exact per-block errors
+    of both candidates (float64, MSE and MAE, in units of 2^(j + t_r)), and j."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.zeros(rows, nb, 16, dtype=torch.float64)
+    j = torch.randint(-8, 8, (rows, nb), generator=g)
+    j[:, 0] = 8  # the row amax: 6 * 2^8 * 2^t = 1536 * 2^t
+    vals = torch.tensor(_V, dtype=torch.float64)
+    for r in range(rows):
+        for b in range(nb):
+            kind = (r * nb + b) % 4
+            if kind == 0:  # a crafted tie (zero or not)
+                tie = _TIES[(r * nb + b) // 4 % len(_TIES)]
+                v[r, b, 1:1 + len(tie)] = torch.tensor(tie, dtype=torch.float64)
+            else:  # random, sparse or dense
+                n = [3, 6, 15][kind - 1]
+                v[r, b, 1:1 + n] = vals[torch.randint(0, len(_V), (n,), generator=g)]
+            v[r, b] = v[r, b, torch.randperm(16, generator=g)]
+            v[r, b, torch.randint(0, 16, (1,), generator=g)] = 6.0  # the block max (others <= 6)
+    v = v * torch.where(torch.rand(v.shape, generator=g) < 0.5, -1.0, 1.0)
+    d6 = _e2m1_rne(v.abs()) - v.abs()
+    d4 = _e2m1_rne(v.abs() / 1.5) * 1.5 - v.abs()
+    errs = {"mse": ((d6 * d6).sum(-1), (d4 * d4).sum(-1)), "mae": (d6.abs().sum(-1), d4.abs().sum(-1))}
+    unit = torch.pow(2.0, (j + torch.tensor(t_rows)[:, None]).double())
+    x = (v * unit[..., None]).reshape(rows, nb * 16).float()
+    return x, errs, j
+
+
+@pytest.mark.parametrize("scope", ["tensor", "row"])
+@pytest.mark.parametrize("err", ["mse", "mae"])
+def test_4over6_pick_and_ties(scope, err):
+    """Blocks that pick 4, keep 6, and tie exactly (zero and nonzero errors: 6 must win), per tensor and
+    per row, with amaxes inside and outside the division-free x / 1536 range (2^-70 .. 2^100), against
+    the reference byte for byte and against the exact errors."""
+    rows, nb = 24, 8
+    if scope == "tensor":
+        t_rows = [0] * rows
+    else:  # per-row amaxes 1536 2^t: ordinary, tiny and huge rows mixed within one program
+        t_rows = [[0, -3, 5, -90, 100, 2][r % 6] for r in range(rows)]
+    x, errs, j = _crafted_46(rows, nb, t_rows, seed=7)
+    e6, e4 = errs[err]
+    pick4 = e4 < e6
+    tie = e4 == e6
+    assert pick4.any() and (e4 > e6).any() and (tie & (e6 > 0)).any() and (tie & (e6 == 0)).any()
+    want_s = torch.pow(2.0, j.double()) * torch.where(pick4, 1.5, 1.0)
+    # squares of the tiny / huge rows' errors underflow / overflow in float32: no exact premise there
+    known = (torch.tensor(t_rows).abs() <= 20) | (err == "mae")
+    kws = [dict(scale_rule="4/6", err=err, scale_scope=scope)]
+    if scope == "row":
+        amax = (1536.0 * torch.pow(2.0, torch.tensor(t_rows, dtype=torch.float64))).float()[:, None]
+        kws.append(dict(kws[0], amax=amax.to(DEV)))  # imposed per-row amax: the flat kernel, per block
+    else:
+        # imposed g: decoded = values * g
+        kws.append(dict(kws[0], global_scale=torch.tensor(1.0, device=DEV)))
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype).to(DEV)
+        assert torch.equal(xd.float().cpu(), x)  # exact in bf16 too
+        for kw in kws:
+            q = tq.quantize(xd, **kw)
+            _same(q, reference.quantize(xd, **kw))
+            assert torch.equal(q.block_scale.float().cpu().double()[known], want_s[known])
+
+
+@pytest.mark.parametrize("scope", ["tensor", "row"])
+def test_4over6_nonfinite_blocks(scope):
+    """NaN (code 0, error NaN: 6 kept) and +-Inf (+-6, infinite errors: 6 kept) inside blocks that would
+    otherwise pick 4 or tie, with allow_nonfinite, MSE and MAE."""
+    x, _, _ = _crafted_46(16, 4, [0, 4, -2, 1] * 4, seed=2)
+    x[1, 3], x[2, 17], x[5, 40] = float("nan"), float("inf"), -float("inf")
+    x[7, 0:16] = float("nan")  # an all-NaN block
+    x[9, 16:18] = torch.tensor([float("inf"), float("nan")])
+    for err in ("mse", "mae"):
+        kw = dict(scale_rule="4/6", err=err, scale_scope=scope, allow_nonfinite=True)
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype).to(DEV)
+            _same(tq.quantize(xd, **kw), reference.quantize(xd, **kw))

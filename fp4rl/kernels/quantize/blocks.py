@@ -81,16 +81,21 @@ def _quantize_blocks(xb, s_enc, s_dec, g, amax, N: tl.constexpr, IMPOSED_G: tl.c
         base = tl.math.div_rn(bamax, _like(bamax, 6.0)) * s_enc
         s6 = _e4m3_round(base)
         s4 = _e4m3_round(base * 1.5)
-        codes6, ev6 = _encode_v_2d(xb, s6, s_dec, ALLOW_NF)
-        codes4, ev4 = _encode_v_2d(xb, s4, s_dec, ALLOW_NF)
         # the division-free x / 1536 is exact while no product underflows or overflows (checked on
         # every float32); outside 2^-70 <= amax <= 2^100 the program takes IEEE division
         fast = (tl.min(amax, 0) >= 8.470329472543003e-22) & (tl.max(amax, 0) <= 1.2676506002282294e30)
-        err6 = _error_2d(ev6, s6, xb, g, amax, N, IMPOSED_G, MAE, fast)
-        err4 = _error_2d(ev4, s4, xb, g, amax, N, IMPOSED_G, MAE, fast)
+        # One candidate at a time (registers: only xb and a few per-block floats stay live): the error
+        # of 6, then of 4, then the codes of the chosen scale once more; the same encode factor and
+        # rounding as each candidate's, so the same codes.
+        enc6 = tl.minimum(tl.math.div_rn(_like(s6, 1.0), s6 * s_dec), FLT_MAX)
+        err6 = _error_2d(_round_e2m1_v(xb * enc6[:, None], ALLOW_NF)[1], s6, xb, g, amax, N, IMPOSED_G, MAE,
+                         fast)
+        enc4 = tl.minimum(tl.math.div_rn(_like(s4, 1.0), s4 * s_dec), FLT_MAX)
+        err4 = _error_2d(_round_e2m1_v(xb * enc4[:, None], ALLOW_NF)[1], s4, xb, g, amax, N, IMPOSED_G, MAE,
+                         fast)
         pick4 = err4 < err6
-        codes = tl.where(pick4[:, None], codes4, codes6)
         s = tl.where(pick4, s4, s6)
+        codes = _round_e2m1(xb * tl.where(pick4, enc4, enc6)[:, None], xb, False, ALLOW_NF)
     else:
         s = _e4m3_round(bamax * (s_enc * ONE_SIXTH))
         codes = _encode_2d(xb, s, s_dec, ALLOW_NF)
