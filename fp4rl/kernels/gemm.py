@@ -474,8 +474,8 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
     [E, N, K/2] with offsets int32 [E+1] over the expert-sorted rows of x). config: a dict from
     candidate_configs, or FALLBACK, to bypass the tuner. A dense weight may carry `gemv32` (gemv.swizzle
     of its data: the Gluon GEMV's copy) or `mma16` (gemv_cuda.relayout: the CUDA kernel's copy, taken for
-    1-MMA16_MAX_ROWS rows of W4A16 or W4A4 when no config is forced; up to WIDE_MAX_ROWS rows with its wgmma
-    configuration on sm_90). Grouped weights may carry `mma16` too
+    1-MMA16_MAX_ROWS rows of W4A16 or W4A4 when no config is forced, and for the rows of `wide_rows` with its
+    wgmma configuration on sm_90). Grouped weights may carry `mma16` too
     (gemv_cuda.relayout_stack): taken for decode-sized batches, `tokens` (the batch's tokens before top-k)
     <= MMA16_GROUPED_MAX_TOKENS.
     """
