@@ -58,12 +58,9 @@ MMA16_MAX_ROWS = 16
 # Routed experts of batches up to this many tokens go to the grouped mma16 kernel (8-row chunks per expert);
 # larger ones (prefill) to the Triton grouped GEMM, which reads each expert's weights once for all its rows.
 MMA16_GROUPED_MAX_TOKENS = 64
-# Rows in (MMA16_MAX_ROWS, WIDE_MAX_ROWS] go to the kernel's wgmma configuration (gemv_cuda.choose_wide:
-# weights as register A of wgmma m64n(<=128)k16, x in blocks of up to 128 rows) on sm_90 when the weight
-# carries its mma16 copy: on the H200 1.02-1.37x cuBLAS BF16 at 32 rows (the Triton kernels 0.74-0.94x);
-# at 128-512 rows the tuned Triton kernels / dequantize + cuBLAS are faster (bench/RESULTS.md, sixth session).
-# At 33-64 rows it wins only on wide weights (N >= WIDE_MIN_N_ABOVE_32: 14336x4096 28.3 vs 39.6 us; N = 4096:
-# 42.9 vs 39.8, 22.9 vs 21.9 us).
+# The kernel's wgmma configuration (gemv_cuda.choose_wide) takes 17-32 rows, and 33-64 rows of weights with
+# N >= WIDE_MIN_N_ABOVE_32, on sm_90 when the weight carries its mma16 copy: where it beat the tuned Triton
+# kernels on the H200 (bench/RESULTS.md, sixth session: 1.02-1.37x cuBLAS BF16 at 32 rows).
 WIDE_MAX_ROWS = 64
 WIDE_MIN_N_ABOVE_32 = 8192
 
@@ -519,30 +516,28 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
             pass
         except RuntimeError as exc:
             _mma16.disable(exc)
-    if (m16 is not None and not grouped and config is None and m <= MMA16_MAX_ROWS
-            and _mma16.available(device) and _mma16.fits(n, 2 * kh, m, _sm_count(device))):
-        if (m16.n, m16.k) != (n, 2 * kh):
-            raise ValueError(f"weight.mma16 is a copy of a {m16.n}x{m16.k} weight, the weight is "
-                             f"{n}x{2 * kh}")
-        g1 = wg[0] if wg.ndim == 2 else wg
-        # W4A4: the same exact products from x = e2m1 * block_scale (bf16, exact), x's per-row global scale
-        # applied with the weight's to the FP32 sum
-        xin = x2 if x2 is not None else dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False)
-        try:  # the CUDA mma16 kernel (fp4rl.kernels.gemv_cuda): every row up to 16 on one MMA
-            return _mma16.launch(xin, m16, g1, y, x_scale=None if x2 is not None else xq[2])
-        except RuntimeError as exc:  # NVRTC or the driver refused it on this machine: fall back for good
-            _mma16.disable(exc)
-    if (m16 is not None and not grouped and config is None and wide_rows(m, n)
-            and _mma16.wide_available(device) and _mma16.supports(n, 2 * kh)):
-        if (m16.n, m16.k) != (n, 2 * kh):
-            raise ValueError(f"weight.mma16 is a copy of a {m16.n}x{m16.k} weight, the weight is "
-                             f"{n}x{2 * kh}")
-        g1 = wg[0] if wg.ndim == 2 else wg
-        xin = x2 if x2 is not None else dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False)
-        try:  # the same kernel's wgmma configuration: 17+ rows (wide decode batches, short prefills)
-            return _mma16.launch_wide(xin, m16, g1, y, x_scale=None if x2 is not None else xq[2])
-        except RuntimeError as exc:  # sm_90a refused here: the wgmma configuration off, mma.sync stays on
-            _mma16.disable_wide(exc)
+    if m16 is not None and not grouped and config is None and _mma16.available(device):
+        # the CUDA kernel (fp4rl.kernels.gemv_cuda): mma.sync for every row up to 16 on one MMA, its wgmma
+        # configuration for the rows of wide_rows
+        narrow = m <= MMA16_MAX_ROWS and _mma16.fits(n, 2 * kh, m, _sm_count(device))
+        wide = (not narrow and wide_rows(m, n) and _mma16.wide_available(device)
+                and _mma16.supports(n, 2 * kh))
+        if narrow or wide:
+            if (m16.n, m16.k) != (n, 2 * kh):
+                raise ValueError(f"weight.mma16 is a copy of a {m16.n}x{m16.k} weight, the weight is "
+                                 f"{n}x{2 * kh}")
+            g1 = wg[0] if wg.ndim == 2 else wg
+            # W4A4: the same exact products from x = e2m1 * block_scale (bf16, exact), x's per-row global
+            # scale applied with the weight's to the FP32 sum
+            xin = x2 if x2 is not None else dequantize(xq[0], xq[1], xq[2], torch.bfloat16,
+                                                       apply_global=False)
+            x_scale = None if x2 is not None else xq[2]
+            try:
+                if narrow:
+                    return _mma16.launch(xin, m16, g1, y, x_scale=x_scale)
+                return _mma16.launch_wide(xin, m16, g1, y, x_scale=x_scale)
+            except RuntimeError as exc:  # NVRTC or the driver refused it: that configuration off for good
+                (_mma16.disable if narrow else _mma16.disable_wide)(exc)
 
     def run(c):
         if c == FALLBACK:
