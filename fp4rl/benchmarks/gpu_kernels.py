@@ -149,11 +149,14 @@ def _rel(y, ref) -> float:
 
 
 def bench_quantize(bw: float) -> list[dict]:
+    """Each mode through quantize_2d (the CUDA kernels where they apply: 1x16, round to nearest) and, in the
+    same run, with the CUDA kernels off (the Triton kernels); bytes checked against the reference for both."""
+    from fp4rl.kernels.quantize import cuda as qcuda
     from fp4rl.kernels.quantize import quantize_2d
     from fp4rl.nvfp4 import reference
 
-    rows, k = 32768, 4096  # 256 MiB of bf16 input
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-2, 2, k, device="cuda")
+    rows, k = 32768, 4096  # 256 MiB of bf16 input (up to the sixth session this was float32 by type promotion)
+    x = (torch.randn(rows, k, device="cuda") * torch.logspace(-2, 2, k, device="cuda")).bfloat16()
     xs = [x] + [x.roll(i, 0) for i in range(1, 2)]
     modes = [
         ("1x16 tensor 6", dict(), dict()),
@@ -169,16 +172,26 @@ def bench_quantize(bw: float) -> list[dict]:
     moved = rows * k * 2 + out_bytes
     res = []
     for name, kw, ref_kw in modes:
-        exact = None
-        if ref_kw is not None:  # byte equality on 4096 rows (the reference is slow on the full tensor)
-            d, s, g = quantize_2d(x[:4096], check_finite=False, **kw)
-            q = reference.quantize(x[:4096], **ref_kw)
-            exact = bool(torch.equal(d, q.data) and torch.equal(g.reshape(-1), q.global_scale.reshape(-1))
-                         and torch.equal(s.view(torch.uint8), q.block_scale.view(torch.uint8)))
-        us = time_calls([lambda xi=xi, kw=kw: quantize_2d(xi, check_finite=False, **kw) for xi in xs],
-                        min_calls=6)
-        res.append({"mode": name, "rows": rows, "k": k, "us": us, "tb_s": moved / us / 1e6,
-                    "floor_us": moved / bw * 1e6, "byte_exact": exact})
+        row = {"mode": name, "rows": rows, "k": k, "floor_us": moved / bw * 1e6}
+        on = qcuda.STATE["on"]
+        paths = [("", on)] + ([("triton_", False)] if on and qcuda.usable(x) and "16x16" not in name
+                              and "stochastic" not in name else [])
+        for prefix, cuda_on in paths:
+            qcuda.STATE["on"] = cuda_on
+            try:
+                if ref_kw is not None:  # byte equality on 4096 rows (the reference is slow on the full tensor)
+                    d, s, g = quantize_2d(x[:4096], check_finite=False, **kw)
+                    q = reference.quantize(x[:4096], **ref_kw)
+                    row[prefix + "byte_exact"] = bool(
+                        torch.equal(d, q.data) and torch.equal(g.reshape(-1), q.global_scale.reshape(-1))
+                        and torch.equal(s.view(torch.uint8), q.block_scale.view(torch.uint8)))
+                us = time_calls([lambda xi=xi, kw=kw: quantize_2d(xi, check_finite=False, **kw) for xi in xs],
+                                min_calls=6)
+            finally:
+                qcuda.STATE["on"] = on
+            row[prefix + "us"], row[prefix + "tb_s"] = us, moved / us / 1e6
+        row["path"] = "cuda" if len(paths) == 2 else "triton"
+        res.append(row)
     return res
 
 
@@ -494,9 +507,11 @@ def run(args):
                 json.dump(out, fh, indent=1, default=str)
     if isinstance(out.get("quantize"), list):
         _print_table("quantize (32768 x 4096 bf16)", out["quantize"], [
-            ("mode", lambda r: r["mode"]), ("us", lambda r: f1(r["us"])),
-            ("TB/s", lambda r: f2(r["tb_s"])), ("floor us", lambda r: f1(r["floor_us"])),
-            ("bytes = ref", lambda r: str(r["byte_exact"]))])
+            ("mode", lambda r: r["mode"]), ("path", lambda r: r.get("path", "")), ("us", lambda r: f1(r["us"])),
+            ("TB/s", lambda r: f2(r["tb_s"])),
+            ("Triton us", lambda r: f1(r["triton_us"]) if "triton_us" in r else "-"),
+            ("floor us", lambda r: f1(r["floor_us"])),
+            ("bytes = ref", lambda r: f"{r.get('byte_exact')}/{r.get('triton_byte_exact', '-')}")])
     if isinstance(out.get("gemm"), list):
         _print_table("W4A16 GEMM (W is N x K)", out["gemm"], [
             ("N x K", lambda r: f"{r['n']}x{r['k']}"), ("rows", lambda r: str(r["rows"])),

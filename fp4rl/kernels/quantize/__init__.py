@@ -20,10 +20,13 @@ Modules, one kernel family each (this package re-exports all their names):
     blocks.py        one block per thread, [N, 16] tiles: the default Triton kernels
     gluon_blocks.py  the same in Gluon (explicit layouts), rule 6 on CUDA
     tiles.py         [R, NB, 16] tiles: 16x16 tiles, stochastic rounding, very long rows
+    quant.cu, cuda.py  CUDA C++ (NVRTC): 1x16 round-to-nearest on bfloat16/float32, the default on CUDA
     __init__.py      quantize_2d: picks the kernel, launches it, checks for NaN/Inf
 
 Two launches for a per-tensor scale (the amax pass, then the quantize pass), one for per-row
-scales (the kernel takes the row amax itself). The module-level switches ``BLOCKS``,
+scales (the kernel takes the row amax itself). On CUDA the CUDA C++ kernels take every 1x16
+round-to-nearest mode of bfloat16 and float32 input (2-3x fewer instructions per element than
+the Triton ones; if they fail to build they switch off and the Triton kernels take over). The module-level switches ``BLOCKS``,
 ``GLUON_BLOCKS`` and ``ROWS_MAX_BLOCKS`` (benchmarks flip them) live here, next to the code that
 reads them. Stochastic rounding is unbiased, not byte-equal to torch's generator.
 """
@@ -35,6 +38,7 @@ import triton
 import triton.language as tl  # noqa: F401  (kept importable from here)
 
 from fp4rl.kernels._common import COMPILED, INTERPRET, e2m1_value  # noqa: F401
+from fp4rl.kernels.quantize import cuda as _cuda
 from fp4rl.kernels.quantize.amax import _amax_kernel, amax_partials  # noqa: F401
 from fp4rl.kernels.quantize.arith import (  # noqa: F401
     FLT_MAX,
@@ -141,6 +145,18 @@ def _launch_blocks(x, data, scale, g, given, flag, parts, n_part, src, per_row_g
             num_warps=nblk // (32 if rule46 else 64), enable_fp_fusion=False)
 
 
+def _launch_cuda(x, data, scale, g, given, flag, src, per_row_given, rule46, err, allow_nf):
+    """The CUDA kernels (fp4rl.kernels.quantize.cuda): (True, the amax parts or None), or (False, None) if
+    they failed here (they are then switched off and the caller takes the Triton kernels)."""
+    try:
+        parts = _cuda.amax_parts(x) if src == 0 else None
+        _cuda.quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, err == "mae", allow_nf)
+    except Exception as exc:  # noqa: BLE001  (NVRTC or the launch failed: the Triton kernels take over)
+        _cuda.disable(exc)
+        return False, None
+    return True, parts
+
+
 def _launch_tiles(x, data, scale, g, given, flag, parts, n_part, src, per_row_given, rule46, err, allow_nf,
                   tile16, stochastic, seed, scale_rule):
     r, k = x.shape
@@ -190,6 +206,8 @@ def quantize_2d(
     scale = torch.empty(r, k // 16, dtype=torch.uint8, device=dev)
     rows_scaled = per_row and global_scale is None and amax is None
     imposed = global_scale if global_scale is not None else amax
+    if per_row and imposed is not None and imposed.numel() == 1:
+        imposed = imposed.reshape(1).expand(r)  # one imposed value, written for every row
     per_row_given = imposed is not None and imposed.numel() > 1
     g = torch.empty(r if (rows_scaled or per_row_given or per_row) else 1, dtype=torch.float32, device=dev)
     flag = parts = None
@@ -203,15 +221,20 @@ def quantize_2d(
         flag = torch.empty(r, dtype=torch.int32, device=dev)
     else:
         src = 0
-        parts, n_part = amax_partials(x)
     given = imposed.float().reshape(-1).contiguous() if imposed is not None else g
     rule46 = scale_rule == "4/6"
-    if BLOCKS["on"] and not tile16 and not stochastic and (src != 1 or k // 16 <= ROWS_MAX_BLOCKS):
-        _launch_blocks(x, data, scale, g, given, flag, parts, n_part, src, per_row_given, rule46,
-                       err == "mae", allow_nonfinite, scale_rule, err)
-    else:
-        _launch_tiles(x, data, scale, g, given, flag, parts, n_part, src, per_row_given, rule46, err,
-                      allow_nonfinite, tile16, stochastic, seed, scale_rule)
+    done = False
+    if _cuda.usable(x) and not tile16 and not stochastic and (src != 1 or k // 16 <= _cuda.ROWS_MAX_BLOCKS):
+        done, parts = _launch_cuda(x, data, scale, g, given, flag, src, per_row_given, rule46, err, allow_nonfinite)
+    if not done:
+        if src == 0:
+            parts, n_part = amax_partials(x)
+        if BLOCKS["on"] and not tile16 and not stochastic and (src != 1 or k // 16 <= ROWS_MAX_BLOCKS):
+            _launch_blocks(x, data, scale, g, given, flag, parts, n_part, src, per_row_given, rule46,
+                           err == "mae", allow_nonfinite, scale_rule, err)
+        else:
+            _launch_tiles(x, data, scale, g, given, flag, parts, n_part, src, per_row_given, rule46, err,
+                          allow_nonfinite, tile16, stochastic, seed, scale_rule)
     if check_finite and not allow_nonfinite:
         if src in (0, 1):
             raw = (parts[1] if src == 0 else flag).max()

@@ -1,0 +1,95 @@
+"""Device benchmark of the CUDA quantize kernels (fp4rl/kernels/quantize/quant.cu), seventh session.
+
+For each shape and mode, in one run: the CUDA kernels (per-row modes also with 1, 2 and 4 blocks per thread in
+the row kernel; "cuda" is the default choice) and the Triton kernels (CUDA off); bytes checked against the reference on the first 4096 rows for each; effective TB/s = (bytes
+read once + written) / time, as in RESULTS. The per-tensor modes also report the amax pass alone.
+Timing: fp4rl.benchmarks.gpu_kernels.time_calls (CUDA-graph replay, operands rotated through >= 4x L2,
+median of 7). Usage (device): python3 bench/quant_cuda.py --out $OUT/quant_cuda.json
+"""
+
+import argparse
+import json
+import sys
+
+import torch
+
+sys.path.insert(0, ".")
+from fp4rl.benchmarks.gpu_kernels import _env, copies_for, copy_bandwidth, time_calls  # noqa: E402
+from fp4rl.kernels.quantize import amax_partials, quantize_2d  # noqa: E402
+from fp4rl.kernels.quantize import cuda as qc  # noqa: E402
+from fp4rl.nvfp4 import reference  # noqa: E402
+
+ROWS_BPT0 = dict(qc.ROWS_BPT)
+MODES = [
+    ("tensor 6", dict(), dict()),
+    ("row 6", dict(per_row=True), dict(scale_scope="row")),
+    ("row 4/6 mse", dict(per_row=True, scale_rule="4/6"), dict(scale_scope="row", scale_rule="4/6")),
+    ("tensor 4/6 mse", dict(scale_rule="4/6"), dict(scale_rule="4/6")),
+    ("tensor 4/6 mae", dict(scale_rule="4/6", err="mae"), dict(scale_rule="4/6", err="mae")),
+    ("row 6 imposed g", dict(per_row=True, global_scale="g"), dict(scale_scope="row", global_scale="g")),
+]
+VARIANTS = [("cuda", True, None), ("cuda_bpt1", True, 1), ("cuda_bpt2", True, 2), ("cuda_bpt4", True, 4),
+            ("triton", False, None)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="32768x4096,8192x14336,4096x4096,32x4096")
+    ap.add_argument("--modes", default=",".join(m[0] for m in MODES))
+    ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    bw = copy_bandwidth()
+    print(f"copy {bw['tb_s']:.2f} TB/s", flush=True)
+    out = {"env": _env(), "copy": bw, "rows": []}
+    modes = [m for m in MODES if m[0] in args.modes.split(",")]
+    variants = [v for v in VARIANTS if v[0] in args.variants.split(",")]
+    print("| shape | mode | " + " | ".join(f"{v[0]} us (TB/s)" for v in variants) + " | floor us | bytes = ref |")
+    print("|---" * (len(variants) + 4) + "|")
+    for shape in args.shapes.split(","):
+        r, k = (int(v) for v in shape.split("x"))
+        x = (torch.randn(r, k, device="cuda") * torch.logspace(-2, 2, k, device="cuda")).to(dtype)
+        xs = [x] + [x.roll(i, 0) for i in range(1, copies_for(x.nbytes))]
+        moved = x.numel() * x.element_size() + r * k // 2 + r * k // 16
+        gsc = x.float().abs().amax(dim=1) / 2688.0
+        for name, kw, ref_kw in modes:
+            kw = {a: (gsc if b == "g" else b) for a, b in kw.items()}
+            ref_kw = {a: (gsc[:4096, None] if b == "g" else b) for a, b in ref_kw.items()}
+            row = {"shape": shape, "mode": name, "floor_us": moved / bw["tb_s"] / 1e6, "dtype": args.dtype}
+            exact = []
+            for vname, on, bpt in variants:
+                if vname.startswith("cuda_bpt") and not name.startswith("row"):
+                    continue
+                qc.STATE["on"] = on
+                qc.ROWS_BPT = {"6": bpt, "4/6": bpt}
+                kwc = {a: (b[:4096] if a == "global_scale" else b) for a, b in kw.items()}
+                d, s, g = quantize_2d(x[:4096], check_finite=False, **kwc)
+                q = reference.quantize(x[:4096], **ref_kw)
+                ok = bool(torch.equal(d, q.data) and torch.equal(g.reshape(-1), q.global_scale.reshape(-1))
+                          and torch.equal(s.view(torch.uint8), q.block_scale.view(torch.uint8)))
+                us = time_calls([lambda xi=xi: quantize_2d(xi, check_finite=False, **kw) for xi in xs], min_calls=6)
+                row[vname] = {"us": us, "tb_s": moved / us / 1e6, "byte_exact": ok}
+                exact.append(ok)
+            qc.STATE["on"] = True
+            qc.ROWS_BPT = dict(ROWS_BPT0)
+            if name.startswith("tensor") and len(variants):
+                row["amax_cuda_us"] = time_calls([lambda xi=xi: qc.amax_parts(xi) for xi in xs], min_calls=6)
+                row["amax_triton_us"] = time_calls([lambda xi=xi: amax_partials(xi) for xi in xs], min_calls=6)
+            out["rows"].append(row)
+            cells = " | ".join(f"{row[v[0]]['us']:.1f} ({row[v[0]]['tb_s']:.2f})" if v[0] in row else "-"
+                               for v in variants)
+            print(f"| {shape} | {name} | {cells} | {row['floor_us']:.1f} | {all(exact)} |", flush=True)
+        del xs, x
+        torch.cuda.empty_cache()
+    amax_rows = [r for r in out["rows"] if "amax_cuda_us" in r]
+    for r in amax_rows:
+        print(f"amax pass {r['shape']} {r['mode']}: cuda {r['amax_cuda_us']:.1f} us, triton {r['amax_triton_us']:.1f} us")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(out, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The CUDA C++ quantize kernels (quant.cu), compiled by NVRTC at run time: 1x16 blocks, round to nearest,
+rule 6 and 4/6, per-tensor, per-row and imposed scales, bfloat16 and float32 input; the same bytes as
+fp4rl.nvfp4.reference (GPU-tested against it).
+
+``quantize_2d`` takes them on CUDA for those modes (16x16 tiles, stochastic rounding, float16 input and
+rows longer than ``ROWS_MAX_BLOCKS`` blocks stay on the Triton kernels). If NVRTC or the launch fails here,
+they switch off with a warning and the Triton kernels take over (``STATE["error"]`` keeps why);
+``FP4RL_QUANT_CUDA=0`` switches them off from the start.
+
+Launch shapes: the flat kernel (per-tensor or imposed scales) is grid-stride, one 16-element block per
+thread per step, 256 threads per CTA, about 16 CTAs per SM. The row kernel (per-row scales in one pass)
+gives each row TPR threads (a power of two) holding BPT blocks each, TPR x BPT >= blocks per row.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from fp4rl.kernels import pdl
+from fp4rl.kernels._common import INTERPRET
+
+_SOURCE = Path(__file__).with_name("quant.cu")
+STATE = {"on": os.environ.get("FP4RL_QUANT_CUDA", "1") != "0", "error": None}
+MAX_TPR = 512
+MAX_BPT = 8
+ROWS_MAX_BLOCKS = MAX_TPR * MAX_BPT  # K <= 65536 for per-row scales in one pass
+_DTYPES = {torch.bfloat16: 0, torch.float32: 1}
+# blocks per thread of the row kernel (at least), per scale rule: None picks by size (`rows_bpt`); benchmarks
+# set numbers
+ROWS_BPT = {"6": None, "4/6": None}
+# CTAs of 256 threads per SM that the registers must allow, per (rule 4/6, blocks per thread): no spills on the
+# common path (ptxas, sm_90): rule 6 fits 32 / 40 / 64 registers at 1 / 2 / 4 blocks, 4/6 64 / 80
+_MIN_BLOCKS = {(False, 1): 8, (False, 2): 6, (False, 4): 4, (True, 1): 4, (True, 2): 3}
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the CUDA kernels can take x here: switched on, a CUDA tensor (compute capability >= 8) of
+    bfloat16 or float32 whose data is 16-byte aligned, NVRTC through torch."""
+    if not STATE["on"] or INTERPRET or not x.is_cuda or x.dtype not in _DTYPES:
+        return False
+    if x.data_ptr() % 16 or not hasattr(torch.cuda, "_compile_kernel"):
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] >= 8
+
+
+def rows_plan(nb_row: int, bpt: int = 1) -> tuple[int, int, int]:
+    """(BPT, TPR, CTA) for rows of nb_row blocks: at least `bpt` blocks per thread (more until a row takes at
+    most MAX_TPR threads); CTAs of max(TPR, 256) threads (256 / TPR rows each when TPR < 256). More blocks per
+    thread spread the per-row work (the row max, three IEEE divisions for the row's scales) over more
+    elements, at the cost of registers."""
+    if not 1 <= nb_row <= ROWS_MAX_BLOCKS:
+        raise ValueError(f"rows of {nb_row} blocks: the CUDA row kernel takes 1..{ROWS_MAX_BLOCKS}")
+    while -(-nb_row // bpt) > MAX_TPR:
+        bpt *= 2
+    tpr = 1
+    while tpr < -(-nb_row // bpt):
+        tpr *= 2
+    return bpt, tpr, max(tpr, 256)
+
+
+def rows_bpt(n_blk: int, device) -> int:
+    """4 blocks per thread when that still leaves a thread per SM slot (2048 per SM) and some: fewer
+    per-row overheads (measured on an H200: 32768 x 4096 bf16 rule 6 113 -> 96 us, 4/6 308 -> 280 us); 2 or
+    1 for fewer blocks, where more threads in flight matter more (32 x 4096: 1.9 us at 1, 3.3 at 4)."""
+    slots = torch.cuda.get_device_properties(device).multi_processor_count * 2048
+    for bpt in (4, 2):
+        if n_blk // bpt >= slots // 2:
+            return bpt
+    return 1
+
+
+def source(defs: dict) -> str:
+    return "".join(f"#define {k} {v}\n" for k, v in defs.items()) + _SOURCE.read_text()
+
+
+@functools.cache
+def _kernel(name: str, key: tuple, device_index: int):
+    with torch.cuda.device(device_index):
+        return torch.cuda._compile_kernel(source(dict(key)), name, nvcc_options=["-std=c++17"])
+
+
+def _defs(x, rule46=False, mae=False, allow_nf=False, src=0, given_rows=False, **extra) -> tuple:
+    d = dict(RULE46=int(rule46), MAE=int(mae), NONFINITE=int(allow_nf), SRC=src, GIVEN_ROWS=int(given_rows),
+             IN_F32=_DTYPES[x.dtype], **extra)
+    return tuple(sorted(d.items()))
+
+
+def _dev(x):
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
+
+
+def _launch(name, key, x, grid, block, args):
+    dev = _dev(x)
+    kern = _kernel(name, key, dev)
+    with torch.cuda.device(dev):
+        pdl.launch(kern, grid, block, args, 0, torch.cuda.current_stream(dev), False)
+
+
+def disable(exc: Exception) -> None:
+    STATE["on"], STATE["error"] = False, repr(exc)[:300]
+    warnings.warn(f"CUDA quantize kernels disabled ({STATE['error']}); using the Triton kernels", stacklevel=3)
+
+
+def amax_parts(x: torch.Tensor) -> torch.Tensor:
+    """int32 [2, 1]: max |x| bit patterns over the finite values, and over all (>= 0x7F800000: NaN/Inf)."""
+    n_blk = x.numel() // 16
+    if n_blk >= 2 ** 31 - 2 ** 26:
+        raise ValueError(f"{n_blk} blocks: the CUDA kernels index blocks with 32-bit ints")
+    parts = torch.zeros(2, 1, dtype=torch.int32, device=x.device)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    grid = max(1, min(-(-n_blk // 512), sms * 8))
+    _launch("nvfp4_amax", _defs(x), x, (grid, 1, 1), (256, 1, 1), [x, parts, n_blk])
+    return parts
+
+
+def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, mae, allow_nf) -> None:
+    """Fill data / scale / g (and flag, src 1) for x [R, K] as quantize_2d's Triton launch would."""
+    r, k = x.shape
+    nb_row = k // 16
+    n_blk = r * nb_row
+    if n_blk == 0:
+        return
+    if src == 1:
+        bpt, tpr, cta = rows_plan(nb_row, ROWS_BPT["4/6" if rule46 else "6"] or rows_bpt(n_blk, x.device))
+        minb = _MIN_BLOCKS.get((rule46, bpt), 1) if cta == 256 and (bpt == 1 or x.dtype != torch.float32) else 1
+        key = _defs(x, rule46, mae, allow_nf, 1, BPT=bpt, TPR=tpr, CTA=cta, MINB=minb)
+        rows_per_cta = cta // tpr
+        _launch("nvfp4_quant_rows", key, x, (-(-r // rows_per_cta), 1, 1), (cta, 1, 1),
+                [x, data, scale, g, flag, r, nb_row])
+        return
+    if n_blk >= 2 ** 31 - 2 ** 26:
+        raise ValueError(f"{n_blk} blocks: the CUDA flat kernel indexes blocks with 32-bit ints")
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    grid = max(1, min(-(-n_blk // 256), sms * 16))
+    key = _defs(x, rule46, mae, allow_nf, src, per_row_given, MINB=_MIN_BLOCKS[(rule46, 1)])
+    _launch("nvfp4_quant_flat", key, x, (grid, 1, 1), (256, 1, 1),
+            [x, data, scale, g, given, parts if parts is not None else g, n_blk, nb_row])

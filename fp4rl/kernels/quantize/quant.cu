@@ -1,0 +1,362 @@
+// NVFP4 quantize in CUDA C++ (1x16 blocks, round to nearest): the reference's arithmetic
+// (fp4rl/nvfp4/reference.py, TransformerEngine's order), so the same bytes, in fewer instructions per
+// element than the Triton kernels (which are issue-bound at ~22-35 per element on an H200).
+//
+// Compiled by NVRTC at run time (fp4rl/kernels/quantize/cuda.py prepends the #defines):
+//   RULE46     0: scale rule 6, 1: rule 4/6 (both candidates, the lower error wins, a tie keeps 6)
+//   MAE        4/6 error: 0 summed squares, 1 summed absolute values
+//   NONFINITE  1: NaN -> code 0, +-Inf -> +-6, amaxes over the finite values (allow_nonfinite)
+//   SRC        0: amax of the tensor from nvfp4_amax's parts, 1: per-row amax (nvfp4_quant_rows),
+//              2: imposed amax, 3: imposed decode-direction global scale g
+//   GIVEN_ROWS SRC 2/3: one imposed value per row instead of one for the tensor
+//   IN_F32     1: float32 input, 0: bfloat16
+//   BPT, TPR   nvfp4_quant_rows: blocks per thread, threads per row (a power of two), CTA threads
+//
+// Every float operation is an explicit round-to-nearest intrinsic (__fmul_rn, __fadd_rn, __fmaf_rn where
+// the product is exact, __fdiv_rn, __frcp_rn): no contraction, no approximate division, whatever the
+// compiler's flags. One 16-element block per thread: two 16-byte loads, the block max, the scale, the codes
+// packed into one 8-byte store and the E4M3 scale byte; nothing crosses threads except the row max.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+#define FLT_MAX_F 3.4028234663852886e38f
+#define ONE_SIXTH_F 0.1666666716337204f  // fp32(1/6), as TE folds it
+#ifndef CTA
+#define CTA 256
+#endif
+#ifndef MINB  // CTAs per SM the register allocation must allow (the 4/6 kernels are occupancy-bound)
+#define MINB 1
+#endif
+
+struct Raw {  // one block: 16 values as float32 bit patterns' sources
+#if IN_F32
+  uint4 q[4];
+#else
+  uint4 q[2];
+#endif
+};
+
+__device__ __forceinline__ void load_block(const void* __restrict__ x, long long blk, Raw& r) {
+#if IN_F32
+  const uint4* p = reinterpret_cast<const uint4*>(x) + blk * 4;
+  r.q[0] = __ldg(p); r.q[1] = __ldg(p + 1); r.q[2] = __ldg(p + 2); r.q[3] = __ldg(p + 3);
+#else
+  const uint4* p = reinterpret_cast<const uint4*>(x) + blk * 2;
+  r.q[0] = __ldg(p); r.q[1] = __ldg(p + 1);
+#endif
+}
+
+__device__ __forceinline__ u32 word(const Raw& r, int w) {  // w-th 32-bit word of the block
+  const uint4& q = r.q[w >> 2];
+  return (w & 3) == 0 ? q.x : (w & 3) == 1 ? q.y : (w & 3) == 2 ? q.z : q.w;
+}
+
+// element i of the block as float32
+__device__ __forceinline__ float elem(const Raw& r, int i) {
+#if IN_F32
+  return __uint_as_float(word(r, i));
+#else
+  u32 w = word(r, i >> 1);
+  return __uint_as_float((i & 1) ? (w & 0xFFFF0000u) : (w << 16));
+#endif
+}
+
+// max |x| over the block as float32 bit patterns: raw (NaN/Inf included) and over the finite values (FIN;
+// without it fin = raw: a NaN/Inf there is refused by the caller afterwards)
+template <bool FIN>
+__device__ __forceinline__ void block_max_bits(const Raw& r, u32& raw, u32& fin) {
+#if IN_F32
+  raw = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) raw = max(raw, word(r, i) & 0x7FFFFFFFu);
+  fin = raw;
+  if (FIN && raw >= 0x7F800000u) {  // a NaN/Inf in the block (rare): the max over the others
+    fin = 0;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      u32 b = word(r, i) & 0x7FFFFFFFu;
+      fin = max(fin, b >= 0x7F800000u ? 0u : b);
+    }
+  }
+#else
+  u32 m = 0;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) m = __vmaxu2(m, word(r, w) & 0x7FFF7FFFu);  // |bf16| pairs as u16 halves
+  raw = max(m & 0xFFFFu, m >> 16) << 16;
+  fin = raw;
+  if (FIN && raw >= 0x7F800000u) {  // a NaN/Inf in the block (rare): the max over the others
+    u32 f = 0;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      u32 b = word(r, w) & 0x7FFF7FFFu;
+      f = __vmaxu2(f, b & __vcmpltu2(b, 0x7F807F80u));  // NaN/Inf halves -> 0
+    }
+    fin = max(f & 0xFFFFu, f >> 16) << 16;
+  }
+#endif
+}
+
+__device__ __forceinline__ float e4m3_round(float v) {  // v >= 0 -> nearest E4M3 of min(v, 448), ties even
+  v = fminf(v, 448.0f);
+  int b = __float_as_int(v);
+  float normal = __int_as_float((b + 0x7FFFF + ((b >> 20) & 1)) & -1048576);
+  float sub = __fmul_rn(__fadd_rn(__fadd_rn(__fmul_rn(v, 512.0f), 8388608.0f), -8388608.0f), 0.001953125f);
+  return v >= 0.015625f ? normal : sub;
+}
+
+__device__ __forceinline__ u32 e4m3_bits(float r) {  // an exact E4M3 value -> its bit pattern
+  int b = __float_as_int(r);
+  return r >= 0.015625f ? (u32)((((b >> 23) - 120) << 3) | ((b >> 20) & 7)) : (u32)(int)(r * 512.0f);
+}
+
+// a = min(|z|, 6) -> E2M1 code magnitude (0..7) + BIAS, round half to even; ev: its E2M1 value. The bias
+// is taken off once per packed word (code words are sums of nibbles << 4i, so BIAS * 0x11111111 in all).
+// One FADD rounds a at its binade's E2M1 step: M = 2^(e + 22) with e = max(exponent of a, 0) has ulp
+// 2^(e - 1) (0.5 below 2, 1 below 4, 2 above), so t = a + M is M + j ulp with j = rint(a / 2^(e - 1)) (RNE);
+// j is t's mantissa field and the code is j + 2e, t's exponent field (>> 22) giving 2e + BIAS (checked
+// against the reference on every float32 |z| < 7). ~10% faster on an H200 than the Triton kernels' form
+// (rint(a * mult), mult = 2, 1, 1/2 selected by two comparisons), which is ALU-bound.
+#define BIAS 298u
+__device__ __forceinline__ u32 e2m1_mag(float a, float& ev) {
+  u32 e = max(__float_as_uint(a) & 0x7F800000u, 0x3F800000u);
+  float m = __uint_as_float(e + (22u << 23));
+  float t = __fadd_rn(a, m);
+  u32 tb = __float_as_uint(t);
+  ev = __fadd_rn(t, -m);
+  return (tb & 0x7FFFFFu) + (tb >> 22);
+}
+
+// z (scaled) -> E2M1 code + BIAS with its sign bit (z < 0: -0.0 keeps code 0, a negative z that rounds to 0
+// gets 8); NONFINITE: NaN -> code 0. ev: the magnitude's E2M1 value (the 4/6 error is the same with |x| and
+// |value|: every step of ((value * s) * amax) / 1536 - x is symmetric under a sign flip of both).
+__device__ __forceinline__ u32 e2m1(float z, float& ev) {
+  u32 idx = e2m1_mag(fminf(fabsf(z), 6.0f), ev);
+#if NONFINITE
+  if (z != z) idx = BIAS;
+#endif
+  return idx + (z < 0.0f ? 8u : 0u);
+}
+
+__device__ __forceinline__ float div1536(float v) {  // fp32(v / 1536), exact for the amaxes that take it
+  const float c = 6.510416860692203e-04f;  // fp32(1/1536)
+  float q = __fmul_rn(v, c);
+  float r = __fmaf_rn(-q, 1536.0f, v);
+  return __fmaf_rn(r, c, q);
+}
+
+struct Scales {  // per tensor or per row
+  float enc;     // S_enc
+  float dec;     // S_dec (encoding only)
+  float g;       // stored decode-direction scale
+  float err;     // 4/6 error decode: amax (divided by 1536 after) or, SRC 3, g
+  bool fast;     // 4/6: the division-free x / 1536 is exact for this amax
+};
+
+__device__ __forceinline__ Scales scales_from(float v) {  // v: amax (SRC 0-2) or imposed g (SRC 3)
+  Scales s;
+#if SRC == 3
+  s.g = v; s.dec = v; s.enc = fminf(__frcp_rn(v), FLT_MAX_F); s.err = v; s.fast = true;
+#else
+  const float m = RULE46 ? 1536.0f : 2688.0f;
+  float enc = fminf(__fdiv_rn(m, v), FLT_MAX_F);
+  if (v == 0.0f || enc == 0.0f) enc = 1.0f;
+  s.enc = enc; s.dec = __frcp_rn(enc); s.g = __fdiv_rn(v, m); s.err = v;
+  s.fast = v >= 8.470329472543003e-22f && v <= 1.2676506002282294e30f;  // 2^-70 .. 2^100
+#endif
+  return s;
+}
+
+__device__ __forceinline__ float enc_for(float s, const Scales& sc) {  // min(1 / (s * S_dec), FLT_MAX)
+  return fminf(__frcp_rn(__fmul_rn(s, sc.dec)), FLT_MAX_F);
+}
+
+// the block's 16 codes for encode factor enc, packed (element i in nibble i)
+__device__ __forceinline__ uint2 codes_of(const Raw& r, float enc) {
+  u32 w0 = 0, w1 = 0;
+  float unused;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w0 += e2m1(__fmul_rn(elem(r, i), enc), unused) << (4 * i);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w1 += e2m1(__fmul_rn(elem(r, 8 + i), enc), unused) << (4 * i);
+  return make_uint2(w0 - BIAS * 0x11111111u, w1 - BIAS * 0x11111111u);
+}
+
+// one 4/6 candidate's error: the sum, left to right, of (decoded - x)^2 or |decoded - x| over the block,
+// decoded = ((value * s) * amax) / 1536 (SRC 3: (value * s) * g); the division division-free when FAST
+template <bool FAST>
+__device__ __forceinline__ float candidate_error(const Raw& r, float s, float enc, const Scales& sc) {
+  float err = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    float x = elem(r, i);
+    float ev;
+    e2m1_mag(fminf(fabsf(__fmul_rn(x, enc)), 6.0f), ev);
+    float v = __fmul_rn(ev, s);
+#if SRC == 3
+    float dq = __fmul_rn(v, sc.err);
+#else
+    float dq = FAST ? div1536(__fmul_rn(v, sc.err)) : __fdiv_rn(__fmul_rn(v, sc.err), 1536.0f);
+#endif
+    float d = __fadd_rn(dq, -fabsf(x));
+    float e = MAE ? fabsf(d) : __fmul_rn(d, d);
+    err = i == 0 ? e : __fadd_rn(err, e);
+  }
+  return err;
+}
+
+// both errors with IEEE division (amaxes outside 2^-70 .. 2^100: rare), out of line so that its registers
+// do not weigh on the common path
+__device__ __noinline__ void errors_ieee(const Raw r, float s6, float enc6, float s4, float enc4, const Scales sc,
+                                         float* e6, float* e4) {
+  *e6 = candidate_error<false>(r, s6, enc6, sc);
+  *e4 = candidate_error<false>(r, s4, enc4, sc);
+}
+
+// one block: codes (8 bytes) and the E4M3 scale bits. Rule 4/6: the error of each candidate, then the codes
+// of the winner only (its encode factor, so the same codes as the candidate's).
+__device__ __forceinline__ void quantize_block(const Raw& r, const Scales& sc, u32 fin_bits, uint2& codes,
+                                               u32& sbits) {
+  float bamax = __uint_as_float(fin_bits);
+#if RULE46
+  float base = __fmul_rn(__fdiv_rn(bamax, 6.0f), sc.enc);
+  float s6 = e4m3_round(base), s4 = e4m3_round(__fmul_rn(base, 1.5f));
+  float enc6 = enc_for(s6, sc), enc4 = enc_for(s4, sc);
+  float e6, e4;
+  if (sc.fast) {
+    e6 = candidate_error<true>(r, s6, enc6, sc);
+    e4 = candidate_error<true>(r, s4, enc4, sc);
+  } else {
+    errors_ieee(r, s6, enc6, s4, enc4, sc, &e6, &e4);
+  }
+  bool pick4 = e4 < e6;
+  codes = codes_of(r, pick4 ? enc4 : enc6);
+  sbits = e4m3_bits(pick4 ? s4 : s6);
+#else
+  float s = e4m3_round(__fmul_rn(bamax, __fmul_rn(sc.enc, ONE_SIXTH_F)));
+  codes = codes_of(r, enc_for(s, sc));
+  sbits = e4m3_bits(s);
+#endif
+}
+
+// per-tensor amax: parts[0] = max finite |x| bits, parts[1] = max raw |x| bits (>= 0x7F800000: NaN/Inf);
+// atomic max per CTA (exact, order-free; parts start at 0). n_blk: 16-element blocks.
+extern "C" __global__ void __launch_bounds__(256) nvfp4_amax(const void* __restrict__ x, int* __restrict__ parts,
+                                                             int n_blk) {
+  u32 raw = 0, fin = 0;
+  const int stride = gridDim.x * 256;
+  for (int b = blockIdx.x * 256 + threadIdx.x; b < n_blk; b += 2 * stride) {
+    Raw r0, r1;
+    load_block(x, b, r0);
+    bool two = b + stride < n_blk;
+    if (two) load_block(x, b + stride, r1);
+    u32 a, f;
+    block_max_bits<true>(r0, a, f);  // the tensor amax is over the finite values in every mode
+    raw = max(raw, a); fin = max(fin, f);
+    if (two) {
+      block_max_bits<true>(r1, a, f);
+      raw = max(raw, a); fin = max(fin, f);
+    }
+  }
+  raw = __reduce_max_sync(0xFFFFFFFFu, raw);
+  fin = __reduce_max_sync(0xFFFFFFFFu, fin);
+  __shared__ u32 sm[2][8];
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) { sm[0][warp] = raw; sm[1][warp] = fin; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < 8; ++i) { raw = max(raw, sm[0][i]); fin = max(fin, sm[1][i]); }
+    atomicMax(parts, (int)fin);
+    atomicMax(parts + 1, (int)raw);
+  }
+}
+
+#if SRC != 1
+// blocks of the flat tensor (a block never straddles a row: K % 16 == 0), grid-stride; SRC 0, 2, 3
+extern "C" __global__ void __launch_bounds__(256, MINB) nvfp4_quant_flat(
+    const void* __restrict__ x, uint2* __restrict__ d, unsigned char* __restrict__ sc_out, float* __restrict__ g_out,
+    const float* __restrict__ given, const int* __restrict__ parts, int n_blk, int nb_row) {
+#if !GIVEN_ROWS
+#if SRC == 0
+  const Scales sc = scales_from(__int_as_float(parts[0]));
+#else
+  const Scales sc = scales_from(given[0]);
+#endif
+  if (blockIdx.x == 0 && threadIdx.x == 0) g_out[0] = sc.g;
+#endif
+  for (int b = blockIdx.x * 256 + threadIdx.x; b < n_blk; b += gridDim.x * 256) {
+    Raw r;
+    load_block(x, b, r);
+#if GIVEN_ROWS
+    int row = b / nb_row;
+    const Scales sc = scales_from(given[row]);
+    if (b == row * nb_row) g_out[row] = sc.g;
+#endif
+    u32 raw, fin;
+    block_max_bits<NONFINITE>(r, raw, fin);
+    uint2 codes;
+    u32 sbits;
+    quantize_block(r, sc, fin, codes, sbits);
+    d[b] = codes;
+    sc_out[b] = (unsigned char)sbits;
+  }
+}
+
+#else
+// per-row scales in one pass (SRC 1): TPR threads per row (CTA / TPR rows per CTA), each holding BPT blocks
+// (thread t: blocks t, t + TPR, ...); the row max is a warp reduction (and, past 32 threads, shared memory).
+extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
+    const void* __restrict__ x, uint2* __restrict__ d, unsigned char* __restrict__ sc_out, float* __restrict__ g_out,
+    int* __restrict__ flag, int n_rows, int nb_row) {
+  const int t = threadIdx.x % TPR;
+  const int row = blockIdx.x * (CTA / TPR) + threadIdx.x / TPR;
+  const bool live = row < n_rows;
+  Raw r[BPT];
+  u32 raw = 0, fin = 0, braw[BPT], bfin[BPT];
+#pragma unroll
+  for (int j = 0; j < BPT; ++j) {
+    int col = t + j * TPR;
+    if (live && col < nb_row) load_block(x, (long long)row * nb_row + col, r[j]);
+  }
+#pragma unroll
+  for (int j = 0; j < BPT; ++j) {
+    int col = t + j * TPR;
+    braw[j] = 0; bfin[j] = 0;
+    if (live && col < nb_row) block_max_bits<NONFINITE>(r[j], braw[j], bfin[j]);
+    raw = max(raw, braw[j]); fin = max(fin, bfin[j]);
+  }
+#if TPR < 32
+  const u32 mask = ((1u << TPR) - 1u) << ((threadIdx.x & 31) & ~(TPR - 1));
+  raw = __reduce_max_sync(mask, raw);
+  fin = __reduce_max_sync(mask, fin);
+#else
+  raw = __reduce_max_sync(0xFFFFFFFFu, raw);
+  fin = __reduce_max_sync(0xFFFFFFFFu, fin);
+#if TPR > 32
+  __shared__ u32 sm[2][CTA / 32];
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) { sm[0][warp] = raw; sm[1][warp] = fin; }
+  __syncthreads();
+  const int w0 = (threadIdx.x / TPR) * (TPR / 32);
+#pragma unroll 4
+  for (int i = 0; i < TPR / 32; ++i) { raw = max(raw, sm[0][w0 + i]); fin = max(fin, sm[1][w0 + i]); }
+#endif
+#endif
+  if (!live) return;
+  const Scales sc = scales_from(__uint_as_float(fin));
+  if (t == 0) { g_out[row] = sc.g; flag[row] = (int)raw; }
+#pragma unroll
+  for (int j = 0; j < BPT; ++j) {
+    int col = t + j * TPR;
+    if (col < nb_row) {
+      uint2 codes;
+      u32 sbits;
+      quantize_block(r[j], sc, bfin[j], codes, sbits);
+      long long b = (long long)row * nb_row + col;
+      d[b] = codes;
+      sc_out[b] = (unsigned char)sbits;
+    }
+  }
+}
+#endif

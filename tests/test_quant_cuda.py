@@ -1,0 +1,200 @@
+"""The CUDA quantize kernels (fp4rl/kernels/quantize/quant.cu): byte-identical to the reference in every
+mode they take, on the GPU; on CPU, their launch plan and the fallback to the Triton kernels when they fail.
+
+The E2M1 rounding they use (one FADD at the binade's step, the code read off the sum's bits) is checked
+here on CPU against the reference too, in numpy float32 (the same IEEE operations as the kernel's)."""
+
+import numpy as np
+import pytest
+import torch
+
+from fp4rl.kernels import quantize as kq
+from fp4rl.kernels.quantize import cuda as qc
+from fp4rl.nvfp4 import reference
+from fp4rl.nvfp4.format import round_to_e2m1
+
+
+def _e2m1_cuda(z):
+    """quant.cu's e2m1 in numpy float32: code with sign bit, and the magnitude's E2M1 value."""
+    a = np.minimum(np.abs(z), np.float32(6))
+    e = np.maximum(a.view(np.uint32) & np.uint32(0x7F800000), np.uint32(0x3F800000))
+    m = (e + np.uint32(22 << 23)).view(np.float32)
+    t = (a + m).astype(np.float32)
+    tb = t.view(np.uint32)
+    code = (tb & np.uint32(0x7FFFFF)) + (tb >> np.uint32(22)) - np.uint32(298)
+    return code | ((z < 0).astype(np.uint32) << 3), (t - m).astype(np.float32)
+
+
+def test_e2m1_rounding_matches_reference():
+    """Every tie and binade edge of the grid, their float32 neighbours, -0.0, saturation, and 2^20 random
+    values from 2^-30 to 8."""
+    grid = np.array([0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 1e30], np.float32)
+    near = np.concatenate([np.nextafter(grid, np.float32(-1)), grid, np.nextafter(grid, np.float32(9))])
+    rng = np.random.default_rng(0)
+    rnd = np.exp2(rng.uniform(-30, 3, 1 << 20)).astype(np.float32)
+    z = np.concatenate([near, rnd, [np.float32(1e-45)]]).astype(np.float32)
+    z = np.concatenate([z, -z])
+    code, val = _e2m1_cuda(z)
+    want = round_to_e2m1(torch.from_numpy(z.copy())).numpy().astype(np.uint32)
+    assert np.array_equal(code, want)
+    values = np.array([0, .5, 1, 1.5, 2, 3, 4, 6], np.float32)
+    assert np.array_equal(val, values[want & 7])
+    assert code[np.flatnonzero(z == 0)].max() == 0  # -0.0 -> code 0; -tiny -> 8
+    assert code[-1] == 8
+
+
+@pytest.mark.parametrize("nb_row,want", [(1, (1, 1, 256)), (8, (1, 8, 256)), (256, (1, 256, 256)),
+                                         (257, (1, 512, 512)), (896, (2, 512, 512)), (4096, (8, 512, 512))])
+def test_rows_plan(nb_row, want):
+    bpt, tpr, cta = qc.rows_plan(nb_row)
+    assert (bpt, tpr, cta) == want and bpt * tpr >= nb_row and cta % tpr == 0
+    with pytest.raises(ValueError, match="1..4096"):
+        qc.rows_plan(4097)
+    assert qc.rows_plan(256, 4) == (4, 64, 256) and qc.rows_plan(896, 2) == (2, 512, 512)
+    assert qc.rows_plan(3, 8) == (8, 1, 256)
+
+
+def test_source_defines_every_macro():
+    """The kernels' compile-time switches all come from _defs (a missing one would be a silent 0)."""
+    src = qc.source(dict(qc._defs(torch.zeros(1, dtype=torch.bfloat16), True, True, True, 1, False, BPT=2,
+                                  TPR=64, CTA=256, MINB=1)))
+    for name in ("RULE46", "MAE", "NONFINITE", "SRC", "GIVEN_ROWS", "IN_F32", "BPT", "TPR", "CTA", "MINB"):
+        assert f"#define {name} " in src
+        assert name in qc._SOURCE.read_text()
+
+
+def test_failure_falls_back_to_triton(monkeypatch):
+    """NVRTC or the launch failing: a warning, the kernels switched off, and the Triton bytes."""
+    monkeypatch.setitem(qc.STATE, "on", True)
+    monkeypatch.setitem(qc.STATE, "error", None)
+    monkeypatch.setattr(qc, "usable", lambda x: qc.STATE["on"])
+    monkeypatch.setitem(qc.ROWS_BPT, "6", 1)  # no device query before the launch
+
+    def broken(*a, **k):
+        raise RuntimeError("nvrtc: no such architecture")
+
+    monkeypatch.setattr(qc, "_launch", broken)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = (torch.randn(8, 64) * torch.logspace(-2, 2, 64)).to(dev)
+    with pytest.warns(UserWarning, match="CUDA quantize kernels disabled"):
+        d, s, g = kq.quantize_2d(x, per_row=True)
+    assert qc.STATE["on"] is False and "no such architecture" in qc.STATE["error"]
+    q = reference.quantize(x, scale_scope="row")
+    assert torch.equal(d, q.data) and torch.equal(s.view(torch.uint8), q.block_scale.view(torch.uint8))
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+
+def _x(shape, dtype, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    r, k = shape
+    if kind == "wide":
+        x = torch.randn(shape, generator=g) * torch.logspace(-6, 6, k)[torch.randperm(k, generator=g)]
+    elif kind == "grid":  # E2M1 grid points and midpoints times powers of two: ties everywhere
+        v = torch.arange(-48, 49, dtype=torch.float32) * 0.125
+        x = v[torch.randint(0, v.numel(), shape, generator=g)] * 2.0 ** torch.randint(-3, 4, (r, 1), generator=g)
+    elif kind == "rows":  # rows over 60 decades: tiny and huge amaxes (the IEEE division of 4/6)
+        x = torch.randn(shape, generator=g) * torch.logspace(-28, 32, r)[:, None]
+    x = x.to(dtype)
+    x[0, :16] = 0.0  # an all-zero block
+    x[1 % r, 16 % k:32 % k or k] = -0.0
+    return x.cuda()
+
+
+def _check(x, **kw):
+    d, s, g = kq.quantize_2d(x, check_finite=False, **kw)
+    ref_kw = dict(scale_rule=kw.get("scale_rule", "6"), err=kw.get("err", "mse"),
+                  scale_scope="row" if kw.get("per_row") else "tensor",
+                  allow_nonfinite=kw.get("allow_nonfinite", False))
+    for name in ("amax", "global_scale"):
+        if name in kw:
+            ref_kw[name] = kw[name].reshape(-1, 1) if kw.get("per_row") else kw[name]
+    q = reference.quantize(x, **ref_kw)
+    assert torch.equal(d, q.data), f"{(d != q.data).sum().item()} code bytes differ ({kw})"
+    assert torch.equal(s.view(torch.uint8), q.block_scale.view(torch.uint8)), f"block scales differ ({kw})"
+    assert torch.equal(g.reshape(-1), q.global_scale.reshape(-1).to(g.device)), f"global scales differ ({kw})"
+
+
+@pytest.mark.parametrize("rule,err", [("6", "mse"), ("4/6", "mse"), ("4/6", "mae")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cuda_matches_reference(monkeypatch, rule, err, dtype):
+    monkeypatch.setitem(qc.STATE, "on", True)
+    for shape in [(1, 16), (3, 48), (37, 4096), (5, 4112), (2, 14336), (3, 65536), (300, 128)]:
+        for kind in ("wide", "grid", "rows"):
+            x = _x(shape, dtype, kind, seed=shape[0] + shape[1])
+            assert qc.usable(x)
+            for per_row in (False, True):
+                _check(x, scale_rule=rule, err=err, per_row=per_row)
+            amax = x.float().abs().amax(dim=1) * 0.75  # values beyond saturate
+            _check(x, scale_rule=rule, err=err, per_row=True, amax=amax)
+            _check(x, scale_rule=rule, err=err, amax=amax.max().reshape(()))
+            gsc = (x.float().abs().amax(dim=1) / 2688.0).clamp(min=1e-30)
+            _check(x, scale_rule=rule, err=err, per_row=True, global_scale=gsc)
+            _check(x, scale_rule=rule, err=err, global_scale=gsc.max().reshape(()))
+    assert qc.STATE["on"] and qc.STATE["error"] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cuda_nonfinite():
+    for dtype in (torch.bfloat16, torch.float32):
+        x = _x((64, 256), dtype, "wide", seed=3)
+        x[3, 5], x[7, 1], x[9, 30] = float("nan"), float("inf"), -float("inf")
+        x[11, 32:48] = float("nan")
+        for rule in ("6", "4/6"):
+            for per_row in (False, True):
+                _check(x, scale_rule=rule, per_row=per_row, allow_nonfinite=True)
+                with pytest.raises(ValueError, match="NaN or Inf"):
+                    kq.quantize_2d(x, scale_rule=rule, per_row=per_row)
+    assert qc.STATE["error"] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cuda_graph_and_misaligned():
+    """Captured in a CUDA graph (no host sync inside), replayed on new data; a misaligned view and float16
+    take the Triton kernels with the same bytes."""
+    x = _x((64, 512), torch.bfloat16, "wide", seed=5)
+    static = x.clone()
+    out = {}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kq.quantize_2d(static, per_row=True, check_finite=False)  # compile outside the capture
+        kq.quantize_2d(static, check_finite=False)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out["row"] = kq.quantize_2d(static, per_row=True, check_finite=False)
+        out["tensor"] = kq.quantize_2d(static, check_finite=False)
+    y = _x((64, 512), torch.bfloat16, "grid", seed=6)
+    static.copy_(y)
+    graph.replay()
+    torch.cuda.synchronize()
+    for key, scope in (("row", "row"), ("tensor", "tensor")):
+        q = reference.quantize(y, scale_scope=scope)
+        assert torch.equal(out[key][0], q.data)
+        assert torch.equal(out[key][1].view(torch.uint8), q.block_scale.view(torch.uint8))
+    flat = _x((1, 4096 + 8), torch.bfloat16, "wide", seed=7).reshape(-1)[4:4100].reshape(4, 1024)
+    assert not qc.usable(flat)
+    _check(flat, per_row=True)
+    half = (flat.float() / flat.float().abs().amax()).half()  # float16 range
+    assert not qc.usable(half)
+    _check(half, per_row=True)
+
+
+@pytest.mark.parametrize("bpt", [2, 4])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cuda_rows_blocks_per_thread(monkeypatch, bpt):
+    """The row kernel with several blocks per thread (fewer threads per row, idle tails)."""
+    monkeypatch.setattr(qc, "ROWS_BPT", {"6": bpt, "4/6": bpt})
+    for dtype in (torch.bfloat16, torch.float32):
+        for shape in [(3, 16), (5, 112), (37, 4096), (4, 14336), (2, 65536)]:
+            x = _x(shape, dtype, "wide", seed=shape[1])
+            for rule in ("6", "4/6"):
+                _check(x, scale_rule=rule, per_row=True)
+            x[1 % shape[0], 3] = float("inf")
+            _check(x, scale_rule="4/6", per_row=True, allow_nonfinite=True)
