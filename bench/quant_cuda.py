@@ -1,8 +1,9 @@
 """Device benchmark of the CUDA quantize kernels (fp4rl/kernels/quantize/quant.cu), seventh session.
 
 For each shape and mode, in one run: the CUDA kernels (per-row modes also with 1, 2 and 4 blocks per thread in
-the row kernel; "cuda" is the default choice) and the Triton kernels (CUDA off); bytes checked against the reference on the first 4096 rows for each; effective TB/s = (bytes
-read once + written) / time, as in RESULTS. The per-tensor modes also report the amax pass alone.
+the row kernel; "cuda" is the default choice) and the Triton kernels (CUDA off); bytes checked against the
+reference on the first 4096 rows for each; effective TB/s = (bytes read once + written) / time, as in RESULTS.
+The per-tensor modes also report the amax pass alone.
 Timing: fp4rl.benchmarks.gpu_kernels.time_calls (CUDA-graph replay, operands rotated through >= 4x L2,
 median of 7). Usage (device): python3 bench/quant_cuda.py --out $OUT/quant_cuda.json
 """
@@ -46,7 +47,8 @@ def main():
     out = {"env": _env(), "copy": bw, "rows": []}
     modes = [m for m in MODES if m[0] in args.modes.split(",")]
     variants = [v for v in VARIANTS if v[0] in args.variants.split(",")]
-    print("| shape | mode | " + " | ".join(f"{v[0]} us (TB/s)" for v in variants) + " | floor us | bytes = ref |")
+    heads = " | ".join(f"{v[0]} us (TB/s)" for v in variants)
+    print(f"| shape | mode | {heads} | floor us | bytes = ref |")
     print("|---" * (len(variants) + 4) + "|")
     for shape in args.shapes.split(","):
         r, k = (int(v) for v in shape.split("x"))
@@ -69,14 +71,16 @@ def main():
                 q = reference.quantize(x[:4096], **ref_kw)
                 ok = bool(torch.equal(d, q.data) and torch.equal(g.reshape(-1), q.global_scale.reshape(-1))
                           and torch.equal(s.view(torch.uint8), q.block_scale.view(torch.uint8)))
-                us = time_calls([lambda xi=xi: quantize_2d(xi, check_finite=False, **kw) for xi in xs], min_calls=6)
+                us = time_calls([lambda xi=xi, kw=kw: quantize_2d(xi, check_finite=False, **kw) for xi in xs],
+                                min_calls=6)
                 row[vname] = {"us": us, "tb_s": moved / us / 1e6, "byte_exact": ok}
                 exact.append(ok)
             qc.STATE["on"] = True
             qc.ROWS_BPT = dict(ROWS_BPT0)
             if name.startswith("tensor") and len(variants):
                 row["amax_cuda_us"] = time_calls([lambda xi=xi: qc.amax_parts(xi) for xi in xs], min_calls=6)
-                row["amax_triton_us"] = time_calls([lambda xi=xi: amax_partials(xi) for xi in xs], min_calls=6)
+                row["amax_triton_us"] = time_calls([lambda xi=xi: amax_partials(xi) for xi in xs],
+                                                   min_calls=6)
             out["rows"].append(row)
             cells = " | ".join(f"{row[v[0]]['us']:.1f} ({row[v[0]]['tb_s']:.2f})" if v[0] in row else "-"
                                for v in variants)
@@ -85,7 +89,8 @@ def main():
         torch.cuda.empty_cache()
     amax_rows = [r for r in out["rows"] if "amax_cuda_us" in r]
     for r in amax_rows:
-        print(f"amax pass {r['shape']} {r['mode']}: cuda {r['amax_cuda_us']:.1f} us, triton {r['amax_triton_us']:.1f} us")
+        print(f"amax pass {r['shape']} {r['mode']}: cuda {r['amax_cuda_us']:.1f} us, "
+              f"triton {r['amax_triton_us']:.1f} us")
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(out, fh, indent=1, default=str)

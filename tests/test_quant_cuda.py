@@ -92,7 +92,8 @@ def _x(shape, dtype, kind, seed):
         x = torch.randn(shape, generator=g) * torch.logspace(-6, 6, k)[torch.randperm(k, generator=g)]
     elif kind == "grid":  # E2M1 grid points and midpoints times powers of two: ties everywhere
         v = torch.arange(-48, 49, dtype=torch.float32) * 0.125
-        x = v[torch.randint(0, v.numel(), shape, generator=g)] * 2.0 ** torch.randint(-3, 4, (r, 1), generator=g)
+        x = v[torch.randint(0, v.numel(), shape, generator=g)]
+        x = x * 2.0 ** torch.randint(-3, 4, (r, 1), generator=g)
     elif kind == "rows":  # rows over 60 decades: tiny and huge amaxes (the IEEE division of 4/6)
         x = torch.randn(shape, generator=g) * torch.logspace(-28, 32, r)[:, None]
     x = x.to(dtype)

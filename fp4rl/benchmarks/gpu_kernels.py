@@ -155,7 +155,7 @@ def bench_quantize(bw: float) -> list[dict]:
     from fp4rl.kernels.quantize import quantize_2d
     from fp4rl.nvfp4 import reference
 
-    rows, k = 32768, 4096  # 256 MiB of bf16 input (up to the sixth session this was float32 by type promotion)
+    rows, k = 32768, 4096  # 256 MiB of bf16 (up to the sixth session float32, by type promotion)
     x = (torch.randn(rows, k, device="cuda") * torch.logspace(-2, 2, k, device="cuda")).bfloat16()
     xs = [x] + [x.roll(i, 0) for i in range(1, 2)]
     modes = [
@@ -179,7 +179,7 @@ def bench_quantize(bw: float) -> list[dict]:
         for prefix, cuda_on in paths:
             qcuda.STATE["on"] = cuda_on
             try:
-                if ref_kw is not None:  # byte equality on 4096 rows (the reference is slow on the full tensor)
+                if ref_kw is not None:  # bytes vs the reference on 4096 rows (slow on the full tensor)
                     d, s, g = quantize_2d(x[:4096], check_finite=False, **kw)
                     q = reference.quantize(x[:4096], **ref_kw)
                     row[prefix + "byte_exact"] = bool(
@@ -507,7 +507,8 @@ def run(args):
                 json.dump(out, fh, indent=1, default=str)
     if isinstance(out.get("quantize"), list):
         _print_table("quantize (32768 x 4096 bf16)", out["quantize"], [
-            ("mode", lambda r: r["mode"]), ("path", lambda r: r.get("path", "")), ("us", lambda r: f1(r["us"])),
+            ("mode", lambda r: r["mode"]), ("path", lambda r: r.get("path", "")),
+            ("us", lambda r: f1(r["us"])),
             ("TB/s", lambda r: f2(r["tb_s"])),
             ("Triton us", lambda r: f1(r["triton_us"]) if "triton_us" in r else "-"),
             ("floor us", lambda r: f1(r["floor_us"])),

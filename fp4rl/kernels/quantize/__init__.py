@@ -26,9 +26,10 @@ Modules, one kernel family each (this package re-exports all their names):
 Two launches for a per-tensor scale (the amax pass, then the quantize pass), one for per-row
 scales (the kernel takes the row amax itself). On CUDA the CUDA C++ kernels take every 1x16
 round-to-nearest mode of bfloat16 and float32 input (2-3x fewer instructions per element than
-the Triton ones; if they fail to build they switch off and the Triton kernels take over). The module-level switches ``BLOCKS``,
-``GLUON_BLOCKS`` and ``ROWS_MAX_BLOCKS`` (benchmarks flip them) live here, next to the code that
-reads them. Stochastic rounding is unbiased, not byte-equal to torch's generator.
+the Triton ones; if they fail to build they switch off and the Triton kernels take over).
+The module-level switches ``BLOCKS``, ``GLUON_BLOCKS`` and ``ROWS_MAX_BLOCKS`` (benchmarks flip
+them) live here, next to the code that reads them. Stochastic rounding is unbiased, not
+byte-equal to torch's generator.
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ def _launch_cuda(x, data, scale, g, given, flag, src, per_row_given, rule46, err
     they failed here (they are then switched off and the caller takes the Triton kernels)."""
     try:
         parts = _cuda.amax_parts(x) if src == 0 else None
-        _cuda.quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, err == "mae", allow_nf)
+        _cuda.quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, err == "mae",
+                       allow_nf)
     except Exception as exc:  # noqa: BLE001  (NVRTC or the launch failed: the Triton kernels take over)
         _cuda.disable(exc)
         return False, None
@@ -225,7 +227,8 @@ def quantize_2d(
     rule46 = scale_rule == "4/6"
     done = False
     if _cuda.usable(x) and not tile16 and not stochastic and (src != 1 or k // 16 <= _cuda.ROWS_MAX_BLOCKS):
-        done, parts = _launch_cuda(x, data, scale, g, given, flag, src, per_row_given, rule46, err, allow_nonfinite)
+        done, parts = _launch_cuda(x, data, scale, g, given, flag, src, per_row_given, rule46, err,
+                                   allow_nonfinite)
     if not done:
         if src == 0:
             parts, n_part = amax_partials(x)

@@ -33,8 +33,8 @@ _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 # blocks per thread of the row kernel (at least), per scale rule: None picks by size (`rows_bpt`); benchmarks
 # set numbers
 ROWS_BPT = {"6": None, "4/6": None}
-# CTAs of 256 threads per SM that the registers must allow, per (rule 4/6, blocks per thread): no spills on the
-# common path (ptxas, sm_90): rule 6 fits 32 / 40 / 64 registers at 1 / 2 / 4 blocks, 4/6 64 / 80
+# CTAs of 256 threads per SM that the registers must allow, per (rule 4/6, blocks per thread): no spills on
+# the common path (ptxas, sm_90): rule 6 fits 32 / 40 / 64 registers at 1 / 2 / 4 blocks, 4/6 64 / 80
 _MIN_BLOCKS = {(False, 1): 8, (False, 2): 6, (False, 4): 4, (True, 1): 4, (True, 2): 3}
 
 
@@ -103,7 +103,8 @@ def _launch(name, key, x, grid, block, args):
 
 def disable(exc: Exception) -> None:
     STATE["on"], STATE["error"] = False, repr(exc)[:300]
-    warnings.warn(f"CUDA quantize kernels disabled ({STATE['error']}); using the Triton kernels", stacklevel=3)
+    warnings.warn(f"CUDA quantize kernels disabled ({STATE['error']}); using the Triton kernels",
+                  stacklevel=3)
 
 
 def amax_parts(x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +128,8 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
         return
     if src == 1:
         bpt, tpr, cta = rows_plan(nb_row, ROWS_BPT["4/6" if rule46 else "6"] or rows_bpt(n_blk, x.device))
-        minb = _MIN_BLOCKS.get((rule46, bpt), 1) if cta == 256 and (bpt == 1 or x.dtype != torch.float32) else 1
+        tight = cta == 256 and (bpt == 1 or x.dtype != torch.float32)  # float32 blocks: twice the registers
+        minb = _MIN_BLOCKS.get((rule46, bpt), 1) if tight else 1
         key = _defs(x, rule46, mae, allow_nf, 1, BPT=bpt, TPR=tpr, CTA=cta, MINB=minb)
         rows_per_cta = cta // tpr
         _launch("nvfp4_quant_rows", key, x, (-(-r // rows_per_cta), 1, 1), (cta, 1, 1),
