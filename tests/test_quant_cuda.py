@@ -199,3 +199,27 @@ def test_gpu_cuda_rows_blocks_per_thread(monkeypatch, bpt):
                 _check(x, scale_rule=rule, per_row=True)
             x[1 % shape[0], 3] = float("inf")
             _check(x, scale_rule="4/6", per_row=True, allow_nonfinite=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cuda_nonfinite_unchecked_matches_triton(monkeypatch):
+    """Without allow_nonfinite and without the check (the engine's setting) the bytes of blocks with NaN/Inf
+    are the Triton kernels' (which the fused decode kernels reproduce): amaxes over the finite values, block
+    maxima over the non-NaN ones (NaN when all 16 are NaN)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        x = _x((48, 256), dtype, "wide", seed=9)
+        x[1, 5], x[2, 20], x[3, 40] = float("nan"), float("inf"), -float("inf")
+        x[4, 48:64] = float("nan")  # an all-NaN block
+        x[5, 64:80] = float("inf")
+        x[6] = float("nan")  # an all-NaN row
+        for rule in ("6", "4/6"):
+            for per_row in (False, True):
+                kw = dict(scale_rule=rule, per_row=per_row, check_finite=False)
+                monkeypatch.setitem(qc.STATE, "on", True)
+                got = kq.quantize_2d(x, **kw)
+                monkeypatch.setitem(qc.STATE, "on", False)
+                want = kq.quantize_2d(x, **kw)
+                assert torch.equal(got[0], want[0]), (dtype, rule, per_row)
+                assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)), (rule, per_row)
+                assert torch.equal(got[2], want[2])

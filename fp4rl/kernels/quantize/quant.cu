@@ -63,37 +63,48 @@ __device__ __forceinline__ float elem(const Raw& r, int i) {
 #endif
 }
 
-// max |x| over the block as float32 bit patterns: raw (NaN/Inf included) and over the finite values (FIN;
-// without it fin = raw: a NaN/Inf there is refused by the caller afterwards)
-template <bool FIN>
-__device__ __forceinline__ void block_max_bits(const Raw& r, u32& raw, u32& fin) {
+// max |x| over the block as float32 bit patterns: raw (NaN/Inf included), fin (the finite values: the row and
+// tensor amaxes, in every mode) and bmax (the block scale's max: fin with NONFINITE; without it, as the Triton
+// kernels and the fused decode kernels take it, the max over the non-NaN values, Inf included, and NaN when
+// all 16 are NaN: those bytes are refused by the caller's check but the engine quantizes without one, and the
+// fused and unfused paths must agree). The NaN/Inf cases take a branch that ordinary blocks skip.
+__device__ __forceinline__ void block_max_bits(const Raw& r, u32& raw, u32& fin, u32& bmax) {
 #if IN_F32
   raw = 0;
 #pragma unroll
   for (int i = 0; i < 16; ++i) raw = max(raw, word(r, i) & 0x7FFFFFFFu);
-  fin = raw;
-  if (FIN && raw >= 0x7F800000u) {  // a NaN/Inf in the block (rare): the max over the others
-    fin = 0;
+  fin = bmax = raw;
+  if (raw >= 0x7F800000u) {
+    u32 f = 0, nn = 0;
+    bool any = false;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       u32 b = word(r, i) & 0x7FFFFFFFu;
-      fin = max(fin, b >= 0x7F800000u ? 0u : b);
+      f = max(f, b >= 0x7F800000u ? 0u : b);
+      nn = max(nn, b > 0x7F800000u ? 0u : b);
+      any |= b <= 0x7F800000u;
     }
+    fin = f;
+    bmax = NONFINITE ? f : (any ? nn : 0x7FC00000u);
   }
 #else
   u32 m = 0;
 #pragma unroll
   for (int w = 0; w < 8; ++w) m = __vmaxu2(m, word(r, w) & 0x7FFF7FFFu);  // |bf16| pairs as u16 halves
   raw = max(m & 0xFFFFu, m >> 16) << 16;
-  fin = raw;
-  if (FIN && raw >= 0x7F800000u) {  // a NaN/Inf in the block (rare): the max over the others
-    u32 f = 0;
+  fin = bmax = raw;
+  if (raw >= 0x7F800000u) {
+    u32 f = 0, nn = 0, any = 0;
 #pragma unroll
     for (int w = 0; w < 8; ++w) {
       u32 b = word(r, w) & 0x7FFF7FFFu;
       f = __vmaxu2(f, b & __vcmpltu2(b, 0x7F807F80u));  // NaN/Inf halves -> 0
+      u32 keep = __vcmpltu2(b, 0x7F817F81u);            // non-NaN halves
+      nn = __vmaxu2(nn, b & keep);
+      any |= keep;
     }
     fin = max(f & 0xFFFFu, f >> 16) << 16;
+    bmax = NONFINITE ? fin : (any ? max(nn & 0xFFFFu, nn >> 16) << 16 : 0x7FC00000u);
   }
 #endif
 }
@@ -216,9 +227,9 @@ __device__ __noinline__ void errors_ieee(const Raw r, float s6, float enc6, floa
 
 // one block: codes (8 bytes) and the E4M3 scale bits. Rule 4/6: the error of each candidate, then the codes
 // of the winner only (its encode factor, so the same codes as the candidate's).
-__device__ __forceinline__ void quantize_block(const Raw& r, const Scales& sc, u32 fin_bits, uint2& codes,
+__device__ __forceinline__ void quantize_block(const Raw& r, const Scales& sc, u32 bmax_bits, uint2& codes,
                                                u32& sbits) {
-  float bamax = __uint_as_float(fin_bits);
+  float bamax = __uint_as_float(bmax_bits);
 #if RULE46
   float base = __fmul_rn(__fdiv_rn(bamax, 6.0f), sc.enc);
   float s6 = e4m3_round(base), s4 = e4m3_round(__fmul_rn(base, 1.5f));
@@ -251,11 +262,11 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4_amax(const void* __restr
     load_block(x, b, r0);
     bool two = b + stride < n_blk;
     if (two) load_block(x, b + stride, r1);
-    u32 a, f;
-    block_max_bits<true>(r0, a, f);  // the tensor amax is over the finite values in every mode
+    u32 a, f, unused;
+    block_max_bits(r0, a, f, unused);  // the tensor amax is over the finite values in every mode
     raw = max(raw, a); fin = max(fin, f);
     if (two) {
-      block_max_bits<true>(r1, a, f);
+      block_max_bits(r1, a, f, unused);
       raw = max(raw, a); fin = max(fin, f);
     }
   }
@@ -293,11 +304,11 @@ extern "C" __global__ void __launch_bounds__(256, MINB) nvfp4_quant_flat(
     const Scales sc = scales_from(given[row]);
     if (b == row * nb_row) g_out[row] = sc.g;
 #endif
-    u32 raw, fin;
-    block_max_bits<NONFINITE>(r, raw, fin);
+    u32 raw, fin, bmax;
+    block_max_bits(r, raw, fin, bmax);
     uint2 codes;
     u32 sbits;
-    quantize_block(r, sc, fin, codes, sbits);
+    quantize_block(r, sc, bmax, codes, sbits);
     d[b] = codes;
     sc_out[b] = (unsigned char)sbits;
   }
@@ -313,7 +324,7 @@ extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
   const int row = blockIdx.x * (CTA / TPR) + threadIdx.x / TPR;
   const bool live = row < n_rows;
   Raw r[BPT];
-  u32 raw = 0, fin = 0, braw[BPT], bfin[BPT];
+  u32 raw = 0, fin = 0, bmax[BPT];
 #pragma unroll
   for (int j = 0; j < BPT; ++j) {
     int col = t + j * TPR;
@@ -322,9 +333,10 @@ extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
 #pragma unroll
   for (int j = 0; j < BPT; ++j) {
     int col = t + j * TPR;
-    braw[j] = 0; bfin[j] = 0;
-    if (live && col < nb_row) block_max_bits<NONFINITE>(r[j], braw[j], bfin[j]);
-    raw = max(raw, braw[j]); fin = max(fin, bfin[j]);
+    u32 braw = 0, bfin = 0;
+    bmax[j] = 0;
+    if (live && col < nb_row) block_max_bits(r[j], braw, bfin, bmax[j]);
+    raw = max(raw, braw); fin = max(fin, bfin);
   }
 #if TPR < 32
   const u32 mask = ((1u << TPR) - 1u) << ((threadIdx.x & 31) & ~(TPR - 1));
@@ -352,7 +364,7 @@ extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
     if (col < nb_row) {
       uint2 codes;
       u32 sbits;
-      quantize_block(r[j], sc, bfin[j], codes, sbits);
+      quantize_block(r[j], sc, bmax[j], codes, sbits);
       long long b = (long long)row * nb_row + col;
       d[b] = codes;
       sc_out[b] = (unsigned char)sbits;
