@@ -43,14 +43,7 @@ from fp4rl.kernels.attention.gluon_ptx import _ATTN_ASM, _ATTN_CON, _ATTN_MSK, _
 from fp4rl.kernels.attention.triton_decode import _decode_attn_kernel
 
 if gluon is not None:
-    from fp4rl.kernels.attention.gluon_decode import (  # noqa: F401
-        _ax,
-        _decode_attn_fp4_gluon,
-        _merge,
-        _prefetch,
-        _step,
-        _step_loads,
-    )
+    from fp4rl.kernels.attention.gluon_decode import _ax, _decode_attn_fp4_gluon, _merge  # noqa: F401
 
 
 class _Workspace:

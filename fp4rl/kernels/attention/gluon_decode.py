@@ -25,8 +25,8 @@ try:  # Gluon (Triton's explicit-layout dialect) is experimental: its API moves 
 except Exception:  # noqa: BLE001
     gluon = gl = None
 
-
 if gluon is not None:
+    from fp4rl.kernels.attention.gluon_stream import _stream
 
     @gluon.jit
     def _ax(n: gl.constexpr, dim: gl.constexpr, L5: gl.constexpr):
@@ -49,42 +49,6 @@ if gluon is not None:
             x = gl.arange(0, n, layout=S0)
             x = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(x, 0), 0), 0), 0)
         return x
-
-
-    @gluon.jit
-    def _step_loads(kw_base, vw_base, ks_base, vs_base, kg_base, vg_base, tb, t_hi,
-                    kw_off, vw_off, ks_off, vs_off, tk_k, tk_v, stride_kt, stride_vt,
-                    stride_kst, stride_vst, kqs, big):
-        """The operands of one 16-token step of each warp (tb [R, 1, 1, 1, 1]: its first token)."""
-        tk = tb + tk_k  # [R, 1, 2, 1, 1]: tokens g, 8 + g (K rows this lane loads, its scores)
-        tv = tb + tk_v  # [R, 4, 2, 2, 1]: tokens 2c + e3 + 8 e2 (V rows this lane loads)
-        mk = tk < t_hi
-        mv = tv < t_hi
-        kw = gl.load(kw_base + tk * stride_kt + kw_off, mask=mk, other=0)
-        vw = gl.load(vw_base + tv * stride_vt + vw_off, mask=mv, other=0)
-        ks = gl.load(ks_base + tk * stride_kst + ks_off, mask=mk, other=0)
-        vs = gl.load(vs_base + tv * stride_vst + vs_off, mask=mv, other=0)
-        kq = gl.load(kg_base + tk, mask=mk, other=0.0) * kqs
-        vg = gl.load(vg_base + tk, mask=mk, other=0.0)
-        bias = gl.where(mk, 0.0, float("-inf"))
-        return (kw, vw, gl.broadcast(ks.to(gl.int32), big)[0], gl.broadcast(vs.to(gl.int32), big)[0],
-                gl.broadcast(kq, big)[0], gl.broadcast(bias, big)[0], gl.broadcast(vg, big)[0])
-
-
-    @gluon.jit
-    def _prefetch(addr, pred):
-        """prefetch.global.L2 of one line per thread (addr int64, pred: whether to)."""
-        gl.inline_asm_elementwise("{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p prefetch.global.L2 [$1];\n"
-                                  "mov.b32 $0, 0;\n}\n", "=r,l,r", [addr, pred.to(gl.int32)],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-
-
-    @gluon.jit
-    def _step(ASM: gl.constexpr, CON: gl.constexpr, kw, vw, ks, vs, kq, bias, vg, qa, qb, st,
-              acc0, acc1, acc2, acc3):
-        return gl.inline_asm_elementwise(
-            ASM, CON, [kw, vw, ks, vs, kq, bias, vg, qa, qb, st, acc0, acc1, acc2, acc3],
-            dtype=(gl.float32, gl.float32, gl.float32, gl.float32, gl.float32), is_pure=False, pack=8)
 
 
     @gluon.jit
@@ -156,12 +120,6 @@ if gluon is not None:
         vs_base = vs_ptr + b.to(gl.int64) * stride_vsb + hk.to(gl.int64) * stride_vsh
         kg_base = kg_ptr + b.to(gl.int64) * stride_kgb + hk.to(gl.int64) * stride_kgh
         vg_base = vg_ptr + b.to(gl.int64) * stride_vgb + hk.to(gl.int64) * stride_vgh
-        tk_k = g5 + 8 * e2  # [R, 1, 2, 1, 1]
-        tk_v = 2 * c5 + e3 + 8 * e2 + 0 * g5  # [R, 4, 2, 2, 1]
-        kw_off = 4 * c5 + 2 * e3 + e1  # words 4c .. 4c+3
-        vw_off = 2 * g5 + e1  # words 2g, 2g+1 (block g)
-        ks_off = c5  # scale bytes 2c, 2c+1 of the token, one int16
-        vs_off = g5
 
         # state per lane (queries 2c + e1): m at (e2, e3) = (0, 0), l at (0, 1) and (1, 1), M at (1, 0)
         st = gl.where(e2 == e3, float("-inf"), 0.0) + gl.zeros([R, 4, 2, 2, 2], gl.float32, L5)
@@ -170,10 +128,6 @@ if gluon is not None:
         acc1 = gl.zeros([R, 4, 2, 2, 2], gl.float32, L5)
         acc2 = gl.zeros([R, 4, 2, 2, 2], gl.float32, L5)
         acc3 = gl.zeros([R, 4, 2, 2, 2], gl.float32, L5)
-        tb0 = t_lo + 16 * w5
-        n_steps = gl.cdiv(t_hi - t_lo, STEP)
-        if DBG & 1:  # timing experiment: no streaming
-            n_steps = 0
         # L2 prefetch of the step PF steps ahead: lane 4g + c of each warp takes one 128-byte line of its
         # warp's step (K words 0-7, V words 8-15, then scales and per-token scales)
         L2D: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, L5)))
@@ -190,26 +144,11 @@ if gluon is not None:
         pf_tok = gl.where(lane < 8, 4 * stride_kt, gl.where(lane < 16, 4 * stride_vt, gl.where(
             lane == 16, 2 * stride_kst, gl.where(lane == 17, stride_vst, 4))))  # bytes per token
         pf_t0 = t_lo + 16 * w2
-        kwa, vwa, ksa, vsa, kqa, bia, vga = _step_loads(
-            kw_base, vw_base, ks_base, vs_base, kg_base, vg_base, tb0, t_hi, kw_off, vw_off, ks_off, vs_off,
-            tk_k, tk_v, stride_kt, stride_vt, stride_kst, stride_vst, kqs, big)
-        for i in range(0, n_steps, 2):  # two steps in flight, no register copies
-            if PF > 0:
-                _prefetch(pf_off + (pf_t0 + (i + PF) * STEP).to(gl.int64) * pf_tok,
-                          (pf_t0 + (i + PF) * STEP) < t_hi)
-            kwb, vwb, ksb, vsb, kqb, bib, vgb = _step_loads(
-                kw_base, vw_base, ks_base, vs_base, kg_base, vg_base, tb0 + (i + 1) * STEP, t_hi, kw_off,
-                vw_off, ks_off, vs_off, tk_k, tk_v, stride_kt, stride_vt, stride_kst, stride_vst, kqs, big)
-            acc0, acc1, acc2, acc3, st = _step(ASM, CON, kwa, vwa, ksa, vsa, kqa, bia, vga, qa, qb, st,
-                                               acc0, acc1, acc2, acc3)
-            if PF > 0:
-                _prefetch(pf_off + (pf_t0 + (i + 1 + PF) * STEP).to(gl.int64) * pf_tok,
-                          (pf_t0 + (i + 1 + PF) * STEP) < t_hi)
-            kwa, vwa, ksa, vsa, kqa, bia, vga = _step_loads(
-                kw_base, vw_base, ks_base, vs_base, kg_base, vg_base, tb0 + (i + 2) * STEP, t_hi, kw_off,
-                vw_off, ks_off, vs_off, tk_k, tk_v, stride_kt, stride_vt, stride_kst, stride_vst, kqs, big)
-            acc0, acc1, acc2, acc3, st = _step(ASM, CON, kwb, vwb, ksb, vsb, kqb, bib, vgb, qa, qb, st,
-                                               acc0, acc1, acc2, acc3)
+        zf = gl.zeros([R, 4, 2, 2, 2], gl.float32, L5)
+        acc0, acc1, acc2, acc3, st = _stream(
+            ASM, CON, PF, STEP, kw_base, vw_base, ks_base, vs_base, kg_base, vg_base,
+            t_lo, t_hi, w5, g5, c5, e2, e3, e1, stride_kt, stride_vt, stride_kst, stride_vst, kqs, zf,
+            big, qa, qb, st, acc0, acc1, acc2, acc3, pf_off, pf_tok, pf_t0, DBG)
 
         # ---- publish this warp's partial. acc tensor T, element (e2, e3, e1): query 2c + e1,
         # head dim 16 g + 4 T + e2 + 2 e3; state: m, M per query (equal in the 8 lanes g), l per lane
