@@ -85,6 +85,17 @@ def test_failure_falls_back_to_triton(monkeypatch):
 
 # ----------------------------------------------------------------------------------------------- GPU
 
+
+@pytest.fixture
+def cuda_on(monkeypatch):
+    """The CUDA kernels on for the test; afterwards none of them may have failed (a failure would switch
+    them off with a warning and the Triton kernels would make the bytes: the test would not test them)."""
+    monkeypatch.setitem(qc.STATE, "on", True)
+    monkeypatch.setitem(qc.STATE, "error", None)
+    yield
+    assert qc.STATE["on"] and qc.STATE["error"] is None, qc.STATE["error"]
+
+
 def _x(shape, dtype, kind, seed):
     g = torch.Generator().manual_seed(seed)
     r, k = shape
@@ -96,6 +107,13 @@ def _x(shape, dtype, kind, seed):
         x = x * 2.0 ** torch.randint(-3, 4, (r, 1), generator=g)
     elif kind == "rows":  # rows over 60 decades: tiny and huge amaxes (the IEEE division of 4/6)
         x = torch.randn(shape, generator=g) * torch.logspace(-28, 32, r)[:, None]
+    elif kind == "edges":  # subnormal values; row amaxes 2^-70, 2^100 (the division-free range's ends) and
+        # just outside; a row of subnormals only (dtype's smallest normal: bf16 and fp32 share it)
+        x = torch.randn(shape, generator=g) * 2.0 ** -130
+        ends = [2.0 ** -70, 2.0 ** 100, 2.0 ** -71, 2.0 ** 101]
+        for i in range(min(r - 1, len(ends))):
+            x[i + 1] = torch.randn(k, generator=g).clamp(-0.9, 0.9) * ends[i]
+            x[i + 1, -1] = ends[i]
     x = x.to(dtype)
     x[0, :16] = 0.0  # an all-zero block
     x[1 % r, 16 % k:32 % k or k] = -0.0
@@ -120,10 +138,9 @@ def _check(x, **kw):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_cuda_matches_reference(monkeypatch, rule, err, dtype):
-    monkeypatch.setitem(qc.STATE, "on", True)
+def test_gpu_cuda_matches_reference(cuda_on, rule, err, dtype):
     for shape in [(1, 16), (3, 48), (37, 4096), (5, 4112), (2, 14336), (3, 65536), (300, 128)]:
-        for kind in ("wide", "grid", "rows"):
+        for kind in ("wide", "grid", "rows", "edges"):
             x = _x(shape, dtype, kind, seed=shape[0] + shape[1])
             assert qc.usable(x)
             for per_row in (False, True):
@@ -134,12 +151,13 @@ def test_gpu_cuda_matches_reference(monkeypatch, rule, err, dtype):
             gsc = (x.float().abs().amax(dim=1) / 2688.0).clamp(min=1e-30)
             _check(x, scale_rule=rule, err=err, per_row=True, global_scale=gsc)
             _check(x, scale_rule=rule, err=err, global_scale=gsc.max().reshape(()))
-    assert qc.STATE["on"] and qc.STATE["error"] is None
+        zero = torch.zeros((), device=x.device)
+        _check(x, scale_rule=rule, err=err, amax=zero)  # imposed amax 0: S_enc = 1, as TE
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_cuda_nonfinite():
+def test_gpu_cuda_nonfinite(cuda_on):
     for dtype in (torch.bfloat16, torch.float32):
         x = _x((64, 256), dtype, "wide", seed=3)
         x[3, 5], x[7, 1], x[9, 30] = float("nan"), float("inf"), -float("inf")
@@ -149,14 +167,15 @@ def test_gpu_cuda_nonfinite():
                 _check(x, scale_rule=rule, per_row=per_row, allow_nonfinite=True)
                 with pytest.raises(ValueError, match="NaN or Inf"):
                     kq.quantize_2d(x, scale_rule=rule, per_row=per_row)
-    assert qc.STATE["error"] is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_cuda_graph_and_misaligned():
-    """Captured in a CUDA graph (no host sync inside), replayed on new data; a misaligned view and float16
-    take the Triton kernels with the same bytes."""
+def test_gpu_cuda_graph_and_misaligned(cuda_on, monkeypatch):
+    """Captured in a CUDA graph (no host sync inside), replayed on new data; a configuration first met inside
+    a capture takes the Triton kernels for that call (no module build while capturing) and leaves the CUDA
+    kernels on; a misaligned view and float16 take the Triton kernels with the same bytes; an imposed scale
+    on another device is refused."""
     x = _x((64, 512), torch.bfloat16, "wide", seed=5)
     static = x.clone()
     out = {}
@@ -165,19 +184,29 @@ def test_gpu_cuda_graph_and_misaligned():
     with torch.cuda.stream(s):
         kq.quantize_2d(static, per_row=True, check_finite=False)  # compile outside the capture
         kq.quantize_2d(static, check_finite=False)
+        qc.STATE["on"] = False  # the Triton kernel of the 4/6 call below, compiled outside the capture
+        kq.quantize_2d(static, per_row=True, scale_rule="4/6", err="mae", check_finite=False)
+        qc.STATE["on"] = True
     torch.cuda.current_stream().wait_stream(s)
+    monkeypatch.setattr(qc, "_KERNELS", {ident: k for ident, k in qc._KERNELS.items()  # 4/6 mae rows: unbuilt
+                                         if not (ident[0] == "nvfp4_quant_rows" and dict(ident[1])["MAE"])})
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out["row"] = kq.quantize_2d(static, per_row=True, check_finite=False)
         out["tensor"] = kq.quantize_2d(static, check_finite=False)
+        out["row 4/6"] = kq.quantize_2d(static, per_row=True, scale_rule="4/6", err="mae", check_finite=False)
     y = _x((64, 512), torch.bfloat16, "grid", seed=6)
     static.copy_(y)
     graph.replay()
     torch.cuda.synchronize()
-    for key, scope in (("row", "row"), ("tensor", "tensor")):
-        q = reference.quantize(y, scale_scope=scope)
+    for key, kw in (("row", dict(scale_scope="row")), ("tensor", {}),
+                    ("row 4/6", dict(scale_scope="row", scale_rule="4/6", err="mae"))):
+        q = reference.quantize(y, **kw)
         assert torch.equal(out[key][0], q.data)
         assert torch.equal(out[key][1].view(torch.uint8), q.block_scale.view(torch.uint8))
+        assert torch.equal(out[key][2].reshape(-1), q.global_scale.reshape(-1))
+    with pytest.raises(ValueError, match="move it to x's device"):
+        kq.quantize_2d(static, per_row=True, amax=torch.ones(64))
     flat = _x((1, 4096 + 8), torch.bfloat16, "wide", seed=7).reshape(-1)[4:4100].reshape(4, 1024)
     assert not qc.usable(flat)
     _check(flat, per_row=True)
@@ -189,7 +218,7 @@ def test_gpu_cuda_graph_and_misaligned():
 @pytest.mark.parametrize("bpt", [2, 4])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_cuda_rows_blocks_per_thread(monkeypatch, bpt):
+def test_gpu_cuda_rows_blocks_per_thread(cuda_on, monkeypatch, bpt):
     """The row kernel with several blocks per thread (fewer threads per row, idle tails)."""
     monkeypatch.setattr(qc, "ROWS_BPT", {"6": bpt, "4/6": bpt})
     for dtype in (torch.bfloat16, torch.float32):
@@ -203,7 +232,7 @@ def test_gpu_cuda_rows_blocks_per_thread(monkeypatch, bpt):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_cuda_nonfinite_unchecked_matches_triton(monkeypatch):
+def test_gpu_cuda_nonfinite_unchecked_matches_triton(cuda_on, monkeypatch):
     """Without allow_nonfinite and without the check (the engine's setting) the bytes of blocks with NaN/Inf
     are the Triton kernels' (which the fused decode kernels reproduce): amaxes over the finite values, block
     maxima over the non-NaN ones (NaN when all 16 are NaN)."""
@@ -216,10 +245,11 @@ def test_gpu_cuda_nonfinite_unchecked_matches_triton(monkeypatch):
         for rule in ("6", "4/6"):
             for per_row in (False, True):
                 kw = dict(scale_rule=rule, per_row=per_row, check_finite=False)
-                monkeypatch.setitem(qc.STATE, "on", True)
                 got = kq.quantize_2d(x, **kw)
-                monkeypatch.setitem(qc.STATE, "on", False)
+                assert qc.STATE["on"] and qc.STATE["error"] is None  # got is the CUDA kernels'
+                qc.STATE["on"] = False
                 want = kq.quantize_2d(x, **kw)
+                qc.STATE["on"] = True
                 assert torch.equal(got[0], want[0]), (dtype, rule, per_row)
                 assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)), (rule, per_row)
                 assert torch.equal(got[2], want[2])

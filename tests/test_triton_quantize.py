@@ -12,11 +12,20 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (decoration time)
 
+from fp4rl.kernels.quantize import cuda as quant_cuda  # noqa: E402
 from fp4rl.kernels.quantize import quantize_2d  # noqa: E402
 from fp4rl.nvfp4 import reference  # noqa: E402
 from fp4rl.nvfp4 import triton as tq  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True, params=["cuda", "triton"] if torch.cuda.is_available() else ["triton"])
+def kernels(request, monkeypatch):
+    """On a GPU every test runs twice: with the CUDA C++ kernels (quantize_2d's default there for 1x16
+    round-to-nearest on bf16 / fp32) and with them off, so that the Triton kernels keep their byte checks."""
+    monkeypatch.setitem(quant_cuda.STATE, "on", request.param == "cuda")
+    yield request.param
 
 
 def _same(a, b):

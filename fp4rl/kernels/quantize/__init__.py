@@ -153,6 +153,8 @@ def _launch_cuda(x, data, scale, g, given, flag, src, per_row_given, rule46, err
         parts = _cuda.amax_parts(x) if src == 0 else None
         _cuda.quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, err == "mae",
                        allow_nf)
+    except _cuda.NotReady:  # first use inside a graph capture: Triton for this call only
+        return False, None
     except Exception as exc:  # noqa: BLE001  (NVRTC or the launch failed: the Triton kernels take over)
         _cuda.disable(exc)
         return False, None
@@ -208,6 +210,9 @@ def quantize_2d(
     scale = torch.empty(r, k // 16, dtype=torch.uint8, device=dev)
     rows_scaled = per_row and global_scale is None and amax is None
     imposed = global_scale if global_scale is not None else amax
+    if imposed is not None and imposed.device != x.device:
+        raise ValueError(f"the imposed {'global_scale' if global_scale is not None else 'amax'} is on "
+                         f"{imposed.device}, x on {x.device}: move it to x's device")
     if per_row and imposed is not None and imposed.numel() == 1:
         imposed = imposed.reshape(1).expand(r)  # one imposed value, written for every row
     per_row_given = imposed is not None and imposed.numel() > 1

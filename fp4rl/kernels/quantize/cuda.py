@@ -14,7 +14,6 @@ gives each row TPR threads (a power of two) holding BPT blocks each, TPR x BPT >
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 from pathlib import Path
@@ -29,21 +28,24 @@ STATE = {"on": os.environ.get("FP4RL_QUANT_CUDA", "1") != "0", "error": None}
 MAX_TPR = 512
 MAX_BPT = 8
 ROWS_MAX_BLOCKS = MAX_TPR * MAX_BPT  # K <= 65536 for per-row scales in one pass
+MAX_BLOCKS = 2 ** 31 - 2 ** 26  # 16-element blocks per call (int block indices, grid-stride headroom)
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 # blocks per thread of the row kernel (at least), per scale rule: None picks by size (`rows_bpt`); benchmarks
 # set numbers
 ROWS_BPT = {"6": None, "4/6": None}
-# CTAs of 256 threads per SM that the registers must allow, per (rule 4/6, blocks per thread): no spills on
-# the common path (ptxas, sm_90): rule 6 fits 32 / 40 / 64 registers at 1 / 2 / 4 blocks, 4/6 64 / 80 / 118
+# CTAs of 256 threads per SM that the registers must allow, per (rule 4/6, blocks per thread), bfloat16 input:
+# no spills on the common path (ptxas, sm_90): rule 6 fits 32 / 40 / 64 registers at 1 / 2 / 4 blocks, 4/6
+# 64 / 80 / 118 (float32 input: no cap)
 _MIN_BLOCKS = {(False, 1): 8, (False, 2): 6, (False, 4): 4, (True, 1): 4, (True, 2): 3, (True, 4): 2}
 
 
 def usable(x: torch.Tensor) -> bool:
     """Whether the CUDA kernels can take x here: switched on, a CUDA tensor (compute capability >= 8) of
-    bfloat16 or float32 whose data is 16-byte aligned, NVRTC through torch."""
+    bfloat16 or float32 whose data is 16-byte aligned, fewer than MAX_BLOCKS blocks (32-bit block indices),
+    NVRTC through torch."""
     if not STATE["on"] or INTERPRET or not x.is_cuda or x.dtype not in _DTYPES:
         return False
-    if x.data_ptr() % 16 or not hasattr(torch.cuda, "_compile_kernel"):
+    if x.data_ptr() % 16 or x.numel() // 16 >= MAX_BLOCKS or not hasattr(torch.cuda, "_compile_kernel"):
         return False
     return torch.cuda.get_device_capability(x.device)[0] >= 8
 
@@ -78,10 +80,24 @@ def source(defs: dict) -> str:
     return "".join(f"#define {k} {v}\n" for k, v in defs.items()) + _SOURCE.read_text()
 
 
-@functools.cache
+class NotReady(RuntimeError):
+    """The kernel for this call is not built yet and the stream is capturing a CUDA graph (building a module
+    then is not safe): the caller takes the Triton kernels for this call, without switching these off."""
+
+
+_KERNELS: dict[tuple, object] = {}
+
+
 def _kernel(name: str, key: tuple, device_index: int):
-    with torch.cuda.device(device_index):
-        return torch.cuda._compile_kernel(source(dict(key)), name, nvcc_options=["-std=c++17"])
+    """The compiled kernel per (name, configuration, device): NVRTC builds for, and loads into, the current
+    device's context, once."""
+    ident = (name, key, device_index)
+    if ident not in _KERNELS:
+        if torch.cuda.is_current_stream_capturing():
+            raise NotReady(f"{name} {dict(key)} not built before the graph capture")
+        with torch.cuda.device(device_index):
+            _KERNELS[ident] = torch.cuda._compile_kernel(source(dict(key)), name, nvcc_options=["-std=c++17"])
+    return _KERNELS[ident]
 
 
 def _defs(x, rule46=False, mae=False, allow_nf=False, src=0, given_rows=False, **extra) -> tuple:
@@ -110,8 +126,6 @@ def disable(exc: Exception) -> None:
 def amax_parts(x: torch.Tensor) -> torch.Tensor:
     """int32 [2, 1]: max |x| bit patterns over the finite values, and over all (>= 0x7F800000: NaN/Inf)."""
     n_blk = x.numel() // 16
-    if n_blk >= 2 ** 31 - 2 ** 26:
-        raise ValueError(f"{n_blk} blocks: the CUDA kernels index blocks with 32-bit ints")
     parts = torch.zeros(2, 1, dtype=torch.int32, device=x.device)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = max(1, min(-(-n_blk // 512), sms * 8))
@@ -128,17 +142,16 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
         return
     if src == 1:
         bpt, tpr, cta = rows_plan(nb_row, ROWS_BPT["4/6" if rule46 else "6"] or rows_bpt(n_blk, x.device))
-        tight = cta == 256 and (bpt == 1 or x.dtype != torch.float32)  # float32 blocks: twice the registers
-        minb = _MIN_BLOCKS.get((rule46, bpt), 1) if tight else 1
+        # the register caps are bfloat16's; float32 blocks hold twice the data (ptxas spills under them)
+        minb = _MIN_BLOCKS.get((rule46, bpt), 1) if cta == 256 and x.dtype == torch.bfloat16 else 1
         key = _defs(x, rule46, mae, allow_nf, 1, BPT=bpt, TPR=tpr, CTA=cta, MINB=minb)
         rows_per_cta = cta // tpr
         _launch("nvfp4_quant_rows", key, x, (-(-r // rows_per_cta), 1, 1), (cta, 1, 1),
                 [x, data, scale, g, flag, r, nb_row])
         return
-    if n_blk >= 2 ** 31 - 2 ** 26:
-        raise ValueError(f"{n_blk} blocks: the CUDA flat kernel indexes blocks with 32-bit ints")
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = max(1, min(-(-n_blk // 256), sms * 16))
-    key = _defs(x, rule46, mae, allow_nf, src, per_row_given, MINB=_MIN_BLOCKS[(rule46, 1)])
+    minb = _MIN_BLOCKS[(rule46, 1)] if x.dtype == torch.bfloat16 else 1
+    key = _defs(x, rule46, mae, allow_nf, src, per_row_given, MINB=minb)
     _launch("nvfp4_quant_flat", key, x, (grid, 1, 1), (256, 1, 1),
             [x, data, scale, g, given, parts if parts is not None else g, n_blk, nb_row])
