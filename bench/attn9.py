@@ -45,6 +45,22 @@ def rel(o, r):
     return ((o.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30)).item()
 
 
+def case_inputs(ci, c, d=128):
+    """Correctness case c (seeded by its index ci): q, lengths, starts, the NVFP4 K and V caches (data,
+    block scales, per-token scales) and the float32 reference output on the dequantized caches."""
+    g = torch.Generator(device="cuda").manual_seed(ci)
+    b, hq, hkv, t = c["b"], c["hq"], c["hkv"], c["t"]
+    q = (torch.randn(b, hq, d, device="cuda", generator=g) * c["scale"]).bfloat16()
+    k = torch.randn(b, hkv, t, d, device="cuda", generator=g) * 2
+    v = torch.randn(b, hkv, t, d, device="cuda", generator=g)
+    if c.get("vscale_spread"):  # per-token V magnitudes over 8 orders
+        v = v * torch.logspace(-4, 4, t, device="cuda")[None, None, :, None]
+    lengths = torch.tensor(c["lengths"], dtype=torch.int32, device="cuda")
+    starts = torch.tensor(c["starts"], dtype=torch.int32, device="cuda") if "starts" in c else None
+    kq, vq = A.quantize_kv_nvfp4(k), A.quantize_kv_nvfp4(v)
+    return q, lengths, starts, kq, vq, ref_attn(q, dq(kq, d), dq(vq, d), lengths, starts)
+
+
 def check(res, **kw):
     cases = [
         dict(b=2, hq=32, hkv=8, t=4096, lengths=[4096, 1000], scale=1.0),
@@ -54,17 +70,8 @@ def check(res, **kw):
         dict(b=1, hq=32, hkv=8, t=8192, lengths=[8192], scale=1.0, vscale_spread=True),
     ]
     for ci, c in enumerate(cases):
-        g = torch.Generator(device="cuda").manual_seed(ci)
-        b, hq, hkv, t, d = c["b"], c["hq"], c["hkv"], c["t"], 128
-        q = (torch.randn(b, hq, d, device="cuda", generator=g) * c["scale"]).bfloat16()
-        k = torch.randn(b, hkv, t, d, device="cuda", generator=g) * 2
-        v = torch.randn(b, hkv, t, d, device="cuda", generator=g)
-        if c.get("vscale_spread"):  # per-token V magnitudes over 8 orders
-            v = v * torch.logspace(-4, 4, t, device="cuda")[None, None, :, None]
-        lengths = torch.tensor(c["lengths"], dtype=torch.int32, device="cuda")
-        starts = torch.tensor(c["starts"], dtype=torch.int32, device="cuda") if "starts" in c else None
-        kq, vq = A.quantize_kv_nvfp4(k), A.quantize_kv_nvfp4(v)
-        r = ref_attn(q, dq(kq, d), dq(vq, d), lengths, starts)
+        hq, hkv = c["hq"], c["hkv"]
+        q, lengths, starts, kq, vq, r = case_inputs(ci, c)
         row = {"case": ci, **{kk: vv for kk, vv in c.items()}}
         for name, kern in (("gluon", "gluon"), ("triton", "triton")):
             try:

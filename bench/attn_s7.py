@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, ".")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attn9 import dq, ref_attn, rel  # noqa: E402
+from attn9 import case_inputs, dq, ref_attn, rel  # noqa: E402
 
 import fp4rl.benchmarks.gpu_kernels as gk  # noqa: E402
 from fp4rl.kernels import attention as A  # noqa: E402
@@ -55,17 +55,8 @@ def check(res, bad):
 
 
 def check_case(res, bad, ci, c):
-    g = torch.Generator(device="cuda").manual_seed(ci)
-    b, hq, hkv, t, d = c["b"], c["hq"], c["hkv"], c["t"], 128
-    q = (torch.randn(b, hq, d, device="cuda", generator=g) * c["scale"]).bfloat16()
-    k = torch.randn(b, hkv, t, d, device="cuda", generator=g) * 2
-    v = torch.randn(b, hkv, t, d, device="cuda", generator=g)
-    if c.get("vscale_spread"):  # per-token V magnitudes over 8 orders
-        v = v * torch.logspace(-4, 4, t, device="cuda")[None, None, :, None]
-    lengths = torch.tensor(c["lengths"], dtype=torch.int32, device="cuda")
-    starts = torch.tensor(c["starts"], dtype=torch.int32, device="cuda") if "starts" in c else None
-    kq, vq = A.quantize_kv_nvfp4(k), A.quantize_kv_nvfp4(v)
-    r = ref_attn(q, dq(kq, d), dq(vq, d), lengths, starts)
+    hq, hkv = c["hq"], c["hkv"]
+    q, lengths, starts, kq, vq, r = case_inputs(ci, c)
 
     def call():
         return A.decode_attention(q, lengths, kq[0], vq[0], kq[2], vq[2], k_scale=kq[1], v_scale=vq[1],
