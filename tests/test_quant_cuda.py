@@ -56,8 +56,7 @@ def test_rows_plan(nb_row, want):
 
 def test_source_defines_every_macro():
     """The kernels' compile-time switches all come from _defs (a missing one would be a silent 0)."""
-    src = qc.source(dict(qc._defs(torch.zeros(1, dtype=torch.bfloat16), True, True, True, 1, False, BPT=2,
-                                  TPR=64, CTA=256, MINB=1)))
+    src = qc.source(dict(qc.rows_config(torch.bfloat16, True, True, True, 200, 2)[2]))
     for name in ("RULE46", "MAE", "NONFINITE", "SRC", "GIVEN_ROWS", "IN_F32", "BPT", "TPR", "CTA", "MINB"):
         assert f"#define {name} " in src
         assert name in qc._SOURCE.read_text()

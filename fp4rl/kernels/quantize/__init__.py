@@ -231,7 +231,8 @@ def quantize_2d(
     given = imposed.float().reshape(-1).contiguous() if imposed is not None else g
     rule46 = scale_rule == "4/6"
     done = False
-    if _cuda.usable(x) and not tile16 and not stochastic and (src != 1 or k // 16 <= _cuda.ROWS_MAX_BLOCKS):
+    rows_fit = src != 1 or k // 16 <= _cuda.rows_max_blocks(x.dtype)
+    if _cuda.usable(x) and not tile16 and not stochastic and rows_fit:
         done, parts = _launch_cuda(x, data, scale, g, given, flag, src, per_row_given, rule46, err,
                                    allow_nonfinite)
     if not done:

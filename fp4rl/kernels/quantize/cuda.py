@@ -27,7 +27,7 @@ _SOURCE = Path(__file__).with_name("quant.cu")
 STATE = {"on": os.environ.get("FP4RL_QUANT_CUDA", "1") != "0", "error": None}
 MAX_TPR = 512
 MAX_BPT = 8
-ROWS_MAX_BLOCKS = MAX_TPR * MAX_BPT  # K <= 65536 for per-row scales in one pass
+ROWS_MAX_BLOCKS = MAX_TPR * MAX_BPT  # K <= 65536 for per-row scales in one pass (bfloat16)
 MAX_BLOCKS = 2 ** 31 - 2 ** 26  # 16-element blocks per call (int block indices, grid-stride headroom)
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 # blocks per thread of the row kernel (at least), per scale rule: None picks by size (`rows_bpt`); benchmarks
@@ -48,6 +48,12 @@ def usable(x: torch.Tensor) -> bool:
     if x.data_ptr() % 16 or x.numel() // 16 >= MAX_BLOCKS or not hasattr(torch.cuda, "_compile_kernel"):
         return False
     return torch.cuda.get_device_capability(x.device)[0] >= 8
+
+
+def rows_max_blocks(dtype) -> int:
+    """Longest row (in blocks) the row kernel takes for this input dtype: float32 blocks hold twice the
+    registers, and 8 blocks per thread spill (ptxas), so float32 rows stop at 4 (K <= 32768)."""
+    return ROWS_MAX_BLOCKS if dtype == torch.bfloat16 else ROWS_MAX_BLOCKS // 2
 
 
 def rows_plan(nb_row: int, bpt: int = 1) -> tuple[int, int, int]:
@@ -100,10 +106,25 @@ def _kernel(name: str, key: tuple, device_index: int):
     return _KERNELS[ident]
 
 
-def _defs(x, rule46=False, mae=False, allow_nf=False, src=0, given_rows=False, **extra) -> tuple:
+def _defs(dtype, rule46=False, mae=False, allow_nf=False, src=0, given_rows=False, **extra) -> tuple:
     d = dict(RULE46=int(rule46), MAE=int(mae), NONFINITE=int(allow_nf), SRC=src, GIVEN_ROWS=int(given_rows),
-             IN_F32=_DTYPES[x.dtype], **extra)
+             IN_F32=_DTYPES[dtype], **extra)
     return tuple(sorted(d.items()))
+
+
+def rows_config(dtype, rule46: bool, mae: bool, allow_nf: bool, nb_row: int, bpt: int) -> tuple:
+    """(TPR, CTA, compile key) of the row kernel for rows of nb_row blocks, at least bpt blocks per thread.
+    The register caps (MINB) are bfloat16's; float32 blocks hold twice the data (ptxas spills under them)."""
+    bpt, tpr, cta = rows_plan(nb_row, bpt)
+    minb = _MIN_BLOCKS.get((rule46, bpt), 1) if cta == 256 and dtype == torch.bfloat16 else 1
+    return tpr, cta, _defs(dtype, rule46, mae, allow_nf, 1, BPT=bpt, TPR=tpr, CTA=cta, MINB=minb)
+
+
+def flat_config(dtype, rule46: bool, mae: bool, allow_nf: bool, src: int, given_rows: bool) -> tuple:
+    """Compile key of the flat kernel (per-tensor or imposed scales)."""
+    minb = _MIN_BLOCKS[(rule46, 1)] if dtype == torch.bfloat16 else 1
+    return _defs(dtype, rule46, mae, allow_nf, src, given_rows, MINB=minb)
+
 
 
 def _dev(x):
@@ -129,7 +150,7 @@ def amax_parts(x: torch.Tensor) -> torch.Tensor:
     parts = torch.zeros(2, 1, dtype=torch.int32, device=x.device)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = max(1, min(-(-n_blk // 512), sms * 8))
-    _launch("nvfp4_amax", _defs(x), x, (grid, 1, 1), (256, 1, 1), [x, parts, n_blk])
+    _launch("nvfp4_amax", _defs(x.dtype), x, (grid, 1, 1), (256, 1, 1), [x, parts, n_blk])
     return parts
 
 
@@ -141,17 +162,14 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
     if n_blk == 0:
         return
     if src == 1:
-        bpt, tpr, cta = rows_plan(nb_row, ROWS_BPT["4/6" if rule46 else "6"] or rows_bpt(n_blk, x.device))
-        # the register caps are bfloat16's; float32 blocks hold twice the data (ptxas spills under them)
-        minb = _MIN_BLOCKS.get((rule46, bpt), 1) if cta == 256 and x.dtype == torch.bfloat16 else 1
-        key = _defs(x, rule46, mae, allow_nf, 1, BPT=bpt, TPR=tpr, CTA=cta, MINB=minb)
+        bpt = ROWS_BPT["4/6" if rule46 else "6"] or rows_bpt(n_blk, x.device)
+        tpr, cta, key = rows_config(x.dtype, rule46, mae, allow_nf, nb_row, bpt)
         rows_per_cta = cta // tpr
         _launch("nvfp4_quant_rows", key, x, (-(-r // rows_per_cta), 1, 1), (cta, 1, 1),
                 [x, data, scale, g, flag, r, nb_row])
         return
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = max(1, min(-(-n_blk // 256), sms * 16))
-    minb = _MIN_BLOCKS[(rule46, 1)] if x.dtype == torch.bfloat16 else 1
-    key = _defs(x, rule46, mae, allow_nf, src, per_row_given, MINB=minb)
+    key = flat_config(x.dtype, rule46, mae, allow_nf, src, per_row_given)
     _launch("nvfp4_quant_flat", key, x, (grid, 1, 1), (256, 1, 1),
             [x, data, scale, g, given, parts if parts is not None else g, n_blk, nb_row])

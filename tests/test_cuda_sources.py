@@ -1,0 +1,88 @@
+"""The CUDA C++ sources compile for the H100 / H200 (sm_90; sm_90a for the wgmma GEMM) with NVRTC on a machine
+without a GPU, and ptxas reports no register spills in the configurations the launchers pick and no
+serialized wgmma (warning C7515). That much of the GPU code CI can check; its results are GPU tests
+(`pytest -m gpu`). NVRTC comes from the PyPI wheel nvidia-cuda-nvrtc-cu12 (the dev extra)."""
+
+import ctypes
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4rl.kernels import gemv_cuda
+from fp4rl.kernels.quantize import cuda as qc
+
+nvrtc_pkg = pytest.importorskip("nvidia.cuda_nvrtc", reason="pip install nvidia-cuda-nvrtc-cu12 (dev extra)")
+
+
+def _lib():
+    for root in nvrtc_pkg.__path__:
+        path = Path(root) / "lib" / "libnvrtc.so.12"
+        if path.exists():
+            return ctypes.CDLL(str(path))
+    pytest.fail(f"libnvrtc.so.12 not found under {list(nvrtc_pkg.__path__)}")
+
+
+LIB = _lib()
+
+
+def compile_log(src: str, arch: str) -> str:
+    """NVRTC -> cubin for arch with ptxas -v; the log. A compile error fails the test with the log."""
+    prog = ctypes.c_void_p()
+    assert LIB.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"k.cu", 0, None, None) == 0
+    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--ptxas-options=-v"]
+    rc = LIB.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    n = ctypes.c_size_t()
+    LIB.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+    log = ctypes.create_string_buffer(n.value)
+    LIB.nvrtcGetProgramLog(prog, log)
+    LIB.nvrtcDestroyProgram(ctypes.byref(prog))
+    text = log.value.decode(errors="replace")
+    assert rc == 0, f"NVRTC failed for {arch}:\n{text[:3000]}"
+    return text
+
+
+def spills(log: str) -> dict[str, tuple[int, int]]:
+    """Per function: (spill store bytes, spill load bytes)."""
+    pat = (r"Function properties for (\w+)\s*\n\s*ptxas\s+\.\s+\d+ bytes stack frame, (\d+) bytes spill stores, "
+           r"(\d+) bytes spill loads")
+    found = {m.group(1): (int(m.group(2)), int(m.group(3))) for m in re.finditer(pat, log)}
+    assert found, f"no ptxas function report in:\n{log[:2000]}"
+    return found
+
+
+def _quant_configs():
+    for dtype in (torch.bfloat16, torch.float32):
+        for rule46, mae, nf in ((False, False, False), (True, False, False), (True, True, True)):
+            for nb, bpt in ((1, 1), (256, 1), (256, 4), (896, 4), (qc.rows_max_blocks(dtype), 1)):
+                yield f"rows {dtype} {rule46} {nb}x{bpt}", qc.rows_config(dtype, rule46, mae, nf, nb, bpt)[2]
+            for src, given_rows in ((0, False), (2, True), (3, False)):
+                yield f"flat {dtype} {rule46} src{src}", qc.flat_config(dtype, rule46, mae, nf, src, given_rows)
+
+
+@pytest.mark.parametrize("name,key", list(_quant_configs()), ids=lambda v: v if isinstance(v, str) else "")
+def test_quantize_kernels_compile_without_spills(name, key):
+    found = spills(compile_log(qc.source(dict(key)), "sm_90"))
+    for fn, (stores, loads) in found.items():
+        assert stores == 0 and loads == 0, f"{name}: {fn} spills {stores} B / loads {loads} B"
+    assert {"nvfp4_amax"} <= set(found)
+
+
+def _gemm_configs():
+    sms = 132
+    for n, k in ((4096, 14336), (14336, 4096), (4096, 6144)):
+        for m in (1, 8, 16):
+            yield f"mma16 {n}x{k} m{m}", gemv_cuda.choose(n, k, m, sms), "sm_90"
+        for m in (32, 64, 128):
+            yield f"wgmma {n}x{k} m{m}", gemv_cuda.choose_wide(n, k, m, sms), "sm_90a"
+    yield "grouped 2048x768", gemv_cuda.choose_grouped(2048, 768, 8, sms), "sm_90"
+
+
+@pytest.mark.parametrize("name,cfg,arch", list(_gemm_configs()), ids=lambda v: v if isinstance(v, str) else "")
+def test_gemm_kernel_compiles_without_spills_or_serialized_wgmma(name, cfg, arch):
+    for wg_row, xg_row, grouped in ((False, False, name.startswith("grouped")), (True, True, False)):
+        log = compile_log(gemv_cuda.source(cfg, wg_row, xg_row, grouped), arch)
+        assert "C7515" not in log, f"{name}: ptxas serialized the wgmma pipeline:\n{log[:2000]}"
+        for fn, (stores, loads) in spills(log).items():
+            assert stores == 0 and loads == 0, f"{name} {cfg}: {fn} spills {stores} B / loads {loads} B"
