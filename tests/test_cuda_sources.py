@@ -45,8 +45,8 @@ def compile_log(src: str, arch: str) -> str:
 
 def spills(log: str) -> dict[str, tuple[int, int]]:
     """Per function: (spill store bytes, spill load bytes)."""
-    pat = (r"Function properties for (\w+)\s*\n\s*ptxas\s+\.\s+\d+ bytes stack frame, (\d+) bytes spill stores, "
-           r"(\d+) bytes spill loads")
+    pat = (r"Function properties for (\w+)\s*\n\s*ptxas\s+\.\s+\d+ bytes stack frame, "
+           r"(\d+) bytes spill stores, (\d+) bytes spill loads")
     found = {m.group(1): (int(m.group(2)), int(m.group(3))) for m in re.finditer(pat, log)}
     assert found, f"no ptxas function report in:\n{log[:2000]}"
     return found
@@ -56,7 +56,8 @@ def _quant_configs():
     for dtype in (torch.bfloat16, torch.float32):
         for rule46, mae, nf in ((False, False, False), (True, False, False), (True, True, True)):
             for nb, bpt in ((1, 1), (256, 1), (256, 4), (896, 4), (qc.rows_max_blocks(dtype), 1)):
-                yield f"rows {dtype} {rule46} {nb}x{bpt}", qc.rows_config(dtype, rule46, mae, nf, nb, bpt)[2]
+                key = qc.rows_config(dtype, rule46, mae, nf, nb, bpt)[2]
+                yield f"rows {dtype} {rule46} {nb}x{bpt}", key
             for src, given_rows in ((0, False), (2, True), (3, False)):
                 yield f"flat {dtype} {rule46} src{src}", qc.flat_config(dtype, rule46, mae, nf, src, given_rows)
 
@@ -79,7 +80,8 @@ def _gemm_configs():
     yield "grouped 2048x768", gemv_cuda.choose_grouped(2048, 768, 8, sms), "sm_90"
 
 
-@pytest.mark.parametrize("name,cfg,arch", list(_gemm_configs()), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("name,cfg,arch", list(_gemm_configs()),
+                         ids=lambda v: v if isinstance(v, str) else "")
 def test_gemm_kernel_compiles_without_spills_or_serialized_wgmma(name, cfg, arch):
     for wg_row, xg_row, grouped in ((False, False, name.startswith("grouped")), (True, True, False)):
         log = compile_log(gemv_cuda.source(cfg, wg_row, xg_row, grouped), arch)
