@@ -59,7 +59,8 @@ def _quant_configs():
                 key = qc.rows_config(dtype, rule46, mae, nf, nb, bpt)[2]
                 yield f"rows {dtype} {rule46} {nb}x{bpt}", key
             for src, given_rows in ((0, False), (2, True), (3, False)):
-                yield f"flat {dtype} {rule46} src{src}", qc.flat_config(dtype, rule46, mae, nf, src, given_rows)
+                key = qc.flat_config(dtype, rule46, mae, nf, src, given_rows)
+                yield f"flat {dtype} {rule46} src{src}", key
 
 
 @pytest.mark.parametrize("name,key", list(_quant_configs()), ids=lambda v: v if isinstance(v, str) else "")
