@@ -10,10 +10,11 @@
 //              2: imposed amax, 3: imposed decode-direction global scale g
 //   GIVEN_ROWS SRC 2/3: one imposed value per row instead of one for the tensor
 //   IN_F32     1: float32 input, 0: bfloat16
-//   BPT, TPR   nvfp4_quant_rows: blocks per thread, threads per row (a power of two), CTA threads
+//   BPT, TPR, CTA  nvfp4_quant_rows: blocks per thread, threads per row (a power of two), threads per CTA
+//   MINB       CTAs per SM the registers must allow (__launch_bounds__; cuda.py's table, no spills)
 //
-// Every float operation is an explicit round-to-nearest intrinsic (__fmul_rn, __fadd_rn, __fmaf_rn where
-// the product is exact, __fdiv_rn, __frcp_rn): no contraction, no approximate division, whatever the
+// Every float operation is an explicit round-to-nearest intrinsic (__fmul_rn, __fadd_rn, __fmaf_rn where an
+// FMA is meant: an exact product plus a constant, or the corrected division by 1536; __fdiv_rn, __frcp_rn): no contraction, no approximate division, whatever the
 // compiler's flags. One 16-element block per thread: two 16-byte loads, the block max, the scale, the codes
 // packed into one 8-byte store and the E4M3 scale byte; nothing crosses threads except the row max.
 
@@ -26,7 +27,7 @@ typedef unsigned long long u64;
 #ifndef CTA
 #define CTA 256
 #endif
-#ifndef MINB  // CTAs per SM the register allocation must allow (the 4/6 kernels are occupancy-bound)
+#ifndef MINB
 #define MINB 1
 #endif
 
