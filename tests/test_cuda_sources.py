@@ -17,11 +17,11 @@ nvrtc_pkg = pytest.importorskip("nvidia.cuda_nvrtc", reason="pip install nvidia-
 
 
 def _lib():
-    for root in nvrtc_pkg.__path__:
-        path = Path(root) / "lib" / "libnvrtc.so.12"
-        if path.exists():
-            return ctypes.CDLL(str(path))
-    pytest.fail(f"libnvrtc.so.12 not found under {list(nvrtc_pkg.__path__)}")
+    """libnvrtc.so.<major> of the wheel (12 from the dev extra; a CUDA 13 torch may bring 13 instead)."""
+    found = sorted(p for root in nvrtc_pkg.__path__ for p in Path(root).glob("lib/libnvrtc.so.1[0-9]"))
+    if not found:
+        pytest.fail(f"no libnvrtc.so.1x under {list(nvrtc_pkg.__path__)}")
+    return ctypes.CDLL(str(found[-1]))
 
 
 LIB = _lib()
