@@ -79,14 +79,14 @@ if gluon is not None:
                 gl.broadcast(kg * kqs, big)[0], bias, gl.broadcast(vg, big)[0])
 
     @gluon.jit
-    def _prefetch2(addr, pred):
+    def _prefetch(addr, pred):
         gl.inline_asm_elementwise("{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p prefetch.global.L2 [$1];\n"
                                   "mov.b32 $0, 0;\n}\n", "=r,l,r", [addr, pred.to(gl.int32)],
                                   dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _step1(ASM: gl.constexpr, CON: gl.constexpr, kw, vw, ks, vs, kq, bias, vg, qa, qb, st,
-               acc0, acc1, acc2, acc3):
+    def _step(ASM: gl.constexpr, CON: gl.constexpr, kw, vw, ks, vs, kq, bias, vg, qa, qb, st,
+              acc0, acc1, acc2, acc3):
         return gl.inline_asm_elementwise(
             ASM, CON, [kw, vw, ks, vs, kq, bias, vg, qa, qb, st, acc0, acc1, acc2, acc3],
             dtype=(gl.float32, gl.float32, gl.float32, gl.float32, gl.float32), is_pure=False, pack=8)
@@ -124,21 +124,21 @@ if gluon is not None:
             stride_vst, 1, z < n_main, z < n_main, kqs, zf, big)
         for i in range(0, n_main, 2):
             if PF > 0:
-                _prefetch2(ppf, (pf_t0 + (i + PF) * STEP) < t_hi)
+                _prefetch(ppf, (pf_t0 + (i + PF) * STEP) < t_hi)
             kwb, vwb, ksb, vsb, kqb, bib, vgb = _ptr_loads(
                 pk, pv, pks, pvs, pkg, pvg, okw, ovw, oks, ovs, og, STEP, stride_kt, stride_vt, stride_kst,
                 stride_vst, 0, z < n_main, z < n_main, kqs, zf, big)
-            acc0, acc1, acc2, acc3, st = _step1(ASM, CON, kwa, vwa, ksa, vsa, kqa, bia, vga, qa, qb, st,
-                                                acc0, acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3, st = _step(ASM, CON, kwa, vwa, ksa, vsa, kqa, bia, vga, qa, qb, st,
+                                               acc0, acc1, acc2, acc3)
             if PF > 0:
-                _prefetch2(ppf + pf_inc, (pf_t0 + (i + 1 + PF) * STEP) < t_hi)
+                _prefetch(ppf + pf_inc, (pf_t0 + (i + 1 + PF) * STEP) < t_hi)
             # the next pair; in the last iteration the current pair again (in bounds; unused)
             back = gl.where(i + 2 < n_main, 0, 2 * STEP)
             kwa, vwa, ksa, vsa, kqa, bia, vga = _ptr_loads(
                 pk, pv, pks, pvs, pkg, pvg, okw, ovw, oks, ovs, og, 2 * STEP, stride_kt, stride_vt,
                 stride_kst, stride_vst, 0, z < n_main, z < n_main, kqs, zf, big, -back)
-            acc0, acc1, acc2, acc3, st = _step1(ASM, CON, kwb, vwb, ksb, vsb, kqb, bib, vgb, qa, qb, st,
-                                                acc0, acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3, st = _step(ASM, CON, kwb, vwb, ksb, vsb, kqb, bib, vgb, qa, qb, st,
+                                               acc0, acc1, acc2, acc3)
             pk += 2 * STEP * stride_kt
             pv += 2 * STEP * stride_vt
             pks += 2 * STEP * stride_kst
@@ -154,8 +154,8 @@ if gluon is not None:
             kwt, vwt, kst, vst, kqt, bit, vgt = _ptr_loads(
                 pk, pv, pks, pvs, pkg, pvg, okw, ovw, oks, ovs, og, 0, stride_kt, stride_vt, stride_kst,
                 stride_vst, 2, (tb + tk_k) < t_hi, (tb + tk_v) < t_hi, kqs, zf, big)
-            acc0, acc1, acc2, acc3, st = _step1(ASM, CON, kwt, vwt, kst, vst, kqt, bit, vgt, qa, qb, st,
-                                                acc0, acc1, acc2, acc3)
+            acc0, acc1, acc2, acc3, st = _step(ASM, CON, kwt, vwt, kst, vst, kqt, bit, vgt, qa, qb, st,
+                                               acc0, acc1, acc2, acc3)
             pk += STEP * stride_kt
             pv += STEP * stride_vt
             pks += STEP * stride_kst

@@ -126,7 +126,6 @@ def flat_config(dtype, rule46: bool, mae: bool, allow_nf: bool, src: int, given_
     return _defs(dtype, rule46, mae, allow_nf, src, given_rows, MINB=minb)
 
 
-
 def _dev(x):
     return x.device.index if x.device.index is not None else torch.cuda.current_device()
 

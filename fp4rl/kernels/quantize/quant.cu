@@ -19,8 +19,6 @@
 // packed into one 8-byte store and the E4M3 scale byte; nothing crosses threads except the row max.
 
 typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned long long u64;
 
 #define FLT_MAX_F 3.4028234663852886e38f
 #define ONE_SIXTH_F 0.1666666716337204f  // fp32(1/6), as TE folds it
