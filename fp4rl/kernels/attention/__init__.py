@@ -142,7 +142,7 @@ def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, 
 @with_asm_fallback
 def decode_attention(q, lengths, k, v, k_global, v_global, *, k_scale=None, v_scale=None, sm_scale=None,
                      num_splits=None, block_t=None, num_warps=None, num_stages=3, starts=None, kernel=None,
-                     _mode: int = 4, _pf: int = 3, _maxnreg: int | None = None, _dbg: int = 0):
+                     _mode: int = 20, _pf: int = 3, _maxnreg: int | None = None, _dbg: int = 0):
     """One decode step of attention: out [B, Hq, D] bfloat16.
 
     NVFP4 cache when k_scale/v_scale (E4M3 block scales) are given, else FP8 (e4m3) cache.

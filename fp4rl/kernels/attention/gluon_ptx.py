@@ -33,32 +33,44 @@ from __future__ import annotations
 _ATTN_MSK = 0x8E008E00
 
 
-def _attn_unpack(w, r):
+def _attn_unpack(w, r, rotate: bool = False):
     """PTX: standard NVFP4 word w -> FP16 pairs r[0..3] = codes (0,4), (2,6), (1,5), (3,7) (x 2^-14).
-    t = w rotated left by 3 (sign of code k at 4k+6); E = w's even codes' magnitudes (bits 8j+0..2) with
-    t elsewhere, O = the odd ones (8j+4..6) with t elsewhere: each code's sign then sits 6 bits above its
-    magnitude, as in FP16. 11 integer instructions per 8 codes."""
-    return (f"shf.l.wrap.b32 ut, {w}, {w}, 3;\nlop3.b32 uE, {w}, ut, k7, 0xE4;\n"
+    t = w << 3 (sign of code k at 4k+6); E = w's even codes' magnitudes (bits 8j+0..2) with t elsewhere,
+    O = the odd ones (8j+4..6), and bits 28..31 of w (code 7 whole), with t elsewhere: each code's sign then
+    sits 6 bits above its magnitude, as in FP16, but code 7's, which an arithmetic shift right by 3 puts at
+    bit 31 of pair (3, 7). 11 integer instructions per 8 codes, 7 of them on the ALU pipe (the shifts left
+    are IMAD.SHL, on the FMA pipe). rotate: the form of the third session (t = w rotated left by 3, pair
+    (3, 7) rotated right by 3: 9 ALU instructions)."""
+    if rotate:
+        return (f"shf.l.wrap.b32 ut, {w}, {w}, 3;\nlop3.b32 uE, {w}, ut, k7, 0xE4;\n"
+                f"lop3.b32 uO, {w}, ut, k70, 0xE4;\n"
+                f"shl.b32 {r[0]}, uE, 9;\nand.b32 {r[0]}, {r[0]}, msk;\n"
+                f"shl.b32 {r[1]}, uE, 1;\nand.b32 {r[1]}, {r[1]}, msk;\n"
+                f"shl.b32 {r[2]}, uO, 5;\nand.b32 {r[2]}, {r[2]}, msk;\n"
+                f"shf.r.wrap.b32 {r[3]}, uO, uO, 3;\nand.b32 {r[3]}, {r[3]}, msk;\n")
+    return (f"shl.b32 ut, {w}, 3;\nlop3.b32 uE, {w}, ut, k7, 0xE4;\n"
             f"lop3.b32 uO, {w}, ut, k70, 0xE4;\n"
             f"shl.b32 {r[0]}, uE, 9;\nand.b32 {r[0]}, {r[0]}, msk;\n"
             f"shl.b32 {r[1]}, uE, 1;\nand.b32 {r[1]}, {r[1]}, msk;\n"
             f"shl.b32 {r[2]}, uO, 5;\nand.b32 {r[2]}, {r[2]}, msk;\n"
-            f"shf.r.wrap.b32 {r[3]}, uO, uO, 3;\nand.b32 {r[3]}, {r[3]}, msk;\n")
-
+            f"shr.s32 {r[3]}, uO, 3;\nand.b32 {r[3]}, {r[3]}, msk;\n")
 
 
 def _attn_asm(mode: int = 0) -> str:
     """One 16-token step of one warp, per lane (pack = 8). Operands: out acc0..3 (8 each), st (m, l, M
     for queries 2c, 2c+1); in kw, vw, ks, vs, kq, bias, vg, qa, qb, st, acc0..3 (8 each).
     mode bits (experiments): 1 no unpack (wrong values; timing only), 2 rescale the accumulators
-    every step (no warp vote and branch), 4 S in two independent MMA chains."""
+    every step (no warp vote and branch), 4 S in two independent MMA chains, 8 the rotate unpack, 16 the
+    references' move detected by a vote on the lanes' own scores (no tile maximum unless one moves)."""
     OACC, OST = 0, 32
     KW, VW, KS, VS, KQ, BIAS, VG, QA, QB, ST, ACC = (40 + 8 * i for i in range(11))
     a = ["{\n.reg .b32 ut, uE, uO, k7, k70, msk, r<4>, rb<4>, sk, sA, sB, sC, sD, mx, mxb, X0, X1, Y0, Y1;\n"
-         ".reg .b16 h0, h1;\n.reg .f32 d<4>, e<4>, s<4>, u<4>, lv0, lv1, tm, tt, m<2>, mn<2>, mu<2>, al<2>, "
+         ".reg .b16 h0, h1;\n.reg .f32 d<4>, e<4>, s<4>, u<4>, lv0, lv1, tm, tt, ta0, ta1, tb0, tb1, "
+         " m<2>, mn<2>, mu<2>, al<2>, "
          "M<2>, "
          "Mn<2>, Mu<2>, Al<2>, pp<4>, l<2>, o<32>;\n.reg .pred pz;\n"
-         f"mov.b32 k7, 0x07070707;\nmov.b32 k70, 0x70707070;\nmov.b32 msk, {_ATTN_MSK:#x};\n"]
+         f"mov.b32 k7, 0x07070707;\nmov.b32 k70, {0x70707070 if mode & 8 else 0xF0707070:#x};\n"
+         f"mov.b32 msk, {_ATTN_MSK:#x};\n"]
     a.append("".join(f"mov.f32 o{i}, ${ACC + i};\n" for i in range(32)))
     a.append(f"mov.f32 m0, ${ST};\nmov.f32 m1, ${ST + 1};\nmov.f32 l0, ${ST + 2};\nmov.f32 l1, ${ST + 3};\n"
              f"mov.f32 M0, ${ST + 4};\nmov.f32 M1, ${ST + 5};\n")
@@ -66,7 +78,7 @@ def _attn_asm(mode: int = 0) -> str:
     def unpack(w, r):
         if mode & 1:
             return "".join(f"and.b32 {x}, {w}, msk;\n" for x in r)
-        return _attn_unpack(w, r)
+        return _attn_unpack(w, r, rotate=bool(mode & 8))
 
     # ---- S^T = K Q^T: A = K (rows: tokens g, g+8 of this lane), B = Q^T; D: s(t = g | g+8, q = 2c | 2c+1)
     a.append(f"mov.b32 {{h0, h1}}, ${KS};\ncvt.rn.f16x2.e4m3x2 sk, h0;\n"
@@ -93,15 +105,38 @@ def _attn_asm(mode: int = 0) -> str:
     for t in range(4):
         e = 4 * (t // 2)  # token g (t = 0, 1) or g + 8 (t = 2, 3)
         a.append(f"fma.rn.f32 s{t}, d{t}, ${KQ + e}, ${BIAS + e};\nadd.f32 u{t}, s{t}, lv{t // 2};\n")
-    for v, old, new_, use, alpha in (("s", "m", "mn", "mu", "al"), ("u", "M", "Mn", "Mu", "Al")):
-        for q in range(2):  # reference max: moved only when the tile exceeds it by more than 2^8
-            a.append(f"max.f32 tm, {v}{q}, {v}{q + 2};\n"
-                     + "".join(f"shfl.sync.bfly.b32 tt, tm, {x}, 0x1f, 0xffffffff;\nmax.f32 tm, tm, tt;\n"
-                               for x in (4, 8, 16))
-                     + f"add.f32 tt, {old}{q}, 0f41000000;\nsetp.gt.f32 pz, tm, tt;\n"
-                     f"selp.f32 {new_}{q}, tm, {old}{q}, pz;\nsetp.eq.f32 pz, {new_}{q}, 0fFF800000;\n"
-                     f"selp.f32 {use}{q}, 0f00000000, {new_}{q}, pz;\nsub.f32 tm, {old}{q}, {use}{q};\n"
-                     f"ex2.approx.ftz.f32 {alpha}{q}, tm;\n")
+    update = "".join(  # reference max: moved only when the tile exceeds it by more than 2^8
+        f"max.f32 tm, {v}{q}, {v}{q + 2};\n"
+        + "".join(f"shfl.sync.bfly.b32 tt, tm, {x}, 0x1f, 0xffffffff;\nmax.f32 tm, tm, tt;\n"
+                  for x in (4, 8, 16))
+        + f"add.f32 tt, {old}{q}, 0f41000000;\nsetp.gt.f32 pz, tm, tt;\n"
+        f"selp.f32 {new_}{q}, tm, {old}{q}, pz;\nsetp.eq.f32 pz, {new_}{q}, 0fFF800000;\n"
+        f"selp.f32 {use}{q}, 0f00000000, {new_}{q}, pz;\nsub.f32 tm, {old}{q}, {use}{q};\n"
+        f"ex2.approx.ftz.f32 {alpha}{q}, tm;\n"
+        for v, old, new_, use, alpha in (("s", "m", "mn", "mu", "al"), ("u", "M", "Mn", "Mu", "Al"))
+        for q in range(2))
+    rescale = "".join(f"mul.f32 o{i}, o{i}, Al{i % 2};\n" for i in range(32))
+    if mode & 16:
+        # The references move only when a score exceeds one by more than 2^8, which a warp vote on the
+        # lanes' own scores detects: no tile maximum (12 shuffles, 16 max) unless one moves (rare after
+        # the first steps). The same values as the tile-maximum form: a tile exceeds old + 8 exactly
+        # when one of its scores does; without a move, new = old, use = old (or 0 while old = -inf, when
+        # every score is -inf and any finite use gives P = 0: max(old, -FLT_MAX)), alpha = 1, and
+        # fma(l, 1, x) = l + x. With a move: the tile-maximum code, then o *= Al (Al = 1 leaves o exact).
+        a.append("add.f32 ta0, m0, 0f41000000;\nadd.f32 ta1, m1, 0f41000000;\n"
+                 "add.f32 tb0, M0, 0f41000000;\nadd.f32 tb1, M1, 0f41000000;\n"
+                 "setp.gt.f32 pz, s0, ta0;\nsetp.gt.or.f32 pz, s2, ta0, pz;\n"
+                 "setp.gt.or.f32 pz, s1, ta1, pz;\nsetp.gt.or.f32 pz, s3, ta1, pz;\n"
+                 "setp.gt.or.f32 pz, u0, tb0, pz;\nsetp.gt.or.f32 pz, u2, tb0, pz;\n"
+                 "setp.gt.or.f32 pz, u1, tb1, pz;\nsetp.gt.or.f32 pz, u3, tb1, pz;\n"
+                 "vote.sync.any.pred pz, pz, 0xffffffff;\n"
+                 "mov.f32 mn0, m0;\nmov.f32 mn1, m1;\nmov.f32 Mn0, M0;\nmov.f32 Mn1, M1;\n"
+                 "max.f32 mu0, m0, 0fFF7FFFFF;\nmax.f32 mu1, m1, 0fFF7FFFFF;\n"
+                 "max.f32 Mu0, M0, 0fFF7FFFFF;\nmax.f32 Mu1, M1, 0fFF7FFFFF;\n"
+                 "mov.f32 al0, 0f3F800000;\nmov.f32 al1, 0f3F800000;\n"
+                 "@!pz bra KEEP${:uid};\n" + update + rescale + "KEEP${:uid}:\n")
+    else:
+        a.append(update)
     a.append("".join(f"sub.f32 tm, s{t}, mu{t % 2};\nex2.approx.ftz.f32 pp{t}, tm;\n" for t in range(4)))
     a.append("add.f32 tm, pp0, pp2;\nfma.rn.f32 l0, l0, al0, tm;\n"
              "add.f32 tm, pp1, pp3;\nfma.rn.f32 l1, l1, al1, tm;\n")
@@ -109,8 +144,9 @@ def _attn_asm(mode: int = 0) -> str:
     # P'^T fragments (t = g | g+8, q = 2c, 2c+1) -> transposed: P'(q = g, t = 2c, 2c+1 | 8+2c, 9+2c)
     a.append("cvt.rn.f16x2.f32 X0, pp1, pp0;\ncvt.rn.f16x2.f32 X1, pp3, pp2;\n"
              "movmatrix.sync.aligned.m8n8.trans.b16 Y0, X0;\nmovmatrix.sync.aligned.m8n8.trans.b16 Y1, X1;\n")
-    rescale = "".join(f"mul.f32 o{i}, o{i}, Al{i % 2};\n" for i in range(32))
-    if mode & 2:
+    if mode & 16:
+        pass  # rescaled in the update branch above
+    elif mode & 2:
         a.append(rescale)
     else:  # the references rarely move: skip the 32 multiplies unless a lane's did (warp-uniform branch)
         a.append("setp.neu.f32 pz, Al0, 0f3F800000;\nsetp.neu.or.f32 pz, Al1, 0f3F800000, pz;\n"
@@ -141,5 +177,5 @@ def _attn_asm(mode: int = 0) -> str:
 
 
 
-_ATTN_ASM = {m: _attn_asm(m) for m in range(8)}
+_ATTN_ASM = {m: _attn_asm(m) for m in range(32)}
 _ATTN_CON = ",".join(["=f"] * 40 + ["r"] * 32 + ["f"] * 24 + ["r"] * 16 + ["f"] * 40)

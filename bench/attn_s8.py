@@ -1,0 +1,131 @@
+"""Eighth session: where the Gluon NVFP4 decode attention stands against its knobs, one process.
+
+python3 bench/attn_s8.py [context] [variant,...]  (writes $OUT/attn_s8.json, or ./attn_s8.json without OUT)
+
+Batch 8, 32/8 heads, d 128 at one context (default 32768) against torch SDPA BF16 in the same run: the
+default configuration, then variants of the dispatcher's knobs (splits, warps per CTA, L2 prefetch
+distance, register cap) and the timing-only experiment modes of fp4rl.kernels.attention.gluon_ptx (mode
+bit 1: no unpack, wrong values; it bounds what a cheaper unpack can buy). Each variant's output is
+compared with the default's (bit-identical expected for every knob; splits change the merge order).
+Timing as in attn_s7.py (CUDA-graph replay over rotated operand copies, two interleaved rounds, the
+better kept).
+"""
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, ".")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attn9 import dq, ref_attn, rel  # noqa: E402
+
+import fp4rl.benchmarks.gpu_kernels as gk  # noqa: E402
+from fp4rl.kernels import attention as A  # noqa: E402
+
+VARIANTS = {  # _mode: gluon_ptx mode bits (default 20 = 16 vote + 4 two S chains)
+    "default": {},
+    "tile_max": {"_mode": 4},  # sessions 3-7: the tile maximum every step
+    "no_unpack": {"_mode": 21},  # timing only: wrong values
+    "no_unpack_tile_max": {"_mode": 5},  # timing only
+    "rescale_always": {"_mode": 6},  # tile maximum, accumulators rescaled every step
+    "one_chain": {"_mode": 16},
+    "rotate_unpack": {"_mode": 28},  # the unpack of sessions 3-7 (rotates on the ALU pipe)
+    "splits4": {"num_splits": 4}, "splits5": {"num_splits": 5}, "splits8": {"num_splits": 8},
+    "splits12": {"num_splits": 12},
+    "pf0": {"_pf": 0}, "pf2": {"_pf": 2}, "pf4": {"_pf": 4}, "pf6": {"_pf": 6},
+    "warps2": {"num_warps": 2}, "warps8": {"num_warps": 8},
+    "reg128": {"_maxnreg": 128}, "reg152": {"_maxnreg": 152},
+    "no_stream": {"_dbg": 1}, "merge_one": {"_dbg": 2},  # timing only: no token loop / merge of one slot
+}
+TIMING_ONLY = {"no_unpack", "no_stream", "merge_one", "no_unpack_tile_max"}
+
+
+def main():
+    out_dir = os.environ.get("OUT", ".")
+    t = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
+    names = sys.argv[2].split(",") if len(sys.argv) > 2 else list(VARIANTS)
+    if "default" not in names:
+        names = ["default"] + names
+    gk.WARM_MS = 20.0
+    bw = gk.copy_bandwidth()
+    print(f"copy {bw['tb_s']:.2f} TB/s", flush=True)
+    b, hq, hkv, d = 8, 32, 8, 128
+    torch.manual_seed(0)
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
+    lengths = torch.full((b,), t, dtype=torch.int32, device="cuda")
+    kq, vq = A.quantize_kv_nvfp4(k), A.quantize_kv_nvfp4(v)
+    r4 = ref_attn(q, dq(kq, d), dq(vq, d), lengths)
+    q4 = q[:, :, None, :]
+    kv_bf16 = k.nbytes + v.nbytes
+    fp4_bytes = sum(p.nbytes for p in kq) + sum(p.nbytes for p in vq)
+    floor = (fp4_bytes + 2 * q.nbytes) / (bw["tb_s"] * 1e12) * 1e6
+    bf16_sets = [(k, v)] + [(k.clone(), v.clone()) for _ in range(gk.copies_for(kv_bf16, at_least=1) - 1)]
+    sets4 = [(kq, vq)] + [(tuple(p.clone() for p in kq), tuple(p.clone() for p in vq))
+                          for _ in range(gk.copies_for(fp4_bytes, at_least=1) - 1)]
+
+    def call(s, kw):
+        (kd, ks, kg), (vd, vs, vg) = s
+        return A.decode_attention(q, lengths, kd, vd, kg, vg, k_scale=ks, v_scale=vs, kernel="gluon", **kw)
+
+    rows, bad, times = {}, {}, {}
+    out_default = None
+    for name in names:
+        kw = VARIANTS[name]
+        try:
+            o = call(sets4[0], kw)
+            torch.cuda.synchronize()
+            rows[name] = {"rel_err": rel(o, r4), "nan": bool(torch.isnan(o).any())}
+            if name == "default":
+                out_default = o
+            elif out_default is not None:
+                rows[name]["equal_default"] = bool(torch.equal(o, out_default))
+                rows[name]["rel_vs_default"] = rel(o, out_default.float())
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            bad[name] = repr(exc)[:300]
+    for _ in range(2):
+        times.setdefault("sdpa_bf16", []).append(gk.time_calls(
+            [lambda s=s: F.scaled_dot_product_attention(q4, s[0], s[1], enable_gqa=True) for s in bf16_sets],
+            min_calls=8))
+        for name in names:
+            if name in bad:
+                continue
+            try:
+                times.setdefault(name, []).append(gk.time_calls(
+                    [lambda s=s, kw=VARIANTS[name]: call(s, kw) for s in sets4], min_calls=8))
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                bad[name] = repr(exc)[:300]
+    sdpa = min(times["sdpa_bf16"])
+    res = {"env": gk._env(), "argv": sys.argv, "copy": bw, "context": t, "floor_us": floor, "sdpa_us": sdpa,
+           "variants": {n: VARIANTS[n] for n in names}, "rows": [], "errors": bad}
+    print(f"\ncontext {t}, batch {b}, {hq}/{hkv} heads: SDPA BF16 {sdpa:.1f} us, floor {floor:.1f} us\n")
+    print("| variant | knobs | us | x SDPA | rel err | = default |")
+    print("|---|---|---|---|---|---|")
+    for name in names:
+        if name not in times:
+            print(f"| {name} | {VARIANTS[name]} | error: {bad.get(name, '')[:80]} | | | |")
+            continue
+        us = min(times[name])
+        row = {"variant": name, "us": us, "us_rounds": times[name], "speedup": sdpa / us,
+               **rows.get(name, {})}
+        res["rows"].append(row)
+        eq = row.get("equal_default", "")
+        note = " (timing only)" if name in TIMING_ONLY else ""
+        print(f"| {name}{note} | {VARIANTS[name]} | {us:.1f} | {sdpa / us:.2f} | "
+              f"{row.get('rel_err', 0):.2e} | {eq} |")
+    with open(os.path.join(out_dir, "attn_s8.json"), "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main()
+    print(f"[total {time.time() - t0:.0f}s]")
