@@ -41,6 +41,7 @@ VARIANTS = {  # _mode: gluon_ptx mode bits (default 20 = 16 vote + 4 two S chain
     "warps2": {"num_warps": 2}, "warps8": {"num_warps": 8},
     "reg128": {"_maxnreg": 128}, "reg152": {"_maxnreg": 152},
     "no_stream": {"_dbg": 1}, "merge_one": {"_dbg": 2},  # timing only: no token loop / merge of one slot
+    "merge_tiles": {"_dbg": 8},  # the merge of sessions 3-7
 }
 TIMING_ONLY = {"no_unpack", "no_stream", "merge_one", "no_unpack_tile_max"}
 

@@ -123,7 +123,7 @@ def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, 
     vs8 = vs.view(torch.uint8)
     num_splits = num_splits or _splits_gluon(b, hkv, t_cap, num_warps, q.device, maxnreg)
     n_slots = b * hkv * num_splits * num_warps
-    part, ml, lock = _WORKSPACE.get(q.device, n_slots, 8, 128, b * hkv, ml_cols=80)
+    part, ml, lock = _WORKSPACE.get(q.device, n_slots, 8, 128, b * hkv, ml_cols=88)
     out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=q.device)
     COMPILED["decode_attn nvfp4 gluon"] = _decode_attn_fp4_gluon[(b * hkv, num_splits)](
         q, kw, ks16, kg, vw, vs8, vg, lengths, starts if starts is not None else lengths, out,
