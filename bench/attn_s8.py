@@ -1,18 +1,19 @@
 """Eighth session: where the Gluon NVFP4 decode attention stands against its knobs, one process.
 
-python3 bench/attn_s8.py [context] [variant,...]  (writes $OUT/attn_s8.json, or ./attn_s8.json without OUT)
+[BATCH=8] python3 bench/attn_s8.py [context] [variant,...]  (writes $OUT/attn_s8_<context>_b<batch>.json)
 
 Batch 8, 32/8 heads, d 128 at one context (default 32768) against torch SDPA BF16 in the same run: the
 default configuration, then variants of the dispatcher's knobs (splits, warps per CTA, L2 prefetch
 distance, register cap) and the timing-only experiment modes of fp4rl.kernels.attention.gluon_ptx (mode
 bit 1: no unpack, wrong values; it bounds what a cheaper unpack can buy). Each variant's output is
 compared with the default's (bit-identical expected for every knob; splits change the merge order).
-Timing as in attn_s7.py (CUDA-graph replay over rotated operand copies, two interleaved rounds, the
-better kept).
+Timing as in attn_s7.py (CUDA-graph replay over rotated operand copies), ROUNDS interleaved rounds
+(env, default 2), medians reported (SDPA too).
 """
 
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -34,15 +35,18 @@ VARIANTS = {  # _mode: gluon_ptx mode bits (default 20 = 16 vote + 4 two S chain
     "no_unpack_tile_max": {"_mode": 5},  # timing only
     "rescale_always": {"_mode": 6},  # tile maximum, accumulators rescaled every step
     "one_chain": {"_mode": 16},
-    "rotate_unpack": {"_mode": 28},  # the unpack of sessions 3-7 (rotates on the ALU pipe)
     "splits4": {"num_splits": 4}, "splits5": {"num_splits": 5}, "splits8": {"num_splits": 8},
-    "splits12": {"num_splits": 12},
+    "splits12": {"num_splits": 12}, "splits2": {"num_splits": 2}, "splits3": {"num_splits": 3},
+    "splits16": {"num_splits": 16}, "splits24": {"num_splits": 24}, "splits32": {"num_splits": 32},
+    "splits48": {"num_splits": 48},
     "pf0": {"_pf": 0}, "pf2": {"_pf": 2}, "pf4": {"_pf": 4}, "pf6": {"_pf": 6},
     "warps2": {"num_warps": 2}, "warps8": {"num_warps": 8},
-    "reg128": {"_maxnreg": 128}, "reg152": {"_maxnreg": 152},
+    "reg128": {"_maxnreg": 128}, "reg152": {"_maxnreg": 152}, "reg160": {"_maxnreg": 160},
+    "nocap": {"_maxnreg": None},  # the registers ptxas picks (default: capped at 168, 12 warps / SM)
+    "w2_reg144": {"num_warps": 2, "_maxnreg": 144}, "w2_reg128": {"num_warps": 2, "_maxnreg": 128},
     "no_stream": {"_dbg": 1}, "merge_one": {"_dbg": 2},  # timing only: no token loop / merge of one slot
-    "merge_tiles": {"_dbg": 8},  # the merge of sessions 3-7
 }
+ROUNDS = int(os.environ.get("ROUNDS", "2"))  # interleaved timing rounds
 TIMING_ONLY = {"no_unpack", "no_stream", "merge_one", "no_unpack_tile_max"}
 
 
@@ -55,7 +59,7 @@ def main():
     gk.WARM_MS = 20.0
     bw = gk.copy_bandwidth()
     print(f"copy {bw['tb_s']:.2f} TB/s", flush=True)
-    b, hq, hkv, d = 8, 32, 8, 128
+    b, hq, hkv, d = int(os.environ.get("BATCH", "8")), 32, 8, 128
     torch.manual_seed(0)
     q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
@@ -91,7 +95,7 @@ def main():
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             bad[name] = repr(exc)[:300]
-    for _ in range(2):
+    for _ in range(ROUNDS):
         times.setdefault("sdpa_bf16", []).append(gk.time_calls(
             [lambda s=s: F.scaled_dot_product_attention(q4, s[0], s[1], enable_gqa=True) for s in bf16_sets],
             min_calls=8))
@@ -104,25 +108,28 @@ def main():
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
                 bad[name] = repr(exc)[:300]
-    sdpa = min(times["sdpa_bf16"])
+    sdpa = statistics.median(times["sdpa_bf16"])
     res = {"env": gk._env(), "argv": sys.argv, "copy": bw, "context": t, "floor_us": floor, "sdpa_us": sdpa,
            "variants": {n: VARIANTS[n] for n in names}, "rows": [], "errors": bad}
     print(f"\ncontext {t}, batch {b}, {hq}/{hkv} heads: SDPA BF16 {sdpa:.1f} us, floor {floor:.1f} us\n")
+    print(f"medians of {ROUNDS} interleaved rounds (min, max in brackets)")
     print("| variant | knobs | us | x SDPA | rel err | = default |")
     print("|---|---|---|---|---|---|")
     for name in names:
         if name not in times:
             print(f"| {name} | {VARIANTS[name]} | error: {bad.get(name, '')[:80]} | | | |")
             continue
-        us = min(times[name])
+        us = statistics.median(times[name])
         row = {"variant": name, "us": us, "us_rounds": times[name], "speedup": sdpa / us,
                **rows.get(name, {})}
         res["rows"].append(row)
         eq = row.get("equal_default", "")
         note = " (timing only)" if name in TIMING_ONLY else ""
-        print(f"| {name}{note} | {VARIANTS[name]} | {us:.1f} | {sdpa / us:.2f} | "
+        lo, hi = min(times[name]), max(times[name])
+        print(f"| {name}{note} | {VARIANTS[name]} | {us:.1f} [{lo:.1f}, {hi:.1f}] | "
+              f"{sdpa / us:.2f} | "
               f"{row.get('rel_err', 0):.2e} | {eq} |")
-    with open(os.path.join(out_dir, "attn_s8.json"), "w") as fh:
+    with open(os.path.join(out_dir, f"attn_s8_{t}_b{b}.json"), "w") as fh:
         json.dump(res, fh, indent=1, default=str)
 
 

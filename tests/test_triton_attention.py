@@ -136,3 +136,18 @@ def test_gpu_gluon_kernel(b, hq, hkv, t, lengths, starts, qscale):
     assert torch.equal(out, run())
     if 0 in lengths:
         assert torch.equal(out[lengths.index(0)], torch.zeros_like(out[0]))
+
+
+def test_gluon_split_rule(monkeypatch):
+    """The dispatcher's split counts on a 132-multiprocessor H200 are the ones measured best there
+    (bench/RESULTS.md, eighth session): 6 splits from 16K up at batch 8, 4 below, ~32 at batch 1 32K."""
+    props = type("Props", (), {"multi_processor_count": 132})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    got = {(b, t): attention._splits_gluon(b, 8, t, 4, "cuda", 168)
+           for b, t in [(8, 2048), (8, 4096), (8, 8192), (8, 16384), (8, 32768), (1, 32768), (1, 4096),
+                        (32, 32768)]}
+    assert got == {(8, 2048): 4, (8, 4096): 4, (8, 8192): 4, (8, 16384): 6, (8, 32768): 6, (1, 32768): 33,
+                   (1, 4096): 16, (32, 32768): 1}
+    for (b, t), n in got.items():  # every warp keeps >= 64 tokens, the grid fits the resident CTAs
+        assert n == 1 or t // (n * 4) >= 64
+        assert b * 8 * n <= 3 * 132 or n == 1

@@ -102,12 +102,17 @@ GLUON = {"on": gluon is not None and not INTERPRET, "error": None}
 
 
 def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int | None) -> int:
-    """Splits so that the warps of the whole grid fill the H200 about once (16 resident warps per
-    multiprocessor at <= 128 registers, 12 at ~168) and each warp streams >= 64 tokens."""
+    """Context splits per (batch, KV head). Long contexts (>= 512 tokens per warp when the grid fills every
+    resident warp slot, 12 per multiprocessor at <= 168 registers) take that many; shorter ones fill two
+    CTAs per multiprocessor (fewer partials to merge: the merge, not the stream, is then the larger cost),
+    with >= 64 tokens per warp. On the H200 at batch 8 this picks 6 splits from 16K up and 4 at 2K-8K,
+    the measured best (bench/RESULTS.md, eighth session); batch 1 at 32K: 33 (32 measured best)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    per_sm = 65536 // (32 * (maxnreg or 168))
-    target = (per_sm // num_warps) * sms  # programs that fit at once
-    n = max(1, min(64, target // max(1, b * hkv)))
+    per_sm = 65536 // (32 * (maxnreg or 168)) // num_warps  # resident CTAs per multiprocessor
+    bh = max(1, b * hkv)
+    n = max(1, min(64, per_sm * sms // bh))
+    if t // (n * num_warps) < 512:
+        n = max(1, min(64, min(2, per_sm) * sms // bh))
     while n > 1 and t // (n * num_warps) < 64:
         n -= 1
     return n
@@ -123,7 +128,7 @@ def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, 
     vs8 = vs.view(torch.uint8)
     num_splits = num_splits or _splits_gluon(b, hkv, t_cap, num_warps, q.device, maxnreg)
     n_slots = b * hkv * num_splits * num_warps
-    part, ml, lock = _WORKSPACE.get(q.device, n_slots, 8, 128, b * hkv, ml_cols=88)
+    part, ml, lock = _WORKSPACE.get(q.device, n_slots, 8, 128, b * hkv, ml_cols=80)
     out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=q.device)
     COMPILED["decode_attn nvfp4 gluon"] = _decode_attn_fp4_gluon[(b * hkv, num_splits)](
         q, kw, ks16, kg, vw, vs8, vg, lengths, starts if starts is not None else lengths, out,
@@ -142,7 +147,7 @@ def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, 
 @with_asm_fallback
 def decode_attention(q, lengths, k, v, k_global, v_global, *, k_scale=None, v_scale=None, sm_scale=None,
                      num_splits=None, block_t=None, num_warps=None, num_stages=3, starts=None, kernel=None,
-                     _mode: int = 20, _pf: int = 3, _maxnreg: int | None = None, _dbg: int = 0):
+                     _mode: int = 20, _pf: int = 3, _maxnreg: int | None = 168, _dbg: int = 0):
     """One decode step of attention: out [B, Hq, D] bfloat16.
 
     NVFP4 cache when k_scale/v_scale (E4M3 block scales) are given, else FP8 (e4m3) cache.

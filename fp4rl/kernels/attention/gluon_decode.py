@@ -28,8 +28,6 @@ except Exception:  # noqa: BLE001
 if gluon is not None:
     from fp4rl.kernels.attention.gluon_stream import _stream
 
-    ML = gl.constexpr(88)  # floats per partial's statistics: m [8], M [8], l per lane [8 x 8], l summed [8]
-
     @gluon.jit
     def _ax(n: gl.constexpr, dim: gl.constexpr, L5: gl.constexpr):
         """arange(0, n) along dim of the 5-D layout L5, expanded to 5 dims."""
@@ -162,11 +160,8 @@ if gluon is not None:
         gl.store(pbase + 512, acc2, cache_modifier=".cg")
         gl.store(pbase + 768, acc3, cache_modifier=".cg")
         kind = 2 * e2 + e3  # 0: m, 1: l, 2: M, 3: l again (skipped)
-        mlp = ml_ptr + slot * ML + gl.where(kind == 1, 16 + 8 * g5, 8 * (kind // 2)) + 2 * c5 + e1
+        mlp = ml_ptr + slot * 80 + gl.where(kind == 1, 16 + 8 * g5, 8 * (kind // 2)) + 2 * c5 + e1
         gl.store(mlp, st, mask=(kind == 1) | ((kind != 3) & (g5 == 0)), cache_modifier=".cg")
-        # l summed over the 8 lanes g (butterfly: every lane holds the same sum), for the merge
-        gl.store(ml_ptr + slot * ML + 80 + 2 * c5 + e1 + 0 * kind, _lane_sum(st),
-                 mask=(kind == 1) & (g5 == 0), cache_modifier=".cg")
         gl.thread_barrier()
         if DBG & 4:  # timing experiment: no fence (wrong memory ordering)
             done = gl.atomic_add(lock_ptr + bh, 1, sem="relaxed", scope="gpu")
@@ -175,77 +170,16 @@ if gluon is not None:
         if done == NUM_SPLITS - 1:
             if DBG & 2:  # timing experiment: merge one slot only (wrong output)
                 _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, 1, NW)
-            elif DBG & 8:  # the merge of sessions 3-7 (tiles, cross-warp reductions, gathered partials)
-                _merge_tiles(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, NUM_SPLITS * NW,
-                             NW)
             else:
                 _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, NUM_SPLITS * NW, NW)
             gl.atomic_xchg(lock_ptr + bh, 0)
 
 
     @gluon.jit
-    def _lane_sum(x):
-        """Sum over the 8 lanes g of each lane group c (lane = 4 g + c): butterfly over lane bits 2-4."""
-        return gl.inline_asm_elementwise(
-            "{\n.reg .f32 t;\nshfl.sync.bfly.b32 t, $1, 4, 0x1f, 0xffffffff;\nadd.f32 $0, $1, t;\n"
-            "shfl.sync.bfly.b32 t, $0, 8, 0x1f, 0xffffffff;\nadd.f32 $0, $0, t;\n"
-            "shfl.sync.bfly.b32 t, $0, 16, 0x1f, 0xffffffff;\nadd.f32 $0, $0, t;\n}\n",
-            "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
-
-    @gluon.jit
     def _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G: gl.constexpr,
                NS: gl.constexpr, NW: gl.constexpr):
         """out = [sum_s acc_s 2^(M_s - Mx)] / [sum_s l_s 2^(m_s - mx)] * 2^(14 + Mx - mx), slots in order.
-
-        Each thread merges 8 elements of the [8 queries, 128] output in the partials' own register-major
-        order (coalesced loads: lanes read 32 consecutive floats), with its own copy of the two queries'
-        statistics (no cross-warp reduction, no barrier): element (i16, e1, g, c) of a slot's 1024 floats
-        at i16 * 64 + e1 * 32 + 4 g + c is query 2c + e1, head dim 16 g + 4 (i16 // 4) + (i16 // 2) % 2
-        + 2 (i16 % 2)."""
-        L4: gl.constexpr = gl.BlockedLayout([16 // NW, 2, 1, 1], [1, 1, 8, 4], [NW, 1, 1, 1], [3, 2, 1, 0])
-        i16 = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
-        e1 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
-        g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
-        c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
-        i16 = gl.expand_dims(gl.expand_dims(gl.expand_dims(i16, 1), 2), 3)  # [16, 1, 1, 1]
-        e1 = gl.expand_dims(gl.expand_dims(gl.expand_dims(e1, 0), 2), 3)  # [1, 2, 1, 1]
-        g = gl.expand_dims(gl.expand_dims(gl.expand_dims(g, 0), 1), 3)  # [1, 1, 8, 1]
-        c = gl.expand_dims(gl.expand_dims(gl.expand_dims(c, 0), 1), 2)  # [1, 1, 1, 4]
-        idx = i16 * 64 + e1 * 32 + g * 4 + c  # [16, 2, 8, 4]
-        q = 2 * c + e1  # [1, 2, 1, 4]
-        qm = q < G
-        # pass 1: the reference maxima over the slots (every thread its own two queries)
-        mx = gl.full([1, 2, 1, 4], float("-inf"), gl.float32, L4)
-        big_mx = gl.full([1, 2, 1, 4], float("-inf"), gl.float32, L4)
-        for s_ in gl.static_range(NS):
-            sb = ml_ptr + (bh * NS + s_) * ML
-            mx = gl.maximum(mx, gl.load(sb + q, mask=qm, other=float("-inf"), cache_modifier=".cg"))
-            big_mx = gl.maximum(big_mx, gl.load(sb + 8 + q, mask=qm, other=float("-inf"),
-                                                cache_modifier=".cg"))
-        mx = gl.where(mx == float("-inf"), 0.0, mx)
-        big_mx = gl.where(big_mx == float("-inf"), 0.0, big_mx)
-        # pass 2: the weighted sums, slots in order
-        num = gl.zeros([16, 2, 8, 4], gl.float32, L4)
-        den = gl.zeros([1, 2, 1, 4], gl.float32, L4)
-        for s_ in gl.static_range(NS):
-            sb = ml_ptr + (bh * NS + s_) * ML
-            m_s = gl.load(sb + q, mask=qm, other=float("-inf"), cache_modifier=".cg")
-            big_s = gl.load(sb + 8 + q, mask=qm, other=float("-inf"), cache_modifier=".cg")
-            l_s = gl.load(sb + 80 + q, mask=qm, other=0.0, cache_modifier=".cg")
-            o_s = gl.load(part_ptr + (bh * NS + s_) * 1024 + idx, mask=qm, other=0.0, cache_modifier=".cg")
-            den += l_s * gl.exp2(m_s - mx)
-            num += o_s * gl.exp2(big_s - big_mx)
-        f = gl.exp2(big_mx - mx + 14.0) / gl.where(den == 0.0, 1.0, den)
-        o = num * f
-        d = 16 * g + 4 * (i16 // 4) + (i16 // 2) % 2 + 2 * (i16 % 2)
-        gl.store(out_ptr + b * stride_ob + (hk * G + q) * stride_oh + d, o.to(gl.bfloat16),
-                 mask=qm & (d >= 0))
-
-    @gluon.jit
-    def _merge_tiles(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G: gl.constexpr,
-                     NS: gl.constexpr, NW: gl.constexpr):
-        """The merge of sessions 3-7 (kept for comparison, DBG bit 8): the per-slot statistics read as one
-        tile and reduced across warps, the partials gathered in [query, head dim] order."""
+        The per-slot statistics are read as one tile; the slot loop is unrolled so its loads overlap."""
         NSP: gl.constexpr = triton.next_power_of_2(NS)
         LS: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 8, 1], [NW, 1, 1], [2, 1, 0])  # [NSP, 8, 8 lanes]
         sl = gl.arange(0, NSP, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS)))
@@ -254,7 +188,7 @@ if gluon is not None:
         s2 = gl.expand_dims(sl, 1)  # [NSP, 1]
         q2 = gl.expand_dims(ql, 0)  # [1, 8]
         sm = (s2 < NS) & (q2 < G)
-        base = ml_ptr + (bh * NS + s2) * ML + q2
+        base = ml_ptr + (bh * NS + s2) * 80 + q2
         m_s = gl.load(base, mask=sm, other=float("-inf"), cache_modifier=".cg")  # [NSP, 8]
         big_s = gl.load(base + 8, mask=sm, other=float("-inf"), cache_modifier=".cg")
         l3 = gl.load(gl.expand_dims(base + 16, 2) + gl.expand_dims(gl.expand_dims(ll, 0), 1) * 8,
@@ -280,7 +214,7 @@ if gluon is not None:
         big_r = gl.convert_layout(big_mx, gl.SliceLayout(1, L2))
         num = gl.zeros([8, 128], gl.float32, L2)
         for s_ in gl.static_range(NS):  # unrolled: the slots' loads are independent
-            ms = gl.load(ml_ptr + (bh * NS + s_) * ML + 8 + rows, mask=rows < G, other=float("-inf"),
+            ms = gl.load(ml_ptr + (bh * NS + s_) * 80 + 8 + rows, mask=rows < G, other=float("-inf"),
                          cache_modifier=".cg")
             o_s = gl.load(part_ptr + (bh * NS + s_) * 1024 + offs, mask=rmask, other=0.0,
                           cache_modifier=".cg")

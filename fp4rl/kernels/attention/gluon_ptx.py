@@ -3,26 +3,25 @@
 Unpack: an E2M1 code s|e1 e0 m placed at FP16 bits 15 | 11 10 9 is the FP16 number e2m1 * 2^-14
 (code 1 = 0.5 becomes the subnormal 2^-15): exact, no table. In a standard NVFP4 word (8 codes, code
 k at bits 4k) the sign sits 3 bits above the magnitude, in FP16 6 bits above, so one word is first
-rewritten (two lop3 bit-selects and three shifts) into E (even codes: magnitude at 8j + 0..2, sign at
-8j + 6) and O (odd codes, the same); then each FP16 pair is one shift and one mask:
-(E << 9) & 0x8E008E00 = codes (0, 4), (E << 1) & .. = (2, 6), (O << 9) = (1, 5), (O << 1) = (3, 7):
-13 integer instructions per 8 codes (the bfloat16 table unpack: 17), then one mul.rn.f16x2 per
-pair by the E4M3 block scale (exact: e2m1 * s * 2^-14 is a multiple of 2^-24 with <= 6 significant
-bits, in FP16 range).
+rewritten (a shift and two lop3 bit-selects) into E (even codes: magnitude at 8j + 0..2, sign at 8j + 6)
+and O (odd codes, the same), then each FP16 pair is one shift and one mask (``_attn_unpack``): 11 integer
+instructions per 8 codes (the bfloat16 table unpack: 17), then one mul.rn.f16x2 per pair by the E4M3
+block scale (exact: e2m1 * s * 2^-14 is a multiple of 2^-24 with <= 6 significant bits, in FP16 range).
 
-S = Q K^T: A = Q (rows = the G <= 8 query heads of the KV head, scaled per head by a power of two
-into FP16 range; rows 8-15 zero), B = K^T (8 tokens x 16 head dims per MMA): lane (g, c) loads token
-g's 16 bytes at 16c (one 16-byte load), the head dims of each MMA are the code pairs above (Q's
-fragments are gathered once in the same order). D = 8 tokens x query heads: lane (g, c) holds query
-g's scores for tokens 2c, 2c+1 (and 8+2c, 9+2c from the second 8-token MMA), which is the A operand
-layout of the next product, so P never leaves the registers (flash-attention-2's reuse).
-O^T += P V: B = V (16 tokens x 8 head dims): lane (g, c) loads bytes 8g..8g+7 (block g) of tokens
-2c, 2c+1, 8+2c, 9+2c; one prmt per two words interleaves two tokens' bytes so that the same unpack
-yields (token 2c, token 2c+1) pairs of one head dim; the block scale pair is the two tokens' E4M3 bytes
-(one cvt.f16x2.e4m3x2). 16 MMAs (one per head dim d = 16n + i) accumulate in FP32.
+S^T = K Q^T: A = K (rows: tokens g and g + 8 of lane (g, c), which loads each token's 16 bytes at 16c in
+one load), B = Q^T (Q's fragments gathered once in the unpack's head-dim order, scaled per (batch, KV
+head) by a power of two into FP16 range; columns past the G query heads are zero); 8 MMAs per 16 tokens
+in two independent chains. D: lane (g, c) holds the scores of tokens g, g + 8 for queries 2c, 2c + 1.
+O^T += V^T P'^T: A = V^T (rows: head dims of block g; k: tokens 2c, 2c+1 | 8+2c, 9+2c, loaded as bytes
+8g..8g+7 of those tokens; one prmt per two words interleaves two tokens' bytes so that the same unpack
+yields token pairs of one head dim; the block-scale pair is one cvt.f16x2.e4m3x2), B = P'^T, moved from
+the S accumulator layout with two movmatrix (no shuffles); 8 MMAs accumulate in FP32.
 Scales: the K per-token scale multiplies the FP32 score. The V per-token scale g_v enters the
-probabilities in the exponent: P' = 2^(s + log2 g_v - M) with its own running max M, so P' <= 1 is
-always FP16-safe; the softmax denominator keeps its usual max m; o = acc * 2^14 * 2^(M - m) / l.
+probabilities in the exponent: P' = 2^(s + log2 g_v - M) with its own running reference M, so P' stays
+FP16-safe; the softmax denominator keeps its own reference m; o = acc * 2^14 * 2^(M - m) / l.
+Lazy references: m and M move only when a score exceeds them by more than 2^8 (P' <= 256). A warp vote
+on each lane's own scores finds such a step (the default since the eighth session: the tile maximum,
+its shuffles and the rescale of the 32 accumulators run only then, behind a warp-uniform branch).
 
 ``_ATTN_ASM[mode]`` is the step's PTX for each experiment mode (``_attn_asm``'s bits), ``_ATTN_CON``
 its operand constraints; both are constexprs of the kernel, built once here as plain strings.
@@ -33,21 +32,17 @@ from __future__ import annotations
 _ATTN_MSK = 0x8E008E00
 
 
-def _attn_unpack(w, r, rotate: bool = False):
+def _attn_unpack(w, r):
     """PTX: standard NVFP4 word w -> FP16 pairs r[0..3] = codes (0,4), (2,6), (1,5), (3,7) (x 2^-14).
     t = w << 3 (sign of code k at 4k+6); E = w's even codes' magnitudes (bits 8j+0..2) with t elsewhere,
     O = the odd ones (8j+4..6), and bits 28..31 of w (code 7 whole), with t elsewhere: each code's sign then
     sits 6 bits above its magnitude, as in FP16, but code 7's, which an arithmetic shift right by 3 puts at
-    bit 31 of pair (3, 7). 11 integer instructions per 8 codes, 7 of them on the ALU pipe (the shifts left
-    are IMAD.SHL, on the FMA pipe). rotate: the form of the third session (t = w rotated left by 3, pair
-    (3, 7) rotated right by 3: 9 ALU instructions)."""
-    if rotate:
-        return (f"shf.l.wrap.b32 ut, {w}, {w}, 3;\nlop3.b32 uE, {w}, ut, k7, 0xE4;\n"
-                f"lop3.b32 uO, {w}, ut, k70, 0xE4;\n"
-                f"shl.b32 {r[0]}, uE, 9;\nand.b32 {r[0]}, {r[0]}, msk;\n"
-                f"shl.b32 {r[1]}, uE, 1;\nand.b32 {r[1]}, {r[1]}, msk;\n"
-                f"shl.b32 {r[2]}, uO, 5;\nand.b32 {r[2]}, {r[2]}, msk;\n"
-                f"shf.r.wrap.b32 {r[3]}, uO, uO, 3;\nand.b32 {r[3]}, {r[3]}, msk;\n")
+    bit 31 of pair (3, 7). 11 integer instructions per 8 codes, 7 on the ALU pipe (ptxas puts shifts left
+    on the FMA pipe as IMAD.SHL). The third session's form rotated w and pair (3, 7) instead (9 ALU
+    instructions; no faster or slower on the H200 within noise, eighth session). A byte-permute form (w's
+    signs, then E and O as bytes with the magnitude at bits 1-3 and the sign at bit 7, each pair one prmt
+    into the high bytes of a zero word) takes 10 instructions but 8 on the ALU pipe: measured no faster
+    (100.4 vs 98.5 us at 32K), not kept."""
     return (f"shl.b32 ut, {w}, 3;\nlop3.b32 uE, {w}, ut, k7, 0xE4;\n"
             f"lop3.b32 uO, {w}, ut, k70, 0xE4;\n"
             f"shl.b32 {r[0]}, uE, 9;\nand.b32 {r[0]}, {r[0]}, msk;\n"
@@ -60,16 +55,17 @@ def _attn_asm(mode: int = 0) -> str:
     """One 16-token step of one warp, per lane (pack = 8). Operands: out acc0..3 (8 each), st (m, l, M
     for queries 2c, 2c+1); in kw, vw, ks, vs, kq, bias, vg, qa, qb, st, acc0..3 (8 each).
     mode bits (experiments): 1 no unpack (wrong values; timing only), 2 rescale the accumulators
-    every step (no warp vote and branch), 4 S in two independent MMA chains, 8 the rotate unpack, 16 the
-    references' move detected by a vote on the lanes' own scores (no tile maximum unless one moves)."""
+    every step (no warp vote and branch), 4 S in two independent MMA chains, 16 the references' move detected
+    by a vote on the lanes' own scores (no tile maximum unless one moves; the default, 20 = 16 + 4)."""
     OACC, OST = 0, 32
     KW, VW, KS, VS, KQ, BIAS, VG, QA, QB, ST, ACC = (40 + 8 * i for i in range(11))
-    a = ["{\n.reg .b32 ut, uE, uO, k7, k70, msk, r<4>, rb<4>, sk, sA, sB, sC, sD, mx, mxb, X0, X1, Y0, Y1;\n"
+    a = ["{\n.reg .b32 ut, uE, uO, k7, k70, msk, r<4>, rb<4>, sk, sA, sB, sC, sD, mx, mxb, X0, X1, Y0, "
+         "Y1;\n"
          ".reg .b16 h0, h1;\n.reg .f32 d<4>, e<4>, s<4>, u<4>, lv0, lv1, tm, tt, ta0, ta1, tb0, tb1, "
          " m<2>, mn<2>, mu<2>, al<2>, "
          "M<2>, "
          "Mn<2>, Mu<2>, Al<2>, pp<4>, l<2>, o<32>;\n.reg .pred pz;\n"
-         f"mov.b32 k7, 0x07070707;\nmov.b32 k70, {0x70707070 if mode & 8 else 0xF0707070:#x};\n"
+         f"mov.b32 k7, 0x07070707;\nmov.b32 k70, 0xF0707070;\n"
          f"mov.b32 msk, {_ATTN_MSK:#x};\n"]
     a.append("".join(f"mov.f32 o{i}, ${ACC + i};\n" for i in range(32)))
     a.append(f"mov.f32 m0, ${ST};\nmov.f32 m1, ${ST + 1};\nmov.f32 l0, ${ST + 2};\nmov.f32 l1, ${ST + 3};\n"
@@ -78,7 +74,7 @@ def _attn_asm(mode: int = 0) -> str:
     def unpack(w, r):
         if mode & 1:
             return "".join(f"and.b32 {x}, {w}, msk;\n" for x in r)
-        return _attn_unpack(w, r, rotate=bool(mode & 8))
+        return _attn_unpack(w, r)
 
     # ---- S^T = K Q^T: A = K (rows: tokens g, g+8 of this lane), B = Q^T; D: s(t = g | g+8, q = 2c | 2c+1)
     a.append(f"mov.b32 {{h0, h1}}, ${KS};\ncvt.rn.f16x2.e4m3x2 sk, h0;\n"
