@@ -150,96 +150,36 @@ if gluon is not None:
             t_lo, t_hi, w5, g5, c5, e2, e3, e1, stride_kt, stride_vt, stride_kst, stride_vst, kqs, zf,
             big, qa, qb, st, acc0, acc1, acc2, acc3, pf_off, pf_tok, pf_t0, DBG)
 
-        PER_WARP: gl.constexpr = (DBG & 8) != 0 or NW > 4  # else the CTA's warps combined first
-        if PER_WARP:  # the publish of sessions 3-7: one partial per warp (24 per (b, kv head) at 6 splits)
-            # acc tensor T, element (e2, e3, e1): query 2c + e1, head dim 16 g + 4 T + e2 + 2 e3; state: m, M
-            # per query (equal in the 8 lanes g), l per lane; stored register-major ([T, e2, e3, e1] x 32
-            # lanes): each warp store writes 128 contiguous bytes
-            slot = (bh * NUM_SPLITS + split) * NW + w5  # [R, 1, 1, 1, 1]
-            pbase = part_ptr + slot * 1024 + (e2 * 4 + e3 * 2 + e1) * 32 + 4 * g5 + c5
-            gl.store(pbase, acc0, cache_modifier=".cg")
-            gl.store(pbase + 256, acc1, cache_modifier=".cg")
-            gl.store(pbase + 512, acc2, cache_modifier=".cg")
-            gl.store(pbase + 768, acc3, cache_modifier=".cg")
-            kind = 2 * e2 + e3  # 0: m, 1: l, 2: M, 3: l again (skipped)
-            mlp = ml_ptr + slot * 80 + gl.where(kind == 1, 16 + 8 * g5, 8 * (kind // 2)) + 2 * c5 + e1
-            gl.store(mlp, st, mask=(kind == 1) | ((kind != 3) & (g5 == 0)), cache_modifier=".cg")
-        else:  # the CTA's warps combined in shared memory: one partial per CTA
-            _publish_cta(part_ptr, ml_ptr, bh * NUM_SPLITS + split, acc0, acc1, acc2, acc3, st, NW)
+        # ---- publish this warp's partial. acc tensor T, element (e2, e3, e1): query 2c + e1,
+        # head dim 16 g + 4 T + e2 + 2 e3; state: m, M per query (equal in the 8 lanes g), l per lane
+        slot = (bh * NUM_SPLITS + split) * NW + w5  # [R, 1, 1, 1, 1]
+        # stored register-major ([T, e2, e3, e1] x 32 lanes): each warp store writes 128 contiguous bytes
+        pbase = part_ptr + slot * 1024 + (e2 * 4 + e3 * 2 + e1) * 32 + 4 * g5 + c5
+        gl.store(pbase, acc0, cache_modifier=".cg")
+        gl.store(pbase + 256, acc1, cache_modifier=".cg")
+        gl.store(pbase + 512, acc2, cache_modifier=".cg")
+        gl.store(pbase + 768, acc3, cache_modifier=".cg")
+        kind = 2 * e2 + e3  # 0: m, 1: l, 2: M, 3: l again (skipped)
+        mlp = ml_ptr + slot * 80 + gl.where(kind == 1, 16 + 8 * g5, 8 * (kind // 2)) + 2 * c5 + e1
+        gl.store(mlp, st, mask=(kind == 1) | ((kind != 3) & (g5 == 0)), cache_modifier=".cg")
         gl.thread_barrier()
         if DBG & 4:  # timing experiment: no fence (wrong memory ordering)
             done = gl.atomic_add(lock_ptr + bh, 1, sem="relaxed", scope="gpu")
         else:
             done = gl.atomic_add(lock_ptr + bh, 1, sem="acq_rel", scope="gpu")
         if done == NUM_SPLITS - 1:
-            NSL: gl.constexpr = NUM_SPLITS * NW if PER_WARP else NUM_SPLITS  # partials per (b, kv head)
             if DBG & 2:  # timing experiment: merge one slot only (wrong output)
-                _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, 1, NW, not PER_WARP)
+                _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, 1, NW)
             else:
-                _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, NSL, NW, not PER_WARP)
+                _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, NUM_SPLITS * NW, NW)
             gl.atomic_xchg(lock_ptr + bh, 0)
 
 
     @gluon.jit
-    def _publish_cta(part_ptr, ml_ptr, slot, acc0, acc1, acc2, acc3, st, NW: gl.constexpr):
-        """The partial of the CTA's NW warps, combined through shared memory (each warp's accumulators and
-        state stored as they lie in the registers, read back so that every thread holds one element of all
-        NW warps): acc = sum_w acc_w 2^(M_w - Mx), l (per lane g) = sum_w l_w 2^(m_w - mx), warps in order.
-        Stored as slot `slot` in natural order (T, g, c, e2, e3, e1) = head dim 16 g + 4 T + e2 + 2 e3 of
-        query 2c + e1; statistics as the per-warp partials (m [8], M [8], l [8 lanes x 8])."""
-        R: gl.constexpr = 8 * NW
-        SH1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        SH5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [4, 3, 2, 1, 0])
-        SH6: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [5, 4, 3, 2, 1, 0])
-        SH7: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [6, 5, 4, 3, 2, 1, 0])
-        sacc = gl.allocate_shared_memory(gl.float32, [4, R, 4, 2, 2, 2], SH5)  # 4 buffers of [R, 4, 2, 2, 2]
-        sacc.index(0).store(acc0)
-        sacc.index(1).store(acc1)
-        sacc.index(2).store(acc2)
-        sacc.index(3).store(acc3)
-        sst = gl.allocate_shared_memory(gl.float32, [R, 4, 2, 2, 2], SH5)
-        sst.store(st)
-        gl.thread_barrier()
-        # [T, warp, g, c, e2, e3, e1]: warp T of the CTA takes accumulator T, each thread all NW warps' values
-        LW: gl.constexpr = gl.BlockedLayout([4 // NW, NW, 1, 1, 2, 2, 2], [1, 1, 8, 4, 1, 1, 1],
-                                            [NW, 1, 1, 1, 1, 1, 1], [6, 5, 4, 3, 2, 1, 0])
-        LS6: gl.constexpr = gl.SliceLayout(0, LW)
-        a7 = sacc._reinterpret(gl.float32, [4, NW, 8, 4, 2, 2, 2], SH7).load(LW)
-        s6 = sst._reinterpret(gl.float32, [NW, 8, 4, 2, 2, 2], SH6)
-        m_w = s6.slice(0, 1, dim=3).slice(0, 1, dim=4).load(LS6)  # [NW, 8, 4, 1, 1, 2]: (e2, e3) = (0, 0)
-        l_w = s6.slice(0, 1, dim=3).slice(1, 1, dim=4).load(LS6)  # (0, 1): l of lane g
-        big_w = s6.slice(1, 1, dim=3).slice(0, 1, dim=4).load(LS6)  # (1, 0): M
-        mx = gl.max(m_w, 0)
-        big_mx = gl.max(big_w, 0)
-        l_c = gl.sum(l_w * gl.exp2(m_w - gl.expand_dims(gl.where(mx == float("-inf"), 0.0, mx), 0)), 0)
-        w_big = gl.exp2(big_w - gl.expand_dims(gl.where(big_mx == float("-inf"), 0.0, big_mx), 0))
-        acc_c = gl.sum(a7 * gl.expand_dims(w_big, 0), 1)  # [T, g, c, e2, e3, e1]
-        sout = gl.allocate_shared_memory(gl.float32, [4, 8, 4, 2, 2, 2], SH6)
-        sout.store(acc_c)
-        sstat = gl.allocate_shared_memory(gl.float32, [4, 8, 4, 1, 1, 2], SH5)  # m, M, l (, unused)
-        sstat.index(0).store(mx)
-        sstat.index(1).store(big_mx)
-        sstat.index(2).store(l_c)
-        gl.thread_barrier()
-        LF: gl.constexpr = gl.BlockedLayout([8], [32], [NW], [0])
-        i = gl.arange(0, 1024, layout=LF)
-        gl.store(part_ptr + slot * 1024 + i, sout._reinterpret(gl.float32, [1024], SH1).load(LF),
-                 cache_modifier=".cg")
-        LF2: gl.constexpr = gl.BlockedLayout([2], [32], [NW], [0])
-        j = gl.arange(0, 256, layout=LF2)  # (kind, g, q)
-        k = j // 64
-        g = (j // 8) % 8
-        q = j % 8
-        gl.store(ml_ptr + slot * 80 + gl.where(k == 2, 16 + 8 * g + q, 8 * k + q),
-                 sstat._reinterpret(gl.float32, [256], SH1).load(LF2),
-                 mask=((k < 2) & (g == 0)) | (k == 2), cache_modifier=".cg")
-
-    @gluon.jit
     def _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G: gl.constexpr,
-               NS: gl.constexpr, NW: gl.constexpr, NATURAL: gl.constexpr):
+               NS: gl.constexpr, NW: gl.constexpr):
         """out = [sum_s acc_s 2^(M_s - Mx)] / [sum_s l_s 2^(m_s - mx)] * 2^(14 + Mx - mx), slots in order.
-        The per-slot statistics are read as one tile; the slot loop is unrolled so its loads overlap.
-        NATURAL: partials in _publish_cta's order, else the per-warp register-major order."""
+        The per-slot statistics are read as one tile; the slot loop is unrolled so its loads overlap."""
         NSP: gl.constexpr = triton.next_power_of_2(NS)
         LS: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 8, 1], [NW, 1, 1], [2, 1, 0])  # [NSP, 8, 8 lanes]
         sl = gl.arange(0, NSP, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS)))
@@ -268,12 +208,8 @@ if gluon is not None:
         q2 = gl.expand_dims(rows, 1)
         d2 = gl.expand_dims(cols, 0)
         rem = d2 % 16
-        if NATURAL:  # (T, g, c, e2, e3, e1)
-            offs = ((rem // 4) * 256 + (d2 // 16) * 32 + (q2 // 2) * 8 + (rem % 2) * 4 + ((rem // 2) % 2) * 2
-                    + q2 % 2)
-        else:  # (T, e2, e3, e1) x lanes (4 g + c)
-            offs = ((rem // 4) * 256 + ((rem % 2) * 4 + ((rem // 2) % 2) * 2 + q2 % 2) * 32
-                    + 4 * (d2 // 16) + q2 // 2)
+        offs = ((rem // 4) * 256 + ((rem % 2) * 4 + ((rem // 2) % 2) * 2 + q2 % 2) * 32
+                + 4 * (d2 // 16) + q2 // 2)
         rmask = gl.expand_dims(rows, 1) < G
         big_r = gl.convert_layout(big_mx, gl.SliceLayout(1, L2))
         num = gl.zeros([8, 128], gl.float32, L2)
