@@ -254,20 +254,24 @@ def test_fast_path_is_sampler_side_only_and_falls_back():
     assert not cpu_ops.fast_cpu_ops(fast, enable=False) and type(fast.model) is Decoder
 
 
-def trainer_error(trainer, c, temperature):
-    """Largest distance of a completion's sampler logprobs to the FP32 trainer's recompute."""
+def trainer_error(trainer, c, temperature, n=None):
+    """Largest distance of a completion's sampler logprobs (its first n tokens: all by default) to the FP32
+    trainer's recompute."""
     ref = trainer_logprobs(trainer, c, temperature=temperature)
-    return (torch.tensor(c.logprobs) - ref).abs().max().item()
+    n = len(c.logprobs) if n is None else n
+    return (torch.tensor(c.logprobs[:n]) - ref[:n]).abs().max().item() if n else 0.0
 
 
 @pytest.mark.parametrize("contract", ["bf16", "nvfp4-w4a16"])
 def test_bf16_sampler_logprobs_with_and_without_the_fast_path(contract):
     """The stated tolerance: the same greedy tokens (>= 80%: a near-tie may flip) and, up to the
     first differing token, logprobs within 0.1 of the eager BF16 sampler's (greedy, and sampled
-    with one seed) on the tiny model, no further from the FP32 trainer's
+    with one seed) on the tiny model, and on those same tokens no further from the FP32 trainer's
     than the eager BF16 sampler's are (x1.5 + 0.02). Both are BF16 rounding: the eager BF16
-    sampler itself is ~0.07-0.08 from the FP32 trainer here. (Not W4A4: quantizing activations to
-    FP4 turns a BF16 rounding difference into a code flip.)"""
+    sampler itself is ~0.03-0.12 from the FP32 trainer here. Compared on the common prefix only:
+    after a sampled token differs the two score different sequences, whose errors say nothing about
+    each other (an AMD EPYC's BF16 kernels made one such tail 0.13 vs an eager 0.07). (Not W4A4:
+    quantizing activations to FP4 turns a BF16 rounding difference into a code flip.)"""
     trainer = tiny(DENSE, contract)
     eager = Sampler(trainer, eos_token_ids=[], dtype=BF)
     fast = Sampler(trainer, eos_token_ids=[], dtype=BF)
@@ -283,8 +287,8 @@ def test_bf16_sampler_logprobs_with_and_without_the_fast_path(contract):
                      len(x.completion_ids))  # a near-tie may pick another token; compare up to there
             same, total = same + n, total + len(x.completion_ids)
             assert n == 0 or max(abs(p - q) for p, q in zip(x.logprobs[:n], y.logprobs[:n])) < 0.1
-            err_eager = max(err_eager, trainer_error(trainer, x, T))
-            err_fast = max(err_fast, trainer_error(trainer, y, T))
+            err_eager = max(err_eager, trainer_error(trainer, x, T, n))
+            err_fast = max(err_fast, trainer_error(trainer, y, T, n))
         if params.greedy:  # a sampled token at a CDF boundary may differ, and then the rest does
             assert same >= 0.8 * total, (same, total)
         assert err_fast <= 1.5 * err_eager + 0.02, (err_fast, err_eager)

@@ -87,7 +87,11 @@ def test_micro_batches_give_the_full_batch_update():
         assert m["train/loss"] == pytest.approx(m0["train/loss"], rel=1e-5, abs=1e-7)
         assert m["train/grad_norm"] == pytest.approx(m0["train/grad_norm"], rel=1e-4)
         assert m["mismatch/logprob_abs_diff"] == pytest.approx(m0["mismatch/logprob_abs_diff"], rel=1e-5)
-        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(p0, p))
+        # Adam's first step moves each weight by lr * g / (|g| + eps): ~lr = 1e-3 for ordinary gradients,
+        # but for entries whose gradient is near eps, rounding-level differences between the micro-batch
+        # sums move it by up to ~1e-5 (5.7e-6 seen on an AMD EPYC). A lost or doubled micro-batch moves
+        # weights by ~lr.
+        assert all(torch.allclose(a, b, atol=2e-5) for a, b in zip(p0, p))
 
 
 def test_grad_norm_is_that_of_the_grpo_loss_before_clipping():
