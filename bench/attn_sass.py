@@ -96,7 +96,8 @@ def main():
           f"local loads/stores {len(re.findall(r'LDL|STL', sass))}")
     print(f"main loop (2 steps): {common} instructions on the common path ({common / 2:.1f} per step), "
           f"{rare} in rarely taken branches")
-    print("opcodes in the loop:", ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
+    print("opcodes in the loop:", ", ".join(f"{k} {v}" for k, v in ops.most_common(16)),
+          f"(local loads/stores in the loop: {ops['LDL'] + ops['STL']})")
 
 
 if __name__ == "__main__":

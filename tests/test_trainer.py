@@ -89,8 +89,8 @@ def test_micro_batches_give_the_full_batch_update():
         assert m["mismatch/logprob_abs_diff"] == pytest.approx(m0["mismatch/logprob_abs_diff"], rel=1e-5)
         # Adam's first step moves each weight by lr * g / (|g| + eps): ~lr = 1e-3 for ordinary gradients,
         # but for entries whose gradient is near eps, rounding-level differences between the micro-batch
-        # sums move it by up to ~1e-5 (5.7e-6 seen on an AMD EPYC). A lost or doubled micro-batch moves
-        # weights by ~lr.
+        # sums move it by up to ~1e-5 (5.7e-6 seen on an AMD EPYC). A lost micro-batch moves weights by
+        # ~lr; a doubled one (scale-free for Adam's first step) shows in the loss and gradient norm above.
         assert all(torch.allclose(a, b, atol=2e-5) for a, b in zip(p0, p))
 
 

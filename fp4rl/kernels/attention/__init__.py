@@ -106,7 +106,9 @@ def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int
     resident warp slot, 12 per multiprocessor at <= 168 registers) take that many; shorter ones fill two
     CTAs per multiprocessor (fewer partials to merge: the merge, not the stream, is then the larger cost),
     with >= 64 tokens per warp. On the H200 at batch 8 this picks 6 splits from 16K up and 4 at 2K-8K,
-    the measured best (bench/RESULTS.md, eighth session); batch 1 at 32K: 33 (32 measured best)."""
+    the measured best (bench/RESULTS.md, eighth session; at 2K 3 splits tie); batch 1 at 32K: 33 (32
+    measured best). t is the cache's capacity, not the sequences' lengths (read on the device: no host
+    sync, so a graph captured once serves every step): a 32K cache holding 4K sequences gets 32K's count."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     per_sm = 65536 // (32 * (maxnreg or 168)) // num_warps  # resident CTAs per multiprocessor
     bh = max(1, b * hkv)

@@ -19,9 +19,9 @@ the S accumulator layout with two movmatrix (no shuffles); 8 MMAs accumulate in 
 Scales: the K per-token scale multiplies the FP32 score. The V per-token scale g_v enters the
 probabilities in the exponent: P' = 2^(s + log2 g_v - M) with its own running reference M, so P' stays
 FP16-safe; the softmax denominator keeps its own reference m; o = acc * 2^14 * 2^(M - m) / l.
-Lazy references: m and M move only when a score exceeds them by more than 2^8 (P' <= 256). A warp vote
-on each lane's own scores finds such a step (the default since the eighth session: the tile maximum,
-its shuffles and the rescale of the 32 accumulators run only then, behind a warp-uniform branch).
+Lazy references: m and M move only when a score exceeds them by more than 8 (log2 units: P' <= 2^8). A
+warp vote on each lane's own scores finds such a step (the default since the eighth session: the tile
+maximum, its shuffles and the rescale of the 32 accumulators run only then, behind a warp-uniform branch).
 
 ``_ATTN_ASM[mode]`` is the step's PTX for each experiment mode (``_attn_asm``'s bits), ``_ATTN_CON``
 its operand constraints; both are constexprs of the kernel, built once here as plain strings.
@@ -38,11 +38,11 @@ def _attn_unpack(w, r):
     O = the odd ones (8j+4..6), and bits 28..31 of w (code 7 whole), with t elsewhere: each code's sign then
     sits 6 bits above its magnitude, as in FP16, but code 7's, which an arithmetic shift right by 3 puts at
     bit 31 of pair (3, 7). 11 integer instructions per 8 codes, 7 on the ALU pipe (ptxas puts shifts left
-    on the FMA pipe as IMAD.SHL). The third session's form rotated w and pair (3, 7) instead (9 ALU
-    instructions; no faster or slower on the H200 within noise, eighth session). A byte-permute form (w's
-    signs, then E and O as bytes with the magnitude at bits 1-3 and the sign at bit 7, each pair one prmt
-    into the high bytes of a zero word) takes 10 instructions but 8 on the ALU pipe: measured no faster
-    (100.4 vs 98.5 us at 32K), not kept."""
+    on the FMA pipe as IMAD.SHL). The third session's form rotated w and pair (3, 7) instead (8 ALU
+    instructions: two SHF rotates; no faster or slower on the H200 within noise, eighth session). A
+    byte-permute form (w's signs, then E and O as bytes with the magnitude at bits 1-3 and the sign at
+    bit 7, each pair one prmt into the high bytes of a zero word) takes 10 instructions but 8 on the ALU
+    pipe: measured no faster (100.4 vs 98.5 us at 32K), not kept."""
     return (f"shl.b32 ut, {w}, 3;\nlop3.b32 uE, {w}, ut, k7, 0xE4;\n"
             f"lop3.b32 uO, {w}, ut, k70, 0xE4;\n"
             f"shl.b32 {r[0]}, uE, 9;\nand.b32 {r[0]}, {r[0]}, msk;\n"
@@ -55,8 +55,9 @@ def _attn_asm(mode: int = 0) -> str:
     """One 16-token step of one warp, per lane (pack = 8). Operands: out acc0..3 (8 each), st (m, l, M
     for queries 2c, 2c+1); in kw, vw, ks, vs, kq, bias, vg, qa, qb, st, acc0..3 (8 each).
     mode bits (experiments): 1 no unpack (wrong values; timing only), 2 rescale the accumulators
-    every step (no warp vote and branch), 4 S in two independent MMA chains, 16 the references' move detected
-    by a vote on the lanes' own scores (no tile maximum unless one moves; the default, 20 = 16 + 4)."""
+    every step (no warp vote and branch; ignored with 16), 4 S in two independent MMA chains, 16 the
+    references' move detected by a vote on the lanes' own scores (no tile maximum unless one moves; the
+    default, 20 = 16 + 4)."""
     OACC, OST = 0, 32
     KW, VW, KS, VS, KQ, BIAS, VG, QA, QB, ST, ACC = (40 + 8 * i for i in range(11))
     a = ["{\n.reg .b32 ut, uE, uO, k7, k70, msk, r<4>, rb<4>, sk, sA, sB, sC, sD, mx, mxb, X0, X1, Y0, "
@@ -101,7 +102,7 @@ def _attn_asm(mode: int = 0) -> str:
     for t in range(4):
         e = 4 * (t // 2)  # token g (t = 0, 1) or g + 8 (t = 2, 3)
         a.append(f"fma.rn.f32 s{t}, d{t}, ${KQ + e}, ${BIAS + e};\nadd.f32 u{t}, s{t}, lv{t // 2};\n")
-    update = "".join(  # reference max: moved only when the tile exceeds it by more than 2^8
+    update = "".join(  # reference max: moved only when the tile exceeds it by more than 8 (a factor 2^8)
         f"max.f32 tm, {v}{q}, {v}{q + 2};\n"
         + "".join(f"shfl.sync.bfly.b32 tt, tm, {x}, 0x1f, 0xffffffff;\nmax.f32 tm, tm, tt;\n"
                   for x in (4, 8, 16))
@@ -113,12 +114,15 @@ def _attn_asm(mode: int = 0) -> str:
         for q in range(2))
     rescale = "".join(f"mul.f32 o{i}, o{i}, Al{i % 2};\n" for i in range(32))
     if mode & 16:
-        # The references move only when a score exceeds one by more than 2^8, which a warp vote on the
-        # lanes' own scores detects: no tile maximum (12 shuffles, 16 max) unless one moves (rare after
-        # the first steps). The same values as the tile-maximum form: a tile exceeds old + 8 exactly
-        # when one of its scores does; without a move, new = old, use = old (or 0 while old = -inf, when
-        # every score is -inf and any finite use gives P = 0: max(old, -FLT_MAX)), alpha = 1, and
-        # fma(l, 1, x) = l + x. With a move: the tile-maximum code, then o *= Al (Al = 1 leaves o exact).
+        # The references move only when a score exceeds one by more than 8 (log2 units: a factor 2^8),
+        # which a warp vote on the lanes' own scores detects: no tile maximum (12 shuffles, 16 max) unless
+        # one moves (rare after the first steps). The same values as the tile-maximum form: a tile
+        # exceeds old + 8 exactly when one of its scores does (max ignores NaN, a comparison with NaN is
+        # false); without a move, new = old, use = old (or 0 while old = -inf, when every score is -inf
+        # and any finite use gives P = 0: max(old, -FLT_MAX)), alpha = 1, and fma(l, 1, x) = l + x. While
+        # old = -inf the tile form's alpha is 0 instead of 1; the same results only because l = 0 and o = 0
+        # until the first finite score (the kernel's initial state). With a move: the tile-maximum code,
+        # then o *= Al (Al = 1 leaves o exact).
         a.append("add.f32 ta0, m0, 0f41000000;\nadd.f32 ta1, m1, 0f41000000;\n"
                  "add.f32 tb0, M0, 0f41000000;\nadd.f32 tb1, M1, 0f41000000;\n"
                  "setp.gt.f32 pz, s0, ta0;\nsetp.gt.or.f32 pz, s2, ta0, pz;\n"
