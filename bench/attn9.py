@@ -10,6 +10,7 @@ import json
 import sys
 import time
 import traceback
+import types
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,25 @@ def ref_attn(q, kf, vf, lengths, starts=None):
 
 def rel(o, r):
     return ((o.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30)).item()
+
+
+def timing_inputs(b, t, hq=32, hkv=8, d=128, device="cuda"):
+    """The timing case of the attention scripts: random q and BF16 K/V at context t (every sequence full),
+    their NVFP4 caches, the float32 reference on the dequantized cache, and enough operand copies of each
+    (BF16 sets for SDPA, NVFP4 sets) that the rotation's footprint exceeds the L2 (copies_for)."""
+    q = torch.randn(b, hq, d, device=device, dtype=torch.bfloat16)
+    k = torch.randn(b, hkv, t, d, device=device, dtype=torch.bfloat16)
+    v = torch.randn(b, hkv, t, d, device=device, dtype=torch.bfloat16)
+    lengths = torch.full((b,), t, dtype=torch.int32, device=device)
+    kq, vq = A.quantize_kv_nvfp4(k), A.quantize_kv_nvfp4(v)
+    kv_bf16 = k.nbytes + v.nbytes
+    fp4_bytes = sum(p.nbytes for p in kq) + sum(p.nbytes for p in vq)
+    return types.SimpleNamespace(
+        q=q, q4=q[:, :, None, :], lengths=lengths, kq=kq, vq=vq,
+        ref=ref_attn(q, dq(kq, d), dq(vq, d), lengths), kv_bf16=kv_bf16, fp4_bytes=fp4_bytes,
+        bf16_sets=[(k, v)] + [(k.clone(), v.clone()) for _ in range(copies_for(kv_bf16, at_least=1) - 1)],
+        sets4=[(kq, vq)] + [(tuple(p.clone() for p in kq), tuple(p.clone() for p in vq))
+                            for _ in range(copies_for(fp4_bytes, at_least=1) - 1)])
 
 
 def case_inputs(ci, c, d=128):

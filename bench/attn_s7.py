@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, ".")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attn9 import case_inputs, dq, ref_attn, rel  # noqa: E402
+from attn9 import case_inputs, rel, timing_inputs  # noqa: E402
 
 import fp4rl.benchmarks.gpu_kernels as gk  # noqa: E402
 from fp4rl.kernels import attention as A  # noqa: E402
@@ -102,21 +102,11 @@ def bench(res, bw, contexts, bad):
 
 def bench_context(res, bw, t, bad, rounds=2):
     b, hq, hkv, d = 8, 32, 8, 128
-    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(b, hkv, t, d, device="cuda", dtype=torch.bfloat16)
-    lengths = torch.full((b,), t, dtype=torch.int32, device="cuda")
-    kq, vq = A.quantize_kv_nvfp4(k), A.quantize_kv_nvfp4(v)
-    r4 = ref_attn(q, dq(kq, d), dq(vq, d), lengths)
-    q4 = q[:, :, None, :]
-    kv_bf16 = k.nbytes + v.nbytes
-    fp4_bytes = sum(p.nbytes for p in kq) + sum(p.nbytes for p in vq)
+    x = timing_inputs(b, t, hq, hkv, d)
+    q, q4, lengths, r4, bf16_sets, sets4 = x.q, x.q4, x.lengths, x.ref, x.bf16_sets, x.sets4
     base = {"context": t, "batch": b, "hq": hq, "hkv": hkv, "d": d,
-            "floor_us": (fp4_bytes + 2 * q.nbytes) / bw * 1e6,
-            "bf16_floor_us": (kv_bf16 + 2 * q.nbytes) / bw * 1e6}
-    bf16_sets = [(k, v)] + [(k.clone(), v.clone()) for _ in range(gk.copies_for(kv_bf16, at_least=1) - 1)]
-    sets4 = [(kq, vq)] + [(tuple(p.clone() for p in kq), tuple(p.clone() for p in vq))
-                          for _ in range(gk.copies_for(fp4_bytes, at_least=1) - 1)]
+            "floor_us": (x.fp4_bytes + 2 * q.nbytes) / bw * 1e6,
+            "bf16_floor_us": (x.kv_bf16 + 2 * q.nbytes) / bw * 1e6}
 
     def call(s, q=q, lengths=lengths):
         (kd, ks, kg), (vd, vs, vg) = s
