@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("fp4rl.export", "write an NVFP4 checkpoint for vLLM/SGLang (ModelOpt or compressed-tensors)"),
     "bench": ("fp4rl.benchmarks", "run a benchmark (quantize, memory, rollout, gpu_kernels)"),
     "plot": ("fp4rl.metrics", "draw a run's curves as PNGs into RUN_DIR/plots/"),
+    "ablate": ("fp4rl.ablate", "run the same job under several settings (arms) and compare them"),
 }
 
 
