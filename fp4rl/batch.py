@@ -14,7 +14,8 @@ and column t is about token x[t + 1], predicted from x[: t + 1]:
     routing[l, i, t] = experts the sampler used in MoE layer l for input token x[i, t]
 
 That is exactly the sampler's own view: it fed L_i - 1 tokens (the last completion token is
-never fed back), which is why `Completion.routing` has L_i - 1 rows. Right padding needs no
+never fed back), which is why `Completion.routing` has L_i - 1 rows (and TRACE guidance, `guidance`
+[B, T-1] per guided input with `guidance_valid` marking real columns, likewise). Right padding needs no
 attention mask: with a causal mask a real token never sees the padding after it, and RoPE
 positions 0, 1, ... of a row are those the sampler used for the unpadded sequence.
 """
@@ -37,6 +38,8 @@ class Batch:
     advantages: torch.Tensor  # [B] fp32: one GRPO advantage per sequence
     policy_version: torch.Tensor  # [B] long: the policy version that sampled each sequence
     routing: torch.Tensor | None = None  # [num_moe_layers, B, T-1, top_k] long, or None (dense)
+    guidance: dict | None = None  # TRACE: input key -> fp4rl.trace.Guidance [B, T-1, ...], or None
+    guidance_valid: torch.Tensor | None = None  # [B, T-1] bool: the columns the sampler fed (with guidance)
 
     def __post_init__(self):
         B, T = self.input_ids.shape
@@ -46,6 +49,15 @@ class Batch:
             if tuple(getattr(self, name).shape) != shape:
                 raise ValueError(f"Batch.{name} has shape {list(getattr(self, name).shape)}, expected "
                                  f"{list(shape)} for input_ids {[B, T]}")
+        if (self.guidance is None) != (self.guidance_valid is None):
+            raise ValueError("Batch.guidance and Batch.guidance_valid come together (TRACE), or neither")
+        if self.guidance_valid is not None and tuple(self.guidance_valid.shape) != (B, T - 1):
+            raise ValueError(f"Batch.guidance_valid has shape {list(self.guidance_valid.shape)}, expected "
+                             f"{[B, T - 1]}")
+        for key, g in (self.guidance or {}).items():
+            if tuple(g.amax.shape) != (B, T - 1):
+                raise ValueError(f"Batch.guidance[{key!r}] covers {list(g.amax.shape)} tokens, expected "
+                                 f"{[B, T - 1]}")
         routing = self.routing
         if routing is not None and (routing.dim() != 4 or tuple(routing.shape[1:3]) != (B, T - 1)):
             raise ValueError(f"Batch.routing has shape {list(self.routing.shape)}, expected "
@@ -98,7 +110,8 @@ class Batch:
                                      f"len(prompt) + len(completion) - 1 = {len(row) - 1}")
                 routing[:, i, : len(row) - 1] = r
         versions = torch.tensor([c.policy_version for c in completions], dtype=torch.long)
-        return cls(input_ids, loss_mask, sampler_logprobs, advantages, versions, routing)
+        guidance, valid = _guidance(completions, B, T, rows)
+        return cls(input_ids, loss_mask, sampler_logprobs, advantages, versions, routing, guidance, valid)
 
     def select(self, rows: slice | torch.Tensor) -> Batch:
         """The rows `rows`, trimmed to their longest sequence (so micro-batches pay no extra padding)."""
@@ -113,6 +126,9 @@ class Batch:
             advantages=self.advantages[rows],
             policy_version=self.policy_version[rows],
             routing=None if self.routing is None else self.routing[:, rows, : width - 1],
+            guidance=None if self.guidance is None else {
+                k: g.index(rows, slice(0, width - 1)) for k, g in self.guidance.items()},
+            guidance_valid=None if self.guidance_valid is None else self.guidance_valid[rows, : width - 1],
         )
 
     def split(self, size: int) -> list[Batch]:
@@ -123,5 +139,34 @@ class Batch:
         return [self.select(slice(i, i + size)) for i in range(0, len(self), size)]
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                        for f in fields(self)})
+        """The tensors on `device` (TRACE guidance stays where it is: it is read where x is quantized)."""
+        return Batch(**{f.name: getattr(self, f.name) if getattr(self, f.name) is None or f.name == "guidance"
+                        else getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def _guidance(completions, B: int, T: int, rows) -> tuple[dict | None, torch.Tensor | None]:
+    """TRACE guidance of the completions laid out as [B, T-1] columns (column t: input token t)."""
+    from fp4rl.trace import Guidance
+
+    guided = [getattr(c, "guidance", None) is not None for c in completions]
+    if not B or not any(guided):
+        return None, None
+    if not all(guided):
+        raise ValueError("some completions carry TRACE guidance and some do not: one sampler, one setting")
+    keys = sorted(completions[0].guidance)
+    out, valid = {}, torch.zeros(B, T - 1, dtype=torch.bool)
+    for k in keys:
+        width = completions[0].guidance[k]["bits"].shape[-1] * 8
+        out[k] = Guidance.empty((B, T - 1), width)
+    for i, (c, row) in enumerate(zip(completions, rows)):
+        if sorted(c.guidance) != keys:
+            raise ValueError(f"completion {i}: guided inputs {sorted(c.guidance)}, the first one's {keys}")
+        n = len(row) - 1
+        for k in keys:
+            g = Guidance.from_dict(c.guidance[k])
+            if g.amax.shape[0] != n:
+                raise ValueError(f"completion {i}: TRACE guidance of {k!r} covers {g.amax.shape[0]} tokens, "
+                                 f"expected len(prompt) + len(completion) - 1 = {n}")
+            out[k].bits[i, :n], out[k].block_scale[i, :n], out[k].amax[i, :n] = g.bits, g.block_scale, g.amax
+        valid[i, :n] = True
+    return out, valid

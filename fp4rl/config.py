@@ -175,7 +175,10 @@ class PrecisionConfig(_Section):
         "backward GEMM operands: the dequantized forward operands, or the original W and x",
         choices=BACKWARD_MODES,
     )
-    trace: bool = _knob(False, "TRACE: round trainer activations towards the sampler's recorded FP4 codes")
+    trace: bool = _knob(False, "TRACE: round trainer activations towards the sampler's recorded FP4 codes "
+                        "(W4A4 linears of the deep layers; fp4rl.trace)")
+    trace_deep_fraction: float = _knob(0.5, "TRACE: the deepest fraction of the decoder layers guided",
+                                       ge=0.0, le=1.0)
 
     def check(self):
         for glob, precision in self.rules.items():
@@ -184,12 +187,16 @@ class PrecisionConfig(_Section):
                     f"precision.rules.{glob!r} = {precision!r}: allowed values are "
                     + ", ".join(map(repr, LINEAR_PRECISIONS))
                 )
-        if self.trace and self.preset == "bf16":
-            raise ConfigError("precision.trace = true needs an NVFP4 preset, not precision.preset = 'bf16'")
+        if self.trace and self.preset in ("bf16", "nvfp4-w4a16", "nvfp4-experts") and not self.rules:
+            raise ConfigError(f"precision.trace = true guides W4A4 linears outside the routed experts, "
+                              f"which precision.preset = {self.preset!r} has none of: use 'nvfp4-linear' "
+                              "(or rules)")
+        if self.trace and self.trace_deep_fraction == 0:
+            raise ConfigError("precision.trace = true with precision.trace_deep_fraction = 0 guides no layer")
 
     def contract_kwargs(self) -> dict:
-        """Keyword arguments of fp4rl.precision.PrecisionContract (everything but `trace`)."""
-        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "trace"}
+        """Keyword arguments of fp4rl.precision.PrecisionContract (everything but the TRACE keys)."""
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("trace")}
         kwargs["rules"] = tuple(self.rules.items())
         return kwargs
 

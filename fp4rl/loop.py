@@ -150,7 +150,8 @@ class Rollouts:
         prompts = self.task.batch(step - 1, c.task.prompts_per_step)
         params = SamplingParams(n=c.sampler.n, temperature=c.sampler.temperature, top_p=c.sampler.top_p,
                                 top_k=c.sampler.top_k, max_new_tokens=c.sampler.max_new_tokens,
-                                seed=derive_seed(c.trainer.seed, "rollout", step))
+                                seed=derive_seed(c.trainer.seed, "rollout", step),
+                                guidance=c.precision.trace_deep_fraction if c.precision.trace else 0.0)
         completions = self.generate(sampler, prompts, params)
         rewards = torch.tensor(self.score(prompts, completions), dtype=torch.float32)
         return Rollout(step, prompts, completions, rewards.view(len(prompts), c.sampler.n),
@@ -298,9 +299,6 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     from fp4rl.sampler import Sampler
 
     c = config
-    if c.precision.trace:
-        raise ConfigError("precision.trace = true: rollout-guided rounding (TRACE) is not wired into the "
-                          "loop yet; set precision.trace = false")
     run_dir = c.run_dir
     checkpoint = latest_checkpoint(run_dir) if c.run.resume else None
     if not c.run.resume:
@@ -334,8 +332,10 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     # version 0 and a resumed version are held exactly as a synced one
     payload = weight_sync.build_payload(trainer.model, contract, trainer.policy_version)
     sampler_dtype = None if c.sampler.dtype == "model" else getattr(torch, c.sampler.dtype)
+    # TRACE records guidance where activations are quantized eagerly: not in the GPU decode kernels
     sampler = Sampler(trainer.model, tokenizer, kv_cache=c.sampler.kv_cache, device=device,
-                      policy_version=trainer.policy_version, dtype=sampler_dtype)
+                      policy_version=trainer.policy_version, dtype=sampler_dtype,
+                      **({"kernels": False} if c.precision.trace else {}))
     sampler.load(payload)
     rollouts = Rollouts(task, tokenizer, c)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)

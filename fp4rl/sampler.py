@@ -31,12 +31,13 @@ ready for `model(ids[:, :-1], routing=[r[i][None] for i ...])`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 
-from fp4rl import cpu_head
+from fp4rl import cpu_head, trace
 from fp4rl.cpu_ops import FastCPUDecoder
 from fp4rl.kvcache import KV_CACHE_KINDS, make_kv_cache
 from fp4rl.model import CausalLM
@@ -70,6 +71,9 @@ class SamplingParams:
     """stop strings: a completion ends when its decoded text contains one (finish_reason "stop")."""
     seed: int | None = None
     """seed of the sampling generator; None draws a fresh one."""
+    guidance: float = 0.0
+    """TRACE: record the guidance (fp4rl.trace) of the W4A4 linears in the deepest fraction of the
+    decoder layers into each Completion (0: off)."""
 
     def __post_init__(self):
         def fail(key, fix):
@@ -98,6 +102,9 @@ class SamplingParams:
             fail("stop", "every stop string must be a non-empty str")
         if self.seed is not None and not is_int(self.seed):
             fail("seed", "must be an integer or None")
+        if isinstance(self.guidance, bool) or not isinstance(self.guidance, int | float) \
+                or not 0 <= self.guidance <= 1:
+            fail("guidance", "must be a fraction of the decoder layers in [0, 1] (0 records nothing)")
 
 
 @dataclass
@@ -116,6 +123,9 @@ class Completion:
     routing: torch.Tensor | None
     """MoE: experts [num_moe_layers, len(prompt_ids) + len(completion_ids) - 1, top_k] for every
     position the trainer scores, replayable with model(..., routing=...); None for dense models."""
+    guidance: dict | None = None
+    """TRACE (SamplingParams.guidance > 0): per guided input (fp4rl.trace.input_key), the guidance
+    of the len(prompt_ids) + len(completion_ids) - 1 tokens the sampler fed, as Guidance.to_dict()."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,6 +358,17 @@ class Sampler:
             ids[i, T_p - len(p):] = torch.tensor(p)
             mask[i, T_p - len(p):T_p] = 1
         ids, mask = ids.to(dev), mask.to(dev)
+        if params.guidance and self.engine is not None:
+            raise ValueError("generate: TRACE guidance (SamplingParams.guidance) is recorded on the eager "
+                             "decode path; build the Sampler with kernels=False for a guided run")
+        recording = (trace.recording(self.model, params.guidance) if params.guidance
+                     else contextlib.nullcontext())
+        with recording as rec:
+            return self._generate(prompt_ids, params, lens, T_p, total, generator, ids, mask, version, dev, P,
+                                  n, new, rec)
+
+    def _generate(self, prompt_ids, params, lens, T_p, total, generator, ids, mask, version, dev, P, n, new,
+                  rec) -> list[Completion]:
         B = P * n
         if self.engine is not None:  # a view of the engine's static cache
             cache = self.engine.new_cache(self.kv_cache, P, B, total)
@@ -355,6 +376,11 @@ class Sampler:
             cache = make_kv_cache(self.kv_cache, self.config, P, total, dtype=self.dtype, device=dev)
         h, chosen = self.model.model(ids, None, mask[:, :T_p], cache, None)  # h [P, T_p, H]
         logits = self.model.lm_head(h[:, -1])  # [P, V]
+        guide_pre, guide_dec = {}, {}
+        if rec is not None:  # prefill rows [P * T_p]; decode rows land in [B, new] below
+            guide_pre = {k: trace.Guidance(g.bits.view(P, T_p, -1), g.block_scale.view(P, T_p, -1),
+                                           g.amax.view(P, T_p)) for k, g in rec.take().items()}
+            guide_dec = {k: trace.Guidance.empty((B, new), g.width) for k, g in guide_pre.items()}
 
         # n samples per prompt share the prefill: copy each prompt's rows n times
         rows = torch.arange(P, device=dev).repeat_interleave(n)  # [B] prompt of each row
@@ -420,6 +446,12 @@ class Sampler:
             if logits is None:
                 logits = self._decode_step(cache, tokens, positions, mask, T_p + step, routing, active_t)
                 positions = positions + 1
+                if rec is not None:  # the rows fed: token `step` of each active row
+                    rows_cpu = active_t.cpu()
+                    for k, g in rec.take().items():
+                        d = guide_dec[k]
+                        d.bits[rows_cpu, step], d.block_scale[rows_cpu, step] = g.bits, g.block_scale
+                        d.amax[rows_cpu, step] = g.amax
             tokens, lp = self._next_tokens(logits, params, generator)
 
         logprobs = logprobs.cpu()
@@ -432,6 +464,13 @@ class Sampler:
                 text=texts[r] if texts[r] is not None else self._decode(c),
                 finish_reason=reasons[r], policy_version=version,
                 routing=None if routing is None else routing[:, r, :len(p) + len(c) - 1].cpu().clone(),
+                guidance=None if rec is None else {
+                    k: trace.Guidance(*(torch.cat([a, b]) for a, b in zip(
+                        (g.bits[r // n, T_p - len(p):], g.block_scale[r // n, T_p - len(p):],
+                         g.amax[r // n, T_p - len(p):]),
+                        (guide_dec[k].bits[r, :len(c) - 1], guide_dec[k].block_scale[r, :len(c) - 1],
+                         guide_dec[k].amax[r, :len(c) - 1])))).to_dict()
+                    for k, g in guide_pre.items()},
             ))
         return out
 

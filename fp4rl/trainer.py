@@ -36,6 +36,7 @@ kill is ignored (and removed) later. The newest `keep` checkpoints are kept.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -51,6 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fp4rl import trace
 from fp4rl.batch import Batch
 from fp4rl.config import RunConfig, dump_toml
 from fp4rl.grpo import grpo_loss, importance_weights, mismatch_metrics, token_logprobs
@@ -102,6 +104,7 @@ class Trainer:
         self.model = convert(model, contract)
         self.device = next(self.model.parameters()).device
         self.temperature = config.sampler.temperature
+        self.trace_stats = trace.TraceStats()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, betas=tuple(tc.betas),
                                            weight_decay=tc.weight_decay)
@@ -120,8 +123,12 @@ class Trainer:
         """log_softmax(logits / T) of input_ids[:, 1:] -> [B, T-1] fp32 (with grad when enabled)."""
         model = model or self.model
         routing = None if batch.routing is None else list(batch.routing)  # per layer [B, T-1, top_k]
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
-                            enabled=self.autocast_dtype is not None):
+        guided = contextlib.nullcontext()
+        if batch.guidance is not None:  # TRACE: the guided linears round towards the sampler's codes
+            guided = trace.guiding(model, batch.guidance, batch.guidance_valid, self.trace_stats,
+                                   deep_fraction=1.0)
+        with guided, torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
+                                    enabled=self.autocast_dtype is not None):
             hidden, _ = model.model(batch.input_ids[:, :-1], routing=routing)  # [B, T-1, H]
         with torch.autocast(self.device.type, enabled=False):
             logits = model.lm_head(hidden.float())  # [B, T-1, V] fp32
@@ -138,6 +145,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         config = self.config
         metrics: dict[str, float] = {"train/sequences": len(batch), "train/tokens": batch.num_tokens}
+        self.trace_stats = trace.TraceStats()  # TRACE counters of this step's guided forwards
         batch = batch.to(self.device)
         micro = batch.split(config.trainer.micro_batch_size)
         if config.grpo.loss_agg == "token-mean":
@@ -191,6 +199,11 @@ class Trainer:
             metrics["train/lr"] = lrs[-1]
             metrics.update({k: v / max(weight_total, 1.0) for k, v in sums.items()})
             metrics.update(self._mismatch(batch, micro, pi_old))
+        if batch.guidance is not None:
+            self.trace_stats.cache_bytes = sum(g.bytes_per_row() for g in batch.guidance.values()) * int(
+                batch.guidance_valid.sum())
+            self.trace_stats.tokens = int(batch.guidance_valid.sum())
+            metrics.update(self.trace_stats.metrics())
         metrics["time/train_s"] = time.perf_counter() - start
         metrics["memory/peak_bytes"] = peak_memory_bytes(self.device)
         return metrics

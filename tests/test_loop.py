@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from rl_fixtures import run_overrides, save_tiny_model, write_prompts
 
 from fp4rl.config import ConfigError, load_config
@@ -200,11 +201,11 @@ def test_config_errors_name_the_key(tmp_path, capsys, assets):
     assert "--resume RUN_DIR reads RUN_DIR/config.toml" in capsys.readouterr().err
     assert main(["--help-config"]) == 0
     assert "trainer.checkpoint_keep" in capsys.readouterr().out
-    with pytest.raises(ConfigError, match="precision.trace"):
-        run_tiny(assets, tmp_path, "trace", "precision.trace=true")
+    with pytest.raises(ConfigError, match="precision.trace"):  # TRACE guides W4A4 linears: W4A16 has none
+        run_tiny(assets, tmp_path, "trace", "precision.trace=true", "precision.preset=nvfp4-w4a16")
     assert main(["--config", str(TINY), *sum((["--set", x] for x in tiny_sets(
-        assets, tmp_path, "trace", "precision.trace=true")), [])]) == 2
-    assert "TRACE" in capsys.readouterr().err
+        assets, tmp_path, "trace", "precision.trace=true", "precision.preset=nvfp4-w4a16")), [])]) == 2
+    assert "precision.trace" in capsys.readouterr().err
     with pytest.raises(ValueError, match="sampler.temperature"):
         run_tiny(assets, tmp_path, "greedy", "sampler.temperature=0")
     run_tiny(assets, tmp_path, "twice", "trainer.steps=1")
@@ -244,3 +245,45 @@ def test_default_job_learns_beyond_the_seed_spread(tmp_path):
     spread = max(after.values()) - min(after.values())
     assert len(set(before.values())) == 1  # greedy decoding of one initial model: seed-independent
     assert min(after[s] - before[s] for s in seeds) > spread, (before, after)
+
+
+def test_trace_guides_the_trainer_towards_the_samplers_codes(assets, tmp_path):
+    """TRACE on the tiny W4A4 job: the same first rollout (same weights, same seed) scored with and
+    without guided rounding; the guided trainer reproduces the sampler's codes in the guided layers and
+    its logprobs come much closer to the sampler's. The guidance of a checkpointed rollout (async mode's
+    pending ones) survives the checkpoint's plain-data round trip."""
+    from fp4rl.loop import Rollout
+    from fp4rl.tasks import task_from_config
+
+    plain = run_tiny(assets, tmp_path, "plain", "trainer.steps=2")
+    guided = run_tiny(assets, tmp_path, "guided", "trainer.steps=2", "precision.trace=true")
+    for r in guided:
+        assert {"trace/code_disagree_rtn", "trace/code_disagree_guided",
+                "trace/cache_bytes_per_token"} <= set(r)
+        assert r["trace/code_disagree_guided"] <= 0.01 < r["trace/code_disagree_rtn"]
+        assert r["trace/cache_bytes_per_token"] > 0
+    assert guided[0]["mismatch/logprob_abs_diff"] < 0.6 * plain[0]["mismatch/logprob_abs_diff"]
+    assert "trace/code_disagree_rtn" not in plain[0]
+
+    from fp4rl.hf import load_model
+    from fp4rl.precision import PrecisionContract
+    from fp4rl.qat import convert
+    from fp4rl.sampler import Sampler, SamplingParams
+
+    config = load_config(TINY, tiny_sets(assets, tmp_path, "rt", "precision.trace=true"))
+    task = task_from_config(config.task)
+    model, _ = load_model(config.model.name)
+    sampler = Sampler(convert(model, PrecisionContract("nvfp4-linear")), eos_token_ids=[])
+    prompts = task.batch(0, 2)
+    completions = sampler.generate([[5, 6, 7], [8, 9]],
+                                   SamplingParams(n=2, max_new_tokens=4, guidance=1.0, seed=0))
+    for c in completions:
+        assert c.guidance and all(g["amax"].shape[0] == len(c.prompt_ids) + len(c.completion_ids) - 1
+                                  for g in c.guidance.values())
+    back = Rollout.from_state_dict(Rollout(1, prompts, completions, None, 0.0).state_dict(), task, 2)
+    for a, b in zip(completions, back.completions):
+        assert a.guidance.keys() == b.guidance.keys()
+        for k in a.guidance:
+            for f in ("bits", "block_scale", "amax"):
+                x, y = a.guidance[k][f], b.guidance[k][f]
+                assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))

@@ -1,0 +1,280 @@
+"""TRACE: rollout-guided rounding of the trainer's activations, and its compact guidance cache.
+
+The trainer's activations differ slightly from the sampler's (other kernels, batch shapes,
+precision of the non-quantized parts); where x sits near an E2M1 rounding boundary, a tiny
+difference becomes a whole code step, and the trainer computes with other 4-bit inputs than the
+sampler did. TRACE has the sampler record how it quantized each activation row of the guided
+linears, and the trainer's W4A4 forward reproduce it:
+
+- Guidance per row (``Guidance``): the row's amax (float32: with the quantizer's scale rule it
+  gives the global scales exactly), the E4M3 block scales the sampler chose (4/6 included), and
+  one bit per element, the lowest bit of the code's magnitude index. Adjacent E2M1 values differ
+  in that bit, so it picks between the two neighbours of any value: K/8 + K/16 + 4 bytes per row
+  of K (the compact cache; ~1/6 of the sampler's own 4-bit codes + scales + BF16 x it replaces).
+- Guided rounding (``guided_quantize``): the trainer's x is scaled with the *rollout-side* scales,
+  z = x * enc (the quantizer's own enc), |z| clipped to 6; of the two E2M1 neighbours of |z| it takes
+  the one whose index has the recorded bit (on a grid point: that point if its bit matches, else
+  the nearer neighbour); the sign is z's, as the quantizer sets it. The codes and scales are then the
+  sampler's wherever the sampler's code is a neighbour of the trainer's z (every one-step mismatch);
+  where x is the sampler's x they are the sampler's bytes exactly (tested). Gradients pass straight
+  through as for any Q(x) (qat.py).
+
+Who is guided: the W4A4 linears of the deep layers (``guided_layers``: the deepest half of the
+decoder by default, where mismatches cluster); the others keep round-to-nearest.
+
+Counters (``TraceStats``): elements guided, those whose round-to-nearest code (on the rollout
+scales) has another bit than recorded (``trace/code_disagree_rtn``: a lower bound of the codes that
+differ), those still differing after guidance (``trace/code_disagree_guided``: only where the
+sampler's code was not a neighbour, e.g. z clipped or a sign crossing), and the cache's bytes per
+token (``trace/cache_bytes_per_token``).
+
+Hooks: ``recording(model)`` captures guidance from every guided linear's activation quantizer while
+the sampler's model runs (``Recording.take`` hands it over per forward); ``guiding(model, guidance)``
+makes the trainer's guided linears round with it for one forward. Both hook the one place where
+activations are quantized, ``quantize_input`` of qat.NVFP4Linear / packed.PackedNVFP4Linear.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import re
+from collections.abc import Iterator
+
+import torch
+
+from fp4rl.nvfp4 import NVFP4Tensor, quantize
+from fp4rl.nvfp4.format import E2M1_VALUES, pack_fp4, round_to_e2m1, unpack_fp4
+from fp4rl.nvfp4.reference import block_encode_scale, global_scales_from_amax
+
+_GRID = torch.tensor(E2M1_VALUES, dtype=torch.float32)  # magnitudes of indices 0..7
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclasses.dataclass
+class Guidance:
+    """Compact guidance of activation rows of width K (leading dims [...] any): bits uint8 [..., K/8]
+    (bit j % 8 of byte j // 8 is element j's magnitude-index parity), block_scale float8_e4m3fn
+    [..., K/16], amax float32 [...]."""
+
+    bits: torch.Tensor
+    block_scale: torch.Tensor
+    amax: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return self.bits.shape[-1] * 8
+
+    def bytes_per_row(self) -> int:
+        return self.bits.shape[-1] + self.block_scale.shape[-1] + 4
+
+    def flat(self) -> Guidance:
+        """Rows flattened: [N, ...]."""
+        return Guidance(self.bits.reshape(-1, self.bits.shape[-1]),
+                        self.block_scale.reshape(-1, self.block_scale.shape[-1]), self.amax.reshape(-1))
+
+    def index(self, *idx) -> Guidance:
+        return Guidance(self.bits[idx], self.block_scale[idx], self.amax[idx])
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        return {"bits": self.bits, "block_scale": self.block_scale, "amax": self.amax}
+
+    @staticmethod
+    def from_dict(d: dict) -> Guidance:
+        return Guidance(d["bits"], d["block_scale"], d["amax"])
+
+    @staticmethod
+    def empty(lead: tuple, width: int) -> Guidance:
+        return Guidance(torch.zeros(*lead, width // 8, dtype=torch.uint8),
+                        torch.zeros(*lead, width // 16, dtype=torch.float8_e4m3fn),
+                        torch.zeros(*lead, dtype=torch.float32))
+
+
+def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """0/1 uint8 [M, K] -> [M, K/8], element j at bit j % 8 of byte j // 8."""
+    weights = (1 << torch.arange(8, dtype=torch.uint8, device=bits.device))
+    return (bits.view(bits.shape[0], -1, 8) * weights).sum(-1, dtype=torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).flatten(-2)
+
+
+def compact(x: torch.Tensor, q: NVFP4Tensor) -> Guidance:
+    """The guidance of activations x [M, K] that the sampler quantized to q (per-row scales)."""
+    if x.ndim != 2 or q.data.shape != (x.shape[0], x.shape[1] // 2):
+        raise ValueError(f"compact: x must be [M, K] with q its per-row NVFP4 tensor; got x "
+                         f"{tuple(x.shape)}, q.data {tuple(q.data.shape)}")
+    if x.shape[1] % 16:
+        raise ValueError(f"compact: K = {x.shape[1]} is not a multiple of 16 (NVFP4 blocks)")
+    codes = unpack_fp4(q.data)
+    return Guidance(_pack_bits(codes & 1).cpu(), q.block_scale.cpu(), x.detach().float().abs().amax(-1).cpu())
+
+
+@dataclasses.dataclass
+class TraceStats:
+    """Counters of guided rounding (summed over calls; ``metrics`` gives the logged ratios)."""
+
+    elements: int = 0
+    disagree_rtn: int = 0
+    disagree_guided: int = 0
+    cache_bytes: int = 0
+    tokens: int = 0
+
+    def add(self, other: TraceStats) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def metrics(self) -> dict[str, float]:
+        if not self.elements:
+            return {}
+        return {"trace/code_disagree_rtn": self.disagree_rtn / self.elements,
+                "trace/code_disagree_guided": self.disagree_guided / self.elements,
+                "trace/cache_bytes_per_token": self.cache_bytes / max(1, self.tokens)}
+
+
+def guided_quantize(x: torch.Tensor, guide: Guidance, valid: torch.Tensor | None = None, *,
+                    scale_rule: str = "6", stats: TraceStats | None = None, **rtn_kwargs) -> NVFP4Tensor:
+    """Q(x) of activations x [M, K] rounded towards the sampler's codes (module docstring). Rows with
+    valid[i] False (no guidance: padding, or tokens the sampler never saw) are quantized to nearest
+    with rtn_kwargs (the contract's input settings); scale_rule must be the sampler's."""
+    if x.ndim != 2 or guide.bits.ndim != 2 or guide.bits.shape[0] != x.shape[0] or guide.width != x.shape[1]:
+        raise ValueError(f"guided_quantize: x {tuple(x.shape)} and guidance bits {tuple(guide.bits.shape)} "
+                         "do not match (one guidance row per activation row, K/8 bytes each)")
+    M, K = x.shape
+    rtn = quantize(x, scale_rule=scale_rule, scale_scope="row", **rtn_kwargs)
+    if valid is None:
+        valid = torch.ones(M, dtype=torch.bool)
+    valid = valid.to(torch.bool).cpu()
+    if not bool(valid.any()):
+        return rtn
+    rows = valid.nonzero()[:, 0].to(x.device)
+    xf = x.detach().float()[rows]
+    bs = guide.block_scale[valid].to(x.device)
+    gs = global_scales_from_amax(guide.amax[valid].to(x.device).reshape(-1, 1), scale_rule)
+    enc = block_encode_scale(bs.unsqueeze(-1), gs.decode_for_encoding.unsqueeze(-1))  # [m, K/16, 1]
+    z = (xf.view(len(rows), K // 16, 16) * enc).view(len(rows), K)
+    mag = z.abs().clamp(max=6.0)
+    grid = _GRID.to(x.device)
+    lo = (torch.bucketize(mag, grid, right=True) - 1).clamp(0, 7)  # largest index with grid <= |z|
+    hi = (lo + 1).clamp(max=7)
+    bit = _unpack_bits(guide.bits[valid].to(x.device)).to(torch.int64)
+    on_grid = grid[lo] == mag
+    nearer = torch.where((lo == 7) | ((lo > 0) & (mag - grid[(lo - 1).clamp(min=0)] <= grid[hi] - mag)),
+                         lo - 1, hi)  # on a grid point whose bit differs: the nearer neighbour
+    pick = torch.where((lo & 1) == bit, lo, torch.where(on_grid, nearer, hi))
+    codes = pick.to(torch.uint8) | ((z < 0).to(torch.uint8) << 3)  # the sign as round_to_e2m1 sets it
+    if stats is not None:
+        nearest = round_to_e2m1(z).to(torch.int64)  # round-to-nearest on the rollout scales
+        stats.elements += rows.numel() * K
+        stats.disagree_rtn += int(((nearest & 1) != bit).sum())
+        stats.disagree_guided += int(((pick & 1) != bit).sum())
+    data = rtn.data.clone()
+    data[rows] = pack_fp4(codes)
+    block_scale = rtn.block_scale.clone()
+    block_scale[rows] = bs
+    g = rtn.global_scale.clone()
+    g[rows] = gs.global_scale.to(g.dtype)
+    return NVFP4Tensor(data=data, block_scale=block_scale, global_scale=g, shape=rtn.shape, dtype=rtn.dtype)
+
+
+def layer_of(name: str) -> int | None:
+    m = _LAYER.search(f".{name}.")
+    return int(m.group(1)) if m else None
+
+
+def guided_layers(num_layers: int, deep_fraction: float = 0.5) -> range:
+    """The deepest ceil(deep_fraction * L) decoder layers."""
+    n = min(num_layers, math.ceil(deep_fraction * num_layers - 1e-9))
+    return range(num_layers - n, num_layers)
+
+
+def guided_modules(model: torch.nn.Module, deep_fraction: float = 0.5) -> dict[str, torch.nn.Module]:
+    """The W4A4 linears (trainer NVFP4Linear or sampler PackedNVFP4Linear) of the guided layers, by name.
+    Routed experts are left out: their rows are a routing-dependent subset of the tokens."""
+    found = {n: m for n, m in model.named_modules()
+             if getattr(m, "mode", None) == "w4a4" and hasattr(m, "quantize_input")
+             and layer_of(n) is not None and ".experts." not in f".{n}."}
+    if not found:
+        return {}
+    layers = guided_layers(1 + max(layer_of(n) for n in found), deep_fraction)
+    return {n: m for n, m in found.items() if layer_of(n) in layers}
+
+
+_SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+
+
+def input_key(name: str) -> str:
+    """Linears reading the same input share one guidance: k/v_proj use q_proj's, up_proj gate_proj's
+    (the sampler quantizes a fused group's input once)."""
+    head, _, last = name.rpartition(".")
+    return f"{head}.{_SHARED_INPUT[last]}" if last in _SHARED_INPUT else name
+
+
+class Recording:
+    """Guidance captured by ``recording``: per input key, the rows of the calls since the last take."""
+
+    def __init__(self):
+        self._got: dict[str, Guidance] = {}
+
+    def add(self, key: str, g: Guidance) -> None:
+        self._got.setdefault(key, g)  # unfused q/k/v quantize the same x three times: keep one
+
+    def take(self) -> dict[str, Guidance]:
+        got, self._got = self._got, {}
+        return got
+
+
+def _patch(mods: dict[str, torch.nn.Module], make) -> None:
+    for name, m in mods.items():
+        m.quantize_input = make(name, m, type(m).quantize_input.__get__(m))
+
+
+def _unpatch(mods: dict[str, torch.nn.Module]) -> None:
+    for m in mods.values():
+        m.__dict__.pop("quantize_input", None)
+
+
+@contextlib.contextmanager
+def recording(model: torch.nn.Module, deep_fraction: float = 0.5) -> Iterator[Recording]:
+    """While active, every guided linear of `model` records the guidance of what it quantizes."""
+    rec, mods = Recording(), guided_modules(model, deep_fraction)
+
+    def make(name, m, orig):
+        def quantize_input(x):
+            q = orig(x)
+            rec.add(input_key(name), compact(x, q))
+            return q
+        return quantize_input
+
+    _patch(mods, make)
+    try:
+        yield rec
+    finally:
+        _unpatch(mods)
+
+
+@contextlib.contextmanager
+def guiding(model: torch.nn.Module, guidance: dict[str, Guidance], valid: torch.Tensor,
+            stats: TraceStats | None = None, deep_fraction: float = 0.5) -> Iterator[None]:
+    """While active, the guided linears of `model` round their activation rows (flattened [N, K])
+    with guidance[input_key(name)] ([N] rows; valid [N] marks the rows that have it)."""
+    mods = {n: m for n, m in guided_modules(model, deep_fraction).items() if input_key(n) in guidance}
+    valid = valid.reshape(-1).to(torch.bool)
+
+    def make(name, m, orig):
+        g = guidance[input_key(name)].flat()
+        kw = {k: v for k, v in m.input_kwargs.items() if k not in ("scale_rule", "scale_scope")}
+        rule = m.input_kwargs.get("scale_rule", "6")
+
+        def quantize_input(x):
+            return guided_quantize(x, g, valid, scale_rule=rule, stats=stats, **kw)
+        return quantize_input
+
+    _patch(mods, make)
+    try:
+        yield
+    finally:
+        _unpatch(mods)

@@ -1,0 +1,97 @@
+"""TRACE (fp4rl.trace): the compact guidance cache and rollout-guided rounding.
+
+- where the trainer's x is the sampler's x, guided rounding reproduces the sampler's bytes exactly
+  (codes, block scales, global scales), for both scale rules;
+- where x is perturbed (other kernels, other precision), the guided codes agree with the sampler's
+  wherever the sampler's code is a neighbour of the trainer's scaled value: at least as often as
+  round-to-nearest does, and every one-step mismatch is removed; the counters say how many;
+- the cache holds K/8 + K/16 + 4 bytes per row; bad shapes are refused."""
+
+import pytest
+import torch
+
+from fp4rl import trace
+from fp4rl.nvfp4 import dequantize, quantize
+from fp4rl.nvfp4.format import unpack_fp4
+
+
+def _acts(m=64, k=256, seed=0, spread=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    if spread:  # per-token magnitudes over 4 decades, a few outliers
+        x = x * torch.logspace(-2, 2, m)[:, None]
+        x[:, ::37] *= 8
+    return x
+
+
+@pytest.mark.parametrize("rule", ["6", "4/6"])
+def test_same_input_gives_the_samplers_bytes(rule):
+    x = _acts()
+    q = quantize(x, scale_rule=rule, scale_scope="row")
+    g = trace.compact(x, q)
+    assert g.bits.shape == (64, 32) and g.block_scale.shape == (64, 16) and g.amax.shape == (64,)
+    stats = trace.TraceStats()
+    qg = trace.guided_quantize(x, g, scale_rule=rule, stats=stats)
+    assert torch.equal(qg.data, q.data)
+    assert torch.equal(qg.block_scale.view(torch.uint8), q.block_scale.view(torch.uint8))
+    assert torch.equal(qg.global_scale, q.global_scale)
+    assert stats.elements == x.numel() and stats.disagree_rtn == 0 and stats.disagree_guided == 0
+
+
+def test_perturbed_input_moves_towards_the_samplers_codes():
+    x = _acts(seed=1)
+    q = quantize(x, scale_scope="row")  # the sampler's x and codes
+    g = trace.compact(x, q)
+    # the trainer's x: the same up to BF16-level noise (what other kernels and precisions leave)
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)) * x.abs() * 2 ** -7
+    xt = x + noise
+    rtn = quantize(xt, scale_scope="row")
+    stats = trace.TraceStats()
+    guided = trace.guided_quantize(xt, g, stats=stats)
+    want = unpack_fp4(q.data)
+    agree_rtn = (unpack_fp4(rtn.data) == want).float().mean().item()
+    agree_guided = (unpack_fp4(guided.data) == want).float().mean().item()
+    assert agree_rtn < 0.999 and agree_guided > agree_rtn  # the noise flips codes; guidance undoes it
+    # every code the guided rounding still gets wrong is more than one E2M1 step away from the sampler's
+    gc, wc = unpack_fp4(guided.data).long(), want.long()
+    wrong = gc != wc
+    assert (((gc & 7) - (wc & 7)).abs()[wrong] >= 2).all() or ((gc ^ wc) & 8)[wrong].any()
+    assert stats.disagree_rtn > 0 and stats.disagree_guided <= stats.disagree_rtn
+    assert stats.disagree_guided / stats.elements < 0.001
+    # the decoded activations are the sampler's to within what the remaining flips leave
+    err_rtn = (dequantize(rtn) - dequantize(q)).abs().sum()
+    err_guided = (dequantize(guided) - dequantize(q)).abs().sum()
+    assert err_guided < 0.5 * err_rtn
+    m = stats.metrics()
+    assert set(m) == {"trace/code_disagree_rtn", "trace/code_disagree_guided", "trace/cache_bytes_per_token"}
+
+
+def test_rows_without_guidance_round_to_nearest():
+    x = _acts(m=8)
+    q = quantize(x, scale_scope="row")
+    g = trace.compact(x, q)
+    xt = x * 1.01
+    valid = torch.tensor([True, False] * 4)
+    out = trace.guided_quantize(xt, g, valid)
+    rtn = quantize(xt, scale_scope="row")
+    assert torch.equal(out.data[~valid], rtn.data[~valid])
+    assert torch.equal(out.global_scale[~valid], rtn.global_scale[~valid])
+    assert torch.equal(out.block_scale[valid].view(torch.uint8), q.block_scale[valid].view(torch.uint8))
+
+
+def test_cache_size_and_refusals():
+    x = _acts(m=4, k=64)
+    g = trace.compact(x, quantize(x, scale_scope="row"))
+    assert g.bytes_per_row() == 64 // 8 + 64 // 16 + 4
+    with pytest.raises(ValueError, match="do not match"):
+        trace.guided_quantize(x[:, :32], trace.compact(x, quantize(x, scale_scope="row")))
+    with pytest.raises(ValueError, match="per-row NVFP4 tensor"):
+        trace.compact(torch.zeros(2, 32), quantize(torch.zeros(2, 64), scale_scope="row"))
+
+
+def test_guided_layers_and_shared_inputs():
+    assert list(trace.guided_layers(30)) == list(range(15, 30))
+    assert list(trace.guided_layers(4, 0.25)) == [3]
+    assert trace.input_key("model.layers.3.self_attn.v_proj") == "model.layers.3.self_attn.q_proj"
+    assert trace.input_key("model.layers.3.mlp.up_proj") == "model.layers.3.mlp.gate_proj"
+    assert trace.input_key("model.layers.3.mlp.down_proj") == "model.layers.3.mlp.down_proj"
