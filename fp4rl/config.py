@@ -177,8 +177,10 @@ class PrecisionConfig(_Section):
     )
     trace: bool = _knob(False, "TRACE: round trainer activations towards the sampler's recorded FP4 codes "
                         "(W4A4 linears of the deep layers; fp4rl.trace)")
-    trace_deep_fraction: float = _knob(0.5, "TRACE: the deepest fraction of the decoder layers guided",
-                                       ge=0.0, le=1.0)
+    trace_deep_fraction: float = _knob(
+        1.0, "TRACE: the deepest fraction of the decoder layers guided (1: all; the paper's compact cache "
+        "guides the deep half, 0.5: half the bytes, but the unguided layers' flips then reach the deep ones)",
+        ge=0.0, le=1.0)
 
     def check(self):
         for glob, precision in self.rules.items():

@@ -260,9 +260,16 @@ def test_trace_guides_the_trainer_towards_the_samplers_codes(assets, tmp_path):
     for r in guided:
         assert {"trace/code_disagree_rtn", "trace/code_disagree_guided",
                 "trace/cache_bytes_per_token"} <= set(r)
-        assert r["trace/code_disagree_guided"] <= 0.01 < r["trace/code_disagree_rtn"]
+        assert r["trace/code_disagree_guided"] <= min(0.01, r["trace/code_disagree_rtn"])
+        assert r["trace/code_disagree_rtn"] > 0
         assert r["trace/cache_bytes_per_token"] > 0
-    assert guided[0]["mismatch/logprob_abs_diff"] < 0.6 * plain[0]["mismatch/logprob_abs_diff"]
+    # every W4A4 layer guided (the default): 0.002 vs 0.11 on this job
+    assert guided[0]["mismatch/logprob_abs_diff"] < 0.1 * plain[0]["mismatch/logprob_abs_diff"]
+    deep = run_tiny(assets, tmp_path, "deep", "trainer.steps=1", "precision.trace=true",
+                    "precision.trace_deep_fraction=0.5")  # the deep half only: fewer bytes, less effect
+    assert deep[0]["trace/cache_bytes_per_token"] < guided[0]["trace/cache_bytes_per_token"]
+    assert guided[0]["mismatch/logprob_abs_diff"] < deep[0]["mismatch/logprob_abs_diff"] < plain[0][
+        "mismatch/logprob_abs_diff"]
     assert "trace/code_disagree_rtn" not in plain[0]
 
     from fp4rl.hf import load_model
