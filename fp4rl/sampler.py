@@ -447,11 +447,11 @@ class Sampler:
                 logits = self._decode_step(cache, tokens, positions, mask, T_p + step, routing, active_t)
                 positions = positions + 1
                 if rec is not None:  # the rows fed: token `step` of each active row
-                    rows_cpu = active_t.cpu()
+                    fed = torch.tensor(active)
                     for k, g in rec.take().items():
                         d = guide_dec[k]
-                        d.bits[rows_cpu, step], d.block_scale[rows_cpu, step] = g.bits, g.block_scale
-                        d.amax[rows_cpu, step] = g.amax
+                        d.bits[fed, step], d.block_scale[fed, step] = g.bits, g.block_scale
+                        d.amax[fed, step] = g.amax
             tokens, lp = self._next_tokens(logits, params, generator)
 
         logprobs = logprobs.cpu()
@@ -464,12 +464,9 @@ class Sampler:
                 text=texts[r] if texts[r] is not None else self._decode(c),
                 finish_reason=reasons[r], policy_version=version,
                 routing=None if routing is None else routing[:, r, :len(p) + len(c) - 1].cpu().clone(),
-                guidance=None if rec is None else {
-                    k: trace.Guidance(*(torch.cat([a, b]) for a, b in zip(
-                        (g.bits[r // n, T_p - len(p):], g.block_scale[r // n, T_p - len(p):],
-                         g.amax[r // n, T_p - len(p):]),
-                        (guide_dec[k].bits[r, :len(c) - 1], guide_dec[k].block_scale[r, :len(c) - 1],
-                         guide_dec[k].amax[r, :len(c) - 1])))).to_dict()
+                guidance=None if rec is None else {  # the prompt's rows (shared prefill), then the fed ones
+                    k: trace.Guidance.cat([g.index(r // n, slice(T_p - len(p), T_p)),
+                                           guide_dec[k].index(r, slice(0, len(c) - 1))]).to_dict()
                     for k, g in guide_pre.items()},
             ))
         return out

@@ -85,6 +85,11 @@ class Guidance:
         return {"bits": self.bits, "block_scale": self.block_scale, "amax": self.amax}
 
     @staticmethod
+    def cat(parts: list[Guidance]) -> Guidance:
+        """Rows of `parts` one after the other (first dimension)."""
+        return Guidance(*(torch.cat([getattr(p, f) for p in parts]) for f in ("bits", "block_scale", "amax")))
+
+    @staticmethod
     def from_dict(d: dict) -> Guidance:
         return Guidance(d["bits"], d["block_scale"], d["amax"])
 
@@ -127,10 +132,6 @@ class TraceStats:
     cache_bytes: int = 0
     tokens: int = 0
 
-    def add(self, other: TraceStats) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
     def metrics(self) -> dict[str, float]:
         if not self.elements:
             return {}
@@ -148,23 +149,30 @@ def guided_quantize(x: torch.Tensor, guide: Guidance, valid: torch.Tensor | None
         raise ValueError(f"guided_quantize: x {tuple(x.shape)} and guidance bits {tuple(guide.bits.shape)} "
                          "do not match (one guidance row per activation row, K/8 bytes each)")
     M, K = x.shape
-    rtn = quantize(x, scale_rule=scale_rule, scale_scope="row", **rtn_kwargs)
-    if valid is None:
-        valid = torch.ones(M, dtype=torch.bool)
-    valid = valid.to(torch.bool).cpu()
+    valid = torch.ones(M, dtype=torch.bool) if valid is None else valid.to(torch.bool).cpu()
     if not bool(valid.any()):
-        return rtn
-    rows = valid.nonzero()[:, 0].to(x.device)
-    xf = x.detach().float()[rows]
-    bs = guide.block_scale[valid].to(x.device)
-    gs = global_scales_from_amax(guide.amax[valid].to(x.device).reshape(-1, 1), scale_rule)
+        return quantize(x, scale_rule=scale_rule, scale_scope="row", **rtn_kwargs)
+    xf = x.detach().float()
+    if not bool(torch.isfinite(xf).all()):
+        quantize(x, scale_rule=scale_rule, scale_scope="row", **rtn_kwargs)  # raises, naming the problem
+    dev = x.device
+    data = torch.empty(M, K // 2, dtype=torch.uint8, device=dev)
+    block_scale = torch.empty(M, K // 16, dtype=torch.float8_e4m3fn, device=dev)
+    global_scale = torch.empty(M, 1, dtype=torch.float32, device=dev)
+    if not bool(valid.all()):  # rows without guidance: round to nearest on their own scales
+        plain = (~valid).nonzero()[:, 0].to(dev)
+        rtn = quantize(x[plain], scale_rule=scale_rule, scale_scope="row", **rtn_kwargs)
+        data[plain], block_scale[plain], global_scale[plain] = rtn.data, rtn.block_scale, rtn.global_scale
+    rows = valid.nonzero()[:, 0].to(dev)
+    bs = guide.block_scale[valid].to(dev)
+    gs = global_scales_from_amax(guide.amax[valid].to(dev).reshape(-1, 1), scale_rule)
     enc = block_encode_scale(bs.unsqueeze(-1), gs.decode_for_encoding.unsqueeze(-1))  # [m, K/16, 1]
-    z = (xf.view(len(rows), K // 16, 16) * enc).view(len(rows), K)
+    z = (xf[rows].view(len(rows), K // 16, 16) * enc).view(len(rows), K)
     mag = z.abs().clamp(max=6.0)
-    grid = _GRID.to(x.device)
+    grid = _GRID.to(dev)
     lo = (torch.bucketize(mag, grid, right=True) - 1).clamp(0, 7)  # largest index with grid <= |z|
     hi = (lo + 1).clamp(max=7)
-    bit = _unpack_bits(guide.bits[valid].to(x.device)).to(torch.int64)
+    bit = _unpack_bits(guide.bits[valid].to(dev)).to(torch.int64)
     on_grid = grid[lo] == mag
     nearer = torch.where((lo == 7) | ((lo > 0) & (mag - grid[(lo - 1).clamp(min=0)] <= grid[hi] - mag)),
                          lo - 1, hi)  # on a grid point whose bit differs: the nearer neighbour
@@ -175,13 +183,9 @@ def guided_quantize(x: torch.Tensor, guide: Guidance, valid: torch.Tensor | None
         stats.elements += rows.numel() * K
         stats.disagree_rtn += int(((nearest & 1) != bit).sum())
         stats.disagree_guided += int(((pick & 1) != bit).sum())
-    data = rtn.data.clone()
-    data[rows] = pack_fp4(codes)
-    block_scale = rtn.block_scale.clone()
-    block_scale[rows] = bs
-    g = rtn.global_scale.clone()
-    g[rows] = gs.global_scale.to(g.dtype)
-    return NVFP4Tensor(data=data, block_scale=block_scale, global_scale=g, shape=rtn.shape, dtype=rtn.dtype)
+    data[rows], block_scale[rows], global_scale[rows] = pack_fp4(codes), bs, gs.global_scale
+    return NVFP4Tensor(data=data, block_scale=block_scale, global_scale=global_scale, shape=x.shape,
+                       dtype=x.dtype, tile=16, scale_rule=scale_rule)
 
 
 def layer_of(name: str) -> int | None:
@@ -189,13 +193,13 @@ def layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def guided_layers(num_layers: int, deep_fraction: float = 0.5) -> range:
+def guided_layers(num_layers: int, deep_fraction: float = 1.0) -> range:
     """The deepest ceil(deep_fraction * L) decoder layers."""
     n = min(num_layers, math.ceil(deep_fraction * num_layers - 1e-9))
     return range(num_layers - n, num_layers)
 
 
-def guided_modules(model: torch.nn.Module, deep_fraction: float = 0.5) -> dict[str, torch.nn.Module]:
+def guided_modules(model: torch.nn.Module, deep_fraction: float = 1.0) -> dict[str, torch.nn.Module]:
     """The W4A4 linears (trainer NVFP4Linear or sampler PackedNVFP4Linear) of the guided layers, by name.
     Routed experts are left out: their rows are a routing-dependent subset of the tokens."""
     found = {n: m for n, m in model.named_modules()
@@ -242,7 +246,7 @@ def _unpatch(mods: dict[str, torch.nn.Module]) -> None:
 
 
 @contextlib.contextmanager
-def recording(model: torch.nn.Module, deep_fraction: float = 0.5) -> Iterator[Recording]:
+def recording(model: torch.nn.Module, deep_fraction: float = 1.0) -> Iterator[Recording]:
     """While active, every guided linear of `model` records the guidance of what it quantizes."""
     rec, mods = Recording(), guided_modules(model, deep_fraction)
 
@@ -262,7 +266,7 @@ def recording(model: torch.nn.Module, deep_fraction: float = 0.5) -> Iterator[Re
 
 @contextlib.contextmanager
 def guiding(model: torch.nn.Module, guidance: dict[str, Guidance], valid: torch.Tensor,
-            stats: TraceStats | None = None, deep_fraction: float = 0.5) -> Iterator[None]:
+            stats: TraceStats | None = None, deep_fraction: float = 1.0) -> Iterator[None]:
     """While active, the guided linears of `model` round their activation rows (flattened [N, K])
     with guidance[input_key(name)] ([N] rows; valid [N] marks the rows that have it)."""
     mods = {n: m for n, m in guided_modules(model, deep_fraction).items() if input_key(n) in guidance}

@@ -35,6 +35,7 @@ def test_same_input_gives_the_samplers_bytes(rule):
     assert torch.equal(qg.data, q.data)
     assert torch.equal(qg.block_scale.view(torch.uint8), q.block_scale.view(torch.uint8))
     assert torch.equal(qg.global_scale, q.global_scale)
+    assert (qg.scale_rule, qg.tile, qg.shape, qg.dtype) == (q.scale_rule, q.tile, q.shape, q.dtype)
     assert stats.elements == x.numel() and stats.disagree_rtn == 0 and stats.disagree_guided == 0
 
 
@@ -90,7 +91,8 @@ def test_cache_size_and_refusals():
 
 
 def test_guided_layers_and_shared_inputs():
-    assert list(trace.guided_layers(30)) == list(range(15, 30))
+    assert list(trace.guided_layers(30, 0.5)) == list(range(15, 30))
+    assert list(trace.guided_layers(30)) == list(range(30))  # the default: every layer
     assert list(trace.guided_layers(4, 0.25)) == [3]
     assert trace.input_key("model.layers.3.self_attn.v_proj") == "model.layers.3.self_attn.q_proj"
     assert trace.input_key("model.layers.3.mlp.up_proj") == "model.layers.3.mlp.gate_proj"
