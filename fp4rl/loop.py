@@ -29,7 +29,10 @@ s > k + 1 (smaller in the first steps, which all use version 0), never more. Bec
 depends only on v(s) and its per-step seed, never on thread timing, an async run is as
 deterministic as a sync one. A checkpoint after step s waits for the rollouts of steps
 s + 1 .. s + k (they need versions <= s - 1, all published) and stores them, so a resumed run
-trains on exactly the data the uninterrupted one would have.
+trains on exactly the data the uninterrupted one would have. That holds after the last step
+too: the thread makes the k rollouts past trainer.steps (k rollouts more per run) for the final
+checkpoint, so a finished run resumed with a larger trainer.steps continues as one run of the
+larger step count would have (the sampler cannot go back to versions < s once resumed).
 
 Held-out evaluation uses the trainer's current weights (the rollout sampler in sync mode, a
 second sampler in async mode): greedy accuracy as `eval/accuracy` and sampled accuracy at each
@@ -41,7 +44,9 @@ derived from (seed, "rollout", s) (and (seed, "eval", s, T)), training order is 
 global torch/python/numpy RNG states travel in the checkpoint. `fp4rl train --resume RUN_DIR`
 after a crash (even kill -9) loads the newest complete checkpoint, drops the metrics.jsonl
 lines of later steps and redoes them: the metrics, apart from time/* and memory/*, equal
-those of an uninterrupted run.
+those of an uninterrupted run. A finished run resumed with a larger trainer.steps goes on as
+one run of that many steps would (given a constant LR schedule: the others span trainer.steps;
+its old last step keeps the held-out eval it had as the last one).
 
 What this loop leaves out: multiple samplers or trainers (fp4rl.distributed), a value model,
 and a KL penalty's reference beyond the frozen initial policy (grpo.kl_coef).
@@ -233,6 +238,9 @@ class RolloutWorker:
         try:
             for step in range(first_step, last_step + 1):
                 version = rollout_version(step, self.staleness)
+                if version < self.sampler.policy_version:  # only later versions are ever published
+                    raise RuntimeError(f"the rollout of step {step} needs policy version {version}, older "
+                                       f"than the sampler's {self.sampler.policy_version}")
                 with self.cond:
                     self.cond.wait_for(lambda v=version: self.stopped or self.sampler.policy_version == v
                                        or v in self.payloads)
@@ -321,6 +329,19 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
         start_step = state["step"]
         pending = {step: Rollout.from_state_dict(r, task, c.task.prompts_per_step)
                    for step, r in state["extra"].get("pending_rollouts", {}).items()}
+    # async: the rollouts still to make, up to k steps past the last one (a checkpoint after step s
+    # stores those of s + 1 .. s + k, module docstring)
+    first, last = start_step + 1 + len(pending), c.trainer.steps + staleness
+    needs = rollout_version(first, staleness)
+    if staleness > 0 and needs < trainer.policy_version:  # the sampler only moves on from the checkpoint's
+        if first <= c.trainer.steps:
+            raise ConfigError(
+                f"{checkpoint} holds the rollouts of steps {sorted(pending) or 'none'}, but step {first} "
+                f"trains on one of policy version {needs} (loop.max_staleness = {staleness}), older than "
+                f"the checkpoint's {trainer.policy_version}: was loop.mode or loop.max_staleness changed, "
+                "or trainer.steps raised past a checkpoint that lacks the rollouts after its last step "
+                "(one written before final checkpoints stored them)?")
+        last = first - 1  # such a checkpoint (or a changed max_staleness): its rollouts are all there is
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(c, run_dir / "config.toml")
     print(task.describe())
@@ -340,10 +361,9 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     rollouts = Rollouts(task, tokenizer, c)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     worker, eval_sampler = None, sampler
-    if staleness > 0:
-        first = start_step + 1 + len(pending)
+    if staleness > 0 and start_step < c.trainer.steps:  # (nothing to train: no thread)
         worker = RolloutWorker(sampler, rollouts.rollout, staleness=staleness, first_step=first,
-                               last_step=c.trainer.steps, ready=pending)
+                               last_step=last, ready=pending)
         eval_sampler = Sampler(trainer.model, tokenizer, kv_cache=c.sampler.kv_cache, device=device,
                                policy_version=trainer.policy_version, dtype=sampler_dtype)
         eval_sampler.load(payload)
@@ -399,7 +419,7 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
             if is_last or (c.trainer.checkpoint_every and step % c.trainer.checkpoint_every == 0):
                 extra = {}
                 if worker:
-                    ahead = range(step + 1, min(step + staleness, c.trainer.steps) + 1)
+                    ahead = range(step + 1, min(step + staleness, last) + 1)  # past trainer.steps too
                     extra["pending_rollouts"] = {s: r.state_dict() for s, r in worker.pending(ahead).items()}
                 trainer.save_checkpoint(run_dir, step, extra=extra, keep=c.trainer.checkpoint_keep)
     finally:

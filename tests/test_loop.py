@@ -11,8 +11,10 @@ and say why in the commit.
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -160,6 +162,87 @@ def test_resume_of_a_finished_run_changes_nothing(assets, tmp_path):
     records = run_tiny(assets, tmp_path, "done", "trainer.steps=2")
     assert main(["--resume", str(tmp_path / "done")]) == 0
     assert read_metrics(tmp_path / "done") == records
+
+
+def _in_thread(fn, *args, timeout=120):
+    """fn(*args) in a daemon thread: its result, or a failure (not a hung test session) after `timeout` s."""
+    out = {}
+
+    def target():
+        try:
+            out["result"] = fn(*args)
+        except BaseException as e:  # re-raised below
+            out["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"{fn.__name__}{args} still running after {timeout} s: hung"
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
+def _weights(checkpoint):
+    from fp4rl.hf import load_state_dict
+
+    return load_state_dict(checkpoint)
+
+
+@pytest.mark.parametrize("staleness,from_last,trace", [(1, True, False), (2, True, False), (2, False, False),
+                                                      (1, True, True)])
+def test_async_resume_with_more_steps_matches_an_uninterrupted_run(assets, tmp_path, staleness, from_last,
+                                                                   trace):
+    """An async run of 3 steps resumed with trainer.steps = 5 (from its final checkpoint, or from the
+    one before when the final one is lost; TRACE on or off) equals one run of 5 steps: metrics and
+    weights. The final checkpoint stores the rollouts of steps 4 .. 3 + k, sampled by versions
+    3 - k .. 2, which the resumed sampler (at version 3) cannot make any more (without them the resumed
+    run hung). Resuming with an equal or smaller trainer.steps changes nothing."""
+    sets = ["trainer.checkpoint_every=1", "loop.mode=async", f"loop.max_staleness={staleness}",
+            "eval.at_start=true", "task.eval_every=3",  # both runs evaluate after step 3
+            f"precision.trace={str(trace).lower()}"]
+    full = run_tiny(assets, tmp_path, "full", "trainer.steps=5", *sets)
+    run_tiny(assets, tmp_path, "short", "trainer.steps=3", *sets)
+    run_dir = tmp_path / "short"
+    if not from_last:  # as if killed while writing the final checkpoint
+        shutil.rmtree(run_dir / "checkpoints" / "step_000003")
+    assert _in_thread(main, ["--resume", str(run_dir), "--set", "trainer.steps=5"]) == 0
+    resumed = read_metrics(run_dir)
+    assert [r["step"] for r in resumed] == list(range(6))
+    assert deterministic(resumed) == deterministic(full)
+    got, want = _weights(list_checkpoints(run_dir)[-1]), _weights(list_checkpoints(tmp_path / "full")[-1])
+    assert list_checkpoints(run_dir)[-1].name == "step_000005" and got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+    for steps in (5, 4):  # nothing left to do: the run ends at once, the records stay
+        assert _in_thread(main, ["--resume", str(run_dir), "--set", f"trainer.steps={steps}"]) == 0
+        assert read_metrics(run_dir) == resumed
+
+
+def test_async_checkpoint_without_the_rollouts_past_the_last_step(assets, tmp_path, capsys):
+    """A checkpoint written before final checkpoints stored the rollouts past trainer.steps (after step 2
+    of 3, k = 2: step 3's only) still resumes to its run's end, exactly; raising trainer.steps past what
+    it holds is refused before any step, not hung (the resumed sampler cannot go back to version 1)."""
+    sets = ["trainer.steps=3", "trainer.checkpoint_every=1", "loop.mode=async", "loop.max_staleness=2",
+            "task.eval_every=0"]
+    records = run_tiny(assets, tmp_path, "old", *sets)
+    run_dir = tmp_path / "old"
+    shutil.rmtree(run_dir / "checkpoints" / "step_000003")
+    state_file = list_checkpoints(run_dir)[-1] / "trainer.pt"
+    state = torch.load(state_file, weights_only=False)
+    assert sorted(state["extra"]["pending_rollouts"]) == [3, 4]
+    del state["extra"]["pending_rollouts"][4]  # as the old code wrote it
+    torch.save(state, state_file)
+    assert _in_thread(main, ["--resume", str(run_dir)]) == 0
+    assert deterministic(read_metrics(run_dir)) == deterministic(records)
+    capsys.readouterr()
+    assert _in_thread(main, ["--resume", str(run_dir), "--set", "trainer.steps=4"]) == 2
+    assert "step 4 trains on one of policy version 1" in capsys.readouterr().err
+    assert deterministic(read_metrics(run_dir)) == deterministic(records)
+    # a larger loop.max_staleness: step 4 would need version 4 - 1 - 3 = 0, refused the same way
+    assert _in_thread(main, ["--resume", str(run_dir), "--set", "trainer.steps=4",
+                             "--set", "loop.max_staleness=3"]) == 2
+    assert "loop.max_staleness = 3" in capsys.readouterr().err
 
 
 def _close(a, b, rel, abs_tol):
