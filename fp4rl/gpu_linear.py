@@ -414,10 +414,37 @@ def expert_plan(block: SparseMoeBlock):
     return None
 
 
+FUSED_ROUTE = os.environ.get("FP4RL_MOE_ROUTE", "1") != "0"  # KernelMoeBlock's route/combine kernels
+
+
 class KernelMoeBlock(SparseMoeBlock):
-    """SparseMoeBlock whose routed experts run as grouped GEMMs (`plan`), with no host sync."""
+    """SparseMoeBlock whose routed experts run as grouped GEMMs (`plan`), with no host sync. At decode sizes
+    (fp4rl.kernels.moe_route.fits) the route (softmax, top-k, weights, the stable grouping by expert) is one
+    kernel and the weighted combine another, instead of ~15 torch launches; the grouping and every product
+    are the same (`run_experts`' order), the router probabilities can differ from torch's in their last fp32
+    bit (see moe_route). Routing replay (forced experts), larger batches and FP4RL_MOE_ROUTE=0 take the torch
+    route."""
 
     plan = None
+
+    def forward(self, x: torch.Tensor, forced_experts: torch.Tensor | None = None):
+        from fp4rl.kernels import fused, moe_route
+        from fp4rl.kernels._common import INTERPRET
+
+        b, t, h = x.shape
+        n = b * t
+        if (not FUSED_ROUTE or forced_experts is not None or self.plan is None or x.dtype != KERNEL_DTYPE
+                or not (x.is_cuda or INTERPRET) or not moe_route.fits(n, self.top_k, self.num_experts)):
+            return super().forward(x, forced_experts)
+        flat = x.reshape(n, h)
+        idx, w, rows, pos, offsets = moe_route.route(self.gate(flat), self.top_k, self.norm_topk_prob,
+                                                     weight_dtype=x.dtype)
+        gu = self.plan.gate_up(flat.index_select(0, rows), offsets, tokens=n)  # [n k, 2I], sorted rows
+        a, _ = fused.silu_mul(gu)  # bf16(bf16(silu(gate)) * up), torch's bits on the GPU
+        y = moe_route.combine(self.plan.down(a, offsets, tokens=n), pos, w)  # [n, H] in token order
+        if hasattr(self, "shared_expert"):
+            y = y + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return y.reshape(b, t, h), idx.reshape(b, t, self.top_k)
 
     def run_experts(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         if self.plan is None or x.dtype != KERNEL_DTYPE:

@@ -216,10 +216,11 @@ def category(name: str) -> str:
     return "elementwise / norm / copy / other"
 
 
-def profile_split(sampler, batch: int, steps: int = 10) -> dict:
+def profile_split(sampler, batch: int, steps: int = 10, top_kernels: int = 12) -> dict:
     """CUDA kernel time by family of the engine's decode step for this batch, run eagerly `steps`
     times on the static buffers of the last generate (the kernels a graph replay runs; eager so
-    that every kernel is visible to the profiler whatever it does with graphs)."""
+    that every kernel is visible to the profiler whatever it does with graphs); `top`: the
+    `top_kernels` kernels that take the most time, with their calls per step."""
     from torch.profiler import ProfilerActivity, profile
 
     eng = sampler.engine
@@ -234,6 +235,7 @@ def profile_split(sampler, batch: int, steps: int = 10) -> dict:
             _sync(sampler.device)
             wall = time.perf_counter() - t
     split: dict[str, float] = {}
+    kernels: list[tuple[float, int, str]] = []
     for evt in prof.key_averages():
         if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
@@ -241,9 +243,12 @@ def profile_split(sampler, batch: int, steps: int = 10) -> dict:
         if us is None:
             us = getattr(evt, "self_cuda_time_total", 0.0)
         split[category(evt.key)] = split.get(category(evt.key), 0.0) + us
+        kernels.append((us, evt.count, evt.key))
     total = sum(split.values())
+    top = [{"name": name[:120], "us_per_step": us / steps, "calls_per_step": count / steps}
+           for us, count, name in sorted(kernels, reverse=True)[:top_kernels]]
     return {"eager_wall_ms": wall * 1e3, "kernel_ms": total / 1e3, "steps": steps,
-            "split_ms": {k: v / 1e3 for k, v in sorted(split.items(), key=lambda kv: -kv[1])}}
+            "split_ms": {k: v / 1e3 for k, v in sorted(split.items(), key=lambda kv: -kv[1])}, "top": top}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -453,6 +458,8 @@ def markdown(results) -> str:
         per = p["steps"]
         lines.append(f"\nprofile {p['shape']} {_label(p)} kv {p['kv']} b{p['batch']}: eager step "
                      f"{p['eager_wall_ms'] / per:.1f} ms, kernels {p['kernel_ms'] / per:.2f} ms: {parts}")
+        for t in p.get("top", []):
+            lines.append(f"  {t['us_per_step']:9.1f} us {t['calls_per_step']:6.1f} calls  {t['name']}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,183 @@
+"""MoE routing and combine of the decode step in two kernels (fp4rl.gpu_linear.KernelMoeBlock).
+
+At decode batch sizes the routed experts' grouped GEMMs are a small part of an MoE layer: the torch route
+(softmax, top-k with a sorted output, the top-k normalization, the cast), the stable argsort that groups the
+(token, slot) pairs by expert with searchsorted for the expert offsets, the gather index, and the weighted
+combine back in token order (index_copy, casts, product, sum) are ~15 launches per layer. On Qwen3-30B-A3B
+they took 50-90 us per layer on an H200 (bench/RESULTS.md, ninth session), more than the expert GEMMs at
+batch 1-8, in BF16 and NVFP4 alike. Here they are:
+
+- ``route(logits, top_k, norm)``: one program. Softmax in fp32 over the E router logits of every token, the
+  top_k by repeated arg-max (descending, ties to the lower expert id), the weights p_k (or p_k / sum_K p
+  when norm) in the logits' dtype, and the counting sort of the T * top_k pairs by expert, stable in pair
+  order p = t * top_k + j: offsets [E + 1] (the start of each expert's rows), ``rows`` (the token of each
+  sorted row: what the grouped GEMM's x gathers) and ``pos`` (the sorted row of each pair). The sort is
+  two counts per pair, #{q : e_q < e_p} + #{q < p : e_q = e_p}, over blocks of pairs: P^2 comparisons,
+  nothing for P <= MAX_PAIRS.
+- ``combine(d, pos, weight, top_k)``: y[t] = sum_j w[t, j] * d[pos[t * top_k + j]] in fp32, j in order, each
+  product rounded to fp32 before the add (no FMA), one rounding to d's dtype: what
+  ``(d_in_pair_order.float() * w.float()[..., None]).sum(1).to(dtype)`` computes with a sequential sum.
+
+Arithmetic against SparseMoeBlock.route (torch): the softmax is exp(l - max) / sum with libdevice's expf on
+the GPU (torch's CUDA softmax uses expf; the interpreter uses numpy's exp) and the sum over E in another
+order than torch's reduction, so a probability can differ in its last fp32 bit; the expert set is the same
+unless two probabilities tie or sit within that bit of each other (then either choice is a valid top-k,
+and the sampler records whichever it used for routing replay). Weights: within one ulp of the dtype.
+Tests: tests/test_moe_route.py (interpreter on CPU, and on CUDA under the gpu marker).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4rl.kernels._common import COMPILED, INTERPRET
+from fp4rl.kernels.fused import _bf16, _launch_opts, _libdevice_for, libdevice, tlcuda
+
+MAX_PAIRS = 1024  # T * top_k of the one-program route (Qwen3-30B-A3B at 64 tokens: 512)
+MAX_EXPERTS = 512
+
+
+def fits(tokens: int, top_k: int, experts: int) -> bool:
+    """Whether ``route`` takes this many tokens (the caller falls back to the torch route otherwise)."""
+    return 1 <= tokens * top_k <= MAX_PAIRS and 1 <= top_k <= experts <= MAX_EXPERTS
+
+
+@triton.jit
+def _exp(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _rounded(v, BF16: tl.constexpr):
+    """v (float32) as the stored dtype will round it: RNE to bfloat16 done in integers when BF16 (the CPU
+    interpreter's cast truncates), else unchanged."""
+    if BF16:
+        return _bf16(v)
+    else:
+        return v
+
+
+@triton.jit
+def _route_kernel(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, stride_l,
+                  K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr,
+                  NORM: tl.constexpr, LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tlcuda.gdc_launch_dependents()
+        tlcuda.gdc_wait()
+    t = tl.arange(0, BT)
+    e = tl.arange(0, BE)
+    tm = t < T
+    em = e < E
+    raw = tl.load(logit_ptr + t[:, None] * stride_l + e[None, :], mask=tm[:, None] & em[None, :], other=0.0)
+    lg = tl.where(em[None, :], raw.to(tl.float32), float("-inf"))
+    mx = tl.max(lg, 1)
+    ex = _exp(lg - mx[:, None], LIBDEVICE)
+    p = tl.math.div_rn(ex, tl.sum(ex, 1)[:, None])  # [BT, BE], 0 past E (IEEE division, as torch)
+    # top-k by repeated arg-max: first the sum of the chosen probabilities, then (same choices) the stores
+    total = tl.zeros([BT], dtype=tl.float32)
+    q = p
+    for _j in tl.static_range(K):
+        v = tl.max(q, 1)
+        i = tl.minimum(tl.min(tl.where(q == v[:, None], e[None, :], BE), 1), E - 1)  # lowest id of the maxima
+        total += v
+        q = tl.where(e[None, :] == i[:, None], -1.0, q)
+    q = p
+    for j in tl.static_range(K):
+        v = tl.max(q, 1)
+        i = tl.minimum(tl.min(tl.where(q == v[:, None], e[None, :], BE), 1), E - 1)  # (NaN rows: in range)
+        q = tl.where(e[None, :] == i[:, None], -1.0, q)
+        w = tl.math.div_rn(v, total) if NORM else v
+        tl.store(idx_ptr + t * K + j, i.to(tl.int64), mask=tm)
+        tl.store(w_ptr + t * K + j, _rounded(w, W_BF16).to(w_ptr.dtype.element_ty), mask=tm)
+    tl.debug_barrier()  # the ids just stored are read back below by other threads of the program
+    # counting sort of the P = T * K pairs by expert, stable in pair order
+    P = T * K
+    pp = tl.arange(0, BP)
+    pm = pp < P
+    ep = tl.load(idx_ptr + pp, mask=pm, other=E).to(tl.int32)  # past P: E, after every real expert
+    before = tl.zeros([BP], dtype=tl.int32)
+    for q0 in range(0, P, BQ):
+        qq = q0 + tl.arange(0, BQ)
+        eq = tl.load(idx_ptr + qq, mask=qq < P, other=E).to(tl.int32)
+        less = (eq[None, :] < ep[:, None]) | ((eq[None, :] == ep[:, None]) & (qq[None, :] < pp[:, None]))
+        before += tl.sum(less.to(tl.int32), 1)
+    tl.store(pos_ptr + pp, before, mask=pm)
+    tl.store(rows_ptr + before, (pp // K).to(tl.int32), mask=pm)
+    # offsets[x] = #{q : e_q < x}, x = 0..E (offsets[E] = P)
+    xo = tl.arange(0, BE)
+    cnt = tl.zeros([BE], dtype=tl.int32)
+    for q0 in range(0, P, BQ):
+        qq = q0 + tl.arange(0, BQ)
+        eq = tl.load(idx_ptr + qq, mask=qq < P, other=E).to(tl.int32)
+        cnt += tl.sum((eq[None, :] < xo[:, None]).to(tl.int32), 1)
+    tl.store(offs_ptr + xo, cnt, mask=xo < E)
+    tl.store(offs_ptr + E, P)
+
+
+@triton.jit
+def _combine_kernel(d_ptr, pos_ptr, w_ptr, y_ptr, H, stride_d, stride_y,
+                    K: tl.constexpr, BH: tl.constexpr, Y_BF16: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tlcuda.gdc_launch_dependents()
+        tlcuda.gdc_wait()
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    hm = h < H
+    acc = tl.zeros([BH], dtype=tl.float32)
+    for j in tl.static_range(K):
+        r = tl.load(pos_ptr + t * K + j).to(tl.int64)
+        w = tl.load(w_ptr + t * K + j).to(tl.float32)
+        acc += w * tl.load(d_ptr + r * stride_d + h, mask=hm, other=0.0).to(tl.float32)
+    tl.store(y_ptr + t.to(tl.int64) * stride_y + h, _rounded(acc, Y_BF16).to(y_ptr.dtype.element_ty), mask=hm)
+
+
+def route(logits: torch.Tensor, top_k: int, norm: bool, weight_dtype: torch.dtype | None = None):
+    """logits [T, E] (router output, any float dtype) -> (topk_idx [T, k] int64, topk_weight [T, k] in
+    weight_dtype (default logits' dtype), rows [T k] int32, pos [T k] int32, offsets [E + 1] int32); see the
+    module docstring."""
+    if logits.ndim != 2 or logits.stride(-1) != 1:
+        raise ValueError(f"route: logits must be [T, E] with unit column stride, got {tuple(logits.shape)} "
+                         f"strides {logits.stride()}")
+    t, e = logits.shape
+    if not fits(t, top_k, e):
+        raise ValueError(f"route: {t} tokens x top_k {top_k} over {e} experts is outside the one-program "
+                         f"kernel (T * top_k <= {MAX_PAIRS}, top_k <= E <= {MAX_EXPERTS}); use the torch "
+                         "route (SparseMoeBlock.route)")
+    dev = logits.device
+    idx = torch.empty(t, top_k, dtype=torch.int64, device=dev)
+    w = torch.empty(t, top_k, dtype=weight_dtype or logits.dtype, device=dev)
+    rows = torch.empty(t * top_k, dtype=torch.int32, device=dev)
+    pos = torch.empty(t * top_k, dtype=torch.int32, device=dev)
+    offsets = torch.empty(e + 1, dtype=torch.int32, device=dev)
+    bp = max(16, triton.next_power_of_2(t * top_k))
+    bq = 16 if INTERPRET else max(16, min(64, 8192 // bp))
+    COMPILED["moe route"] = _route_kernel[(1,)](
+        logits, idx, w, rows, pos, offsets, t, e, logits.stride(0),
+        K=top_k, BT=max(2, triton.next_power_of_2(t)), BE=max(16, triton.next_power_of_2(e)), BP=bp, BQ=bq,
+        NORM=bool(norm), LIBDEVICE=_libdevice_for(dev), W_BF16=w.dtype == torch.bfloat16, num_warps=8,
+        enable_fp_fusion=False, **_launch_opts(dev))
+    return idx, w, rows, pos, offsets
+
+
+def combine(d: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """d [T k, H] (expert outputs in sorted-row order), pos [T k] (route's), weight [T, k] -> y [T, H] in d's
+    dtype: y[t] = sum_j w[t, j] * d[pos[t k + j]] in fp32, j in order."""
+    t, k = weight.shape
+    if d.ndim != 2 or d.stride(-1) != 1 or d.shape[0] != t * k or pos.numel() != t * k:
+        raise ValueError(f"combine: d must be [T k = {t * k}, H] with unit column stride and pos [T k], "
+                         f"got d {tuple(d.shape)} strides {d.stride()}, pos {tuple(pos.shape)}")
+    h = d.shape[1]
+    y = torch.empty(t, h, dtype=d.dtype, device=d.device)
+    if t == 0:
+        return y
+    bh = min(1024, max(16, triton.next_power_of_2(h)))
+    COMPILED["moe combine"] = _combine_kernel[(t, triton.cdiv(h, bh))](
+        d, pos.contiguous(), weight.contiguous(), y, h, d.stride(0), y.stride(0), K=k, BH=bh,
+        Y_BF16=y.dtype == torch.bfloat16, num_warps=4,
+        enable_fp_fusion=False, **_launch_opts(d.device))
+    return y

@@ -1,0 +1,151 @@
+"""fp4rl.kernels.moe_route (the decode step's MoE route and combine kernels) against torch: the router's
+top-k and weights (SparseMoeBlock.route), the stable grouping by expert that KernelMoeBlock.run_experts
+builds with argsort + searchsorted, and the weighted combine; then KernelMoeBlock's fused forward against
+its torch-routed forward. On a machine without CUDA the kernels run in Triton's interpreter."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (decoration time)
+
+from fp4rl import gpu_linear  # noqa: E402
+from fp4rl.kernels import moe_route  # noqa: E402
+from fp4rl.model import CausalLM, ModelConfig  # noqa: E402
+from fp4rl.moe import SparseMoeBlock  # noqa: E402
+from fp4rl.precision import PrecisionContract  # noqa: E402
+from fp4rl.qat import convert  # noqa: E402
+from fp4rl.sampler import Sampler  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _logits(t, e, seed, dtype=torch.bfloat16, scale=2.0):
+    return (torch.randn(t, e, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype).to(DEV)
+
+
+def _grouping(idx):
+    """KernelMoeBlock.run_experts' torch grouping of idx [T, k]: (order, offsets)."""
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    e = int(flat.max()) + 1 if flat.numel() else 0
+    return order, flat[order], e
+
+
+def check_route(lg, k, norm):
+    t, e = lg.shape
+    idx, w, rows, pos, offs = moe_route.route(lg, k, norm, weight_dtype=torch.bfloat16)
+    probs = torch.softmax(lg.float(), -1)
+    ref_w, ref_i = torch.topk(probs, k, dim=-1)
+    # the chosen probabilities are torch's top-k values, descending (ids can differ only at exact ties)
+    got = probs.gather(-1, idx)
+    assert torch.allclose(got, ref_w, rtol=1e-6, atol=0), "not the top-k probabilities"
+    assert bool((got[:, :-1] >= got[:, 1:]).all()), "top-k not in descending order"
+    assert all(len(set(r.tolist())) == k for r in idx.cpu()), "an expert chosen twice"
+    same = (probs.unsqueeze(-1) == ref_w.unsqueeze(-2)).sum(-2)  # [T, k]: experts with each top-k value
+    untied = (same == 1).all(-1)  # rows whose top-k values are each held by one expert
+    assert torch.equal(idx[untied], ref_i[untied])
+    # weights: the module's arithmetic on the kernel's choice, in bfloat16 (the kernel's sum is sequential)
+    sel = got.clone()
+    if norm:
+        total = torch.zeros(t, device=lg.device)
+        for j in range(k):
+            total = total + sel[:, j]
+        sel = sel / total[:, None]
+    assert (w.float() - sel.bfloat16().float()).abs().max() <= 2 ** -8 * sel.abs().max()
+    # the grouping: run_experts' stable argsort of the kernel's own ids, and its searchsorted offsets
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    assert torch.equal(rows.long(), order // k)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(t * k, device=lg.device)
+    assert torch.equal(pos.long(), inv)
+    ref_offs = torch.searchsorted(flat[order], torch.arange(e + 1, device=lg.device)).int()
+    assert torch.equal(offs, ref_offs)
+    return idx, w, rows, pos, offs
+
+
+@pytest.mark.parametrize("t,e,k,norm", [(1, 16, 2, True), (3, 8, 8, True), (5, 20, 4, False),
+                                        (32, 128, 8, True), (7, 60, 6, True)])
+def test_route_is_the_torch_route_and_grouping(t, e, k, norm):
+    check_route(_logits(t, e, seed=t * 1000 + e), k, norm)
+
+
+def test_route_with_ties_and_float32_logits():
+    lg = torch.zeros(4, 16, device=DEV)  # every probability tied: the lowest ids, in order
+    lg[1, 5] = 3.0
+    idx, w, _, _, offs = check_route(lg, 4, True)
+    assert idx[0].tolist() == [0, 1, 2, 3] and idx[1].tolist() == [5, 0, 1, 2]
+    assert torch.equal(w[0].float(), torch.full((4,), 0.25, device=DEV))
+    check_route(_logits(9, 32, seed=3, dtype=torch.float32), 3, True)
+
+
+def test_route_nan_logits_stay_in_range():
+    lg = _logits(4, 16, seed=1)
+    lg[2] = float("nan")
+    idx, _, rows, pos, offs = moe_route.route(lg, 4, True)
+    assert int(idx.min()) >= 0 and int(idx.max()) < 16, "a NaN row must not index past the experts"
+    assert int(offs[-1]) == 16 and sorted(pos.tolist()) == list(range(16))
+    assert sorted(rows.tolist()) == sorted([r for r in range(4) for _ in range(4)])
+
+
+def test_route_refuses_what_it_does_not_fit():
+    assert moe_route.fits(64, 8, 128) and not moe_route.fits(129, 8, 128) and not moe_route.fits(2, 9, 8)
+    with pytest.raises(ValueError, match="torch route"):
+        moe_route.route(_logits(200, 16, seed=0), 8, True)
+    with pytest.raises(ValueError, match="unit column stride"):
+        moe_route.route(_logits(16, 4, seed=0).t(), 2, True)
+
+
+def test_combine_is_the_weighted_sum_in_pair_order():
+    t, k, h = 6, 4, 96
+    lg = _logits(t, 16, seed=5)
+    _, w, _, pos, _ = moe_route.route(lg, k, True)
+    d = torch.randn(t * k, h, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEV)
+    y = moe_route.combine(d, pos, w)
+    acc = torch.zeros(t, h, device=DEV)
+    for j in range(k):  # products rounded to fp32, added in slot order, one rounding at the end
+        acc = acc + w[:, j].float()[:, None] * d[pos.view(t, k)[:, j].long()].float()
+    assert torch.equal(y, acc.bfloat16())
+    with pytest.raises(ValueError, match="T k"):
+        moe_route.combine(d[:-1], pos, w)
+
+
+MOE = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+           qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+
+
+@pytest.mark.parametrize("contract", ["bf16", "nvfp4-w4a16"])
+def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, monkeypatch):
+    torch.manual_seed(0)
+    model = CausalLM(ModelConfig(**MOE))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.2)
+    model = convert(model.to(torch.bfloat16).eval(), PrecisionContract(contract, bf16_last_fraction=0.0))
+    sampler = Sampler(model, kernels=True, device=DEV, dtype=torch.bfloat16)
+    block = sampler.model.model.layers[0].mlp
+    assert isinstance(block, gpu_linear.KernelMoeBlock) and block.plan is not None
+    x0 = torch.randn(3, 1, 64, generator=torch.Generator().manual_seed(2)).bfloat16().to(DEV)
+    for scale in (1.0, 1.37, 0.71, 1.9):  # an input without tied router probabilities (with ties either
+        x = (x0 * scale).bfloat16()       # id is a valid top-k; check_route covers ties)
+        with torch.inference_mode():
+            probs = torch.softmax(block.gate(x[:, 0]).float(), -1).cpu()
+        if all(len(set(r.tolist())) == r.numel() for r in probs):
+            break
+    else:
+        pytest.fail("every scaled input has tied router probabilities")
+    calls = []
+    real = moe_route.route
+    monkeypatch.setattr(moe_route, "route", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with torch.inference_mode():
+        y, experts = block(x)
+        y_ref, experts_ref = SparseMoeBlock.forward(block, x)  # torch route, the same grouped experts
+        y_forced, _ = block(x, experts)  # routing replay takes the torch route
+    assert calls == [1], "the decode-sized forward must take the fused route (and replay must not)"
+    assert torch.equal(experts, experts_ref)
+    assert torch.allclose(y.float(), y_ref.float(), rtol=2e-2, atol=2e-3)
+    assert torch.equal(y_forced, y_ref)
