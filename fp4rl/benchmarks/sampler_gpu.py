@@ -84,6 +84,8 @@ def add_arguments(parser):
     parser.add_argument("--tune", action="store_true", help="time every GEMM candidate per shape (compiles "
                         "~20 Triton configurations per shape and batch bucket); default: first candidate")
     parser.add_argument("--profile-batch", default="1,32", help="batches profiled (kv bf16), '' for none")
+    parser.add_argument("--presets", default="", help="comma-separated precision presets to measure (bf16, "
+                        "nvfp4-w4a16, nvfp4-linear, nvfp4-experts); default: every row of the shape")
     parser.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     parser.add_argument("--pdl", default="on", help="'on', 'off' or 'on,off': programmatic dependent launch "
                         "between the decode step's kernels (fp4rl.kernels.pdl), each row measured with each")
@@ -394,7 +396,10 @@ def run(args) -> int:
             results["errors"].append({"shape": shape, "stage": "build", "error": repr(exc)[:400]})
             save()
             continue
+        wanted = [w for w in args.presets.split(",") if w]
         for label, preset, frac in PRECISIONS[shape]:
+            if wanted and preset not in wanted:
+                continue
             try:
                 for _ in measure_precision(trainer, shape, layers, full_layers, label, preset, frac, args,
                                            env, results, base):

@@ -136,7 +136,15 @@ def _combine_kernel(d_ptr, pos_ptr, w_ptr, y_ptr, H, stride_d, stride_y,
     tl.store(y_ptr + t.to(tl.int64) * stride_y + h, _rounded(acc, Y_BF16).to(y_ptr.dtype.element_ty), mask=hm)
 
 
-def route(logits: torch.Tensor, top_k: int, norm: bool, weight_dtype: torch.dtype | None = None):
+# The one route program's warps (2 up to 16 pairs, else 8) and the pairs compared per step of its sort loops:
+# measured best on an H200 at E 128, top 8, 1 / 8 / 32 tokens: 3.3 / 3.9 / 11.2 us against the torch route's
+# 31.4 / 39.3 / 60.8 (bench/moe_route_bench.py, bench/RESULTS.md, ninth session).
+ROUTE_WARPS = (2, 8)
+ROUTE_BQ = 32
+
+
+def route(logits: torch.Tensor, top_k: int, norm: bool, weight_dtype: torch.dtype | None = None, *,
+          num_warps: int | None = None, bq: int | None = None):
     """logits [T, E] (router output, any float dtype) -> (topk_idx [T, k] int64, topk_weight [T, k] in
     weight_dtype (default logits' dtype), rows [T k] int32, pos [T k] int32, offsets [E + 1] int32); see the
     module docstring."""
@@ -155,11 +163,12 @@ def route(logits: torch.Tensor, top_k: int, norm: bool, weight_dtype: torch.dtyp
     pos = torch.empty(t * top_k, dtype=torch.int32, device=dev)
     offsets = torch.empty(e + 1, dtype=torch.int32, device=dev)
     bp = max(16, triton.next_power_of_2(t * top_k))
-    bq = 16 if INTERPRET else max(16, min(64, 8192 // bp))
+    bq = bq or (16 if INTERPRET else ROUTE_BQ)
     COMPILED["moe route"] = _route_kernel[(1,)](
         logits, idx, w, rows, pos, offsets, t, e, logits.stride(0),
         K=top_k, BT=max(2, triton.next_power_of_2(t)), BE=max(16, triton.next_power_of_2(e)), BP=bp, BQ=bq,
-        NORM=bool(norm), LIBDEVICE=_libdevice_for(dev), W_BF16=w.dtype == torch.bfloat16, num_warps=8,
+        NORM=bool(norm), LIBDEVICE=_libdevice_for(dev), W_BF16=w.dtype == torch.bfloat16,
+        num_warps=num_warps or ROUTE_WARPS[t * top_k > 16],
         enable_fp_fusion=False, **_launch_opts(dev))
     return idx, w, rows, pos, offsets
 
