@@ -357,7 +357,10 @@ class DecodeEngine:
         if self.static.kind == "bf16":
             key = torch.arange(self.static.max_len, device=self.device)
             visible = (key[None] >= ctx.starts[:, None]) & (key[None] < ctx.lengths[:, None])  # [bb, T_cap]
-            ctx.mask = visible[:, None, None]
+            # SDPA turns a boolean mask into this additive one (zeros, then -inf where hidden) in every
+            # layer's call: built once per step here instead (the same values, so the same attention)
+            mask = torch.zeros(visible.shape, dtype=self.static.k[0].dtype, device=self.device)
+            ctx.mask = mask.masked_fill_(~visible, float("-inf"))[:, None, None]
         return ctx
 
     def _step_modules(self, bb: int):

@@ -421,8 +421,9 @@ class KernelMoeBlock(SparseMoeBlock):
     """SparseMoeBlock whose routed experts run as grouped GEMMs (`plan`), with no host sync. At decode sizes
     (fp4rl.kernels.moe_route.fits) the route (softmax, top-k, weights, the stable grouping by expert) is one
     kernel and the weighted combine another, instead of ~15 torch launches; the grouping and every product
-    are the same (`run_experts`' order), the router probabilities can differ from torch's in their last fp32
-    bit (see moe_route). Routing replay (forced experts), larger batches and FP4RL_MOE_ROUTE=0 take the torch
+    are `run_experts`', the combine's sum over the k slots is sequential (torch's reduction may add in another
+    order: a bf16 ulp), the router probabilities can differ from torch's in their last fp32 bit (see
+    moe_route). Routing replay (forced experts), larger batches and FP4RL_MOE_ROUTE=0 take the torch
     route."""
 
     plan = None

@@ -26,14 +26,6 @@ def _logits(t, e, seed, dtype=torch.bfloat16, scale=2.0):
     return (torch.randn(t, e, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype).to(DEV)
 
 
-def _grouping(idx):
-    """KernelMoeBlock.run_experts' torch grouping of idx [T, k]: (order, offsets)."""
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    e = int(flat.max()) + 1 if flat.numel() else 0
-    return order, flat[order], e
-
-
 def check_route(lg, k, norm):
     t, e = lg.shape
     idx, w, rows, pos, offs = moe_route.route(lg, k, norm, weight_dtype=torch.bfloat16)
@@ -54,7 +46,7 @@ def check_route(lg, k, norm):
         for j in range(k):
             total = total + sel[:, j]
         sel = sel / total[:, None]
-    assert (w.float() - sel.bfloat16().float()).abs().max() <= 2 ** -8 * sel.abs().max()
+    assert bool(((w.float() - sel.bfloat16().float()).abs() <= 2 ** -8 * sel.abs()).all())  # one bf16 ulp
     # the grouping: run_experts' stable argsort of the kernel's own ids, and its searchsorted offsets
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -85,14 +77,18 @@ def test_route_with_ties_and_float32_logits():
 def test_route_nan_logits_stay_in_range():
     lg = _logits(4, 16, seed=1)
     lg[2] = float("nan")
-    idx, _, rows, pos, offs = moe_route.route(lg, 4, True)
+    lg[3, 5] = float("inf")
+    idx, w, rows, pos, offs = moe_route.route(lg, 4, True)
     assert int(idx.min()) >= 0 and int(idx.max()) < 16, "a NaN row must not index past the experts"
+    assert idx[2].tolist() == [0, 1, 2, 3] and idx[3].tolist() == [0, 1, 2, 3], "NaN rows: distinct ids"
+    assert bool(w[2:].isnan().all()) and not bool(w[:2].isnan().any()), "NaN rows: NaN weights, as torch's"
     assert int(offs[-1]) == 16 and sorted(pos.tolist()) == list(range(16))
     assert sorted(rows.tolist()) == sorted([r for r in range(4) for _ in range(4)])
 
 
 def test_route_refuses_what_it_does_not_fit():
-    assert moe_route.fits(64, 8, 128) and not moe_route.fits(129, 8, 128) and not moe_route.fits(2, 9, 8)
+    assert moe_route.fits(64, 8, 128) and not moe_route.fits(65, 8, 128) and not moe_route.fits(2, 9, 8)
+    assert not moe_route.fits(512, 1, 512)  # the softmax / top-k tile would not fit one program
     with pytest.raises(ValueError, match="torch route"):
         moe_route.route(_logits(200, 16, seed=0), 8, True)
     with pytest.raises(ValueError, match="unit column stride"):
@@ -118,10 +114,15 @@ MOE = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=64, intermediate_s
            qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
 
 
-@pytest.mark.parametrize("contract", ["bf16", "nvfp4-w4a16"])
-def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, monkeypatch):
+SHARED = dict(MOE, model_type="qwen2_moe", qk_norm=False, shared_expert_intermediate_size=48,
+              norm_topk_prob=False)
+
+
+@pytest.mark.parametrize("contract,config", [("bf16", MOE), ("nvfp4-w4a16", MOE), ("nvfp4-w4a16", SHARED),
+                                             ("bf16", dict(MOE, norm_topk_prob=False))])
+def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, config, monkeypatch):
     torch.manual_seed(0)
-    model = CausalLM(ModelConfig(**MOE))
+    model = CausalLM(ModelConfig(**config))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.2)
@@ -145,7 +146,15 @@ def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, monkeyp
         y, experts = block(x)
         y_ref, experts_ref = SparseMoeBlock.forward(block, x)  # torch route, the same grouped experts
         y_forced, _ = block(x, experts)  # routing replay takes the torch route
+        flat = x[:, 0]
+        idx, w = SparseMoeBlock.route(block, flat)
+        y_run = block.run_experts(flat, idx, w)  # the torch grouping and combine on the same route
+        if hasattr(block, "shared_expert"):
+            y_run = y_run + torch.sigmoid(block.shared_expert_gate(flat)) * block.shared_expert(flat)
     assert calls == [1], "the decode-sized forward must take the fused route (and replay must not)"
-    assert torch.equal(experts, experts_ref)
-    assert torch.allclose(y.float(), y_ref.float(), rtol=2e-2, atol=2e-3)
+    assert torch.equal(experts, experts_ref) and experts.dtype == torch.long
+    assert y.dtype == x.dtype and y.shape == x.shape
+    # only the combine's sum order over the k slots can differ: within a bf16 ulp of the torch combine
+    assert torch.allclose(y[:, 0].float(), y_run.float(), rtol=2 ** -7, atol=1e-6)
+    assert torch.allclose(y.float(), y_ref.float(), rtol=2 ** -7, atol=1e-6)
     assert torch.equal(y_forced, y_ref)

@@ -35,13 +35,15 @@ import triton.language as tl
 from fp4rl.kernels._common import COMPILED, INTERPRET
 from fp4rl.kernels.fused import _bf16, _launch_opts, _libdevice_for, libdevice, tlcuda
 
-MAX_PAIRS = 1024  # T * top_k of the one-program route (Qwen3-30B-A3B at 64 tokens: 512)
+MAX_PAIRS = 512  # T * top_k of the one-program route (Qwen3-30B-A3B at 64 tokens: 512, measured up to there)
 MAX_EXPERTS = 512
+MAX_TILE = 32768  # tokens x experts (both to a power of two) in the program's softmax / top-k tile
 
 
 def fits(tokens: int, top_k: int, experts: int) -> bool:
     """Whether ``route`` takes this many tokens (the caller falls back to the torch route otherwise)."""
-    return 1 <= tokens * top_k <= MAX_PAIRS and 1 <= top_k <= experts <= MAX_EXPERTS
+    tile = max(2, triton.next_power_of_2(tokens)) * max(16, triton.next_power_of_2(experts))
+    return 1 <= tokens * top_k <= MAX_PAIRS and 1 <= top_k <= experts <= MAX_EXPERTS and tile <= MAX_TILE
 
 
 @triton.jit
@@ -63,6 +65,16 @@ def _rounded(v, BF16: tl.constexpr):
 
 
 @triton.jit
+def _pick(q, v, bad, e, E, BE: tl.constexpr):
+    """The expert each row takes next: the lowest id among its maxima v; in a NaN row (a NaN or infinite
+    router logit makes every probability NaN) the lowest id not taken yet (taken ones hold -1), so its K ids
+    stay distinct and in range, as torch.topk's. `bad` marks those rows (the row maximum of a NaN row is
+    not to be trusted: a max may skip NaN operands)."""
+    cand = tl.where(bad[:, None], (q != -1.0) & (e[None, :] < E), q == v[:, None])
+    return tl.minimum(tl.min(tl.where(cand, e[None, :], BE), 1), E - 1)
+
+
+@triton.jit
 def _route_kernel(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, stride_l,
                   K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr,
                   NORM: tl.constexpr, LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr, PDL: tl.constexpr):
@@ -79,19 +91,21 @@ def _route_kernel(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, 
     ex = _exp(lg - mx[:, None], LIBDEVICE)
     p = tl.math.div_rn(ex, tl.sum(ex, 1)[:, None])  # [BT, BE], 0 past E (IEEE division, as torch)
     # top-k by repeated arg-max: first the sum of the chosen probabilities, then (same choices) the stores
+    bad = tl.sum((p != p).to(tl.int32), 1) > 0  # NaN rows (a NaN or infinite logit)
     total = tl.zeros([BT], dtype=tl.float32)
     q = p
     for _j in tl.static_range(K):
         v = tl.max(q, 1)
-        i = tl.minimum(tl.min(tl.where(q == v[:, None], e[None, :], BE), 1), E - 1)  # lowest id of the maxima
+        i = _pick(q, v, bad, e, E, BE)
         total += v
         q = tl.where(e[None, :] == i[:, None], -1.0, q)
     q = p
     for j in tl.static_range(K):
         v = tl.max(q, 1)
-        i = tl.minimum(tl.min(tl.where(q == v[:, None], e[None, :], BE), 1), E - 1)  # (NaN rows: in range)
+        i = _pick(q, v, bad, e, E, BE)
         q = tl.where(e[None, :] == i[:, None], -1.0, q)
         w = tl.math.div_rn(v, total) if NORM else v
+        w = tl.where(bad, float("nan"), w)
         tl.store(idx_ptr + t * K + j, i.to(tl.int64), mask=tm)
         tl.store(w_ptr + t * K + j, _rounded(w, W_BF16).to(w_ptr.dtype.element_ty), mask=tm)
     tl.debug_barrier()  # the ids just stored are read back below by other threads of the program
@@ -154,8 +168,8 @@ def route(logits: torch.Tensor, top_k: int, norm: bool, weight_dtype: torch.dtyp
     t, e = logits.shape
     if not fits(t, top_k, e):
         raise ValueError(f"route: {t} tokens x top_k {top_k} over {e} experts is outside the one-program "
-                         f"kernel (T * top_k <= {MAX_PAIRS}, top_k <= E <= {MAX_EXPERTS}); use the torch "
-                         "route (SparseMoeBlock.route)")
+                         f"kernel (T * top_k <= {MAX_PAIRS}, top_k <= E <= {MAX_EXPERTS}, T x E <= "
+                         f"{MAX_TILE} to powers of two); use the torch route (SparseMoeBlock.route)")
     dev = logits.device
     idx = torch.empty(t, top_k, dtype=torch.int64, device=dev)
     w = torch.empty(t, top_k, dtype=weight_dtype or logits.dtype, device=dev)
