@@ -73,7 +73,8 @@ def rank_broadcast(rank: int) -> dict:
     with warnings.catch_warnings(record=True) as caught:  # both pass one, src=1: rank 0's is ignored
         warnings.simplefilter("always")
         other = build_payload(model, contract, version=4 + rank)
-        out["from_1"] = td.broadcast_payload(other, src=1).version
+        got1 = td.broadcast_payload(other, src=1, chunk_bytes=4096)  # many chunks, the last one short
+        out["from_1"], out["blob_1"] = got1.version, got1.to_bytes()
     out["warned"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     out["bad_src"] = raises(td.broadcast_payload, None, src=2)
     return out
@@ -203,6 +204,7 @@ def test_broadcast_payload_delivers_rank0_bytes(tmp_path):
     assert r1["blob"] == r0["blob"] and r1["digest"] == r0["digest"]
     for r in (r0, r1):
         assert r["from_1"] == 5  # rank 1's payload, not rank 0's v4
+        assert r["blob_1"] == r1["blob_1"] and len(r["blob_1"]) % 4096
         assert "src" in r["bad_src"] and r["bad_src"].startswith("ValueError")
     assert r0["src_none"].startswith("TypeError") and "must pass a weight_sync.Payload" in r0["src_none"]
     assert r1["src_none"].startswith("RuntimeError") and "src rank 0 had no payload" in r1["src_none"]

@@ -8,7 +8,8 @@ must call, in the same order, with the same arguments where the docstrings say s
     import torch.distributed as dist
     from fp4rl.distributed.torch_dist import DistributedSampler
 
-    dist.init_process_group("gloo")  # "nccl" on GPUs, after torch.cuda.set_device(local rank)
+    dist.init_process_group("gloo")  # torchrun sets the env it reads; for "nccl" (GPUs) first
+                                     # torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     sampler = DistributedSampler(Sampler(model, tok))  # every rank builds the same sampler, same weights
     for step in range(steps):
         completions = sampler.generate(prompts, params)  # the same prompts and params on every rank;
@@ -19,6 +20,10 @@ must call, in the same order, with the same arguments where the docstrings say s
         else:
             sampler.load(None)  # receives rank 0's payload
     dist.destroy_process_group()
+
+Every rank calls load at the same steps (the others with None). A data-parallel trainer (every rank trains
+on its part of the batch) calls `average_gradients(model)` on every rank between backward and the optimizer
+step; the ranks' models then stay equal and any one of them can build the payload.
 
 The rollout follows fp4rl.distributed.shards (shard r of a world of W ranks is exactly shard r of
 `LocalShards(sampler, W)`), so a run's completions depend on the seed and W only: the W ranks return, byte
@@ -43,6 +48,7 @@ import torch.distributed as dist
 from fp4rl.distributed.shards import merge, shard_bounds, shard_params
 from fp4rl.weight_sync import Payload
 
+CHUNK_BYTES = 256 * 2**20  # bytes per broadcast of a payload
 _INIT_HINT = ("call torch.distributed.init_process_group('gloo') (CPU) or ('nccl') (GPU) on every rank "
               "first, or launch the script with torchrun --nproc-per-node N")
 
@@ -80,7 +86,8 @@ def payload_from_bytes(blob: bytes) -> Payload:
     return payload
 
 
-def broadcast_payload(payload: Payload | None, src: int = 0, group=None) -> Payload:
+def broadcast_payload(payload: Payload | None, src: int = 0, group=None, *,
+                      chunk_bytes: int = CHUNK_BYTES) -> Payload:
     """Rank `src` passes its weight_sync.Payload, every other rank None; every rank returns the payload.
 
     The bytes (`Payload.to_bytes`) go as a uint8 tensor after a [status, length] header, and receivers
@@ -88,14 +95,17 @@ def broadcast_payload(payload: Payload | None, src: int = 0, group=None) -> Payl
     ValueError there). `src` returns the object it passed. If `src` passes None (or something that is not a
     Payload), every rank raises. A payload passed on another rank is ignored with a RuntimeWarning: the
     src rank's bytes are what every rank gets (so SPMD code may pass the same object everywhere).
+    The bytes go in broadcasts of at most `chunk_bytes` (every rank must pass the same value).
     """
-    payload, blob = _broadcast_bytes(payload, src, group)
+    payload, blob = _broadcast_bytes(payload, src, group, chunk_bytes)
     return payload if blob is None else payload_from_bytes(blob)
 
 
-def _broadcast_bytes(payload, src: int, group) -> tuple[Payload | None, bytes | None]:
+def _broadcast_bytes(payload, src: int, group, chunk_bytes: int) -> tuple[Payload | None, bytes | None]:
     """(payload, None) on `src`, (None, its bytes) on the other ranks; raises on every rank if src fails."""
     _require_group("broadcast_payload", group)
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"broadcast_payload: chunk_bytes={chunk_bytes!r} must be an integer >= 1")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
         raise ValueError(f"broadcast_payload: src={src!r} is not a rank of this group (0..{world - 1})")
@@ -122,14 +132,18 @@ def _broadcast_bytes(payload, src: int, group) -> tuple[Payload | None, bytes | 
             raise error
         raise RuntimeError(f"broadcast_payload: the src rank {src} had no payload to send (it raised); "
                            "nothing was received")
-    if rank == src:
-        data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
-    else:
-        data = torch.empty(length, dtype=torch.uint8, device=device)
-    dist.broadcast(data, src=_global(src, group), group=group)
+    # the bytes in chunks: NCCL needs at most one chunk of GPU memory, whatever the payload's size
+    host = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if rank == src
+            else torch.empty(length, dtype=torch.uint8))
+    for start in range(0, length, chunk_bytes):
+        part = host[start:start + chunk_bytes]
+        data = part if device.type == "cpu" else part.to(device)
+        dist.broadcast(data, src=_global(src, group), group=group)
+        if data is not part:
+            part.copy_(data)
     if rank == src:
         return payload, None
-    return None, data.cpu().numpy().tobytes()
+    return None, host.numpy().tobytes()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,8 +234,10 @@ class DistributedSampler:
     def policy_version(self) -> int:
         return self.sampler.policy_version
 
-    def load(self, payload: Payload | None = None, *, verify: bool = False, src: int = 0) -> None:
-        payload, blob = _broadcast_bytes(payload, src, self.group)  # src's failures raise on every rank
+    def load(self, payload: Payload | None = None, *, verify: bool = False, src: int = 0,
+             chunk_bytes: int = CHUNK_BYTES) -> None:
+        # failures of the src rank raise on every rank
+        payload, blob = _broadcast_bytes(payload, src, self.group, chunk_bytes)
         error = None
         try:  # a corrupted or mismatched payload is refused locally, then on every rank
             self.sampler.load(payload if blob is None else payload_from_bytes(blob), verify=verify)
@@ -284,7 +300,7 @@ def average_gradients(module: torch.nn.Module, group=None, *, bucket_bytes: int 
     rank must have the same model and the same set of None grads: this is checked first (parameter count,
     which grads are set, their total size) and a mismatch raises RuntimeError on every rank. Grads are
     reduced in flat buckets of one dtype and device (at most `bucket_bytes` each, single larger tensors
-    alone)."""
+    alone), so they must be where the backend reduces them: on the current CUDA device for NCCL."""
     _require_group("average_gradients", group)
     world, device = dist.get_world_size(group), _device(group)
     params = list(module.parameters())
