@@ -2,7 +2,7 @@
 
 A run is described by one `RunConfig`, made of one dataclass per TOML table:
 
-    [model] [precision] [sampler] [grpo] [trainer] [loop] [task] [eval] [run] [logging]
+    [model] [precision] [sampler] [grpo] [trainer] [loop] [distributed] [task] [eval] [run] [logging]
 
 Every field carries a one-line doc and its validation rules in `dataclasses.field(metadata=...)`
 ("doc", and optionally "choices", "ge", "gt", "le", "lt"); `validate_fields` checks type and
@@ -250,6 +250,39 @@ class LoopConfig(_Section):
     updates_per_batch: int = _knob(1, "optimizer steps on each rollout batch (1: on-policy trainer)", ge=1)
 
 
+DISTRIBUTED_BACKENDS = ("local", "ray")
+
+
+def _module_available(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+@dataclass
+class DistributedConfig(_Section):
+    SECTION: ClassVar[str] = "distributed"
+    backend: str = _knob(
+        "local", "where rollout shards run: 'local' (one after the other in this process) or 'ray' (one Ray "
+        "actor per sampler; needs pip install 'fp4rl[dist]')", choices=DISTRIBUTED_BACKENDS)
+    samplers: int = _knob(1, "samplers = shards of every rollout; the completions depend on trainer.seed and "
+                          "this number only, not on the backend (fp4rl.distributed.shards)", ge=1)
+    gpus_per_sampler: float = _knob(0.0, "backend 'ray': GPUs of each sampler actor (fractions share one; 0: "
+                                    "CPU actors)", ge=0.0)
+
+    def check(self):
+        if self.gpus_per_sampler > 0 and self.backend != "ray":
+            raise ConfigError(f"distributed.gpus_per_sampler = {self.gpus_per_sampler:g} is for Ray actors: "
+                              "set distributed.backend = \"ray\" (or distributed.gpus_per_sampler = 0)")
+
+    def require_backend(self) -> None:
+        """ConfigError when the backend's package is missing (checked when a run starts, not at load time:
+        a run's config.toml stays readable on a machine without Ray)."""
+        if self.backend == "ray" and not _module_available("ray"):
+            raise ConfigError("distributed.backend = \"ray\" needs Ray, which is not installed: "
+                              "pip install 'fp4rl[dist]' (or set distributed.backend = \"local\")")
+
+
 @dataclass
 class TaskConfig(_Section):
     SECTION: ClassVar[str] = "task"
@@ -301,6 +334,7 @@ SECTIONS: dict[str, type] = {
     "grpo": GRPOConfig,
     "trainer": TrainerConfig,
     "loop": LoopConfig,
+    "distributed": DistributedConfig,
     "task": TaskConfig,
     "eval": EvalConfig,
     "run": RunSection,
@@ -318,6 +352,7 @@ class RunConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunSection = field(default_factory=RunSection)

@@ -35,9 +35,10 @@ checkpoint, so a finished run resumed with a larger trainer.steps continues as o
 larger step count would have (the sampler cannot go back to versions < s once resumed).
 
 Held-out evaluation uses the trainer's current weights (the rollout sampler in sync mode, a
-second sampler in async mode): greedy accuracy as `eval/accuracy` and sampled accuracy at each
-other temperature T of eval.temperatures as `eval/accuracy_t{T}`, before step 1 (logged as
-step 0), every task.eval_every steps and after the last step.
+second sampler in this process in async mode, sharded as the rollouts are): greedy accuracy as
+`eval/accuracy` and sampled accuracy at each other temperature T of eval.temperatures as
+`eval/accuracy_t{T}`, before step 1 (logged as step 0), every task.eval_every steps and after the
+last step.
 
 Determinism and resume. Every random draw is seeded from trainer.seed: sampling uses a seed
 derived from (seed, "rollout", s) (and (seed, "eval", s, T)), training order is fixed, and the
@@ -48,13 +49,19 @@ those of an uninterrupted run. A finished run resumed with a larger trainer.step
 one run of that many steps would (given a constant LR schedule: the others span trainer.steps;
 its old last step keeps the held-out eval it had as the last one).
 
-What this loop leaves out: multiple samplers or trainers (fp4rl.distributed), a value model,
-and a KL penalty's reference beyond the frozen initial policy (grpo.kl_coef).
+Scale-out ([distributed], fp4rl.distributed): distributed.samplers = S splits every rollout (and
+held-out evaluation) into S shards with their own derived seeds; backend "local" runs them one after
+the other here, backend "ray" on S Ray actors in parallel (one Sampler each, loaded with every
+payload). The numbers depend on the seed and S only: a Ray run equals the local run of the same S.
+
+What this loop leaves out: multiple trainers, a value model, and a KL penalty's reference beyond the
+frozen initial policy (grpo.kl_coef).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -71,6 +78,7 @@ import torch
 
 from fp4rl.batch import Batch
 from fp4rl.config import ConfigError, RunConfig, format_fields, load_config, save_config
+from fp4rl.distributed.shards import LocalShards
 from fp4rl.grpo import group_advantages, reward_metrics
 from fp4rl.metrics import MetricsLogger, format_progress, plot, read_metrics
 from fp4rl.tasks import Prompt, Task, apply_chat_template, task_from_config
@@ -292,6 +300,41 @@ class RolloutWorker:
 # ---------------------------------------------------------------------------------- train
 
 
+def check_distributed(config: RunConfig, device: str) -> None:
+    """ConfigError for a [distributed] section this run cannot use (before the model is loaded)."""
+    d = config.distributed
+    d.require_backend()
+    if d.backend == "ray" and device == "cuda" and d.gpus_per_sampler == 0:
+        raise ConfigError("distributed.backend = \"ray\" on CUDA with distributed.gpus_per_sampler = 0: "
+                          "the sampler actors would have no GPU; set distributed.gpus_per_sampler = 1 (or a "
+                          "fraction to share one), or model.device = \"cpu\"")
+    if d.backend == "ray" and device != "cuda" and d.gpus_per_sampler > 0:
+        raise ConfigError(f"distributed.gpus_per_sampler = {d.gpus_per_sampler:g} but the run samples on "
+                          f"{device} (model.device = {config.model.device!r}): set "
+                          "distributed.gpus_per_sampler = 0 for CPU sampler actors, or run on CUDA")
+
+
+def rollout_sampler(model, tokenizer, sampler_kwargs: dict, config: RunConfig, stack: contextlib.ExitStack):
+    """The rollout sampler of a run ([distributed]): one Sampler; LocalShards of one Sampler (backend
+    "local", samplers > 1); or a RayRolloutPool of `samplers` actors, each building its Sampler from a
+    pickled copy of `model` and the same keyword arguments, shut down when `stack` closes. Every choice with
+    the same number of samplers gives the same completions (fp4rl.distributed.shards)."""
+    from fp4rl.sampler import Sampler
+
+    d = config.distributed
+    if d.backend == "ray":
+        from fp4rl.distributed.ray_pool import RayRolloutPool, SamplerFactory
+
+        cpu = torch.device(sampler_kwargs.get("device", "cpu")).type == "cpu"
+        pool = RayRolloutPool(SamplerFactory(model, tokenizer, **sampler_kwargs), d.samplers,
+                              gpus_per_sampler=d.gpus_per_sampler,
+                              torch_threads=torch.get_num_threads() if cpu else None)
+        stack.callback(pool.shutdown)
+        return pool
+    sampler = Sampler(model, tokenizer, **sampler_kwargs)
+    return LocalShards(sampler, d.samplers) if d.samplers > 1 else sampler
+
+
 def _check_fresh_run_dir(run_dir: Path) -> None:
     metrics = run_dir / "metrics.jsonl"
     if (metrics.exists() and metrics.stat().st_size > 0) or latest_checkpoint(run_dir) is not None:
@@ -316,6 +359,7 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     task.batch(0, c.task.prompts_per_step)  # fails now, not at step 1, if the split is too small
 
     device = c.model.device if c.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    check_distributed(c, device)
     model, tokenizer = load_model(c.model.name, dtype=getattr(torch, c.model.dtype), device=device)
     if tokenizer is None:
         raise ValueError(f"model.name = {c.model.name!r} has no tokenizer files: RL needs one for prompts")
@@ -354,80 +398,87 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     payload = weight_sync.build_payload(trainer.model, contract, trainer.policy_version)
     sampler_dtype = None if c.sampler.dtype == "model" else getattr(torch, c.sampler.dtype)
     # TRACE records guidance where activations are quantized eagerly: not in the GPU decode kernels
-    sampler = Sampler(trainer.model, tokenizer, kv_cache=c.sampler.kv_cache, device=device,
-                      policy_version=trainer.policy_version, dtype=sampler_dtype,
-                      **({"kernels": False} if c.precision.trace else {}))
-    sampler.load(payload)
-    rollouts = Rollouts(task, tokenizer, c)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    worker, eval_sampler = None, sampler
-    if staleness > 0 and start_step < c.trainer.steps:  # (nothing to train: no thread)
-        worker = RolloutWorker(sampler, rollouts.rollout, staleness=staleness, first_step=first,
-                               last_step=last, ready=pending)
-        eval_sampler = Sampler(trainer.model, tokenizer, kv_cache=c.sampler.kv_cache, device=device,
-                               policy_version=trainer.policy_version, dtype=sampler_dtype)
-        eval_sampler.load(payload)
+    sampler_kwargs = dict(kv_cache=c.sampler.kv_cache, device=device, policy_version=trainer.policy_version,
+                          dtype=sampler_dtype, **({"kernels": False} if c.precision.trace else {}))
+    with contextlib.ExitStack() as stack:  # a Ray pool is shut down however train() ends
+        sampler = rollout_sampler(trainer.model, tokenizer, sampler_kwargs, c, stack)
+        sampler.load(payload)
+        rollouts = Rollouts(task, tokenizer, c)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
+            else (tokenizer.eos_token_id or 0)
+        worker, eval_sampler = None, sampler
+        if staleness > 0 and start_step < c.trainer.steps:  # (nothing to train: no thread)
+            worker = RolloutWorker(sampler, rollouts.rollout, staleness=staleness, first_step=first,
+                                   last_step=last, ready=pending)
+            # held-out eval on the trainer's weights, here, sharded as the rollouts are (any backend)
+            eval_sampler = Sampler(trainer.model, tokenizer, kv_cache=c.sampler.kv_cache, device=device,
+                                   policy_version=trainer.policy_version, dtype=sampler_dtype)
+            if c.distributed.samplers > 1:
+                eval_sampler = LocalShards(eval_sampler, c.distributed.samplers)
+            eval_sampler.load(payload)
 
-    # resuming without a checkpoint starts over: every line of metrics.jsonl is dropped
-    resume_step = (start_step if checkpoint else -1) if c.run.resume else None
-    logger = MetricsLogger(run_dir, tensorboard=c.logging.tensorboard, wandb=c.logging.wandb,
-                           wandb_project=c.logging.wandb_project, config=c.to_dict(), resume_step=resume_step)
-    progress = None
-    if c.logging.progress:
-        from tqdm import tqdm
+        # resuming without a checkpoint starts over: every line of metrics.jsonl is dropped
+        resume_step = (start_step if checkpoint else -1) if c.run.resume else None
+        logger = MetricsLogger(run_dir, tensorboard=c.logging.tensorboard, wandb=c.logging.wandb,
+                               wandb_project=c.logging.wandb_project, config=c.to_dict(),
+                               resume_step=resume_step)
+        progress = None
+        if c.logging.progress:
+            from tqdm import tqdm
 
-        progress = tqdm(total=c.trainer.steps, initial=start_step, desc=c.run.name, unit="step")
-    try:
-        if start_step == 0 and c.eval.at_start and task.eval:
-            record = {"policy_version": 0, **rollouts.evaluate(eval_sampler, 0)}
-            logger.log(0, record)
-            print("step 0 (before training): " + format_progress(record))
-        for step in range(start_step + 1, c.trainer.steps + 1):
-            step_start = time.perf_counter()
-            trained_on = trainer.policy_version
-            rollout = worker.get(step) if worker else rollouts.rollout(sampler, step)
-            wait_s = time.perf_counter() - step_start
-            batch, record = make_batch(rollout, c, pad_id)
-            versions = [x.policy_version for x in rollout.completions]
-            record.update({
-                "rollout/policy_version": min(versions),
-                "rollout/staleness_mean": trained_on - sum(versions) / len(versions),
-                "rollout/staleness_max": trained_on - min(versions),
-            })
-            record.update(trainer.step(batch))
-            sync_start = time.perf_counter()
-            payload = weight_sync.build_payload(trainer.model, contract, trainer.policy_version)
-            if worker:
-                worker.publish(trainer.policy_version, payload)
-            else:
-                sampler.load(payload)
-            record["time/sync_s"] = time.perf_counter() - sync_start
-            record["sync/bytes"] = payload.nbytes
-            record["policy_version"] = trainer.policy_version
-            is_last = step == c.trainer.steps
-            if task.eval and (is_last or (c.task.eval_every and step % c.task.eval_every == 0)):
-                if eval_sampler is not sampler:
-                    eval_sampler.load(payload)
-                record.update(rollouts.evaluate(eval_sampler, step))
-            if worker:
-                record["time/rollout_wait_s"] = wait_s
-            record["time/step_s"] = time.perf_counter() - step_start
-            logger.log(step, record)
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix_str(format_progress(record))
-            if is_last or (c.trainer.checkpoint_every and step % c.trainer.checkpoint_every == 0):
-                extra = {}
+            progress = tqdm(total=c.trainer.steps, initial=start_step, desc=c.run.name, unit="step")
+        try:
+            if start_step == 0 and c.eval.at_start and task.eval:
+                record = {"policy_version": 0, **rollouts.evaluate(eval_sampler, 0)}
+                logger.log(0, record)
+                print("step 0 (before training): " + format_progress(record))
+            for step in range(start_step + 1, c.trainer.steps + 1):
+                step_start = time.perf_counter()
+                trained_on = trainer.policy_version
+                rollout = worker.get(step) if worker else rollouts.rollout(sampler, step)
+                wait_s = time.perf_counter() - step_start
+                batch, record = make_batch(rollout, c, pad_id)
+                versions = [x.policy_version for x in rollout.completions]
+                record.update({
+                    "rollout/policy_version": min(versions),
+                    "rollout/staleness_mean": trained_on - sum(versions) / len(versions),
+                    "rollout/staleness_max": trained_on - min(versions),
+                })
+                record.update(trainer.step(batch))
+                sync_start = time.perf_counter()
+                payload = weight_sync.build_payload(trainer.model, contract, trainer.policy_version)
                 if worker:
-                    ahead = range(step + 1, min(step + staleness, last) + 1)  # past trainer.steps too
-                    extra["pending_rollouts"] = {s: r.state_dict() for s, r in worker.pending(ahead).items()}
-                trainer.save_checkpoint(run_dir, step, extra=extra, keep=c.trainer.checkpoint_keep)
-    finally:
-        if worker:
-            worker.close()
-        if progress is not None:
-            progress.close()
-        logger.close()
+                    worker.publish(trainer.policy_version, payload)
+                else:
+                    sampler.load(payload)
+                record["time/sync_s"] = time.perf_counter() - sync_start
+                record["sync/bytes"] = payload.nbytes
+                record["policy_version"] = trainer.policy_version
+                is_last = step == c.trainer.steps
+                if task.eval and (is_last or (c.task.eval_every and step % c.task.eval_every == 0)):
+                    if eval_sampler is not sampler:
+                        eval_sampler.load(payload)
+                    record.update(rollouts.evaluate(eval_sampler, step))
+                if worker:
+                    record["time/rollout_wait_s"] = wait_s
+                record["time/step_s"] = time.perf_counter() - step_start
+                logger.log(step, record)
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix_str(format_progress(record))
+                if is_last or (c.trainer.checkpoint_every and step % c.trainer.checkpoint_every == 0):
+                    extra = {}
+                    if worker:
+                        ahead = range(step + 1, min(step + staleness, last) + 1)  # past trainer.steps too
+                        extra["pending_rollouts"] = {s: r.state_dict()
+                                                     for s, r in worker.pending(ahead).items()}
+                    trainer.save_checkpoint(run_dir, step, extra=extra, keep=c.trainer.checkpoint_keep)
+        finally:
+            if worker:
+                worker.close()
+            if progress is not None:
+                progress.close()
+            logger.close()
     records = read_metrics(run_dir)
     plot(run_dir)
     _print_summary(records)

@@ -1,0 +1,272 @@
+"""Rollouts on a pool of Ray actors, one Sampler each: the RL loop's `distributed.backend = "ray"`.
+
+    pool = RayRolloutPool(SamplerFactory(model, tokenizer, **kwargs), 4, gpus_per_sampler=1)
+    pool.load(payload)                       # every actor now holds payload.version
+    completions = pool.generate(prompts, params)
+    pool.shutdown()                          # or: with RayRolloutPool(...) as pool: ...
+
+The pool duck-types the Sampler interface the loop uses (generate, load, policy_version), like
+fp4rl.distributed.shards.LocalShards. A rollout is split by the one sharding and seeding rule of
+fp4rl.distributed.shards (contiguous prompt blocks, shard i sampled with shard_seed(seed, i) by actor i),
+the shards run in parallel and come back merged in prompt order: the completions equal, byte for byte,
+those of `LocalShards(sampler, num_samplers)` on one machine (given the same sampler build and device).
+
+Each actor builds its Sampler by calling `factory()`: any picklable callable, pickled once here (a pickling
+error shows at once) and shared by every actor through the object store. `SamplerFactory(model, tokenizer,
+**kwargs)` is the one for a model: it carries the model as torch.save bytes (plain pickling of FP8 tensors,
+which NVFP4 scales are, fails in torch). Weight sync ships `Payload.to_bytes()` through the object store once
+per version; every actor decodes it and loads it (checksums verified by Sampler.load). Ray is imported only
+here: `pip install 'fp4rl[dist]'`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from fp4rl.distributed.shards import merge, shard_bounds, shard_params
+
+__all__ = ["RayRolloutPool", "SamplerActorError", "SamplerFactory", "import_ray"]
+
+INSTALL_HINT = "pip install 'fp4rl[dist]'"
+
+
+def import_ray():
+    """The ray module, or ImportError saying how to install it."""
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(f"the Ray rollout pool needs Ray: {INSTALL_HINT} (or pip install 'ray>=2.40')") \
+            from e
+    return ray
+
+
+class SamplerActorError(RuntimeError):
+    """A call on one of the pool's actors failed; `index` is the actor (= shard) index."""
+
+    def __init__(self, index: int, count: int, what: str, cause: BaseException):
+        self.index = index
+        super().__init__(f"RayRolloutPool: sampler actor {index} of {count} failed in {what}: "
+                         f"{type(cause).__name__}: {cause}")
+
+
+class SamplerFactory:
+    """`Sampler(model, tokenizer, **kwargs)` as a picklable callable. The model travels as torch.save bytes
+    (loaded on the CPU; the Sampler copies it to its device), so FP8 tensors (NVFP4 block scales, cached
+    quantized weights) survive, which plain pickling of torch tensors does not."""
+
+    def __init__(self, model, tokenizer=None, **sampler_kwargs):
+        self.model, self.tokenizer, self.sampler_kwargs = model, tokenizer, sampler_kwargs
+
+    def __call__(self):
+        from fp4rl.sampler import Sampler
+
+        return Sampler(self.model, self.tokenizer, **self.sampler_kwargs)
+
+    def __getstate__(self) -> dict:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(self.model, buf)
+        return {"model": buf.getvalue(), "tokenizer": self.tokenizer, "sampler_kwargs": self.sampler_kwargs}
+
+    def __setstate__(self, state: dict) -> None:
+        import torch
+
+        self.model = torch.load(io.BytesIO(state["model"]), map_location="cpu", weights_only=False)
+        self.tokenizer, self.sampler_kwargs = state["tokenizer"], state["sampler_kwargs"]
+
+
+class _SamplerActor:
+    """What runs inside each Ray actor: one Sampler built by the pickled factory."""
+
+    def __init__(self, factory_bytes: bytes, threads: int | None):
+        import pickle
+
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        self.sampler = pickle.loads(factory_bytes)()
+
+    def ready(self) -> tuple[int, int]:
+        return os.getpid(), self.sampler.policy_version
+
+    def generate(self, prompts: list, params) -> list:
+        return self.sampler.generate(prompts, params)
+
+    def load(self, blob: bytes, verify: bool) -> int:
+        from fp4rl.weight_sync import Payload
+
+        self.sampler.load(Payload.from_bytes(blob), verify=verify)
+        return self.sampler.policy_version
+
+    def getattr(self, name: str):
+        return getattr(self.sampler, name)
+
+
+class RayRolloutPool:
+    """`num_samplers` Ray actors, each holding the Sampler that `factory()` builds (module docstring).
+
+    factory           picklable callable returning a fp4rl Sampler (e.g. functools.partial(Sampler, model,
+                      tokenizer, kv_cache=..., device=...)); called once in every actor.
+    num_samplers      actors = shards of every rollout (>= 1).
+    gpus_per_sampler  Ray num_gpus of each actor (0: CPU actors; fractions share a GPU).
+    cpus_per_sampler  Ray num_cpus each actor reserves (default 0: any number of samplers fits the cluster,
+                      as Ray's default of 1 would hold one CPU per actor and leave more actors than CPUs
+                      pending; GPUs are reserved by gpus_per_sampler).
+    torch_threads     torch.set_num_threads in each actor (None: Ray's setting, OMP_NUM_THREADS). CPU
+                      samplers: a float result depends on the thread count (the GEMMs split their sums by
+                      thread), so equal completions to a local sampler need its thread count
+                      (torch.get_num_threads()).
+    ray_init_kwargs   passed to ray.init when Ray is not initialized yet (e.g. address="auto"); the pool
+                      then owns that Ray session and shuts it down in shutdown().
+    startup_timeout_s how long the actors may take to start (waiting on cluster resources included).
+    """
+
+    def __init__(self, factory: Callable, num_samplers: int, *, gpus_per_sampler: float = 0.0,
+                 cpus_per_sampler: float = 0.0, torch_threads: int | None = None,
+                 ray_init_kwargs: dict | None = None, startup_timeout_s: float = 600.0):
+        if not callable(factory):
+            raise TypeError(f"RayRolloutPool: factory must be a picklable callable that returns a Sampler "
+                            f"(e.g. functools.partial(Sampler, model, tokenizer, ...)), got "
+                            f"{type(factory).__name__}")
+        if not isinstance(num_samplers, int) or isinstance(num_samplers, bool) or num_samplers < 1:
+            raise ValueError(f"RayRolloutPool: num_samplers must be an integer >= 1, got {num_samplers!r}")
+        if isinstance(gpus_per_sampler, bool) or not isinstance(gpus_per_sampler, int | float) \
+                or gpus_per_sampler < 0:
+            raise ValueError(f"RayRolloutPool: gpus_per_sampler must be a number >= 0, got "
+                             f"{gpus_per_sampler!r}")
+        ray = self._ray = import_ray()
+        self.num_samplers = num_samplers
+        self._lock = threading.RLock()
+        self._actors: list = []
+        self._owns_ray = False
+        if not ray.is_initialized():
+            ray.init(**{"ignore_reinit_error": True, **(ray_init_kwargs or {})})
+            self._owns_ray = True
+        try:
+            options = {"num_gpus": gpus_per_sampler, "num_cpus": cpus_per_sampler}
+            actor_cls = ray.remote(_SamplerActor)
+            try:
+                blob = ray.cloudpickle.dumps(factory)
+            except Exception as e:
+                raise TypeError(f"RayRolloutPool: the factory cannot be pickled ({type(e).__name__}: {e}); "
+                                "for a model use SamplerFactory(model, tokenizer, **sampler_kwargs)") from e
+            factory_ref = ray.put(blob)  # once, shared by every actor
+            self._actors = [actor_cls.options(**options).remote(factory_ref, torch_threads)
+                            for _ in range(num_samplers)]
+            started = self._get([a.ready.remote() for a in self._actors], "startup",
+                                timeout=startup_timeout_s, options=options)
+            versions = {v for _, v in started}
+            if len(versions) != 1:
+                raise RuntimeError(f"RayRolloutPool: the actors' samplers start at different policy versions "
+                                   f"{sorted(versions)}; the factory must build the same sampler every call")
+            self._version = versions.pop()
+            self.pids = [pid for pid, _ in started]
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _get(self, refs: list, what: str, *, timeout: float | None = None,
+             options: dict | None = None) -> list:
+        """ray.get of one ref per actor (None: that actor was not called), failures named by actor index."""
+        ray = self._ray
+        out = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for i, ref in enumerate(refs):
+            if ref is None:
+                out.append(None)
+                continue
+            try:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                out.append(ray.get(ref, timeout=left))
+            except ray.exceptions.GetTimeoutError as e:
+                raise SamplerActorError(i, len(refs), what, TimeoutError(
+                    f"not done after {timeout:g} s; does the cluster have the resources for "
+                    f"{len(refs)} actors of {options or {}} each (ray.cluster_resources(): "
+                    f"{ray.cluster_resources()})?")) from e
+            except ray.exceptions.RayError as e:
+                cause = getattr(e, "cause", None)
+                cause = cause if isinstance(cause, BaseException) else e
+                raise SamplerActorError(i, len(refs), what, cause) from e
+        return out
+
+    def _check_open(self) -> None:
+        if not self._actors:
+            raise RuntimeError("RayRolloutPool: the pool is shut down")
+
+    # -- the Sampler interface of the loop ---------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def generate(self, prompts: list, params) -> list:
+        """Completions of every prompt x params.n in prompt order, each shard sampled by its actor."""
+        if not isinstance(prompts, list | tuple) or not prompts:
+            raise ValueError("generate: prompts must be a non-empty list of prompts, each a list of token "
+                             "ids or a str")
+        with self._lock:
+            self._check_open()
+            bounds = shard_bounds(len(prompts), self.num_samplers)
+            refs = [actor.generate.remote(list(prompts[a:b]), shard_params(params, i)) if b > a else None
+                    for i, (actor, (a, b)) in enumerate(zip(self._actors, bounds))]
+            parts = self._get(refs, "generate")
+        return merge([p or [] for p in parts], bounds)
+
+    def load(self, payload, *, verify: bool = False) -> None:
+        """Every actor loads `payload` (a weight_sync.Payload), shipped once through the object store."""
+        from fp4rl.weight_sync import Payload
+
+        if not isinstance(payload, Payload):
+            raise TypeError(f"RayRolloutPool.load: expected a weight_sync.Payload, got "
+                            f"{type(payload).__name__}")
+        with self._lock:
+            self._check_open()
+            blob = self._ray.put(payload.to_bytes())
+            versions = self._get([a.load.remote(blob, verify) for a in self._actors],
+                                 f"load (v{payload.version})")
+            if set(versions) != {payload.version}:
+                raise RuntimeError(f"RayRolloutPool: after loading v{payload.version} the actors hold "
+                                   f"versions {versions}")
+            self._version = payload.version
+
+    def sampler_attr(self, name: str) -> list:
+        """`getattr(sampler, name)` of every actor's sampler (e.g. "max_seq_len", or a method's result via
+        a picklable attribute)."""
+        with self._lock:
+            self._check_open()
+            return self._get([a.getattr.remote(name) for a in self._actors], f"getattr({name!r})")
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Kill the actors (and end the Ray session if this pool started it). Idempotent."""
+        ray = self._ray
+        actors, self._actors = self._actors, []
+        for actor in actors:
+            with contextlib.suppress(Exception):  # already dead
+                ray.kill(actor)
+        if self._owns_ray:
+            self._owns_ray = False
+            ray.shutdown()
+
+    def __enter__(self) -> RayRolloutPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            if self._actors and self._ray.is_initialized():
+                self.shutdown()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"RayRolloutPool({self.num_samplers} samplers, policy_version={self._version})"

@@ -1,0 +1,283 @@
+"""fp4rl.distributed.ray_pool (Ray sampler actors) and the [distributed] section of `fp4rl train`.
+
+One Ray session for the whole module (starting Ray takes seconds), in a short temp dir under /tmp (Ray's
+Unix socket paths must stay under 108 characters). A test that needs Ray fails if Ray cannot start.
+"""
+
+import functools
+import operator
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from rl_fixtures import optimizer_step, run_overrides, save_tiny_model, write_prompts
+
+from fp4rl.config import ConfigError, load_config
+from fp4rl.distributed import LocalShards
+from fp4rl.model import CausalLM, ModelConfig
+from fp4rl.precision import PrecisionContract
+from fp4rl.qat import convert
+from fp4rl.sampler import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.toml"
+NON_DETERMINISTIC = ("time/", "memory/")
+CFG = dict(model_type="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, qk_norm=True)
+PROMPTS = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10], [11]]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    temp = tempfile.mkdtemp(prefix="fp4rl-ray-", dir="/tmp")  # short: socket paths < 108 chars
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def tiny_converted():
+    torch.manual_seed(0)
+    contract = PrecisionContract("nvfp4-w4a16")
+    return convert(CausalLM(ModelConfig(**CFG)).eval(), contract), contract
+
+
+@pytest.fixture(scope="module")
+def pool_and_model(ray_session):
+    from fp4rl.distributed.ray_pool import RayRolloutPool, SamplerFactory
+
+    model, contract = tiny_converted()
+    factory = SamplerFactory(model, eos_token_ids=[])
+    with RayRolloutPool(factory, 2, torch_threads=torch.get_num_threads()) as pool:
+        yield pool, factory, model, contract
+
+
+def test_pool_generates_what_local_shards_do(pool_and_model):
+    pool, factory, _, _ = pool_and_model
+    local = LocalShards(factory(), 2)
+    assert pool.policy_version == local.policy_version == 0 and len(set(pool.pids)) == 2
+    for prompts, params in [(PROMPTS, SamplingParams(n=3, seed=11, max_new_tokens=6)),
+                            (PROMPTS[:4], SamplingParams(n=2, seed=5, max_new_tokens=5, top_k=20, top_p=0.9)),
+                            (PROMPTS[:1], SamplingParams(n=2, seed=3, max_new_tokens=4)),  # shard 1 empty
+                            (PROMPTS, SamplingParams(n=1, greedy=True, max_new_tokens=6))]:
+        got = pool.generate(prompts, params)
+        want = local.generate(prompts, params)
+        assert got == want  # every field: tokens, logprobs (exact floats), text, prompt_index, versions
+        n = params.n
+        assert [c.prompt_index for c in got] == [i for i in range(len(prompts)) for _ in range(n)]
+        assert [c.sample_index for c in got] == list(range(n)) * len(prompts)
+        assert [c.prompt_ids for c in got[::n]] == prompts
+        assert {c.policy_version for c in got} == {0}
+    # the second shard sampled with its own seed: not the single sampler's completions
+    params = SamplingParams(n=3, seed=11, max_new_tokens=6)
+    assert pool.generate(PROMPTS, params) != factory().generate(PROMPTS, params)
+
+
+def test_an_actor_failure_names_the_actor(pool_and_model):
+    from fp4rl.distributed.ray_pool import SamplerActorError
+
+    pool, _, _, _ = pool_and_model
+    bad = [[1, 2], [3], [4, 500]]  # the last prompt (shard 1: prompts 2..3) has a token outside the vocab
+    match = r"sampler actor 1 of 2 failed in generate.*outside \[0, 96\)"
+    with pytest.raises(SamplerActorError, match=match) as info:
+        pool.generate(bad, SamplingParams(n=1, seed=0, max_new_tokens=2))
+    assert info.value.index == 1
+    assert pool.generate(PROMPTS[:2], SamplingParams(n=1, seed=0, max_new_tokens=2))  # the pool still works
+
+
+def test_a_failing_factory_names_the_actor(ray_session):
+    from fp4rl.distributed.ray_pool import RayRolloutPool, SamplerActorError
+
+    match = "(?s)sampler actor 0 of 2 failed in startup.*ZeroDivisionError"
+    with pytest.raises(SamplerActorError, match=match):
+        RayRolloutPool(functools.partial(operator.truediv, 1, 0), 2, startup_timeout_s=60)
+    with pytest.raises(TypeError, match="cannot be pickled.*SamplerFactory"):
+        RayRolloutPool(functools.partial(print, threading.Lock()), 1)
+
+
+def test_load_moves_every_actor_to_the_payload(pool_and_model):
+    """Runs after the generation tests: the module's pool is at version 1 afterwards."""
+    from fp4rl.distributed.ray_pool import SamplerActorError
+    from fp4rl.weight_sync import build_payload
+
+    pool, factory, model, contract = pool_and_model
+    old = build_payload(model, contract, 0)
+    trained = tiny_converted()[0]
+    optimizer_step(trained)
+    payload = build_payload(trained, contract, 1)
+    pool.load(payload, verify=True)  # every actor re-hashes its tensors against the payload's checksums
+    assert pool.policy_version == 1
+    local = factory()
+    local.load(payload, verify=True)
+    params = SamplingParams(n=2, seed=7, max_new_tokens=6)
+    got = pool.generate(PROMPTS, params)
+    assert got == LocalShards(local, 2).generate(PROMPTS, params)
+    assert {c.policy_version for c in got} == {1}
+    before = factory()
+    assert got != LocalShards(before, 2).generate(PROMPTS, params), "the new weights sample differently"
+    assert pool.sampler_attr("policy_version") == [1, 1]
+    with pytest.raises(SamplerActorError, match="sampler actor 0 of 2 failed in load.*older than"):
+        pool.load(old)  # stale: refused by every actor, the pool keeps version 1
+    assert pool.policy_version == 1
+    with pytest.raises(TypeError, match="weight_sync.Payload"):
+        pool.load(b"bytes")
+
+
+def test_pool_arguments_and_missing_ray(monkeypatch):
+    from fp4rl.distributed import ray_pool
+
+    with pytest.raises(ValueError, match="num_samplers"):
+        ray_pool.RayRolloutPool(lambda: None, 0)
+    with pytest.raises(ValueError, match="gpus_per_sampler"):
+        ray_pool.RayRolloutPool(lambda: None, 1, gpus_per_sampler=-1)
+    with pytest.raises(TypeError, match="callable"):
+        ray_pool.RayRolloutPool("sampler", 1)
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    with pytest.raises(ImportError, match=r"pip install 'fp4rl\[dist\]'"):
+        ray_pool.RayRolloutPool(lambda: None, 2)
+
+
+# ---------------------------------------------------------------------------------- fp4rl train
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("assets")
+    return save_tiny_model(root / "model"), write_prompts(root / "prompts.jsonl")
+
+
+def run_tiny(assets, tmp_path, name, *sets):
+    from fp4rl.loop import train
+
+    model_dir, prompts = assets
+    return train(load_config(TINY, [*run_overrides(model_dir, prompts, tmp_path, name), "model.device=cpu",
+                                    *sets]))
+
+
+def deterministic(records):
+    return [{k: v for k, v in r.items() if not k.startswith(NON_DETERMINISTIC)} for r in records]
+
+
+def final_weights(run_dir):
+    from fp4rl.hf import load_state_dict
+    from fp4rl.trainer import list_checkpoints
+
+    return load_state_dict(list_checkpoints(run_dir)[-1])
+
+
+def assert_same_weights(a, b):
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+RUN = ("trainer.steps=2", "sampler.n=3", "task.prompts_per_step=3", "eval.at_start=true", "task.eval_every=1",
+       "eval.temperatures=[0.0, 1.0]", "trainer.lr=3e-3")
+
+
+def test_train_on_ray_equals_local_shards(ray_session, assets, tmp_path):
+    """distributed.backend = ray with 2 samplers: the metrics (but time/*, memory/*) and final weights of
+    the same run with backend local and 2 samplers; the pool's actors are gone afterwards."""
+    local = run_tiny(assets, tmp_path, "local", *RUN, "distributed.samplers=2")
+    on_ray = run_tiny(assets, tmp_path, "ray", *RUN, "distributed.backend=ray", "distributed.samplers=2")
+    assert [r["step"] for r in on_ray] == [0, 1, 2]
+    assert deterministic(on_ray) == deterministic(local)
+    assert any(r.get("train/sequences", 0) > 0 for r in on_ray)
+    assert_same_weights(tmp_path / "ray", tmp_path / "local")
+    assert load_config(tmp_path / "ray" / "config.toml").distributed.backend == "ray"
+
+
+def test_async_train_on_ray_and_resume(ray_session, assets, tmp_path):
+    """Async (the rollout thread drives the pool), resumed with more steps: equal to one local run."""
+    from fp4rl.loop import main
+
+    sets = ("loop.mode=async", "loop.max_staleness=1", "trainer.checkpoint_every=1", "task.eval_every=2",
+            "distributed.samplers=2")
+    full = run_tiny(assets, tmp_path, "local", *sets, "trainer.steps=3")
+    run_tiny(assets, tmp_path, "ray", *sets, "trainer.steps=2", "distributed.backend=ray")
+    assert main(["--resume", str(tmp_path / "ray"), "--set", "trainer.steps=3"]) == 0
+    from fp4rl.metrics import read_metrics
+
+    resumed = read_metrics(tmp_path / "ray")
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert deterministic(resumed) == deterministic(full)
+    assert [r["rollout/staleness_max"] for r in resumed] == [0, 1, 1]
+    assert_same_weights(tmp_path / "ray", tmp_path / "local")
+
+
+def test_the_pool_is_shut_down_when_train_fails(ray_session, assets, tmp_path, monkeypatch):
+    from fp4rl import loop
+    from fp4rl.distributed import ray_pool
+
+    pools = []
+
+    class Recorded(ray_pool.RayRolloutPool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("boom in make_batch")
+
+    monkeypatch.setattr(ray_pool, "RayRolloutPool", Recorded)
+    monkeypatch.setattr(loop, "make_batch", fail)
+    with pytest.raises(RuntimeError, match="boom in make_batch"):
+        run_tiny(assets, tmp_path, "fails", "distributed.backend=ray", "distributed.samplers=2",
+                 "trainer.steps=1")
+    (pool,) = pools
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.generate(PROMPTS, SamplingParams(n=1, seed=0, max_new_tokens=2))
+    assert ray_session.is_initialized(), "a pool that did not start Ray leaves it running"
+
+
+def test_local_shards_in_train_is_reproducible(assets, tmp_path):
+    """backend local, 2 samplers, sync: two runs give the same metrics and weights; they differ from the
+    run with 1 sampler (the second shard samples with its own seed)."""
+    one = run_tiny(assets, tmp_path, "one", *RUN)
+    two = run_tiny(assets, tmp_path, "two", *RUN, "distributed.samplers=2")
+    again = run_tiny(assets, tmp_path, "again", *RUN, "distributed.samplers=2")
+    assert deterministic(two) == deterministic(again)
+    assert_same_weights(tmp_path / "two", tmp_path / "again")
+    assert deterministic(two) != deterministic(one)
+    assert [r["step"] for r in two] == [0, 1, 2]
+    assert [r["reward/mean"] for r in two[1:]] != [r["reward/mean"] for r in one[1:]] or \
+        [r["response/length_mean"] for r in two[1:]] != [r["response/length_mean"] for r in one[1:]]
+
+
+def test_distributed_config_errors(assets, tmp_path, monkeypatch):
+    from fp4rl.loop import check_distributed, main
+
+    with pytest.raises(ConfigError, match="distributed.samplers = 0: must be >= 1"):
+        load_config(None, ["distributed.samplers=0"])
+    with pytest.raises(ConfigError, match="distributed.backend = 'mpi': allowed values are 'local', 'ray'"):
+        load_config(None, ["distributed.backend=mpi"])
+    with pytest.raises(ConfigError, match="distributed.gpus_per_sampler = -1.0: must be >= 0"):
+        load_config(None, ["distributed.backend=ray", "distributed.gpus_per_sampler=-1"])
+    with pytest.raises(ConfigError, match=r"gpus_per_sampler = 1 is for Ray actors: set distributed.backend"):
+        load_config(None, ["distributed.gpus_per_sampler=1"])
+    ray_cfg = load_config(None, ["distributed.backend=ray"])
+    with pytest.raises(ConfigError, match="distributed.gpus_per_sampler = 1 \\(or a fraction"):
+        check_distributed(ray_cfg, "cuda")
+    with pytest.raises(ConfigError, match="the run samples on cpu.*gpus_per_sampler = 0"):
+        check_distributed(load_config(None, ["distributed.backend=ray", "distributed.gpus_per_sampler=1"]),
+                          "cpu")
+    check_distributed(ray_cfg, "cpu")
+    # Ray missing: a config error naming the key and the install command, before any model is loaded
+    monkeypatch.setattr("fp4rl.config._module_available", lambda name: name != "ray")
+    with pytest.raises(ConfigError, match=r"backend = \"ray\" needs Ray.*pip install 'fp4rl\[dist\]'"):
+        check_distributed(ray_cfg, "cpu")
+    model_dir, prompts = assets
+    argv = ["--config", str(TINY)]
+    for item in [*run_overrides(model_dir, prompts, tmp_path, "noray"), "distributed.backend=ray"]:
+        argv += ["--set", item]
+    assert main(argv) == 2
+    assert not (tmp_path / "noray").exists()
