@@ -410,6 +410,7 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
         if staleness > 0 and start_step < c.trainer.steps:  # (nothing to train: no thread)
             worker = RolloutWorker(sampler, rollouts.rollout, staleness=staleness, first_step=first,
                                    last_step=last, ready=pending)
+            stack.callback(worker.close)  # joined before the pool shuts down, if setup below fails
             # held-out eval on the trainer's weights, here, sharded as the rollouts are (any backend)
             eval_sampler = Sampler(trainer.model, tokenizer, kv_cache=c.sampler.kv_cache, device=device,
                                    policy_version=trainer.policy_version, dtype=sampler_dtype)

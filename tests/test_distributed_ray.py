@@ -11,6 +11,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -237,6 +238,24 @@ def test_the_pool_is_shut_down_when_train_fails(ray_session, assets, tmp_path, m
     with pytest.raises(RuntimeError, match="shut down"):
         pool.generate(PROMPTS, SamplingParams(n=1, seed=0, max_new_tokens=2))
     assert ray_session.is_initialized(), "a pool that did not start Ray leaves it running"
+    deadline = time.monotonic() + 30  # the actors' processes are gone (killed, not just forgotten)
+    alive = list(pool.pids)
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _alive(pid)]
+        time.sleep(0.2)
+    assert not alive, f"sampler actor processes {alive} still run after the pool shut down"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by the raylet) counts as gone
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_local_shards_in_train_is_reproducible(assets, tmp_path):
@@ -281,3 +300,31 @@ def test_distributed_config_errors(assets, tmp_path, monkeypatch):
         argv += ["--set", item]
     assert main(argv) == 2
     assert not (tmp_path / "noray").exists()
+
+
+def test_trace_guidance_travels_from_the_actors(ray_session):
+    """TRACE completions carry float8 block scales, which plain pickling (Ray's results) cannot carry: the
+    actors send them through fp4rl.distributed.wire, and they arrive with their dtypes and bytes."""
+    from fp4rl.distributed.ray_pool import RayRolloutPool, SamplerFactory
+
+    torch.manual_seed(1)
+    contract = PrecisionContract("nvfp4-linear", bf16_last_fraction=0.0)
+    model = convert(CausalLM(ModelConfig(**CFG)).eval(), contract)
+    factory = SamplerFactory(model, eos_token_ids=[])
+    params = SamplingParams(n=2, seed=4, max_new_tokens=4, guidance=1.0)
+    with RayRolloutPool(factory, 2, torch_threads=torch.get_num_threads()) as pool:
+        got = pool.generate(PROMPTS[:3], params)
+    want = LocalShards(factory(), 2).generate(PROMPTS[:3], params)
+    assert len(got) == len(want) == 6
+    dtypes = set()
+    for g, w in zip(got, want):
+        assert (g.prompt_index, g.completion_ids) == (w.prompt_index, w.completion_ids)
+        assert g.logprobs == w.logprobs
+        assert g.guidance and g.guidance.keys() == w.guidance.keys()
+        for key, parts in w.guidance.items():
+            assert parts.keys() == g.guidance[key].keys()
+            for name, t in parts.items():
+                dtypes.add(t.dtype)
+                assert g.guidance[key][name].dtype == t.dtype and torch.equal(
+                    g.guidance[key][name].view(torch.uint8), t.view(torch.uint8))
+    assert torch.float8_e4m3fn in dtypes, "the test must carry the float8 block scales"

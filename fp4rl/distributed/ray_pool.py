@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 
 from fp4rl.distributed.shards import merge, shard_bounds, shard_params
+from fp4rl.distributed.wire import from_wire
 
 __all__ = ["RayRolloutPool", "SamplerActorError", "SamplerFactory", "import_ray"]
 
@@ -97,7 +98,9 @@ class _SamplerActor:
         return os.getpid(), self.sampler.policy_version
 
     def generate(self, prompts: list, params) -> list:
-        return self.sampler.generate(prompts, params)
+        from fp4rl.distributed.wire import to_wire
+
+        return to_wire(self.sampler.generate(prompts, params))  # float8 guidance tensors do not pickle
 
     def load(self, blob: bytes, verify: bool) -> int:
         from fp4rl.weight_sync import Payload
@@ -217,7 +220,7 @@ class RayRolloutPool:
             refs = [actor.generate.remote(list(prompts[a:b]), shard_params(params, i)) if b > a else None
                     for i, (actor, (a, b)) in enumerate(zip(self._actors, bounds))]
             parts = self._get(refs, "generate")
-        return merge([p or [] for p in parts], bounds)
+        return merge([from_wire(p) if p else [] for p in parts], bounds)
 
     def load(self, payload, *, verify: bool = False) -> None:
         """Every actor loads `payload` (a weight_sync.Payload), shipped once through the object store."""

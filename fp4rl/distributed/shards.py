@@ -4,9 +4,10 @@ A rollout of P prompts over S samplers: shard i takes a contiguous block of prom
 one, the first P mod S shards one larger), samples it with its own seed, and the shards' completions are put
 back in prompt order (`Completion.prompt_index` made global again). The seed of shard i is
 `shard_seed(seed, i)`: shard 0 keeps the run's seed (one shard is exactly `Sampler.generate`), the others get
-seeds derived from it. So the completions depend on the seed and S only, never on which backend ran the
-shards, in which order, or on how many machines: in-process (`LocalShards`), Ray actors
-(fp4rl.distributed.ray_pool) and torch.distributed ranks (fp4rl.distributed.torch_dist) give the same bytes.
+seeds derived from it. So the completions depend on the seed and S only (given the same build, device model
+and CPU thread count), never on which backend ran the shards, in which order, or on how many machines:
+in-process (`LocalShards`), Ray actors (fp4rl.distributed.ray_pool) and torch.distributed ranks
+(fp4rl.distributed.torch_dist) give the same bytes.
 """
 
 from __future__ import annotations
