@@ -134,6 +134,55 @@ def test_load_moves_every_actor_to_the_payload(pool_and_model):
         pool.load(b"bytes")
 
 
+def test_a_load_that_leaves_mixed_versions_stops_the_pool(pool_and_model):
+    """Runs after test_load_moves_every_actor_to_the_payload (the module's pool at v1): actor 0 alone is
+    moved to v2 behind the pool's back, so loading v1 fails on actor 0 only and the actors then hold v2 and
+    v1; the pool refuses to sample until a payload every actor accepts (v2) is loaded."""
+    from fp4rl.distributed.ray_pool import SamplerActorError
+    from fp4rl.weight_sync import build_payload
+
+    pool, _, _, contract = pool_and_model
+    assert pool.policy_version == 1
+    trained = tiny_converted()[0]
+    optimizer_step(trained)
+    v1 = build_payload(trained, contract, 1)
+    optimizer_step(trained)
+    v2 = build_payload(trained, contract, 2)
+    ray = pool._ray
+    ray.get(pool._actors[0].load.remote(ray.put(v2.to_bytes()), False))
+    with pytest.raises(SamplerActorError, match="actor 0 of 2 failed in load"):
+        pool.load(v1)
+    with pytest.raises(RuntimeError, match=r"left the actors at versions \[2, 1\]"):
+        pool.generate(PROMPTS, SamplingParams(n=1, seed=0, max_new_tokens=2))
+    pool.load(v2)
+    assert pool.policy_version == 2 and pool.sampler_attr("policy_version") == [2, 2]
+    assert pool.generate(PROMPTS[:2], SamplingParams(n=1, seed=0, max_new_tokens=2))
+
+
+def test_a_local_session_without_the_gpus_is_refused_at_once(tmp_path):
+    """A pool that starts its own Ray session (one machine, no autoscaler) checks the GPUs it asks for
+    before starting actors (instead of waiting startup_timeout_s for resources that never come)."""
+    import subprocess
+
+    temp = tempfile.mkdtemp(prefix="fp4rl-ray2-", dir="/tmp")
+    code = (
+        "import os; os.environ.setdefault('RAY_AUTH_MODE', 'disabled')\n"
+        "from fp4rl.distributed.ray_pool import RayRolloutPool\n"
+        "try:\n"
+        f"    RayRolloutPool(print, 2, gpus_per_sampler=1, ray_init_kwargs=dict(num_cpus=1, num_gpus=0, "
+        f"include_dashboard=False, _temp_dir={temp!r}, log_to_driver=False))\n"
+        "except ValueError as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             cwd=ROOT, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    assert "REFUSED" in out.stdout, out.stderr[-2000:]
+    assert "need 2 GPUs" in out.stdout and "has 0" in out.stdout
+
+
 def test_pool_arguments_and_missing_ray(monkeypatch):
     from fp4rl.distributed import ray_pool
 

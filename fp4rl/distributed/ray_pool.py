@@ -152,7 +152,16 @@ class RayRolloutPool:
         if not ray.is_initialized():
             ray.init(**{"ignore_reinit_error": True, **(ray_init_kwargs or {})})
             self._owns_ray = True
+        self._broken: str | None = None
         try:
+            if self._owns_ray and gpus_per_sampler > 0:  # a local session: no autoscaler will add GPUs
+                have = ray.cluster_resources().get("GPU", 0)
+                if num_samplers * gpus_per_sampler > have + 1e-9:
+                    need = num_samplers * gpus_per_sampler
+                    raise ValueError(f"RayRolloutPool: {num_samplers} samplers x {gpus_per_sampler:g} GPU "
+                                     f"need {need:g} GPUs, this machine's Ray session has {have:g}: lower "
+                                     "distributed.samplers or distributed.gpus_per_sampler (fractions share "
+                                     "a GPU), or connect to a cluster (RAY_ADDRESS)")
             options = {"num_gpus": gpus_per_sampler, "num_cpus": cpus_per_sampler}
             actor_cls = ray.remote(_SamplerActor)
             try:
@@ -200,9 +209,12 @@ class RayRolloutPool:
                 raise SamplerActorError(i, len(refs), what, cause) from e
         return out
 
-    def _check_open(self) -> None:
+    def _check_open(self, loading: bool = False) -> None:
         if not self._actors:
             raise RuntimeError("RayRolloutPool: the pool is shut down")
+        if self._broken and not loading:
+            raise RuntimeError(f"RayRolloutPool: {self._broken}; load a payload every actor accepts, or shut "
+                               "the pool down and build a new one")
 
     # -- the Sampler interface of the loop ---------------------------------------------------
     @property
@@ -230,14 +242,25 @@ class RayRolloutPool:
             raise TypeError(f"RayRolloutPool.load: expected a weight_sync.Payload, got "
                             f"{type(payload).__name__}")
         with self._lock:
-            self._check_open()
+            self._check_open(loading=True)
             blob = self._ray.put(payload.to_bytes())
-            versions = self._get([a.load.remote(blob, verify) for a in self._actors],
-                                 f"load (v{payload.version})")
+            try:
+                versions = self._get([a.load.remote(blob, verify) for a in self._actors],
+                                     f"load (v{payload.version})")
+            except SamplerActorError:
+                # some actors may have loaded it: a pool whose actors hold different versions must not sample
+                try:
+                    now = self._get([a.getattr.remote("policy_version") for a in self._actors], "version")
+                except Exception:  # noqa: BLE001 - an actor is gone: the pool cannot sample consistently
+                    now = None
+                if now is None or set(now) != {self._version}:
+                    self._broken = (f"a failed load of v{payload.version} left the actors at versions "
+                                    f"{now if now is not None else 'unknown'}")
+                raise
             if set(versions) != {payload.version}:
-                raise RuntimeError(f"RayRolloutPool: after loading v{payload.version} the actors hold "
-                                   f"versions {versions}")
-            self._version = payload.version
+                self._broken = f"after loading v{payload.version} the actors hold versions {versions}"
+                raise RuntimeError(f"RayRolloutPool: {self._broken}")
+            self._version, self._broken = payload.version, None
 
     def sampler_attr(self, name: str) -> list:
         """`getattr(sampler, name)` of every actor's sampler (e.g. "max_seq_len", or a method's result via
