@@ -8,33 +8,18 @@ CUDA-graph replay of 50 calls, median of 5 replays, us per call. Every variant's
 the default's.
 """
 
-import statistics
+import os
 import sys
 
 import torch
 
 sys.path.insert(0, ".")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gemm_fixed import timed  # noqa: E402  (graph replay of reps calls, median of ROUNDS)
+
 from fp4rl.kernels import moe_route  # noqa: E402
 
-
-def timed(fn, reps=50, rounds=5):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(ts)
+REPS = 50
 
 
 def torch_route(lg, k):
@@ -54,17 +39,18 @@ def main():
     for t in (1, 8, 32, 64):
         lg = torch.randn(t, e, device="cuda").bfloat16()
         ref = moe_route.route(lg, k, True)
-        cells = [f"{timed(lambda lg=lg: torch_route(lg, k)):.1f}"]
+        cells = [f"{timed(lambda _r, lg=lg: torch_route(lg, k), REPS):.1f}"]
         for nw in (2, 4, 8):
             for bq in (32, 64, 128):
                 out = moe_route.route(lg, k, True, num_warps=nw, bq=bq)
                 same = all(torch.equal(a, b) for a, b in zip(out, ref))
-                us = timed(lambda lg=lg, nw=nw, bq=bq: moe_route.route(lg, k, True, num_warps=nw, bq=bq))
+                us = timed(lambda _r, lg=lg, nw=nw, bq=bq: moe_route.route(lg, k, True, num_warps=nw, bq=bq),
+                           REPS)
                 cells.append(f"{us:.1f}" + ("" if same else " (DIFFERS)"))
         print(f"| {t} | " + " | ".join(cells) + " |", flush=True)
     d = torch.randn(32 * k, 2048, device="cuda").bfloat16()
     _, w, _, pos, _ = moe_route.route(torch.randn(32, e, device="cuda").bfloat16(), k, True)
-    print(f"combine 32 tokens x 2048: {timed(lambda: moe_route.combine(d, pos, w)):.1f} us")
+    print(f"combine 32 tokens x 2048: {timed(lambda _r: moe_route.combine(d, pos, w), REPS):.1f} us")
 
 
 if __name__ == "__main__":
