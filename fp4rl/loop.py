@@ -314,11 +314,14 @@ def check_distributed(config: RunConfig, device: str) -> None:
                           "distributed.gpus_per_sampler = 0 for CPU sampler actors, or run on CUDA")
 
 
-def rollout_sampler(model, tokenizer, sampler_kwargs: dict, config: RunConfig, stack: contextlib.ExitStack):
+def rollout_sampler(model, tokenizer, sampler_kwargs: dict, config: RunConfig, stack: contextlib.ExitStack,
+                    contract=None):
     """The rollout sampler of a run ([distributed]): one Sampler; LocalShards of one Sampler (backend
-    "local", samplers > 1); or a RayRolloutPool of `samplers` actors, each building its Sampler from a
-    pickled copy of `model` and the same keyword arguments, shut down when `stack` closes. Every choice with
-    the same number of samplers gives the same completions (fp4rl.distributed.shards)."""
+    "local", samplers > 1); or a RayRolloutPool of `samplers` actors, each building its Sampler from
+    `model`'s config converted with `contract` (zero weights until the payload the caller loads next; without
+    a contract, from a pickled copy of `model`) and the same keyword arguments, shut down when `stack`
+    closes. Every choice with the same number of samplers gives the same completions
+    (fp4rl.distributed.shards)."""
     from fp4rl.sampler import Sampler
 
     d = config.distributed
@@ -326,8 +329,10 @@ def rollout_sampler(model, tokenizer, sampler_kwargs: dict, config: RunConfig, s
         from fp4rl.distributed.ray_pool import RayRolloutPool, SamplerFactory
 
         cpu = torch.device(sampler_kwargs.get("device", "cpu")).type == "cpu"
-        pool = RayRolloutPool(SamplerFactory(model, tokenizer, **sampler_kwargs), d.samplers,
-                              gpus_per_sampler=d.gpus_per_sampler,
+        # with the contract only the model's config travels: each actor builds it empty, and the payload
+        # the caller loads next fills every weight (no copy of the master model per actor)
+        factory = SamplerFactory(model, tokenizer, contract=contract, **sampler_kwargs)
+        pool = RayRolloutPool(factory, d.samplers, gpus_per_sampler=d.gpus_per_sampler,
                               torch_threads=torch.get_num_threads() if cpu else None)
         stack.callback(pool.shutdown)
         return pool
@@ -401,7 +406,7 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     sampler_kwargs = dict(kv_cache=c.sampler.kv_cache, device=device, policy_version=trainer.policy_version,
                           dtype=sampler_dtype, **({"kernels": False} if c.precision.trace else {}))
     with contextlib.ExitStack() as stack:  # a Ray pool is shut down however train() ends
-        sampler = rollout_sampler(trainer.model, tokenizer, sampler_kwargs, c, stack)
+        sampler = rollout_sampler(trainer.model, tokenizer, sampler_kwargs, c, stack, contract)
         sampler.load(payload)
         rollouts = Rollouts(task, tokenizer, c)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \

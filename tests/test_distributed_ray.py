@@ -377,3 +377,29 @@ def test_trace_guidance_travels_from_the_actors(ray_session):
                 assert g.guidance[key][name].dtype == t.dtype and torch.equal(
                     g.guidance[key][name].view(torch.uint8), t.view(torch.uint8))
     assert torch.float8_e4m3fn in dtypes, "the test must carry the float8 block scales"
+
+
+def test_actors_built_from_the_config_sample_what_the_trainer_copy_does(ray_session):
+    """SamplerFactory(model, contract=...) ships only the config (the RL loop's choice): each actor builds
+    the model with zero weights, the first payload fills every tensor, and the pool then samples exactly
+    what a sampler built from the model itself does."""
+    import pickle
+
+    from fp4rl.distributed.ray_pool import RayRolloutPool, SamplerFactory
+    from fp4rl.weight_sync import build_payload
+
+    model, contract = tiny_converted()
+    optimizer_step(model)
+    payload = build_payload(model, contract, 1)
+    light = SamplerFactory(model, contract=contract, eos_token_ids=[])
+    heavy = SamplerFactory(model, eos_token_ids=[])
+    assert len(pickle.dumps(light)) * 4 < len(pickle.dumps(heavy)), "the config factory must not ship weights"
+    params = SamplingParams(n=2, seed=9, max_new_tokens=6)
+    with RayRolloutPool(light, 2, torch_threads=torch.get_num_threads()) as pool:
+        pool.load(payload, verify=True)
+        got = pool.generate(PROMPTS, params)
+    local = heavy()
+    local.load(payload, verify=True)
+    assert got == LocalShards(local, 2).generate(PROMPTS, params)
+    empty = pickle.loads(pickle.dumps(light))()  # what an actor holds before its first payload
+    assert all(float(p.abs().sum()) == 0 for p in empty.model.parameters() if p.is_floating_point())

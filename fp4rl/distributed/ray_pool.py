@@ -56,30 +56,65 @@ class SamplerActorError(RuntimeError):
 
 
 class SamplerFactory:
-    """`Sampler(model, tokenizer, **kwargs)` as a picklable callable. The model travels as torch.save bytes
-    (loaded on the CPU; the Sampler copies it to its device), so FP8 tensors (NVFP4 block scales, cached
-    quantized weights) survive, which plain pickling of torch tensors does not."""
+    """`Sampler(model, tokenizer, **kwargs)` as a picklable callable, shipped to the actors one of two ways:
 
-    def __init__(self, model, tokenizer=None, **sampler_kwargs):
-        self.model, self.tokenizer, self.sampler_kwargs = model, tokenizer, sampler_kwargs
+    - contract=None: the model itself, as torch.save bytes (loaded on the CPU; the Sampler copies it to its
+      device), so FP8 tensors (NVFP4 block scales, cached quantized weights) survive, which plain pickling of
+      torch tensors does not. Every actor gets the whole master model (fine for small models).
+    - contract given (the PrecisionContract the model was converted with): only the model's config, its
+      master dtype and the contract travel; each actor builds the model with zero weights and converts it,
+      and its weights come from the first payload the pool loads. Nothing of the weights is pickled, so this
+      is the way for large models; the RL loop uses it (it loads a payload into the pool before any
+      rollout). An actor's sampler samples from zero weights until then.
+    Called in this process, the factory builds the Sampler from `model` itself either way."""
+
+    def __init__(self, model, tokenizer=None, *, contract=None, **sampler_kwargs):
+        self.model, self.tokenizer, self.contract = model, tokenizer, contract
+        self.sampler_kwargs, self._shape = sampler_kwargs, None
 
     def __call__(self):
         from fp4rl.sampler import Sampler
 
-        return Sampler(self.model, self.tokenizer, **self.sampler_kwargs)
+        model = self.model if self.model is not None else self._empty_model()
+        return Sampler(model, self.tokenizer, **self.sampler_kwargs)
+
+    def _empty_model(self):
+        import torch
+
+        from fp4rl.model import CausalLM, rope_inv_freq
+        from fp4rl.qat import convert
+
+        config, dtype = self._shape
+        with torch.device("meta"):
+            model = CausalLM(config)
+        model = model.to_empty(device="cpu").to(dtype)
+        model.model.rope_inv_freq = rope_inv_freq(config)  # fp32, computed (not a parameter)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        return convert(model.eval(), self.contract)
 
     def __getstate__(self) -> dict:
         import torch
 
+        state = {"tokenizer": self.tokenizer, "sampler_kwargs": self.sampler_kwargs,
+                 "contract": self.contract}
+        if self.contract is not None:
+            model = self.model
+            shape = self._shape if model is None else (model.config, next(model.parameters()).dtype)
+            return {**state, "model": None, "shape": shape}
         buf = io.BytesIO()
         torch.save(self.model, buf)
-        return {"model": buf.getvalue(), "tokenizer": self.tokenizer, "sampler_kwargs": self.sampler_kwargs}
+        return {**state, "model": buf.getvalue(), "shape": None}
 
     def __setstate__(self, state: dict) -> None:
         import torch
 
-        self.model = torch.load(io.BytesIO(state["model"]), map_location="cpu", weights_only=False)
         self.tokenizer, self.sampler_kwargs = state["tokenizer"], state["sampler_kwargs"]
+        self.contract, self._shape = state["contract"], state["shape"]
+        blob = state["model"]
+        self.model = None if blob is None else torch.load(io.BytesIO(blob), map_location="cpu",
+                                                          weights_only=False)
 
 
 class _SamplerActor:
