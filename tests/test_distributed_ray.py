@@ -403,3 +403,24 @@ def test_actors_built_from_the_config_sample_what_the_trainer_copy_does(ray_sess
     assert got == LocalShards(local, 2).generate(PROMPTS, params)
     empty = pickle.loads(pickle.dumps(light))()  # what an actor holds before its first payload
     assert all(float(p.abs().sum()) == 0 for p in empty.model.parameters() if p.is_floating_point())
+
+
+@pytest.mark.gpu
+def test_gpu_pool_matches_local_shards(ray_session):
+    """CUDA sampler actors (half a GPU each, the decode kernels and CUDA graphs of the sampler) built from the
+    config, loaded with a payload: the same completions as LocalShards of a CUDA sampler in this process."""
+    from fp4rl.distributed.ray_pool import RayRolloutPool, SamplerFactory
+    from fp4rl.weight_sync import build_payload
+
+    model, contract = tiny_converted()
+    optimizer_step(model)
+    payload = build_payload(model, contract, 1)
+    kwargs = dict(eos_token_ids=[], device="cuda", dtype=torch.bfloat16)
+    params = SamplingParams(n=2, seed=5, max_new_tokens=6)
+    with RayRolloutPool(SamplerFactory(model, contract=contract, **kwargs), 2, gpus_per_sampler=0.5) as pool:
+        pool.load(payload, verify=True)
+        got = pool.generate(PROMPTS, params)
+        assert pool.sampler_attr("device") == [torch.device("cuda")] * 2
+    local = SamplerFactory(model, **kwargs)()
+    local.load(payload, verify=True)
+    assert got == LocalShards(local, 2).generate(PROMPTS, params)
