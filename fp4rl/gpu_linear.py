@@ -428,24 +428,19 @@ class KernelMoeBlock(SparseMoeBlock):
 
     plan = None
 
-    def forward(self, x: torch.Tensor, forced_experts: torch.Tensor | None = None):
+    def routed(self, x: torch.Tensor, forced_experts: torch.Tensor | None = None):
         from fp4rl.kernels import fused, moe_route
         from fp4rl.kernels._common import INTERPRET
 
-        b, t, h = x.shape
-        n = b * t
+        n = x.shape[0]
         if (not FUSED_ROUTE or forced_experts is not None or self.plan is None or x.dtype != KERNEL_DTYPE
                 or not (x.is_cuda or INTERPRET) or not moe_route.fits(n, self.top_k, self.num_experts)):
-            return super().forward(x, forced_experts)
-        flat = x.reshape(n, h)
-        idx, w, rows, pos, offsets = moe_route.route(self.gate(flat), self.top_k, self.norm_topk_prob,
+            return super().routed(x, forced_experts)
+        idx, w, rows, pos, offsets = moe_route.route(self.gate(x), self.top_k, self.norm_topk_prob,
                                                      weight_dtype=x.dtype)
-        gu = self.plan.gate_up(flat.index_select(0, rows), offsets, tokens=n)  # [n k, 2I], sorted rows
+        gu = self.plan.gate_up(x.index_select(0, rows), offsets, tokens=n)  # [n k, 2I], sorted rows
         a, _ = fused.silu_mul(gu)  # bf16(bf16(silu(gate)) * up), torch's bits on the GPU
-        y = moe_route.combine(self.plan.down(a, offsets, tokens=n), pos, w)  # [n, H] in token order
-        if hasattr(self, "shared_expert"):
-            y = y + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return y.reshape(b, t, h), idx.reshape(b, t, self.top_k)
+        return moe_route.combine(self.plan.down(a, offsets, tokens=n), pos, w), idx  # [n, H] in token order
 
     def run_experts(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         if self.plan is None or x.dtype != KERNEL_DTYPE:

@@ -16,8 +16,9 @@ the router keeps receiving gradients.
 
 Every projection is a plain `nn.Linear` (each expert an `MLP` of three), so a precision
 contract can swap the routed experts' linears by name. The routed compute goes through one
-method, `run_experts`, that a grouped-matmul GPU path overrides; the default loops over the
-experts and touches only the tokens routed to each.
+method, `run_experts`, that a grouped-matmul GPU path overrides (`routed`, route + run_experts, for a
+path that does both at once); the default loops over the experts and touches only the tokens routed to
+each.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ class SparseMoeBlock(nn.Module):
             y.index_add_(0, token, expert(x[token]) * topk_weight[token, slot, None])
         return y
 
+    def routed(self, x: torch.Tensor, forced_experts: torch.Tensor | None = None):
+        """x [N, H] -> (the routed experts' weighted sum [N, H], experts chosen [N, top_k] long): `route`,
+        then `run_experts`. A path that routes and runs the experts together overrides this."""
+        topk_idx, topk_weight = self.route(x, forced_experts)
+        return self.run_experts(x, topk_idx, topk_weight), topk_idx
+
     def forward(self, x: torch.Tensor, forced_experts: torch.Tensor | None = None):
         """x [B, T, H], forced_experts [B, T, top_k] or None -> (y [B, T, H], experts used [B, T, top_k])."""
         B, T, H = x.shape
@@ -76,8 +83,7 @@ class SparseMoeBlock(nn.Module):
                 raise ValueError(f"routing replay: expected experts [B, T, top_k] = {[B, T, self.top_k]}, "
                                  f"got {list(forced_experts.shape)}")
             forced_experts = forced_experts.reshape(-1, self.top_k).to(device=x.device, dtype=torch.long)
-        topk_idx, topk_weight = self.route(flat, forced_experts)
-        y = self.run_experts(flat, topk_idx, topk_weight)
+        y, topk_idx = self.routed(flat, forced_experts)
         if hasattr(self, "shared_expert"):
             y = y + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return y.reshape(B, T, H), topk_idx.reshape(B, T, self.top_k)

@@ -144,8 +144,9 @@ def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, config,
     monkeypatch.setattr(moe_route, "route", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     with torch.inference_mode():
         y, experts = block(x)
-        y_ref, experts_ref = SparseMoeBlock.forward(block, x)  # torch route, the same grouped experts
         y_forced, _ = block(x, experts)  # routing replay takes the torch route
+        monkeypatch.setattr(gpu_linear, "FUSED_ROUTE", False)
+        y_ref, experts_ref = block(x)  # the torch route, the same grouped experts
         flat = x[:, 0]
         idx, w = SparseMoeBlock.route(block, flat)
         y_run = block.run_experts(flat, idx, w)  # the torch grouping and combine on the same route
