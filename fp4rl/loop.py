@@ -415,10 +415,11 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
         if staleness > 0 and start_step < c.trainer.steps:  # (nothing to train: no thread)
             worker = RolloutWorker(sampler, rollouts.rollout, staleness=staleness, first_step=first,
                                    last_step=last, ready=pending)
-            stack.callback(worker.close)  # joined before the pool shuts down, if setup below fails
-            # held-out eval on the trainer's weights, here, sharded as the rollouts are (any backend)
-            eval_sampler = Sampler(trainer.model, tokenizer, kv_cache=c.sampler.kv_cache, device=device,
-                                   policy_version=trainer.policy_version, dtype=sampler_dtype)
+            stack.callback(worker.close)  # however train() ends, and before the pool shuts down
+            # held-out eval on the trainer's weights, here, sharded as the rollouts are (any backend;
+            # greedy or unguided, so the decode kernels even in a TRACE run)
+            eval_sampler = Sampler(trainer.model, tokenizer,
+                                   **{k: v for k, v in sampler_kwargs.items() if k != "kernels"})
             if c.distributed.samplers > 1:
                 eval_sampler = LocalShards(eval_sampler, c.distributed.samplers)
             eval_sampler.load(payload)
@@ -480,8 +481,6 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
                                                      for s, r in worker.pending(ahead).items()}
                     trainer.save_checkpoint(run_dir, step, extra=extra, keep=c.trainer.checkpoint_keep)
         finally:
-            if worker:
-                worker.close()
             if progress is not None:
                 progress.close()
             logger.close()

@@ -13,10 +13,11 @@ those of `LocalShards(sampler, num_samplers)` on one machine (given the same sam
 
 Each actor builds its Sampler by calling `factory()`: any picklable callable, pickled once here (a pickling
 error shows at once) and shared by every actor through the object store. `SamplerFactory(model, tokenizer,
-**kwargs)` is the one for a model: it carries the model as torch.save bytes (plain pickling of FP8 tensors,
-which NVFP4 scales are, fails in torch). Weight sync ships `Payload.to_bytes()` through the object store once
-per version; every actor decodes it and loads it (checksums verified by Sampler.load). Ray is imported only
-here: `pip install 'fp4rl[dist]'`.
+contract=..., **kwargs)` is the one for a model: it carries the model's config and contract only, and the
+first payload fills the weights (without a contract it carries the model as torch.save bytes, since plain
+pickling of FP8 tensors, which NVFP4 scales are, fails in torch). Weight sync ships `Payload.to_bytes()`
+through the object store once per version; every actor decodes it and loads it (checksums verified by
+Sampler.load). Ray is imported only here: `pip install 'fp4rl[dist]'`.
 """
 
 from __future__ import annotations
