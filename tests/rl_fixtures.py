@@ -16,6 +16,7 @@ import torch
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
 WORDS = ["system", "user", "assistant", *[str(d) for d in range(10)], *[f"w{i}" for i in range(47)]]
 VOCAB = SPECIALS + WORDS  # 64 tokens
+TINY_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
@@ -91,6 +92,26 @@ def run_overrides(model_dir, prompts_path, run_dir, name: str) -> list[str]:
         f"run.dir={json.dumps(str(run_dir))}",
         f"run.name={name}",
     ]
+
+
+def tiny_assets(root) -> tuple[Path, Path]:
+    """(model directory, prompts file) of the tiny RL job, written under `root`."""
+    root = Path(root)
+    return save_tiny_model(root / "model"), write_prompts(root / "prompts.jsonl")
+
+
+def tiny_sets(assets, run_dir, name: str, *sets) -> list[str]:
+    """run_overrides for `assets` (tiny_assets) followed by `sets`."""
+    model_dir, prompts = assets
+    return [*run_overrides(model_dir, prompts, run_dir, name), *sets]
+
+
+def run_tiny(assets, run_dir, name: str, *sets) -> list[dict]:
+    """`fp4rl train` of configs/tiny.toml on `assets` with `sets`; its metrics records."""
+    from fp4rl.config import load_config
+    from fp4rl.loop import train
+
+    return train(load_config(TINY_CONFIG, tiny_sets(assets, run_dir, name, *sets)))
 
 
 def converted_model(config: dict, preset: str, seed: int = 0):

@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+import rl_fixtures
 import torch
-from rl_fixtures import optimizer_step, run_overrides, save_tiny_model, write_prompts
+from rl_fixtures import optimizer_step, tiny_assets, tiny_sets
 
 from fp4rl.config import ConfigError, load_config
 from fp4rl.distributed import LocalShards
@@ -26,7 +27,6 @@ from fp4rl.qat import convert
 from fp4rl.sampler import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.toml"
 NON_DETERMINISTIC = ("time/", "memory/")
 CFG = dict(model_type="qwen3", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, qk_norm=True)
@@ -202,16 +202,11 @@ def test_pool_arguments_and_missing_ray(monkeypatch):
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("assets")
-    return save_tiny_model(root / "model"), write_prompts(root / "prompts.jsonl")
+    return tiny_assets(tmp_path_factory.mktemp("assets"))
 
 
 def run_tiny(assets, tmp_path, name, *sets):
-    from fp4rl.loop import train
-
-    model_dir, prompts = assets
-    return train(load_config(TINY, [*run_overrides(model_dir, prompts, tmp_path, name), "model.device=cpu",
-                                    *sets]))
+    return rl_fixtures.run_tiny(assets, tmp_path, name, "model.device=cpu", *sets)
 
 
 def deterministic(records):
@@ -343,9 +338,8 @@ def test_distributed_config_errors(assets, tmp_path, monkeypatch):
     monkeypatch.setattr("fp4rl.config._module_available", lambda name: name != "ray")
     with pytest.raises(ConfigError, match=r"backend = \"ray\" needs Ray.*pip install 'fp4rl\[dist\]'"):
         check_distributed(ray_cfg, "cpu")
-    model_dir, prompts = assets
-    argv = ["--config", str(TINY)]
-    for item in [*run_overrides(model_dir, prompts, tmp_path, "noray"), "distributed.backend=ray"]:
+    argv = ["--config", str(rl_fixtures.TINY_CONFIG)]
+    for item in tiny_sets(assets, tmp_path, "noray", "distributed.backend=ray"):
         argv += ["--set", item]
     assert main(argv) == 2
     assert not (tmp_path / "noray").exists()

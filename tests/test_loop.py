@@ -20,15 +20,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from rl_fixtures import run_overrides, save_tiny_model, write_prompts
+from rl_fixtures import TINY_CONFIG as TINY
+from rl_fixtures import run_tiny, tiny_assets, tiny_sets
 
 from fp4rl.config import ConfigError, load_config
-from fp4rl.loop import derive_seed, main, rollout_version, train
+from fp4rl.loop import derive_seed, main, rollout_version
 from fp4rl.metrics import read_metrics
 from fp4rl.trainer import list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.toml"
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny_sync.json"
 GOLDEN_SETS = ["trainer.steps=4", "sampler.n=4", "eval.at_start=true", "task.eval_every=2",
                "trainer.lr=3e-3", "trainer.seed=1", "model.device=cpu"]  # CPU numbers, also on a GPU host
@@ -37,17 +37,7 @@ NON_DETERMINISTIC = ("time/", "memory/")
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("assets")
-    return save_tiny_model(root / "model"), write_prompts(root / "prompts.jsonl")
-
-
-def tiny_sets(assets, run_dir, name, *sets):
-    model_dir, prompts = assets
-    return [*run_overrides(model_dir, prompts, run_dir, name), *sets]
-
-
-def run_tiny(assets, tmp_path, name, *sets):
-    return train(load_config(TINY, tiny_sets(assets, tmp_path, name, *sets)))
+    return tiny_assets(tmp_path_factory.mktemp("assets"))
 
 
 def deterministic(records):
