@@ -52,12 +52,17 @@ MMA16 = os.environ.get("FP4RL_MMA16", "1") != "0"  # the CUDA mma16 copy where i
 
 
 def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, offsets=None,
-                xq=None, tokens: int | None = None) -> torch.Tensor:
+                xq=None, tokens: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """x2 [M, K] bfloat16 @ DQ(weight).T (weight: .data/.block_scale/.global_scale), W4A16 or W4A4
     (x quantized per token with the contract's settings first, or xq: that Q(x) already made by a fused
     producer, (data, block_scale, global_scale [M])); offsets: grouped experts, tokens: the batch's tokens
-    (gemm.gemm)."""
+    (gemm.gemm); rows (grouped): int32 [M], x2 holds the tokens and sorted row r is x2[rows[r]]."""
     from fp4rl.kernels import gemm
+
+    if rows is not None and mode != "w4a16":  # W4A4: quantize the sorted rows, as without rows
+        if xq is not None:
+            raise ValueError("packed_gemm: rows and xq together: pass the sorted rows' Q(x) without rows")
+        x2, rows = x2.index_select(0, rows), None
 
     if xq is not None and mode != "w4a4":
         raise ValueError(f"packed_gemm: xq (a pre-quantized activation) is for W4A4 only, got mode {mode!r}; "
@@ -69,7 +74,7 @@ def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, 
     if not TUNE and offsets is None and m > gemm.DECODE_MAX_ROWS:
         config = gemm.FALLBACK
     if mode == "w4a16":
-        return gemm.gemm(x2, weight, offsets=offsets, tune=TUNE, config=config, tokens=tokens)
+        return gemm.gemm(x2, weight, offsets=offsets, tune=TUNE, config=config, tokens=tokens, rows=rows)
     if xq is None:
         xq = gemm.quantize_activations(x2, scale_rule=input_kwargs["scale_rule"], err=input_kwargs["err"])
     return gemm.gemm(None, weight, xq=xq, offsets=offsets, tune=TUNE, config=config, tokens=tokens)
@@ -340,7 +345,7 @@ class _PackedExperts:
         self.gu_g.copy_(torch.cat([g[:, None].expand(e, i), u[:, None].expand(e, i)], 1))
         self.d_g.copy_(torch.stack([m.weight_global_scale.float().reshape(()) for m in self.downs]))
 
-    def _run(self, which: int, x, offsets, tokens):
+    def _run(self, which: int, x, offsets, tokens, rows=None):
         data, scale, g = ((self.gu_data, self.gu_scale, self.gu_g) if which == 0
                           else (self.d_data, self.d_scale, self.d_g))
         w = SimpleNamespace(data=data, block_scale=scale, global_scale=g)
@@ -350,10 +355,12 @@ class _PackedExperts:
             c = self._copy(which)
             if c is not None:
                 w.mma16 = c
-        return packed_gemm(x, w, self.mode, self.input_kwargs, offsets, tokens=tokens)
+        return packed_gemm(x, w, self.mode, self.input_kwargs, offsets, tokens=tokens, rows=rows)
 
-    def gate_up(self, xs, offsets, tokens: int | None = None):
-        return self._run(0, xs, offsets, tokens)
+    def gate_up(self, xs, offsets, tokens: int | None = None, rows: torch.Tensor | None = None):
+        """[M, 2I] for the expert-sorted rows xs [M, H], or with rows (int32 [M]) for xs[rows] (xs: the
+        tokens; the grouped mma16 kernel reads those rows itself)."""
+        return self._run(0, xs, offsets, tokens, rows)
 
     def down(self, a, offsets, tokens: int | None = None):
         return self._run(1, a, offsets, tokens)
@@ -379,7 +386,9 @@ class _DenseExperts:
     def refresh(self) -> None:
         pass
 
-    def gate_up(self, xs, offsets, tokens: int | None = None):
+    def gate_up(self, xs, offsets, tokens: int | None = None, rows: torch.Tensor | None = None):
+        if rows is not None:
+            xs = xs.index_select(0, rows)
         return torch._grouped_mm(xs, self.gu_t, offs=offsets[1:])
 
     def down(self, a, offsets, tokens: int | None = None):
@@ -415,6 +424,7 @@ def expert_plan(block: SparseMoeBlock):
 
 
 FUSED_ROUTE = os.environ.get("FP4RL_MOE_ROUTE", "1") != "0"  # KernelMoeBlock's route/combine kernels
+FUSED_GATHER = os.environ.get("FP4RL_MOE_GATHER", "1") != "0"  # the grouped mma16 kernel reads x[rows] itself
 
 
 class KernelMoeBlock(SparseMoeBlock):
@@ -438,7 +448,10 @@ class KernelMoeBlock(SparseMoeBlock):
             return super().routed(x, forced_experts)
         idx, w, rows, pos, offsets = moe_route.route(self.gate(x), self.top_k, self.norm_topk_prob,
                                                      weight_dtype=x.dtype)
-        gu = self.plan.gate_up(x.index_select(0, rows), offsets, tokens=n)  # [n k, 2I], sorted rows
+        if FUSED_GATHER:  # [n k, 2I]: x[rows], the sorted rows
+            gu = self.plan.gate_up(x, offsets, tokens=n, rows=rows)
+        else:
+            gu = self.plan.gate_up(x.index_select(0, rows), offsets, tokens=n)
         a, _ = fused.silu_mul(gu)  # bf16(bf16(silu(gate)) * up), torch's bits on the GPU
         return moe_route.combine(self.plan.down(a, offsets, tokens=n), pos, w), idx  # [n, H] in token order
 

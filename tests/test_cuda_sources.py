@@ -29,6 +29,19 @@ LIB = _lib()
 
 def compile_log(src: str, arch: str) -> str:
     """NVRTC -> cubin for arch with ptxas -v; the log. A compile error fails the test with the log."""
+    rc, text = _compile(src, arch)
+    assert rc == 0, f"NVRTC failed for {arch}:\n{text[:3000]}"
+    return text
+
+
+def _compile_error(src: str, arch: str = "sm_90") -> str:
+    """The log of a source that must not compile."""
+    rc, text = _compile(src, arch)
+    assert rc != 0, "the source compiled"
+    return text
+
+
+def _compile(src: str, arch: str) -> tuple[int, str]:
     prog = ctypes.c_void_p()
     assert LIB.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"k.cu", 0, None, None) == 0
     opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--ptxas-options=-v"]
@@ -38,9 +51,7 @@ def compile_log(src: str, arch: str) -> str:
     log = ctypes.create_string_buffer(n.value)
     LIB.nvrtcGetProgramLog(prog, log)
     LIB.nvrtcDestroyProgram(ctypes.byref(prog))
-    text = log.value.decode(errors="replace")
-    assert rc == 0, f"NVRTC failed for {arch}:\n{text[:3000]}"
-    return text
+    return rc, log.value.decode(errors="replace")
 
 
 def spills(log: str) -> dict[str, tuple[int, int]]:
@@ -79,13 +90,23 @@ def _gemm_configs():
         for m in (32, 64, 128):
             yield f"wgmma {n}x{k} m{m}", gemv_cuda.choose_wide(n, k, m, sms), "sm_90a"
     yield "grouped 2048x768", gemv_cuda.choose_grouped(2048, 768, 8, sms), "sm_90"
+    yield "grouped gather 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1}, "sm_90"
 
 
 @pytest.mark.parametrize("name,cfg,arch", list(_gemm_configs()),
                          ids=lambda v: v if isinstance(v, str) else "")
 def test_gemm_kernel_compiles_without_spills_or_serialized_wgmma(name, cfg, arch):
-    for wg_row, xg_row, grouped in ((False, False, name.startswith("grouped")), (True, True, False)):
+    gather = cfg.get("GATHER", 0)
+    variants = ((False, False, name.startswith("grouped")), (True, not gather, bool(gather)))
+    for wg_row, xg_row, grouped in variants:
         log = compile_log(gemv_cuda.source(cfg, wg_row, xg_row, grouped), arch)
         assert "C7515" not in log, f"{name}: ptxas serialized the wgmma pipeline:\n{log[:2000]}"
         for fn, (stores, loads) in spills(log).items():
             assert stores == 0 and loads == 0, f"{name} {cfg}: {fn} spills {stores} B / loads {loads} B"
+
+
+def test_gather_needs_grouped_w4a16():
+    cfg = {**gemv_cuda.choose_grouped(1536, 2048, 8, 132), "GATHER": 1}
+    for wg_row, xg_row, grouped in ((False, False, False), (False, True, True)):
+        prog_log = _compile_error(gemv_cuda.source(cfg, wg_row, xg_row, grouped))
+        assert "GATHER is for GROUPED W4A16" in prog_log

@@ -454,3 +454,56 @@ def test_gpu_grouped_experts_match_reference_and_replay_new_routing():
             a, b = int(offs[i]), int(offs[i + 1])
             if b > a:
                 assert _rel(y[a:b], x[a:b].double() @ wd[i].T) < 4e-3, (counts, i)
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_gather_equals_gathered_rows_and_replays():
+    """x_rows: the kernel reads sorted row r from token x_rows[r] of the un-gathered x; the result is bit for
+    bit the launch on x.index_select(0, x_rows), for routings with repeated tokens and empty experts, and in a
+    CUDA graph replayed with new rows and offsets. W4A4 (x_scale) refuses x_rows."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    from fp4rl.kernels import pdl
+
+    e, n, k, t, top = 6, 256, 384, 5, 3
+    ws = [_weight(n, k, seed=30 + i, device="cuda") for i in range(e)]
+    wc = gemv_cuda.relayout_stack(torch.stack([w.data for w in ws]), torch.stack([w.block_scale for w in ws]))
+    g = torch.stack([w.global_scale.float().reshape(()) for w in ws])
+    x = torch.randn(t, k, device="cuda").bfloat16()
+    gen = torch.Generator().manual_seed(0)
+
+    def routing():
+        idx = torch.stack([torch.randperm(e, generator=gen)[:top] for _ in range(t)]).reshape(-1)
+        order = torch.argsort(idx, stable=True)
+        counts = torch.bincount(idx, minlength=e)
+        offs = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
+        return (order // top).to(torch.int32).cuda(), offs.cuda()
+
+    m = t * top
+    for _ in range(3):
+        rows, offs = routing()
+        want = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        got = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        with pdl.step():
+            gemv_cuda.launch_grouped(x.index_select(0, rows), wc, g, offs, want)
+            gemv_cuda.launch_grouped(x, wc, g, offs, got, x_rows=rows)
+        assert torch.equal(got, want)
+    rows_buf, offs_buf = routing()
+    y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    gemv_cuda.launch_grouped(x, wc, g, offs_buf, y, x_rows=rows_buf)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), pdl.step():
+        gemv_cuda.launch_grouped(x, wc, g, offs_buf, y, x_rows=rows_buf)
+    for _ in range(3):
+        rows, offs = routing()
+        rows_buf.copy_(rows)
+        offs_buf.copy_(offs)
+        y.fill_(float("nan"))
+        graph.replay()
+        want = torch.empty_like(y)
+        gemv_cuda.launch_grouped(x.index_select(0, rows), wc, g, offs, want)
+        assert torch.equal(y, want)
+    with pytest.raises(ValueError, match="W4A16"):
+        gemv_cuda.launch_grouped(x, wc, g, offs, y, x_scale=torch.ones(t, device="cuda"), x_rows=rows)
+    with pytest.raises(TypeError, match="int32"):
+        gemv_cuda.launch_grouped(x, wc, g, offs, y, x_rows=rows.long())

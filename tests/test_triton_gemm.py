@@ -81,6 +81,26 @@ def test_grouped_with_empty_experts():
     assert _rel(y, ref) < TOL
 
 
+def test_grouped_rows_gather_the_tokens():
+    """gemm(x, rows=...) for grouped W4A16: x holds the tokens, sorted row r is x[rows[r]] (the MoE route's
+    gather, read by the kernel where it can): equal to the gemm of x.index_select(0, rows)."""
+    e, n, k = 3, 32, 64
+    ws = [_weight(n, k, seed=20 + s) for s in range(e)]
+    w = NVFP4Tensor(data=torch.stack([q.data for q in ws]),
+                    block_scale=torch.stack([q.block_scale for q in ws]),
+                    global_scale=torch.stack([q.global_scale for q in ws]),
+                    shape=torch.Size((e, n, k)), dtype=torch.float32)
+    x = _x(4, k, seed=7)  # 4 tokens, 2 experts each: 8 sorted rows, tokens repeated
+    rows = torch.tensor([0, 2, 3, 0, 1, 1, 2, 3], dtype=torch.int32, device=DEV)
+    offsets = torch.tensor([0, 3, 6, 8], dtype=torch.int32, device=DEV)
+    want = gemm.gemm(x.index_select(0, rows), w, offsets=offsets, tokens=4)
+    assert torch.equal(gemm.gemm(x, w, offsets=offsets, tokens=4, rows=rows), want)
+    with pytest.raises(ValueError, match="grouped W4A16"):
+        gemm.gemm(x, ws[0], rows=rows)
+    with pytest.raises(TypeError, match="int32"):
+        gemm.gemm(x, w, offsets=offsets, rows=rows.long())
+
+
 def test_w4a4_matches_fake_quantized_operands():
     w, x = _weight(48, 64, scale_rule="4/6"), _x(5, 64, seed=4)
     xq = reference.quantize(x, scale_scope="row")  # what the kernel's per-token quantizer must give

@@ -91,6 +91,10 @@ def add_arguments(parser):
                         "between the decode step's kernels (fp4rl.kernels.pdl), each row measured with each")
     parser.add_argument("--fusion", default="on", help="'on', 'off' or 'on,off': the engine's fused decode "
                         "step (fp4rl.kernels.fused) or the module step, each row measured with each")
+    parser.add_argument("--offload-trainer", default="auto", choices=("auto", "on", "off"),
+                        help="move the trainer's BF16 weights to host memory while the BF16 sampler (a "
+                        "second BF16 copy) is built and measured; auto: when two copies would not fit the free "
+                        "GPU memory (a full-depth Qwen3-30B-A3B: 2 x 61 GB)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None, help="JSON results (rewritten after every row)")
 
@@ -303,7 +307,6 @@ def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, 
     """Every (KV, batch) row of one precision preset, plus its graph check and profiles."""
     from fp4rl.precision import PrecisionContract
     from fp4rl.qat import convert
-    from fp4rl.sampler import Sampler
 
     device = torch.device(args.device)
     batches = [int(b) for b in args.batch.split(",")]
@@ -313,12 +316,41 @@ def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, 
     check_kv = "nvfp4" if "nvfp4" in kvs else kvs[-1]
     contract = PrecisionContract(preset, bf16_last_fraction=frac)
     convert(trainer, contract)
+    offload = preset == "bf16" and device.type == "cuda" and offload_wanted(trainer, args.offload_trainer,
+                                                                             device)
+    if offload:  # the sampler copies every tensor to the GPU itself
+        trainer.to("cpu")
+        torch.cuda.empty_cache()
+    try:
+        yield from _measure(trainer, contract, shape, layers, full_layers, label, preset, frac, args, env,
+                            results, base, device, batches, kvs, n2, prof_batches, check_kv, offload)
+    finally:
+        gc.collect()
+        if offload:
+            torch.cuda.empty_cache()
+            trainer.to(device)
+
+
+def offload_wanted(trainer: nn.Module, mode: str, device) -> bool:
+    """Whether to move the trainer to host memory for the BF16 sampler (--offload-trainer)."""
+    if mode != "auto":
+        return mode == "on"
+    nbytes = sum(t.numel() * t.element_size() for t in trainer.state_dict().values())
+    free, _ = torch.cuda.mem_get_info(device)
+    return 1.1 * nbytes > free  # the sampler's copy + its graphs and caches would not fit beside it
+
+
+def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac, args, env, results, base,
+             device, batches, kvs, n2, prof_batches, check_kv, offload):
+    from fp4rl.sampler import Sampler
+
     t0 = time.perf_counter()
     sampler = Sampler(trainer, device=device, dtype=torch.bfloat16, eos_token_ids=[],
                       max_seq_len=args.prompt + n2 + 8, kernels=True, cuda_graphs=not args.no_graphs)
     mem = sampler.memory()
     results["builds"].append({"shape": shape, "precision": label, "build_s": time.perf_counter() - t0,
-                              "packed_vs_bf16": mem["packed_vs_bf16"], "packed_bytes": mem["packed_bytes"]})
+                              "packed_vs_bf16": mem["packed_vs_bf16"], "packed_bytes": mem["packed_bytes"],
+                              "trainer_offloaded": offload})
     from fp4rl.kernels import pdl
 
     fusions = [f == "on" for f in args.fusion.split(",")]

@@ -463,7 +463,8 @@ def _fallback(x2, xq, wd, ws, wg, y):
     return y
 
 
-def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, tokens: int | None = None):
+def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, tokens: int | None = None,
+         rows=None):
     """Core entry: y [M, N] = x @ DQ(W).T on packed NVFP4 weights.
 
     x: bfloat16 [M, K] (W4A16), or None with xq = (data uint8 [M, K/2], block_scale [M, K/16],
@@ -475,8 +476,15 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
     wgmma configuration on sm_90). Grouped weights may carry `mma16` too
     (gemv_cuda.relayout_stack): taken for decode-sized batches, `tokens` (the batch's tokens before top-k)
     <= MMA16_GROUPED_MAX_TOKENS.
+    rows: grouped W4A16 only, int32 [M]: x [T, K] holds the batch's tokens and sorted row r is x[rows[r]];
+    the grouped mma16 kernel reads those rows itself, every other path gathers them first (same result).
     """
     grouped = offsets is not None
+    if rows is not None:
+        if not grouped or xq is not None:
+            raise ValueError("gemm: rows (the experts' gather) is for grouped W4A16 (offsets, x) only")
+        if rows.dtype != torch.int32 or rows.ndim != 1:
+            raise TypeError(f"gemm: rows must be int32 [M], got {rows.dtype} {tuple(rows.shape)}")
     wd, ws, wg = _weight_parts(weight, grouped)
     swz = getattr(weight, "gemv32", None)  # the same codes in the gemv32 layout (1-4 row GEMV only)
     m16 = getattr(weight, "mma16", None)  # the CUDA mma16 kernel's copy (gemv_cuda.relayout), 1-16 rows
@@ -494,7 +502,7 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
         x2 = None
     else:
         x2 = _check_x(x, 2 * kh)
-        m = x2.shape[0]
+        m = x2.shape[0] if rows is None else rows.numel()
     if grouped:
         offsets = offsets.to(torch.int32).contiguous()
         if offsets.numel() != e + 1:
@@ -511,11 +519,14 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
             raise ValueError(f"weight.mma16 is not a stacked copy of {e} experts of {n}x{2 * kh}")
         xin = x2 if x2 is not None else dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False)
         try:
-            return _mma16.launch_grouped(xin, m16, wg, offsets, y, x_scale=None if x2 is not None else xq[2])
+            return _mma16.launch_grouped(xin, m16, wg, offsets, y, x_scale=None if x2 is not None else xq[2],
+                                         x_rows=rows)
         except ValueError:  # this K slice does not fit its shared memory: the Triton kernels below
             pass
         except RuntimeError as exc:
             _mma16.disable(exc)
+    if rows is not None:  # the other kernels take the sorted rows themselves
+        x2 = x2.index_select(0, rows)
     if m16 is not None and not grouped and config is None and _mma16.available(device):
         # the CUDA kernel (fp4rl.kernels.gemv_cuda): mma.sync for every row up to 16 on one MMA, its wgmma
         # configuration for the rows of wide_rows

@@ -392,7 +392,7 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
     with torch.cuda.device(dev):
         _set_smem(kern, smem)
         pdl.launch(kern, (nb, cfg["SPLIT"], zb), (WARPS * 32, 1, 1),
-                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), g, 0], smem,
+                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), g, 0, g], smem,
                    torch.cuda.current_stream(dev), pdl.gemm_flag(dev))
     STATE["ok"] = True
     return y
@@ -424,13 +424,24 @@ def choose_grouped(n: int, k: int, slots: int, sms: int) -> dict:
 
 
 def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, offsets: torch.Tensor,
-                   y: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
+                   y: torch.Tensor, x_scale: torch.Tensor | None = None,
+                   x_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts: y [M, N] = x2 [M, K] (rows sorted by expert; offsets int32 [E + 1], rows
     offsets[e]:offsets[e+1] go to expert e) @ DQ(W_e).T with the stacked copy of `relayout_stack`.
     global_scale fp32 [E, N] (per output row) or [E] (per expert). x_scale fp32 [M]: W4A4 as in `launch`.
+    x_rows int32 [M] (W4A16 only): x2 [T, K] holds the tokens and sorted row r reads x2[x_rows[r]], i.e.
+    y = (x2.index_select(0, x_rows)) @ ..., with the gather done by the kernel's x staging (bit-identical:
+    the same rows reach the same arithmetic).
     No host sync: each CTA finds its (expert, 8-row chunk) from the offsets (graph-capturable; any routing:
     an expert with r rows takes ceil(r / 8) chunks, each streaming its weights)."""
     m, k = x2.shape
+    if x_rows is not None:
+        if x_scale is not None:
+            raise ValueError("x_rows (the gather) is for W4A16; W4A4 gathers its quantized rows first")
+        if x_rows.dtype != torch.int32 or x_rows.ndim != 1 or x_rows.device != x2.device:
+            raise TypeError(f"x_rows must be int32 [M] on x's device, got {x_rows.dtype} "
+                            f"{tuple(x_rows.shape)} on {x_rows.device}")
+        m = x_rows.numel()
     e = offsets.numel() - 1
     if k != wc.k or wc.wt.shape[0] != e * (wc.n // 16):
         raise ValueError(f"x [*, {k}] / offsets for {e} experts do not match the copy "
@@ -445,14 +456,17 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     cfg = _plan_grouped(wc.n, wc.k, min(e, m), dev)
     slots = min(e, m) + -(-m // (8 * cfg["MG"]))  # >= sum over experts of ceil(rows / chunk rows)
-    kern = _kernel(tuple(sorted(cfg.items())) + (g.numel() > e, x_scale is not None, True), dev)
+    key = {**cfg, "GATHER": 1} if x_rows is not None else cfg
+    kern = _kernel(tuple(sorted(key.items())) + (g.numel() > e, x_scale is not None, True), dev)
     smem = smem_bytes(cfg, wc.k, 8 * cfg["MG"])
     nb = -(-wc.n // (WARPS * 16))
     offs = offsets.contiguous()
+    rows = offs if x_rows is None else x_rows.contiguous()
     with torch.cuda.device(dev):
         _set_smem(kern, smem)
         pdl.launch(kern, (nb, cfg["SPLIT"], slots), (WARPS * 32, 1, 1),
-                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), offs, e], smem,
+                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), offs, e, rows],
+                   smem,
                    torch.cuda.current_stream(dev), pdl.gemm_flag(dev))
     STATE["ok"] = True
     return y

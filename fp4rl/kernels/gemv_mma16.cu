@@ -4,6 +4,8 @@
 // Compiled at run time by NVRTC (fp4rl/kernels/gemv_cuda.py prepends the #defines: NT, MG, SPLIT,
 // DEPTH, TRIGGER, WG_ROW, XG_ROW, GROUPED, and CLUSTER = __cluster_dims__(1, SPLIT, 1) when SPLIT > 1).
 // GROUPED: routed experts (see the kernel's first block): grid z = expert slots.
+// GATHER (GROUPED, W4A16): x holds the batch's tokens and row r of the expert-sorted rows is token xrows[r]
+// (the MoE route's gather, read by the x staging instead of a separate index_select).
 // XG_ROW: x is a dequantized NVFP4 activation without its per-row global scale (W4A4 emulation: x =
 // e2m1 * block_scale, exact in bf16); xg[m] multiplies row m's sum with the weight's global scale.
 //
@@ -53,8 +55,20 @@ typedef unsigned long long u64;
 #ifndef GROUPED
 #define GROUPED 0
 #endif
+#ifndef GATHER
+#define GATHER 0
+#endif
+#if GATHER && (!GROUPED || XG_ROW)
+#error "GATHER is for GROUPED W4A16 (no XG_ROW)"
+#endif
 #ifndef XSTREAM
 #define XSTREAM 0  // 1: x in 128-k chunks through a CTA ring with the weights (many rows; DEPTH >= 2)
+#endif
+// the row of x that row m of this CTA's rows reads (only evaluated for m < M)
+#if GATHER
+#define XROW(m) xrows[m]
+#else
+#define XROW(m) (m)
 #endif
 #if XSTREAM && DEPTH < 2
 #error "XSTREAM needs DEPTH >= 2"
@@ -182,7 +196,8 @@ __device__ __forceinline__ u16 to_bf16(float v) { return (u16)(f2_to_bf16x2(v, 0
 extern "C" __global__ void __launch_bounds__(WARPS * 32) CLUSTER
 w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4* __restrict__ st,
             const float* __restrict__ wg, const float* __restrict__ xg, u16* __restrict__ y, int M, int N,
-            int K, int stride_xm, int stride_ym, const int* __restrict__ offs, int E) {
+            int K, int stride_xm, int stride_ym, const int* __restrict__ offs, int E,
+            const int* __restrict__ xrows) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int S = K >> 7;                    // 128-k steps
@@ -234,7 +249,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     {
         const int r0 = offs[ex] + chunk * XROWS;
         M = min(XROWS, offs[ex + 1] - r0);
-        x += (u64)r0 * stride_xm;
+        if (GATHER) xrows += r0;  // row m of this chunk is token xrows[m]
+        else x += (u64)r0 * stride_xm;
         y += (u64)r0 * stride_ym;
         wt += (u64)ex * (u64)(N >> 4) * S * 64;
         st += (u64)ex * (u64)(N >> 4) * S * 16;
@@ -313,7 +329,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #endif
             const int kc = q * 8;
             const bool in = m < M && step < s1;
-            const u16* src = in ? x + (u64)m * stride_xm + (u64)step * 128 + kc : x;
+            const u16* src = in ? x + (u64)XROW(m) * stride_xm + (u64)step * 128 + kc : x;
 #if WGMMA && SWZ
             // 128-byte swizzle, K-major: [k half (64 k)][row][128 B], 16 B chunk (q % 8) ^ (row % 8)
             const u32 off = (q >> 3) * (XROWS * 128) + m * 128 + (((q & 7) ^ (m & 7)) << 4);
@@ -351,7 +367,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : (XR + 1) * cw); c += WARPS * 32) {
             const int m = c / cw, kc = (c - m * cw) * 8;
             const bool in = m < M && kbase + kc < kend;
-            const u16* src = in ? x + (u64)m * stride_xm + kbase + kc : x;
+            const u16* src = in ? x + (u64)XROW(m) * stride_xm + kbase + kc : x;
             cp_async16(smem_u32(xs + m * XS + kc), src, in ? 16 : 0);
         }
         cp_async_commit();
