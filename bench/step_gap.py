@@ -42,7 +42,7 @@ def trace_steps(path: str) -> dict:
     # a step's GPU window: from the first kernel of a replay to the first of the next one (a replay starts at
     # a graph kernel that follows a non-graph one)
     starts, prev_graph = [], False
-    for ts, dur, name, in_graph in kernels:
+    for ts, _dur, _name, in_graph in kernels:
         if in_graph and not prev_graph:
             starts.append(ts)
         prev_graph = in_graph
@@ -71,7 +71,8 @@ def summarize(found: dict, skip: int = 3) -> dict:
             names.setdefault(n, []).append(d)
     top = sorted(((statistics.median(v), n) for n, v in names.items()), reverse=True)[:10]
     host = found["host_between_launches"][skip:-1] or found["host_between_launches"]
-    return {"us_per_step_median": med, "steps": len(steps), "top_eager_us": [(round(d, 1), n) for d, n in top],
+    return {"us_per_step_median": med, "steps": len(steps),
+            "top_eager_us": [(round(d, 1), n) for d, n in top],
             "host_between_launches_us_median": statistics.median(host) if host else None}
 
 

@@ -93,8 +93,8 @@ def add_arguments(parser):
                         "step (fp4rl.kernels.fused) or the module step, each row measured with each")
     parser.add_argument("--offload-trainer", default="auto", choices=("auto", "on", "off"),
                         help="move the trainer's BF16 weights to host memory while the BF16 sampler (a "
-                        "second BF16 copy) is built and measured; auto: when two copies would not fit the free "
-                        "GPU memory (a full-depth Qwen3-30B-A3B: 2 x 61 GB)")
+                        "second BF16 copy) is built and measured; auto: when two copies would not fit the "
+                        "free GPU memory (a full-depth Qwen3-30B-A3B: 2 x 61 GB)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None, help="JSON results (rewritten after every row)")
 
