@@ -13,9 +13,12 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 
 def trace_steps(path: str) -> dict:
@@ -59,11 +62,14 @@ def trace_steps(path: str) -> dict:
                       "idle": b - a - busy_graph - busy_eager, "eager_kernels": eager,
                       "n_eager": sum(1 for *_, g in inside if not g)})
     host = [b - a for a, b in zip(launches, launches[1:])]
-    return {"steps": steps, "host_between_launches": host, "waits": waits}
+    waited = [sum(d for ts, d in waits if a <= ts < b) for a, b in zip(launches, launches[1:])]
+    return {"steps": steps, "host_between_launches": host, "host_waiting": waited}
 
 
 def summarize(found: dict, skip: int = 3) -> dict:
     steps = found["steps"][skip:-1] or found["steps"]
+    if not steps:
+        return {"error": "no decode steps in the trace (no graph replays seen)"}
     med = {k: statistics.median(s[k] for s in steps) for k in ("window", "graph", "eager", "idle", "n_eager")}
     names: dict[str, list] = {}
     for s in steps:
@@ -71,9 +77,11 @@ def summarize(found: dict, skip: int = 3) -> dict:
             names.setdefault(n, []).append(d)
     top = sorted(((statistics.median(v), n) for n, v in names.items()), reverse=True)[:10]
     host = found["host_between_launches"][skip:-1] or found["host_between_launches"]
+    waited = found["host_waiting"][skip:-1] or found["host_waiting"]
     return {"us_per_step_median": med, "steps": len(steps),
             "top_eager_us": [(round(d, 1), n) for d, n in top],
-            "host_between_launches_us_median": statistics.median(host) if host else None}
+            "host_between_launches_us_median": statistics.median(host) if host else None,
+            "host_waiting_us_median": statistics.median(waited) if waited else None}
 
 
 def main() -> int:
