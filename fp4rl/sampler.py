@@ -203,9 +203,11 @@ class Sampler:
                  on for a BF16 CPU sampler where torch's oneDNN supports BF16); see fp4rl/packed.py.
     cpu_ops      BF16 on the CPU: RMSNorm + residual, RoPE + KV write + attention and SiLU*up as fused C
                  kernels (fp4rl/cpu_ops.py; default: on for a BF16 CPU sampler where they build).
-    fast_head    choose tokens (greedy, or temperature sampling without top-k/top-p) with the fused C
-                 pass of fp4rl/cpu_head.py instead of torch ops (default: on for a BF16 CPU sampler
-                 where it builds); same distribution, float32-rounding-level logprob differences.
+    fast_head    choose tokens (greedy, or temperature sampling without top-k/top-p) with one fused pass
+                 instead of ~35 torch ops: the C code of fp4rl/cpu_head.py on the CPU, the Triton kernel
+                 of fp4rl/kernels/sample_head.py with the kernel engine (default: on for a BF16 CPU
+                 sampler where the C code builds and with kernels); the same draws from the generator,
+                 same distribution, float32-rounding-level logprob differences.
     nvfp4_gemm   BF16 on the CPU: NVFP4 linears multiply up to 64 rows straight from the packed bytes
                  with the AMX kernel of fp4rl.nvfp4.cpu_gemm (no dequantized copy is kept; larger
                  prefills dequantize per call); default: on where that kernel is available.
@@ -243,7 +245,8 @@ class Sampler:
         self.prepack = prepack = cpu_bf16_path("prepack", prepack, onednn_bf16_available)
         self.nvfp4_gemm = nvfp4_gemm = cpu_bf16_path("nvfp4_gemm", nvfp4_gemm, cpu_gemm.available)
         cpu_ops = cpu_bf16_path("cpu_ops", cpu_ops, lambda: True)  # if unbuildable, fast_cpu_ops does nothing
-        self.fast_head = cpu_bf16 and cpu_head.available() if fast_head is None else fast_head
+        if fast_head is None:
+            fast_head = (cpu_bf16 and cpu_head.available()) or kernels
         self.config = model.config
         self.max_seq_len = max_seq_len or self.config.max_position_embeddings
         if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
@@ -251,6 +254,7 @@ class Sampler:
         self.model = build_sampler_model(model, dtype=self.dtype, device=self.device,
                                          cache_dequantized=cache_dequantized, fuse=fuse, prepack=prepack,
                                          nvfp4_gemm=nvfp4_gemm, cpu_ops=cpu_ops)
+        self.fast_head = fast_head
         self.engine = None
         if kernels:
             from fp4rl.gpu_decode import DecodeEngine
@@ -486,7 +490,12 @@ class Sampler:
 
     def _next_tokens(self, logits: torch.Tensor, params: SamplingParams, generator):
         if self.fast_head and (params.greedy or (params.top_k == 0 and params.top_p == 1.0)):
-            out = cpu_head.sample_head(logits, params.greedy, params.temperature, generator)
+            if logits.device.type == "cpu" and not (self.engine is not None and _interpreting()):
+                out = cpu_head.sample_head(logits, params.greedy, params.temperature, generator)
+            else:  # CUDA (or the kernel engine under TRITON_INTERPRET=1)
+                from fp4rl.kernels import sample_head
+
+                out = sample_head.sample_head(logits, params.greedy, params.temperature, generator)
             if out is not None:
                 return out
         return sample_next(logits, params, generator)
@@ -496,6 +505,12 @@ class Sampler:
         text = self._decode(ids)
         hits = [i for s in stop if (i := text.find(s)) >= 0]
         return text[:min(hits)] if hits else None
+
+
+def _interpreting() -> bool:
+    from fp4rl.kernels._common import INTERPRET
+
+    return INTERPRET
 
 
 def _to_host(tokens: torch.Tensor):

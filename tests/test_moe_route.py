@@ -145,6 +145,9 @@ def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, config,
     with torch.inference_mode():
         y, experts = block(x)
         y_forced, _ = block(x, experts)  # routing replay takes the torch route
+        monkeypatch.setattr(gpu_linear, "FUSED_GATHER", False)
+        y_gathered, _ = block(x)  # x.index_select(0, rows) before the grouped GEMM instead of in it
+        monkeypatch.setattr(gpu_linear, "FUSED_GATHER", True)
         monkeypatch.setattr(gpu_linear, "FUSED_ROUTE", False)
         y_ref, experts_ref = block(x)  # the torch route, the same grouped experts
         flat = x[:, 0]
@@ -152,7 +155,8 @@ def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, config,
         y_run = block.run_experts(flat, idx, w)  # the torch grouping and combine on the same route
         if hasattr(block, "shared_expert"):
             y_run = y_run + torch.sigmoid(block.shared_expert_gate(flat)) * block.shared_expert(flat)
-    assert calls == [1], "the decode-sized forward must take the fused route (and replay must not)"
+    assert calls == [1, 1], "the decode-sized forward must take the fused route (and replay must not)"
+    assert torch.equal(y, y_gathered), "the grouped GEMM's own gather must equal index_select's rows"
     assert torch.equal(experts, experts_ref) and experts.dtype == torch.long
     assert y.dtype == x.dtype and y.shape == x.shape
     # only the combine's sum order over the k slots can differ: within a bf16 ulp of the torch combine
