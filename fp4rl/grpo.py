@@ -300,6 +300,13 @@ def grpo_loss(
     metrics: dict[str, float] = {}
     is_weights = None
     if sampler_logprobs is not None:
+        bad = ~torch.isfinite(sampler_logprobs) & (mask > 0)
+        if bool(bad.any()):
+            row, tok = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"sampler logprobs are NaN or Inf at {int(bad.sum())} completion tokens "
+                             f"(first: row {row}, token {tok}): the sampler saw non-finite logits; check the "
+                             "synced weights (weight_sync verify=True) and the rollout's model before "
+                             "training on it")
         metrics.update(mismatch_metrics(old_logprobs, sampler_logprobs, mask))
         if config.is_correction != "none":
             is_weights, mask, is_metrics = importance_weights(

@@ -236,6 +236,18 @@ def test_grpo_loss_mis_drops_tokens_from_denominator():
     assert m["mismatch/mis_mask_frac"] == pytest.approx(0.5)
 
 
+def test_grpo_loss_refuses_non_finite_sampler_logprobs():
+    cfg = GRPOConfig(is_correction="tis")
+    logprobs = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    sampler = torch.zeros(2, 3)
+    sampler[0, 2] = float("nan")  # padding: ignored
+    grpo_loss(logprobs, torch.tensor([1.0, -1.0]), mask, cfg, sampler_logprobs=sampler)
+    sampler[1, 1] = float("nan")
+    with pytest.raises(ValueError, match="row 1, token 1.*non-finite logits"):
+        grpo_loss(logprobs, torch.tensor([1.0, -1.0]), mask, cfg, sampler_logprobs=sampler)
+
+
 def test_grpo_config_validation():
     assert GRPOConfig().loss_agg == "token-mean"
     with pytest.raises(ConfigError, match="grpo.loss_agg.*token-mean"):

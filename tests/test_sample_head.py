@@ -18,7 +18,7 @@ from fp4rl.qat import convert  # noqa: E402
 from fp4rl.sampler import Sampler, SamplingParams, sample_next  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-N_DRAWS = 20000 if DEV == "cuda" else 1000  # rows of one distribution test (the interpreter: ~10 ms a row)
+N_DRAWS = 20000 if DEV == "cuda" else 300  # rows of one distribution test (the interpreter: ~50 ms a row)
 
 
 def _gen(seed):
@@ -26,7 +26,7 @@ def _gen(seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("v", [37, 4096, 9001])  # below, at and across the kernel's 4096-logit steps
+@pytest.mark.parametrize("v", [37, 4096, 9001, 17000])  # 1, 2 and 3 slices of 8192, chunks of 2048
 @pytest.mark.parametrize("greedy,temperature", [(True, 1.0), (False, 1.0), (False, 0.6)])
 def test_same_tokens_and_logprobs_as_torch(dtype, v, greedy, temperature):
     logits = (torch.randn(5, v, generator=torch.Generator().manual_seed(v)) * 3).to(dtype).to(DEV)
@@ -57,13 +57,13 @@ def test_draws_follow_the_softmax():
     counts = torch.bincount(tok.cpu(), minlength=5).double() / N_DRAWS
     assert counts[2] == 0
     sigma = (p * (1 - p) / N_DRAWS).sqrt().double()
-    assert bool(((counts - p.double()).abs() <= 4.5 * sigma + 1e-12).all()), counts
+    assert bool(((counts - p.double()).abs() <= 5 * sigma + 1e-12).all()), counts
     assert torch.allclose(lp.cpu(), p.log()[tok.cpu()], atol=1e-6)
     # temperature 0.5 squares the probabilities (renormalized)
     tok, _ = sample_head.sample_head(logits, False, 0.5, _gen(12))
     q = p ** 2 / (p ** 2).sum()
     counts = torch.bincount(tok.cpu(), minlength=5).double() / N_DRAWS
-    assert bool(((counts - q.double()).abs() <= 4.5 * (q * (1 - q) / N_DRAWS).sqrt().double() + 1e-12).all())
+    assert bool(((counts - q.double()).abs() <= 5 * (q * (1 - q) / N_DRAWS).sqrt().double() + 1e-12).all())
 
 
 def test_non_finite_rows_get_nan_logprobs_and_tokens_in_range():

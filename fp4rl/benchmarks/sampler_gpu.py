@@ -7,9 +7,10 @@ caches, BF16 weights on cuBLAS, a CUDA graph per decode batch bucket). Each row:
 prompts of `--prompt` tokens, n = 1, temperature 1 (multinomial sampling on the host side of the
 graph, as in RL), no EOS, so every row decodes the same number of tokens.
 
-decode tok/s = batch * (N2 - N1) / (t(N2) - t(N1)), t(N) = best wall time of a whole `generate`
-of N new tokens (after a warm-up call that compiles, tunes and captures): prefill, graph capture
-and setup cancel out, sampling and the per-step host sync stay in. `graph us` is one replay of the
+decode tok/s = batch * (N2 - N1) / median(t(N2) - t(N1)) over --repeats back-to-back pairs, t(N) the wall
+time of a whole `generate` of N new tokens (after a warm-up call that compiles, tunes and captures): prefill,
+graph capture and setup cancel out, sampling and the per-step host sync stay in. A row whose step reads
+below 0.95x its own graph replay is marked noisy (* after tok/s). `graph us` is one replay of the
 captured decode step alone (CUDA events): the GPU time of a step without sampling or host work.
 
 Speed-up limits beside each ratio: weight bytes a decode step must read in BF16 over those of the
@@ -80,7 +81,8 @@ def add_arguments(parser):
     parser.add_argument("--kv", default="bf16,nvfp4,fp8", help="KV caches")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     parser.add_argument("--tokens", default="8,56", help="N1,N2 new tokens of the two timed generates")
-    parser.add_argument("--repeats", type=int, default=2, help="timed generates per N (best is kept)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed (N1, N2) pairs (the median difference "
+                        "is kept)")
     parser.add_argument("--tune", action="store_true", help="time every GEMM candidate per shape (compiles "
                         "~20 Triton configurations per shape and batch bucket); default: first candidate")
     parser.add_argument("--profile-batch", default="1,32", help="batches profiled (kv bf16), '' for none")
@@ -281,18 +283,24 @@ def measure_row(sampler, contract, row: dict, prompts, args, env, results, base)
     n1, n2 = (int(v) for v in args.tokens.split(","))
     batch, shape = row["batch"], row["shape"]
     t_warm = timed_generate(sampler, prompts, 4)  # compiles, tunes, captures this bucket's graph
-    t1 = min(timed_generate(sampler, prompts, n1) for _ in range(args.repeats))
-    t2 = min(timed_generate(sampler, prompts, n2) for _ in range(args.repeats))
-    tok_s = batch * (n2 - n1) / (t2 - t1)
+    # pairs (N1, N2) back to back; the median of their differences (a slow outlier in one generate moves one
+    # pair, not the figure; the best of each N separately once read a step at half its graph replay)
+    diffs = sorted(-timed_generate(sampler, prompts, n1) + timed_generate(sampler, prompts, n2)
+                   for _ in range(args.repeats))
+    half = len(diffs) // 2
+    diff = diffs[half] if len(diffs) % 2 else (diffs[half - 1] + diffs[half]) / 2
+    tok_s = batch * (n2 - n1) / diff
     nbytes = step_bytes(sampler, contract, row["full_layers"], batch)
     key = (batch, row.get("fused", False), row.get("pdl", True))
     if contract.preset == "bf16":
         results.setdefault("bf16_bytes", {})[f"{shape}/{batch}"] = nbytes
         if row["kv"] == "bf16":
             base[key] = tok_s
-    row.update(tok_s=tok_s, step_ms=(t2 - t1) / (n2 - n1) * 1e3, warm_s=t_warm,
+    row.update(tok_s=tok_s, step_ms=diff / (n2 - n1) * 1e3, warm_s=t_warm, pair_diffs_s=diffs,
                graph_us=replay_us(sampler, batch), bytes_built=nbytes["built"], bytes_full=nbytes["full"],
                graph_error=sampler.engine.graph_error, counts=dict(sampler.engine.counts))
+    # a step faster than its own graph replay is noise in the wall times: flagged (a * in the table)
+    row["noisy"] = bool(row["graph_us"] and row["step_ms"] < 0.95 * row["graph_us"] / 1e3)
     ref = results.get("bf16_bytes", {}).get(f"{shape}/{batch}")
     if ref:
         row["limit_built"] = ref["built"] / nbytes["built"]
@@ -485,7 +493,8 @@ def markdown(results) -> str:
             vs += " (BF16 eager)"
         graph_ms = r["graph_us"] / 1e3 if r.get("graph_us") else None
         lines.append(f"| {r['shape']} ({r['layers']}/{r['full_layers']}) | {_label(r)} | {r['kv']} | "
-                     f"{r['batch']} | {_mode(r)} | {_f(r['tok_s'], '{:.0f}')} | {vs} | {lim} | "
+                     f"{r['batch']} | {_mode(r)} | {_f(r['tok_s'], '{:.0f}')}{'*' * bool(r.get('noisy'))} "
+                     f"| {vs} | {lim} | "
                      f"{_f(r['step_ms'])} | {_f(graph_ms)} | {_f(r.get('floor_tok_s'), '{:.0f}')} |")
     for p in results["profiles"]:
         if "error" in p:

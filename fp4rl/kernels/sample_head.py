@@ -1,4 +1,4 @@
-"""The sampler's token choice on the GPU in one kernel per decode step (fp4rl/cpu_head.py's CUDA side).
+"""The sampler's token choice on the GPU in three small kernels per decode step (cpu_head.py's CUDA side).
 
 `sample_head(logits, greedy, temperature, generator)` returns the tokens [B] (int64) and their logprobs
 [B] (fp32, under log_softmax(logits / T)) for greedy decoding or plain temperature sampling (no top-k /
@@ -7,19 +7,24 @@ for this: a float copy, softmax, a float64 copy, its cumulative sum (a row scan 
 step of Qwen3-30B-A3B's 151936-token vocabulary at batch 8-32 on an H200, more than the MoE route and
 combine of every layer together; bench/RESULTS.md), searchsorted, logsumexp and the gathers.
 
-One program per row, three passes over its logits (the row stays in L2 after the first):
-1. the maximum m of z = logits (/ T: IEEE division, as torch), the first index of the maximum (greedy),
-   and whether the row holds a NaN or an infinity;
-2. S = sum exp(z - m) in fp32 (the logsumexp: logprob = z_token - m - log S) and in float64;
-3. (sampling) the running float64 sum of exp(z_i - m): the token is the first i whose running sum exceeds
-   u * S64, u ~ U[0, 1) drawn from `generator` as torch.rand(B, dtype=float64) (the draws of the torch
-   path: a seed gives the same tokens).
+Three kernels, the first two over (row, slice of SLICE logits), the row's logits staying in L2:
+1. per slice: the maximum of z = logits (/ T: IEEE division, as torch), the first index of that maximum, and
+   the count of NaN / +inf values;
+2. per slice, with m the row's maximum (from 1.): sum exp(z - m) in fp32 (the logsumexp: logprob = z_token -
+   m - log S) and in float64;
+3. per row: the token, greedy: the first maximum over the slices in order; sampling: the inverse CDF, the
+   first i whose running float64 sum of exp(z_i - m) exceeds u * S64 (the slice from the running sum of the
+   slices' sums, then a scan of that slice alone), u ~ U[0, 1) drawn from `generator` as
+   torch.rand(B, dtype=float64) (the draws of the torch path: a seed gives the same tokens). (A scan that
+   finds no crossing for float64 rounding takes the slice's last token with mass.)
+A single program per row (first version) took ~115 us per step on the H200 at any batch: one SM streaming
+the 151936 logits three times.
 
 Against sample_next: the same distribution and, for the same u, the same token unless u * total falls
 within float64 rounding of a CDF step (torch scans the normalized fp32 probabilities, this the unnormalized
 exponentials); logprobs within fp32 rounding (another summation order; expf is libdevice's on the GPU,
 as torch's). A row with a NaN or an infinite logit gets a NaN logprob (its token is in range but
-meaningless), which the trainer's checks refuse.
+meaningless), which grpo_loss refuses with an error naming the token.
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ import triton.language as tl
 from fp4rl.kernels._common import INTERPRET
 from fp4rl.kernels.fused import _libdevice_for, libdevice
 
-BLOCK = 4096  # logits per program step
-WARPS = 8
+BLOCK = 2048  # logits per program step
+SLICE = 8192  # logits per program of the first two kernels (a multiple of BLOCK)
+WARPS = 4
 
 
 @triton.jit
@@ -52,16 +58,16 @@ def _scaled(z_ptr, idx, V, t, SCALE: tl.constexpr):
 
 
 @triton.jit
-def _sample_kernel(z_ptr, u_ptr, tok_ptr, lp_ptr, V, stride_z, t, GREEDY: tl.constexpr, SCALE: tl.constexpr,
-                   BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
-    row = tl.program_id(0)
+def _max_kernel(z_ptr, pm_ptr, pa_ptr, pb_ptr, V, NS, stride_z, t, SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                SLICE: tl.constexpr):
+    """Program (row, j): the maximum of slice j of the row's z, its first index, its non-finite count."""
+    row, j = tl.program_id(0), tl.program_id(1)
     z_ptr += row.to(tl.int64) * stride_z
     offs = tl.arange(0, BLOCK)
-    # 1. max, first index of the max, non-finite values
-    m = tl.full((), float("-inf"), tl.float32)
-    best = tl.full((), 0, tl.int32)
-    bad = tl.full((), 0, tl.int32)
-    for start in range(0, V, BLOCK):
+    m = tl.full([], float("-inf"), tl.float32)
+    best = tl.full([], 0, tl.int32) + j * SLICE
+    bad = tl.full([], 0, tl.int32)
+    for start in range(j * SLICE, (j + 1) * SLICE, BLOCK):
         idx = start + offs
         x = _scaled(z_ptr, idx, V, t, SCALE)
         bad += tl.sum(((x != x) | (x == float("inf"))).to(tl.int32), 0)
@@ -69,30 +75,64 @@ def _sample_kernel(z_ptr, u_ptr, tok_ptr, lp_ptr, V, stride_z, t, GREEDY: tl.con
         ci = tl.min(tl.where(x == cm, idx, V), 0)  # first index of the chunk's max
         best = tl.where(cm > m, ci, best)
         m = tl.maximum(m, cm)
-    bad += (m == float("-inf")).to(tl.int32)
-    # 2. the sum of exponentials, fp32 (logsumexp) and float64 (the sampling total)
-    s32 = tl.full((), 0.0, tl.float32)
-    s64 = tl.full((), 0.0, tl.float64)
-    for start in range(0, V, BLOCK):
+    tl.store(pm_ptr + row * NS + j, m)
+    tl.store(pa_ptr + row * NS + j, best)
+    tl.store(pb_ptr + row * NS + j, bad)
+
+
+@triton.jit
+def _sum_kernel(z_ptr, pm_ptr, p32_ptr, p64_ptr, V, NS, stride_z, t, SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                SLICE: tl.constexpr, NSP: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Program (row, j): sum over slice j of exp(z - m), m the row's maximum, in fp32 and float64."""
+    row, j = tl.program_id(0), tl.program_id(1)
+    z_ptr += row.to(tl.int64) * stride_z
+    jj = tl.arange(0, NSP)
+    m = tl.max(tl.load(pm_ptr + row * NS + jj, mask=jj < NS, other=float("-inf")), 0)
+    offs = tl.arange(0, BLOCK)
+    s32 = tl.full([], 0.0, tl.float32)
+    s64 = tl.full([], 0.0, tl.float64)
+    for start in range(j * SLICE, (j + 1) * SLICE, BLOCK):
         idx = start + offs
-        e = _exp(_scaled(z_ptr, idx, V, t, SCALE) - m, LIBDEVICE)
-        e = tl.where(idx < V, e, 0.0)
+        e = tl.where(idx < V, _exp(_scaled(z_ptr, idx, V, t, SCALE) - m, LIBDEVICE), 0.0)
         s32 += tl.sum(e, 0)
         s64 += tl.sum(e.to(tl.float64), 0)
-    tok = best
+    tl.store(p32_ptr + row * NS + j, s32)
+    tl.store(p64_ptr + row * NS + j, s64)
+
+
+@triton.jit
+def _pick_kernel(z_ptr, u_ptr, pm_ptr, pa_ptr, pb_ptr, p32_ptr, p64_ptr, tok_ptr, lp_ptr, V, NS, stride_z, t,
+                 GREEDY: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
+                 NSP: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Program row: the token (the first maximum, or the inverse CDF at u * total) and its logprob."""
+    row = tl.program_id(0)
+    z_ptr += row.to(tl.int64) * stride_z
+    jj = tl.arange(0, NSP)
+    jm = jj < NS
+    pm = tl.load(pm_ptr + row * NS + jj, mask=jm, other=float("-inf"))
+    m = tl.max(pm, 0)
+    bad = tl.sum(tl.load(pb_ptr + row * NS + jj, mask=jm, other=0), 0) + (m == float("-inf")).to(tl.int32)
+    s32 = tl.sum(tl.load(p32_ptr + row * NS + jj, mask=jm, other=0.0), 0)
+    first_j = tl.min(tl.where(jm & (pm == m), jj, NS), 0)  # slices in order: the first maximum
+    tok = tl.load(pa_ptr + row * NS + tl.minimum(first_j, NS - 1))
     if not GREEDY:
-        # 3. inverse CDF: the first index whose running sum exceeds u * S64
-        target = tl.load(u_ptr + row) * s64
-        run = tl.full((), 0.0, tl.float64)
-        first = tl.full((), V, tl.int32)
-        for start in range(0, V, BLOCK):
+        p64 = tl.load(p64_ptr + row * NS + jj, mask=jm, other=0.0)
+        cum = tl.cumsum(p64, 0)  # running sum of the slices, in order
+        total = tl.max(tl.where(jm, cum, 0.0), 0)
+        target = tl.load(u_ptr + row) * total
+        js = tl.minimum(tl.min(tl.where(jm & (cum > target), jj, NS), 0), NS - 1)
+        run = tl.sum(tl.where(jj == js, cum - p64, 0.0), 0)  # the mass of the slices before js
+        offs = tl.arange(0, BLOCK)
+        found = tl.full([], 0, tl.int32) + V
+        last = tl.full([], -1, tl.int32)  # the last token of the slice with mass (if rounding finds none)
+        for start in range(js * SLICE, (js + 1) * SLICE, BLOCK):
             idx = start + offs
-            e = _exp(_scaled(z_ptr, idx, V, t, SCALE) - m, LIBDEVICE)
-            e = tl.where(idx < V, e, 0.0).to(tl.float64)
+            e = tl.where(idx < V, _exp(_scaled(z_ptr, idx, V, t, SCALE) - m, LIBDEVICE), 0.0).to(tl.float64)
             c = tl.cumsum(e, 0) + run
-            first = tl.minimum(first, tl.min(tl.where((c > target) & (idx < V), idx, V), 0))
+            found = tl.minimum(found, tl.min(tl.where((c > target) & (idx < V), idx, V), 0))
+            last = tl.maximum(last, tl.max(tl.where(e > 0, idx, -1), 0))
             run += tl.sum(e, 0)
-        tok = tl.minimum(first, V - 1)
+        tok = tl.where(found < V, found, tl.where(last >= 0, last, V - 1))
     zt = tl.load(z_ptr + tok).to(tl.float32)
     if SCALE:
         zt = tl.math.div_rn(zt, t)
@@ -120,7 +160,20 @@ def sample_head(logits: torch.Tensor, greedy: bool, temperature: float,
         return tokens, logprobs
     u = logprobs if greedy else torch.rand(b, generator=generator, dtype=torch.float64, device=dev)
     scale = not greedy and float(temperature) != 1.0
-    _sample_kernel[(b,)](z, u, tokens, logprobs, v, z.stride(0), float(temperature) if scale else 1.0,
-                         GREEDY=bool(greedy), SCALE=scale, BLOCK=BLOCK, LIBDEVICE=_libdevice_for(dev),
+    t = float(temperature) if scale else 1.0
+    ns = triton.cdiv(v, SLICE)
+    nsp = max(2, triton.next_power_of_2(ns))
+    pm = torch.empty(b, ns, dtype=torch.float32, device=dev)
+    pa = torch.empty(b, ns, dtype=torch.int32, device=dev)
+    pb = torch.empty(b, ns, dtype=torch.int32, device=dev)
+    p32 = torch.empty(b, ns, dtype=torch.float32, device=dev)
+    p64 = torch.empty(b, ns, dtype=torch.float64, device=dev)
+    lib = _libdevice_for(dev)
+    _max_kernel[(b, ns)](z, pm, pa, pb, v, ns, z.stride(0), t, SCALE=scale, BLOCK=BLOCK, SLICE=SLICE,
                          num_warps=WARPS)
+    _sum_kernel[(b, ns)](z, pm, p32, p64, v, ns, z.stride(0), t, SCALE=scale, BLOCK=BLOCK, SLICE=SLICE,
+                         NSP=nsp, LIBDEVICE=lib, num_warps=WARPS)
+    _pick_kernel[(b,)](z, u, pm, pa, pb, p32, p64, tokens, logprobs, v, ns, z.stride(0), t,
+                       GREEDY=bool(greedy), SCALE=scale, BLOCK=BLOCK, SLICE=SLICE, NSP=nsp, LIBDEVICE=lib,
+                       num_warps=WARPS)
     return tokens, logprobs
