@@ -223,6 +223,17 @@ def test_the_sampler_copy_shares_nothing_with_the_trainer():
     assert [c.policy_version for c in after] == [0, 0, 0]
 
 
+def test_state_keys_inside_packed_modules_are_found_by_their_ancestors():
+    from fp4rl.packed import _inside
+
+    names = {"model.layers.0.mlp.experts.3.gate_proj", "lm_head"}
+    assert _inside("model.layers.0.mlp.experts.3.gate_proj.weight_data", names)
+    assert _inside("model.layers.0.mlp.experts.3.gate_proj.inner.scale", names)
+    assert not _inside("model.layers.0.mlp.experts.30.gate_proj.weight", names)  # experts.3 is not experts.30
+    assert not _inside("model.layers.0.mlp.experts.3.gate_proj_b.weight", names)
+    assert not _inside("lm_head", names)  # a key is inside a module, not the module
+
+
 def test_a_bfloat16_sampler_computes_what_the_trainer_computes_on_bfloat16_inputs():
     trainer = tiny(DENSE, "nvfp4-linear")
     sampler = Sampler(trainer, eos_token_ids=[], dtype=torch.bfloat16)
