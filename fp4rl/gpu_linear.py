@@ -433,8 +433,9 @@ class KernelMoeBlock(SparseMoeBlock):
     kernel and the weighted combine another, instead of ~15 torch launches; the grouping and every product
     are `run_experts`', the combine's sum over the k slots is sequential (torch's reduction may add in another
     order: a bf16 ulp), the router probabilities can differ from torch's in their last fp32 bit (see
-    moe_route). Routing replay (forced experts), larger batches and FP4RL_MOE_ROUTE=0 take the torch
-    route."""
+    moe_route). The grouped mma16 kernel gathers the sorted rows' tokens itself (gemm rows=;
+    FP4RL_MOE_GATHER=0: index_select first, the same bits). Routing replay (forced experts), larger batches
+    and FP4RL_MOE_ROUTE=0 take the torch route."""
 
     plan = None
 
