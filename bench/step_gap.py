@@ -21,6 +21,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
 
+def _union(intervals) -> float:
+    """Total length covered by (start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
 def trace_steps(path: str) -> dict:
     with open(path) as fh:
         events = json.load(fh)["traceEvents"]
@@ -35,32 +45,34 @@ def trace_steps(path: str) -> dict:
                 launches.append(e["ts"])
             if "Synchronize" in e["name"]:
                 waits.append((e["ts"], e["dur"]))
-    kernels = []
+    kernels = []  # (start, duration, name, correlation id of the graph launch or None)
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            api = runtime.get(e["args"].get("correlation"), "")
-            kernels.append((e["ts"], e["dur"], e["name"], "GraphLaunch" in api))
-    kernels.sort()
+            corr = e["args"].get("correlation")
+            graph = corr if "GraphLaunch" in runtime.get(corr, "") else None
+            kernels.append((e["ts"], e["dur"], e["name"], graph))
+    kernels.sort(key=lambda k: k[0])
     launches.sort()
-    # a step's GPU window: from the first kernel of a replay to the first of the next one (a replay starts at
-    # a graph kernel that follows a non-graph one)
-    starts, prev_graph = [], False
-    for ts, _dur, _name, in_graph in kernels:
-        if in_graph and not prev_graph:
-            starts.append(ts)
-        prev_graph = in_graph
+    # a step's GPU window: from the first kernel of one replay (one graph launch's correlation id) to the
+    # first kernel of the next; busy times are unions of kernel intervals (PDL overlaps a graph's kernels)
+    first: dict = {}
+    for ts, _dur, _name, graph in kernels:
+        if graph is not None and graph not in first:
+            first[graph] = ts
+    starts = sorted(first.values())
     steps = []
     for a, b in zip(starts, starts[1:]):
-        inside = [(ts, dur, name, g) for ts, dur, name, g in kernels if a <= ts < b]
-        busy_graph = sum(d for _, d, _, g in inside if g)
-        busy_eager = sum(d for _, d, _, g in inside if not g)
+        inside = [(ts, min(ts + dur, b), name, g) for ts, dur, name, g in kernels if a <= ts < b]
         eager = {}
-        for _, d, name, g in inside:
-            if not g:
-                eager[name[:80]] = eager.get(name[:80], 0.0) + d
-        steps.append({"window": b - a, "graph": busy_graph, "eager": busy_eager,
-                      "idle": b - a - busy_graph - busy_eager, "eager_kernels": eager,
-                      "n_eager": sum(1 for *_, g in inside if not g)})
+        for ts, end, name, g in inside:
+            if g is None:
+                eager[name[:80]] = eager.get(name[:80], 0.0) + end - ts
+        busy_all = _union([(ts, end) for ts, end, _, _ in inside])
+        busy_graph = _union([(ts, end) for ts, end, _, g in inside if g is not None])
+        steps.append({"window": b - a, "graph": busy_graph,
+                      "eager": _union([(ts, end) for ts, end, _, g in inside if g is None]),
+                      "idle": b - a - busy_all, "eager_kernels": eager,
+                      "n_eager": sum(1 for *_, g in inside if g is None)})
     host = [b - a for a, b in zip(launches, launches[1:])]
     waited = [sum(d for ts, d in waits if a <= ts < b) for a, b in zip(launches, launches[1:])]
     return {"steps": steps, "host_between_launches": host, "host_waiting": waited}

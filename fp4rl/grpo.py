@@ -304,9 +304,11 @@ def grpo_loss(
         if bool(bad.any()):
             row, tok = (int(i) for i in bad.nonzero()[0])
             raise ValueError(f"sampler logprobs are NaN or Inf at {int(bad.sum())} completion tokens "
-                             f"(first: row {row}, token {tok}): the sampler saw non-finite logits; check the "
-                             "synced weights (weight_sync verify=True) and the rollout's model before "
-                             "training on it")
+                             f"(first: row {row} of this batch, token {tok}): the sampler saw non-finite "
+                             "logits; check the synced weights (weight_sync verify=True) and the rollout's "
+                             "model before training on it")
+        # padding can hold anything (NaN * 0 is NaN in the weights): the trainer's own values there
+        sampler_logprobs = torch.where(mask > 0, sampler_logprobs, old_logprobs.detach())
         metrics.update(mismatch_metrics(old_logprobs, sampler_logprobs, mask))
         if config.is_correction != "none":
             is_weights, mask, is_metrics = importance_weights(

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -136,9 +137,11 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     """Next tokens [b] and their logprobs [b] (fp32, under log_softmax(logits / T)) from logits [b, V].
 
     Sampling is by inverse CDF: one uniform per row from `generator`, located in the float64
-    cumulative sum of the (top-k / top-p filtered) softmax. It draws from the same distribution as
-    torch.multinomial at a fraction of its CPU cost (1 ms against ~26 ms for 16 x 49152), and
-    top-p sorts only the top candidates (see `nucleus`) instead of the whole vocabulary."""
+    cumulative sum of the (top-k / top-p filtered) exp(z - max) (the softmax before its normalization,
+    as the fused heads fp4rl/cpu_head.py and fp4rl/kernels/sample_head.py scan it). It draws from the
+    same distribution as torch.multinomial at a fraction of its CPU cost (1 ms against ~26 ms for
+    16 x 49152), and top-p sorts only the top candidates (see `nucleus`) instead of the whole
+    vocabulary."""
     logits = logits.float()
     if params.greedy:
         scaled = logits
@@ -151,14 +154,15 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
             filtered = filtered.masked_fill(filtered < kth, float("-inf"))
         if params.top_p < 1.0:
             filtered = nucleus(filtered, params.top_p)
-        tokens = inverse_cdf_sample(filtered.softmax(-1), generator)
+        # unnormalized weights exp(z - max) (fp32), as the fused heads scan them: same u, same token
+        tokens = inverse_cdf_sample((filtered - filtered.amax(-1, keepdim=True)).exp(), generator)
     picked = scaled.gather(-1, tokens[:, None]).squeeze(1)
     return tokens, picked - torch.logsumexp(scaled, dim=-1)  # as grpo.token_logprobs computes it
 
 
 def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of probs [b, V] (rows sum to ~1, zeros never drawn): the first index whose
-    float64 cumulative probability exceeds u * total, u ~ U[0, 1) from `generator`."""
+    """One token per row of probs [b, V] (non-negative weights, any total; zeros never drawn): the first index
+    whose float64 cumulative weight exceeds u * total, u ~ U[0, 1) from `generator`."""
     cdf = probs.double().cumsum(-1)  # [b, V]
     u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)  # right: skips p = 0 plateaus
@@ -495,7 +499,14 @@ class Sampler:
             else:  # CUDA (or the kernel engine under TRITON_INTERPRET=1)
                 from fp4rl.kernels import sample_head
 
-                out = sample_head.sample_head(logits, params.greedy, params.temperature, generator)
+                try:
+                    out = sample_head.sample_head(logits, params.greedy, params.temperature, generator)
+                except (ValueError, TypeError):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - Triton cannot build or run it here: torch's ops
+                    warnings.warn(f"the GPU sampling kernel failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                                  "the sampler uses torch's ops from now on", stacklevel=2)
+                    self.fast_head, out = False, None
             if out is not None:
                 return out
         return sample_next(logits, params, generator)

@@ -241,10 +241,13 @@ def test_grpo_loss_refuses_non_finite_sampler_logprobs():
     logprobs = torch.zeros(2, 3, requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     sampler = torch.zeros(2, 3)
-    sampler[0, 2] = float("nan")  # padding: ignored
-    grpo_loss(logprobs, torch.tensor([1.0, -1.0]), mask, cfg, sampler_logprobs=sampler)
+    sampler[0, 2] = float("nan")  # padding: ignored, and kept out of the weights, the loss and the metrics
+    for mode in ("tis", "mis", "none"):
+        loss, m = grpo_loss(logprobs, torch.tensor([1.0, -1.0]), mask, GRPOConfig(is_correction=mode),
+                            sampler_logprobs=sampler)
+        assert torch.isfinite(loss) and all(math.isfinite(v) for v in m.values()), (mode, m)
     sampler[1, 1] = float("nan")
-    with pytest.raises(ValueError, match="row 1, token 1.*non-finite logits"):
+    with pytest.raises(ValueError, match="row 1 of this batch, token 1.*non-finite logits"):
         grpo_loss(logprobs, torch.tensor([1.0, -1.0]), mask, cfg, sampler_logprobs=sampler)
 
 

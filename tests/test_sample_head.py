@@ -3,6 +3,7 @@
 the sampling distribution, non-finite rows, and the Sampler's use of it with the kernel engine. On a
 machine without CUDA the kernel runs in Triton's interpreter."""
 
+import math
 import os
 
 import pytest
@@ -66,6 +67,23 @@ def test_draws_follow_the_softmax():
     assert bool(((counts - q.double()).abs() <= 5 * (q * (1 - q) / N_DRAWS).sqrt().double() + 1e-12).all())
 
 
+def test_a_token_without_mass_is_never_drawn_at_a_rounding_boundary():
+    """u * total landing on the float64 rounding of the mass before a slice (u = 2^-53, a draw torch.rand can
+    make): the scan of the next slice must not take its first token, whose logit is -inf."""
+    v = 8192 + 64
+    logits = torch.full((1, v), float("-inf"))
+    logits[0, 100] = math.log(1.2 * 2.0 ** -53)  # slice 0: all its mass, ~1.2 float64 ulps of the total
+    logits[0, 8192 + 5] = 0.0  # slice 1: the maximum; 8192..8196 have no mass
+    logits[0, 8192 + 9] = math.log(0.5)
+    logits = logits.to(DEV)
+    for u in (2.0 ** -53, 0.0, 1.0 - 2.0 ** -53, 0.5):
+        tok, lp = sample_head.choose(logits, torch.tensor([u], dtype=torch.float64, device=DEV))
+        assert bool(torch.isfinite(logits[0, tok])), (u, int(tok))
+        assert bool(torch.isfinite(lp).all())
+    with pytest.raises(ValueError, match="float64"):
+        sample_head.choose(logits, torch.tensor([0.5], device=DEV))
+
+
 def test_non_finite_rows_get_nan_logprobs_and_tokens_in_range():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2)).to(DEV)
     logits[1, 7] = float("nan")
@@ -85,6 +103,8 @@ def test_what_it_does_not_take():
         sample_head.sample_head(torch.zeros(2, 4, device=DEV), False, 0.0, None)
     tok, lp = sample_head.sample_head(torch.zeros(0, 4, device=DEV), False, 1.0, _gen(0))
     assert tok.shape == (0,) and lp.shape == (0,)
+    with pytest.raises(ValueError, match="empty vocabulary"):
+        sample_head.sample_head(torch.zeros(2, 0, device=DEV), False, 1.0, _gen(0))
 
 
 def test_sampler_with_kernels_uses_it_and_matches_the_torch_head(monkeypatch):

@@ -33,6 +33,7 @@ import gc
 import json
 import math
 import time
+import traceback
 
 import torch
 from torch import nn
@@ -332,6 +333,9 @@ def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, 
     try:
         yield from _measure(trainer, contract, shape, layers, full_layers, label, preset, frac, args, env,
                             results, base, device, batches, kvs, n2, prof_batches, check_kv, offload)
+    except BaseException as exc:  # the traceback's frames hold the sampler's tensors: free them first
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
         gc.collect()
         if offload:
@@ -343,7 +347,8 @@ def offload_wanted(trainer: nn.Module, mode: str, device) -> bool:
     """Whether to move the trainer to host memory for the BF16 sampler (--offload-trainer)."""
     if mode != "auto":
         return mode == "on"
-    nbytes = sum(t.numel() * t.element_size() for t in trainer.state_dict().values())
+    tensors = {t.data_ptr(): t for t in [*trainer.parameters(), *trainer.buffers()]}  # tied weights once
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     free, _ = torch.cuda.mem_get_info(device)
     return 2 * nbytes > free  # the sampler's copy peaks above one more copy (stacking the experts)
 
@@ -404,6 +409,9 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
 
 def run(args) -> int:
     from fp4rl import gpu_linear
+
+    if args.repeats < 1:
+        raise SystemExit(f"sampler_gpu: --repeats must be >= 1 (timed (N1, N2) pairs), got {args.repeats}")
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -8,23 +8,25 @@ step of Qwen3-30B-A3B's 151936-token vocabulary at batch 8-32 on an H200, more t
 combine of every layer together; bench/RESULTS.md), searchsorted, logsumexp and the gathers.
 
 Three kernels, the first two over (row, slice of SLICE logits), the row's logits staying in L2:
-1. per slice: the maximum of z = logits (/ T: IEEE division, as torch), the first index of that maximum, and
-   the count of NaN / +inf values;
+1. per slice: the maximum of z = logits (/ T: IEEE division; torch's CUDA kernel multiplies by 1/T, so z can
+   differ in its last bit), the first index of that maximum, and the count of NaN / +inf values;
 2. per slice, with m the row's maximum (from 1.): sum exp(z - m) in fp32 (the logsumexp: logprob = z_token -
    m - log S) and in float64;
 3. per row: the token, greedy: the first maximum over the slices in order; sampling: the inverse CDF, the
    first i whose running float64 sum of exp(z_i - m) exceeds u * S64 (the slice from the running sum of the
    slices' sums, then a scan of that slice alone), u ~ U[0, 1) drawn from `generator` as
-   torch.rand(B, dtype=float64) (the draws of the torch path: a seed gives the same tokens). (A scan that
-   finds no crossing for float64 rounding takes the slice's last token with mass.)
+   torch.rand(B, dtype=float64) (the draws of the torch path: a seed gives the same tokens). A token whose
+   exponential is 0 (a -inf logit, or underflow) is never drawn; a scan that finds no crossing for float64
+   rounding takes the slice's last token with mass.
 A single program per row (first version) took ~115 us per step on the H200 at any batch: one SM streaming
 the 151936 logits three times.
 
-Against sample_next: the same distribution and, for the same u, the same token unless u * total falls
-within float64 rounding of a CDF step (torch scans the normalized fp32 probabilities, this the unnormalized
-exponentials); logprobs within fp32 rounding (another summation order; expf is libdevice's on the GPU,
-as torch's). A row with a NaN or an infinite logit gets a NaN logprob (its token is in range but
-meaningless), which grpo_loss refuses with an error naming the token.
+Against sample_next (which also scans the unnormalized exponentials, as the C head does): the same
+distribution and, for the same u, the same token unless u * total falls within rounding of a CDF step (the
+float64 sums in another order, an exponential or z one fp32 ulp apart); logprobs within fp32 rounding (another
+summation order; expf and logf are libdevice's on the GPU, as torch's). A row with a NaN or an infinite
+logit gets a NaN logprob (its token is in range but meaningless), which grpo_loss refuses with an error
+naming the token.
 """
 
 from __future__ import annotations
@@ -47,6 +49,14 @@ def _exp(x, LIBDEVICE: tl.constexpr):
         return libdevice.exp(x)
     else:
         return tl.exp(x)
+
+
+@triton.jit
+def _log(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
 
 
 @triton.jit
@@ -121,7 +131,7 @@ def _pick_kernel(z_ptr, u_ptr, pm_ptr, pa_ptr, pb_ptr, p32_ptr, p64_ptr, tok_ptr
         total = tl.max(tl.where(jm, cum, 0.0), 0)
         target = tl.load(u_ptr + row) * total
         js = tl.minimum(tl.min(tl.where(jm & (cum > target), jj, NS), 0), NS - 1)
-        run = tl.sum(tl.where(jj == js, cum - p64, 0.0), 0)  # the mass of the slices before js
+        run = tl.sum(tl.where(jj == js - 1, cum, 0.0), 0)  # the mass before js, as the slice choice saw it
         offs = tl.arange(0, BLOCK)
         found = tl.full([], 0, tl.int32) + V
         last = tl.full([], -1, tl.int32)  # the last token of the slice with mass (if rounding finds none)
@@ -129,14 +139,15 @@ def _pick_kernel(z_ptr, u_ptr, pm_ptr, pa_ptr, pb_ptr, p32_ptr, p64_ptr, tok_ptr
             idx = start + offs
             e = tl.where(idx < V, _exp(_scaled(z_ptr, idx, V, t, SCALE) - m, LIBDEVICE), 0.0).to(tl.float64)
             c = tl.cumsum(e, 0) + run
-            found = tl.minimum(found, tl.min(tl.where((c > target) & (idx < V), idx, V), 0))
+            # a token with no mass is never drawn, whatever the rounding of the scan (cumsum is a tree)
+            found = tl.minimum(found, tl.min(tl.where((c > target) & (e > 0) & (idx < V), idx, V), 0))
             last = tl.maximum(last, tl.max(tl.where(e > 0, idx, -1), 0))
             run += tl.sum(e, 0)
-        tok = tl.where(found < V, found, tl.where(last >= 0, last, V - 1))
+        tok = tl.where(found < V, found, tl.where(last >= 0, last, tok))  # else the first maximum
     zt = tl.load(z_ptr + tok).to(tl.float32)
     if SCALE:
         zt = tl.math.div_rn(zt, t)
-    lp = zt - m - tl.log(s32)
+    lp = zt - m - _log(s32, LIBDEVICE)
     lp = tl.where(bad > 0, float("nan"), lp)
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(lp_ptr + row, lp)
@@ -151,6 +162,17 @@ def sample_head(logits: torch.Tensor, greedy: bool, temperature: float,
         return None
     if not greedy and not (temperature > 0):
         raise ValueError(f"sample_head: temperature must be > 0 for sampling, got {temperature!r}")
+    u = None
+    if not greedy and logits.shape[0] and logits.shape[1]:
+        u = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64, device=logits.device)
+    return choose(logits, u, temperature)
+
+
+def choose(logits: torch.Tensor, u: torch.Tensor | None, temperature: float = 1.0):
+    """The kernels of `sample_head` with the uniforms given: u float64 [B] in [0, 1) (inverse CDF at u), or
+    None (greedy; temperature is then ignored, as torch's greedy path ignores it)."""
+    if logits.shape[1] == 0:
+        raise ValueError("sample_head: logits have an empty vocabulary (V = 0)")
     z = logits if logits.stride(-1) == 1 else logits.contiguous()
     b, v = z.shape
     dev = z.device
@@ -158,7 +180,9 @@ def sample_head(logits: torch.Tensor, greedy: bool, temperature: float,
     logprobs = torch.empty(b, dtype=torch.float32, device=dev)
     if b == 0:
         return tokens, logprobs
-    u = logprobs if greedy else torch.rand(b, generator=generator, dtype=torch.float64, device=dev)
+    greedy = u is None
+    if not greedy and (u.dtype != torch.float64 or u.shape != (b,) or u.device != dev):
+        raise ValueError(f"sample_head: u must be float64 [{b}] on {dev}, got {u.dtype} {tuple(u.shape)}")
     scale = not greedy and float(temperature) != 1.0
     t = float(temperature) if scale else 1.0
     ns = triton.cdiv(v, SLICE)
@@ -173,7 +197,7 @@ def sample_head(logits: torch.Tensor, greedy: bool, temperature: float,
                          num_warps=WARPS)
     _sum_kernel[(b, ns)](z, pm, p32, p64, v, ns, z.stride(0), t, SCALE=scale, BLOCK=BLOCK, SLICE=SLICE,
                          NSP=nsp, LIBDEVICE=lib, num_warps=WARPS)
-    _pick_kernel[(b,)](z, u, pm, pa, pb, p32, p64, tokens, logprobs, v, ns, z.stride(0), t,
-                       GREEDY=bool(greedy), SCALE=scale, BLOCK=BLOCK, SLICE=SLICE, NSP=nsp, LIBDEVICE=lib,
-                       num_warps=WARPS)
+    uu = logprobs if greedy else u  # a pointer the greedy kernel never reads
+    _pick_kernel[(b,)](z, uu, pm, pa, pb, p32, p64, tokens, logprobs, v, ns, z.stride(0), t, GREEDY=greedy,
+                       SCALE=scale, BLOCK=BLOCK, SLICE=SLICE, NSP=nsp, LIBDEVICE=lib, num_warps=WARPS)
     return tokens, logprobs
