@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from fp4rl.kernels._common import COMPILED, INTERPRET
-from fp4rl.kernels.fused import _bf16, _launch_opts, _libdevice_for, libdevice, tlcuda
+from fp4rl.kernels.fused import _bf16, _exp, _launch_opts, _libdevice_for, tlcuda
 
 MAX_PAIRS = 512  # T * top_k of the one-program route (Qwen3-30B-A3B at 64 tokens: 512, measured up to there)
 MAX_EXPERTS = 512
@@ -44,14 +44,6 @@ def fits(tokens: int, top_k: int, experts: int) -> bool:
     """Whether ``route`` takes this many tokens (the caller falls back to the torch route otherwise)."""
     tile = max(2, triton.next_power_of_2(tokens)) * max(16, triton.next_power_of_2(experts))
     return 1 <= tokens * top_k <= MAX_PAIRS and 1 <= top_k <= experts <= MAX_EXPERTS and tile <= MAX_TILE
-
-
-@triton.jit
-def _exp(x, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
 
 
 @triton.jit

@@ -36,19 +36,11 @@ import triton
 import triton.language as tl
 
 from fp4rl.kernels._common import INTERPRET
-from fp4rl.kernels.fused import _libdevice_for, libdevice
+from fp4rl.kernels.fused import _exp, _libdevice_for, libdevice
 
 BLOCK = 2048  # logits per program step
 SLICE = 8192  # logits per program of the first two kernels (a multiple of BLOCK)
 WARPS = 4
-
-
-@triton.jit
-def _exp(x, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
 
 
 @triton.jit
