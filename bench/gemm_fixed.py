@@ -30,7 +30,9 @@ extern "C" __global__ void __cluster_dims__(1, 8, 1) empty_c(int a) {
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
 
 
-def timed(fn, reps):
+def timed(fn, reps, rounds=None):
+    """Microseconds per call of fn(r): reps calls r = 0..reps-1 captured in one CUDA graph, the median over
+    `rounds` (default ROUNDS) replays."""
     fn(0)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -40,7 +42,7 @@ def timed(fn, reps):
     g.replay()
     torch.cuda.synchronize()
     ts = []
-    for _ in range(ROUNDS):
+    for _ in range(rounds or ROUNDS):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         g.replay()

@@ -17,12 +17,14 @@ What the idea can buy per GEMM = serial - pf<f> (same sleep in both).
 
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, ".")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gemm_fixed import timed as graph_timed  # noqa: E402  (graph replay of reps calls, median of rounds)
+
 from fp4rl.kernels import gemv_cuda, pdl  # noqa: E402
 
 PF_SRC = r"""
@@ -86,23 +88,7 @@ def run_shape(shape, pf, side, rounds, sleeps, fracs, cyc_per_us, l2, dev):
             gemv_cuda.launch(x, wc, gs, y)
 
     def timed(kind, sleep_us, frac, reps):
-        body(kind, sleep_us, wcs[0], frac)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for r in range(reps):
-                body(kind, sleep_us, wcs[r % copies], frac)
-        graph.replay()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(rounds):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b) * 1e3 / reps)
-        return statistics.median(ts)
+        return graph_timed(lambda r: body(kind, sleep_us, wcs[r % copies], frac), reps, rounds)
 
     reps = 4 * copies
     row = {"shape": shape, "bytes": nbytes, "copies": copies, "cfg": cfg,

@@ -17,12 +17,14 @@ same run.
 
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, ".")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gemm_fixed import timed as graph_timed  # noqa: E402  (graph replay of reps calls, median of rounds)
+
 from fp4rl.kernels import pdl  # noqa: E402
 
 SRC = r"""
@@ -121,24 +123,7 @@ def main():
                     pdl.launch(kern, (tiles // 8, split, 1), (256, 1, 1), [buf, scales, steps, split, sink],
                                smem, torch.cuda.current_stream(), False)
 
-                launch(0)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                reps = 4 * copies
-                with torch.cuda.graph(g):
-                    for r in range(reps):
-                        launch(r)
-                g.replay()
-                torch.cuda.synchronize()
-                tt = []
-                for _ in range(5):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    g.replay()
-                    b.record()
-                    torch.cuda.synchronize()
-                    tt.append(a.elapsed_time(b) * 1e3 / reps)
-                us = statistics.median(tt)
+                us = graph_timed(launch, 4 * copies, 5)
                 out["rows"].append({"n": n, "k": k, "split": split, "layout": lay, "depth": depth, "us": us,
                                     "tbs": nbytes / us / 1e6})
                 cells.append(f"{us:.1f} ({nbytes / us / 1e6:.2f})")
