@@ -318,11 +318,6 @@ def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, 
     from fp4rl.qat import convert
 
     device = torch.device(args.device)
-    batches = [int(b) for b in args.batch.split(",")]
-    kvs = args.kv.split(",")
-    n2 = int(args.tokens.split(",")[1])
-    prof_batches = [int(b) for b in args.profile_batch.split(",") if b]
-    check_kv = "nvfp4" if "nvfp4" in kvs else kvs[-1]
     contract = PrecisionContract(preset, bf16_last_fraction=frac)
     convert(trainer, contract)
     offload = preset == "bf16" and device.type == "cuda" and offload_wanted(trainer, args.offload_trainer,
@@ -332,7 +327,7 @@ def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, 
         torch.cuda.empty_cache()
     try:
         yield from _measure(trainer, contract, shape, layers, full_layers, label, preset, frac, args, env,
-                            results, base, device, batches, kvs, n2, prof_batches, check_kv, offload)
+                            results, base, offload)
     except BaseException as exc:  # the traceback's frames hold the sampler's tensors: free them first
         traceback.clear_frames(exc.__traceback__)
         raise
@@ -354,9 +349,15 @@ def offload_wanted(trainer: nn.Module, mode: str, device) -> bool:
 
 
 def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac, args, env, results, base,
-             device, batches, kvs, n2, prof_batches, check_kv, offload):
+             offload):
     from fp4rl.sampler import Sampler
 
+    device = torch.device(args.device)
+    batches = [int(b) for b in args.batch.split(",")]
+    kvs = args.kv.split(",")
+    n2 = int(args.tokens.split(",")[1])
+    prof_batches = [int(b) for b in args.profile_batch.split(",") if b]
+    check_kv = "nvfp4" if "nvfp4" in kvs else kvs[-1]
     t0 = time.perf_counter()
     sampler = Sampler(trainer, device=device, dtype=torch.bfloat16, eos_token_ids=[],
                       max_seq_len=args.prompt + n2 + 8, kernels=True, cuda_graphs=not args.no_graphs)
