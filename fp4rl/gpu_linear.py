@@ -39,7 +39,7 @@ from torch import nn
 from fp4rl.kernels import pdl
 from fp4rl.model import CausalLM
 from fp4rl.moe import SparseMoeBlock
-from fp4rl.packed import FusedGroup, PackedNVFP4Linear, _version
+from fp4rl.packed import FusedGroup, PackedNVFP4Linear, PrepackedLinear, _version
 
 KERNEL_DTYPE = torch.bfloat16
 TUNE = True  # time the GEMM candidates per shape on first use (gemm.tune); False: first candidate, no timing
@@ -425,6 +425,7 @@ def expert_plan(block: SparseMoeBlock):
 
 FUSED_ROUTE = os.environ.get("FP4RL_MOE_ROUTE", "1") != "0"  # KernelMoeBlock's route/combine kernels
 FUSED_GATHER = os.environ.get("FP4RL_MOE_GATHER", "1") != "0"  # the grouped mma16 kernel reads x[rows] itself
+FUSED_ROUTER = os.environ.get("FP4RL_MOE_ROUTER", "1") != "0"  # the router GEMM inside the route's launch
 
 
 class KernelMoeBlock(SparseMoeBlock):
@@ -433,9 +434,11 @@ class KernelMoeBlock(SparseMoeBlock):
     kernel and the weighted combine another, instead of ~15 torch launches; the grouping and every product
     are `run_experts`', the combine's sum over the k slots is sequential (torch's reduction may add in another
     order: a bf16 ulp), the router probabilities can differ from torch's in their last fp32 bit (see
-    moe_route). The grouped mma16 kernel gathers the sorted rows' tokens itself (gemm rows=;
-    FP4RL_MOE_GATHER=0: index_select first, the same bits). Routing replay (forced experts), larger batches
-    and FP4RL_MOE_ROUTE=0 take the torch route."""
+    moe_route). A plain bf16 router (nn.Linear without bias) runs inside the route's launch
+    (moe_route.router_route: its logits can differ from cuBLAS's in their last bf16 bit; FP4RL_MOE_ROUTER=0:
+    the gate module, then the route kernel). The grouped mma16 kernel gathers the sorted rows' tokens itself
+    (gemm rows=; FP4RL_MOE_GATHER=0: index_select first, the same bits). Routing replay (forced experts),
+    larger batches and FP4RL_MOE_ROUTE=0 take the torch route."""
 
     plan = None
 
@@ -447,8 +450,14 @@ class KernelMoeBlock(SparseMoeBlock):
         if (not FUSED_ROUTE or forced_experts is not None or self.plan is None or x.dtype != KERNEL_DTYPE
                 or not (x.is_cuda or INTERPRET) or not moe_route.fits(n, self.top_k, self.num_experts)):
             return super().routed(x, forced_experts)
-        idx, w, rows, pos, offsets = moe_route.route(self.gate(x), self.top_k, self.norm_topk_prob,
-                                                     weight_dtype=x.dtype)
+        gate = self.gate  # a plain bf16 router: its GEMM runs in the route kernel's launch
+        if (FUSED_ROUTER and type(gate) in (nn.Linear, PrepackedLinear) and gate.bias is None
+                and gate.weight.dtype == x.dtype and gate.weight.stride(-1) == 1):
+            _, idx, w, rows, pos, offsets = moe_route.router_route(x, gate.weight, self.top_k,
+                                                                   self.norm_topk_prob, weight_dtype=x.dtype)
+        else:
+            idx, w, rows, pos, offsets = moe_route.route(gate(x), self.top_k, self.norm_topk_prob,
+                                                         weight_dtype=x.dtype)
         if FUSED_GATHER:  # [n k, 2I]: x[rows], the sorted rows
             gu = self.plan.gate_up(x, offsets, tokens=n, rows=rows)
         else:

@@ -95,6 +95,34 @@ def test_route_refuses_what_it_does_not_fit():
         moe_route.route(_logits(16, 4, seed=0).t(), 2, True)
 
 
+@pytest.mark.parametrize("t,e,k,h", [(1, 16, 2, 96), (8, 20, 4, 300), (33, 128, 8, 64), (3, 60, 6, 512)])
+def test_router_route_is_the_router_then_the_route(t, e, k, h):
+    g = torch.Generator().manual_seed(t * 7 + e)
+    x = (torch.randn(t, h, generator=g) * 0.5).bfloat16().to(DEV)
+    wr = (torch.randn(e, h, generator=g) * 0.2).bfloat16().to(DEV)
+    for _ in range(2):  # the second call finds the counter back at zero
+        logits, idx, w, rows, pos, offs = moe_route.router_route(x, wr, k, True)
+        ref = (x.float() @ wr.float().t())  # fp32 sums of exact products: one rounding away from the kernel's
+        ulp = torch.maximum(ref.abs(), torch.full_like(ref, 2.0 ** -126)) * 2.0 ** -7
+        assert logits.dtype == torch.bfloat16 and logits.shape == (t, e)
+        assert bool(((logits.float() - ref).abs() <= ulp + 1e-6 * ref.abs().max()).all()), "not x @ Wr.T"
+        want = check_route(logits, k, True)  # the route of those logits, by the one-program kernel
+        for a, b in zip((idx, w, rows, pos, offs), want):
+            assert torch.equal(a, b), "the fused route must be route() of the fused logits"
+    assert int(moe_route._LOCKS[x.device].item()) == 0
+
+
+def test_router_route_refuses_bad_operands():
+    x = torch.zeros(2, 32, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(TypeError, match="bfloat16"):
+        moe_route.router_route(x.float(), torch.zeros(8, 32, device=DEV), 2, True)
+    with pytest.raises(ValueError, match=r"\[E, H\]"):
+        moe_route.router_route(x, torch.zeros(8, 16, dtype=torch.bfloat16, device=DEV), 2, True)
+    with pytest.raises(ValueError, match="torch route"):
+        moe_route.router_route(torch.zeros(200, 32, dtype=torch.bfloat16, device=DEV),
+                               torch.zeros(8, 32, dtype=torch.bfloat16, device=DEV), 8, True)
+
+
 def test_combine_is_the_weighted_sum_in_pair_order():
     t, k, h = 6, 4, 96
     lg = _logits(t, 16, seed=5)
@@ -140,11 +168,15 @@ def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, config,
     else:
         pytest.fail("every scaled input has tied router probabilities")
     calls = []
-    real = moe_route.route
-    monkeypatch.setattr(moe_route, "route", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real, real_rr = moe_route.route, moe_route.router_route
+    monkeypatch.setattr(moe_route, "route", lambda *a, **kw: calls.append("route") or real(*a, **kw))
+    monkeypatch.setattr(moe_route, "router_route", lambda *a, **kw: calls.append("rr") or real_rr(*a, **kw))
     with torch.inference_mode():
         y, experts = block(x)
         y_forced, _ = block(x, experts)  # routing replay takes the torch route
+        monkeypatch.setattr(gpu_linear, "FUSED_ROUTER", False)
+        y_router, experts_router = block(x)  # the module's gate, then the route kernel
+        monkeypatch.setattr(gpu_linear, "FUSED_ROUTER", True)
         monkeypatch.setattr(gpu_linear, "FUSED_GATHER", False)
         y_gathered, _ = block(x)  # x.index_select(0, rows) before the grouped GEMM instead of in it
         monkeypatch.setattr(gpu_linear, "FUSED_GATHER", True)
@@ -155,7 +187,11 @@ def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, config,
         y_run = block.run_experts(flat, idx, w)  # the torch grouping and combine on the same route
         if hasattr(block, "shared_expert"):
             y_run = y_run + torch.sigmoid(block.shared_expert_gate(flat)) * block.shared_expert(flat)
-    assert calls == [1, 1], "the decode-sized forward must take the fused route (and replay must not)"
+    assert calls == ["rr", "route", "rr"], "the decode-sized forward must take the fused router + route " \
+        "(replay must not; FUSED_ROUTER=False the gate module, then the route kernel)"
+    # the router's logits in the kernel's sum order: the same experts here, weights within a bf16 ulp
+    assert torch.equal(experts, experts_router)
+    assert torch.allclose(y.float(), y_router.float(), rtol=2 ** -7, atol=1e-6)
     assert torch.equal(y, y_gathered), "the grouped GEMM's own gather must equal index_select's rows"
     assert torch.equal(experts, experts_ref) and experts.dtype == torch.long
     assert y.dtype == x.dtype and y.shape == x.shape

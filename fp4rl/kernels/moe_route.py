@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp4rl.kernels._common import COMPILED, INTERPRET
+from fp4rl.kernels._common import COMPILED, INTERPRET, dot_acc
 from fp4rl.kernels.fused import _bf16, _exp, _launch_opts, _libdevice_for, tlcuda
 
 MAX_PAIRS = 512  # T * top_k of the one-program route (Qwen3-30B-A3B at 64 tokens: 512, measured up to there)
@@ -67,17 +67,20 @@ def _pick(q, v, bad, e, E, BE: tl.constexpr):
 
 
 @triton.jit
-def _route_kernel(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, stride_l,
-                  K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr,
-                  NORM: tl.constexpr, LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tlcuda.gdc_launch_dependents()
-        tlcuda.gdc_wait()
+def _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, stride_l,
+                K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr,
+                NORM: tl.constexpr, LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr, CG: tl.constexpr):
+    """The route of all T tokens by one program (see the module docstring). CG: the logits were written by
+    other programs of this grid (router_route): read them past the L1 cache."""
     t = tl.arange(0, BT)
     e = tl.arange(0, BE)
     tm = t < T
     em = e < E
-    raw = tl.load(logit_ptr + t[:, None] * stride_l + e[None, :], mask=tm[:, None] & em[None, :], other=0.0)
+    lptr = logit_ptr + t[:, None] * stride_l + e[None, :]
+    if CG:
+        raw = tl.load(lptr, mask=tm[:, None] & em[None, :], other=0.0, cache_modifier=".cg")
+    else:
+        raw = tl.load(lptr, mask=tm[:, None] & em[None, :], other=0.0)
     lg = tl.where(em[None, :], raw.to(tl.float32), float("-inf"))
     mx = tl.max(lg, 1)
     ex = _exp(lg - mx[:, None], LIBDEVICE)
@@ -123,6 +126,57 @@ def _route_kernel(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, 
         cnt += tl.sum((eq[None, :] < xo[:, None]).to(tl.int32), 1)
     tl.store(offs_ptr + xo, cnt, mask=xo < E)
     tl.store(offs_ptr + E, P)
+
+
+
+
+@triton.jit
+def _route_kernel(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, stride_l,
+                  K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr,
+                  NORM: tl.constexpr, LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tlcuda.gdc_launch_dependents()
+        tlcuda.gdc_wait()
+    _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, stride_l,
+                K, BT, BE, BP, BQ, NORM, LIBDEVICE, W_BF16, False)
+
+
+@triton.jit
+def _router_route_kernel(x_ptr, wr_ptr, logit_ptr, lock_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr,
+                         T, E, H, stride_x, stride_wr,
+                         K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr,
+                         BQ: tl.constexpr, BES: tl.constexpr, BH: tl.constexpr, NORM: tl.constexpr,
+                         LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr, INTERP: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Program p: the router logits of experts [p BES, p BES + BES) for all T tokens (x [T, H] @ Wr.T, fp32
+    sums of exact bf16 products, one rounding to bf16 as F.linear's output), published past L1; the last
+    program to finish (a counter, reset by it) routes all tokens from them (_route_body)."""
+    if PDL:
+        tlcuda.gdc_launch_dependents()
+        tlcuda.gdc_wait()
+    pid = tl.program_id(0)
+    ex = pid * BES + tl.arange(0, BES)
+    exm = ex < E
+    for t0 in range(0, T, 16):
+        tt = t0 + tl.arange(0, 16)
+        ttm = tt < T
+        acc = tl.zeros((16, BES), tl.float32)
+        for h0 in range(0, H, BH):
+            hh = h0 + tl.arange(0, BH)
+            hm = hh < H
+            xt = tl.load(x_ptr + tt[:, None].to(tl.int64) * stride_x + hh[None, :],
+                         mask=ttm[:, None] & hm[None, :], other=0.0)
+            wt = tl.load(wr_ptr + ex[:, None].to(tl.int64) * stride_wr + hh[None, :],
+                         mask=exm[:, None] & hm[None, :], other=0.0)
+            acc = dot_acc(xt, tl.trans(wt), acc, INTERP)
+        tl.store(logit_ptr + tt[:, None] * E + ex[None, :], _bf16(acc).to(logit_ptr.dtype.element_ty),
+                 mask=ttm[:, None] & exm[None, :], cache_modifier=".cg")
+    tl.debug_barrier()  # every thread's logits are stored before the counter moves
+    done = tl.atomic_add(lock_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, E,
+                    K, BT, BE, BP, BQ, NORM, LIBDEVICE, W_BF16, True)
+        tl.atomic_xchg(lock_ptr, 0)  # ready for the next call
 
 
 @triton.jit
@@ -177,6 +231,52 @@ def route(logits: torch.Tensor, top_k: int, norm: bool, weight_dtype: torch.dtyp
         num_warps=num_warps or ROUTE_WARPS[t * top_k > 16],
         enable_fp_fusion=False, **_launch_opts(dev))
     return idx, w, rows, pos, offsets
+
+
+ROUTER_BES = 16  # experts per program of router_route (E 128: 8 programs)
+ROUTER_BH = 256  # hidden columns per step of its sums
+ROUTER_WARPS = 4
+_LOCKS: dict = {}  # router_route's counter per device (back to zero after every call)
+
+
+def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: bool,
+                 weight_dtype: torch.dtype | None = None, *, num_warps: int | None = None):
+    """The router and the route in one launch: logits = x [T, H] @ gate_weight [E, H].T (bfloat16, as
+    F.linear's output: fp32 sums of the exact products in another order than cuBLAS, so a logit can differ in
+    its last bf16 bit), then `route(logits, ...)` by the grid's last program. Returns (logits [T, E], idx, w,
+    rows, pos, offsets) as `route`. No host sync; one counter per device, so calls on one device must not
+    run concurrently on two streams."""
+    if x.ndim != 2 or gate_weight.ndim != 2 or x.shape[1] != gate_weight.shape[1]:
+        raise ValueError(f"router_route: x must be [T, H] and gate_weight [E, H], got {tuple(x.shape)} and "
+                         f"{tuple(gate_weight.shape)}")
+    if x.dtype != torch.bfloat16 or gate_weight.dtype != torch.bfloat16:
+        raise TypeError(f"router_route: x and gate_weight must be bfloat16, got {x.dtype} and "
+                        f"{gate_weight.dtype}; use the module's gate and `route`")
+    if x.stride(-1) != 1 or gate_weight.stride(-1) != 1:
+        raise ValueError("router_route: x and gate_weight need unit column stride")
+    t, h = x.shape
+    e = gate_weight.shape[0]
+    if not fits(t, top_k, e):
+        raise ValueError(f"router_route: {t} tokens x top_k {top_k} over {e} experts is outside the "
+                         f"one-program route (see fits); use the module's gate and the torch route")
+    dev = x.device
+    lock = _LOCKS.get(dev)
+    if lock is None:
+        lock = _LOCKS[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+    logits = torch.empty(t, e, dtype=torch.bfloat16, device=dev)
+    idx = torch.empty(t, top_k, dtype=torch.int64, device=dev)
+    w = torch.empty(t, top_k, dtype=weight_dtype or torch.bfloat16, device=dev)
+    rows = torch.empty(t * top_k, dtype=torch.int32, device=dev)
+    pos = torch.empty(t * top_k, dtype=torch.int32, device=dev)
+    offsets = torch.empty(e + 1, dtype=torch.int32, device=dev)
+    bq = 16 if INTERPRET else ROUTE_BQ
+    COMPILED["moe router+route"] = _router_route_kernel[(triton.cdiv(e, ROUTER_BES),)](
+        x, gate_weight, logits, lock, idx, w, rows, pos, offsets, t, e, h, x.stride(0), gate_weight.stride(0),
+        K=top_k, BT=max(2, triton.next_power_of_2(t)), BE=max(16, triton.next_power_of_2(e)),
+        BP=max(16, triton.next_power_of_2(t * top_k)), BQ=bq, BES=ROUTER_BES, BH=ROUTER_BH, NORM=bool(norm),
+        LIBDEVICE=_libdevice_for(dev), W_BF16=w.dtype == torch.bfloat16, INTERP=INTERPRET,
+        num_warps=num_warps or ROUTER_WARPS, enable_fp_fusion=False, **_launch_opts(dev))
+    return logits, idx, w, rows, pos, offsets
 
 
 def combine(d: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
