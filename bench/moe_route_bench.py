@@ -3,6 +3,9 @@ replaces (softmax, top-k, normalize, cast, stable argsort, searchsorted, gather 
 torch path).
 
 python3 bench/moe_route_bench.py   (Qwen3-30B-A3B router: E 128, top 8; tokens 1, 8, 32, 64)
+python3 bench/moe_route_bench.py router   (eleventh session: the router GEMM + route in one launch,
+                                           moe_route.router_route, by warps / experts per program / columns
+                                           per step, against F.linear (cuBLAS) + the route kernel)
 
 CUDA-graph replay of 50 calls, median of 5 replays, us per call. Every variant's outputs are checked equal to
 the default's.
@@ -12,6 +15,7 @@ import os
 import sys
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, ".")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -53,5 +57,27 @@ def main():
     print(f"combine 32 tokens x 2048: {timed(lambda _r: moe_route.combine(d, pos, w), REPS):.1f} us")
 
 
+def router_main():
+    e, k, h = 128, 8, 2048
+    variants = [(nw, bes, bh) for nw in (2, 4, 8) for bes in (16, 32) for bh in (128, 256, 512)]
+    print("| tokens | F.linear + route us | " + " | ".join(f"w{a} e{b} h{c}" for a, b, c in variants) + " |")
+    wr = (torch.randn(e, h, device="cuda") * 0.02).bfloat16()
+    for t in (1, 8, 32, 64):
+        x = torch.randn(t, h, device="cuda").bfloat16()
+        ref_logits = F.linear(x, wr)
+        cells = [f"{timed(lambda _r, x=x: moe_route.route(F.linear(x, wr), k, True), REPS):.1f}"]
+        for nw, bes, bh in variants:
+            out = moe_route.router_route(x, wr, k, True, num_warps=nw, bes=bes, bh=bh)
+            ulp = ref_logits.float().abs().clamp_min(2.0 ** -126) * 2.0 ** -7
+            if not bool(((out[0].float() - ref_logits.float()).abs() <= ulp).all()):
+                raise SystemExit(f"router_route w{nw} e{bes} h{bh}: logits beyond a bf16 ulp of cuBLAS's")
+            if not all(torch.equal(a, b) for a, b in zip(out[1:], moe_route.route(out[0], k, True))):
+                raise SystemExit(f"router_route w{nw} e{bes} h{bh}: not the route of its own logits")
+            us = timed(lambda _r, x=x, nw=nw, bes=bes, bh=bh: moe_route.router_route(
+                x, wr, k, True, num_warps=nw, bes=bes, bh=bh), REPS)
+            cells.append(f"{us:.1f}")
+        print(f"| {t} | " + " | ".join(cells) + " |", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    router_main() if sys.argv[1:] == ["router"] else main()

@@ -240,11 +240,13 @@ _LOCKS: dict = {}  # router_route's counter per device (back to zero after every
 
 
 def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: bool,
-                 weight_dtype: torch.dtype | None = None, *, num_warps: int | None = None):
+                 weight_dtype: torch.dtype | None = None, *, num_warps: int | None = None,
+                 bes: int | None = None, bh: int | None = None):
     """The router and the route in one launch: logits = x [T, H] @ gate_weight [E, H].T (bfloat16, as
     F.linear's output: fp32 sums of the exact products in another order than cuBLAS, so a logit can differ in
     its last bf16 bit), then `route(logits, ...)` by the grid's last program. Returns (logits [T, E], idx, w,
-    rows, pos, offsets) as `route`. No host sync; one counter per device, so calls on one device must not
+    rows, pos, offsets) as `route`. num_warps, bes (experts per program, >= 16), bh (hidden columns per step):
+    tuning (bench/moe_route_bench.py). No host sync; one counter per device, so calls on one device must not
     run concurrently on two streams."""
     if x.ndim != 2 or gate_weight.ndim != 2 or x.shape[1] != gate_weight.shape[1]:
         raise ValueError(f"router_route: x must be [T, H] and gate_weight [E, H], got {tuple(x.shape)} and "
@@ -270,10 +272,11 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
     pos = torch.empty(t * top_k, dtype=torch.int32, device=dev)
     offsets = torch.empty(e + 1, dtype=torch.int32, device=dev)
     bq = 16 if INTERPRET else ROUTE_BQ
-    COMPILED["moe router+route"] = _router_route_kernel[(triton.cdiv(e, ROUTER_BES),)](
+    bes, bh = bes or ROUTER_BES, bh or ROUTER_BH
+    COMPILED["moe router+route"] = _router_route_kernel[(triton.cdiv(e, bes),)](
         x, gate_weight, logits, lock, idx, w, rows, pos, offsets, t, e, h, x.stride(0), gate_weight.stride(0),
         K=top_k, BT=max(2, triton.next_power_of_2(t)), BE=max(16, triton.next_power_of_2(e)),
-        BP=max(16, triton.next_power_of_2(t * top_k)), BQ=bq, BES=ROUTER_BES, BH=ROUTER_BH, NORM=bool(norm),
+        BP=max(16, triton.next_power_of_2(t * top_k)), BQ=bq, BES=bes, BH=bh, NORM=bool(norm),
         LIBDEVICE=_libdevice_for(dev), W_BF16=w.dtype == torch.bfloat16, INTERP=INTERPRET,
         num_warps=num_warps or ROUTER_WARPS, enable_fp_fusion=False, **_launch_opts(dev))
     return logits, idx, w, rows, pos, offsets
