@@ -46,6 +46,14 @@ wrappers allocate apart from them, so no program reads a column that another wri
 tensor, never x: an in-place x += h would let one program read another's updated columns). The
 add + RMSNorm launch without quantization is split the same way.
 
+MoE combine folded into the residual (add_rmsnorm's moe=(d, pos, w)). After a MoE layer's routed
+experts the residual term is moe_route.combine's r = bf16(sum_j w[t, j] * d[pos[t k + j]]) (fp32, j in
+order from 0, each product rounded before its add: enable_fp_fusion=False, no FMA), plus the shared
+expert's h when given (r = bf16(r + h)); the kernel computes r itself where it loads h, so x', y and Q(y)
+are the bits of combine followed by add_rmsnorm, one launch fewer per MoE layer. Each program gathers the
+row's k expert rows in every pass over the row (sum of squares, amax, its own chunk): k x 2 B x K per pass
+from L2.
+
 Programmatic dependent launch (fp4rl.kernels.pdl; Hopper): with the PDL constexpr on, a kernel's first
 statements are griddepcontrol.launch_dependents (the next kernel on the stream may be scheduled now) and
 griddepcontrol.wait (until the previous grid has finished and its writes are visible), and the launch
@@ -117,19 +125,45 @@ def _bf16(v):
 
 
 @triton.jit
-def _residual(x_ptr, h_ptr, row, cols, mask, stride_x, stride_h, HAS_RES: tl.constexpr):
-    """bf16(x + h) of one chunk of a row, as float32."""
+def _combined(md_ptr, mpos_ptr, mw_ptr, row, cols, mask, stride_md, stride_mwt, stride_mwk,
+              K_TOP: tl.constexpr):
+    """moe_route.combine of one chunk of token `row`: bf16(sum_j w[row, j] * d[pos[row K_TOP + j]]) in fp32,
+    j in order from 0.0 (as _combine_kernel: an all -0 sum is +0), each product rounded (no FMA)."""
+    acc = tl.zeros(cols.shape, tl.float32)
+    for j in tl.static_range(K_TOP):
+        r = tl.load(mpos_ptr + row * K_TOP + j).to(tl.int64)
+        w = tl.load(mw_ptr + row * stride_mwt + j * stride_mwk).to(tl.float32)
+        acc += w * tl.load(md_ptr + r * stride_md + cols, mask=mask, other=0.0).to(tl.float32)
+    return _bf16(acc)
+
+
+@triton.jit
+def _residual(x_ptr, h_ptr, row, cols, mask, stride_x, stride_h, HAS_RES: tl.constexpr,
+              md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk,
+              HAS_MOE: tl.constexpr, K_TOP: tl.constexpr):
+    """x' of one chunk of a row, as float32: bf16(x + h); with HAS_MOE bf16(x + r), r = the MoE combine
+    (bf16) or, with HAS_RES too, r = bf16(combine + h)."""
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-        x = _bf16(x + h)
+    if HAS_MOE:
+        r = _combined(md_ptr, mpos_ptr, mw_ptr, row, cols, mask, stride_md, stride_mwt, stride_mwk, K_TOP)
+        if HAS_RES:
+            h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+            r = _bf16(r + h)
+        x = _bf16(x + r)
+    else:
+        if HAS_RES:
+            h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+            x = _bf16(x + h)
     return x
 
 
 @triton.jit
-def _normed(x_ptr, h_ptr, w_ptr, row, cols, mask, stride_x, stride_h, rstd, HAS_RES: tl.constexpr):
+def _normed(x_ptr, h_ptr, w_ptr, row, cols, mask, stride_x, stride_h, rstd, HAS_RES: tl.constexpr,
+            md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk,
+            HAS_MOE: tl.constexpr, K_TOP: tl.constexpr):
     """y = bf16(w * bf16(x' * rstd)) of one chunk (float32)."""
-    xs = _residual(x_ptr, h_ptr, row, cols, mask, stride_x, stride_h, HAS_RES)
+    xs = _residual(x_ptr, h_ptr, row, cols, mask, stride_x, stride_h, HAS_RES,
+                   md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk, HAS_MOE, K_TOP)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     return _bf16(w * _bf16(xs * rstd))
 
@@ -176,15 +210,17 @@ def _bits_max(acc, y):
 
 @triton.jit
 def _add_rmsnorm_kernel(
-    x_ptr, h_ptr, w_ptr, xo_ptr, y_ptr, d_ptr, s_ptr, g_ptr,
-    K, stride_x, stride_h, stride_xo, stride_y, inv_k, eps,
+    x_ptr, h_ptr, w_ptr, xo_ptr, y_ptr, d_ptr, s_ptr, g_ptr, md_ptr, mpos_ptr, mw_ptr,
+    K, stride_x, stride_h, stride_xo, stride_y, stride_md, stride_mwt, stride_mwk, inv_k, eps,
     HAS_RES: tl.constexpr, WRITE_Y: tl.constexpr, QUANT: tl.constexpr, RULE46: tl.constexpr,
     MAE: tl.constexpr, BC: tl.constexpr, QBC: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr,
+    HAS_MOE: tl.constexpr, K_TOP: tl.constexpr,
 ):
     """Program (row, chunk): the row's statistics over the whole row (sum of x'^2; with QUANT the amax of
-    y), then its own columns [chunk * CH, chunk * CH + CH) of x' = x + h, y = RMSNorm(x') * w (if WRITE_Y)
-    and Q(y) (if QUANT); chunk 0 stores the row's global scale. Every program reads x and h only (never
-    xo or y), and the wrapper allocates xo apart from x and h, so no program reads what another writes."""
+    y), then its own columns [chunk * CH, chunk * CH + CH) of x' = x + h (HAS_MOE: x + r, r the MoE
+    combine [+ h], gathered again from the expert rows in every pass), y = RMSNorm(x') * w (if WRITE_Y) and
+    Q(y) (if QUANT); chunk 0 stores the row's global scale. Every program reads x, h and the MoE inputs only
+    (never xo or y), and the wrapper allocates xo apart from them, so no program reads what another writes."""
     if PDL:  # programmatic dependent launch: let the next kernel launch, then wait for our inputs
         tlcuda.gdc_launch_dependents()
         tlcuda.gdc_wait()
@@ -193,22 +229,25 @@ def _add_rmsnorm_kernel(
     acc = tl.zeros((BC,), tl.float32)
     for c0 in range(0, K, BC):  # the same loop in every program: the same rstd, bit for bit
         cols = c0 + tl.arange(0, BC)
-        xs = _residual(x_ptr, h_ptr, row, cols, cols < K, stride_x, stride_h, HAS_RES)
+        xs = _residual(x_ptr, h_ptr, row, cols, cols < K, stride_x, stride_h, HAS_RES,
+                       md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk, HAS_MOE, K_TOP)
         acc += xs * xs
     rstd = tl.math.rsqrt(tl.sum(acc, 0) * inv_k + eps)
     if QUANT:
         amax_acc = tl.zeros((BC,), tl.int32)
         for c0 in range(0, K, BC):
             cols = c0 + tl.arange(0, BC)
-            y = _normed(x_ptr, h_ptr, w_ptr, row, cols, cols < K, stride_x, stride_h, rstd, HAS_RES)
+            y = _normed(x_ptr, h_ptr, w_ptr, row, cols, cols < K, stride_x, stride_h, rstd, HAS_RES,
+                        md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk, HAS_MOE, K_TOP)
             amax_acc = _bits_max(amax_acc, y)
         s_enc, s_dec, g, amax = _row_globals(tl.max(amax_acc, 0), QBC // 16, RULE46)
     for j0 in range(0, CH, QBC):
         c0 = chunk * CH + j0
         cols = c0 + tl.arange(0, QBC)
         mask = cols < K
-        xs = _residual(x_ptr, h_ptr, row, cols, mask, stride_x, stride_h, HAS_RES)
-        if HAS_RES:
+        xs = _residual(x_ptr, h_ptr, row, cols, mask, stride_x, stride_h, HAS_RES,
+                       md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk, HAS_MOE, K_TOP)
+        if HAS_RES or HAS_MOE:
             tl.store(xo_ptr + row * stride_xo + cols, xs.to(xo_ptr.dtype.element_ty), mask=mask)
         if WRITE_Y or QUANT:
             w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -383,14 +422,53 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
+def _moe_args(moe, x: torch.Tensor):
+    """Check add_rmsnorm's moe = (d [T k, H] bf16, pos [T k] int32, w [T, k] bf16/fp32) against x [T, H];
+    returns (d, pos, w, k)."""
+    if not isinstance(moe, (tuple, list)) or len(moe) != 3:
+        raise ValueError("add_rmsnorm: moe must be the tuple (d, pos, w) of moe_route.combine: d [T k, H] "
+                         "the expert outputs in sorted-row order, pos [T k] int32 (route's), w [T, k]")
+    d, pos, w = moe
+    t, hdim = x.shape
+    for name, v in (("d", d), ("pos", pos), ("w", w)):
+        if not isinstance(v, torch.Tensor) or v.device != x.device:
+            raise ValueError(f"add_rmsnorm: moe {name} must be a tensor on x's device {x.device}, got "
+                             f"{v.device if isinstance(v, torch.Tensor) else type(v).__name__}")
+    if w.ndim != 2 or w.shape[0] != t or w.shape[1] < 1:
+        raise ValueError(f"add_rmsnorm: moe w must be [T, k] with T = {t} (x's rows, one token each) and "
+                         f"k >= 1, got {tuple(w.shape)}; pass route's topk_weight of these tokens")
+    if w.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"add_rmsnorm: moe w must be bfloat16 or float32, got {w.dtype}; pass route's "
+                         "topk_weight (or .float() it)")
+    k = w.shape[1]
+    if d.ndim != 2 or d.shape[0] != t * k or d.shape[1] != hdim:
+        raise ValueError(f"add_rmsnorm: moe d must be [T k, H] = [{t} x {k}, {hdim}] (k from w, T and H "
+                         f"from x), got {tuple(d.shape)}; pass the routed experts' down projection of x's "
+                         "tokens")
+    if d.dtype != torch.bfloat16:
+        raise ValueError(f"add_rmsnorm: moe d must be bfloat16 (the combine rounds to it), got {d.dtype}")
+    if d.stride(-1) != 1:
+        raise ValueError(f"add_rmsnorm: moe d needs unit column stride, got strides {d.stride()}; pass "
+                         "d.contiguous()")
+    if pos.dtype != torch.int32 or pos.numel() != t * k or not pos.is_contiguous():
+        raise ValueError(f"add_rmsnorm: moe pos must be a contiguous int32 [T k = {t * k}] tensor (route's "
+                         f"pos: the sorted row of each (token, slot) pair), got {pos.dtype} "
+                         f"{tuple(pos.shape)} strides {pos.stride()}")
+    return d, pos, w, k
+
+
 def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
                 quant: dict | None = None, write_y: bool = True, block: int | None = None,
-                chunk: int | None = None):
+                chunk: int | None = None, moe: tuple | None = None):
     """x' = x + h (h None: x' = x) and y = RMSNorm(x') * weight, x/h [R, K]; with quant (the activation
     quantizer's scale_rule/err) also Q(y) per row. Returns (x', y or None, (data, block_scale,
     global_scale [R]) or None). block: the tile width of the kernel's loops (tests; default from K);
     chunk: the columns each program writes (a multiple of 16; default: see SPLIT_PER_ROW). x' is a new
-    tensor (never x: every program reads all of x's row), or x itself when h is None."""
+    tensor (never x: every program reads all of x's row), or x itself when h and moe are None.
+
+    moe = (d [R k, K] bf16, pos [R k] int32, w [R, k] bf16 or fp32) folds moe_route.combine into the residual:
+    x' = x + r with r = combine(d, pos, w) (bf16, combine's bits) or, with h too, r = bf16(combine + h) (a
+    shared expert's term); the same bits as add_rmsnorm(x, combine(d, pos, w) [+ h], ...) in one launch."""
     _rows(x, "x")
     if h is not None:
         _rows(h, "h")
@@ -401,8 +479,14 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, e
         raise ValueError(f"add_rmsnorm: weight must be the norm's contiguous [{k}] vector on {x.device} (one "
                          f"per column of x), got {tuple(weight.shape)} on {weight.device}; pass the RMSNorm "
                          "of this width")
+    if moe is not None:
+        md, mpos, mw, k_top = _moe_args(moe, x)
+        moe_strides = (md.stride(0), mw.stride(0), mw.stride(1))
+    else:
+        md, mpos, mw, k_top = x, x, x, 1
+        moe_strides = (0, 0, 0)
     rule46, mae = _quant_flags(quant)
-    xo = torch.empty_like(x) if h is not None else x
+    xo = torch.empty_like(x) if (h is not None or moe is not None) else x
     y = torch.empty_like(x) if (write_y or quant is None) else x
     xq = _quant_out(r, k, x.device) if quant is not None else None
     bc = block or max(16, min(4096, triton.next_power_of_2(k)))  # the statistics' tile (fixes the sum order)
@@ -410,11 +494,12 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, e
     d, s, g = xq if xq is not None else (x, x, x)
     if r:
         COMPILED["fused add_rmsnorm"] = _add_rmsnorm_kernel[(r, triton.cdiv(k, ch))](
-            x, h if h is not None else x, weight, xo, y, d, s, g,
-            k, x.stride(0), h.stride(0) if h is not None else 0, xo.stride(0), y.stride(0), 1.0 / k, eps,
+            x, h if h is not None else x, weight, xo, y, d, s, g, md, mpos, mw,
+            k, x.stride(0), h.stride(0) if h is not None else 0, xo.stride(0), y.stride(0), *moe_strides,
+            1.0 / k, eps,
             HAS_RES=h is not None, WRITE_Y=write_y or quant is None, QUANT=quant is not None,
-            RULE46=rule46, MAE=mae, BC=bc, QBC=qbc, CH=ch, num_warps=4 if k <= 4096 else 8,
-            enable_fp_fusion=False, **_launch_opts(x.device))
+            RULE46=rule46, MAE=mae, BC=bc, QBC=qbc, CH=ch, HAS_MOE=moe is not None, K_TOP=k_top,
+            num_warps=4 if k <= 4096 else 8, enable_fp_fusion=False, **_launch_opts(x.device))
     if xq is not None:
         xq = (xq[0], xq[1].view(torch.float8_e4m3fn), xq[2])
     return xo, (y if write_y or quant is None else None), xq
