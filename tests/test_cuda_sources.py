@@ -91,13 +91,19 @@ def _gemm_configs():
             yield f"wgmma {n}x{k} m{m}", gemv_cuda.choose_wide(n, k, m, sms), "sm_90a"
     yield "grouped 2048x768", gemv_cuda.choose_grouped(2048, 768, 8, sms), "sm_90"
     yield "grouped gather 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1}, "sm_90"
+    # the MoE down projection with SiLU(gate) * up in the x staging: 128 experts' 2048x768 at 1 token of top-8
+    # (8 slots: split 2) and at 8 tokens (64 slots: split 1), and 1536x2048 on 8 slots
+    for slots in (8, 64):
+        cfg = {**gemv_cuda.choose_grouped(2048, 768, slots, sms), "SILU": 1}
+        yield f"grouped silu 2048x768 s{slots}", cfg, "sm_90"
+    yield "grouped silu 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "SILU": 1}, "sm_90"
 
 
 @pytest.mark.parametrize("name,cfg,arch", list(_gemm_configs()),
                          ids=lambda v: v if isinstance(v, str) else "")
 def test_gemm_kernel_compiles_without_spills_or_serialized_wgmma(name, cfg, arch):
-    gather = cfg.get("GATHER", 0)
-    variants = ((False, False, name.startswith("grouped")), (True, not gather, bool(gather)))
+    w4a16_grouped = bool(cfg.get("GATHER", 0) or cfg.get("SILU", 0))  # builds for grouped W4A16 only
+    variants = ((False, False, name.startswith("grouped")), (True, not w4a16_grouped, w4a16_grouped))
     for wg_row, xg_row, grouped in variants:
         log = compile_log(gemv_cuda.source(cfg, wg_row, xg_row, grouped), arch)
         assert "C7515" not in log, f"{name}: ptxas serialized the wgmma pipeline:\n{log[:2000]}"
@@ -110,3 +116,29 @@ def test_gather_needs_grouped_w4a16():
     for wg_row, xg_row, grouped in ((False, False, False), (False, True, True)):
         prog_log = _compile_error(gemv_cuda.source(cfg, wg_row, xg_row, grouped))
         assert "GATHER is for GROUPED W4A16" in prog_log
+
+
+def test_silu_needs_grouped_w4a16_with_staged_x():
+    """SILU (SiLU(gate) * up computed by the x staging) compiles only for grouped W4A16 with x staged whole:
+    not dense, not W4A4 (XG_ROW), not with GATHER, not with x streamed (XSTREAM)."""
+    cfg = {**gemv_cuda.choose_grouped(2048, 768, 8, 132), "SILU": 1}
+    assert "XSTREAM" not in cfg and "WGMMA" not in cfg  # what launch_grouped builds (see the compile test)
+    for c, wg_row, xg_row, grouped in ((cfg, False, False, False), (cfg, False, True, True),
+                                       ({**cfg, "GATHER": 1}, False, False, True),
+                                       ({**cfg, "XSTREAM": 1}, False, False, True)):
+        prog_log = _compile_error(gemv_cuda.source(c, wg_row, xg_row, grouped))
+        assert "SILU is for GROUPED W4A16" in prog_log, c
+
+
+def test_silu_build_uses_accurate_expf_and_ieee_division():
+    """The SILU staging must be fused.silu_mul's arithmetic: libdevice's accurate expf (no fast-math option
+    in the launcher's NVRTC options, no __expf in the source), the IEEE division (silu_div: checked against
+    __fdiv_rn on every bf16 input by tests/test_gemv_cuda.py on the GPU), one rounded multiply."""
+    cfg = {**gemv_cuda.choose_grouped(2048, 768, 8, 132), "SILU": 1}
+    src = gemv_cuda.source(cfg, False, False, True)
+    body = src[src.index("float silu_up1("):src.index("}", src.index("float silu_up1("))]
+    assert "expf(-g)" in body and "__expf" not in body and "silu_div(" in body and "__fmul_rn(" in body
+    assert "__fadd_rn(1.f, expf(-g))" in body
+    launcher = Path(gemv_cuda.__file__).read_text()
+    assert "fast_math" not in launcher and "fast-math" not in launcher and "ftz" not in launcher
+    assert "#define SILU 1\n" in src

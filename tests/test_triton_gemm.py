@@ -101,6 +101,61 @@ def test_grouped_rows_gather_the_tokens():
         gemm.gemm(x, w, offsets=offsets, rows=rows.long())
 
 
+def _gate_up(m, k, seed):
+    """gate | up [m, 2K] bf16: gate over ~4 decades either sign (exp overflow below -88.7), up over 4."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(m, 2 * k, generator=g) * 10.0 ** (torch.rand(m, 2 * k, generator=g) * 4 - 2)
+    v[:, :6] = torch.tensor([0.0, -0.0, 88.0, -89.0, 1e4, -1e4])
+    return v.bfloat16().to(DEV)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the interpreter's numpy exp/div
+@pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")
+def test_silu_is_silu_mul_then_the_gemm():
+    """gemm(x = gate | up, silu=True) = gemm(fused.silu_mul(x)) bit for bit, on grouped weights (with empty
+    experts, with rows: the tokens' gate | up gathered), dense weights and with FUSED_SILU off; the bad
+    inputs are refused with clear errors."""
+    from fp4rl.kernels import fused
+
+    e, n, k = 3, 32, 64
+    ws = [_weight(n, k, seed=30 + s) for s in range(e)]
+    w = NVFP4Tensor(data=torch.stack([q.data for q in ws]),
+                    block_scale=torch.stack([q.block_scale for q in ws]),
+                    global_scale=torch.stack([q.global_scale for q in ws]),
+                    shape=torch.Size((e, n, k)), dtype=torch.float32)
+    offsets = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=DEV)  # expert 1 gets no rows
+    gu = _gate_up(8, k, seed=3)
+    a = fused.silu_mul(gu)[0]
+    assert a.shape == (8, k)
+    want = gemm.gemm(a, w, offsets=offsets, tokens=4)
+    assert torch.equal(gemm.gemm(gu, w, offsets=offsets, tokens=4, silu=True), want)
+    assert torch.equal(gemm.gemm(gu, w, offsets=offsets, silu=True), want)  # no tokens: the Triton kernel
+    gu_pad = torch.zeros(8, 2 * k + 16, dtype=torch.bfloat16, device=DEV)[:, :2 * k]  # a padded row stride
+    gu_pad.copy_(gu)
+    assert torch.equal(gemm.gemm(gu_pad, w, offsets=offsets, tokens=4, silu=True), want)
+    old = gemm.FUSED_SILU
+    try:
+        gemm.FUSED_SILU = False
+        assert torch.equal(gemm.gemm(gu, w, offsets=offsets, tokens=4, silu=True), want)
+    finally:
+        gemm.FUSED_SILU = old
+    rows = torch.tensor([0, 2, 3, 0, 1, 1, 2, 3], dtype=torch.int32, device=DEV)  # 4 tokens' gate | up
+    gu_t = gu[:4]
+    want_rows = gemm.gemm(fused.silu_mul(gu_t)[0].index_select(0, rows), w, offsets=offsets, tokens=4)
+    assert torch.equal(gemm.gemm(gu_t, w, offsets=offsets, tokens=4, rows=rows, silu=True), want_rows)
+    wd = ws[0]  # dense
+    for m in (1, 5):
+        assert torch.equal(gemm.gemm(gu[:m], wd, silu=True), gemm.gemm(a[:m], wd))
+    with pytest.raises(ValueError, match=r"silu=True needs x = gate \| up \[M, 2K\] with K=64"):
+        gemm.gemm(a, w, offsets=offsets, silu=True)  # x [M, K]: not gate | up
+    with pytest.raises(ValueError, match=r"silu=True needs x = gate \| up"):
+        gemm.gemm(torch.cat([gu, gu], 1), wd, silu=True)  # 4K columns
+    with pytest.raises(ValueError, match="silu=True is for W4A16"):
+        gemm.gemm(None, wd, xq=gemm.quantize_activations(a), silu=True)
+    with pytest.raises(TypeError, match="bfloat16"):
+        gemm.gemm(gu.float(), wd, silu=True)
+
+
 def test_w4a4_matches_fake_quantized_operands():
     w, x = _weight(48, 64, scale_rule="4/6"), _x(5, 64, seed=4)
     xq = reference.quantize(x, scale_scope="row")  # what the kernel's per-token quantizer must give

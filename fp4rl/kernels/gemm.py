@@ -35,10 +35,14 @@ in the thousands). Nothing is assumed about where the crossovers lie.
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 import triton
 import triton.language as tl
 
+from fp4rl.kernels import fused as _fused
 from fp4rl.kernels import gemv as _gemv
 from fp4rl.kernels import gemv_cuda as _mma16
 from fp4rl.kernels._common import (
@@ -64,6 +68,16 @@ MMA16_GROUPED_MAX_TOKENS = 64
 # kernels on the H200 (bench/RESULTS.md, sixth session: 1.02-1.37x cuBLAS BF16 at 32 rows).
 WIDE_MAX_ROWS = 64
 WIDE_MIN_N_ABOVE_32 = 8192
+# gemm(silu=True) on the grouped mma16 kernel: SiLU(gate) * up computed by the kernel's x staging (its SILU
+# build) instead of a fused.silu_mul launch first (the same bits), for batches up to MMA16_SILU_MAX_TOKENS
+# tokens: every n-block's CTA computes its rows' SiLU again, which outweighs the saved launch on fuller
+# chunks. H200, 128 experts' 2048x768 (Qwen3-30B-A3B's down_proj), top-8, us per launch in a CUDA graph with
+# PDL, silu_mul + kernel vs fused (the plain kernel alone): 1 token 8.16 vs 6.02 (5.94), 2: 9.43 vs 6.55, 4:
+# 13.4 vs 10.1, 8: 19.8 vs 18.9, 16: 26.6 vs 28.2, 32: 35.5 vs 38.4, 64: 41.5 vs 49.0. FP4RL_MOE_SILU=0:
+# silu_mul, then the plain kernel, always (A/B timing); also switched off for the process if the SILU build
+# fails to compile or launch.
+FUSED_SILU = os.environ.get("FP4RL_MOE_SILU", "1") != "0"
+MMA16_SILU_MAX_TOKENS = 8
 
 
 def wide_rows(m: int, n: int) -> bool:
@@ -421,8 +435,21 @@ def _fallback(x2, xq, wd, ws, wg, y):
     return y
 
 
+def _silu_mul(x2: torch.Tensor) -> torch.Tensor:
+    """bf16(bf16(silu(gate)) * up) of x2 [M, 2K] = gate | up: fused.silu_mul, the arithmetic the grouped
+    mma16 kernel's SILU build does in its x staging."""
+    return _fused.silu_mul(x2)[0]
+
+
+def _disable_fused_silu(exc: Exception) -> None:
+    global FUSED_SILU
+    FUSED_SILU = False
+    warnings.warn(f"the grouped mma16 kernel's SILU build failed ({repr(exc)[:300]}); gemm(silu=True) runs "
+                  "fused.silu_mul first from now on", stacklevel=3)
+
+
 def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, tokens: int | None = None,
-         rows=None):
+         rows=None, silu: bool = False):
     """Core entry: y [M, N] = x @ DQ(W).T on packed NVFP4 weights.
 
     x: bfloat16 [M, K] (W4A16), or None with xq = (data uint8 [M, K/2], block_scale [M, K/16],
@@ -436,8 +463,15 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
     <= MMA16_GROUPED_MAX_TOKENS.
     rows: grouped W4A16 only, int32 [M]: x [T, K] holds the batch's tokens and sorted row r is x[rows[r]];
     the grouped mma16 kernel reads those rows itself, every other path gathers them first (same result).
+    silu: W4A16 only: x is [M, 2K] = gate | up (gate in columns [0, K), up in [K, 2K), K the weight's) and
+    y = silu_mul(x) @ DQ(W).T with silu_mul(x) = fused.silu_mul(x)[0] = bf16(bf16(silu(gate)) * up) (the MoE
+    experts' down projection). The grouped mma16 kernel computes it while staging x (FUSED_SILU, tokens <=
+    MMA16_SILU_MAX_TOKENS, not with rows); every other path runs fused.silu_mul first (the same bits). With
+    rows, x [T, 2K] holds the tokens' gate | up (silu_mul, then the gather).
     """
     grouped = offsets is not None
+    if silu and (x is None or xq is not None):
+        raise ValueError("gemm: silu=True is for W4A16: pass x = gate | up [M, 2K] (bfloat16), not xq")
     if rows is not None:
         if not grouped or xq is not None:
             raise ValueError("gemm: rows (the experts' gather) is for grouped W4A16 (offsets, x) only")
@@ -459,8 +493,13 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
         m = xq[0].shape[0]
         x2 = None
     else:
-        x2 = _check_x(x, 2 * kh)
+        if silu and x.shape[-1] != 4 * kh:
+            raise ValueError(f"gemm: silu=True needs x = gate | up [M, 2K] with K={2 * kh} (the weight's), "
+                             f"i.e. {4 * kh} columns; got x {tuple(x.shape)}")
+        x2 = _check_x(x, 4 * kh if silu else 2 * kh)
         m = x2.shape[0] if rows is None else rows.numel()
+    if silu and (rows is not None or not FUSED_SILU or tokens is None or tokens > MMA16_SILU_MAX_TOKENS):
+        x2, silu = _silu_mul(x2), False  # silu_mul first, then as without silu
     if grouped:
         offsets = offsets.to(torch.int32).contiguous()
         if offsets.numel() != e + 1:
@@ -476,13 +515,25 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
         if (m16.n, m16.k, m16.wt.shape[0]) != (n, 2 * kh, e * n // 16):
             raise ValueError(f"weight.mma16 is not a stacked copy of {e} experts of {n}x{2 * kh}")
         xin = x2 if x2 is not None else dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False)
+        x_scale = None if x2 is not None else xq[2]
         try:
-            return _mma16.launch_grouped(xin, m16, wg, offsets, y, x_scale=None if x2 is not None else xq[2],
-                                         x_rows=rows)
+            return _mma16.launch_grouped(xin, m16, wg, offsets, y, x_scale=x_scale, x_rows=rows, x_silu=silu)
         except ValueError:  # this K slice does not fit its shared memory: the Triton kernels below
             pass
         except RuntimeError as exc:
-            _mma16.disable(exc)
+            if not silu:
+                _mma16.disable(exc)
+            else:  # the SILU build failed: silu_mul, then the plain kernel (off for the process)
+                _disable_fused_silu(exc)
+                x2, silu = _silu_mul(x2), False
+                try:
+                    return _mma16.launch_grouped(x2, m16, wg, offsets, y)
+                except ValueError:
+                    pass
+                except RuntimeError as exc2:
+                    _mma16.disable(exc2)
+    if silu:  # every other kernel takes silu_mul(x)
+        x2, silu = _silu_mul(x2), False
     if rows is not None:  # the other kernels take the sorted rows themselves
         x2 = x2.index_select(0, rows)
     if m16 is not None and not grouped and config is None and _mma16.available(device):

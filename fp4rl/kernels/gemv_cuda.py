@@ -425,16 +425,33 @@ def choose_grouped(n: int, k: int, slots: int, sms: int) -> dict:
 
 def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, offsets: torch.Tensor,
                    y: torch.Tensor, x_scale: torch.Tensor | None = None,
-                   x_rows: torch.Tensor | None = None) -> torch.Tensor:
+                   x_rows: torch.Tensor | None = None, x_silu: bool = False) -> torch.Tensor:
     """Routed experts: y [M, N] = x2 [M, K] (rows sorted by expert; offsets int32 [E + 1], rows
     offsets[e]:offsets[e+1] go to expert e) @ DQ(W_e).T with the stacked copy of `relayout_stack`.
     global_scale fp32 [E, N] (per output row) or [E] (per expert). x_scale fp32 [M]: W4A4 as in `launch`.
     x_rows int32 [M] (W4A16 only): x2 [T, K] holds the tokens and sorted row r reads x2[x_rows[r]], i.e.
     y = (x2.index_select(0, x_rows)) @ ..., with the gather done by the kernel's x staging (bit-identical:
     the same rows reach the same arithmetic).
+    x_silu (W4A16, without x_rows): x2 [M, 2K] is the experts' gate | up (gate in columns [0, K), up in
+    [K, 2K), K = wc.k; any row stride) and y = silu_mul(x2) @ ..., the MoE down projection with
+    fused.silu_mul(x2)[0] = bf16(bf16(silu(gate)) * up) computed by the kernel's x staging (bit-identical to
+    silu_mul then this launch: fused.silu_mul's arithmetic, libdevice expf and IEEE division).
     No host sync: each CTA finds its (expert, 8-row chunk) from the offsets (graph-capturable; any routing:
     an expert with r rows takes ceil(r / 8) chunks, each streaming its weights)."""
+    if x2.ndim != 2:
+        raise ValueError(f"x2 must be 2-D [M, K], got {tuple(x2.shape)}")
     m, k = x2.shape
+    if x_silu:
+        if x_scale is not None:
+            raise ValueError("x_silu (SiLU(gate) * up in the x staging) is for W4A16; W4A4 quantizes "
+                             "silu_mul's output first")
+        if x_rows is not None:
+            raise ValueError("x_silu does not take x_rows: the down projection's gate | up rows are already "
+                             "the sorted rows")
+        if k != 2 * wc.k:
+            raise ValueError(f"x_silu: x2 must be gate | up [M, 2K] with K={wc.k} (the weight's), got "
+                             f"{tuple(x2.shape)}")
+        k = wc.k
     if x_rows is not None:
         if x_scale is not None:
             raise ValueError("x_rows (the gather) is for W4A16; W4A4 gathers its quantized rows first")
@@ -456,7 +473,7 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     cfg = _plan_grouped(wc.n, wc.k, min(e, m), dev)
     slots = min(e, m) + -(-m // (8 * cfg["MG"]))  # >= sum over experts of ceil(rows / chunk rows)
-    key = {**cfg, "GATHER": 1} if x_rows is not None else cfg
+    key = {**cfg, "GATHER": 1} if x_rows is not None else {**cfg, "SILU": 1} if x_silu else cfg
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > e, x_scale is not None, True), dev)
     smem = smem_bytes(cfg, wc.k, 8 * cfg["MG"])
     nb = -(-wc.n // (WARPS * 16))

@@ -1,11 +1,15 @@
 // W4A16 skinny GEMM for 1..8*MG rows of x on Hopper (sm_90): y[M, N] = x[M, K] @ DQ(W)[N, K]^T
 // (any number of rows in blocks of 8*MG with the WGMMA variant, below).
 //
-// Compiled at run time by NVRTC (fp4rl/kernels/gemv_cuda.py prepends the #defines: NT, MG, SPLIT,
-// DEPTH, TRIGGER, WG_ROW, XG_ROW, GROUPED, and CLUSTER = __cluster_dims__(1, SPLIT, 1) when SPLIT > 1).
+// Compiled at run time by NVRTC (fp4rl/kernels/gemv_cuda.py prepends the #defines: NT, MG, SPLIT, DEPTH,
+// TRIGGER, WG_ROW, XG_ROW, GROUPED, GATHER, SILU, and CLUSTER = __cluster_dims__(1, SPLIT, 1) when SPLIT > 1).
 // GROUPED: routed experts (see the kernel's first block): grid z = expert slots.
 // GATHER (GROUPED, W4A16): x holds the batch's tokens and row r of the expert-sorted rows is token xrows[r]
 // (the MoE route's gather, read by the x staging instead of a separate index_select).
+// SILU (GROUPED, W4A16, staged x slice): x is the experts' gate | up [M, 2K] (gate in columns [0, K), up in
+// [K, 2K), row stride stride_xm) and the GEMM's x is a = bf16(bf16(silu(gate)) * up), computed by the x
+// staging (fused.silu_mul's arithmetic, bit for bit: libdevice expf, IEEE division, RNE roundings) instead
+// of a separate silu_mul launch before the down projection.
 // XG_ROW: x is a dequantized NVFP4 activation without its per-row global scale (W4A4 emulation: x =
 // e2m1 * block_scale, exact in bf16); xg[m] multiplies row m's sum with the weight's global scale.
 //
@@ -63,6 +67,12 @@ typedef unsigned long long u64;
 #endif
 #ifndef XSTREAM
 #define XSTREAM 0  // 1: x in 128-k chunks through a CTA ring with the weights (many rows; DEPTH >= 2)
+#endif
+#ifndef SILU
+#define SILU 0
+#endif
+#if SILU && (!GROUPED || XG_ROW || GATHER || XSTREAM)
+#error "SILU is for GROUPED W4A16 with the staged x slice (no XG_ROW, GATHER or XSTREAM)"
 #endif
 // the row of x that row m of this CTA's rows reads (only evaluated for m < M)
 #if GATHER
@@ -192,6 +202,49 @@ __device__ __forceinline__ u32 f2_to_bf16x2(float lo, float hi) {
 }
 
 __device__ __forceinline__ u16 to_bf16(float v) { return (u16)(f2_to_bf16x2(v, 0.f) & 0xFFFFu); }
+
+#if SILU
+// g / d correctly rounded (= __fdiv_rn(g, d), IEEE) for d = 1 + expf(-g) >= 1, without div.rn's slow-path
+// branch (FCHK + call: it serializes the 8 divisions of a chunk). The fast path of div.rn's SASS, verbatim
+// (MUFU.RCP, then r1 = r + r (1 - d r), q0 = g r1, q = q0 + r1 (g - d q0)), is correctly rounded wherever
+// FCHK lets it through; the inputs it would not: d >= 2^64 (g < -44): g and d are both scaled by 2^-64 first
+// (exact, the quotient unchanged); d = inf (g < -88.7): g * 0 (+-0, NaN for g = -inf); d = 1 (g > 16.6): g
+// (also g = inf); tiny g (a subnormal quotient): d = 2 exactly and every step is exact. The sign of g: a
+// zero quotient's sign. Checked against div.rn on every bf16 g on the GPU (tests/test_gemv_cuda.py).
+__device__ __forceinline__ float silu_div(float g, float d) {
+    const float sc = d >= 0x1p64f ? 0x1p-64f : 1.f;
+    const float gs = __fmul_rn(g, sc), ds = __fmul_rn(d, sc);
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(ds));
+    const float r1 = __fmaf_rn(r, __fmaf_rn(-ds, r, 1.f), r);
+    const float q0 = __fmaf_rn(gs, r1, 0.f);
+    float q = __fmaf_rn(r1, __fmaf_rn(-ds, q0, gs), q0);
+    q = d == 1.f ? g : q;
+    q = isinf(d) ? __fmul_rn(g, 0.f) : q;
+    return copysignf(q, g);
+}
+// fused.silu_mul's arithmetic on one element (float32 inside, each rounding explicit so that nothing is
+// contracted or reassociated): s = bf16(g / (1 + expf(-g))), a = bf16(s * u). expf is libdevice's accurate
+// __nv_expf (NVRTC without -use_fast_math, as gemv_cuda compiles), the division IEEE (silu_div).
+__device__ __forceinline__ float silu_up1(float g, float u) {
+    const float s = __uint_as_float((u32)to_bf16(silu_div(g, __fadd_rn(1.f, expf(-g)))) << 16);
+    return __fmul_rn(s, u);
+}
+// 8 bf16 of gate and of up (16 B each) -> the 8 bf16 of a, in place (element 2i in the low half of word i)
+__device__ __forceinline__ uint4 silu_up8(const uint4& g, const uint4& u) {
+    uint4 a;
+    u32* pa = &a.x;
+    const u32* pg = &g.x;
+    const u32* pu = &u.x;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float lo = silu_up1(__uint_as_float(pg[i] << 16), __uint_as_float(pu[i] << 16));
+        const float hi = silu_up1(__uint_as_float(pg[i] & 0xFFFF0000u), __uint_as_float(pu[i] & 0xFFFF0000u));
+        pa[i] = f2_to_bf16x2(lo, hi);
+    }
+    return a;
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) CLUSTER
 w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4* __restrict__ st,
@@ -364,12 +417,31 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     {
         const int cw = per * 16;  // 16-byte chunks per row
         const int kbase = s0 * 128, kend = s1 * 128;
+#if SILU
+        // through registers: 16 B of gate and 16 B of up per chunk -> 16 B of a = bf16(bf16(silu(g)) * u)
+        // stored where cp.async would have put x's chunk. Rows >= M and k past the range: zeros, no read.
+        // Every n-block's CTA computes its rows' a again (N / 128 times in all): cheap for a few rows, not for
+        // full 8-row chunks (gemm.MMA16_SILU_MAX_TOKENS). One chunk at a time per thread: loading 2 or 4
+        // before their math measured slower on the H200 (more registers, fewer CTAs per SM).
+        for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : (XR + 1) * cw); c += WARPS * 32) {
+            const int m = c / cw, kc = (c - m * cw) * 8;
+            uint4 a = make_uint4(0u, 0u, 0u, 0u);
+            if (m < M && kbase + kc < kend) {
+                const uint4* src = reinterpret_cast<const uint4*>(x + (u64)XROW(m) * stride_xm + kbase + kc);
+                const uint4 gv = __ldcg(src);  // L2 only, as cp.async.cg: written by the previous kernel
+                const uint4 uv = __ldcg(src + (K >> 3));  // up: K columns further
+                a = silu_up8(gv, uv);
+            }
+            *reinterpret_cast<uint4*>(xs + m * XS + kc) = a;
+        }
+#else
         for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : (XR + 1) * cw); c += WARPS * 32) {
             const int m = c / cw, kc = (c - m * cw) * 8;
             const bool in = m < M && kbase + kc < kend;
             const u16* src = in ? x + (u64)XROW(m) * stride_xm + kbase + kc : x;
             cp_async16(smem_u32(xs + m * XS + kc), src, in ? 16 : 0);
         }
+#endif
         cp_async_commit();
     }
 
