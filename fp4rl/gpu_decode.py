@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import warnings
 from types import SimpleNamespace
 
@@ -62,6 +63,8 @@ from fp4rl.packed import FusedGroup, PackedNVFP4Linear
 
 SLOT_ALIGN = 64  # T_cap is rounded up to this
 FUSED = True  # new engines run the fused decode step (fp4rl.kernels.fused); DecodeEngine.set_fused for A/B
+# the fused step folds an MoE layer's combine into the next residual add + RMSNorm (fused.add_rmsnorm(moe=))
+FUSED_COMBINE = os.environ.get("FP4RL_MOE_COMBINE", "1") != "0"
 
 
 def _pow2(v: int) -> int:
@@ -305,11 +308,12 @@ class DecodeEngine:
         x = m.embed_tokens(self.tokens[:bb])  # [bb, H]
         cos, sin = m.rope_tables(self.positions[:bb], x.dtype)  # [bb, D]
         ctx = self._context(bb)
-        h, chosen = None, []
+        h, chosen, moe = None, [], {}
         for layer, p in zip(m.layers, self.plans):
             norm = layer.input_layernorm
             x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.in_quant,
-                                         write_y=p.in_quant is None)
+                                         write_y=p.in_quant is None, **moe)
+            moe = {}
             if p.qkv is not None:
                 h = self._attention_fused(layer.self_attn, p.qkv.run(n, nq), cos, sin, ctx, bb)
             else:
@@ -322,12 +326,22 @@ class DecodeEngine:
                 a, aq = fused.silu_mul(p.gate_up.run(n, nq), quant=p.down.quant, write_y=p.down.quant is None)
                 h = p.down.run(a, aq)  # [bb, H]
             elif layer.is_moe:
-                h, experts = layer.mlp(n[:, None])  # experts [bb, 1, k]
-                chosen.append(experts)
-                h = h[:, 0]
+                parts = layer.mlp.routed_parts(n) if FUSED_COMBINE and isinstance(layer.mlp, KernelMoeBlock) \
+                    else None
+                if parts is None:
+                    h, experts = layer.mlp(n[:, None])  # experts [bb, 1, k]
+                    chosen.append(experts)
+                    h = h[:, 0]
+                else:  # the combine runs in the next add_rmsnorm; h: SparseMoeBlock.forward's shared term
+                    d, pos, w, experts = parts
+                    chosen.append(experts[:, None])
+                    moe = {"moe": (d, pos, w)}
+                    mlp = layer.mlp
+                    h = (torch.sigmoid(mlp.shared_expert_gate(n)) * mlp.shared_expert(n)
+                         if hasattr(mlp, "shared_expert") else None)
             else:
                 h = layer.mlp(n[:, None])[:, 0]
-        _, n, _ = fused.add_rmsnorm(x, h, m.norm.weight, m.norm.eps)
+        _, n, _ = fused.add_rmsnorm(x, h, m.norm.weight, m.norm.eps, **moe)
         return self.model.lm_head(n), chosen  # [bb, V]
 
     def _attention_fused(self, attn, qkv, cos, sin, ctx, bb: int) -> torch.Tensor:

@@ -52,12 +52,19 @@ MMA16 = os.environ.get("FP4RL_MMA16", "1") != "0"  # the CUDA mma16 copy where i
 
 
 def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, offsets=None,
-                xq=None, tokens: int | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+                xq=None, tokens: int | None = None, rows: torch.Tensor | None = None,
+                silu: bool = False) -> torch.Tensor:
     """x2 [M, K] bfloat16 @ DQ(weight).T (weight: .data/.block_scale/.global_scale), W4A16 or W4A4
     (x quantized per token with the contract's settings first, or xq: that Q(x) already made by a fused
     producer, (data, block_scale, global_scale [M])); offsets: grouped experts, tokens: the batch's tokens
-    (gemm.gemm); rows (grouped): int32 [M], x2 holds the tokens and sorted row r is x2[rows[r]]."""
-    from fp4rl.kernels import gemm
+    (gemm.gemm); rows (grouped): int32 [M], x2 holds the tokens and sorted row r is x2[rows[r]]; silu: x2 is
+    [M, 2K] gate | up and the GEMM's input is fused.silu_mul(x2) (gemm.gemm(silu=))."""
+    from fp4rl.kernels import fused, gemm
+
+    if silu and (rows is not None or xq is not None or x2 is None):
+        raise ValueError("packed_gemm: silu takes x2 = gate | up [M, 2K] only (no rows, no xq)")
+    if silu and mode != "w4a16":  # W4A4: quantize silu_mul's output as any other input
+        x2, silu = fused.silu_mul(x2)[0], False
 
     if rows is not None and mode != "w4a16":  # W4A4: quantize the sorted rows, as without rows
         if xq is not None:
@@ -74,6 +81,8 @@ def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, 
     if not TUNE and offsets is None and m > gemm.DECODE_MAX_ROWS:
         config = gemm.FALLBACK
     if mode == "w4a16":
+        if silu:
+            return gemm.gemm(x2, weight, offsets=offsets, tune=TUNE, config=config, tokens=tokens, silu=True)
         return gemm.gemm(x2, weight, offsets=offsets, tune=TUNE, config=config, tokens=tokens, rows=rows)
     if xq is None:
         xq = gemm.quantize_activations(x2, scale_rule=input_kwargs["scale_rule"], err=input_kwargs["err"])
@@ -345,7 +354,7 @@ class _PackedExperts:
         self.gu_g.copy_(torch.cat([g[:, None].expand(e, i), u[:, None].expand(e, i)], 1))
         self.d_g.copy_(torch.stack([m.weight_global_scale.float().reshape(()) for m in self.downs]))
 
-    def _run(self, which: int, x, offsets, tokens, rows=None):
+    def _run(self, which: int, x, offsets, tokens, rows=None, silu=False):
         data, scale, g = ((self.gu_data, self.gu_scale, self.gu_g) if which == 0
                           else (self.d_data, self.d_scale, self.d_g))
         w = SimpleNamespace(data=data, block_scale=scale, global_scale=g)
@@ -355,15 +364,24 @@ class _PackedExperts:
             c = self._copy(which)
             if c is not None:
                 w.mma16 = c
-        return packed_gemm(x, w, self.mode, self.input_kwargs, offsets, tokens=tokens, rows=rows)
+        if silu and self.mode == "w4a4":  # SiLU * up and the per-token quantizer in one launch
+            from fp4rl.kernels import fused
+
+            kw = self.input_kwargs
+            _, xq = fused.silu_mul(x, quant=dict(scale_rule=kw["scale_rule"], err=kw["err"]), write_y=False)
+            return packed_gemm(None, w, self.mode, kw, offsets, xq=xq, tokens=tokens)
+        return packed_gemm(x, w, self.mode, self.input_kwargs, offsets, tokens=tokens, rows=rows, silu=silu)
 
     def gate_up(self, xs, offsets, tokens: int | None = None, rows: torch.Tensor | None = None):
         """[M, 2I] for the expert-sorted rows xs [M, H], or with rows (int32 [M]) for xs[rows] (xs: the
         tokens; the grouped mma16 kernel reads those rows itself)."""
         return self._run(0, xs, offsets, tokens, rows)
 
-    def down(self, a, offsets, tokens: int | None = None):
-        return self._run(1, a, offsets, tokens)
+    def down(self, a, offsets, tokens: int | None = None, silu: bool = False):
+        """[M, H] for the sorted rows a [M, I]; silu: a is gate_up's [M, 2I] and the input is
+        bf16(bf16(silu(gate)) * up) (fused.silu_mul's bits; W4A16: in the grouped kernel's x staging where it
+        runs, gemm.gemm(silu=); W4A4: silu_mul quantizes it in the same launch)."""
+        return self._run(1, a, offsets, tokens, silu=silu)
 
 
 class _DenseExperts:
@@ -391,7 +409,11 @@ class _DenseExperts:
             xs = xs.index_select(0, rows)
         return torch._grouped_mm(xs, self.gu_t, offs=offsets[1:])
 
-    def down(self, a, offsets, tokens: int | None = None):
+    def down(self, a, offsets, tokens: int | None = None, silu: bool = False):
+        if silu:
+            from fp4rl.kernels import fused
+
+            a, _ = fused.silu_mul(a)
         return torch._grouped_mm(a, self.d_t, offs=offsets[1:])
 
 
@@ -443,13 +465,26 @@ class KernelMoeBlock(SparseMoeBlock):
     plan = None
 
     def routed(self, x: torch.Tensor, forced_experts: torch.Tensor | None = None):
-        from fp4rl.kernels import fused, moe_route
+        parts = self.routed_parts(x, forced_experts)
+        if parts is None:
+            return super().routed(x, forced_experts)
+        from fp4rl.kernels import moe_route
+
+        d, pos, w, idx = parts
+        return moe_route.combine(d, pos, w), idx  # [n, H] in token order
+
+    def routed_parts(self, x: torch.Tensor, forced_experts: torch.Tensor | None = None):
+        """The routed experts up to their combine: (d [n k, H] expert outputs in sorted-row order, pos [n k],
+        w [n, k], experts [n, k] long), y = moe_route.combine(d, pos, w); or None where the kernels do not
+        take this call (then `routed` runs the torch route). The fused decode step folds the combine into the
+        next residual add + RMSNorm (fused.add_rmsnorm(moe=))."""
+        from fp4rl.kernels import moe_route
         from fp4rl.kernels._common import INTERPRET
 
         n = x.shape[0]
         if (not FUSED_ROUTE or forced_experts is not None or self.plan is None or x.dtype != KERNEL_DTYPE
                 or not (x.is_cuda or INTERPRET) or not moe_route.fits(n, self.top_k, self.num_experts)):
-            return super().routed(x, forced_experts)
+            return None
         gate = self.gate  # a plain bf16 router: its GEMM runs in the route kernel's launch
         if (FUSED_ROUTER and type(gate) in (nn.Linear, PrepackedLinear) and gate.bias is None
                 and gate.weight.dtype == x.dtype and gate.weight.stride(-1) == 1):
@@ -462,8 +497,8 @@ class KernelMoeBlock(SparseMoeBlock):
             gu = self.plan.gate_up(x, offsets, tokens=n, rows=rows)
         else:
             gu = self.plan.gate_up(x.index_select(0, rows), offsets, tokens=n)
-        a, _ = fused.silu_mul(gu)  # bf16(bf16(silu(gate)) * up), torch's bits on the GPU
-        return moe_route.combine(self.plan.down(a, offsets, tokens=n), pos, w), idx  # [n, H] in token order
+        # down_proj of bf16(bf16(silu(gate)) * up) (torch's bits on the GPU), the SiLU fused where it can be
+        return self.plan.down(gu, offsets, tokens=n, silu=True), pos, w, idx
 
     def run_experts(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         if self.plan is None or x.dtype != KERNEL_DTYPE:
