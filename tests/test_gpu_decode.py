@@ -322,6 +322,37 @@ def test_fused_step_computes_the_module_step(config, contract, kv):
     assert_fused_is_module_step(*fused_vs_module_logits(s, 2, 4), gpu_tol=1e-2)
 
 
+SHARED_MOE = dict(MOE, model_type="qwen2_moe", qk_norm=False, shared_expert_intermediate_size=48)
+
+
+@pytest.mark.parametrize("config,contract", [(MOE, "nvfp4-w4a16"), (SHARED_MOE, "nvfp4-experts")])
+def test_fused_step_folds_the_moe_combine(config, contract, monkeypatch):
+    """MoE layers of the fused step hand their expert outputs to the next add_rmsnorm (moe=), with a shared
+    expert's term as its h: no combine launch, and the module step's logits (which combine, then add)."""
+    from fp4rl.kernels import fused
+
+    s = Sampler(tiny(config, contract), kv_cache="bf16", device=DEV, dtype=torch.bfloat16, eos_token_ids=[],
+                kernels=True)
+    folds = []
+    real = fused.add_rmsnorm
+    monkeypatch.setattr(fused, "add_rmsnorm", lambda *a, **kw: folds.append(kw.get("moe") is not None)
+                        or real(*a, **kw))
+    forced = torch.randint(0, V, (len(PROMPTS), 2), generator=torch.Generator().manual_seed(3))
+    assert s.engine.set_fused(True)
+    a = teacher_forced_logits(s, forced)
+    layers = config["num_hidden_layers"]
+    steps = len(folds) // (2 * layers + 1)  # _step calls (on a GPU: warm-up and capture, then replays)
+    assert steps and len(folds) == steps * (2 * layers + 1) and folds.count(True) == steps * layers, folds
+    folds.clear()
+    monkeypatch.setattr(gpu_decode, "FUSED_COMBINE", False)
+    s.engine.reset_graphs()
+    b = teacher_forced_logits(s, forced)
+    assert folds and not any(folds), "FUSED_COMBINE=False: the combine kernel, then a plain add_rmsnorm"
+    assert_fused_is_module_step(a, b, gpu_tol=1e-2)
+    assert not s.engine.set_fused(False)
+    assert_fused_is_module_step(a, teacher_forced_logits(s, forced), gpu_tol=1e-2)
+
+
 def test_fused_step_falls_back_per_layer():
     """A layer whose q/k/v are not one fused group (here: unfused linears) runs its attention modules; the
     norms and the MLP stay fused, and the step still computes the module step."""
