@@ -23,7 +23,12 @@ sampler's own model copy. What it changes, and what it computes:
   input itself. Same arithmetic as the modules, bit for bit except the norms' rstd (fp32 sum of squares
   added in another order, Triton's rsqrt: y can move by one bfloat16 ulp, see fused.py). `fused_plans`
   decides per layer: q/k/v that are not one fused group, MoE and unfused MLPs run their modules on the
-  norm's bf16 output (a layer that falls back launches fewer fused kernels).
+  norm's bf16 output (a layer that falls back launches fewer fused kernels). An MoE layer on the route
+  kernels (`KernelMoeBlock.routed_parts`: the router GEMM inside the route's launch, the gather inside
+  gate/up's GEMM, SiLU * up inside down's at decode sizes) hands its expert outputs to the next residual add
+  + RMSNorm, which does the weighted combine itself (`fused.add_rmsnorm(moe=)`; a shared expert's term is
+  its h): four launches per MoE MLP where the torch path takes ~20 (`FUSED_COMBINE` / FP4RL_MOE_COMBINE=0,
+  and gpu_linear's FUSED_ROUTER / FUSED_GATHER, gemm.FUSED_SILU for A/B).
 - CUDA graphs: one graph per batch bucket (powers of two up to B_cap), captured on first use
   after an eager warm-up step on a side stream (Triton compiles and the GEMM tuner runs there,
   never during capture), replayed for every decode step of that bucket. Inputs (tokens, RoPE
