@@ -151,3 +151,251 @@ def test_gluon_split_rule(monkeypatch):
     for (b, t), n in got.items():  # every warp keeps >= 64 tokens, the grid fits the resident CTAs
         assert n == 1 or t // (n * 4) >= 64
         assert b * 8 * n <= 3 * 132 or n == 1
+
+
+# ---- BF16 cache (fp4rl.kvcache's "bf16" kind): decode_attention(q, lengths, k, v, None, None, starts=...)
+
+def _bf16_ref(q, k, v, lengths, starts=None):
+    """float32 GQA attention of q [B, Hq, D] over the bfloat16 cache k, v [B, Hkv, T, D], tokens
+    [starts[b], lengths[b]) of row b; an empty row gives 0."""
+    b = q.shape[0]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for i in range(b):
+        lo, hi = (0 if starts is None else int(starts[i])), int(lengths[i])
+        if hi <= lo:
+            continue
+        g = q.shape[1] // k.shape[1]
+        kk = k[i, :, lo:hi].float().repeat_interleave(g, 0)  # [Hq, n, D]
+        vv = v[i, :, lo:hi].float().repeat_interleave(g, 0)
+        s = torch.einsum("hd,htd->ht", q[i].float(), kk) / math.sqrt(q.shape[2])
+        out[i] = torch.einsum("ht,htd->hd", s.softmax(-1), vv)
+    return out
+
+
+def _engine_sdpa(q, k, v, lengths, starts):
+    """The sampler's BF16 decode attention (fp4rl.gpu_decode): SDPA over all T_cap slots with the additive
+    mask _context builds (0 on [starts, lengths), -inf elsewhere), GQA by enable_gqa."""
+    import torch.nn.functional as F
+
+    key = torch.arange(k.shape[2], device=k.device)
+    visible = (key[None] >= starts[:, None]) & (key[None] < lengths[:, None])
+    mask = torch.zeros(visible.shape, dtype=k.dtype, device=k.device).masked_fill_(~visible, float("-inf"))
+    return F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None],
+                                          enable_gqa=q.shape[1] != k.shape[1])[:, :, 0]
+
+
+def _bf16_case(b, hq, hkv, t, d, lengths, starts=None, seed=0, b_cap=None):
+    """q [B, Hq, D] and a bfloat16 cache; with b_cap the cache has b_cap rows and k, v are its views [:b]."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, d, generator=g).bfloat16().to(DEV)
+    k_all = (torch.randn(b_cap or b, hkv, t, d, generator=g) * 2).bfloat16().to(DEV)
+    v_all = torch.randn(b_cap or b, hkv, t, d, generator=g).bfloat16().to(DEV)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEV)
+    st = None if starts is None else torch.tensor(starts, dtype=torch.int32, device=DEV)
+    return q, k_all[:b], v_all[:b], lens, st
+
+
+BF16_CASES = [  # b, hq, hkv, d, t_cap, lengths, starts, decode_attention keywords
+    (3, 16, 2, 64, 48, [48, 21, 1], None, {}),  # GQA 8:1, a length-1 row
+    (2, 8, 1, 32, 40, [40, 7], [5, 0], {}),  # one KV head, left padding
+    (2, 4, 4, 32, 33, [33, 2], [30, 1], {}),  # MHA (1:1), T not a multiple of the tile
+    (3, 8, 2, 32, 64, [1, 2, 64], [0, 1, 63], {}),  # every row attends to exactly one token
+    (2, 8, 2, 32, 64, [64, 3], None, {"num_splits": 1}),  # one split: no workspace, no merge
+    (2, 8, 2, 32, 80, [80, 50], [3, 0], {"num_splits": 5, "block_t": 16}),  # 5 splits: a partial merge batch
+    (2, 8, 2, 32, 128, [128, 30], None, {"num_splits": 8, "block_t": 16, "min_chunk": 32}),  # >= 32 a split
+    (3, 8, 2, 32, 48, [48, 5, 9], [0, 5, 10], {}),  # empty rows (start == length, start > length): zeros
+]
+
+
+@pytest.mark.parametrize("b,hq,hkv,d,t,lengths,starts,kw", BF16_CASES)
+def test_bf16_cache(b, hq, hkv, d, t, lengths, starts, kw):
+    q, k, v, lens, st = _bf16_case(b, hq, hkv, t, d, lengths, starts, seed=b * 7 + t)
+    out = attention.decode_attention(q, lens, k, v, None, None, starts=st, **kw)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    ref = _bf16_ref(q, k, v, lens, st)
+    assert (out.float() - ref).abs().max().item() < 2e-2 * max(1.0, ref.abs().max().item())
+    assert _rel(out, ref.double()) < TOL
+    for i in range(b):
+        if lengths[i] <= (0 if starts is None else starts[i]):
+            assert torch.equal(out[i], torch.zeros_like(out[i]))
+
+
+def test_bf16_cache_matches_engine_sdpa():
+    """Against the sampler's own SDPA call (additive mask over all T_cap slots), on views [:bb] of a cache
+    made by fp4rl.kvcache.make_kv_cache("bf16", ...), i.e. its exact layout and strides."""
+    from fp4rl.kvcache import make_kv_cache
+    from fp4rl.model import ModelConfig
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=80, hidden_size=128, intermediate_size=96,
+                      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                      qk_norm=True)
+    cache = make_kv_cache("bf16", cfg, 5, 72, dtype=torch.bfloat16, device=DEV)
+    g = torch.Generator().manual_seed(11)
+    for buf in (*cache.k, *cache.v):
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    bb = 3
+    lens = torch.tensor([70, 9, 40], dtype=torch.int32, device=DEV)
+    st = torch.tensor([2, 0, 33], dtype=torch.int32, device=DEV)
+    for layer in range(2):
+        k, v = cache.k[layer][:bb], cache.v[layer][:bb]
+        assert k.stride() == cache.k[layer].stride() and k.data_ptr() == cache.k[layer].data_ptr()
+        q = torch.randn(bb, 8, 64, generator=g).bfloat16().to(DEV)
+        out = attention.decode_attention(q, lens, k, v, None, None, starts=st)
+        sdpa32 = _engine_sdpa(q.float(), k.float(), v.float(), lens, st)
+        assert _rel(out, sdpa32.double()) < TOL
+        sdpa16 = _engine_sdpa(q, k, v, lens, st)  # the engine's bfloat16 call itself
+        assert (out.float() - sdpa16.float()).abs().max().item() < 3e-2
+
+
+def test_bf16_cache_workspace_reuse():
+    """Calls that merge different numbers of splits one after another leave the counters at zero (each call's
+    last split resets them): same results as fresh calls, bit for bit."""
+    q, k, v, lens, st = _bf16_case(2, 8, 2, 128, 32, [128, 100], [0, 10], seed=5)
+    kw = dict(num_splits=4, block_t=16)
+    first = attention.decode_attention(q, lens, k, v, None, None, starts=st, **kw)
+    for lengths in ([20, 128], [128, 11], [17, 33]):  # 2 / 4 / 1 active splits
+        attention.decode_attention(q, torch.tensor(lengths, dtype=torch.int32, device=DEV), k, v, None, None,
+                                   starts=st, **kw)
+    assert torch.equal(attention.decode_attention(q, lens, k, v, None, None, starts=st, **kw), first)
+    assert _rel(first, _bf16_ref(q, k, v, lens, st).double()) < TOL
+
+
+def test_bf16_cache_bad_inputs():
+    q, k, v, lens, _ = _bf16_case(2, 8, 2, 16, 32, [16, 3])
+    with pytest.raises(ValueError, match="no scales"):  # a BF16 cache with NVFP4 block scales
+        attention.decode_attention(q, lens, k, v, None, None, k_scale=k, v_scale=v)
+    kg = torch.ones(k.shape[:3], device=DEV)
+    with pytest.raises(ValueError, match="no scales"):  # a BF16 cache with FP8 per-token scales
+        attention.decode_attention(q, lens, k, v, kg, kg)
+    with pytest.raises(ValueError, match="both k_global and v_global"):
+        attention.decode_attention(q, lens, k, v, kg, None)
+    with pytest.raises(TypeError, match="bfloat16 k and v"):
+        attention.decode_attention(q, lens, k.float(), v.float(), None, None)
+    with pytest.raises(TypeError, match="bfloat16 k and v"):
+        attention.decode_attention(q, lens, k, v.half(), None, None)
+    with pytest.raises(TypeError, match="q must be bfloat16"):
+        attention.decode_attention(q.float(), lens, k, v, None, None)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        attention.decode_attention(q[:, :7], lens, k, v, None, None)
+    with pytest.raises(ValueError, match="head_dim"):
+        attention.decode_attention(q[..., :16].contiguous(), lens, k, v, None, None)
+    with pytest.raises(ValueError, match=r"\[B, Hkv, T, D\]"):
+        attention.decode_attention(q, lens, k[:1], v[:1], None, None)
+    with pytest.raises(ValueError, match="lengths"):
+        attention.decode_attention(q, lens[:1], k, v, None, None)
+    with pytest.raises(ValueError, match="starts"):
+        attention.decode_attention(q, lens, k, v, None, None, starts=lens[:1])
+    with pytest.raises(ValueError, match="contiguous"):
+        kt = k.transpose(2, 3).contiguous().transpose(2, 3)  # [B, Hkv, T, D], D strided
+        attention.decode_attention(q, lens, kt, v, None, None)
+    with pytest.raises(ValueError, match="Gluon"):
+        attention.decode_attention(q, lens, k, v, None, None, kernel="gluon")
+
+
+def test_bf16_split_rule(monkeypatch):
+    """Splits of the BF16 cache on a 132-multiprocessor H200, 4 KV heads: the counts measured best (or within
+    5% of it) by bench/attention_bf16.py; one split (no merge) for short caches and at batch 32; powers of
+    two, the grid within one wave, >= split_tokens of the capacity a split."""
+    props = type("Props", (), {"multi_processor_count": 132})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    dev = torch.device("cuda")
+    got = {(b, t): attention._splits_bf16(b, 4, t, dev) for b in (1, 8, 32) for t in (64, 512, 4096, 32768)}
+    assert got == {(1, 64): 1, (1, 512): 2, (1, 4096): 16, (1, 32768): 32,
+                   (8, 64): 1, (8, 512): 2, (8, 4096): 4, (8, 32768): 4,
+                   (32, 64): 1, (32, 512): 1, (32, 4096): 1, (32, 32768): 1}
+    tune = attention.BF16_TUNE
+    for (b, t), n in got.items():
+        assert n & (n - 1) == 0 and b * 4 * n <= tune["programs_per_sm"] * 132
+        assert n == 1 or t // n >= tune["split_tokens"]
+
+
+# ---- BF16 cache on the GPU, real shapes (Qwen3-30B-A3B: 32 query heads, 4 KV heads, head_dim 128)
+
+def _gpu_bf16(b, t_cap, lengths, starts, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, 32, 128, device="cuda", generator=g).bfloat16()
+    k = (torch.randn(b, 4, t_cap, 128, device="cuda", generator=g) * 2).bfloat16()
+    v = torch.randn(b, 4, t_cap, 128, device="cuda", generator=g).bfloat16()
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    st = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    return q, k, v, lens, st
+
+
+def _gpu_lengths(b, t_cap, seed):
+    """Per-row lengths in [1, t_cap] (the first row full, one row of length 1 when b > 2) and starts with
+    left padding on every other row (up to a quarter of the row's tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, t_cap + 1, (b,), generator=g).tolist()
+    lengths[0] = t_cap
+    if b > 2:
+        lengths[2] = 1
+    starts = [0 if i % 2 == 0 else int(torch.randint(0, max(1, n // 4), (1,), generator=g)) for i, n in
+              enumerate(lengths)]
+    return lengths, starts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("b,t_cap", [(1, 64), (8, 64), (32, 64), (1, 512), (8, 512), (32, 512), (1, 4096),
+                                     (8, 4096), (32, 4096), (1, 32768), (8, 32768), (32, 32768)])
+def test_gpu_bf16_cache(b, t_cap):
+    lengths, starts = _gpu_lengths(b, t_cap, seed=b * 1000 + t_cap)
+    q, k, v, lens, st = _gpu_bf16(b, t_cap, lengths, starts, seed=b + t_cap)
+    out = attention.decode_attention(q, lens, k, v, None, None, starts=st)
+    ref = _bf16_ref(q, k, v, lens, st)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref.double()) < TOL
+    assert (out.float() - ref).abs().max().item() < 3e-2
+    sdpa = _engine_sdpa(q, k, v, lens, st)  # the engine's call, bfloat16
+    assert (out.float() - sdpa.float()).abs().max().item() < 3e-2
+    assert torch.equal(out, attention.decode_attention(q, lens, k, v, None, None, starts=st))  # no race
+    bb = max(1, b // 2)  # views [:bb] of the cache, as the engine passes them
+    out_bb = attention.decode_attention(q[:bb], lens[:bb], k[:bb], v[:bb], None, None, starts=st[:bb])
+    assert _rel(out_bb, ref[:bb].double()) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("b,t_cap", [(8, 256), (32, 4096), (1, 32768)])
+def test_gpu_bf16_cache_graph_replay(b, t_cap):
+    """Captured once in a CUDA graph, replayed with new lengths / starts / q written into the same buffers:
+    short rows (one active split), long ones (merged), empty ones; each replay matches the reference."""
+    lengths, starts = _gpu_lengths(b, t_cap, seed=b + 5 * t_cap)
+    q, k, v, lens, st = _gpu_bf16(b, t_cap, lengths, starts, seed=b * 3 + t_cap)
+    bb = max(1, b - 1)  # a view [:bb] of the cache, as the engine passes it
+    qv, kv_, vv, lv, sv = q[:bb], k[:bb], v[:bb], lens[:bb], st[:bb]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up: compile, allocate the workspace
+        attention.decode_attention(qv, lv, kv_, vv, None, None, starts=sv)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attention.decode_attention(qv, lv, kv_, vv, None, None, starts=sv)
+    g = torch.Generator().manual_seed(t_cap)
+    for step in range(6):
+        if step == 0:
+            new_len, new_st = lengths[:bb], starts[:bb]
+        elif step == 1:  # every row short: one active split each
+            new_len, new_st = [min(t_cap, 3 + i) for i in range(bb)], [i % 3 for i in range(bb)]
+        elif step == 2:  # every row full
+            new_len, new_st = [t_cap] * bb, [0] * bb
+        elif step == 3:  # empty rows among full ones
+            new_len, new_st = [t_cap if i % 2 else 0 for i in range(bb)], [0] * bb
+        else:
+            new_len = torch.randint(1, t_cap + 1, (bb,), generator=g).tolist()
+            new_st = [int(torch.randint(0, n, (1,), generator=g)) for n in new_len]
+        lv.copy_(torch.tensor(new_len, dtype=torch.int32))
+        sv.copy_(torch.tensor(new_st, dtype=torch.int32))
+        qv.copy_(torch.randn(qv.shape, generator=g).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = _bf16_ref(qv, kv_, vv, lv, sv)
+        assert torch.isfinite(out).all(), step
+        assert (out.float() - ref).abs().max().item() < 3e-2, step
+        for i in range(bb):
+            if new_len[i] <= new_st[i]:
+                assert torch.equal(out[i], torch.zeros_like(out[i])), step
+        eager = attention.decode_attention(qv, lv, kv_, vv, None, None, starts=sv)
+        assert torch.equal(out, eager), step

@@ -1,4 +1,4 @@
-"""Decode attention (one query token per sequence) over an NVFP4 or FP8 KV cache, in Triton and Gluon.
+"""Decode attention (one query token per sequence) over an NVFP4, FP8 or BF16 KV cache, in Triton and Gluon.
 
 Layouts (the kernels take strides; the last dim must be contiguous):
     q        [B, Hq, D] bfloat16              lengths int32 [B] (valid tokens per sequence)
@@ -6,17 +6,20 @@ Layouts (the kernels take strides; the last dim must be contiguous):
     NVFP4:   k_data, v_data uint8 [B, Hkv, T, D/2]; k_scale, v_scale float8_e4m3fn
              [B, Hkv, T, D/16]; k_global, v_global float32 [B, Hkv, T]
     FP8:     k_data, v_data float8_e4m3fn [B, Hkv, T, D]; k_global, v_global float32 [B, Hkv, T]
+    BF16:    k, v bfloat16 [B, Hkv, T, D] (fp4rl.kvcache's "bf16" cache, or a view [:bb] of it); no scales:
+             k_global = v_global = None
     out      [B, Hq, D] bfloat16
 
 Modules (this package re-exports all their names):
     cache_formats.py  the NVFP4 and FP8 cache formats (bytes per token) and their quantizers
-    triton_decode.py  the Triton flash-decoding kernel, NVFP4 and FP8 (the fallback and CPU path)
+    triton_decode.py  the Triton flash-decoding kernel: BF16 and FP8, and NVFP4's fallback and CPU path
     gluon_decode.py   the Gluon NVFP4 kernel: tensor cores fed from registers (CUDA default)
     gluon_ptx.py      the inline PTX of the Gluon kernel's 16-token step
     __init__.py       decode_attention: checks, picks a kernel and its splits, the shared workspace
 
 Both kernels split the context (flash-decoding) and merge the splits in the last program of each
-(b, kv head): ``_WORKSPACE`` holds their partial results and the per-(b, kv head) counters, one
+(b, kv head) (in the Triton kernel, unless a single split holds every token: that one writes the
+output): ``_WORKSPACE`` holds their partial results and the per-(b, kv head) counters, one
 object for the process (CUDA graphs capture its buffers). ``GLUON`` switches the Gluon kernel off
 (after a failed compile, or by hand).
 """
@@ -98,6 +101,27 @@ def _splits(b: int, hkv: int, t: int, device) -> int:
     return n
 
 
+def _splits_bf16(b: int, hkv: int, t: int, device) -> int:
+    """Context splits for the BF16 cache, from its capacity t and the shapes alone (no host sync: a graph
+    captured once serves every step). The splits double while the grid stays within one wave (one CTA per
+    multiprocessor: a 128-token tile pipelined 2 deep takes 139 KB of shared memory) and each split keeps
+    >= split_tokens of the capacity. On the H200 (132 SMs), 4 KV heads: batch 1 takes 2 splits at 512
+    tokens, 16 at 4K, 32 at 32K; batch 8 takes 4 from 512 up; batch 32 one (bench/attention_bf16.py, where
+    these were the best or within 5% of it). A short sequence in a long cache keeps fewer active splits
+    (min_chunk), the others return at once."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    n, grid, tokens = 1, BF16_TUNE["programs_per_sm"] * sms, BF16_TUNE["split_tokens"]
+    while n < 64 and b * hkv * 2 * n <= grid and t // (2 * n) >= tokens:
+        n *= 2
+    return n
+
+
+# The BF16 path's launch settings, measured on the H200 (bench/attention_bf16.py): 128-token tiles (64 when
+# the cache holds <= 64 slots), 4 warps, 3 stages; splits by _splits_bf16; >= min_chunk tokens a split.
+BF16_TUNE = {"block_t": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 1, "split_tokens": 256,
+             "min_chunk": 256}
+
+
 GLUON = {"on": gluon is not None and not INTERPRET, "error": None}
 
 
@@ -146,21 +170,56 @@ def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, 
     return out
 
 
+def _check_bf16(q, lengths, k, v):
+    b, hq, d = q.shape
+    if q.dtype != torch.bfloat16:
+        raise TypeError(f"q must be bfloat16 [B, Hq, D], got {q.dtype}")
+    if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        raise TypeError(f"a BF16 cache needs bfloat16 k and v, got {k.dtype} and {v.dtype}")
+    if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b:
+        raise ValueError(f"k/v cache must be [B, Hkv, T, D] and equal; got {tuple(k.shape)}, "
+                         f"{tuple(v.shape)} for q {tuple(q.shape)}")
+    hkv = k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if k.shape[3] != d or d & (d - 1) or d < 16:
+        raise ValueError(f"head_dim mismatch: q has D={d}, the cache last dim is {k.shape[3]} (D must be a "
+                         "power of two >= 16)")
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths must be int32 [B={b}], got {tuple(lengths.shape)}")
+    for name, t in (("k", k), ("v", v), ("q", q)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}'s last dim must be contiguous")
+
+
 @with_asm_fallback
-def decode_attention(q, lengths, k, v, k_global, v_global, *, k_scale=None, v_scale=None, sm_scale=None,
-                     num_splits=None, block_t=None, num_warps=None, num_stages=3, starts=None, kernel=None,
-                     _mode: int = 20, _pf: int = 3, _maxnreg: int | None = 168, _dbg: int = 0):
+def decode_attention(q, lengths, k, v, k_global=None, v_global=None, *, k_scale=None, v_scale=None,
+                     sm_scale=None, num_splits=None, block_t=None, num_warps=None, num_stages=None,
+                     starts=None, kernel=None, min_chunk=None, _mode: int = 20, _pf: int = 3,
+                     _maxnreg: int | None = 168, _dbg: int = 0):
     """One decode step of attention: out [B, Hq, D] bfloat16.
 
-    NVFP4 cache when k_scale/v_scale (E4M3 block scales) are given, else FP8 (e4m3) cache.
+    The cache kind follows the arguments: NVFP4 when k_scale/v_scale (E4M3 block scales) are given, FP8
+    (e4m3) with per-token scales k_global/v_global, BF16 (k, v bfloat16, k_global = v_global = None).
     See the module docstring for the layouts. lengths: valid tokens per sequence (<= T).
     starts: optional int32 [B], the first valid token of each sequence (left padding); tokens
-    before it are skipped. No host sync: safe inside CUDA graphs.
+    before it are skipped. No host sync: safe inside CUDA graphs (the splits depend on the shapes
+    and the cache's capacity T only). min_chunk: fewest tokens per split (a multiple of block_t).
     """
     fp4 = k_scale is not None
     if fp4 != (v_scale is not None):
-        raise ValueError("pass both k_scale and v_scale (NVFP4 cache) or neither (FP8 cache)")
-    _check_cache(q, lengths, k, v, k_global, v_global, fp4)
+        raise ValueError("pass both k_scale and v_scale (NVFP4 cache) or neither (FP8 or BF16 cache)")
+    if (k_global is None) != (v_global is None):
+        raise ValueError("pass both k_global and v_global (FP8 / NVFP4 cache) or neither (BF16 cache)")
+    bf16 = k_global is None
+    if bf16:
+        if fp4:
+            raise ValueError("a BF16 cache has no scales: k_scale/v_scale (NVFP4) need k_global/v_global too")
+        _check_bf16(q, lengths, k, v)
+    else:
+        if k.dtype == torch.bfloat16 or v.dtype == torch.bfloat16:
+            raise ValueError("a BF16 cache takes no scales: decode_attention(q, lengths, k, v, None, None)")
+        _check_cache(q, lengths, k, v, k_global, v_global, fp4)
     b, hq, d = q.shape
     hkv, t_cap = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -172,13 +231,11 @@ def decode_attention(q, lengths, k, v, k_global, v_global, *, k_scale=None, v_sc
     if kernel == "gluon" and not use_gluon:
         raise ValueError("the Gluon kernel needs CUDA, an NVFP4 cache, head_dim 128 and <= 8 query heads "
                          "per KV head")
+    if starts is not None and starts.shape != (b,):
+        raise ValueError(f"starts must be int32 [B={b}], got {tuple(starts.shape)}")
     if use_gluon:
         lengths_i = lengths.to(device=q.device, dtype=torch.int32)
-        starts_i = None
-        if starts is not None:
-            if starts.shape != (b,):
-                raise ValueError(f"starts must be int32 [B={b}], got {tuple(starts.shape)}")
-            starts_i = starts.to(device=q.device, dtype=torch.int32)
+        starts_i = None if starts is None else starts.to(device=q.device, dtype=torch.int32)
         try:
             return _decode_attention_gluon(q, lengths_i, starts_i, k, v, k_global, v_global, k_scale, v_scale,
                                            sm_scale, num_splits, num_warps or 4, _mode, _pf,
@@ -191,34 +248,49 @@ def decode_attention(q, lengths, k, v, k_global, v_global, *, k_scale=None, v_sc
             GLUON["on"], GLUON["error"] = False, repr(exc)[:300]
             warnings.warn(f"Gluon NVFP4 attention disabled ({GLUON['error']}); using the Triton kernel",
                           stacklevel=2)
-    num_warps = num_warps or 4
+    if bf16:
+        num_warps = num_warps or BF16_TUNE["num_warps"]
+        num_stages = num_stages or BF16_TUNE["num_stages"]
+    num_warps, num_stages = num_warps or 4, num_stages or 3
     if INTERPRET:
         num_splits, block_t = num_splits or 2, block_t or 16
+    if bf16:
+        num_splits = num_splits or _splits_bf16(b, hkv, t_cap, q.device)
+        block_t = block_t or min(BF16_TUNE["block_t"], max(16, triton.next_power_of_2(t_cap)))
+        if min_chunk is None:
+            min_chunk = 0 if INTERPRET else BF16_TUNE["min_chunk"]
     num_splits = num_splits or _splits(b, hkv, t_cap, q.device)
     block_t = block_t or 128  # measured best at 4K and 32K context on the H200 (bench/gpu_kernels.md)
+    min_chunk = -(-(min_chunk or 0) // block_t) * block_t
     if fp4:
         k, v = k.view(torch.uint8), v.view(torch.uint8)
         ks, vs = k_scale.view(torch.uint8), v_scale.view(torch.uint8)
     else:
         ks, vs = k, v  # unused
+    if bf16:
+        k_global = v_global = k  # unused
+        kg_strides = (0, 0, 0, 0)
+    else:
+        kg_strides = (k_global.stride(0), k_global.stride(1), v_global.stride(0), v_global.stride(1))
     out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=q.device)
     part, ml, lock = _WORKSPACE.get(q.device, b * hkv * num_splits, gp, d, b * hkv)
     lengths = lengths.to(device=q.device, dtype=torch.int32)
     if starts is not None:
-        if starts.shape != (b,):
-            raise ValueError(f"starts must be int32 [B={b}], got {tuple(starts.shape)}")
         starts = starts.to(device=q.device, dtype=torch.int32)
-    COMPILED["decode_attn " + ("nvfp4" if fp4 else "fp8")] = _decode_attn_kernel[(b * hkv, num_splits)](
+    nsp = triton.next_power_of_2(num_splits)
+    COMPILED["decode_attn " + ("nvfp4" if fp4 else "bf16" if bf16 else "fp8")] = _decode_attn_kernel[
+        (b * hkv, num_splits)](
         q, k, ks, k_global, v, vs, v_global, lengths, starts if starts is not None else lengths, out,
         part, ml, lock,
         hkv, sm_scale * math.log2(math.e),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         ks.stride(0), ks.stride(1), ks.stride(2),
-        k_global.stride(0), k_global.stride(1), v.stride(0), v.stride(1), v.stride(2),
-        vs.stride(0), vs.stride(1), vs.stride(2), v_global.stride(0), v_global.stride(1),
+        kg_strides[0], kg_strides[1], v.stride(0), v.stride(1), v.stride(2),
+        vs.stride(0), vs.stride(1), vs.stride(2), kg_strides[2], kg_strides[3],
         out.stride(0), out.stride(1),
         G=g, GP=gp, D=d, FP4=fp4, NUM_SPLITS=num_splits, BT=block_t,
         USE_ASM=ASM["on"], INTERP=INTERPRET, HAS_START=starts is not None,
+        BF16=bf16, MIN_CHUNK=min_chunk, NSP=nsp,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

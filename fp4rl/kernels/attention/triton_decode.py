@@ -1,9 +1,12 @@
-"""The Triton decode-attention kernel, for both caches: NVFP4 (``FP4=True``) and FP8.
+"""The Triton decode-attention kernel, for every cache: NVFP4 (``FP4=True``), BF16 (``BF16=True``) and FP8.
 
 Flash-decoding: program (b, kv head, split) handles the Hq/Hkv query heads that share the KV
-head (GQA: each KV byte is read once for all of them) over 1/NUM_SPLITS of sequence b's
-tokens, with an online softmax; the last split to finish (atomic counter per (b, kv head))
-merges the partial results, so one launch does it all.
+head (GQA: each KV byte is read once for all of them) over one chunk of sequence b's tokens,
+with an online softmax. The chunk is ceil(n / NUM_SPLITS) rounded up to BT tokens, at least
+MIN_CHUNK, where n = lengths[b] - starts[b] is read on the device; so a short sequence in a cache
+split for long ones has fewer active splits (the others return at once), and when only one split
+holds tokens it writes the output itself. Otherwise the last active split to finish (atomic
+counter per (b, kv head)) merges the partial results, so one launch does it all.
 
 Arithmetic: scores = (q . (e2m1 * s_blk)) * (g_tok * sm_scale): the exact bfloat16 products
 e2m1 * s_blk enter the MMA, the per-token scale is applied to the FP32 scores, not to every
@@ -12,12 +15,13 @@ rounding (p * g_tok), again one multiply per token rather than per element. The 
 computed in FP16 (q converted once; |q| must stay below 65504), because Hopper converts FP8
 to FP16 in one instruction per two values and to BF16 only through FP32; its probabilities
 are scaled by g_tok / max(g_tok over the tile) so that small scales do not fall into FP16
-subnormals.
+subnormals. The BF16 cache (no scales) feeds q and K, then the bfloat16 probabilities and V,
+straight to the MMA, as flash attention does.
 
-The FP8 cache is a constexpr branch of the same kernel (its loop shares the split, the online
-softmax and the merge), not a kernel of its own. On CUDA the NVFP4 cache goes to the Gluon kernel
-(fp4rl.kernels.attention.gluon_decode) when it applies; this one is its fallback and the one the
-CPU interpreter runs.
+The FP8 and BF16 caches are constexpr branches of the same kernel (their loops share the split, the
+online softmax and the merge), not kernels of their own. On CUDA the NVFP4 cache goes to the Gluon
+kernel (fp4rl.kernels.attention.gluon_decode) when it applies; this one is its fallback and the one
+the CPU interpreter runs.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ def _decode_attn_kernel(
     stride_vgb, stride_vgh, stride_ob, stride_oh,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BT: tl.constexpr, USE_ASM: tl.constexpr, INTERP: tl.constexpr, HAS_START: tl.constexpr = False,
+    BF16: tl.constexpr = False, MIN_CHUNK: tl.constexpr = 0, NSP: tl.constexpr = 1,
 ):
     DH: tl.constexpr = D // 2
     bh = tl.program_id(0)
@@ -47,11 +52,14 @@ def _decode_attn_kernel(
     length = tl.load(len_ptr + b)
     if HAS_START:  # tokens [start, length) are valid (a left-padded sequence)
         start = tl.minimum(tl.load(start_ptr + b), length)
-        chunk = tl.cdiv(tl.cdiv(length - start, NUM_SPLITS), BT) * BT
-        t_lo = start + split * chunk
     else:
-        chunk = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BT) * BT
-        t_lo = split * chunk
+        start = length * 0
+    n_tok = length - start
+    # splits of >= MIN_CHUNK tokens (a multiple of BT): a short sequence in a cache sized (and split) for long
+    # ones keeps few active splits, the others return at once
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(n_tok, NUM_SPLITS), BT) * BT, MIN_CHUNK)
+    n_act = tl.maximum(tl.cdiv(n_tok, tl.maximum(chunk, 1)), 1)  # splits holding tokens (1 if none does)
+    t_lo = start + split * chunk
     t_hi = tl.minimum(length, t_lo + chunk)
 
     heads = hk * G + tl.arange(0, GP)  # [GP] query heads sharing this KV head
@@ -71,6 +79,8 @@ def _decode_attn_kernel(
         vs_base = vs_ptr + b.to(tl.int64) * stride_vsb + hk.to(tl.int64) * stride_vsh
         acc_lo = tl.zeros((GP, DH), tl.float32)
         acc_hi = tl.zeros((GP, DH), tl.float32)
+    elif BF16:
+        acc = tl.zeros((GP, D), tl.float32)
     else:
         q16 = q.to(tl.float16)  # FP8 -> FP16 is one hardware conversion per 2 values; FP8 -> BF16 is not
         acc = tl.zeros((GP, D), tl.float32)
@@ -78,24 +88,33 @@ def _decode_attn_kernel(
     for t0 in range(t_lo, t_hi, BT):
         t = t0 + tl.arange(0, BT)  # [BT]
         tmask = t < t_hi
-        kg = tl.load(kg_base + t, mask=tmask, other=0.0)  # [BT] per-token scales
-        vg = tl.load(vg_base + t, mask=tmask, other=0.0)
-        if FP4:
-            k_lo, k_hi = load_unpacked(k_base, ks_base, t, tmask, 0, DH, stride_kt, stride_kst,
-                                       BT, DH, USE_ASM)  # [BT, D/2] each
-            s = dot_acc(q_lo, tl.trans(k_lo), tl.zeros((GP, BT), tl.float32), INTERP)
-            s = dot_acc(q_hi, tl.trans(k_hi), s, INTERP)  # [GP, BT]
-        else:
+        if BF16:  # K and V tiles (the compiler pipelines both: cp.async, num_stages - 1 tiles ahead)
             kt = tl.load(k_base + t[:, None] * stride_kt + tl.arange(0, D)[None, :], mask=tmask[:, None],
-                         other=0.0).to(tl.float16)  # [BT, D], exact
-            s = dot_acc(q16, tl.trans(kt), tl.zeros((GP, BT), tl.float32), INTERP)
-        s = s * (kg * sm_scale_log2)[None, :]  # log2-domain scores
+                         other=0.0)  # [BT, D] bfloat16
+            vt = tl.load(v_base + t[:, None] * stride_vt + tl.arange(0, D)[None, :], mask=tmask[:, None],
+                         other=0.0)
+            s = dot_acc(q, tl.trans(kt), tl.zeros((GP, BT), tl.float32), INTERP) * sm_scale_log2
+        else:
+            kg = tl.load(kg_base + t, mask=tmask, other=0.0)  # [BT] per-token scales
+            vg = tl.load(vg_base + t, mask=tmask, other=0.0)
+            if FP4:
+                k_lo, k_hi = load_unpacked(k_base, ks_base, t, tmask, 0, DH, stride_kt, stride_kst,
+                                           BT, DH, USE_ASM)  # [BT, D/2] each
+                s = dot_acc(q_lo, tl.trans(k_lo), tl.zeros((GP, BT), tl.float32), INTERP)
+                s = dot_acc(q_hi, tl.trans(k_hi), s, INTERP)  # [GP, BT]
+            else:
+                kt = tl.load(k_base + t[:, None] * stride_kt + tl.arange(0, D)[None, :], mask=tmask[:, None],
+                             other=0.0).to(tl.float16)  # [BT, D], exact
+                s = dot_acc(q16, tl.trans(kt), tl.zeros((GP, BT), tl.float32), INTERP)
+            s = s * (kg * sm_scale_log2)[None, :]  # log2-domain scores
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])  # [GP, BT]
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FP4:
+        if BF16:
+            acc = dot_acc(p.to(tl.bfloat16), vt, acc * alpha[:, None], INTERP)
+        elif FP4:
             pv = (p * vg[None, :]).to(tl.bfloat16)
             v_lo, v_hi = load_unpacked(v_base, vs_base, t, tmask, 0, DH, stride_vt, stride_vst,
                                        BT, DH, USE_ASM)
@@ -112,36 +131,49 @@ def _decode_attn_kernel(
             acc = acc * alpha[:, None] + pv_acc * v_max
         m_i = m_new
 
-    # ---- publish this split, the last one merges: o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
     r = tl.arange(0, GP)
+    dcol = tl.arange(0, D)
     if FP4:
         acc = tl.reshape(tl.join(acc_lo, acc_hi), (GP, D))  # back to natural head-dim order
-    slot = bh * NUM_SPLITS + split
-    tl.store(part_ptr + slot * (GP * D) + r[:, None] * D + tl.arange(0, D)[None, :], acc,
-             cache_modifier=".cg")
-    tl.store(ml_ptr + slot * (2 * GP) + r, m_i, cache_modifier=".cg")
-    tl.store(ml_ptr + slot * (2 * GP) + GP + r, l_i, cache_modifier=".cg")
-    tl.debug_barrier()
-    done = tl.atomic_add(lock_ptr + bh, 1, sem="acq_rel", scope="gpu")
-    if done == NUM_SPLITS - 1:
-        m_all = tl.full((GP,), float("-inf"), tl.float32)
-        for s_ in range(NUM_SPLITS):
-            m_s = tl.load(ml_ptr + (bh * NUM_SPLITS + s_) * (2 * GP) + r, cache_modifier=".cg")
-            m_all = tl.maximum(m_all, m_s)
-        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-        num = tl.zeros((GP, D), tl.float32)
-        den = tl.zeros((GP,), tl.float32)
-        for s_ in range(NUM_SPLITS):
-            base = (bh * NUM_SPLITS + s_)
-            m_s = tl.load(ml_ptr + base * (2 * GP) + r, cache_modifier=".cg")
-            l_s = tl.load(ml_ptr + base * (2 * GP) + GP + r, cache_modifier=".cg")
-            w = tl.exp2(m_s - m_safe)  # 0 for an empty split
-            o_s = tl.load(part_ptr + base * (GP * D) + r[:, None] * D + tl.arange(0, D)[None, :],
-                          cache_modifier=".cg")
-            num += o_s * w[:, None]
-            den += l_s * w
-        o = num / tl.where(den == 0.0, 1.0, den)[:, None]  # an empty sequence gives 0
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + tl.arange(0, D)[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-        tl.atomic_xchg(lock_ptr + bh, 0)
-
+    out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dcol[None, :]
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # an empty sequence gives 0
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    elif n_act == 1:  # one split holds every token (or there is none): it writes the output itself
+        if split == 0:
+            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    elif split < n_act:
+        # ---- publish this split, the last one merges: o = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
+        slot = bh * NUM_SPLITS + split
+        tl.store(part_ptr + slot * (GP * D) + r[:, None] * D + dcol[None, :], acc, mask=hmask[:, None],
+                 cache_modifier=".cg")
+        tl.store(ml_ptr + slot * (2 * GP) + r, m_i, mask=hmask, cache_modifier=".cg")
+        tl.store(ml_ptr + slot * (2 * GP) + GP + r, l_i, mask=hmask, cache_modifier=".cg")
+        tl.debug_barrier()
+        done = tl.atomic_add(lock_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if done == n_act - 1:
+            # the splits' statistics as one [NSP, GP] tile, then their partials as [GP, D] tiles, four a step
+            # (unrolled: their loads are in flight together; the merge's time grows with the splits). One
+            # [4, GP, D] tile a step instead was 2-3x slower on the H200.
+            srow = tl.arange(0, NSP)
+            sm_ = (srow < n_act)[:, None] & hmask[None, :]
+            ml_s = ml_ptr + (bh * NUM_SPLITS + srow)[:, None] * (2 * GP) + r[None, :]
+            m_s = tl.load(ml_s, mask=sm_, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(ml_s + GP, mask=sm_, other=0.0, cache_modifier=".cg")
+            m_all = tl.max(m_s, 0)  # [GP]
+            m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+            den = tl.sum(l_s * tl.exp2(m_s - m_safe[None, :]), 0)
+            num = tl.zeros((GP, D), tl.float32)
+            for s0 in range(0, n_act, 4):
+                for j in tl.static_range(4):
+                    base = bh * NUM_SPLITS + s0 + j
+                    ok = hmask & (r * 0 + (s0 + j) < n_act)  # [GP] (a [GP] tensor on both sides)
+                    m_b = tl.load(ml_ptr + base * (2 * GP) + r, mask=ok, other=float("-inf"),
+                                  cache_modifier=".cg")
+                    o_b = tl.load(part_ptr + base * (GP * D) + r[:, None] * D + dcol[None, :],
+                                  mask=ok[:, None], other=0.0, cache_modifier=".cg")
+                    num += o_b * tl.exp2(m_b - m_safe)[:, None]  # 0 past the active splits
+            o = num / tl.where(den == 0.0, 1.0, den)[:, None]
+            tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+            tl.atomic_xchg(lock_ptr + bh, 0)
