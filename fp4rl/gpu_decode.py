@@ -11,8 +11,9 @@ sampler's own model copy. What it changes, and what it computes:
   the compaction of finished rows are done in place. A decode step writes its token's K/V at one
   slot (NVFP4: `kernels.quantize` per (row, head), byte-identical to the CPU cache's quantizer; FP8:
   the cache's own torch quantizer) and attends with `kernels.attention.decode_attention` over
-  [first real token, slot] of each row (left padding skipped); the BF16 cache uses SDPA over all
-  T_cap slots with a mask.
+  [first real token, slot] of each row (left padding skipped); so does the BF16 cache (the kernel's bf16
+  branch, head_dim a power of two >= 16; else, or with `BF16_ATTENTION` / FP4RL_BF16_ATTENTION=0: SDPA over
+  all T_cap slots with a mask).
 - Fused decode step (`FUSED`, `DecodeEngine(fused=...)`, `set_fused` for A/B): the elementwise work between
   the GEMMs runs as fp4rl.kernels.fused kernels, four per layer plus one for the final norm: residual add +
   RMSNorm before attention and before the MLP, q/k-norm + RoPE + the write of k/v into the BF16 cache slot
@@ -70,6 +71,9 @@ SLOT_ALIGN = 64  # T_cap is rounded up to this
 FUSED = True  # new engines run the fused decode step (fp4rl.kernels.fused); DecodeEngine.set_fused for A/B
 # the fused step folds an MoE layer's combine into the next residual add + RMSNorm (fused.add_rmsnorm(moe=))
 FUSED_COMBINE = os.environ.get("FP4RL_MOE_COMBINE", "1") != "0"
+# a BF16 cache is read by the Triton decode kernel (kernels.attention: [start, length) of each row only),
+# not by SDPA over all T_cap slots with a mask (FP4RL_BF16_ATTENTION=0)
+BF16_ATTENTION = os.environ.get("FP4RL_BF16_ATTENTION", "1") != "0"
 
 
 def _pow2(v: int) -> int:
@@ -363,8 +367,7 @@ class DecodeEngine:
         if c.kind == "bf16":  # k and v go straight to their cache slot
             q, _ = fused.qk_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps, k_cache=c.k[i], v_cache=c.v[i],
                                       slot=ctx.slot)  # [bb, H, 1, D]
-            y = F.scaled_dot_product_attention(q, c.k[i][:bb], c.v[i][:bb], attn_mask=ctx.mask,
-                                               enable_gqa=attn.n_rep > 1)[:, :, 0]  # [bb, H, D]
+            y = self._attend_bf16(c, i, q, ctx, bb, attn.n_rep)
         else:
             q, k = fused.qk_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps)
             v = qkv[:, (hq + hkv) * d:].view(bb, hkv, 1, d)
@@ -373,7 +376,8 @@ class DecodeEngine:
 
     def _context(self, bb: int) -> SimpleNamespace:
         ctx = SimpleNamespace(lengths=self.lengths[:bb], starts=self.starts[:bb], slot=self.slot, mask=None)
-        if self.static.kind == "bf16":
+        d = self.config.head_dim
+        if self.static.kind == "bf16" and not (BF16_ATTENTION and d >= 16 and d & (d - 1) == 0):
             key = torch.arange(self.static.max_len, device=self.device)
             visible = (key[None] >= ctx.starts[:, None]) & (key[None] < ctx.lengths[:, None])  # [bb, T_cap]
             # SDPA turns a boolean mask into this additive one (zeros, then -inf where hidden) in every
@@ -417,11 +421,22 @@ class DecodeEngine:
         if kind == "bf16":
             c.k[i][:bb].index_copy_(2, ctx.slot, k.to(c.k[i].dtype))
             c.v[i][:bb].index_copy_(2, ctx.slot, v.to(c.v[i].dtype))
-            y = F.scaled_dot_product_attention(q, c.k[i][:bb], c.v[i][:bb], attn_mask=ctx.mask,
-                                               enable_gqa=attn.n_rep > 1)[:, :, 0]  # [bb, H, D]
+            y = self._attend_bf16(c, i, q, ctx, bb, attn.n_rep)
         else:
             y = self._attend_quantized(c, i, q, k, v, ctx, bb)
         return attn.o_proj(y.reshape(bb, 1, -1))
+
+    @staticmethod
+    def _attend_bf16(c, i: int, q, ctx, bb: int, n_rep: int) -> torch.Tensor:
+        """Attention of q [bb, H, 1, D] over the BF16 cache's rows [start, length) -> [bb, H, D]: the Triton
+        decode kernel (kernels.attention, its bf16 branch), or SDPA with the step's mask (BF16_ATTENTION
+        off)."""
+        if ctx.mask is None:
+            from fp4rl.kernels.attention import decode_attention
+
+            return decode_attention(q[:, :, 0], ctx.lengths, c.k[i][:bb], c.v[i][:bb], starts=ctx.starts)
+        return F.scaled_dot_product_attention(q, c.k[i][:bb], c.v[i][:bb], attn_mask=ctx.mask,
+                                              enable_gqa=n_rep > 1)[:, :, 0]
 
     @staticmethod
     def _attend_quantized(c, i: int, q, k, v, ctx, bb: int) -> torch.Tensor:
