@@ -25,11 +25,12 @@ sampler's own model copy. What it changes, and what it computes:
   added in another order, Triton's rsqrt: y can move by one bfloat16 ulp, see fused.py). `fused_plans`
   decides per layer: q/k/v that are not one fused group, MoE and unfused MLPs run their modules on the
   norm's bf16 output (a layer that falls back launches fewer fused kernels). An MoE layer on the route
-  kernels (`KernelMoeBlock.routed_parts`: the router GEMM inside the route's launch, the gather inside
-  gate/up's GEMM, SiLU * up inside down's at decode sizes) hands its expert outputs to the next residual add
+  kernels (`KernelMoeBlock.routed_parts`: router GEMM, route kernel, gate/up's GEMM with the gather inside,
+  down's with SiLU * up inside at decode sizes) hands its expert outputs to the next residual add
   + RMSNorm, which does the weighted combine itself (`fused.add_rmsnorm(moe=)`; a shared expert's term is
-  its h): four launches per MoE MLP where the torch path takes ~20 (`FUSED_COMBINE` / FP4RL_MOE_COMBINE=0,
-  and gpu_linear's FUSED_ROUTER / FUSED_GATHER, gemm.FUSED_SILU for A/B).
+  its h), up to COMBINE_MAX_TOKENS rows: five launches per MoE MLP where the torch path takes ~20
+  (`FUSED_COMBINE` / FP4RL_MOE_COMBINE=0, and gpu_linear's FUSED_ROUTER (off by default) / FUSED_GATHER,
+  gemm.FUSED_SILU for A/B).
 - CUDA graphs: one graph per batch bucket (powers of two up to B_cap), captured on first use
   after an eager warm-up step on a side stream (Triton compiles and the GEMM tuner runs there,
   never during capture), replayed for every decode step of that bucket. Inputs (tokens, RoPE
@@ -71,6 +72,10 @@ SLOT_ALIGN = 64  # T_cap is rounded up to this
 FUSED = True  # new engines run the fused decode step (fp4rl.kernels.fused); DecodeEngine.set_fused for A/B
 # the fused step folds an MoE layer's combine into the next residual add + RMSNorm (fused.add_rmsnorm(moe=))
 FUSED_COMBINE = os.environ.get("FP4RL_MOE_COMBINE", "1") != "0"
+# ... up to this many rows per step: each of a row's add_rmsnorm programs gathers the row's k expert outputs
+# in every pass over it; the Qwen3-30B-A3B step at batch 32 read ~1 ms slower with it on an H200 (eleventh
+# session, bench/RESULTS.md)
+COMBINE_MAX_TOKENS = 8
 # a BF16 cache is read by the Triton decode kernel (kernels.attention: [start, length) of each row only),
 # not by SDPA over all T_cap slots with a mask (FP4RL_BF16_ATTENTION=0)
 BF16_ATTENTION = os.environ.get("FP4RL_BF16_ATTENTION", "1") != "0"
@@ -335,8 +340,8 @@ class DecodeEngine:
                 a, aq = fused.silu_mul(p.gate_up.run(n, nq), quant=p.down.quant, write_y=p.down.quant is None)
                 h = p.down.run(a, aq)  # [bb, H]
             elif layer.is_moe:
-                parts = layer.mlp.routed_parts(n) if FUSED_COMBINE and isinstance(layer.mlp, KernelMoeBlock) \
-                    else None
+                fold = FUSED_COMBINE and bb <= COMBINE_MAX_TOKENS and isinstance(layer.mlp, KernelMoeBlock)
+                parts = layer.mlp.routed_parts(n) if fold else None
                 if parts is None:
                     h, experts = layer.mlp(n[:, None])  # experts [bb, 1, k]
                     chosen.append(experts)

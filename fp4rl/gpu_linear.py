@@ -447,7 +447,11 @@ def expert_plan(block: SparseMoeBlock):
 
 FUSED_ROUTE = os.environ.get("FP4RL_MOE_ROUTE", "1") != "0"  # KernelMoeBlock's route/combine kernels
 FUSED_GATHER = os.environ.get("FP4RL_MOE_GATHER", "1") != "0"  # the grouped mma16 kernel reads x[rows] itself
-FUSED_ROUTER = os.environ.get("FP4RL_MOE_ROUTER", "1") != "0"  # the router GEMM inside the route's launch
+# The router GEMM inside the route's launch (moe_route.router_route), off unless FP4RL_MOE_ROUTER=1: on an
+# H200 (E 128, H 2048, top 8; bench/moe_route_bench.py router, eleventh session) it took 9.9 / 10.3 / 25.3 us
+# at 1 / 8 / 32 tokens against 8.3 / 9.2 / 17.0 for cuBLAS's F.linear + the route kernel (best variant: 7.9
+# at 1 token).
+FUSED_ROUTER = os.environ.get("FP4RL_MOE_ROUTER", "0") == "1"
 
 
 class KernelMoeBlock(SparseMoeBlock):
@@ -456,11 +460,11 @@ class KernelMoeBlock(SparseMoeBlock):
     kernel and the weighted combine another, instead of ~15 torch launches; the grouping and every product
     are `run_experts`', the combine's sum over the k slots is sequential (torch's reduction may add in another
     order: a bf16 ulp), the router probabilities can differ from torch's in their last fp32 bit (see
-    moe_route). A plain bf16 router (nn.Linear without bias) runs inside the route's launch
-    (moe_route.router_route: its logits can differ from cuBLAS's in their last bf16 bit; FP4RL_MOE_ROUTER=0:
-    the gate module, then the route kernel). The grouped mma16 kernel gathers the sorted rows' tokens itself
-    (gemm rows=; FP4RL_MOE_GATHER=0: index_select first, the same bits). Routing replay (forced experts),
-    larger batches and FP4RL_MOE_ROUTE=0 take the torch route."""
+    moe_route). With FUSED_ROUTER (FP4RL_MOE_ROUTER=1; off by default: slower on the H200) a plain bf16
+    router runs inside the route's launch (moe_route.router_route: its logits can differ from cuBLAS's in
+    their last bf16 bit); else the gate module, then the route kernel. The grouped mma16 kernel gathers the
+    sorted rows' tokens itself (gemm rows=; FP4RL_MOE_GATHER=0: index_select first, the same bits). Routing
+    replay (forced experts), larger batches and FP4RL_MOE_ROUTE=0 take the torch route."""
 
     plan = None
 

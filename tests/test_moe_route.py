@@ -167,6 +167,7 @@ def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, config,
             break
     else:
         pytest.fail("every scaled input has tied router probabilities")
+    monkeypatch.setattr(gpu_linear, "FUSED_ROUTER", True)  # off by default (slower on the H200): tested here
     calls = []
     real, real_rr = moe_route.route, moe_route.router_route
     monkeypatch.setattr(moe_route, "route", lambda *a, **kw: calls.append("route") or real(*a, **kw))
