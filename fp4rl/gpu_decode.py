@@ -73,8 +73,9 @@ FUSED = True  # new engines run the fused decode step (fp4rl.kernels.fused); Dec
 # the fused step folds an MoE layer's combine into the next residual add + RMSNorm (fused.add_rmsnorm(moe=))
 FUSED_COMBINE = os.environ.get("FP4RL_MOE_COMBINE", "1") != "0"
 # ... up to this many rows per step: each of a row's add_rmsnorm programs gathers the row's k expert outputs
-# in every pass over it; the Qwen3-30B-A3B step at batch 32 read ~1 ms slower with it on an H200 (eleventh
-# session, bench/RESULTS.md)
+# in every pass over it, and with it (and the router kernel) on, the Qwen3-30B-A3B graph replay at batch 32
+# read 8.78 ms on an H200 against 7.80 in the session before (BF16 22.06 against 21.37; bench/RESULTS.md,
+# eleventh session): not yet separated by an A/B, so larger batches keep the combine kernel
 COMBINE_MAX_TOKENS = 8
 # a BF16 cache is read by the Triton decode kernel (kernels.attention: [start, length) of each row only),
 # not by SDPA over all T_cap slots with a mask (FP4RL_BF16_ATTENTION=0)
