@@ -2,7 +2,8 @@
 # Prepared in the eleventh session (no device time left to run it): an A/B of that session's MoE decode defaults
 # at full depth (one process per setting: the combine fold, the SiLU build, the BF16-cache attention kernel each
 # switched off alone), then the Qwen3-8B table with the sampling kernel and the BF16-cache attention (owed since
-# the tenth session).
+# the tenth session). Two calls (each under the 600 s limit): `bash bench/device_run51.sh ab` (the four A/B
+# processes, ~100-150 s each with the 48-layer build) and `bash bench/device_run51.sh 8b`.
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
 run() {  # name, env..., then the preset list
   local name=$1; shift
@@ -11,10 +12,13 @@ run() {  # name, env..., then the preset list
     > $OUT/sampler51_$name.log 2>&1
   echo "$name exit $?"; grep '^|' $OUT/sampler51_$name.log | cut -c1-300 | tail -3
 }
-run defaults FP4RL_NOTHING=1
-run nocombine FP4RL_MOE_COMBINE=0
-run nosilu FP4RL_MOE_SILU=0
-run sdpa FP4RL_BF16_ATTENTION=0
+if [ "$1" = ab ]; then
+  run defaults FP4RL_NOTHING=1
+  run nocombine FP4RL_MOE_COMBINE=0
+  run nosilu FP4RL_MOE_SILU=0
+  run sdpa FP4RL_BF16_ATTENTION=0
+  exit 0
+fi
 timeout 200 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 --batch 1,8,32 \
   --kv bf16 --repeats 3 --tokens 8,40 --profile-batch '' --out $OUT/sampler51_8b.json > $OUT/sampler51_8b.log 2>&1
 echo "8b exit $?"; grep '^|\|rror' $OUT/sampler51_8b.log | cut -c1-300 | tail -8
