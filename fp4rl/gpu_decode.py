@@ -20,15 +20,16 @@ sampler's own model copy. What it changes, and what it computes:
   (FP8/NVFP4 caches keep `store_kv`), SiLU(gate) * up. Where the consumer is a W4A4 linear or fused group
   (q/k/v, gate/up, down_proj), the producer kernel also quantizes its output per token with the shared
   quantizer's own helpers (the bytes of `kernels.quantize` for the same input) and the GEMM takes that Q(x)
-  (`packed_gemm(..., xq=)`, `gemm.gemm`'s pre-quantized entry); o_proj (after SDPA) still quantizes its
-  input itself. Same arithmetic as the modules, bit for bit except the norms' rstd (fp32 sum of squares
+  (`packed_gemm(..., xq=)`, `gemm.gemm`'s pre-quantized entry); o_proj (after attention) still quantizes
+  its input itself. Same arithmetic as the modules, bit for bit except the norms' rstd (fp32 sum of squares
   added in another order, Triton's rsqrt: y can move by one bfloat16 ulp, see fused.py). `fused_plans`
   decides per layer: q/k/v that are not one fused group, MoE and unfused MLPs run their modules on the
   norm's bf16 output (a layer that falls back launches fewer fused kernels). An MoE layer on the route
   kernels (`KernelMoeBlock.routed_parts`: router GEMM, route kernel, gate/up's GEMM with the gather inside,
   down's with SiLU * up inside at decode sizes) hands its expert outputs to the next residual add
   + RMSNorm, which does the weighted combine itself (`fused.add_rmsnorm(moe=)`; a shared expert's term is
-  its h), up to COMBINE_MAX_TOKENS rows: five launches per MoE MLP where the torch path takes ~20
+  its h), up to COMBINE_MAX_TOKENS rows: four launches per MoE MLP (router GEMM, route, gate/up, down) where
+  the torch path takes ~20
   (`FUSED_COMBINE` / FP4RL_MOE_COMBINE=0, and gpu_linear's FUSED_ROUTER (off by default) / FUSED_GATHER,
   gemm.FUSED_SILU for A/B).
 - CUDA graphs: one graph per batch bucket (powers of two up to B_cap), captured on first use
@@ -187,6 +188,7 @@ class DecodeEngine:
         self.graph_error: str | None = None
         self.pool = None
         self.counts = {"replays": 0, "eager_steps": 0, "captures": 0}
+        self.attention_error: str | None = None  # why the BF16-cache attention kernel was given up, if it was
 
     # -- cache -----------------------------------------------------------------------------------
     def new_cache(self, kind: str, rows: int, batch: int, total: int):
@@ -383,14 +385,19 @@ class DecodeEngine:
     def _context(self, bb: int) -> SimpleNamespace:
         ctx = SimpleNamespace(lengths=self.lengths[:bb], starts=self.starts[:bb], slot=self.slot, mask=None)
         d = self.config.head_dim
-        if self.static.kind == "bf16" and not (BF16_ATTENTION and d >= 16 and d & (d - 1) == 0):
-            key = torch.arange(self.static.max_len, device=self.device)
-            visible = (key[None] >= ctx.starts[:, None]) & (key[None] < ctx.lengths[:, None])  # [bb, T_cap]
-            # SDPA turns a boolean mask into this additive one (zeros, then -inf where hidden) in every
-            # layer's call: built once per step here instead (the same values, so the same attention)
-            mask = torch.zeros(visible.shape, dtype=self.static.k[0].dtype, device=self.device)
-            ctx.mask = mask.masked_fill_(~visible, float("-inf"))[:, None, None]
+        kernel = BF16_ATTENTION and d >= 16 and d & (d - 1) == 0 and self.attention_error is None
+        if self.static.kind == "bf16" and not kernel:
+            ctx.mask = self._bf16_mask(ctx)
         return ctx
+
+    def _bf16_mask(self, ctx) -> torch.Tensor:
+        """SDPA's additive mask [bb, 1, 1, T_cap] over the BF16 cache: 0 on [start, length), else -inf."""
+        key = torch.arange(self.static.max_len, device=self.device)
+        visible = (key[None] >= ctx.starts[:, None]) & (key[None] < ctx.lengths[:, None])  # [bb, T_cap]
+        # SDPA turns a boolean mask into this additive one (zeros, then -inf where hidden) in every layer's
+        # call: built once per step here instead (the same values, so the same attention)
+        mask = torch.zeros(visible.shape, dtype=self.static.k[0].dtype, device=self.device)
+        return mask.masked_fill_(~visible, float("-inf"))[:, None, None]
 
     def _step_modules(self, bb: int):
         """The decode step through the model's modules (the unfused path)."""
@@ -432,15 +439,24 @@ class DecodeEngine:
             y = self._attend_quantized(c, i, q, k, v, ctx, bb)
         return attn.o_proj(y.reshape(bb, 1, -1))
 
-    @staticmethod
-    def _attend_bf16(c, i: int, q, ctx, bb: int, n_rep: int) -> torch.Tensor:
+    def _attend_bf16(self, c, i: int, q, ctx, bb: int, n_rep: int) -> torch.Tensor:
         """Attention of q [bb, H, 1, D] over the BF16 cache's rows [start, length) -> [bb, H, D]: the Triton
-        decode kernel (kernels.attention, its bf16 branch), or SDPA with the step's mask (BF16_ATTENTION
-        off)."""
+        decode kernel (kernels.attention, its bf16 branch), or SDPA with the step's mask (BF16_ATTENTION off,
+        head_dim not a power of two >= 16, or the kernel failed here once: `attention_error` says why, and
+        the engine warns and stays on SDPA)."""
         if ctx.mask is None:
             from fp4rl.kernels.attention import decode_attention
 
-            return decode_attention(q[:, :, 0], ctx.lengths, c.k[i][:bb], c.v[i][:bb], starts=ctx.starts)
+            try:
+                return decode_attention(q[:, :, 0], ctx.lengths, c.k[i][:bb], c.v[i][:bb], starts=ctx.starts)
+            except Exception as exc:  # noqa: BLE001 - compile / launch failure here: SDPA from now on
+                if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise  # the eager warm-up runs before each capture; a failure here fails the capture
+                self.attention_error = f"{type(exc).__name__}: {str(exc)[:300]}"
+                warnings.warn(f"the BF16-cache decode attention kernel failed ({self.attention_error}); "
+                              "attending with SDPA from now on (FP4RL_BF16_ATTENTION=0 skips the kernel)",
+                              stacklevel=2)
+                ctx.mask = self._bf16_mask(ctx)
         return F.scaled_dot_product_attention(q, c.k[i][:bb], c.v[i][:bb], attn_mask=ctx.mask,
                                               enable_gqa=n_rep > 1)[:, :, 0]
 

@@ -353,6 +353,31 @@ def test_fused_step_folds_the_moe_combine(config, contract, monkeypatch):
     assert_fused_is_module_step(a, teacher_forced_logits(s, forced), gpu_tol=1e-2)
 
 
+def test_bf16_attention_kernel_failure_falls_back_to_sdpa(monkeypatch):
+    """A BF16-cache attention kernel that cannot run on this device (e.g. too little shared memory) is given
+    up once, with a warning and `attention_error`, and the step attends with SDPA and its mask: the logits of
+    an engine that never tried the kernel."""
+    from fp4rl.kernels import attention
+
+    s = Sampler(tiny(DENSE, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
+                eos_token_ids=[], kernels=True)
+    forced = torch.randint(0, V, (len(PROMPTS), 2), generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(gpu_decode, "BF16_ATTENTION", False)
+    ref = teacher_forced_logits(s, forced)
+    monkeypatch.setattr(gpu_decode, "BF16_ATTENTION", True)
+    s.engine.reset_graphs()
+
+    def broken(*a, **kw):
+        raise RuntimeError("out of resources: shared memory, required: 139264, hardware limit: 101376")
+
+    monkeypatch.setattr(attention, "decode_attention", broken)
+    with pytest.warns(UserWarning, match="SDPA from now on"):
+        got = teacher_forced_logits(s, forced)
+    assert "shared memory" in s.engine.attention_error
+    assert s.engine.graph_error is None
+    assert torch.equal(got, ref)
+
+
 def test_fused_step_falls_back_per_layer():
     """A layer whose q/k/v are not one fused group (here: unfused linears) runs its attention modules; the
     norms and the MLP stay fused, and the step still computes the module step."""

@@ -118,6 +118,8 @@ def test_router_route_refuses_bad_operands():
         moe_route.router_route(x.float(), torch.zeros(8, 32, device=DEV), 2, True)
     with pytest.raises(ValueError, match=r"\[E, H\]"):
         moe_route.router_route(x, torch.zeros(8, 16, dtype=torch.bfloat16, device=DEV), 2, True)
+    with pytest.raises(ValueError, match="powers of two"):
+        moe_route.router_route(x, torch.zeros(8, 32, dtype=torch.bfloat16, device=DEV), 2, True, bes=8)
     with pytest.raises(ValueError, match="torch route"):
         moe_route.router_route(torch.zeros(200, 32, dtype=torch.bfloat16, device=DEV),
                                torch.zeros(8, 32, dtype=torch.bfloat16, device=DEV), 8, True)

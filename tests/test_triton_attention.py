@@ -399,3 +399,26 @@ def test_gpu_bf16_cache_graph_replay(b, t_cap):
                 assert torch.equal(out[i], torch.zeros_like(out[i])), step
         eager = attention.decode_attention(qv, lv, kv_, vv, None, None, starts=sv)
         assert torch.equal(out, eager), step
+
+
+def test_bf16_tiles_fit_the_device_shared_memory(monkeypatch):
+    """Fewer pipeline stages, then smaller tiles, where a block's shared memory is short (a 99 KB sm_86/89/120
+    device, or head_dim 256 on the H200): the kernel must launch wherever SDPA did."""
+    from types import SimpleNamespace
+
+    from fp4rl.kernels import attention
+
+    def fit(limit, d, bt=128, stages=3):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda dev: SimpleNamespace(shared_memory_per_block_optin=limit))
+        return attention._fit_bf16_smem(d, bt, stages, "cuda")
+
+    assert attention.bf16_smem_bytes(128, 128, 3) == 139264
+    assert attention.bf16_smem_bytes(128, 128, 2) == 73728
+    assert fit(232448, 128) == (128, 3)  # the H200: the tuned setting
+    assert fit(232448, 256) == (128, 2)
+    assert fit(101376, 128) == (128, 2)
+    assert fit(101376, 256) == (64, 2)
+    for limit, d in ((232448, 64), (232448, 256), (101376, 128), (101376, 256), (49152, 128)):
+        bt, st = fit(limit, d)
+        assert attention.bf16_smem_bytes(d, bt, st) + 4096 <= limit, (limit, d, bt, st)

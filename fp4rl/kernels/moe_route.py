@@ -255,7 +255,7 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
         raise TypeError(f"router_route: x and gate_weight must be bfloat16, got {x.dtype} and "
                         f"{gate_weight.dtype}; use the module's gate and `route`")
     if x.stride(-1) != 1 or gate_weight.stride(-1) != 1:
-        raise ValueError("router_route: x and gate_weight need unit column stride")
+        raise ValueError("router_route: x and gate_weight need unit column stride (pass .contiguous())")
     t, h = x.shape
     e = gate_weight.shape[0]
     if not fits(t, top_k, e):
@@ -273,6 +273,9 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
     offsets = torch.empty(e + 1, dtype=torch.int32, device=dev)
     bq = 16 if INTERPRET else ROUTE_BQ
     bes, bh = bes or ROUTER_BES, bh or ROUTER_BH
+    if bes < 16 or bes & (bes - 1) or bh < 16 or bh & (bh - 1):
+        raise ValueError(f"router_route: bes (experts per program) and bh (columns per step) must be powers "
+                         f"of two >= 16, got {bes} and {bh}")
     COMPILED["moe router+route"] = _router_route_kernel[(triton.cdiv(e, bes),)](
         x, gate_weight, logits, lock, idx, w, rows, pos, offsets, t, e, h, x.stride(0), gate_weight.stride(0),
         K=top_k, BT=max(2, triton.next_power_of_2(t)), BE=max(16, triton.next_power_of_2(e)),

@@ -116,6 +116,28 @@ def _splits_bf16(b: int, hkv: int, t: int, device) -> int:
     return n
 
 
+def bf16_smem_bytes(d: int, block_t: int, num_stages: int) -> int:
+    """Shared memory of the BF16 path's kernel: the K and V tiles of (num_stages - 1) pipelined loads plus
+    ~8 KB (Triton 3.9 for sm_90: 139264 B at D 128, 128-token tiles, 3 stages; 73728 at 2 stages)."""
+    return max(1, num_stages - 1) * 2 * block_t * d * 2 + 8192
+
+
+def _fit_bf16_smem(d: int, block_t: int, num_stages: int, device) -> tuple[int, int]:
+    """(block_t, num_stages) whose shared memory fits one block of the device (with a 4 KB margin): fewer
+    stages first, then smaller tiles. The H200 (227 KB) keeps the tuned 128 x 3 at D 128 and takes 2 stages
+    at D 256; a 99 KB device (sm_86 / sm_89 / sm_120) takes 2 stages at D 128."""
+    props = torch.cuda.get_device_properties(device)
+    limit = getattr(props, "shared_memory_per_block_optin", 0) or 101376
+    while bf16_smem_bytes(d, block_t, num_stages) + 4096 > limit:
+        if num_stages > 2:
+            num_stages -= 1
+        elif block_t > 16:
+            block_t //= 2
+        else:
+            break
+    return block_t, num_stages
+
+
 # The BF16 path's launch settings, measured on the H200 (bench/attention_bf16.py): 128-token tiles (64 when
 # the cache holds <= 64 slots), 4 warps, 3 stages; splits by _splits_bf16; >= min_chunk tokens a split.
 BF16_TUNE = {"block_t": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 1, "split_tokens": 256,
@@ -184,7 +206,8 @@ def _check_bf16(q, lengths, k, v):
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     if k.shape[3] != d or d & (d - 1) or d < 16:
         raise ValueError(f"head_dim mismatch: q has D={d}, the cache last dim is {k.shape[3]} (D must be a "
-                         "power of two >= 16)")
+                         "power of two >= 16; other head dims: attend a BF16 cache with SDPA, as the decode "
+                         "engine does)")
     if lengths.shape != (b,):
         raise ValueError(f"lengths must be int32 [B={b}], got {tuple(lengths.shape)}")
     for name, t in (("k", k), ("v", v), ("q", q)):
@@ -256,7 +279,10 @@ def decode_attention(q, lengths, k, v, k_global=None, v_global=None, *, k_scale=
         num_splits, block_t = num_splits or 2, block_t or 16
     if bf16:
         num_splits = num_splits or _splits_bf16(b, hkv, t_cap, q.device)
-        block_t = block_t or min(BF16_TUNE["block_t"], max(16, triton.next_power_of_2(t_cap)))
+        if block_t is None:
+            block_t = min(BF16_TUNE["block_t"], max(16, triton.next_power_of_2(t_cap)))
+            if not INTERPRET and q.is_cuda:  # fewer stages, then smaller tiles, where shared memory is short
+                block_t, num_stages = _fit_bf16_smem(d, block_t, num_stages, q.device)
         if min_chunk is None:
             min_chunk = 0 if INTERPRET else BF16_TUNE["min_chunk"]
     num_splits = num_splits or _splits(b, hkv, t_cap, q.device)
