@@ -71,23 +71,32 @@ _WORKSPACE = _Workspace()
 
 
 def _check_cache(q, lengths, k, v, kg, vg, fp4: bool):
+    """The operands of decode_attention; kg = vg = None: a BF16 cache (bf16 k, v; D a power of 2 >= 16)."""
     b, hq, d = q.shape
+    bf16 = kg is None
     if q.dtype != torch.bfloat16:
         raise TypeError(f"q must be bfloat16 [B, Hq, D], got {q.dtype}")
+    if bf16 and (k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16):
+        raise TypeError(f"a BF16 cache needs bfloat16 k and v, got {k.dtype} and {v.dtype}")
     if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b:
         raise ValueError(f"k/v cache must be [B, Hkv, T, {'D/2' if fp4 else 'D'}] and equal; got "
                          f"{tuple(k.shape)}, {tuple(v.shape)} for q {tuple(q.shape)}")
     hkv = k.shape[1]
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    if k.shape[3] * (2 if fp4 else 1) != d or d % 32:
+    if bf16 and (k.shape[3] != d or d & (d - 1) or d < 16):
+        raise ValueError(f"head_dim mismatch: q has D={d}, the cache last dim is {k.shape[3]} (D must be a "
+                         "power of two >= 16; other head dims: attend a BF16 cache with SDPA, as the decode "
+                         "engine does)")
+    if not bf16 and (k.shape[3] * (2 if fp4 else 1) != d or d % 32):
         raise ValueError(f"head_dim mismatch: q has D={d}, the cache last dim is {k.shape[3]}")
-    if kg.shape != k.shape[:3] or vg.shape != k.shape[:3]:
+    if not bf16 and (kg.shape != k.shape[:3] or vg.shape != k.shape[:3]):
         raise ValueError(f"per-token scales must be [B, Hkv, T] = {tuple(k.shape[:3])}, got "
                          f"{tuple(kg.shape)}, {tuple(vg.shape)}")
     if lengths.shape != (b,):
         raise ValueError(f"lengths must be int32 [B={b}], got {tuple(lengths.shape)}")
-    for name, t in (("k", k), ("v", v), ("q", q), ("k_global", kg), ("v_global", vg)):
+    named = (("k", k), ("v", v), ("q", q)) + (() if bf16 else (("k_global", kg), ("v_global", vg)))
+    for name, t in named:
         if t.stride(-1) != 1:
             raise ValueError(f"{name}'s last dim must be contiguous")
 
@@ -192,29 +201,6 @@ def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, 
     return out
 
 
-def _check_bf16(q, lengths, k, v):
-    b, hq, d = q.shape
-    if q.dtype != torch.bfloat16:
-        raise TypeError(f"q must be bfloat16 [B, Hq, D], got {q.dtype}")
-    if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
-        raise TypeError(f"a BF16 cache needs bfloat16 k and v, got {k.dtype} and {v.dtype}")
-    if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b:
-        raise ValueError(f"k/v cache must be [B, Hkv, T, D] and equal; got {tuple(k.shape)}, "
-                         f"{tuple(v.shape)} for q {tuple(q.shape)}")
-    hkv = k.shape[1]
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    if k.shape[3] != d or d & (d - 1) or d < 16:
-        raise ValueError(f"head_dim mismatch: q has D={d}, the cache last dim is {k.shape[3]} (D must be a "
-                         "power of two >= 16; other head dims: attend a BF16 cache with SDPA, as the decode "
-                         "engine does)")
-    if lengths.shape != (b,):
-        raise ValueError(f"lengths must be int32 [B={b}], got {tuple(lengths.shape)}")
-    for name, t in (("k", k), ("v", v), ("q", q)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}'s last dim must be contiguous")
-
-
 @with_asm_fallback
 def decode_attention(q, lengths, k, v, k_global=None, v_global=None, *, k_scale=None, v_scale=None,
                      sm_scale=None, num_splits=None, block_t=None, num_warps=None, num_stages=None,
@@ -235,14 +221,11 @@ def decode_attention(q, lengths, k, v, k_global=None, v_global=None, *, k_scale=
     if (k_global is None) != (v_global is None):
         raise ValueError("pass both k_global and v_global (FP8 / NVFP4 cache) or neither (BF16 cache)")
     bf16 = k_global is None
-    if bf16:
-        if fp4:
-            raise ValueError("a BF16 cache has no scales: k_scale/v_scale (NVFP4) need k_global/v_global too")
-        _check_bf16(q, lengths, k, v)
-    else:
-        if k.dtype == torch.bfloat16 or v.dtype == torch.bfloat16:
-            raise ValueError("a BF16 cache takes no scales: decode_attention(q, lengths, k, v, None, None)")
-        _check_cache(q, lengths, k, v, k_global, v_global, fp4)
+    if bf16 and fp4:
+        raise ValueError("a BF16 cache has no scales: k_scale/v_scale (NVFP4) need k_global/v_global too")
+    if not bf16 and (k.dtype == torch.bfloat16 or v.dtype == torch.bfloat16):
+        raise ValueError("a BF16 cache takes no scales: decode_attention(q, lengths, k, v, None, None)")
+    _check_cache(q, lengths, k, v, k_global, v_global, fp4)
     b, hq, d = q.shape
     hkv, t_cap = k.shape[1], k.shape[2]
     g = hq // hkv
