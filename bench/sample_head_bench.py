@@ -1,7 +1,9 @@
 """The GPU token choice alone: fp4rl.kernels.sample_head against the torch path (fp4rl.sampler.sample_next),
 temperature 1 sampling and greedy, BF16 logits [B, V] (Qwen3's V = 151936), eager as in the generate loop.
-Per batch: GPU time per call (CUDA events around 50 calls, median of 7 rounds) and host time per call (wall
-time of issuing the 50 calls, the same rounds).
+Per batch: GPU time per call (CUDA events around 50 calls, median of 7 rounds), host time per call (wall
+time of issuing the 50 calls, the same rounds) and the GPU's own work per call (`*_dev_us`: the kernels' and
+copies' durations in a torch.profiler trace of 50 calls, divided by 50). The first two are equal when the loop
+is host-bound (the eleventh session's H200 run: the launches never queued up), which is why the third exists.
 
     python3 bench/sample_head_bench.py [--batch 1,8,32] [--vocab 151936] [--out FILE.json]
 """
@@ -40,6 +42,28 @@ def timed(fn, calls: int, rounds: int, device) -> tuple[float, float]:
     return (statistics.median(gpu) if gpu else float("nan")), statistics.median(host)
 
 
+def device_us(fn, calls: int) -> float:
+    """Microseconds of kernels and copies per call of fn, from a profiler trace of `calls` calls."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            events = json.load(fh)["traceEvents"]
+    busy = sum(e["dur"] for e in events
+               if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    return busy / calls
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", default="1,8,32")
@@ -61,6 +85,11 @@ def main() -> int:
             t = timed(lambda z=logits, p=params, g=g2: sample_next(z, p, g), args.calls, args.rounds, device)
             row = {"batch": b, "mode": mode, "kernel_gpu_us": k[0], "kernel_host_us": k[1],
                    "torch_gpu_us": t[0], "torch_host_us": t[1]}
+            if device.type == "cuda":
+                row["kernel_dev_us"] = device_us(
+                    lambda z=logits, gr=greedy, g=g1: sample_head.sample_head(z, gr, 1.0, g), args.calls)
+                row["torch_dev_us"] = device_us(lambda z=logits, p=params, g=g2: sample_next(z, p, g),
+                                                args.calls)
             rows.append(row)
             print(json.dumps({key: round(v, 2) if isinstance(v, float) else v for key, v in row.items()}),
                   flush=True)
