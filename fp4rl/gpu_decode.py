@@ -77,7 +77,7 @@ FUSED_COMBINE = os.environ.get("FP4RL_MOE_COMBINE", "1") != "0"
 # in every pass over it, and with it (and the router kernel) on, the Qwen3-30B-A3B graph replay at batch 32
 # read 8.78 ms on an H200 against 7.80 in the session before (BF16 22.06 against 21.37; bench/RESULTS.md,
 # eleventh session): not yet separated by an A/B, so larger batches keep the combine kernel
-COMBINE_MAX_TOKENS = 8
+COMBINE_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_COMBINE_MAX", "8"))  # (FP4RL_MOE_COMBINE_MAX: for A/B)
 # a BF16 cache is read by the Triton decode kernel (kernels.attention: [start, length) of each row only),
 # not by SDPA over all T_cap slots with a mask (FP4RL_BF16_ATTENTION=0)
 BF16_ATTENTION = os.environ.get("FP4RL_BF16_ATTENTION", "1") != "0"
