@@ -58,13 +58,16 @@ def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, 
     (x quantized per token with the contract's settings first, or xq: that Q(x) already made by a fused
     producer, (data, block_scale, global_scale [M])); offsets: grouped experts, tokens: the batch's tokens
     (gemm.gemm); rows (grouped): int32 [M], x2 holds the tokens and sorted row r is x2[rows[r]]; silu: x2 is
-    [M, 2K] gate | up and the GEMM's input is fused.silu_mul(x2) (gemm.gemm(silu=))."""
+    [M, 2K] gate | up and the GEMM's input is fused.silu_mul(x2) (W4A16: gemm.gemm(silu=); W4A4: silu_mul
+    quantizes its output in the same launch)."""
     from fp4rl.kernels import fused, gemm
 
     if silu and (rows is not None or xq is not None or x2 is None):
         raise ValueError("packed_gemm: silu takes x2 = gate | up [M, 2K] only (no rows, no xq)")
-    if silu and mode != "w4a16":  # W4A4: quantize silu_mul's output as any other input
-        x2, silu = fused.silu_mul(x2)[0], False
+    if silu and mode != "w4a16":  # W4A4: SiLU * up and the per-token quantizer in one launch
+        _, xq = fused.silu_mul(x2, quant=dict(scale_rule=input_kwargs["scale_rule"], err=input_kwargs["err"]),
+                               write_y=False)
+        x2, silu = None, False
 
     if rows is not None and mode != "w4a16":  # W4A4: quantize the sorted rows, as without rows
         if xq is not None:
@@ -81,9 +84,8 @@ def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, 
     if not TUNE and offsets is None and m > gemm.DECODE_MAX_ROWS:
         config = gemm.FALLBACK
     if mode == "w4a16":
-        if silu:
-            return gemm.gemm(x2, weight, offsets=offsets, tune=TUNE, config=config, tokens=tokens, silu=True)
-        return gemm.gemm(x2, weight, offsets=offsets, tune=TUNE, config=config, tokens=tokens, rows=rows)
+        return gemm.gemm(x2, weight, offsets=offsets, tune=TUNE, config=config, tokens=tokens, rows=rows,
+                         silu=silu)
     if xq is None:
         xq = gemm.quantize_activations(x2, scale_rule=input_kwargs["scale_rule"], err=input_kwargs["err"])
     return gemm.gemm(None, weight, xq=xq, offsets=offsets, tune=TUNE, config=config, tokens=tokens)
@@ -364,12 +366,6 @@ class _PackedExperts:
             c = self._copy(which)
             if c is not None:
                 w.mma16 = c
-        if silu and self.mode == "w4a4":  # SiLU * up and the per-token quantizer in one launch
-            from fp4rl.kernels import fused
-
-            kw = self.input_kwargs
-            _, xq = fused.silu_mul(x, quant=dict(scale_rule=kw["scale_rule"], err=kw["err"]), write_y=False)
-            return packed_gemm(None, w, self.mode, kw, offsets, xq=xq, tokens=tokens)
         return packed_gemm(x, w, self.mode, self.input_kwargs, offsets, tokens=tokens, rows=rows, silu=silu)
 
     def gate_up(self, xs, offsets, tokens: int | None = None, rows: torch.Tensor | None = None):

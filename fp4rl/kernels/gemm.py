@@ -520,18 +520,9 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
             return _mma16.launch_grouped(xin, m16, wg, offsets, y, x_scale=x_scale, x_rows=rows, x_silu=silu)
         except ValueError:  # this K slice does not fit its shared memory: the Triton kernels below
             pass
-        except RuntimeError as exc:
-            if not silu:
-                _mma16.disable(exc)
-            else:  # the SILU build failed: silu_mul, then the plain kernel (off for the process)
-                _disable_fused_silu(exc)
-                x2, silu = _silu_mul(x2), False
-                try:
-                    return _mma16.launch_grouped(x2, m16, wg, offsets, y)
-                except ValueError:
-                    pass
-                except RuntimeError as exc2:
-                    _mma16.disable(exc2)
+        except RuntimeError as exc:  # NVRTC or the driver refused it: off for the process (the SILU build
+            # alone if that was it: later calls take silu_mul + this kernel; this one the kernels below)
+            (_disable_fused_silu if silu else _mma16.disable)(exc)
     if silu:  # every other kernel takes silu_mul(x)
         x2, silu = _silu_mul(x2), False
     if rows is not None:  # the other kernels take the sorted rows themselves
