@@ -33,6 +33,14 @@ def _weight(n, k, seed=0, **kw):
     return reference.quantize((torch.randn(n, k, generator=g) * 0.05).to(DEV), **kw)
 
 
+def _stacked(ws):
+    """The experts' NVFP4 weights [N, K] as one stacked [E, N, K] tensor (grouped GEMM operand)."""
+    return NVFP4Tensor(data=torch.stack([q.data for q in ws]),
+                       block_scale=torch.stack([q.block_scale for q in ws]),
+                       global_scale=torch.stack([q.global_scale for q in ws]),
+                       shape=torch.Size((len(ws), *ws[0].shape)), dtype=torch.float32)
+
+
 def _x(m, k, seed=1):
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).bfloat16().to(DEV)
 
@@ -68,10 +76,7 @@ def test_fallback_and_configs_agree():
 def test_grouped_with_empty_experts():
     e, n, k = 4, 32, 64
     ws = [_weight(n, k, seed=s) for s in range(e)]
-    w = NVFP4Tensor(data=torch.stack([q.data for q in ws]),
-                    block_scale=torch.stack([q.block_scale for q in ws]),
-                    global_scale=torch.stack([q.global_scale for q in ws]),
-                    shape=torch.Size((e, n, k)), dtype=torch.float32)
+    w = _stacked(ws)
     counts = [3, 0, 5, 1]  # expert 1 gets no tokens
     offsets = torch.tensor([0, 3, 3, 8, 9], dtype=torch.int32, device=DEV)
     x = _x(sum(counts), k)
@@ -86,10 +91,7 @@ def test_grouped_rows_gather_the_tokens():
     gather, read by the kernel where it can): equal to the gemm of x.index_select(0, rows)."""
     e, n, k = 3, 32, 64
     ws = [_weight(n, k, seed=20 + s) for s in range(e)]
-    w = NVFP4Tensor(data=torch.stack([q.data for q in ws]),
-                    block_scale=torch.stack([q.block_scale for q in ws]),
-                    global_scale=torch.stack([q.global_scale for q in ws]),
-                    shape=torch.Size((e, n, k)), dtype=torch.float32)
+    w = _stacked(ws)
     x = _x(4, k, seed=7)  # 4 tokens, 2 experts each: 8 sorted rows, tokens repeated
     rows = torch.tensor([0, 2, 3, 0, 1, 1, 2, 3], dtype=torch.int32, device=DEV)
     offsets = torch.tensor([0, 3, 6, 8], dtype=torch.int32, device=DEV)
@@ -119,10 +121,7 @@ def test_silu_is_silu_mul_then_the_gemm():
 
     e, n, k = 3, 32, 64
     ws = [_weight(n, k, seed=30 + s) for s in range(e)]
-    w = NVFP4Tensor(data=torch.stack([q.data for q in ws]),
-                    block_scale=torch.stack([q.block_scale for q in ws]),
-                    global_scale=torch.stack([q.global_scale for q in ws]),
-                    shape=torch.Size((e, n, k)), dtype=torch.float32)
+    w = _stacked(ws)
     offsets = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=DEV)  # expert 1 gets no rows
     gu = _gate_up(8, k, seed=3)
     a = fused.silu_mul(gu)[0]
