@@ -353,9 +353,7 @@ class DecodeEngine:
                     d, pos, w, experts = parts
                     chosen.append(experts[:, None])
                     moe = {"moe": (d, pos, w)}
-                    mlp = layer.mlp
-                    h = (torch.sigmoid(mlp.shared_expert_gate(n)) * mlp.shared_expert(n)
-                         if hasattr(mlp, "shared_expert") else None)
+                    h = layer.mlp.shared(n)
             else:
                 h = layer.mlp(n[:, None])[:, 0]
         _, n, _ = fused.add_rmsnorm(x, h, m.norm.weight, m.norm.eps, **moe)

@@ -84,6 +84,13 @@ class SparseMoeBlock(nn.Module):
                                  f"got {list(forced_experts.shape)}")
             forced_experts = forced_experts.reshape(-1, self.top_k).to(device=x.device, dtype=torch.long)
         y, topk_idx = self.routed(flat, forced_experts)
-        if hasattr(self, "shared_expert"):
-            y = y + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        shared = self.shared(flat)
+        if shared is not None:
+            y = y + shared
         return y.reshape(B, T, H), topk_idx.reshape(B, T, self.top_k)
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's gated term for x [N, H] (added to the routed sum), or None without one."""
+        if not hasattr(self, "shared_expert"):
+            return None
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
