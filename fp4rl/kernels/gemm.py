@@ -69,13 +69,10 @@ MMA16_GROUPED_MAX_TOKENS = 64
 WIDE_MAX_ROWS = 64
 WIDE_MIN_N_ABOVE_32 = 8192
 # gemm(silu=True) on the grouped mma16 kernel: SiLU(gate) * up computed by the kernel's x staging (its SILU
-# build) instead of a fused.silu_mul launch first (the same bits), for batches up to MMA16_SILU_MAX_TOKENS
-# tokens: every n-block's CTA computes its rows' SiLU again, which outweighs the saved launch on fuller
-# chunks. H200, 128 experts' 2048x768 (Qwen3-30B-A3B's down_proj), top-8, us per launch in a CUDA graph with
-# PDL, silu_mul + kernel vs fused (the plain kernel alone): 1 token 8.16 vs 6.02 (5.94), 2: 9.43 vs 6.55, 4:
-# 13.4 vs 10.1, 8: 19.8 vs 18.9, 16: 26.6 vs 28.2, 32: 35.5 vs 38.4, 64: 41.5 vs 49.0. FP4RL_MOE_SILU=0:
-# silu_mul, then the plain kernel, always (A/B timing); also switched off for the process if the SILU build
-# fails to compile or launch.
+# build) instead of a fused.silu_mul launch first (the same bits), up to MMA16_SILU_MAX_TOKENS tokens: every
+# n-block's CTA computes its rows' SiLU again, which outweighs the saved launch from 16 tokens on (H200,
+# Qwen3-30B-A3B's down_proj: 8.16 -> 6.02 us at 1 token, 26.6 -> 28.2 at 16; bench/RESULTS.md, eleventh
+# session). FP4RL_MOE_SILU=0: silu_mul first, always (A/B); also switched off if the SILU build fails.
 FUSED_SILU = os.environ.get("FP4RL_MOE_SILU", "1") != "0"
 MMA16_SILU_MAX_TOKENS = 8
 
@@ -435,12 +432,6 @@ def _fallback(x2, xq, wd, ws, wg, y):
     return y
 
 
-def _silu_mul(x2: torch.Tensor) -> torch.Tensor:
-    """bf16(bf16(silu(gate)) * up) of x2 [M, 2K] = gate | up: fused.silu_mul, the arithmetic the grouped
-    mma16 kernel's SILU build does in its x staging."""
-    return _fused.silu_mul(x2)[0]
-
-
 def _disable_fused_silu(exc: Exception) -> None:
     global FUSED_SILU
     FUSED_SILU = False
@@ -499,7 +490,7 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
         x2 = _check_x(x, 4 * kh if silu else 2 * kh)
         m = x2.shape[0] if rows is None else rows.numel()
     if silu and (rows is not None or not FUSED_SILU or tokens is None or tokens > MMA16_SILU_MAX_TOKENS):
-        x2, silu = _silu_mul(x2), False  # silu_mul first, then as without silu
+        x2, silu = _fused.silu_mul(x2)[0], False  # silu_mul first, then as without silu
     if grouped:
         offsets = offsets.to(torch.int32).contiguous()
         if offsets.numel() != e + 1:
@@ -524,7 +515,7 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
             # alone if that was it: later calls take silu_mul + this kernel; this one the kernels below)
             (_disable_fused_silu if silu else _mma16.disable)(exc)
     if silu:  # every other kernel takes silu_mul(x)
-        x2, silu = _silu_mul(x2), False
+        x2, silu = _fused.silu_mul(x2)[0], False
     if rows is not None:  # the other kernels take the sorted rows themselves
         x2 = x2.index_select(0, rows)
     if m16 is not None and not grouped and config is None and _mma16.available(device):
