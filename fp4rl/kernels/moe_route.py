@@ -203,6 +203,14 @@ ROUTE_WARPS = (2, 8)
 ROUTE_BQ = 32
 
 
+def _route_outputs(t: int, top_k: int, e: int, weight_dtype: torch.dtype, dev):
+    """The route's outputs, uninitialized: idx [t, k] int64, w [t, k], rows and pos [t k] int32, offsets."""
+    idx = torch.empty(t, top_k, dtype=torch.int64, device=dev)
+    w = torch.empty(t, top_k, dtype=weight_dtype, device=dev)
+    rows, pos = (torch.empty(t * top_k, dtype=torch.int32, device=dev) for _ in range(2))
+    return idx, w, rows, pos, torch.empty(e + 1, dtype=torch.int32, device=dev)
+
+
 def route(logits: torch.Tensor, top_k: int, norm: bool, weight_dtype: torch.dtype | None = None, *,
           num_warps: int | None = None, bq: int | None = None):
     """logits [T, E] (router output, any float dtype) -> (topk_idx [T, k] int64, topk_weight [T, k] in
@@ -217,11 +225,7 @@ def route(logits: torch.Tensor, top_k: int, norm: bool, weight_dtype: torch.dtyp
                          f"kernel (T * top_k <= {MAX_PAIRS}, top_k <= E <= {MAX_EXPERTS}, T x E <= "
                          f"{MAX_TILE} to powers of two); use the torch route (SparseMoeBlock.route)")
     dev = logits.device
-    idx = torch.empty(t, top_k, dtype=torch.int64, device=dev)
-    w = torch.empty(t, top_k, dtype=weight_dtype or logits.dtype, device=dev)
-    rows = torch.empty(t * top_k, dtype=torch.int32, device=dev)
-    pos = torch.empty(t * top_k, dtype=torch.int32, device=dev)
-    offsets = torch.empty(e + 1, dtype=torch.int32, device=dev)
+    idx, w, rows, pos, offsets = _route_outputs(t, top_k, e, weight_dtype or logits.dtype, dev)
     bp = max(16, triton.next_power_of_2(t * top_k))
     bq = bq or (16 if INTERPRET else ROUTE_BQ)
     COMPILED["moe route"] = _route_kernel[(1,)](
@@ -266,11 +270,7 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
     if lock is None:
         lock = _LOCKS[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
     logits = torch.empty(t, e, dtype=torch.bfloat16, device=dev)
-    idx = torch.empty(t, top_k, dtype=torch.int64, device=dev)
-    w = torch.empty(t, top_k, dtype=weight_dtype or torch.bfloat16, device=dev)
-    rows = torch.empty(t * top_k, dtype=torch.int32, device=dev)
-    pos = torch.empty(t * top_k, dtype=torch.int32, device=dev)
-    offsets = torch.empty(e + 1, dtype=torch.int32, device=dev)
+    idx, w, rows, pos, offsets = _route_outputs(t, top_k, e, weight_dtype or torch.bfloat16, dev)
     bq = 16 if INTERPRET else ROUTE_BQ
     bes, bh = bes or ROUTER_BES, bh or ROUTER_BH
     if bes < 16 or bes & (bes - 1) or bh < 16 or bh & (bh - 1):
