@@ -5,7 +5,9 @@ the parent asserts. Hangs fail: the collectives time out and the parent kills ra
 import dataclasses
 import hashlib
 import multiprocessing as mp
+import os
 import pickle
+import sys
 import time
 import traceback
 import warnings
@@ -141,19 +143,32 @@ PROGRAMS = dict(broadcast=rank_broadcast, generate=rank_generate, load=rank_load
 
 
 def _rank_main(rank: int, world: int, init: str, out_dir: str, program: str) -> None:
+    """One rank: run the program, write its result (or its traceback), then leave with os._exit.
+
+    The ranks meet at a barrier before tearing the group down, so no rank closes its gloo connections
+    while the other is still inside the last collective. os._exit skips interpreter finalization: on a
+    loaded machine torch's gloo teardown there can abort a process (`terminate called without an active
+    exception`, exit -6) after everything it had to do is done and written (seen once in CI, in this
+    test's `load` program; pytorch/pytorch#179291 describes that teardown)."""
     out = Path(out_dir)
+    code = 1
     try:
         torch.set_num_threads(1)
         torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                              timeout=timedelta(seconds=30))
         try:
             result = PROGRAMS[program](rank)
+            torch.distributed.barrier()
         finally:
             torch.distributed.destroy_process_group()
         (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(td.to_wire(result)))
+        code = 0
     except BaseException:
         (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def run_ranks(tmp_path: Path, program: str, world: int = WORLD, timeout: float = 90.0) -> list:
@@ -176,6 +191,8 @@ def run_ranks(tmp_path: Path, program: str, world: int = WORLD, timeout: float =
     assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors.items())
     assert not hung, f"ranks {hung} did not finish within {timeout:.0f} s (a collective hung?)"
     assert [p.exitcode for p in procs] == [0] * world
+    missing = [r for r in range(world) if not (tmp_path / f"rank{r}.pkl").exists()]
+    assert not missing, f"ranks {missing} exited 0 without writing their results"
     return [td.from_wire(pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes())) for r in range(world)]
 
 

@@ -19,6 +19,7 @@ must call, in the same order, with the same arguments where the docstrings say s
             sampler.load(build_payload(trainer_model, contract, version=step + 1))
         else:
             sampler.load(None)  # receives rank 0's payload
+    dist.barrier()  # no rank closes its connections while another is still inside a collective
     dist.destroy_process_group()
 
 Every rank calls load at the same steps (the others with None). A data-parallel trainer (every rank trains
