@@ -672,8 +672,9 @@ def test_gpu_grouped_silu_equals_silu_mul_then_kernel(monkeypatch):
             gemv_cuda.launch_grouped(gu, w, gs, offs, got, x_silu=True)
         return a, want, got
 
-    calls = []  # gemm.gemm's silu_mul launches
-    monkeypatch.setattr(gemm, "_silu_mul", lambda x: calls.append(1) or fused.silu_mul(x)[0])
+    calls = []  # fused.silu_mul launches (gemm.gemm calls it as gemm._fused.silu_mul)
+    silu_mul = fused.silu_mul
+    monkeypatch.setattr(gemm._fused, "silu_mul", lambda *a, **kw: calls.append(1) or silu_mul(*a, **kw))
     cases = [(1, None, 0), (8, None, 0), (32, None, 0), (32, 7, 0), (8, None, 40), (1, 3, 24), (2, None, 0)]
     for t, hot, pad in cases:
         offs = _routing(e, t, top, gen, hot)

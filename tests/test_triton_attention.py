@@ -422,3 +422,37 @@ def test_bf16_tiles_fit_the_device_shared_memory(monkeypatch):
     for limit, d in ((232448, 64), (232448, 256), (101376, 128), (101376, 256), (49152, 128)):
         bt, st = fit(limit, d)
         assert attention.bf16_smem_bytes(d, bt, st) + 4096 <= limit, (limit, d, bt, st)
+
+
+def test_ptx_fallback_only_for_the_nvfp4_cache(monkeypatch):
+    """A kernel failure that names PTX turns the PTX E2M1 unpack off (and retries) only for an NVFP4 cache,
+    the one kind that uses it: a BF16 or FP8 cache's failure re-raises and leaves the unpack on."""
+    from fp4rl.kernels import _common
+
+    launches = []
+
+    class Failing:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs["USE_ASM"])
+                raise RuntimeError("ptxas fatal: the test's failing kernel")
+            return launch
+
+    monkeypatch.setitem(_common.ASM, "on", True)
+    monkeypatch.setattr(attention, "_decode_attn_kernel", Failing())
+    monkeypatch.setitem(attention.GLUON, "on", False)
+    q, k, v, lens, _ = _bf16_case(2, 4, 2, 32, 32, [32, 5])
+    with pytest.raises(RuntimeError, match="ptxas"):
+        attention.decode_attention(q, lens, k, v, None, None)
+    q, k, v, lengths = _case(2, 4, 2, 32, 32, [32, 5])
+    k8, kg = attention.quantize_kv_fp8(k)
+    v8, vg = attention.quantize_kv_fp8(v)
+    with pytest.raises(RuntimeError, match="ptxas"):
+        attention.decode_attention(q, lengths, k8, v8, kg, vg)
+    assert _common.ASM["on"] and launches == [True, True]
+    kd, ks, kg = attention.quantize_kv_nvfp4(k)
+    vd, vs, vg = attention.quantize_kv_nvfp4(v)
+    warned = pytest.warns(UserWarning, match="PTX E2M1 unpack failed")
+    with warned, pytest.raises(RuntimeError, match="ptxas"):
+        attention.decode_attention(q, lengths, kd, vd, kg, vg, k_scale=ks, v_scale=vs)
+    assert not _common.ASM["on"] and launches == [True, True, True, False]  # retried with arithmetic

@@ -32,8 +32,12 @@ COMPILED: dict = {}
 ASM = {"on": not INTERPRET}
 
 
-def with_asm_fallback(launch):
-    """Run a launcher; if its PTX unpack fails to assemble here, retry once with arithmetic."""
+def with_asm_fallback(launch=None, *, when=None):
+    """Run a launcher; if its PTX unpack fails to assemble here, retry once with arithmetic (ASM["on"] goes
+    off for every later launch). when(*args, **kwargs): whether this call uses the PTX unpack at all (a
+    call that does not, e.g. decode attention over a BF16 cache, re-raises and leaves ASM alone)."""
+    if launch is None:
+        return functools.partial(with_asm_fallback, when=when)
 
     @functools.wraps(launch)
     def run(*args, **kwargs):
@@ -41,7 +45,8 @@ def with_asm_fallback(launch):
             return launch(*args, **kwargs)
         except Exception as exc:
             text = str(exc).lower()
-            if not ASM["on"] or not ("ptx" in text or "asm" in text):
+            if (not ASM["on"] or not ("ptx" in text or "asm" in text)
+                    or (when is not None and not when(*args, **kwargs))):
                 raise
             warnings.warn(f"PTX E2M1 unpack failed ({str(exc)[:200]}); using the arithmetic unpack",
                           stacklevel=2)

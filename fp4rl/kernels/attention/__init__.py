@@ -115,9 +115,9 @@ def _splits_bf16(b: int, hkv: int, t: int, device) -> int:
     captured once serves every step). The splits double while the grid stays within one wave (one CTA per
     multiprocessor: a 128-token tile pipelined 2 deep takes 139 KB of shared memory) and each split keeps
     >= split_tokens of the capacity. On the H200 (132 SMs), 4 KV heads: batch 1 takes 2 splits at 512
-    tokens, 16 at 4K, 32 at 32K; batch 8 takes 4 from 512 up; batch 32 one (bench/attention_bf16.py, where
-    these were the best or within 5% of it). A short sequence in a long cache keeps fewer active splits
-    (min_chunk), the others return at once."""
+    tokens, 16 at 4K, 32 at 32K; batch 8 takes 2 at 512 and 4 from 1K up; batch 32 one
+    (bench/attention_bf16.py, where these were the best or within 5% of it). A short sequence in a long
+    cache keeps fewer active splits (min_chunk), the others return at once."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     n, grid, tokens = 1, BF16_TUNE["programs_per_sm"] * sms, BF16_TUNE["split_tokens"]
     while n < 64 and b * hkv * 2 * n <= grid and t // (2 * n) >= tokens:
@@ -201,7 +201,12 @@ def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, 
     return out
 
 
-@with_asm_fallback
+def _uses_asm(*args, k_scale=None, **kwargs) -> bool:
+    """Only an NVFP4 cache (k_scale given) unpacks E2M1 codes with the PTX routine."""
+    return k_scale is not None
+
+
+@with_asm_fallback(when=_uses_asm)
 def decode_attention(q, lengths, k, v, k_global=None, v_global=None, *, k_scale=None, v_scale=None,
                      sm_scale=None, num_splits=None, block_t=None, num_warps=None, num_stages=None,
                      starts=None, kernel=None, min_chunk=None, _mode: int = 20, _pf: int = 3,
