@@ -47,7 +47,10 @@ Aggregation over the masked tokens of the batch:
 
 For gradient accumulation over micro-batches pass `loss_denominator` = the whole batch's token
 count (token-mean) or sequence count (seq-mean-token-mean) so the sum of micro-batch losses
-equals the full-batch loss.
+equals the full-batch loss. With MIS the denominator is the count left after rejection, known
+only once every micro-batch has run: each reports it (metrics["train/loss_units"]) and the
+caller multiplies the summed loss and gradients by loss_denominator / sum(loss_units)
+(Trainer.step does).
 
 Mismatch estimate: with r = pi_old / mu evaluated on samples from mu, k3 = r - 1 - log r is an
 unbiased, non-negative estimate of KL(mu || pi_old) per token.
@@ -335,6 +338,10 @@ def grpo_loss(
     )
     metrics.update(pg_metrics)
     metrics["train/pg_loss"] = loss.item()
+    # what the loss divides by without loss_denominator: tokens (token-mean) or sequences with a token
+    # (seq-mean-token-mean) left after MIS; a caller that divided by the whole batch's count rescales by it
+    units = mask.sum() if config.loss_agg == "token-mean" else (mask.sum(1) > 0).sum()
+    metrics["train/loss_units"] = float(units)
     if config.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("grpo.kl_coef > 0 needs ref_logprobs (the reference policy's logprobs)")

@@ -162,14 +162,14 @@ class Trainer:
                 ref = [self.logprobs(mb, self.ref_model) for mb in micro]
         pi_old = list(old)
         sums: dict[str, float] = {}  # token-weighted sums of per-micro-batch metrics
-        weight_total, losses, grad_norms, lrs = 0.0, [], [], []
+        weight_total, losses, grad_norms, lrs, kls = 0.0, [], [], [], []
         for _ in range(self.updates_per_batch if micro else 0):
             lr = config.trainer.lr * lr_factor(self.updates, schedule=config.trainer.lr_schedule,
                                                warmup=config.trainer.warmup_steps, total=self.total_updates)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.zero_grad(set_to_none=True)
-            loss_sum = 0.0
+            loss_sum, kl_sum, kept = 0.0, 0.0, 0.0
             for i, mb in enumerate(micro):
                 logprobs = self.logprobs(mb)  # [b, t] with grad
                 if pi_old[i] is None:
@@ -179,16 +179,27 @@ class Trainer:
                                     ref_logprobs=ref[i], loss_denominator=denominator)
                 loss.backward()
                 loss_sum += loss.item()
+                kl_sum += m.get("train/kl_ref", 0.0)  # each a part of the batch's (the batch denominator)
+                kept += m["train/loss_units"]
                 tokens = float(mb.loss_mask.sum())
                 weight_total += tokens
-                for key in ("train/clip_frac", "train/ratio_mean", "train/kl_ref"):
+                for key in ("train/clip_frac", "train/ratio_mean"):
                     if key in m:
                         sums[key] = sums.get(key, 0.0) + m[key] * tokens
+            if config.grpo.is_correction == "mis":
+                # MIS's rejected tokens (sequences) leave the denominator too (grpo.py): the micro-batches
+                # divided by the whole batch's count, known only now; the loss is linear in 1/denominator
+                scale = denominator / max(kept, 1.0)
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+                loss_sum, kl_sum = loss_sum * scale, kl_sum * scale
             max_norm = config.trainer.grad_clip if config.trainer.grad_clip > 0 else math.inf
             grad_norms.append(torch.nn.utils.clip_grad_norm_(self.params, max_norm).item())
             self.optimizer.step()
             self.updates += 1
             losses.append(loss_sum)
+            kls.append(kl_sum)
             lrs.append(lr)
         self.policy_version += 1
 
@@ -198,6 +209,8 @@ class Trainer:
             metrics["train/grad_norm_max"] = max(grad_norms)
             metrics["train/lr"] = lrs[-1]
             metrics.update({k: v / max(weight_total, 1.0) for k, v in sums.items()})
+            if config.grpo.kl_coef > 0:
+                metrics["train/kl_ref"] = sum(kls) / len(kls)
             metrics.update(self._mismatch(batch, micro, pi_old))
         if batch.guidance is not None:
             self.trace_stats.cache_bytes = sum(g.bytes_per_row() for g in batch.guidance.values()) * int(

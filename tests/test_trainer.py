@@ -246,3 +246,43 @@ def test_checkpoints_keep_the_newest_and_ignore_partial_ones(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_000003"
     assert not partial.exists()
     assert trainer.load_checkpoint(latest_checkpoint(tmp_path))["step"] == 3
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_mis_rejected_tokens_leave_the_denominator_with_micro_batches(loss_agg, level):
+    """MIS drops the rejected tokens (sequences) from the loss and from its denominator (grpo.py), with or
+    without micro-batches; train/kl_ref is the whole batch's k3 mean whatever the micro-batch size."""
+    base = tiny_model()
+    sets = {"grpo.is_correction": "mis", "grpo.is_level": level, "grpo.loss_agg": loss_agg,
+            "grpo.kl_coef": 0.1, "grpo.mis_low": 0.5, "grpo.mis_high": 2.0}
+    g = torch.Generator().manual_seed(3)
+    results = []
+    for mbs in (0, 1, 3):
+        cfg = config(**sets, **{"trainer.micro_batch_size": mbs})
+        trainer = Trainer(copy.deepcopy(base), NVFP4, cfg)
+        torch.manual_seed(0)
+        with torch.no_grad():  # a reference policy apart from the trainer's, so the KL is not 0
+            for p in trainer.ref_model.parameters():
+                p.add_(torch.randn(p.shape) * 0.05)
+        batch = make_batch(trainer.model, advantages=(1.0, -1.0, 0.5, -0.5, 0.8, -0.3), seed=1)
+        if not results:
+            noise = torch.randn(batch.sampler_logprobs.shape, generator=g) * (0.8 if level == "token" else 0.3)
+        batch.sampler_logprobs += noise * batch.loss_mask  # some tokens (sequences) rejected, some kept
+        if not results:  # the full-batch objective as grpo.py defines it (no loss_denominator)
+            ref = copy.deepcopy(trainer)
+            lp = ref.logprobs(batch)
+            with torch.no_grad():
+                ref_lp = ref.logprobs(batch, ref.ref_model)
+            loss, m = grpo_loss(lp, batch.advantages, batch.loss_mask, cfg.grpo,
+                                sampler_logprobs=batch.sampler_logprobs, ref_logprobs=ref_lp)
+            loss.backward()
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.params])).item()
+            assert 0.1 < m["mismatch/mis_mask_frac"] < 0.9  # the case this test is about
+            if level == "sequence" or loss_agg == "token-mean":  # (token-level: every sequence keeps some)
+                assert m["train/loss_units"] < (batch.num_tokens if loss_agg == "token-mean" else len(batch))
+        metrics = trainer.step(batch)
+        results.append(metrics)
+        assert metrics["train/loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-7), mbs
+        assert metrics["train/grad_norm"] == pytest.approx(norm, rel=1e-4), mbs
+        assert metrics["train/kl_ref"] == pytest.approx(m["train/kl_ref"], rel=1e-4), mbs
