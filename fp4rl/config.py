@@ -227,7 +227,8 @@ class TrainerConfig(_Section):
     lr_schedule: str = _knob(
         "constant", "learning-rate shape after warmup", choices=("constant", "cosine", "linear")
     )
-    warmup_steps: int = _knob(0, "steps of linear warmup from 0 to lr", ge=0)
+    warmup_steps: int = _knob(0, "optimizer updates of linear warmup from 0 to lr (one per step unless "
+                                 "loop.updates_per_batch > 1)", ge=0)
     micro_batch_size: int = _knob(8, "sequences per forward/backward (0: the whole batch at once)", ge=0)
     autocast: str = _knob("bf16", "autocast dtype of the training forward/backward", choices=("bf16", "none"))
     seed: int = _knob(0, "seed of sampling, training order and initialisation", ge=0)
@@ -509,10 +510,11 @@ def dump_toml(config: RunConfig) -> str:
 
 def save_config(config: RunConfig, path: str | Path) -> Path:
     """Write dump_toml(config) to `path` (e.g. runs/<name>/config.toml)."""
+    from fp4rl.metrics import write_atomic
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dump_toml(config))
-    return path
+    return write_atomic(path, dump_toml(config))  # a kill mid-write keeps the old file (--resume reads it)
 
 
 def describe_fields() -> list[dict]:

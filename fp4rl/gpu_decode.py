@@ -278,7 +278,9 @@ class DecodeEngine:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: an async run captures in its rollout thread while the trainer's thread allocates
+            # and syncs (.item()); "global" (torch's default) would forbid those in every thread meanwhile
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 out = self._step(bucket)
         except Exception as exc:  # noqa: BLE001 - any capture failure: decode eagerly, say why
             step = "fused" if self.fused else "module"

@@ -4,11 +4,12 @@ Notation. A prompt q gets a group of n completions o_1..o_n from the sampler pol
 NVFP4 rollout engine) with rewards r_1..r_n. Three log-probabilities exist per token t of o_i:
 
     sampler_logprobs  log mu(o_it)          what the sampler computed while generating
-    old_logprobs      log pi_old(o_it)      the trainer's policy at rollout time (version v)
+    old_logprobs      log pi_old(o_it)      the trainer's policy before this batch's first update
     logprobs          log pi_theta(o_it)    the trainer's policy now, with gradient
 
 In a perfectly matched system mu == pi_old. With NVFP4 rollout, other kernels and (async) stale
-weights, they differ; the difference is what `mismatch_metrics` measures.
+weights, they differ; the difference is what `mismatch_metrics` measures (in an async run it
+holds the policy's drift over the batch's staleness as well as the sampler's numerics).
 
 Advantage (GRPO, shared by every token of a completion):
 

@@ -14,12 +14,33 @@ accuracy (every `eval/*accuracy*` key). Keys follow DESIGN.md (`reward/mean`,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
+import os
+import tempfile
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
+
+
+def write_atomic(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` through a temporary file in the same directory, fsynced, then renamed over
+    it: a reader (or a kill) sees the old file or the new one, never a truncated one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -76,7 +97,7 @@ class MetricsLogger:
             kept = (
                 [r for r in read_metrics(self.path) if r["step"] <= resume_step] if self.path.exists() else []
             )
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))  # a kill keeps the old
             self.last_step = kept[-1]["step"] if kept else None
         elif self.path.exists() and self.path.stat().st_size > 0 and not overwrite:
             raise FileExistsError(

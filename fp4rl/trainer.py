@@ -10,9 +10,13 @@ NVFP4 linears the sampler runs), and `step(batch)`:
    because BF16 logits alone would put ~0.03 nats of rounding into every logprob and drown the
    NVFP4 mismatch this project measures;
 2. computes the GRPO loss of fp4rl.grpo with the importance-sampling correction of
-   pi_old / mu (trainer at rollout time over sampler), over micro-batches whose losses share
-   one denominator (the whole batch's tokens or sequences), so accumulating them gives the
-   full-batch gradient;
+   pi_old / mu (the trainer before this step's first update over the sampler), over
+   micro-batches whose losses share one denominator (the whole batch's tokens or sequences,
+   after MIS's rejections), so accumulating them gives the full-batch gradient. In a sync run
+   pi_old has the weights the sampler was given, so pi_old / mu is the NVFP4 mismatch alone; in
+   an async run whose batch is k steps stale it is k updates newer than the sampler's weights,
+   so the weight corrects the staleness too and mismatch/* measures both (decoupled PPO: the
+   clip is around pi_old, the IS weight carries the rest);
 3. clips the global gradient norm, steps AdamW at the learning rate of the schedule
    (linear warmup, then constant, linear or cosine decay to 0), and bumps `policy_version`.
 

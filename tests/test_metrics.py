@@ -126,3 +126,25 @@ def test_plot_skips_missing_metrics_and_cli(tmp_path, capsys):
     assert "grad_norm.png" in capsys.readouterr().out
     with pytest.raises(FileNotFoundError, match="run directory"):
         plot(tmp_path / "nope")
+
+
+def test_resume_rewrite_is_atomic(tmp_path, monkeypatch):
+    """The resume rewrite of metrics.jsonl (and config.toml, written the same way) goes through a renamed
+    temporary file: a failure (a kill) before the rename leaves the old file whole and no temporary behind."""
+    with MetricsLogger(tmp_path, tensorboard=False) as log:
+        for step in range(1, 5):
+            log.log(step, {"reward/mean": float(step)})
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+
+    def killed(src, dst):
+        raise KeyboardInterrupt  # what a kill between the write and the rename would leave
+
+    monkeypatch.setattr(metrics_module.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        MetricsLogger(tmp_path, tensorboard=False, resume_step=2)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    monkeypatch.undo()
+    with MetricsLogger(tmp_path, tensorboard=False, resume_step=2):
+        pass
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
