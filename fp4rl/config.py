@@ -100,6 +100,9 @@ def validate_fields(obj, section: str) -> None:
         if "choices" in meta and value not in meta["choices"]:
             allowed = ", ".join(repr(c) for c in meta["choices"])
             raise ConfigError(f"{key} = {value!r}: allowed values are {allowed}")
+        if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, list)
+                                                                        else [value])):
+            raise ConfigError(f"{key} = {value!r}: must be a finite number")
         for rule, op, text in _RULES:
             if rule in meta and value is not None:
                 items = value if isinstance(value, list) else [value]
@@ -145,7 +148,9 @@ class ModelConfig(_Section):
     name: str = _knob(
         "default", "Hugging Face id, local path, or 'default' (the built-in SmolLM2-135M-Instruct)"
     )
-    dtype: str = _knob("float32", "dtype of the master weights", choices=("float32", "bfloat16"))
+    dtype: str = _knob("float32", "dtype of the master weights; bfloat16 halves their memory, but AdamW then "
+                       "updates bf16 weights in place and a change below half a bf16 ulp of a weight rounds "
+                       "away (at lr 5e-6 most weights never move)", choices=("float32", "bfloat16"))
     device: str = _knob(
         "auto", "where the trainer runs ('auto': cuda if available)", choices=("auto", "cpu", "cuda")
     )
@@ -207,9 +212,11 @@ class PrecisionConfig(_Section):
 class SamplerConfig(_Section):
     SECTION: ClassVar[str] = "sampler"
     n: int = _knob(8, "completions per prompt (the GRPO group size)", ge=2)
-    temperature: float = _knob(1.0, "sampling temperature (0: greedy)", ge=0.0)
-    top_p: float = _knob(1.0, "nucleus sampling mass (1: off)", gt=0.0, le=1.0)
-    top_k: int = _knob(0, "sample among the k most likely tokens (0: off)", ge=0)
+    temperature: float = _knob(1.0, "sampling temperature of the rollouts (> 0: RL needs sampling; greedy "
+                               "held-out accuracy is eval.temperatures' 0)", gt=0.0)
+    top_p: float = _knob(1.0, "nucleus sampling mass (1: off); the recorded logprobs stay those of the full "
+                         "distribution, so the IS weights do not see the truncation", gt=0.0, le=1.0)
+    top_k: int = _knob(0, "sample among the k most likely tokens (0: off); logprobs as for top_p", ge=0)
     max_new_tokens: int = _knob(32, "completion length limit in tokens", ge=1)
     kv_cache: str = _knob("bf16", "KV-cache storage format of the sampler", choices=("bf16", "fp8", "nvfp4"))
     dtype: str = _knob("model", "compute dtype of the sampler ('model': the master weights' dtype); bfloat16 "

@@ -52,8 +52,13 @@ def test_invalid_values_name_the_key_and_the_allowed_values():
         ConfigError, match=r"precision.preset = 'fp4'.*'bf16', 'nvfp4-experts', 'nvfp4-linear'"
     ):
         load_config(overrides=["precision.preset=fp4"])
-    with pytest.raises(ConfigError, match=r"sampler.temperature = -1.0: must be >= 0"):
+    with pytest.raises(ConfigError, match=r"sampler.temperature = -1.0: must be > 0"):
         load_config(overrides=["sampler.temperature=-1"])
+    with pytest.raises(ConfigError, match=r"sampler.temperature = 0.0: must be > 0"):  # RL samples
+        load_config(overrides=["sampler.temperature=0"])
+    for item in ("trainer.lr=inf", "grpo.tis_cap=inf", "trainer.lr=nan", "eval.temperatures=[0.0, inf]"):
+        with pytest.raises(ConfigError, match=r"must be a finite number"):
+            load_config(overrides=[item])
     with pytest.raises(ConfigError, match=r"sampler.n = 1: must be >= 2"):
         SamplerConfig(n=1)
     with pytest.raises(ConfigError, match=r"sampler.n = 'eight': expected int"):

@@ -267,7 +267,8 @@ def test_mis_rejected_tokens_leave_the_denominator_with_micro_batches(loss_agg, 
                 p.add_(torch.randn(p.shape) * 0.05)
         batch = make_batch(trainer.model, advantages=(1.0, -1.0, 0.5, -0.5, 0.8, -0.3), seed=1)
         if not results:
-            noise = torch.randn(batch.sampler_logprobs.shape, generator=g) * (0.8 if level == "token" else 0.3)
+            spread = 0.8 if level == "token" else 0.3
+            noise = torch.randn(batch.sampler_logprobs.shape, generator=g) * spread
         batch.sampler_logprobs += noise * batch.loss_mask  # some tokens (sequences) rejected, some kept
         if not results:  # the full-batch objective as grpo.py defines it (no loss_denominator)
             ref = copy.deepcopy(trainer)
