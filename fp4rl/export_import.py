@@ -101,21 +101,23 @@ def load_exported(path: str | os.PathLike, dtype: torch.dtype | str | None = Non
     contract = _contract(model, set(packed), activations, manifest)
     convert(model, contract)
     modules = dict(model.named_modules())
+    rule = contract.weight_quantize_kwargs()  # the labels the trainer's own Q(W) carries (weight sync checks)
+    labels = dict(tile=rule["tile"], scale_rule=rule["scale_rule"])
     for name, (data, block_scale, g) in packed.items():
         m = modules[name]
         if not isinstance(m, NVFP4Linear) or m.mode != activations:
             raise ValueError(f"{path}: the recovered precision contract makes {name} "
                              f"{getattr(m, 'mode', 'bf16')}, the checkpoint holds it {activations}")
-        q = _nvfp4(data.to(device), block_scale.to(device), g.to(device), m.weight.dtype)
+        q = _nvfp4(data.to(device), block_scale.to(device), g.to(device), m.weight.dtype, **labels)
         _install(m, q)
     model.precision_contract = contract
     return model, load_tokenizer(path), contract
 
 
-def _nvfp4(data, block_scale, g, dtype) -> NVFP4Tensor:
+def _nvfp4(data, block_scale, g, dtype, tile=16, scale_rule="6") -> NVFP4Tensor:
     n, k = data.shape[0], data.shape[1] * 2
     return NVFP4Tensor(data=data, block_scale=block_scale, global_scale=g.reshape(()),
-                       shape=torch.Size((n, k)), dtype=dtype)
+                       shape=torch.Size((n, k)), dtype=dtype, tile=tile, scale_rule=scale_rule)
 
 
 def _install(module: NVFP4Linear, q: NVFP4Tensor) -> None:

@@ -19,6 +19,8 @@ from fp4rl.model import CausalLM, ModelConfig
 from fp4rl.nvfp4 import E2M1_TABLE, NVFP4Tensor, dequantize, unpack_fp4
 from fp4rl.precision import PrecisionContract, is_linear
 from fp4rl.qat import NVFP4Linear, convert, packed_state
+from fp4rl.sampler import Sampler
+from fp4rl.weight_sync import build_payload
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer files")  # tiny models have none
 POW2_CODES = torch.tensor([0, 1, 2, 4, 6, 8, 9, 10, 12, 14])  # |e2m1| in {0, .5, 1, 2, 4}: order-free
@@ -304,6 +306,7 @@ def test_export_import_gives_the_served_model(tmp_path, model_type, preset, fmt,
     assert set(again) == set(packed)
     for k, q in again.items():
         assert torch.equal(q.data, packed[k].data) and torch.equal(q.global_scale, served_g[k])
+        assert (q.tile, q.scale_rule) == (packed[k].tile, packed[k].scale_rule)  # what weight sync compares
         assert torch.equal(q.block_scale.view(torch.uint8), packed[k].block_scale.view(torch.uint8))
         assert torch.equal(loaded.get_submodule(k.removesuffix(".weight")).weight, dequantize(q))  # master=DQ
     want = {n: (activations or p) if p != "bf16" else p for n, p in contract.resolve(model).items()}
@@ -311,6 +314,7 @@ def test_export_import_gives_the_served_model(tmp_path, model_type, preset, fmt,
     assert recovered.resolve(loaded) == want
     assert recovered.preset == preset or (activations and recovered.preset in (preset, "nvfp4-w4a16"))
 
+    sampler = Sampler(loaded, eos_token_ids=[])  # a rollout engine on the loaded bytes
     loaded.train()  # continuing RL: gradients flow, and a step re-quantizes the new master weights
     params = [p for p in loaded.parameters() if p.requires_grad]
     loaded(IDS).logsumexp(-1).mean().backward()
@@ -318,6 +322,8 @@ def test_export_import_gives_the_served_model(tmp_path, model_type, preset, fmt,
     torch.optim.SGD(params, lr=1e-2).step()
     k0, q0 = next(iter(again.items()))
     assert packed_state(loaded)[k0] is not q0
+    sampler.load(build_payload(loaded, recovered, version=1), verify=True)  # the first sync is accepted
+    assert sampler.policy_version == 1
 
 
 def test_moe_experts_are_written_one_by_one(tmp_path):
