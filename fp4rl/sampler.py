@@ -272,22 +272,36 @@ class Sampler:
         self.pad_token_id = getattr(tokenizer, "pad_token_id", None) or 0
         self.cpu_ops = isinstance(self.model.model, FastCPUDecoder)
         self.policy_version = policy_version
+        self.weights_digest: str | None = None  # the digest of the last payload loaded (None: built weights)
+        self.weights_error: str | None = None  # set by a load whose verification failed (see load)
         self.num_moe_layers = len(self.config.moe_layers)
 
     # -- weights -----------------------------------------------------------------------------
     def load(self, payload, *, verify: bool = False) -> None:
         """Apply a weight_sync.Payload in place. Everything is validated first (version, names,
         shapes, dtypes, checksums); a refused payload raises and leaves the old weights. With
-        verify=True the sampler's tensors are re-hashed afterwards and must equal the payload's."""
-        from fp4rl.weight_sync import apply_payload
+        verify=True the sampler's tensors are re-hashed afterwards and must equal the payload's; if
+        they do not (weight_sync.VerifyError: the copy went wrong, the old weights are gone) the
+        sampler refuses to generate until a later load succeeds."""
+        from fp4rl.weight_sync import VerifyError, apply_payload
 
-        apply_payload(self.model, payload, current_version=self.policy_version, verify=verify)
+        try:
+            apply_payload(self.model, payload, current_version=self.policy_version, verify=verify,
+                          current_digest=self.weights_digest)
+        except VerifyError as exc:
+            self._invalidate()
+            self.weights_error = f"v{payload.version} failed verification after loading: {exc}"
+            raise
+        self._invalidate()
+        self.policy_version, self.weights_digest, self.weights_error = payload.version, payload.digest, None
+
+    def _invalidate(self) -> None:
+        """Drop what the sampler derived from its weights (dequantized / prepacked / fused copies)."""
         for m in self.model.modules():
             if isinstance(m, PackedNVFP4Linear | PrepackedLinear):
                 m.invalidate()
         for group in self.model.fused_groups:
             group.invalidate()
-        self.policy_version = payload.version
 
     def memory(self) -> dict[str, float]:
         """Bytes of the packed linears vs the same weights in BF16; what the sampler derives from them
@@ -343,6 +357,9 @@ class Sampler:
         """Completions for every prompt x params.n, ordered prompt by prompt, sample by sample."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"generate: params must be a SamplingParams, got {type(params).__name__}")
+        if self.weights_error is not None:
+            raise RuntimeError(f"generate: the sampler's weights are not a known version "
+                               f"({self.weights_error}); load a payload again before generating")
         prompt_ids = self._encode(prompts)
         if params.stop and self.tokenizer is None:
             raise ValueError("generate: stop strings need a tokenizer to decode the text")

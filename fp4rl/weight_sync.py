@@ -10,7 +10,8 @@ bit-exact FP32 sampler). Tied parameters travel once.
 Integrity. Each tensor has a BLAKE2b-128 checksum over (name, dtype, shape, bytes); the payload's
 `digest` hashes the version, the quantizer settings and every checksum in name order.
 `apply_payload` (what `Sampler.load` calls) validates everything before it touches a weight:
-- the version is not older than the sampler's (an equal version is an idempotent re-push);
+- the version is not older than the sampler's; an equal version is accepted only as a re-push of
+  the payload the sampler holds (same digest: a version names one set of weights);
 - the names are exactly the sampler's packed and dense tensors; shapes, dtypes, NVFP4 metadata
   (tile, 4/6 rule) and each packed linear's mode and activation quantizer settings match;
 - every checksum and the digest recompute to the stored values (a flipped byte is named).
@@ -18,6 +19,8 @@ Only then are the tensors copied in place; a refused payload raises ValueError a
 keeps its old weights. With verify=True the sampler's own tensors are hashed again after the
 copy and must reproduce the payload's checksums: the sampler then provably holds the bytes the
 trainer's forward quantized (`verify_equal` checks that directly against a trainer in-process).
+A verify failure (VerifyError, a ValueError) comes after the copy, so the old weights are gone:
+the Sampler then refuses to generate until a load succeeds.
 
 Transport: `to_bytes()` / `from_bytes()` (and `save` / `load` for files) use safetensors with
 the checksums and metadata in its JSON header, ready for Ray object refs or a
@@ -247,9 +250,16 @@ def _sampler_packed(model: nn.Module) -> dict:
     return {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, PackedNVFP4Linear)}
 
 
-def apply_payload(model: nn.Module, payload: Payload, *, current_version: int, verify: bool = False) -> None:
+class VerifyError(ValueError):
+    """apply_payload(verify=True): after the copy, the sampler's tensors do not hold the payload's bytes."""
+
+
+def apply_payload(model: nn.Module, payload: Payload, *, current_version: int, verify: bool = False,
+                  current_digest: str | None = None) -> None:
     """Copy `payload` into the sampler's model in place, after validating all of it (see the module
-    docstring). Raises ValueError and changes nothing when the payload is refused."""
+    docstring). Raises ValueError and changes nothing when the payload is refused; VerifyError when
+    verify finds other bytes after the copy. current_digest: the digest of the payload the sampler holds
+    (None: none loaded yet), which an equal version must repeat."""
     if not isinstance(payload, Payload):
         raise TypeError(f"Sampler.load: expected a weight_sync.Payload, got {type(payload).__name__}")
     if isinstance(payload.version, bool) or not isinstance(payload.version, int):
@@ -257,6 +267,11 @@ def apply_payload(model: nn.Module, payload: Payload, *, current_version: int, v
     if payload.version < current_version:
         raise ValueError(f"weight sync: payload v{payload.version} is older than the sampler's policy "
                          f"v{current_version}: refused (stale), the sampler keeps v{current_version}")
+    if payload.version == current_version and current_digest is not None and payload.digest != current_digest:
+        raise ValueError(f"weight sync: payload v{payload.version} holds other weights than the "
+                         f"v{current_version} the sampler has (digest {payload.digest[:12]} vs "
+                         f"{current_digest[:12]}): refused; a version names one set of weights, so a trainer "
+                         "that went back (e.g. resumed from an older checkpoint) must push a newer version")
     packed = _sampler_packed(model)
     dense = dict(model.named_parameters())
     for kind, ours, theirs in (("packed", packed, payload.packed), ("dense", dense, payload.dense)):
@@ -301,9 +316,9 @@ def apply_payload(model: nn.Module, payload: Payload, *, current_version: int, v
             q = m.quantized_weight()
             for f in PACKED_FIELDS:
                 if tensor_checksum(f"{name}.{f}", getattr(q, f)) != payload.checksums[f"{name}.{f}"]:
-                    raise ValueError(f"weight sync verify: {name}.{f} in the sampler does not hold the "
+                    raise VerifyError(f"weight sync verify: {name}.{f} in the sampler does not hold the "
                                      "payload's bytes after loading")
         for name, p in dense.items():
             if not torch.equal(p, payload.dense[name].to(device=p.device, dtype=p.dtype)):
-                raise ValueError(f"weight sync verify: {name} in the sampler differs from the payload after "
+                raise VerifyError(f"weight sync verify: {name} in the sampler differs from the payload after "
                                  "loading")

@@ -143,6 +143,42 @@ def test_mismatched_or_stale_payloads_are_refused_and_the_old_weights_are_kept()
     with pytest.raises(TypeError, match="Payload"):
         sampler.load({"version": 3})
     sampler.load(build_payload(model, contract, version=2))  # the same version again: an idempotent re-push
+    optimizer_step(model)  # other weights under the version the sampler holds: refused
+    with pytest.raises(ValueError, match="v2 holds other weights than the v2 the sampler has"):
+        sampler.load(build_payload(model, contract, version=2))
+    assert_unchanged(sampler, before, 2)
+    sampler.load(build_payload(model, contract, version=3))
+    assert sampler.policy_version == 3
+
+
+def test_a_failed_verification_stops_generation_until_a_load_succeeds(monkeypatch):
+    """verify=True finds other bytes after the copy (a memory fault, simulated by one linear whose packed
+    data reads back with a flipped bit): the old weights are gone, so generate refuses until a load
+    succeeds."""
+    from fp4rl import weight_sync
+    model, contract = trainer()
+    sampler = Sampler(model, eos_token_ids=[])
+    optimizer_step(model)
+    payload = build_payload(model, contract, version=1)
+    linear = sampler.model.get_submodule("model.layers.1.mlp.down_proj")
+    honest = linear.quantized_weight
+
+    def faulty():
+        q = honest()
+        data = q.data.clone()
+        data.view(-1)[0] ^= 1
+        return dataclasses.replace(q, data=data)
+
+    monkeypatch.setattr(linear, "quantized_weight", faulty)
+    with pytest.raises(weight_sync.VerifyError, match="down_proj.weight.data in the sampler does not hold"):
+        sampler.load(payload, verify=True)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="not a known version.*v1 failed verification.*load a payload"):
+        sampler.generate(PROMPTS, GREEDY)
+    assert sampler.policy_version == 0
+    sampler.load(payload, verify=True)
+    assert sampler.policy_version == 1 and sampler.weights_error is None
+    assert len(sampler.generate(PROMPTS, GREEDY)) == 2
 
 
 def test_build_payload_refuses_a_model_converted_with_another_contract():
