@@ -79,8 +79,7 @@ def excluded(name: str, patterns: list[str]) -> bool:
 
 
 def _bytes(q: NVFP4Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n, k = q.shape
-    if len(q.shape) != 2 or k % GROUP_SIZE or q.hadamard_seed is not None:
+    if len(q.shape) != 2 or q.shape[1] % GROUP_SIZE or q.hadamard_seed is not None:
         raise ValueError(f"export: {name} is an NVFP4Tensor of shape {tuple(q.shape)} with hadamard_seed="
                          f"{q.hadamard_seed}; the formats hold 2D weights with K a multiple of 16 and no "
                          "Hadamard transform")
@@ -151,7 +150,8 @@ class ModelOpt:
     def pop_linear(tensors: dict, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Remove a linear's quantized tensors -> (data, block_scale, decode global scale [])."""
         data = tensors.pop(f"{name}.weight")
-        block_scale, g = _pop(tensors, name, "weight_scale"), _pop(tensors, name, "weight_scale_2")
+        block_scale = _pop(tensors, name, "weight_scale")
+        g = _pop(tensors, name, "weight_scale_2", scalar=True)
         tensors.pop(f"{name}.input_scale", None)
         return data, block_scale, g.float().reshape(())
 
@@ -213,7 +213,8 @@ class CompressedTensors:
     def pop_linear(tensors: dict, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         data = tensors.pop(f"{name}.weight_packed")
         block_scale = _pop(tensors, name, "weight_scale")
-        g = reciprocal(_pop(tensors, name, "weight_global_scale").float().reshape(-1)[0])  # as servers do
+        g = _pop(tensors, name, "weight_global_scale", scalar=True)
+        g = reciprocal(g.float().reshape(()))  # as servers do
         tensors.pop(f"{name}.input_global_scale", None)
         return data, block_scale, g
 
@@ -233,8 +234,12 @@ def detect(config: dict, has_hf_quant_config: bool) -> str | None:
     return None
 
 
-def _pop(tensors: dict, name: str, field: str) -> torch.Tensor:
+def _pop(tensors: dict, name: str, field: str, scalar: bool = False) -> torch.Tensor:
     key = f"{name}.{field}"
     if key not in tensors:
         raise ValueError(f"checkpoint has the packed weight of {name} but no {key}")
-    return tensors.pop(key)
+    t = tensors.pop(key)
+    if scalar and t.numel() != 1:
+        raise ValueError(f"checkpoint {key} holds {t.numel()} values {list(t.shape)}; fp4rl reads NVFP4 "
+                         "with one global scale per weight tensor")
+    return t

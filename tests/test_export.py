@@ -389,6 +389,15 @@ def test_a_file_changed_after_export_is_refused_naming_it(tmp_path, dense_modelo
     with pytest.raises(ValueError, match=r"hf_quant_config\.json is listed .* but missing"):
         fp4rl.load_model(d)
 
+    d = _copy(out, tmp_path / "two_scales")  # another producer's (no manifest) with two global scales
+    (d / MANIFEST).unlink()
+    st = load_file(d / "model.safetensors")
+    key = "model.layers.0.mlp.down_proj.weight_scale_2"
+    st[key] = st[key].reshape(1).repeat(2)
+    save_file(st, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"weight_scale_2 holds 2 values \[2\].*one global scale per"):
+        fp4rl.load_model(d)
+
 
 def test_refuses_what_a_server_would_run_differently(tmp_path):
     def attempt(model, contract, **kw):
