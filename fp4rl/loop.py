@@ -69,6 +69,7 @@ import random
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -365,6 +366,10 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
 
     device = c.model.device if c.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     check_distributed(c, device)
+    if c.model.dtype == "bfloat16":
+        warnings.warn("model.dtype = 'bfloat16': AdamW updates the bf16 master weights in place, and a "
+                      "change below half a bf16 ulp of a weight rounds away (at trainer.lr = 5e-6 most "
+                      "weights never move); model.dtype = 'float32' keeps them exact", stacklevel=2)
     model, tokenizer = load_model(c.model.name, dtype=getattr(torch, c.model.dtype), device=device)
     if tokenizer is None:
         raise ValueError(f"model.name = {c.model.name!r} has no tokenizer files: RL needs one for prompts")

@@ -134,8 +134,13 @@ class Trainer:
         with guided, torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
                                     enabled=self.autocast_dtype is not None):
             hidden, _ = model.model(batch.input_ids[:, :-1], routing=routing)  # [B, T-1, H]
+        head = model.lm_head
         with torch.autocast(self.device.type, enabled=False):
-            logits = model.lm_head(hidden.float())  # [B, T-1, V] fp32
+            if type(head) is torch.nn.Linear and head.weight.dtype != torch.float32:  # bf16 master weights
+                bias = None if head.bias is None else head.bias.float()
+                logits = torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+            else:
+                logits = head(hidden.float())  # [B, T-1, V] fp32
         if self.temperature != 1.0:
             logits = logits / self.temperature
         return token_logprobs(logits, batch.input_ids[:, 1:])  # [B, T-1]

@@ -85,6 +85,13 @@ def test_a_bfloat16_sampler_is_a_config_key(assets, tmp_path):
     assert min(diff) > 2 * max(base)  # measured ~4x on this tiny model
 
 
+def test_bfloat16_master_weights_warn_that_small_updates_round_away(assets, tmp_path):
+    with pytest.warns(UserWarning, match="model.dtype = 'bfloat16'.*rounds away"):
+        records = run_tiny(assets, tmp_path, "bf16_master", "trainer.steps=1", "task.eval_every=0",
+                           "model.dtype=bfloat16")
+    assert any("train/loss" in r for r in records)
+
+
 @pytest.mark.parametrize("staleness", [1, 2])
 def test_async_staleness_is_bounded_and_recorded(assets, tmp_path, staleness):
     records = run_tiny(assets, tmp_path, f"async{staleness}", "trainer.steps=5", "loop.mode=async",
