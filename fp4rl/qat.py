@@ -13,6 +13,10 @@ Forward. With Q the NVFP4 quantizer of fp4rl.nvfp4 and DQ its dequantizer (decod
 
 Q(W) has one FP32 global scale per tensor and is cached per weight version: it is computed
 again only when the weight changes (the optimizer's in-place step bumps `weight._version`).
+Two kinds of update leave the version as it was: torch's fused optimizers (`AdamW(fused=True)`)
+and writes through `.data`. After those call `invalidate(model)`, or once
+`track(optimizer, model)` (invalidates after every step); fp4rl's Trainer uses the foreach
+AdamW, which bumps it.
 Linears that inference servers fuse into one GEMM with one global scale (q/k/v_proj, and
 gate/up_proj, of one block) share one: the amax of the group (contract.fuse_global_scales), so
 the bytes exported to a server are the bytes trained with.
@@ -210,6 +214,21 @@ def convert(model: nn.Module, contract: PrecisionContract) -> nn.Module:
                 for m in group:
                     m.scale_group = group
     return model
+
+
+def invalidate(model: nn.Module) -> int:
+    """Drop every NVFP4Linear's cached Q(W) (after a weight update that kept the version counter: a
+    fused optimizer step, a write through .data); the next forward quantizes again. -> linears cleared."""
+    linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    for m in linears:
+        m._qweight = m._qweight_key = None
+    return len(linears)
+
+
+def track(optimizer: torch.optim.Optimizer, model: nn.Module):
+    """Invalidate `model`'s Q(W) caches after every `optimizer.step()` (for optimizers that update in
+    place without the version counter, e.g. AdamW(fused=True)). -> the hook handle (.remove() undoes it)."""
+    return optimizer.register_step_post_hook(lambda *_: invalidate(model))
 
 
 def packed_state(model: nn.Module) -> dict[str, NVFP4Tensor]:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from fp4rl.nvfp4 import dequantize, fake_quantize, quantize
 from fp4rl.precision import PrecisionContract
-from fp4rl.qat import NVFP4Linear, convert, packed_state
+from fp4rl.qat import NVFP4Linear, convert, invalidate, packed_state, track
 
 W4A4 = PrecisionContract("nvfp4-linear")
 PACKED_DTYPES = {torch.uint8, torch.float8_e4m3fn, torch.float32}
@@ -173,6 +173,35 @@ def test_weight_cache_follows_weight_version_and_packed_state():
     with torch.no_grad():
         m.weight.copy_(torch.randn_like(m.weight))
     assert m.quantized_weight() is not q2
+
+
+def test_updates_that_keep_the_version_counter_need_invalidate_or_track():
+    """A fused AdamW step and a write through .data leave weight._version as it was, so the cached Q(W) would
+    stay the old weights' (the forward, its backward and packed_state then use them): invalidate(model)
+    after such an update, or track(optimizer, model) once, re-quantizes."""
+    m, c = make_linear("w4a16")
+    model = nn.Sequential(m)
+    x = torch.randn(4, 64)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    m(x).sum().backward()
+    q1, version = m.quantized_weight(), m.weight._version
+    opt.step()
+    if m.weight._version == version:  # the counter did not move (torch 2.13's fused CPU step): stale
+        assert m.quantized_weight() is q1
+    assert invalidate(model) == 1
+    assert same_bytes(m.quantized_weight(), quantize(m.weight.detach(), **c.weight_quantize_kwargs()))
+    handle = track(opt, model)
+    for _ in range(2):
+        m.weight.grad = torch.randn_like(m.weight)
+        opt.step()
+        assert same_bytes(m.quantized_weight(), quantize(m.weight.detach(), **c.weight_quantize_kwargs()))
+    handle.remove()
+    before = m.quantized_weight()
+    m.weight.data.mul_(2)  # .data writes: no version bump either
+    assert m.quantized_weight() is before
+    invalidate(model)
+    assert same_bytes(m.quantized_weight(), quantize(m.weight.detach(), **c.weight_quantize_kwargs()))
+    assert not same_bytes(m.quantized_weight(), before)
 
 
 def test_quantize_input_is_the_activation_hook():
