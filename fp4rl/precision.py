@@ -190,6 +190,7 @@ class PrecisionContract:
     def resolve(self, model: nn.Module) -> dict[str, str]:
         """{module name: "bf16" | "w4a16" | "w4a4"} for every nn.Linear of `model`, in module order."""
         linears = [name for name, m in model.named_modules() if is_linear(m)]
+        empty = {name for name, m in model.named_modules() if is_linear(m) and m.weight.numel() == 0}
         layers = {i for name, _ in model.named_modules() if (i := layer_index(name)) is not None}
         num_layers = max(layers) + 1 if layers else 0
         last = self.bf16_last_layers(num_layers)
@@ -204,6 +205,8 @@ class PrecisionContract:
                                  f"nn.Linear in the model{hint}. Fix or remove the rule.")
             for n in matched:
                 resolved[n] = precision
+        for n in empty:  # zero-width (a Qwen2-MoE shared expert of width 0): no weights to quantize
+            resolved[n] = "bf16"
         routers = [n for n, p in resolved.items() if p != "bf16" and module_kind(n) == "router"]
         if routers:
             raise ValueError(f"PrecisionContract: router(s) {routers[:3]} resolve to {resolved[routers[0]]}; "

@@ -107,3 +107,23 @@ def test_upcycle_refuses_what_the_target_cannot_express():
     moe = upcycle(dense("llama"), num_experts=4, top_k=2)
     with pytest.raises(ValueError, match="dense"):
         upcycle(moe, num_experts=4, top_k=2)
+
+
+@pytest.mark.parametrize("preset", ["nvfp4-linear", "nvfp4-w4a16", "nvfp4-experts"])
+def test_upcycled_moe_without_shared_expert_converts_to_every_preset(preset):
+    """The default upcycle of a Llama (shared expert width 0) under each NVFP4 preset: the zero-width
+    shared-expert linears stay BF16 (nothing to quantize; quantizing them failed on the empty amax) and the
+    converted model runs forward and backward."""
+    from fp4rl.precision import PrecisionContract
+    from fp4rl.qat import NVFP4Linear, convert
+
+    moe = upcycle(dense("llama", **LLAMA), num_experts=4, top_k=2)
+    contract = PrecisionContract(preset)
+    resolved = contract.resolve(moe)
+    empty = [n for n, m in moe.named_modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() == 0]
+    assert empty and all(resolved[n] == "bf16" for n in empty)
+    convert(moe, contract)
+    assert any(isinstance(m, NVFP4Linear) for m in moe.modules())
+    logits = moe(IDS)
+    assert torch.isfinite(logits).all()
+    logits.float().logsumexp(-1).mean().backward()
