@@ -166,7 +166,8 @@ class PrecisionConfig(_Section):
         {}, "ordered {module glob = 'bf16' | 'w4a16' | 'w4a4'} overrides; the last match wins"
     )
     bf16_last_fraction: float = _knob(
-        0.15, "fraction of the last decoder layers NVFP4 presets keep BF16 (rounded up)", ge=0.0, le=1.0
+        0.15, "fraction of the last decoder layers NVFP4 presets keep BF16 (to the nearest layer, at least "
+        "one)", ge=0.0, le=1.0
     )
     weight_four_over_six: bool = _knob(
         True, "4/6 for weights: per block keep the better of max->6 and max->4"

@@ -22,11 +22,12 @@ Resolution, for every nn.Linear of the model, in this order:
                      routers, lm_head BF16.
      "nvfp4-linear"  every decoder linear (inside `model.layers.{i}.`) W4A4 except routers.
      "nvfp4-w4a16"   every decoder linear W4A16 except routers (rollout only).
-   In every NVFP4 preset the last `ceil(bf16_last_fraction * L)` decoder layers stay BF16
-   (0.15 by default: 4 of 24 layers, 8 of 48; rounded up, so 0 < fraction always keeps at
-   least one layer). Routers (`.mlp.gate`, `.shared_expert_gate`) are never quantized by a
-   preset: they make discrete expert choices, and a 4-bit router would make trainer and
-   sampler route differently.
+   In every NVFP4 preset the last `round(bf16_last_fraction * L)` decoder layers stay BF16
+   (to the nearest, halves up, and at least one when the fraction is > 0; 0.15 by default: 7
+   of 48 layers as in the recipe's Qwen3-30B-A3B, 5 of 30 (SmolLM2-135M), 5 of 36, 4 of 24).
+   Routers (`.mlp.gate`, `.shared_expert_gate`) are never quantized by a preset: they make
+   discrete expert choices, and a 4-bit router would make trainer and sampler route
+   differently.
 2. user rules, an ordered list of (glob, precision) matched with `fnmatch` against linear
    names (`*` also crosses dots). Every matching rule overrides the preset, and a later rule
    overrides an earlier one: the last matching rule wins. Rules may override the last-layer
@@ -115,7 +116,7 @@ class PrecisionContract:
     """ordered (glob over module names, precision) pairs; the last matching rule wins. A dict
     {glob: precision} (e.g. a TOML table) is accepted and keeps its order."""
     bf16_last_fraction: float = 0.15
-    """fraction of the last decoder layers kept BF16 by NVFP4 presets, rounded up."""
+    """fraction of the last decoder layers kept BF16 by NVFP4 presets (to the nearest, at least one)."""
     weight_four_over_six: bool = True
     """4/6 for weights: per block, keep the lower-error of max->6 and max->4 scalings."""
     weight_err: str = "mse"
@@ -175,9 +176,11 @@ class PrecisionContract:
 
     # -- resolution ---------------------------------------------------------------------------
     def bf16_last_layers(self, num_layers: int) -> range:
-        """Indices of the last decoder layers an NVFP4 preset keeps BF16: ceil(fraction * L)."""
-        # the epsilon keeps 0.15 * 20 = 3.0000000000000004 at 3, not 4
-        n = min(num_layers, math.ceil(self.bf16_last_fraction * num_layers - 1e-9))
+        """Indices of the last decoder layers an NVFP4 preset keeps BF16: fraction * L to the nearest
+        (halves up: 0.15 * 30 = 4.5 -> 5), at least one for a fraction > 0 (7 of 48, 1 of 4)."""
+        f = self.bf16_last_fraction
+        # the epsilon keeps a product one float ulp under a half (0.15 * 30) rounding up
+        n = min(num_layers, max(1, math.floor(f * num_layers + 0.5 + 1e-9))) if f > 0 and num_layers else 0
         return range(num_layers - n, num_layers) if self.preset != "bf16" else range(0)
 
     def _base_precision(self, name: str, kind: str, layer: int | None, last: range) -> str:
@@ -276,7 +279,7 @@ class PrecisionContract:
         lines.append(f"  {'total':<16}{n:>14,}{a4 + a16:>14,}{a4:>14,}{a16:>14,}"
                      f"{100 * (a4 + a16) / max(n, 1):>8.1f}%")
         rule_text = "no last-layer rule (bf16 preset)" if self.preset == "bf16" else (
-            f"last-layer rule keeps ceil({self.bf16_last_fraction:g} * {num_layers}) = {len(last)} BF16: "
+            f"last-layer rule keeps round({self.bf16_last_fraction:g} * {num_layers}) = {len(last)} BF16: "
             f"{_ranges(last)}")
         if tied:
             lines.append(f"  tied (counted once, under the first owner): {'; '.join(tied)}")

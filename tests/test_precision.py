@@ -68,35 +68,38 @@ def test_bf16_preset_resolves_every_linear_to_bf16():
     assert set(resolved.values()) == {"bf16"}
 
 
-def test_last_fraction_rounds_up():
+def test_last_fraction_rounds_to_the_nearest_and_keeps_one():
     c = PrecisionContract("nvfp4-linear")
-    assert list(c.bf16_last_layers(4)) == [3]  # ceil(0.6)
-    assert list(c.bf16_last_layers(20)) == [17, 18, 19]  # 0.15 * 20 = 3 exactly, not 3.0000000000000004
-    assert len(c.bf16_last_layers(48)) == 8
-    assert len(c.bf16_last_layers(30)) == 5  # ceil(4.5)
+    assert list(c.bf16_last_layers(4)) == [3]  # 0.6 -> 1
+    assert list(c.bf16_last_layers(2)) == [1]  # 0.3: at least one
+    assert list(c.bf16_last_layers(20)) == [17, 18, 19]  # 0.15 * 20 = 3.0000000000000004 -> 3
+    assert len(c.bf16_last_layers(48)) == 7  # 7.2: the recipe's 7 of 48 (Qwen3-30B-A3B)
+    assert len(c.bf16_last_layers(30)) == 5  # 4.5 (a float ulp under): halves up
+    assert len(c.bf16_last_layers(36)) == 5  # 5.4
+    assert len(c.bf16_last_layers(7)) == 1  # 1.05
     assert list(PrecisionContract("nvfp4-linear", bf16_last_fraction=0).bf16_last_layers(8)) == []
     assert list(PrecisionContract("nvfp4-linear", bf16_last_fraction=1).bf16_last_layers(3)) == [0, 1, 2]
 
 
 def test_nvfp4_experts_on_qwen2_moe_quantizes_routed_experts_only():
-    model = tiny_model(num_layers=7)  # ceil(0.15 * 7) = 2 -> layers 5, 6 BF16
+    model = tiny_model(num_layers=7)  # round(0.15 * 7) = 1 -> layer 6 BF16
     c = PrecisionContract("nvfp4-experts")
     resolved = c.resolve(model)
     quantized = {n for n, p in resolved.items() if p != "bf16"}
     assert set(resolved[n] for n in quantized) == {"w4a4"}
-    expected = {f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(5) for e in range(4)
+    expected = {f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(6) for e in range(4)
                 for p in ("gate_proj", "up_proj", "down_proj")}
     assert quantized == expected
     text = c.summary(model)
     lines = {line[:18].strip(): line for line in text.splitlines()[3:]}  # kind label -> row
     experts_params = 7 * 4 * 3 * 32 * 16
     routed = lines["routed experts"].split()
-    assert routed[2:4] == [f"{experts_params:,}", f"{5 * 4 * 3 * 32 * 16:,}"]  # total, NVFP4
-    assert routed[-1] == f"{100 * 5 / 7:.1f}%"
+    assert routed[2:4] == [f"{experts_params:,}", f"{6 * 4 * 3 * 32 * 16:,}"]  # total, NVFP4
+    assert routed[-1] == f"{100 * 6 / 7:.1f}%"
     for kind in ("attention", "shared experts", "router", "lm_head", "embeddings", "norms"):
         assert lines[kind].split()[-1] == "0.0%", kind
-    assert "= 2 BF16: 5-6" in text
-    assert "layers with every linear BF16: 5-6" in text
+    assert "= 1 BF16: 6" in text
+    assert "layers with every linear BF16: 6" in text
 
 
 def test_nvfp4_linear_and_w4a16_presets():
@@ -211,11 +214,11 @@ def test_fp4rl_qwen2_moe_model_under_nvfp4_experts():
     resolved = c.resolve(model)
     assert len(resolved) == sum(isinstance(m, nn.Linear) for m in model.modules())
     quantized = {n for n, p in resolved.items() if p == "w4a4"}
-    assert quantized == {f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(5) for e in range(4)
+    assert quantized == {f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(6) for e in range(4)
                          for p in ("gate_proj", "up_proj", "down_proj")}
     assert set(resolved.values()) == {"bf16", "w4a4"}
     text = c.summary(model)
     rows = {line[:18].strip(): line.split()[-1] for line in text.splitlines()[3:]}
-    assert rows["routed experts"] == f"{100 * 5 / 7:.1f}%"
+    assert rows["routed experts"] == f"{100 * 6 / 7:.1f}%"
     assert all(rows[k] == "0.0%" for k in ("attention", "shared experts", "router", "lm_head", "embeddings"))
-    assert "ceil(0.15 * 7) = 2 BF16: 5-6" in text
+    assert "round(0.15 * 7) = 1 BF16: 6" in text
