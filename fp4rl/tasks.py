@@ -127,6 +127,12 @@ class Task:
     ):
         self.name = name
         self.seed = seed
+        questions: dict[str, str] = {}
+        for p in prompts:  # the loop caches a prompt's tokens by id: one id, one question
+            if questions.setdefault(p.id, p.question) != p.question:
+                raise ValueError(f"{name}: prompt id {p.id!r} names two different questions "
+                                 f"({questions[p.id]!r} and {p.question!r}); ids must be unique: fix the "
+                                 "source's ids (or drop the JSONL 'id' field: each line then gets its own)")
         self.train, self.eval = split_heldout(prompts, eval_size, seed=seed, train_size=train_size, name=name)
         self.sizes = {
             "drawn": len(prompts),
@@ -224,6 +230,16 @@ class ReasoningGymTask(Task):
                 f"task.kwargs for {name} rejected ({e}); allowed keys: {', '.join(allowed)}"
             ) from e
         self.extract = extract
+        if extract == "last_number":
+            answers = [str(self.dataset[i]["answer"]) for i in range(len(self.dataset))]
+            odd = [a for a in answers if not _NUMBER.fullmatch(a.strip())]
+            if odd:
+                raise ValueError(
+                    f"task.extract = 'last_number' scores the last number of a completion, but {len(odd)} of "
+                    f"{len(answers)} {name} answers are not plain numbers (e.g. {odd[0]!r}), which it can "
+                    "never match: set task.extract = 'answer_tag' with a task.suffix that asks for "
+                    "<answer>...</answer> (or 'last_line' / 'full'), not the number-only default"
+                )
         prompts = [
             Prompt(
                 id=f"{name}/{i}",

@@ -141,6 +141,12 @@ def test_other_reasoning_gym_tasks_score_their_oracle_answer(name, kwargs, extra
     assert max(task.score(prompts, ["nothing"] * 5)) < 1.0
 
 
+def test_last_number_refuses_a_task_whose_answers_are_not_numbers():
+    """countdown's answers are expressions: the last number of a perfect answer never matches one."""
+    with pytest.raises(ValueError, match=r"last_number.*countdown answers are not plain numbers.*answer_tag"):
+        load_task("countdown", {}, eval_size=5, pool_size=40)
+
+
 def test_reasoning_gym_errors_name_the_key():
     with pytest.raises(ValueError, match=r"not a reasoning-gym dataset.*'basic_arithmetic'"):
         load_task("basic_arithmetc")
@@ -195,6 +201,16 @@ def test_jsonl_custom_reward_and_errors(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:1: missing field\(s\) \['answer'\]"):
         JsonlTask(tmp_path / "bad.jsonl", eval_size=0)
+    # one id for two questions: the loop would send the first question's tokens for both
+    rows = [{"id": "1", "prompt": "What is 1/2 + 1/4?", "answer": "3/4"},
+            {"id": "2", "prompt": "3+3?", "answer": "6"},
+            {"id": "1", "prompt": "What is 2+2?", "answer": "4"}]
+    (tmp_path / "dup.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(ValueError, match=r"prompt id '1' names two different questions.*ids must be unique"):
+        JsonlTask(tmp_path / "dup.jsonl", eval_size=1)
+    rows[2]["prompt"] = rows[0]["prompt"]  # the same question twice under one id: deduped, fine
+    (tmp_path / "dup.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert JsonlTask(tmp_path / "dup.jsonl", eval_size=1).sizes["distinct"] == 2
 
 
 def test_rewards_directly():
