@@ -302,7 +302,12 @@ class TaskConfig(_Section):
     eval_every: int = _knob(10, "steps between held-out evaluations (0: only before and after)", ge=0)
     suffix: str = _knob("Answer with the number only.", "appended to every question (empty: nothing)")
     system: str = _knob("", "system message for the chat template (empty: none)")
-    extract: str = _knob("last_number", "which part of a completion is scored", choices=EXTRACT_MODES)
+    extract: str = _knob("last_number", "which part of a completion a reasoning-gym task scores (a JSONL "
+                         "task's reward function reads the whole completion)", choices=EXTRACT_MODES)
+    partial_credit: bool = _knob(True, "reward the task's partial credit (reasoning-gym: len(answer) / "
+                                 "len(extracted) when the extracted text contains the answer, e.g. 0.5 for "
+                                 "'-3' or '13' when it is 3); false: reward 1 for a correct answer, else 0 "
+                                 "(accuracy counts only 1 either way)")
     pool_size: int = _knob(2000, "questions drawn from the generator before dedupe and split", ge=1)
     seed: int = _knob(0, "seed of question generation and of the held-out split", ge=0)
 

@@ -154,7 +154,11 @@ class Rollouts:
         return sorted(completions, key=lambda c: (c.prompt_index, c.sample_index))
 
     def score(self, prompts: list[Prompt], completions: list) -> list[float]:
-        return self.task.score([prompts[c.prompt_index] for c in completions], [c.text for c in completions])
+        rewards = self.task.score([prompts[c.prompt_index] for c in completions],
+                                  [c.text for c in completions])
+        if not self.config.task.partial_credit:
+            rewards = [1.0 if r >= 1.0 else 0.0 for r in rewards]
+        return rewards
 
     def rollout(self, sampler, step: int) -> Rollout:
         from fp4rl.sampler import SamplingParams

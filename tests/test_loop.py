@@ -374,3 +374,19 @@ def test_trace_guides_the_trainer_towards_the_samplers_codes(assets, tmp_path):
             for f in ("bits", "block_scale", "amax"):
                 x, y = a.guidance[k][f], b.guidance[k][f]
                 assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_partial_credit_is_a_config_key(partial):
+    """task.partial_credit = false turns the task's graded score (reasoning-gym's substring credit) to 0/1."""
+    from types import SimpleNamespace
+
+    from fp4rl.loop import Rollouts
+    from fp4rl.tasks import ReasoningGymTask
+
+    task = ReasoningGymTask("basic_arithmetic", eval_size=5, pool_size=100)
+    prompt = next(p for p in task.train if p.answer.isdigit() and len(p.answer) == 1)
+    config = load_config(None, [f"task.partial_credit={str(partial).lower()}"])
+    completions = [SimpleNamespace(prompt_index=0, text=t) for t in (prompt.answer, f"-{prompt.answer}", "x")]
+    rewards = Rollouts(task, None, config).score([prompt], completions)
+    assert rewards == ([1.0, 0.5, 0.0] if partial else [1.0, 0.0, 0.0])
