@@ -19,7 +19,8 @@ Generation (`Sampler.generate`), for P prompts x n samples:
    cut before it, the tokens are kept) or max_new_tokens ("length"); finished rows leave the
    batch (the cache, mask and positions are compacted), so they cost nothing afterwards.
 Sampling draws from softmax(logits / T) restricted by top-k then top-p, by inverse CDF with a
-seeded torch.Generator (same seed, same inputs -> same completions). The logprob recorded for a token
+seeded torch.Generator (same seed, same inputs -> same completions; one generator serves the whole
+batch, so a prompt's completions also depend on the other prompts and on n). The logprob recorded for a token
 is log_softmax(logits / T) (T = 1 when greedy), computed in fp32 like grpo.token_logprobs, and
 *not* renormalised by top-k/top-p: it is the distribution the trainer scores.
 
@@ -363,6 +364,12 @@ class Sampler:
         prompt_ids = self._encode(prompts)
         if params.stop and self.tokenizer is None:
             raise ValueError("generate: stop strings need a tokenizer to decode the text")
+        special = set(getattr(self.tokenizer, "all_special_tokens", None) or ()) if params.stop else set()
+        if special & set(params.stop):
+            token = sorted(special & set(params.stop))[0]
+            raise ValueError(f"generate: stop string {token!r} is a special token, which the decoded text "
+                             "never contains (special tokens are skipped): pass its id in "
+                             "Sampler(eos_token_ids=...)")
         for i, ids in enumerate(prompt_ids):
             if len(ids) + params.max_new_tokens > self.max_seq_len:
                 raise ValueError(f"generate: prompt {i} has {len(ids)} tokens and max_new_tokens="

@@ -32,6 +32,7 @@ class CharTokenizer:
     """A fake tokenizer: one token per ASCII character, 0 is EOS (a special token)."""
 
     eos_token_id, pad_token_id = 0, 0
+    all_special_tokens = ["\x00"]
 
     def __call__(self, text):
         return {"input_ids": [ord(c) for c in text]}
@@ -170,6 +171,8 @@ def test_stop_strings_end_the_completion_and_cut_the_text():
     assert c.text == free.text[:first]
     assert c.completion_ids == free.completion_ids[:first + len(stop)]  # up to the token completing it
     assert c.logprobs == free.logprobs[:len(c.completion_ids)]
+    with pytest.raises(ValueError, match=r"stop string '\\x00' is a special token.*eos_token_ids"):
+        sampler.generate([prompt], SamplingParams(greedy=True, max_new_tokens=4, stop=(stop, "\x00")))
 
 
 def test_seeds_are_reproducible_and_top_k_1_is_greedy():
