@@ -71,7 +71,8 @@ def round_to_e2m1(
 ) -> torch.Tensor:
     """Round a scaled float32 tensor z to E2M1 codes (uint8, same shape), saturating at +-6.
 
-    ``rounding="nearest"`` is round-half-to-even; ``"stochastic"`` is unbiased on [-6, 6]
+    ``rounding="nearest"`` is round-half-to-even; ``"stochastic"`` is unbiased on [-6, 6] (for the
+    given scale: a 4/6 choice made after the draws biases the block)
     and rounds up when a uniform draw u < (|z| - lo) / (hi - lo); u comes from ``uniform``
     (float32, z's shape) when given, else one draw per element from ``generator`` (or
     torch's default generator for z's device when None).

@@ -230,7 +230,9 @@ def quantize(
 
     tile: 16 (1x16 blocks along K) or (16, 16) (one scale per 16x16 tile of the last two dims).
     scale_rule: "6" (standard) or "4/6" (per block, the better of block max -> 6 and -> 4).
-    err: 4/6 selection error, "mse" or "mae". rounding: "nearest" (RNE) or "stochastic".
+    err: 4/6 selection error, "mse" or "mae". rounding: "nearest" (RNE) or "stochastic"
+        (unbiased per element on [-6, 6] for a given block scale; with "4/6" the block's choice
+        between the two candidates looks at the drawn codes, so the result is no longer unbiased).
     scale_scope: one global scale per "tensor" ([]) or per "row" (x.shape[:-1] + (1,)).
     generator: torch.Generator on x's device for stochastic rounding (reproducible draws).
     global_scale / amax: impose the decode-direction global scale, or the amax it comes
