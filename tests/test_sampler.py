@@ -350,3 +350,14 @@ def test_nucleus_keeps_what_a_full_sort_keeps():
             got, expected = nucleus(logits, top_p, first=32), full_sort(logits, top_p)
             assert torch.equal(got.isinf(), expected.isinf()) and torch.equal(got[~got.isinf()],
                                                                                 expected[~expected.isinf()])
+
+
+def test_default_eos_is_the_tokenizers_and_the_model_configs():
+    """A chat model may end its turns on a token other than the tokenizer's eos_token_id: config.json's
+    eos_token_id (one id or a list) ends completions too."""
+    model = tiny()
+    model.config.extra["eos_token_id"] = [5, 7]
+    assert Sampler(model, CharTokenizer()).eos_token_ids == {0, 5, 7}
+    model.config.extra["eos_token_id"] = 9
+    assert Sampler(model, None).eos_token_ids == {9}
+    assert Sampler(model, CharTokenizer(), eos_token_ids=[3]).eos_token_ids == {3}
