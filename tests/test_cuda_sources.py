@@ -142,3 +142,20 @@ def test_silu_build_uses_accurate_expf_and_ieee_division():
     launcher = Path(gemv_cuda.__file__).read_text()
     assert "fast_math" not in launcher and "fast-math" not in launcher and "ftz" not in launcher
     assert "#define SILU 1\n" in src
+
+
+def test_every_c_and_cuda_source_ships_in_the_package():
+    """pyproject's package-data patterns cover every .c / .cu / .h file under fp4rl/ (a wheel without
+    kernels/quantize/quant.cu had no CUDA quantizer)."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    sources = [p for ext in ("*.c", "*.cu", "*.h", "*.cuh") for p in (root / "fp4rl").rglob(ext)]
+    assert sources
+    missing = [str(p.relative_to(root)) for p in sources
+               if not any(fnmatch.fnmatch(p.name, pat)
+                          for pat in data.get(".".join(p.parent.relative_to(root).parts), []))]
+    assert not missing, f"not in [tool.setuptools.package-data]: {missing}"
