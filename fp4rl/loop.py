@@ -361,7 +361,7 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
 
     c = config
     run_dir = c.run_dir
-    checkpoint = latest_checkpoint(run_dir) if c.run.resume else None
+    checkpoint = latest_checkpoint(run_dir, clean=True) if c.run.resume else None
     if not c.run.resume:
         _check_fresh_run_dir(run_dir)
     seed_everything(c.trainer.seed)

@@ -316,10 +316,12 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     return sorted(found, key=lambda p: int(_CHECKPOINT.fullmatch(p.name).group(1)))
 
 
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint, or None. Leftover temporary directories are removed."""
+def latest_checkpoint(run_dir: str | os.PathLike, *, clean: bool = False) -> Path | None:
+    """The newest complete checkpoint, or None. clean=True (only the process that runs in run_dir, e.g.
+    a resume) also removes temporary directories a killed save left; a reader (export, ablate) must not:
+    a live run's save in progress is one."""
     root = Path(run_dir) / CHECKPOINT_DIR
-    if root.is_dir():
+    if clean and root.is_dir():
         for leftover in root.glob(".tmp-*"):
             shutil.rmtree(leftover, ignore_errors=True)
         for leftover in root.glob(".old-*"):
