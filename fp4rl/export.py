@@ -86,6 +86,11 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, format: str = "
     from fp4rl.hf import load_model, load_tokenizer
 
     src = _resolve_source(source)
+    target = Path(out).resolve()
+    for held in {src.resolve(), Path(source).resolve()} if str(source) != "default" else {src.resolve()}:
+        if target == held or target in held.parents:
+            raise ValueError(f"export: OUT {out} is the source {source} or a folder holding it; replacing it "
+                             "(--force) would delete the source: pick another OUT")
     contract, tok_dir = None, src
     if (src / "config.toml").is_file() and (src / "trainer.pt").is_file():  # a trainer checkpoint
         from fp4rl.config import load_config

@@ -461,6 +461,10 @@ def test_cli_exports_a_run_checkpoint_with_its_contract_and_tokenizer(tmp_path):
         export(base, tmp_path / "nope")
     export(base, tmp_path / "from_model", precision="nvfp4-experts", calib_prompts=1)
     assert (tmp_path / "from_model" / "tokenizer.json").is_file()
+    for out in (tmp_path / "runs" / "r", tmp_path / "runs", ckpt):  # --force would delete the source
+        with pytest.raises(ValueError, match="is the source .* or a folder holding it"):
+            export(tmp_path / "runs" / "r", out, overwrite=True)
+    assert (ckpt / "trainer.pt").is_file()
 
 
 def test_sharded_export_and_a_checkpoint_without_manifest(tmp_path):
