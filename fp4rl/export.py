@@ -348,12 +348,16 @@ def _resolve_source(source) -> Path:
 
 
 def _model_dir(name: str) -> Path | None:
-    from fp4rl.hf import default_model_dir
+    """The folder of a run's model.name ('default', a local folder or a Hub id in the local cache; the
+    tokenizer and generation config come from it), or None when it is not on this machine."""
+    from fp4rl.hf import _resolve, default_model_dir
 
     if name == "default":
         return default_model_dir(convert=True)
-    path = Path(name).expanduser()
-    return path if path.is_dir() else None
+    try:
+        return _resolve(name)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -427,7 +427,7 @@ def test_refuses_what_a_server_would_run_differently(tmp_path):
     assert json.loads((tmp_path / "x" / MANIFEST).read_text())["activations"] == "w4a4"
 
 
-def test_cli_exports_a_run_checkpoint_with_its_contract_and_tokenizer(tmp_path):
+def test_cli_exports_a_run_checkpoint_with_its_contract_and_tokenizer(tmp_path, monkeypatch):
     from rl_fixtures import tiny_model, tiny_tokenizer
 
     from fp4rl.config import dump_toml, load_config
@@ -465,6 +465,16 @@ def test_cli_exports_a_run_checkpoint_with_its_contract_and_tokenizer(tmp_path):
         with pytest.raises(ValueError, match="is the source .* or a folder holding it"):
             export(tmp_path / "runs" / "r", out, overwrite=True)
     assert (ckpt / "trainer.pt").is_file()
+
+    # a run of a Hub id (in the local Hugging Face cache): the tokenizer comes from its cached folder
+    from fp4rl import hf
+
+    real = hf._resolve
+    monkeypatch.setattr(hf, "_resolve", lambda name: base if name == "org/tiny" else real(name))
+    cfg = load_config(None, ["model.name=\"org/tiny\"", "precision.preset=nvfp4-experts"])
+    (ckpt / "config.toml").write_text(dump_toml(cfg))
+    export(tmp_path / "runs" / "r", tmp_path / "from_hub_id", calib_prompts=1)
+    assert (tmp_path / "from_hub_id" / "tokenizer.json").is_file()
 
 
 def test_sharded_export_and_a_checkpoint_without_manifest(tmp_path):
