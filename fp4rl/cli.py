@@ -1,14 +1,17 @@
 """The `fp4rl` command.
 
 Each subcommand lives in the module that owns the idea: that module defines
-`add_arguments(parser)` and `run(args) -> int | None`. Modules are imported only when their
-subcommand runs, so `fp4rl --help` stays fast.
+`add_arguments(parser)` and `run(args) -> int | None` (every module is imported to build the
+parser). A missing or misplaced file (FileNotFoundError, NotADirectoryError, FileExistsError:
+their messages name the path and the fix) prints that message and exits 2 instead of a traceback;
+FP4RL_TRACEBACK=1 shows the traceback too.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -35,7 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    code = importlib.import_module(args._module).run(args)
+    try:
+        code = importlib.import_module(args._module).run(args)
+    except (FileNotFoundError, NotADirectoryError, FileExistsError) as exc:
+        if os.environ.get("FP4RL_TRACEBACK") == "1":
+            raise
+        print(f"fp4rl {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     return int(code or 0)
 
 

@@ -571,8 +571,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--prompt", required=True, help="the user message (the chat template is applied for "
                         "chat models)")
-    parser.add_argument("--model", default="default", help="'default' or a local Hugging Face model dir")
-    parser.add_argument("--precision", default="bf16", choices=PRESETS, help="PrecisionContract preset")
+    parser.add_argument("--model", default="default", help="'default', a local Hugging Face model dir, or an "
+                        "NVFP4 export (fp4rl export OUT: sampled with the precision it was exported with)")
+    parser.add_argument("--precision", default=None, choices=PRESETS,
+                        help="PrecisionContract preset (default: bf16, or an export's own)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the sampler runs")
     parser.add_argument("--greedy", action="store_true", help="argmax decoding")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--kv-cache", default="bf16", choices=KV_CACHE_KINDS)
@@ -594,9 +597,17 @@ def run(args) -> int:
     model, tokenizer = load_model(args.model)
     if tokenizer is None:
         raise SystemExit(f"{args.model} has no tokenizer; fp4rl generate needs one")
-    contract = PrecisionContract(args.precision)
-    convert(model, contract)
-    sampler = Sampler(model, tokenizer, kv_cache=args.kv_cache, dtype=getattr(torch, args.dtype))
+    exported = getattr(model, "precision_contract", None)  # an NVFP4 export: its linears hold its bytes
+    if exported is not None:
+        if args.precision not in (None, exported.preset):
+            raise SystemExit(f"{args.model} is an NVFP4 export ({exported.preset}); --precision "
+                             f"{args.precision} would quantize its dequantized weights again: leave it out")
+    else:
+        convert(model, PrecisionContract(args.precision or "bf16"))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+    sampler = Sampler(model, tokenizer, kv_cache=args.kv_cache, dtype=getattr(torch, args.dtype),
+                      device=args.device)
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             greedy=args.greedy, max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
                             seed=args.seed)

@@ -496,3 +496,30 @@ def test_sharded_export_and_a_checkpoint_without_manifest(tmp_path):
     assert torch.equal(got, expected) if exact else torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
     recovered = loaded.precision_contract  # from the files alone: 3 of 4 layers NVFP4
     assert (recovered.preset, recovered.bf16_last_fraction, recovered.rules) == ("nvfp4-linear", 0.25, ())
+
+
+def test_generate_samples_an_export_with_its_own_precision(tmp_path, monkeypatch, capsys):
+    """`fp4rl generate --model OUT` keeps an export's NVFP4 linears (the default --precision bf16 converted
+    them back to plain linears: a W4A4 export was sampled without its activation quantizer)."""
+    from rl_fixtures import tiny_model, tiny_tokenizer
+
+    from fp4rl import sampler as sampler_module
+    from fp4rl.cli import main
+
+    out = export_model(tiny_model(), PrecisionContract("nvfp4-linear"), tmp_path / "out",
+                       tokenizer=tiny_tokenizer(), calib_prompts=1)
+    seen = []
+    real = sampler_module.Sampler
+
+    def recording(model, *args, **kwargs):
+        seen.append(sorted({m.mode for m in model.modules() if isinstance(m, NVFP4Linear)}))
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(sampler_module, "Sampler", recording)
+    argv = ["generate", "--model", str(out), "--prompt", "1 + 1", "--greedy", "--max-new-tokens", "3",
+            "--raw"]
+    assert main(argv) == 0 and seen == [["w4a4"]]
+    with pytest.raises(SystemExit, match="NVFP4 export .*leave it out"):
+        main(argv + ["--precision", "nvfp4-w4a16"])
+    assert main(["generate", "--model", str(tmp_path / "nowhere"), "--prompt", "x"]) == 2
+    assert "no such model directory" in capsys.readouterr().err
