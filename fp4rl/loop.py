@@ -406,6 +406,10 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     print(contract.summary(trainer.model))
     print(f"run directory {run_dir}; " + (f"resuming after step {start_step} from {checkpoint}"
                                           if checkpoint else "starting at step 1"))
+    if c.run.resume and checkpoint is None:
+        warnings.warn(f"--resume {run_dir}: no checkpoint there (trainer.checkpoint_every = "
+                      f"{c.trainer.checkpoint_every}; 0 writes one only at the end), so the run starts again "
+                      "from step 1 and its earlier metrics are dropped", stacklevel=2)
 
     # Samplers start from a payload like every later version does (dense tensors in BF16), so
     # version 0 and a resumed version are held exactly as a synced one

@@ -159,6 +159,11 @@ def test_resume_of_a_finished_run_changes_nothing(assets, tmp_path):
     records = run_tiny(assets, tmp_path, "done", "trainer.steps=2")
     assert main(["--resume", str(tmp_path / "done")]) == 0
     assert read_metrics(tmp_path / "done") == records
+    # killed before its first checkpoint (checkpoint_every = 0 writes one only at the end): said out loud
+    shutil.rmtree(tmp_path / "done" / "checkpoints")
+    with pytest.warns(UserWarning, match="no checkpoint there .*starts again from step 1"):
+        assert main(["--resume", str(tmp_path / "done")]) == 0
+    assert deterministic(read_metrics(tmp_path / "done")) == deterministic(records)
 
 
 def _in_thread(fn, *args, timeout=120):
