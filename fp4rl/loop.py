@@ -228,6 +228,9 @@ def make_batch(rollout: Rollout, config: RunConfig, pad_id: int) -> tuple[Batch,
 # ---------------------------------------------------------------------------------- async
 
 
+WORKER_CLOSE_S = 5.0  # how long train()'s exit waits for the rollout thread to finish a rollout
+
+
 class RolloutWorker:
     """Background thread that owns a sampler and produces rollouts in step order (module docstring).
 
@@ -295,11 +298,15 @@ class RolloutWorker:
             self.payloads[version] = payload
             self.cond.notify_all()
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the thread: it returns before its next rollout. A rollout in progress is not interrupted:
+        with a timeout, close returns after it even if the thread is still in one (a daemon thread; a Ray
+        pool shut down next makes its wait raise). -> whether the thread has ended."""
         with self.cond:
             self.stopped = True
             self.cond.notify_all()
-        self.thread.join()
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
 
 
 # ---------------------------------------------------------------------------------- train
@@ -428,7 +435,9 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
         if staleness > 0 and start_step < c.trainer.steps:  # (nothing to train: no thread)
             worker = RolloutWorker(sampler, rollouts.rollout, staleness=staleness, first_step=first,
                                    last_step=last, ready=pending)
-            stack.callback(worker.close)  # however train() ends, and before the pool shuts down
+            # however train() ends, and before the pool shuts down; an interrupted run (Ctrl-C, an error)
+            # does not wait out a rollout in progress for more than WORKER_CLOSE_S
+            stack.callback(worker.close, WORKER_CLOSE_S)
             # held-out eval on the trainer's weights, here, sharded as the rollouts are (any backend;
             # greedy or unguided, so the decode kernels even in a TRACE run)
             eval_sampler = Sampler(trainer.model, tokenizer,

@@ -395,3 +395,27 @@ def test_partial_credit_is_a_config_key(partial):
     completions = [SimpleNamespace(prompt_index=0, text=t) for t in (prompt.answer, f"-{prompt.answer}", "x")]
     rewards = Rollouts(task, None, config).score([prompt], completions)
     assert rewards == ([1.0, 0.5, 0.0] if partial else [1.0, 0.0, 0.0])
+
+
+def test_closing_the_rollout_thread_does_not_wait_out_a_long_rollout():
+    """An interrupted async run (Ctrl-C, an error in the trainer) leaves train() after WORKER_CLOSE_S even if
+    the rollout thread is inside a long rollout; the thread stops after that rollout."""
+    from types import SimpleNamespace
+
+    from fp4rl.loop import WORKER_CLOSE_S, RolloutWorker
+
+    started, release = threading.Event(), threading.Event()
+
+    def produce(sampler, step):
+        started.set()
+        release.wait(60)  # a rollout that takes a minute
+        return step
+
+    worker = RolloutWorker(SimpleNamespace(policy_version=0), produce, staleness=1, first_step=1, last_step=3)
+    assert started.wait(10)
+    t0 = time.monotonic()
+    assert worker.close(0.2) is False  # still in its rollout: close returned anyway
+    assert time.monotonic() - t0 < 2 and WORKER_CLOSE_S <= 10
+    release.set()
+    worker.thread.join(10)
+    assert not worker.thread.is_alive() and worker.ready == {1: 1}  # no rollout after the stop
