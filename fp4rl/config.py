@@ -280,6 +280,9 @@ class DistributedConfig(_Section):
                                     "CPU actors)", ge=0.0)
 
     def check(self):
+        if self.gpus_per_sampler > 1 and self.gpus_per_sampler != int(self.gpus_per_sampler):
+            raise ConfigError(f"distributed.gpus_per_sampler = {self.gpus_per_sampler:g}: Ray gives an actor "
+                              "a fraction of one GPU or a whole number of GPUs (e.g. 0.5, 1, 2)")
         if self.gpus_per_sampler > 0 and self.backend != "ray":
             raise ConfigError(f"distributed.gpus_per_sampler = {self.gpus_per_sampler:g} is for Ray actors: "
                               "set distributed.backend = \"ray\" (or distributed.gpus_per_sampler = 0)")

@@ -96,10 +96,27 @@ def test_an_actor_failure_names_the_actor(pool_and_model):
     assert pool.generate(PROMPTS[:2], SamplingParams(n=1, seed=0, max_new_tokens=2))  # the pool still works
 
 
+def test_a_dead_actor_stops_the_pool(ray_session):
+    """An actor that died is named when its result is due, and the pool then refuses to generate (running
+    the live shards again could only fail the same way) until it is rebuilt."""
+    from fp4rl.distributed.ray_pool import RayRolloutPool, SamplerActorError, SamplerFactory
+
+    model, _ = tiny_converted()
+    with RayRolloutPool(SamplerFactory(model, eos_token_ids=[]), 2, torch_threads=1) as pool:
+        params = SamplingParams(n=1, seed=0, max_new_tokens=2)
+        assert pool.generate(PROMPTS, params)
+        ray_session.kill(pool._actors[1])
+        with pytest.raises(SamplerActorError, match=r"sampler actor 1 of 2 failed in generate") as info:
+            pool.generate(PROMPTS, params)
+        assert info.value.index == 1
+        with pytest.raises(RuntimeError, match=r"sampler actor 1 died .*build a new one"):
+            pool.generate(PROMPTS, params)
+
+
 def test_a_failing_factory_names_the_actor(ray_session):
     from fp4rl.distributed.ray_pool import RayRolloutPool, SamplerActorError
 
-    match = "(?s)sampler actor 0 of 2 failed in startup.*ZeroDivisionError"
+    match = "(?s)sampler actor [01] of 2 failed in startup.*ZeroDivisionError"  # whichever fails first
     with pytest.raises(SamplerActorError, match=match):
         RayRolloutPool(functools.partial(operator.truediv, 1, 0), 2, startup_timeout_s=60)
     with pytest.raises(TypeError, match="cannot be pickled.*SamplerFactory"):
@@ -127,7 +144,7 @@ def test_load_moves_every_actor_to_the_payload(pool_and_model):
     before = factory()
     assert got != LocalShards(before, 2).generate(PROMPTS, params), "the new weights sample differently"
     assert pool.sampler_attr("policy_version") == [1, 1]
-    with pytest.raises(SamplerActorError, match="sampler actor 0 of 2 failed in load.*older than"):
+    with pytest.raises(SamplerActorError, match="sampler actor [01] of 2 failed in load.*older than"):
         pool.load(old)  # stale: refused by every actor, the pool keeps version 1
     assert pool.policy_version == 1
     with pytest.raises(TypeError, match="weight_sync.Payload"):
@@ -325,6 +342,8 @@ def test_distributed_config_errors(assets, tmp_path, monkeypatch):
         load_config(None, ["distributed.backend=mpi"])
     with pytest.raises(ConfigError, match="distributed.gpus_per_sampler = -1.0: must be >= 0"):
         load_config(None, ["distributed.backend=ray", "distributed.gpus_per_sampler=-1"])
+    with pytest.raises(ConfigError, match=r"gpus_per_sampler = 1.5: Ray gives an actor a fraction"):
+        load_config(None, ["distributed.backend=ray", "distributed.gpus_per_sampler=1.5"])
     with pytest.raises(ConfigError, match=r"gpus_per_sampler = 1 is for Ray actors: set distributed.backend"):
         load_config(None, ["distributed.gpus_per_sampler=1"])
     ray_cfg = load_config(None, ["distributed.backend=ray"])

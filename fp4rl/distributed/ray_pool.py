@@ -189,8 +189,10 @@ class RayRolloutPool:
             ray.init(**{"ignore_reinit_error": True, **(ray_init_kwargs or {})})
             self._owns_ray = True
         self._broken: str | None = None
+        self._dead: str | None = None  # an actor died: nothing but a new pool helps
         try:
-            if self._owns_ray and gpus_per_sampler > 0:  # a local session: no autoscaler will add GPUs
+            cluster = os.environ.get("RAY_ADDRESS") or (ray_init_kwargs or {}).get("address")
+            if self._owns_ray and not cluster and gpus_per_sampler > 0:  # local: no autoscaler adds GPUs
                 have = ray.cluster_resources().get("GPU", 0)
                 if num_samplers * gpus_per_sampler > have + 1e-9:
                     need = num_samplers * gpus_per_sampler
@@ -223,31 +225,39 @@ class RayRolloutPool:
     # -- helpers -----------------------------------------------------------------------------
     def _get(self, refs: list, what: str, *, timeout: float | None = None,
              options: dict | None = None) -> list:
-        """ray.get of one ref per actor (None: that actor was not called), failures named by actor index."""
+        """The results of one ref per actor (None: that actor was not called), taken as they finish, so the
+        first failure is reported when it happens (not after the actors before it finish); failures are
+        named by actor index. An actor that died marks the pool broken (its next generate refuses)."""
         ray = self._ray
-        out = []
+        pending = {ref: i for i, ref in enumerate(refs) if ref is not None}
+        results: dict[int, object] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
-        for i, ref in enumerate(refs):
-            if ref is None:
-                out.append(None)
-                continue
-            try:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                out.append(ray.get(ref, timeout=left))
-            except ray.exceptions.GetTimeoutError as e:
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            if not done:
+                i = min(pending.values())
                 raise SamplerActorError(i, len(refs), what, TimeoutError(
                     f"not done after {timeout:g} s; does the cluster have the resources for "
                     f"{len(refs)} actors of {options or {}} each (ray.cluster_resources(): "
-                    f"{ray.cluster_resources()})?")) from e
-            except ray.exceptions.RayError as e:
-                cause = getattr(e, "cause", None)
-                cause = cause if isinstance(cause, BaseException) else e
-                raise SamplerActorError(i, len(refs), what, cause) from e
-        return out
+                    f"{ray.cluster_resources()})?"))
+            for ref in done:
+                i = pending.pop(ref)
+                try:
+                    results[i] = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    if isinstance(e, ray.exceptions.RayActorError):
+                        self._dead = f"sampler actor {i} died ({type(e).__name__})"
+                    cause = getattr(e, "cause", None)
+                    cause = cause if isinstance(cause, BaseException) else e
+                    raise SamplerActorError(i, len(refs), what, cause) from e
+        return [results.get(i) for i in range(len(refs))]
 
     def _check_open(self, loading: bool = False) -> None:
         if not self._actors:
             raise RuntimeError("RayRolloutPool: the pool is shut down")
+        if self._dead:
+            raise RuntimeError(f"RayRolloutPool: {self._dead}; shut the pool down and build a new one")
         if self._broken and not loading:
             raise RuntimeError(f"RayRolloutPool: {self._broken}; load a payload every actor accepts, or shut "
                                "the pool down and build a new one")
