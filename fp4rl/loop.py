@@ -542,8 +542,17 @@ def config_from_args(args) -> RunConfig:
     if not (run_dir / "config.toml").is_file():
         raise ConfigError(f"--resume {run_dir}: no config.toml there; is it a run directory "
                           f"(runs/<name>/ with config.toml, metrics.jsonl, {CHECKPOINT_DIR}/)?")
-    where = [f"run.dir={json.dumps(str(run_dir.resolve().parent))}", f"run.name={run_dir.resolve().name}",
-             "run.resume=true"]
+    named = [o for o in args.overrides if o.split("=", 1)[0].strip() in ("run.dir", "run.name", "run.resume")]
+    if named:
+        raise ConfigError(f"--resume {run_dir} names the run and resumes it: {', '.join(named)} cannot "
+                          "change that (to start another run from its config, copy its config.toml and use "
+                          "--config)")
+    saved = load_config(run_dir / "config.toml", [])
+    where = ["run.resume=true"]
+    here = run_dir.resolve()
+    if saved.run_dir.resolve() != here:  # moved (or a relative run.dir from another working directory):
+        # it continues where it is now
+        where += [f"run.dir={json.dumps(str(here.parent))}", f"run.name={here.name}"]
     return load_config(run_dir / "config.toml", [*args.overrides, *where])
 
 

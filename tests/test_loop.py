@@ -419,3 +419,31 @@ def test_closing_the_rollout_thread_does_not_wait_out_a_long_rollout():
     release.set()
     worker.thread.join(10)
     assert not worker.thread.is_alive() and worker.ready == {1: 1}  # no rollout after the stop
+
+
+def test_resume_keeps_the_run_dir_its_config_names(tmp_path, monkeypatch):
+    """--resume RUN_DIR keeps config.toml's own run.dir / run.name when they name RUN_DIR (so `fp4rl ablate`
+    still recognises an arm resumed by hand), takes RUN_DIR's location when the run was moved, and refuses
+    --set run.dir / run.name / run.resume, which it would silently override."""
+    from types import SimpleNamespace
+
+    from fp4rl.config import dump_toml, save_config
+    from fp4rl.loop import config_from_args
+
+    monkeypatch.chdir(tmp_path)
+    saved = load_config(None, ["run.dir=runs", "run.name=arm", "trainer.lr=3e-3"])
+    save_config(saved, tmp_path / "runs" / "arm" / "config.toml")
+
+    def resume(path, *sets):
+        return config_from_args(SimpleNamespace(resume=str(path), config=None, overrides=list(sets)))
+
+    c = resume("runs/arm")
+    assert (c.run.dir, c.run.name, c.run.resume) == ("runs", "arm", True)
+    assert dump_toml(load_config(None, [])) != dump_toml(c) and c.trainer.lr == 3e-3
+    assert resume(tmp_path / "runs" / "arm").run.dir == "runs"  # the same directory, named absolutely
+    (tmp_path / "moved").mkdir()
+    (tmp_path / "runs" / "arm").rename(tmp_path / "moved" / "arm2")
+    c = resume("moved/arm2")
+    assert (c.run.dir, c.run.name) == (str(tmp_path / "moved"), "arm2")
+    with pytest.raises(ConfigError, match="run.name=other cannot change that"):
+        resume("moved/arm2", "run.name=other")
