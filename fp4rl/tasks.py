@@ -38,7 +38,7 @@ EXTRACT_MODES = ("last_number", "answer_tag", "last_line", "full")
 DEFAULT_SUFFIX = "Answer with the number only."
 
 # a decimal number; a minus sign counts only when not glued to a word or digit ("9-4" ends in 4)
-_NUMBER = re.compile(r"(?:(?<![\w)])-)?\d+(?:,\d{3})*(?:\.\d+)?")
+_NUMBER = re.compile(r"(?:(?<![\w)])-)?(?:\d+(?:,\d{3})*(?:\.\d+)?|(?<!\d)\.\d+)")  # ".5" too
 _ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
 
 
@@ -46,7 +46,10 @@ def extract_answer(completion: str, mode: str = "last_number") -> str | None:
     """The part of a completion that is scored, or None when there is none."""
     if mode == "last_number":
         numbers = _NUMBER.findall(completion.replace("\u2212", "-"))  # unicode minus
-        return numbers[-1].replace(",", "") if numbers else None
+        if not numbers:
+            return None
+        number = numbers[-1].replace(",", "")
+        return number.replace(".", "0.", 1) if number.lstrip("-").startswith(".") else number  # .5 -> 0.5
     if mode == "answer_tag":
         matches = _ANSWER_TAG.findall(completion)
         return matches[-1].strip() if matches else None

@@ -19,8 +19,9 @@ linears, and the trainer's W4A4 forward reproduce it:
   where x is the sampler's x they are the sampler's bytes exactly (tested). Gradients pass straight
   through as for any Q(x) (qat.py).
 
-Who is guided: the dense W4A4 linears of the deepest `deep_fraction` of the decoder layers
-(``guided_layers``); routed experts keep round-to-nearest (their rows are a routing-dependent subset
+Who is guided: the dense W4A4 linears of the deepest `deep_fraction` of the decoder layers that can
+hold them (layers 0 .. the deepest one with a W4A4 linear: the BF16 last layers are not counted;
+``guided_layers``); routed experts keep round-to-nearest (their rows are a routing-dependent subset
 of the tokens). The paper keeps guidance for the deep half only (it finds the mismatches there); here
 every W4A4 layer is the default (precision.trace_deep_fraction = 1): a flip left in a shallow layer
 moves every later layer's activations, which is where the deep mismatches come from (SmolLM2-135M,
