@@ -3,7 +3,8 @@
 # (each under the 600 s limit; a 48-layer process takes ~100-150 s with its build, the BF16 one ~150 s more),
 # in order of need:
 #   base  the current defaults (fold <= 8 rows, SiLU build <= 8, BF16-cache attention kernel, router kernel off)
-#         against BF16 in the same process: the ratio the defaults give, never timed as a whole
+#         against BF16 in the same process: the ratio the defaults give, never timed as a whole; W4A16 with every
+#         linear 4-bit and with the recipe's BF16 last layers (7 of 48), three repeats per point
 #   ab1   the combine fold off, and on at every batch (is it what made batch 32 slower?)
 #   tests the GPU tests cut short in the eleventh session (fold, router) or fixed since (the SILU test)
 #   ab2   the SiLU build off, SDPA for the BF16 cache
@@ -13,7 +14,7 @@ export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
 run() {  # name, env..., then the preset list
   local name=$1; shift
   env "$@" timeout 170 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets nvfp4-w4a16 \
-    --batch 1,8,32 --kv bf16 --repeats 2 --tokens 8,40 --profile-batch '' --out $OUT/sampler51_$name.json \
+    --batch 1,8,32 --kv bf16 --repeats 3 --tokens 8,40 --profile-batch '' --out $OUT/sampler51_$name.json \
     > $OUT/sampler51_$name.log 2>&1
   echo "$name exit $?"; grep '^|' $OUT/sampler51_$name.log | cut -c1-300 | tail -3
 }
@@ -24,8 +25,8 @@ if [ "$1" = tests ]; then  # the GPU tests the eleventh session's calls cut shor
   exit 0
 fi
 if [ "$1" = base ]; then
-  timeout 400 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets bf16,nvfp4-w4a16 \
-    --batch 1,8,32 --kv bf16 --repeats 2 --tokens 8,40 --profile-batch '' --out $OUT/sampler51_base.json \
+  timeout 540 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets bf16,nvfp4-w4a16 \
+    --w4a16-last 0,0.15 --batch 1,8,32 --kv bf16 --repeats 3 --tokens 8,40 --profile-batch '' --out $OUT/sampler51_base.json \
     > $OUT/sampler51_base.log 2>&1
   echo "base exit $?"; grep '^|\|rror\|arn' $OUT/sampler51_base.log | cut -c1-300 | tail -10
   exit 0

@@ -44,16 +44,33 @@ def load_model(name_or_path: str | os.PathLike = "default", dtype: torch.dtype |
 
     dtype None: float32 on the CPU, else the checkpoint's torch_dtype (float32 if it has none).
     The tokenizer is None (with a warning) when the directory has no tokenizer files.
+    generation_config.json's eos_token_id (one id or a list), when there is one, becomes
+    `model.generation_eos_token_ids`: the Sampler ends completions on those too.
     """
     path = default_model_dir(convert=True) if str(name_or_path) == "default" else _resolve(name_or_path)
     from fp4rl.export_import import is_exported, load_exported  # imports this module
 
     if is_exported(path):  # an NVFP4 ModelOpt / compressed-tensors checkpoint
-        return load_exported(path, dtype=dtype, device=device)[:2]
-    config = load_config(path)
-    dtype = _pick_dtype(dtype, config, device)
-    model = build_model(config, load_state_dict(path), dtype=dtype, device=device)
-    return model, load_tokenizer(path)
+        model, tokenizer = load_exported(path, dtype=dtype, device=device)[:2]
+    else:
+        config = load_config(path)
+        dtype = _pick_dtype(dtype, config, device)
+        model = build_model(config, load_state_dict(path), dtype=dtype, device=device)
+        tokenizer = load_tokenizer(path)
+    model.generation_eos_token_ids = _generation_eos(path)
+    return model, tokenizer
+
+
+def _generation_eos(path: Path) -> list[int]:
+    """generation_config.json's eos_token_id as a list ([] without the file or the key)."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return []
+    try:
+        eos = json.loads(file.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{file} is not a JSON object ({e}): fix or remove it") from e
+    return [] if eos is None else [eos] if isinstance(eos, int) else [int(t) for t in eos]
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:

@@ -168,8 +168,25 @@ class ModelConfig:
         for key in ("sliding_window", "max_window_layers"):  # only meaningful with sliding windows
             d.pop(key, None)
         rope_theta, rope_scaling = _parse_rope(d)
+        required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads"]
+        if t in MOE_MODEL_TYPES:
+            required += ["num_experts_per_tok", "moe_intermediate_size"]
+            if "num_experts" not in d and "num_local_experts" not in d:
+                required.append("num_experts")
+        if t == "qwen2_moe":
+            required.append("shared_expert_intermediate_size")
+        missing = [k for k in required if d.get(k) is None]
+        if missing:
+            raise ValueError(f"config.json: {t} needs {', '.join(missing)}, which the file does not set; "
+                             "is it the model's own config.json?")
+        if d.get("attention_dropout"):
+            warnings.warn(f"config.json: attention_dropout={d['attention_dropout']} is ignored (fp4rl never "
+                          "drops attention weights: RL logprobs must be those the sampler computed)",
+                          stacklevel=2)
         heads = d.pop("num_attention_heads")
-        head_dim = d.pop("head_dim", None) or (128 if t.startswith("qwen3") else d["hidden_size"] // heads)
+        # transformers' defaults: Qwen3's config class sets head_dim 128, Qwen3-MoE's none (hidden / heads)
+        head_dim = d.pop("head_dim", None) or (128 if t == "qwen3" else d["hidden_size"] // heads)
         kw = dict(
             model_type=t,
             vocab_size=d.pop("vocab_size"),
@@ -184,7 +201,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=d.pop("tie_word_embeddings", False),
-            hidden_act=d.pop("hidden_act", "silu"),
+            hidden_act={"swish": "silu"}.get(d.get("hidden_act"), d.pop("hidden_act", "silu")),
             torch_dtype=d.pop("torch_dtype", None) or d.pop("dtype", None),
             qk_norm=t.startswith("qwen3"),
         )
@@ -265,7 +282,8 @@ def _parse_rope(d: dict) -> tuple[float, dict | None]:
                          "fp4rl supports one RoPE for every layer")
     params = {**legacy, **params}
     theta = float(params.pop("rope_theta", None) or theta or 10000.0)
-    if params.pop("partial_rotary_factor", 1.0) != 1.0 or d.pop("partial_rotary_factor", 1.0) != 1.0:
+    if (params.pop("partial_rotary_factor", None) or 1.0) != 1.0 or (d.pop("partial_rotary_factor", None)
+                                                                      or 1.0) != 1.0:
         raise ValueError("config.json: partial_rotary_factor != 1 is not supported; RoPE covers head_dim")
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)

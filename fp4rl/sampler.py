@@ -198,8 +198,8 @@ class Sampler:
     dtype        compute dtype of the copy (default: the trainer model's).
     cache_dequantized  keep DQ(W) per weight version (default: on for the CPU, off on CUDA).
     fuse         one GEMM (and one Q(x)) for q/k/v and for gate/up (default: on for the CPU).
-    eos_token_ids      tokens that end a completion (default: the tokenizer's eos_token_id and the
-                       model config's eos_token_id, one id or a list).
+    eos_token_ids      tokens that end a completion (default: the tokenizer's eos_token_id, the model
+                       config's and generation_config.json's (fp4rl.load_model keeps it), ids or lists).
     kernels      Triton NVFP4 kernels, static KV cache, grouped experts (fp4rl/gpu_decode.py); needs
                  dtype bfloat16 (default: on for CUDA in bfloat16, off elsewhere; the CPU runs them
                  only under TRITON_INTERPRET=1).
@@ -269,7 +269,8 @@ class Sampler:
         self.tokenizer, self.kv_cache = tokenizer, kv_cache
         if eos_token_ids is None:  # the tokenizer's and config.json's (a chat model may end turns on either)
             eos_token_ids = set()
-            for eos in (getattr(tokenizer, "eos_token_id", None), self.config.extra.get("eos_token_id")):
+            for eos in (getattr(tokenizer, "eos_token_id", None), self.config.extra.get("eos_token_id"),
+                        getattr(model, "generation_eos_token_ids", None)):
                 eos_token_ids |= set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
         self.eos_token_ids = set(eos_token_ids)
         self.pad_token_id = getattr(tokenizer, "pad_token_id", None) or 0

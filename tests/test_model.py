@@ -214,6 +214,12 @@ def hf_dict(**kw):
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(num_key_value_heads=3), "num_key_value_heads"),
     (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8), "experts"),
+    (dict(model_type="qwen3_moe", num_experts_per_tok=2, moe_intermediate_size=8),  # no expert count
+     "qwen3_moe needs num_experts, which the file does not set"),
+    (dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
+     "needs shared_expert_intermediate_size"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}),
+     "partial_rotary"),
 ])
 def test_unsupported_configs_raise_naming_the_key(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -227,6 +233,19 @@ def test_config_reads_both_rope_spellings_and_writes_back():
     assert ModelConfig.from_hf(legacy.to_hf()) == legacy
     q2 = ModelConfig.from_hf(hf_dict(model_type="qwen2", use_sliding_window=False, sliding_window=4096))
     assert q2.qkv_bias and not q2.o_bias and q2.rope_scaling is None
+
+
+def test_config_defaults_and_spellings_transformers_accepts():
+    """head_dim absent: Qwen3 takes its config class's 128, Qwen3-MoE (whose class has none) hidden / heads,
+    as transformers does; partial_rotary_factor null is full rotary; 'swish' is silu; a non-zero
+    attention_dropout is ignored, loudly."""
+    moe = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    assert ModelConfig.from_hf(hf_dict(**moe)).head_dim == BASE["hidden_size"] // BASE["num_attention_heads"]
+    assert ModelConfig.from_hf(hf_dict(model_type="qwen3")).head_dim == 128
+    assert ModelConfig.from_hf(hf_dict(partial_rotary_factor=None)).rope_scaling is None
+    assert ModelConfig.from_hf(hf_dict(hidden_act="swish")).hidden_act == "silu"
+    with pytest.warns(UserWarning, match="attention_dropout=0.1 is ignored"):
+        ModelConfig.from_hf(hf_dict(attention_dropout=0.1))
 
 
 @pytest.mark.gpu

@@ -89,6 +89,9 @@ def add_arguments(parser):
     parser.add_argument("--profile-batch", default="1,32", help="batches profiled (kv bf16), '' for none")
     parser.add_argument("--presets", default="", help="comma-separated precision presets to measure (bf16, "
                         "nvfp4-w4a16, nvfp4-linear, nvfp4-experts); default: every row of the shape")
+    parser.add_argument("--w4a16-last", default="0", help="comma-separated BF16 last-layer fractions of "
+                        "the nvfp4-w4a16 arm, one row each (default 0: every linear W4A16; 0.15: the "
+                        "recipe's BF16 last layers, 7 of 48)")
     parser.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     parser.add_argument("--pdl", default="on", help="'on', 'off' or 'on,off': programmatic dependent launch "
                         "between the decode step's kernels (fp4rl.kernels.pdl), each row measured with each")
@@ -131,7 +134,8 @@ def expert_fraction(config, batch: int) -> float:
 
 
 def layer_bytes(layer: nn.Module, frac: float, force_bf16: bool = False) -> float:
-    """Weight bytes one decode step reads from a decoder layer (packed 0.5625 B/param, else 2)."""
+    """Weight bytes one decode step reads from a decoder layer (packed 0.5625 B/param, else 2): the NVFP4
+    format's floor; the CUDA mma16 kernels read their re-laid copy, 0.625 B/param (bf16 block scales)."""
     from fp4rl.packed import PackedNVFP4Linear
 
     total = 0.0
@@ -446,7 +450,14 @@ def run(args) -> int:
             save()
             continue
         wanted = [w for w in args.presets.split(",") if w]
+        rows = []
         for label, preset, frac in PRECISIONS[shape]:
+            if preset == "nvfp4-w4a16":
+                rows += [(label if float(f) == 0 else f"nvfp4-w4a16, last {float(f):.0%} BF16", preset,
+                          float(f)) for f in args.w4a16_last.split(",")]
+            else:
+                rows.append((label, preset, frac))
+        for label, preset, frac in rows:
             if wanted and preset not in wanted:
                 continue
             try:
