@@ -104,6 +104,21 @@ def test_tokenizer_round_trip(tmp_path):
     assert tokenizer("w3 w7 w60")["input_ids"] == [3, 7, 60]
 
 
+def test_generation_config_eos_ends_completions(tmp_path):
+    """generation_config.json's eos_token_id (a chat model's end-of-turn token may be only there) is kept
+    by load_model and ends the Sampler's completions too."""
+    from fp4rl.sampler import Sampler
+
+    save_hf("llama", tmp_path / "hf")
+    model, _ = load_quietly(tmp_path / "hf")
+    save_model(model, tiny_tokenizer(), tmp_path / "out")
+    assert load_model(tmp_path / "out")[0].generation_eos_token_ids == []  # no generation_config.json
+    (tmp_path / "out" / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 9]}))
+    model, tokenizer = load_model(tmp_path / "out")
+    assert model.generation_eos_token_ids == [5, 9]
+    assert {5, 9} <= Sampler(model, tokenizer).eos_token_ids
+
+
 def test_dtype_choice(tmp_path):
     save_hf("llama", tmp_path / "bf16", dtype=torch.bfloat16)
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
