@@ -100,8 +100,9 @@ def validate_fields(obj, section: str) -> None:
         if "choices" in meta and value not in meta["choices"]:
             allowed = ", ".join(repr(c) for c in meta["choices"])
             raise ConfigError(f"{key} = {value!r}: allowed values are {allowed}")
-        if any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, list)
-                                                                        else [value])):
+        items = value if isinstance(value, list) else [value]
+        inf_ok = meta.get("inf", False)  # a knob where inf means "no limit"
+        if any(isinstance(v, float) and (math.isnan(v) or math.isinf(v) and not inf_ok) for v in items):
             raise ConfigError(f"{key} = {value!r}: must be a finite number")
         for rule, op, text in _RULES:
             if rule in meta and value is not None:

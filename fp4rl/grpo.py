@@ -85,7 +85,8 @@ class GRPOConfig:
     adv_eps: float = _knob(1e-6, "added to the group std before dividing", gt=0.0)
     skip_zero_variance_groups: bool = _knob(True, "drop groups whose rewards are all equal (zero advantage)")
     clip_eps_low: float = _knob(0.2, "PPO ratio clip below: rho >= 1 - clip_eps_low", ge=0.0, lt=1.0)
-    clip_eps_high: float = _knob(0.2, "PPO ratio clip above: rho <= 1 + clip_eps_high (DAPO: 0.28)", ge=0.0)
+    clip_eps_high: float = _knob(0.2, "PPO ratio clip above: rho <= 1 + clip_eps_high (DAPO: 0.28; inf: "
+                                 "no upper clip)", ge=0.0, inf=True)
     loss_agg: str = _knob("token-mean", "how token losses are averaged", choices=LOSS_AGGREGATIONS)
     kl_coef: float = _knob(0.0, "coefficient of the k3 KL to the reference policy (0: no reference)", ge=0.0)
     is_correction: str = _knob("tis", "sampler/trainer importance-sampling correction", choices=IS_MODES)

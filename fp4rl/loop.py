@@ -69,6 +69,7 @@ import random
 import sys
 import threading
 import time
+import tomllib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -364,7 +365,7 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     from fp4rl import weight_sync
     from fp4rl.hf import load_model
     from fp4rl.precision import PrecisionContract
-    from fp4rl.sampler import Sampler
+    from fp4rl.sampler import Sampler, default_eos_token_ids
 
     c = config
     run_dir = c.run_dir
@@ -423,8 +424,11 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     payload = weight_sync.build_payload(trainer.model, contract, trainer.policy_version)
     sampler_dtype = None if c.sampler.dtype == "model" else getattr(torch, c.sampler.dtype)
     # TRACE records guidance where activations are quantized eagerly: not in the GPU decode kernels
+    # the end-of-turn ids resolved here (tokenizer, config.json, generation_config.json): Ray actors rebuild
+    # the model from its config alone and would miss generation_config.json's
     sampler_kwargs = dict(kv_cache=c.sampler.kv_cache, device=device, policy_version=trainer.policy_version,
-                          dtype=sampler_dtype, **({"kernels": False} if c.precision.trace else {}))
+                          dtype=sampler_dtype, eos_token_ids=default_eos_token_ids(trainer.model, tokenizer),
+                          **({"kernels": False} if c.precision.trace else {}))
     with contextlib.ExitStack() as stack:  # a Ray pool is shut down however train() ends
         sampler = rollout_sampler(trainer.model, tokenizer, sampler_kwargs, c, stack, contract)
         sampler.load(payload)
@@ -547,10 +551,15 @@ def config_from_args(args) -> RunConfig:
         raise ConfigError(f"--resume {run_dir} names the run and resumes it: {', '.join(named)} cannot "
                           "change that (to start another run from its config, copy its config.toml and use "
                           "--config)")
-    saved = load_config(run_dir / "config.toml", [])
+    try:  # only run.dir / run.name: the rest is validated below, with the --set fixes applied
+        run = tomllib.loads((run_dir / "config.toml").read_text()).get("run", {})
+        default = RunConfig().run
+        named_dir = Path(str(run.get("dir", default.dir))) / str(run.get("name", default.name))
+    except (tomllib.TOMLDecodeError, OSError):
+        named_dir = None  # load_config below names the problem
     where = ["run.resume=true"]
     here = run_dir.resolve()
-    if saved.run_dir.resolve() != here:  # moved (or a relative run.dir from another working directory):
+    if named_dir is None or named_dir.resolve() != here:  # moved, or a relative run.dir from elsewhere:
         # it continues where it is now
         where += [f"run.dir={json.dumps(str(here.parent))}", f"run.name={here.name}"]
     return load_config(run_dir / "config.toml", [*args.overrides, *where])

@@ -193,7 +193,8 @@ class PrecisionContract:
     def resolve(self, model: nn.Module) -> dict[str, str]:
         """{module name: "bf16" | "w4a16" | "w4a4"} for every nn.Linear of `model`, in module order."""
         linears = [name for name, m in model.named_modules() if is_linear(m)]
-        empty = {name for name, m in model.named_modules() if is_linear(m) and m.weight.numel() == 0}
+        empty = {name for name, m in model.named_modules()  # a sampler's packed linears have no .weight
+                 if is_linear(m) and getattr(m, "weight", None) is not None and m.weight.numel() == 0}
         layers = {i for name, _ in model.named_modules() if (i := layer_index(name)) is not None}
         num_layers = max(layers) + 1 if layers else 0
         last = self.bf16_last_layers(num_layers)

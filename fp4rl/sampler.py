@@ -188,6 +188,17 @@ def nucleus(logits: torch.Tensor, top_p: float, first: int = 1024) -> torch.Tens
     return out.scatter(-1, order, logits.gather(-1, order).masked_fill(~keep, float("-inf")))
 
 
+def default_eos_token_ids(model, tokenizer) -> list[int]:
+    """The tokens that end a completion by default: the tokenizer's eos_token_id, the model config's and
+    generation_config.json's (kept by fp4rl.load_model as model.generation_eos_token_ids); a chat model may
+    end its turns on any of them. Sorted, so it travels (e.g. to Ray actors) as plain data."""
+    ids: set[int] = set()
+    for eos in (getattr(tokenizer, "eos_token_id", None), model.config.extra.get("eos_token_id"),
+                getattr(model, "generation_eos_token_ids", None)):
+        ids |= set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    return sorted(ids)
+
+
 class Sampler:
     """Generates completions with packed NVFP4 weights; `load(payload)` syncs weights from the trainer.
 
@@ -267,11 +278,8 @@ class Sampler:
 
             self.engine = DecodeEngine(self.model, graphs=True if cuda_graphs is None else cuda_graphs)
         self.tokenizer, self.kv_cache = tokenizer, kv_cache
-        if eos_token_ids is None:  # the tokenizer's and config.json's (a chat model may end turns on either)
-            eos_token_ids = set()
-            for eos in (getattr(tokenizer, "eos_token_id", None), self.config.extra.get("eos_token_id"),
-                        getattr(model, "generation_eos_token_ids", None)):
-                eos_token_ids |= set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        if eos_token_ids is None:
+            eos_token_ids = default_eos_token_ids(model, tokenizer)
         self.eos_token_ids = set(eos_token_ids)
         self.pad_token_id = getattr(tokenizer, "pad_token_id", None) or 0
         self.cpu_ops = isinstance(self.model.model, FastCPUDecoder)

@@ -38,7 +38,7 @@ EXTRACT_MODES = ("last_number", "answer_tag", "last_line", "full")
 DEFAULT_SUFFIX = "Answer with the number only."
 
 # a decimal number; a minus sign counts only when not glued to a word or digit ("9-4" ends in 4)
-_NUMBER = re.compile(r"(?:(?<![\w)])-)?(?:\d+(?:,\d{3})*(?:\.\d+)?|(?<!\d)\.\d+)")  # ".5" too
+_NUMBER = re.compile(r"(?:(?<![\w)])-)?(?:\d+(?:,\d{3})*(?:\.\d+)?|(?<![\d.])\.\d+)")  # ".5" too, not "...5"
 _ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
 
 

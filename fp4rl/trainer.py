@@ -58,7 +58,7 @@ import torch
 
 from fp4rl import trace
 from fp4rl.batch import Batch
-from fp4rl.config import RunConfig, dump_toml
+from fp4rl.config import ConfigError, RunConfig, dump_toml
 from fp4rl.grpo import grpo_loss, importance_weights, mismatch_metrics, token_logprobs
 from fp4rl.hf import load_state_dict, save_model
 from fp4rl.precision import PrecisionContract
@@ -266,6 +266,7 @@ class Trainer:
                 "optimizer": self.optimizer.state_dict(),
                 "rng": rng_state(),
                 "extra": extra or {},
+                "precision": self.contract.resolve(self.model),  # which linears ran in which precision
             }
             torch.save(state, tmp / _STATE_FILE)
             (tmp / "config.toml").write_text(dump_toml(self.config))
@@ -297,6 +298,17 @@ class Trainer:
             raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
         state = torch.load(path / _STATE_FILE, map_location="cpu", weights_only=False)
+        if "precision" in state:  # (checkpoints from before 2026-12-01 do not record it)
+            was, now = state["precision"], self.contract.resolve(self.model)
+            changed = sorted(n for n in set(now) | set(was) if now.get(n) != was.get(n))
+            if changed:
+                n = changed[0]
+                raise ConfigError(
+                    f"checkpoint {path} trained {len(changed)} linear(s) in another precision than this "
+                    f"config resolves to now (e.g. {n}: {was.get(n)} then, {now.get(n)} now; the contract, "
+                    "or fp4rl's rule for the BF16 last layers, changed): resuming would switch them mid-run. "
+                    "Restore the run's precision settings (precision.rules can pin layers), or start a new "
+                    "run from the checkpoint's weights (model.name = the checkpoint directory)")
         self.optimizer.load_state_dict(state["optimizer"])
         self.policy_version, self.updates = state["policy_version"], state["updates"]
         set_rng_state(state["rng"])

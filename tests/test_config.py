@@ -1,5 +1,6 @@
 """Run config: validation, TOML loading, overrides, round trip."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,7 @@ def test_invalid_values_name_the_key_and_the_allowed_values():
     for item in ("trainer.lr=inf", "grpo.tis_cap=inf", "trainer.lr=nan", "eval.temperatures=[0.0, inf]"):
         with pytest.raises(ConfigError, match=r"must be a finite number"):
             load_config(overrides=[item])
+    assert load_config(overrides=["grpo.clip_eps_high=inf"]).grpo.clip_eps_high == math.inf  # no upper clip
     with pytest.raises(ConfigError, match=r"sampler.n = 1: must be >= 2"):
         SamplerConfig(n=1)
     with pytest.raises(ConfigError, match=r"sampler.n = 'eight': expected int"):

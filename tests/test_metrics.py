@@ -145,6 +145,8 @@ def test_resume_rewrite_is_atomic(tmp_path, monkeypatch):
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
     monkeypatch.undo()
+    (tmp_path / "metrics.jsonl").chmod(0o640)
     with MetricsLogger(tmp_path, tensorboard=False, resume_step=2):
         pass
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert (tmp_path / "metrics.jsonl").stat().st_mode & 0o777 == 0o640  # its mode kept (not mkstemp's 0600)

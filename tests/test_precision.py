@@ -222,3 +222,21 @@ def test_fp4rl_qwen2_moe_model_under_nvfp4_experts():
     assert rows["routed experts"] == f"{100 * 6 / 7:.1f}%"
     assert all(rows[k] == "0.0%" for k in ("attention", "shared experts", "router", "lm_head", "embeddings"))
     assert "round(0.15 * 7) = 1 BF16: 6" in text
+
+
+def test_resolve_reads_a_samplers_packed_model():
+    """resolve / summary also take a Sampler's model, whose packed NVFP4 linears hold bytes, not .weight."""
+    import torch
+
+    from fp4rl.model import CausalLM, ModelConfig
+    from fp4rl.qat import convert
+    from fp4rl.sampler import Sampler
+
+    torch.manual_seed(0)
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    c = PrecisionContract("nvfp4-linear")
+    model = convert(CausalLM(config), c)
+    sampler = Sampler(model, eos_token_ids=[])
+    assert c.resolve(sampler.model) == c.resolve(model)
+    assert "decoder layers: 4" in c.summary(sampler.model)

@@ -11,7 +11,7 @@ import torch
 from rl_fixtures import tiny_model
 
 from fp4rl.batch import Batch
-from fp4rl.config import RunConfig, load_config
+from fp4rl.config import ConfigError, RunConfig, load_config
 from fp4rl.grpo import grpo_loss, token_logprobs
 from fp4rl.hf import load_model
 from fp4rl.precision import PrecisionContract
@@ -230,6 +230,12 @@ def test_checkpoint_round_trip_resumes_identically(tmp_path):
     with pytest.warns(UserWarning, match="no tokenizer"):
         loaded, _ = load_model(path)  # the model part is a plain HF checkpoint
     assert torch.equal(loaded.model.embed_tokens.weight, saved)
+
+    # a config that now resolves some linears to another precision (a changed contract, or a changed rule
+    # for the BF16 last layers) is refused instead of switching them mid-run
+    other = Trainer(tiny_model(), PrecisionContract("nvfp4-linear", bf16_last_fraction=0.0), cfg)
+    with pytest.raises(ConfigError, match=r"another precision than this config resolves to now.*mid-run"):
+        other.load_checkpoint(path)
 
 
 def test_checkpoints_keep_the_newest_and_ignore_partial_ones(tmp_path):
