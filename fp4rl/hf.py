@@ -16,11 +16,13 @@ half-written cache; later loads read the copy. Nothing here ever contacts the Hu
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -209,15 +211,30 @@ def convert_gguf(gguf: str | os.PathLike, out_dir: str | os.PathLike) -> None:
     save_model(model, tokenizer, out_dir)
 
 
+STALE_TMP_S = 3600  # a temporary conversion folder this old was left by a killed process
+
+
 def write_atomically(out_dir: Path, write: Callable[[Path], None]) -> None:
-    """Run write(tmp_dir) and rename tmp_dir to out_dir: out_dir appears complete or not at all.
-    If another process finished first, its copy is kept."""
+    """Run write(tmp_dir), fsync it and rename tmp_dir to out_dir: out_dir appears complete or not at all.
+    If another process finished first, its copy is kept. Temporary folders that a killed conversion left
+    (older than STALE_TMP_S) are removed first."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - old.stat().st_mtime > STALE_TMP_S:
+                shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists() and not (out_dir / "config.json").is_file() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists but holds no config.json (not a complete copy): remove it "
+                              "and run again")
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is not
     try:
         write(tmp)
+        for f in tmp.rglob("*"):  # on disk before the rename makes the copy visible (a power loss)
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
         try:
             os.rename(tmp, out_dir)
         except OSError:

@@ -176,6 +176,22 @@ def test_write_atomically(tmp_path):
     assert (out / "config.json").read_text() == "first"
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["model"]
 
+    # what a SIGKILLed conversion leaves: an old temporary folder (removed), a fresh one (maybe a live
+    # conversion: kept), and a model folder without config.json (refused, naming it)
+    import os
+
+    stale, live = tmp_path / "cache" / ".model2.tmp-old", tmp_path / "cache" / ".model2.tmp-new"
+    stale.mkdir()
+    live.mkdir()
+    os.utime(stale, (time.time() - 2 * 3600,) * 2)
+    write_atomically(tmp_path / "cache" / "model2", lambda tmp: (tmp / "config.json").write_text("x"))
+    assert not stale.exists() and live.exists()
+    broken_dir = tmp_path / "cache" / "model3"
+    broken_dir.mkdir()
+    (broken_dir / "model.safetensors").write_bytes(b"half")
+    with pytest.raises(FileExistsError, match="holds no config.json .*remove it"):
+        write_atomically(broken_dir, lambda tmp: (tmp / "config.json").write_text("x"))
+
 
 @pytest.fixture(scope="session")
 def default_model():
