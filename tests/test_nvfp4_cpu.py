@@ -353,3 +353,22 @@ def test_build_failure_falls_back_to_the_reference_with_one_warning(monkeypatch)
 def test_build_is_cached():
     path = cpu.build()
     assert path.exists() and cpu.build() == path
+
+
+def test_tmp_cache_fallback_trusts_only_a_private_folder(tmp_path, monkeypatch):
+    """With ~/.cache not writable, compiled kernels go to <tmp>/fp4rl-<uid>, but only if this user owns it
+    and no one else can write to it (another user could plant a library there): else a private folder."""
+    import os
+    import tempfile
+
+    from fp4rl.nvfp4 import cpu
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # <file>/fp4rl cannot be created
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    shared = tmp_path / f"fp4rl-{os.getuid()}"
+    assert cpu._cache_dir() == shared and shared.stat().st_mode & 0o777 == 0o700
+    shared.chmod(0o777)  # world-writable: not trusted
+    other = cpu._cache_dir()
+    assert other != shared and other.stat().st_mode & 0o077 == 0

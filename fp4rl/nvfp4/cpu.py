@@ -99,7 +99,10 @@ def _cache_dir() -> Path:
     except OSError:
         pass
     path = Path(tempfile.gettempdir()) / f"fp4rl-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    path.mkdir(parents=True, exist_ok=True)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()  # a shared /tmp: only a folder this user owns, writable by no one else, is trusted
+    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+        return Path(tempfile.mkdtemp(prefix="fp4rl-"))  # private to this process: nothing foreign loaded
     return path
 
 
@@ -107,8 +110,13 @@ def _cpu_signature() -> str:
     """What -march=native depends on: a library built on another CPU is never reused."""
     try:
         info = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
-        return "\n".join(lines)
+        keys = ("model name", "flags", "Features", "CPU implementer", "CPU part")  # x86; aarch64
+        seen: dict[str, str] = {}
+        for ln in info.splitlines():
+            key = ln.split(":", 1)[0].strip()
+            if key in keys:
+                seen.setdefault(key, ln)  # the first core's line of each
+        return "\n".join([platform.machine(), *seen.values()])
     except OSError:
         return platform.processor() + platform.machine()
 

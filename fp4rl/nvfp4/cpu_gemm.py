@@ -222,9 +222,10 @@ def linear(x: torch.Tensor, w: GemmWeight | BF16Weight, bias: torch.Tensor | Non
                          f"more than {_MAX_TABLES} distinct global scales; use dequantize + F.linear")
     bias_ptr = None
     if bias is not None:
-        if bias.dtype is not torch.bfloat16 or bias.dim() != 1 or bias.shape[0] != N:
-            raise ValueError(f"cpu_gemm.linear: bias must be bfloat16 [{N}], got {bias.dtype} "
-                             f"{list(bias.shape)}")
+        if (bias.dtype is not torch.bfloat16 or bias.dim() != 1 or bias.shape[0] != N
+                or bias.device.type != "cpu"):
+            raise ValueError(f"cpu_gemm.linear: bias must be bfloat16 [{N}] on the CPU, got {bias.dtype} "
+                             f"{list(bias.shape)} on {bias.device}")
         if not bias.is_contiguous():
             bias = bias.contiguous()
         bias_ptr = bias.data_ptr()
