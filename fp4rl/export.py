@@ -87,7 +87,8 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, format: str = "
 
     src = _resolve_source(source)
     target = Path(out).resolve()
-    for held in {src.resolve(), Path(source).resolve()} if str(source) != "default" else {src.resolve()}:
+    sources = {src.resolve()} | ({Path(source).resolve()} if str(source) != "default" else set())
+    for held in sources:  # the resolved checkpoint and, for a run, the run directory named
         if target == held or target in held.parents:
             raise ValueError(f"export: OUT {out} is the source {source} or a folder holding it; replacing it "
                              "(--force) would delete the source: pick another OUT")

@@ -211,6 +211,24 @@ def convert_gguf(gguf: str | os.PathLike, out_dir: str | os.PathLike) -> None:
     save_model(model, tokenizer, out_dir)
 
 
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and folder under root, and root: what a rename is about to publish is on disk."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as fh:
+                os.fsync(fh.fileno())
+    for path in [*[p for p in root.rglob("*") if p.is_dir()], root]:
+        fsync_dir(path)
+
+
 STALE_TMP_S = 3600  # a temporary conversion folder this old was left by a killed process
 
 
@@ -231,10 +249,7 @@ def write_atomically(out_dir: Path, write: Callable[[Path], None]) -> None:
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is not
     try:
         write(tmp)
-        for f in tmp.rglob("*"):  # on disk before the rename makes the copy visible (a power loss)
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
+        fsync_tree(tmp)  # on disk before the rename makes the copy visible (a power loss)
         try:
             os.rename(tmp, out_dir)
         except OSError:

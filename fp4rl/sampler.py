@@ -375,9 +375,9 @@ class Sampler:
         prompt_ids = self._encode(prompts)
         if params.stop and self.tokenizer is None:
             raise ValueError("generate: stop strings need a tokenizer to decode the text")
-        special = set(getattr(self.tokenizer, "all_special_tokens", None) or ()) if params.stop else set()
-        if special & set(params.stop):
-            token = sorted(special & set(params.stop))[0]
+        special = set(params.stop) & set(getattr(self.tokenizer, "all_special_tokens", None) or ())
+        if special:
+            token = min(special)
             raise ValueError(f"generate: stop string {token!r} is a special token, which the decoded text "
                              "never contains (special tokens are skipped): pass its id in "
                              "Sampler(eos_token_ids=...)")

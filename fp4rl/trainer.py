@@ -60,7 +60,7 @@ from fp4rl import trace
 from fp4rl.batch import Batch
 from fp4rl.config import ConfigError, RunConfig, dump_toml
 from fp4rl.grpo import grpo_loss, importance_weights, mismatch_metrics, token_logprobs
-from fp4rl.hf import load_state_dict, save_model
+from fp4rl.hf import fsync_dir, fsync_tree, load_state_dict, save_model
 from fp4rl.precision import PrecisionContract
 from fp4rl.qat import convert
 
@@ -136,11 +136,11 @@ class Trainer:
             hidden, _ = model.model(batch.input_ids[:, :-1], routing=routing)  # [B, T-1, H]
         head = model.lm_head
         with torch.autocast(self.device.type, enabled=False):
-            if type(head) is torch.nn.Linear and head.weight.dtype != torch.float32:  # bf16 master weights
+            if type(head) is torch.nn.Linear:  # in fp32 even over bf16 master weights
                 bias = None if head.bias is None else head.bias.float()
-                logits = torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
-            else:
-                logits = head(hidden.float())  # [B, T-1, V] fp32
+                logits = torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)  # [B, T-1, V]
+            else:  # an NVFP4 lm_head (precision.rules) computes its own way
+                logits = head(hidden.float())
         if self.temperature != 1.0:
             logits = logits / self.temperature
         return token_logprobs(logits, batch.input_ids[:, 1:])  # [B, T-1]
@@ -270,13 +270,13 @@ class Trainer:
             }
             torch.save(state, tmp / _STATE_FILE)
             (tmp / "config.toml").write_text(dump_toml(self.config))
-            _fsync_tree(tmp)
+            fsync_tree(tmp)
             if final.exists():  # a checkpoint of this step from an earlier attempt: replace it
                 old = Path(tempfile.mkdtemp(prefix=f".old-{final.name}-", dir=root))
                 os.rename(final, old / final.name)
                 shutil.rmtree(old)
             os.rename(tmp, final)
-            _fsync_dir(root)
+            fsync_dir(root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -358,18 +358,3 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    for path in root.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-    for path in [*[p for p in root.rglob("*") if p.is_dir()], root]:
-        _fsync_dir(path)
