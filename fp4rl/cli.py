@@ -17,7 +17,7 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("fp4rl.loop", "run an RL job (TOML config + --set key=value; --resume RUN_DIR)"),
-    "generate": ("fp4rl.sampler", "sample a completion for one prompt (chat template applied)"),
+    "generate": ("fp4rl.generate", "sample a completion for one prompt (chat template applied)"),
     "export": ("fp4rl.export", "write an NVFP4 checkpoint for vLLM/SGLang (ModelOpt or compressed-tensors)"),
     "bench": ("fp4rl.benchmarks", "run a benchmark (quantize, memory, rollout, gpu_kernels)"),
     "plot": ("fp4rl.metrics", "draw a run's curves as PNGs into RUN_DIR/plots/"),
