@@ -300,7 +300,7 @@ def test_fused_qkv_and_gate_up_compute_exactly_the_separate_linears(config, cont
 def test_generate_command_prints_the_greedy_completion(capsys):
     import argparse
 
-    from fp4rl import sampler as command
+    from fp4rl import generate as command
     from fp4rl.hf import load_model
     from fp4rl.tasks import apply_chat_template
 
