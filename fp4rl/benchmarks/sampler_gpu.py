@@ -92,6 +92,8 @@ def add_arguments(parser):
     parser.add_argument("--w4a16-last", default="0", help="comma-separated BF16 last-layer fractions of "
                         "the nvfp4-w4a16 arm, one row each (default 0: every linear W4A16; 0.15: the "
                         "recipe's BF16 last layers, 7 of 48)")
+    parser.add_argument("--host-batch", default="", help="batches whose host time per step is split "
+                        "(host_split: graph launch cost, host-only step, top CPU ops), '' for none")
     parser.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     parser.add_argument("--pdl", default="on", help="'on', 'off' or 'on,off': programmatic dependent launch "
                         "between the decode step's kernels (fp4rl.kernels.pdl), each row measured with each")
@@ -264,6 +266,51 @@ def profile_split(sampler, batch: int, steps: int = 10, top_kernels: int = 12) -
             "split_ms": {k: v / 1e3 for k, v in sorted(split.items(), key=lambda kv: -kv[1])}, "top": top}
 
 
+class _NoReplay:
+    """Stands in for a captured graph: replay() does nothing (host_split's host-only steps)."""
+
+    def replay(self):
+        pass
+
+
+def host_split(sampler, prompts, tokens: int, top_ops: int = 15) -> dict:
+    """Where the host's time per decode step goes, for the bucket of len(prompts) rows (after its row was
+    measured, so the graph is captured): `replay_enqueue_us`, the host's cost of one graph launch (20 launches
+    back to back, timed without a sync); `host_step_ms`, a whole generate's wall time per token with every
+    replay of this bucket's graph replaced by nothing (the GPU then runs only the step's small ops, so this is
+    the host's cycle: a GPU step shorter than it leaves the GPU idle); `ops`, the `top_ops` CPU operators by
+    self CPU time per step in one normal generate (torch.profiler, CPU activity only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = sampler.engine
+    batch = len(prompts)
+    bucket = min(1 << max(0, (batch - 1).bit_length()), eng.static.batch_size)
+    if bucket not in eng.graphs:
+        return {"error": f"no graph captured for bucket {bucket}"}
+    graph, out, keep = eng.graphs[bucket]
+    with torch.inference_mode():
+        graph.replay()
+        _sync(sampler.device)
+        t = time.perf_counter()
+        for _ in range(20):
+            graph.replay()
+        enqueue = (time.perf_counter() - t) / 20
+        _sync(sampler.device)
+    eng.graphs[bucket] = (_NoReplay(), out, keep)
+    try:
+        timed_generate(sampler, prompts, 4)
+        host = sorted(timed_generate(sampler, prompts, tokens) for _ in range(3))[1]
+    finally:
+        eng.graphs[bucket] = (graph, out, keep)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall = timed_generate(sampler, prompts, tokens)
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top_ops]
+    return {"replay_enqueue_us": enqueue * 1e6, "host_step_ms": host / tokens * 1e3,
+            "profiled_step_ms": wall / tokens * 1e3, "tokens": tokens,
+            "ops": [{"name": e.key[:100], "self_us_per_step": e.self_cpu_time_total / tokens,
+                     "calls_per_step": e.count / tokens} for e in ops]}
+
+
 # ----------------------------------------------------------------------------------------------
 # main
 
@@ -361,10 +408,15 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
     kvs = args.kv.split(",")
     n2 = int(args.tokens.split(",")[1])
     prof_batches = [int(b) for b in args.profile_batch.split(",") if b]
+    host_batches = [int(b) for b in args.host_batch.split(",") if b]
     check_kv = "nvfp4" if "nvfp4" in kvs else kvs[-1]
     t0 = time.perf_counter()
     sampler = Sampler(trainer, device=device, dtype=torch.bfloat16, eos_token_ids=[],
                       max_seq_len=args.prompt + n2 + 8, kernels=True, cuda_graphs=not args.no_graphs)
+    if not offload and device.type == "cuda":
+        from fp4rl.qat import invalidate
+
+        invalidate(trainer)  # the trainer's cached Q(W) (the sampler has its copy): free for later builds
     mem = sampler.memory()
     results["builds"].append({"shape": shape, "precision": label, "build_s": time.perf_counter() - t0,
                               "packed_vs_bf16": mem["packed_vs_bf16"], "packed_bytes": mem["packed_bytes"],
@@ -409,6 +461,13 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
             except Exception as exc:  # noqa: BLE001
                 results["profiles"].append({**head, "batch": batch, "error": repr(exc)[:300]})
             print(json.dumps(results["profiles"][-1]), flush=True)
+        if batch in host_batches and sampler.engine is not None and sampler.engine.graphs:
+            try:
+                split = host_split(sampler, prompts, n2)
+            except Exception as exc:  # noqa: BLE001
+                split = {"error": repr(exc)[:300]}
+            results.setdefault("hosts", []).append({**head, "kv": kv, "batch": batch, **split})
+            print(json.dumps(results["hosts"][-1]), flush=True)
         yield
 
 
@@ -526,6 +585,15 @@ def markdown(results) -> str:
                      f"{p['eager_wall_ms'] / per:.1f} ms, kernels {p['kernel_ms'] / per:.2f} ms: {parts}")
         for t in p.get("top", []):
             lines.append(f"  {t['us_per_step']:9.1f} us {t['calls_per_step']:6.1f} calls  {t['name']}")
+    for h in results.get("hosts", []):
+        if "error" in h:
+            lines.append(f"\nhost {h['shape']} {h['precision']} b{h['batch']}: error {h['error'][:100]}")
+            continue
+        lines.append(f"\nhost {h['shape']} {_label(h)} b{h['batch']}: graph launch "
+                     f"{h['replay_enqueue_us']:.0f} us, host-only step {h['host_step_ms']:.2f} ms, "
+                     f"profiled step {h['profiled_step_ms']:.2f} ms")
+        for o in h["ops"]:
+            lines.append(f"  {o['self_us_per_step']:9.1f} us {o['calls_per_step']:6.1f} calls  {o['name']}")
     return "\n".join(lines)
 
 

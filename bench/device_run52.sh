@@ -1,0 +1,20 @@
+#!/bin/bash
+# Thirteenth session. `diag`: where batch 1's time goes on Qwen3-30B-A3B W4A16 at full depth (device_run51's
+# base run read a step of 3.64 ms against a graph replay of 2.44 ms at batch 1, the steps scattering 2.7-4.0 ms,
+# while batch 8's step equalled its replay): host_split (graph launch cost, the host-only cycle, the top CPU
+# ops) at batch 1 and 8, and the kernel split at batch 1; then the recipe's W4A16 row with its BF16 last layers
+# (7 of 48) against BF16 in a process of its own (base ran out of memory building it as its third sampler:
+# 30 GB reserved but unallocated; expandable segments now).
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+if [ "$1" = diag ]; then
+  timeout 200 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets nvfp4-w4a16 \
+    --batch 1,8 --kv bf16 --repeats 3 --tokens 8,40 --profile-batch 1 --host-batch 1,8 \
+    --out $OUT/sampler52_diag.json > $OUT/sampler52_diag.log 2>&1
+  echo "diag exit $?"; grep -v '^{' $OUT/sampler52_diag.log | cut -c1-200 | tail -60
+  timeout 330 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets bf16,nvfp4-w4a16 \
+    --w4a16-last 0.15 --batch 1,8,32 --kv bf16 --repeats 3 --tokens 8,40 --profile-batch '' \
+    --out $OUT/sampler52_last15.json > $OUT/sampler52_last15.log 2>&1
+  echo "last15 exit $?"; grep '^|\|rror' $OUT/sampler52_last15.log | cut -c1-300 | tail -8
+  exit 0
+fi
+echo "usage: bash bench/device_run52.sh diag"; exit 2
