@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -286,6 +287,9 @@ class Sampler:
         self.weights_digest: str | None = None  # the digest of the last payload loaded (None: built weights)
         self.weights_error: str | None = None  # set by a load whose verification failed (see load)
         self.num_moe_layers = len(self.config.moe_layers)
+        # a list: generate appends time.perf_counter() each time a step's tokens reach the host (the decode
+        # cadence, without prefill and setup: fp4rl.benchmarks.sampler_gpu's tokens/s); None: no clock
+        self.step_clock: list[float] | None = None
 
     # -- weights -----------------------------------------------------------------------------
     def load(self, payload, *, verify: bool = False) -> None:
@@ -462,6 +466,8 @@ class Sampler:
                 positions = positions + 1
             if ready is not None:
                 ready.synchronize()
+            if self.step_clock is not None:
+                self.step_clock.append(time.perf_counter())
             finished = []
             for i, t in enumerate(host.tolist()):
                 r = active[i]

@@ -361,3 +361,16 @@ def test_default_eos_is_the_tokenizers_and_the_model_configs():
     model.config.extra["eos_token_id"] = 9
     assert Sampler(model, None).eos_token_ids == {9}
     assert Sampler(model, CharTokenizer(), eos_token_ids=[3]).eos_token_ids == {3}
+
+
+def test_the_step_clock_stamps_each_step_once_and_changes_nothing():
+    sampler = Sampler(tiny(), eos_token_ids=[])
+    params = SamplingParams(n=2, max_new_tokens=5, seed=3)
+    plain = sampler.generate(PROMPTS, params)
+    sampler.step_clock = clock = []
+    clocked = sampler.generate(PROMPTS, params)
+    assert len(clock) == 5 and clock == sorted(clock)  # one stamp per step's tokens on the host
+    assert [c.completion_ids for c in clocked] == [c.completion_ids for c in plain]
+    sampler.step_clock = None
+    sampler.generate(PROMPTS, params)
+    assert len(clock) == 5

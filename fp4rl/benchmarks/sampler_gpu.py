@@ -7,11 +7,15 @@ caches, BF16 weights on cuBLAS, a CUDA graph per decode batch bucket). Each row:
 prompts of `--prompt` tokens, n = 1, temperature 1 (multinomial sampling on the host side of the
 graph, as in RL), no EOS, so every row decodes the same number of tokens.
 
-decode tok/s = batch * (N2 - N1) / median(t(N2) - t(N1)) over --repeats back-to-back pairs, t(N) the wall
-time of a whole `generate` of N new tokens (after a warm-up call that compiles, tunes and captures): prefill,
-graph capture and setup cancel out, sampling and the per-step host sync stay in. A row whose step reads
-below 0.95x its own graph replay is marked noisy (* after tok/s). `graph us` is one replay of the
-captured decode step alone (CUDA events): the GPU time of a step without sampling or host work.
+decode tok/s = batch / the decode cadence: the sampler's step clock (Sampler.step_clock) stamps the moment
+each step's tokens reach the host; the cadence of one generate is the mean interval over its steps after the
+first CLOCK_SKIP, and a row's figure the median over --repeats generates of N2 new tokens (after a warm-up
+call that compiles, tunes and captures). Sampling, the host's per-step work and its sync stay in; prefill and
+setup stay out. (Until the thirteenth session the figure was batch * (N2 - N1) / median(t(N2) - t(N1)) over
+whole generates: a 48-layer model's generate wall time scattered by +-40 ms, which at batch 1 read steps from
+0.6 to 4 ms around a 2.4 ms replay; that figure is still reported, as `wall_tok_s`.) A row whose step reads
+below 0.95x its own graph replay is marked noisy (* after tok/s). `graph us` is one replay of the captured
+decode step alone (CUDA events): the GPU time of a step without sampling or host work.
 
 Speed-up limits beside each ratio: weight bytes a decode step must read in BF16 over those of the
 preset (NVFP4 0.5625 B/param, BF16 2; routed experts scaled by the expected fraction of experts
@@ -82,7 +86,7 @@ def add_arguments(parser):
     parser.add_argument("--kv", default="bf16,nvfp4,fp8", help="KV caches")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     parser.add_argument("--tokens", default="8,56", help="N1,N2 new tokens of the two timed generates")
-    parser.add_argument("--repeats", type=int, default=3, help="timed (N1, N2) pairs (the median difference "
+    parser.add_argument("--repeats", type=int, default=3, help="timed (N1, N2) pairs (the median cadence "
                         "is kept)")
     parser.add_argument("--tune", action="store_true", help="time every GEMM candidate per shape (compiles "
                         "~20 Triton configurations per shape and batch bucket); default: first candidate")
@@ -171,6 +175,14 @@ def step_bytes(sampler, contract, full_layers: int, batch: int) -> dict:
 def _sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+CLOCK_SKIP = 4  # decode steps of a timed generate left out of its cadence
+
+
+def _median(sorted_values: list[float]) -> float:
+    v, half = sorted_values, len(sorted_values) // 2
+    return v[half] if len(v) % 2 else (v[half - 1] + v[half]) / 2
 
 
 def timed_generate(sampler, prompts, tokens: int) -> float:
@@ -273,15 +285,34 @@ class _NoReplay:
         pass
 
 
-def host_split(sampler, prompts, tokens: int, top_ops: int = 15) -> dict:
-    """Where the host's time per decode step goes, for the bucket of len(prompts) rows (after its row was
-    measured, so the graph is captured): `replay_enqueue_us`, the host's cost of one graph launch (20 launches
-    back to back, timed without a sync); `host_step_ms`, a whole generate's wall time per token with every
-    replay of this bucket's graph replaced by nothing (the GPU then runs only the step's small ops, so this is
-    the host's cycle: a GPU step shorter than it leaves the GPU idle); `ops`, the `top_ops` CPU operators by
-    self CPU time per step in one normal generate (torch.profiler, CPU activity only)."""
+def _clocked(sampler, prompts, tokens: int) -> float:
+    """Seconds per decode step of one generate, from the sampler's step clock (steps after CLOCK_SKIP)."""
+    sampler.step_clock = clock = []
+    try:
+        timed_generate(sampler, prompts, tokens)
+    finally:
+        sampler.step_clock = None
+    steady = clock[CLOCK_SKIP:]
+    return (steady[-1] - steady[0]) / max(1, len(steady) - 1)
+
+
+def _cpu_ops(sampler, prompts, tokens: int) -> dict:
+    """{operator: (self CPU us, calls)} over one generate of `tokens` new tokens (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        timed_generate(sampler, prompts, tokens)
+    return {e.key: (e.self_cpu_time_total, e.count) for e in prof.key_averages()}
+
+
+def host_split(sampler, prompts, n1: int, n2: int, top_ops: int = 15) -> dict:
+    """Where the host's time per decode step goes, for the bucket of len(prompts) rows (after its row was
+    measured, so the graph is captured): `replay_enqueue_us`, the host's cost of one graph launch (20 launches
+    back to back, timed without a sync); `host_step_ms`, the decode cadence (step clock, median of 3
+    generates) with every replay of this bucket's graph replaced by nothing (the GPU then runs only the step's
+    small ops, so this is the host's cycle: a GPU step shorter than it leaves the GPU idle); `ops`, the
+    `top_ops` CPU operators by self CPU time per decode step (torch.profiler over generates of n1 and n2 new
+    tokens, the difference over n2 - n1: prefill and setup cancel out)."""
     eng = sampler.engine
     batch = len(prompts)
     bucket = min(1 << max(0, (batch - 1).bit_length()), eng.static.batch_size)
@@ -299,16 +330,15 @@ def host_split(sampler, prompts, tokens: int, top_ops: int = 15) -> dict:
     eng.graphs[bucket] = (_NoReplay(), out, keep)
     try:
         timed_generate(sampler, prompts, 4)
-        host = sorted(timed_generate(sampler, prompts, tokens) for _ in range(3))[1]
+        host = _median(sorted(_clocked(sampler, prompts, n2) for _ in range(3)))
     finally:
         eng.graphs[bucket] = (graph, out, keep)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        wall = timed_generate(sampler, prompts, tokens)
-    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top_ops]
-    return {"replay_enqueue_us": enqueue * 1e6, "host_step_ms": host / tokens * 1e3,
-            "profiled_step_ms": wall / tokens * 1e3, "tokens": tokens,
-            "ops": [{"name": e.key[:100], "self_us_per_step": e.self_cpu_time_total / tokens,
-                     "calls_per_step": e.count / tokens} for e in ops]}
+    short, long = _cpu_ops(sampler, prompts, n1), _cpu_ops(sampler, prompts, n2)
+    per = {k: ((us - short.get(k, (0, 0))[0]) / (n2 - n1), (c - short.get(k, (0, 0))[1]) / (n2 - n1))
+           for k, (us, c) in long.items()}
+    ops = sorted(per.items(), key=lambda kv: -kv[1][0])[:top_ops]
+    return {"replay_enqueue_us": enqueue * 1e6, "host_step_ms": host * 1e3,
+            "ops": [{"name": k[:100], "self_us_per_step": us, "calls_per_step": c} for k, (us, c) in ops]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,18 +367,30 @@ def measure_row(sampler, contract, row: dict, prompts, args, env, results, base)
     t_warm = timed_generate(sampler, prompts, 4)  # compiles, tunes, captures this bucket's graph
     # pairs (N1, N2) back to back; the median of their differences (a slow outlier in one generate moves one
     # pair, not the figure; the best of each N separately once read a step at half its graph replay)
-    diffs = sorted(-timed_generate(sampler, prompts, n1) + timed_generate(sampler, prompts, n2)
-                   for _ in range(args.repeats))
-    half = len(diffs) // 2
-    diff = diffs[half] if len(diffs) % 2 else (diffs[half - 1] + diffs[half]) / 2
-    tok_s = batch * (n2 - n1) / diff
+    diffs, cadence = [], []
+    for _ in range(args.repeats):
+        t1 = timed_generate(sampler, prompts, n1)
+        sampler.step_clock = clock = []
+        try:
+            t2 = timed_generate(sampler, prompts, n2)
+        finally:
+            sampler.step_clock = None
+        diffs.append(t2 - t1)
+        steady = clock[CLOCK_SKIP:]  # the steps after the first few (their launches queue behind prefill)
+        if len(steady) >= 2:
+            cadence.append((steady[-1] - steady[0]) / (len(steady) - 1))
+    diffs.sort()
+    wall = _median(diffs) / (n2 - n1)
+    step = _median(sorted(cadence)) if cadence else wall  # s per decode step
+    tok_s = batch / step
     nbytes = step_bytes(sampler, contract, row["full_layers"], batch)
     key = (batch, row.get("fused", False), row.get("pdl", True))
     if contract.preset == "bf16":
         results.setdefault("bf16_bytes", {})[f"{shape}/{batch}"] = nbytes
         if row["kv"] == "bf16":
             base[key] = tok_s
-    row.update(tok_s=tok_s, step_ms=diff / (n2 - n1) * 1e3, warm_s=t_warm, pair_diffs_s=diffs,
+    row.update(tok_s=tok_s, step_ms=step * 1e3, wall_step_ms=wall * 1e3, wall_tok_s=batch / wall,
+               cadence_ms=[c * 1e3 for c in cadence], warm_s=t_warm, pair_diffs_s=diffs,
                graph_us=replay_us(sampler, batch), bytes_built=nbytes["built"], bytes_full=nbytes["full"],
                graph_error=sampler.engine.graph_error, counts=dict(sampler.engine.counts))
     # a step faster than its own graph replay is noise in the wall times: flagged (a * in the table)
@@ -463,7 +505,7 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
             print(json.dumps(results["profiles"][-1]), flush=True)
         if batch in host_batches and sampler.engine is not None and sampler.engine.graphs:
             try:
-                split = host_split(sampler, prompts, n2)
+                split = host_split(sampler, prompts, *(int(v) for v in args.tokens.split(",")))
             except Exception as exc:  # noqa: BLE001
                 split = {"error": repr(exc)[:300]}
             results.setdefault("hosts", []).append({**head, "kv": kv, "batch": batch, **split})
@@ -590,8 +632,8 @@ def markdown(results) -> str:
             lines.append(f"\nhost {h['shape']} {h['precision']} b{h['batch']}: error {h['error'][:100]}")
             continue
         lines.append(f"\nhost {h['shape']} {_label(h)} b{h['batch']}: graph launch "
-                     f"{h['replay_enqueue_us']:.0f} us, host-only step {h['host_step_ms']:.2f} ms, "
-                     f"profiled step {h['profiled_step_ms']:.2f} ms")
+                     f"{h['replay_enqueue_us']:.0f} us, host-only step {h['host_step_ms']:.2f} ms; CPU "
+                     "operators per decode step:")
         for o in h["ops"]:
             lines.append(f"  {o['self_us_per_step']:9.1f} us {o['calls_per_step']:6.1f} calls  {o['name']}")
     return "\n".join(lines)
