@@ -17,4 +17,10 @@ if [ "$1" = diag ]; then
   echo "last15 exit $?"; grep '^|\|rror' $OUT/sampler52_last15.log | cut -c1-300 | tail -8
   exit 0
 fi
-echo "usage: bash bench/device_run52.sh diag"; exit 2
+if [ "$1" = tests ]; then  # device_run51's tests: the GPU tests cut short in the eleventh session (fold, router)
+  # or changed without a GPU since (the SILU test, graph capture mode thread_local, the PTX fallback's scope)
+  timeout 520 python3 -m pytest -q -m gpu tests/test_moe_route.py tests/test_fused_kernels.py tests/test_gemv_cuda.py \
+    tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_sampler.py -rf --durations=8 2>&1 | tail -30
+  exit 0
+fi
+echo "usage: bash bench/device_run52.sh diag|tests"; exit 2
