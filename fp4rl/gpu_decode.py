@@ -236,8 +236,9 @@ class DecodeEngine:
 
     # -- one decode step ---------------------------------------------------------------------------
     def decode(self, view, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
-        """Next-token logits [b, V] and the experts chosen ([b, 1, k] per MoE layer) for one new
-        token per row; mask [b, length + 1] is the sampler's (left padding, then real tokens)."""
+        """Next-token logits [b, V] and the experts chosen ([L_moe, b, 1, k], stacked inside the step's
+        graph; None without MoE layers) for one new token per row; mask [b, length + 1] is the sampler's
+        (left padding, then real tokens)."""
         b, slots = tokens.numel(), mask.shape[1]
         if slots != view.length + 1 or slots > self.static.max_len or b != view.batch_size:
             raise ValueError(f"decode: mask covers {slots} slots for a cache of {view.length} used, "
@@ -259,7 +260,7 @@ class DecodeEngine:
             self.counts["eager_steps"] += 1
         view.length = slots
         logits, chosen = out
-        return logits[:b], [c[:b] for c in chosen]
+        return logits[:b], None if chosen is None else chosen[:, :b]
 
     def _capture(self, bucket: int):
         """Warm up (compile, tune, allocate) on a side stream, then capture one step; None on failure."""
@@ -314,7 +315,10 @@ class DecodeEngine:
     def _step(self, bb: int):
         """The decode step on the static buffers' first bb rows (what a graph captures)."""
         with pdl.step():  # programmatic dependent launches between the step's kernels (kernels/pdl.py)
-            return self._step_fused(bb) if self.fused else self._step_modules(bb)
+            logits, chosen = self._step_fused(bb) if self.fused else self._step_modules(bb)
+            # one [L_moe, bb, 1, k] tensor: the sampler records it with one index_put instead of stacking
+            # L_moe views on the host every step
+            return logits, torch.stack(chosen) if chosen else None
 
     def _step_fused(self, bb: int):
         """_step_modules' arithmetic in fused kernels (fp4rl.kernels.fused): per layer one residual-add +

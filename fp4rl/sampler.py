@@ -528,8 +528,9 @@ class Sampler:
         else:
             h, chosen = self.model.model(tokens[:, None], positions[:, None], mask[:, :slot + 1], cache, None)
             logits = self.model.lm_head(h[:, -1])  # [b, V]
+            chosen = torch.stack(chosen) if chosen else None  # [L_moe, b, 1, k], as the engine returns it
         if routing is not None:
-            routing[:, rows, positions] = torch.stack(chosen)[:, :, 0]  # [L_moe, b, k]
+            routing[:, rows, positions] = chosen[:, :, 0]  # [L_moe, b, k]
         return logits
 
     def _next_tokens(self, logits: torch.Tensor, params: SamplingParams, generator):
