@@ -23,4 +23,14 @@ if [ "$1" = tests ]; then  # device_run51's tests: the GPU tests cut short in th
     tests/test_gpu_decode.py tests/test_triton_attention.py tests/test_sampler.py -rf --durations=8 2>&1 | tail -30
   exit 0
 fi
-echo "usage: bash bench/device_run52.sh diag|tests"; exit 2
+if [ "$1" = final ]; then  # the session's figures: tokens/s from the step clock (decode cadence), 64 timed steps
+  timeout 330 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets bf16,nvfp4-w4a16 \
+    --w4a16-last 0,0.15 --batch 1,8,32 --kv bf16 --repeats 3 --tokens 8,72 --profile-batch '' --host-batch 1 \
+    --out $OUT/sampler52_30b.json > $OUT/sampler52_30b.log 2>&1
+  echo "30b exit $?"; grep -v '^{' $OUT/sampler52_30b.log | cut -c1-220 | tail -30
+  timeout 180 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 --batch 1,8,32 \
+    --kv bf16 --repeats 3 --tokens 8,72 --profile-batch '' --out $OUT/sampler52_8b.json > $OUT/sampler52_8b.log 2>&1
+  echo "8b exit $?"; grep '^|\|rror' $OUT/sampler52_8b.log | cut -c1-300 | tail -8
+  exit 0
+fi
+echo "usage: bash bench/device_run52.sh diag|tests|final"; exit 2
