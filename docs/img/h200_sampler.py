@@ -4,9 +4,10 @@
         bench/data/sampler_30b_s5h_h200.json [--out FILE.png]
 
 One panel per model shape: the NVFP4 presets' decode speed relative to BF16 in the same engine and run, per
-batch size, as decode tokens/s (solid) and as CUDA-graph replay time (dashed), with the issue's 2.5x target
-and the byte-count limit of each preset (BF16 weight bytes over the preset's, at the built depth). Rows
-measured with PDL off are left out when the same row exists with PDL on. Prints the plotted numbers.
+batch size, as decode tokens/s (solid; the step-clock cadence from the thirteenth session) and as CUDA-graph
+replay time (dashed), with the issue's 2.5x target and the byte-count limit of each preset (BF16 weight bytes
+over the preset's, at the built depth). Rows measured with PDL off are left out when the same row exists with
+PDL on. Prints the plotted numbers.
 """
 
 import json
