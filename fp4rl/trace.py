@@ -29,9 +29,9 @@ W4A4: |logprob diff| 0.39 unguided, 0.30 with the deep half guided, 0.009 with a
 
 Counters (``TraceStats``): elements guided, those whose round-to-nearest code (on the rollout
 scales) has another bit than recorded (``trace/code_disagree_rtn``: a lower bound of the codes that
-differ), those still differing after guidance (``trace/code_disagree_guided``: only where the
-sampler's code was not a neighbour, e.g. z clipped or a sign crossing), and the cache's bytes per
-token (``trace/cache_bytes_per_token``).
+guidance changes), and the cache's bytes per token (``trace/cache_bytes_per_token``). There is no
+"after guidance" count: the guided code's low bit is the recorded one by construction, and the bit
+is all the trainer knows of the sampler's code.
 
 Hooks: ``recording(model)`` captures guidance from every guided linear's activation quantizer while
 the sampler's model runs (``Recording.take`` hands it over per forward); ``guiding(model, guidance)``
@@ -129,7 +129,6 @@ class TraceStats:
 
     elements: int = 0
     disagree_rtn: int = 0
-    disagree_guided: int = 0
     cache_bytes: int = 0
     tokens: int = 0
 
@@ -137,7 +136,6 @@ class TraceStats:
         if not self.elements:
             return {}
         return {"trace/code_disagree_rtn": self.disagree_rtn / self.elements,
-                "trace/code_disagree_guided": self.disagree_guided / self.elements,
                 "trace/cache_bytes_per_token": self.cache_bytes / max(1, self.tokens)}
 
 
@@ -183,7 +181,6 @@ def guided_quantize(x: torch.Tensor, guide: Guidance, valid: torch.Tensor | None
         nearest = round_to_e2m1(z).to(torch.int64)  # round-to-nearest on the rollout scales
         stats.elements += rows.numel() * K
         stats.disagree_rtn += int(((nearest & 1) != bit).sum())
-        stats.disagree_guided += int(((pick & 1) != bit).sum())
     data[rows], block_scale[rows], global_scale[rows] = pack_fp4(codes), bs, gs.global_scale
     return NVFP4Tensor(data=data, block_scale=block_scale, global_scale=global_scale, shape=x.shape,
                        dtype=x.dtype, tile=16, scale_rule=scale_rule)

@@ -343,10 +343,9 @@ def test_trace_guides_the_trainer_towards_the_samplers_codes(assets, tmp_path):
     plain = run_tiny(assets, tmp_path, "plain", "trainer.steps=2")
     guided = run_tiny(assets, tmp_path, "guided", "trainer.steps=2", "precision.trace=true")
     for r in guided:
-        assert {"trace/code_disagree_rtn", "trace/code_disagree_guided",
-                "trace/cache_bytes_per_token"} <= set(r)
-        assert r["trace/code_disagree_guided"] <= min(0.01, r["trace/code_disagree_rtn"])
-        assert r["trace/code_disagree_rtn"] > 0
+        assert {"trace/code_disagree_rtn", "trace/cache_bytes_per_token"} <= set(r)
+        assert "trace/code_disagree_guided" not in r  # removed: 0 by construction, it measured nothing
+        assert 0 < r["trace/code_disagree_rtn"] < 1  # some round-to-nearest codes changed, not all
         assert r["trace/cache_bytes_per_token"] > 0
     # every W4A4 layer guided (the default): 0.002 vs 0.11 on this job
     assert guided[0]["mismatch/logprob_abs_diff"] < 0.1 * plain[0]["mismatch/logprob_abs_diff"]
