@@ -128,7 +128,10 @@ class Trainer:
         model = model or self.model
         routing = None if batch.routing is None else list(batch.routing)  # per layer [B, T-1, top_k]
         guided = contextlib.nullcontext()
-        if batch.guidance is not None:  # TRACE: the guided linears round towards the sampler's codes
+        # TRACE: the policy's guided linears round towards the sampler's codes. Only the policy: the
+        # rollout's guidance says how the sampler's policy quantized its activations, nothing about the
+        # frozen reference, whose logprobs (the KL term's anchor) must not depend on the rollout
+        if batch.guidance is not None and model is self.model:
             guided = trace.guiding(model, batch.guidance, batch.guidance_valid, self.trace_stats,
                                    deep_fraction=1.0)
         with guided, torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,

@@ -295,3 +295,32 @@ def test_mis_rejected_tokens_leave_the_denominator_with_micro_batches(loss_agg, 
         assert metrics["train/loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-7), mbs
         assert metrics["train/grad_norm"] == pytest.approx(norm, rel=1e-4), mbs
         assert metrics["train/kl_ref"] == pytest.approx(m["train/kl_ref"], rel=1e-4), mbs
+
+
+def test_trace_guides_the_policy_and_not_the_reference():
+    """TRACE guidance (the sampler's rounding of the policy's activations) applies to the policy's forward
+    only: the KL reference's logprobs are the same with and without the rollout's guidance."""
+    import dataclasses
+
+    from fp4rl import trace
+
+    trainer = Trainer(tiny_model(), NVFP4, config(**{"grpo.kl_coef": 0.1}))
+    plain = make_batch(trainer.model)
+    B, T1 = plain.loss_mask.shape
+    with torch.no_grad(), trace.recording(trainer.model) as rec:
+        trainer.model.model(plain.input_ids[:, :-1])
+    g = torch.Generator().manual_seed(5)
+    guidance = {}
+    for k, r in rec.take().items():  # the rows' own scales, random bits: guidance that moves codes
+        bits = torch.randint(0, 256, r.bits.shape, dtype=torch.uint8, generator=g)
+        guidance[k] = trace.Guidance(bits.view(B, T1, -1), r.block_scale.view(B, T1, -1), r.amax.view(B, T1))
+    assert guidance
+    guided = dataclasses.replace(plain, guidance=guidance, guidance_valid=torch.ones(B, T1, dtype=torch.bool))
+    with torch.no_grad():
+        ref_plain = trainer.logprobs(plain, trainer.ref_model)
+        ref_guided = trainer.logprobs(guided, trainer.ref_model)
+        assert trainer.trace_stats.elements == 0  # the reference's forward guided nothing
+        pol_plain, pol_guided = trainer.logprobs(plain), trainer.logprobs(guided)
+    assert torch.equal(ref_guided, ref_plain)
+    assert trainer.trace_stats.elements > 0 and not torch.equal(pol_guided, pol_plain)  # the policy is guided
+    assert torch.equal(pol_plain, ref_plain)  # same weights before any update
