@@ -27,11 +27,11 @@ every W4A4 layer is the default (precision.trace_deep_fraction = 1): a flip left
 moves every later layer's activations, which is where the deep mismatches come from (SmolLM2-135M,
 W4A4: |logprob diff| 0.39 unguided, 0.30 with the deep half guided, 0.009 with all layers).
 
-Counters (``TraceStats``): elements guided, those whose round-to-nearest code (on the rollout
-scales) has another bit than recorded (``trace/code_disagree_rtn``: a lower bound of the codes that
-guidance changes), and the cache's bytes per token (``trace/cache_bytes_per_token``). There is no
-"after guidance" count: the guided code's low bit is the recorded one by construction, and the bit
-is all the trainer knows of the sampler's code.
+Counters (``TraceStats``): elements guided (an input q/k/v or gate/up share counts once), those whose
+round-to-nearest code (on the rollout scales) has another bit than recorded (``trace/code_disagree_rtn``:
+a lower bound of the codes that guidance changes), and the cache's bytes per token
+(``trace/cache_bytes_per_token``). There is no "after guidance" count: the guided code's low bit is
+the recorded one by construction, and the bit is all the trainer knows of the sampler's code.
 
 Hooks: ``recording(model)`` captures guidance from every guided linear's activation quantizer while
 the sampler's model runs (``Recording.take`` hands it over per forward); ``guiding(model, guidance)``
@@ -266,17 +266,29 @@ def recording(model: torch.nn.Module, deep_fraction: float = 1.0) -> Iterator[Re
 def guiding(model: torch.nn.Module, guidance: dict[str, Guidance], valid: torch.Tensor,
             stats: TraceStats | None = None, deep_fraction: float = 1.0) -> Iterator[None]:
     """While active, the guided linears of `model` round their activation rows (flattened [N, K])
-    with guidance[input_key(name)] ([N] rows; valid [N] marks the rows that have it)."""
+    with guidance[input_key(name)] ([N] rows; valid [N] marks the rows that have it).
+
+    Linears that read one input (q/k/v, gate/up: ``input_key``) quantize it once: the last input's
+    Q(x) is kept and handed to the next linear of the same key given the same tensor (same storage,
+    shape, strides, version; it is held, so its memory cannot be reused meanwhile), so `stats` counts
+    each guided input once."""
     mods = {n: m for n, m in guided_modules(model, deep_fraction).items() if input_key(n) in guidance}
     valid = valid.reshape(-1).to(torch.bool)
+    last: dict = {}  # "id": the last quantized input's identity, "x": it (held), "q": its Q(x)
 
     def make(name, m, orig):
-        g = guidance[input_key(name)].flat()
+        key = input_key(name)
+        g = guidance[key].flat()
         kw = {k: v for k, v in m.input_kwargs.items() if k not in ("scale_rule", "scale_scope")}
         rule = m.input_kwargs.get("scale_rule", "6")
 
         def quantize_input(x):
-            return guided_quantize(x, g, valid, scale_rule=rule, stats=stats, **kw)
+            ident = (key, rule, kw, x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, _version(x))
+            if last.get("id") == ident:
+                return last["q"]
+            q = guided_quantize(x, g, valid, scale_rule=rule, stats=stats, **kw)
+            last.update(id=ident, x=x, q=q)
+            return q
         return quantize_input
 
     _patch(mods, make)
@@ -284,3 +296,9 @@ def guiding(model: torch.nn.Module, guidance: dict[str, Guidance], valid: torch.
         yield
     finally:
         _unpatch(mods)
+        last.clear()
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """x's in-place version counter (None for an inference tensor, which has none)."""
+    return None if x.is_inference() else x._version

@@ -9,6 +9,8 @@
   bit is the recorded one by construction);
 - the cache holds K/8 + K/16 + 4 bytes per row; bad shapes are refused."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -121,3 +123,38 @@ def test_guided_layers_and_shared_inputs():
     assert trace.input_key("model.layers.3.self_attn.v_proj") == "model.layers.3.self_attn.q_proj"
     assert trace.input_key("model.layers.3.mlp.up_proj") == "model.layers.3.mlp.gate_proj"
     assert trace.input_key("model.layers.3.mlp.down_proj") == "model.layers.3.mlp.down_proj"
+
+
+def test_shared_inputs_are_guided_and_counted_once(monkeypatch):
+    """q/k/v (gate/up) read one input: guiding quantizes it once and hands the same Q(x) to each, so the
+    counters hold the distinct guided elements (not 3x / 2x of them) and the logprobs are unchanged."""
+    from rl_fixtures import tiny_model
+
+    from fp4rl.precision import PrecisionContract
+    from fp4rl.qat import convert
+
+    model = convert(tiny_model(), PrecisionContract("nvfp4-linear"))
+    ids = torch.randint(4, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), trace.recording(model) as rec:
+        model.model(ids)
+    guidance = {k: trace.Guidance(g.bits.view(2, 9, -1), g.block_scale.view(2, 9, -1), g.amax.view(2, 9))
+                for k, g in rec.take().items()}
+    assert len(guidance) == 3 * 4  # 3 W4A4 layers x (q, o, gate, down): 12 distinct inputs of 21 linears
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, 6:] = False  # rows without guidance are rounded to nearest and not counted
+    calls = []
+    real = trace.guided_quantize
+    monkeypatch.setattr(trace, "guided_quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    stats = trace.TraceStats()
+    with torch.no_grad(), trace.guiding(model, guidance, valid, stats):
+        out = model.model(ids)[0]
+    assert len(calls) == len(guidance)
+    assert stats.elements == int(valid.sum()) * sum(g.width for g in guidance.values())
+    # the same outputs as when every linear quantizes its input itself (no input ever looks the same twice)
+    calls.clear()
+    count = itertools.count()
+    monkeypatch.setattr(trace, "_version", lambda x: next(count))
+    unshared = trace.TraceStats()
+    with torch.no_grad(), trace.guiding(model, guidance, valid, unshared):
+        assert torch.equal(model.model(ids)[0], out)
+    assert len(calls) == 21 and unshared.elements > stats.elements
