@@ -11,7 +11,12 @@ package. The first `load_model("default")` dequantizes it once with transformers
 and writes an fp32 safetensors copy plus the tokenizer to
     $FP4RL_CACHE/models/SmolLM2-135M-Instruct   ($FP4RL_CACHE defaults to ~/.cache/fp4rl)
 through a temporary directory renamed into place, so an interrupted conversion never leaves a
-half-written cache; later loads read the copy. Nothing here ever contacts the Hub.
+half-written cache; later loads read the copy.
+
+Nothing here ever contacts the Hub, and importing fp4rl leaves Hugging Face's settings alone: every
+transformers / huggingface_hub call below passes local_files_only=True and runs inside `hub_offline()`,
+which turns offline mode on for that call only and restores the caller's setting afterwards. A user's
+own downloads in the same process keep working.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -32,12 +38,51 @@ from safetensors.torch import load_file, save_file
 
 from fp4rl.model import SUPPORTED_MODEL_TYPES, CausalLM, ModelConfig, build_model
 
-os.environ["HF_HUB_OFFLINE"] = "1"  # never the Hub; every from_pretrained below is also local_files_only
-
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+_offline_lock = threading.Lock()
+_offline_depth = 0  # hub_offline() scopes open now (nested or in other threads)
+_offline_saved: list[tuple[object, str, object]] = []  # (module, attribute, the value before the first)
+
+
+@contextlib.contextmanager
+def hub_offline() -> Iterator[None]:
+    """Hugging Face offline mode for the body only; the previous setting is back afterwards, even if it
+    raises.
+
+    huggingface_hub reads HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) from the environment once, at import,
+    into `huggingface_hub.constants.HF_HUB_OFFLINE`; its HTTP layer (on every request) and transformers
+    5's `is_offline_mode()` read that constant, and transformers 4 copies it once more at import into
+    `transformers.utils.hub._is_offline_mode`. Setting os.environ after those imports changes nothing, so
+    this sets the constants (those present) and leaves os.environ alone. Both modules are imported first,
+    under the user's environment, so that neither copies our value at its import. Scopes may nest or
+    overlap across threads: the first to open saves the values, the last to close restores them. While a
+    scope is open, other threads of the process are offline too (the setting is process-wide).
+    """
+    global _offline_depth
+    import huggingface_hub.constants as hub_constants
+    import transformers.utils.hub as transformers_hub
+
+    with _offline_lock:
+        if _offline_depth == 0:
+            targets = [(hub_constants, "HF_HUB_OFFLINE"), (transformers_hub, "_is_offline_mode")]  # 2nd: 4.x
+            _offline_saved[:] = [(mod, name, getattr(mod, name)) for mod, name in targets
+                                 if hasattr(mod, name)]
+            for mod, name, _ in _offline_saved:
+                setattr(mod, name, True)
+        _offline_depth += 1
+    try:
+        yield
+    finally:
+        with _offline_lock:
+            _offline_depth -= 1
+            if _offline_depth == 0:
+                for mod, name, value in _offline_saved:
+                    setattr(mod, name, value)
+                _offline_saved.clear()
 
 
 def load_model(name_or_path: str | os.PathLike = "default", dtype: torch.dtype | str | None = None,
@@ -119,7 +164,8 @@ def load_tokenizer(path: str | os.PathLike):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    with hub_offline():
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 
@@ -198,9 +244,10 @@ def convert_gguf(gguf: str | os.PathLike, out_dir: str | os.PathLike) -> None:
 
     gguf = Path(gguf)
     kw = dict(gguf_file=gguf.name, local_files_only=True)
-    hf_config = AutoConfig.from_pretrained(str(gguf.parent), **kw)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
+    with hub_offline():
+        hf_config = AutoConfig.from_pretrained(str(gguf.parent), **kw)
+        hf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kw)
     with tempfile.TemporaryDirectory() as scratch:  # transformers' own config.json spelling, then ours
         hf_config.save_pretrained(scratch)
         with open(Path(scratch) / "config.json") as f:
@@ -274,7 +321,8 @@ def _resolve(name_or_path) -> Path:
         try:  # a Hub id already in the local Hugging Face cache
             from huggingface_hub import snapshot_download
 
-            return Path(snapshot_download(name, local_files_only=True))
+            with hub_offline():
+                return Path(snapshot_download(name, local_files_only=True))
         except Exception:
             pass
         raise FileNotFoundError(f"{name!r} is not a local directory and not in the local Hugging Face "

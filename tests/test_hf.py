@@ -231,3 +231,78 @@ def test_default_model_matches_transformers_gguf(default_model):
     ids = torch.tensor([tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]])
     with torch.no_grad():
         assert (model(ids) - hf(ids).logits).abs().max() <= 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# Offline mode: scoped to fp4rl's own Hugging Face calls, never the importing process's
+
+
+OFFLINE_SCRIPT = """
+import os, socket
+import fp4rl, fp4rl.hf
+import huggingface_hub.constants as hc
+import transformers.utils.hub as th
+from huggingface_hub import is_offline_mode
+from fp4rl.hf import hub_offline
+
+env_before = os.environ.get("HF_HUB_OFFLINE")
+assert env_before == {env!r}, env_before  # importing fp4rl left the environment alone
+assert hc.HF_HUB_OFFLINE is False and not is_offline_mode() and not th.is_offline_mode()
+try:
+    with hub_offline():
+        with hub_offline():  # nested: the inner exit keeps the outer scope offline
+            pass
+        assert hc.HF_HUB_OFFLINE is True and is_offline_mode() and th.is_offline_mode()
+        try:  # the Hub's HTTP layer refuses while the scope is open
+            from huggingface_hub.utils import get_session
+            get_session().get("https://huggingface.co/api/models/gpt2")
+            raise AssertionError("a Hub request went out inside hub_offline()")
+        except Exception as e:
+            assert type(e).__name__ == "OfflineModeIsEnabled", repr(e)
+        raise KeyError("body fails")
+except KeyError:
+    pass
+assert os.environ.get("HF_HUB_OFFLINE") == env_before
+assert hc.HF_HUB_OFFLINE is False and not is_offline_mode() and not th.is_offline_mode()
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("env", [None, "0"])
+def test_import_and_hub_offline_leave_the_users_setting(env):
+    """Importing fp4rl does not switch the process to offline mode (HF_HUB_OFFLINE unset stays unset, "0"
+    stays "0"); hub_offline() turns it on for its body only and restores it even when the body raises."""
+    import os
+    import subprocess
+    import sys
+
+    child_env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    if env is not None:
+        child_env["HF_HUB_OFFLINE"] = env
+    out = subprocess.run([sys.executable, "-c", OFFLINE_SCRIPT.format(env=env)], env=child_env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_tokenizer_load_is_offline_without_the_env(default_model, monkeypatch):
+    """load_tokenizer runs offline (and makes no DNS lookup) whatever the process's setting is."""
+    import socket
+
+    import huggingface_hub.constants as hc
+
+    from fp4rl.hf import load_tokenizer
+
+    lookups = []
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: lookups.append(a[0]) or real(*a, **k))
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+    seen, real_load = [], tf.AutoTokenizer.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.append((hc.HF_HUB_OFFLINE, kwargs.get("local_files_only")))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(tf.AutoTokenizer, "from_pretrained", spy)
+    tokenizer = load_tokenizer(default_model_dir())
+    assert tokenizer("hi")["input_ids"] and seen == [(True, True)] and hc.HF_HUB_OFFLINE is False
+    assert lookups == []
