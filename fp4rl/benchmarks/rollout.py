@@ -116,10 +116,14 @@ def time_engines(hf, samplers: dict, batch: int, new: int, repeats: int,
 def throughput(args) -> list[dict]:
     import transformers
 
+    from fp4rl.hf import hub_offline
+
     rows = []
     for dtype_name in args.dtypes.split(","):
         dtype = DTYPES[dtype_name]
-        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_model_dir(args.model), dtype=dtype).eval()
+        with hub_offline():  # a local folder only (hf_model_dir), never a download
+            hf = transformers.AutoModelForCausalLM.from_pretrained(hf_model_dir(args.model), dtype=dtype,
+                                                                   local_files_only=True).eval()
         samplers = {}
         for preset in args.presets.split(","):
             model, _, _ = load(args.model, preset)
