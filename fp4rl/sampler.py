@@ -422,11 +422,11 @@ class Sampler:
             cache = make_kv_cache(self.kv_cache, self.config, P, total, dtype=self.dtype, device=dev)
         h, chosen = self.model.model(ids, None, mask[:, :T_p], cache, None)  # h [P, T_p, H]
         logits = self.model.lm_head(h[:, -1])  # [P, V]
-        guide_pre, guide_dec = {}, {}
-        if rec is not None:  # prefill rows [P * T_p]; decode rows land in [B, new] below
+        guide_pre, guide_steps, fed_rows = {}, {}, []
+        if rec is not None:  # prefill rows [P * T_p]; each decode step's rows are collected below
             guide_pre = {k: trace.Guidance(g.bits.view(P, T_p, -1), g.block_scale.view(P, T_p, -1),
                                            g.amax.view(P, T_p)) for k, g in rec.take().items()}
-            guide_dec = {k: trace.Guidance.empty((B, new), g.width) for k, g in guide_pre.items()}
+            guide_steps = {k: [] for k in guide_pre}  # per step, its rows (none preallocated for all steps)
 
         # n samples per prompt share the prefill: copy each prompt's rows n times
         rows = torch.arange(P, device=dev).repeat_interleave(n)  # [B] prompt of each row
@@ -495,14 +495,20 @@ class Sampler:
                 logits = self._decode_step(cache, tokens, positions, mask, T_p + step, routing, active_t)
                 positions = positions + 1
                 if rec is not None:  # the rows fed: token `step` of each active row
-                    fed = torch.tensor(active)
+                    fed_rows.append(torch.tensor(active, dtype=torch.long))
                     for k, g in rec.take().items():
-                        d = guide_dec[k]
-                        d.bits[fed, step], d.block_scale[fed, step] = g.bits, g.block_scale
-                        d.amax[fed, step] = g.amax
+                        guide_steps[k].append(g)
             tokens, lp = self._next_tokens(logits, params, generator)
 
         logprobs = logprobs.cpu()
+        guide_dec, dec_rows = {}, []
+        if rec is not None:  # every step's rows one after the other; dec_rows[r]: row r's, in step order
+            fed_row = torch.cat(fed_rows) if fed_rows else torch.zeros(0, dtype=torch.long)
+            counts = torch.bincount(fed_row, minlength=B).tolist()
+            dec_rows = torch.sort(fed_row, stable=True).indices.split(counts)
+            guide_dec = {k: trace.Guidance.cat(guide_steps[k]) if guide_steps[k] else
+                         trace.Guidance.empty((0,), g.width) for k, g in guide_pre.items()}
+            del guide_steps
         out = []
         for r in range(B):
             p, c = prompt_ids[r // n], completion[r]
@@ -514,7 +520,7 @@ class Sampler:
                 routing=None if routing is None else routing[:, r, :len(p) + len(c) - 1].cpu().clone(),
                 guidance=None if rec is None else {  # the prompt's rows (shared prefill), then the fed ones
                     k: trace.Guidance.cat([g.index(r // n, slice(T_p - len(p), T_p)),
-                                           guide_dec[k].index(r, slice(0, len(c) - 1))]).to_dict()
+                                           guide_dec[k].index(dec_rows[r][:len(c) - 1])]).to_dict()
                     for k, g in guide_pre.items()},
             ))
         return out

@@ -374,3 +374,38 @@ def test_the_step_clock_stamps_each_step_once_and_changes_nothing():
     sampler.step_clock = None
     sampler.generate(PROMPTS, params)
     assert len(clock) == 5
+
+
+def test_trace_guidance_is_collected_per_step_to_the_real_lengths(monkeypatch):
+    """TRACE guidance: each decode step's rows are kept as they come and joined to each completion's real
+    length at the end; nothing is allocated for max_new_tokens. A completion's guidance is its prompt's
+    prefill rows, then the rows of the steps that fed its tokens (rebuilt here from every step's record:
+    step s feeds the rows, in order, whose completion has more than s + 1 tokens)."""
+    from fp4rl import trace
+
+    takes, leads = [], []
+    take, empty = trace.Recording.take, trace.Guidance.empty
+    monkeypatch.setattr(trace.Recording, "take", lambda self: takes.append(take(self)) or takes[-1])
+    monkeypatch.setattr(trace.Guidance, "empty",
+                        staticmethod(lambda lead, width: leads.append(lead) or empty(lead, width)))
+    sampler = Sampler(tiny(contract="nvfp4-linear"), eos_token_ids=list(range(0, V, 3)))
+    max_new = 48
+    out = sampler.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=max_new, guidance=1.0, seed=3))
+    lengths = [len(c.completion_ids) for c in out]
+    assert 1 < max(lengths) < max_new and len(set(lengths)) > 2  # some rows finish early, at other steps
+    assert all(max_new not in lead for lead in leads)  # no [B, max_new_tokens] buffers
+    T_p = max(map(len, PROMPTS))
+    pre, steps = takes[0], takes[1:]
+    assert len(steps) == max(lengths) - 1
+    for r, c in enumerate(out):
+        assert c.guidance.keys() == pre.keys() and len(pre) == 2 * 4  # q, o, gate, down of the W4A4 layers
+        for k, g in c.guidance.items():
+            p = PROMPTS[r // 3]
+            rows = [pre[k].index(slice((r // 3) * T_p + T_p - len(p), (r // 3 + 1) * T_p))]
+            for s in range(len(c.completion_ids) - 1):
+                i = sum(len(o.completion_ids) > s + 1 for o in out[:r])  # r's place among the rows fed at s
+                rows.append(steps[s][k].index(slice(i, i + 1)))
+            want = trace.Guidance.cat(rows)
+            assert g["amax"].shape == (len(p) + len(c.completion_ids) - 1,)
+            for f in ("bits", "block_scale", "amax"):
+                assert torch.equal(g[f].view(torch.uint8), getattr(want, f).view(torch.uint8))
