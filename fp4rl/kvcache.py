@@ -31,6 +31,7 @@ from fp4rl.nvfp4 import BLOCK, NVFP4Tensor, dequantize, quantize
 
 KV_CACHE_KINDS = ("bf16", "fp8", "nvfp4")
 E4M3_MAX = 448.0
+_FP32_TINY = torch.finfo(torch.float32).tiny  # the smallest positive normal float32, 2^-126
 
 
 def _write(buffer: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
@@ -81,10 +82,12 @@ class FP8KVCache(SamplerKVCache):
 
     @staticmethod
     def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [..., D] -> (E4M3 codes [..., D], FP32 scale [..., 1]); an all-zero vector gets scale 1."""
+        """x [..., D] -> (E4M3 codes [..., D], FP32 scale [..., 1]); an all-zero vector gets scale 1. The
+        scale is at least the smallest normal float32: below 448 * 2^-149, amax / 448 would be 0 and the
+        vector's zeros 0 / 0 = NaN (its values, all below 2^-126 * 2^-9 then, store as 0)."""
         x = x.float()
         amax = x.abs().amax(-1, keepdim=True)  # [..., 1]
-        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        scale = torch.where(amax > 0, (amax / E4M3_MAX).clamp(min=_FP32_TINY), torch.ones_like(amax))
         return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):

@@ -75,6 +75,21 @@ def test_a_token_is_stored_the_same_whatever_its_batch_neighbours(cls):
     assert torch.equal(k0, torch.zeros_like(k0))  # an all-zero token survives (no 0/0)
 
 
+@pytest.mark.parametrize("tiny", [1e-44, 1e-40, 2e-38])
+def test_fp8_cache_survives_a_tiny_amax(tiny):
+    """A token whose amax is below 448 * 2^-149 (amax / 448 underflows to 0) or in the subnormal range:
+    the scale stays > 0, nothing decodes to NaN/Inf, zeros stay zero and values stay within amax."""
+    x = torch.zeros(1, 2, 1, 32)
+    x[0, 0, 0, 0], x[0, 1, 0, 5] = tiny, -tiny  # one nonzero value per head, the rest zeros
+    codes, scale = FP8KVCache.quantize(x)
+    assert (scale > 0).all() and torch.isfinite(scale).all()
+    back = codes.float() * scale
+    assert torch.isfinite(back).all() and (back.abs() <= tiny * (1 + 2 ** -3)).all()
+    assert torch.equal(back[x == 0], torch.zeros_like(back[x == 0]))
+    k_all, v_all = write(FP8KVCache(CONFIG, 1, 4), 0, x, x)  # and through the cache
+    assert torch.isfinite(k_all).all() and torch.isfinite(v_all).all()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_select_copies_and_drops_rows(kind):
     cache = make_kv_cache(kind, CONFIG, 2, 8, dtype=torch.float32, device="cpu")

@@ -71,6 +71,21 @@ def test_fp8_cache():
     assert _rel(out, ref) < TOL
 
 
+def test_fp8_cache_quantizer_survives_a_tiny_amax():
+    """amax below 448 * 2^-126: 448 / amax would overflow and the token's zeros decode to 0 * inf = NaN."""
+    x = torch.zeros(1, 1, 2, 16)
+    x[0, 0, 0, 0], x[0, 0, 1, 3] = 1e-44, 1e-40
+    data, scale = attention.quantize_kv_fp8(x)
+    assert (scale > 0).all() and torch.isfinite(scale).all()
+    back = data.float() * scale[..., None]
+    assert torch.isfinite(back).all() and torch.equal(back[x == 0], torch.zeros_like(back[x == 0]))
+    assert (back.abs() <= x.abs()).all()
+    k = torch.randn(1, 1, 3, 16)  # ordinary tokens: the same bytes as before the clamp
+    enc = 448.0 / k.abs().amax(-1)
+    assert torch.equal(attention.quantize_kv_fp8(k)[0].view(torch.uint8),
+                       (k * enc[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
 def test_bad_inputs():
     q, k, v, lengths = _case(1, 6, 4, 16, 32, [16])
     k8, kg = attention.quantize_kv_fp8(k)

@@ -28,7 +28,9 @@ def quantize_kv_fp8(x: torch.Tensor):
     [B, Hkv, T]) with x ~= data * global_scale; global_scale = amax / 448 per token and head."""
     xf = x.float()
     amax = xf.abs().amax(-1)  # [B, Hkv, T]
-    enc = torch.where(amax > 0, 448.0 / amax, torch.ones_like(amax))
+    # enc <= 2^126 (global_scale >= the smallest normal float32): for amax below 448 * 2^-126, 448 / amax
+    # would overflow to inf and the token's zeros become 0 * inf = NaN
+    enc = torch.where(amax > 0, 448.0 / amax, torch.ones_like(amax)).clamp(max=2.0 ** 126)
     data = (xf * enc[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return data, 1.0 / enc
 
