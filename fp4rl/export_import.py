@@ -4,8 +4,11 @@
 NVFP4Linears whose quantized weight is exactly the checkpoint's bytes (codes, block scales,
 and the decode global scale a server uses: weight_scale_2 for ModelOpt, fp32(1/G) for
 compressed-tensors), and whose master weight is their dequantization DQ(packed). So the model
-computes the function the server serves (up to GEMM order), and continuing RL starts from it:
-the first optimizer step changes the master weight and the next forward quantizes it again.
+holds the weights the server serves: for W4A16 it computes the function the server serves (up to
+GEMM order); for W4A4 only up to the activation scales, since the server quantizes each input with
+the static per-tensor input scale calibrated at export while fp4rl quantizes activations per token.
+Continuing RL starts from these weights: the first optimizer step changes the master weight and
+the next forward quantizes it again.
 Moving the model to another device after loading also re-quantizes from the master weight;
 load it on the device it will run on (`device=`).
 
