@@ -127,7 +127,17 @@ class NVFP4KVCache(SamplerKVCache):
         self.dtype = dtype
 
     def _store(self, x: str, layer_idx: int, values: torch.Tensor, positions: torch.Tensor, end: int):
-        q = quantize(values, **self.quantize_kwargs)  # per (row, head, slot) global scale
+        try:
+            q = quantize(values, **self.quantize_kwargs)  # per (row, head, slot) global scale
+        except ValueError as exc:
+            if bool(torch.isfinite(values).all()):
+                raise
+            raise ValueError(
+                f"NVFP4 KV cache: the {'keys (K)' if x == 'k' else 'values (V)'} of layer {layer_idx} hold "
+                f"{int((~torch.isfinite(values)).sum())} NaN/Inf of {values.numel()}: the model produced "
+                "non-finite activations. Check the weights the sampler was given (a diverged update: lower "
+                "the learning rate or clip gradients, and resume from a checkpoint before the step that "
+                "produced them)") from exc
         data = getattr(self, f"{x}_data")[layer_idx]
         block_scale = getattr(self, f"{x}_block_scale")[layer_idx]
         global_scale = getattr(self, f"{x}_global_scale")[layer_idx]

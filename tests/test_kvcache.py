@@ -111,6 +111,19 @@ def test_nvfp4_cache_needs_head_dim_multiple_of_16():
         make_kv_cache("int4", CONFIG, 1, 8, dtype=torch.float32, device="cpu")
 
 
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_nonfinite_kv_names_the_layer_and_the_cause(which):
+    """A NaN/Inf key or value: the NVFP4 cache says which layer and K or V, and what to do (not a quantize
+    flag the model cannot pass)."""
+    cache = make_kv_cache("nvfp4", CONFIG, 2, 8, dtype=torch.float32, device="cpu")
+    k, v = kv(B=2, T=2)
+    (k if which == "k" else v)[1, 0, 1, 3] = float("nan")
+    name = r"keys \(K\)" if which == "k" else r"values \(V\)"
+    with pytest.raises(ValueError, match=f"the {name} of layer 1 hold 1 NaN/Inf") as err:
+        write(cache, 1, k, v)
+    assert "allow_nonfinite" not in str(err.value) and "learning rate" in str(err.value)
+
+
 def teacher_forced_logprobs(model, kind, ids, n_prompt):
     """log p(ids[n_prompt:]) decoding token by token through a `kind` cache (prefill, then 1 per step)."""
     cache = make_kv_cache(kind, CONFIG, 1, len(ids), dtype=torch.float32, device="cpu")
