@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from fp4rl.hf import fsync_dir, fsync_tree
+
 MANIFEST = "fp4rl_manifest.json"
 INDEX_FILE = "model.safetensors.index.json"
 # Files whose presence changes what a loader reads: any of them not in the manifest is refused.
@@ -88,7 +90,7 @@ def sha256(path: Path) -> str:
 
 
 def write_dir(out: Path, write, overwrite: bool) -> Path:
-    """write(tmp) into a temporary sibling, then rename it to OUT: OUT is complete or absent."""
+    """write(tmp) into a temporary sibling, fsync it, then rename it to OUT: OUT is complete or absent."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise FileExistsError(f"export: {out} exists and is not empty; pass overwrite=True (--force) to "
                               "replace it")
@@ -99,13 +101,16 @@ def write_dir(out: Path, write, overwrite: bool) -> Path:
         tmp.chmod(0o755)  # mkdtemp and safetensors make them private; a server may run as another user
         for f in tmp.iterdir():
             f.chmod(0o644)
+        fsync_tree(tmp)  # the files are on disk before the rename publishes them (a power loss)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.rename(out, old / out.name)
             os.rename(tmp, out)
+            fsync_dir(out.parent)
             shutil.rmtree(old)
         else:
             os.rename(tmp, out)
+            fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

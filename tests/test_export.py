@@ -4,6 +4,7 @@ oracles, the config fields vLLM/SGLang read, export -> import -> identical logit
 import argparse
 import contextlib
 import json
+import os
 import shutil
 
 import pytest
@@ -397,6 +398,28 @@ def test_a_file_changed_after_export_is_refused_naming_it(tmp_path, dense_modelo
     save_file(st, d / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"weight_scale_2 holds 2 values \[2\].*one global scale per"):
         fp4rl.load_model(d)
+
+
+def test_export_is_on_disk_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    """OUT is complete or absent, also after a power loss: every file and the temporary folder are
+    fsynced before the rename publishes them, and the parent folder after it."""
+    events, real_fsync, real_rename = [], os.fsync, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(src, dst):
+        events.append(("rename", os.path.realpath(src), os.path.realpath(dst)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    out = export_model(tiny(layers=2), PrecisionContract("nvfp4-w4a16"), tmp_path / "out")
+    i, tmp = next((i, e[1]) for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(out.resolve()))
+    synced = {e[1] for e in events[:i] if e[0] == "fsync"}
+    assert {os.path.join(tmp, p.name) for p in out.iterdir()} | {tmp} <= synced
+    assert ("fsync", os.path.realpath(tmp_path)) in events[i + 1:]
 
 
 def test_refuses_what_a_server_would_run_differently(tmp_path):
