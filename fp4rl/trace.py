@@ -140,20 +140,32 @@ class TraceStats:
 
 
 def guided_quantize(x: torch.Tensor, guide: Guidance, valid: torch.Tensor | None = None, *,
-                    scale_rule: str = "6", stats: TraceStats | None = None, **rtn_kwargs) -> NVFP4Tensor:
+                    scale_rule: str = "6", stats: TraceStats | None = None, name: str = "",
+                    **rtn_kwargs) -> NVFP4Tensor:
     """Q(x) of activations x [M, K] rounded towards the sampler's codes (module docstring). Rows with
-    valid[i] False (no guidance: padding, or tokens the sampler never saw) are quantized to nearest
-    with rtn_kwargs (the contract's input settings); scale_rule must be the sampler's."""
+    valid[i] False (valid [M] bool; no guidance: padding, or tokens the sampler never saw) are quantized
+    to nearest with rtn_kwargs (the contract's input settings); scale_rule must be the sampler's. `name`
+    (the linear's) only goes into error messages."""
+    where = f" of {name}" if name else ""
     if x.ndim != 2 or guide.bits.ndim != 2 or guide.bits.shape[0] != x.shape[0] or guide.width != x.shape[1]:
-        raise ValueError(f"guided_quantize: x {tuple(x.shape)} and guidance bits {tuple(guide.bits.shape)} "
-                         "do not match (one guidance row per activation row, K/8 bytes each)")
+        raise ValueError(f"guided_quantize{where}: x {tuple(x.shape)} and guidance bits "
+                         f"{tuple(guide.bits.shape)} do not match (one guidance row per activation row, K/8 "
+                         "bytes each)")
     M, K = x.shape
+    if valid is not None and tuple(valid.shape) != (M,):
+        raise ValueError(f"guided_quantize{where}: valid has shape {tuple(valid.shape)}, expected ({M},): "
+                         "one flag per activation row (True where the row has guidance)")
     valid = torch.ones(M, dtype=torch.bool) if valid is None else valid.to(torch.bool).cpu()
-    if not bool(valid.any()):
-        return quantize(x, scale_rule=scale_rule, scale_scope="row", **rtn_kwargs)
     xf = x.detach().float()
     if not bool(torch.isfinite(xf).all()):
-        quantize(x, scale_rule=scale_rule, scale_scope="row", **rtn_kwargs)  # raises, naming the problem
+        bad = ~torch.isfinite(xf)
+        raise ValueError(
+            f"TRACE guided rounding{where}: the trainer's activations hold {int(bad.sum())} NaN/Inf of "
+            f"{xf.numel()} (first rows: {bad.any(1).nonzero()[:5, 0].tolist()}): the model produced "
+            "non-finite activations. Check the weights (a diverged update: lower the learning rate or clip "
+            "gradients, and resume from a checkpoint before the step that produced them)")
+    if not bool(valid.any()):
+        return quantize(x, scale_rule=scale_rule, scale_scope="row", **rtn_kwargs)
     dev = x.device
     data = torch.empty(M, K // 2, dtype=torch.uint8, device=dev)
     block_scale = torch.empty(M, K // 16, dtype=torch.float8_e4m3fn, device=dev)
@@ -286,7 +298,7 @@ def guiding(model: torch.nn.Module, guidance: dict[str, Guidance], valid: torch.
             ident = (key, rule, kw, x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, _version(x))
             if last.get("id") == ident:
                 return last["q"]
-            q = guided_quantize(x, g, valid, scale_rule=rule, stats=stats, **kw)
+            q = guided_quantize(x, g, valid, scale_rule=rule, stats=stats, name=name, **kw)
             last.update(id=ident, x=x, q=q)
             return q
         return quantize_input

@@ -116,6 +116,40 @@ def test_cache_size_and_refusals():
         trace.compact(torch.zeros(2, 32), quantize(torch.zeros(2, 64), scale_scope="row"))
 
 
+def test_nonfinite_activations_and_bad_valid_are_refused_clearly():
+    x = _acts(m=4, k=64)
+    g = trace.compact(x, quantize(x, scale_scope="row"))
+    bad = x.clone()
+    bad[2, 7] = float("inf")
+    for valid in (None, torch.zeros(4, dtype=torch.bool)):  # guided rows or none: the same message
+        want = (r"of model.layers.0.mlp.down_proj: the trainer's activations hold "
+                r"1 NaN/Inf of 256 \(first rows: \[2")
+        with pytest.raises(ValueError, match=want) as err:
+            trace.guided_quantize(bad, g, valid, name="model.layers.0.mlp.down_proj")
+        assert "allow_nonfinite" not in str(err.value) and "learning rate" in str(err.value)
+    with pytest.raises(ValueError, match=r"valid has shape \(2, 2\), expected \(4,\)"):
+        trace.guided_quantize(x, g, torch.ones(2, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"valid has shape \(3,\), expected \(4,\)"):
+        trace.guided_quantize(x, g, torch.ones(3, dtype=torch.bool))
+    # in the trainer's forward the message names the linear
+    from rl_fixtures import tiny_model
+
+    from fp4rl.precision import PrecisionContract
+    from fp4rl.qat import convert
+
+    model = convert(tiny_model(), PrecisionContract("nvfp4-linear"))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad(), trace.recording(model) as rec:
+        model.model(ids)
+    guidance = rec.take()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[6] = float("nan")
+    want = r"guided rounding of model.layers.0.self_attn.q_proj: .* hold 32 NaN/Inf"  # token 6's row, K = 32
+    with torch.no_grad(), trace.guiding(model, guidance, torch.ones(4, dtype=torch.bool)), \
+            pytest.raises(ValueError, match=want):
+        model.model(ids)
+
+
 def test_guided_layers_and_shared_inputs():
     assert list(trace.guided_layers(30, 0.5)) == list(range(15, 30))
     assert list(trace.guided_layers(30)) == list(range(30))  # the default: every layer
