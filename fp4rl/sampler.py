@@ -404,6 +404,12 @@ class Sampler:
             ids[i, T_p - len(p):] = torch.tensor(p)
             mask[i, T_p - len(p):T_p] = 1
         ids, mask = ids.to(dev), mask.to(dev)
+        if params.guidance and not trace.guided_modules(self.model, params.guidance):
+            raise ValueError(f"generate: SamplingParams.guidance={params.guidance} records TRACE guidance of "
+                             "the W4A4 linears (quantized activations) outside the routed experts, and this "
+                             "Sampler's model has none: convert it with a W4A4 contract, e.g. "
+                             "PrecisionContract('nvfp4-linear') (precision.preset = 'nvfp4-linear'), or pass "
+                             "guidance=0")
         if params.guidance and self.engine is not None:
             raise ValueError("generate: TRACE guidance (SamplingParams.guidance) is recorded on the eager "
                              "decode path; build the Sampler with kernels=False for a guided run")
@@ -536,7 +542,7 @@ class Sampler:
             logits = self.model.lm_head(h[:, -1])  # [b, V]
             chosen = torch.stack(chosen) if chosen else None  # [L_moe, b, 1, k], as the engine returns it
         if routing is not None:
-            routing[:, rows, positions] = chosen[:, :, 0]  # [L_moe, b, k]
+            routing[:, rows, positions] = chosen.flip(1)[:, :, 0]  # MUTANT
         return logits
 
     def _next_tokens(self, logits: torch.Tensor, params: SamplingParams, generator):

@@ -409,3 +409,14 @@ def test_trace_guidance_is_collected_per_step_to_the_real_lengths(monkeypatch):
             assert g["amax"].shape == (len(p) + len(c.completion_ids) - 1,)
             for f in ("bits", "block_scale", "amax"):
                 assert torch.equal(g[f].view(torch.uint8), getattr(want, f).view(torch.uint8))
+
+
+@pytest.mark.parametrize("contract", ["bf16", "nvfp4-w4a16"])
+def test_guidance_without_a_w4a4_linear_is_refused(contract):
+    """SamplingParams.guidance records the W4A4 linears' guidance: a model without one would return empty
+    guidance silently; generate refuses, naming the fix."""
+    sampler = Sampler(tiny(contract=contract))
+    with pytest.raises(ValueError, match="has none: convert it with a W4A4 contract, e.g. "
+                                         r"PrecisionContract\('nvfp4-linear'\)"):
+        sampler.generate(PROMPTS, SamplingParams(max_new_tokens=2, guidance=1.0))
+    assert sampler.generate(PROMPTS, SamplingParams(max_new_tokens=2))[0].guidance is None
