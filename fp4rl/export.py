@@ -86,12 +86,6 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, format: str = "
     from fp4rl.hf import load_model, load_tokenizer
 
     src = _resolve_source(source)
-    target = Path(out).resolve()
-    sources = {src.resolve()} | ({Path(source).resolve()} if str(source) != "default" else set())
-    for held in sources:  # the resolved checkpoint and, for a run, the run directory named
-        if target == held or target in held.parents:
-            raise ValueError(f"export: OUT {out} is the source {source} or a folder holding it; replacing it "
-                             "(--force) would delete the source: pick another OUT")
     contract, tok_dir = None, src
     if (src / "config.toml").is_file() and (src / "trainer.pt").is_file():  # a trainer checkpoint
         from fp4rl.config import load_config
@@ -106,6 +100,14 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, format: str = "
     else:
         contract = PrecisionContract(preset=precision)
         tok_dir = Path(tokenizer) if tokenizer else src
+    target = Path(out).resolve()
+    held = [(src, f"the source {source}"), (tok_dir, f"the tokenizer source {tok_dir}")]
+    if str(source) != "default":  # for a run, the run directory named as well as its checkpoint
+        held.append((Path(source), f"the source {source}"))
+    for path, what in held:
+        if path is not None and (target == path.resolve() or target in path.resolve().parents):
+            raise ValueError(f"export: OUT {out} is {what} or a folder holding it; replacing it (--force) "
+                             "would delete it: pick another OUT")
     with warnings.catch_warnings():  # a checkpoint has no tokenizer files: it comes from tok_dir
         if tok_dir != src:
             warnings.filterwarnings("ignore", ".*has no tokenizer files")
@@ -368,7 +370,8 @@ def _model_dir(name: str) -> Path | None:
 def add_arguments(parser) -> None:
     parser.add_argument("source", metavar="SRC", help="a run directory, a checkpoint directory, a Hugging "
                         "Face model directory or 'default'")
-    parser.add_argument("out", metavar="OUT", help="directory to write (absent or empty, or use --force)")
+    parser.add_argument("out", metavar="OUT",
+                        help="directory to write (absent or empty, or an earlier export with --force)")
     parser.add_argument("--format", choices=FORMATS, default="modelopt",
                         help="checkpoint format (default modelopt)")
     parser.add_argument("--activations", choices=ACTIVATIONS, default=None,
@@ -380,7 +383,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="dtype of the unquantized tensors (default bfloat16)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory when the source has none")
-    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--force", action="store_true", help="replace OUT if it is an earlier fp4rl export")
 
 
 def run(args) -> int:

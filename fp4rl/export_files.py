@@ -3,7 +3,8 @@ fp4rl_manifest.json, which records the size and sha256 of every file so a load c
 file that changed after export.
 
 The directory is written into a temporary sibling and renamed into place, so OUT is either
-complete or absent; an existing non-empty OUT is replaced only when asked (overwrite=True).
+complete or absent; an existing non-empty OUT is replaced only when asked (overwrite=True), and
+only when it is an earlier export (it holds fp4rl_manifest.json).
 """
 
 from __future__ import annotations
@@ -91,9 +92,18 @@ def sha256(path: Path) -> str:
 
 def write_dir(out: Path, write, overwrite: bool) -> Path:
     """write(tmp) into a temporary sibling, fsync it, then rename it to OUT: OUT is complete or absent."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise FileExistsError(f"export: {out} exists and is not empty; pass overwrite=True (--force) to "
-                              "replace it")
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"export: {out} is a file, not a folder: pick another OUT")
+    if out.exists() and any(out.iterdir()):
+        if not (out / MANIFEST).is_file():  # --force must not delete a folder that is not an export
+            held = sorted(p.name for p in out.iterdir())
+            raise FileExistsError(f"export: {out} is not empty and is not an fp4rl export (no {MANIFEST}; it "
+                                  f"holds {held[:3]}{'...' if len(held) > 3 else ''}); overwrite=True "
+                                  "(--force) replaces only an earlier export or an empty folder: pick "
+                                  "another OUT, or remove it yourself if it is yours to delete")
+        if not overwrite:
+            raise FileExistsError(f"export: {out} holds an earlier export; pass overwrite=True (--force) to "
+                                  "replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

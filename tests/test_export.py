@@ -450,6 +450,29 @@ def test_refuses_what_a_server_would_run_differently(tmp_path):
     assert json.loads((tmp_path / "x" / MANIFEST).read_text())["activations"] == "w4a4"
 
 
+def test_force_replaces_only_an_earlier_export_or_an_empty_folder(tmp_path):
+    def attempt(out, overwrite=True):
+        return export_model(tiny(layers=2), PrecisionContract("nvfp4-w4a16"), out, overwrite=overwrite)
+
+    mine = tmp_path / "mine"  # not an export: --force must not delete it
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    for overwrite in (True, False):
+        with pytest.raises(FileExistsError, match=r"not an fp4rl export \(no fp4rl_manifest.json.*notes.txt.*"
+                                                  "pick another OUT"):
+            attempt(mine, overwrite)
+    assert (mine / "notes.txt").read_text() == "keep me"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="is a file"):
+        attempt(tmp_path / "file")
+    (tmp_path / "empty").mkdir()
+    attempt(tmp_path / "empty", overwrite=False)  # an empty folder, then the export it holds
+    with pytest.raises(FileExistsError, match="earlier export; pass overwrite=True"):
+        attempt(tmp_path / "empty", overwrite=False)
+    attempt(tmp_path / "empty")
+    assert (tmp_path / "empty" / MANIFEST).is_file()
+
+
 def test_cli_exports_a_run_checkpoint_with_its_contract_and_tokenizer(tmp_path, monkeypatch):
     from rl_fixtures import tiny_model, tiny_tokenizer
 
@@ -488,6 +511,10 @@ def test_cli_exports_a_run_checkpoint_with_its_contract_and_tokenizer(tmp_path, 
         with pytest.raises(ValueError, match="is the source .* or a folder holding it"):
             export(tmp_path / "runs" / "r", out, overwrite=True)
     assert (ckpt / "trainer.pt").is_file()
+    for out, tok in ((base, None), (tmp_path / "served", tmp_path / "served")):  # nor the tokenizer's
+        with pytest.raises(ValueError, match="is the tokenizer source .* or a folder holding it"):
+            export(tmp_path / "runs" / "r", out, tokenizer=tok, overwrite=True)
+    assert (base / "config.json").is_file() and (tmp_path / "served" / "tokenizer.json").is_file()
 
     # a run of a Hub id (in the local Hugging Face cache): the tokenizer comes from its cached folder
     from fp4rl import hf
