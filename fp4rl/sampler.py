@@ -542,7 +542,7 @@ class Sampler:
             logits = self.model.lm_head(h[:, -1])  # [b, V]
             chosen = torch.stack(chosen) if chosen else None  # [L_moe, b, 1, k], as the engine returns it
         if routing is not None:
-            routing[:, rows, positions] = chosen.flip(1)[:, :, 0]  # MUTANT
+            routing[:, rows, positions] = chosen[:, :, 0]  # [L_moe, b, k]
         return logits
 
     def _next_tokens(self, logits: torch.Tensor, params: SamplingParams, generator):
