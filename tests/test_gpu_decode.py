@@ -533,3 +533,28 @@ def test_gpu_fused_step_under_graphs(config, contract, kv):
         s.engine.set_fused(False)
         b = s.generate(PROMPTS, params)
         assert [x.completion_ids for x in a] == [y.completion_ids for y in b]
+
+
+def test_engine_records_the_routing_the_eager_sampler_records():
+    """Completion.routing from the decode engine (experts stacked inside the step; a batch of 6 rows in the
+    bucket of 8; rows leaving at EOS; a dense layer between two MoE layers) equals the eager sampler's at
+    every position of the completions both produce."""
+    config = dict(MOE, num_hidden_layers=3, mlp_only_layers=(1,))
+    fast, slow = _pair(config, "nvfp4-experts", "bf16")
+    params = SamplingParams(n=2, greedy=True, max_new_tokens=5)
+    probe = slow.generate(PROMPTS, params)
+    eos = probe[0].completion_ids[2]  # some rows end early: compaction
+    fast.eos_token_ids = slow.eos_token_ids = {eos}
+    a, b = fast.generate(PROMPTS, params), slow.generate(PROMPTS, params)
+    compared = same = 0
+    for x, y in zip(a, b):
+        assert x.routing.shape == (2, len(x.prompt_ids) + len(x.completion_ids) - 1, 2)
+        n = 0  # the common prefix of the two completions: the routing of those positions must agree
+        while n < min(len(x.completion_ids), len(y.completion_ids)) \
+                and x.completion_ids[n] == y.completion_ids[n]:
+            n += 1
+        upto = len(x.prompt_ids) + max(0, n - 1)
+        xr, yr = x.routing[:, :upto].sort(-1).values, y.routing[:, :upto].sort(-1).values
+        compared += xr.numel()
+        same += int((xr == yr).sum())
+    assert compared > 0 and same >= 0.97 * compared, (same, compared)  # near-ties may flip an expert

@@ -285,15 +285,16 @@ class _NoReplay:
         pass
 
 
-def _clocked(sampler, prompts, tokens: int) -> float:
-    """Seconds per decode step of one generate, from the sampler's step clock (steps after CLOCK_SKIP)."""
+def _clocked(sampler, prompts, tokens: int) -> tuple[float, float]:
+    """(wall seconds of one generate of `tokens` new tokens, seconds per decode step from the sampler's step
+    clock over the steps after CLOCK_SKIP); run() checks that enough steps remain."""
     sampler.step_clock = clock = []
     try:
-        timed_generate(sampler, prompts, tokens)
+        wall = timed_generate(sampler, prompts, tokens)
     finally:
         sampler.step_clock = None
-    steady = clock[CLOCK_SKIP:]
-    return (steady[-1] - steady[0]) / max(1, len(steady) - 1)
+    steady = clock[CLOCK_SKIP:]  # the steps after the first few (their launches queue behind prefill)
+    return wall, (steady[-1] - steady[0]) / (len(steady) - 1)
 
 
 def _cpu_ops(sampler, prompts, tokens: int) -> dict:
@@ -316,8 +317,8 @@ def host_split(sampler, prompts, n1: int, n2: int, top_ops: int = 15) -> dict:
     eng = sampler.engine
     batch = len(prompts)
     bucket = min(1 << max(0, (batch - 1).bit_length()), eng.static.batch_size)
-    if bucket not in eng.graphs:
-        return {"error": f"no graph captured for bucket {bucket}"}
+    if bucket not in eng.graphs or eng.graph_error is not None or not eng.graphs_enabled:
+        return {"error": f"no graph in use for bucket {bucket} ({eng.graph_error or 'not captured'})"}
     graph, out, keep = eng.graphs[bucket]
     with torch.inference_mode():
         graph.replay()
@@ -330,7 +331,7 @@ def host_split(sampler, prompts, n1: int, n2: int, top_ops: int = 15) -> dict:
     eng.graphs[bucket] = (_NoReplay(), out, keep)
     try:
         timed_generate(sampler, prompts, 4)
-        host = _median(sorted(_clocked(sampler, prompts, n2) for _ in range(3)))
+        host = _median(sorted(_clocked(sampler, prompts, n2)[1] for _ in range(3)))
     finally:
         eng.graphs[bucket] = (graph, out, keep)
     short, long = _cpu_ops(sampler, prompts, n1), _cpu_ops(sampler, prompts, n2)
@@ -365,23 +366,16 @@ def measure_row(sampler, contract, row: dict, prompts, args, env, results, base)
     n1, n2 = (int(v) for v in args.tokens.split(","))
     batch, shape = row["batch"], row["shape"]
     t_warm = timed_generate(sampler, prompts, 4)  # compiles, tunes, captures this bucket's graph
-    # pairs (N1, N2) back to back; the median of their differences (a slow outlier in one generate moves one
-    # pair, not the figure; the best of each N separately once read a step at half its graph replay)
+    # the cadence of each N2 generate (the figure) and, for comparison with earlier sessions, the difference
+    # of back-to-back (N1, N2) generates' wall times (noisy: prefill and setup scatter by tens of ms)
     diffs, cadence = [], []
     for _ in range(args.repeats):
         t1 = timed_generate(sampler, prompts, n1)
-        sampler.step_clock = clock = []
-        try:
-            t2 = timed_generate(sampler, prompts, n2)
-        finally:
-            sampler.step_clock = None
+        t2, per_step = _clocked(sampler, prompts, n2)
         diffs.append(t2 - t1)
-        steady = clock[CLOCK_SKIP:]  # the steps after the first few (their launches queue behind prefill)
-        if len(steady) >= 2:
-            cadence.append((steady[-1] - steady[0]) / (len(steady) - 1))
-    diffs.sort()
-    wall = _median(diffs) / (n2 - n1)
-    step = _median(sorted(cadence)) if cadence else wall  # s per decode step
+        cadence.append(per_step)
+    wall = _median(sorted(diffs)) / (n2 - n1)
+    step = _median(sorted(cadence))  # s per decode step
     tok_s = batch / step
     nbytes = step_bytes(sampler, contract, row["full_layers"], batch)
     key = (batch, row.get("fused", False), row.get("pdl", True))
@@ -393,7 +387,7 @@ def measure_row(sampler, contract, row: dict, prompts, args, env, results, base)
                cadence_ms=[c * 1e3 for c in cadence], warm_s=t_warm, pair_diffs_s=diffs,
                graph_us=replay_us(sampler, batch), bytes_built=nbytes["built"], bytes_full=nbytes["full"],
                graph_error=sampler.engine.graph_error, counts=dict(sampler.engine.counts))
-    # a step faster than its own graph replay is noise in the wall times: flagged (a * in the table)
+    # a step faster than its own graph replay cannot be: flagged (a * in the table)
     row["noisy"] = bool(row["graph_us"] and row["step_ms"] < 0.95 * row["graph_us"] / 1e3)
     ref = results.get("bf16_bytes", {}).get(f"{shape}/{batch}")
     if ref:
@@ -518,6 +512,13 @@ def run(args) -> int:
 
     if args.repeats < 1:
         raise SystemExit(f"sampler_gpu: --repeats must be >= 1 (timed (N1, N2) pairs), got {args.repeats}")
+    try:
+        n1, n2 = (int(v) for v in args.tokens.split(","))
+    except ValueError:
+        raise SystemExit(f"sampler_gpu: --tokens must be N1,N2 (two integers), got {args.tokens!r}") from None
+    if not 1 <= n1 < n2 or n2 < CLOCK_SKIP + 2:
+        raise SystemExit(f"sampler_gpu: --tokens {args.tokens}: need 1 <= N1 < N2 and N2 >= {CLOCK_SKIP + 2} "
+                         f"(the cadence skips the first {CLOCK_SKIP} steps and needs two more)")
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -631,7 +632,7 @@ def markdown(results) -> str:
         if "error" in h:
             lines.append(f"\nhost {h['shape']} {h['precision']} b{h['batch']}: error {h['error'][:100]}")
             continue
-        lines.append(f"\nhost {h['shape']} {_label(h)} b{h['batch']}: graph launch "
+        lines.append(f"\nhost {h['shape']} {_label(h)} kv {h['kv']} b{h['batch']}: graph launch "
                      f"{h['replay_enqueue_us']:.0f} us, host-only step {h['host_step_ms']:.2f} ms; CPU "
                      "operators per decode step:")
         for o in h["ops"]:
