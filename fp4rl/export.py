@@ -2,6 +2,7 @@
 
     fp4rl export SRC OUT --format modelopt|compressed-tensors [--activations w4a16|w4a4]
                          [--precision PRESET] [--calib-prompts N] [--dtype bfloat16] [--force]
+                         [--tokenizer DIR | --no-tokenizer]
 
 SRC is a run directory (its latest checkpoint), a checkpoint directory (runs/<name>/
 checkpoints/step_*: the precision contract comes from its config.toml), or a model (a Hugging
@@ -9,7 +10,9 @@ Face directory or "default", with --precision). OUT becomes a Hugging Face direc
 config.json (with quantization_config), safetensors, the tokenizer, generation_config.json when
 the source has one, hf_quant_config.json (ModelOpt), README.md with the commands that serve it,
 and fp4rl_manifest.json (the sha256 of every file; `fp4rl.load_model(OUT)` refuses a file that
-changed after export).
+changed after export). The tokenizer comes from SRC, a run's model.name or --tokenizer DIR; when
+none is found the export is refused before anything is written, unless --no-tokenizer says to
+write none (W4A4 input scales are then calibrated on seeded random token ids).
 
 What is written (the tensors of each format: fp4rl/export_formats.py):
 - every linear the precision contract quantizes, as the NVFP4 bytes the trainer's forward
@@ -77,16 +80,22 @@ CALIBRATION_PROMPTS = (
 def export(source: str | os.PathLike, out: str | os.PathLike, *, format: str = "modelopt",
            activations: str | None = None, precision: str | None = None, calib_prompts: int = 8,
            dtype: torch.dtype | str = torch.bfloat16, tokenizer: str | os.PathLike | None = None,
-           overwrite: bool = False) -> Path:
+           no_tokenizer: bool = False, overwrite: bool = False) -> Path:
     """Export SRC (run dir, checkpoint dir, HF model dir or "default") to OUT. -> OUT.
 
     precision: a preset name; for a checkpoint it replaces the preset of its config.toml (the
     other quantizer settings stay the run's). tokenizer: where to read the tokenizer from when
-    the source has none (default: the run config's model.name)."""
-    from fp4rl.hf import load_model, load_tokenizer
+    the source has none (default: the run config's model.name). No tokenizer found is an error
+    unless no_tokenizer=True: then OUT has none and W4A4 calibrates on seeded random token ids."""
+    from fp4rl.hf import TOKENIZER_FILES, load_model, load_tokenizer
+
+    if tokenizer is not None and no_tokenizer:
+        raise ValueError("export: pass a tokenizer (--tokenizer) or no_tokenizer=True (--no-tokenizer), "
+                         "not both")
 
     src = _resolve_source(source)
-    contract, tok_dir = None, src
+    files = f"tokenizer files ({', '.join(TOKENIZER_FILES)})"
+    contract, tok_dir, missing = None, src, f"{src} has no {files}"
     if (src / "config.toml").is_file() and (src / "trainer.pt").is_file():  # a trainer checkpoint
         from fp4rl.config import load_config
 
@@ -94,12 +103,24 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, format: str = "
         kwargs = cfg.precision.contract_kwargs()
         contract = PrecisionContract(**{**kwargs, "preset": precision or kwargs["preset"]})
         tok_dir = Path(tokenizer) if tokenizer else _model_dir(cfg.model.name)
+        if tok_dir is None:
+            missing = (f"the run's model.name {cfg.model.name!r} (where its tokenizer lives) is not on this "
+                       "machine, neither a folder nor in the Hugging Face cache")
     elif precision is None:
         raise ValueError(f"{source} is a model, not a run checkpoint (no config.toml + trainer.pt): pass "
                          f"--precision PRESET (one of {PRESETS}) to say which linears are NVFP4")
     else:
         contract = PrecisionContract(preset=precision)
         tok_dir = Path(tokenizer) if tokenizer else src
+    if tok_dir is not None and tok_dir != src:
+        missing = f"{tok_dir} has no {files}"
+    if not no_tokenizer and (tok_dir is None or not any((tok_dir / f).is_file() for f in TOKENIZER_FILES)):
+        raise ValueError(f"export: no tokenizer for {source}: {missing}. "
+                         "vLLM and SGLang read the tokenizer from OUT, and W4A4 calibration tokenizes its "
+                         "prompts with it: pass --tokenizer DIR (tokenizer=DIR), a folder holding the base "
+                         "model's tokenizer, or --no-tokenizer (no_tokenizer=True) to export without one "
+                         "(W4A4 input scales then come from seeded random token ids; give the server a "
+                         "tokenizer)")
     target = Path(out).resolve()
     held = [(src, f"the source {source}"), (tok_dir, f"the tokenizer source {tok_dir}")]
     if str(source) != "default":  # for a run, the run directory named as well as its checkpoint
@@ -108,22 +129,24 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, format: str = "
         if path is not None and (target == path.resolve() or target in path.resolve().parents):
             raise ValueError(f"export: OUT {out} is {what} or a folder holding it; replacing it (--force) "
                              "would delete it: pick another OUT")
-    with warnings.catch_warnings():  # a checkpoint has no tokenizer files: it comes from tok_dir
-        if tok_dir != src:
-            warnings.filterwarnings("ignore", ".*has no tokenizer files")
+    with warnings.catch_warnings():  # checked above: the tokenizer comes from tok_dir, or none is wanted
+        warnings.filterwarnings("ignore", ".*has no tokenizer files")
         model, tok = load_model(src, dtype=torch.float32)
-    if tok_dir is not None and tok_dir != src:
+    if no_tokenizer:
+        tok = None
+    elif tok_dir != src:
         tok = load_tokenizer(tok_dir)
     generation_config = next((d / "generation_config.json" for d in (src, tok_dir)
                               if d is not None and (d / "generation_config.json").is_file()), None)
     return export_model(model, contract, out, format=format, activations=activations, tokenizer=tok,
-                        calib_prompts=calib_prompts, dtype=dtype, source=str(source),
+                        calib_prompts=calib_prompts, calib_ids="random" if no_tokenizer else None,
+                        dtype=dtype, source=str(source),
                         generation_config=generation_config, overwrite=overwrite)
 
 
 def export_model(model: nn.Module, contract: PrecisionContract, out: str | os.PathLike, *,
                  format: str = "modelopt", activations: str | None = None, tokenizer=None,
-                 calib_prompts: int = 8, calib_ids: list[list[int]] | None = None,
+                 calib_prompts: int = 8, calib_ids: list[list[int]] | str | None = None,
                  dtype: torch.dtype | str = torch.bfloat16, source: str = "",
                  generation_config: str | os.PathLike | None = None, max_shard_bytes: int = 5 * 2**30,
                  overwrite: bool = False) -> Path:
@@ -131,7 +154,8 @@ def export_model(model: nn.Module, contract: PrecisionContract, out: str | os.Pa
 
     activations: "w4a4" or "w4a16" for every quantized linear (default: the contract's mode, which
     must then be one). calib_ids: token id lists for the W4A4 input scales (default:
-    `calib_prompts` built-in prompts through `tokenizer`, or seeded random ids without one)."""
+    `calib_prompts` built-in prompts through `tokenizer`, which W4A4 then needs), or "random" for
+    `calib_prompts` lists of seeded random token ids."""
     if format not in FORMATS:
         raise ValueError(f"export: format={format!r}; use one of {FORMATS}")
     dtype = getattr(torch, str(dtype).removeprefix("torch.")) if isinstance(dtype, str) else dtype
@@ -150,6 +174,12 @@ def export_model(model: nn.Module, contract: PrecisionContract, out: str | os.Pa
         (activations,) = modes
     if activations not in ACTIVATIONS:
         raise ValueError(f"export: activations={activations!r}; use one of {ACTIVATIONS}")
+    if activations == "w4a4" and tokenizer is None and calib_ids is None:
+        raise ValueError("export: W4A4 input scales are calibrated on built-in prompts, which need a "
+                         "tokenizer: pass tokenizer=, calib_ids=[[token ids], ...], or calib_ids='random' "
+                         "for seeded random token ids (what --no-tokenizer does)")
+    if isinstance(calib_ids, str) and calib_ids != "random":
+        raise ValueError(f"export: calib_ids={calib_ids!r}; pass token id lists or 'random'")
     if modes != {activations}:
         warnings.warn(f"export: linears trained {sorted(modes)} are exported {activations}: the server "
                       f"{'quantizes' if activations == 'w4a4' else 'does not quantize'} their activations, "
@@ -164,8 +194,9 @@ def export_model(model: nn.Module, contract: PrecisionContract, out: str | os.Pa
 
     calibration, input_scales = None, {}
     if activations == "w4a4":
-        if calib_ids is None:
-            calib_ids, how = calibration_ids(tokenizer, calib_prompts, model.config.vocab_size)
+        if calib_ids is None or calib_ids == "random":
+            calib_ids, how = calibration_ids(None if calib_ids else tokenizer, calib_prompts,
+                                             model.config.vocab_size)
         else:
             how = "token ids given by the caller"
         amax = observe_input_amax(model, calib_ids, quantized)
@@ -265,13 +296,14 @@ def exclude_list(model: nn.Module, quantized: set[str]) -> list[str]:
 
 
 def calibration_ids(tokenizer, n: int, vocab_size: int) -> tuple[list[list[int]], str]:
-    """Token ids of the first n built-in prompts, or seeded random ids when there is no tokenizer."""
+    """Token ids of the first n built-in prompts, or n lists of seeded random ids for tokenizer=None
+    (export_model asks for them only when told to: calib_ids='random', --no-tokenizer)."""
     if not 1 <= n <= len(CALIBRATION_PROMPTS):
         raise ValueError(f"export: calib_prompts={n}; use 1..{len(CALIBRATION_PROMPTS)} built-in prompts")
     if tokenizer is None:
         gen = torch.Generator().manual_seed(0)
         ids = [torch.randint(0, vocab_size, (32,), generator=gen).tolist() for _ in range(n)]
-        return ids, "random token ids (seed 0; the source has no tokenizer)"
+        return ids, "random token ids (seed 0; exported without a tokenizer: --no-tokenizer)"
     return [tokenizer(p)["input_ids"] for p in CALIBRATION_PROMPTS[:n]], "built-in prompts"
 
 
@@ -382,14 +414,19 @@ def add_arguments(parser) -> None:
                         help=f"built-in prompts for the W4A4 input scales (1..{len(CALIBRATION_PROMPTS)})")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                         help="dtype of the unquantized tensors (default bfloat16)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory when the source has none")
+    tokenizer = parser.add_mutually_exclusive_group()
+    tokenizer.add_argument("--tokenizer", default=None, metavar="DIR",
+                           help="tokenizer directory when the source has none (default: a run's model.name)")
+    tokenizer.add_argument("--no-tokenizer", action="store_true",
+                           help="export without a tokenizer (else one not found is an error); W4A4 input "
+                                "scales are then calibrated on seeded random token ids")
     parser.add_argument("--force", action="store_true", help="replace OUT if it is an earlier fp4rl export")
 
 
 def run(args) -> int:
     out = export(args.source, args.out, format=args.format, activations=args.activations,
                  precision=args.precision, calib_prompts=args.calib_prompts, dtype=args.dtype,
-                 tokenizer=args.tokenizer, overwrite=args.force)
+                 tokenizer=args.tokenizer, no_tokenizer=args.no_tokenizer, overwrite=args.force)
     manifest = json.loads((out / MANIFEST).read_text())
     print(f"{out}: {manifest['format']} {manifest['activations']}, {manifest['quantized_linears']} NVFP4 "
           f"linears, {manifest['excluded_modules']} excluded; serve it as {out / 'README.md'} says")

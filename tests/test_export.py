@@ -59,7 +59,9 @@ IDS = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(1))
 
 
 def export_as(model, preset, out, fmt, activations, **kw):
-    """export_model, which warns when the activation mode is not the one the model was trained in."""
+    """export_model, which warns when the activation mode is not the one the model was trained in (tiny
+    models have no tokenizer: W4A4 calibrates on random token ids)."""
+    kw.setdefault("calib_ids", "random")
     trained = "w4a16" if preset == "nvfp4-w4a16" else "w4a4"
     warns = activations not in (None, trained)
     with pytest.warns(UserWarning, match="another function") if warns else contextlib.nullcontext():
@@ -329,7 +331,8 @@ def test_export_import_gives_the_served_model(tmp_path, model_type, preset, fmt,
 
 def test_moe_experts_are_written_one_by_one(tmp_path):
     model = tiny("qwen2_moe", layers=3)
-    export_model(model, PrecisionContract("nvfp4-experts"), tmp_path / "out", calib_prompts=4)
+    export_model(model, PrecisionContract("nvfp4-experts"), tmp_path / "out", calib_prompts=4,
+                 calib_ids="random")
     st = load_file(tmp_path / "out" / "model.safetensors")
     hf_quant = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())
     exclude = hf_quant["quantization"]["exclude_modules"]
@@ -424,7 +427,7 @@ def test_export_is_on_disk_before_it_is_renamed_into_place(tmp_path, monkeypatch
 
 def test_refuses_what_a_server_would_run_differently(tmp_path):
     def attempt(model, contract, **kw):
-        export_model(model, contract, tmp_path / "x", **kw)
+        export_model(model, contract, tmp_path / "x", calib_ids="random", **kw)
 
     with pytest.raises(ValueError, match="q_proj.*k_proj.*v_proj.*one fused GEMM"):
         attempt(tiny(), PrecisionContract("nvfp4-linear", rules=(("*.q_proj", "bf16"),)))
@@ -527,10 +530,51 @@ def test_cli_exports_a_run_checkpoint_with_its_contract_and_tokenizer(tmp_path, 
     assert (tmp_path / "from_hub_id" / "tokenizer.json").is_file()
 
 
+def test_an_export_without_a_tokenizer_is_refused_unless_asked_for(tmp_path):
+    """A run whose model.name is not on this machine exported without a tokenizer (vLLM then cannot serve
+    OUT) and calibrated W4A4 on random token ids, silently; now either is an explicit choice."""
+    from rl_fixtures import tiny_model
+
+    from fp4rl.config import dump_toml, load_config
+    from fp4rl.hf import save_model
+
+    ckpt = tmp_path / "runs" / "r" / "checkpoints" / "step_000003"
+    save_model(tiny_model(moe=True, seed=1), None, ckpt)
+    cfg = load_config(None, ['model.name="someorg/not-cached-model"', "precision.preset=nvfp4-experts"])
+    (ckpt / "config.toml").write_text(dump_toml(cfg))
+    torch.save({}, ckpt / "trainer.pt")
+    run_dir, out = tmp_path / "runs" / "r", tmp_path / "out"
+    with pytest.raises(ValueError, match=r"no tokenizer for .*model.name 'someorg/not-cached-model' .*not on "
+                                         r"this machine.*--tokenizer DIR.*--no-tokenizer"):
+        export(run_dir, out, calib_prompts=2)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty has no tokenizer files .*--tokenizer DIR"):
+        export(run_dir, out, tokenizer=tmp_path / "empty")
+    save_model(tiny_model(), None, tmp_path / "model")  # a model folder without a tokenizer
+    with pytest.raises(ValueError, match="no tokenizer for .*model: .*model has no tokenizer files"):
+        export(tmp_path / "model", out, precision="nvfp4-linear")
+    with pytest.raises(ValueError, match="not both"):
+        export(run_dir, out, tokenizer=tmp_path / "empty", no_tokenizer=True)
+    with pytest.raises(ValueError, match="W4A4 input scales .*need a tokenizer.*calib_ids='random'"):
+        export_model(tiny(), PrecisionContract("nvfp4-linear"), out)
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))  # refused before anything was written
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([str(run_dir), str(out), "--tokenizer", "x", "--no-tokenizer"])
+    assert run(parser.parse_args([str(run_dir), str(out), "--no-tokenizer", "--calib-prompts", "2"])) == 0
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["calibration"]["source"].startswith("random token ids") and "--no-tokenizer" in \
+        manifest["calibration"]["source"]
+    assert not any(p.name.startswith("tokenizer") for p in out.iterdir())
+
+
 def test_sharded_export_and_a_checkpoint_without_manifest(tmp_path):
     model = tiny("qwen3_moe")
     out = export_model(model, PrecisionContract("nvfp4-linear"), tmp_path / "out",
-                       format="compressed-tensors", max_shard_bytes=30_000, calib_prompts=1)
+                       format="compressed-tensors", max_shard_bytes=30_000, calib_prompts=1,
+                       calib_ids="random")
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
     assert len(shards) > 2 and (out / "model.safetensors.index.json").is_file()
     assert set(shards) <= set(json.loads((out / MANIFEST).read_text())["files"])
