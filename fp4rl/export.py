@@ -257,28 +257,37 @@ def _check_servable(model: nn.Module, resolved: dict[str, str], packed: dict) ->
     if model.config.tie_word_embeddings and "lm_head.weight" in packed:
         raise ValueError("export: lm_head is NVFP4 but tied to embed_tokens (tie_word_embeddings); a "
                          "checkpoint stores the tied weight once, as the embedding. Keep lm_head BF16")
+    for full in fused_groups(model):
+        precisions = {resolved.get(n) for n in full}
+        if len(precisions) > 1:
+            raise ValueError(f"export: {', '.join(full)} resolve to {[resolved.get(n) for n in full]}; "
+                             "servers run them as one fused GEMM in one precision. Give them one "
+                             "precision with a rule (e.g. ('*.self_attn.*_proj', ...)) and train with it")
+        scales = [packed[f"{n}.weight"].global_scale.reshape(()) for n in full if f"{n}.weight" in packed]
+        if scales and any(not torch.equal(s, scales[0]) for s in scales):
+            raise ValueError(f"export: {', '.join(full)} have different weight global scales; servers "
+                             "fuse them with one scale, which would change their weights. Train with "
+                             "PrecisionContract(fuse_global_scales=True) (the default)")
     for parent_name, parent in model.named_modules():
-        prefix = f"{parent_name}." if parent_name else ""
-        for names in FUSED_GROUPS:
-            if not all(isinstance(getattr(parent, n, None), nn.Module) for n in names):
-                continue
-            full = [prefix + n for n in names]
-            precisions = {resolved.get(n) for n in full}
-            if len(precisions) > 1:
-                raise ValueError(f"export: {', '.join(full)} resolve to {[resolved.get(n) for n in full]}; "
-                                 "servers run them as one fused GEMM in one precision. Give them one "
-                                 "precision with a rule (e.g. ('*.self_attn.*_proj', ...)) and train with it")
-            scales = [packed[f"{n}.weight"].global_scale.reshape(()) for n in full if f"{n}.weight" in packed]
-            if scales and any(not torch.equal(s, scales[0]) for s in scales):
-                raise ValueError(f"export: {', '.join(full)} have different weight global scales; servers "
-                                 "fuse them with one scale, which would change their weights. Train with "
-                                 "PrecisionContract(fuse_global_scales=True) (the default)")
         if isinstance(parent, SparseMoeBlock):
+            prefix = f"{parent_name}." if parent_name else ""
             experts = {p for n, p in resolved.items() if n.startswith(f"{prefix}experts.")}
             if len(experts) > 1:
                 raise ValueError(f"export: the routed experts of {parent_name} mix {sorted(experts)}; "
                                  "servers run one fused MoE per layer in one precision. Use one precision "
                                  "per layer")
+
+
+def fused_groups(model: nn.Module) -> list[list[str]]:
+    """Full names of the linears servers run as one GEMM: q/k/v and gate/up of every module holding
+    them (attention, MLPs, shared experts, each routed expert)."""
+    groups = []
+    for parent_name, parent in model.named_modules():
+        prefix = f"{parent_name}." if parent_name else ""
+        for names in FUSED_GROUPS:
+            if all(isinstance(getattr(parent, n, None), nn.Module) for n in names):
+                groups.append([prefix + n for n in names])
+    return groups
 
 
 def exclude_list(model: nn.Module, quantized: set[str]) -> list[str]:

@@ -18,7 +18,8 @@ the first two; the contract is also set as `model.precision_contract`.
 Integrity: an fp4rl export carries fp4rl_manifest.json with the size and sha256 of every file;
 a file that is missing, truncated, altered or added (safetensors and JSON configs) is refused
 before anything is read, naming the file. A checkpoint from another producer has no manifest
-and is read with a warning.
+and is read with a warning; so is one whose fused groups (q/k/v, gate/up) hold different weight
+global scales, which servers run with one scale per group while fp4rl keeps each linear's own.
 
 The precision contract comes from the manifest when the checkpoint is fp4rl's own and it
 resolves to exactly the quantized linears on disk in the exported activation mode. Otherwise
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from fp4rl.export import fused_groups
 from fp4rl.export_files import MANIFEST, verify_manifest
 from fp4rl.export_formats import FORMAT_CLASSES, HF_QUANT_CONFIG, detect, excluded
 from fp4rl.nvfp4 import NVFP4Tensor, dequantize
@@ -113,8 +115,27 @@ def load_exported(path: str | os.PathLike, dtype: torch.dtype | str | None = Non
                              f"{getattr(m, 'mode', 'bf16')}, the checkpoint holds it {activations}")
         q = _nvfp4(data.to(device), block_scale.to(device), g.to(device), m.weight.dtype, **labels)
         _install(m, q)
+    _warn_unfused_scales(path, model, packed)
     model.precision_contract = contract
     return model, load_tokenizer(path), contract
+
+
+def _warn_unfused_scales(path: Path, model, packed: dict) -> None:
+    """Warn when a group servers fuse into one GEMM (q/k/v, gate/up) holds different weight global
+    scales: another producer's checkpoint may; fp4rl's export refuses to write one."""
+    unequal = []
+    for group in fused_groups(model):
+        scales = [packed[n][2].reshape(()) for n in group if n in packed]
+        if any(not torch.equal(g, scales[0]) for g in scales):
+            unequal.append((group, [g.item() for g in scales]))
+    if unequal:
+        group, scales = unequal[0]
+        warnings.warn(f"{path}: {len(unequal)} fused group(s) hold different weight global scales, e.g. "
+                      f"{', '.join(group)}: {scales}. vLLM runs each group as one GEMM with one global scale "
+                      "(for q/k/v and gate/up the largest stored weight_scale_2 / weight_global_scale; for a "
+                      "routed expert's gate/up, the gate's), so it serves the other members' weights "
+                      "rescaled. fp4rl's import computes each linear with its own scale: it does not compute "
+                      "what vLLM serves from this checkpoint", stacklevel=3)
 
 
 def _nvfp4(data, block_scale, g, dtype, tile=16, scale_rule="6") -> NVFP4Tensor:

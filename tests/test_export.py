@@ -570,6 +570,28 @@ def test_an_export_without_a_tokenizer_is_refused_unless_asked_for(tmp_path):
     assert not any(p.name.startswith("tokenizer") for p in out.iterdir())
 
 
+@pytest.mark.filterwarnings("ignore:.*has no fp4rl_manifest.json")
+def test_importing_fused_groups_with_different_global_scales_warns(tmp_path):
+    """Another producer's checkpoint whose q/k/v or gate/up hold different global scales: vLLM serves the
+    group with one scale, fp4rl's import computes each linear with its own; the import says so."""
+    out = export_as(tiny("qwen3_moe"), "nvfp4-w4a16", tmp_path / "out", "modelopt", None)
+    (out / MANIFEST).unlink()  # another producer's: no integrity check
+    with pytest.warns(UserWarning) as record:
+        fp4rl.load_model(out)
+    assert not [w for w in record if "global scales" in str(w.message)]  # fp4rl's own: fused scales
+    st = load_file(out / "model.safetensors")
+    k, up = "model.layers.0.self_attn.k_proj", "model.layers.1.mlp.experts.1.up_proj"
+    for name in (k, up):
+        st[f"{name}.weight_scale_2"] = st[f"{name}.weight_scale_2"] * 2
+    save_file(st, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"2 fused group\(s\) hold different weight global scales, e.g. "
+                      r"model.layers.0.self_attn.q_proj, .*k_proj, .*v_proj: .*vLLM runs each group as one "
+                      r"GEMM with one global scale.*computes each linear with its own scale"):
+        loaded, _ = fp4rl.load_model(out)
+    got = packed_state(loaded)[f"{k}.weight"].global_scale
+    assert torch.equal(got, st[f"{k}.weight_scale_2"].reshape(()))  # k_proj keeps its own scale
+
+
 def test_sharded_export_and_a_checkpoint_without_manifest(tmp_path):
     model = tiny("qwen3_moe")
     out = export_model(model, PrecisionContract("nvfp4-linear"), tmp_path / "out",
