@@ -99,8 +99,11 @@ def load_exported(path: str | os.PathLike, dtype: torch.dtype | str | None = Non
             raise ValueError(f"{path}: {name} has packed weight {data.dtype} {list(data.shape)} and block "
                              f"scale {block_scale.dtype} {list(block_scale.shape)}; NVFP4 needs uint8 "
                              "[N, K/2] and float8_e4m3fn [N, K/16]")
+        data, block_scale, g = data.to(device), block_scale.to(device), g.to(device)
         packed[name] = (data, block_scale, g)
-        tensors[f"{name}.weight"] = dequantize(_nvfp4(data, block_scale, g, torch.float32))  # DQ(packed)
+        # DQ(packed), one tensor at a time, in the model's dtype on its device (float32 math, then the
+        # cast: the same values as float32 first), so no float32 copy of every linear is ever held
+        tensors[f"{name}.weight"] = dequantize(_nvfp4(data, block_scale, g, dtype), dtype)
 
     model = build_model(model_config, tensors, dtype=dtype, device=device)
     contract = _contract(model, set(packed), activations, manifest)
@@ -113,7 +116,7 @@ def load_exported(path: str | os.PathLike, dtype: torch.dtype | str | None = Non
         if not isinstance(m, NVFP4Linear) or m.mode != activations:
             raise ValueError(f"{path}: the recovered precision contract makes {name} "
                              f"{getattr(m, 'mode', 'bf16')}, the checkpoint holds it {activations}")
-        q = _nvfp4(data.to(device), block_scale.to(device), g.to(device), m.weight.dtype, **labels)
+        q = _nvfp4(data, block_scale, g, m.weight.dtype, **labels)
         _install(m, q)
     _warn_unfused_scales(path, model, packed)
     model.precision_contract = contract

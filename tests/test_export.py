@@ -592,6 +592,26 @@ def test_importing_fused_groups_with_different_global_scales_warns(tmp_path):
     assert torch.equal(got, st[f"{k}.weight_scale_2"].reshape(()))  # k_proj keeps its own scale
 
 
+def test_import_dequantizes_each_linear_straight_into_the_model_dtype(tmp_path, monkeypatch):
+    """No float32 copy of every quantized linear (4 bytes a parameter) before the model is built: each
+    DQ(packed) is computed in the model's dtype, and holds the values float32-then-cast gave."""
+    from fp4rl import export_import
+
+    out = export_as(tiny("qwen3_moe"), "nvfp4-w4a16", tmp_path / "out", "compressed-tensors", None)
+    asked, real = [], export_import.dequantize
+
+    def recording(q, dtype=torch.float32):
+        asked.append(dtype)
+        return real(q, dtype)
+
+    monkeypatch.setattr(export_import, "dequantize", recording)
+    loaded, _ = fp4rl.load_model(out, dtype=torch.bfloat16)
+    assert asked and set(asked) == {torch.bfloat16}
+    for k, q in packed_state(loaded).items():
+        master = loaded.get_submodule(k.removesuffix(".weight")).weight
+        assert master.dtype == torch.bfloat16 and torch.equal(master, real(q, torch.float32).bfloat16()), k
+
+
 def test_sharded_export_and_a_checkpoint_without_manifest(tmp_path):
     model = tiny("qwen3_moe")
     out = export_model(model, PrecisionContract("nvfp4-linear"), tmp_path / "out",
