@@ -36,7 +36,6 @@ the unpadded one.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -202,13 +201,16 @@ class DecoderLayer(nn.Module):
         if self.is_moe:
             H, I_e = config.hidden_size, config.moe_intermediate_size
             shared = None
-            if config.model_type == "qwen2_moe":
-                with warnings.catch_warnings():  # width 0 is legal (no shared expert); init warns
-                    warnings.filterwarnings("ignore", "Initializing zero-element tensors")
-                    shared = MLP(H, config.shared_expert_intermediate_size)
+            if config.model_type == "qwen2_moe" and config.shared_expert_intermediate_size:
+                shared = MLP(H, config.shared_expert_intermediate_size)
             self.mlp = SparseMoeBlock(H, [MLP(H, I_e) for _ in range(config.num_experts)],
                                       top_k=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
                                       shared_expert=shared)
+            if config.model_type == "qwen2_moe" and shared is None:
+                # Width 0: no shared expert (vLLM builds none and its loader rejects shared_expert.*
+                # tensors), but vLLM and transformers both keep shared_expert_gate [1, H] and vLLM's
+                # strict load needs it in the checkpoint: kept here, unused (it gates nothing).
+                self.mlp.shared_expert_gate = nn.Linear(H, 1, bias=False)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -329,6 +331,10 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], *,
     """A CausalLM holding `state_dict` (HF names), built on the meta device so that no random
     initialisation runs first. A tied lm_head.weight may be absent (it is embed_tokens.weight)."""
     state_dict = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.model_type == "qwen2_moe" and not config.shared_expert_intermediate_size:
+        # transformers builds a zero-width shared expert and its save_pretrained writes it: nothing to load
+        state_dict = {k: v for k, v in state_dict.items()
+                      if not (".mlp.shared_expert." in k and not v.numel())}
     if config.tie_word_embeddings:
         state_dict.pop("lm_head.weight", None)
     with torch.device("meta"):

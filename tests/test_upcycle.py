@@ -1,10 +1,12 @@
 """fp4rl.upcycle: the MoE equals its dense source at initialisation, saves, loads, and trains."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
 import transformers as tf
+from safetensors.torch import load_file
 
 from fp4rl.hf import load_model, save_model
 from fp4rl.model import CausalLM, ModelConfig
@@ -25,9 +27,9 @@ def one_thread():
 def dense(model_type="llama", **kw):
     """A random dense model with weights large enough that errors show in the logits."""
     torch.manual_seed(0)
-    kw = {"qkv_bias": model_type == "qwen2", "qk_norm": model_type == "qwen3", **kw}
+    kw = {"qkv_bias": model_type == "qwen2", "qk_norm": model_type == "qwen3", "head_dim": 8, **kw}
     config = ModelConfig(model_type=model_type, vocab_size=V, hidden_size=32, intermediate_size=48,
-                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8, **kw)
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, **kw)
     model = CausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -68,8 +70,69 @@ def test_upcycled_moe_equals_dense_and_round_trips(case, tmp_path):
     assert loaded.config == dataclasses.replace(c, torch_dtype="float32")
     with torch.no_grad():
         assert torch.equal(loaded(IDS), logits)
-        hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # a standard checkpoint
+        hf, info = tf.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)  # standard
+        assert (hf.eval()(IDS).logits - expected).abs().max() <= 1e-5
+    # only a zero-width shared expert (nothing to initialise) may be missing for transformers
+    params = dict(hf.named_parameters())
+    assert not info["unexpected_keys"] and all(params[k].numel() == 0 for k in info["missing_keys"])
+
+
+def written(path):
+    """(config.json, the tensors) of a saved checkpoint."""
+    return json.loads((path / "config.json").read_text()), load_file(path / "model.safetensors")
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # transformers, shared width 0
+@pytest.mark.parametrize("shared", [0, 16])
+def test_upcycled_llama_checkpoint_fits_vllms_qwen2_moe(shared, tmp_path):
+    """vLLM's Qwen2-MoE always has q/k/v biases (its strict loader needs them in the checkpoint), builds no
+    shared expert at width 0 (and fails on shared_expert.* tensors then) but always a shared_expert_gate:
+    the checkpoint has zero q/k/v biases and qkv_bias true, no zero-width tensor, the gate, and
+    transformers and fp4rl compute the dense model's function from it."""
+    src = dense("llama", **LLAMA).eval()
+    assert not src.config.qkv_bias
+    moe = upcycle(src, num_experts=4, top_k=2, shared_expert_intermediate_size=shared).eval()
+    assert moe.config.qkv_bias
+    save_model(moe, None, tmp_path)
+    config, tensors = written(tmp_path)
+    assert config["model_type"] == "qwen2_moe" and config["qkv_bias"] is True
+    assert config["shared_expert_intermediate_size"] == shared
+    for i in range(3):
+        for n in "qkv":
+            bias = tensors[f"model.layers.{i}.self_attn.{n}_proj.bias"]
+            assert bias.shape == tensors[f"model.layers.{i}.self_attn.{n}_proj.weight"].shape[:1]
+            assert not bias.any()
+        assert not tensors[f"model.layers.{i}.mlp.shared_expert_gate.weight"].any()
+    assert all(t.numel() for t in tensors.values())  # no zero-width tensor
+    has_shared = any(".mlp.shared_expert." in k for k in tensors)
+    assert has_shared == bool(shared)
+
+    with torch.no_grad():
+        expected = src(IDS)
+        with pytest.warns(UserWarning, match="no tokenizer"):
+            loaded, _ = load_model(tmp_path)
+        assert (loaded(IDS) - expected).abs().max() <= 1e-5
+        assert hasattr(loaded.model.layers[0].mlp, "shared_expert") == bool(shared)
+        hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        assert hf.config.qkv_bias and hf.model.layers[0].self_attn.q_proj.bias is not None
         assert (hf(IDS).logits - expected).abs().max() <= 1e-5
+
+        # transformers writes its zero-width shared expert back; fp4rl still loads that checkpoint
+        hf.save_pretrained(tmp_path / "hf")
+        _, hf_tensors = written(tmp_path / "hf")
+        assert any(not t.numel() for t in hf_tensors.values()) == (not shared)
+        with pytest.warns(UserWarning, match="no tokenizer"):
+            again, _ = load_model(tmp_path / "hf")
+        assert (again(IDS) - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_upcycle_refuses_a_head_dim_vllms_qwen2_moe_ignores(model_type):
+    """vLLM's Qwen2-MoE uses hidden_size // num_attention_heads (32 // 4 = 8) whatever head_dim says."""
+    with pytest.raises(ValueError, match=r"head_dim=16.*hidden_size // num_attention_heads = 32 // 4 = 8"):
+        upcycle(dense(model_type, head_dim=16), num_experts=4, top_k=2)
+    moe = upcycle(dense("qwen3", head_dim=16), num_experts=4, top_k=2)  # Qwen3-MoE honours head_dim
+    assert moe.config.head_dim == 16
 
 
 def test_upcycled_moe_trains_and_its_experts_drift_apart():
@@ -111,17 +174,18 @@ def test_upcycle_refuses_what_the_target_cannot_express():
 
 @pytest.mark.parametrize("preset", ["nvfp4-linear", "nvfp4-w4a16", "nvfp4-experts"])
 def test_upcycled_moe_without_shared_expert_converts_to_every_preset(preset):
-    """The default upcycle of a Llama (shared expert width 0) under each NVFP4 preset: the zero-width
-    shared-expert linears stay BF16 (nothing to quantize; quantizing them failed on the empty amax) and the
-    converted model runs forward and backward."""
+    """The default upcycle of a Llama (shared expert width 0) under each NVFP4 preset: there is no shared
+    expert (no zero-width linear to quantize), its gate stays BF16 (a router) and the converted model runs
+    forward and backward."""
     from fp4rl.precision import PrecisionContract
     from fp4rl.qat import NVFP4Linear, convert
 
     moe = upcycle(dense("llama", **LLAMA), num_experts=4, top_k=2)
     contract = PrecisionContract(preset)
     resolved = contract.resolve(moe)
-    empty = [n for n, m in moe.named_modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() == 0]
-    assert empty and all(resolved[n] == "bf16" for n in empty)
+    assert not [n for n, m in moe.named_modules() if isinstance(m, torch.nn.Linear) and not m.weight.numel()]
+    assert not any(".shared_expert." in n for n in resolved)
+    assert all(resolved[f"model.layers.{i}.mlp.shared_expert_gate"] == "bf16" for i in range(3))
     convert(moe, contract)
     assert any(isinstance(m, NVFP4Linear) for m in moe.modules())
     logits = moe(IDS)
