@@ -1,10 +1,10 @@
-"""The `fp4rl` command.
+"""The `fp4rl` command: RL of LLMs in NVFP4 (train, generate, export, bench, plot, ablate).
 
 Each subcommand lives in the module that owns the idea: that module defines
 `add_arguments(parser)` and `run(args) -> int | None` (every module is imported to build the
-parser). A missing or misplaced file (FileNotFoundError, NotADirectoryError, FileExistsError:
-their messages name the path and the fix) prints that message and exits 2 instead of a traceback;
-FP4RL_TRACEBACK=1 shows the traceback too.
+parser). A refused input (ValueError: a bad option value, config or model; OSError: a missing,
+misplaced or unreadable file; their messages name the problem and the fix) prints that message and
+exits 2 instead of a traceback; FP4RL_TRACEBACK=1 shows the traceback too.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("fp4rl.loop", "run an RL job (TOML config + --set key=value; --resume RUN_DIR)"),
     "generate": ("fp4rl.generate", "sample a completion for one prompt (chat template applied)"),
     "export": ("fp4rl.export", "write an NVFP4 checkpoint for vLLM/SGLang (ModelOpt or compressed-tensors)"),
-    "bench": ("fp4rl.benchmarks", "run a benchmark (quantize, memory, rollout, gpu_kernels)"),
+    "bench": ("fp4rl.benchmarks", "run a benchmark (quantize, memory, rollout, gpu_kernels, sampler_gpu)"),
     "plot": ("fp4rl.metrics", "draw a run's curves as PNGs into RUN_DIR/plots/"),
     "ablate": ("fp4rl.ablate", "run the same job under several settings (arms) and compare them"),
 }
@@ -40,10 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code = importlib.import_module(args._module).run(args)
-    except (FileNotFoundError, NotADirectoryError, FileExistsError) as exc:
+    except (ValueError, OSError) as exc:  # the library's refusals of bad input, and file errors
         if os.environ.get("FP4RL_TRACEBACK") == "1":
             raise
-        print(f"fp4rl {args.command}: error: {exc}", file=sys.stderr)
+        print(f"fp4rl {args.command}: error: {exc}\n(FP4RL_TRACEBACK=1 shows where it was raised)",
+              file=sys.stderr)
         return 2
     return int(code or 0)
 

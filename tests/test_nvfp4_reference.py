@@ -429,3 +429,16 @@ def test_bench_quantize_runs_and_4_over_6_wins(tmp_path, capsys):
     assert text.startswith("\n## quantize\n") and "| quantize 1x16, tensor scale, 4/6 mae |" in text
     assert "Command: `fp4rl bench quantize --size 64" in text
     assert "| normal N(0, 1) | 1x16 |" in capsys.readouterr().out
+
+
+def test_the_cli_turns_a_refused_value_into_a_message_and_exit_2(capsys, monkeypatch, tmp_path):
+    from fp4rl.cli import main
+
+    monkeypatch.delenv("FP4RL_TRACEBACK", raising=False)
+    assert main(["bench", "quantize", "--size", "0", "--repeats", "1"]) == 2  # ValueError in the benchmark
+    err = capsys.readouterr().err
+    assert err.startswith("fp4rl bench: error: ") and "Traceback" not in err and "FP4RL_TRACEBACK" in err
+    assert main(["plot", str(tmp_path / "missing")]) == 2  # a file error too
+    monkeypatch.setenv("FP4RL_TRACEBACK", "1")
+    with pytest.raises(ValueError):
+        main(["bench", "quantize", "--size", "0", "--repeats", "1"])
