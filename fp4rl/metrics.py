@@ -1,10 +1,11 @@
 """Run metrics: one JSON object per step in runs/<name>/metrics.jsonl, TensorBoard, plots.
 
 metrics.jsonl is the source of truth: every line is `{"step": s, key: value, ...}` with
-strictly increasing steps, appended and flushed as each step ends, so a crashed run keeps every
-finished step. Resuming from the checkpoint of step k truncates the lines after step k (they
-belong to steps that will be redone) so no step appears twice; TensorBoard gets the same
-`purge_step`. wandb is used only when asked for and imported only then.
+strictly increasing steps, appended, flushed and fsynced as each step ends, so a crashed run keeps
+every finished step (a last line cut short by the crash is dropped with a warning when read).
+Resuming from the checkpoint of step k truncates the lines after step k (they belong to steps that
+will be redone) so no step appears twice; TensorBoard gets the same `purge_step`. wandb is used only
+when asked for and imported only then.
 
 `plot(run_dir)` (also `fp4rl plot RUN_DIR`) draws PNGs into runs/<name>/plots/ from the JSONL:
 reward and accuracy, sampler/trainer mismatch (|logprob diff|, KL), gradient norm, and held-out
@@ -20,6 +21,7 @@ import math
 import numbers
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
@@ -31,8 +33,8 @@ def write_atomic(path: str | Path, text: str) -> Path:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # not mkstemp's 0600
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w") as f:  # owns fd from here: closed however the rest ends
+            os.chmod(tmp, path.stat().st_mode & 0o777 if path.exists() else 0o644)  # not mkstemp's 0600
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -45,19 +47,31 @@ def write_atomic(path: str | Path, text: str) -> Path:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """All step records of a run (or of a metrics.jsonl path), in file order."""
+    """All step records of a run (or of a metrics.jsonl path), in file order.
+
+    A last line without its newline that is not JSON is a write cut short (a kill, a full disk, or a
+    live run's line being written): it is dropped with a warning. A line that is not JSON anywhere
+    else is damage this refuses (ValueError naming the file and line).
+    """
     path = Path(run_dir)
     path = path if path.suffix == ".jsonl" else path / METRICS_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {path.parent} a run directory?")
     records = []
     with open(path) as fh:
-        for line_no, line in enumerate(fh, 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{line_no}: not JSON ({e})") from e
+        lines = fh.read().splitlines(keepends=True)
+    for line_no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if line_no == len(lines) and not line.endswith("\n"):
+                warnings.warn(f"{path}:{line_no}: dropped its last line, a write cut short (no newline, not "
+                              f"JSON: {line[:40]!r}...); a resume rewrites the file without it", stacklevel=2)
+                continue
+            raise ValueError(f"{path}:{line_no}: not a JSON record ({e}): the file is damaged; repair or "
+                             "delete that line (each line is one step's JSON object)") from e
     return records
 
 
@@ -138,6 +152,7 @@ class MetricsLogger:
         record = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items() if k != "step"}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        os.fsync(self._file.fileno())  # on disk before the step's checkpoint: one fsync per step (seconds)
         self.last_step = int(step)
         scalars = {
             k: v

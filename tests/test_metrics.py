@@ -150,3 +150,46 @@ def test_resume_rewrite_is_atomic(tmp_path, monkeypatch):
         pass
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     assert (tmp_path / "metrics.jsonl").stat().st_mode & 0o777 == 0o640  # its mode kept (not mkstemp's 0600)
+
+
+def test_a_torn_last_line_is_dropped_with_a_warning(tmp_path):
+    """A write cut short (kill, full disk) leaves a last line without its newline that is not JSON: reading
+    drops it with a warning naming the file, a resume's truncation rewrites the file without it, and the
+    plot CLI draws; a damaged line elsewhere is refused with the file and line named."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "reward/mean": 0.5}\n{"step": 2, "rew')
+    with pytest.warns(UserWarning, match=r"metrics\.jsonl:2: dropped its last line"):
+        assert read_metrics(tmp_path) == [{"step": 1, "reward/mean": 0.5}]
+    with pytest.warns(UserWarning, match="dropped its last line"):
+        assert [p.name for p in plot(tmp_path)] == ["reward.png"]
+    with pytest.warns(UserWarning, match="dropped its last line"), \
+            MetricsLogger(tmp_path, tensorboard=False, resume_step=1) as log:
+        log.log(2, {"reward/mean": 0.75})
+    assert path.read_text() == '{"step": 1, "reward/mean": 0.5}\n{"step": 2, "reward/mean": 0.75}\n'
+    # a last record whose newline alone was lost is whole: kept
+    path.write_text('{"step": 1}\n{"step": 2}')
+    assert read_metrics(path) == [{"step": 1}, {"step": 2}]
+    # not the last line, or the last line with its newline: damage, not a cut-short write
+    for text in ('{"step": 1}\n{"step": 2, "rew\n{"step": 3}\n', '{"step": 1}\n{"step": 2, "r\n'):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON record .*damaged"):
+            read_metrics(tmp_path)
+
+
+def test_write_atomic_closes_and_removes_its_temporary_file_when_chmod_fails(tmp_path, monkeypatch):
+    import os
+
+    target = tmp_path / "config.toml"
+    target.write_text("old\n")
+
+    def refused(*args, **kwargs):
+        raise PermissionError("chmod refused")
+
+    fds_before = set(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(metrics_module.os, "chmod", refused)
+    for _ in range(3):
+        with pytest.raises(PermissionError):
+            metrics_module.write_atomic(target, "new\n")
+    monkeypatch.undo()
+    assert set(os.listdir("/proc/self/fd")) <= fds_before  # no descriptor leaked
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.toml"] and target.read_text() == "old\n"
