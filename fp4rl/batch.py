@@ -18,6 +18,12 @@ never fed back), which is why `Completion.routing` has L_i - 1 rows (and TRACE g
 [B, T-1] per guided input with `guidance_valid` marking real columns, likewise). Right padding needs no
 attention mask: with a causal mask a real token never sees the padding after it, and RoPE
 positions 0, 1, ... of a row are those the sampler used for the unpadded sequence.
+
+Routing is stored as ROUTING_DTYPE (int16, any model up to 32767 experts; 2 bytes an id where long took 8:
+Qwen3-30B-A3B's 48 layers x top-8 x ~8.5K tokens x 256 sequences are ~1.7 GB, not ~6.7 GB) in the sampler's
+buffer, `Completion.routing` and `Batch.routing`; it becomes long only where experts are indexed
+(fp4rl.moe.SparseMoeBlock.forward). Not uint8: one dtype for every model, and torch reads a uint8 index
+tensor as a boolean mask.
 """
 
 from __future__ import annotations
@@ -26,6 +32,40 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
+
+ROUTING_DTYPE = torch.int16
+"""dtype of stored MoE routing (expert ids): sampler buffer, Completion.routing, Batch.routing."""
+MAX_EXPERTS = torch.iinfo(ROUTING_DTYPE).max + 1  # ids 0 .. 32767
+
+
+def as_routing(routing, what: str = "routing") -> torch.Tensor:
+    """Expert ids (a tensor or nested lists) as ROUTING_DTYPE. Integer dtypes are cast (ids outside
+    [0, MAX_EXPERTS) raise); float, complex and bool dtypes raise. Already ROUTING_DTYPE: returned as is,
+    unchecked (no device sync; `check_routing` checks ids against a model's experts)."""
+    routing = torch.as_tensor(routing)
+    if routing.dtype == ROUTING_DTYPE:
+        return routing
+    if routing.dtype.is_floating_point or routing.dtype.is_complex or routing.dtype == torch.bool:
+        raise TypeError(f"{what}: expert ids must have an integer dtype (stored as {ROUTING_DTYPE}), "
+                        f"got {routing.dtype}")
+    if routing.numel():
+        lo, hi = (int(v) for v in torch.aminmax(routing))
+        if lo < 0 or hi >= MAX_EXPERTS:
+            raise ValueError(f"{what}: expert ids must lie in [0, {MAX_EXPERTS}) to be stored as "
+                             f"{ROUTING_DTYPE}, got ids in [{lo}, {hi}]")
+    return routing.to(ROUTING_DTYPE)
+
+
+def check_routing(routing: torch.Tensor | None, num_experts: int, what: str = "routing") -> None:
+    """Raise unless every expert id in `routing` is in [0, num_experts) (one min/max, one host sync)."""
+    if routing is None or not routing.numel():
+        return
+    if routing.dtype.is_floating_point or routing.dtype.is_complex or routing.dtype == torch.bool:
+        raise TypeError(f"{what}: expert ids must have an integer dtype, got {routing.dtype}")
+    lo, hi = (int(v) for v in torch.aminmax(routing))
+    if lo < 0 or hi >= num_experts:
+        raise ValueError(f"{what}: expert ids must lie in [0, {num_experts}) (the model's experts), "
+                         f"got ids in [{lo}, {hi}]")
 
 
 @dataclass
@@ -37,7 +77,7 @@ class Batch:
     sampler_logprobs: torch.Tensor  # [B, T-1] fp32: log mu of input_ids[:, 1:], 0 off the mask
     advantages: torch.Tensor  # [B] fp32: one GRPO advantage per sequence
     policy_version: torch.Tensor  # [B] long: the policy version that sampled each sequence
-    routing: torch.Tensor | None = None  # [num_moe_layers, B, T-1, top_k] long, or None (dense)
+    routing: torch.Tensor | None = None  # [num_moe_layers, B, T-1, top_k] int16, or None (dense)
     guidance: dict | None = None  # TRACE: input key -> fp4rl.trace.Guidance [B, T-1, ...], or None
     guidance_valid: torch.Tensor | None = None  # [B, T-1] bool: the columns the sampler fed (with guidance)
 
@@ -58,6 +98,8 @@ class Batch:
             if tuple(g.amax.shape) != (B, T - 1):
                 raise ValueError(f"Batch.guidance[{key!r}] covers {list(g.amax.shape)} tokens, expected "
                                  f"{[B, T - 1]}")
+        if self.routing is not None:  # another integer dtype handed in: cast (range-checked)
+            self.routing = as_routing(self.routing, "Batch.routing")
         routing = self.routing
         if routing is not None and (routing.dim() != 4 or tuple(routing.shape[1:3]) != (B, T - 1)):
             raise ValueError(f"Batch.routing has shape {list(self.routing.shape)}, expected "
@@ -93,7 +135,7 @@ class Batch:
         routing = None
         if B and all(routed):
             layers, _, top_k = completions[0].routing.shape
-            routing = torch.zeros(layers, B, T - 1, top_k, dtype=torch.long)  # padding routes to expert 0
+            routing = torch.zeros(layers, B, T - 1, top_k, dtype=ROUTING_DTYPE)  # padding routes to expert 0
         for i, (c, row) in enumerate(zip(completions, rows)):
             P, C = len(c.prompt_ids), len(c.completion_ids)
             if len(c.logprobs) != C:
@@ -104,7 +146,7 @@ class Batch:
             loss_mask[i, P - 1 : P - 1 + C] = 1.0
             sampler_logprobs[i, P - 1 : P - 1 + C] = torch.tensor(c.logprobs, dtype=torch.float32)
             if routing is not None:
-                r = torch.as_tensor(c.routing, dtype=torch.long)  # [layers, P + C - 1, top_k]
+                r = as_routing(c.routing, f"completion {i}: routing")  # [layers, P + C - 1, top_k]
                 if r.shape[1] != len(row) - 1:
                     raise ValueError(f"completion {i}: routing covers {r.shape[1]} tokens, expected "
                                      f"len(prompt) + len(completion) - 1 = {len(row) - 1}")

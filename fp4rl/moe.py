@@ -75,13 +75,19 @@ class SparseMoeBlock(nn.Module):
         return self.run_experts(x, topk_idx, topk_weight), topk_idx
 
     def forward(self, x: torch.Tensor, forced_experts: torch.Tensor | None = None):
-        """x [B, T, H], forced_experts [B, T, top_k] or None -> (y [B, T, H], experts used [B, T, top_k])."""
+        """x [B, T, H], forced_experts [B, T, top_k] (any integer dtype) or None -> (y [B, T, H], experts used
+        [B, T, top_k] long)."""
         B, T, H = x.shape
         flat = x.reshape(-1, H)  # [N, H]
         if forced_experts is not None:
             if tuple(forced_experts.shape) != (B, T, self.top_k):
                 raise ValueError(f"routing replay: expected experts [B, T, top_k] = {[B, T, self.top_k]}, "
                                  f"got {list(forced_experts.shape)}")
+            if forced_experts.dtype.is_floating_point or forced_experts.dtype.is_complex \
+                    or forced_experts.dtype == torch.bool:
+                raise TypeError(f"routing replay: expert ids must have an integer dtype, "
+                                f"got {forced_experts.dtype}")
+            # stored small (fp4rl.batch.ROUTING_DTYPE); long only here, where the experts are indexed
             forced_experts = forced_experts.reshape(-1, self.top_k).to(device=x.device, dtype=torch.long)
         y, topk_idx = self.routed(flat, forced_experts)
         shared = self.shared(flat)

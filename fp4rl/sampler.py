@@ -25,7 +25,7 @@ is log_softmax(logits / T) (T = 1 when greedy), computed in fp32 like grpo.token
 *not* renormalised by top-k/top-p: it is the distribution the trainer scores.
 
 MoE routing replay: the experts chosen for every position the trainer scores (the prompt and all
-completion tokens but the last) come back as `Completion.routing` [num_moe_layers, L - 1, top_k],
+completion tokens but the last) come back as `Completion.routing` [num_moe_layers, L - 1, top_k] int16,
 ready for `model(ids[:, :-1], routing=[r[i][None] for i ...])`.
 """
 
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from fp4rl import cpu_head, trace
+from fp4rl.batch import MAX_EXPERTS, ROUTING_DTYPE
 from fp4rl.cpu_ops import FastCPUDecoder
 from fp4rl.kvcache import KV_CACHE_KINDS, make_kv_cache
 from fp4rl.model import CausalLM
@@ -123,8 +124,9 @@ class Completion:
     finish_reason: str  # "eos" | "stop" | "length"
     policy_version: int
     routing: torch.Tensor | None
-    """MoE: experts [num_moe_layers, len(prompt_ids) + len(completion_ids) - 1, top_k] for every
-    position the trainer scores, replayable with model(..., routing=...); None for dense models."""
+    """MoE: experts [num_moe_layers, len(prompt_ids) + len(completion_ids) - 1, top_k] (int16,
+    fp4rl.batch.ROUTING_DTYPE) for every position the trainer scores, replayable with model(..., routing=...);
+    None for dense models."""
     guidance: dict | None = None
     """TRACE (SamplingParams.guidance > 0): per guided input (fp4rl.trace.input_key), the guidance
     of the len(prompt_ids) + len(completion_ids) - 1 tokens the sampler fed, as Guidance.to_dict()."""
@@ -287,6 +289,9 @@ class Sampler:
         self.weights_digest: str | None = None  # the digest of the last payload loaded (None: built weights)
         self.weights_error: str | None = None  # set by a load whose verification failed (see load)
         self.num_moe_layers = len(self.config.moe_layers)
+        if self.num_moe_layers and self.config.num_experts > MAX_EXPERTS:
+            raise ValueError(f"Sampler: {self.config.num_experts} experts do not fit the routing record's "
+                             f"{ROUTING_DTYPE} (at most {MAX_EXPERTS})")
         # a list: generate appends time.perf_counter() each time a step's tokens reach the host (the decode
         # cadence, without prefill and setup: fp4rl.benchmarks.sampler_gpu's tokens/s); None: no clock
         self.step_clock: list[float] | None = None
@@ -442,7 +447,7 @@ class Sampler:
         routing = None
         if self.num_moe_layers:
             k = self.config.num_experts_per_tok
-            routing = torch.zeros(self.num_moe_layers, B, total, k, dtype=torch.long, device=dev)
+            routing = torch.zeros(self.num_moe_layers, B, total, k, dtype=ROUTING_DTYPE, device=dev)
             prefill = torch.stack(chosen)  # [L_moe, P, T_p, k]
             for r in range(B):
                 L = lens[r // n]
@@ -542,7 +547,7 @@ class Sampler:
             logits = self.model.lm_head(h[:, -1])  # [b, V]
             chosen = torch.stack(chosen) if chosen else None  # [L_moe, b, 1, k], as the engine returns it
         if routing is not None:
-            routing[:, rows, positions] = chosen[:, :, 0]  # [L_moe, b, k]
+            routing[:, rows, positions] = chosen[:, :, 0].to(ROUTING_DTYPE)  # [L_moe, b, k]
         return logits
 
     def _next_tokens(self, logits: torch.Tensor, params: SamplingParams, generator):

@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from fp4rl import trace
-from fp4rl.batch import Batch
+from fp4rl.batch import Batch, check_routing
 from fp4rl.config import ConfigError, RunConfig, dump_toml
 from fp4rl.grpo import grpo_loss, importance_weights, mismatch_metrics, token_logprobs
 from fp4rl.hf import fsync_dir, fsync_tree, load_state_dict, save_model
@@ -126,7 +126,7 @@ class Trainer:
     def logprobs(self, batch: Batch, model: torch.nn.Module | None = None) -> torch.Tensor:
         """log_softmax(logits / T) of input_ids[:, 1:] -> [B, T-1] fp32 (with grad when enabled)."""
         model = model or self.model
-        routing = None if batch.routing is None else list(batch.routing)  # per layer [B, T-1, top_k]
+        routing = None if batch.routing is None else list(batch.routing)  # per layer [B, T-1, top_k] int16
         guided = contextlib.nullcontext()
         # TRACE: the policy's guided linears round towards the sampler's codes. Only the policy: the
         # rollout's guidance says how the sampler's policy quantized its activations, nothing about the
@@ -159,6 +159,8 @@ class Trainer:
         metrics: dict[str, float] = {"train/sequences": len(batch), "train/tokens": batch.num_tokens}
         self.trace_stats = trace.TraceStats()  # TRACE counters of this step's guided forwards
         batch = batch.to(self.device)
+        if batch.routing is not None:  # once per step (one host sync): replay would index out of range
+            check_routing(batch.routing, self.model.config.num_experts, "Batch.routing")
         micro = batch.split(config.trainer.micro_batch_size)
         if config.grpo.loss_agg == "token-mean":
             denominator = float(max(batch.num_tokens, 1))

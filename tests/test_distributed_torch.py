@@ -240,7 +240,7 @@ def test_distributed_generate_equals_local_shards(tmp_path):
         torch.set_num_threads(threads)
     assert [c.prompt_index for c in want] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert not completions_equal(want, sampler.generate(PROMPTS, PARAMS)), "shard 1 samples with its own seed"
-    assert all(c.routing is not None and c.routing.dtype == torch.long for c in want)
+    assert all(c.routing is not None and c.routing.dtype == torch.int16 for c in want)
     for r in ranks:
         assert completions_equal(r["got"], want)  # tokens, logprobs, indices, finish_reason, routing
         assert [(c.prompt_index, c.sample_index, c.finish_reason) for c in r["got"]] == \
@@ -313,11 +313,14 @@ def test_completions_with_tensors_survive_the_wire():
     guidance = {"layer.1": {"bits": torch.arange(6, dtype=torch.uint8).reshape(3, 2),
                             "block_scale": torch.tensor([0.5, 1.0, 448.0]).to(torch.float8_e4m3fn),
                             "amax": torch.tensor([1.5, 2.0, 3.0])}}
-    routing = torch.arange(24).reshape(2, 3, 4)[:, 1:]  # a view of a larger storage
+    routing = torch.arange(24, dtype=torch.int16).reshape(2, 3, 4)[:, 1:]  # a view of a larger storage
     c = Completion(prompt_index=0, sample_index=1, prompt_ids=[1, 2], completion_ids=[3, 4],
                    logprobs=[-0.5, -1.0], text="", finish_reason="length", policy_version=3, routing=routing,
                    guidance=guidance)  # float8 block scales: plain pickle of them fails in torch 2.13
-    (back,) = td.from_wire(pickle.loads(pickle.dumps(td.to_wire([c]))))
+    (wire,) = td.to_wire([c])
+    assert len(wire.routing.data) == 2 * routing.numel()  # the sampler's int16 routing travels as 2 B an id
+    (back,) = td.from_wire(pickle.loads(pickle.dumps([wire])))
+    assert back.routing.dtype == torch.int16
     assert completions_equal([dataclasses.replace(back, guidance=None)],
                              [dataclasses.replace(c, guidance=None)])
     for k, t in guidance["layer.1"].items():

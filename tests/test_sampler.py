@@ -4,6 +4,7 @@ routing replay, shared prefill, compaction, stop strings, seeds, packed linears,
 import pytest
 import torch
 
+from fp4rl.batch import Batch
 from fp4rl.grpo import token_logprobs
 from fp4rl.model import CausalLM, ModelConfig
 from fp4rl.precision import PrecisionContract
@@ -94,11 +95,22 @@ def test_moe_routing_is_returned_and_replay_reproduces_the_sampler():
     top_k, num_moe = MOE["num_experts_per_tok"], len(trainer.config.moe_layers)
     for c in out:
         L = len(c.prompt_ids) + len(c.completion_ids)
-        assert c.routing.shape == (num_moe, L - 1, top_k) and c.routing.dtype == torch.long
+        # stored small (2 bytes an id, not long's 8): the sampler's buffer and Completion.routing
+        assert c.routing.shape == (num_moe, L - 1, top_k) and c.routing.dtype == torch.int16
         ids = torch.tensor([c.prompt_ids + c.completion_ids])[:, :-1]
         with torch.no_grad():
             _, chosen = trainer(ids, return_routing=True)
         assert torch.equal(torch.stack(chosen)[:, 0], c.routing)  # the router's own choices
+        # replaying the int16 record computes exactly what replaying it as long did, and it is the
+        # sampler's own logprobs
+        replayed = trainer_logprobs(trainer, c)
+        as_long = Completion(**{**c.__dict__, "routing": c.routing.long()})
+        assert torch.equal(replayed, trainer_logprobs(trainer, as_long))
+        assert (replayed - torch.tensor(c.logprobs)).abs().max() < 1e-5
+    batch = Batch.from_completions(out, [0.0] * len(out))
+    assert batch.routing.dtype == torch.int16
+    for i, c in enumerate(out):
+        assert torch.equal(batch.routing[:, i, : c.routing.shape[1]], c.routing)
     # Perturb the trainer's routers: left alone it routes differently; replay forces the sampler's experts.
     with torch.no_grad():
         for name, p in trainer.named_parameters():

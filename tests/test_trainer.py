@@ -2,6 +2,7 @@
 replay, checkpoints (round trip, atomicity, retention). Tiny random models on CPU."""
 
 import copy
+import dataclasses
 import math
 import random
 
@@ -181,8 +182,10 @@ def test_lr_schedules():
 def test_routing_replay_scores_the_sampler_experts():
     model = tiny_model(moe=True)
     trainer = Trainer(model, PrecisionContract("nvfp4-experts"), config())
-    batch = make_batch(trainer.model, routing=True)
+    batch = make_batch(trainer.model, routing=True)  # the completions carry the model's long experts
     assert batch.routing.shape[:3] == (4, 4, batch.input_ids.shape[1] - 1)  # 4 MoE layers
+    assert batch.routing.dtype == torch.int16  # cast on the way in: 2 bytes an id, not 8
+    assert all(mb.routing.dtype == torch.int16 for mb in batch.split(2))
     with torch.no_grad():
         replayed = trainer.logprobs(batch)
         flipped = copy.copy(batch)
@@ -192,6 +195,52 @@ def test_routing_replay_scores_the_sampler_experts():
     assert torch.allclose(replayed[mask], batch.sampler_logprobs[mask], atol=1e-5)
     assert (other[mask] - replayed[mask]).abs().max() > 1e-3
     assert math.isfinite(trainer.step(batch)["train/grad_norm"])
+
+
+def test_routing_of_another_integer_dtype_is_cast_and_bad_routing_raises():
+    model = tiny_model(moe=True)
+    trainer = Trainer(model, PrecisionContract("nvfp4-experts"), config())
+    batch = make_batch(trainer.model, routing=True)
+    base = torch.no_grad()(trainer.logprobs)(batch)
+    completions = [FakeCompletion([5, 6, 7], [8, 9], [-1.0, -1.0], routing=batch.routing[:, i, :4])
+                   for i in range(2)]
+    for dtype in (torch.uint8, torch.int32, torch.int64):  # handed in by a user: cast, same replay
+        given = [FakeCompletion(c.prompt_ids, c.completion_ids, c.logprobs, routing=c.routing.to(dtype))
+                 for c in completions]
+        b = Batch.from_completions(given, [1.0, -1.0])
+        assert b.routing.dtype == torch.int16 and torch.equal(b.routing, batch.routing[:, :2, :4])
+        direct = dataclasses.replace(batch, routing=batch.routing.to(dtype))  # Batch(...) casts too
+        assert direct.routing.dtype == torch.int16
+        with torch.no_grad():
+            assert torch.equal(trainer.logprobs(direct), base)
+    with torch.no_grad():  # the model itself replays any integer dtype, as long
+        ids = batch.input_ids[:1, :-1]
+        want = trainer.model(ids, routing=[r[:1] for r in batch.routing.long()])
+        assert torch.equal(trainer.model(ids, routing=[r[:1].to(torch.int32) for r in batch.routing]), want)
+        with pytest.raises(TypeError, match="routing replay: expert ids must have an integer dtype"):
+            trainer.model(ids, routing=[r[:1].float() for r in batch.routing])
+    # float ids: a clear error, not a silent truncation
+    bad = [FakeCompletion(c.prompt_ids, c.completion_ids, c.logprobs, routing=c.routing.float())
+           for c in completions]
+    with pytest.raises(TypeError, match=r"completion 0: routing: .* integer dtype .*, got torch.float32"):
+        Batch.from_completions(bad, [1.0, -1.0])
+    with pytest.raises(TypeError, match="Batch.routing: expert ids must have an integer dtype"):
+        dataclasses.replace(batch, routing=batch.routing.to(torch.float16))
+    with pytest.raises(TypeError, match="integer dtype"):
+        dataclasses.replace(batch, routing=batch.routing.bool())
+    # ids that int16 cannot hold
+    for wrong in (-1, 40000):
+        r = completions[1].routing.to(torch.int32).clone()
+        r[0, 0, 0] = wrong
+        bad = [completions[0], FakeCompletion([5, 6, 7], [8, 9], [-1.0, -1.0], routing=r)]
+        match = rf"completion 1: routing: expert ids must lie in \[0, 32768\).*{wrong}"
+        with pytest.raises(ValueError, match=match):
+            Batch.from_completions(bad, [1.0, -1.0])
+    # ids the model does not have (4 experts): refused before any forward
+    out_of_range = dataclasses.replace(batch, routing=batch.routing.clone())
+    out_of_range.routing[2, 1, 0, 1] = 4
+    with pytest.raises(ValueError, match=r"Batch.routing: expert ids must lie in \[0, 4\).*\[0, 4\]"):
+        trainer.step(out_of_range)
 
 
 def test_bad_settings_fail_early():
