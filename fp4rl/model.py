@@ -315,8 +315,9 @@ class CausalLM(nn.Module):
                         length .. length + T - 1 without a mask.
         attention_mask  [B, kv_cache.length + T], 1 = real token, 0 = padding.
         kv_cache        KVCache; the T new tokens go to slots [length, length + T).
-        routing         MoE routing replay: one LongTensor [B, T, top_k] per MoE layer (in layer
-                        order) of experts to use instead of the router's choice; their weights
+        routing         MoE routing replay: one integer tensor [B, T, top_k] per MoE layer (in layer
+                        order; the sampler's int16 ids or long) of experts to use instead of the
+                        router's choice; their weights
                         still come from the router's softmax, so the router gets gradients.
         return_routing  also return the experts used, one [B, T, top_k] per MoE layer.
         Returns logits [B, T, V] (and the routing list when return_routing).
