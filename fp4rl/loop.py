@@ -47,7 +47,9 @@ after a crash (even kill -9) loads the newest complete checkpoint, drops the met
 lines of later steps and redoes them: the metrics, apart from time/* and memory/*, equal
 those of an uninterrupted run. A finished run resumed with a larger trainer.steps goes on as
 one run of that many steps would (given a constant LR schedule: the others span trainer.steps;
-its old last step keeps the held-out eval it had as the last one).
+its old last step keeps the held-out eval it had as the last one); a trainer.steps below the
+checkpoint's step is refused. A run with metrics but no checkpoint (trainer.checkpoint_every = 0
+writes one only after the last step) is refused too: resuming it would drop them and start over.
 
 Scale-out ([distributed], fp4rl.distributed): distributed.samplers = S splits every rollout (and
 held-out evaluation) into S shards with their own derived seeds; backend "local" runs them one after
@@ -82,7 +84,7 @@ from fp4rl.batch import Batch
 from fp4rl.config import ConfigError, RunConfig, format_fields, load_config, save_config
 from fp4rl.distributed.shards import LocalShards
 from fp4rl.grpo import group_advantages, reward_metrics
-from fp4rl.metrics import MetricsLogger, format_progress, plot, read_metrics
+from fp4rl.metrics import METRICS_FILE, MetricsLogger, format_progress, plot, read_metrics
 from fp4rl.tasks import Prompt, Task, apply_chat_template, task_from_config
 from fp4rl.trainer import CHECKPOINT_DIR, Trainer, latest_checkpoint
 
@@ -360,6 +362,33 @@ def _check_fresh_run_dir(run_dir: Path) -> None:
                               f"{run_dir}` (or run.resume = true), or pick another run.name")
 
 
+def _check_resumable(config: RunConfig, checkpoint: Path | None) -> None:
+    """ConfigError, before anything is loaded or written, for a resume that would lose what the run has
+    (metrics without a checkpoint to continue from) or that asks for fewer steps than its checkpoint has
+    done; a warning when there is nothing to continue (stopped before step 1): the run starts at step 1."""
+    run_dir, steps = config.run_dir, config.trainer.steps
+    if checkpoint is None:
+        metrics = run_dir / METRICS_FILE
+        logged = [r.get("step") for r in read_metrics(metrics)] if metrics.exists() else []
+        if logged:
+            raise ConfigError(
+                f"cannot resume {run_dir}: its {METRICS_FILE} holds the records of steps {logged[0]}.."
+                f"{logged[-1]} but there is no checkpoint to continue from (trainer.checkpoint_every = "
+                f"{config.trainer.checkpoint_every}; 0 writes one only after the last step), so resuming "
+                "would start again from step 1 and drop them. To start over, move the run directory away "
+                "or pick another run.name; set trainer.checkpoint_every > 0 to make a run resumable after "
+                "a kill")
+        warnings.warn(f"resuming {run_dir}: no checkpoint and no metrics there (stopped before its first "
+                      "step), so the run starts at step 1", stacklevel=3)
+        return
+    done = int(checkpoint.name.removeprefix("step_"))
+    if done > steps:
+        raise ConfigError(
+            f"cannot resume {run_dir} with trainer.steps = {steps}: its newest checkpoint "
+            f"({checkpoint.name}) is after step {done}, and a run cannot go back to fewer steps (nothing "
+            f"would be trained, and its config.toml would say {steps}); set trainer.steps to {done} or more")
+
+
 def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     """Run (or resume) the RL job described by `config`; returns the run's metrics records."""
     from fp4rl import weight_sync
@@ -370,7 +399,9 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     c = config
     run_dir = c.run_dir
     checkpoint = latest_checkpoint(run_dir, clean=True) if c.run.resume else None
-    if not c.run.resume:
+    if c.run.resume:
+        _check_resumable(c, checkpoint)
+    else:
         _check_fresh_run_dir(run_dir)
     seed_everything(c.trainer.seed)
     task = task or task_from_config(c.task)
@@ -414,10 +445,6 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     print(contract.summary(trainer.model))
     print(f"run directory {run_dir}; " + (f"resuming after step {start_step} from {checkpoint}"
                                           if checkpoint else "starting at step 1"))
-    if c.run.resume and checkpoint is None:
-        warnings.warn(f"--resume {run_dir}: no checkpoint there (trainer.checkpoint_every = "
-                      f"{c.trainer.checkpoint_every}; 0 writes one only at the end), so the run starts again "
-                      "from step 1 and its earlier metrics are dropped", stacklevel=2)
 
     # Samplers start from a payload like every later version does (dense tensors in BF16), so
     # version 0 and a resumed version are held exactly as a synced one
@@ -450,7 +477,7 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
                 eval_sampler = LocalShards(eval_sampler, c.distributed.samplers)
             eval_sampler.load(payload)
 
-        # resuming without a checkpoint starts over: every line of metrics.jsonl is dropped
+        # resuming without a checkpoint starts over (_check_resumable: metrics.jsonl holds no record)
         resume_step = (start_step if checkpoint else -1) if c.run.resume else None
         logger = MetricsLogger(run_dir, tensorboard=c.logging.tensorboard, wandb=c.logging.wandb,
                                wandb_project=c.logging.wandb_project, config=c.to_dict(),

@@ -155,15 +155,43 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(assets, tmp_path, mode
     assert deterministic(resumed) == deterministic(full)
 
 
-def test_resume_of_a_finished_run_changes_nothing(assets, tmp_path):
+def test_resume_of_a_finished_run_changes_nothing(assets, tmp_path, capsys):
     records = run_tiny(assets, tmp_path, "done", "trainer.steps=2")
-    assert main(["--resume", str(tmp_path / "done")]) == 0
-    assert read_metrics(tmp_path / "done") == records
-    # killed before its first checkpoint (checkpoint_every = 0 writes one only at the end): said out loud
-    shutil.rmtree(tmp_path / "done" / "checkpoints")
-    with pytest.warns(UserWarning, match="no checkpoint there .*starts again from step 1"):
-        assert main(["--resume", str(tmp_path / "done")]) == 0
-    assert deterministic(read_metrics(tmp_path / "done")) == deterministic(records)
+    run_dir = tmp_path / "done"
+    assert main(["--resume", str(run_dir)]) == 0
+    assert read_metrics(run_dir) == records
+    # fewer steps than the checkpoint has done: refused, nothing rewritten (config.toml keeps steps = 2)
+    config, metrics = (run_dir / "config.toml").read_bytes(), (run_dir / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert main(["--resume", str(run_dir), "--set", "trainer.steps=1"]) == 2
+    assert "trainer.steps = 1: its newest checkpoint (step_000002)" in capsys.readouterr().err
+    assert (run_dir / "config.toml").read_bytes() == config
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_resume_without_a_checkpoint_refuses_to_drop_metrics(assets, tmp_path, capsys):
+    """Killed before its first checkpoint (checkpoint_every = 0, the default, writes one only after the last
+    step) with metrics logged: --resume is refused before anything is written, naming the fixes, and the
+    metrics stay. Stopped before step 1 (a config, no metrics, no checkpoint): it starts over with a warning,
+    losing nothing, also when the only line is one cut short."""
+    records = run_tiny(assets, tmp_path, "killed", "trainer.steps=2", "trainer.checkpoint_every=0")
+    run_dir = tmp_path / "killed"
+    shutil.rmtree(run_dir / "checkpoints")
+    config, metrics = (run_dir / "config.toml").read_bytes(), (run_dir / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert main(["--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    for part in ("holds the records of steps 1..2 but there is no checkpoint", "trainer.checkpoint_every = 0",
+                 "move the run directory away", "another run.name", "trainer.checkpoint_every > 0"):
+        assert part in err
+    assert (run_dir / "config.toml").read_bytes() == config
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+    assert not (run_dir / "checkpoints").exists()
+
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "rew')  # nothing whole was logged
+    with pytest.warns(UserWarning, match="no checkpoint and no metrics there .*starts at step 1"):
+        assert main(["--resume", str(run_dir)]) == 0
+    assert deterministic(read_metrics(run_dir)) == deterministic(records)
 
 
 def _in_thread(fn, *args, timeout=120):
@@ -216,9 +244,10 @@ def test_async_resume_with_more_steps_matches_an_uninterrupted_run(assets, tmp_p
     assert list_checkpoints(run_dir)[-1].name == "step_000005" and got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
 
-    for steps in (5, 4):  # nothing left to do: the run ends at once, the records stay
-        assert _in_thread(main, ["--resume", str(run_dir), "--set", f"trainer.steps={steps}"]) == 0
+    for steps, code in ((5, 0), (4, 2)):  # nothing left to do: the run ends at once; fewer steps: refused
+        assert _in_thread(main, ["--resume", str(run_dir), "--set", f"trainer.steps={steps}"]) == code
         assert read_metrics(run_dir) == resumed
+    assert load_config(run_dir / "config.toml").trainer.steps == 5
 
 
 def test_async_checkpoint_without_the_rollouts_past_the_last_step(assets, tmp_path, capsys):
