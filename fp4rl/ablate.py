@@ -10,10 +10,14 @@ overlaying the arms' curves (reward, held-out accuracy, sampler/trainer mismatch
     fp4rl ablate --presets bf16,nvfp4-w4a16,nvfp4-linear
     fp4rl ablate --arm lr3e-5:trainer.lr=3e-5 --arm tis_off:grpo.is_correction=none
 
+Each arm trains in its own process (`python -m fp4rl.cli train --config <the arm's config>`), so its
+peak memory (on CPU the process's peak RSS) and its warm-up are its own, not those of the arms before it.
+
 Interrupted, it continues: an arm whose run directory already holds the finished run is read
 back, not run again; an unfinished one resumes from its newest checkpoint (as `fp4rl train
---resume`), so the arm's records are those of an uninterrupted run. A run directory holding a run
-of another config is refused (it is never overwritten or mixed).
+--resume`), so the arm's records are those of an uninterrupted run. Every arm's run directory is
+checked before the first arm trains: one holding a run of another config is refused (it is never
+overwritten or mixed), and so is a summary directory holding the summary of an ablation of other arms.
 """
 
 from __future__ import annotations
@@ -21,16 +25,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from fp4rl.config import PRECISION_PRESETS, ConfigError, RunConfig, dump_toml, load_config
-from fp4rl.metrics import read_metrics
+from fp4rl.metrics import read_metrics, write_atomic
 from fp4rl.trainer import latest_checkpoint
 
 _ARM_NAME = re.compile(r"[A-Za-z0-9._=+-]+")
+SUMMARY_SUFFIX = "ablate"  # the summary directory: runs/<run.name>-ablate/, so no arm may be named so
 PLOT_KEYS = ("reward/mean", "eval/accuracy", "mismatch/logprob_abs_diff", "mismatch/kl_k3")
 MEAN_KEYS = ("reward/mean", "reward/accuracy", "mismatch/logprob_abs_diff", "mismatch/kl_k3",
              "mismatch/tis_clip_frac", "train/grad_norm", "time/rollout_s", "time/train_s")
@@ -52,7 +61,17 @@ def parse_arms(arm_specs: list[str], presets: str | None, base: RunConfig) -> di
         if not sep or not _ARM_NAME.fullmatch(name) or not sets:
             raise ConfigError(f"--arm {spec!r}: write NAME:KEY=VALUE[,KEY=VALUE...], NAME of letters, digits "
                               "and . _ - = +, e.g. --arm lr3e-5:trainer.lr=3e-5")
-        arms.setdefault(name, []).extend(s.strip() for s in sets.split(",") if s.strip())
+        if name == SUMMARY_SUFFIX:
+            raise ConfigError(f"--arm {spec!r}: an arm cannot be named {SUMMARY_SUFFIX!r}: its run "
+                              f"directory <run.name>-{SUMMARY_SUFFIX} is the ablation's summary directory; "
+                              "pick another name")
+        keys = [s.strip() for s in sets.split(",") if s.strip()]
+        named = [k for k in keys if k.split("=", 1)[0].strip().startswith("run.")]
+        if named:
+            raise ConfigError(f"--arm {spec!r}: {', '.join(named)}: an arm cannot set run.* keys (each "
+                              "arm's run directory is <run.name>-<arm>, set by ablate); set run.* for every "
+                              "arm with --set")
+        arms.setdefault(name, []).extend(keys)
     if not arms:
         arms = {"bf16": ["precision.preset=bf16"]}
         if base.precision.preset != "bf16":
@@ -72,12 +91,13 @@ def _finished(records: list[dict], steps: int) -> bool:
     return any(r.get("step") == steps for r in records)
 
 
-def run_arm(config: RunConfig, train_fn) -> list[dict]:
-    """Run, resume or read back one arm (see the module docstring); returns its metrics records."""
+def arm_state(config: RunConfig) -> tuple[str, list[dict]]:
+    """What running the arm will do, checked without training: ("fresh", []), ("finished", its records)
+    or ("resume", its records); raises ConfigError if its run directory holds a run it cannot continue."""
     run_dir = config.run_dir
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
     if not records and latest_checkpoint(run_dir) is None:
-        return train_fn(config)
+        return "fresh", []
     saved = run_dir / "config.toml"
     if not saved.is_file():
         raise ConfigError(f"{run_dir} holds a run but no config.toml: move it away or pick another run.name")
@@ -89,16 +109,63 @@ def run_arm(config: RunConfig, train_fn) -> list[dict]:
         raise ConfigError(f"{run_dir} holds a run of another config ({', '.join(diff) or 'some keys'} "
                           "differ): move it away or pick another run.name")
     if _finished(records, config.trainer.steps):
-        print(f"{run_dir}: finished run found, read back")
-        return records
+        return "finished", records
     if latest_checkpoint(run_dir) is None:
         raise ConfigError(f"{run_dir} holds an unfinished run without a checkpoint to resume from: move it "
                           "away (or set trainer.checkpoint_every > 0 to make arms resumable)")
-    return train_fn(load_config(saved, ["run.resume=true"]))
+    return "resume", records
+
+
+def run_arm(config: RunConfig, train_fn, state: tuple[str, list[dict]] | None = None) -> list[dict]:
+    """Run, resume or read back one arm (see the module docstring; state: arm_state(config), checked
+    again if not given); returns its metrics records."""
+    kind, records = state or arm_state(config)
+    if kind == "fresh":
+        return train_fn(config)
+    if kind == "finished":
+        print(f"{config.run_dir}: finished run found, read back")
+        return records
+    return train_fn(load_config(config.run_dir / "config.toml", ["run.resume=true"]))
+
+
+class ArmFailed(RuntimeError):
+    """An arm's training process exited with an error (its message is on stderr above)."""
+
+
+def train_in_subprocess(config: RunConfig) -> list[dict]:
+    """`fp4rl train` of `config` in a fresh Python process (its memory peak and warm-up its own);
+    returns the run's metrics records."""
+    with tempfile.TemporaryDirectory(prefix="fp4rl-arm-") as tmp:
+        cfg = Path(tmp) / "config.toml"
+        cfg.write_text(dump_toml(config))
+        # the child imports what this process can (a task's reward function named module:function)
+        path = os.pathsep.join(p for p in [*sys.path, os.environ.get("PYTHONPATH", "")] if p)
+        rc = subprocess.run([sys.executable, "-m", "fp4rl.cli", "train", "--config", str(cfg)],
+                            env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}).returncode
+    if rc != 0:
+        raise ArmFailed(f"training {config.run_dir} failed: `fp4rl train` exited with status {rc}")
+    return read_metrics(config.run_dir)
+
+
+def check_summary_dir(out_dir: Path, arm_names: list[str]) -> None:
+    """Refuse a summary directory holding the summary of an ablation of other arms (same run.name)."""
+    saved = out_dir / "summary.json"
+    if not saved.is_file():
+        return
+    try:
+        held = list(json.loads(saved.read_text())["arms"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{saved} is not an ablation summary ({e}): remove {out_dir} or pick another "
+                          "run.name") from None
+    if sorted(held) != sorted(arm_names):
+        raise ConfigError(f"{out_dir} holds the summary of an ablation of other arms ({', '.join(held)}; "
+                          f"these: {', '.join(arm_names)}): pick another run.name (--set run.name=...) or "
+                          f"remove {out_dir}")
 
 
 def summarize(arms: dict[str, list[dict]]) -> dict:
-    """Per arm: steps, held-out accuracy first -> last, means of the MEAN_KEYS over the training steps,
+    """Per arm: steps, held-out accuracy first -> last, means of the MEAN_KEYS over the training steps
+    (over the finite values; "non-finite KEY": how many steps logged NaN/inf, when any arm has one),
     the last quarter's mean reward, peak memory."""
     out = {}
     for name, records in arms.items():
@@ -109,10 +176,14 @@ def summarize(arms: dict[str, list[dict]]) -> dict:
             row["eval/accuracy_first"] = evals[0]["eval/accuracy"]
             row["eval/accuracy_last"] = evals[-1]["eval/accuracy"]
         for key in MEAN_KEYS:
-            vals = [float(r[key]) for r in steps if isinstance(r.get(key), (int, float))]
+            logged = [float(r[key]) for r in steps if isinstance(r.get(key), (int, float))]
+            vals = [v for v in logged if math.isfinite(v)]
             if vals:
                 row[f"mean {key}"] = statistics.fmean(vals)
-        rewards = [float(r["reward/mean"]) for r in steps if isinstance(r.get("reward/mean"), (int, float))]
+            if len(vals) < len(logged):  # a NaN/inf step is counted, not hidden by the mean of the rest
+                row[f"non-finite {key}"] = len(logged) - len(vals)
+        rewards = [float(r["reward/mean"]) for r in steps if isinstance(r.get("reward/mean"), (int, float))
+                   and math.isfinite(r["reward/mean"])]
         if rewards:
             row["last quarter reward/mean"] = statistics.fmean(rewards[-max(1, len(rewards) // 4):])
         peaks = [r["memory/peak_bytes"] for r in steps
@@ -120,6 +191,9 @@ def summarize(arms: dict[str, list[dict]]) -> dict:
         if peaks:
             row["memory/peak_bytes"] = max(peaks)
         out[name] = row
+    for key in {k for row in out.values() for k in row if k.startswith("non-finite ")}:
+        for row in out.values():  # 0, not a blank cell, for the arms whose steps were all finite
+            row.setdefault(key, 0)
     return out
 
 
@@ -160,30 +234,43 @@ def plot(arms: dict[str, list[dict]], out_dir: Path) -> Path | None:
     fig.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "arms.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    fd, tmp = tempfile.mkstemp(prefix=".arms.", suffix=".png", dir=out_dir)
+    try:  # written whole, then renamed over the old one
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, dpi=100, format="png")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
     return path
 
 
 def ablate(config_file: str | None, base_sets: list[str], arm_sets: dict[str, list[str]],
            train_fn=None) -> tuple[dict, Path]:
-    """Run every arm (train_fn: fp4rl.loop.train by default), then write the summary; returns
-    (summary, the summary directory)."""
+    """Run every arm (train_fn: train_in_subprocess by default, one process per arm), then write the
+    summary; returns (summary, the summary directory). Every arm's run directory and the summary
+    directory are checked before the first arm trains."""
+    in_subprocess = train_fn is None
     if train_fn is None:
-        from fp4rl.loop import train as train_fn
+        train_fn = train_in_subprocess
     configs = {name: arm_config(config_file, base_sets, name, sets) for name, sets in arm_sets.items()}
     base = load_config(config_file, base_sets)
-    out_dir = Path(base.run.dir) / f"{base.run.name}-ablate"
+    out_dir = Path(base.run.dir) / f"{base.run.name}-{SUMMARY_SUFFIX}"
+    check_summary_dir(out_dir, list(arm_sets))
+    states = {name: arm_state(cfg) for name, cfg in configs.items()}  # all checked before any trains
     records = {}
-    for name, cfg in configs.items():  # every arm's config is checked before the first one runs
+    for name, cfg in configs.items():
         print(f"== arm {name}: {' '.join(arm_sets[name])} -> {cfg.run_dir}")
-        records[name] = run_arm(cfg, train_fn)
+        records[name] = run_arm(cfg, train_fn, states[name])
     summary = summarize(records)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "summary.json").write_text(json.dumps(
-        {"arms": {n: {"overrides": arm_sets[n], "run_dir": str(configs[n].run_dir), **summary[n]}
+    write_atomic(out_dir / "summary.json", json.dumps(
+        {"process": "one per arm" if in_subprocess else "train_fn given by the caller",
+         "arms": {n: {"overrides": arm_sets[n], "run_dir": str(configs[n].run_dir), **summary[n]}
                   for n in arm_sets}}, indent=1) + "\n")
-    (out_dir / "summary.md").write_text(table(summary))
+    write_atomic(out_dir / "summary.md", table(summary))
     plot(records, out_dir / "plots")
     return summary, out_dir
 
@@ -208,6 +295,9 @@ def run(args) -> int:
     except (ConfigError, FileNotFoundError, FileExistsError) as e:
         print(f"fp4rl ablate: error: {e}", file=sys.stderr)
         return 2
+    except ArmFailed as e:
+        print(f"fp4rl ablate: error: {e}", file=sys.stderr)
+        return 1
     print(table(summary))
     print(f"summary: {out_dir / 'summary.md'}, {out_dir / 'summary.json'}, {out_dir / 'plots'}")
     return 0

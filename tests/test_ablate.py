@@ -4,13 +4,14 @@ unfinished arm resumes from its checkpoint to the records of an uninterrupted ru
 holding another config is refused."""
 
 import json
+import math
 
 import pytest
 from test_loop import TINY, assets, deterministic, tiny_sets  # noqa: F401  (assets: a fixture)
 
 from fp4rl import ablate
 from fp4rl.cli import main as cli_main
-from fp4rl.config import ConfigError, load_config
+from fp4rl.config import ConfigError, load_config, save_config
 from fp4rl.metrics import read_metrics
 from fp4rl.trainer import list_checkpoints
 
@@ -31,6 +32,70 @@ def test_arms_are_parsed_and_checked():
         ablate.parse_arms(["only:trainer.lr=1e-4"], None, base)
     with pytest.raises(ConfigError, match="two arms"):
         ablate.parse_arms([], None, load_config(TINY, ["precision.preset=bf16"]))
+    # the arm `ablate` would train into the summary directory; run.* keys are ablate's to set
+    with pytest.raises(ConfigError, match="cannot be named 'ablate'"):
+        ablate.parse_arms(["ablate:trainer.lr=1e-4", "b:trainer.lr=1e-5"], None, base)
+    with pytest.raises(ConfigError, match="run.name=x: an arm cannot set run"):
+        ablate.parse_arms(["a:trainer.lr=1e-4,run.name=x", "b:trainer.lr=1e-5"], None, base)
+    with pytest.raises(ConfigError, match="run.dir=/tmp/x"):
+        ablate.parse_arms(["a:run.dir=/tmp/x", "b:trainer.lr=1e-5"], None, base)
+
+
+def _recording_train(calls):
+    def train(config):
+        calls.append(config.run.name)
+        return [{"step": 1, "reward/mean": 0.5, "train/grad_norm": 1.0},
+                {"step": 2, "reward/mean": 0.6, "train/grad_norm": 2.0}]
+    return train
+
+
+def test_every_arm_is_checked_before_the_first_trains(assets, tmp_path):  # noqa: F811
+    base = tiny_sets(assets, tmp_path, "pre", "trainer.steps=2")
+    arms = {"a": ["trainer.lr=1e-4"], "b": ["trainer.lr=1e-5"]}
+    # arm b's run directory holds a run of another config: refused before arm a trains
+    other = ablate.arm_config(str(TINY), base, "b", ["trainer.lr=3e-3"])
+    other.run_dir.mkdir(parents=True)
+    save_config(other, other.run_dir / "config.toml")
+    (other.run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.1}) + "\n")
+    calls = []
+    with pytest.raises(ConfigError, match="pre-b holds a run of another config .*trainer.lr"):
+        ablate.ablate(str(TINY), base, arms, train_fn=_recording_train(calls))
+    assert calls == []
+    # arm b's run directory holds an unfinished run without a checkpoint: also refused up front
+    save_config(ablate.arm_config(str(TINY), base, "b", arms["b"]), other.run_dir / "config.toml")
+    with pytest.raises(ConfigError, match="unfinished run without a checkpoint"):
+        ablate.ablate(str(TINY), base, arms, train_fn=_recording_train(calls))
+    assert calls == []
+
+
+def test_summary_of_other_arms_is_not_overwritten(assets, tmp_path):  # noqa: F811
+    base = tiny_sets(assets, tmp_path, "sum", "trainer.steps=2")
+    calls = []
+    summary, out = ablate.ablate(str(TINY), base, {"a": ["trainer.lr=1e-4"], "b": ["trainer.lr=1e-5"]},
+                                 train_fn=_recording_train(calls))
+    assert calls == ["sum-a", "sum-b"] and out == tmp_path / "sum-ablate"
+    before = (out / "summary.json").read_text()
+    assert not [p for p in out.rglob(".*.tmp")] and (out / "plots" / "arms.png").is_file()
+    with pytest.raises(ConfigError, match="other arms .*pick another run.name .*or remove"):
+        ablate.ablate(str(TINY), base, {"a": ["trainer.lr=1e-4"], "c": ["trainer.lr=3e-5"]},
+                      train_fn=_recording_train(calls))
+    assert calls == ["sum-a", "sum-b"] and (out / "summary.json").read_text() == before
+    # the same arms again: the summary is rewritten (in the same order, the arms' records are the same)
+    ablate.ablate(str(TINY), base, {"b": ["trainer.lr=1e-5"], "a": ["trainer.lr=1e-4"]},
+                  train_fn=_recording_train(calls))
+    assert set(json.loads((out / "summary.json").read_text())["arms"]) == {"a", "b"}
+
+
+def test_non_finite_steps_are_counted():
+    nan_arm = [{"step": 1, "train/grad_norm": 1.0, "reward/mean": 0.5},
+               {"step": 2, "train/grad_norm": math.nan, "reward/mean": 0.5},
+               {"step": 3, "train/grad_norm": math.inf, "reward/mean": 0.5}]
+    clean = [{"step": s, "train/grad_norm": 1.0, "reward/mean": 0.5} for s in (1, 2, 3)]
+    summary = ablate.summarize({"nan": nan_arm, "clean": clean})
+    assert summary["nan"]["non-finite train/grad_norm"] == 2 and summary["nan"]["mean train/grad_norm"] == 1.0
+    assert summary["clean"]["non-finite train/grad_norm"] == 0
+    assert "non-finite reward/mean" not in summary["nan"]
+    assert "non-finite train/grad_norm" in ablate.table(summary).splitlines()[0]
 
 
 def test_tiny_ablation_runs_reads_back_and_resumes(assets, tmp_path):  # noqa: F811
@@ -45,6 +110,7 @@ def test_tiny_ablation_runs_reads_back_and_resumes(assets, tmp_path):  # noqa: F
         assert summary[name]["steps"] == 2 and "eval/accuracy_last" in summary[name]
     saved = json.loads((out / "summary.json").read_text())
     assert list(saved["arms"]) == ["bf16", "nvfp4-linear"]
+    assert saved["process"] == "one per arm"  # each arm trained in its own process: its memory peak its own
     assert saved["arms"]["bf16"]["overrides"] == ["precision.preset=bf16"]
     assert "| bf16 |" in (out / "summary.md").read_text() and (out / "plots" / "arms.png").is_file()
     # NVFP4 against BF16: the arms differ by precision only, and the NVFP4 arm's sampler/trainer
@@ -79,3 +145,9 @@ def test_tiny_ablation_runs_reads_back_and_resumes(assets, tmp_path):  # noqa: F
 def test_cli_reports_bad_arms(capsys):
     assert cli_main(["ablate", "--config", str(TINY), "--presets", "bf16,nvfp5"]) == 2
     assert "not a precision preset" in capsys.readouterr().err
+    assert cli_main(["ablate", "--config", str(TINY), "--arm", "ablate:trainer.lr=1e-4",
+                     "--arm", "b:trainer.lr=1e-5"]) == 2
+    assert "cannot be named 'ablate'" in capsys.readouterr().err
+    assert cli_main(["ablate", "--config", str(TINY), "--arm", "a:run.name=x",
+                     "--arm", "b:trainer.lr=1e-5"]) == 2
+    assert "cannot set run.* keys" in capsys.readouterr().err
