@@ -20,11 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="PrecisionContract preset (default: bf16, or an export's own)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the sampler runs")
     parser.add_argument("--greedy", action="store_true", help="argmax decoding")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--kv-cache", default="bf16", choices=KV_CACHE_KINDS)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    parser.add_argument("--kv-cache", default="bf16", choices=KV_CACHE_KINDS, help="default bf16")
+    parser.add_argument("--temperature", type=float, default=1.0, help="default 1.0")
+    parser.add_argument("--top-p", type=float, default=1.0, help="default 1.0 (no nucleus filter)")
+    parser.add_argument("--top-k", type=int, default=0, help="default 0 (no top-k filter)")
     parser.add_argument("--n", type=int, default=1, help="completions to sample")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -38,6 +38,13 @@ def run(args) -> int:
     from fp4rl.qat import convert
     from fp4rl.sampler import Sampler, SamplingParams
 
+    try:  # the sampling options first: a bad one is refused before the model loads
+        params = SamplingParams(
+            n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, greedy=args.greedy,
+            max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), seed=args.seed)
+    except ValueError as exc:
+        raise SystemExit(f"fp4rl generate: {exc} (the SamplingParams field is the --option of the same name, "
+                         "with - for _)") from None
     model, tokenizer = load_model(args.model)
     if tokenizer is None:
         raise SystemExit(f"{args.model} has no tokenizer; fp4rl generate needs one")
@@ -52,9 +59,6 @@ def run(args) -> int:
         raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
     sampler = Sampler(model, tokenizer, kv_cache=args.kv_cache, dtype=getattr(torch, args.dtype),
                       device=args.device)
-    params = SamplingParams(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, greedy=args.greedy,
-        max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), seed=args.seed)
     if getattr(tokenizer, "chat_template", None) and not args.raw:
         from fp4rl.tasks import apply_chat_template
 

@@ -281,9 +281,12 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    written = plot(args.run_dir)
+    run_dir = Path(args.run_dir)
+    if run_dir.name == METRICS_FILE and run_dir.is_file():  # `fp4rl plot RUN/metrics.jsonl`: its run
+        run_dir = run_dir.parent
+    written = plot(run_dir)
     if not written:
-        print(f"{args.run_dir}: no plottable metrics in {METRICS_FILE}")
+        print(f"{run_dir}: no plottable metrics in {METRICS_FILE}")
         return 1
     for path in written:
         print(path)

@@ -124,6 +124,9 @@ def test_plot_skips_missing_metrics_and_cli(tmp_path, capsys):
 
     assert metrics_module.run(Args) == 0
     assert "grad_norm.png" in capsys.readouterr().out
+    Args.run_dir = str(tmp_path / "metrics.jsonl")  # the metrics file itself: its run is plotted
+    assert metrics_module.run(Args) == 0
+    assert str(tmp_path / "plots" / "grad_norm.png") in capsys.readouterr().out
     with pytest.raises(FileNotFoundError, match="run directory"):
         plot(tmp_path / "nope")
 

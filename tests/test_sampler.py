@@ -329,6 +329,20 @@ def test_generate_command_prints_the_greedy_completion(capsys):
     assert printed == expected.text + "\n" and expected.text.strip()
 
 
+def test_generate_command_refuses_a_bad_sampling_option_before_loading_the_model(monkeypatch):
+    import argparse
+
+    from fp4rl import generate as command
+    from fp4rl import hf
+
+    monkeypatch.setattr(hf, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    for bad in (["--n", "0"], ["--temperature", "-1"], ["--max-new-tokens", "0"]):
+        with pytest.raises(SystemExit, match="fp4rl generate: SamplingParams"):
+            command.run(parser.parse_args(["--prompt", "hi", *bad]))
+
+
 def test_inverse_cdf_sampling_draws_the_distribution_and_never_a_zero():
     from fp4rl.sampler import inverse_cdf_sample
 
