@@ -39,33 +39,28 @@ MAX_EXPERTS = torch.iinfo(ROUTING_DTYPE).max + 1  # ids 0 .. 32767
 
 
 def as_routing(routing, what: str = "routing") -> torch.Tensor:
-    """Expert ids (a tensor or nested lists) as ROUTING_DTYPE. Integer dtypes are cast (ids outside
-    [0, MAX_EXPERTS) raise); float, complex and bool dtypes raise. Already ROUTING_DTYPE: returned as is,
-    unchecked (no device sync; `check_routing` checks ids against a model's experts)."""
+    """Expert ids (a tensor or nested lists) as ROUTING_DTYPE. Other integer dtypes are cast (ids outside
+    [0, MAX_EXPERTS) raise: check_routing); float, complex and bool dtypes raise. Already ROUTING_DTYPE:
+    returned as is, unchecked (no device sync; `check_routing` checks ids against a model's experts)."""
     routing = torch.as_tensor(routing)
     if routing.dtype == ROUTING_DTYPE:
         return routing
+    check_routing(routing, MAX_EXPERTS, what)
+    return routing.to(ROUTING_DTYPE)
+
+
+def check_routing(routing: torch.Tensor | None, num_experts: int, what: str = "routing") -> None:
+    """Raise unless `routing` has an integer dtype and every expert id is in [0, num_experts) (one
+    min/max, one host sync)."""
+    if routing is None:
+        return
     if routing.dtype.is_floating_point or routing.dtype.is_complex or routing.dtype == torch.bool:
         raise TypeError(f"{what}: expert ids must have an integer dtype (stored as {ROUTING_DTYPE}), "
                         f"got {routing.dtype}")
     if routing.numel():
         lo, hi = (int(v) for v in torch.aminmax(routing))
-        if lo < 0 or hi >= MAX_EXPERTS:
-            raise ValueError(f"{what}: expert ids must lie in [0, {MAX_EXPERTS}) to be stored as "
-                             f"{ROUTING_DTYPE}, got ids in [{lo}, {hi}]")
-    return routing.to(ROUTING_DTYPE)
-
-
-def check_routing(routing: torch.Tensor | None, num_experts: int, what: str = "routing") -> None:
-    """Raise unless every expert id in `routing` is in [0, num_experts) (one min/max, one host sync)."""
-    if routing is None or not routing.numel():
-        return
-    if routing.dtype.is_floating_point or routing.dtype.is_complex or routing.dtype == torch.bool:
-        raise TypeError(f"{what}: expert ids must have an integer dtype, got {routing.dtype}")
-    lo, hi = (int(v) for v in torch.aminmax(routing))
-    if lo < 0 or hi >= num_experts:
-        raise ValueError(f"{what}: expert ids must lie in [0, {num_experts}) (the model's experts), "
-                         f"got ids in [{lo}, {hi}]")
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"{what}: expert ids must lie in [0, {num_experts}), got ids in [{lo}, {hi}]")
 
 
 @dataclass
