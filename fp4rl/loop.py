@@ -66,12 +66,10 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
-import json
 import random
 import sys
 import threading
 import time
-import tomllib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,9 +82,10 @@ from fp4rl.batch import Batch
 from fp4rl.config import ConfigError, RunConfig, format_fields, load_config, save_config
 from fp4rl.distributed.shards import LocalShards
 from fp4rl.grpo import group_advantages, reward_metrics
-from fp4rl.metrics import METRICS_FILE, MetricsLogger, format_progress, plot, read_metrics
+from fp4rl.metrics import MetricsLogger, format_progress, plot, read_metrics
+from fp4rl.run_dirs import check_fresh, check_resumable, resume_config
 from fp4rl.tasks import Prompt, Task, apply_chat_template, task_from_config
-from fp4rl.trainer import CHECKPOINT_DIR, Trainer, latest_checkpoint
+from fp4rl.trainer import Trainer, latest_checkpoint
 
 EVAL_CHUNK = 64  # held-out prompts per generate call
 
@@ -355,40 +354,6 @@ def rollout_sampler(model, tokenizer, sampler_kwargs: dict, config: RunConfig, s
     return LocalShards(sampler, d.samplers) if d.samplers > 1 else sampler
 
 
-def _check_fresh_run_dir(run_dir: Path) -> None:
-    metrics = run_dir / "metrics.jsonl"
-    if (metrics.exists() and metrics.stat().st_size > 0) or latest_checkpoint(run_dir) is not None:
-        raise FileExistsError(f"{run_dir} already holds a run: continue it with `fp4rl train --resume "
-                              f"{run_dir}` (or run.resume = true), or pick another run.name")
-
-
-def _check_resumable(config: RunConfig, checkpoint: Path | None) -> None:
-    """ConfigError, before anything is loaded or written, for a resume that would lose what the run has
-    (metrics without a checkpoint to continue from) or that asks for fewer steps than its checkpoint has
-    done; a warning when there is nothing to continue (stopped before step 1): the run starts at step 1."""
-    run_dir, steps = config.run_dir, config.trainer.steps
-    if checkpoint is None:
-        metrics = run_dir / METRICS_FILE
-        logged = [r.get("step") for r in read_metrics(metrics)] if metrics.exists() else []
-        if logged:
-            raise ConfigError(
-                f"cannot resume {run_dir}: its {METRICS_FILE} holds the records of steps {logged[0]}.."
-                f"{logged[-1]} but there is no checkpoint to continue from (trainer.checkpoint_every = "
-                f"{config.trainer.checkpoint_every}; 0 writes one only after the last step), so resuming "
-                "would start again from step 1 and drop them. To start over, move the run directory away "
-                "or pick another run.name; set trainer.checkpoint_every > 0 to make a run resumable after "
-                "a kill")
-        warnings.warn(f"resuming {run_dir}: no checkpoint and no metrics there (stopped before its first "
-                      "step), so the run starts at step 1", stacklevel=3)
-        return
-    done = int(checkpoint.name.removeprefix("step_"))
-    if done > steps:
-        raise ConfigError(
-            f"cannot resume {run_dir} with trainer.steps = {steps}: its newest checkpoint "
-            f"({checkpoint.name}) is after step {done}, and a run cannot go back to fewer steps (nothing "
-            f"would be trained, and its config.toml would say {steps}); set trainer.steps to {done} or more")
-
-
 def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     """Run (or resume) the RL job described by `config`; returns the run's metrics records."""
     from fp4rl import weight_sync
@@ -400,9 +365,9 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     run_dir = c.run_dir
     checkpoint = latest_checkpoint(run_dir, clean=True) if c.run.resume else None
     if c.run.resume:
-        _check_resumable(c, checkpoint)
+        check_resumable(c, checkpoint)
     else:
-        _check_fresh_run_dir(run_dir)
+        check_fresh(run_dir)
     seed_everything(c.trainer.seed)
     task = task or task_from_config(c.task)
     task.batch(0, c.task.prompts_per_step)  # fails now, not at step 1, if the split is too small
@@ -477,7 +442,7 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
                 eval_sampler = LocalShards(eval_sampler, c.distributed.samplers)
             eval_sampler.load(payload)
 
-        # resuming without a checkpoint starts over (_check_resumable: metrics.jsonl holds no record)
+        # resuming without a checkpoint starts over (run_dirs.check_resumable: metrics.jsonl holds no record)
         resume_step = (start_step if checkpoint else -1) if c.run.resume else None
         logger = MetricsLogger(run_dir, tensorboard=c.logging.tensorboard, wandb=c.logging.wandb,
                                wandb_project=c.logging.wandb_project, config=c.to_dict(),
@@ -567,29 +532,9 @@ def config_from_args(args) -> RunConfig:
     """The RunConfig that `fp4rl train` runs: --config or RUN_DIR/config.toml, then --set."""
     if args.resume is None:
         return load_config(args.config, args.overrides)
-    run_dir = Path(args.resume)
     if args.config is not None:
         raise ConfigError("--resume RUN_DIR reads RUN_DIR/config.toml; change keys with --set, not --config")
-    if not (run_dir / "config.toml").is_file():
-        raise ConfigError(f"--resume {run_dir}: no config.toml there; is it a run directory "
-                          f"(runs/<name>/ with config.toml, metrics.jsonl, {CHECKPOINT_DIR}/)?")
-    named = [o for o in args.overrides if o.split("=", 1)[0].strip() in ("run.dir", "run.name", "run.resume")]
-    if named:
-        raise ConfigError(f"--resume {run_dir} names the run and resumes it: {', '.join(named)} cannot "
-                          "change that (to start another run from its config, copy its config.toml and use "
-                          "--config)")
-    try:  # only run.dir / run.name: the rest is validated below, with the --set fixes applied
-        run = tomllib.loads((run_dir / "config.toml").read_text()).get("run", {})
-        default = RunConfig().run
-        named_dir = Path(str(run.get("dir", default.dir))) / str(run.get("name", default.name))
-    except (tomllib.TOMLDecodeError, OSError):
-        named_dir = None  # load_config below names the problem
-    where = ["run.resume=true"]
-    here = run_dir.resolve()
-    if named_dir is None or named_dir.resolve() != here:  # moved, or a relative run.dir from elsewhere:
-        # it continues where it is now
-        where += [f"run.dir={json.dumps(str(here.parent))}", f"run.name={here.name}"]
-    return load_config(run_dir / "config.toml", [*args.overrides, *where])
+    return resume_config(Path(args.resume), args.overrides)
 
 
 def run(args) -> int:

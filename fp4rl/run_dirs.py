@@ -1,0 +1,78 @@
+"""The rules of a run directory (runs/<name>/: config.toml, metrics.jsonl, checkpoints/) at the start of
+`fp4rl train`: a new run never overwrites one (check_fresh); a resume refuses what would lose the run's
+records or go back to fewer steps (check_resumable); `fp4rl train --resume RUN_DIR` continues the run
+where the folder is now, even if it was moved (resume_config). Nothing here loads a model or writes a
+file.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+import warnings
+from pathlib import Path
+
+from fp4rl.config import ConfigError, RunConfig, load_config
+from fp4rl.metrics import METRICS_FILE, read_metrics
+from fp4rl.trainer import CHECKPOINT_DIR, latest_checkpoint
+
+
+def check_fresh(run_dir: Path) -> None:
+    """FileExistsError if run_dir already holds a run (metrics or a checkpoint): a new run never overwrites
+    one."""
+    metrics = run_dir / METRICS_FILE
+    if (metrics.exists() and metrics.stat().st_size > 0) or latest_checkpoint(run_dir) is not None:
+        raise FileExistsError(f"{run_dir} already holds a run: continue it with `fp4rl train --resume "
+                              f"{run_dir}` (or run.resume = true), or pick another run.name")
+
+
+def check_resumable(config: RunConfig, checkpoint: Path | None) -> None:
+    """ConfigError, before anything is loaded or written, for a resume that would lose what the run has
+    (metrics without a checkpoint to continue from) or that asks for fewer steps than its checkpoint has
+    done; a warning when there is nothing to continue (stopped before step 1): the run starts at step 1."""
+    run_dir, steps = config.run_dir, config.trainer.steps
+    if checkpoint is None:
+        metrics = run_dir / METRICS_FILE
+        logged = [r.get("step") for r in read_metrics(metrics)] if metrics.exists() else []
+        if logged:
+            raise ConfigError(
+                f"cannot resume {run_dir}: its {METRICS_FILE} holds the records of steps {logged[0]}.."
+                f"{logged[-1]} but there is no checkpoint to continue from (trainer.checkpoint_every = "
+                f"{config.trainer.checkpoint_every}; 0 writes one only after the last step), so resuming "
+                "would start again from step 1 and drop them. To start over, move the run directory away "
+                "or pick another run.name; set trainer.checkpoint_every > 0 to make a run resumable after "
+                "a kill")
+        warnings.warn(f"resuming {run_dir}: no checkpoint and no metrics there (stopped before its first "
+                      "step), so the run starts at step 1", stacklevel=3)
+        return
+    done = int(checkpoint.name.removeprefix("step_"))
+    if done > steps:
+        raise ConfigError(
+            f"cannot resume {run_dir} with trainer.steps = {steps}: its newest checkpoint "
+            f"({checkpoint.name}) is after step {done}, and a run cannot go back to fewer steps (nothing "
+            f"would be trained, and its config.toml would say {steps}); set trainer.steps to {done} or more")
+
+
+def resume_config(run_dir: Path, overrides: list[str]) -> RunConfig:
+    """The config of `fp4rl train --resume RUN_DIR`: RUN_DIR/config.toml with the --set overrides, resuming,
+    at RUN_DIR itself (run.dir / run.name follow the folder if it moved)."""
+    if not (run_dir / "config.toml").is_file():
+        raise ConfigError(f"--resume {run_dir}: no config.toml there; is it a run directory "
+                          f"(runs/<name>/ with config.toml, metrics.jsonl, {CHECKPOINT_DIR}/)?")
+    named = [o for o in overrides if o.split("=", 1)[0].strip() in ("run.dir", "run.name", "run.resume")]
+    if named:
+        raise ConfigError(f"--resume {run_dir} names the run and resumes it: {', '.join(named)} cannot "
+                          "change that (to start another run from its config, copy its config.toml and use "
+                          "--config)")
+    try:  # only run.dir / run.name: the rest is validated below, with the --set fixes applied
+        run = tomllib.loads((run_dir / "config.toml").read_text()).get("run", {})
+        default = RunConfig().run
+        named_dir = Path(str(run.get("dir", default.dir))) / str(run.get("name", default.name))
+    except (tomllib.TOMLDecodeError, OSError):
+        named_dir = None  # load_config below names the problem
+    where = ["run.resume=true"]
+    here = run_dir.resolve()
+    if named_dir is None or named_dir.resolve() != here:  # moved, or a relative run.dir from elsewhere:
+        # it continues where it is now
+        where += [f"run.dir={json.dumps(str(here.parent))}", f"run.name={here.name}"]
+    return load_config(run_dir / "config.toml", [*overrides, *where])
