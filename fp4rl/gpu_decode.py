@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp4rl.batch import ROUTING_DTYPE
 from fp4rl.gpu_linear import (  # noqa: F401  (the engine's modules; re-exported for callers of gpu_decode)
     KERNEL_DTYPE,
     KernelFusedGroup,
@@ -236,9 +237,9 @@ class DecodeEngine:
 
     # -- one decode step ---------------------------------------------------------------------------
     def decode(self, view, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
-        """Next-token logits [b, V] and the experts chosen ([L_moe, b, 1, k], stacked inside the step's
-        graph; None without MoE layers) for one new token per row; mask [b, length + 1] is the sampler's
-        (left padding, then real tokens)."""
+        """Next-token logits [b, V] and the experts chosen ([L_moe, b, 1, k] ROUTING_DTYPE, stacked inside
+        the step's graph; None without MoE layers) for one new token per row; mask [b, length + 1] is the
+        sampler's (left padding, then real tokens)."""
         b, slots = tokens.numel(), mask.shape[1]
         if slots != view.length + 1 or slots > self.static.max_len or b != view.batch_size:
             raise ValueError(f"decode: mask covers {slots} slots for a cache of {view.length} used, "
@@ -316,9 +317,9 @@ class DecodeEngine:
         """The decode step on the static buffers' first bb rows (what a graph captures)."""
         with pdl.step():  # programmatic dependent launches between the step's kernels (kernels/pdl.py)
             logits, chosen = self._step_fused(bb) if self.fused else self._step_modules(bb)
-            # one [L_moe, bb, 1, k] tensor: the sampler records it with one index_put instead of stacking
-            # L_moe views on the host every step
-            return logits, torch.stack(chosen) if chosen else None
+            # one [L_moe, bb, 1, k] tensor in the routing record's dtype: the sampler records it with one
+            # index_put (no stacking of L_moe views, no cast) on the host every step
+            return logits, torch.stack(chosen).to(ROUTING_DTYPE) if chosen else None
 
     def _step_fused(self, bb: int):
         """_step_modules' arithmetic in fused kernels (fp4rl.kernels.fused): per layer one residual-add +
