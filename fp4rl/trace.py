@@ -156,16 +156,16 @@ def guided_quantize(x: torch.Tensor, guide: Guidance, valid: torch.Tensor | None
         raise ValueError(f"guided_quantize{where}: valid has shape {tuple(valid.shape)}, expected ({M},): "
                          "one flag per activation row (True where the row has guidance)")
     valid = torch.ones(M, dtype=torch.bool) if valid is None else valid.to(torch.bool).cpu()
-    xf = x.detach().float()
-    if not bool(torch.isfinite(xf).all()):
-        bad = ~torch.isfinite(xf)
+    if not bool(torch.isfinite(x).all()):
+        bad = ~torch.isfinite(x.detach())
         raise ValueError(
             f"TRACE guided rounding{where}: the trainer's activations hold {int(bad.sum())} NaN/Inf of "
-            f"{xf.numel()} (first rows: {bad.any(1).nonzero()[:5, 0].tolist()}): the model produced "
+            f"{x.numel()} (first rows: {bad.any(1).nonzero()[:5, 0].tolist()}): the model produced "
             "non-finite activations. Check the weights (a diverged update: lower the learning rate or clip "
             "gradients, and resume from a checkpoint before the step that produced them)")
     if not bool(valid.any()):
         return quantize(x, scale_rule=scale_rule, scale_scope="row", **rtn_kwargs)
+    xf = x.detach().float()
     dev = x.device
     data = torch.empty(M, K // 2, dtype=torch.uint8, device=dev)
     block_scale = torch.empty(M, K // 16, dtype=torch.float8_e4m3fn, device=dev)
