@@ -425,7 +425,8 @@ def choose_grouped(n: int, k: int, slots: int, sms: int) -> dict:
 
 def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, offsets: torch.Tensor,
                    y: torch.Tensor, x_scale: torch.Tensor | None = None,
-                   x_rows: torch.Tensor | None = None, x_silu: bool = False) -> torch.Tensor:
+                   x_rows: torch.Tensor | None = None, x_silu: bool = False,
+                   cfg: dict | None = None) -> torch.Tensor:
     """Routed experts: y [M, N] = x2 [M, K] (rows sorted by expert; offsets int32 [E + 1], rows
     offsets[e]:offsets[e+1] go to expert e) @ DQ(W_e).T with the stacked copy of `relayout_stack`.
     global_scale fp32 [E, N] (per output row) or [E] (per expert). x_scale fp32 [M]: W4A4 as in `launch`.
@@ -437,7 +438,8 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     fused.silu_mul(x2)[0] = bf16(bf16(silu(gate)) * up) computed by the kernel's x staging (bit-identical to
     silu_mul then this launch: fused.silu_mul's arithmetic, libdevice expf and IEEE division).
     No host sync: each CTA finds its (expert, 8-row chunk) from the offsets (graph-capturable; any routing:
-    an expert with r rows takes ceil(r / 8) chunks, each streaming its weights)."""
+    an expert with r rows takes ceil(r / 8) chunks, each streaming its weights).
+    cfg: a configuration other than ``choose_grouped``'s (benchmarks)."""
     if x2.ndim != 2:
         raise ValueError(f"x2 must be 2-D [M, K], got {tuple(x2.shape)}")
     m, k = x2.shape
@@ -471,7 +473,7 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     if m == 0:
         return y
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-    cfg = _plan_grouped(wc.n, wc.k, min(e, m), dev)
+    cfg = cfg or _plan_grouped(wc.n, wc.k, min(e, m), dev)
     slots = min(e, m) + -(-m // (8 * cfg["MG"]))  # >= sum over experts of ceil(rows / chunk rows)
     key = {**cfg, "GATHER": 1} if x_rows is not None else {**cfg, "SILU": 1} if x_silu else cfg
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > e, x_scale is not None, True), dev)

@@ -1,0 +1,23 @@
+#!/bin/bash
+# Fourteenth session. `sweep`: the four GEMMs of a Qwen3-30B-A3B layer at 1 and 8 tokens (q|k|v 5120x2048 and o
+# 2048x4096 dense; the routed experts' gate|up 1536x2048 with the gather and down 2048x768 with SiLU, grouped over
+# a 128-expert stack) across ring depth, split and PDL, to see whether the batch-1 step's ~7 us per GEMM call is
+# the configuration (chosen on Qwen3-8B shapes) or the kernel; then where Qwen3-8B's W4A16 step goes at batch 8
+# and 32 (its step doubles from batch 1 to 32 while BF16's barely grows).
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+if [ "$1" = sweep ]; then
+  timeout 170 python3 bench/mma16_sweep.py --shapes 5120x2048,2048x4096 --rows 1,8 \
+    --variants auto,d3,d4,d6,s2x,sh,t3,pdl,pdl+d3,pdl+d4,pdl+d6,pdl+tr1,pdl+s2x \
+    --out $OUT/mma16_30b_s14.json > $OUT/mma16_30b_s14.log 2>&1
+  echo "dense exit $?"; grep -v '^{' $OUT/mma16_30b_s14.log | cut -c1-200 | tail -40
+  timeout 170 python3 bench/grouped_sweep.py --tokens 1,8 \
+    --variants auto,d3,d4,d6,s2x,sh,t3,pdl,pdl+d3,pdl+d4,pdl+s2x,pdl+tr1 \
+    --out $OUT/grouped_30b_s14.json > $OUT/grouped_30b_s14.log 2>&1
+  echo "grouped exit $?"; grep -v '^{' $OUT/grouped_30b_s14.log | cut -c1-200 | tail -40
+  timeout 200 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 \
+    --batch 8,32 --kv bf16 --repeats 1 --tokens 8,24 --profile-batch 8,32 \
+    --out $OUT/sampler53_8b_prof.json > $OUT/sampler53_8b_prof.log 2>&1
+  echo "8b exit $?"; grep -v '^{' $OUT/sampler53_8b_prof.log | cut -c1-200 | tail -60
+  exit 0
+fi
+echo "usage: bash bench/device_run53.sh sweep"; exit 2
