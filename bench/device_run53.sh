@@ -20,4 +20,20 @@ if [ "$1" = sweep ]; then
   echo "8b exit $?"; grep -v '^{' $OUT/sampler53_8b_prof.log | cut -c1-200 | tail -60
   exit 0
 fi
-echo "usage: bash bench/device_run53.sh sweep"; exit 2
+if [ "$1" = sweep2 ]; then  # the rows the first call's variant-name bug cut, a small-stream reference, 8B PDL A/B
+  timeout 60 python3 bench/small_stream.py --out $OUT/small_stream_s14.json > $OUT/small_stream_s14.log 2>&1
+  echo "stream exit $?"; cat $OUT/small_stream_s14.log | tail -8
+  timeout 150 python3 bench/mma16_sweep.py --shapes 2048x4096,5120x2048 --rows 1,8 \
+    --variants auto,d3,d4,s2x,sh,t3,pdl,pdl+d3,pdl+tr1 \
+    --out $OUT/mma16_30b_s14b.json > $OUT/mma16_30b_s14b.log 2>&1
+  echo "dense exit $?"; grep -v '^{' $OUT/mma16_30b_s14b.log | cut -c1-200 | grep -v '^5120x2048 m  1' | tail -40
+  timeout 150 python3 bench/grouped_sweep.py --tokens 1,8 --variants auto,d3,d4,s2x,sh,t3,pdl,pdl+d3,pdl+tr1,pdl+s4 \
+    --out $OUT/grouped_30b_s14b.json > $OUT/grouped_30b_s14b.log 2>&1
+  echo "grouped exit $?"; grep -v '^{' $OUT/grouped_30b_s14b.log | cut -c1-200 | tail -40
+  timeout 170 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets nvfp4-w4a16 \
+    --batch 8,32 --kv bf16 --repeats 2 --tokens 8,40 --profile-batch '' --pdl on,off \
+    --out $OUT/sampler53_8b_pdl.json > $OUT/sampler53_8b_pdl.log 2>&1
+  echo "8b pdl exit $?"; grep '^|\|rror' $OUT/sampler53_8b_pdl.log | cut -c1-300 | tail -8
+  exit 0
+fi
+echo "usage: bash bench/device_run53.sh sweep|sweep2"; exit 2
