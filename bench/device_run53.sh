@@ -36,4 +36,17 @@ if [ "$1" = sweep2 ]; then  # the rows the first call's variant-name bug cut, a 
   echo "8b pdl exit $?"; grep '^|\|rror' $OUT/sampler53_8b_pdl.log | cut -c1-300 | tail -8
   exit 0
 fi
-echo "usage: bash bench/device_run53.sh sweep|sweep2"; exit 2
+if [ "$1" = pdl ]; then  # which PDL edges cost Qwen3-8B's batch-32 step 0.7 ms (sweep2: 4.59 ms off, 5.26 on)
+  timeout 40 python3 bench/small_stream.py --out $OUT/small_stream_s14.json > $OUT/small_stream_s14.log 2>&1
+  echo "stream exit $?"; cat $OUT/small_stream_s14.log | tail -6
+  timeout 150 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets nvfp4-w4a16 \
+    --batch 8,32 --kv bf16 --repeats 2 --tokens 8,40 --profile-batch '' --pdl on,off,no-wide,no-triton,no-mma \
+    --out $OUT/sampler53_8b_pdlk.json > $OUT/sampler53_8b_pdlk.log 2>&1
+  echo "8b exit $?"; grep '^|\|rror' $OUT/sampler53_8b_pdlk.log | cut -c1-300 | tail -12
+  timeout 280 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets nvfp4-w4a16 \
+    --batch 1,8,32 --kv bf16 --repeats 2 --tokens 8,40 --profile-batch '' --pdl on,off,no-triton \
+    --out $OUT/sampler53_30b_pdlk.json > $OUT/sampler53_30b_pdlk.log 2>&1
+  echo "30b exit $?"; grep '^|\|rror' $OUT/sampler53_30b_pdlk.log | cut -c1-300 | tail -12
+  exit 0
+fi
+echo "usage: bash bench/device_run53.sh sweep|sweep2|pdl"; exit 2

@@ -53,3 +53,37 @@ def test_launch_checks_arguments_before_the_driver():
     for bad, err in ((1.5, TypeError), (True, TypeError), (2 ** 31, ValueError), ("x", TypeError)):
         with pytest.raises(err, match="kernel argument 1"):
             pdl.launch(object(), (1, 1, 1), (32, 1, 1), [torch.zeros(1), bad], 0, stream, pdl=False)
+
+
+def test_kinds_off(on_gpu):
+    try:
+        pdl.set_kinds_off({"wide", "triton"})
+        with pdl.step():
+            assert pdl.gemm_flag("cuda", "mma") and pdl.gemm_flag("cuda", "grouped")
+            assert not pdl.gemm_flag("cuda", "wide")
+            assert not pdl.triton_flag("cuda")
+            pdl.hazard()  # an off kind still consumes the hazard
+            assert not pdl.gemm_flag("cuda", "wide")
+            assert pdl.gemm_flag("cuda", "mma")
+        with pytest.raises(ValueError, match="unknown launch kinds"):
+            pdl.set_kinds_off({"gemm"})
+    finally:
+        pdl.set_kinds_off(())
+
+
+def test_kinds_off_from_the_environment(monkeypatch):
+    monkeypatch.setenv("FP4RL_PDL_OFF", "wide, grouped")
+    assert pdl._kinds_off_env() == {"wide", "grouped"}
+    monkeypatch.setenv("FP4RL_PDL_OFF", "wide,cublas")
+    with pytest.raises(ValueError, match="FP4RL_PDL_OFF names unknown launch kinds \\['cublas'\\]"):
+        pdl._kinds_off_env()
+
+
+def test_benchmark_pdl_settings():
+    from fp4rl.benchmarks.sampler_gpu import pdl_setting
+
+    assert pdl_setting("on") == (True, frozenset()) and pdl_setting("off") == (False, frozenset())
+    assert pdl_setting("no-wide+triton") == (True, frozenset({"wide", "triton"}))
+    for bad in ("no-", "no-cublas", "maybe"):
+        with pytest.raises(ValueError, match="--pdl item"):
+            pdl_setting(bad)

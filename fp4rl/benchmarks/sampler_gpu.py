@@ -98,8 +98,10 @@ def add_arguments(parser):
     parser.add_argument("--host-batch", default="", help="batches whose host time per step is split "
                         "(host_split: graph launch cost, host-only step, top CPU ops), '' for none")
     parser.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
-    parser.add_argument("--pdl", default="on", help="'on', 'off' or 'on,off': programmatic dependent launch "
-                        "between the decode step's kernels (fp4rl.kernels.pdl), each row measured with each")
+    parser.add_argument("--pdl", default="on", help="comma-separated settings of programmatic dependent "
+                        "launch between the decode step's kernels (fp4rl.kernels.pdl), each row measured "
+                        "with each: 'on', 'off', or 'no-KIND[+KIND]' (on except those kinds: mma, wide, "
+                        "grouped, triton)")
     parser.add_argument("--fusion", default="on", help="'on', 'off' or 'on,off': the engine's fused decode "
                         "step (fp4rl.kernels.fused) or the module step, each row measured with each")
     parser.add_argument("--offload-trainer", default="auto", choices=("auto", "on", "off"),
@@ -285,18 +287,21 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
     from fp4rl.kernels import pdl
 
     fusions = [f == "on" for f in args.fusion.split(",")]
-    pdls = [f == "on" for f in args.pdl.split(",")]
-    for kv, fusion, use_pdl, batch in ((kv, f, p, b) for kv in kvs for f in fusions for p in pdls
-                                       for b in batches):
+    pdls = [pdl_setting(p) for p in args.pdl.split(",")]
+    for kv, fusion, (use_pdl, off), batch in ((kv, f, p, b) for kv in kvs for f in fusions for p in pdls
+                                              for b in batches):
         sampler.kv_cache = kv
         if sampler.engine is not None:
             sampler.engine.set_fused(fusion)
-            if pdl.is_enabled() != use_pdl:
+            if pdl.is_enabled() != use_pdl or pdl.kinds_off() != off:
                 pdl.set_enabled(use_pdl)
+                pdl.set_kinds_off(off)
                 sampler.engine.reset_graphs()
         fused = bool(sampler.engine is not None and sampler.engine.fused)
         head = {"shape": shape, "precision": label, "fused": fused,
                 "pdl": bool(sampler.engine is not None and pdl.enabled(device))}
+        if head["pdl"] and off:
+            head["pdl_off"] = sorted(off)
         g = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, trainer.config.vocab_size, (batch, args.prompt), generator=g).tolist()
         row = {**head, "layers": layers, "full_layers": full_layers, "preset": preset,
@@ -344,6 +349,10 @@ def run(args) -> int:
     if not 1 <= n1 < n2 or n2 < CLOCK_SKIP + 2:
         raise SystemExit(f"sampler_gpu: --tokens {args.tokens}: need 1 <= N1 < N2 and N2 >= {CLOCK_SKIP + 2} "
                          f"(the cadence skips the first {CLOCK_SKIP} steps and needs two more)")
+    try:
+        [pdl_setting(p) for p in args.pdl.split(",")]
+    except ValueError as exc:
+        raise SystemExit(f"sampler_gpu: {exc}") from None
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -416,9 +425,24 @@ def _mode(r) -> str:
     return "eager" if r.get("graph_error") or not r.get("graph_us") else "graph"
 
 
+def pdl_setting(text: str) -> tuple[bool, frozenset]:
+    """--pdl item -> (PDL on, kinds without it): 'on', 'off', 'no-wide+triton'."""
+    from fp4rl.kernels import pdl
+
+    if text in ("on", "off"):
+        return text == "on", frozenset()
+    if text.startswith("no-"):
+        kinds = frozenset(text[3:].split("+"))
+        if kinds and not kinds - set(pdl.KINDS):
+            return True, kinds
+    raise ValueError(f"--pdl item {text!r}: use 'on', 'off' or 'no-KIND[+KIND]' with kinds {pdl.KINDS}")
+
+
 def _label(r) -> str:
-    return (r["precision"] + ("" if r.get("fused", True) else " (unfused)")
-            + ("" if r.get("pdl", True) else " (no PDL)"))
+    pdl_text = "" if r.get("pdl", True) else " (no PDL)"
+    if r.get("pdl_off"):
+        pdl_text = f" (no PDL: {'+'.join(r['pdl_off'])})"
+    return r["precision"] + ("" if r.get("fused", True) else " (unfused)") + pdl_text
 
 
 def markdown(results) -> str:

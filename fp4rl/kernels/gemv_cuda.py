@@ -393,7 +393,7 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
         _set_smem(kern, smem)
         pdl.launch(kern, (nb, cfg["SPLIT"], zb), (WARPS * 32, 1, 1),
                    [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), g, 0, g], smem,
-                   torch.cuda.current_stream(dev), pdl.gemm_flag(dev))
+                   torch.cuda.current_stream(dev), pdl.gemm_flag(dev, "wide" if cfg.get("WGMMA") else "mma"))
     STATE["ok"] = True
     return y
 
@@ -486,6 +486,6 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
         pdl.launch(kern, (nb, cfg["SPLIT"], slots), (WARPS * 32, 1, 1),
                    [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), offs, e, rows],
                    smem,
-                   torch.cuda.current_stream(dev), pdl.gemm_flag(dev))
+                   torch.cuda.current_stream(dev), pdl.gemm_flag(dev, "grouped"))
     STATE["ok"] = True
     return y

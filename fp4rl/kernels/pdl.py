@@ -12,7 +12,9 @@ Only kernels that wait before touching their inputs may be launched with the att
 SDPA) launch normally and keep full stream ordering. CUDA graphs capture the programmatic edges.
 
 ``FP4RL_PDL=0`` (or ``set_enabled(False)``) turns it off; launches made while it is off carry no
-attribute and the kernels' ``griddepcontrol`` instructions are no-ops.
+attribute and the kernels' ``griddepcontrol`` instructions are no-ops. ``FP4RL_PDL_OFF=wide,triton`` (or
+``set_kinds_off``) turns it off for some kinds of launch only (``KINDS``), for A/B measurements of which
+edges of a step gain from it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,20 @@ import os
 
 import torch
 
-_STATE = {"on": os.environ.get("FP4RL_PDL", "1") != "0", "step": 0, "hazard": False}
+# the kinds of PDL launch: the CUDA GEMM's mma.sync configurations (1-16 rows), its wgmma configuration
+# (17+ rows), its grouped (routed-expert) launches, and the fused Triton kernels
+KINDS = ("mma", "wide", "grouped", "triton")
+
+
+def _kinds_off_env() -> frozenset:
+    names = {k.strip() for k in os.environ.get("FP4RL_PDL_OFF", "").split(",") if k.strip()}
+    bad = names - set(KINDS)
+    if bad:
+        raise ValueError(f"FP4RL_PDL_OFF names unknown launch kinds {sorted(bad)}; the kinds are {KINDS}")
+    return frozenset(names)
+
+
+_STATE = {"on": os.environ.get("FP4RL_PDL", "1") != "0", "step": 0, "hazard": False, "off": _kinds_off_env()}
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 
 
@@ -35,6 +50,18 @@ def set_enabled(on: bool) -> None:
 
 def is_enabled() -> bool:
     return _STATE["on"]
+
+
+def set_kinds_off(kinds) -> None:
+    """Launches of these kinds (``KINDS``) go without PDL from now on; the others keep it."""
+    names = frozenset(kinds)
+    if names - set(KINDS):
+        raise ValueError(f"unknown launch kinds {sorted(names - set(KINDS))}; the kinds are {KINDS}")
+    _STATE["off"] = names
+
+
+def kinds_off() -> frozenset:
+    return _STATE["off"]
 
 
 def enabled(device) -> bool:
@@ -76,17 +103,18 @@ def hazard() -> None:
     _STATE["hazard"] = True
 
 
-def gemm_flag(device) -> bool:
-    """Whether the CUDA GEMM's launch on `device` carries the PDL attribute now (consumes a hazard)."""
+def gemm_flag(device, kind: str = "mma") -> bool:
+    """Whether the CUDA GEMM's launch of `kind` on `device` carries the PDL attribute now (consumes a
+    hazard)."""
     if _STATE["hazard"]:
         _STATE["hazard"] = False
         return False
-    return _STATE["step"] > 0 and enabled(device)
+    return _STATE["step"] > 0 and kind not in _STATE["off"] and enabled(device)
 
 
 def triton_flag(device) -> bool:
     """The `PDL` constexpr (and `launch_pdl`) for a Triton kernel launched on `device`."""
-    return enabled(device) and triton_supported()
+    return "triton" not in _STATE["off"] and enabled(device) and triton_supported()
 
 
 # ----------------------------------------------------------------------------- cuLaunchKernelEx
