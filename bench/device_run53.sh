@@ -49,4 +49,15 @@ if [ "$1" = pdl ]; then  # which PDL edges cost Qwen3-8B's batch-32 step 0.7 ms 
   echo "30b exit $?"; grep '^|\|rror' $OUT/sampler53_30b_pdlk.log | cut -c1-300 | tail -12
   exit 0
 fi
-echo "usage: bash bench/device_run53.sh sweep|sweep2|pdl"; exit 2
+if [ "$1" = final ]; then  # the new default (PDL off for the dense CUDA GEMM) against every kind on, and BF16
+  timeout 180 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 --batch 1,8,32 \
+    --kv bf16 --repeats 3 --tokens 8,72 --profile-batch '' --pdl on,all \
+    --out $OUT/sampler53_8b_final.json > $OUT/sampler53_8b_final.log 2>&1
+  echo "8b exit $?"; grep '^|\|rror' $OUT/sampler53_8b_final.log | cut -c1-300 | tail -14
+  timeout 330 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets bf16,nvfp4-w4a16 \
+    --w4a16-last 0 --batch 1,8,32 --kv bf16 --repeats 3 --tokens 8,72 --profile-batch '' --pdl on,all \
+    --out $OUT/sampler53_30b_final.json > $OUT/sampler53_30b_final.log 2>&1
+  echo "30b exit $?"; grep '^|\|rror' $OUT/sampler53_30b_final.log | cut -c1-300 | tail -14
+  exit 0
+fi
+echo "usage: bash bench/device_run53.sh sweep|sweep2|pdl|final"; exit 2

@@ -13,8 +13,10 @@ def on_gpu(monkeypatch):
     """Pretend the device supports PDL (the step / hazard logic is the same everywhere)."""
     monkeypatch.setattr(pdl, "enabled", lambda device: pdl.is_enabled())
     pdl.set_enabled(True)
+    pdl.set_kinds_off(())
     yield
     pdl.set_enabled(True)
+    pdl.set_kinds_off(pdl.DEFAULT_OFF)
     pdl._STATE["hazard"] = False
 
 
@@ -71,6 +73,14 @@ def test_kinds_off(on_gpu):
         pdl.set_kinds_off(())
 
 
+def test_default_kinds(monkeypatch):
+    """The dense CUDA GEMM goes without PDL unless asked (it cost the measured steps); the rest keep it."""
+    monkeypatch.delenv("FP4RL_PDL_OFF", raising=False)
+    assert pdl._kinds_off_env() == pdl.DEFAULT_OFF == {"mma", "wide"}
+    monkeypatch.setenv("FP4RL_PDL_OFF", "")  # set but empty: every kind
+    assert pdl._kinds_off_env() == frozenset()
+
+
 def test_kinds_off_from_the_environment(monkeypatch):
     monkeypatch.setenv("FP4RL_PDL_OFF", "wide, grouped")
     assert pdl._kinds_off_env() == {"wide", "grouped"}
@@ -82,7 +92,8 @@ def test_kinds_off_from_the_environment(monkeypatch):
 def test_benchmark_pdl_settings():
     from fp4rl.benchmarks.sampler_gpu import pdl_setting
 
-    assert pdl_setting("on") == (True, frozenset()) and pdl_setting("off") == (False, frozenset())
+    assert pdl_setting("on") == (True, pdl.DEFAULT_OFF) and pdl_setting("off") == (False, frozenset())
+    assert pdl_setting("all") == (True, frozenset())
     assert pdl_setting("no-wide+triton") == (True, frozenset({"wide", "triton"}))
     for bad in ("no-", "no-cublas", "maybe"):
         with pytest.raises(ValueError, match="--pdl item"):

@@ -100,8 +100,8 @@ def add_arguments(parser):
     parser.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     parser.add_argument("--pdl", default="on", help="comma-separated settings of programmatic dependent "
                         "launch between the decode step's kernels (fp4rl.kernels.pdl), each row measured "
-                        "with each: 'on', 'off', or 'no-KIND[+KIND]' (on except those kinds: mma, wide, "
-                        "grouped, triton)")
+                        "with each: 'on' (the default kinds), 'all' (every kind), 'off', or 'no-KIND[+KIND]' "
+                        "(every kind except those: mma, wide, grouped, triton)")
     parser.add_argument("--fusion", default="on", help="'on', 'off' or 'on,off': the engine's fused decode "
                         "step (fp4rl.kernels.fused) or the module step, each row measured with each")
     parser.add_argument("--offload-trainer", default="auto", choices=("auto", "on", "off"),
@@ -300,7 +300,7 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
         fused = bool(sampler.engine is not None and sampler.engine.fused)
         head = {"shape": shape, "precision": label, "fused": fused,
                 "pdl": bool(sampler.engine is not None and pdl.enabled(device))}
-        if head["pdl"] and off:
+        if head["pdl"]:
             head["pdl_off"] = sorted(off)
         g = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, trainer.config.vocab_size, (batch, args.prompt), generator=g).tolist()
@@ -426,11 +426,11 @@ def _mode(r) -> str:
 
 
 def pdl_setting(text: str) -> tuple[bool, frozenset]:
-    """--pdl item -> (PDL on, kinds without it): 'on', 'off', 'no-wide+triton'."""
+    """--pdl item -> (PDL on, kinds without it): 'on' (pdl.DEFAULT_OFF), 'all', 'off', 'no-wide+triton'."""
     from fp4rl.kernels import pdl
 
-    if text in ("on", "off"):
-        return text == "on", frozenset()
+    if text in ("on", "off", "all"):
+        return text != "off", pdl.DEFAULT_OFF if text == "on" else frozenset()
     if text.startswith("no-"):
         kinds = frozenset(text[3:].split("+"))
         if kinds and not kinds - set(pdl.KINDS):
@@ -439,9 +439,11 @@ def pdl_setting(text: str) -> tuple[bool, frozenset]:
 
 
 def _label(r) -> str:
+    from fp4rl.kernels import pdl
+
     pdl_text = "" if r.get("pdl", True) else " (no PDL)"
-    if r.get("pdl_off"):
-        pdl_text = f" (no PDL: {'+'.join(r['pdl_off'])})"
+    if r.get("pdl") and "pdl_off" in r and set(r["pdl_off"]) != pdl.DEFAULT_OFF:
+        pdl_text = f" (no PDL: {'+'.join(r['pdl_off'])})" if r["pdl_off"] else " (PDL: all)"
     return r["precision"] + ("" if r.get("fused", True) else " (unfused)") + pdl_text
 
 

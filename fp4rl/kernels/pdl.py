@@ -12,9 +12,14 @@ Only kernels that wait before touching their inputs may be launched with the att
 SDPA) launch normally and keep full stream ordering. CUDA graphs capture the programmatic edges.
 
 ``FP4RL_PDL=0`` (or ``set_enabled(False)``) turns it off; launches made while it is off carry no
-attribute and the kernels' ``griddepcontrol`` instructions are no-ops. ``FP4RL_PDL_OFF=wide,triton`` (or
-``set_kinds_off``) turns it off for some kinds of launch only (``KINDS``), for A/B measurements of which
-edges of a step gain from it.
+attribute and the kernels' ``griddepcontrol`` instructions are no-ops.
+
+Which launches carry it (``KINDS``): by default the fused Triton kernels and the grouped (routed-expert)
+GEMM, not the dense CUDA GEMM (``DEFAULT_OFF``). Measured on the H200 at full depth (bench/RESULTS.md,
+"sampler on H200", fourteenth session): PDL on the dense GEMM's wgmma launches cost Qwen3-8B's W4A16 step
+0.77 ms of 5.2 at batch 32, on its mma.sync launches 0.18 ms of 3.1 at batch 8, while PDL on the Triton
+kernels saved 0.30 ms of 2.7 on Qwen3-30B-A3B at batch 1. ``FP4RL_PDL_OFF`` (comma-separated kinds, empty for
+none) or ``set_kinds_off`` chooses another set.
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ import torch
 # the kinds of PDL launch: the CUDA GEMM's mma.sync configurations (1-16 rows), its wgmma configuration
 # (17+ rows), its grouped (routed-expert) launches, and the fused Triton kernels
 KINDS = ("mma", "wide", "grouped", "triton")
+DEFAULT_OFF = frozenset({"mma", "wide"})
 
 
 def _kinds_off_env() -> frozenset:
-    names = {k.strip() for k in os.environ.get("FP4RL_PDL_OFF", "").split(",") if k.strip()}
+    if "FP4RL_PDL_OFF" not in os.environ:
+        return DEFAULT_OFF
+    names = {k.strip() for k in os.environ["FP4RL_PDL_OFF"].split(",") if k.strip()}
     bad = names - set(KINDS)
     if bad:
         raise ValueError(f"FP4RL_PDL_OFF names unknown launch kinds {sorted(bad)}; the kinds are {KINDS}")
