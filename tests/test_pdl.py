@@ -74,9 +74,14 @@ def test_kinds_off(on_gpu):
 
 
 def test_default_kinds(monkeypatch):
-    """The dense CUDA GEMM goes without PDL unless asked (it cost the measured steps); the rest keep it."""
+    """The dense CUDA GEMM goes without PDL from 2 rows unless asked (it cost the measured steps); the rest
+    keep it."""
+    from fp4rl.kernels.gemv_cuda import _pdl_kind
+
     monkeypatch.delenv("FP4RL_PDL_OFF", raising=False)
     assert pdl._kinds_off_env() == pdl.DEFAULT_OFF == {"mma", "wide"}
+    kinds = (_pdl_kind({"NT": 1}, 1), _pdl_kind({"NT": 1}, 2), _pdl_kind({"WGMMA": 1}, 1))
+    assert kinds == ("gemv", "mma", "wide")
     monkeypatch.setenv("FP4RL_PDL_OFF", "")  # set but empty: every kind
     assert pdl._kinds_off_env() == frozenset()
 

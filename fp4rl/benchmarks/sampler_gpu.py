@@ -101,7 +101,7 @@ def add_arguments(parser):
     parser.add_argument("--pdl", default="on", help="comma-separated settings of programmatic dependent "
                         "launch between the decode step's kernels (fp4rl.kernels.pdl), each row measured "
                         "with each: 'on' (the default kinds), 'all' (every kind), 'off', or 'no-KIND[+KIND]' "
-                        "(every kind except those: mma, wide, grouped, triton)")
+                        "(every kind except those: gemv, mma, wide, grouped, triton)")
     parser.add_argument("--fusion", default="on", help="'on', 'off' or 'on,off': the engine's fused decode "
                         "step (fp4rl.kernels.fused) or the module step, each row measured with each")
     parser.add_argument("--offload-trainer", default="auto", choices=("auto", "on", "off"),

@@ -367,6 +367,11 @@ def _operands(x2, global_scale, x_scale, counts: tuple, what: str):
     return x2, g, xg
 
 
+def _pdl_kind(cfg: dict, m: int) -> str:
+    """The kind of a dense launch for fp4rl.kernels.pdl (which kinds carry PDL is decided there)."""
+    return "wide" if cfg.get("WGMMA") else "gemv" if m == 1 else "mma"
+
+
 def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: torch.Tensor,
            cfg: dict | None = None, x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] bfloat16 = x2 [M, K] bfloat16 @ DQ(W).T with W's mma16 copy; global_scale fp32 [1]
@@ -393,7 +398,7 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
         _set_smem(kern, smem)
         pdl.launch(kern, (nb, cfg["SPLIT"], zb), (WARPS * 32, 1, 1),
                    [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), g, 0, g], smem,
-                   torch.cuda.current_stream(dev), pdl.gemm_flag(dev, "wide" if cfg.get("WGMMA") else "mma"))
+                   torch.cuda.current_stream(dev), pdl.gemm_flag(dev, _pdl_kind(cfg, m)))
     STATE["ok"] = True
     return y
 
