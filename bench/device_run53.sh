@@ -61,7 +61,7 @@ if [ "$1" = final ]; then  # the new default (PDL off for the dense CUDA GEMM) a
   exit 0
 fi
 if [ "$1" = final2 ]; then  # the default after `final`: PDL also on the 1-row dense launches ("gemv"); GPU tests
-  timeout 300 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets bf16,nvfp4-w4a16 \
+  timeout 260 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets bf16,nvfp4-w4a16 \
     --w4a16-last 0,0.15 --batch 1,8,32 --kv bf16 --repeats 3 --tokens 8,72 --profile-batch '' \
     --out $OUT/sampler53_30b_final2.json > $OUT/sampler53_30b_final2.log 2>&1
   echo "30b exit $?"; grep '^|\|rror' $OUT/sampler53_30b_final2.log | cut -c1-300 | tail -14
@@ -69,7 +69,7 @@ if [ "$1" = final2 ]; then  # the default after `final`: PDL also on the 1-row d
     --kv bf16 --repeats 3 --tokens 8,72 --profile-batch '' \
     --out $OUT/sampler53_8b_final2.json > $OUT/sampler53_8b_final2.log 2>&1
   echo "8b exit $?"; grep '^|\|rror' $OUT/sampler53_8b_final2.log | cut -c1-300 | tail -14
-  timeout 120 python3 -m pytest -q -m gpu tests/test_gpu_decode.py tests/test_pdl.py -rf -x 2>&1 | tail -8
+  timeout 100 python3 -m pytest -q -m gpu tests/test_gpu_decode.py tests/test_pdl.py -rf -x 2>&1 | tail -8
   exit 0
 fi
 echo "usage: bash bench/device_run53.sh sweep|sweep2|pdl|final|final2"; exit 2
