@@ -1,13 +1,13 @@
 """Draw docs/img/h200_sampler.png from the sampler benchmark's JSON (fp4rl.benchmarks.sampler_gpu --out).
 
-    .venv/bin/python docs/img/h200_sampler.py bench/data/sampler_8b_s6_h200.json \
-        bench/data/sampler_30b_s5h_h200.json [--out FILE.png]
+    .venv/bin/python docs/img/h200_sampler.py bench/data/s14/sampler53_8b_final2.json \
+        bench/data/s14/sampler53_30b_final2.json [--out FILE.png]
 
 One panel per model shape: the NVFP4 presets' decode speed relative to BF16 in the same engine and run, per
 batch size, as decode tokens/s (solid; the step-clock cadence from the thirteenth session) and as CUDA-graph
 replay time (dashed), with the issue's 2.5x target and the byte-count limit of each preset (BF16 weight bytes
-over the preset's, at the built depth). Rows measured with PDL off are left out when the same row exists with
-PDL on. Prints the plotted numbers.
+over the preset's, at the built depth). Of rows measured more than once with other launch settings (--pdl),
+the one with the default setting is drawn. Prints the plotted numbers.
 """
 
 import json
@@ -20,11 +20,24 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _rank(r) -> int:
+    """0: the default launch setting (PDL on with the default kinds; older JSON has no pdl_off), 1: PDL on
+    with other kinds, 2: PDL off."""
+    if not r.get("pdl", True):
+        return 2
+    return 0 if "pdl_off" not in r or set(r["pdl_off"]) == {"mma", "wide"} else 1
+
+
 def rows_of(path):
+    """The bf16-KV rows of a JSON, one per (shape, precision, batch): the one nearest the default setting."""
     with open(path) as fh:
         rows = [r for r in json.load(fh)["rows"] if "error" not in r and r.get("kv") == "bf16"]
-    with_pdl = {(r["shape"], r["precision"], r["batch"]) for r in rows if r.get("pdl", True)}
-    return [r for r in rows if r.get("pdl", True) or (r["shape"], r["precision"], r["batch"]) not in with_pdl]
+    best = {}
+    for r in rows:
+        key = (r["shape"], r["precision"], r["batch"])
+        if key not in best or _rank(r) < _rank(best[key]):
+            best[key] = r
+    return list(best.values())
 
 
 def main(paths, out):
