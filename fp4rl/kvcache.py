@@ -41,6 +41,16 @@ def _write(buffer: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) 
     buffer.index_copy_(2, positions, values)
 
 
+def _nonfinite(cache: str, x: str, layer_idx: int, values: torch.Tensor) -> ValueError:
+    """The error for NaN/Inf keys or values: which cache, layer and K or V, how many, and what to do."""
+    return ValueError(
+        f"{cache} KV cache: the {'keys (K)' if x == 'k' else 'values (V)'} of layer {layer_idx} hold "
+        f"{int((~torch.isfinite(values)).sum())} NaN/Inf of {values.numel()}: the model produced "
+        "non-finite activations. Check the weights the sampler was given (a diverged update: lower "
+        "the learning rate or clip gradients, and resume from a checkpoint before the step that "
+        "produced them)")
+
+
 class SamplerKVCache(KVCache):
     """KVCache whose per-layer buffers are listed in `buffer_names` (each a list of [B, ...] tensors)."""
 
@@ -93,7 +103,11 @@ class FP8KVCache(SamplerKVCache):
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         end = self.length + k.shape[2]
         out = []
-        for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+        for name, codes, scales, x in (("k", self.k, self.k_scale, k), ("v", self.v, self.v_scale, v)):
+            # a NaN would be stored as E4M3's NaN and an Inf turn its vector into NaN / 0: refused, as the
+            # NVFP4 cache refuses them, before anything is written
+            if not bool(torch.isfinite(x).all()):
+                raise _nonfinite("FP8", name, layer_idx, x)
             q, s = self.quantize(x)  # [B, H_kv, T, D], [B, H_kv, T, 1]
             _write(codes[layer_idx], positions, q)
             _write(scales[layer_idx], positions, s)
@@ -132,12 +146,7 @@ class NVFP4KVCache(SamplerKVCache):
         except ValueError as exc:
             if bool(torch.isfinite(values).all()):
                 raise
-            raise ValueError(
-                f"NVFP4 KV cache: the {'keys (K)' if x == 'k' else 'values (V)'} of layer {layer_idx} hold "
-                f"{int((~torch.isfinite(values)).sum())} NaN/Inf of {values.numel()}: the model produced "
-                "non-finite activations. Check the weights the sampler was given (a diverged update: lower "
-                "the learning rate or clip gradients, and resume from a checkpoint before the step that "
-                "produced them)") from exc
+            raise _nonfinite("NVFP4", x, layer_idx, values) from exc
         data = getattr(self, f"{x}_data")[layer_idx]
         block_scale = getattr(self, f"{x}_block_scale")[layer_idx]
         global_scale = getattr(self, f"{x}_global_scale")[layer_idx]

@@ -111,17 +111,25 @@ def test_nvfp4_cache_needs_head_dim_multiple_of_16():
         make_kv_cache("int4", CONFIG, 1, 8, dtype=torch.float32, device="cpu")
 
 
+@pytest.mark.parametrize("kind", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("which", ["k", "v"])
-def test_nonfinite_kv_names_the_layer_and_the_cause(which):
-    """A NaN/Inf key or value: the NVFP4 cache says which layer and K or V, and what to do (not a quantize
-    flag the model cannot pass)."""
-    cache = make_kv_cache("nvfp4", CONFIG, 2, 8, dtype=torch.float32, device="cpu")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_kv_names_the_layer_and_the_cause(kind, which, bad):
+    """A NaN/Inf key or value: the NVFP4 and FP8 caches say which layer and K or V, and what to do (not a
+    quantize flag the model cannot pass), and write nothing of that update."""
+    cache = make_kv_cache(kind, CONFIG, 2, 8, dtype=torch.float32, device="cpu")
     k, v = kv(B=2, T=2)
-    (k if which == "k" else v)[1, 0, 1, 3] = float("nan")
+    write(cache, 1, k, v)  # a first, finite update
+    before = {n: [b.clone() for b in getattr(cache, n)] for n in cache.buffer_names}
+    (k if which == "k" else v)[1, 0, 1, 3] = bad
     name = r"keys \(K\)" if which == "k" else r"values \(V\)"
-    with pytest.raises(ValueError, match=f"the {name} of layer 1 hold 1 NaN/Inf") as err:
+    with pytest.raises(ValueError, match=f"{kind.upper()} KV cache: the {name} of layer 1 hold 1 NaN/Inf") \
+            as err:
         write(cache, 1, k, v)
     assert "allow_nonfinite" not in str(err.value) and "learning rate" in str(err.value)
+    for n in cache.buffer_names:  # nothing of the bad tensor written (the finite K / V: the same bytes again)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip(getattr(cache, n), before[n])), n
 
 
 def teacher_forced_logprobs(model, kind, ids, n_prompt):
