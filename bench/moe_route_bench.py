@@ -5,7 +5,8 @@ torch path).
 python3 bench/moe_route_bench.py   (Qwen3-30B-A3B router: E 128, top 8; tokens 1, 8, 32, 64)
 python3 bench/moe_route_bench.py router   (eleventh session: the router GEMM + route in one launch,
                                            moe_route.router_route, by warps / experts per program / columns
-                                           per step, against F.linear (cuBLAS) + the route kernel)
+                                           per step / columns per program, against F.linear (cuBLAS) + the
+                                           route kernel)
 
 CUDA-graph replay of 50 calls, median of 5 replays, us per call. Every variant's outputs are checked equal to
 the default's.
@@ -58,23 +59,28 @@ def main():
 
 
 def router_main():
+    """(warps, experts per program, columns per step, columns per program): the last is the column split of
+    the fourteenth session (2048 = H: one slice, the eleventh session's kernel)."""
     e, k, h = 128, 8, 2048
-    variants = [(nw, bes, bh) for nw in (2, 4, 8) for bes in (16, 32) for bh in (128, 256, 512)]
-    print("| tokens | F.linear + route us | " + " | ".join(f"w{a} e{b} h{c}" for a, b, c in variants) + " |")
+    variants = [(nw, bes, min(256, hc), hc) for nw in (4, 8) for bes in (16, 32) for hc in (128, 256, 512)]
+    variants.append((4, 16, 256, 2048))
+    print("| tokens | F.linear + route us | " + " | ".join(f"w{a} e{b} h{c} hc{d}" for a, b, c, d in variants)
+          + " |")
     wr = (torch.randn(e, h, device="cuda") * 0.02).bfloat16()
     for t in (1, 8, 32, 64):
         x = torch.randn(t, h, device="cuda").bfloat16()
         ref_logits = F.linear(x, wr)
         cells = [f"{timed(lambda _r, x=x: moe_route.route(F.linear(x, wr), k, True), REPS):.1f}"]
-        for nw, bes, bh in variants:
-            out = moe_route.router_route(x, wr, k, True, num_warps=nw, bes=bes, bh=bh)
+        for nw, bes, bh, hc in variants:
+            name = f"router_route w{nw} e{bes} h{bh} hc{hc}"
+            out = moe_route.router_route(x, wr, k, True, num_warps=nw, bes=bes, bh=bh, hc=hc)
             ulp = ref_logits.float().abs().clamp_min(2.0 ** -126) * 2.0 ** -7
             if not bool(((out[0].float() - ref_logits.float()).abs() <= ulp).all()):
-                raise SystemExit(f"router_route w{nw} e{bes} h{bh}: logits beyond a bf16 ulp of cuBLAS's")
+                raise SystemExit(f"{name}: logits beyond a bf16 ulp of cuBLAS's")
             if not all(torch.equal(a, b) for a, b in zip(out[1:], moe_route.route(out[0], k, True))):
-                raise SystemExit(f"router_route w{nw} e{bes} h{bh}: not the route of its own logits")
-            us = timed(lambda _r, x=x, nw=nw, bes=bes, bh=bh: moe_route.router_route(
-                x, wr, k, True, num_warps=nw, bes=bes, bh=bh), REPS)
+                raise SystemExit(f"{name}: not the route of its own logits")
+            us = timed(lambda _r, x=x, nw=nw, bes=bes, bh=bh, hc=hc: moe_route.router_route(
+                x, wr, k, True, num_warps=nw, bes=bes, bh=bh, hc=hc), REPS)
             cells.append(f"{us:.1f}")
         print(f"| {t} | " + " | ".join(cells) + " |", flush=True)
 

@@ -95,13 +95,16 @@ def test_route_refuses_what_it_does_not_fit():
         moe_route.route(_logits(16, 4, seed=0).t(), 2, True)
 
 
+@pytest.mark.parametrize("tile", [{}, {"bh": 32, "hc": 64}, {"bh": 16, "hc": 4096}])
 @pytest.mark.parametrize("t,e,k,h", [(1, 16, 2, 96), (8, 20, 4, 300), (33, 128, 8, 64), (3, 60, 6, 512)])
-def test_router_route_is_the_router_then_the_route(t, e, k, h):
+def test_router_route_is_the_router_then_the_route(t, e, k, h, tile):
+    """Every column split: one slice (hc >= H), the default, and slices of 64 columns (300: four full, one of
+    44), whose partial sums the last program adds."""
     g = torch.Generator().manual_seed(t * 7 + e)
     x = (torch.randn(t, h, generator=g) * 0.5).bfloat16().to(DEV)
     wr = (torch.randn(e, h, generator=g) * 0.2).bfloat16().to(DEV)
     for _ in range(2):  # the second call finds the counter back at zero
-        logits, idx, w, rows, pos, offs = moe_route.router_route(x, wr, k, True)
+        logits, idx, w, rows, pos, offs = moe_route.router_route(x, wr, k, True, **tile)
         ref = (x.float() @ wr.float().t())  # fp32 sums of exact products: one rounding away from the kernel's
         ulp = torch.maximum(ref.abs(), torch.full_like(ref, 2.0 ** -126)) * 2.0 ** -7
         assert logits.dtype == torch.bfloat16 and logits.shape == (t, e)
@@ -120,6 +123,8 @@ def test_router_route_refuses_bad_operands():
         moe_route.router_route(x, torch.zeros(8, 16, dtype=torch.bfloat16, device=DEV), 2, True)
     with pytest.raises(ValueError, match="powers of two"):
         moe_route.router_route(x, torch.zeros(8, 32, dtype=torch.bfloat16, device=DEV), 2, True, bes=8)
+    with pytest.raises(ValueError, match="multiple of bh=32"):
+        moe_route.router_route(x, torch.zeros(8, 32, dtype=torch.bfloat16, device=DEV), 2, True, bh=32, hc=48)
     with pytest.raises(ValueError, match="torch route"):
         moe_route.router_route(torch.zeros(200, 32, dtype=torch.bfloat16, device=DEV),
                                torch.zeros(8, 32, dtype=torch.bfloat16, device=DEV), 8, True)

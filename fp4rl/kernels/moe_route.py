@@ -142,38 +142,57 @@ def _route_kernel(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, 
 
 
 @triton.jit
-def _router_route_kernel(x_ptr, wr_ptr, logit_ptr, lock_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr,
-                         T, E, H, stride_x, stride_wr,
+def _router_route_kernel(x_ptr, wr_ptr, logit_ptr, part_ptr, lock_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr,
+                         offs_ptr, T, E, H, HC, stride_x, stride_wr,
                          K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr,
-                         BQ: tl.constexpr, BES: tl.constexpr, BH: tl.constexpr, NORM: tl.constexpr,
-                         LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr, INTERP: tl.constexpr,
-                         PDL: tl.constexpr):
-    """Program p: the router logits of experts [p BES, p BES + BES) for all T tokens (x [T, H] @ Wr.T, fp32
-    sums of exact bf16 products, one rounding to bf16 as F.linear's output), published past L1; the last
-    program to finish (a counter, reset by it) routes all tokens from them (_route_body)."""
+                         BQ: tl.constexpr, BES: tl.constexpr, BH: tl.constexpr, SPLIT_H: tl.constexpr,
+                         NORM: tl.constexpr, LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr,
+                         INTERP: tl.constexpr, PDL: tl.constexpr):
+    """Program (p, s): the router sums of experts [p BES, p BES + BES) over hidden columns [s HC, s HC + HC)
+    for all T tokens (x [T, H] @ Wr.T, fp32 sums of exact bf16 products). One column slice (SPLIT_H 1): the
+    logits, rounded once to bf16 as F.linear's output, published past L1. Several: the fp32 partial sums,
+    published past L1, and the last program adds them up in slice order and rounds once. The last program to
+    finish (a counter, reset by it) then routes all tokens from the logits (_route_body)."""
     if PDL:
         tlcuda.gdc_launch_dependents()
         tlcuda.gdc_wait()
     pid = tl.program_id(0)
+    sid = tl.program_id(1)
     ex = pid * BES + tl.arange(0, BES)
     exm = ex < E
+    h_end = tl.minimum(H, (sid + 1) * HC)
     for t0 in range(0, T, 16):
         tt = t0 + tl.arange(0, 16)
         ttm = tt < T
         acc = tl.zeros((16, BES), tl.float32)
-        for h0 in range(0, H, BH):
+        for h0 in range(sid * HC, h_end, BH):
             hh = h0 + tl.arange(0, BH)
-            hm = hh < H
+            hm = hh < h_end
             xt = tl.load(x_ptr + tt[:, None].to(tl.int64) * stride_x + hh[None, :],
                          mask=ttm[:, None] & hm[None, :], other=0.0)
             wt = tl.load(wr_ptr + ex[:, None].to(tl.int64) * stride_wr + hh[None, :],
                          mask=exm[:, None] & hm[None, :], other=0.0)
             acc = dot_acc(xt, tl.trans(wt), acc, INTERP)
-        tl.store(logit_ptr + tt[:, None] * E + ex[None, :], _bf16(acc).to(logit_ptr.dtype.element_ty),
-                 mask=ttm[:, None] & exm[None, :], cache_modifier=".cg")
-    tl.debug_barrier()  # every thread's logits are stored before the counter moves
+        if SPLIT_H == 1:
+            tl.store(logit_ptr + tt[:, None] * E + ex[None, :], _bf16(acc).to(logit_ptr.dtype.element_ty),
+                     mask=ttm[:, None] & exm[None, :], cache_modifier=".cg")
+        else:
+            tl.store(part_ptr + (sid * T + tt[:, None]) * E + ex[None, :], acc,
+                     mask=ttm[:, None] & exm[None, :], cache_modifier=".cg")
+    tl.debug_barrier()  # every thread's sums are stored before the counter moves
     done = tl.atomic_add(lock_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
+    if done == tl.num_programs(0) * tl.num_programs(1) - 1:
+        if SPLIT_H > 1:  # the logits: the slices' partial sums in slice order, one rounding
+            t = tl.arange(0, BT)
+            e = tl.arange(0, BE)
+            m = (t[:, None] < T) & (e[None, :] < E)
+            tot = tl.zeros((BT, BE), tl.float32)
+            for s in range(0, SPLIT_H):
+                tot += tl.load(part_ptr + (s * T + t[:, None]) * E + e[None, :], mask=m, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(logit_ptr + t[:, None] * E + e[None, :], _bf16(tot).to(logit_ptr.dtype.element_ty),
+                     mask=m, cache_modifier=".cg")
+            tl.debug_barrier()  # the logits just stored are read back below by other threads of the program
         _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, E,
                     K, BT, BE, BP, BQ, NORM, LIBDEVICE, W_BF16, True)
         tl.atomic_xchg(lock_ptr, 0)  # ready for the next call
@@ -239,19 +258,22 @@ def route(logits: torch.Tensor, top_k: int, norm: bool, weight_dtype: torch.dtyp
 
 ROUTER_BES = 16  # experts per program of router_route (E 128: 8 programs)
 ROUTER_BH = 256  # hidden columns per step of its sums
+ROUTER_HC = 256  # hidden columns per program (H 2048: 8 column slices, 64 programs at E 128)
 ROUTER_WARPS = 4
 _LOCKS: dict = {}  # router_route's counter per device (back to zero after every call)
 
 
 def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: bool,
                  weight_dtype: torch.dtype | None = None, *, num_warps: int | None = None,
-                 bes: int | None = None, bh: int | None = None):
+                 bes: int | None = None, bh: int | None = None, hc: int | None = None):
     """The router and the route in one launch: logits = x [T, H] @ gate_weight [E, H].T (bfloat16, as
     F.linear's output: fp32 sums of the exact products in another order than cuBLAS, so a logit can differ in
     its last bf16 bit), then `route(logits, ...)` by the grid's last program. Returns (logits [T, E], idx, w,
-    rows, pos, offsets) as `route`. num_warps, bes (experts per program, >= 16), bh (hidden columns per step):
-    tuning (bench/moe_route_bench.py). No host sync; one counter per device, so calls on one device must not
-    run concurrently on two streams."""
+    rows, pos, offsets) as `route`. The grid: E / bes expert slices x H / hc column slices (partial sums
+    added in slice order by the last program). num_warps, bes (experts per program, >= 16), bh (hidden
+    columns per step), hc (hidden columns per program, a multiple of bh; >= H: one slice): tuning
+    (bench/moe_route_bench.py). No host sync; one counter per device, so calls on one device must not run
+    concurrently on two streams."""
     if x.ndim != 2 or gate_weight.ndim != 2 or x.shape[1] != gate_weight.shape[1]:
         raise ValueError(f"router_route: x must be [T, H] and gate_weight [E, H], got {tuple(x.shape)} and "
                          f"{tuple(gate_weight.shape)}")
@@ -265,21 +287,26 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
     if not fits(t, top_k, e):
         raise ValueError(f"router_route: {t} tokens x top_k {top_k} over {e} experts is outside the "
                          f"one-program route (see fits); use the module's gate and the torch route")
+    bes, bh, hc = bes or ROUTER_BES, bh or ROUTER_BH, hc or ROUTER_HC
+    if bes < 16 or bes & (bes - 1) or bh < 16 or bh & (bh - 1):
+        raise ValueError(f"router_route: bes (experts per program) and bh (columns per step) must be powers "
+                         f"of two >= 16, got {bes} and {bh}")
+    if hc < bh or hc % bh:
+        raise ValueError(f"router_route: hc (columns per program) must be a multiple of bh={bh}, got {hc}")
     dev = x.device
     lock = _LOCKS.get(dev)
     if lock is None:
         lock = _LOCKS[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+    split = triton.cdiv(h, hc)
     logits = torch.empty(t, e, dtype=torch.bfloat16, device=dev)
+    part = torch.empty(split, t, e, dtype=torch.float32, device=dev)  # the column slices' sums (split > 1)
     idx, w, rows, pos, offsets = _route_outputs(t, top_k, e, weight_dtype or torch.bfloat16, dev)
     bq = 16 if INTERPRET else ROUTE_BQ
-    bes, bh = bes or ROUTER_BES, bh or ROUTER_BH
-    if bes < 16 or bes & (bes - 1) or bh < 16 or bh & (bh - 1):
-        raise ValueError(f"router_route: bes (experts per program) and bh (columns per step) must be powers "
-                         f"of two >= 16, got {bes} and {bh}")
-    COMPILED["moe router+route"] = _router_route_kernel[(triton.cdiv(e, bes),)](
-        x, gate_weight, logits, lock, idx, w, rows, pos, offsets, t, e, h, x.stride(0), gate_weight.stride(0),
+    COMPILED["moe router+route"] = _router_route_kernel[(triton.cdiv(e, bes), split)](
+        x, gate_weight, logits, part, lock, idx, w, rows, pos, offsets, t, e, h, hc, x.stride(0),
+        gate_weight.stride(0),
         K=top_k, BT=max(2, triton.next_power_of_2(t)), BE=max(16, triton.next_power_of_2(e)),
-        BP=max(16, triton.next_power_of_2(t * top_k)), BQ=bq, BES=bes, BH=bh, NORM=bool(norm),
+        BP=max(16, triton.next_power_of_2(t * top_k)), BQ=bq, BES=bes, BH=bh, SPLIT_H=split, NORM=bool(norm),
         LIBDEVICE=_libdevice_for(dev), W_BF16=w.dtype == torch.bfloat16, INTERP=INTERPRET,
         num_warps=num_warps or ROUTER_WARPS, enable_fp_fusion=False, **_launch_opts(dev))
     return logits, idx, w, rows, pos, offsets
