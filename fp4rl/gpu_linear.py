@@ -443,11 +443,14 @@ def expert_plan(block: SparseMoeBlock):
 
 FUSED_ROUTE = os.environ.get("FP4RL_MOE_ROUTE", "1") != "0"  # KernelMoeBlock's route/combine kernels
 FUSED_GATHER = os.environ.get("FP4RL_MOE_GATHER", "1") != "0"  # the grouped mma16 kernel reads x[rows] itself
-# The router GEMM inside the route's launch (moe_route.router_route), off unless FP4RL_MOE_ROUTER=1: on an
-# H200 (E 128, H 2048, top 8; bench/moe_route_bench.py router, eleventh session) it took 9.9 / 10.3 / 25.3 us
-# at 1 / 8 / 32 tokens against 8.3 / 9.2 / 17.0 for cuBLAS's F.linear + the route kernel (best variant: 7.9
-# at 1 token).
-FUSED_ROUTER = os.environ.get("FP4RL_MOE_ROUTER", "0") == "1"
+# The router GEMM inside the route's launch (moe_route.router_route) up to ROUTER_MAX_TOKENS tokens
+# (FP4RL_MOE_ROUTER=0: never; FP4RL_MOE_ROUTER_MAX: another bound, for A/B). On an H200 (E 128, H 2048,
+# top 8; bench/RESULTS.md, fourteenth session), with the router split over 256-column slices: 6.9 / 8.1 /
+# 25.0 us at 1 / 8 / 32 tokens against 8.3 / 9.3 / 17.2 for cuBLAS's F.linear + the route kernel;
+# Qwen3-30B-A3B's step at batch 1 2.44 -> 2.33 ms (W4A16) and 4.91 -> 4.73 ms (BF16), batch 8 4.29 -> 4.28 /
+# 11.97 -> 11.89, batch 32 7.50 -> 8.59 / 21.51 -> 22.42 (hence the bound).
+FUSED_ROUTER = os.environ.get("FP4RL_MOE_ROUTER", "1") != "0"
+ROUTER_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_ROUTER_MAX", "8"))
 
 
 class KernelMoeBlock(SparseMoeBlock):
@@ -456,7 +459,7 @@ class KernelMoeBlock(SparseMoeBlock):
     kernel and the weighted combine another, instead of ~15 torch launches; the grouping and every product
     are `run_experts`', the combine's sum over the k slots is sequential (torch's reduction may add in another
     order: a bf16 ulp), the router probabilities can differ from torch's in their last fp32 bit (see
-    moe_route). With FUSED_ROUTER (FP4RL_MOE_ROUTER=1; off by default: slower on the H200) a plain bf16
+    moe_route). Up to ROUTER_MAX_TOKENS tokens (FUSED_ROUTER; FP4RL_MOE_ROUTER=0 turns it off) a plain bf16
     router runs inside the route's launch (moe_route.router_route: its logits can differ from cuBLAS's in
     their last bf16 bit); else the gate module, then the route kernel. The grouped mma16 kernel gathers the
     sorted rows' tokens itself (gemm rows=; FP4RL_MOE_GATHER=0: index_select first, the same bits). Routing
@@ -486,10 +489,15 @@ class KernelMoeBlock(SparseMoeBlock):
                 or not (x.is_cuda or INTERPRET) or not moe_route.fits(n, self.top_k, self.num_experts)):
             return None
         gate = self.gate  # a plain bf16 router: its GEMM runs in the route kernel's launch
-        if (FUSED_ROUTER and type(gate) in (nn.Linear, PrepackedLinear) and gate.bias is None
+        if (FUSED_ROUTER and n <= ROUTER_MAX_TOKENS and type(gate) in (nn.Linear, PrepackedLinear)
+                and gate.bias is None
                 and gate.weight.dtype == x.dtype and gate.weight.stride(-1) == 1):
+            lock = self.__dict__.get("_router_lock")
+            if lock is None or lock.device != x.device:  # this block's own counter (two samplers never share)
+                lock = self._router_lock = torch.zeros(1, dtype=torch.int32, device=x.device)
             _, idx, w, rows, pos, offsets = moe_route.router_route(x, gate.weight, self.top_k,
-                                                                   self.norm_topk_prob, weight_dtype=x.dtype)
+                                                                   self.norm_topk_prob, weight_dtype=x.dtype,
+                                                                   lock=lock)
         else:
             idx, w, rows, pos, offsets = moe_route.route(gate(x), self.top_k, self.norm_topk_prob,
                                                          weight_dtype=x.dtype)

@@ -123,6 +123,9 @@ def test_router_route_refuses_bad_operands():
         moe_route.router_route(x, torch.zeros(8, 16, dtype=torch.bfloat16, device=DEV), 2, True)
     with pytest.raises(ValueError, match="powers of two"):
         moe_route.router_route(x, torch.zeros(8, 32, dtype=torch.bfloat16, device=DEV), 2, True, bes=8)
+    with pytest.raises(ValueError, match="int32 \\[1\\] counter"):
+        moe_route.router_route(x, torch.zeros(8, 32, dtype=torch.bfloat16, device=DEV), 2, True,
+                               lock=torch.zeros(1, device=DEV))
     with pytest.raises(ValueError, match="multiple of bh=32"):
         moe_route.router_route(x, torch.zeros(8, 32, dtype=torch.bfloat16, device=DEV), 2, True, bh=32, hc=48)
     with pytest.raises(ValueError, match="torch route"):
@@ -174,7 +177,7 @@ def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, config,
             break
     else:
         pytest.fail("every scaled input has tied router probabilities")
-    monkeypatch.setattr(gpu_linear, "FUSED_ROUTER", True)  # off by default (slower on the H200): tested here
+    assert gpu_linear.FUSED_ROUTER and gpu_linear.ROUTER_MAX_TOKENS >= 3  # on by default at 3 tokens
     calls = []
     real, real_rr = moe_route.route, moe_route.router_route
     monkeypatch.setattr(moe_route, "route", lambda *a, **kw: calls.append("route") or real(*a, **kw))
@@ -185,6 +188,9 @@ def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, config,
         monkeypatch.setattr(gpu_linear, "FUSED_ROUTER", False)
         y_router, experts_router = block(x)  # the module's gate, then the route kernel
         monkeypatch.setattr(gpu_linear, "FUSED_ROUTER", True)
+        monkeypatch.setattr(gpu_linear, "ROUTER_MAX_TOKENS", 2)
+        y_bound, experts_bound = block(x)  # 3 tokens, above the bound: the gate module, then the route kernel
+        monkeypatch.setattr(gpu_linear, "ROUTER_MAX_TOKENS", 8)
         monkeypatch.setattr(gpu_linear, "FUSED_GATHER", False)
         y_gathered, _ = block(x)  # x.index_select(0, rows) before the grouped GEMM instead of in it
         monkeypatch.setattr(gpu_linear, "FUSED_GATHER", True)
@@ -195,8 +201,11 @@ def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, config,
         y_run = block.run_experts(flat, idx, w)  # the torch grouping and combine on the same route
         if hasattr(block, "shared_expert"):
             y_run = y_run + torch.sigmoid(block.shared_expert_gate(flat)) * block.shared_expert(flat)
-    assert calls == ["rr", "route", "rr"], "the decode-sized forward must take the fused router + route " \
-        "(replay must not; FUSED_ROUTER=False the gate module, then the route kernel)"
+    assert calls == ["rr", "route", "route", "rr"], "the decode-sized forward must take the fused router + " \
+        "route (replay must not; FUSED_ROUTER=False or more tokens than ROUTER_MAX_TOKENS: the gate " \
+        "module, then the route kernel)"
+    assert torch.equal(y_bound, y_router) and torch.equal(experts_bound, experts_router)
+    assert int(block._router_lock.item()) == 0  # the block's own counter, back at zero
     # the router's logits in the kernel's sum order: the same experts here, weights within a bf16 ulp
     assert torch.equal(experts, experts_router)
     assert torch.allclose(y.float(), y_router.float(), rtol=2 ** -7, atol=1e-6)

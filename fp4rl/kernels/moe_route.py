@@ -265,15 +265,17 @@ _LOCKS: dict = {}  # router_route's counter per device (back to zero after every
 
 def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: bool,
                  weight_dtype: torch.dtype | None = None, *, num_warps: int | None = None,
-                 bes: int | None = None, bh: int | None = None, hc: int | None = None):
+                 bes: int | None = None, bh: int | None = None, hc: int | None = None,
+                 lock: torch.Tensor | None = None):
     """The router and the route in one launch: logits = x [T, H] @ gate_weight [E, H].T (bfloat16, as
     F.linear's output: fp32 sums of the exact products in another order than cuBLAS, so a logit can differ in
     its last bf16 bit), then `route(logits, ...)` by the grid's last program. Returns (logits [T, E], idx, w,
     rows, pos, offsets) as `route`. The grid: E / bes expert slices x H / hc column slices (partial sums
     added in slice order by the last program). num_warps, bes (experts per program, >= 16), bh (hidden
     columns per step), hc (hidden columns per program, a multiple of bh; >= H: one slice): tuning
-    (bench/moe_route_bench.py). No host sync; one counter per device, so calls on one device must not run
-    concurrently on two streams."""
+    (bench/moe_route_bench.py). No host sync. lock: the int32 [1] zero counter the grid's programs count on
+    (back to zero after each call); calls that may run concurrently (two streams) need their own. Default: one
+    per device."""
     if x.ndim != 2 or gate_weight.ndim != 2 or x.shape[1] != gate_weight.shape[1]:
         raise ValueError(f"router_route: x must be [T, H] and gate_weight [E, H], got {tuple(x.shape)} and "
                          f"{tuple(gate_weight.shape)}")
@@ -294,9 +296,13 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
     if hc < bh or hc % bh:
         raise ValueError(f"router_route: hc (columns per program) must be a multiple of bh={bh}, got {hc}")
     dev = x.device
-    lock = _LOCKS.get(dev)
     if lock is None:
-        lock = _LOCKS[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+        lock = _LOCKS.get(dev)
+        if lock is None:
+            lock = _LOCKS[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+    elif lock.dtype != torch.int32 or lock.numel() != 1 or lock.device != dev:
+        raise ValueError(f"router_route: lock must be an int32 [1] counter on {dev}, got {lock.dtype} "
+                         f"{tuple(lock.shape)} on {lock.device}")
     split = triton.cdiv(h, hc)
     logits = torch.empty(t, e, dtype=torch.bfloat16, device=dev)
     part = torch.empty(split, t, e, dtype=torch.float32, device=dev)  # the column slices' sums (split > 1)
