@@ -133,7 +133,7 @@ def test_silu_needs_grouped_w4a16_with_staged_x():
 def test_silu_build_uses_accurate_expf_and_ieee_division():
     """The SILU staging must be fused.silu_mul's arithmetic: libdevice's accurate expf (no fast-math option
     in the launcher's NVRTC options, no __expf in the source), the IEEE division (silu_div: checked against
-    __fdiv_rn on every bf16 input by tests/test_gemv_cuda.py on the GPU), one rounded multiply."""
+    __fdiv_rn on every bf16 input by tests/test_gemv_cuda_grouped.py on the GPU), one rounded multiply."""
     cfg = {**gemv_cuda.choose_grouped(2048, 768, 8, 132), "SILU": 1}
     src = gemv_cuda.source(cfg, False, False, True)
     body = src[src.index("float silu_up1("):src.index("}", src.index("float silu_up1("))]
