@@ -102,12 +102,13 @@ class FP8KVCache(SamplerKVCache):
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         end = self.length + k.shape[2]
-        out = []
-        for name, codes, scales, x in (("k", self.k, self.k_scale, k), ("v", self.v, self.v_scale, v)):
-            # a NaN would be stored as E4M3's NaN and an Inf turn its vector into NaN / 0: refused, as the
-            # NVFP4 cache refuses them, before anything is written
+        # a NaN would be stored as E4M3's NaN and an Inf turn its vector into NaN / 0: refused, as the NVFP4
+        # cache refuses them, before anything of the update (K or V) is written
+        for name, x in (("k", k), ("v", v)):
             if not bool(torch.isfinite(x).all()):
                 raise _nonfinite("FP8", name, layer_idx, x)
+        out = []
+        for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             q, s = self.quantize(x)  # [B, H_kv, T, D], [B, H_kv, T, 1]
             _write(codes[layer_idx], positions, q)
             _write(scales[layer_idx], positions, s)
@@ -140,13 +141,15 @@ class NVFP4KVCache(SamplerKVCache):
         self.batch_size, self.max_len, self.length = batch_size, max_len, 0
         self.dtype = dtype
 
-    def _store(self, x: str, layer_idx: int, values: torch.Tensor, positions: torch.Tensor, end: int):
+    def _quantize(self, x: str, layer_idx: int, values: torch.Tensor):
         try:
-            q = quantize(values, **self.quantize_kwargs)  # per (row, head, slot) global scale
+            return quantize(values, **self.quantize_kwargs)  # per (row, head, slot) global scale
         except ValueError as exc:
             if bool(torch.isfinite(values).all()):
                 raise
             raise _nonfinite("NVFP4", x, layer_idx, values) from exc
+
+    def _store(self, x: str, layer_idx: int, q, values: torch.Tensor, positions: torch.Tensor, end: int):
         data = getattr(self, f"{x}_data")[layer_idx]
         block_scale = getattr(self, f"{x}_block_scale")[layer_idx]
         global_scale = getattr(self, f"{x}_global_scale")[layer_idx]
@@ -161,7 +164,9 @@ class NVFP4KVCache(SamplerKVCache):
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         end = self.length + k.shape[2]
-        return self._store("k", layer_idx, k, positions, end), self._store("v", layer_idx, v, positions, end)
+        qk, qv = self._quantize("k", layer_idx, k), self._quantize("v", layer_idx, v)  # both before a write
+        return (self._store("k", layer_idx, qk, k, positions, end),
+                self._store("v", layer_idx, qv, v, positions, end))
 
 
 def make_kv_cache(kind: str, config: ModelConfig, batch_size: int, max_len: int, *,

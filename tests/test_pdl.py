@@ -21,33 +21,33 @@ def on_gpu(monkeypatch):
 
 
 def test_gemm_flag_only_inside_a_step_and_not_after_a_rebuild(on_gpu):
-    assert not pdl.gemm_flag("cuda")  # outside the engine's step: the weights may just have been written
+    assert not pdl.gemm_flag("cuda", "gemv")  # outside the engine step: weights may just have been written
     with pdl.step():
-        assert pdl.gemm_flag("cuda")
+        assert pdl.gemm_flag("cuda", "gemv")
         with pdl.step():  # nested scopes (the capture's warm-up step inside another)
-            assert pdl.gemm_flag("cuda")
-        assert pdl.gemm_flag("cuda")
+            assert pdl.gemm_flag("cuda", "gemv")
+        assert pdl.gemm_flag("cuda", "gemv")
         pdl.hazard()  # a decode copy was just rebuilt on the stream
-        assert not pdl.gemm_flag("cuda")  # the next launch waits for it in full ...
-        assert pdl.gemm_flag("cuda")  # ... and only that one
-    assert not pdl.gemm_flag("cuda")
+        assert not pdl.gemm_flag("cuda", "gemv")  # the next launch waits for it in full ...
+        assert pdl.gemm_flag("cuda", "gemv")  # ... and only that one
+    assert not pdl.gemm_flag("cuda", "gemv")
     with pytest.raises(RuntimeError, match="boom"), pdl.step():  # the scope ends on an exception too
         raise RuntimeError("boom")
-    assert not pdl.gemm_flag("cuda")
+    assert not pdl.gemm_flag("cuda", "gemv")
 
 
 def test_switching_off(on_gpu):
     pdl.set_enabled(False)
     assert not pdl.is_enabled()
     with pdl.step():
-        assert not pdl.gemm_flag("cuda")
+        assert not pdl.gemm_flag("cuda", "gemv")
         assert not pdl.triton_flag("cuda")
 
 
 def test_off_on_a_cpu():
     assert not pdl.enabled("cpu") and not pdl.triton_flag("cpu")
     with pdl.step():
-        assert not pdl.gemm_flag("cpu")
+        assert not pdl.gemm_flag("cpu", "gemv")
 
 
 def test_launch_checks_arguments_before_the_driver():
@@ -94,10 +94,13 @@ def test_kinds_off_from_the_environment(monkeypatch):
         pdl._kinds_off_env()
 
 
-def test_benchmark_pdl_settings():
+def test_benchmark_pdl_settings(monkeypatch):
     from fp4rl.benchmarks.sampler_gpu import pdl_setting
 
+    monkeypatch.delenv("FP4RL_PDL_OFF", raising=False)
     assert pdl_setting("on") == (True, pdl.DEFAULT_OFF) and pdl_setting("off") == (False, frozenset())
+    monkeypatch.setenv("FP4RL_PDL_OFF", "triton")  # 'on' is the process's setting, not always the default
+    assert pdl_setting("on") == (True, frozenset({"triton"}))
     assert pdl_setting("all") == (True, frozenset())
     assert pdl_setting("no-wide+triton") == (True, frozenset({"wide", "triton"}))
     for bad in ("no-", "no-cublas", "maybe"):

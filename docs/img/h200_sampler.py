@@ -19,13 +19,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from fp4rl.kernels.pdl import DEFAULT_OFF  # noqa: E402
+
 
 def _rank(r) -> int:
     """0: the default launch setting (PDL on with the default kinds; older JSON has no pdl_off), 1: PDL on
     with other kinds, 2: PDL off."""
     if not r.get("pdl", True):
         return 2
-    return 0 if "pdl_off" not in r or set(r["pdl_off"]) == {"mma", "wide"} else 1
+    return 0 if "pdl_off" not in r or set(r["pdl_off"]) == DEFAULT_OFF else 1
 
 
 def rows_of(path):

@@ -426,16 +426,17 @@ def _mode(r) -> str:
 
 
 def pdl_setting(text: str) -> tuple[bool, frozenset]:
-    """--pdl item -> (PDL on, kinds without it): 'on' (pdl.DEFAULT_OFF), 'all', 'off', 'no-wide+triton'."""
+    """--pdl item -> (PDL on, kinds without it): 'on' (the kinds FP4RL_PDL_OFF names, else pdl.DEFAULT_OFF),
+    'all', 'off', 'no-wide+triton'."""
     from fp4rl.kernels import pdl
 
     if text in ("on", "off", "all"):
-        return text != "off", pdl.DEFAULT_OFF if text == "on" else frozenset()
+        return text != "off", pdl._kinds_off_env() if text == "on" else frozenset()
     if text.startswith("no-"):
         kinds = frozenset(text[3:].split("+"))
         if kinds and not kinds - set(pdl.KINDS):
             return True, kinds
-    raise ValueError(f"--pdl item {text!r}: use 'on', 'off' or 'no-KIND[+KIND]' with kinds {pdl.KINDS}")
+    raise ValueError(f"--pdl item {text!r}: use 'on', 'all', 'off' or 'no-KIND[+KIND]', kinds {pdl.KINDS}")
 
 
 def _label(r) -> str:

@@ -256,7 +256,7 @@ def route(logits: torch.Tensor, top_k: int, norm: bool, weight_dtype: torch.dtyp
     return idx, w, rows, pos, offsets
 
 
-ROUTER_BES = 16  # experts per program of router_route (E 128: 8 programs)
+ROUTER_BES = 16  # experts per program of router_route (E 128: 8 per column slice)
 ROUTER_BH = 256  # hidden columns per step of its sums
 ROUTER_HC = 256  # hidden columns per program (H 2048: 8 column slices, 64 programs at E 128)
 ROUTER_WARPS = 4
@@ -305,7 +305,8 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
                          f"{tuple(lock.shape)} on {lock.device}")
     split = triton.cdiv(h, hc)
     logits = torch.empty(t, e, dtype=torch.bfloat16, device=dev)
-    part = torch.empty(split, t, e, dtype=torch.float32, device=dev)  # the column slices' sums (split > 1)
+    # the column slices' fp32 sums (one slice: unused, the kernel stores bf16 logits directly)
+    part = torch.empty((split, t, e) if split > 1 else (1,), dtype=torch.float32, device=dev)
     idx, w, rows, pos, offsets = _route_outputs(t, top_k, e, weight_dtype or torch.bfloat16, dev)
     bq = 16 if INTERPRET else ROUTE_BQ
     COMPILED["moe router+route"] = _router_route_kernel[(triton.cdiv(e, bes), split)](

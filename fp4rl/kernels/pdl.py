@@ -112,9 +112,9 @@ def hazard() -> None:
     _STATE["hazard"] = True
 
 
-def gemm_flag(device, kind: str = "mma") -> bool:
-    """Whether the CUDA GEMM's launch of `kind` on `device` carries the PDL attribute now (consumes a
-    hazard)."""
+def gemm_flag(device, kind: str) -> bool:
+    """Whether the CUDA GEMM's launch of `kind` (one of KINDS) on `device` carries the PDL attribute now
+    (consumes a hazard)."""
     if _STATE["hazard"]:
         _STATE["hazard"] = False
         return False
