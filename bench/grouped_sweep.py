@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from mma16_sweep import variant  # noqa: E402
+from mma16_sweep import configs, start  # noqa: E402
 
-from fp4rl.benchmarks.gpu_kernels import _env, _rel, copy_bandwidth, time_calls  # noqa: E402
+from fp4rl.benchmarks.gpu_kernels import _rel, time_calls  # noqa: E402
 from fp4rl.kernels import gemv_cuda, pdl  # noqa: E402
 from fp4rl.nvfp4 import reference  # noqa: E402
 
@@ -90,12 +90,7 @@ def main():
     ap.add_argument("--variants", default="auto,d3,d4,d6,s2x,sh,t3,pdl,pdl+d4")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    pdl.set_kinds_off(())  # the `pdl` variants: every launch of the kernel with the attribute (no defaults)
-    out = {"env": _env(), "copy": copy_bandwidth(), "rows": []}
-    bw = out["copy"]["tb_s"]
-    print("copy", out["copy"], flush=True)
-    t_start = time.time()
+    sms, out, bw, t_start = start()
     e, h, f = a.experts, a.hidden, a.inter
     up_wc, up_g, up_deq = expert_stack(e, 2 * f, h, seed=1)
     dn_wc, dn_g, dn_deq = expert_stack(e, h, f, seed=2)
@@ -122,18 +117,7 @@ def main():
             base = gemv_cuda.choose_grouped(n, k, min(e, m), sms)
             moved = len(set(ex_rows)) * per + m * (k if name == "gate_up" else 2 * k) * 2 + m * n * 2
             floor_us = moved / bw / 1e6
-            seen = []
-            for vname in a.variants.split(","):
-                if vname == "s2x":
-                    c = dict(base, SPLIT=min(8, base["SPLIT"] * 2))
-                elif vname == "sh":
-                    c = dict(base, SPLIT=max(1, base["SPLIT"] // 2))
-                else:
-                    c = variant(vname, base)
-                use_pdl = "pdl" in vname.split("+")
-                if (c, use_pdl) in seen or (k // 128) < c["SPLIT"]:
-                    continue
-                seen.append((c, use_pdl))
+            for vname, c, use_pdl in configs(a.variants.split(","), base, k):
                 ys = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in sets]
 
                 def run(i, c=c, name=name, wc=wc, g=g, sets=sets, x=x, ys=ys, gu=gu):

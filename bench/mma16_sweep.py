@@ -37,11 +37,46 @@ def variant(name: str, base: dict) -> dict:
     for part in name.split("+"):
         if part in ("auto", "pdl"):
             continue
+        if part in ("s2x", "sh"):
+            c["SPLIT"] = min(8, c["SPLIT"] * 2) if part == "s2x" else max(1, c["SPLIT"] // 2)
+            continue
         keys = {"d": "DEPTH", "nt": "NT", "s": "SPLIT", "t": "TIMING", "tr": "TRIGGER", "xs": "XSTREAM",
                 "wg": "WGMMA", "mg": "MG", "wb": "WB", "sw": "SWZ"}
-        key = keys[part.rstrip("0123456789")]
-        c[key] = int(part[len(part.rstrip("0123456789")):])
+        prefix = part.rstrip("0123456789")
+        if prefix not in keys or prefix == part:
+            raise SystemExit(f"variant {name!r}: unknown part {part!r} (see mma16_sweep.variant)")
+        c[keys[prefix]] = int(part[len(prefix):])
     return c
+
+
+def configs(names, base: dict | None, k: int, wide: dict | None = None):
+    """(name, configuration, PDL) for each variant name, each distinct configuration once, only splits that
+    K's 128-k steps can take; `wide...` names start from `wide` (skipped without it), the others from `base`
+    (skipped when None: the mma.sync kernel does not take these rows)."""
+    seen = []
+    for name in names:
+        if name.startswith("wide"):
+            if wide is None:
+                continue
+            c = variant(name[len("wide+"):] if "+" in name else "auto", wide)
+        elif base is None:
+            continue
+        else:
+            c = variant(name, base)
+        use_pdl = "pdl" in name.split("+")
+        if (c, use_pdl) in seen or (k // 128) < c["SPLIT"]:
+            continue
+        seen.append((c, use_pdl))
+        yield name, c, use_pdl
+
+
+def start():
+    """A sweep's (SM count, results dict with env and copy bandwidth, copy TB/s, start time); the `pdl`
+    variants put the attribute on every launch of the kernel (not only the kinds pdl.DEFAULT_OFF leaves)."""
+    pdl.set_kinds_off(())
+    out = {"env": _env(), "copy": copy_bandwidth(), "rows": []}
+    print("copy", out["copy"], flush=True)
+    return torch.cuda.get_device_properties(0).multi_processor_count, out, out["copy"]["tb_s"], time.time()
 
 
 def call(x, w, g, y, c, use_pdl: bool):
@@ -57,12 +92,7 @@ def main():
     ap.add_argument("--gluon", action="store_true", help="also time the Gluon GEMV (gemv32) at 1-4 rows")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    pdl.set_kinds_off(())  # the `pdl` variants: every launch of the kernel with the attribute (no defaults)
-    out = {"env": _env(), "copy": copy_bandwidth(), "rows": []}
-    bw = out["copy"]["tb_s"]
-    print("copy", out["copy"], flush=True)
-    t_start = time.time()
+    sms, out, bw, t_start = start()
     for shp in a.shapes.split(","):
         n, k = map(int, shp.split("x"))
         w_bf16, wq = _nvfp4_weight(n, k)
@@ -81,22 +111,7 @@ def main():
             floor_us = (floor_bytes + x.nbytes + 2 * m * n) / bw / 1e6
             base = gemv_cuda.choose(n, k, m, sms) if gemv_cuda.fits(n, k, m, sms) else None
             wide = gemv_cuda.choose_wide(n, k, m, sms)
-            seen = []
-            for name in a.variants.split(","):
-                if name.startswith("wide"):  # the wgmma configuration (any rows), then its modifiers
-                    c = variant(name[len("wide+"):] if "+" in name else "auto", wide)
-                elif base is None:
-                    continue
-                elif name == "s2x":
-                    c = dict(base, SPLIT=min(8, base["SPLIT"] * 2))
-                elif name == "sh":
-                    c = dict(base, SPLIT=max(1, base["SPLIT"] // 2))
-                else:
-                    c = variant(name, base)
-                use_pdl = "pdl" in name.split("+")
-                if (c, use_pdl) in seen or (k // 128) < c["SPLIT"]:
-                    continue
-                seen.append((c, use_pdl))
+            for name, c, use_pdl in configs(a.variants.split(","), base, k, wide):
                 y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
                 try:
                     err = _rel(call(x, wc0, g, y, c, use_pdl), ref)
