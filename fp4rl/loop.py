@@ -66,6 +66,7 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import math
 import random
 import sys
 import threading
@@ -208,6 +209,12 @@ class Rollouts:
 def make_batch(rollout: Rollout, config: RunConfig, pad_id: int) -> tuple[Batch, dict[str, float]]:
     """GRPO advantages of a rollout -> (the training Batch, reward/* and response/* metrics)."""
     g = config.grpo
+    for i, c in enumerate(rollout.completions):  # before any group is dropped: an all-NaN rollout scores 0
+        if not all(map(math.isfinite, c.logprobs)):  # everywhere and would leave nothing for the loss to see
+            raise ValueError(f"the sampler's logprobs of completion {i} (prompt {c.prompt_index}, sample "
+                             f"{c.sample_index}) are NaN or Inf: it saw non-finite logits; check the synced "
+                             "weights (weight_sync verify=True) and the rollout's model before training on "
+                             "it")
     advantages, zero_variance = group_advantages(rollout.rewards, normalize_std=g.normalize_std,
                                                  eps=g.adv_eps)
     n = rollout.rewards.shape[1]

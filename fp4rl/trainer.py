@@ -210,6 +210,16 @@ class Trainer:
                 loss_sum, kl_sum = loss_sum * scale, kl_sum * scale
             max_norm = config.trainer.grad_clip if config.trainer.grad_clip > 0 else math.inf
             grad_norms.append(torch.nn.utils.clip_grad_norm_(self.params, max_norm).item())
+            if not (math.isfinite(loss_sum) and math.isfinite(grad_norms[-1])):
+                # an optimizer step now would write NaN/Inf into the weights and the AdamW state (and from
+                # there into every later rollout and checkpoint): refused before anything is changed
+                self.optimizer.zero_grad(set_to_none=True)
+                raise ValueError(
+                    f"trainer step {self.policy_version + 1} (update {self.updates + 1}): the loss "
+                    f"({loss_sum}) or the gradient norm ({grad_norms[-1]}) is not finite; this update was "
+                    "not applied to the weights or the optimizer. Lower trainer.lr or set trainer.grad_clip "
+                    "> 0 (a diverging run), check the rewards and advantages, then resume from the last "
+                    "checkpoint (fp4rl train --resume)")
             self.optimizer.step()
             self.updates += 1
             losses.append(loss_sum)

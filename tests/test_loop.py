@@ -475,3 +475,26 @@ def test_resume_keeps_the_run_dir_its_config_names(tmp_path, monkeypatch):
     assert (c.run.dir, c.run.name) == (str(tmp_path / "moved"), "arm2")
     with pytest.raises(ConfigError, match="run.name=other cannot change that"):
         resume("moved/arm2", "run.name=other")
+
+
+def test_non_finite_sampler_logprobs_are_refused_before_zero_variance_groups_are_dropped():
+    """A sampler that saw NaN logits scores 0 everywhere: every group has zero variance and is dropped, so
+    the loss's own check would never see the NaN; make_batch refuses the rollout first."""
+    from types import SimpleNamespace
+
+    from fp4rl.loop import Rollout, make_batch
+
+    config = load_config(None, [])
+
+    def completion(i, lp):
+        return SimpleNamespace(prompt_index=i // 2, sample_index=i % 2, prompt_ids=[5, 6],
+                               completion_ids=[7, 8], logprobs=lp, policy_version=0, routing=None,
+                               guidance=None, finish_reason="stop")
+
+    rewards = torch.zeros(2, 2)  # every group zero-variance (dropped by default)
+    ok = Rollout(1, [None, None], [completion(i, [-0.5, -1.0]) for i in range(4)], rewards, 0.0)
+    make_batch(ok, config, pad_id=0)
+    lps = [[-0.5, float("nan") if i == 3 else -1.0] for i in range(4)]
+    bad = Rollout(1, [None, None], [completion(i, lp) for i, lp in enumerate(lps)], rewards, 0.0)
+    with pytest.raises(ValueError, match=r"logprobs of completion 3 \(prompt 1, sample 1\) are NaN or Inf"):
+        make_batch(bad, config, pad_id=0)

@@ -373,3 +373,30 @@ def test_trace_guides_the_policy_and_not_the_reference():
     assert torch.equal(ref_guided, ref_plain)
     assert trainer.trace_stats.elements > 0 and not torch.equal(pol_guided, pol_plain)  # the policy is guided
     assert torch.equal(pol_plain, ref_plain)  # same weights before any update
+
+
+def test_a_non_finite_update_is_refused_before_the_weights_or_optimizer_change(monkeypatch):
+    """A NaN loss / gradient: the step raises naming the cause and the fix, and neither the weights nor the
+    AdamW state move (an optimizer step would write NaN into both, and into every later checkpoint)."""
+    import fp4rl.trainer as trainer_module
+
+    trainer = Trainer(tiny_model(), NVFP4, config())
+    batch = make_batch(trainer.model)
+    trainer.step(batch)  # a finite update first: the optimizer holds state
+    params = [p.detach().clone() for p in trainer.params]
+    state = copy.deepcopy(trainer.optimizer.state_dict())
+    real = trainer_module.grpo_loss
+
+    def nan_loss(*a, **kw):
+        loss, m = real(*a, **kw)
+        return loss * float("nan"), m
+
+    monkeypatch.setattr(trainer_module, "grpo_loss", nan_loss)
+    with pytest.raises(ValueError, match=r"trainer step 2 \(update 2\).*not finite.*not applied.*--resume"):
+        trainer.step(batch)
+    assert all(torch.equal(a, b) for a, b in zip(params, trainer.params))
+    after = trainer.optimizer.state_dict()["state"]
+    for key, st in state["state"].items():
+        for name, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(after[key][name])), (key, name)
+    assert trainer.updates == 1 and all(p.grad is None for p in trainer.params)
