@@ -229,12 +229,14 @@ def importance_weights(
 
 
 def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_agg: str, denominator: float | None):
+    # masked positions select 0 (not x * 0: a NaN or Inf there would make the sum NaN)
+    per_token = torch.where(mask > 0, per_token * mask, torch.zeros_like(per_token))
     if loss_agg == "token-mean":
-        total = (per_token * mask).sum()
+        total = per_token.sum()
         return total / (denominator if denominator is not None else mask.sum().clamp_min(1))
     if loss_agg == "seq-mean-token-mean":
         tokens_per_seq = mask.sum(dim=1)  # [B]
-        seq_loss = (per_token * mask).sum(dim=1) / tokens_per_seq.clamp_min(1)  # [B]
+        seq_loss = per_token.sum(dim=1) / tokens_per_seq.clamp_min(1)  # [B]
         num_seqs = (tokens_per_seq > 0).sum().clamp_min(1)
         return seq_loss.sum() / (denominator if denominator is not None else num_seqs)
     raise ValueError(f"loss_agg = {loss_agg!r}: allowed values are {LOSS_AGGREGATIONS}")
@@ -260,7 +262,10 @@ def policy_loss(
     if advantages.dim() == 1:
         advantages = advantages[:, None]  # [B, 1]
     advantages = advantages.float()
-    ratio = torch.exp(logprobs - old_logprobs.detach())  # [B, T]
+    # masked positions (padding, MIS-rejected tokens) at ratio 1 and the log-ratio clamped as in
+    # importance_weights: an overflowing exp there would turn the backward's 0 * inf into NaN
+    log_ratio = torch.where(mask > 0, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
+    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))  # [B, T]
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)  # [B, T]
@@ -277,8 +282,10 @@ def policy_loss(
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || ref) on samples from pi: [B, T] -> [B, T], >= 0."""
-    delta = ref_logprobs - logprobs
+    """Per-token k3 estimate of KL(pi || ref) on samples from pi: [B, T] -> [B, T], >= 0. The log-ratio is
+    clamped to +-_MAX_LOG_RATIO (as the importance weights'), so a padding position or a far-drifted token
+    cannot overflow exp into a NaN loss or gradient."""
+    delta = (ref_logprobs - logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     return torch.exp(delta) - delta - 1.0
 
 

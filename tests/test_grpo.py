@@ -262,3 +262,23 @@ def test_grpo_config_validation():
     with pytest.raises(ConfigError, match="grpo.tis_cap"):
         GRPOConfig(tis_cap=1e12)
     assert GRPOConfig(tis_cap=3).tis_cap == 3.0 and isinstance(GRPOConfig(tis_cap=3).tis_cap, float)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_an_overflowing_masked_position_leaves_the_loss_and_gradient_finite(loss_agg):
+    """A padding or MIS-rejected token whose log-ratio to pi_old (or to the KL reference) would overflow exp:
+    the loss and every gradient stay finite and the masked token gets no gradient (x * 0 would be NaN)."""
+    logprobs = torch.tensor([[0.0, -1.0, -0.5]], requires_grad=True)
+    old = torch.tensor([[-200.0, -1.1, -0.4]])  # exp(0 - (-200)) overflows float32
+    ref = torch.tensor([[150.0, -1.0, -0.6]])  # exp(150 - 0) overflows too
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    config = GRPOConfig(kl_coef=0.1, loss_agg=loss_agg)
+    loss, metrics = grpo_loss(logprobs, torch.tensor([-1.0]), mask, config, old_logprobs=old,
+                              ref_logprobs=ref)
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(logprobs.grad).all()
+    assert logprobs.grad[0, 0] == 0.0 and (logprobs.grad[0, 1:] != 0).all()
+    # the unmasked tokens' loss is what it was (nothing near the clamp there)
+    ref_loss, _ = grpo_loss(logprobs.detach()[:, 1:], torch.tensor([-1.0]), mask[:, 1:], config,
+                            old_logprobs=old[:, 1:], ref_logprobs=ref[:, 1:])
+    assert torch.allclose(loss, ref_loss)
