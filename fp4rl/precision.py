@@ -38,9 +38,10 @@ The contract refuses, with an error naming the key and the fix:
   bf16_last_fraction outside [0, 1]; a malformed rule;
 - in resolve(model): a rule that matches no nn.Linear (a typo, or a rule aimed at an
   embedding or norm, which cannot be NVFP4); a final resolution that quantizes a router;
-  an NVFP4 preset that finds nothing to quantize (no `model.layers.{i}.` in the model, or
-  "nvfp4-experts" on a dense model); routed experts stored as fused 3D parameters (the
-  transformers 5 layout) instead of per-expert nn.Linear, which the preset could not convert.
+  an NVFP4 preset that finds nothing to quantize (no `model.layers.{i}.` in the model,
+  "nvfp4-experts" on a dense model, or every layer among the BF16-kept last ones); routed
+  experts stored as fused 3D parameters (the transformers 5 layout) instead of per-expert
+  nn.Linear, which the preset could not convert.
 
 4/6 (mission point 4) and its error metric are set separately for weights and activations;
 the weight tile is 1x16 (one E4M3 scale per 16 values of a row) or 16x16 (one scale per tile:
@@ -218,6 +219,13 @@ class PrecisionContract:
                              "and sampler). Add a later rule ('*.mlp.gate', 'bf16') or narrow the glob.")
         if self.preset != "bf16":
             self._check_preset_applies(model, num_layers)
+            if linears and all(p == "bf16" for p in resolved.values()):
+                why = (f"its {num_layers} decoder layer(s) all fall in the last bf16_last_fraction="
+                       f"{self.bf16_last_fraction} kept BF16" if len(last) == num_layers else
+                       "the rules and the BF16-kept layers leave no linear to quantize")
+                raise ValueError(f"PrecisionContract.preset={self.preset!r} quantizes nothing in this model: "
+                                 f"{why}, so it would train and sample in BF16 under an NVFP4 label. Lower "
+                                 "bf16_last_fraction (0 quantizes every layer), or use preset 'bf16'")
         return resolved
 
     def _check_preset_applies(self, model: nn.Module, num_layers: int) -> None:

@@ -240,3 +240,17 @@ def test_resolve_reads_a_samplers_packed_model():
     sampler = Sampler(model, eos_token_ids=[])
     assert c.resolve(sampler.model) == c.resolve(model)
     assert "decoder layers: 4" in c.summary(sampler.model)
+
+
+def test_an_nvfp4_preset_that_would_quantize_nothing_is_refused():
+    """Every decoder layer among the BF16-kept last ones (1 layer at the default 0.15, or a fraction of 1):
+    the model would train and sample in BF16 under an NVFP4 label; refused, naming the fix."""
+    with pytest.raises(ValueError, match=r"quantizes nothing.*1 decoder layer\(s\).*bf16_last_fraction=0.15"):
+        PrecisionContract("nvfp4-linear").resolve(tiny_model(num_layers=1, moe=False))
+    with pytest.raises(ValueError, match=r"quantizes nothing.*Lower bf16_last_fraction"):
+        PrecisionContract("nvfp4-w4a16", bf16_last_fraction=1.0).resolve(tiny_model(num_layers=3))
+    with pytest.raises(ValueError, match="quantizes nothing"):  # rules that send everything back to BF16
+        PrecisionContract("nvfp4-linear", bf16_last_fraction=0.0,
+                          rules=[("model.layers.*", "bf16")]).resolve(tiny_model(num_layers=2, moe=False))
+    resolved = PrecisionContract("nvfp4-linear", bf16_last_fraction=0.0).resolve(tiny_model(1, moe=False))
+    assert "w4a4" in resolved.values()  # one layer, nothing kept BF16: quantized
