@@ -320,6 +320,9 @@ class Sampler:
         for m in self.model.modules():
             if isinstance(m, PackedNVFP4Linear | PrepackedLinear):
                 m.invalidate()
+            plan = getattr(m, "plan", None)  # a KernelMoeBlock's expert stacks and their decode copies
+            if plan is not None and callable(getattr(plan, "invalidate", None)):
+                plan.invalidate()
         for group in self.model.fused_groups:
             group.invalidate()
 

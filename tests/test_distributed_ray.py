@@ -437,3 +437,21 @@ def test_gpu_pool_matches_local_shards(ray_session):
     local = SamplerFactory(model, **kwargs)()
     local.load(payload, verify=True)
     assert got == LocalShards(local, 2).generate(PROMPTS, params)
+
+
+def test_a_sampler_built_from_the_config_refuses_to_sample_before_its_first_payload():
+    """The config factory's sampler holds zero weights whatever policy_version its settings name: it refuses
+    to generate (a zero model's completions would carry that version) until a payload is loaded."""
+    import pickle
+
+    from fp4rl.distributed.ray_pool import SamplerFactory
+    from fp4rl.weight_sync import build_payload
+
+    model, contract = tiny_converted()
+    empty = pickle.loads(pickle.dumps(SamplerFactory(model, contract=contract, eos_token_ids=[],
+                                                     policy_version=3)))()
+    params = SamplingParams(n=1, seed=1, max_new_tokens=3)
+    with pytest.raises(RuntimeError, match="no weights loaded yet"):
+        empty.generate(PROMPTS, params)
+    empty.load(build_payload(model, contract, 4), verify=True)
+    assert [c.policy_version for c in empty.generate(PROMPTS, params)] == [4] * len(PROMPTS)

@@ -214,3 +214,20 @@ def test_payload_round_trips_through_bytes_and_files(tmp_path):
     assert_unchanged(sampler, before, 4)
     with pytest.raises(ValueError, match="not a readable fp4rl payload"):
         Payload.from_bytes(blob[:1000])
+
+
+def test_a_load_drops_what_moe_blocks_derived_from_the_old_experts():
+    """Sampler.load invalidates every derived copy, including a MoE block's expert plan (its decode copies
+    are refreshed only from tensor versions otherwise: tensors made under inference_mode have none)."""
+    from types import SimpleNamespace
+
+    model, contract = trainer(MOE, preset="nvfp4-experts")
+    sampler = Sampler(model)
+    calls = []
+    blocks = [m for m in sampler.model.modules() if type(m).__name__.endswith("MoeBlock")]
+    assert blocks
+    for b in blocks:
+        b.plan = SimpleNamespace(invalidate=lambda: calls.append(1))
+    optimizer_step(model)
+    sampler.load(build_payload(model, contract, version=1))
+    assert len(calls) == len(blocks)

@@ -76,8 +76,13 @@ class SamplerFactory:
     def __call__(self):
         from fp4rl.sampler import Sampler
 
-        model = self.model if self.model is not None else self._empty_model()
-        return Sampler(model, self.tokenizer, **self.sampler_kwargs)
+        if self.model is not None:
+            return Sampler(self.model, self.tokenizer, **self.sampler_kwargs)
+        sampler = Sampler(self._empty_model(), self.tokenizer, **self.sampler_kwargs)
+        # its weights are zeros of the model's shape, whatever policy_version the settings name: it must not
+        # sample (and label a zero model's completions with that version) until a payload is loaded
+        sampler.weights_error = "no weights loaded yet (built from the model's shape with zero weights)"
+        return sampler
 
     def _empty_model(self):
         import torch
