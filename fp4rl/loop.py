@@ -24,8 +24,8 @@ Asynchronous with k = loop.max_staleness >= 1: the rollout of step s uses versio
 A background thread owns the sampler and produces rollouts in step order; for step s it
 waits until version v(s) has been published, loads it, and generates. The trainer publishes
 version s right after step s, so while it trains step s the thread can already generate the
-rollouts of steps s + 1 .. s + k + 1 (those need versions <= s). Staleness is exactly k once
-s > k + 1 (smaller in the first steps, which all use version 0), never more. Because a rollout
+rollouts of steps s + 1 .. s + k (those need versions <= s - 1, all published). Staleness is exactly
+k from step s = k + 1 on (smaller in the first steps, which all use version 0), never more. Because a rollout
 depends only on v(s) and its per-step seed, never on thread timing, an async run is as
 deterministic as a sync one. A checkpoint after step s waits for the rollouts of steps
 s + 1 .. s + k (they need versions <= s - 1, all published) and stores them, so a resumed run
