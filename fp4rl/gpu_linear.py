@@ -466,6 +466,7 @@ class KernelMoeBlock(SparseMoeBlock):
     replay (forced experts), larger batches and FP4RL_MOE_ROUTE=0 take the torch route."""
 
     plan = None
+    _router_lock: torch.Tensor | None = None  # router_route's counter, this block's own (set at first use)
 
     def routed(self, x: torch.Tensor, forced_experts: torch.Tensor | None = None):
         parts = self.routed_parts(x, forced_experts)
@@ -492,8 +493,8 @@ class KernelMoeBlock(SparseMoeBlock):
         if (FUSED_ROUTER and n <= ROUTER_MAX_TOKENS and type(gate) in (nn.Linear, PrepackedLinear)
                 and gate.bias is None
                 and gate.weight.dtype == x.dtype and gate.weight.stride(-1) == 1):
-            lock = self.__dict__.get("_router_lock")
-            if lock is None or lock.device != x.device:  # this block's own counter (two samplers never share)
+            lock = self._router_lock
+            if lock is None or lock.device != x.device:  # two samplers' blocks never share one
                 lock = self._router_lock = torch.zeros(1, dtype=torch.int32, device=x.device)
             _, idx, w, rows, pos, offsets = moe_route.router_route(x, gate.weight, self.top_k,
                                                                    self.norm_topk_prob, weight_dtype=x.dtype,

@@ -21,14 +21,12 @@ from test_fused_kernels import (  # noqa: E402
     _nan_eq,
     _norm,
     _q_eq,
-    _quiet,
+    _quiet,  # noqa: F401  (the shared autouse fixture: quiet numpy warnings under the interpreter)
     assert_bytes,
     assert_norm_close,
 )
 
 from fp4rl.kernels import fused, moe_route  # noqa: E402
-
-_quiet = _quiet  # the shared autouse fixture (quiet numpy warnings under the interpreter) applies here too
 
 
 def _moe_inputs(t, k, hd, seed, w_dtype=torch.bfloat16):

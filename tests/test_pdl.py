@@ -79,19 +79,19 @@ def test_default_kinds(monkeypatch):
     from fp4rl.kernels.gemv_cuda import _pdl_kind
 
     monkeypatch.delenv("FP4RL_PDL_OFF", raising=False)
-    assert pdl._kinds_off_env() == pdl.DEFAULT_OFF == {"mma", "wide"}
+    assert pdl.env_kinds_off() == pdl.DEFAULT_OFF == {"mma", "wide"}
     kinds = (_pdl_kind({"NT": 1}, 1), _pdl_kind({"NT": 1}, 2), _pdl_kind({"WGMMA": 1}, 1))
     assert kinds == ("gemv", "mma", "wide")
     monkeypatch.setenv("FP4RL_PDL_OFF", "")  # set but empty: every kind
-    assert pdl._kinds_off_env() == frozenset()
+    assert pdl.env_kinds_off() == frozenset()
 
 
 def test_kinds_off_from_the_environment(monkeypatch):
     monkeypatch.setenv("FP4RL_PDL_OFF", "wide, grouped")
-    assert pdl._kinds_off_env() == {"wide", "grouped"}
+    assert pdl.env_kinds_off() == {"wide", "grouped"}
     monkeypatch.setenv("FP4RL_PDL_OFF", "wide,cublas")
     with pytest.raises(ValueError, match="FP4RL_PDL_OFF names unknown launch kinds \\['cublas'\\]"):
-        pdl._kinds_off_env()
+        pdl.env_kinds_off()
 
 
 def test_benchmark_pdl_settings(monkeypatch):

@@ -431,7 +431,7 @@ def pdl_setting(text: str) -> tuple[bool, frozenset]:
     from fp4rl.kernels import pdl
 
     if text in ("on", "off", "all"):
-        return text != "off", pdl._kinds_off_env() if text == "on" else frozenset()
+        return text != "off", pdl.env_kinds_off() if text == "on" else frozenset()
     if text.startswith("no-"):
         kinds = frozenset(text[3:].split("+"))
         if kinds and not kinds - set(pdl.KINDS):

@@ -38,17 +38,23 @@ KINDS = ("gemv", "mma", "wide", "grouped", "triton")
 DEFAULT_OFF = frozenset({"mma", "wide"})
 
 
-def _kinds_off_env() -> frozenset:
+def _kinds(names, what: str) -> frozenset:
+    """`names` as a frozenset of KINDS; an unknown one raises, `what` saying where it came from."""
+    names = frozenset(names)
+    if names - set(KINDS):
+        raise ValueError(f"{what} unknown launch kinds {sorted(names - set(KINDS))}; the kinds are {KINDS}")
+    return names
+
+
+def env_kinds_off() -> frozenset:
+    """The kinds FP4RL_PDL_OFF names (comma-separated, empty for none), else DEFAULT_OFF."""
     if "FP4RL_PDL_OFF" not in os.environ:
         return DEFAULT_OFF
-    names = {k.strip() for k in os.environ["FP4RL_PDL_OFF"].split(",") if k.strip()}
-    bad = names - set(KINDS)
-    if bad:
-        raise ValueError(f"FP4RL_PDL_OFF names unknown launch kinds {sorted(bad)}; the kinds are {KINDS}")
-    return frozenset(names)
+    names = (k.strip() for k in os.environ["FP4RL_PDL_OFF"].split(","))
+    return _kinds((k for k in names if k), "FP4RL_PDL_OFF names")
 
 
-_STATE = {"on": os.environ.get("FP4RL_PDL", "1") != "0", "step": 0, "hazard": False, "off": _kinds_off_env()}
+_STATE = {"on": os.environ.get("FP4RL_PDL", "1") != "0", "step": 0, "hazard": False, "off": env_kinds_off()}
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
 
 
@@ -63,10 +69,7 @@ def is_enabled() -> bool:
 
 def set_kinds_off(kinds) -> None:
     """Launches of these kinds (``KINDS``) go without PDL from now on; the others keep it."""
-    names = frozenset(kinds)
-    if names - set(KINDS):
-        raise ValueError(f"unknown launch kinds {sorted(names - set(KINDS))}; the kinds are {KINDS}")
-    _STATE["off"] = names
+    _STATE["off"] = _kinds(kinds, "set_kinds_off:")
 
 
 def kinds_off() -> frozenset:
