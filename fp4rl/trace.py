@@ -13,9 +13,12 @@ linears, and the trainer's W4A4 forward reproduce it:
   of K (the compact cache; ~1/6 of the sampler's own 4-bit codes + scales + BF16 x it replaces).
 - Guided rounding (``guided_quantize``): the trainer's x is scaled with the *rollout-side* scales,
   z = x * enc (the quantizer's own enc), |z| clipped to 6; of the two E2M1 neighbours of |z| it takes
-  the one whose index has the recorded bit (on a grid point: that point if its bit matches, else
-  the nearer neighbour); the sign is z's, as the quantizer sets it. The codes and scales are then the
-  sampler's wherever the sampler's code is a neighbour of the trainer's z (every one-step mismatch);
+  the one whose index has the recorded bit; the sign is z's, as the quantizer sets it. On a grid point
+  whose bit differs it keeps the point: both codes with the bit are a step away, so a guess could land
+  two steps from the sampler's code where round-to-nearest is one (the method's promise: never worse
+  than round-to-nearest); at 6 (every clipped |z|) it takes 4, the only neighbour with the bit. The
+  codes and scales are then the sampler's wherever the sampler's code is one of the two E2M1 values
+  around the trainer's z off the grid (every one-step mismatch);
   where x is the sampler's x they are the sampler's bytes exactly (tested). Gradients pass straight
   through as for any Q(x) (qat.py).
 
@@ -31,7 +34,8 @@ Counters (``TraceStats``): elements guided (an input q/k/v or gate/up share coun
 round-to-nearest code (on the rollout scales) has another bit than recorded (``trace/code_disagree_rtn``:
 a lower bound of the codes that guidance changes), and the cache's bytes per token
 (``trace/cache_bytes_per_token``). There is no "after guidance" count: the guided code's low bit is
-the recorded one by construction, and the bit is all the trainer knows of the sampler's code.
+the recorded one by construction (but on exact grid hits, above), and the bit is all the trainer knows of
+the sampler's code.
 
 Hooks: ``recording(model)`` captures guidance from every guided linear's activation quantizer while
 the sampler's model runs (``Recording.take`` hands it over per forward); ``guiding(model, guidance)``
@@ -185,9 +189,11 @@ def guided_quantize(x: torch.Tensor, guide: Guidance, valid: torch.Tensor | None
     hi = (lo + 1).clamp(max=7)
     bit = _unpack_bits(guide.bits[valid].to(dev)).to(torch.int64)
     on_grid = grid[lo] == mag
-    nearer = torch.where((lo == 7) | ((lo > 0) & (mag - grid[(lo - 1).clamp(min=0)] <= grid[hi] - mag)),
-                         lo - 1, hi)  # on a grid point whose bit differs: the nearer neighbour
-    pick = torch.where((lo & 1) == bit, lo, torch.where(on_grid, nearer, hi))
+    # on a grid point whose bit differs, both codes with the bit are one step away (below 6; and at 0 they are
+    # +-0.5): either guess is 0 or 2 steps from the sampler's code where round-to-nearest is 1, so keep the
+    # point; at 6 (and every clipped |z|) the only code with the bit is the one below
+    stay = torch.where(lo == 7, lo - 1, lo)
+    pick = torch.where((lo & 1) == bit, lo, torch.where(on_grid, stay, hi))
     codes = pick.to(torch.uint8) | ((z < 0).to(torch.uint8) << 3)  # the sign as round_to_e2m1 sets it
     if stats is not None:
         nearest = round_to_e2m1(z).to(torch.int64)  # round-to-nearest on the rollout scales

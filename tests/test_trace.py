@@ -6,7 +6,8 @@
   wherever the sampler's code is a neighbour of the trainer's scaled value: at least as often as
   round-to-nearest does, and every one-step mismatch is removed; the counter says how many
   round-to-nearest codes guidance changes (there is no "after guidance" count: the guided code's low
-  bit is the recorded one by construction);
+  bit is the recorded one by construction, but on exact grid hits, where it keeps the grid point and so is
+  never further from the sampler's code than round-to-nearest);
 - the cache holds K/8 + K/16 + 4 bytes per row; bad shapes are refused."""
 
 import itertools
@@ -91,6 +92,56 @@ def test_rtn_disagreement_counts_the_codes_guidance_changes():
     changed = int((unpack_fp4(guided.data) != unpack_fp4(rtn.data)).sum())
     assert changed > 0 and stats.disagree_rtn == changed and stats.elements == x.numel()
     assert stats.metrics()["trace/code_disagree_rtn"] == changed / x.numel()
+
+
+def _signed_step(codes):
+    """4-bit codes -> signed E2M1 step (-7..7; +-0 are one point)."""
+    c = codes.long()
+    return torch.where(c >= 8, -(c & 7), c & 7)
+
+
+def test_guided_code_is_never_further_from_the_samplers_than_round_to_nearest():
+    """Scales chosen so that z = x (amax 2688 = 6 * 448, block scale 1). For every trainer z between two grid
+    points and a sampler code that is one of them, the guided code is the sampler's; for z on a grid point
+    (or clipped to 6) and a sampler code at most one signed E2M1 step from it, the guided code is never
+    further (in signed steps) than round-to-nearest's: on a grid point whose bit differs, a guess between the
+    two neighbours with the bit would be two steps off where round-to-nearest is one."""
+    from fp4rl.nvfp4.format import E2M1_VALUES, round_to_e2m1
+
+    grid = torch.tensor(E2M1_VALUES)
+    zs, cs = [], []
+    for sign in (1.0, -1.0):
+        for i in range(8):
+            for z in [grid[i].item()] + ([(grid[i] * 0.3 + grid[i + 1] * 0.7).item(),
+                                         (grid[i] * 0.8 + grid[i + 1] * 0.2).item()] if i < 7 else [7.5]):
+                if z in E2M1_VALUES or z > 6:  # on a grid point (clipped): it and its two signed neighbours
+                    s = int(_signed_step(round_to_e2m1(torch.tensor([sign * z])))[0])
+                    near = {s - 1, s, s + 1}
+                else:  # the two values around z
+                    near = {int(sign) * i, int(sign) * (i + 1)}
+                for c in near:
+                    if -7 <= c <= 7:
+                        zs.append(sign * z)
+                        cs.append(c)
+    k = (len(zs) + 15) // 16 * 16
+    x = torch.zeros(1, k)
+    x[0, :len(zs)] = torch.tensor(zs)
+    c = torch.zeros(k, dtype=torch.long)
+    c[:len(cs)] = torch.tensor(cs)
+    g = trace.Guidance(trace._pack_bits((c.abs() & 1).to(torch.uint8).view(1, k)),
+                       torch.ones(1, k // 16).to(torch.float8_e4m3fn), torch.tensor([6.0 * 448]))
+    guided = _signed_step(unpack_fp4(trace.guided_quantize(x, g).data))[0]
+    rtn = _signed_step(round_to_e2m1(x))[0]
+    assert ((guided - c).abs() <= (rtn - c).abs()).all(), [
+        (x[0, j].item(), c[j].item(), guided[j].item(), rtn[j].item())
+        for j in ((guided - c).abs() > (rtn - c).abs()).nonzero()[:, 0][:6].tolist()]
+    # off the grid (and below the clip), a sampler code that is one of the two values around z is reproduced
+    z = x[0]
+    lo = torch.bucketize(z.abs(), grid, right=True) - 1
+    around = (z.abs() < 6) & (grid[lo.clamp(max=7)] != z.abs())
+    s = torch.sign(z).long()
+    inside = around & ((c == s * lo) | (c == s * (lo + 1)))
+    assert inside.sum() > 20 and torch.equal(guided[inside], c[inside])
 
 
 def test_rows_without_guidance_round_to_nearest():
