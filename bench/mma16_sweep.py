@@ -30,6 +30,8 @@ def variant(name: str, base: dict) -> dict:
     dN = DEPTH N; ntN = NT N; sN = SPLIT N; trN = TRIGGER N; xsN = XSTREAM N; wbN = WB N; mgN = MG N;
     swN = SWZ N;
     wgN = WGMMA N (with xs1) (combined with "+");
+    kwN = KW N (in-CTA split-K: SPLIT 1); kw / cl: the chosen split moved inside the CTA (KW) / into a
+    cluster (SPLIT);
     tN = TIMING N (timing-only variants, see the .cu); s2x / sh: twice / half the chosen split; pdl: the
     launches carry the programmatic-dependent-launch attribute (fp4rl/kernels/pdl.py), so that in the timed
     chain each GEMM prefetches its first weight steps while the one before it finishes."""
@@ -38,7 +40,16 @@ def variant(name: str, base: dict) -> dict:
         if part in ("auto", "pdl"):
             continue
         if part in ("s2x", "sh"):
-            c["SPLIT"] = min(8, c["SPLIT"] * 2) if part == "s2x" else max(1, c["SPLIT"] // 2)
+            key = "KW" if c.get("KW", 1) > 1 else "SPLIT"
+            c[key] = min(8, c[key] * 2) if part == "s2x" else max(1, c[key] // 2)
+            continue
+        if part in ("kw", "cl"):
+            split = gemv_cuda.ksplit(c)
+            c.pop("KW", None)
+            c.update(SPLIT=1, KW=split) if part == "kw" else c.update(SPLIT=split)
+            continue
+        if part.startswith("kw") and part[2:].isdigit():
+            c.update(SPLIT=1, KW=int(part[2:]))
             continue
         keys = {"d": "DEPTH", "nt": "NT", "s": "SPLIT", "t": "TIMING", "tr": "TRIGGER", "xs": "XSTREAM",
                 "wg": "WGMMA", "mg": "MG", "wb": "WB", "sw": "SWZ"}
@@ -64,7 +75,9 @@ def configs(names, base: dict | None, k: int, wide: dict | None = None):
         else:
             c = variant(name, base)
         use_pdl = "pdl" in name.split("+")
-        if (c, use_pdl) in seen or (k // 128) < c["SPLIT"]:
+        if c.get("KW", 1) == 1:
+            c.pop("KW", None)
+        if (c, use_pdl) in seen or (k // 128) < gemv_cuda.ksplit(c):
             continue
         seen.append((c, use_pdl))
         yield name, c, use_pdl

@@ -67,8 +67,16 @@ __device__ __forceinline__ void bar_wait(u32 bar, u32 phase) {
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
-stream(const unsigned char* __restrict__ buf, int steps, int split, u32* out) {
+#ifndef EPI
+#define EPI 0
+#endif
+#if EPI == 1
+#define CLUSTER_ATTR __cluster_dims__(1, SPLITC, 1)
+#else
+#define CLUSTER_ATTR
+#endif
+extern "C" __global__ void __launch_bounds__(WARPS * 32) CLUSTER_ATTR
+stream(const unsigned char* __restrict__ buf, int steps, int split, u32* out, u32* part, int* cnt) {
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long tile = (long long)blockIdx.x * WARPS + warp;
@@ -157,13 +165,64 @@ stream(const unsigned char* __restrict__ buf, int steps, int split, u32* out) {
         }
     }
 #endif
+#if EPI == 0
     atomicXor(out, acc);
+#elif EPI == 1
+    // the GEMM's split-K epilogue: partials in shared memory, a cluster barrier, each rank reduces its share
+    // of the elements over every rank's shared memory (DSMEM), a second barrier before anyone leaves
+    (void)part; (void)cnt;
+#if MODE == 0
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+    __syncthreads();  // every warp is done with its ring
+    u32* mine = reinterpret_cast<u32*>(smem);
+    mine[threadIdx.x] = acc;
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    u32 rank;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+    if (threadIdx.x % SPLITC == rank) {
+        u32 v = 0;
+        for (int r = 0; r < SPLITC; ++r) {
+            u32 ra, t;
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra)
+                         : "r"(smem_u32(mine + threadIdx.x)), "r"(r));
+            asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(t) : "r"(ra) : "memory");
+            v ^= t;
+        }
+        atomicXor(out, v);
+    }
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#else
+    // split-K through global memory: partials to a workspace, a counter per column block; the last CTA of a
+    // block reduces the partials in split order and resets the counter (no cluster)
+    __shared__ int last;
+    part[((long long)blockIdx.x * split + blockIdx.y) * (WARPS * 32) + threadIdx.x] = acc;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(cnt + blockIdx.x, 1) == split - 1;
+    __syncthreads();
+    if (last) {
+        __threadfence();
+        u32 v = 0;
+        for (int r = 0; r < split; ++r)
+            v ^= __ldcg(part + ((long long)blockIdx.x * split + r) * (WARPS * 32) + threadIdx.x);
+        atomicXor(out, v);
+        if (threadIdx.x == 0) cnt[blockIdx.x] = 0;
+    }
+#endif
 }
 """
 
 MODES = {"cpasync": 0, "bulk": 1, "ldg": 2}
-VARIANTS = [("cpasync", 2, 8), ("cpasync", 4, 8), ("bulk", 2, 8), ("bulk", 4, 8), ("bulk", 8, 8),
-            ("bulk", 4, 4), ("ldg", 2, 8), ("ldg", 4, 8), ("ldg", 4, 4)]  # (mode, DEPTH, WARPS)
+# (mode, DEPTH, WARPS, EPI): EPI 0 an atomic per thread, 1 the GEMM's cluster split-K epilogue, 2 split-K
+# through a global workspace and a counter per column block
+VARIANTS = [("cpasync", 2, 8, 0), ("cpasync", 4, 8, 0), ("bulk", 2, 8, 0), ("bulk", 4, 8, 0),
+            ("bulk", 8, 8, 0), ("bulk", 4, 4, 0), ("ldg", 2, 8, 0), ("ldg", 4, 8, 0), ("ldg", 4, 4, 0)]
+EPI_VARIANTS = [("cpasync", 2, 8, 0), ("cpasync", 2, 8, 1), ("cpasync", 2, 8, 2), ("ldg", 2, 8, 0),
+                ("ldg", 2, 8, 1), ("ldg", 2, 8, 2)]
+EPI_NAMES = {0: "", 1: " cluster", 2: " global"}
 # (name, 16-row tiles, 128-k steps, split): Qwen3-30B-A3B at one token (q|k|v, o; the 8 routed experts'
 # gate|up and down as one stack each) and Qwen3-8B's q|k|v, with gemv_cuda.choose's splits
 SHAPES = [("30B q|k|v 5120x2048", 320, 16, 4), ("30B o 2048x4096", 128, 32, 8),
@@ -171,13 +230,14 @@ SHAPES = [("30B q|k|v 5120x2048", 320, 16, 4), ("30B o 2048x4096", 128, 32, 8),
           ("8B q|k|v 6144x4096", 384, 32, 4)]
 
 
-def source(mode: str, depth: int, warps: int) -> str:
-    return f"#define MODE {MODES[mode]}\n#define DEPTH {depth}\n#define WARPS {warps}\n" + SRC
+def source(mode: str, depth: int, warps: int, epi: int = 0, split: int = 1) -> str:
+    return (f"#define MODE {MODES[mode]}\n#define DEPTH {depth}\n#define WARPS {warps}\n#define EPI {epi}\n"
+            f"#define SPLITC {split}\n" + SRC)
 
 
-def smem_bytes(mode: str, depth: int, warps: int) -> int:
+def smem_bytes(mode: str, depth: int, warps: int, epi: int = 0) -> int:
     if mode == "ldg":
-        return 0
+        return warps * 32 * 4 if epi == 1 else 0
     bars = (warps * depth * 8 + 127) // 128 * 128 if mode == "bulk" else 0
     return bars + warps * depth * CH
 
@@ -185,13 +245,17 @@ def smem_bytes(mode: str, depth: int, warps: int) -> int:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "stream_modes.json"))
+    ap.add_argument("--epi", action="store_true",
+                    help="the split-K epilogues (none / the GEMM's cluster reduction / a global "
+                         "workspace and counter) instead of the ways of moving the bytes")
     a = ap.parse_args()
+    variants = EPI_VARIANTS if a.epi else VARIANTS
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     sink = torch.zeros(1, dtype=torch.int32, device="cuda")
     kerns = {}
     print("| shape | MB | torch copy of the same bytes | "
-          + " | ".join(f"{m} d{d} w{w}" for m, d, w in VARIANTS) + " |", flush=True)
+          + " | ".join(f"{m} d{d} w{w}{EPI_NAMES[e]}" for m, d, w, e in variants) + " |", flush=True)
     for name, tiles, steps, split in SHAPES:
         nbytes = tiles * steps * CH
         copies = max(4, -(-4 * l2 // nbytes))
@@ -204,33 +268,39 @@ def main():
 
         copy_us = graph_timed(copy, 4 * copies, 5)
         cells = [f"{copy_us:.2f}"]
-        for mode, depth, warps in VARIANTS:
-            key = (mode, depth, warps)
+        for mode, depth, warps, epi in variants:
             if tiles % warps:
                 cells.append("-")
                 continue
+            key = (mode, depth, warps, epi, split if epi == 1 else 1)
             if key not in kerns:
                 kerns[key] = torch.cuda._compile_kernel(source(*key), "stream", compute_capability="90a",
                                                         nvcc_options=["-std=c++17"])
-            kern, smem = kerns[key], smem_bytes(*key)
+            kern, smem = kerns[key], smem_bytes(mode, depth, warps, epi)
             _set_smem(kern, smem)
+            blocks = tiles // warps
+            part = torch.empty(blocks * split * warps * 32, dtype=torch.int32, device="cuda")
+            cnt = torch.zeros(blocks, dtype=torch.int32, device="cuda")
 
-            def launch(r, kern=kern, smem=smem, warps=warps, tiles=tiles, split=split, steps=steps, bufs=bufs,
-                       copies=copies):
-                pdl.launch(kern, (tiles // warps, split, 1), (warps * 32, 1, 1),
-                           [bufs[r % copies], steps, split, sink], smem, torch.cuda.current_stream(), False)
+            def launch(r, kern=kern, smem=smem, warps=warps, blocks=blocks, split=split, steps=steps,
+                       bufs=bufs, copies=copies, part=part, cnt=cnt):
+                pdl.launch(kern, (blocks, split, 1), (warps * 32, 1, 1),
+                           [bufs[r % copies], steps, split, sink, part, cnt], smem,
+                           torch.cuda.current_stream(), False)
 
             sink.zero_()
             launch(0)
+            launch(1)  # twice: the counters must have been reset
+            launch(1)
             torch.cuda.synchronize()
             got = int(sink.item()) & 0xFFFFFFFF
             if got != want:
                 cells.append("WRONG")
-                out["rows"].append(dict(shape=name, mode=mode, depth=depth, warps=warps, wrong=True))
+                out["rows"].append(dict(shape=name, mode=mode, depth=depth, warps=warps, epi=epi, wrong=True))
                 continue
             us = graph_timed(launch, 4 * copies, 5)
-            out["rows"].append({"shape": name, "mode": mode, "depth": depth, "warps": warps, "us": us,
-                                "tbs": nbytes / us / 1e6, "copy_us": copy_us, "mb": nbytes / 1e6})
+            out["rows"].append({"shape": name, "mode": mode, "depth": depth, "warps": warps, "epi": epi,
+                                "us": us, "tbs": nbytes / us / 1e6, "copy_us": copy_us, "mb": nbytes / 1e6})
             cells.append(f"{us:.2f}")
         print(f"| {name} | {nbytes / 1e6:.1f} | " + " | ".join(cells) + " |", flush=True)
         del bufs, dst, half

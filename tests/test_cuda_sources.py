@@ -159,3 +159,12 @@ def test_every_c_and_cuda_source_ships_in_the_package():
                if not any(fnmatch.fnmatch(p.name, pat)
                           for pat in data.get(".".join(p.parent.relative_to(root).parts), []))]
     assert not missing, f"not in [tool.setuptools.package-data]: {missing}"
+
+
+def test_in_cta_split_refuses_what_it_cannot_build():
+    """KW (K split between the warps of a CTA) compiles only with SPLIT 1, x staged whole (no XSTREAM, no
+    wgmma) and KW dividing the CTA's 8 warps; the configurations choose() makes compile (above)."""
+    base = dict(NT=1, MG=1, DEPTH=2)
+    for cfg in (dict(base, SPLIT=2, KW=2), dict(base, SPLIT=1, KW=2, XSTREAM=1), dict(base, SPLIT=1, KW=3)):
+        assert "KW (in-CTA split-K) needs" in _compile_error(gemv_cuda.source(cfg, False)), cfg
+    assert _compile(gemv_cuda.source(dict(base, SPLIT=1, KW=4), False), "sm_90")[0] == 0

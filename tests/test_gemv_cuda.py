@@ -74,20 +74,46 @@ def test_relayout_rejects_bad_shapes():
 def test_choose_is_row_invariant_up_to_16_and_fits_shared_memory():
     for n, k in ((4096, 14336), (14336, 4096), (6144, 4096), (24576, 4096), (2048, 768), (16, 128)):
         cfgs = [gemv_cuda.choose(n, k, m, 132) for m in range(1, 17)]
-        assert all(c["SPLIT"] == cfgs[0]["SPLIT"] for c in cfgs)  # the split-K order decides the sums
+        # the split of K decides the sums: SPLIT CTAs of a cluster from 2 rows, KW warps of a CTA at one row
+        assert all(gemv_cuda.ksplit(c) == gemv_cuda.ksplit(cfgs[0]) for c in cfgs)
+        assert all(c.get("KW", 1) == 1 for c in cfgs[1:])
+        assert cfgs[0]["SPLIT"] == 1 and cfgs[0].get("KW", 1) == cfgs[1]["SPLIT"]
         for m in (1, 17, 33, 64):
             if not gemv_cuda.fits(n, k, m, 132):
                 assert m > 16 and k > 4096  # 64 rows of a long K slice: the dispatcher takes another kernel
                 continue
             c = gemv_cuda.choose(n, k, m, 132)
-            assert gemv_cuda.smem_bytes(c, k, m) <= gemv_cuda.SMEM_LIMIT or c["SPLIT"] == 8
-            assert (k // 128) >= c["SPLIT"]
+            assert gemv_cuda.smem_bytes(c, k, m) <= gemv_cuda.SMEM_LIMIT or gemv_cuda.ksplit(c) == 8
+            assert (k // 128) >= gemv_cuda.ksplit(c)
     # x streamed with the weights where 9+ rows of a long slice would be staged whole (measured: RESULTS.md)
     assert gemv_cuda.choose(24576, 4096, 16, 132).get("XSTREAM") == 1
     assert "XSTREAM" not in gemv_cuda.choose(24576, 4096, 8, 132)
     assert "XSTREAM" not in gemv_cuda.choose(4096, 12288, 16, 132)  # split 8: short slices, staged
     with pytest.raises(ValueError, match="1-64 rows"):
         gemv_cuda.choose(4096, 4096, 65, 132)
+
+
+def test_in_cta_split_moves_the_cluster_split_where_x_fits(monkeypatch):
+    """At one row (and for the routed experts' chunks) the split of K goes from a cluster of SPLIT CTAs to
+    KW = SPLIT warps of one CTA with 128 / KW weight rows, where x's whole K then fits two CTAs per SM; never
+    for x streamed in chunks, the wgmma build, or with FP4RL_MMA16_KW=0 (IN_CTA_SPLIT False)."""
+    c = gemv_cuda.choose(2048, 4096, 1, 132)  # Qwen3-30B-A3B's o projection at one token
+    assert c["SPLIT"] == 1 and c["KW"] == gemv_cuda.choose(2048, 4096, 2, 132)["SPLIT"] == 8
+    assert gemv_cuda.block_rows(c) == 16 and gemv_cuda.block_rows(gemv_cuda.choose(2048, 4096, 2, 132)) == 128
+    # one set of partials per k range, x's whole K (2 rows: the row and the zero row)
+    assert gemv_cuda.smem_bytes(c, 4096) >= 8 * 8 * (16 + 4) * 4
+    assert gemv_cuda.smem_bytes(c, 4096, 1) == -(-2 * (4096 + 8) * 2 // 128) * 128 + 8 * 2 * 1280
+    for cfg in (dict(NT=1, MG=2, SPLIT=2, DEPTH=2, XSTREAM=1), dict(NT=1, MG=1, SPLIT=1, DEPTH=2),
+                dict(NT=1, MG=4, SPLIT=2, DEPTH=2, XSTREAM=1, WGMMA=1)):
+        assert gemv_cuda.in_cta_split(cfg, 4096, 8) == cfg
+    # a K whose whole slice of 9 rows does not fit two CTAs per SM keeps the cluster
+    long = dict(NT=1, MG=1, SPLIT=4, DEPTH=2)
+    assert gemv_cuda.in_cta_split(long, 8192, 8) == long
+    assert gemv_cuda.in_cta_split(long, 4096, 8) == dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=4)
+    assert gemv_cuda.choose_grouped(2048, 768, 8, 132) == dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=2)
+    monkeypatch.setattr(gemv_cuda, "IN_CTA_SPLIT", False)
+    assert gemv_cuda.in_cta_split(long, 4096, 8) == long
+    assert gemv_cuda.choose(2048, 4096, 1, 132) == gemv_cuda.choose(2048, 4096, 2, 132)
 
 
 def test_kernel_source_unpacks_like_the_emulation():
@@ -155,14 +181,15 @@ def test_gpu_kernel_matches_reference(n, k, kw):
             if gemv_cuda.smem_bytes(cfg, k, m) <= gemv_cuda.SMEM_MAX:
                 gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
                 assert _rel(y2, ref) < 4e-3
+        plain = {key: v for key, v in gemv_cuda.choose(n, k, m, sms).items() if key != "KW"}  # cluster splits
         for split in (1, 2, 4, 8):
             if (k // 128) >= split:
-                cfg = dict(gemv_cuda.choose(n, k, m, sms), SPLIT=split)
+                cfg = dict(plain, SPLIT=split)
                 if gemv_cuda.smem_bytes(cfg, k, m) <= gemv_cuda.SMEM_MAX:
                     gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
                     assert _rel(y2, ref) < 4e-3, (m, split)
                 for depth in (2, 3, 4):  # x streamed in 128-k chunks with the weights (XSTREAM)
-                    cfg = dict(gemv_cuda.choose(n, k, m, sms), SPLIT=split, DEPTH=depth, XSTREAM=1)
+                    cfg = dict(plain, SPLIT=split, DEPTH=depth, XSTREAM=1)
                     y2.fill_(float("nan"))
                     gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
                     assert _rel(y2, ref) < 4e-3, (m, split, depth, "xstream")
@@ -179,6 +206,36 @@ def test_gpu_kernel_matches_reference(n, k, kw):
     y = torch.empty(3, n, dtype=torch.bfloat16, device="cuda")
     gemv_cuda.launch(xs, wc, g, y)
     assert torch.equal(y, ys[5][:3]) or _rel(y, base[:3].double() @ wd.T) < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(144, 640), (1008, 1280), (2048, 4096)])
+def test_gpu_in_cta_split_gives_the_cluster_splits_bits(n, k):
+    """KW warps of a CTA splitting K give the bits of SPLIT = KW CTAs of a cluster (the same step ranges, the
+    same summation tree), for 1-16 rows, every split K's steps allow (uneven ranges at K = 640: 5 steps),
+    per-row global scales and W4A4's per-row x scales; N not a multiple of the CTA's rows."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    w, wc, wd, g, base = _gpu_case(n, k, {}, 16, seed=5)
+    gr = (g * torch.linspace(0.5, 2.0, n, device="cuda")).contiguous()
+    xs = torch.rand(16, device="cuda") + 0.5
+    for m in (1, 3, 8, 16):
+        x, ref = base[:m], base[:m].double() @ wd.T
+        for split in (2, 4, 8):
+            if (k // 128) < split:
+                continue
+            mg = 1 if m <= 8 else 2
+            cluster = dict(NT=1, MG=mg, SPLIT=split, DEPTH=2)
+            inside = dict(NT=1, MG=mg, SPLIT=1, DEPTH=2, KW=split)
+            for gs, x_scale in ((g, None), (gr, None), (g, xs[:m])):
+                a = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                b = torch.full_like(a, float("nan"))
+                gemv_cuda.launch(x, wc, gs, a, cfg=cluster, x_scale=x_scale)
+                gemv_cuda.launch(x, wc, gs, b, cfg=inside, x_scale=x_scale)
+                assert not a.isnan().any() and torch.equal(a, b), (m, split, gs.numel(), x_scale is None)
+            y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            gemv_cuda.launch(x, wc, g, y, cfg=inside)
+            assert _rel(y, ref) < 4e-3, (m, split)
 
 
 @pytest.mark.gpu
@@ -369,3 +426,28 @@ def test_choose_wide_split_depends_on_the_band_of_rows_only():
     for n, k in ((14336, 4096), (4096, 14336), (6144, 4096), (4096, 4096)):
         for band in (range(1, 33), range(33, 65), range(65, 129)):
             assert len({gemv_cuda.choose_wide(n, k, m, 132)["SPLIT"] for m in band}) == 1, (n, k, band)
+
+
+def test_in_cta_split_switch_and_benchmark_setting(monkeypatch):
+    """set_in_cta_split drops the cached plans (a plan made before would keep the old split); the sampler
+    benchmark's --k-split items."""
+    from fp4rl.benchmarks.sampler_gpu import split_setting
+
+    monkeypatch.setattr(gemv_cuda, "IN_CTA_SPLIT", True)
+    calls = []
+    monkeypatch.setattr(gemv_cuda, "choose",
+                        lambda *a: calls.append(a) or {"KW": 2 if gemv_cuda.IN_CTA_SPLIT else 1})
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("P", (), {"multi_processor_count": 1}))
+    gemv_cuda._plan.cache_clear()
+    assert gemv_cuda._plan(64, 256, 1, 0)["KW"] == 2 and gemv_cuda._plan(64, 256, 1, 0)["KW"] == 2
+    assert len(calls) == 1  # cached
+    gemv_cuda.set_in_cta_split(False)
+    assert gemv_cuda._plan(64, 256, 1, 0)["KW"] == 1 and len(calls) == 2
+    assert split_setting("default") is False and split_setting("cta") is True
+    assert split_setting("cluster") is False
+    gemv_cuda.set_in_cta_split(True)
+    assert split_setting("default") is True
+    with pytest.raises(ValueError, match="--k-split item 'warp'"):
+        split_setting("warp")
+    gemv_cuda._plan.cache_clear()

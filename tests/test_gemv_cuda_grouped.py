@@ -28,9 +28,11 @@ def test_relayout_stack_is_the_experts_copies_one_after_another():
 
 def test_choose_grouped_splits_to_fill_the_gpu():
     cfg = gemv_cuda.choose_grouped(1536, 2048, 8, 132)
-    assert cfg["MG"] == 1 and cfg["SPLIT"] >= 2  # 8 experts x 12 n-blocks: split to fill the GPU
-    assert gemv_cuda.choose_grouped(1536, 2048, 128, 132)["SPLIT"] == 1  # many experts: a wave already
-    assert gemv_cuda.choose_grouped(2048, 768, 8, 132)["SPLIT"] <= 768 // 128 // 2
+    assert cfg["MG"] == 1 and gemv_cuda.ksplit(cfg) >= 2  # 8 experts x 12 n-blocks: split to fill the GPU
+    assert cfg["SPLIT"] == 1  # ... between the warps of a CTA (x's whole K of 8 rows fits)
+    # many experts: a wave already
+    assert gemv_cuda.ksplit(gemv_cuda.choose_grouped(1536, 2048, 128, 132)) == 1
+    assert gemv_cuda.ksplit(gemv_cuda.choose_grouped(2048, 768, 8, 132)) <= 768 // 128 // 2
 
 
 @pytest.mark.gpu
@@ -341,7 +343,7 @@ def test_gpu_grouped_silu_equals_silu_mul_then_kernel(monkeypatch):
 
     # split 2 over 5 steps of 128 k: the second split's 2 steps leave the rest of its x slice zero-filled
     e2, n2, k2 = 4, 256, 640
-    assert gemv_cuda.choose_grouped(n2, k2, 4, sms)["SPLIT"] == 2
+    assert gemv_cuda.ksplit(gemv_cuda.choose_grouped(n2, k2, 4, sms)) == 2
     _, _, g2, wc2 = _random_experts(e2, n2, k2, seed=2)
     for counts in ([1, 0, 2, 1], [0, 9, 0, 0], [3, 3, 3, 3]):
         offs = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32, device="cuda")
@@ -391,3 +393,34 @@ def test_gpu_grouped_silu_replays_in_a_cuda_graph():
         gemv_cuda.launch_grouped(fused.silu_mul(gu_buf)[0], wc, g, offs_buf, want)
         assert not want.isnan().any()
         assert torch.equal(y, want), hot
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_in_cta_split_gives_the_cluster_splits_bits():
+    """The routed experts with K split between KW warps of a CTA (choose_grouped's default where x fits)
+    give the bits of SPLIT = KW CTAs of a cluster: plain x, the gather (x_rows), SiLU staging (x_silu),
+    per-row global scales, uneven step ranges (K = 640: 5 steps over 2 and 4 parts), several chunks per
+    expert."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    gen = torch.Generator().manual_seed(7)
+    for e, n, k, top in ((16, 256, 640, 4), (8, 512, 1024, 2)):
+        _, _, g, wc = _random_experts(e, n, k, seed=3)
+        gr = (g[:, None] * torch.linspace(0.5, 2.0, n, device="cuda")).contiguous()
+        for t in (1, 3, 8, 20):
+            offs = _routing(e, t, top, gen)
+            m = t * top
+            xt = torch.randn(t, k, generator=gen).bfloat16().cuda()
+            rows = torch.randint(0, t, (m,), generator=gen, dtype=torch.int32).cuda()
+            xm = torch.randn(m, k, generator=gen).bfloat16().cuda()
+            gu = _gate_up(m, k, gen)
+            for split in (2, 4):
+                cluster = dict(NT=1, MG=1, SPLIT=split, DEPTH=2)
+                inside = dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=split)
+                for gs in (g, gr):
+                    for kwargs, x in (({}, xm), ({"x_rows": rows}, xt), ({"x_silu": True}, gu)):
+                        a = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                        b = torch.full_like(a, float("nan"))
+                        gemv_cuda.launch_grouped(x, wc, gs, offs, a, cfg=cluster, **kwargs)
+                        gemv_cuda.launch_grouped(x, wc, gs, offs, b, cfg=inside, **kwargs)
+                        assert not a.isnan().any() and torch.equal(a, b), (e, k, t, split, list(kwargs))

@@ -102,6 +102,10 @@ def add_arguments(parser):
                         "launch between the decode step's kernels (fp4rl.kernels.pdl), each row measured "
                         "with each: 'on' (the default kinds), 'all' (every kind), 'off', or 'no-KIND[+KIND]' "
                         "(every kind except those: gemv, mma, wide, grouped, triton)")
+    parser.add_argument("--k-split", default="default", help="comma-separated settings of where the CUDA "
+                        "GEMM splits K at one row and for the routed experts (fp4rl.kernels.gemv_cuda."
+                        "in_cta_split), each row measured with each: 'cta' (warps of a CTA), 'cluster' (CTAs "
+                        "of a cluster) or 'default' (FP4RL_MMA16_KW's choice); the same bits either way")
     parser.add_argument("--fusion", default="on", help="'on', 'off' or 'on,off': the engine's fused decode "
                         "step (fp4rl.kernels.fused) or the module step, each row measured with each")
     parser.add_argument("--offload-trainer", default="auto", choices=("auto", "on", "off"),
@@ -287,21 +291,27 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
     from fp4rl.kernels import pdl
 
     fusions = [f == "on" for f in args.fusion.split(",")]
+    from fp4rl.kernels import gemv_cuda
+
     pdls = [pdl_setting(p) for p in args.pdl.split(",")]
-    for kv, fusion, (use_pdl, off), batch in ((kv, f, p, b) for kv in kvs for f in fusions for p in pdls
-                                              for b in batches):
+    splits = [split_setting(s) for s in args.k_split.split(",")]
+    for kv, fusion, (use_pdl, off), in_cta, batch in ((kv, f, p, s, b) for kv in kvs for f in fusions
+                                                      for p in pdls for s in splits for b in batches):
         sampler.kv_cache = kv
         if sampler.engine is not None:
             sampler.engine.set_fused(fusion)
-            if pdl.is_enabled() != use_pdl or pdl.kinds_off() != off:
+            if pdl.is_enabled() != use_pdl or pdl.kinds_off() != off or in_cta != gemv_cuda.IN_CTA_SPLIT:
                 pdl.set_enabled(use_pdl)
                 pdl.set_kinds_off(off)
+                gemv_cuda.set_in_cta_split(in_cta)
                 sampler.engine.reset_graphs()
         fused = bool(sampler.engine is not None and sampler.engine.fused)
         head = {"shape": shape, "precision": label, "fused": fused,
                 "pdl": bool(sampler.engine is not None and pdl.enabled(device))}
         if head["pdl"]:
             head["pdl_off"] = sorted(off)
+        if len(splits) > 1 or not in_cta:
+            head["k_split"] = "cta" if in_cta else "cluster"
         g = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, trainer.config.vocab_size, (batch, args.prompt), generator=g).tolist()
         row = {**head, "layers": layers, "full_layers": full_layers, "preset": preset,
@@ -351,6 +361,7 @@ def run(args) -> int:
                          f"(the cadence skips the first {CLOCK_SKIP} steps and needs two more)")
     try:
         [pdl_setting(p) for p in args.pdl.split(",")]
+        [split_setting(s) for s in args.k_split.split(",")]
     except ValueError as exc:
         raise SystemExit(f"sampler_gpu: {exc}") from None
 
@@ -363,7 +374,8 @@ def run(args) -> int:
            "triton": __import__("triton").__version__, "device": str(device),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "cuda": torch.version.cuda, "tune": args.tune, "graphs": not args.no_graphs,
-           "prompt": args.prompt, "tokens": args.tokens, "fusion": args.fusion, "pdl": args.pdl}
+           "prompt": args.prompt, "tokens": args.tokens, "fusion": args.fusion, "pdl": args.pdl,
+           "k_split": args.k_split}
     env["copy_bw"] = copy_bandwidth(device) if device.type == "cuda" else None
     results = {"env": env, "rows": [], "profiles": [], "checks": [], "builds": [], "errors": []}
 
@@ -425,6 +437,16 @@ def _mode(r) -> str:
     return "eager" if r.get("graph_error") or not r.get("graph_us") else "graph"
 
 
+def split_setting(text: str) -> bool:
+    """--k-split item -> whether the CUDA GEMM splits K inside the CTA (gemv_cuda.in_cta_split): 'cta',
+    'cluster', or 'default' (FP4RL_MMA16_KW's choice)."""
+    from fp4rl.kernels import gemv_cuda
+
+    if text in ("cta", "cluster", "default"):
+        return gemv_cuda.IN_CTA_SPLIT if text == "default" else text == "cta"
+    raise ValueError(f"--k-split item {text!r}: use 'cta', 'cluster' or 'default'")
+
+
 def pdl_setting(text: str) -> tuple[bool, frozenset]:
     """--pdl item -> (PDL on, kinds without it): 'on' (the kinds FP4RL_PDL_OFF names, else pdl.DEFAULT_OFF),
     'all', 'off', 'no-wide+triton'."""
@@ -445,7 +467,8 @@ def _label(r) -> str:
     pdl_text = "" if r.get("pdl", True) else " (no PDL)"
     if r.get("pdl") and "pdl_off" in r and set(r["pdl_off"]) != pdl.DEFAULT_OFF:
         pdl_text = f" (no PDL: {'+'.join(r['pdl_off'])})" if r["pdl_off"] else " (PDL: all)"
-    return r["precision"] + ("" if r.get("fused", True) else " (unfused)") + pdl_text
+    split = f" (split-K: {r['k_split']})" if "k_split" in r and r["precision"] != "bf16" else ""
+    return r["precision"] + ("" if r.get("fused", True) else " (unfused)") + pdl_text + split
 
 
 def markdown(results) -> str:

@@ -5,8 +5,10 @@ The kernel streams a re-laid-out copy of the packed weight (``Mma16Weight``: the
 bf16 block scales, made once per weight version by ``relayout``; the sampler keeps it in
 ``fp4rl.gpu_linear._DecodeCopy``). The weights are the A operand of mma.sync.m16n8k16 (one 32-bit word
 of codes = one lane's A fragment) and x^T the B operand, so each MMA serves 8 rows of x: up to 8 rows
-cost the same per weight byte as one. Split-K partials are reduced inside a thread-block cluster through
-distributed shared memory, in a fixed order. The .cu file says how (layout, fragments).
+cost the same per weight byte as one. Split-K partials are reduced in a fixed order, inside a thread-block
+cluster through distributed shared memory (SPLIT CTAs per n-block), or, at one row and for the routed
+experts, inside the CTA (KW warps per n-tile: ``in_cta_split``): the same bits for the same split, without
+the cluster's barriers. The .cu file says how (layout, fragments).
 
 Arithmetic: the bf16 operands (e2m1 * block_scale, exact) times x in the tensor core with FP32
 accumulation, the FP32 global scale once on the sum, one bfloat16 rounding: the same products as
@@ -41,6 +43,9 @@ SMEM_MAX = 227 * 1024  # one CTA
 # where the kernel signals programmatic dependent launch (gemv_mma16.cu: 1 at its start, 2 after its weight
 # stream, 0 at exit); only matters for launches with the PDL attribute (fp4rl/kernels/pdl.py)
 TRIGGER = int(os.environ.get("FP4RL_MMA16_TRIGGER", "2"))
+# split K between the warps of a CTA instead of a cluster of CTAs where x's whole K fits (one row; the routed
+# experts' 8-row chunks): FP4RL_MMA16_KW=0 keeps the cluster (measured in bench/RESULTS.md, fifteenth session)
+IN_CTA_SPLIT = os.environ.get("FP4RL_MMA16_KW", "1") != "0"
 _TWO_POW_118 = 2.0 ** 118
 
 
@@ -175,10 +180,43 @@ def unrelayout(wc: Mma16Weight) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- configuration
+def ksplit(cfg: dict) -> int:
+    """How many parts K is split into: SPLIT CTAs (a cluster) or KW warps of one CTA. The sums, and so the
+    bits of the result, depend on this and on the ring-independent step ranges only."""
+    return cfg.get("KW", 1) * cfg["SPLIT"]
+
+
+def block_rows(cfg: dict) -> int:
+    """Weight rows (n) per CTA: WARPS / KW warps of NT 16-row tiles."""
+    return WARPS // cfg.get("KW", 1) * cfg["NT"] * 16
+
+
+def set_in_cta_split(on: bool) -> None:
+    """Choose in-CTA split-K (``in_cta_split``) or the cluster for launches planned from now on (the cached
+    plans are dropped; CUDA graphs captured before keep their kernels: recapture them)."""
+    global IN_CTA_SPLIT
+    IN_CTA_SPLIT = bool(on)
+    _plan.cache_clear()
+    _plan_grouped.cache_clear()
+
+
+def in_cta_split(cfg: dict, k: int, m: int) -> dict:
+    """`cfg` with its cluster split (SPLIT CTAs) moved inside the CTA (KW = SPLIT warps per n-tile, each
+    streaming its part of K; NB = 128 / KW weight rows per CTA, so the grid keeps its warps) where the CTA's
+    x slice then spans the whole K and still fits two CTAs per SM; else `cfg` unchanged. Same step ranges,
+    same summation order: the same bits."""
+    if (not IN_CTA_SPLIT or cfg["SPLIT"] == 1 or cfg.get("XSTREAM") or cfg.get("WGMMA")
+            or cfg.get("KW", 1) > 1):
+        return cfg
+    moved = dict(cfg, SPLIT=1, KW=cfg["SPLIT"])
+    return moved if smem_bytes(moved, k, m) <= SMEM_LIMIT else cfg
+
+
 def choose(n: int, k: int, m: int, sms: int) -> dict:
-    """(NT, MG, SPLIT, DEPTH[, XSTREAM]) for an N x K weight and m rows. Up to 16 rows SPLIT and the n-blocks
-    depend on N and K only, so a row's result does not depend on how many rows (<= 16) come with it (XSTREAM
-    changes where x waits in shared memory, not the order of the sums)."""
+    """(NT, MG, SPLIT, DEPTH[, XSTREAM, KW]) for an N x K weight and m rows. Up to 16 rows the split of K
+    (``ksplit``) depends on N and K only, so a row's result does not depend on how many rows (<= 16) come
+    with it (XSTREAM changes where x waits in shared memory, KW where the partials are added: neither the
+    order of the sums)."""
     if m > MAX_ROWS:
         raise ValueError(f"the mma16 kernel takes 1-{MAX_ROWS} rows, got {m}")
     nt = 1
@@ -195,6 +233,8 @@ def choose(n: int, k: int, m: int, sms: int) -> dict:
     cfg = dict(NT=nt, MG=mg, SPLIT=split, DEPTH=depth)
     if mg >= 2 and split <= 2:  # long x slices of 9+ rows: stream x with the weights instead of staging it
         cfg["XSTREAM"] = 1  # (24576x4096 at 16 rows: 29.6 vs 35.7 us; same arithmetic order, same bits)
+    if m == 1:  # one row: the whole of x is 2K bytes; the split goes inside the CTA (same bits)
+        cfg = in_cta_split(cfg, k, m)
     if smem_bytes(cfg, k, m) > SMEM_MAX:
         raise ValueError(f"{m} rows of K={k} do not fit the mma16 kernel's shared memory "
                          f"({smem_bytes(cfg, k, m)} B)")
@@ -260,8 +300,9 @@ def fits(n: int, k: int, m: int, sms: int) -> bool:
 
 
 def smem_bytes(cfg: dict, k: int, m: int = 8) -> int:
-    """Dynamic shared memory: x's K slice (its rows up to 8 MG and one zero row, 16 B pad per row) and one
-    cp.async ring per warp (DEPTH stages x NT n-tiles x 1280 B), or the split-K partials if larger."""
+    """Dynamic shared memory: x's K slice (its rows up to 8 MG and one zero row, 16 B pad per row; the whole
+    K with KW) and one cp.async ring per warp (DEPTH stages x NT n-tiles x 1280 B), or the split-K partials
+    if larger."""
     steps = k // 128
     per = -(-steps // cfg["SPLIT"])
     xrows = min(m, 8 * cfg["MG"]) + 1
@@ -272,7 +313,9 @@ def smem_bytes(cfg: dict, k: int, m: int = 8) -> int:
     else:
         xb = (xrows * (per * 128 + 8) * 2 + 127) // 128 * 128
     ring = WARPS * cfg["DEPTH"] * cfg["NT"] * STAGE_BYTES
-    pb = 8 * cfg["MG"] * (WARPS * cfg["NT"] * 16 + 4) * 4 if cfg["SPLIT"] > 1 else 0  # rows padded by 4
+    # the split-K partials (rows padded by 4 floats): one set per CTA (cluster) or per k range (KW)
+    parts = cfg.get("KW", 1) if cfg.get("KW", 1) > 1 else 1 if cfg["SPLIT"] > 1 else 0
+    pb = parts * 8 * cfg["MG"] * (block_rows(cfg) + 4) * 4
     return max(xb + ring, pb)
 
 
@@ -393,7 +436,7 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
     zb = -(-m // (8 * cfg["MG"]))  # row blocks (WGMMA: any number; else 1)
     kern = _kernel(tuple(sorted(cfg.items())) + (g.numel() > 1, x_scale is not None, False), dev)
     smem = smem_bytes(cfg, wc.k, m)
-    nb = -(-wc.n // (WARPS * cfg["NT"] * 16))
+    nb = -(-wc.n // block_rows(cfg))
     with torch.cuda.device(dev):
         _set_smem(kern, smem)
         pdl.launch(kern, (nb, cfg["SPLIT"], zb), (WARPS * 32, 1, 1),
@@ -425,7 +468,7 @@ def choose_grouped(n: int, k: int, slots: int, sms: int) -> dict:
     cfg = dict(NT=1, MG=1, SPLIT=split, DEPTH=2)
     if smem_bytes(cfg, k, 8) > SMEM_MAX:
         raise ValueError(f"8 rows of K={k} do not fit the mma16 kernel's shared memory")
-    return cfg
+    return in_cta_split(cfg, k, 8)
 
 
 def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, offsets: torch.Tensor,
@@ -483,7 +526,7 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     key = {**cfg, "GATHER": 1} if x_rows is not None else {**cfg, "SILU": 1} if x_silu else cfg
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > e, x_scale is not None, True), dev)
     smem = smem_bytes(cfg, wc.k, 8 * cfg["MG"])
-    nb = -(-wc.n // (WARPS * 16))
+    nb = -(-wc.n // block_rows(cfg))
     offs = offsets.contiguous()
     rows = offs if x_rows is None else x_rows.contiguous()
     with torch.cuda.device(dev):

@@ -98,10 +98,17 @@ typedef unsigned long long u64;
 #if WGMMA && (8 % WB)
 #error "WB must divide the 8 blocks of a 128-k step"
 #endif
+#ifndef KW
+#define KW 1  // warps of a CTA that split one n-tile's K (in-CTA split-K; see the kernel's epilogue)
+#endif
+#if KW > 1 && (SPLIT > 1 || XSTREAM || WGMMA || (WARPS % KW))
+#error "KW (in-CTA split-K) needs SPLIT 1, the staged x slice (no XSTREAM, no WGMMA) and KW dividing WARPS"
+#endif
 #ifndef TIMING
 #define TIMING 0  // timing-only variants (wrong results): 1 no x staging, 2 no unpack/MMA
 #endif
-#define NB (WARPS * NT * 16)
+#define TW (WARPS / KW)  // warps per k range: TW x NT n-tiles per CTA
+#define NB (TW * NT * 16)
 #define XROWS (8 * MG)
 #define STAGE_BYTES 1280  // one n-tile and step: 1 KB of weight words + 256 B of scales
 
@@ -258,7 +265,11 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     const int s0 = blockIdx.y * per;
     const int s1 = min(S, s0 + per);
     const int ntiles = N >> 4;
-    const int tile0 = (blockIdx.x * WARPS + warp) * NT;
+    const int tile0 = (blockIdx.x * TW + warp % TW) * NT;
+    // this warp's steps: the CTA's range, or (KW) its KW-th part, split as SPLIT = KW CTAs would split K
+    const int wper = (s1 - s0 + KW - 1) / KW;
+    const int ws0 = KW > 1 ? s0 + (warp / TW) * wper : s0;
+    const int ws1 = KW > 1 ? min(s1, ws0 + wper) : s1;
 #if WGMMA
     const int XS = 128;  // unused: x stages hold core matrices (see issue_x)
 #elif XSTREAM
@@ -350,7 +361,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         sp[j] = st + (tile * S) * 16 + (lane & 15);
     }
     auto issue_w = [&](int step, int stage) {
-        if (step < s1) {
+        if (step < ws1) {
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
                 if (ok[j] || WGMMA) {  // WGMMA: a tile past N reads zeros (the warp still joins the multiply)
@@ -398,10 +409,10 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #if XSTREAM
     // group 0 = weight steps 0 .. DEPTH-2 + x step 0, group d = x step d: the group of step i is the i-th
 #pragma unroll
-    for (int d = 0; d < DEPTH - 1; ++d) issue_w(s0 + d, d);
+    for (int d = 0; d < DEPTH - 1; ++d) issue_w(ws0 + d, d);
 #else
 #pragma unroll
-    for (int d = 0; d < DEPTH; ++d) issue(s0 + d, d);
+    for (int d = 0; d < DEPTH; ++d) issue(ws0 + d, d);
 #endif
 
     // PDL: the first DEPTH weight steps above do not depend on the previous kernel; x (its output) does
@@ -479,11 +490,11 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 
     // 3. the stream
     const int g4 = lane >> 2;
-    for (int s = s0; s < s1; s += DEPTH) {
+    for (int s = ws0; s < ws1; s += DEPTH) {
 #pragma unroll
         for (int d = 0; d < DEPTH; ++d) {
             const int sd = s + d;
-            if (sd < s1) {
+            if (sd < ws1) {
 #if XSTREAM
 #if WGMMA
                 wg_wait<0>();  // this warpgroup's multiplies of step sd - 1 have read their x stage
@@ -608,6 +619,45 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // 4. epilogue. D fragment: c0, c1 = weight row g, x rows 2t, 2t+1; c2, c3 = weight row g + 8.
     const int g = lane >> 2, t = lane & 3;
     const float gs = WG_ROW ? 0.f : wg[0] * 256.f;
+#if KW > 1
+    {
+        // in-CTA split-K: the KW warps of an n-tile leave their fp32 partials in shared memory (x and the
+        // rings are no longer needed) and the CTA sums them in the cluster reduction's fixed tree order
+        // ((p0 + p1) + (p2 + p3)) + ...: with the same step ranges, the bits of SPLIT = KW CTAs, without the
+        // cluster barriers and distributed shared memory (1-1.5 us per call on the H200, bench/RESULTS.md)
+        constexpr int PS = NB + 4;
+        float* part = reinterpret_cast<float*>(smem);
+        __syncthreads();
+        const int kw = warp / TW, nw = warp % TW;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+                for (int mg = 0; mg < MG; ++mg)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c)
+                        part[(kw * XROWS + 8 * mg + 2 * t + c) * PS + (nw * NT + j) * 16 + g + 8 * hh] =
+                            acc[j][mg][2 * hh + c];
+        __syncthreads();
+        for (int e = threadIdx.x; e < XR * NB; e += WARPS * 32) {
+            const int m = e / NB, nl = e - m * NB;
+            const int n = blockIdx.x * NB + nl;
+            float p[KW];
+#pragma unroll
+            for (int r = 0; r < KW; ++r) p[r] = part[(r * XROWS + m) * PS + nl];
+#pragma unroll
+            for (int off = 1; off < KW; off <<= 1)
+#pragma unroll
+                for (int r = 0; r + off < KW; r += 2 * off) p[r] += p[r + off];
+            if (n < N) {
+                const float gg = (WG_ROW ? wg[n] * 256.f : gs) * (XG_ROW ? xg[m] : 1.f);
+                y[(u64)m * stride_ym + n] = (u16)(f2_to_bf16x2(p[0] * gg, 0.f) & 0xFFFFu);
+            }
+        }
+        return;
+    }
+#endif
     if (SPLIT == 1) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
