@@ -15,7 +15,9 @@ Sources:
 
 Answer extraction. Small instruct models rarely answer with the bare number ("The answer is
 7."), so by default a suffix "Answer with the number only." is appended to the question and the
-*last number* of the completion is scored. Other modes: the last <answer>...</answer> tag
+*last number* of the completion is scored, as the dataset writes the answer when it is the same number
+("3.0", "03" or "3.00" for "3": reasoning-gym's scorers compare strings and would give "3.0" a third of the
+reward). Other modes: the last <answer>...</answer> tag
 (reasoning-gym's convention), the last non-empty line, or the whole stripped completion.
 
 Small question spaces. reasoning-gym's basic_arithmetic with 2 one-digit terms and + - has
@@ -32,6 +34,7 @@ import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 EXTRACT_MODES = ("last_number", "answer_tag", "last_line", "full")
@@ -59,6 +62,18 @@ def extract_answer(completion: str, mode: str = "last_number") -> str | None:
     if mode == "full":
         return completion.strip() or None
     raise ValueError(f"extract = {mode!r}: allowed values are {EXTRACT_MODES}")
+
+
+def as_written(pred: str | None, expected: str) -> str | None:
+    """A number extracted in "last_number" mode, written as `expected` (the dataset's answer) when the two
+    are the same number ("3.0" / "03" / "3.00" for "3", "-0" for "0"); otherwise unchanged."""
+    if pred is None:
+        return None
+    try:
+        same = Decimal(pred) == Decimal(expected.strip().replace(",", ""))
+    except InvalidOperation:
+        return pred
+    return expected if same else pred
 
 
 def _completion_text(completion) -> str:
@@ -256,10 +271,13 @@ class ReasoningGymTask(Task):
 
     def score(self, prompts, completions, **kw) -> list[float]:
         _check_lengths(prompts, completions)
-        return [
-            float(self.dataset.score_answer(extract_answer(_completion_text(c), self.extract), p.entry))
-            for p, c in zip(prompts, completions)
-        ]
+        out = []
+        for p, c in zip(prompts, completions):
+            pred = extract_answer(_completion_text(c), self.extract)
+            if self.extract == "last_number":  # the same number as the dataset writes it (module docstring)
+                pred = as_written(pred, str(p.entry["answer"]))
+            out.append(float(self.dataset.score_answer(pred, p.entry)))
+        return out
 
 
 RewardFn = Callable[..., list[float]]

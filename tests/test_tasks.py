@@ -118,6 +118,23 @@ def test_score_uses_the_reasoning_gym_scorer_on_the_last_number(arithmetic):
         arithmetic.score(prompts, completions[:2])
 
 
+def test_the_same_number_written_otherwise_scores_as_the_answer(arithmetic):
+    """reasoning-gym's basic_arithmetic compares strings: "3.0" for "3" got a third of the reward, "03" half.
+    In last_number mode a number equal to the answer is scored as the dataset writes it; others are not."""
+    from fp4rl.tasks import as_written
+
+    p = next(p for p in arithmetic.eval if p.answer not in ("0", "-0") and not p.answer.startswith("-"))
+    a = p.answer
+    same = [f"It is {a}.0", f"{a}.00", f"0{a}", f"The result: {a}.000 "]
+    wrong = [f"{a}.5", f"{int(a) + 1}.0", f"-{a}"]
+    assert arithmetic.dataset.score_answer(f"{a}.0", p.entry) < 1.0  # the dataset's own scorer, unaided
+    assert arithmetic.score([p] * len(same), same) == [1.0] * len(same)
+    assert all(r < 1.0 for r in arithmetic.score([p] * len(wrong), wrong))
+    assert as_written("-0", "0") == "0" and as_written("2.50", "2.5") == "2.5"
+    assert as_written("2.5", "3") == "2.5" and as_written(None, "3") is None
+    assert as_written("1,000", "1000") == "1,000"  # not a Decimal (extract_answer drops commas): unchanged
+
+
 @pytest.mark.parametrize(
     "name, kwargs, extract",
     [
