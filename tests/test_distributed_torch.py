@@ -88,7 +88,14 @@ def rank_generate(rank: int) -> dict:
     again = sampler.generate(PROMPTS[:1], PARAMS)  # one prompt: rank 1's shard is empty
     mismatch = raises(sampler.generate, PROMPTS if rank == 0 else PROMPTS[::-1], PARAMS)
     after = sampler.generate(PROMPTS, PARAMS)  # the group is still usable
+    # the same version, other weights (a payload digest the other rank does not hold): refused on every rank
+    digest = sampler.sampler.weights_digest
+    if rank == 1:
+        sampler.sampler.weights_digest = "0" * 32
+    other_weights = raises(sampler.generate, PROMPTS, PARAMS)
+    sampler.sampler.weights_digest = digest
     return dict(got=got, again=again, mismatch=mismatch, after_equal=completions_equal(after, got),
+                other_weights=other_weights,
                 version=sampler.policy_version, max_seq_len=sampler.max_seq_len, world=sampler.world_size)
 
 
@@ -247,6 +254,8 @@ def test_distributed_generate_equals_local_shards(tmp_path):
             [(c.prompt_index, c.sample_index, c.finish_reason) for c in want]
         assert completions_equal(r["again"], want_one)
         assert r["mismatch"].startswith("ValueError") and "different prompts" in r["mismatch"]
+        assert r["other_weights"].startswith("ValueError") and "hold different weights" in r["other_weights"]
+        assert "v0 000000000000" in r["other_weights"]
         assert r["after_equal"]
         assert r["version"] == 0 and r["max_seq_len"] == sampler.max_seq_len and r["world"] == WORLD
 

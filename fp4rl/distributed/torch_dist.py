@@ -210,7 +210,8 @@ class DistributedSampler:
                 part = self.sampler.generate(prompts[start:stop], shard_params(params, self.rank))
             except Exception as e:
                 error = e
-        mine = (_fingerprint(prompts, params, self.policy_version), self.policy_version,
+        digest = getattr(self.sampler, "weights_digest", None)  # the payload it holds (None: never loaded)
+        mine = (_fingerprint(prompts, params, (self.policy_version, digest)), (self.policy_version, digest),
                 None if error is None else f"{type(error).__name__}: {error}")
         everyone = [None] * self.world_size
         dist.all_gather_object(everyone, (mine, to_wire(part)), group=self.group)
@@ -220,10 +221,11 @@ class DistributedSampler:
                 raise error
             raise RuntimeError(f"DistributedSampler.generate failed on rank {failed[0][0]}: {failed[0][1]}")
         if len({m[0] for m, _ in everyone}) != 1:
-            versions = [m[1] for m, _ in everyone]
-            raise ValueError("DistributedSampler.generate: the ranks were given different prompts, params or "
-                             f"are at different policy versions (per rank: {versions}); every rank must call "
-                             "generate with the same prompts and params after the same loads")
+            versions = [f"v{m[1][0]} {(m[1][1] or 'no payload')[:12]}" for m, _ in everyone]
+            raise ValueError("DistributedSampler.generate: the ranks were given different prompts, params "
+                             "or hold different weights (per rank: policy version, payload digest: "
+                             f"{versions}); every rank must call generate with the same prompts and params "
+                             "after the same loads")
         return merge([from_wire(p) for _, p in everyone], bounds)
 
     def _agree(self, what: str, error: BaseException | None) -> None:
