@@ -302,7 +302,8 @@ class Sampler:
         shapes, dtypes, checksums); a refused payload raises and leaves the old weights. With
         verify=True the sampler's tensors are re-hashed afterwards and must equal the payload's; if
         they do not (weight_sync.VerifyError: the copy went wrong, the old weights are gone) the
-        sampler refuses to generate until a later load succeeds."""
+        sampler refuses to generate until a later load succeeds; likewise when the copy itself is
+        interrupted (KeyboardInterrupt, a device error)."""
         from fp4rl.weight_sync import VerifyError, apply_payload
 
         try:
@@ -311,6 +312,12 @@ class Sampler:
         except VerifyError as exc:
             self._invalidate()
             self.weights_error = f"v{payload.version} failed verification after loading: {exc}"
+            raise
+        except BaseException as exc:  # interrupted while copying: neither the old weights nor the new
+            if getattr(exc, "weights_touched", False):
+                self._invalidate()
+                self.weights_error = (f"loading v{payload.version} was interrupted halfway "
+                                      f"({type(exc).__name__}: {exc})")
             raise
         self._invalidate()
         self.policy_version, self.weights_digest, self.weights_error = payload.version, payload.digest, None

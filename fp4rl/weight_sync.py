@@ -20,7 +20,8 @@ keeps its old weights. With verify=True the sampler's own tensors are hashed aga
 copy and must reproduce the payload's checksums: the sampler then provably holds the bytes the
 trainer's forward quantized (`verify_equal` checks that directly against a trainer in-process).
 A verify failure (VerifyError, a ValueError) comes after the copy, so the old weights are gone:
-the Sampler then refuses to generate until a load succeeds.
+the Sampler then refuses to generate until a load succeeds; so does an exception that interrupts the copy
+itself (KeyboardInterrupt, a device error: `weights_touched` set on it).
 
 Transport: `to_bytes()` / `from_bytes()` (and `save` / `load` for files) use safetensors with
 the checksums and metadata in its JSON header, ready for Ray object refs or a
@@ -304,13 +305,18 @@ def apply_payload(model: nn.Module, payload: Payload, *, current_version: int, v
                              f"holds {p.dtype} {list(p.shape)}: refused")
     payload.check()
 
-    with torch.no_grad():  # validated: from here on nothing can fail halfway
-        for name, m in packed.items():
-            q = payload.packed[name]
-            for f, buffer in zip(PACKED_FIELDS, (m.weight_data, m.weight_block_scale, m.weight_global_scale)):
-                buffer.copy_(getattr(q, f))
-        for name, p in dense.items():
-            p.copy_(payload.dense[name])
+    try:  # validated: from here on only an interruption (Ctrl-C, a device error) can stop the copy halfway
+        with torch.no_grad():
+            for name, m in packed.items():
+                q = payload.packed[name]
+                for f, buffer in zip(PACKED_FIELDS, (m.weight_data, m.weight_block_scale,
+                                                     m.weight_global_scale)):
+                    buffer.copy_(getattr(q, f))
+            for name, p in dense.items():
+                p.copy_(payload.dense[name])
+    except BaseException as exc:
+        exc.weights_touched = True  # the old weights are partly overwritten: Sampler.load marks them unusable
+        raise
     if verify:
         for name, m in packed.items():
             q = m.quantized_weight()

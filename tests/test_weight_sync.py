@@ -231,3 +231,35 @@ def test_a_load_drops_what_moe_blocks_derived_from_the_old_experts():
     optimizer_step(model)
     sampler.load(build_payload(model, contract, version=1))
     assert len(calls) == len(blocks)
+
+
+def test_a_load_interrupted_while_copying_stops_generation_until_a_load_succeeds(monkeypatch):
+    """A KeyboardInterrupt (or a device error) after validation, between two tensors' copies, leaves the
+    sampler with some old and some new weights: it re-raises, and generate refuses (it used to label that
+    mix with the old version and digest) until a load succeeds. An interruption before any copy keeps the
+    old weights usable."""
+    model, contract = trainer()
+    sampler = Sampler(model, eos_token_ids=[])
+    optimizer_step(model)
+    payload = build_payload(model, contract, version=1)
+    real_copy, calls = torch.Tensor.copy_, []
+
+    def interrupted(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real_copy(self, *a, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sampler.load(payload)
+    monkeypatch.undo()
+    assert sampler.policy_version == 0 and "interrupted halfway (KeyboardInterrupt" in sampler.weights_error
+    with pytest.raises(RuntimeError, match="not a known version.*loading v1 was interrupted halfway"):
+        sampler.generate(PROMPTS, GREEDY)
+    sampler.load(payload)
+    assert sampler.policy_version == 1 and sampler.weights_error is None
+    assert len(sampler.generate(PROMPTS, GREEDY)) == 2
+    with pytest.raises(ValueError, match="older than"):  # refused before any copy: nothing marked
+        sampler.load(build_payload(model, contract, version=0))
+    assert sampler.weights_error is None
