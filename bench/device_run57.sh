@@ -12,4 +12,12 @@ if [ "$1" = check ]; then
   echo "tests exit $?"; tail -8 $OUT/tests_decode_s15.log
   exit 0
 fi
-echo "usage: bash bench/device_run57.sh check"; exit 2
+if [ "$1" = recipe ]; then  # Qwen3-30B-A3B at batch 1 with the in-CTA default: every linear W4A16 and the recipe's
+  # 7 BF16 last layers, BF16 in the same process
+  timeout 230 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets bf16,nvfp4-w4a16 \
+    --w4a16-last 0,0.15 --batch 1 --kv bf16 --repeats 3 --tokens 8,72 --profile-batch '' \
+    --out $OUT/sampler57_30b_recipe.json > $OUT/sampler57_30b_recipe.log 2>&1
+  echo "30b exit $?"; grep '^|\|rror' $OUT/sampler57_30b_recipe.log | cut -c1-300 | tail -8
+  exit 0
+fi
+echo "usage: bash bench/device_run57.sh check|recipe"; exit 2
