@@ -57,6 +57,7 @@ from fp4rl.precision import PRESETS, PrecisionContract, is_linear
 from fp4rl.qat import convert, packed_state
 
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # one GEMM in servers
+FUSED_NAMES = {("q_proj", "k_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj"}
 CALIBRATION_PROMPTS = (
     "What is 17 + 25? Answer with the number only.",
     "Write a short poem about the sea at night.",
@@ -190,7 +191,7 @@ def export_model(model: nn.Module, contract: PrecisionContract, out: str | os.Pa
     packed = packed_state(model)  # {name.weight: the bytes the forward computes with}
     _check_servable(model, resolved, packed)
     quantized = sorted(k.removesuffix(".weight") for k in packed)
-    exclude = exclude_list(model, set(quantized))
+    exclude = exclude_list(model, set(quantized), fused_names=format == "modelopt")
 
     calibration, input_scales = None, {}
     if activations == "w4a4":
@@ -290,13 +291,22 @@ def fused_groups(model: nn.Module) -> list[list[str]]:
     return groups
 
 
-def exclude_list(model: nn.Module, quantized: set[str]) -> list[str]:
+def exclude_list(model: nn.Module, quantized: set[str], fused_names: bool = False) -> list[str]:
     """Every linear not in `quantized`, by full name, plus `...mlp.experts` of each MoE layer
-    whose routed experts are all BF16 (the module name servers check for a fused MoE)."""
+    whose routed experts are all BF16 (the module name servers check for a fused MoE). fused_names (the
+    ModelOpt format): also `...qkv_proj` / `...gate_up_proj` where every member of the group is BF16,
+    the names servers give the fused GEMM: SGLang's ModelOpt loader checks the fused module's own name
+    against the list (vLLM maps it back to q/k/v; an extra name is harmless to it)."""
     names = {n for n, m in model.named_modules() if is_linear(m) and n not in quantized}
     for n, m in model.named_modules():
         if isinstance(m, SparseMoeBlock) and not any(q.startswith(f"{n}.experts.") for q in quantized):
             names.add(f"{n}.experts")
+    if fused_names:
+        for full in fused_groups(model):
+            prefix = full[0].rpartition(".")[0]
+            in_fused_moe = prefix.rpartition(".")[0] in names  # an expert of a listed `...mlp.experts`
+            if all(n in names for n in full) and not in_fused_moe:
+                names.add(f"{prefix}.{FUSED_NAMES[tuple(n.rpartition('.')[2] for n in full)]}")
     return sorted(names)
 
 

@@ -225,7 +225,10 @@ def test_configs_and_tensors_carry_what_vllm_and_sglang_read(tmp_path_factory, f
         linear, input_key = CT_LINEAR, "input_global_scale"
     assert config["torch_dtype"] == "bfloat16"
     linears = {n for n, m in model.named_modules() if is_linear(m)}
-    assert set(exclude) - linears == {"model.layers.3.mlp.experts"}  # the last layer's fused MoE module
+    fused = set()  # ModelOpt: the fused GEMMs' names too where every member is BF16 (SGLang checks those)
+    if fmt == "modelopt":
+        fused = {"model.layers.3.self_attn.qkv_proj"}
+    assert set(exclude) - linears == {"model.layers.3.mlp.experts"} | fused  # the last layer's fused MoE
     assert linears - set(exclude) == quantized
     for name in quantized:
         n, k = model.get_submodule(name).weight.shape
@@ -344,7 +347,19 @@ def test_moe_experts_are_written_one_by_one(tmp_path):
             assert torch.equal(st[f"{key}.gate_proj.input_scale"], st[f"{key}.up_proj.input_scale"])
             inputs.append(st[f"{key}.gate_proj.input_scale"])
         assert all(torch.equal(x, inputs[0]) for x in inputs)  # one MoE input scale per layer
-        for kept in ("mlp.gate", "mlp.shared_expert.gate_proj", "mlp.shared_expert_gate", "self_attn.q_proj"):
+        for kept in ("mlp.gate", "mlp.shared_expert.gate_proj", "mlp.shared_expert_gate", "self_attn.q_proj",
+                     "self_attn.qkv_proj", "mlp.shared_expert.gate_up_proj"):
             assert f"model.layers.{layer}.{kept}" in exclude
+    # SGLang's ModelOpt rule (modelopt_quant.ModelOptFp4Config.get_quant_method: the fused module's own name
+    # in the list, or a fullmatch of one of its patterns) finds every BF16 fused GEMM
+    import fnmatch
+    import re
+
+    def sglang_skips(prefix):
+        return prefix in exclude or any(re.fullmatch(fnmatch.translate(p), prefix) for p in exclude)
+
+    for layer in (0, 1, 2):
+        assert sglang_skips(f"model.layers.{layer}.self_attn.qkv_proj")
+        assert not sglang_skips(f"model.layers.{layer}.mlp.experts.0.gate_up_proj") or layer == 2
     assert "model.layers.2.mlp.experts" in exclude and "lm_head" in exclude
     assert st["model.layers.2.mlp.experts.0.gate_proj.weight"].dtype == torch.bfloat16
