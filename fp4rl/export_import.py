@@ -99,6 +99,7 @@ def load_exported(path: str | os.PathLike, dtype: torch.dtype | str | None = Non
             raise ValueError(f"{path}: {name} has packed weight {data.dtype} {list(data.shape)} and block "
                              f"scale {block_scale.dtype} {list(block_scale.shape)}; NVFP4 needs uint8 "
                              "[N, K/2] and float8_e4m3fn [N, K/16]")
+        _check_scales(path, name, block_scale, g)
         data, block_scale, g = data.to(device), block_scale.to(device), g.to(device)
         packed[name] = (data, block_scale, g)
         # DQ(packed), one tensor at a time, in the model's dtype on its device (float32 math, then the
@@ -121,6 +122,24 @@ def load_exported(path: str | os.PathLike, dtype: torch.dtype | str | None = Non
     _warn_unfused_scales(path, model, packed)
     model.precision_contract = contract
     return model, load_tokenizer(path), contract
+
+
+def _check_scales(path: Path, name: str, block_scale: torch.Tensor, g: torch.Tensor) -> None:
+    """Refuse scales no quantizer writes: a decode global scale that is not finite and > 0 (ModelOpt's
+    weight_scale_2; 1 / compressed-tensors' weight_global_scale), E4M3 block scales that are NaN (0x7F / 0xFF)
+    or negative (-0 is 0). They would load as NaN, zero or sign-flipped weights without a word."""
+    if not (bool(torch.isfinite(g)) and float(g) > 0):
+        raise ValueError(f"{path}: {name} has the weight global scale (decode direction) {float(g)!r}; it "
+                         "must be finite and > 0 (a compressed-tensors weight_global_scale of 0, NaN or < 0, "
+                         "or a ModelOpt weight_scale_2 of 0, NaN, Inf or < 0): the checkpoint is damaged or "
+                         "was written wrongly; export it again")
+    b = block_scale.view(torch.uint8)
+    bad = ((b & 0x7F) == 0x7F) | ((b & 0x80) != 0) & (b != 0x80)
+    if bool(bad.any()):
+        first = bad.nonzero()[0].tolist()
+        raise ValueError(f"{path}: {name} has {int(bad.sum())} E4M3 block scales that are NaN or negative "
+                         f"(the first at [row, block] {first}: byte 0x{int(b[tuple(first)]):02X}); NVFP4 "
+                         "block scales are finite and >= 0: the checkpoint is damaged or was written wrongly")
 
 
 def _warn_unfused_scales(path: Path, model, packed: dict) -> None:

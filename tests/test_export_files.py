@@ -333,3 +333,35 @@ def test_generate_samples_an_export_with_its_own_precision(tmp_path, monkeypatch
         main(argv + ["--precision", "nvfp4-w4a16"])
     assert main(["generate", "--model", str(tmp_path / "nowhere"), "--prompt", "x"]) == 2
     assert "no such model directory" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:.*has no fp4rl_manifest.json")
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_import_refuses_scales_no_quantizer_writes(tmp_path, fmt):
+    """Another producer's checkpoint (no manifest) with a global scale of 0 / NaN / Inf / < 0 or an E4M3 block
+    scale that is NaN or negative: refused naming the linear (they loaded as NaN, zero or sign-flipped
+    weights). A block scale of -0 (0x80) is 0 and accepted."""
+    out = export_as(tiny("llama"), "nvfp4-w4a16", tmp_path / "out", fmt, None)
+    (out / MANIFEST).unlink()
+    clean = load_file(out / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj"
+    g_key = f"{name}.weight_scale_2" if fmt == "modelopt" else f"{name}.weight_global_scale"
+    s_key = f"{name}.weight_scale"
+
+    def load_with(key, edit):
+        st = {k: v.clone() for k, v in clean.items()}
+        edit(st[key])
+        save_file(st, out / "model.safetensors", metadata={"format": "pt"})
+        return lambda: fp4rl.load_model(out)
+
+    for bad in (0.0, float("nan"), float("inf"), -0.01):
+        if fmt == "compressed-tensors" and bad == float("inf"):
+            bad = 0.0  # G = inf -> g = 0: refused as g; covered by 0 above (G = 0 -> g = inf)
+        with pytest.raises(ValueError, match=f"{name} has the weight global scale .*finite and > 0"):
+            load_with(g_key, lambda t, v=bad: t.fill_(v))()
+    for byte in (0x7F, 0xFF, 0x90):
+        with pytest.raises(ValueError, match=rf"{name} has 1 E4M3 block scales that are NaN or negative "
+                                             rf"\(the first at \[row, block\] \[2, 1\]: byte 0x{byte:02X}\)"):
+            load_with(s_key, lambda t, b=byte: t.view(torch.uint8)[2, 1].fill_(b))()
+    loaded, _ = load_with(s_key, lambda t: t.view(torch.uint8)[2, 1].fill_(0x80))()  # -0: a zero scale
+    assert float(packed_state(loaded)[f"{name}.weight"].block_scale[2, 1].float()) == 0.0
