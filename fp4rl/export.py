@@ -185,6 +185,7 @@ def export_model(model: nn.Module, contract: PrecisionContract, out: str | os.Pa
         warnings.warn(f"export: linears trained {sorted(modes)} are exported {activations}: the server "
                       f"{'quantizes' if activations == 'w4a4' else 'does not quantize'} their activations, "
                       "so it computes another function than the trainer did", stacklevel=2)
+    _check_finite(model)
     modules = dict(model.named_modules())
     if any(getattr(modules[n], "mode", "bf16") != p for n, p in resolved.items()):
         convert(model, contract)  # else keep its NVFP4Linears: their cached bytes are the forward's
@@ -251,6 +252,17 @@ def export_model(model: nn.Module, contract: PrecisionContract, out: str | os.Pa
 
 # ----------------------------------------------------------------------------------------------
 # What the servers can load
+
+
+def _check_finite(model: nn.Module) -> None:
+    """Refuse a model with NaN/Inf in any parameter or buffer, naming it: a BF16 tensor would be written
+    as it is (and served), a quantized one stopped the quantizer with a message naming no tensor."""
+    for key, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t.detach())).sum())
+            raise ValueError(f"export: {key} holds {bad} NaN/Inf of {t.numel()} values: the model diverged "
+                             "or was damaged; export a checkpoint from before it (a run keeps the newest "
+                             "trainer.checkpoint_keep: fp4rl export RUN/checkpoints/step_N OUT)")
 
 
 def _check_servable(model: nn.Module, resolved: dict[str, str], packed: dict) -> None:

@@ -365,3 +365,17 @@ def test_import_refuses_scales_no_quantizer_writes(tmp_path, fmt):
             load_with(s_key, lambda t, b=byte: t.view(torch.uint8)[2, 1].fill_(b))()
     loaded, _ = load_with(s_key, lambda t: t.view(torch.uint8)[2, 1].fill_(0x80))()  # -0: a zero scale
     assert float(packed_state(loaded)[f"{name}.weight"].block_scale[2, 1].float()) == 0.0
+
+
+def test_export_refuses_nonfinite_tensors_naming_them(tmp_path):
+    """NaN/Inf in a BF16 tensor (embedding, norm, a BF16 linear) was written and served as it was; in a
+    quantized linear it stopped the quantizer with a message naming no tensor. Both refused by name, nothing
+    written."""
+    for key in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.3.self_attn.o_proj.weight",
+                "model.layers.0.mlp.down_proj.weight"):
+        model = tiny()
+        with torch.no_grad():
+            model.get_parameter(key).view(-1)[3] = float("nan")
+        with pytest.raises(ValueError, match=rf"export: {key} holds 1 NaN/Inf of \d+ values.*step_N"):
+            export_model(model, PrecisionContract("nvfp4-linear"), tmp_path / "x", calib_ids="random")
+        assert not (tmp_path / "x").exists()
