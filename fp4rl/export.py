@@ -133,6 +133,10 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, format: str = "
     with warnings.catch_warnings():  # checked above: the tokenizer comes from tok_dir, or none is wanted
         warnings.filterwarnings("ignore", ".*has no tokenizer files")
         model, tok = load_model(src, dtype=torch.float32)
+    recovered = getattr(model, "precision_contract", None)  # an NVFP4 checkpoint's own (its manifest's)
+    if recovered is not None and recovered.preset == contract.preset and precision is not None \
+            and not (src / "trainer.pt").is_file():
+        contract = recovered  # the same preset: keep the settings its bytes were quantized with
     if no_tokenizer:
         tok = None
     elif tok_dir != src:
@@ -189,6 +193,16 @@ def export_model(model: nn.Module, contract: PrecisionContract, out: str | os.Pa
     modules = dict(model.named_modules())
     if any(getattr(modules[n], "mode", "bf16") != p for n, p in resolved.items()):
         convert(model, contract)  # else keep its NVFP4Linears: their cached bytes are the forward's
+    else:  # ... and the manifest must then record the settings that made those bytes
+        want = (contract.weight_quantize_kwargs(), contract.input_quantize_kwargs())
+        for n, p in resolved.items():
+            have = (modules[n].weight_kwargs, modules[n].input_kwargs) if p != "bf16" else want
+            if have != want:
+                raise ValueError(f"export: {n} was converted (trained) with weight quantizer {have[0]} and "
+                                 f"activation quantizer {have[1]}, the contract says {want[0]} and "
+                                 f"{want[1]}: pass the contract the model was converted with (its bytes are "
+                                 "exported as they are; quantizing DQ(Q(W)) again would not be the trained "
+                                 "weights)")
     packed = packed_state(model)  # {name.weight: the bytes the forward computes with}
     _check_servable(model, resolved, packed)
     quantized = sorted(k.removesuffix(".weight") for k in packed)

@@ -379,3 +379,26 @@ def test_export_refuses_nonfinite_tensors_naming_them(tmp_path):
         with pytest.raises(ValueError, match=rf"export: {key} holds 1 NaN/Inf of \d+ values.*step_N"):
             export_model(model, PrecisionContract("nvfp4-linear"), tmp_path / "x", calib_ids="random")
         assert not (tmp_path / "x").exists()
+
+
+def test_the_manifest_records_the_settings_that_made_the_bytes(tmp_path):
+    """A model already converted keeps its NVFP4 bytes; a contract with other quantizer settings is refused
+    (the manifest recorded the contract's, and import labelled the bytes with them: weight sync compares the
+    labels). Re-exporting an export (CLI) keeps the settings of its manifest."""
+    from fp4rl.qat import convert
+
+    model = tiny()
+    convert(model, PrecisionContract("nvfp4-w4a16", weight_four_over_six=False))
+    with pytest.raises(ValueError, match=r"was converted \(trained\) with weight quantizer "
+                                         r".*'scale_rule': '6'.*the contract says .*'scale_rule': '4/6'"):
+        export_model(model, PrecisionContract("nvfp4-w4a16"), tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    a = export_model(model, PrecisionContract("nvfp4-w4a16", weight_four_over_six=False), tmp_path / "a")
+    b = export(a, tmp_path / "b", precision="nvfp4-w4a16", no_tokenizer=True)
+    for out in (a, b):
+        assert json.loads((out / MANIFEST).read_text())["precision"]["weight_four_over_six"] is False
+        loaded, _ = fp4rl.load_model(out)
+        assert {q.scale_rule for q in packed_state(loaded).values()} == {"6"}
+    assert load_file(a / "model.safetensors").keys() == load_file(b / "model.safetensors").keys()
+    sa, sb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
