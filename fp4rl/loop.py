@@ -412,7 +412,6 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
                 "(one written before final checkpoints stored them)?")
         last = first - 1  # such a checkpoint (or a changed max_staleness): its rollouts are all there is
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(c, run_dir / "config.toml")
     print(task.describe())
     print(contract.summary(trainer.model))
     print(f"run directory {run_dir}; " + (f"resuming after step {start_step} from {checkpoint}"
@@ -454,6 +453,9 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
         logger = MetricsLogger(run_dir, tensorboard=c.logging.tensorboard, wandb=c.logging.wandb,
                                wandb_project=c.logging.wandb_project, config=c.to_dict(),
                                resume_step=resume_step)
+        # the run's config (a resume's --set included) once everything before step 1 has worked: a resume
+        # that fails before (a damaged checkpoint or metrics file) leaves the run's config.toml as it was
+        save_config(c, run_dir / "config.toml")
         progress = None
         if c.logging.progress:
             from tqdm import tqdm

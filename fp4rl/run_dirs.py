@@ -28,22 +28,29 @@ def check_fresh(run_dir: Path) -> None:
 
 def check_resumable(config: RunConfig, checkpoint: Path | None) -> None:
     """ConfigError, before anything is loaded or written, for a resume that would lose what the run has
-    (metrics without a checkpoint to continue from) or that asks for fewer steps than its checkpoint has
-    done; a warning when there is nothing to continue (stopped before step 1): the run starts at step 1."""
+    (trained steps' metrics without a checkpoint to continue from), that asks for fewer steps than its
+    checkpoint has done, or whose metrics.jsonl is damaged; a warning when there is nothing to continue
+    (stopped before the end of step 1; the at-start eval of step 0 is redone): the run starts at step 1."""
     run_dir, steps = config.run_dir, config.trainer.steps
-    if checkpoint is None:
-        metrics = run_dir / METRICS_FILE
+    metrics = run_dir / METRICS_FILE
+    try:  # a damaged metrics.jsonl is named now, before anything is loaded or written
         logged = [r.get("step") for r in read_metrics(metrics)] if metrics.exists() else []
-        if logged:
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if checkpoint is None:
+        trained = [s for s in logged if isinstance(s, int) and s > 0]  # the at-start eval (step 0) is redone
+        if trained:
+            every = config.trainer.checkpoint_every
             raise ConfigError(
-                f"cannot resume {run_dir}: its {METRICS_FILE} holds the records of steps {logged[0]}.."
-                f"{logged[-1]} but there is no checkpoint to continue from (trainer.checkpoint_every = "
-                f"{config.trainer.checkpoint_every}; 0 writes one only after the last step), so resuming "
+                f"cannot resume {run_dir}: its {METRICS_FILE} holds the records of steps {trained[0]}.."
+                f"{trained[-1]} but there is no checkpoint to continue from (trainer.checkpoint_every = "
+                f"{every}{'; 0 writes one only after the last step' if every == 0 else ''}), so resuming "
                 "would start again from step 1 and drop them. To start over, move the run directory away "
-                "or pick another run.name; set trainer.checkpoint_every > 0 to make a run resumable after "
-                "a kill")
-        warnings.warn(f"resuming {run_dir}: no checkpoint and no metrics there (stopped before its first "
-                      "step), so the run starts at step 1", stacklevel=3)
+                "or pick another run.name"
+                + ("; set trainer.checkpoint_every > 0 to make a run resumable after a kill" if every == 0
+                   else ""))
+        warnings.warn(f"resuming {run_dir}: no checkpoint and no trained step there (stopped before the end "
+                      "of its first step), so the run starts at step 1", stacklevel=3)
         return
     done = int(checkpoint.name.removeprefix("step_"))
     if done > steps:

@@ -305,14 +305,26 @@ class Trainer:
         Returns {"step", "policy_version", "extra"}.
         """
         path = Path(path)
-        state_dict = load_state_dict(path)
+        older = [p for p in list_checkpoints(path.parent.parent) if p.name < path.name]
+        fix = (f"move {path} out of {path.parent} and resume again to continue from "
+               + (f"{older[-1].name}, the checkpoint before it" if older else "step 1 (it is the only one)"))
+        try:
+            state_dict = load_state_dict(path)
+        except Exception as exc:  # a missing, truncated or corrupted model.safetensors
+            raise ConfigError(f"checkpoint {path}: its weights (model.safetensors) cannot be read "
+                              f"({type(exc).__name__}: {exc}); the checkpoint is damaged: {fix}") from exc
+        _check_shapes(self.model, state_dict, path)
         missing, unexpected = self.model.load_state_dict(state_dict, strict=False)
         if self.model.config.tie_word_embeddings:
             missing = [k for k in missing if k != "lm_head.weight"]
         if missing or unexpected:
-            raise ValueError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        state = torch.load(path / _STATE_FILE, map_location="cpu", weights_only=False)
+            raise ConfigError(f"checkpoint {path} does not match the model of model.name: missing "
+                              f"{missing[:5]}, unexpected {unexpected[:5]} (was model.name changed?)")
+        try:
+            state = torch.load(path / _STATE_FILE, map_location="cpu", weights_only=False)
+        except Exception as exc:
+            raise ConfigError(f"checkpoint {path}: {_STATE_FILE} cannot be read ({type(exc).__name__}: "
+                              f"{exc}); the checkpoint is damaged: {fix}") from exc
         if "precision" in state:  # (checkpoints from before 2026-12-01 do not record it)
             was, now = state["precision"], self.contract.resolve(self.model)
             changed = sorted(n for n in set(now) | set(was) if now.get(n) != was.get(n))
@@ -325,12 +337,25 @@ class Trainer:
                     "Restore the run's precision settings (precision.rules can pin layers), or start a new "
                     "run from the checkpoint's weights (model.name = the checkpoint directory)")
         self.optimizer.load_state_dict(state["optimizer"])
+        for group in self.optimizer.param_groups:  # the config's hyperparameters, not the checkpoint's
+            group["betas"] = tuple(self.config.trainer.betas)  # (lr is set from the schedule every update)
+            group["weight_decay"] = self.config.trainer.weight_decay
         self.policy_version, self.updates = state["policy_version"], state["updates"]
         set_rng_state(state["rng"])
         return {"step": state["step"], "policy_version": state["policy_version"], "extra": state["extra"]}
 
 
 # ---------------------------------------------------------------------------------- helpers
+
+
+def _check_shapes(model: torch.nn.Module, state_dict: dict, path: Path) -> None:
+    """ConfigError naming the first tensor whose shape differs from the model's (another model.name)."""
+    own = model.state_dict()
+    for key, t in state_dict.items():
+        if key in own and tuple(own[key].shape) != tuple(t.shape):
+            raise ConfigError(f"checkpoint {path} does not match the model of model.name: {key} is "
+                              f"{list(t.shape)} there, {list(own[key].shape)} in the model (was model.name "
+                              "changed?)")
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:

@@ -188,10 +188,37 @@ def test_resume_without_a_checkpoint_refuses_to_drop_metrics(assets, tmp_path, c
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics
     assert not (run_dir / "checkpoints").exists()
 
+    # a damaged metrics.jsonl: refused before anything is loaded or written, --set values not saved
+    (run_dir / "metrics.jsonl").write_text('not json\n{"step": 1}\n')
+    assert main(["--resume", str(run_dir), "--set", "trainer.lr=1.0"]) == 2
+    assert "metrics.jsonl:1: not a JSON record" in capsys.readouterr().err
+    assert (run_dir / "config.toml").read_bytes() == config
+
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "rew')  # nothing whole was logged
-    with pytest.warns(UserWarning, match="no checkpoint and no metrics there .*starts at step 1"):
+    with pytest.warns(UserWarning, match="no checkpoint and no trained step there .*starts at step 1"):
         assert main(["--resume", str(run_dir)]) == 0
     assert deterministic(read_metrics(run_dir)) == deterministic(records)
+
+
+def test_a_run_killed_during_step_1_resumes_from_its_step_0_eval(assets, tmp_path, capsys):
+    """Killed after the at-start eval (step 0's record) but before step 1's checkpoint: the eval is redone
+    exactly and the run continues (it was refused as 'metrics without a checkpoint', advising
+    checkpoint_every > 0 even when it was 1)."""
+    sets = ("trainer.steps=2", "trainer.checkpoint_every=1", "eval.at_start=true")
+    records = run_tiny(assets, tmp_path, "early", *sets)
+    run_dir = tmp_path / "early"
+    assert records[0]["step"] == 0
+    shutil.rmtree(run_dir / "checkpoints")
+    (run_dir / "metrics.jsonl").write_text(json.dumps(records[0]) + "\n")
+    with pytest.warns(UserWarning, match="no trained step there"):
+        assert main(["--resume", str(run_dir)]) == 0
+    assert deterministic(read_metrics(run_dir)) == deterministic(records)
+    # with a trained step's record and no checkpoint it is refused, without advising the setting it has
+    shutil.rmtree(run_dir / "checkpoints")
+    capsys.readouterr()
+    assert main(["--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "steps 1..2 but there is no checkpoint" in err and "checkpoint_every > 0" not in err
 
 
 def _in_thread(fn, *args, timeout=120):

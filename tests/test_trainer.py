@@ -5,6 +5,7 @@ import copy
 import dataclasses
 import math
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -400,3 +401,33 @@ def test_a_non_finite_update_is_refused_before_the_weights_or_optimizer_change(m
         for name, v in st.items():
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(after[key][name])), (key, name)
     assert trainer.updates == 1 and all(p.grad is None for p in trainer.params)
+
+
+def test_resume_uses_the_configs_betas_and_weight_decay_and_names_a_damaged_checkpoint(tmp_path):
+    """`--resume --set trainer.weight_decay=...` (or betas): the optimizer state comes from the checkpoint,
+    its hyperparameters from the config (the run's config.toml records them; the checkpoint's used to win,
+    only lr was set again). A truncated model.safetensors or trainer.pt, or another model's tensors: a
+    ConfigError naming the file and the fix (move the checkpoint away: the one before it continues)."""
+    trainer = Trainer(tiny_model(), NVFP4, config())
+    trainer.step(make_batch(trainer.model))
+    first = trainer.save_checkpoint(tmp_path, step=1)
+    path = trainer.save_checkpoint(tmp_path, step=2)
+    changed = config()
+    changed.trainer.weight_decay, changed.trainer.betas = 0.5, [0.5, 0.9]
+    fresh = Trainer(tiny_model(), NVFP4, changed)
+    fresh.load_checkpoint(path)
+    groups = fresh.optimizer.param_groups
+    assert all(g["weight_decay"] == 0.5 and tuple(g["betas"]) == (0.5, 0.9) for g in groups)
+    assert fresh.optimizer.state_dict()["state"].keys() == trainer.optimizer.state_dict()["state"].keys()
+
+    for name in ("model.safetensors", "trainer.pt"):
+        broken = tmp_path / f"broken_{name}"
+        shutil.copytree(tmp_path, broken)
+        target = broken / "checkpoints" / "step_000002" / name
+        target.write_bytes(target.read_bytes()[:100])
+        with pytest.raises(ConfigError, match=r"checkpoint .*step_000002.* cannot be read .*damaged: move "
+                                              r".*step_000002 out of .* continue from step_000001"):
+            Trainer(tiny_model(), NVFP4, config()).load_checkpoint(broken / "checkpoints" / "step_000002")
+    other = Trainer(tiny_model(moe=True), NVFP4, config())  # another model.name: other tensors
+    with pytest.raises(ConfigError, match=r"does not match the model of model.name: .*model.name changed"):
+        other.load_checkpoint(first)
