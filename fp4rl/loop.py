@@ -396,6 +396,7 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     if checkpoint is not None:
         state = trainer.load_checkpoint(checkpoint)
         start_step = state["step"]
+        warn_changed_settings(checkpoint, c)
         pending = {step: Rollout.from_state_dict(r, task, c.task.prompts_per_step)
                    for step, r in state["extra"].get("pending_rollouts", {}).items()}
     # async: the rollouts still to make, up to k steps past the last one (a checkpoint after step s
@@ -544,6 +545,40 @@ def config_from_args(args) -> RunConfig:
     if args.config is not None:
         raise ConfigError("--resume RUN_DIR reads RUN_DIR/config.toml; change keys with --set, not --config")
     return resume_config(Path(args.resume), args.overrides)
+
+
+RESUME_FREE_KEYS = ("run.", "logging.", "trainer.steps", "trainer.checkpoint_every",
+                    "trainer.checkpoint_keep", "task.eval_every", "eval.")
+
+
+def warn_changed_settings(checkpoint: Path, c: RunConfig) -> None:
+    """Warn, naming them, about the settings a resume changes against the checkpoint's config.toml (the run
+    continues with the new ones, no longer what an uninterrupted run would do); the run's length, logging and
+    evaluation schedule are free to change."""
+    path = Path(checkpoint) / "config.toml"
+    if not path.is_file():
+        return
+    try:
+        was = load_config(path).to_dict()
+    except (ConfigError, OSError):
+        return
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict) and k not in ("kwargs",):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    old, new = dict(flat(was)), dict(flat(c.to_dict()))
+    changed = [k for k in sorted(set(old) | set(new))
+               if old.get(k) != new.get(k) and not k.startswith(RESUME_FREE_KEYS)]
+    if changed:
+        warnings.warn(f"resuming {checkpoint} with settings other than it was trained with: "
+                      + "; ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:8])
+                      + (f" (+{len(changed) - 8} more)" if len(changed) > 8 else "")
+                      + ": the run continues with the new ones, so it is no longer what the uninterrupted "
+                      "run would have done", stacklevel=3)
 
 
 def run(args) -> int:

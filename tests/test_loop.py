@@ -167,6 +167,18 @@ def test_resume_of_a_finished_run_changes_nothing(assets, tmp_path, capsys):
     assert "trainer.steps = 1: its newest checkpoint (step_000002)" in capsys.readouterr().err
     assert (run_dir / "config.toml").read_bytes() == config
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+    # more steps: no warning; another setting: named (the run is no longer the uninterrupted one)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["--resume", str(run_dir), "--set", "trainer.steps=3"]) == 0
+    assert not [w for w in caught if "settings other than" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"step_000003 with settings other than it was trained with: "
+                                         r"trainer.weight_decay 0.0 -> 0.5: the run continues with the new"):
+        assert main(["--resume", str(run_dir), "--set", "trainer.steps=4",
+                     "--set", "trainer.weight_decay=0.5"]) == 0
+    assert load_config(run_dir / "config.toml").trainer.weight_decay == 0.5
 
 
 def test_resume_without_a_checkpoint_refuses_to_drop_metrics(assets, tmp_path, capsys):
