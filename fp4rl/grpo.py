@@ -351,6 +351,9 @@ def grpo_loss(
     # (seq-mean-token-mean) left after MIS; a caller that divided by the whole batch's count rescales by it
     units = mask.sum() if config.loss_agg == "token-mean" else (mask.sum(1) > 0).sum()
     metrics["train/loss_units"] = float(units)
+    # the tokens train/clip_frac and train/ratio_mean average over (those MIS kept): a caller adding up
+    # micro-batches weights them by this
+    metrics["train/kept_tokens"] = float(mask.sum())
     if config.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("grpo.kl_coef > 0 needs ref_logprobs (the reference policy's logprobs)")

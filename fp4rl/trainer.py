@@ -195,7 +195,7 @@ class Trainer:
                 loss_sum += loss.item()
                 kl_sum += m.get("train/kl_ref", 0.0)  # each a part of the batch's (the batch denominator)
                 kept += m["train/loss_units"]
-                tokens = float(mb.loss_mask.sum())
+                tokens = m["train/kept_tokens"]  # what the two metrics below average over (after MIS)
                 weight_total += tokens
                 for key in ("train/clip_frac", "train/ratio_mean"):
                     if key in m:

@@ -347,6 +347,29 @@ def test_mis_rejected_tokens_leave_the_denominator_with_micro_batches(loss_agg, 
         assert metrics["train/kl_ref"] == pytest.approx(m["train/kl_ref"], rel=1e-4), mbs
 
 
+def test_mis_clip_and_ratio_metrics_do_not_depend_on_the_micro_batch_size():
+    """train/clip_frac and train/ratio_mean are means over the tokens MIS kept: micro-batches are weighted by
+    their kept tokens (they were weighted by all their tokens, so a micro-batch with many rejected ones
+    counted for more), so every micro_batch_size reports the whole batch's value. Three updates per batch,
+    so that the ratio moves off 1 and the clip engages."""
+    base = tiny_model()
+    sets = {"grpo.is_correction": "mis", "grpo.mis_low": 0.5, "grpo.mis_high": 2.0, "trainer.lr": 3e-2,
+            "loop.updates_per_batch": 3}
+    noise = None
+    out = []
+    for mbs in (0, 1, 3):
+        trainer = Trainer(copy.deepcopy(base), NVFP4, config(**sets, **{"trainer.micro_batch_size": mbs}))
+        batch = make_batch(trainer.model, advantages=(1.0, -1.0, 0.5, -0.5, 0.8, -0.3), seed=1)
+        if noise is None:
+            noise = torch.randn(batch.sampler_logprobs.shape, generator=torch.Generator().manual_seed(4))
+        batch.sampler_logprobs += noise * batch.loss_mask
+        out.append(trainer.step(batch))
+    assert 0.1 < out[0]["mismatch/mis_mask_frac"] < 0.9 and out[0]["train/clip_frac"] > 0
+    for m in out[1:]:
+        for key in ("train/clip_frac", "train/ratio_mean"):
+            assert m[key] == pytest.approx(out[0][key], rel=2e-3), key
+
+
 def test_trace_guides_the_policy_and_not_the_reference():
     """TRACE guidance (the sampler's rounding of the policy's activations) applies to the policy's forward
     only: the KL reference's logprobs are the same with and without the rollout's guidance."""
