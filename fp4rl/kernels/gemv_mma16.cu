@@ -2,7 +2,8 @@
 // (any number of rows in blocks of 8*MG with the WGMMA variant, below).
 //
 // Compiled at run time by NVRTC (fp4rl/kernels/gemv_cuda.py prepends the #defines: NT, MG, SPLIT, DEPTH,
-// TRIGGER, WG_ROW, XG_ROW, GROUPED, GATHER, SILU, and CLUSTER = __cluster_dims__(1, SPLIT, 1) when SPLIT > 1).
+// TRIGGER, WG_ROW, XG_ROW, GROUPED, GATHER, SILU, KW, and CLUSTER = __cluster_dims__(1, SPLIT, 1) when
+// SPLIT > 1).
 // GROUPED: routed experts (see the kernel's first block): grid z = expert slots.
 // GATHER (GROUPED, W4A16): x holds the batch's tokens and row r of the expert-sorted rows is token xrows[r]
 // (the MoE route's gather, read by the x staging instead of a separate index_select).
@@ -33,7 +34,10 @@
 // rows, plus one zero row that the B fragments of missing rows read) and read with ldmatrix.
 // Split-K: the SPLIT CTAs of an n-block form a cluster; each leaves its fp32 partial in shared memory
 // and CTA r adds its 1/SPLIT-th of the block's outputs from all of them through distributed shared
-// memory, in a fixed order (deterministic: no atomics, no global workspace, no fence).
+// memory, in a fixed order (deterministic: no atomics, no global workspace, no fence). KW (SPLIT 1, x staged
+// whole): the split is between the KW warps of each n-tile inside one CTA (128 / KW rows per CTA), the
+// partials added in shared memory after one barrier, over the same step ranges and in the same tree order as
+// SPLIT = KW: the same bits, without the cluster's barriers (gemv_cuda.in_cta_split chooses it).
 // A row's result does not depend on the other rows of x (up to 16 rows: SPLIT and the n-blocks depend on
 // N, K only; WGMMA: on N, K and the band of rows, gemv_cuda.choose_wide).
 // Programmatic dependent launch (fp4rl/kernels/pdl.py): launched with the attribute, the kernel may start
