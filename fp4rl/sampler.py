@@ -100,14 +100,36 @@ class SamplingParams:
             fail("max_new_tokens", "must be an integer >= 1")
         if isinstance(self.stop, str):
             fail("stop", "must be a tuple of strings, e.g. ('\\n\\n',), not one string")
+        if self.stop is None:
+            self.stop = ()
         self.stop = tuple(self.stop)
         if not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", "every stop string must be a non-empty str")
-        if self.seed is not None and not is_int(self.seed):
-            fail("seed", "must be an integer or None")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2 ** 64):
+            fail("seed", "must be an integer in [0, 2**64) or None")
         if isinstance(self.guidance, bool) or not isinstance(self.guidance, int | float) \
                 or not 0 <= self.guidance <= 1:
             fail("guidance", "must be a fraction of the decoder layers in [0, 1] (0 records nothing)")
+
+
+def _token_ids(ids, vocab_size: int) -> set[int]:
+    """eos_token_ids as a set of ints: one int or an iterable of ints (a list, a tensor, a NumPy array);
+    anything else is refused by name (a tensor's elements, or strings, never matched). Ids past the model's
+    vocabulary (it can never sample them) are dropped with a warning."""
+    import operator
+
+    if isinstance(ids, torch.Tensor):
+        ids = ids.reshape(-1).tolist()
+    try:
+        items = [operator.index(ids)] if not hasattr(ids, "__iter__") else [operator.index(t) for t in ids]
+    except TypeError:
+        raise ValueError(f"Sampler eos_token_ids={ids!r}: must be a token id or an iterable of token ids "
+                         "(ints), e.g. [tokenizer.eos_token_id]") from None
+    bad = [t for t in items if not 0 <= t < vocab_size]
+    if bad:
+        warnings.warn(f"Sampler eos_token_ids: {bad[:5]} are not ids of the model's {vocab_size}-token "
+                      "vocabulary (it never samples them): ignored", stacklevel=3)
+    return {t for t in items if 0 <= t < vocab_size}
 
 
 @dataclass
@@ -282,8 +304,11 @@ class Sampler:
         self.tokenizer, self.kv_cache = tokenizer, kv_cache
         if eos_token_ids is None:
             eos_token_ids = default_eos_token_ids(model, tokenizer)
-        self.eos_token_ids = set(eos_token_ids)
-        self.pad_token_id = getattr(tokenizer, "pad_token_id", None) or 0
+        self.eos_token_ids = _token_ids(eos_token_ids, self.config.vocab_size)
+        # padded slots are masked, so any id in the vocabulary does; a pad token added to a tokenizer without
+        # resizing the embeddings (an id past them) would fail the embedding lookup
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_token_id = pad if isinstance(pad, int) and 0 <= pad < self.config.vocab_size else 0
         self.cpu_ops = isinstance(self.model.model, FastCPUDecoder)
         self.policy_version = policy_version
         self.weights_digest: str | None = None  # the digest of the last payload loaded (None: built weights)
@@ -393,12 +418,14 @@ class Sampler:
         prompt_ids = self._encode(prompts)
         if params.stop and self.tokenizer is None:
             raise ValueError("generate: stop strings need a tokenizer to decode the text")
-        special = set(params.stop) & set(getattr(self.tokenizer, "all_special_tokens", None) or ())
+        specials = [t for t in getattr(self.tokenizer, "all_special_tokens", None) or () if t]
+        special = sorted((s, t) for s in params.stop for t in specials if t in s)
         if special:
-            token = min(special)
-            raise ValueError(f"generate: stop string {token!r} is a special token, which the decoded text "
-                             "never contains (special tokens are skipped): pass its id in "
-                             "Sampler(eos_token_ids=...)")
+            stop, token = special[0]
+            raise ValueError(f"generate: stop string {stop!r} contains the special token {token!r}, which "
+                             "the decoded text never contains (special tokens are skipped), so it could "
+                             "never match: pass the token's id in Sampler(eos_token_ids=...) (or stop on the "
+                             "text around it)")
         for i, ids in enumerate(prompt_ids):
             if len(ids) + params.max_new_tokens > self.max_seq_len:
                 raise ValueError(f"generate: prompt {i} has {len(ids)} tokens and max_new_tokens="

@@ -1,6 +1,8 @@
 """Sampler: KV-cache decode vs full forward, parity with transformers, logprobs vs the trainer,
 routing replay, shared prefill, compaction, stop strings, seeds, packed linears, bad input."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -183,8 +185,42 @@ def test_stop_strings_end_the_completion_and_cut_the_text():
     assert c.text == free.text[:first]
     assert c.completion_ids == free.completion_ids[:first + len(stop)]  # up to the token completing it
     assert c.logprobs == free.logprobs[:len(c.completion_ids)]
-    with pytest.raises(ValueError, match=r"stop string '\\x00' is a special token.*eos_token_ids"):
-        sampler.generate([prompt], SamplingParams(greedy=True, max_new_tokens=4, stop=(stop, "\x00")))
+    for special in ("\x00", "ab\x00c"):  # the special token itself, or a string holding it: never in the text
+        with pytest.raises(ValueError, match=r"stop string .* contains the special token '\\x00'.*eos_token"):
+            sampler.generate([prompt], SamplingParams(greedy=True, max_new_tokens=4, stop=(stop, special)))
+
+
+def test_eos_ids_pad_ids_seeds_and_stop_none_are_normalized_or_refused():
+    """eos_token_ids: an int, a list, a tensor or an array of ids all stop on the id (a tensor's 0-d elements
+    never matched, an int raised TypeError); strings are refused by name; ids past the vocabulary are dropped
+    with a warning. A pad id past the embeddings (a [PAD] added without resizing) pads with 0 instead of
+    failing the lookup. Seeds outside [0, 2**64) and stop=None: refused / ()."""
+    import numpy as np
+
+    model = tiny()
+    greedy = SamplingParams(greedy=True, max_new_tokens=8)
+    free = Sampler(model, eos_token_ids=[]).generate([[3, 4, 5]], greedy)[0]
+    eos = free.completion_ids[2]
+    for ids in (eos, [eos], torch.tensor([eos]), np.array([eos]), (eos, 10 ** 6)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            c = Sampler(model, eos_token_ids=ids).generate([[3, 4, 5]], greedy)[0]
+        assert c.finish_reason == "eos" and c.completion_ids == free.completion_ids[:3], ids
+        assert any("not ids of the model" in str(w.message) for w in caught) == isinstance(ids, tuple)
+    with pytest.raises(ValueError, match=r"eos_token_ids=\['</s>'\]: must be a token id or an iterable"):
+        Sampler(model, eos_token_ids=["</s>"])
+
+    class FarPad(CharTokenizer):
+        pad_token_id = 10 ** 6
+
+    sampler = Sampler(model, FarPad(), eos_token_ids=[])
+    assert sampler.pad_token_id == 0
+    both = sampler.generate([[3, 4, 5], [7]], greedy)
+    assert both[0].completion_ids == free.completion_ids
+    for seed in (-1, 2 ** 64):
+        with pytest.raises(ValueError, match=r"seed.*\[0, 2\*\*64\)"):
+            SamplingParams(seed=seed)
+    assert SamplingParams(seed=2 ** 64 - 1).seed == 2 ** 64 - 1 and SamplingParams(stop=None).stop == ()
 
 
 def test_seeds_are_reproducible_and_top_k_1_is_greedy():
