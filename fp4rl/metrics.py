@@ -64,7 +64,14 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
+            if not isinstance(record, dict) or isinstance(record.get("step"), bool) \
+                    or not isinstance(record.get("step"), int):
+                raise ValueError(f"{path}:{line_no}: {line[:60].strip()!r} is not a step record (a JSON "
+                                 "object with an integer \"step\"): the file is damaged; repair or delete "
+                                 "that line")
+            # the non-finite values the logger wrote as strings (JSON has no NaN/Inf) are floats again
+            records.append({k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()})
         except json.JSONDecodeError as e:
             if line_no == len(lines) and not line.endswith("\n"):
                 warnings.warn(f"{path}:{line_no}: dropped its last line, a write cut short (no newline, not "
@@ -73,6 +80,9 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
             raise ValueError(f"{path}:{line_no}: not a JSON record ({e}): the file is damaged; repair or "
                              "delete that line (each line is one step's JSON object)") from e
     return records
+
+
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 def _jsonable(value):
@@ -154,10 +164,10 @@ class MetricsLogger:
         self._file.flush()
         os.fsync(self._file.fileno())  # on disk before the step's checkpoint: one fsync per step (seconds)
         self.last_step = int(step)
-        scalars = {
-            k: v
+        scalars = {  # NaN / Inf too (written as strings to the JSON file): a diverging run shows it
+            k: _NONFINITE.get(v, v) if isinstance(v, str) else v
             for k, v in record.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+            if k != "step" and (isinstance(v, (int, float)) and not isinstance(v, bool) or v in _NONFINITE)
         }
         if self._tb is not None:
             for key, value in scalars.items():

@@ -40,9 +40,36 @@ def test_log_writes_one_line_per_step_and_tensorboard(tmp_path):
     records = read_metrics(run)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[0]["reward/accuracy"] == pytest.approx(0.26) and records[0]["time/rollout_s"] == 10
-    assert records[3]["loss"] == "nan"
+    assert math.isnan(records[3]["loss"])  # "nan" in the JSON file, a float again when read
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[3])["loss"] == "nan"
     events = list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def test_non_finite_values_reach_every_reader(tmp_path):
+    """NaN / Inf are logged as the strings "nan" / "inf" (JSON has none); every reader sees floats again:
+    the ablation summary counts them, TensorBoard gets them, plots draw the key (they vanished from all
+    three). A line that is not a step record is refused by file and line."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fp4rl import ablate
+
+    run = tmp_path / "run"
+    with MetricsLogger(run, tensorboard=True) as log:
+        log.log(1, {"train/grad_norm": 1.0, "reward/mean": 0.5, "mismatch/kl_k3": 0.1})
+        log.log(2, {"train/grad_norm": math.nan, "reward/mean": math.inf, "mismatch/kl_k3": math.nan})
+    records = read_metrics(run)
+    summary = ablate.summarize({"a": records, "b": records})
+    assert summary["a"]["non-finite train/grad_norm"] == 1 and summary["a"]["steps"] == 2
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    got = [(e.step, e.value) for e in acc.Scalars("mismatch/kl_k3")]
+    assert got[0] == (1, pytest.approx(0.1)) and got[1][0] == 2 and math.isnan(got[1][1])
+    assert plot(run)  # the keys are plottable (a NaN step is a gap)
+    for bad in ("[1, 2]", '{"reward/mean": 0.5}', '{"step": "3"}'):
+        (run / "metrics.jsonl").write_text('{"step": 1}\n' + bad + "\n")
+        with pytest.raises(ValueError, match=r"metrics.jsonl:2: .* is not a step record"):
+            read_metrics(run)
 
 
 def test_new_run_refuses_to_overwrite(tmp_path):
