@@ -293,6 +293,8 @@ def run(args) -> int:
         arms = parse_arms(args.arms, args.presets, load_config(args.config, args.overrides))
         summary, out_dir = ablate(args.config, args.overrides, arms)
     except (ConfigError, FileNotFoundError, FileExistsError) as e:
+        if os.environ.get("FP4RL_TRACEBACK") == "1":
+            raise
         print(f"fp4rl ablate: error: {e}", file=sys.stderr)
         return 2
     except ArmFailed as e:

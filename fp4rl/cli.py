@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code = importlib.import_module(args._module).run(args)
+    except BrokenPipeError:  # the output piped into a reader that stopped (`fp4rl ... | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when stdout flushes
+        return 0
     except (ValueError, OSError) as exc:  # the library's refusals of bad input, and file errors
         if os.environ.get("FP4RL_TRACEBACK") == "1":
             raise

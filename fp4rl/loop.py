@@ -67,6 +67,7 @@ import contextlib
 import dataclasses
 import hashlib
 import math
+import os
 import random
 import sys
 import threading
@@ -588,6 +589,8 @@ def run(args) -> int:
     try:
         train(config_from_args(args))
     except (ConfigError, FileNotFoundError, FileExistsError) as e:  # raised before step 1
+        if os.environ.get("FP4RL_TRACEBACK") == "1":
+            raise
         print(f"fp4rl train: error: {e}", file=sys.stderr)
         return 2
     return 0

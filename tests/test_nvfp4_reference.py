@@ -442,3 +442,18 @@ def test_the_cli_turns_a_refused_value_into_a_message_and_exit_2(capsys, monkeyp
     monkeypatch.setenv("FP4RL_TRACEBACK", "1")
     with pytest.raises(ValueError):
         main(["bench", "quantize", "--size", "0", "--repeats", "1"])
+    for command in (["train"], ["ablate", "--presets", "bf16,nvfp4-w4a16"]):  # they catch config errors
+        with pytest.raises(FileNotFoundError):  # themselves: the variable shows the traceback there too
+            main([*command, "--config", str(tmp_path / "missing.toml")])
+
+
+def test_output_piped_into_a_reader_that_stops_is_not_an_error(tmp_path):
+    """`fp4rl train --help-config | head -2`: exit 0, no 'Broken pipe' error (it exited 2 with one). The
+    reader here (`true`) has gone before the command (seconds of imports) writes anything: always a broken
+    pipe."""
+    import subprocess
+    import sys
+
+    cmd = f"{sys.executable} -m fp4rl.cli train --help-config | true"
+    out = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "Broken pipe" not in out.stderr and not out.stderr.strip(), out.stderr
