@@ -196,7 +196,8 @@ class PrecisionConfig(_Section):
                     f"precision.rules.{glob!r} = {precision!r}: allowed values are "
                     + ", ".join(map(repr, LINEAR_PRECISIONS))
                 )
-        if self.trace and self.preset in ("bf16", "nvfp4-w4a16", "nvfp4-experts") and not self.rules:
+        if self.trace and self.preset in ("bf16", "nvfp4-w4a16", "nvfp4-experts") \
+                and "w4a4" not in self.rules.values():
             raise ConfigError(f"precision.trace = true guides W4A4 linears outside the routed experts, "
                               f"which precision.preset = {self.preset!r} has none of: use 'nvfp4-linear' "
                               "(or rules)")

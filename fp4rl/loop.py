@@ -381,6 +381,15 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     task.batch(0, c.task.prompts_per_step)  # fails now, not at step 1, if the split is too small
 
     device = c.model.device if c.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"model.device = {c.model.device!r} but torch sees no CUDA device here (torch "
+                          f"{torch.__version__}): use model.device = 'auto' or 'cpu'")
+    if c.logging.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError("logging.wandb = true but wandb is not installed: pip install wandb (or set "
+                              "logging.wandb = false)") from None
     check_distributed(c, device)
     if c.model.dtype == "bfloat16":
         warnings.warn("model.dtype = 'bfloat16': AdamW updates the bf16 master weights in place, and a "
@@ -391,6 +400,16 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
         raise ValueError(f"model.name = {c.model.name!r} has no tokenizer files: RL needs one for prompts")
     contract = PrecisionContract(**c.precision.contract_kwargs())
     trainer = Trainer(model, contract, c)
+    if c.precision.trace:
+        from fp4rl import trace
+
+        if not trace.guided_modules(trainer.model, c.precision.trace_deep_fraction):
+            raise ConfigError(f"precision.trace = true but this model under precision.preset = "
+                              f"{c.precision.preset!r} and precision.rules = {dict(c.precision.rules)} has "
+                              "no W4A4 linear outside the routed experts in the guided layers "
+                              f"(trace_deep_fraction = {c.precision.trace_deep_fraction}): TRACE would guide "
+                              "nothing. Use a preset or rules with W4A4 dense linears (e.g. 'nvfp4-linear'), "
+                              "or precision.trace = false")
     staleness = c.loop.max_staleness if c.loop.mode == "async" else 0
 
     start_step, pending = 0, {}

@@ -359,6 +359,24 @@ def test_config_errors_name_the_key(tmp_path, capsys, assets):
     assert main(["--config", str(TINY), *sum((["--set", x] for x in tiny_sets(
         assets, tmp_path, "trace", "precision.trace=true", "precision.preset=nvfp4-w4a16")), [])]) == 2
     assert "precision.trace" in capsys.readouterr().err
+    # rules that make no dense linear W4A4 (TRACE would guide nothing): refused at load time, or once the
+    # model is converted when a W4A4 rule matches no dense linear; before any file is written either way
+    with pytest.raises(ConfigError, match="precision.trace"):
+        run_tiny(assets, tmp_path, "trace_rules", "precision.trace=true", "precision.preset=nvfp4-w4a16",
+                 'precision.rules={"lm_head" = "bf16"}')
+    with pytest.raises(ConfigError, match=r"precision.trace = true but this model .* has no W4A4 linear"):
+        run_tiny(assets, tmp_path, "trace_rules", "precision.trace=true", "precision.preset=nvfp4-w4a16",
+                 'precision.rules={"lm_head" = "w4a4"}')
+    assert not (tmp_path / "trace_rules").exists()
+    if not torch.cuda.is_available():  # a CUDA device asked for where there is none: named before loading
+        with pytest.raises(ConfigError, match="model.device = 'cuda' but torch sees no CUDA device"):
+            run_tiny(assets, tmp_path, "cuda", "model.device=cuda")
+    try:
+        import wandb  # noqa: F401
+    except ImportError:  # wandb asked for, not installed: named before loading (a traceback after it)
+        with pytest.raises(ConfigError, match="logging.wandb = true but wandb is not installed"):
+            run_tiny(assets, tmp_path, "wandb", "logging.wandb=true")
+        assert not (tmp_path / "wandb").exists()
     with pytest.raises(ValueError, match="sampler.temperature"):
         run_tiny(assets, tmp_path, "greedy", "sampler.temperature=0")
     run_tiny(assets, tmp_path, "twice", "trainer.steps=1")
