@@ -468,6 +468,14 @@ def apply_override(data: dict, item: str) -> None:
     value = _parse_literal(raw)
     if len(parts) == 2 and hint in (str, str | None) and not isinstance(value, str):
         value = raw  # run.name=2024 is the name "2024"
+    if len(parts) > 2 and isinstance(value, str) and value == raw and raw in ("True", "False", "None"):
+        # a table's value is kept as the string when it is not TOML; Python's spelling of a bool or None
+        # would then be a (truthy) string: task.kwargs.allow_parentheses=False turned parentheses on
+        fix = (f"write {raw.lower()} (TOML's spelling)" if raw != "None"
+               else "leave the key out (TOML has no None)")
+        raise ConfigError(f"{key} = {raw} is Python's spelling, which would be kept as the string {raw!r}: "
+                          f"{fix}, or quote it ({key}='\"{raw}\"') if you mean the string")
+
     node = data
     for part in parts[:-1]:
         node = node.setdefault(part, {})

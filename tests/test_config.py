@@ -123,6 +123,15 @@ def test_overrides_parse_toml_literals_and_fall_back_to_strings():
     data = {}
     apply_override(data, "sampler.top_k = 5")
     assert data == {"sampler": {"top_k": 5}}
+    # a table's non-TOML value stays a string, but not Python's True / False / None: "False" is truthy
+    # (task.kwargs.allow_parentheses=False turned parentheses on)
+    for raw, fix in (("False", "write false"), ("True", "write true"), ("None", "leave the key out")):
+        with pytest.raises(ConfigError, match=f"allow_parentheses = {raw} is Python's spelling.*{fix}"):
+            apply_override({}, f"task.kwargs.allow_parentheses={raw}")
+    data = {}
+    apply_override(data, "task.kwargs.allow_parentheses=false")
+    apply_override(data, 'task.kwargs.label="False"')
+    assert data == {"task": {"kwargs": {"allow_parentheses": False, "label": "False"}}}
 
 
 def test_dump_toml_round_trips(tmp_path):
