@@ -45,10 +45,29 @@ MEAN_KEYS = ("reward/mean", "reward/accuracy", "mismatch/logprob_abs_diff", "mis
              "mismatch/tis_clip_frac", "train/grad_norm", "time/rollout_s", "time/train_s")
 
 
+def _split_sets(sets: str) -> list[str]:
+    """KEY=VALUE,KEY=VALUE... split at the commas outside brackets, braces and quotes (a list or table
+    value keeps its commas: trainer.betas=[0.9, 0.95])."""
+    parts, depth, quote, start = [], 0, None, 0
+    for i, ch in enumerate(sets):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(sets[start:i])
+            start = i + 1
+    return [*parts, sets[start:]]
+
+
 def parse_arms(arm_specs: list[str], presets: str | None, base: RunConfig) -> dict[str, list[str]]:
-    """Arms as {name: overrides}. --arm NAME:KEY=VALUE[,KEY=VALUE...] (a value holding a comma: give
-    the key in its own --arm NAME:... again), --presets P1,P2 (arm P = precision.preset=P). Neither:
-    bf16 and the config's own preset."""
+    """Arms as {name: overrides}. --arm NAME:KEY=VALUE[,KEY=VALUE...] (split at the commas outside a value's
+    brackets, braces and quotes; the same arm again adds keys), --presets P1,P2 (arm P = precision.preset=P).
+    Neither: bf16 and the config's own preset."""
     arms: dict[str, list[str]] = {}
     for name in (presets.split(",") if presets else []):
         name = name.strip()
@@ -65,7 +84,7 @@ def parse_arms(arm_specs: list[str], presets: str | None, base: RunConfig) -> di
             raise ConfigError(f"--arm {spec!r}: an arm cannot be named {SUMMARY_SUFFIX!r}: its run "
                               f"directory <run.name>-{SUMMARY_SUFFIX} is the ablation's summary directory; "
                               "pick another name")
-        keys = [s.strip() for s in sets.split(",") if s.strip()]
+        keys = [s.strip() for s in _split_sets(sets) if s.strip()]
         named = [k for k in keys if k.split("=", 1)[0].strip().startswith("run.")]
         if named:
             raise ConfigError(f"--arm {spec!r}: {', '.join(named)}: an arm cannot set run.* keys (each "

@@ -24,6 +24,14 @@ def test_arms_are_parsed_and_checked():
         "bf16": ["precision.preset=bf16"], "nvfp4-w4a16": ["precision.preset=nvfp4-w4a16"]}
     assert ablate.parse_arms(["a:trainer.lr=1e-4,grpo.kl_coef=0.1", "b:trainer.lr=1e-5"], None, base) == {
         "a": ["trainer.lr=1e-4", "grpo.kl_coef=0.1"], "b": ["trainer.lr=1e-5"]}
+    # list and table values keep their commas (they were split into 'trainer.betas=[0.9' and '0.95]')
+    arms = ablate.parse_arms(["a:trainer.betas=[0.9, 0.95],trainer.lr=1e-4",
+                              "b:task.kwargs={max_digits = 2, min_digits = 2}",
+                              "c:task.suffix=\"a, b\",eval.temperatures=[0.0,1.0]"], None, base)
+    assert arms == {"a": ["trainer.betas=[0.9, 0.95]", "trainer.lr=1e-4"],
+                    "b": ["task.kwargs={max_digits = 2, min_digits = 2}"],
+                    "c": ['task.suffix="a, b"', "eval.temperatures=[0.0,1.0]"]}
+    assert load_config(TINY, arms["a"]).trainer.betas == [0.9, 0.95]
     with pytest.raises(ConfigError, match="not a precision preset"):
         ablate.parse_arms([], "bf16,nvfp5", base)
     with pytest.raises(ConfigError, match="NAME:KEY=VALUE"):
