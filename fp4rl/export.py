@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from fp4rl import __version__
-from fp4rl.export_files import MANIFEST, readme, sha256, write_dir, write_json
+from fp4rl.export_files import MANIFEST, check_out, readme, sha256, write_dir, write_json
 from fp4rl.export_formats import ACTIVATIONS, FORMAT_CLASSES, FORMATS, encode_global_scale, reciprocal
 from fp4rl.hf import write_safetensors
 from fp4rl.moe import SparseMoeBlock
@@ -94,6 +94,10 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, format: str = "
         raise ValueError("export: pass a tokenizer (--tokenizer) or no_tokenizer=True (--no-tokenizer), "
                          "not both")
 
+    check_out(Path(out), overwrite)  # now, not after minutes of loading and packing
+    if not 1 <= calib_prompts <= len(CALIBRATION_PROMPTS):
+        raise ValueError(f"export: calib_prompts={calib_prompts}; use 1..{len(CALIBRATION_PROMPTS)} built-in "
+                         "prompts (--calib-prompts)")
     src = _resolve_source(source)
     files = f"tokenizer files ({', '.join(TOKENIZER_FILES)})"
     contract, tok_dir, missing = None, src, f"{src} has no {files}"

@@ -90,8 +90,9 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_dir(out: Path, write, overwrite: bool) -> Path:
-    """write(tmp) into a temporary sibling, fsync it, then rename it to OUT: OUT is complete or absent."""
+def check_out(out: Path, overwrite: bool) -> None:
+    """FileExistsError unless OUT can take an export: absent, an empty folder, or (overwrite) an earlier
+    export. Called before the model loads (fp4rl.export.export) and again when writing."""
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"export: {out} is a file, not a folder: pick another OUT")
     if out.exists() and any(out.iterdir()):
@@ -104,6 +105,11 @@ def write_dir(out: Path, write, overwrite: bool) -> Path:
         if not overwrite:
             raise FileExistsError(f"export: {out} holds an earlier export; pass overwrite=True (--force) to "
                                   "replace it")
+
+
+def write_dir(out: Path, write, overwrite: bool) -> Path:
+    """write(tmp) into a temporary sibling, fsync it, then rename it to OUT: OUT is complete or absent."""
+    check_out(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

@@ -402,3 +402,24 @@ def test_the_manifest_records_the_settings_that_made_the_bytes(tmp_path):
     assert load_file(a / "model.safetensors").keys() == load_file(b / "model.safetensors").keys()
     sa, sb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_export_checks_out_and_calib_prompts_before_loading(tmp_path, monkeypatch, dense_modelopt):
+    """An OUT that holds an earlier export (without --force), a file, or a folder that is not an export, and a
+    --calib-prompts out of range are refused before the model loads (they were refused after minutes of
+    loading, converting and packing)."""
+    from fp4rl import hf
+
+    _, out, _, _ = dense_modelopt
+    monkeypatch.setattr(hf, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    for target, match in ((out, "holds an earlier export; pass overwrite=True"),
+                          (tmp_path / "file", "is a file"), (tmp_path / "other", "is not an fp4rl export")):
+        with pytest.raises(FileExistsError, match=match):
+            export("default", target, precision="nvfp4-w4a16", no_tokenizer=True)
+    for n in (0, 999):
+        with pytest.raises(ValueError, match=f"calib_prompts={n}; use 1.."):
+            export("default", tmp_path / "new", precision="nvfp4-w4a16", no_tokenizer=True, calib_prompts=n)
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
