@@ -94,7 +94,6 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, format: str = "
         raise ValueError("export: pass a tokenizer (--tokenizer) or no_tokenizer=True (--no-tokenizer), "
                          "not both")
 
-    check_out(Path(out), overwrite)  # now, not after minutes of loading and packing
     if not 1 <= calib_prompts <= len(CALIBRATION_PROMPTS):
         raise ValueError(f"export: calib_prompts={calib_prompts}; use 1..{len(CALIBRATION_PROMPTS)} built-in "
                          "prompts (--calib-prompts)")
@@ -134,6 +133,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, *, format: str = "
         if path is not None and (target == path.resolve() or target in path.resolve().parents):
             raise ValueError(f"export: OUT {out} is {what} or a folder holding it; replacing it (--force) "
                              "would delete it: pick another OUT")
+    check_out(target, overwrite)  # now, not after minutes of loading and packing
     with warnings.catch_warnings():  # checked above: the tokenizer comes from tok_dir, or none is wanted
         warnings.filterwarnings("ignore", ".*has no tokenizer files")
         model, tok = load_model(src, dtype=torch.float32)

@@ -415,11 +415,12 @@ def test_export_checks_out_and_calib_prompts_before_loading(tmp_path, monkeypatc
     (tmp_path / "file").write_text("x")
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
-    for target, match in ((out, "holds an earlier export; pass overwrite=True"),
+    earlier = _copy(out, tmp_path / "earlier")
+    for target, match in ((earlier, "holds an earlier export; pass overwrite=True"),
                           (tmp_path / "file", "is a file"), (tmp_path / "other", "is not an fp4rl export")):
         with pytest.raises(FileExistsError, match=match):
-            export("default", target, precision="nvfp4-w4a16", no_tokenizer=True)
+            export(out, target, precision="nvfp4-linear", no_tokenizer=True)
     for n in (0, 999):
         with pytest.raises(ValueError, match=f"calib_prompts={n}; use 1.."):
-            export("default", tmp_path / "new", precision="nvfp4-w4a16", no_tokenizer=True, calib_prompts=n)
+            export(out, tmp_path / "new", precision="nvfp4-linear", no_tokenizer=True, calib_prompts=n)
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
