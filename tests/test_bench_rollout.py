@@ -23,3 +23,25 @@ def test_throughput_times_both_engines_greedy_and_sampled(tmp_path):
         assert abs(r["paired_ratio"] - ref["seconds"] / r["seconds"]) < 1e-9
     text = rollout.markdown(args, speed, [], [])
     assert text.count("| fp4rl bf16 |") == 4 and "| sample | 2 |" in text
+
+
+def test_bad_options_are_refused_before_any_timing(monkeypatch):
+    """A dtype, preset, mode or batch the benchmark does not take is named before the first timing (an
+    unknown dtype raised KeyError; a misspelt mismatch preset failed after the whole throughput phase)."""
+    import pytest
+
+    from fp4rl.cli import main
+
+    monkeypatch.setattr(rollout, "throughput", lambda args: pytest.fail("timed before checking the options"))
+    monkeypatch.delenv("FP4RL_TRACEBACK", raising=False)
+    for option, match in ((["--dtypes", "float16"], "--dtypes: \\['float16'\\] not among float32, bfloat16"),
+                          (["--mismatch-presets", "nvfp4-w4a61"], "--mismatch-presets: \\['nvfp4-w4a61'\\]"),
+                          (["--presets", "bf16,nvfp5"], "--presets: \\['nvfp5'\\]"),
+                          (["--modes", "beam"], "--modes: \\['beam'\\]"),
+                          (["--batches", "1,x"], "--batches '1,x'"), (["--repeats", "0"], "--repeats 0")):
+        parser = argparse.ArgumentParser()
+        rollout.add_arguments(parser)
+        args = parser.parse_args(option)
+        with pytest.raises(ValueError, match=match):
+            rollout.run(args)
+    assert main(["bench", "rollout", "--dtypes", "float16"]) == 2  # the CLI's message, not a traceback

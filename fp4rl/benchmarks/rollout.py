@@ -267,7 +267,34 @@ def markdown(args, speed, memory, mism) -> str:
     return "\n".join(out)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the option for a value the benchmark would refuse only after minutes of timing."""
+    from fp4rl.precision import PRESETS
+
+    def items(opt, text, allowed, empty_ok=False):
+        got = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in got if v not in allowed]
+        if bad or (not got and not empty_ok):
+            raise ValueError(f"bench rollout --{opt}: {bad or text!r} not among {', '.join(allowed)} "
+                             "(comma-separated)")
+
+    items("dtypes", args.dtypes, tuple(DTYPES))
+    items("presets", args.presets, PRESETS)
+    items("mismatch-presets", args.mismatch_presets, PRESETS, empty_ok=True)
+    items("modes", args.modes, ("greedy", "sample"))
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        raise ValueError(f"bench rollout --batches {args.batches!r}: comma-separated integers >= 1")
+    for opt in ("new_tokens", "repeats", "mismatch_prompts", "mismatch_tokens"):
+        if getattr(args, opt) < 1:
+            raise ValueError(f"bench rollout --{opt.replace('_', '-')} {getattr(args, opt)}: must be >= 1")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     print("throughput ...", flush=True)
