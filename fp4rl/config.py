@@ -457,6 +457,13 @@ def apply_override(data: dict, item: str) -> None:
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like section.key=value, e.g. sampler.temperature=0.7")
     key, raw = (s.strip() for s in item.split("=", 1))
+    if key.startswith("precision.rules.") and not key[len("precision.rules."):].startswith(('"', "'")) \
+            and not re.fullmatch(r"[A-Za-z0-9_-]+", key[len("precision.rules."):]):
+        # a module glob holds dots (and often *): it is one quoted key, not a path of tables
+        glob = key[len("precision.rules."):]
+        raise ConfigError(f"override key {key!r}: a precision rule's glob is one quoted key: "
+                          f"--set 'precision.rules.\"{glob}\"={raw}' (or precision.rules={{\"{glob}\" = "
+                          f"\"{raw}\"}})")
     parts = _key_path(key)
     if len(parts) < 2:
         raise ConfigError(f"override key {key!r} must be section.key, e.g. trainer.lr")

@@ -1,6 +1,7 @@
 """Run config: validation, TOML loading, overrides, round trip."""
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,14 @@ def test_overrides_parse_toml_literals_and_fall_back_to_strings():
     for raw, fix in (("False", "write false"), ("True", "write true"), ("None", "leave the key out")):
         with pytest.raises(ConfigError, match=f"allow_parentheses = {raw} is Python's spelling.*{fix}"):
             apply_override({}, f"task.kwargs.allow_parentheses={raw}")
+    # a rule's glob has dots (and *): one quoted key, said so (it read as nested tables or an invalid key)
+    for glob in ("model.layers.*", "model.layers.0.mlp.down_proj"):
+        with pytest.raises(ConfigError, match=f"one quoted key: --set 'precision.rules.\"{re.escape(glob)}"):
+            apply_override({}, f"precision.rules.{glob}=bf16")
+    data = {}
+    apply_override(data, 'precision.rules."model.layers.*"=bf16')
+    apply_override(data, "precision.rules.lm_head=bf16")
+    assert data == {"precision": {"rules": {"model.layers.*": "bf16", "lm_head": "bf16"}}}
     data = {}
     apply_override(data, "task.kwargs.allow_parentheses=false")
     apply_override(data, 'task.kwargs.label="False"')
