@@ -567,8 +567,11 @@ def config_from_args(args) -> RunConfig:
     return resume_config(Path(args.resume), args.overrides)
 
 
+# what a resume may change without changing the run's numbers: its length, logging, evaluation schedule and
+# where the shards run (the numbers depend on distributed.samplers, never on the backend or its GPUs)
 RESUME_FREE_KEYS = ("run.", "logging.", "trainer.steps", "trainer.checkpoint_every",
-                    "trainer.checkpoint_keep", "task.eval_every", "eval.")
+                    "trainer.checkpoint_keep", "task.eval_every", "eval.", "distributed.backend",
+                    "distributed.gpus_per_sampler")
 
 
 def warn_changed_settings(checkpoint: Path, c: RunConfig) -> None:
