@@ -274,6 +274,12 @@ def test_other_modes_are_the_reference():
      "NaN or Inf"),
     (torch.ones(4, 32).to(torch.bfloat16).index_fill_(1, torch.tensor([3]), float("nan")), {"amax": 1.0},
      ValueError, "NaN or Inf"),
+    # a NaN in a 16x16 tile with an imposed scale (the weights' path in qat): a float compare of the rows'
+    # maxima dropped it, and the NaN was packed as code 0
+    (torch.ones(16, 32).index_put_((torch.tensor([3]), torch.tensor([5])), torch.tensor(float("nan"))),
+     {"tile": (16, 16), "amax": 1.0}, ValueError, "NaN or Inf"),
+    (torch.ones(16, 32).index_put_((torch.tensor([3]), torch.tensor([5])), torch.tensor(float("nan"))),
+     {"tile": (16, 16), "global_scale": 0.01, "scale_rule": "4/6"}, ValueError, "NaN or Inf"),
     (torch.ones(4, 32), {"global_scale": torch.ones(4)}, ValueError, r"global_scale has shape \(4,\)"),
     (torch.ones(4, 32), {"amax": torch.tensor(-1.0)}, ValueError, "amax must be finite and >= 0"),
     (torch.ones(4, 32), {"global_scale": torch.tensor(1.0, dtype=torch.float64)}, TypeError, "float32"),

@@ -241,6 +241,7 @@ int nvfp4_quantize_rows(const void *x, int dtype, int64_t r0, int64_t r1, int64_
             for (int i = 0; i < 16; i++) {
                 load16(x, dtype, (t + i) * k + j * 16, v[i]);
                 float a = absmax16(v[i]);
+                bad |= !(a <= FLT_MAX);  /* a NaN row max: the compare below would drop it */
                 bam = a > bam ? a : bam;
             }
             bad |= !(bam <= FLT_MAX);
