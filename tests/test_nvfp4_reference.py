@@ -457,3 +457,28 @@ def test_output_piped_into_a_reader_that_stops_is_not_an_error(tmp_path):
     cmd = f"{sys.executable} -m fp4rl.cli train --help-config | true"
     out = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "Broken pipe" not in out.stderr and not out.stderr.strip(), out.stderr
+
+
+@pytest.mark.parametrize("impl", ["reference", "default"])
+def test_quantize_detaches_copies_imposed_scales_and_refuses_what_breaks_it(impl):
+    """Both implementations: no autograd graph in the result (the reference carried one through amax); an
+    imposed global scale is copied (an in-place change of the caller's tensor changed tensors already
+    quantized); a Hadamard transform that overflows float32 is refused (it gave NaN/Inf scales silently);
+    NVFP4Tensor.to(dtype) is refused (it cast the packed bytes and scales)."""
+    q_fn = reference.quantize if impl == "reference" else nvfp4.quantize
+    x = torch.randn(4, 32, requires_grad=True)
+    q = q_fn(x)
+    assert not q.global_scale.requires_grad and not nvfp4.dequantize(q).requires_grad
+    g = torch.tensor(0.01)
+    q = q_fn(torch.randn(2, 16), global_scale=g)
+    before = nvfp4.dequantize(q).clone()
+    g.mul_(100)
+    assert q.global_scale.data_ptr() != g.data_ptr() and torch.equal(nvfp4.dequantize(q), before)
+    spread = torch.randn(1, 16, generator=torch.Generator().manual_seed(1)) * 1e38
+    for big in (torch.full((1, 16), 3.0e38), spread):
+        with pytest.raises(ValueError, match="Hadamard transform overflows float32"):
+            q_fn(big, hadamard_seed=1)
+    assert torch.isfinite(nvfp4.dequantize(q_fn(torch.randn(2, 16) * 1e30, hadamard_seed=1))).all()
+    with pytest.raises(TypeError, match=r"NVFP4Tensor.to\(torch.float16\): takes a device"):
+        q.to(torch.float16)
+    assert q.to("cpu").data.dtype == torch.uint8

@@ -174,6 +174,12 @@ class NVFP4Tensor:
         return unpack_fp4(self.data)
 
     def to(self, device: torch.device | str) -> NVFP4Tensor:
+        """The same tensor on `device` (a device only: the packed bytes and scales keep their dtypes; use
+        dequantize(q, dtype) for values in another dtype)."""
+        if isinstance(device, torch.dtype):
+            raise TypeError(f"NVFP4Tensor.to({device}): takes a device; the codes and scales keep their "
+                            "formats (dequantize(q, dtype) gives the values in a dtype)")
+        device = torch.device(device)
         return replace(
             self,
             data=self.data.to(device),

@@ -170,7 +170,8 @@ def _validate_scale(value, name: str, expected: torch.Size, x: torch.Tensor, pos
     if not bool(ok.all()):
         bound = "> 0" if positive else ">= 0"
         raise ValueError(f"{name} must be finite and {bound}, got {value}")
-    return value.to(x.device)
+    # a copy: the quantized tensor must not follow later in-place changes of the caller's scale
+    return value.detach().to(x.device, copy=True)
 
 
 def _block_amax(a: torch.Tensor, tile_rows: int) -> torch.Tensor:
@@ -253,12 +254,15 @@ def quantize(
         raise ValueError(f"generator is on {generator.device}, x on {x.device}: create it on x's device")
 
     shape, dtype = x.shape, x.dtype
-    xf = x.float()
+    xf = x.detach().float()  # codes and scales carry no graph (the CPU and Triton paths detach too)
     k = shape[-1]
     if k % BLOCK:
         xf = torch.nn.functional.pad(xf, (0, (-k) % BLOCK))
     if hadamard_seed is not None:
         xf = random_hadamard(xf, hadamard_seed)
+        if not allow_nonfinite and not bool(torch.isfinite(xf).all()):
+            raise ValueError("x's random Hadamard transform overflows float32 (|x| within about 16x of "
+                             "3.4e38 in a block): scale x down, or quantize without hadamard_seed")
     x2 = xf.reshape(-1, xf.shape[-1])  # [R, Kp]; 16x16 tiles never straddle two matrices
 
     scale_shape = torch.Size(()) if scale_scope == "tensor" else torch.Size((*shape[:-1], 1))
