@@ -259,6 +259,9 @@ def _parse_rope(d: dict) -> tuple[float, dict | None]:
         raise ValueError("config.json: partial_rotary_factor != 1 is not supported; RoPE covers head_dim")
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    if rope_type == "llama3" and d.get("original_max_position_embeddings") is not None:
+        # transformers reads a top-level original_max_position_embeddings before rope_scaling's own
+        params["original_max_position_embeddings"] = d.pop("original_max_position_embeddings")
     return theta, (None if rope_type == "default" else {"rope_type": rope_type, **params})
 
 

@@ -235,6 +235,20 @@ def test_config_reads_both_rope_spellings_and_writes_back():
     assert q2.qkv_bias and not q2.o_bias and q2.rope_scaling is None
 
 
+def test_llama3_rope_reads_a_top_level_original_max_position_embeddings_first():
+    """transformers (modeling_rope_utils, llama3) takes a top-level original_max_position_embeddings before
+    rope_scaling's own, and max_position_embeddings only when neither is there; fp4rl ignored the top-level
+    one (logits 0.41 apart on a 60-token prompt)."""
+    inner = {k: v for k, v in LLAMA3_ROPE.items() if k != "original_max_position_embeddings"}
+    top = ModelConfig.from_hf(hf_dict(rope_scaling=dict(inner), original_max_position_embeddings=16))
+    both = ModelConfig.from_hf(hf_dict(rope_scaling=dict(LLAMA3_ROPE), original_max_position_embeddings=32))
+    neither = ModelConfig.from_hf(hf_dict(rope_scaling=dict(inner)))
+    assert top.rope_scaling["original_max_position_embeddings"] == 16
+    assert both.rope_scaling["original_max_position_embeddings"] == 32
+    assert neither.rope_scaling["original_max_position_embeddings"] == neither.max_position_embeddings
+    assert ModelConfig.from_hf(top.to_hf()) == top
+
+
 def test_config_defaults_and_spellings_transformers_accepts():
     """head_dim absent: Qwen3 takes its config class's 128, Qwen3-MoE (whose class has none) hidden / heads,
     as transformers does; partial_rotary_factor null is full rotary; 'swish' is silu; a non-zero
