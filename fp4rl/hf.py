@@ -169,6 +169,13 @@ def load_tokenizer(path: str | os.PathLike):
 
 
 
+def _save_readable(tensors: dict, file: Path) -> None:
+    """safetensors' save_file, readable by others like the JSON files beside it (save_file makes it private:
+    a shared model cache or a server running as another user could read config.json but not the weights)."""
+    save_file(tensors, file, metadata={"format": "pt"})
+    os.chmod(file, 0o644)
+
+
 def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int) -> None:
     """Write `tensors` as out/model.safetensors, or as shards of at most max_shard_bytes (a tensor
     larger than that gets a shard of its own) plus the HF index file mapping names to shards."""
@@ -180,12 +187,12 @@ def write_safetensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_byt
             size = 0
         shards[-1][name], size = tensors[name], size + nbytes
     if len(shards) == 1:
-        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+        _save_readable(shards[0], out / "model.safetensors")
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, out / file, metadata={"format": "pt"})
+        _save_readable(shard, out / file)
         weight_map.update(dict.fromkeys(shard, file))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     _write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
@@ -210,6 +217,12 @@ def save_model(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *,
     config = model.config.to_hf()
     config["torch_dtype"] = str(model.model.embed_tokens.weight.dtype).removeprefix("torch.")
     _write_json(out / "config.json", config)
+    # the end-of-turn ids load_model read from generation_config.json (the Sampler stops on them)
+    eos = list(getattr(model, "generation_eos_token_ids", None) or [])
+    if eos:
+        _write_json(out / "generation_config.json", {"eos_token_id": eos})
+    else:
+        (out / "generation_config.json").unlink(missing_ok=True)  # a stale one would apply to this model
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     return out

@@ -112,11 +112,33 @@ def test_generation_config_eos_ends_completions(tmp_path):
     save_hf("llama", tmp_path / "hf")
     model, _ = load_quietly(tmp_path / "hf")
     save_model(model, tiny_tokenizer(), tmp_path / "out")
+    assert load_model(tmp_path / "out")[0].generation_eos_token_ids == model.generation_eos_token_ids
+    (tmp_path / "out" / "generation_config.json").unlink(missing_ok=True)
     assert load_model(tmp_path / "out")[0].generation_eos_token_ids == []  # no generation_config.json
     (tmp_path / "out" / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 9]}))
     model, tokenizer = load_model(tmp_path / "out")
     assert model.generation_eos_token_ids == [5, 9]
     assert {5, 9} <= Sampler(model, tokenizer).eos_token_ids
+    # save_model keeps them (it wrote config.json and the weights only: a resaved chat model lost its
+    # end-of-turn ids), and removes a stale file when the model has none
+    save_model(model, tokenizer, tmp_path / "again")
+    assert load_model(tmp_path / "again")[0].generation_eos_token_ids == [5, 9]
+    model.generation_eos_token_ids = []
+    save_model(model, tokenizer, tmp_path / "again")
+    assert load_model(tmp_path / "again")[0].generation_eos_token_ids == []
+
+
+def test_saved_weights_are_readable_like_the_config(tmp_path):
+    """safetensors' save_file makes a private file (0600): a shared cache or a server running as another
+    user could read config.json but not the weights. Written 0644 like the JSON files, sharded or not."""
+    import stat
+
+    save_hf("llama", tmp_path / "hf")
+    model, _ = load_quietly(tmp_path / "hf")
+    for shard_bytes in (5 * 2**30, 20_000):
+        out = save_model(model, None, tmp_path / f"out{shard_bytes}", max_shard_bytes=shard_bytes)
+        for f in out.glob("*.safetensors"):
+            assert stat.S_IMODE(f.stat().st_mode) == 0o644, (f.name, oct(f.stat().st_mode))
 
 
 def test_dtype_choice(tmp_path):
