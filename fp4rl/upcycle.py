@@ -64,10 +64,11 @@ def upcycle(model: CausalLM, num_experts: int, top_k: int, *, shared_expert_inte
     src = model.config
     if src.model_type not in TARGET:
         raise ValueError(f"upcycle needs a dense llama, qwen2 or qwen3 model, got {src.model_type!r}")
-    if src.o_bias or src.mlp_bias:
-        raise ValueError("upcycle: Qwen2-MoE has no o_proj or MLP biases; this Llama has "
-                         f"attention_bias={src.o_bias}, mlp_bias={src.mlp_bias}")
     target = TARGET[src.model_type]
+    if (src.o_bias and target == "qwen2_moe") or src.mlp_bias:  # Qwen3-MoE's o_proj takes attention_bias
+        raise ValueError(f"upcycle: {target} has no {'o_proj or ' if target == 'qwen2_moe' else ''}MLP "
+                         f"biases; this {src.model_type} model has o_proj bias={src.o_bias}, "
+                         f"mlp_bias={src.mlp_bias}")
     vllm_head_dim = src.hidden_size // src.num_attention_heads
     if target == "qwen2_moe" and src.head_dim != vllm_head_dim:
         raise ValueError(

@@ -165,8 +165,12 @@ def test_bad_upcycle_arguments_raise(kw, match):
 def test_upcycle_refuses_what_the_target_cannot_express():
     with pytest.raises(ValueError, match="shared expert"):
         upcycle(dense("qwen3"), num_experts=4, top_k=2, shared_expert_intermediate_size=8)
-    with pytest.raises(ValueError, match="bias"):
+    with pytest.raises(ValueError, match="qwen2_moe has no o_proj or MLP biases"):
         upcycle(dense("llama", qkv_bias=True, o_bias=True), num_experts=4, top_k=2)
+    # Qwen3-MoE's o_proj has attention_bias (transformers: bias=config.attention_bias): upcycled, equal
+    biased = dense("qwen3", qkv_bias=True, o_bias=True)
+    with torch.no_grad():
+        assert torch.allclose(upcycle(biased, num_experts=4, top_k=2)(IDS), biased(IDS), atol=1e-5)
     moe = upcycle(dense("llama"), num_experts=4, top_k=2)
     with pytest.raises(ValueError, match="dense"):
         upcycle(moe, num_experts=4, top_k=2)
