@@ -50,8 +50,9 @@ def is_exported(path: str | os.PathLike) -> bool:
     path = Path(path)
     if not (path / "config.json").is_file():
         return False
-    with open(path / "config.json") as f:
-        config = json.load(f)
+    from fp4rl.hf import read_json_object  # (hf imports this module inside load_model)
+
+    config = read_json_object(path / "config.json")
     return detect(config, (path / HF_QUANT_CONFIG).is_file()) is not None
 
 

@@ -125,8 +125,7 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
     if not file.is_file():
         raise FileNotFoundError(f"{path} has no config.json: pass a Hugging Face model directory "
                                 "(config.json + *.safetensors) or 'default'")
-    with open(file) as f:
-        d = json.load(f)
+    d = read_json_object(file)
     if d.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{file}: model_type={d.get('model_type')!r} is not supported; fp4rl supports "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -137,25 +136,57 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
     return ModelConfig.from_hf(d)
 
 
+def read_json_object(file: Path) -> dict:
+    """A JSON object from `file`, or a ValueError naming the file (a truncated or damaged one)."""
+    try:
+        d = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e}): the file is damaged or incomplete; restore it"
+                         f"{_cache_hint(file)}") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"{file} holds a {type(d).__name__}, not a JSON object: the file is damaged; "
+                         f"restore it{_cache_hint(file)}")
+    return d
+
+
+def _cache_hint(file: Path) -> str:
+    """For a file of the converted default model: how to rebuild the cache."""
+    cache = default_model_dir()
+    if Path(file).resolve().parent == cache.resolve():
+        return f" (it is the converted default model's: remove {cache} and load 'default' again to reconvert)"
+    return ""
+
+
+def _load_file(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(file)
+    except Exception as e:  # safetensors' own errors name neither the file nor the fix
+        raise ValueError(f"{file} cannot be read ({type(e).__name__}: {e}): the file is damaged or "
+                         f"incomplete; restore it{_cache_hint(file)}") from e
+
+
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of model.safetensors, or of the shards listed in model.safetensors.index.json."""
     path = Path(path)
     if (path / INDEX_FILE).is_file():
-        with open(path / INDEX_FILE) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = read_json_object(path / INDEX_FILE).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{path / INDEX_FILE} has no weight_map object: the file is damaged; restore it")
         state_dict = {}
         for shard in sorted(set(weight_map.values())):
-            state_dict.update(load_file(path / shard))
+            state_dict.update(_load_file(path / shard))
         missing = set(weight_map) - set(state_dict)
         if missing:
             raise ValueError(f"{path / INDEX_FILE} lists tensors its shards lack: {sorted(missing)[:5]}")
         return state_dict
     if (path / "model.safetensors").is_file():
-        return load_file(path / "model.safetensors")
+        return _load_file(path / "model.safetensors")
     found = sorted(p.name for p in path.iterdir())
-    raise FileNotFoundError(f"{path} has neither model.safetensors nor {INDEX_FILE} (found {found[:10]}); "
-                            "if it holds pytorch_model.bin, convert it first: load it with transformers and "
-                            "save_pretrained(DIR) writes safetensors")
+    hint = _cache_hint(path / "model.safetensors")
+    raise FileNotFoundError(f"{path} has neither model.safetensors nor {INDEX_FILE} (found {found[:10]})"
+                            + (f";{hint.strip()[1:-1]}" if hint else
+                               "; if it holds pytorch_model.bin, convert it first: load it with transformers "
+                               "and save_pretrained(DIR) writes safetensors"))
 
 
 def load_tokenizer(path: str | os.PathLike):

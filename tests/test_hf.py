@@ -328,3 +328,17 @@ def test_tokenizer_load_is_offline_without_the_env(default_model, monkeypatch):
     tokenizer = load_tokenizer(default_model_dir())
     assert tokenizer("hi")["input_ids"] and seen == [(True, True)] and hc.HF_HUB_OFFLINE is False
     assert lookups == []
+
+
+@pytest.mark.parametrize("name,damage,match", [
+    ("model.safetensors", lambda p: p.write_bytes(p.read_bytes()[:50]), "model.safetensors cannot be read"),
+    ("config.json", lambda p: p.write_text(""), "config.json is not valid JSON"),
+    ("config.json", lambda p: p.write_text("[1]"), "config.json holds a list, not a JSON object"),
+])
+def test_a_damaged_file_is_named_with_the_fix(tmp_path, name, damage, match):
+    """A truncated weights file or config.json: a ValueError naming the file and saying it is damaged (a bare
+    SafetensorError / JSONDecodeError / AttributeError named neither)."""
+    save_hf("llama", tmp_path / "hf")
+    damage(tmp_path / "hf" / name)
+    with pytest.raises(ValueError, match=f"{match}.*damaged"):
+        load_model(tmp_path / "hf")
