@@ -378,6 +378,9 @@ def _resolve(name_or_path) -> Path:
 
 def _pick_dtype(dtype, config: ModelConfig, device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype={dtype} is not a floating torch dtype (e.g. torch.bfloat16, "
+                             "'float32')")
         return dtype
     if dtype is None:
         if torch.device(device).type == "cpu":
