@@ -269,6 +269,8 @@ def default_model_dir(convert: bool = False) -> Path:
     out = root / "models" / DEFAULT_NAME
     if convert and not (out / "config.json").is_file():
         write_atomically(out, lambda tmp: convert_gguf(default_gguf_path(), tmp))
+    elif convert and out.parent.is_dir():  # converted: still sweep what a killed conversion left (~540 MB)
+        sweep_stale(out)
     return out
 
 
@@ -323,16 +325,21 @@ def fsync_tree(root: Path) -> None:
 STALE_TMP_S = 3600  # a temporary conversion folder this old was left by a killed process
 
 
+def sweep_stale(out_dir: Path) -> None:
+    """Remove the temporary folders beside out_dir that a killed write left (older than STALE_TMP_S)."""
+    for old in Path(out_dir).parent.glob(f".{Path(out_dir).name}.tmp-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - old.stat().st_mtime > STALE_TMP_S:
+                shutil.rmtree(old, ignore_errors=True)
+
+
 def write_atomically(out_dir: Path, write: Callable[[Path], None]) -> None:
     """Run write(tmp_dir), fsync it and rename tmp_dir to out_dir: out_dir appears complete or not at all.
     If another process finished first, its copy is kept. Temporary folders that a killed conversion left
     (older than STALE_TMP_S) are removed first."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
-        with contextlib.suppress(OSError):
-            if time.time() - old.stat().st_mtime > STALE_TMP_S:
-                shutil.rmtree(old, ignore_errors=True)
+    sweep_stale(out_dir)
     if out_dir.exists() and not (out_dir / "config.json").is_file() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists but holds no config.json (not a complete copy): remove it "
                               "and run again")

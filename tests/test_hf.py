@@ -343,3 +343,27 @@ def test_a_damaged_file_is_named_with_the_fix(tmp_path, name, damage, match):
     damage(tmp_path / "hf" / name)
     with pytest.raises(ValueError, match=f"{match}.*damaged"):
         load_model(tmp_path / "hf")
+
+
+def test_a_killed_conversions_temp_folder_is_swept_once_the_cache_exists(tmp_path, monkeypatch):
+    """The default model's conversion writes a temporary sibling folder (~540 MB) and renames it; one a kill
+    left behind was removed only by the next conversion, which never comes once the cache exists. Folders
+    older than STALE_TMP_S go on every default_model_dir(convert=True); a recent one (a conversion running
+    now in another process) stays."""
+    import os
+    import time
+
+    from fp4rl import hf
+
+    monkeypatch.setenv("FP4RL_CACHE", str(tmp_path))
+    out = hf.default_model_dir()
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    stale, running = out.parent / f".{out.name}.tmp-killed", out.parent / f".{out.name}.tmp-running"
+    for d in (stale, running):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x" * 10)
+    old = time.time() - hf.STALE_TMP_S - 60
+    os.utime(stale, (old, old))
+    assert hf.default_model_dir(convert=True) == out
+    assert not stale.exists() and running.exists() and (out / "config.json").is_file()

@@ -481,4 +481,7 @@ def test_quantize_detaches_copies_imposed_scales_and_refuses_what_breaks_it(impl
     assert torch.isfinite(nvfp4.dequantize(q_fn(torch.randn(2, 16) * 1e30, hadamard_seed=1))).all()
     with pytest.raises(TypeError, match=r"NVFP4Tensor.to\(torch.float16\): takes a device"):
         q.to(torch.float16)
+    for bad in (torch.int32, "float32"):  # an int dtype was accepted and returned ints
+        with pytest.raises(TypeError, match="dequantize: dtype must be a floating torch dtype"):
+            nvfp4.dequantize(q, bad)
     assert q.to("cpu").data.dtype == torch.uint8

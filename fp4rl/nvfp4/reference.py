@@ -346,6 +346,9 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     """(e2m1 * block_scale) * global_scale in float32, then cast to dtype; original shape."""
     if not isinstance(q, NVFP4Tensor):
         raise TypeError(f"q must be an NVFP4Tensor (from quantize), got {type(q).__name__}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dequantize: dtype must be a floating torch dtype (e.g. torch.bfloat16), got "
+                        f"{dtype!r}")
     codes = unpack_fp4(q.data)  # [..., Kp]
     values = e2m1_codes_to_values(codes).reshape(*codes.shape[:-1], -1, BLOCK)  # [..., Kp/16, 16]
     g = q.global_scale.reshape(*q.global_scale.shape, 1) if q.global_scale.ndim else q.global_scale

@@ -100,7 +100,8 @@ def quantize(
 
 def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """fp4rl.nvfp4.reference.dequantize: (e2m1 * block_scale) * global_scale in float32, then dtype."""
-    if not isinstance(q, NVFP4Tensor) or not _on_kernels(q.data) or q.hadamard_seed is not None:
+    if not isinstance(q, NVFP4Tensor) or not _on_kernels(q.data) or q.hadamard_seed is not None \
+            or not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # (the reference refuses)
         return reference.dequantize(q, dtype)
     x = _dequantize_packed(q.data, q.block_scale, q.global_scale, dtype=torch.float32)
     k = q.shape[-1]
