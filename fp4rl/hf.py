@@ -113,10 +113,7 @@ def _generation_eos(path: Path) -> list[int]:
     file = Path(path) / "generation_config.json"
     if not file.is_file():
         return []
-    try:
-        eos = json.loads(file.read_text()).get("eos_token_id")
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise ValueError(f"{file} is not a JSON object ({e}): fix or remove it") from e
+    eos = read_json_object(file).get("eos_token_id")
     return [] if eos is None else [eos] if isinstance(eos, int) else [int(t) for t in eos]
 
 
@@ -141,20 +138,25 @@ def read_json_object(file: Path) -> dict:
     try:
         d = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file} is not valid JSON ({e}): the file is damaged or incomplete; restore it"
-                         f"{_cache_hint(file)}") from e
+        raise ValueError(f"{file} is not valid JSON ({e}): the file is damaged or incomplete; "
+                         f"{_restore(file)}") from e
     if not isinstance(d, dict):
         raise ValueError(f"{file} holds a {type(d).__name__}, not a JSON object: the file is damaged; "
-                         f"restore it{_cache_hint(file)}")
+                         f"{_restore(file)}")
     return d
 
 
 def _cache_hint(file: Path) -> str:
-    """For a file of the converted default model: how to rebuild the cache."""
+    """For a file of the converted default model: how to rebuild the cache ('' for any other file)."""
     cache = default_model_dir()
-    if Path(file).resolve().parent == cache.resolve():
-        return f" (it is the converted default model's: remove {cache} and load 'default' again to reconvert)"
-    return ""
+    if Path(file).resolve().parent != cache.resolve():
+        return ""
+    return f"it is the converted default model's: remove {cache} and load 'default' again to reconvert"
+
+
+def _restore(file: Path) -> str:
+    hint = _cache_hint(file)
+    return f"restore it ({hint})" if hint else "restore it"
 
 
 def _load_file(file: Path) -> dict[str, torch.Tensor]:
@@ -162,7 +164,7 @@ def _load_file(file: Path) -> dict[str, torch.Tensor]:
         return load_file(file)
     except Exception as e:  # safetensors' own errors name neither the file nor the fix
         raise ValueError(f"{file} cannot be read ({type(e).__name__}: {e}): the file is damaged or "
-                         f"incomplete; restore it{_cache_hint(file)}") from e
+                         f"incomplete; {_restore(file)}") from e
 
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -184,7 +186,7 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     found = sorted(p.name for p in path.iterdir())
     hint = _cache_hint(path / "model.safetensors")
     raise FileNotFoundError(f"{path} has neither model.safetensors nor {INDEX_FILE} (found {found[:10]})"
-                            + (f";{hint.strip()[1:-1]}" if hint else
+                            + (f"; {hint}" if hint else
                                "; if it holds pytorch_model.bin, convert it first: load it with transformers "
                                "and save_pretrained(DIR) writes safetensors"))
 
