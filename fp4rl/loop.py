@@ -85,7 +85,7 @@ from fp4rl.config import ConfigError, RunConfig, format_fields, load_config, sav
 from fp4rl.distributed.shards import LocalShards
 from fp4rl.grpo import group_advantages, reward_metrics
 from fp4rl.metrics import MetricsLogger, format_progress, plot, read_metrics
-from fp4rl.run_dirs import check_fresh, check_resumable, resume_config
+from fp4rl.run_dirs import check_fresh, check_resumable, resume_config, warn_changed_settings
 from fp4rl.tasks import Prompt, Task, apply_chat_template, task_from_config
 from fp4rl.trainer import Trainer, latest_checkpoint
 
@@ -565,43 +565,6 @@ def config_from_args(args) -> RunConfig:
     if args.config is not None:
         raise ConfigError("--resume RUN_DIR reads RUN_DIR/config.toml; change keys with --set, not --config")
     return resume_config(Path(args.resume), args.overrides)
-
-
-# what a resume may change without changing the run's numbers: its length, logging, evaluation schedule and
-# where the shards run (the numbers depend on distributed.samplers, never on the backend or its GPUs)
-RESUME_FREE_KEYS = ("run.", "logging.", "trainer.steps", "trainer.checkpoint_every",
-                    "trainer.checkpoint_keep", "task.eval_every", "eval.", "distributed.backend",
-                    "distributed.gpus_per_sampler")
-
-
-def warn_changed_settings(checkpoint: Path, c: RunConfig) -> None:
-    """Warn, naming them, about the settings a resume changes against the checkpoint's config.toml (the run
-    continues with the new ones, no longer what an uninterrupted run would do); the run's length, logging and
-    evaluation schedule are free to change."""
-    path = Path(checkpoint) / "config.toml"
-    if not path.is_file():
-        return
-    try:
-        was = load_config(path).to_dict()
-    except (ConfigError, OSError):
-        return
-
-    def flat(d, prefix=""):
-        for k, v in d.items():
-            if isinstance(v, dict) and k not in ("kwargs",):
-                yield from flat(v, f"{prefix}{k}.")
-            else:
-                yield f"{prefix}{k}", v
-
-    old, new = dict(flat(was)), dict(flat(c.to_dict()))
-    changed = [k for k in sorted(set(old) | set(new))
-               if old.get(k) != new.get(k) and not k.startswith(RESUME_FREE_KEYS)]
-    if changed:
-        warnings.warn(f"resuming {checkpoint} with settings other than it was trained with: "
-                      + "; ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:8])
-                      + (f" (+{len(changed) - 8} more)" if len(changed) > 8 else "")
-                      + ": the run continues with the new ones, so it is no longer what the uninterrupted "
-                      "run would have done", stacklevel=3)
 
 
 def run(args) -> int:

@@ -1,8 +1,8 @@
 """The rules of a run directory (runs/<name>/: config.toml, metrics.jsonl, checkpoints/) at the start of
 `fp4rl train`: a new run never overwrites one (check_fresh); a resume refuses what would lose the run's
 records or go back to fewer steps (check_resumable); `fp4rl train --resume RUN_DIR` continues the run
-where the folder is now, even if it was moved (resume_config). Nothing here loads a model or writes a
-file.
+where the folder is now, even if it was moved (resume_config); a resume with settings other than its
+checkpoint's is named in a warning (warn_changed_settings). Nothing here loads a model or writes a file.
 """
 
 from __future__ import annotations
@@ -83,3 +83,40 @@ def resume_config(run_dir: Path, overrides: list[str]) -> RunConfig:
         # it continues where it is now
         where += [f"run.dir={json.dumps(str(here.parent))}", f"run.name={here.name}"]
     return load_config(run_dir / "config.toml", [*overrides, *where])
+
+
+# what a resume may change without changing the run's numbers: its length, logging, evaluation schedule and
+# where the shards run (the numbers depend on distributed.samplers, never on the backend or its GPUs)
+RESUME_FREE_KEYS = ("run.", "logging.", "trainer.steps", "trainer.checkpoint_every",
+                    "trainer.checkpoint_keep", "task.eval_every", "eval.", "distributed.backend",
+                    "distributed.gpus_per_sampler")
+
+
+def warn_changed_settings(checkpoint: Path, c: RunConfig) -> None:
+    """Warn, naming them, about the settings a resume changes against the checkpoint's config.toml (the run
+    continues with the new ones, no longer what an uninterrupted run would do); the run's length, logging and
+    evaluation schedule are free to change."""
+    path = Path(checkpoint) / "config.toml"
+    if not path.is_file():
+        return
+    try:
+        was = load_config(path).to_dict()
+    except (ConfigError, OSError):
+        return
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict) and k not in ("kwargs",):
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    old, new = dict(flat(was)), dict(flat(c.to_dict()))
+    changed = [k for k in sorted(set(old) | set(new))
+               if old.get(k) != new.get(k) and not k.startswith(RESUME_FREE_KEYS)]
+    if changed:
+        warnings.warn(f"resuming {checkpoint} with settings other than it was trained with: "
+                      + "; ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:8])
+                      + (f" (+{len(changed) - 8} more)" if len(changed) > 8 else "")
+                      + ": the run continues with the new ones, so it is no longer what the uninterrupted "
+                      "run would have done", stacklevel=3)
