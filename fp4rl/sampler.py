@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import time
 import warnings
 from dataclasses import dataclass
@@ -116,8 +117,6 @@ def _token_ids(ids, vocab_size: int) -> set[int]:
     """eos_token_ids as a set of ints: one int or an iterable of ints (a list, a tensor, a NumPy array);
     anything else is refused by name (a tensor's elements, or strings, never matched). Ids past the model's
     vocabulary (it can never sample them) are dropped with a warning."""
-    import operator
-
     if isinstance(ids, torch.Tensor):
         ids = ids.reshape(-1).tolist()
     try:
