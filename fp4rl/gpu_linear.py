@@ -451,9 +451,13 @@ FUSED_GATHER = os.environ.get("FP4RL_MOE_GATHER", "1") != "0"  # the grouped mma
 # 11.97 -> 11.89, batch 32 7.50 -> 8.59 / 21.51 -> 22.42 (hence the bound).
 FUSED_ROUTER = os.environ.get("FP4RL_MOE_ROUTER", "1") != "0"
 ROUTER_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_ROUTER_MAX", "8"))
-# The residual add + RMSNorm before the MoE MLP in that launch too (moe_route.norm_router_route: one launch
-# less per MoE layer in the fused decode step; FP4RL_MOE_NORM_ROUTER=0: add_rmsnorm's own, for A/B)
+# The residual add + RMSNorm before the MoE MLP in that launch too, up to NORM_ROUTER_MAX_TOKENS tokens
+# (moe_route.norm_router_route: one launch less per MoE layer in the fused decode step;
+# FP4RL_MOE_NORM_ROUTER=0: add_rmsnorm's own, for A/B). Each of its programs takes the tokens' statistics
+# one token after another (add_rmsnorm's sum order), a chain that cost Qwen3-30B-A3B 24 us per layer at
+# 8 tokens on an H200 (bench/RESULTS.md, sixteenth session): hence one token.
 FUSED_NORM_ROUTER = os.environ.get("FP4RL_MOE_NORM_ROUTER", "1") != "0"
+NORM_ROUTER_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_NORM_ROUTER_MAX", "1"))
 
 
 class KernelMoeBlock(SparseMoeBlock):
@@ -505,7 +509,8 @@ class KernelMoeBlock(SparseMoeBlock):
         bf16."""
         from fp4rl.kernels import moe_route
 
-        if not (FUSED_NORM_ROUTER and self._routes(x) and self._router_in_route(x) and h is not None
+        if not (FUSED_NORM_ROUTER and x.shape[0] <= NORM_ROUTER_MAX_TOKENS and self._routes(x)
+                and self._router_in_route(x) and h is not None
                 and h.shape == x.shape and h.dtype == x.dtype and h.stride(-1) == 1
                 and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()):
             return None

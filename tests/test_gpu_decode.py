@@ -343,6 +343,7 @@ def test_fused_step_folds_the_moe_combine(config, contract, monkeypatch):
                         lambda *a, **kw: normed.append(1) or real_nrr(*a, **kw))
     monkeypatch.setattr(gpu_linear, "FUSED_ROUTER", True)  # the defaults (set here: the environment may not)
     monkeypatch.setattr(gpu_linear, "FUSED_NORM_ROUTER", True)
+    monkeypatch.setattr(gpu_linear, "NORM_ROUTER_MAX_TOKENS", 8)  # every bucket here (default 1: for speed)
     forced = torch.randint(0, V, (len(PROMPTS), 2), generator=torch.Generator().manual_seed(3))
     assert s.engine.set_fused(True)
     a = teacher_forced_logits(s, forced)
@@ -351,12 +352,17 @@ def test_fused_step_folds_the_moe_combine(config, contract, monkeypatch):
     assert steps and len(folds) == steps * (layers + 1) and folds.count(True) == steps * layers, folds
     assert len(normed) == steps * layers, "each MoE layer's norm must run in its router's launch"
     folds.clear()
-    monkeypatch.setattr(gpu_linear, "FUSED_NORM_ROUTER", False)
-    s.engine.reset_graphs()
-    a2 = teacher_forced_logits(s, forced)
-    steps = len(folds) // (2 * layers + 1)
-    assert steps and len(folds) == steps * (2 * layers + 1) and folds.count(True) == steps * layers, folds
-    assert torch.equal(a, a2), "the norm in the router's launch must be add_rmsnorm's bits"
+    assert len(PROMPTS) > 1
+    for enabled, bound in ((False, 8), (True, 1)):  # off; more rows than its bound
+        monkeypatch.setattr(gpu_linear, "FUSED_NORM_ROUTER", enabled)
+        monkeypatch.setattr(gpu_linear, "NORM_ROUTER_MAX_TOKENS", bound)
+        s.engine.reset_graphs()
+        normed.clear()
+        folds.clear()
+        a2 = teacher_forced_logits(s, forced)
+        steps = len(folds) // (2 * layers + 1)
+        assert steps and len(folds) == steps * (2 * layers + 1) and folds.count(True) == steps * layers, folds
+        assert not normed and torch.equal(a, a2), "the norm in the router's launch must be add_rmsnorm's bits"
     folds.clear()
     monkeypatch.setattr(gpu_decode, "FUSED_COMBINE", False)
     s.engine.reset_graphs()

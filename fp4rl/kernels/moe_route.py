@@ -172,23 +172,25 @@ def _router_route_kernel(x_ptr, wr_ptr, logit_ptr, part_ptr, lock_ptr, idx_ptr, 
         tt = t0 + tl.arange(0, 16)
         ttm = tt < T
         acc = tl.zeros((16, BES), tl.float32)
-        if HAS_NORM:
-            rs = tl.zeros((16,), tl.float32)
-            for i in range(0, tl.minimum(16, T - t0)):  # add_rmsnorm's statistics of row t0 + i
-                row = t0 + i  # < T <= MAX_PAIRS: row * stride fits int32
-                sq = tl.zeros((BC,), tl.float32)
-                for c0 in range(0, H, BC):
-                    cols = c0 + tl.arange(0, BC)
-                    xs = _residual(x_ptr, h_ptr, row, cols, cols < H, stride_x, stride_h, True,
-                                   x_ptr, x_ptr, x_ptr, 0, 0, 0, False, 1)
-                    sq += xs * xs
-                rs = tl.where(tl.arange(0, 16) == i, tl.math.rsqrt(tl.sum(sq, 0) * inv_h + eps), rs)
         for h0 in range(sid * HC, h_end, BH):
             hh = h0 + tl.arange(0, BH)
             hm = hh < h_end
             m2 = ttm[:, None] & hm[None, :]
+            # the weight slice first: its DRAM latency overlaps the statistics below (HAS_NORM)
+            wt = tl.load(wr_ptr + ex[:, None].to(tl.int64) * stride_wr + hh[None, :],
+                         mask=exm[:, None] & hm[None, :], other=0.0)
             xt = tl.load(x_ptr + tt[:, None].to(tl.int64) * stride_x + hh[None, :], mask=m2, other=0.0)
             if HAS_NORM:  # add_rmsnorm's arithmetic: x' = bf16(x + h), y = bf16(w * bf16(x' * rstd))
+                rs = tl.zeros((16,), tl.float32)  # (one column step per program by default: computed once)
+                for i in range(0, tl.minimum(16, T - t0)):  # add_rmsnorm's statistics of row t0 + i
+                    row = t0 + i  # < T <= MAX_PAIRS: row * stride fits int32
+                    sq = tl.zeros((BC,), tl.float32)
+                    for c0 in range(0, H, BC):
+                        cols = c0 + tl.arange(0, BC)
+                        xs = _residual(x_ptr, h_ptr, row, cols, cols < H, stride_x, stride_h, True,
+                                       x_ptr, x_ptr, x_ptr, 0, 0, 0, False, 1)
+                        sq += xs * xs
+                    rs = tl.where(tl.arange(0, 16) == i, tl.math.rsqrt(tl.sum(sq, 0) * inv_h + eps), rs)
                 ht = tl.load(h_ptr + tt[:, None].to(tl.int64) * stride_h + hh[None, :], mask=m2, other=0.0)
                 xs2 = _bf16(xt.to(tl.float32) + ht.to(tl.float32))
                 nw = tl.load(nw_ptr + hh, mask=hm, other=0.0).to(tl.float32)
@@ -199,8 +201,6 @@ def _router_route_kernel(x_ptr, wr_ptr, logit_ptr, part_ptr, lock_ptr, idx_ptr, 
                     tl.store(y_ptr + tt[:, None].to(tl.int64) * stride_y + hh[None, :],
                              yt.to(y_ptr.dtype.element_ty), mask=m2)
                 xt = yt.to(tl.bfloat16)
-            wt = tl.load(wr_ptr + ex[:, None].to(tl.int64) * stride_wr + hh[None, :],
-                         mask=exm[:, None] & hm[None, :], other=0.0)
             acc = dot_acc(xt, tl.trans(wt), acc, INTERP)
         if SPLIT_H == 1:
             tl.store(logit_ptr + tt[:, None] * E + ex[None, :], _bf16(acc).to(logit_ptr.dtype.element_ty),
