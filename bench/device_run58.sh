@@ -1,4 +1,6 @@
 #!/bin/bash
+# The code these calls measured (moe_route.norm_router_route, sampler_gpu --norm-router) was reverted after
+# them: it did not pay (bench/RESULTS.md, sampler on H200, sixteenth session); it is in commit 3cf7c95.
 # Sixteenth session. `nr`: the MoE layers' add + RMSNorm in the router's launch (moe_route.norm_router_route):
 # its GPU tests (bit identity with add_rmsnorm then router_route, compiled; the fused step's logits with and
 # without it), then Qwen3-30B-A3B at batch 1 and 8 with it on and off (BF16 in the same process).

@@ -28,11 +28,10 @@ sampler's own model copy. What it changes, and what it computes:
   kernels (`KernelMoeBlock.routed_parts`: router GEMM, route kernel, gate/up's GEMM with the gather inside,
   down's with SiLU * up inside at decode sizes) hands its expert outputs to the next residual add
   + RMSNorm, which does the weighted combine itself (`fused.add_rmsnorm(moe=)`; a shared expert's term is
-  its h), up to COMBINE_MAX_TOKENS rows; up to ROUTER_MAX_TOKENS the residual add + RMSNorm before the MLP,
-  the router GEMM and the route are one launch (`KernelMoeBlock.norm_routed_parts`): three launches per MoE
-  MLP and its norm (norm + router + route, gate/up, down) where the torch path takes ~20
+  its h), up to COMBINE_MAX_TOKENS rows: four launches per MoE MLP (router GEMM, route, gate/up, down) where
+  the torch path takes ~20
   (`FUSED_COMBINE` / FP4RL_MOE_COMBINE=0, and gpu_linear's FUSED_ROUTER (up to ROUTER_MAX_TOKENS) /
-  FUSED_NORM_ROUTER / FUSED_GATHER, gemm.FUSED_SILU for A/B).
+  FUSED_GATHER, gemm.FUSED_SILU for A/B).
 - CUDA graphs: one graph per batch bucket (powers of two up to B_cap), captured on first use
   after an eager warm-up step on a side stream (Triton compiles and the GEMM tuner runs there,
   never during capture), replayed for every decode step of that bucket. Inputs (tokens, RoPE
@@ -345,21 +344,13 @@ class DecodeEngine:
                 h = self._attention(layer.self_attn, n[:, None], cos[:, None, None], sin[:, None, None], ctx,
                                     bb)[:, 0]
             norm = layer.post_attention_layernorm
-            fold = (layer.is_moe and FUSED_COMBINE and bb <= COMBINE_MAX_TOKENS
-                    and isinstance(layer.mlp, KernelMoeBlock))
-            parts = layer.mlp.norm_routed_parts(x, h, norm.weight, norm.eps) if fold else None
-            if parts is not None:  # the residual add + RMSNorm ran in the router's launch
-                x, n, d, pos, w, experts = parts
-                chosen.append(experts[:, None])
-                moe = {"moe": (d, pos, w)}
-                h = layer.mlp.shared(n)
-                continue
             x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.post_quant,
                                          write_y=p.post_quant is None)
             if p.gate_up is not None:
                 a, aq = fused.silu_mul(p.gate_up.run(n, nq), quant=p.down.quant, write_y=p.down.quant is None)
                 h = p.down.run(a, aq)  # [bb, H]
             elif layer.is_moe:
+                fold = FUSED_COMBINE and bb <= COMBINE_MAX_TOKENS and isinstance(layer.mlp, KernelMoeBlock)
                 parts = layer.mlp.routed_parts(n) if fold else None
                 if parts is None:
                     h, experts = layer.mlp(n[:, None])  # experts [bb, 1, k]

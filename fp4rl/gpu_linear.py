@@ -451,13 +451,6 @@ FUSED_GATHER = os.environ.get("FP4RL_MOE_GATHER", "1") != "0"  # the grouped mma
 # 11.97 -> 11.89, batch 32 7.50 -> 8.59 / 21.51 -> 22.42 (hence the bound).
 FUSED_ROUTER = os.environ.get("FP4RL_MOE_ROUTER", "1") != "0"
 ROUTER_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_ROUTER_MAX", "8"))
-# The residual add + RMSNorm before the MoE MLP in that launch too, up to NORM_ROUTER_MAX_TOKENS tokens
-# (moe_route.norm_router_route: one launch less per MoE layer in the fused decode step;
-# FP4RL_MOE_NORM_ROUTER=0: add_rmsnorm's own, for A/B). Each of its programs takes the tokens' statistics
-# one token after another (add_rmsnorm's sum order), a chain that cost Qwen3-30B-A3B 24 us per layer at
-# 8 tokens on an H200 (bench/RESULTS.md, sixteenth session): hence one token.
-FUSED_NORM_ROUTER = os.environ.get("FP4RL_MOE_NORM_ROUTER", "1") != "0"
-NORM_ROUTER_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_NORM_ROUTER_MAX", "1"))
 
 
 class KernelMoeBlock(SparseMoeBlock):
@@ -490,58 +483,25 @@ class KernelMoeBlock(SparseMoeBlock):
         take this call (then `routed` runs the torch route). The fused decode step folds the combine into the
         next residual add + RMSNorm (fused.add_rmsnorm(moe=))."""
         from fp4rl.kernels import moe_route
-
-        if forced_experts is not None or not self._routes(x):
-            return None
-        if self._router_in_route(x):  # a plain bf16 router: its GEMM runs in the route kernel's launch
-            _, idx, w, rows, pos, offsets = moe_route.router_route(x, self.gate.weight, self.top_k,
-                                                                   self.norm_topk_prob, weight_dtype=x.dtype,
-                                                                   lock=self._lock(x.device))
-        else:
-            idx, w, rows, pos, offsets = moe_route.route(self.gate(x), self.top_k, self.norm_topk_prob,
-                                                         weight_dtype=x.dtype)
-        return self._expert_parts(x, idx, w, rows, pos, offsets)
-
-    def norm_routed_parts(self, x: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, eps: float):
-        """routed_parts of y = RMSNorm(x + h) * norm_weight with the residual add + RMSNorm in the router's
-        launch (moe_route.norm_router_route, fused.add_rmsnorm's bits): (x', y, d, pos, w, experts); or None
-        where that launch does not take this call (then: fused.add_rmsnorm, then routed_parts). x, h: [n, H]
-        bf16."""
-        from fp4rl.kernels import moe_route
-
-        if not (FUSED_NORM_ROUTER and x.shape[0] <= NORM_ROUTER_MAX_TOKENS and self._routes(x)
-                and self._router_in_route(x) and h is not None
-                and h.shape == x.shape and h.dtype == x.dtype and h.stride(-1) == 1
-                and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()):
-            return None
-        xo, y, _, idx, w, rows, pos, offsets = moe_route.norm_router_route(
-            x, h, norm_weight, eps, self.gate.weight, self.top_k, self.norm_topk_prob, weight_dtype=x.dtype,
-            lock=self._lock(x.device))
-        return (xo, y) + self._expert_parts(y, idx, w, rows, pos, offsets)
-
-    def _routes(self, x: torch.Tensor) -> bool:
-        """Whether the route kernel takes x [n, H] (else the torch route)."""
-        from fp4rl.kernels import moe_route
         from fp4rl.kernels._common import INTERPRET
 
-        return (FUSED_ROUTE and self.plan is not None and x.dtype == KERNEL_DTYPE and (x.is_cuda or INTERPRET)
-                and moe_route.fits(x.shape[0], self.top_k, self.num_experts))
-
-    def _router_in_route(self, x: torch.Tensor) -> bool:
-        """Whether the router's GEMM runs in the route's launch (a plain bf16 router, few tokens)."""
-        gate = self.gate
-        return (FUSED_ROUTER and x.shape[0] <= ROUTER_MAX_TOKENS
-                and type(gate) in (nn.Linear, PrepackedLinear) and gate.bias is None
-                and gate.weight.dtype == x.dtype and gate.weight.stride(-1) == 1)
-
-    def _lock(self, device: torch.device) -> torch.Tensor:
-        lock = self._router_lock
-        if lock is None or lock.device != device:  # two samplers' blocks never share one
-            lock = self._router_lock = torch.zeros(1, dtype=torch.int32, device=device)
-        return lock
-
-    def _expert_parts(self, x, idx, w, rows, pos, offsets):
         n = x.shape[0]
+        if (not FUSED_ROUTE or forced_experts is not None or self.plan is None or x.dtype != KERNEL_DTYPE
+                or not (x.is_cuda or INTERPRET) or not moe_route.fits(n, self.top_k, self.num_experts)):
+            return None
+        gate = self.gate  # a plain bf16 router: its GEMM runs in the route kernel's launch
+        if (FUSED_ROUTER and n <= ROUTER_MAX_TOKENS and type(gate) in (nn.Linear, PrepackedLinear)
+                and gate.bias is None
+                and gate.weight.dtype == x.dtype and gate.weight.stride(-1) == 1):
+            lock = self._router_lock
+            if lock is None or lock.device != x.device:  # two samplers' blocks never share one
+                lock = self._router_lock = torch.zeros(1, dtype=torch.int32, device=x.device)
+            _, idx, w, rows, pos, offsets = moe_route.router_route(x, gate.weight, self.top_k,
+                                                                   self.norm_topk_prob, weight_dtype=x.dtype,
+                                                                   lock=lock)
+        else:
+            idx, w, rows, pos, offsets = moe_route.route(gate(x), self.top_k, self.norm_topk_prob,
+                                                         weight_dtype=x.dtype)
         if FUSED_GATHER:  # [n k, 2I]: x[rows], the sorted rows
             gu = self.plan.gate_up(x, offsets, tokens=n, rows=rows)
         else:

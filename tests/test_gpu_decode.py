@@ -328,41 +328,21 @@ SHARED_MOE = dict(MOE, model_type="qwen2_moe", qk_norm=False, shared_expert_inte
 @pytest.mark.parametrize("config,contract", [(MOE, "nvfp4-w4a16"), (SHARED_MOE, "nvfp4-experts")])
 def test_fused_step_folds_the_moe_combine(config, contract, monkeypatch):
     """MoE layers of the fused step hand their expert outputs to the next add_rmsnorm (moe=), with a shared
-    expert's term as its h: no combine launch, and the module step's logits (which combine, then add). The
-    add + RMSNorm before each MoE MLP runs in the router's launch (norm_router_route): add_rmsnorm's bits,
-    so the logits of the step with its own add_rmsnorm there (FUSED_NORM_ROUTER off), bit for bit."""
-    from fp4rl.kernels import fused, moe_route
+    expert's term as its h: no combine launch, and the module step's logits (which combine, then add)."""
+    from fp4rl.kernels import fused
 
     s = Sampler(tiny(config, contract), kv_cache="bf16", device=DEV, dtype=torch.bfloat16, eos_token_ids=[],
                 kernels=True)
-    folds, normed = [], []
-    real, real_nrr = fused.add_rmsnorm, moe_route.norm_router_route
+    folds = []
+    real = fused.add_rmsnorm
     monkeypatch.setattr(fused, "add_rmsnorm", lambda *a, **kw: folds.append(kw.get("moe") is not None)
                         or real(*a, **kw))
-    monkeypatch.setattr(moe_route, "norm_router_route",
-                        lambda *a, **kw: normed.append(1) or real_nrr(*a, **kw))
-    monkeypatch.setattr(gpu_linear, "FUSED_ROUTER", True)  # the defaults (set here: the environment may not)
-    monkeypatch.setattr(gpu_linear, "FUSED_NORM_ROUTER", True)
-    monkeypatch.setattr(gpu_linear, "NORM_ROUTER_MAX_TOKENS", 8)  # every bucket here (default 1: for speed)
     forced = torch.randint(0, V, (len(PROMPTS), 2), generator=torch.Generator().manual_seed(3))
     assert s.engine.set_fused(True)
     a = teacher_forced_logits(s, forced)
     layers = config["num_hidden_layers"]
-    steps = len(folds) // (layers + 1)  # _step calls (on a GPU: warm-up and capture, then replays)
-    assert steps and len(folds) == steps * (layers + 1) and folds.count(True) == steps * layers, folds
-    assert len(normed) == steps * layers, "each MoE layer's norm must run in its router's launch"
-    folds.clear()
-    assert len(PROMPTS) > 1
-    for enabled, bound in ((False, 8), (True, 1)):  # off; more rows than its bound
-        monkeypatch.setattr(gpu_linear, "FUSED_NORM_ROUTER", enabled)
-        monkeypatch.setattr(gpu_linear, "NORM_ROUTER_MAX_TOKENS", bound)
-        s.engine.reset_graphs()
-        normed.clear()
-        folds.clear()
-        a2 = teacher_forced_logits(s, forced)
-        steps = len(folds) // (2 * layers + 1)
-        assert steps and len(folds) == steps * (2 * layers + 1) and folds.count(True) == steps * layers, folds
-        assert not normed and torch.equal(a, a2), "the norm in the router's launch must be add_rmsnorm's bits"
+    steps = len(folds) // (2 * layers + 1)  # _step calls (on a GPU: warm-up and capture, then replays)
+    assert steps and len(folds) == steps * (2 * layers + 1) and folds.count(True) == steps * layers, folds
     folds.clear()
     monkeypatch.setattr(gpu_decode, "FUSED_COMBINE", False)
     s.engine.reset_graphs()

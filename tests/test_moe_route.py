@@ -115,42 +115,6 @@ def test_router_route_is_the_router_then_the_route(t, e, k, h, tile):
     assert int(moe_route._LOCKS[x.device].item()) == 0
 
 
-@pytest.mark.parametrize("tile", [{}, {"bh": 32, "hc": 64}])
-@pytest.mark.parametrize("t,e,k,h", [(1, 16, 2, 96), (8, 20, 4, 300), (3, 60, 6, 512), (2, 16, 2, 4100)])
-def test_norm_router_route_is_add_rmsnorm_then_router_route(t, e, k, h, tile):
-    """The residual add + RMSNorm in the router's launch: add_rmsnorm's x' and y bit for bit (H 4100: its
-    sum of squares over two 4096-column tiles), then router_route(y)'s outputs bit for bit."""
-    from fp4rl.kernels import fused
-
-    g = torch.Generator().manual_seed(t * 11 + h)
-    x = torch.randn(t, h, generator=g).bfloat16().to(DEV)
-    res = (torch.randn(t, h, generator=g) * 3).bfloat16().to(DEV)
-    nw = (torch.rand(h, generator=g) + 0.5).bfloat16().to(DEV)
-    wr = (torch.randn(e, h, generator=g) * 0.2).bfloat16().to(DEV)
-    xo, y, *got = moe_route.norm_router_route(x, res, nw, 1e-6, wr, k, True, **tile)
-    xo_ref, y_ref, _ = fused.add_rmsnorm(x, res, nw, 1e-6)
-    assert torch.equal(xo, xo_ref) and torch.equal(y, y_ref), "not add_rmsnorm's x' and y"
-    for a, b in zip(got, moe_route.router_route(y_ref, wr, k, True, **tile)):
-        assert torch.equal(a, b), "not router_route of add_rmsnorm's y"
-    assert int(moe_route._LOCKS[x.device].item()) == 0
-
-
-def test_norm_router_route_refuses_bad_operands():
-    x = torch.zeros(2, 32, dtype=torch.bfloat16, device=DEV)
-    wr = torch.zeros(8, 32, dtype=torch.bfloat16, device=DEV)
-    nw = torch.ones(32, dtype=torch.bfloat16, device=DEV)
-    with pytest.raises(ValueError, match="h must be a bfloat16 tensor of x's shape"):
-        moe_route.norm_router_route(x, x[:1], nw, 1e-6, wr, 2, True)
-    with pytest.raises(ValueError, match="h must be a bfloat16"):
-        moe_route.norm_router_route(x, x.float(), nw, 1e-6, wr, 2, True)
-    with pytest.raises(ValueError, match=r"norm_weight must be the RMSNorm's contiguous bfloat16 \[32\]"):
-        moe_route.norm_router_route(x, x, nw[:16], 1e-6, wr, 2, True)
-    with pytest.raises(ValueError, match="norm_weight"):
-        moe_route.norm_router_route(x, x, nw.float(), 1e-6, wr, 2, True)
-    with pytest.raises(ValueError, match=r"\[E, H\]"):
-        moe_route.norm_router_route(x, x, nw, 1e-6, wr[:, :16], 2, True)
-
-
 def test_router_route_refuses_bad_operands():
     x = torch.zeros(2, 32, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(TypeError, match="bfloat16"):

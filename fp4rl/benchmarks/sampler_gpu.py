@@ -36,7 +36,6 @@ from __future__ import annotations
 import gc
 import json
 import math
-import os
 import time
 import traceback
 
@@ -107,10 +106,6 @@ def add_arguments(parser):
                         "GEMM splits K at one row and for the routed experts (fp4rl.kernels.gemv_cuda."
                         "in_cta_split), each row measured with each: 'cta' (warps of a CTA), 'cluster' (CTAs "
                         "of a cluster) or 'default' (FP4RL_MMA16_KW's choice); the same bits either way")
-    parser.add_argument("--norm-router", default="default", help="comma-separated settings of the MoE "
-                        "layers' add + RMSNorm before the MLP in the router's launch (gpu_linear."
-                        "FUSED_NORM_ROUTER), each row measured with each: 'on', 'off' or 'default' "
-                        "(FP4RL_MOE_NORM_ROUTER's choice)")
     parser.add_argument("--fusion", default="on", help="'on', 'off' or 'on,off': the engine's fused decode "
                         "step (fp4rl.kernels.fused) or the module step, each row measured with each")
     parser.add_argument("--offload-trainer", default="auto", choices=("auto", "on", "off"),
@@ -296,24 +291,19 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
     from fp4rl.kernels import pdl
 
     fusions = [f == "on" for f in args.fusion.split(",")]
-    from fp4rl import gpu_linear
     from fp4rl.kernels import gemv_cuda
 
     pdls = [pdl_setting(p) for p in args.pdl.split(",")]
     splits = [split_setting(s) for s in args.k_split.split(",")]
-    norm_routers = [norm_router_setting(s) for s in args.norm_router.split(",")]
-    for kv, fusion, (use_pdl, off), in_cta, nr, batch in (
-            (kv, f, p, s, n, b) for kv in kvs for f in fusions for p in pdls for s in splits
-            for n in norm_routers for b in batches):
+    for kv, fusion, (use_pdl, off), in_cta, batch in ((kv, f, p, s, b) for kv in kvs for f in fusions
+                                                      for p in pdls for s in splits for b in batches):
         sampler.kv_cache = kv
         if sampler.engine is not None:
             sampler.engine.set_fused(fusion)
-            if (pdl.is_enabled() != use_pdl or pdl.kinds_off() != off or in_cta != gemv_cuda.IN_CTA_SPLIT
-                    or nr != gpu_linear.FUSED_NORM_ROUTER):
+            if pdl.is_enabled() != use_pdl or pdl.kinds_off() != off or in_cta != gemv_cuda.IN_CTA_SPLIT:
                 pdl.set_enabled(use_pdl)
                 pdl.set_kinds_off(off)
                 gemv_cuda.set_in_cta_split(in_cta)
-                gpu_linear.FUSED_NORM_ROUTER = nr
                 sampler.engine.reset_graphs()
         fused = bool(sampler.engine is not None and sampler.engine.fused)
         head = {"shape": shape, "precision": label, "fused": fused,
@@ -322,8 +312,6 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
             head["pdl_off"] = sorted(off)
         if len(splits) > 1 or not in_cta:
             head["k_split"] = "cta" if in_cta else "cluster"
-        if len(norm_routers) > 1 or not nr:
-            head["norm_router"] = nr
         g = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, trainer.config.vocab_size, (batch, args.prompt), generator=g).tolist()
         row = {**head, "layers": layers, "full_layers": full_layers, "preset": preset,
@@ -374,7 +362,6 @@ def run(args) -> int:
     try:
         [pdl_setting(p) for p in args.pdl.split(",")]
         [split_setting(s) for s in args.k_split.split(",")]
-        [norm_router_setting(s) for s in args.norm_router.split(",")]
     except ValueError as exc:
         raise SystemExit(f"sampler_gpu: {exc}") from None
 
@@ -388,7 +375,7 @@ def run(args) -> int:
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "cuda": torch.version.cuda, "tune": args.tune, "graphs": not args.no_graphs,
            "prompt": args.prompt, "tokens": args.tokens, "fusion": args.fusion, "pdl": args.pdl,
-           "k_split": args.k_split, "norm_router": args.norm_router}
+           "k_split": args.k_split}
     env["copy_bw"] = copy_bandwidth(device) if device.type == "cuda" else None
     results = {"env": env, "rows": [], "profiles": [], "checks": [], "builds": [], "errors": []}
 
@@ -460,16 +447,6 @@ def split_setting(text: str) -> bool:
     raise ValueError(f"--k-split item {text!r}: use 'cta', 'cluster' or 'default'")
 
 
-def norm_router_setting(text: str) -> bool:
-    """--norm-router item -> gpu_linear.FUSED_NORM_ROUTER: 'on', 'off', or 'default' (FP4RL_MOE_NORM_ROUTER's
-    choice, as gpu_linear reads it at import)."""
-    if text in ("on", "off"):
-        return text == "on"
-    if text == "default":
-        return os.environ.get("FP4RL_MOE_NORM_ROUTER", "1") != "0"
-    raise ValueError(f"--norm-router item {text!r}: use 'on', 'off' or 'default'")
-
-
 def pdl_setting(text: str) -> tuple[bool, frozenset]:
     """--pdl item -> (PDL on, kinds without it): 'on' (the kinds FP4RL_PDL_OFF names, else pdl.DEFAULT_OFF),
     'all', 'off', 'no-wide+triton'."""
@@ -491,8 +468,6 @@ def _label(r) -> str:
     if r.get("pdl") and "pdl_off" in r and set(r["pdl_off"]) != pdl.DEFAULT_OFF:
         pdl_text = f" (no PDL: {'+'.join(r['pdl_off'])})" if r["pdl_off"] else " (PDL: all)"
     split = f" (split-K: {r['k_split']})" if "k_split" in r and r["precision"] != "bf16" else ""
-    if "norm_router" in r:
-        split += " (norm in router)" if r["norm_router"] else " (norm apart)"
     return r["precision"] + ("" if r.get("fused", True) else " (unfused)") + pdl_text + split
 
 

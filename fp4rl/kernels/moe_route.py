@@ -14,9 +14,6 @@ batch 1-8, in BF16 and NVFP4 alike. Here they are:
   sorted row: what the grouped GEMM's x gathers) and ``pos`` (the sorted row of each pair). The sort is
   two counts per pair, #{q : e_q < e_p} + #{q < p : e_q = e_p}, over blocks of pairs: P^2 comparisons,
   nothing for P <= MAX_PAIRS.
-- ``router_route(x, gate_weight, top_k, norm)``: the router GEMM and the route in one launch (the grid's last
-  program routes); ``norm_router_route(x, h, norm_weight, eps, gate_weight, ...)`` also makes the router's
-  input there: the residual add + RMSNorm before the MoE MLP with fused.add_rmsnorm's bits.
 - ``combine(d, pos, weight, top_k)``: y[t] = sum_j w[t, j] * d[pos[t * top_k + j]] in fp32, j in order, each
   product rounded to fp32 before the add (no FMA), one rounding to d's dtype: what
   ``(d_in_pair_order.float() * w.float()[..., None]).sum(1).to(dtype)`` computes with a sequential sum.
@@ -36,7 +33,7 @@ import triton
 import triton.language as tl
 
 from fp4rl.kernels._common import COMPILED, INTERPRET, dot_acc
-from fp4rl.kernels.fused import _bf16, _exp, _launch_opts, _libdevice_for, _residual, tlcuda
+from fp4rl.kernels.fused import _bf16, _exp, _launch_opts, _libdevice_for, tlcuda
 
 MAX_PAIRS = 512  # T * top_k of the one-program route (Qwen3-30B-A3B at 64 tokens: 512, measured up to there)
 MAX_EXPERTS = 512
@@ -146,20 +143,16 @@ def _route_kernel(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, 
 
 @triton.jit
 def _router_route_kernel(x_ptr, wr_ptr, logit_ptr, part_ptr, lock_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr,
-                         offs_ptr, h_ptr, nw_ptr, xo_ptr, y_ptr, T, E, H, HC, stride_x, stride_wr,
-                         stride_h, stride_xo, stride_y, inv_h, eps,
+                         offs_ptr, T, E, H, HC, stride_x, stride_wr,
                          K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr,
                          BQ: tl.constexpr, BES: tl.constexpr, BH: tl.constexpr, SPLIT_H: tl.constexpr,
                          NORM: tl.constexpr, LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr,
-                         INTERP: tl.constexpr, HAS_NORM: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
+                         INTERP: tl.constexpr, PDL: tl.constexpr):
     """Program (p, s): the router sums of experts [p BES, p BES + BES) over hidden columns [s HC, s HC + HC)
     for all T tokens (x [T, H] @ Wr.T, fp32 sums of exact bf16 products). One column slice (SPLIT_H 1): the
     logits, rounded once to bf16 as F.linear's output, published past L1. Several: the fp32 partial sums,
     published past L1, and the last program adds them up in slice order and rounds once. The last program to
-    finish (a counter, reset by it) then routes all tokens from the logits (_route_body).
-    HAS_NORM: the router's input is fused.add_rmsnorm's y = RMSNorm(x + h) * nw, made here: every program
-    takes each token's sum of squares over the whole row in add_rmsnorm's loop (tile BC: the same sum order,
-    the same rstd bit for bit), the programs of expert slice 0 store x' = x + h and y of their columns."""
+    finish (a counter, reset by it) then routes all tokens from the logits (_route_body)."""
     if PDL:
         tlcuda.gdc_launch_dependents()
         tlcuda.gdc_wait()
@@ -175,32 +168,10 @@ def _router_route_kernel(x_ptr, wr_ptr, logit_ptr, part_ptr, lock_ptr, idx_ptr, 
         for h0 in range(sid * HC, h_end, BH):
             hh = h0 + tl.arange(0, BH)
             hm = hh < h_end
-            m2 = ttm[:, None] & hm[None, :]
-            # the weight slice first: its DRAM latency overlaps the statistics below (HAS_NORM)
+            xt = tl.load(x_ptr + tt[:, None].to(tl.int64) * stride_x + hh[None, :],
+                         mask=ttm[:, None] & hm[None, :], other=0.0)
             wt = tl.load(wr_ptr + ex[:, None].to(tl.int64) * stride_wr + hh[None, :],
                          mask=exm[:, None] & hm[None, :], other=0.0)
-            xt = tl.load(x_ptr + tt[:, None].to(tl.int64) * stride_x + hh[None, :], mask=m2, other=0.0)
-            if HAS_NORM:  # add_rmsnorm's arithmetic: x' = bf16(x + h), y = bf16(w * bf16(x' * rstd))
-                rs = tl.zeros((16,), tl.float32)  # (one column step per program by default: computed once)
-                for i in range(0, tl.minimum(16, T - t0)):  # add_rmsnorm's statistics of row t0 + i
-                    row = t0 + i  # < T <= MAX_PAIRS: row * stride fits int32
-                    sq = tl.zeros((BC,), tl.float32)
-                    for c0 in range(0, H, BC):
-                        cols = c0 + tl.arange(0, BC)
-                        xs = _residual(x_ptr, h_ptr, row, cols, cols < H, stride_x, stride_h, True,
-                                       x_ptr, x_ptr, x_ptr, 0, 0, 0, False, 1)
-                        sq += xs * xs
-                    rs = tl.where(tl.arange(0, 16) == i, tl.math.rsqrt(tl.sum(sq, 0) * inv_h + eps), rs)
-                ht = tl.load(h_ptr + tt[:, None].to(tl.int64) * stride_h + hh[None, :], mask=m2, other=0.0)
-                xs2 = _bf16(xt.to(tl.float32) + ht.to(tl.float32))
-                nw = tl.load(nw_ptr + hh, mask=hm, other=0.0).to(tl.float32)
-                yt = _bf16(nw[None, :] * _bf16(xs2 * rs[:, None]))
-                if pid == 0:
-                    tl.store(xo_ptr + tt[:, None].to(tl.int64) * stride_xo + hh[None, :],
-                             xs2.to(xo_ptr.dtype.element_ty), mask=m2)
-                    tl.store(y_ptr + tt[:, None].to(tl.int64) * stride_y + hh[None, :],
-                             yt.to(y_ptr.dtype.element_ty), mask=m2)
-                xt = yt.to(tl.bfloat16)
             acc = dot_acc(xt, tl.trans(wt), acc, INTERP)
         if SPLIT_H == 1:
             tl.store(logit_ptr + tt[:, None] * E + ex[None, :], _bf16(acc).to(logit_ptr.dtype.element_ty),
@@ -305,40 +276,6 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
     (bench/moe_route_bench.py). No host sync. lock: the int32 [1] zero counter the grid's programs count on
     (back to zero after each call); calls that may run concurrently (two streams) need their own. Default: one
     per device."""
-    return _router_route(x, gate_weight, top_k, norm, weight_dtype, None, num_warps, bes, bh, hc, lock)[2:]
-
-
-def norm_router_route(x: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                      gate_weight: torch.Tensor, top_k: int, norm: bool,
-                      weight_dtype: torch.dtype | None = None, *, num_warps: int | None = None,
-                      bes: int | None = None, bh: int | None = None, hc: int | None = None,
-                      lock: torch.Tensor | None = None):
-    """The residual add + RMSNorm before an MoE MLP, its router and the route in one launch: x' = x + h and
-    y = RMSNorm(x') * norm_weight with fused.add_rmsnorm's bits (x, h [T, H] bfloat16), then
-    router_route(y, ...). Returns (x', y, logits, idx, w, rows, pos, offsets); the arguments after eps are
-    router_route's. One launch instead of two at decode sizes (the decode step's MoE layers, gpu_decode)."""
-    if not isinstance(h, torch.Tensor) or h.shape != x.shape or h.dtype != torch.bfloat16:
-        raise ValueError(f"norm_router_route: h must be a bfloat16 tensor of x's shape {tuple(x.shape)}, got "
-                         f"{_describe(h)}")
-    if h.stride(-1) != 1:
-        raise ValueError("norm_router_route: h needs unit column stride (pass .contiguous())")
-    hd = x.shape[-1] if x.ndim == 2 else -1
-    if (not isinstance(norm_weight, torch.Tensor) or norm_weight.numel() != hd
-            or not norm_weight.is_contiguous() or norm_weight.dtype != torch.bfloat16
-            or norm_weight.device != x.device):
-        raise ValueError(f"norm_router_route: norm_weight must be the RMSNorm's contiguous bfloat16 [{hd}] "
-                         f"vector on {x.device}, got {_describe(norm_weight)}")
-    return _router_route(x, gate_weight, top_k, norm, weight_dtype, (h, norm_weight, float(eps)), num_warps,
-                         bes, bh, hc, lock)
-
-
-def _describe(v) -> str:
-    return f"{v.dtype} {tuple(v.shape)} on {v.device}" if isinstance(v, torch.Tensor) else type(v).__name__
-
-
-def _router_route(x, gate_weight, top_k, norm, weight_dtype, residual, num_warps, bes, bh, hc, lock):
-    """router_route's launch; residual (h, norm_weight, eps): norm_router_route's. Returns (x', y, logits,
-    idx, w, rows, pos, offsets), x' and y None without residual."""
     if x.ndim != 2 or gate_weight.ndim != 2 or x.shape[1] != gate_weight.shape[1]:
         raise ValueError(f"router_route: x must be [T, H] and gate_weight [E, H], got {tuple(x.shape)} and "
                          f"{tuple(gate_weight.shape)}")
@@ -371,26 +308,15 @@ def _router_route(x, gate_weight, top_k, norm, weight_dtype, residual, num_warps
     # the column slices' fp32 sums (one slice: unused, the kernel stores bf16 logits directly)
     part = torch.empty((split, t, e) if split > 1 else (1,), dtype=torch.float32, device=dev)
     idx, w, rows, pos, offsets = _route_outputs(t, top_k, e, weight_dtype or torch.bfloat16, dev)
-    if residual is not None:
-        res, nw, eps = residual
-        xo, y = torch.empty_like(x), torch.empty_like(x)  # never x or h: every program reads those
-    else:
-        res, nw, eps = x, x, 0.0
-        xo = y = None
     bq = 16 if INTERPRET else ROUTE_BQ
-    COMPILED["moe router+route" + (" +norm" if residual is not None else "")] = _router_route_kernel[
-        (triton.cdiv(e, bes), split)](
-        x, gate_weight, logits, part, lock, idx, w, rows, pos, offsets, res, nw, x if xo is None else xo,
-        x if y is None else y, t, e, h, hc, x.stride(0), gate_weight.stride(0), res.stride(0),
-        x.stride(0) if xo is None else xo.stride(0), x.stride(0) if y is None else y.stride(0), 1.0 / h, eps,
+    COMPILED["moe router+route"] = _router_route_kernel[(triton.cdiv(e, bes), split)](
+        x, gate_weight, logits, part, lock, idx, w, rows, pos, offsets, t, e, h, hc, x.stride(0),
+        gate_weight.stride(0),
         K=top_k, BT=max(2, triton.next_power_of_2(t)), BE=max(16, triton.next_power_of_2(e)),
         BP=max(16, triton.next_power_of_2(t * top_k)), BQ=bq, BES=bes, BH=bh, SPLIT_H=split, NORM=bool(norm),
         LIBDEVICE=_libdevice_for(dev), W_BF16=w.dtype == torch.bfloat16, INTERP=INTERPRET,
-        HAS_NORM=residual is not None, BC=max(16, min(4096, triton.next_power_of_2(h))),  # add_rmsnorm's tile
-        # with the norm, add_rmsnorm's warps (its sum's order depends on the layout)
-        num_warps=num_warps or (ROUTER_WARPS if residual is None else 4 if h <= 4096 else 8),
-        enable_fp_fusion=False, **_launch_opts(dev))
-    return xo, y, logits, idx, w, rows, pos, offsets
+        num_warps=num_warps or ROUTER_WARPS, enable_fp_fusion=False, **_launch_opts(dev))
+    return logits, idx, w, rows, pos, offsets
 
 
 def combine(d: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
