@@ -1,0 +1,18 @@
+#!/bin/bash
+# Sixteenth session, last call. `ncu`: where a one-row decode GEMM and the router + route kernel spend their
+# time (gpu_kernels.md, sixteenth session, items 1-2): Nsight Compute's warp-state and source counters on
+# Qwen3-30B-A3B's q/k/v GEMM (5120x2048, 1 row, the chosen in-CTA split) and on router_route at 1 token.
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+NCU="ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+  --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis --section SourceCounters"
+if [ "$1" = ncu ]; then
+  timeout 200 $NCU -k regex:w4a16_mma16 -c 2 python3 bench/mma16_sweep.py --shapes 5120x2048 --rows 1 \
+    --variants auto > $OUT/ncu_mma16_qkv_1row.txt 2>&1
+  echo "gemm exit $?"; grep -E 'Duration|Stall|Warp Cycles|Issued Warp|Achieved Occ|Memory Throughput|DRAM Th|Registers|Block Size|Grid Size' \
+    $OUT/ncu_mma16_qkv_1row.txt | head -40
+  timeout 150 $NCU -k regex:router_route -c 2 python3 bench/moe_route_bench.py router > $OUT/ncu_router.txt 2>&1
+  echo "router exit $?"; grep -E 'Duration|Stall|Warp Cycles|Issued Warp|Achieved Occ|Registers|Block Size|Grid Size' \
+    $OUT/ncu_router.txt | head -30
+  exit 0
+fi
+echo "usage: bash bench/device_run59.sh ncu"; exit 2
