@@ -15,4 +15,11 @@ if [ "$1" = ncu ]; then
     $OUT/ncu_router.txt | head -30
   exit 0
 fi
-echo "usage: bash bench/device_run59.sh ncu"; exit 2
+if [ "$1" = keyed ]; then  # the route's top-k on packed keys: GPU tests, then its time against the two-pass form
+  timeout 150 python3 -m pytest -q -m "gpu or not slow" tests/test_moe_route.py > $OUT/tests_keyed_s16.log 2>&1
+  echo "tests exit $?"; tail -3 $OUT/tests_keyed_s16.log
+  timeout 150 python3 bench/moe_route_bench.py keyed > $OUT/route_keyed_s16.log 2>&1
+  echo "bench exit $?"; tail -8 $OUT/route_keyed_s16.log
+  exit 0
+fi
+echo "usage: bash bench/device_run59.sh ncu|keyed"; exit 2

@@ -85,5 +85,30 @@ def router_main():
         print(f"| {t} | " + " | ".join(cells) + " |", flush=True)
 
 
+def keyed_main():
+    """Sixteenth session: the top-k on packed keys (KEYED_TOPK) against the two-pass form, alternating in the
+    same run (ROUNDS rounds, median of the rounds' medians): route alone (default warps) and router_route at
+    its defaults, Qwen3-30B-A3B's router (E 128, H 2048, top 8). Outputs checked equal first."""
+    e, k, h = 128, 8, 2048
+    wr = (torch.randn(e, h, device="cuda") * 0.02).bfloat16()
+    print("| kernel | tokens | two-pass us | keyed us | saved us |")
+    for t in (1, 8, 32):
+        lg = torch.randn(t, e, device="cuda").bfloat16()
+        x = torch.randn(t, h, device="cuda").bfloat16()
+        cases = [("route", lambda kd, lg=lg: moe_route.route(lg, k, True, keyed=kd))]
+        if t <= 8:
+            cases.append(("router_route", lambda kd, x=x: moe_route.router_route(x, wr, k, True, keyed=kd)))
+        for name, fn in cases:
+            if not all(torch.equal(a, b) for a, b in zip(fn(True), fn(False))):
+                raise SystemExit(f"{name} {t} tokens: keyed and two-pass outputs differ")
+            got = {True: [], False: []}
+            for _ in range(5):
+                for kd in (False, True):
+                    got[kd].append(timed(lambda _r, fn=fn, kd=kd: fn(kd), REPS))
+            old, new = sorted(got[False])[2], sorted(got[True])[2]
+            print(f"| {name} | {t} | {old:.2f} | {new:.2f} | {old - new:.2f} |", flush=True)
+
+
 if __name__ == "__main__":
-    router_main() if sys.argv[1:] == ["router"] else main()
+    modes = {"router": router_main, "keyed": keyed_main}
+    modes.get(sys.argv[1] if sys.argv[1:] else "", main)()

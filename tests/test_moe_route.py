@@ -86,6 +86,26 @@ def test_route_nan_logits_stay_in_range():
     assert sorted(rows.tolist()) == sorted([r for r in range(4) for _ in range(4)])
 
 
+@pytest.mark.parametrize("t,e,k", [(1, 128, 8), (8, 128, 8), (5, 20, 4), (3, 8, 8), (2, 60, 1), (16, 33, 6)])
+def test_route_keyed_top_k_is_the_two_pass_top_k(t, e, k):
+    """The top-k on packed (probability bits, reversed id) keys: the outputs of the two-pass arg-max form,
+    with ties (an all-zero row: every probability equal), a NaN row, fp32 and bf16 weights, with and without
+    the normalization; the default form is the keyed one."""
+    assert moe_route.KEYED_TOPK
+    lg = _logits(t, e, seed=t * 31 + e, scale=3.0)
+    lg[0] = 0.0
+    if t > 2:
+        lg[1, e // 2] = float("nan")
+    for norm in (True, False):
+        for wd in (torch.bfloat16, torch.float32):
+            a = moe_route.route(lg, k, norm, weight_dtype=wd, keyed=True)
+            b = moe_route.route(lg, k, norm, weight_dtype=wd, keyed=False)
+            for u, v in zip(a, b):
+                assert torch.equal(u.isnan(), v.isnan()) if u.is_floating_point() else True
+                assert torch.equal(torch.nan_to_num(u), torch.nan_to_num(v))
+    assert a[0][0].tolist() == list(range(k)), "tied probabilities: the lowest ids, in order"
+
+
 def test_route_refuses_what_it_does_not_fit():
     assert moe_route.fits(64, 8, 128) and not moe_route.fits(65, 8, 128) and not moe_route.fits(2, 9, 8)
     assert not moe_route.fits(512, 1, 512)  # the softmax / top-k tile would not fit one program

@@ -28,6 +28,8 @@ Tests: tests/test_moe_route.py (interpreter on CPU, and on CUDA under the gpu ma
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -69,9 +71,12 @@ def _pick(q, v, bad, e, E, BE: tl.constexpr):
 @triton.jit
 def _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, stride_l,
                 K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr,
-                NORM: tl.constexpr, LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr, CG: tl.constexpr):
+                NORM: tl.constexpr, LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr, CG: tl.constexpr,
+                KEYED: tl.constexpr, KP: tl.constexpr):
     """The route of all T tokens by one program (see the module docstring). CG: the logits were written by
-    other programs of this grid (router_route): read them past the L1 cache."""
+    other programs of this grid (router_route): read them past the L1 cache. KEYED: the top-k in K rounds of
+    one reduction each over packed (probability bits, reversed expert id) keys (KEYED_TOPK); else 2 K rounds
+    of two (the chosen values' sum first, then the same choices again for the stores): the same outputs."""
     t = tl.arange(0, BT)
     e = tl.arange(0, BE)
     tm = t < T
@@ -88,21 +93,41 @@ def _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, st
     # top-k by repeated arg-max: first the sum of the chosen probabilities, then (same choices) the stores
     bad = tl.sum((p != p).to(tl.int32), 1) > 0  # NaN rows (a NaN or infinite logit)
     total = tl.zeros([BT], dtype=tl.float32)
-    q = p
-    for _j in tl.static_range(K):
-        v = tl.max(q, 1)
-        i = _pick(q, v, bad, e, E, BE)
-        total += v
-        q = tl.where(e[None, :] == i[:, None], -1.0, q)
-    q = p
-    for j in tl.static_range(K):
-        v = tl.max(q, 1)
-        i = _pick(q, v, bad, e, E, BE)
-        q = tl.where(e[None, :] == i[:, None], -1.0, q)
-        w = tl.math.div_rn(v, total) if NORM else v
-        w = tl.where(bad, float("nan"), w)
-        tl.store(idx_ptr + t * K + j, i.to(tl.int64), mask=tm)
-        tl.store(w_ptr + t * K + j, _rounded(w, W_BF16).to(w_ptr.dtype.element_ty), mask=tm)
+    if KEYED:
+        # key = probability bits (a non-negative float orders as its bits) above the reversed id (ties to the
+        # lower id); a NaN row's keys are its ids alone (the lowest id not taken, as _pick); -1: past E, taken
+        bits = tl.where(bad[:, None], 0, p.to(tl.int32, bitcast=True)).to(tl.int64)
+        key = tl.where(e[None, :] < E, (bits << 32) | (BE - 1 - e[None, :]).to(tl.int64), -1)
+        kk = tl.arange(0, KP)
+        vals = tl.zeros([BT, KP], dtype=tl.float32)
+        for j in tl.static_range(K):
+            km = tl.max(key, 1)
+            i = (BE - 1 - (km & (BE - 1))).to(tl.int32)
+            v = (km >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            total += v
+            key = tl.where(e[None, :] == i[:, None], -1, key)
+            vals = tl.where(kk[None, :] == j, v[:, None], vals)
+            tl.store(idx_ptr + t * K + j, i.to(tl.int64), mask=tm)
+        w = tl.math.div_rn(vals, total[:, None]) if NORM else vals
+        w = tl.where(bad[:, None], float("nan"), w)
+        tl.store(w_ptr + t[:, None] * K + kk[None, :], _rounded(w, W_BF16).to(w_ptr.dtype.element_ty),
+                 mask=tm[:, None] & (kk[None, :] < K))
+    else:
+        q = p
+        for _j in tl.static_range(K):
+            v = tl.max(q, 1)
+            i = _pick(q, v, bad, e, E, BE)
+            total += v
+            q = tl.where(e[None, :] == i[:, None], -1.0, q)
+        q = p
+        for j in tl.static_range(K):
+            v = tl.max(q, 1)
+            i = _pick(q, v, bad, e, E, BE)
+            q = tl.where(e[None, :] == i[:, None], -1.0, q)
+            w = tl.math.div_rn(v, total) if NORM else v
+            w = tl.where(bad, float("nan"), w)
+            tl.store(idx_ptr + t * K + j, i.to(tl.int64), mask=tm)
+            tl.store(w_ptr + t * K + j, _rounded(w, W_BF16).to(w_ptr.dtype.element_ty), mask=tm)
     tl.debug_barrier()  # the ids just stored are read back below by other threads of the program
     # counting sort of the P = T * K pairs by expert, stable in pair order
     P = T * K
@@ -133,12 +158,13 @@ def _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, st
 @triton.jit
 def _route_kernel(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, stride_l,
                   K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr,
-                  NORM: tl.constexpr, LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr, PDL: tl.constexpr):
+                  NORM: tl.constexpr, LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr, KEYED: tl.constexpr,
+                  KP: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tlcuda.gdc_launch_dependents()
         tlcuda.gdc_wait()
     _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, stride_l,
-                K, BT, BE, BP, BQ, NORM, LIBDEVICE, W_BF16, False)
+                K, BT, BE, BP, BQ, NORM, LIBDEVICE, W_BF16, False, KEYED, KP)
 
 
 @triton.jit
@@ -147,7 +173,7 @@ def _router_route_kernel(x_ptr, wr_ptr, logit_ptr, part_ptr, lock_ptr, idx_ptr, 
                          K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr,
                          BQ: tl.constexpr, BES: tl.constexpr, BH: tl.constexpr, SPLIT_H: tl.constexpr,
                          NORM: tl.constexpr, LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr,
-                         INTERP: tl.constexpr, PDL: tl.constexpr):
+                         INTERP: tl.constexpr, KEYED: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
     """Program (p, s): the router sums of experts [p BES, p BES + BES) over hidden columns [s HC, s HC + HC)
     for all T tokens (x [T, H] @ Wr.T, fp32 sums of exact bf16 products). One column slice (SPLIT_H 1): the
     logits, rounded once to bf16 as F.linear's output, published past L1. Several: the fp32 partial sums,
@@ -194,7 +220,7 @@ def _router_route_kernel(x_ptr, wr_ptr, logit_ptr, part_ptr, lock_ptr, idx_ptr, 
                      mask=m, cache_modifier=".cg")
             tl.debug_barrier()  # the logits just stored are read back below by other threads of the program
         _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, E,
-                    K, BT, BE, BP, BQ, NORM, LIBDEVICE, W_BF16, True)
+                    K, BT, BE, BP, BQ, NORM, LIBDEVICE, W_BF16, True, KEYED, KP)
         tl.atomic_xchg(lock_ptr, 0)  # ready for the next call
 
 
@@ -220,6 +246,9 @@ def _combine_kernel(d_ptr, pos_ptr, w_ptr, y_ptr, H, stride_d, stride_y,
 # 31.4 / 39.3 / 60.8 (bench/moe_route_bench.py, bench/RESULTS.md, ninth session).
 ROUTE_WARPS = (2, 8)
 ROUTE_BQ = 32
+# The top-k: K rounds of one int64 max over (probability bits << 32 | reversed expert id) keys, instead of 2 K
+# rounds of a max and a min (FP4RL_MOE_ROUTE_KEYED=0, for A/B; the same outputs).
+KEYED_TOPK = os.environ.get("FP4RL_MOE_ROUTE_KEYED", "1") != "0"
 
 
 def _route_outputs(t: int, top_k: int, e: int, weight_dtype: torch.dtype, dev):
@@ -231,10 +260,10 @@ def _route_outputs(t: int, top_k: int, e: int, weight_dtype: torch.dtype, dev):
 
 
 def route(logits: torch.Tensor, top_k: int, norm: bool, weight_dtype: torch.dtype | None = None, *,
-          num_warps: int | None = None, bq: int | None = None):
+          num_warps: int | None = None, bq: int | None = None, keyed: bool | None = None):
     """logits [T, E] (router output, any float dtype) -> (topk_idx [T, k] int64, topk_weight [T, k] in
     weight_dtype (default logits' dtype), rows [T k] int32, pos [T k] int32, offsets [E + 1] int32); see the
-    module docstring."""
+    module docstring. keyed: the top-k's form (default KEYED_TOPK; the same outputs either way)."""
     if logits.ndim != 2 or logits.stride(-1) != 1:
         raise ValueError(f"route: logits must be [T, E] with unit column stride, got {tuple(logits.shape)} "
                          f"strides {logits.stride()}")
@@ -251,6 +280,7 @@ def route(logits: torch.Tensor, top_k: int, norm: bool, weight_dtype: torch.dtyp
         logits, idx, w, rows, pos, offsets, t, e, logits.stride(0),
         K=top_k, BT=max(2, triton.next_power_of_2(t)), BE=max(16, triton.next_power_of_2(e)), BP=bp, BQ=bq,
         NORM=bool(norm), LIBDEVICE=_libdevice_for(dev), W_BF16=w.dtype == torch.bfloat16,
+        KEYED=KEYED_TOPK if keyed is None else bool(keyed), KP=triton.next_power_of_2(top_k),
         num_warps=num_warps or ROUTE_WARPS[t * top_k > 16],
         enable_fp_fusion=False, **_launch_opts(dev))
     return idx, w, rows, pos, offsets
@@ -266,7 +296,7 @@ _LOCKS: dict = {}  # router_route's counter per device (back to zero after every
 def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: bool,
                  weight_dtype: torch.dtype | None = None, *, num_warps: int | None = None,
                  bes: int | None = None, bh: int | None = None, hc: int | None = None,
-                 lock: torch.Tensor | None = None):
+                 lock: torch.Tensor | None = None, keyed: bool | None = None):
     """The router and the route in one launch: logits = x [T, H] @ gate_weight [E, H].T (bfloat16, as
     F.linear's output: fp32 sums of the exact products in another order than cuBLAS, so a logit can differ in
     its last bf16 bit), then `route(logits, ...)` by the grid's last program. Returns (logits [T, E], idx, w,
@@ -275,7 +305,7 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
     columns per step), hc (hidden columns per program, a multiple of bh; >= H: one slice): tuning
     (bench/moe_route_bench.py). No host sync. lock: the int32 [1] zero counter the grid's programs count on
     (back to zero after each call); calls that may run concurrently (two streams) need their own. Default: one
-    per device."""
+    per device. keyed: as `route`'s."""
     if x.ndim != 2 or gate_weight.ndim != 2 or x.shape[1] != gate_weight.shape[1]:
         raise ValueError(f"router_route: x must be [T, H] and gate_weight [E, H], got {tuple(x.shape)} and "
                          f"{tuple(gate_weight.shape)}")
@@ -315,6 +345,7 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
         K=top_k, BT=max(2, triton.next_power_of_2(t)), BE=max(16, triton.next_power_of_2(e)),
         BP=max(16, triton.next_power_of_2(t * top_k)), BQ=bq, BES=bes, BH=bh, SPLIT_H=split, NORM=bool(norm),
         LIBDEVICE=_libdevice_for(dev), W_BF16=w.dtype == torch.bfloat16, INTERP=INTERPRET,
+        KEYED=KEYED_TOPK if keyed is None else bool(keyed), KP=triton.next_power_of_2(top_k),
         num_warps=num_warps or ROUTER_WARPS, enable_fp_fusion=False, **_launch_opts(dev))
     return logits, idx, w, rows, pos, offsets
 
