@@ -22,4 +22,10 @@ if [ "$1" = keyed ]; then  # the route's top-k on packed keys: GPU tests, then i
   echo "bench exit $?"; tail -8 $OUT/route_keyed_s16.log
   exit 0
 fi
-echo "usage: bash bench/device_run59.sh ncu|keyed"; exit 2
+if [ "$1" = bal ]; then  # ncu: q/k/v's 160 CTAs on 132 SMs keep SMs idle 36% of the call; twice the split
+  timeout 140 python3 bench/mma16_sweep.py --shapes 5120x2048,6144x4096,2048x4096 --rows 1,4,8,16 \
+    --variants auto,s2x,pdl,pdl+s2x --out $OUT/mma16_bal_s16.json > $OUT/mma16_bal_s16.log 2>&1
+  echo "sweep exit $?"; grep -v '^{' $OUT/mma16_bal_s16.log | cut -c1-150 | tail -52
+  exit 0
+fi
+echo "usage: bash bench/device_run59.sh ncu|keyed|bal"; exit 2
