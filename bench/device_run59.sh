@@ -28,4 +28,11 @@ if [ "$1" = bal ]; then  # ncu: q/k/v's 160 CTAs on 132 SMs keep SMs idle 36% of
   echo "sweep exit $?"; grep -v '^{' $OUT/mma16_bal_s16.log | cut -c1-150 | tail -52
   exit 0
 fi
-echo "usage: bash bench/device_run59.sh ncu|keyed|bal"; exit 2
+if [ "$1" = sass ]; then  # warp-stall samples per SASS instruction of the one-row q/k/v GEMM (next session's item 1)
+  timeout 150 ncu --clock-control none --set full --import-source no --page source --print-source sass \
+    -k regex:w4a16_mma16 -c 1 python3 bench/mma16_sweep.py --shapes 5120x2048 --rows 1 --variants auto \
+    > $OUT/ncu_sass_qkv_1row.txt 2>&1
+  echo "sass exit $?"; wc -l $OUT/ncu_sass_qkv_1row.txt; grep -v '^ *$' $OUT/ncu_sass_qkv_1row.txt | head -5
+  exit 0
+fi
+echo "usage: bash bench/device_run59.sh ncu|keyed|bal|sass"; exit 2
