@@ -203,6 +203,12 @@ class PrecisionConfig(_Section):
                               "(or rules)")
         if self.trace and self.trace_deep_fraction == 0:
             raise ConfigError("precision.trace = true with precision.trace_deep_fraction = 0 guides no layer")
+        for side in ("weight", "act"):  # (PrecisionContract refuses it too; here before any model loads)
+            err = getattr(self, f"{side}_err")
+            if err != "mse" and not getattr(self, f"{side}_four_over_six"):
+                raise ConfigError(f"precision.{side}_err = {err!r} chooses between the 4/6 scalings, but "
+                                  f"precision.{side}_four_over_six = false scales every block to 6: set "
+                                  f"{side}_four_over_six = true, or drop {side}_err")
 
     def contract_kwargs(self) -> dict:
         """Keyword arguments of fp4rl.precision.PrecisionContract (everything but the TRACE keys)."""

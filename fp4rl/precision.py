@@ -148,6 +148,12 @@ class PrecisionContract:
         for key in ("weight_four_over_six", "act_four_over_six", "fuse_global_scales"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"PrecisionContract.{key}={getattr(self, key)!r}: must be True or False")
+        for side in ("weight", "act"):  # the error measure picks between the 4/6 scalings: without them, none
+            err = getattr(self, f"{side}_err")
+            if err != "mse" and not getattr(self, f"{side}_four_over_six"):
+                raise ValueError(f"PrecisionContract.{side}_err={err!r} chooses between the 4/6 scalings, "
+                                 f"but {side}_four_over_six is False (every block scaled to 6, nothing to "
+                                 f"choose): set {side}_four_over_six = true, or drop {side}_err")
         if self.backward not in BACKWARD_MODES:
             raise ValueError(f"PrecisionContract.backward={self.backward!r}: use one of {BACKWARD_MODES}")
         object.__setattr__(self, "weight_tile", _normalize_tile(self.weight_tile))

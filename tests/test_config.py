@@ -76,6 +76,10 @@ def test_invalid_values_name_the_key_and_the_allowed_values():
         load_config(overrides=["logging.wandb=yes"])
     with pytest.raises(ConfigError, match=r"precision.trace"):
         load_config(overrides=["precision.preset=bf16", "precision.trace=true"])
+    with pytest.raises(ConfigError, match=r"precision.act_err = 'mae' chooses between the 4/6 scalings.*"
+                                          r"set act_four_over_six = true"):
+        load_config(overrides=["precision.act_four_over_six=false", "precision.act_err=mae"])
+    assert load_config(overrides=["precision.weight_err=mae"]).precision.weight_err == "mae"
     with pytest.raises(ConfigError, match=r"run.name"):
         load_config(overrides=["run.name=../x"])
 

@@ -150,6 +150,8 @@ def test_rules_later_wins_and_override_last_layers():
     (dict(weight_tile=32), "weight_tile"),
     (dict(backward="fp8"), "backward"),
     (dict(weight_four_over_six="yes"), "weight_four_over_six"),
+    (dict(weight_four_over_six=False, weight_err="mae"), "weight_err='mae' chooses between the 4/6 scalings"),
+    (dict(act_four_over_six=False, act_err="mae"), "act_err='mae'.*set act_four_over_six = true"),
     (dict(rules=[("*", "fp4")]), "precision must be one of"),
     (dict(rules=["*"]), "not a \\(glob, precision\\) pair"),
 ])
