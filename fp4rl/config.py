@@ -141,6 +141,7 @@ PRECISION_PRESETS = ("bf16", "nvfp4-experts", "nvfp4-linear", "nvfp4-w4a16")
 LINEAR_PRECISIONS = ("bf16", "w4a16", "w4a4")
 BACKWARD_MODES = ("dequantized", "high_precision")
 ERR_METRICS = ("mse", "mae")
+MIN_TEMPERATURE = 1e-6  # the smallest sampling temperature (fp4rl.sampler.SamplingParams refuses less)
 
 
 @dataclass
@@ -221,8 +222,9 @@ class PrecisionConfig(_Section):
 class SamplerConfig(_Section):
     SECTION: ClassVar[str] = "sampler"
     n: int = _knob(8, "completions per prompt (the GRPO group size)", ge=2)
-    temperature: float = _knob(1.0, "sampling temperature of the rollouts (> 0: RL needs sampling; greedy "
-                               "held-out accuracy is eval.temperatures' 0)", gt=0.0)
+    temperature: float = _knob(1.0, f"sampling temperature of the rollouts (>= {MIN_TEMPERATURE}: RL needs "
+                               "sampling; greedy held-out accuracy is eval.temperatures' 0)",
+                               ge=MIN_TEMPERATURE)
     top_p: float = _knob(1.0, "nucleus sampling mass (1: off); the recorded logprobs stay those of the full "
                          "distribution, so the IS weights do not see the truncation", gt=0.0, le=1.0)
     top_k: int = _knob(0, "sample among the k most likely tokens (0: off); logprobs as for top_p", ge=0)
@@ -331,6 +333,13 @@ class EvalConfig(_Section):
     temperatures: list[float] = _knob([0.0, 1.0], "one held-out accuracy per temperature (0: greedy)", ge=0.0)
     max_new_tokens: int = _knob(0, "completion length limit (0: sampler.max_new_tokens)", ge=0)
     at_start: bool = _knob(True, "evaluate the initial policy before step 1")
+
+    def check(self):
+        for t in self.temperatures:
+            if 0 < t < MIN_TEMPERATURE:
+                raise ConfigError(f"eval.temperatures: {t!r} is greedy in effect and far smaller ones "
+                                  f"overflow logits / T: use 0 for greedy, or a temperature >= "
+                                  f"{MIN_TEMPERATURE}")
 
 
 @dataclass

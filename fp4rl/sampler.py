@@ -42,6 +42,7 @@ import torch
 
 from fp4rl import cpu_head, trace
 from fp4rl.batch import MAX_EXPERTS, ROUTING_DTYPE
+from fp4rl.config import MIN_TEMPERATURE
 from fp4rl.cpu_ops import FastCPUDecoder
 from fp4rl.kvcache import KV_CACHE_KINDS, make_kv_cache
 from fp4rl.model import CausalLM
@@ -62,7 +63,7 @@ class SamplingParams:
     n: int = 1
     """completions per prompt (they share the prompt's prefill)."""
     temperature: float = 1.0
-    """softmax temperature T > 0 (ignored when greedy)."""
+    """softmax temperature T >= MIN_TEMPERATURE (ignored when greedy)."""
     top_p: float = 1.0
     """nucleus sampling: the smallest set of most likely tokens with mass >= top_p, in (0, 1]."""
     top_k: int = 0
@@ -91,8 +92,10 @@ class SamplingParams:
         if not isinstance(self.greedy, bool):
             fail("greedy", "must be True or False")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float) \
-                or not math.isfinite(self.temperature) or self.temperature <= 0:
-            fail("temperature", "must be a finite number > 0 (use greedy=True for argmax decoding)")
+                or not math.isfinite(self.temperature) or self.temperature < MIN_TEMPERATURE:
+            fail("temperature", f"must be a finite number >= {MIN_TEMPERATURE} (use greedy=True for argmax "
+                 "decoding: a smaller T is greedy in effect, and far below it logits / T overflow float32 "
+                 "and the logprobs turn -inf or NaN)")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
             fail("top_p", "must be in (0, 1] (1 disables nucleus sampling)")
         if not is_int(self.top_k) or self.top_k < 0:

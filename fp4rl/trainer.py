@@ -58,7 +58,7 @@ import torch
 
 from fp4rl import trace
 from fp4rl.batch import Batch, check_routing
-from fp4rl.config import ConfigError, RunConfig, dump_toml
+from fp4rl.config import MIN_TEMPERATURE, ConfigError, RunConfig, dump_toml
 from fp4rl.grpo import grpo_loss, importance_weights, mismatch_metrics, token_logprobs
 from fp4rl.hf import fsync_dir, fsync_tree, load_state_dict, save_model
 from fp4rl.precision import PrecisionContract
@@ -101,9 +101,9 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, contract: PrecisionContract, config: RunConfig):
         tc = config.trainer
-        if config.sampler.temperature <= 0:
+        if not config.sampler.temperature >= MIN_TEMPERATURE:
             raise ValueError(f"sampler.temperature = {config.sampler.temperature}: RL needs sampling, "
-                             "so it must be > 0 (greedy decoding is for eval.temperatures)")
+                             f"so it must be >= {MIN_TEMPERATURE} (greedy decoding is for eval.temperatures)")
         self.config, self.contract = config, contract
         self.model = convert(model, contract)
         self.device = next(self.model.parameters()).device

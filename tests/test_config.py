@@ -54,10 +54,14 @@ def test_invalid_values_name_the_key_and_the_allowed_values():
         ConfigError, match=r"precision.preset = 'fp4'.*'bf16', 'nvfp4-experts', 'nvfp4-linear'"
     ):
         load_config(overrides=["precision.preset=fp4"])
-    with pytest.raises(ConfigError, match=r"sampler.temperature = -1.0: must be > 0"):
+    with pytest.raises(ConfigError, match=r"sampler.temperature = -1.0: must be >= 1e-06"):
         load_config(overrides=["sampler.temperature=-1"])
-    with pytest.raises(ConfigError, match=r"sampler.temperature = 0.0: must be > 0"):  # RL samples
+    with pytest.raises(ConfigError, match=r"sampler.temperature = 0.0: must be >= 1e-06"):  # RL samples
         load_config(overrides=["sampler.temperature=0"])
+    with pytest.raises(ConfigError, match=r"sampler.temperature = 1e-40: must be >= 1e-06"):  # overflows
+        load_config(overrides=["sampler.temperature=1e-40"])
+    with pytest.raises(ConfigError, match=r"eval.temperatures: 1e-40 is greedy in effect.*use 0 for greedy"):
+        load_config(overrides=["eval.temperatures=[0.0, 1e-40]"])
     for item in ("trainer.lr=inf", "grpo.tis_cap=inf", "trainer.lr=nan", "eval.temperatures=[0.0, inf]"):
         with pytest.raises(ConfigError, match=r"must be a finite number"):
             load_config(overrides=[item])

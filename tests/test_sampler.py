@@ -303,6 +303,7 @@ def test_a_bfloat16_sampler_computes_what_the_trainer_computes_on_bfloat16_input
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(n=0), "n="), (dict(n=1.5), "n="), (dict(temperature=0.0), "temperature"),
+    (dict(temperature=1e-38), "temperature=1e-38: must be a finite number >= 1e-06"),
     (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-1), "top_k"), (dict(max_new_tokens=0), "max_new_tokens"), (dict(stop="x"), "stop"),
     (dict(stop=("",)), "stop"), (dict(seed="1"), "seed"), (dict(greedy=1), "greedy"),
