@@ -419,6 +419,11 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     for (int d = 0; d < DEPTH; ++d) issue(ws0 + d, d);
 #endif
 
+    // KW (one row): the weight's global scale read now rather than in the epilogue (6% of the one-row q/k/v
+    // call's stall samples were there, an L2 round trip on the critical path; nothing on the stream writes
+    // it). Not for the other builds: the register held through the stream cost 2 (MG 2: 64 -> 66, a CTA
+    // per SM less).
+    const float gs_early = (WG_ROW || KW == 1) ? 0.f : wg[0] * 256.f;
     // PDL: the first DEPTH weight steps above do not depend on the previous kernel; x (its output) does
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #if XSTREAM
@@ -622,7 +627,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 
     // 4. epilogue. D fragment: c0, c1 = weight row g, x rows 2t, 2t+1; c2, c3 = weight row g + 8.
     const int g = lane >> 2, t = lane & 3;
-    const float gs = WG_ROW ? 0.f : wg[0] * 256.f;
+    const float gs = WG_ROW ? 0.f : KW > 1 ? gs_early : wg[0] * 256.f;
 #if KW > 1
     {
         // in-CTA split-K: the KW warps of an n-tile leave their fp32 partials in shared memory (x and the
