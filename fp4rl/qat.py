@@ -148,11 +148,14 @@ class NVFP4Linear(nn.Module):
         self.scale_group = [self]  # linears sharing one weight global scale (a plain list: set by convert)
 
     def quantized_weight(self) -> NVFP4Tensor:
-        """Q(W), cached until the weight changes (in place, or a new tensor/storage)."""
+        """Q(W), cached until the weight changes (in place, or a new tensor/storage). Built outside inference
+        mode even under torch.inference_mode(): a cache of inference tensors made by an evaluation would be
+        saved for backward by the next training step, which autograd refuses."""
         weights = [m.weight for m in self.scale_group]
         key = [(w._version, w.data_ptr(), w.dtype, w.device, tuple(w.shape)) for w in weights]
-        if self._qweight is None or self._qweight_key != key:
-            with torch.no_grad(), torch.autocast(self.weight.device.type, enabled=False):
+        if self._qweight is None or self._qweight_key != key or self._qweight.data.is_inference():
+            with torch.inference_mode(False), torch.no_grad(), \
+                    torch.autocast(self.weight.device.type, enabled=False):
                 amax = None
                 if len(weights) > 1:  # one global scale for the group: its amax
                     amax = torch.stack([w.detach().abs().amax().float() for w in weights]).amax()

@@ -175,6 +175,28 @@ def test_weight_cache_follows_weight_version_and_packed_state():
     assert m.quantized_weight() is not q2
 
 
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
+def test_an_evaluation_under_inference_mode_does_not_break_the_next_training_step(mode):
+    """A forward under torch.inference_mode() between two optimizer steps (an evaluation) builds the Q(W)
+    cache; the next training step saves that packed weight for backward: it must not be an inference
+    tensor (autograd refuses those: "Inference tensors cannot be saved for backward")."""
+    m, c = make_linear(mode)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    x = torch.randn(4, 64)
+    for _ in range(2):
+        m(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.inference_mode():
+            y_eval = m(x)
+        assert not m.quantized_weight().data.is_inference()
+    assert same_bytes(m.quantized_weight(), quantize(m.weight.detach(), **c.weight_quantize_kwargs()))
+    assert torch.equal(y_eval, m(x).detach())
+    with torch.inference_mode():  # a cache made in inference mode elsewhere (the key still matches)
+        m._qweight = quantize(m.weight.detach(), **c.weight_quantize_kwargs())
+    m(x).sum().backward()  # rebuilt, not saved for backward as an inference tensor
+
+
 def test_updates_that_keep_the_version_counter_need_invalidate_or_track():
     """A fused AdamW step and a write through .data leave weight._version as it was, so the cached Q(W) would
     stay the old weights' (the forward, its backward and packed_state then use them): invalidate(model)
