@@ -22,7 +22,10 @@ Sampling draws from softmax(logits / T) restricted by top-k then top-p, by inver
 seeded torch.Generator (same seed, same inputs -> same completions; one generator serves the whole
 batch, so a prompt's completions also depend on the other prompts and on n). The logprob recorded for a token
 is log_softmax(logits / T) (T = 1 when greedy), computed in fp32 like grpo.token_logprobs, and
-*not* renormalised by top-k/top-p: it is the distribution the trainer scores.
+*not* renormalised by top-k/top-p: it is the distribution the trainer scores. The logits themselves are
+the lm_head's output in the sampler's dtype: a BF16 sampler's are rounded to BF16 before the fp32
+log_softmax (up to half a BF16 step: 1/32 at |logit| in [8, 16)), which a trainer computing FP32 logits does
+not do; that rounding is part of the BF16 sampler's logprob mismatch.
 
 MoE routing replay: the experts chosen for every position the trainer scores (the prompt and all
 completion tokens but the last) come back as `Completion.routing` [num_moe_layers, L - 1, top_k] int16,
@@ -32,6 +35,7 @@ ready for `model(ids[:, :-1], routing=[r[i][None] for i ...])`.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import operator
 import time
@@ -63,7 +67,7 @@ class SamplingParams:
     n: int = 1
     """completions per prompt (they share the prompt's prefill)."""
     temperature: float = 1.0
-    """softmax temperature T >= MIN_TEMPERATURE (ignored when greedy)."""
+    """softmax temperature T >= MIN_TEMPERATURE (ignored when greedy: any finite T >= 0 then)."""
     top_p: float = 1.0
     """nucleus sampling: the smallest set of most likely tokens with mass >= top_p, in (0, 1]."""
     top_k: int = 0
@@ -92,7 +96,8 @@ class SamplingParams:
         if not isinstance(self.greedy, bool):
             fail("greedy", "must be True or False")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float) \
-                or not math.isfinite(self.temperature) or self.temperature < MIN_TEMPERATURE:
+                or not math.isfinite(self.temperature) \
+                or self.temperature < (0 if self.greedy is True else MIN_TEMPERATURE):  # greedy ignores T
             fail("temperature", f"must be a finite number >= {MIN_TEMPERATURE} (use greedy=True for argmax "
                  "decoding: a smaller T is greedy in effect, and far below it logits / T overflow float32 "
                  "and the logprobs turn -inf or NaN)")
@@ -170,6 +175,14 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     16 x 49152), and top-p sorts only the top candidates (see `nucleus`) instead of the whole
     vocabulary."""
     logits = logits.float()
+    # a NaN or +inf logit, or a row of -inf: no distribution to draw from (checked on the CPU only: on CUDA
+    # it would cost a host sync per step; the NaN logprobs are refused there by loop.make_batch)
+    bad = ~torch.isfinite(logits.amax(-1)) if logits.device.type == "cpu" else None
+    if bad is not None and bool(bad.any()):
+        rows = bad.nonzero().flatten().tolist()
+        raise ValueError(f"sampler: the logits of batch rows {rows[:8]} are not finite (NaN or +inf, or all "
+                         "-inf): no token can be drawn; the model's weights or the prompt's activations "
+                         "hold NaN/Inf (check the loaded weights: torch.isfinite(p).all() per parameter)")
     if params.greedy:
         scaled = logits
         tokens = logits.argmax(-1)
@@ -439,7 +452,10 @@ class Sampler:
         T_p = max(lens)
         total = T_p + new  # cache slots: padded prompt, then one per generated token
         generator = torch.Generator(dev)
-        generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
+        if params.seed is not None:
+            generator.manual_seed(_generator_seed(params.seed, dev))
+        else:
+            generator.seed()
 
         # prefill the P distinct prompts, left-padded; lm_head on the last position only
         ids = torch.full((P, T_p), self.pad_token_id, dtype=torch.long)
@@ -609,10 +625,29 @@ class Sampler:
         return sample_next(logits, params, generator)
 
     def _find_stop(self, ids: list[int], stop: tuple[str, ...]) -> str | None:
-        """The text before the first stop string in decode(ids), or None when none occurs."""
+        """The text before the first stop string in decode(ids), or None when none occurs. Called after
+        every new token, so a stop string can only have appeared at the end: the last tokens are decoded
+        first (a window of the longest stop string's length + 16 tokens), and the whole completion only on a
+        hit there or when the window's text is short (tokens that decode to nothing); decoding all of it at
+        every step cost O(length^2) per row (1 s for one 4096-token completion)."""
+        longest = max(map(len, stop))
+        window = longest + 16
+        if len(ids) > window:
+            tail = self._decode(ids[-window:])
+            if len(tail) >= longest + 8 and not any(s in tail for s in stop):
+                return None
         text = self._decode(ids)
         hits = [i for s in stop if (i := text.find(s)) >= 0]
         return text[:min(hits)] if hits else None
+
+
+def _generator_seed(seed: int, device: torch.device) -> int:
+    """The seed given to torch's generator for SamplingParams.seed: itself, except above 2**32 on the CPU,
+    whose generator keeps only a seed's low 32 bits (seed and seed + 2**32 drew the same numbers: a
+    `base + (rank << 32)` scheme repeated its samples): there the 64 bits are hashed down to 32."""
+    if torch.device(device).type != "cpu" or seed < 2 ** 32:
+        return seed
+    return int.from_bytes(hashlib.blake2b(seed.to_bytes(8, "little"), digest_size=4).digest(), "little")
 
 
 def _interpreting() -> bool:

@@ -11,7 +11,7 @@ from fp4rl.grpo import token_logprobs
 from fp4rl.model import CausalLM, ModelConfig
 from fp4rl.precision import PrecisionContract
 from fp4rl.qat import NVFP4Linear, convert
-from fp4rl.sampler import Completion, PackedNVFP4Linear, Sampler, SamplingParams
+from fp4rl.sampler import Completion, PackedNVFP4Linear, Sampler, SamplingParams, _generator_seed
 
 V = 128
 DENSE = dict(model_type="llama", vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -190,6 +190,44 @@ def test_stop_strings_end_the_completion_and_cut_the_text():
             sampler.generate([prompt], SamplingParams(greedy=True, max_new_tokens=4, stop=(stop, special)))
 
 
+def test_stop_search_decodes_a_window_of_the_last_tokens():
+    """The stop check after each token decodes the last tokens (the longest stop string + 16), not the whole
+    completion (O(length^2) per row); its answer is the full decode's on every prefix: a stop string ending at
+    the last token, one only in the earlier text (found at its step, not again), none, and a window of tokens
+    that decode to nothing (the whole completion is decoded then)."""
+    class Counting(CharTokenizer):
+        decoded = 0
+
+        def decode(self, ids, skip_special_tokens=False):
+            Counting.decoded += len(ids)
+            return super().decode(ids, skip_special_tokens)
+
+    sampler = Sampler(tiny(), Counting(), eos_token_ids=[])
+    g = torch.Generator().manual_seed(5)
+    ids = (torch.randint(97, 100, (400,), generator=g)).tolist()  # 'a'..'c'
+    ids[150:153] = [ord(c) for c in "xyz"]
+    stops = ("xyz", "ccc" * 2)
+
+    def full(prefix):
+        text = "".join(map(chr, prefix))
+        hits = [i for st in stops if (i := text.find(st)) >= 0]
+        return text[:min(hits)] if hits else None
+
+    for n in range(1, len(ids) + 1):
+        if full(ids[:n - 1]) is None:  # the sampler stops at the first hit; later prefixes never get here
+            assert sampler._find_stop(ids[:n], stops) == full(ids[:n]), n
+    Counting.decoded = 0
+    assert sampler._find_stop(ids[:140], stops) is None and Counting.decoded <= 6 + 16
+    empty = ids[:100] + [0] * 30 + [ord(c) for c in "xyz"]  # 30 tokens that decode to nothing ...
+
+    class Skipping(CharTokenizer):
+        def decode(self, ids, skip_special_tokens=False):
+            return super().decode(ids, skip_special_tokens=True)
+
+    sampler.tokenizer = Skipping()
+    assert sampler._find_stop(empty, stops) == "".join(map(chr, ids[:100]))  # ... still found
+
+
 def test_eos_ids_pad_ids_seeds_and_stop_none_are_normalized_or_refused():
     """eos_token_ids: an int, a list, a tensor or an array of ids all stop on the id (a tensor's 0-d elements
     never matched, an int raised TypeError); strings are refused by name; ids past the vocabulary are dropped
@@ -221,6 +259,20 @@ def test_eos_ids_pad_ids_seeds_and_stop_none_are_normalized_or_refused():
         with pytest.raises(ValueError, match=r"seed.*\[0, 2\*\*64\)"):
             SamplingParams(seed=seed)
     assert SamplingParams(seed=2 ** 64 - 1).seed == 2 ** 64 - 1 and SamplingParams(stop=None).stop == ()
+
+
+def test_seeds_differ_in_their_high_32_bits_on_the_cpu():
+    """torch's CPU generator keeps a seed's low 32 bits: seeds 5 and 5 + 2**32 (a base + (rank << 32)
+    scheme) drew the same completions, and 0 and 2**63 too. Seeds below 2**32 keep their streams."""
+    sampler = Sampler(tiny(), eos_token_ids=[])
+
+    def ids(seed):
+        out = sampler.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=seed))
+        return [c.completion_ids for c in out]
+
+    assert ids(5) != ids(5 + 2 ** 32) and ids(0) != ids(2 ** 63) and ids(2 ** 63) == ids(2 ** 63)
+    assert all(_generator_seed(s, torch.device("cpu")) == s for s in (0, 5, 2 ** 32 - 1))
+    assert _generator_seed(2 ** 40, torch.device("cuda")) == 2 ** 40  # CUDA's generator keeps 64 bits
 
 
 def test_seeds_are_reproducible_and_top_k_1_is_greedy():
@@ -304,6 +356,8 @@ def test_a_bfloat16_sampler_computes_what_the_trainer_computes_on_bfloat16_input
 @pytest.mark.parametrize("kwargs,match", [
     (dict(n=0), "n="), (dict(n=1.5), "n="), (dict(temperature=0.0), "temperature"),
     (dict(temperature=1e-38), "temperature=1e-38: must be a finite number >= 1e-06"),
+    (dict(greedy=True, temperature=-1.0), "temperature"), (dict(greedy=True, temperature=float("inf")),
+                                                            "temperature"),
     (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-1), "top_k"), (dict(max_new_tokens=0), "max_new_tokens"), (dict(stop="x"), "stop"),
     (dict(stop=("",)), "stop"), (dict(seed="1"), "seed"), (dict(greedy=1), "greedy"),
@@ -311,6 +365,31 @@ def test_a_bfloat16_sampler_computes_what_the_trainer_computes_on_bfloat16_input
 def test_bad_sampling_params_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=f"SamplingParams.{match}"):
         SamplingParams(**kwargs)
+
+
+def test_greedy_ignores_the_temperature_and_non_finite_logits_are_refused():
+    """greedy=True ignores T (0 accepted, as the docstring says; the error message itself suggests greedy);
+    logits holding NaN or +inf, or a row of -inf, give a ValueError instead of a token (the torch fallback
+    drew the last id with a -inf or NaN logprob)."""
+    from fp4rl.sampler import sample_next
+
+    assert SamplingParams(greedy=True, temperature=0.0).greedy
+    logits = torch.randn(3, 50)
+    logits[1, 3] = float("inf")
+    for bad in (float("inf"), float("nan")):
+        logits[1, 3] = bad
+        for params in (SamplingParams(greedy=True), SamplingParams(temperature=0.7, top_k=5)):
+            with pytest.raises(ValueError, match=r"logits of batch rows \[1\] are not finite"):
+                sample_next(logits, params, torch.Generator().manual_seed(0))
+    logits[1] = float("-inf")
+    with pytest.raises(ValueError, match=r"rows \[1\] are not finite"):
+        sample_next(logits, SamplingParams(), None)
+    model = tiny()
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    for dtype in (torch.float32, torch.bfloat16):  # the fused C head hands such rows to the torch code
+        with pytest.raises(ValueError, match="not finite"):
+            Sampler(model, eos_token_ids=[], dtype=dtype).generate([[3, 4]], SamplingParams(max_new_tokens=2))
 
 
 def test_bad_prompts_are_refused_with_a_clear_error():
