@@ -16,6 +16,7 @@ RoPE fields into frequencies.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -280,6 +281,17 @@ def _check_rope_scaling(s: dict | None, max_position_embeddings: int) -> dict | 
         raise ValueError(f"config.json: rope_scaling ({s['rope_type']}) lacks {missing}")
     if s["rope_type"] == "llama3":
         s.setdefault("original_max_position_embeddings", max_position_embeddings)
-        if not s["high_freq_factor"] > s["low_freq_factor"]:
-            raise ValueError("config.json: llama3 rope_scaling needs high_freq_factor > low_freq_factor")
+        need += ("original_max_position_embeddings",)
+    for key in need:  # factor 0 made inv_freq inf and cos/sin NaN, which CPU attention silently zeroes
+        if not _positive_number(s[key]):
+            raise ValueError(f"config.json: rope_scaling {key}={s[key]!r} is not supported; it must be a "
+                             f"finite number > 0: fix {key} in rope_scaling (rope_parameters), or drop the "
+                             "scaling")
+    if s["rope_type"] == "llama3" and not s["high_freq_factor"] > s["low_freq_factor"]:
+        raise ValueError("config.json: llama3 rope_scaling needs high_freq_factor > low_freq_factor")
     return s
+
+
+def _positive_number(v) -> bool:
+    """A finite int or float > 0 (not a bool, not a string)."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0

@@ -226,6 +226,25 @@ def test_unsupported_configs_raise_naming_the_key(kw, match):
         ModelConfig.from_hf(hf_dict(**kw))
 
 
+@pytest.mark.parametrize("scaling, key", [
+    ({"rope_type": "linear", "factor": 0}, "factor"),  # inv_freq inf, cos/sin NaN, attention silently zero
+    ({"rope_type": "linear", "factor": -2.0}, "factor"),
+    ({"rope_type": "linear", "factor": "2"}, "factor"),
+    ({"rope_type": "linear", "factor": float("nan")}, "factor"),
+    ({"rope_type": "linear", "factor": True}, "factor"),
+    ({**LLAMA3_ROPE, "factor": 0.0}, "factor"),
+    ({**LLAMA3_ROPE, "low_freq_factor": 0}, "low_freq_factor"),
+    ({**LLAMA3_ROPE, "low_freq_factor": -1.0}, "low_freq_factor"),
+    ({**LLAMA3_ROPE, "high_freq_factor": None}, "high_freq_factor"),
+    ({**LLAMA3_ROPE, "original_max_position_embeddings": 0}, "original_max_position_embeddings"),
+])
+def test_rope_scaling_needs_positive_finite_numbers(scaling, key):
+    with pytest.raises(ValueError, match=f"rope_scaling {key}=.* must be a finite number > 0: fix {key}"):
+        ModelConfig.from_hf(hf_dict(rope_scaling=scaling))
+    with pytest.raises(ValueError, match=f"rope_scaling {key}="):  # a config built in code too
+        ModelConfig(**hf_dict(), head_dim=8, rope_scaling=scaling)
+
+
 def test_config_reads_both_rope_spellings_and_writes_back():
     legacy = ModelConfig.from_hf(hf_dict(rope_theta=5e5, rope_scaling=dict(LLAMA3_ROPE)))
     v5 = ModelConfig.from_hf(hf_dict(rope_parameters={"rope_theta": 5e5, **LLAMA3_ROPE}))
