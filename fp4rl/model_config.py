@@ -98,7 +98,10 @@ class ModelConfig:
         if self.qk_norm != t.startswith("qwen3"):
             fail("qk_norm", self.qk_norm, "Qwen3 models always have qk-norm and the others never")
         if t in MOE_MODEL_TYPES:
-            if self.num_experts <= 0 or not 0 < self.num_experts_per_tok <= self.num_experts:
+            if self.num_experts <= 0:
+                fail("num_experts", self.num_experts, f"a {t} model needs num_experts > 0 routed experts "
+                     f"(a dense model is model_type {t.replace('_moe', '')})")
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
                 fail("num_experts_per_tok", self.num_experts_per_tok,
                      f"an MoE needs num_experts > 0 and 0 < num_experts_per_tok <= num_experts "
                      f"(num_experts={self.num_experts})")
@@ -145,7 +148,7 @@ class ModelConfig:
                     "num_attention_heads"]
         if t in MOE_MODEL_TYPES:
             required += ["num_experts_per_tok", "moe_intermediate_size"]
-            if "num_experts" not in d and "num_local_experts" not in d:
+            if d.get("num_experts") is None and d.get("num_local_experts") is None:
                 required.append("num_experts")
         if t == "qwen2_moe":
             required.append("shared_expert_intermediate_size")
@@ -188,15 +191,16 @@ class ModelConfig:
         if t == "llama":
             kw["mlp_bias"] = d.pop("mlp_bias", False)
         if t in MOE_MODEL_TYPES:
+            experts = d.pop("num_experts", None)  # 0 is kept, for __post_init__ to refuse by name
+            local = d.pop("num_local_experts", None)
             kw.update(
-                num_experts=d.pop("num_experts", None) or d.pop("num_local_experts"),
+                num_experts=experts if experts is not None else local,
                 num_experts_per_tok=d.pop("num_experts_per_tok"),
                 moe_intermediate_size=d.pop("moe_intermediate_size"),
                 norm_topk_prob=d.pop("norm_topk_prob", False),
                 decoder_sparse_step=d.pop("decoder_sparse_step", 1),
                 mlp_only_layers=tuple(d.pop("mlp_only_layers", None) or ()),
             )
-            d.pop("num_local_experts", None)
             if t == "qwen2_moe":
                 kw["shared_expert_intermediate_size"] = d.pop("shared_expert_intermediate_size")
         return cls(**kw, extra=d)

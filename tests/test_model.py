@@ -218,6 +218,13 @@ def hf_dict(**kw):
      "qwen3_moe needs num_experts, which the file does not set"),
     (dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
      "needs shared_expert_intermediate_size"),
+    # num_experts 0 fell through to a pop of num_local_experts: KeyError 'num_local_experts'
+    (dict(model_type="qwen3_moe", num_experts=0, num_experts_per_tok=2, moe_intermediate_size=8),
+     r"num_experts=0 is not supported; a qwen3_moe model needs num_experts > 0"),
+    (dict(model_type="qwen2_moe", num_experts=0, num_experts_per_tok=2, moe_intermediate_size=8,
+          shared_expert_intermediate_size=8), r"num_experts=0 is not supported.*model_type qwen2\)"),
+    (dict(model_type="qwen3_moe", num_experts=None, num_experts_per_tok=2, moe_intermediate_size=8),
+     "qwen3_moe needs num_experts, which the file does not set"),
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}),
      "partial_rotary"),
 ])
@@ -274,6 +281,9 @@ def test_config_defaults_and_spellings_transformers_accepts():
     attention_dropout is ignored, loudly."""
     moe = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
     assert ModelConfig.from_hf(hf_dict(**moe)).head_dim == BASE["hidden_size"] // BASE["num_attention_heads"]
+    local = dict(moe, num_experts=None, num_local_experts=4)  # the other spelling, when num_experts is null
+    assert ModelConfig.from_hf(hf_dict(**local)).num_experts == 4
+    assert "num_local_experts" not in ModelConfig.from_hf(hf_dict(**local)).extra
     assert ModelConfig.from_hf(hf_dict(model_type="qwen3")).head_dim == 128
     assert ModelConfig.from_hf(hf_dict(partial_rotary_factor=None)).rope_scaling is None
     assert ModelConfig.from_hf(hf_dict(hidden_act="swish")).hidden_act == "silu"
