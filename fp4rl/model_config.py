@@ -70,10 +70,18 @@ class ModelConfig:
 
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             fail("model_type", self.model_type, f"fp4rl supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+        def integer(v):  # a bool is not a count here
+            return isinstance(v, int) and not isinstance(v, bool)
+
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "head_dim"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
+                    "num_attention_heads", "num_key_value_heads", "head_dim", "decoder_sparse_step"):
+            if not integer(getattr(self, key)) or getattr(self, key) <= 0:
                 fail(key, getattr(self, key), "it must be a positive integer")
+        # the MoE sizes are 0 in a dense model; a float (2.0, 1.5) failed late or made no layer MoE
+        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                    "shared_expert_intermediate_size"):
+            if not integer(getattr(self, key)) or getattr(self, key) < 0:
+                fail(key, getattr(self, key), "it must be a non-negative integer")
         if self.num_attention_heads % self.num_key_value_heads:
             fail("num_key_value_heads", self.num_key_value_heads,
                  f"it must divide num_attention_heads={self.num_attention_heads}")
@@ -107,12 +115,8 @@ class ModelConfig:
                      f"(num_experts={self.num_experts})")
             if self.moe_intermediate_size <= 0:
                 fail("moe_intermediate_size", self.moe_intermediate_size, "it must be positive")
-            if self.decoder_sparse_step < 1:
-                fail("decoder_sparse_step", self.decoder_sparse_step, "it must be >= 1")
             if any(not 0 <= i < self.num_hidden_layers for i in self.mlp_only_layers):
                 fail("mlp_only_layers", self.mlp_only_layers, "layer indices must be in range")
-            if self.shared_expert_intermediate_size < 0:
-                fail("shared_expert_intermediate_size", self.shared_expert_intermediate_size, "must be >= 0")
             if t == "qwen3_moe" and self.shared_expert_intermediate_size:
                 fail("shared_expert_intermediate_size", self.shared_expert_intermediate_size,
                      "Qwen3-MoE has no shared expert; use model_type qwen2_moe")

@@ -252,6 +252,25 @@ def test_rope_scaling_needs_positive_finite_numbers(scaling, key):
         ModelConfig(**hf_dict(), head_dim=8, rope_scaling=scaling)
 
 
+@pytest.mark.parametrize("key, value, match", [
+    ("num_experts", 4.0, "non-negative integer"),
+    ("num_experts_per_tok", 2.0, "non-negative integer"),
+    ("moe_intermediate_size", 8.0, "non-negative integer"),
+    ("moe_intermediate_size", True, "non-negative integer"),
+    ("decoder_sparse_step", 1.5, "positive integer"),  # made no layer MoE: (i + 1) % 1.5 is never 0
+    ("decoder_sparse_step", 2.0, "positive integer"),
+    ("decoder_sparse_step", 0, "positive integer"),
+    ("shared_expert_intermediate_size", 24.0, "non-negative integer"),
+    ("shared_expert_intermediate_size", -1, "non-negative integer"),
+])
+def test_moe_sizes_must_be_integers(key, value, match):
+    moe = dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+               shared_expert_intermediate_size=24)
+    assert ModelConfig.from_hf(hf_dict(**moe)).moe_layers == [0, 1]
+    with pytest.raises(ValueError, match=f"{key}={value!r} is not supported; it must be a {match}"):
+        ModelConfig.from_hf(hf_dict(**{**moe, key: value}))
+
+
 def test_config_reads_both_rope_spellings_and_writes_back():
     legacy = ModelConfig.from_hf(hf_dict(rope_theta=5e5, rope_scaling=dict(LLAMA3_ROPE)))
     v5 = ModelConfig.from_hf(hf_dict(rope_parameters={"rope_theta": 5e5, **LLAMA3_ROPE}))
