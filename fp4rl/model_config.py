@@ -89,6 +89,9 @@ class ModelConfig:
             fail("head_dim", self.head_dim, "RoPE needs an even head_dim")
         if self.hidden_act != "silu":
             fail("hidden_act", self.hidden_act, "only 'silu' (SwiGLU MLPs) is implemented")
+        if not _positive_number(self.rope_theta):  # 0 made every inv_freq inf
+            fail("rope_theta", self.rope_theta, "it must be a finite number > 0 (RoPE's usual base: 10000.0)")
+        self.rope_theta = float(self.rope_theta)
         self.rope_scaling = _check_rope_scaling(self.rope_scaling, self.max_position_embeddings)
         self.mlp_only_layers = tuple(sorted(int(i) for i in self.mlp_only_layers))
 
@@ -166,7 +169,10 @@ class ModelConfig:
                           stacklevel=2)
         heads = d.pop("num_attention_heads")
         # transformers' defaults: Qwen3's config class sets head_dim 128, Qwen3-MoE's none (hidden / heads)
-        head_dim = d.pop("head_dim", None) or (128 if t == "qwen3" else d["hidden_size"] // heads)
+        head_dim = d.pop("head_dim", None)  # 0 (as num_key_value_heads 0) is kept: __post_init__ refuses it
+        if head_dim is None:
+            head_dim = 128 if t == "qwen3" else d["hidden_size"] // heads
+        kv_heads = d.pop("num_key_value_heads", None)
         kw = dict(
             model_type=t,
             vocab_size=d.pop("vocab_size"),
@@ -174,7 +180,7 @@ class ModelConfig:
             intermediate_size=d.pop("intermediate_size"),
             num_hidden_layers=d.pop("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=d.pop("num_key_value_heads", None) or heads,
+            num_key_value_heads=heads if kv_heads is None else kv_heads,
             head_dim=head_dim,
             max_position_embeddings=d.pop("max_position_embeddings", 2048),
             rms_norm_eps=d.pop("rms_norm_eps", 1e-6),
@@ -262,7 +268,8 @@ def _parse_rope(d: dict) -> tuple[float, dict | None]:
         raise ValueError(f"config.json: per-layer-type rope_parameters {sorted(params)} are not supported; "
                          "fp4rl supports one RoPE for every layer")
     params = {**legacy, **params}
-    theta = float(params.pop("rope_theta", None) or theta or 10000.0)
+    new_theta = params.pop("rope_theta", None)  # 0 is kept, for __post_init__ to refuse
+    theta = new_theta if new_theta is not None else 10000.0 if theta is None else theta
     if (params.pop("partial_rotary_factor", None) or 1.0) != 1.0 or (d.pop("partial_rotary_factor", None)
                                                                       or 1.0) != 1.0:
         raise ValueError("config.json: partial_rotary_factor != 1 is not supported; RoPE covers head_dim")

@@ -271,6 +271,26 @@ def test_moe_sizes_must_be_integers(key, value, match):
         ModelConfig.from_hf(hf_dict(**{**moe, key: value}))
 
 
+@pytest.mark.parametrize("kw, key", [
+    (dict(num_key_value_heads=0), "num_key_value_heads=0"),  # became num_attention_heads
+    (dict(head_dim=0), "head_dim=0"),  # became hidden / heads
+    (dict(rope_theta=0), "rope_theta=0"),  # became 10000
+    (dict(rope_theta=-1.0), "rope_theta=-1.0"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 0.0}), "rope_theta=0.0"),
+    (dict(rope_theta="1e6"), "rope_theta='1e6'"),
+])
+def test_zero_sizes_and_rope_theta_are_refused_not_replaced(kw, key):
+    with pytest.raises(ValueError, match=f"{key} is not supported; it must be a "):
+        ModelConfig.from_hf(hf_dict(**kw))
+
+
+def test_absent_or_null_sizes_and_rope_theta_take_the_defaults():
+    c = ModelConfig.from_hf(hf_dict(num_key_value_heads=None, head_dim=None, rope_theta=None))
+    assert (c.num_key_value_heads, c.head_dim, c.rope_theta) == (4, 8, 10000.0)
+    assert ModelConfig.from_hf(hf_dict(rope_theta=1000000)).rope_theta == 1e6
+    assert isinstance(ModelConfig.from_hf(hf_dict(rope_theta=1000000)).rope_theta, float)
+
+
 def test_config_reads_both_rope_spellings_and_writes_back():
     legacy = ModelConfig.from_hf(hf_dict(rope_theta=5e5, rope_scaling=dict(LLAMA3_ROPE)))
     v5 = ModelConfig.from_hf(hf_dict(rope_parameters={"rope_theta": 5e5, **LLAMA3_ROPE}))
