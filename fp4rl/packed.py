@@ -528,6 +528,10 @@ def build_sampler_model(model: CausalLM, *, dtype: torch.dtype, device, cache_de
                              "pass prepack=False")
         prepack_linears(copy)
     if nvfp4_gemm:
+        if not cpu_gemm.available():  # else the first forward raises inside cpu_gemm.linear
+            raise ValueError("nvfp4_gemm=True needs fp4rl.nvfp4.cpu_gemm, the AMX-BF16 NVFP4 GEMM, which "
+                             "is not available on this CPU (cpu_gemm.available() is False); pass "
+                             "nvfp4_gemm=False")
         use_nvfp4_gemm(copy)
     if cpu_ops:  # fused non-GEMM decoder kernels (fp4rl/cpu_ops.py); where they cannot build: unchanged
         from fp4rl.cpu_ops import fast_cpu_ops
