@@ -38,7 +38,8 @@ The contract refuses, with an error naming the key and the fix:
   bf16_last_fraction outside [0, 1]; a malformed rule;
 - in resolve(model): a rule that matches no nn.Linear (a typo, or a rule aimed at an
   embedding or norm, which cannot be NVFP4); a final resolution that quantizes a router;
-  an NVFP4 preset that finds nothing to quantize (no `model.layers.{i}.` in the model,
+  an NVFP4 lm_head in a model whose config ties it to the embeddings (tie_word_embeddings, which
+  export refuses); an NVFP4 preset that finds nothing to quantize (no `model.layers.{i}.` in the model,
   "nvfp4-experts" on a dense model, or every layer among the BF16-kept last ones); routed
   experts stored as fused 3D parameters (the transformers 5 layout) instead of per-expert
   nn.Linear, which the preset could not convert.
@@ -223,6 +224,13 @@ class PrecisionContract:
             raise ValueError(f"PrecisionContract: router(s) {routers[:3]} resolve to {resolved[routers[0]]}; "
                              "routers must stay BF16 (a 4-bit router changes expert choices between trainer "
                              "and sampler). Add a later rule ('*.mlp.gate', 'bf16') or narrow the glob.")
+        config = getattr(model, "config", None)
+        heads = [n for n, p in resolved.items() if p != "bf16" and module_kind(n) == "lm_head"]
+        if heads and getattr(config, "tie_word_embeddings", False):
+            raise ValueError(f"PrecisionContract: {heads[0]} resolves to {resolved[heads[0]]} but is tied to "
+                             "embed_tokens (tie_word_embeddings); a checkpoint stores the tied weight once, "
+                             "as the embedding, so export would refuse it after training. Keep lm_head BF16: "
+                             f"drop the rule, or add a later rule ({heads[0]!r}, 'bf16')")
         if self.preset != "bf16":
             self._check_preset_applies(model, num_layers)
             if linears and all(p == "bf16" for p in resolved.values()):

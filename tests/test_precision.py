@@ -204,6 +204,30 @@ def test_summary_counts_tied_weights_once_and_bias_as_bf16():
     assert "tied (counted once, under the first owner): lm_head.weight is model.embed_tokens.weight" in text
 
 
+def test_an_nvfp4_lm_head_tied_to_the_embeddings_is_refused_in_resolve():
+    """tie_word_embeddings with an NVFP4 lm_head was accepted: summary() miscounted, the sampler copy got a
+    stray weight and export refused the checkpoint only after training. resolve refuses it, as export does."""
+    from fp4rl.model import CausalLM, ModelConfig
+
+    kw = dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    tied = CausalLM(ModelConfig(**kw, tie_word_embeddings=True))
+    for precision in ("w4a16", "w4a4"):
+        for preset in ("bf16", "nvfp4-linear"):
+            c = PrecisionContract(preset, rules=(("lm_head", precision),))
+            with pytest.raises(ValueError, match=rf"lm_head resolves to {precision} but is tied to "
+                               r"embed_tokens \(tie_word_embeddings\).*Keep lm_head BF16"):
+                c.resolve(tied)
+            with pytest.raises(ValueError, match="Keep lm_head BF16"):
+                c.summary(tied)
+    # a later rule sending it back to BF16, a preset (which keeps lm_head BF16), an untied model: accepted
+    back = PrecisionContract("bf16", rules=(("lm_head", "w4a4"), ("lm_head", "bf16")))
+    assert back.resolve(tied)["lm_head"] == "bf16"
+    assert PrecisionContract("nvfp4-linear").resolve(tied)["lm_head"] == "bf16"
+    untied = CausalLM(ModelConfig(**kw, tie_word_embeddings=False))
+    assert PrecisionContract("bf16", rules=(("lm_head", "w4a16"),)).resolve(untied)["lm_head"] == "w4a16"
+
+
 def test_fp4rl_qwen2_moe_model_under_nvfp4_experts():
     from fp4rl.model import CausalLM, ModelConfig
 
