@@ -14,11 +14,13 @@ Integrity. Each tensor has a BLAKE2b-128 checksum over (name, dtype, shape, byte
   the payload the sampler holds (same digest: a version names one set of weights);
 - the names are exactly the sampler's packed and dense tensors; shapes, dtypes, NVFP4 metadata
   (tile, 4/6 rule) and each packed linear's mode and activation quantizer settings match;
-- every checksum and the digest recompute to the stored values (a flipped byte is named).
+- every checksum and the digest recompute to the stored values (a flipped byte is named);
+- every dense tensor and packed global scale is finite (no NaN / Inf, e.g. from a diverged trainer).
 Only then are the tensors copied in place; a refused payload raises ValueError and the sampler
 keeps its old weights. With verify=True the sampler's own tensors are hashed again after the
-copy and must reproduce the payload's checksums: the sampler then provably holds the bytes the
-trainer's forward quantized (`verify_equal` checks that directly against a trainer in-process).
+copy and must reproduce the payload's checksums (a dense tensor: its bytes in the sampler's dtype, compared
+byte for byte): the sampler then provably holds the bytes the trainer's forward quantized
+(`verify_equal` checks that directly against a trainer in-process).
 A verify failure (VerifyError, a ValueError) comes after the copy, so the old weights are gone:
 the Sampler then refuses to generate until a load succeeds; so does an exception that interrupts the copy
 itself (KeyboardInterrupt, a device error: `weights_touched` set on it).
@@ -304,6 +306,12 @@ def apply_payload(model: nn.Module, payload: Payload, *, current_version: int, v
             raise ValueError(f"weight sync: {name} is {t.dtype} {list(t.shape)} in the payload, the sampler "
                              f"holds {p.dtype} {list(p.shape)}: refused")
     payload.check()
+    finite = [(f"{name}.global_scale", q.global_scale) for name, q in payload.packed.items()]
+    for name, t in [*finite, *payload.dense.items()]:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"weight sync: payload v{payload.version} tensor {name} holds non-finite "
+                             "values (NaN or Inf: diverged training?): refused, the sampler keeps "
+                             f"v{current_version}")
 
     try:  # validated: from here on only an interruption (Ctrl-C, a device error) can stop the copy halfway
         with torch.no_grad():
@@ -324,7 +332,9 @@ def apply_payload(model: nn.Module, payload: Payload, *, current_version: int, v
                 if tensor_checksum(f"{name}.{f}", getattr(q, f)) != payload.checksums[f"{name}.{f}"]:
                     raise VerifyError(f"weight sync verify: {name}.{f} in the sampler does not hold the "
                                      "payload's bytes after loading")
-        for name, p in dense.items():
-            if not torch.equal(p, payload.dense[name].to(device=p.device, dtype=p.dtype)):
+        for name, p in dense.items():  # by bytes: NaN != NaN and -0.0 == 0.0 as numbers
+            want = payload.dense[name].to(device=p.device, dtype=p.dtype)
+            if not torch.equal(p.detach().contiguous().reshape(-1).view(torch.uint8),
+                               want.contiguous().reshape(-1).view(torch.uint8)):
                 raise VerifyError(f"weight sync verify: {name} in the sampler differs from the payload after "
                                  "loading")

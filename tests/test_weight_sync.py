@@ -263,3 +263,63 @@ def test_a_load_interrupted_while_copying_stops_generation_until_a_load_succeeds
     with pytest.raises(ValueError, match="older than"):  # refused before any copy: nothing marked
         sampler.load(build_payload(model, contract, version=0))
     assert sampler.weights_error is None
+
+
+def test_a_payload_with_non_finite_values_is_refused_before_any_copy():
+    """NaN / Inf in a dense tensor or a packed global scale (a diverged trainer, sealed as it is) passes the
+    checksums: it is refused by name before anything is copied, with or without verify, and the sampler
+    keeps its weights and version (it used to load them silently, or with verify=True report a failed copy
+    after overwriting the old weights)."""
+    model, contract = trainer()
+    sampler = Sampler(model, eos_token_ids=[])
+    optimizer_step(model)
+    good = build_payload(model, contract, version=1)
+    before = snapshot(sampler)
+    name = "model.layers.1.mlp.down_proj.weight"
+    cases = {}
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        norm = good.dense["model.norm.weight"].clone()
+        norm[3] = bad
+        cases["model.norm.weight", bad] = dataclasses.replace(
+            good, dense={**good.dense, "model.norm.weight": norm}).seal()
+        q = good.packed[name]
+        cases[f"{name}.global_scale", bad] = dataclasses.replace(good, packed={**good.packed, name: (
+            dataclasses.replace(q, global_scale=torch.full_like(q.global_scale, bad)))}).seal()
+    for verify in (False, True):
+        for (tensor, _), payload in cases.items():
+            with pytest.raises(ValueError, match=f"{tensor} holds non-finite values.*refused"):
+                sampler.load(Payload.from_bytes(payload.to_bytes()), verify=verify)
+            assert_unchanged(sampler, before, 0)
+            assert sampler.weights_error is None
+    assert len(sampler.generate(PROMPTS, GREEDY)) == 2
+    sampler.load(good, verify=True)
+    assert sampler.policy_version == 1
+
+
+def test_verify_compares_dense_tensors_by_bytes(monkeypatch):
+    """verify=True checks the sampler's bytes: a dense tensor that reads back +0.0 where the payload has
+    -0.0 (equal as numbers, torch.equal) is a failed copy."""
+    from fp4rl import weight_sync
+    model, contract = trainer()
+    sampler = Sampler(model, eos_token_ids=[])
+    optimizer_step(model)
+    payload = build_payload(model, contract, version=1)
+    norm = payload.dense["model.norm.weight"].clone()
+    norm[5] = -0.0
+    payload = dataclasses.replace(payload, dense={**payload.dense, "model.norm.weight": norm}).seal()
+    target = sampler.model.get_parameter("model.norm.weight")
+    real_copy = torch.Tensor.copy_
+
+    def sign_losing_copy(self, src, *a, **kw):  # a faulty copy into that one parameter
+        if self.data_ptr() == target.data_ptr():
+            src = src.abs()
+        return real_copy(self, src, *a, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", sign_losing_copy)
+    with pytest.raises(weight_sync.VerifyError, match="model.norm.weight in the sampler differs"):
+        sampler.load(payload, verify=True)
+    monkeypatch.undo()
+    assert sampler.policy_version == 0 and "failed verification" in sampler.weights_error
+    sampler.load(payload, verify=True)
+    assert sampler.policy_version == 1 and sampler.weights_error is None
+    assert target[5].item() == 0.0 and torch.signbit(target[5])
