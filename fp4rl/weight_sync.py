@@ -22,8 +22,9 @@ copy and must reproduce the payload's checksums (a dense tensor: its bytes in th
 byte for byte): the sampler then provably holds the bytes the trainer's forward quantized
 (`verify_equal` checks that directly against a trainer in-process).
 A verify failure (VerifyError, a ValueError) comes after the copy, so the old weights are gone:
-the Sampler then refuses to generate until a load succeeds; so does an exception that interrupts the copy
-itself (KeyboardInterrupt, a device error: `weights_touched` set on it).
+the Sampler then refuses to generate until a load succeeds; so does any other exception raised once the
+copy has begun, by the copy or by verify (KeyboardInterrupt, a device or out-of-memory error:
+`weights_touched` set on it).
 
 Transport: `to_bytes()` / `from_bytes()` (and `save` / `load` for files) use safetensors with
 the checksums and metadata in its JSON header, ready for Ray object refs or a
@@ -261,7 +262,8 @@ def apply_payload(model: nn.Module, payload: Payload, *, current_version: int, v
                   current_digest: str | None = None) -> None:
     """Copy `payload` into the sampler's model in place, after validating all of it (see the module
     docstring). Raises ValueError and changes nothing when the payload is refused; VerifyError when
-    verify finds other bytes after the copy. current_digest: the digest of the payload the sampler holds
+    verify finds other bytes after the copy; anything raised once the copy has begun (VerifyError included)
+    carries `weights_touched = True`. current_digest: the digest of the payload the sampler holds
     (None: none loaded yet), which an equal version must repeat."""
     if not isinstance(payload, Payload):
         raise TypeError(f"Sampler.load: expected a weight_sync.Payload, got {type(payload).__name__}")
@@ -313,7 +315,10 @@ def apply_payload(model: nn.Module, payload: Payload, *, current_version: int, v
                              "values (NaN or Inf: diverged training?): refused, the sampler keeps "
                              f"v{current_version}")
 
-    try:  # validated: from here on only an interruption (Ctrl-C, a device error) can stop the copy halfway
+    # validated. From here on the old weights are being overwritten: whatever is raised (an interruption
+    # of the copy, Ctrl-C or an out-of-memory error while verifying, a VerifyError) leaves the sampler with
+    # weights that are neither the old version nor a verified new one, so Sampler.load marks them unusable
+    try:
         with torch.no_grad():
             for name, m in packed.items():
                 q = payload.packed[name]
@@ -322,19 +327,24 @@ def apply_payload(model: nn.Module, payload: Payload, *, current_version: int, v
                     buffer.copy_(getattr(q, f))
             for name, p in dense.items():
                 p.copy_(payload.dense[name])
+        if verify:
+            _verify_loaded(packed, dense, payload)
     except BaseException as exc:
-        exc.weights_touched = True  # the old weights are partly overwritten: Sampler.load marks them unusable
+        exc.weights_touched = True
         raise
-    if verify:
-        for name, m in packed.items():
-            q = m.quantized_weight()
-            for f in PACKED_FIELDS:
-                if tensor_checksum(f"{name}.{f}", getattr(q, f)) != payload.checksums[f"{name}.{f}"]:
-                    raise VerifyError(f"weight sync verify: {name}.{f} in the sampler does not hold the "
-                                     "payload's bytes after loading")
-        for name, p in dense.items():  # by bytes: NaN != NaN and -0.0 == 0.0 as numbers
-            want = payload.dense[name].to(device=p.device, dtype=p.dtype)
-            if not torch.equal(p.detach().contiguous().reshape(-1).view(torch.uint8),
-                               want.contiguous().reshape(-1).view(torch.uint8)):
-                raise VerifyError(f"weight sync verify: {name} in the sampler differs from the payload after "
-                                 "loading")
+
+
+def _verify_loaded(packed: dict, dense: dict, payload: Payload) -> None:
+    """Raise VerifyError unless the sampler's tensors hold the payload's bytes (after the copy)."""
+    for name, m in packed.items():
+        q = m.quantized_weight()
+        for f in PACKED_FIELDS:
+            if tensor_checksum(f"{name}.{f}", getattr(q, f)) != payload.checksums[f"{name}.{f}"]:
+                raise VerifyError(f"weight sync verify: {name}.{f} in the sampler does not hold the "
+                                  "payload's bytes after loading")
+    for name, p in dense.items():  # by bytes: NaN != NaN and -0.0 == 0.0 as numbers
+        want = payload.dense[name].to(device=p.device, dtype=p.dtype)
+        if not torch.equal(p.detach().contiguous().reshape(-1).view(torch.uint8),
+                           want.contiguous().reshape(-1).view(torch.uint8)):
+            raise VerifyError(f"weight sync verify: {name} in the sampler differs from the payload after "
+                              "loading")

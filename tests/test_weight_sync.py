@@ -323,3 +323,33 @@ def test_verify_compares_dense_tensors_by_bytes(monkeypatch):
     sampler.load(payload, verify=True)
     assert sampler.policy_version == 1 and sampler.weights_error is None
     assert target[5].item() == 0.0 and torch.signbit(target[5])
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, torch.OutOfMemoryError], ids=["ctrl-c", "oom"])
+def test_a_verify_interrupted_after_the_copy_stops_generation_until_a_load_succeeds(monkeypatch, exc):
+    """An exception other than VerifyError while verifying (Ctrl-C, an out-of-memory error in a copy the
+    check makes) comes after the new bytes are in: the sampler must not go on generating with them labelled
+    as the old version. It re-raises and generate refuses until a load succeeds."""
+    from fp4rl import weight_sync
+    model, contract = trainer()
+    sampler = Sampler(model, eos_token_ids=[])
+    optimizer_step(model)
+    payload = build_payload(model, contract, version=1)
+    real_checksum, calls = weight_sync.tensor_checksum, []
+
+    def interrupted(name, t):
+        calls.append(name)
+        if len(calls) == len(payload.checksums) + 1:  # after check(): the first checksum verify takes
+            raise exc()
+        return real_checksum(name, t)
+
+    monkeypatch.setattr(weight_sync, "tensor_checksum", interrupted)
+    with pytest.raises(exc):
+        sampler.load(payload, verify=True)
+    monkeypatch.undo()
+    assert sampler.policy_version == 0 and sampler.weights_error is not None
+    assert f"loading v1 was interrupted halfway ({exc.__name__}" in sampler.weights_error
+    with pytest.raises(RuntimeError, match="not a known version.*loading v1 was interrupted"):
+        sampler.generate(PROMPTS, GREEDY)
+    sampler.load(payload, verify=True)
+    assert sampler.policy_version == 1 and sampler.weights_error is None
