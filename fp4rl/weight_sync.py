@@ -60,6 +60,10 @@ def tensor_checksum(name: str, t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def _unreadable(why: str) -> ValueError:
+    return ValueError(f"weight sync: these bytes are not a readable fp4rl payload ({why}): refused")
+
+
 def _packed_items(packed: dict[str, NVFP4Tensor]):
     """(`{name}.{field}`, tensor) for every packed tensor."""
     for name, q in packed.items():
@@ -160,26 +164,43 @@ class Payload:
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> Payload:
-        """The inverse of to_bytes. Checksums are verified when the payload is applied (or by check())."""
+        """The inverse of to_bytes. Checksums are verified when the payload is applied (or by check()).
+        Bytes that are not a payload, or whose header lacks a field or holds one of the wrong type, raise
+        ValueError ("not a readable fp4rl payload")."""
         try:
             tensors = st_load(bytes(blob))
             header_len = int.from_bytes(blob[:8], "little")
             header = json.loads(json.loads(bytes(blob[8:8 + header_len]))["__metadata__"]["fp4rl"])
         except Exception as e:
-            raise ValueError(f"weight sync: these bytes are not a readable fp4rl payload ({e}): "
-                             "refused") from e
+            raise _unreadable(str(e)) from e
+        if not isinstance(header, dict):
+            raise _unreadable(f"its header is a {type(header).__name__}, not a JSON object")
         if header.get("format") != FORMAT:
             raise ValueError(f"weight sync: payload format {header.get('format')!r}, expected {FORMAT!r}")
+        for key, kind in (("version", int), ("packed", dict), ("modes", dict), ("input_kwargs", dict),
+                          ("checksums", dict), ("digest", str)):
+            value = header.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                found = "missing" if value is None else repr(value)[:40]
+                raise _unreadable(f"header field {key!r} is {found}, not a {kind.__name__}")
         packed = {}
         for name, meta in header["packed"].items():
+            try:
+                dtype = meta["dtype"]
+                tile = tuple(meta["tile"]) if isinstance(meta["tile"], list) else meta["tile"]
+                shape = torch.Size(meta["shape"])
+                scale_rule, hadamard_seed = meta["scale_rule"], meta["hadamard_seed"]
+            except (KeyError, TypeError, ValueError) as e:
+                raise _unreadable(f"the metadata of {name} is malformed ({type(e).__name__}: {e})") from e
+            torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+            if not isinstance(torch_dtype, torch.dtype):
+                raise _unreadable(f"{name} has dtype {dtype!r}, not the name of a torch dtype")
             missing = [f for f in PACKED_FIELDS if f"{name}.{f}" not in tensors]
             if missing:
                 raise ValueError(f"weight sync: payload lacks {name}.{missing[0]}: refused")
-            tile = tuple(meta["tile"]) if isinstance(meta["tile"], list) else meta["tile"]
             packed[name] = NVFP4Tensor(**{f: tensors.pop(f"{name}.{f}") for f in PACKED_FIELDS},
-                                       shape=torch.Size(meta["shape"]), dtype=getattr(torch, meta["dtype"]),
-                                       tile=tile, scale_rule=meta["scale_rule"],
-                                       hadamard_seed=meta["hadamard_seed"])
+                                       shape=shape, dtype=torch_dtype, tile=tile, scale_rule=scale_rule,
+                                       hadamard_seed=hadamard_seed)
         return cls(version=header["version"], packed=packed, dense=tensors, modes=header["modes"],
                    input_kwargs=header["input_kwargs"], checksums=header["checksums"],
                    digest=header["digest"])

@@ -353,3 +353,49 @@ def test_a_verify_interrupted_after_the_copy_stops_generation_until_a_load_succe
         sampler.generate(PROMPTS, GREEDY)
     sampler.load(payload, verify=True)
     assert sampler.policy_version == 1 and sampler.weights_error is None
+
+
+def _with_header(blob: bytes, edit) -> bytes:
+    """`blob` (Payload.to_bytes) with its fp4rl JSON header replaced by edit(header)."""
+    import json
+
+    from safetensors.torch import load, save
+
+    n = int.from_bytes(blob[:8], "little")
+    meta = json.loads(blob[8:8 + n])["__metadata__"]
+    header = json.loads(meta["fp4rl"])
+    edit(header)
+    return save(load(blob), metadata={**meta, "fp4rl": json.dumps(header)})
+
+
+def test_a_malformed_payload_header_is_refused_as_unreadable():
+    """Missing or mistyped header fields raise the documented ValueError, not a bare KeyError,
+    AttributeError or TypeError; a dtype name must name a torch.dtype."""
+    model, contract = trainer()
+    blob = build_payload(model, contract, version=2).to_bytes()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    edits = {
+        "no packed": lambda h: h.pop("packed"),
+        "no checksums": lambda h: h.pop("checksums"),
+        "no version": lambda h: h.pop("version"),
+        "no modes": lambda h: h.pop("modes"),
+        "no digest": lambda h: h.pop("digest"),
+        "no input_kwargs": lambda h: h.pop("input_kwargs"),
+        "version a str": lambda h: h.update(version="2"),
+        "unknown dtype": lambda h: h["packed"][name].update(dtype="bfloat17"),
+        "dtype names a function": lambda h: h["packed"][name].update(dtype="zeros"),
+        "dtype names a module": lambda h: h["packed"][name].update(dtype="nn"),
+        "dtype not a str": lambda h: h["packed"][name].update(dtype=7),
+        "meta lacks tile": lambda h: h["packed"][name].pop("tile"),
+        "meta a list": lambda h: h["packed"].update({name: [1, 2]}),
+        "shape of strs": lambda h: h["packed"][name].update(shape=["a"]),
+        "packed a list": lambda h: h.update(packed=[name]),
+        "checksums a list": lambda h: h.update(checksums=["x"]),
+    }
+    for what, edit in edits.items():
+        with pytest.raises(ValueError, match="not a readable fp4rl payload"):
+            Payload.from_bytes(_with_header(blob, edit))
+            pytest.fail(what)
+    again = Payload.from_bytes(_with_header(blob, lambda h: None))
+    again.check()
+    assert again.version == 2
