@@ -68,3 +68,14 @@ def test_merge_refuses_mismatched_parts():
     part = s.generate([[1, 2]], SamplingParams(max_new_tokens=2, seed=0))
     with pytest.raises(ValueError, match="outside its 0 prompts"):
         merge([part, []], [(0, 0), (0, 1)])
+
+
+def test_local_shards_refuse_no_prompts_like_sampler_generate():
+    s = tiny_sampler()
+    params = SamplingParams(max_new_tokens=2, seed=0)
+    with pytest.raises(ValueError, match="non-empty list of prompts"):
+        s.generate([], params)
+    for shards in (1, 3):
+        for bad in ([], (), "abc"):
+            with pytest.raises(ValueError, match="non-empty list of prompts"):
+                LocalShards(s, shards).generate(bad, params)

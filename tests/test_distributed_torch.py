@@ -87,6 +87,8 @@ def rank_generate(rank: int) -> dict:
     got = sampler.generate(PROMPTS, PARAMS)
     again = sampler.generate(PROMPTS[:1], PARAMS)  # one prompt: rank 1's shard is empty
     mismatch = raises(sampler.generate, PROMPTS if rank == 0 else PROMPTS[::-1], PARAMS)
+    empty = raises(sampler.generate, [], PARAMS)  # refused like Sampler.generate([]), on every rank
+    one_empty = raises(sampler.generate, [] if rank == 0 else PROMPTS, PARAMS)
     after = sampler.generate(PROMPTS, PARAMS)  # the group is still usable
     # the same version, other weights (a payload digest the other rank does not hold): refused on every rank
     digest = sampler.sampler.weights_digest
@@ -94,7 +96,8 @@ def rank_generate(rank: int) -> dict:
         sampler.sampler.weights_digest = "0" * 32
     other_weights = raises(sampler.generate, PROMPTS, PARAMS)
     sampler.sampler.weights_digest = digest
-    return dict(got=got, again=again, mismatch=mismatch, after_equal=completions_equal(after, got),
+    return dict(got=got, again=again, mismatch=mismatch, empty=empty, one_empty=one_empty,
+                after_equal=completions_equal(after, got),
                 other_weights=other_weights,
                 version=sampler.policy_version, max_seq_len=sampler.max_seq_len, world=sampler.world_size)
 
@@ -248,7 +251,10 @@ def test_distributed_generate_equals_local_shards(tmp_path):
     assert [c.prompt_index for c in want] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert not completions_equal(want, sampler.generate(PROMPTS, PARAMS)), "shard 1 samples with its own seed"
     assert all(c.routing is not None and c.routing.dtype == torch.int16 for c in want)
+    assert ranks[0]["one_empty"].startswith("ValueError") and "non-empty list" in ranks[0]["one_empty"]
+    assert ranks[1]["one_empty"].startswith("RuntimeError") and "failed on rank 0" in ranks[1]["one_empty"]
     for r in ranks:
+        assert r["empty"].startswith("ValueError") and "non-empty list of prompts" in r["empty"]
         assert completions_equal(r["got"], want)  # tokens, logprobs, indices, finish_reason, routing
         assert [(c.prompt_index, c.sample_index, c.finish_reason) for c in r["got"]] == \
             [(c.prompt_index, c.sample_index, c.finish_reason) for c in want]

@@ -63,6 +63,13 @@ def merge(parts: Sequence[list], bounds: Sequence[tuple[int, int]]) -> list:
     return out
 
 
+def check_prompts(prompts) -> None:
+    """Raise ValueError (as `Sampler.generate` does) unless `prompts` is a non-empty list or tuple."""
+    if not isinstance(prompts, list | tuple) or not prompts:
+        raise ValueError("generate: prompts must be a non-empty list of prompts, each a list of token ids or "
+                         "a str")
+
+
 def generate_sharded(generate: Callable[[int, list, object], list], prompts: list, params,
                      shards: int) -> list:
     """Sequential reference of a sharded rollout: `generate(i, prompts_i, params_i)` for every non-empty
@@ -90,6 +97,7 @@ class LocalShards:
         self.sampler.load(payload, verify=verify)
 
     def generate(self, prompts: list, params) -> list:
+        check_prompts(prompts)  # as Sampler.generate: no prompts is a mistake, not an empty rollout
         return generate_sharded(lambda _i, p, sp: self.sampler.generate(p, sp), prompts, params, self.shards)
 
     def __getattr__(self, name):  # everything else (memory(), tokenizer, ...) is the wrapped sampler's

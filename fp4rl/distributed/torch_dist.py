@@ -45,7 +45,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from fp4rl.distributed.shards import merge, shard_bounds, shard_params
+from fp4rl.distributed.shards import check_prompts, merge, shard_bounds, shard_params
 from fp4rl.distributed.wire import from_wire, to_wire
 from fp4rl.weight_sync import Payload
 
@@ -165,7 +165,8 @@ def all_gather_completions(local: list, group=None) -> list[list]:
 
 
 def _fingerprint(prompts, params, version) -> str:
-    return hashlib.blake2b(repr((list(prompts), params, version)).encode(), digest_size=16).hexdigest()
+    prompts = list(prompts) if isinstance(prompts, list | tuple) else prompts
+    return hashlib.blake2b(repr((prompts, params, version)).encode(), digest_size=16).hexdigest()
 
 
 class DistributedSampler:
@@ -202,14 +203,19 @@ class DistributedSampler:
         self._agree("load", error)
 
     def generate(self, prompts: list, params) -> list:
-        bounds = shard_bounds(len(prompts), self.world_size)
-        start, stop = bounds[self.rank]
-        part, error = [], None
-        if stop > start:
-            try:
-                part = self.sampler.generate(prompts[start:stop], shard_params(params, self.rank))
-            except Exception as e:
-                error = e
+        part, error, bounds = [], None, None
+        try:  # refused like Sampler.generate, on every rank together (the gather below tells the others)
+            check_prompts(prompts)
+        except ValueError as e:
+            error = e
+        if error is None:
+            bounds = shard_bounds(len(prompts), self.world_size)
+            start, stop = bounds[self.rank]
+            if stop > start:
+                try:
+                    part = self.sampler.generate(prompts[start:stop], shard_params(params, self.rank))
+                except Exception as e:
+                    error = e
         digest = getattr(self.sampler, "weights_digest", None)  # the payload it holds (None: never loaded)
         mine = (_fingerprint(prompts, params, (self.policy_version, digest)), (self.policy_version, digest),
                 None if error is None else f"{type(error).__name__}: {error}")
