@@ -24,7 +24,7 @@ from fp4rl.model import CausalLM, ModelConfig
 from fp4rl.precision import PrecisionContract
 from fp4rl.qat import convert
 from fp4rl.sampler import Completion, Sampler, SamplingParams
-from fp4rl.weight_sync import build_payload, verify_equal
+from fp4rl.weight_sync import Payload, build_payload, verify_equal
 
 MOE = dict(model_type="qwen3_moe", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, qk_norm=True,
@@ -108,9 +108,19 @@ def rank_load(rank: int) -> dict:
     before = weights_digest(sampler)
     optimizer_step(model)
     payload = build_payload(model, contract, version=1, dense_dtype=torch.float32) if rank == 0 else None
-    sampler.load(payload, verify=True)
+    real_check, checks = Payload.check, []
+
+    def counted_check(self):
+        checks.append(self.version)
+        return real_check(self)
+
+    Payload.check = counted_check  # the received payload is hashed once (apply_payload), not twice
+    try:
+        sampler.load(payload, verify=True)
+    finally:
+        Payload.check = real_check
     verify_equal(sampler.sampler, model)  # every rank holds the bytes rank 0's trainer quantized
-    out = dict(before=before, after=weights_digest(sampler), version=sampler.policy_version,
+    out = dict(before=before, after=weights_digest(sampler), version=sampler.policy_version, checks=checks,
                greedy=[c.completion_ids for c in sampler.generate([[3, 4, 5], [9, 1]], GREEDY)])
     # a payload corrupted after sealing: refused by every rank, weights kept
     bad = None
@@ -276,6 +286,7 @@ def test_distributed_load_syncs_every_rank(tmp_path):
     assert r0["before"] == r1["before"] != r0["after"]
     assert r0["after"] == r1["after"] == weights_digest(reference)
     assert r0["version"] == r1["version"] == 1
+    assert r0["checks"] == r1["checks"] == [1]  # every rank hashes the payload once
     assert r0["greedy"] == r1["greedy"] == want
     for r in (r0, r1):
         assert r["corrupt"].startswith("ValueError") and "does not match its checksum" in r["corrupt"]

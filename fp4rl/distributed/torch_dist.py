@@ -196,8 +196,9 @@ class DistributedSampler:
         # failures of the src rank raise on every rank
         payload, blob = _broadcast_bytes(payload, src, self.group, chunk_bytes)
         error = None
-        try:  # a corrupted or mismatched payload is refused locally, then on every rank
-            self.sampler.load(payload if blob is None else payload_from_bytes(blob), verify=verify)
+        try:  # a corrupted or mismatched payload is refused locally, then on every rank; the received bytes
+            # are hashed once, by Sampler.load (apply_payload checks every checksum before copying)
+            self.sampler.load(payload if blob is None else Payload.from_bytes(blob), verify=verify)
         except Exception as e:
             error = e
         self._agree("load", error)
