@@ -47,21 +47,45 @@ MEAN_KEYS = ("reward/mean", "reward/accuracy", "mismatch/logprob_abs_diff", "mis
 
 def _split_sets(sets: str) -> list[str]:
     """KEY=VALUE,KEY=VALUE... split at the commas outside brackets, braces and quotes (a list or table
-    value keeps its commas: trainer.betas=[0.9, 0.95])."""
-    parts, depth, quote, start = [], 0, None, 0
+    value keeps its commas: trainer.betas=[0.9, 0.95]). A quote opens a string only as the first character
+    of a value (after `=`, `[`, `{` or `,`, spaces skipped), so one inside a bare word (Don't) is a
+    character; a string, bracket or brace still open at the end (or a closing one never opened) raises
+    ConfigError: it would have made the rest of the spec one value."""
+    parts, depth, quote, start, prev = [], 0, None, 0, ","
+    escaped = False
     for i, ch in enumerate(sets):
         if quote:
-            quote = None if ch == quote else quote
-        elif ch in "\"'":
-            quote = ch
+            if escaped:
+                escaped = False
+            elif ch == "\\" and quote == '"':  # a TOML basic string's escape (\" does not close it)
+                escaped = True
+            elif ch == quote:
+                quote = None
+        elif ch in "\"'" and prev in "=[{,":
+            quote, opened = ch, i
         elif ch in "[{":
             depth += 1
+            opened = i if depth == 1 else opened
         elif ch in "]}":
             depth -= 1
+            if depth < 0:
+                raise _unbalanced(sets, i, f"{ch!r} closes a bracket never opened")
         elif ch == "," and depth == 0:
             parts.append(sets[start:i])
             start = i + 1
+        if not ch.isspace():
+            prev = ch if not quote or ch == quote else prev
+    if quote:
+        raise _unbalanced(sets, opened, f"the string opened by {quote} is never closed")
+    if depth:
+        raise _unbalanced(sets, opened, f"the {sets[opened]!r} is never closed")
     return [*parts, sets[start:]]
+
+
+def _unbalanced(sets: str, at: int, what: str) -> ConfigError:
+    return ConfigError(f"{what} (at {sets[at:at + 20]!r}), so the rest of the spec would be one "
+                       "value; quote a value holding quotes, commas or brackets, e.g. "
+                       "task.suffix=\"Don't guess.\"")
 
 
 def parse_arms(arm_specs: list[str], presets: str | None, base: RunConfig) -> dict[str, list[str]]:
@@ -84,7 +108,10 @@ def parse_arms(arm_specs: list[str], presets: str | None, base: RunConfig) -> di
             raise ConfigError(f"--arm {spec!r}: an arm cannot be named {SUMMARY_SUFFIX!r}: its run "
                               f"directory <run.name>-{SUMMARY_SUFFIX} is the ablation's summary directory; "
                               "pick another name")
-        keys = [s.strip() for s in _split_sets(sets) if s.strip()]
+        try:
+            keys = [s.strip() for s in _split_sets(sets) if s.strip()]
+        except ConfigError as e:
+            raise ConfigError(f"--arm {spec!r}: {e}") from None
         named = [k for k in keys if k.split("=", 1)[0].strip().startswith("run.")]
         if named:
             raise ConfigError(f"--arm {spec!r}: {', '.join(named)}: an arm cannot set run.* keys (each "

@@ -49,6 +49,23 @@ def test_arms_are_parsed_and_checked():
         ablate.parse_arms(["a:run.dir=/tmp/x", "b:trainer.lr=1e-5"], None, base)
 
 
+def test_a_quote_inside_a_word_or_an_unbalanced_one_does_not_swallow_the_spec():
+    base = load_config(TINY)
+    # an apostrophe inside a bare value is a character, not the start of a string
+    arms = ablate.parse_arms(["b:task.suffix=Don't guess.,sampler.n=4", "c:task.suffix=\"Don't, guess\""],
+                             None, base)
+    assert arms == {"b": ["task.suffix=Don't guess.", "sampler.n=4"], "c": ['task.suffix="Don\'t, guess"']}
+    assert load_config(TINY, arms["b"]).task.suffix == "Don't guess."
+    assert ablate.parse_arms(['d:task.suffix="say \\"hi, x\\"",sampler.n=4', "e:trainer.lr=1e-5"], None,
+                             base)["d"] == ['task.suffix="say \\"hi, x\\""', "sampler.n=4"]
+    # a string or bracket never closed (or one closed never opened) is refused, naming the spec and the fix
+    for spec in ['b:task.suffix="Don\'t guess.,sampler.n=4', "b:trainer.betas=[0.9,sampler.n=4",
+                 "b:task.suffix='x,sampler.n=4", "b:task.suffix=x],sampler.n=4"]:
+        with pytest.raises(ConfigError) as e:
+            ablate.parse_arms([spec, "a:trainer.lr=1e-5"], None, base)
+        assert repr(spec) in str(e.value) and 'task.suffix="Don\'t guess."' in str(e.value)
+
+
 def _recording_train(calls):
     def train(config):
         calls.append(config.run.name)
