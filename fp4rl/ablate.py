@@ -157,8 +157,16 @@ def arm_state(config: RunConfig) -> tuple[str, list[dict]]:
     if _finished(records, config.trainer.steps):
         return "finished", records
     if latest_checkpoint(run_dir) is None:
-        raise ConfigError(f"{run_dir} holds an unfinished run without a checkpoint to resume from: move it "
-                          "away (or set trainer.checkpoint_every > 0 to make arms resumable)")
+        # as `fp4rl train --resume` (run_dirs.check_resumable): stopped in its first step, only the at-start
+        # eval of step 0 is logged, and a resume redoes it from step 1; trained steps would be lost
+        trained = [r["step"] for r in records if r["step"] > 0]
+        if trained:
+            raise ConfigError(
+                f"{run_dir} holds an unfinished run without a checkpoint to resume from (steps {trained[0]}.."
+                f"{trained[-1]} logged, no checkpoint): it cannot be continued, and this arm never "
+                "overwrites it; move the directory away (or pick another run.name) to run the arm again. "
+                "(trainer.checkpoint_every > 0 makes future arms resumable after a kill; changing it now "
+                "makes this arm a run of another config.)")
     return "resume", records
 
 

@@ -88,9 +88,36 @@ def test_every_arm_is_checked_before_the_first_trains(assets, tmp_path):  # noqa
     assert calls == []
     # arm b's run directory holds an unfinished run without a checkpoint: also refused up front
     save_config(ablate.arm_config(str(TINY), base, "b", arms["b"]), other.run_dir / "config.toml")
-    with pytest.raises(ConfigError, match="unfinished run without a checkpoint"):
+    with pytest.raises(ConfigError, match="unfinished run without a checkpoint .*steps 1..1 "
+                       "logged.* move the directory away .*future arms"):
         ablate.ablate(str(TINY), base, arms, train_fn=_recording_train(calls))
     assert calls == []
+
+
+def test_an_arm_stopped_in_its_first_step_resumes_as_train_resume_does(assets, tmp_path):  # noqa: F811
+    """Only the at-start eval of step 0 logged, no checkpoint: `fp4rl train --resume` redoes it from step 1
+    (run_dirs.check_resumable), and so does the arm, instead of refusing it."""
+    from fp4rl.loop import train
+
+    base = tiny_sets(assets, tmp_path, "first", "trainer.steps=1")
+    arms = {"a": ["trainer.lr=1e-4"], "b": ["trainer.lr=1e-5"]}
+    configs = {n: ablate.arm_config(str(TINY), base, n, s) for n, s in arms.items()}
+    for name, records in (("a", [{"step": 0, "eval/accuracy": 0.25}]),
+                          ("b", [{"step": 1, "reward/mean": 0.5}])):  # b: finished, read back
+        configs[name].run_dir.mkdir(parents=True)
+        save_config(configs[name], configs[name].run_dir / "config.toml")
+        (configs[name].run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert ablate.arm_state(configs["a"]) == ("resume", [{"step": 0, "eval/accuracy": 0.25}])
+    resumed = []
+
+    def train_fn(config):
+        resumed.append((config.run.name, config.run.resume))
+        return train(config)
+
+    with pytest.warns(UserWarning, match="no checkpoint and no trained step"):
+        summary, _ = ablate.ablate(str(TINY), base, arms, train_fn=train_fn)
+    assert resumed == [("first-a", True)]
+    assert [r["step"] for r in read_metrics(configs["a"].run_dir)] == [1] and summary["a"]["steps"] == 1
 
 
 def test_summary_of_other_arms_is_not_overwritten(assets, tmp_path):  # noqa: F811
