@@ -45,3 +45,30 @@ def test_bad_options_are_refused_before_any_timing(monkeypatch):
         with pytest.raises(ValueError, match=match):
             rollout.run(args)
     assert main(["bench", "rollout", "--dtypes", "float16"]) == 2  # the CLI's message, not a traceback
+
+
+def test_comma_lists_are_run_as_checked(monkeypatch):
+    """Spaces around the items of a comma list passed the check but reached the run as ' bfloat16' (a
+    KeyError after the timing): the phases see the cleaned lists."""
+    seen = {}
+
+    def phase(name):
+        def record(args):
+            seen[name] = {opt: getattr(args, opt).split(",") for opt in
+                          ("dtypes", "presets", "modes", "mismatch_presets", "batches")}
+            return []
+        return record
+
+    for name in ("throughput", "memory_and_sync", "mismatch"):
+        monkeypatch.setattr(rollout, name, phase(name))
+    monkeypatch.setattr(rollout, "markdown", lambda *a: "")
+    parser = argparse.ArgumentParser()
+    rollout.add_arguments(parser)
+    args = parser.parse_args(["--dtypes", "float32, bfloat16", "--presets", " bf16 , nvfp4-linear,",
+                              "--modes", "greedy, sample", "--mismatch-presets", " nvfp4-linear",
+                              "--batches", "1, 2"])
+    assert rollout.run(args) == 0
+    want = {"dtypes": ["float32", "bfloat16"], "presets": ["bf16", "nvfp4-linear"],
+            "modes": ["greedy", "sample"], "mismatch_presets": ["nvfp4-linear"], "batches": ["1", "2"]}
+    assert seen == {name: want for name in ("throughput", "memory_and_sync", "mismatch")}
+    assert all(d in rollout.DTYPES for d in args.dtypes.split(","))

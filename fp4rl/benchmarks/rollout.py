@@ -268,7 +268,9 @@ def markdown(args, speed, memory, mism) -> str:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """ValueError naming the option for a value the benchmark would refuse only after minutes of timing."""
+    """ValueError naming the option for a value the benchmark would refuse only after minutes of timing.
+    The comma lists it accepts are written back onto args cleaned (items stripped, empty ones dropped): the
+    run splits them as checked, not ' bfloat16' (a KeyError after the timing)."""
     from fp4rl.precision import PRESETS
 
     def items(opt, text, allowed, empty_ok=False):
@@ -277,6 +279,7 @@ def check_args(args: argparse.Namespace) -> None:
         if bad or (not got and not empty_ok):
             raise ValueError(f"bench rollout --{opt}: {bad or text!r} not among {', '.join(allowed)} "
                              "(comma-separated)")
+        setattr(args, opt.replace("-", "_"), ",".join(got))
 
     items("dtypes", args.dtypes, tuple(DTYPES))
     items("presets", args.presets, PRESETS)
@@ -288,6 +291,7 @@ def check_args(args: argparse.Namespace) -> None:
         batches = []
     if not batches or min(batches) < 1:
         raise ValueError(f"bench rollout --batches {args.batches!r}: comma-separated integers >= 1")
+    args.batches = ",".join(map(str, batches))
     for opt in ("new_tokens", "repeats", "mismatch_prompts", "mismatch_tokens"):
         if getattr(args, opt) < 1:
             raise ValueError(f"bench rollout --{opt.replace('_', '-')} {getattr(args, opt)}: must be >= 1")
