@@ -96,6 +96,11 @@ def _jsonable(value):
     return value
 
 
+def _line(record: dict) -> str:
+    """One metrics.jsonl line: NaN / Inf as the strings "nan" / "inf" / "-inf" (read back as floats)."""
+    return json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n"
+
+
 class MetricsLogger:
     """Append step metrics to metrics.jsonl, TensorBoard and (optionally) wandb.
 
@@ -122,7 +127,8 @@ class MetricsLogger:
             kept = (
                 [r for r in read_metrics(self.path) if r["step"] <= resume_step] if self.path.exists() else []
             )
-            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))  # a kill keeps the old
+            # read back, "nan" / "inf" are floats again: written as the logger writes them (JSON has no NaN)
+            write_atomic(self.path, "".join(_line(r) for r in kept))  # a kill keeps the old
             self.last_step = kept[-1]["step"] if kept else None
         elif self.path.exists() and self.path.stat().st_size > 0 and not overwrite:
             raise FileExistsError(
@@ -160,14 +166,15 @@ class MetricsLogger:
         if self.last_step is not None and step <= self.last_step:
             raise ValueError(f"step {step} logged after step {self.last_step}: steps must increase")
         record = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items() if k != "step"}}
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(_line(record))
         self._file.flush()
         os.fsync(self._file.fileno())  # on disk before the step's checkpoint: one fsync per step (seconds)
         self.last_step = int(step)
         scalars = {  # NaN / Inf too (written as strings to the JSON file): a diverging run shows it
             k: _NONFINITE.get(v, v) if isinstance(v, str) else v
             for k, v in record.items()
-            if k != "step" and (isinstance(v, (int, float)) and not isinstance(v, bool) or v in _NONFINITE)
+            if k != "step" and (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                or isinstance(v, str) and v in _NONFINITE)  # a list value is no scalar
         }
         if self._tb is not None:
             for key, value in scalars.items():

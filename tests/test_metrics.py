@@ -102,6 +102,21 @@ def test_resume_truncates_steps_after_the_checkpoint(tmp_path):
     assert read_metrics(tmp_path / "fresh") == [{"step": 4, "reward/mean": 1.0}]
 
 
+def test_resume_keeps_non_finite_values_valid_json_and_lists_are_logged(tmp_path):
+    """A resume rewrites the kept records: the NaN / Inf read back as floats are written as the logger
+    writes them ("nan"), not as bare NaN (not JSON); a list value is logged, not a TypeError."""
+    with MetricsLogger(tmp_path, tensorboard=True) as log:
+        log.log(1, {"train/grad_norm": math.nan, "a": math.inf, "b": -math.inf, "lens": [3, 4]})
+        log.log(2, {"train/grad_norm": 1.0, "names": ["x", "nan"]})
+    with MetricsLogger(tmp_path, tensorboard=False, resume_step=1):
+        pass
+    text = (tmp_path / "metrics.jsonl").read_text()
+    line = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in {text!r}"))
+    assert line == {"step": 1, "train/grad_norm": "nan", "a": "inf", "b": "-inf", "lens": [3, 4]}
+    (record,) = read_metrics(tmp_path)
+    assert math.isnan(record["train/grad_norm"]) and record["a"] == math.inf and record["b"] == -math.inf
+
+
 def test_wandb_missing_gives_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
     with pytest.raises(RuntimeError, match="pip install wandb"):
