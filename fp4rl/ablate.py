@@ -128,9 +128,16 @@ def parse_arms(arm_specs: list[str], presets: str | None, base: RunConfig) -> di
 
 
 def arm_config(config_file: str | None, base_sets: list[str], name: str, sets: list[str]) -> RunConfig:
-    """The arm's config: base < arm overrides; run.name = <base run.name>-<arm>."""
+    """The arm's config: base < arm overrides; run.name = <base run.name>-<arm>. A ConfigError of the arm's
+    config names the arm (a --set key may suit one arm and not another, e.g. precision.trace = true and
+    the bf16 arm)."""
     base = load_config(config_file, base_sets)
-    return load_config(config_file, [*base_sets, *sets, f"run.name={base.run.name}-{name}"])
+    try:
+        return load_config(config_file, [*base_sets, *sets, f"run.name={base.run.name}-{name}"])
+    except ConfigError as e:
+        raise ConfigError(f"arm {name!r} ({', '.join(sets) or 'the base config'}): {e}. A key that must "
+                          "differ between arms goes in --arm NAME:KEY=VALUE, not --set (which sets it for "
+                          "every arm)") from None
 
 
 def _finished(records: list[dict], steps: int) -> bool:

@@ -66,6 +66,20 @@ def test_a_quote_inside_a_word_or_an_unbalanced_one_does_not_swallow_the_spec():
         assert repr(spec) in str(e.value) and 'task.suffix="Don\'t guess."' in str(e.value)
 
 
+def test_an_arm_config_error_names_the_arm(capsys):
+    """--set precision.trace=true suits the config's nvfp4-linear arm but not the implicit bf16 one: the
+    error names the arm and its settings, and where a key that differs between arms goes."""
+    base = ["precision.trace=true"]
+    arms = ablate.parse_arms([], None, load_config(TINY, base))
+    assert list(arms) == ["bf16", "nvfp4-linear"]
+    with pytest.raises(ConfigError, match=r"arm 'bf16' \(precision.preset=bf16\): precision.trace = true "
+                       r".*goes in --arm NAME:KEY=VALUE, not --set"):
+        ablate.arm_config(str(TINY), base, "bf16", arms["bf16"])
+    assert ablate.arm_config(str(TINY), base, "nvfp4-linear", arms["nvfp4-linear"]).precision.trace
+    assert cli_main(["ablate", "--config", str(TINY), "--set", "precision.trace=true"]) == 2
+    assert "arm 'bf16' (precision.preset=bf16): precision.trace" in capsys.readouterr().err
+
+
 def _recording_train(calls):
     def train(config):
         calls.append(config.run.name)
