@@ -95,6 +95,10 @@ def add_arguments(parser):
     parser.add_argument("--w4a16-last", default="0", help="comma-separated BF16 last-layer fractions of "
                         "the nvfp4-w4a16 arm, one row each (default 0: every linear W4A16; 0.15: the "
                         "recipe's BF16 last layers, 7 of 48)")
+    parser.add_argument("--lm-head", default="bf16", help="comma-separated precisions of the lm_head in "
+                        "the NVFP4 arms, one row each: 'bf16' (every preset's choice) or 'w4a16' (a contract "
+                        "rule ('lm_head', 'w4a16'): the head's 151936 x H weight read as NVFP4, 3.6x fewer "
+                        "bytes)")
     parser.add_argument("--host-batch", default="", help="batches whose host time per step is split "
                         "(host_split: graph launch cost, host-only step, top CPU ops), '' for none")
     parser.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
@@ -106,6 +110,10 @@ def add_arguments(parser):
                         "GEMM splits K at one row and for the routed experts (fp4rl.kernels.gemv_cuda."
                         "in_cta_split), each row measured with each: 'cta' (warps of a CTA), 'cluster' (CTAs "
                         "of a cluster) or 'default' (FP4RL_MMA16_KW's choice); the same bits either way")
+    parser.add_argument("--x-load", default="default", help="comma-separated settings of how the CUDA "
+                        "GEMM stages x (fp4rl.kernels.gemv_cuda.X_PLAIN_LOADS), each row measured with each: "
+                        "'async' (cp.async), 'plain' (16-byte loads) or 'default' (FP4RL_MMA16_XLD's "
+                        "choice); the same bits either way")
     parser.add_argument("--fusion", default="on", help="'on', 'off' or 'on,off': the engine's fused decode "
                         "step (fp4rl.kernels.fused) or the module step, each row measured with each")
     parser.add_argument("--offload-trainer", default="auto", choices=("auto", "on", "off"),
@@ -144,6 +152,12 @@ def expert_fraction(config, batch: int) -> float:
     return 1.0 - (1.0 - config.num_experts_per_tok / config.num_experts) ** batch
 
 
+def _packed(m: nn.Module) -> bool:
+    from fp4rl.packed import PackedNVFP4Linear
+
+    return isinstance(m, PackedNVFP4Linear)
+
+
 def layer_bytes(layer: nn.Module, frac: float, force_bf16: bool = False) -> float:
     """Weight bytes one decode step reads from a decoder layer (packed 0.5625 B/param, else 2): the NVFP4
     format's floor; the CUDA mma16 kernels read their re-laid copy, 0.625 B/param (bf16 block scales)."""
@@ -165,7 +179,7 @@ def step_bytes(sampler, contract, full_layers: int, batch: int) -> dict:
     """Weight bytes per decode step at the built depth and at full depth (same per-layer layout)."""
     m, cfg = sampler.model, sampler.config
     frac = expert_fraction(cfg, batch)
-    head = m.lm_head.in_features * m.lm_head.out_features * 2.0
+    head = m.lm_head.in_features * m.lm_head.out_features * (0.5625 if _packed(m.lm_head) else 2.0)
     built = head + sum(layer_bytes(layer, frac) for layer in m.model.layers)
     n_bf16 = full_layers if contract.preset == "bf16" else len(contract.bf16_last_layers(full_layers))
     first = m.model.layers[0]
@@ -230,13 +244,16 @@ def measure_row(sampler, contract, row: dict, prompts, args, env, results, base)
         row["floor_tok_s"] = batch * env["copy_bw"] / nbytes["built"]
 
 
-def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, args, env, results, base):
-    """Every (KV, batch) row of one precision preset, plus its graph check and profiles."""
+def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, args, env, results, base,
+                      lm_head: str = "bf16"):
+    """Every (KV, batch) row of one precision preset, plus its graph check and profiles; lm_head 'w4a16':
+    with the rule ('lm_head', 'w4a16') added to the preset."""
     from fp4rl.precision import PrecisionContract
     from fp4rl.qat import convert
 
     device = torch.device(args.device)
-    contract = PrecisionContract(preset, bf16_last_fraction=frac)
+    rules = (("lm_head", lm_head),) if lm_head != "bf16" else ()
+    contract = PrecisionContract(preset, bf16_last_fraction=frac, rules=rules)
     convert(trainer, contract)
     offload = preset == "bf16" and device.type == "cuda" and offload_wanted(trainer, args.offload_trainer,
                                                                              device)
@@ -295,15 +312,19 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
 
     pdls = [pdl_setting(p) for p in args.pdl.split(",")]
     splits = [split_setting(s) for s in args.k_split.split(",")]
-    for kv, fusion, (use_pdl, off), in_cta, batch in ((kv, f, p, s, b) for kv in kvs for f in fusions
-                                                      for p in pdls for s in splits for b in batches):
+    xlds = [x_load_setting(x) for x in args.x_load.split(",")]
+    for kv, fusion, (use_pdl, off), in_cta, xld, batch in (
+            (kv, f, p, s, x, b) for kv in kvs for f in fusions for p in pdls for s in splits for x in xlds
+            for b in batches):
         sampler.kv_cache = kv
         if sampler.engine is not None:
             sampler.engine.set_fused(fusion)
-            if pdl.is_enabled() != use_pdl or pdl.kinds_off() != off or in_cta != gemv_cuda.IN_CTA_SPLIT:
+            if (pdl.is_enabled() != use_pdl or pdl.kinds_off() != off or in_cta != gemv_cuda.IN_CTA_SPLIT
+                    or xld != gemv_cuda.X_PLAIN_LOADS):
                 pdl.set_enabled(use_pdl)
                 pdl.set_kinds_off(off)
                 gemv_cuda.set_in_cta_split(in_cta)
+                gemv_cuda.set_x_plain_loads(xld)
                 sampler.engine.reset_graphs()
         fused = bool(sampler.engine is not None and sampler.engine.fused)
         head = {"shape": shape, "precision": label, "fused": fused,
@@ -312,6 +333,8 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
             head["pdl_off"] = sorted(off)
         if len(splits) > 1 or not in_cta:
             head["k_split"] = "cta" if in_cta else "cluster"
+        if len(xlds) > 1 or xld:
+            head["x_load"] = "plain" if xld else "async"
         g = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, trainer.config.vocab_size, (batch, args.prompt), generator=g).tolist()
         row = {**head, "layers": layers, "full_layers": full_layers, "preset": preset,
@@ -362,6 +385,8 @@ def run(args) -> int:
     try:
         [pdl_setting(p) for p in args.pdl.split(",")]
         [split_setting(s) for s in args.k_split.split(",")]
+        [x_load_setting(x) for x in args.x_load.split(",")]
+        heads = lm_head_settings(args.lm_head)
     except ValueError as exc:
         raise SystemExit(f"sampler_gpu: {exc}") from None
 
@@ -375,7 +400,7 @@ def run(args) -> int:
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "cuda": torch.version.cuda, "tune": args.tune, "graphs": not args.no_graphs,
            "prompt": args.prompt, "tokens": args.tokens, "fusion": args.fusion, "pdl": args.pdl,
-           "k_split": args.k_split}
+           "k_split": args.k_split, "x_load": args.x_load, "lm_head": args.lm_head}
     env["copy_bw"] = copy_bandwidth(device) if device.type == "cuda" else None
     results = {"env": env, "rows": [], "profiles": [], "checks": [], "builds": [], "errors": []}
 
@@ -401,16 +426,19 @@ def run(args) -> int:
         rows = []
         for label, preset, frac in PRECISIONS[shape]:
             if preset == "nvfp4-w4a16":
-                rows += [(label if float(f) == 0 else f"nvfp4-w4a16, last {float(f):.0%} BF16", preset,
-                          float(f)) for f in args.w4a16_last.split(",")]
+                arms = [(label if float(f) == 0 else f"nvfp4-w4a16, last {float(f):.0%} BF16", preset,
+                         float(f)) for f in args.w4a16_last.split(",")]
             else:
-                rows.append((label, preset, frac))
-        for label, preset, frac in rows:
+                arms = [(label, preset, frac)]
+            for arm in arms:  # the NVFP4 arms once per --lm-head choice, BF16 once
+                rows += [(*arm, "bf16")] if preset == "bf16" else \
+                    [(arm[0] + ("" if h == "bf16" else f", lm_head {h.upper()}"), *arm[1:], h) for h in heads]
+        for label, preset, frac, head in rows:
             if wanted and preset not in wanted:
                 continue
             try:
                 for _ in measure_precision(trainer, shape, layers, full_layers, label, preset, frac, args,
-                                           env, results, base):
+                                           env, results, base, lm_head=head):
                     save()
             except Exception as exc:  # noqa: BLE001
                 results["errors"].append({"shape": shape, "precision": label, "error": repr(exc)[:400]})
@@ -435,6 +463,25 @@ def _f(v, fmt="{:.2f}"):
 def _mode(r) -> str:
     """'graph' when the row's decode steps were graph replays, 'eager' after a failed capture."""
     return "eager" if r.get("graph_error") or not r.get("graph_us") else "graph"
+
+
+def lm_head_settings(text: str) -> list[str]:
+    """--lm-head -> the lm_head precisions of the NVFP4 arms ('bf16', 'w4a16'), in order, each once."""
+    heads = [h.strip() for h in text.split(",") if h.strip()]
+    bad = [h for h in heads if h not in ("bf16", "w4a16")]
+    if bad or not heads:
+        raise ValueError(f"--lm-head {text!r}: use a comma-separated list of 'bf16' and 'w4a16'")
+    return list(dict.fromkeys(heads))
+
+
+def x_load_setting(text: str) -> bool:
+    """--x-load item -> whether the CUDA GEMM stages x by plain loads (gemv_cuda.X_PLAIN_LOADS): 'plain',
+    'async', or 'default' (FP4RL_MMA16_XLD's choice)."""
+    from fp4rl.kernels import gemv_cuda
+
+    if text in ("plain", "async", "default"):
+        return gemv_cuda.X_PLAIN_LOADS if text == "default" else text == "plain"
+    raise ValueError(f"--x-load item {text!r}: use 'plain', 'async' or 'default'")
 
 
 def split_setting(text: str) -> bool:
@@ -468,6 +515,7 @@ def _label(r) -> str:
     if r.get("pdl") and "pdl_off" in r and set(r["pdl_off"]) != pdl.DEFAULT_OFF:
         pdl_text = f" (no PDL: {'+'.join(r['pdl_off'])})" if r["pdl_off"] else " (PDL: all)"
     split = f" (split-K: {r['k_split']})" if "k_split" in r and r["precision"] != "bf16" else ""
+    split += f" (x: {r['x_load']})" if "x_load" in r and r["precision"] != "bf16" else ""
     return r["precision"] + ("" if r.get("fused", True) else " (unfused)") + pdl_text + split
 
 

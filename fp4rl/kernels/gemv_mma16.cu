@@ -108,6 +108,15 @@ typedef unsigned long long u64;
 #if KW > 1 && (SPLIT > 1 || XSTREAM || WGMMA || (WARPS % KW))
 #error "KW (in-CTA split-K) needs SPLIT 1, the staged x slice (no XSTREAM, no WGMMA) and KW dividing WARPS"
 #endif
+#ifndef GSE
+#define GSE (KW > 1)  // the weight's global scale read before griddepcontrol.wait, not in the epilogue (below)
+#endif
+#ifndef XLD
+#define XLD 0  // 1: x's K slice staged by plain 16-byte loads and shared stores instead of cp.async (below)
+#endif
+#if XLD && XSTREAM
+#error "XLD is for the staged x slice (no XSTREAM)"
+#endif
 #ifndef TIMING
 #define TIMING 0  // timing-only variants (wrong results): 1 no x staging, 2 no unpack/MMA
 #endif
@@ -419,11 +428,11 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     for (int d = 0; d < DEPTH; ++d) issue(ws0 + d, d);
 #endif
 
-    // KW (one row): the weight's global scale read now rather than in the epilogue (6% of the one-row q/k/v
-    // call's stall samples were there, an L2 round trip on the critical path; nothing on the stream writes
-    // it). Not for the other builds: the register held through the stream cost 2 (MG 2: 64 -> 66, a CTA
-    // per SM less).
-    const float gs_early = (WG_ROW || KW == 1) ? 0.f : wg[0] * 256.f;
+    // GSE (default: the KW builds, one row): the weight's global scale read now rather than in the epilogue
+    // (6% of the one-row q/k/v call's stall samples were there, an L2 round trip on the critical path;
+    // nothing on the stream writes it). Not for the other builds: the register held through the stream cost
+    // 2 (MG 2: 64 -> 66, a CTA per SM less).
+    const float gs_early = (WG_ROW || !GSE) ? 0.f : wg[0] * 256.f;
     // PDL: the first DEPTH weight steps above do not depend on the previous kernel; x (its output) does
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #if XSTREAM
@@ -454,6 +463,27 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             }
             *reinterpret_cast<uint4*>(xs + m * XS + kc) = a;
         }
+#elif XLD
+        // XLD: plain 16-byte loads (L2 only, as cp.async.cg), XU in flight per thread, then shared stores, so
+        // that the wait for x is not also a wait for the weight steps issued before it (cp.async.wait_group 0
+        // waits for every group: 17% of the one-row q/k/v call's stall samples, bench/gpu_kernels.md)
+        constexpr int XU = 4;
+        const int nch = (TIMING & 1) ? 0 : (XR + 1) * cw;
+        for (int c0 = threadIdx.x; c0 < nch; c0 += XU * WARPS * 32) {
+            uint4 v[XU];
+#pragma unroll
+            for (int u = 0; u < XU; ++u) {
+                const int c = c0 + u * WARPS * 32, m = c / cw, kc = (c - m * cw) * 8;
+                v[u] = make_uint4(0u, 0u, 0u, 0u);
+                if (c < nch && m < M && kbase + kc < kend)
+                    v[u] = __ldcg(reinterpret_cast<const uint4*>(x + (u64)XROW(m) * stride_xm + kbase + kc));
+            }
+#pragma unroll
+            for (int u = 0; u < XU; ++u) {
+                const int c = c0 + u * WARPS * 32, m = c / cw, kc = (c - m * cw) * 8;
+                if (c < nch) *reinterpret_cast<uint4*>(xs + m * XS + kc) = v[u];
+            }
+        }
 #else
         for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : (XR + 1) * cw); c += WARPS * 32) {
             const int m = c / cw, kc = (c - m * cw) * 8;
@@ -462,11 +492,15 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             cp_async16(smem_u32(xs + m * XS + kc), src, in ? 16 : 0);
         }
 #endif
+#if !XLD
         cp_async_commit();
+#endif
     }
 
+#if !XLD
     cp_async_wait<0>();  // x and the first weight steps have landed for this thread ...
-    __syncthreads();     // ... and for every thread
+#endif
+    __syncthreads();     // ... and for every thread (XLD: x's stores; the weight steps wait in the loop)
 #endif
 
     // ldmatrix.x4 row addresses: matrix j = x rows 8 mg + (lane & 7) (the zero row past M) x k [8j, 8j+8):
@@ -627,7 +661,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 
     // 4. epilogue. D fragment: c0, c1 = weight row g, x rows 2t, 2t+1; c2, c3 = weight row g + 8.
     const int g = lane >> 2, t = lane & 3;
-    const float gs = WG_ROW ? 0.f : KW > 1 ? gs_early : wg[0] * 256.f;
+    const float gs = WG_ROW ? 0.f : GSE ? gs_early : wg[0] * 256.f;
 #if KW > 1
     {
         // in-CTA split-K: the KW warps of an n-tile leave their fp32 partials in shared memory (x and the

@@ -1,0 +1,40 @@
+"""`fp4rl bench sampler_gpu`'s arms on the CPU: the --lm-head rows (a contract rule quantizing the head) and
+the weight bytes a decode step reads with a BF16 or an NVFP4 head."""
+
+import pytest
+import torch
+
+from fp4rl.benchmarks import sampler_gpu
+
+
+def test_lm_head_settings():
+    assert sampler_gpu.lm_head_settings("bf16") == ["bf16"]
+    assert sampler_gpu.lm_head_settings("w4a16, bf16,w4a16") == ["w4a16", "bf16"]
+    for bad in ("", "w4a4", "bf16,fp8"):
+        with pytest.raises(ValueError, match="--lm-head"):
+            sampler_gpu.lm_head_settings(bad)
+
+
+def test_step_bytes_count_an_nvfp4_head():
+    """With the rule ('lm_head', 'w4a16') the sampler's head is packed NVFP4 and a step reads 0.5625 B per
+    head weight instead of 2; the decoder layers' bytes do not change."""
+    from fp4rl.packed import PackedNVFP4Linear
+    from fp4rl.precision import PrecisionContract
+    from fp4rl.qat import convert
+    from fp4rl.sampler import Sampler, SamplingParams
+
+    trainer = sampler_gpu.build_trainer(sampler_gpu.SHAPES["tiny"], 2, torch.device("cpu"))
+    cfg = trainer.config
+    per_step = {}
+    for head in ("bf16", "w4a16"):
+        rules = (("lm_head", head),) if head != "bf16" else ()
+        contract = PrecisionContract("nvfp4-w4a16", bf16_last_fraction=0.0, rules=rules)
+        convert(trainer, contract)
+        sampler = Sampler(trainer, dtype=torch.bfloat16, eos_token_ids=[], max_seq_len=32)
+        assert isinstance(sampler.model.lm_head, PackedNVFP4Linear) == (head == "w4a16")
+        per_step[head] = sampler_gpu.step_bytes(sampler, contract, 2, 1)
+        out = sampler.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, greedy=True))
+        assert len(out[0].completion_ids) == 3
+    head_params = cfg.vocab_size * cfg.hidden_size
+    for key in ("built", "full"):
+        assert per_step["bf16"][key] - per_step["w4a16"][key] == pytest.approx(head_params * (2 - 0.5625))
