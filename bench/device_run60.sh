@@ -2,8 +2,9 @@
 # Seventeenth session. `a`: the GPU tests of the mma16 GEMM (the global scale read early, GSE, committed in the
 # sixteenth session and not yet run; x staged by plain loads, XLD: the same bits), then both timed against the
 # builds without them: dense 1-row launches with PDL (as the sampler launches them), 8 rows without, and the
-# routed experts at 1 and 8 tokens. `b` / `c`: the decode step of Qwen3-30B-A3B / Qwen3-8B with x staged both
-# ways (--x-load) and with the lm_head BF16 or NVFP4 (--lm-head), BF16 in the same process.
+# routed experts at 1 and 8 tokens. XLD was slower and was removed after this call (commit dfc3128 has it): `a`
+# runs only on that commit. `b` / `c`: the decode step of Qwen3-30B-A3B / Qwen3-8B with the lm_head BF16 or
+# NVFP4 (--lm-head), BF16 in the same process (`c` first runs the GSE GPU tests `a` did not reach).
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 if [ "$1" = a ]; then
   timeout 200 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py tests/test_gemv_cuda_grouped.py \
@@ -23,14 +24,17 @@ fi
 if [ "$1" = b ]; then
   timeout 420 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets bf16,nvfp4-w4a16 \
     --w4a16-last 0 --batch 1,8 --kv bf16 --repeats 3 --tokens 8,72 --profile-batch '' \
-    --x-load async,plain --lm-head bf16,w4a16 --out $OUT/sampler60_30b.json > $OUT/sampler60_30b.log 2>&1
+    --lm-head bf16,w4a16 --out $OUT/sampler60_30b.json > $OUT/sampler60_30b.log 2>&1
   echo "30b exit $?"; grep '^|\|rror' $OUT/sampler60_30b.log | cut -c1-300 | tail -16
   exit 0
 fi
 if [ "$1" = c ]; then
+  timeout 150 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py tests/test_gemv_cuda_grouped.py \
+    -k "global_scale or grouped_in_cta or silu_replays" > $OUT/tests_t_s17.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests_t_s17.log | tail -12
   timeout 400 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 \
     --w4a16-last 0 --batch 1,8,32 --kv bf16 --repeats 3 --tokens 8,72 --profile-batch '' \
-    --x-load async,plain --lm-head bf16,w4a16 --out $OUT/sampler60_8b.json > $OUT/sampler60_8b.log 2>&1
+    --lm-head bf16,w4a16 --out $OUT/sampler60_8b.json > $OUT/sampler60_8b.log 2>&1
   echo "8b exit $?"; grep '^|\|rror' $OUT/sampler60_8b.log | cut -c1-300 | tail -20
   exit 0
 fi

@@ -240,28 +240,26 @@ def test_gpu_in_cta_split_gives_the_cluster_splits_bits(n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(144, 640), (2048, 4096)])
-def test_gpu_plain_x_loads_give_the_same_bits(n, k):
-    """x staged by plain 16-byte loads (XLD) instead of cp.async, with the global scale read early (GSE) or in
-    the epilogue: the same bits, in the cluster and the in-CTA split, at 1-16 rows (rows past M read zeros),
-    with per-row global scales and W4A4's per-row x scales."""
+def test_gpu_global_scale_read_early_gives_the_same_bits(n, k):
+    """The weight's global scale read before the PDL wait (GSE, the KW builds' default) or in the epilogue:
+    the same bits, in the cluster and the in-CTA split, at 1-16 rows, with W4A4's per-row x scales."""
     if not gemv_cuda.available():
         pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
     w, wc, wd, g, base = _gpu_case(n, k, {}, 16, seed=7)
-    gr = (g * torch.linspace(0.5, 2.0, n, device="cuda")).contiguous()
     xs = torch.rand(16, device="cuda") + 0.5
     cfgs = {1: [dict(NT=1, MG=1, SPLIT=2, DEPTH=2), dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=2)],
             16: [dict(NT=1, MG=2, SPLIT=4, DEPTH=2), dict(NT=1, MG=2, SPLIT=1, DEPTH=3, KW=4)]}
     for m in (1, 3, 16):
         for base_cfg in cfgs[1 if m <= 8 else 16]:
-            for gs, x_scale in ((g, None), (gr, None), (g, xs[:m])):
+            for x_scale in (None, xs[:m]):
                 a = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                gemv_cuda.launch(base[:m], wc, gs, a, cfg=dict(base_cfg, XLD=0, GSE=0), x_scale=x_scale)
+                gemv_cuda.launch(base[:m], wc, g, a, cfg=dict(base_cfg, GSE=0), x_scale=x_scale)
                 assert not a.isnan().any()
-                if gs is g and x_scale is None:
+                if x_scale is None:
                     assert _rel(a, base[:m].double() @ wd.T) < 4e-3
                 b = torch.full_like(a, float("nan"))
-                gemv_cuda.launch(base[:m], wc, gs, b, cfg=dict(base_cfg, XLD=1, GSE=1), x_scale=x_scale)
-                assert torch.equal(a, b), (m, base_cfg, gs.numel(), x_scale is None)
+                gemv_cuda.launch(base[:m], wc, g, b, cfg=dict(base_cfg, GSE=1), x_scale=x_scale)
+                assert torch.equal(a, b), (m, base_cfg, x_scale is None)
 
 
 @pytest.mark.gpu
@@ -476,34 +474,4 @@ def test_in_cta_split_switch_and_benchmark_setting(monkeypatch):
     assert split_setting("default") is True
     with pytest.raises(ValueError, match="--k-split item 'warp'"):
         split_setting("warp")
-    gemv_cuda._plan.cache_clear()
-
-
-def test_plain_x_loads_switch_and_benchmark_setting(monkeypatch):
-    """X_PLAIN_LOADS puts XLD in the plans that stage x (not XSTREAM or the wgmma build); set_x_plain_loads
-    drops the cached plans; the sampler benchmark's --x-load items."""
-    from fp4rl.benchmarks.sampler_gpu import x_load_setting
-
-    monkeypatch.setattr(gemv_cuda, "X_PLAIN_LOADS", False)
-    off = gemv_cuda.choose(2048, 4096, 1, 132)
-    assert "XLD" not in off and "XLD" not in gemv_cuda.choose_grouped(2048, 768, 8, 132)
-    gemv_cuda.set_x_plain_loads(True)
-    assert gemv_cuda.choose(2048, 4096, 1, 132) == dict(off, XLD=1)
-    assert gemv_cuda.choose_grouped(2048, 768, 8, 132)["XLD"] == 1
-    streamed = gemv_cuda.choose(14336, 4096, 16, 132)
-    assert streamed.get("XSTREAM") and "XLD" not in streamed  # x streamed in chunks: cp.async stays
-    assert "XLD" not in gemv_cuda.choose_wide(14336, 4096, 32, 132)
-    assert x_load_setting("default") is True and x_load_setting("async") is False
-    assert x_load_setting("plain") is True
-    with pytest.raises(ValueError, match="--x-load item 'sync'"):
-        x_load_setting("sync")
-    calls = []
-    monkeypatch.setattr(gemv_cuda, "choose",
-                        lambda *a: calls.append(a) or {"XLD": int(gemv_cuda.X_PLAIN_LOADS)})
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda i: type("P", (), {"multi_processor_count": 1}))
-    gemv_cuda._plan.cache_clear()
-    assert gemv_cuda._plan(64, 256, 1, 0)["XLD"] == 1 and gemv_cuda._plan(64, 256, 1, 0)["XLD"] == 1
-    gemv_cuda.set_x_plain_loads(False)  # the cached plan is dropped
-    assert gemv_cuda._plan(64, 256, 1, 0)["XLD"] == 0 and len(calls) == 2
     gemv_cuda._plan.cache_clear()

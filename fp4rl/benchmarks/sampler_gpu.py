@@ -110,10 +110,6 @@ def add_arguments(parser):
                         "GEMM splits K at one row and for the routed experts (fp4rl.kernels.gemv_cuda."
                         "in_cta_split), each row measured with each: 'cta' (warps of a CTA), 'cluster' (CTAs "
                         "of a cluster) or 'default' (FP4RL_MMA16_KW's choice); the same bits either way")
-    parser.add_argument("--x-load", default="default", help="comma-separated settings of how the CUDA "
-                        "GEMM stages x (fp4rl.kernels.gemv_cuda.X_PLAIN_LOADS), each row measured with each: "
-                        "'async' (cp.async), 'plain' (16-byte loads) or 'default' (FP4RL_MMA16_XLD's "
-                        "choice); the same bits either way")
     parser.add_argument("--fusion", default="on", help="'on', 'off' or 'on,off': the engine's fused decode "
                         "step (fp4rl.kernels.fused) or the module step, each row measured with each")
     parser.add_argument("--offload-trainer", default="auto", choices=("auto", "on", "off"),
@@ -312,19 +308,15 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
 
     pdls = [pdl_setting(p) for p in args.pdl.split(",")]
     splits = [split_setting(s) for s in args.k_split.split(",")]
-    xlds = [x_load_setting(x) for x in args.x_load.split(",")]
-    for kv, fusion, (use_pdl, off), in_cta, xld, batch in (
-            (kv, f, p, s, x, b) for kv in kvs for f in fusions for p in pdls for s in splits for x in xlds
-            for b in batches):
+    for kv, fusion, (use_pdl, off), in_cta, batch in ((kv, f, p, s, b) for kv in kvs for f in fusions
+                                                      for p in pdls for s in splits for b in batches):
         sampler.kv_cache = kv
         if sampler.engine is not None:
             sampler.engine.set_fused(fusion)
-            if (pdl.is_enabled() != use_pdl or pdl.kinds_off() != off or in_cta != gemv_cuda.IN_CTA_SPLIT
-                    or xld != gemv_cuda.X_PLAIN_LOADS):
+            if pdl.is_enabled() != use_pdl or pdl.kinds_off() != off or in_cta != gemv_cuda.IN_CTA_SPLIT:
                 pdl.set_enabled(use_pdl)
                 pdl.set_kinds_off(off)
                 gemv_cuda.set_in_cta_split(in_cta)
-                gemv_cuda.set_x_plain_loads(xld)
                 sampler.engine.reset_graphs()
         fused = bool(sampler.engine is not None and sampler.engine.fused)
         head = {"shape": shape, "precision": label, "fused": fused,
@@ -333,8 +325,6 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
             head["pdl_off"] = sorted(off)
         if len(splits) > 1 or not in_cta:
             head["k_split"] = "cta" if in_cta else "cluster"
-        if len(xlds) > 1 or xld:
-            head["x_load"] = "plain" if xld else "async"
         g = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, trainer.config.vocab_size, (batch, args.prompt), generator=g).tolist()
         row = {**head, "layers": layers, "full_layers": full_layers, "preset": preset,
@@ -385,7 +375,6 @@ def run(args) -> int:
     try:
         [pdl_setting(p) for p in args.pdl.split(",")]
         [split_setting(s) for s in args.k_split.split(",")]
-        [x_load_setting(x) for x in args.x_load.split(",")]
         heads = lm_head_settings(args.lm_head)
     except ValueError as exc:
         raise SystemExit(f"sampler_gpu: {exc}") from None
@@ -400,7 +389,7 @@ def run(args) -> int:
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "cuda": torch.version.cuda, "tune": args.tune, "graphs": not args.no_graphs,
            "prompt": args.prompt, "tokens": args.tokens, "fusion": args.fusion, "pdl": args.pdl,
-           "k_split": args.k_split, "x_load": args.x_load, "lm_head": args.lm_head}
+           "k_split": args.k_split, "lm_head": args.lm_head}
     env["copy_bw"] = copy_bandwidth(device) if device.type == "cuda" else None
     results = {"env": env, "rows": [], "profiles": [], "checks": [], "builds": [], "errors": []}
 
@@ -474,16 +463,6 @@ def lm_head_settings(text: str) -> list[str]:
     return list(dict.fromkeys(heads))
 
 
-def x_load_setting(text: str) -> bool:
-    """--x-load item -> whether the CUDA GEMM stages x by plain loads (gemv_cuda.X_PLAIN_LOADS): 'plain',
-    'async', or 'default' (FP4RL_MMA16_XLD's choice)."""
-    from fp4rl.kernels import gemv_cuda
-
-    if text in ("plain", "async", "default"):
-        return gemv_cuda.X_PLAIN_LOADS if text == "default" else text == "plain"
-    raise ValueError(f"--x-load item {text!r}: use 'plain', 'async' or 'default'")
-
-
 def split_setting(text: str) -> bool:
     """--k-split item -> whether the CUDA GEMM splits K inside the CTA (gemv_cuda.in_cta_split): 'cta',
     'cluster', or 'default' (FP4RL_MMA16_KW's choice)."""
@@ -515,7 +494,6 @@ def _label(r) -> str:
     if r.get("pdl") and "pdl_off" in r and set(r["pdl_off"]) != pdl.DEFAULT_OFF:
         pdl_text = f" (no PDL: {'+'.join(r['pdl_off'])})" if r["pdl_off"] else " (PDL: all)"
     split = f" (split-K: {r['k_split']})" if "k_split" in r and r["precision"] != "bf16" else ""
-    split += f" (x: {r['x_load']})" if "x_load" in r and r["precision"] != "bf16" else ""
     return r["precision"] + ("" if r.get("fused", True) else " (unfused)") + pdl_text + split
 
 

@@ -46,9 +46,6 @@ TRIGGER = int(os.environ.get("FP4RL_MMA16_TRIGGER", "2"))
 # split K between the warps of a CTA instead of a cluster of CTAs where x's whole K fits (one row; the routed
 # experts' 8-row chunks): FP4RL_MMA16_KW=0 keeps the cluster (measured in bench/RESULTS.md, fifteenth session)
 IN_CTA_SPLIT = os.environ.get("FP4RL_MMA16_KW", "1") != "0"
-# stage x's K slice by plain 16-byte loads (XLD in gemv_mma16.cu) instead of cp.async, so that its wait is not
-# also a wait for the weight steps issued before it; FP4RL_MMA16_XLD=1 (the same arithmetic: the same bits)
-X_PLAIN_LOADS = os.environ.get("FP4RL_MMA16_XLD", "0") != "0"
 _TWO_POW_118 = 2.0 ** 118
 
 
@@ -203,20 +200,6 @@ def set_in_cta_split(on: bool) -> None:
     _plan_grouped.cache_clear()
 
 
-def set_x_plain_loads(on: bool) -> None:
-    """Stage x by plain loads (``X_PLAIN_LOADS``) or by cp.async in launches planned from now on (the cached
-    plans are dropped; CUDA graphs captured before keep their kernels: recapture them)."""
-    global X_PLAIN_LOADS
-    X_PLAIN_LOADS = bool(on)
-    _plan.cache_clear()
-    _plan_grouped.cache_clear()
-
-
-def _x_loads(cfg: dict) -> dict:
-    """`cfg` with XLD set where x's K slice is staged (not streamed) and ``X_PLAIN_LOADS`` asks for it."""
-    return dict(cfg, XLD=1) if X_PLAIN_LOADS and not cfg.get("XSTREAM") and not cfg.get("WGMMA") else cfg
-
-
 def in_cta_split(cfg: dict, k: int, m: int) -> dict:
     """`cfg` with its cluster split (SPLIT CTAs) moved inside the CTA (KW = SPLIT warps per n-tile, each
     streaming its part of K; NB = 128 / KW weight rows per CTA, so the grid keeps its warps) where the CTA's
@@ -255,7 +238,7 @@ def choose(n: int, k: int, m: int, sms: int) -> dict:
     if smem_bytes(cfg, k, m) > SMEM_MAX:
         raise ValueError(f"{m} rows of K={k} do not fit the mma16 kernel's shared memory "
                          f"({smem_bytes(cfg, k, m)} B)")
-    return _x_loads(cfg)
+    return cfg
 
 
 WIDE_MG = 16  # the wgmma configuration: up to 128 rows of x per CTA (m64n128k16), more rows in grid z blocks
@@ -485,7 +468,7 @@ def choose_grouped(n: int, k: int, slots: int, sms: int) -> dict:
     cfg = dict(NT=1, MG=1, SPLIT=split, DEPTH=2)
     if smem_bytes(cfg, k, 8) > SMEM_MAX:
         raise ValueError(f"8 rows of K={k} do not fit the mma16 kernel's shared memory")
-    return _x_loads(in_cta_split(cfg, k, 8))
+    return in_cta_split(cfg, k, 8)
 
 
 def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, offsets: torch.Tensor,

@@ -111,12 +111,6 @@ typedef unsigned long long u64;
 #ifndef GSE
 #define GSE (KW > 1)  // the weight's global scale read before griddepcontrol.wait, not in the epilogue (below)
 #endif
-#ifndef XLD
-#define XLD 0  // 1: x's K slice staged by plain 16-byte loads and shared stores instead of cp.async (below)
-#endif
-#if XLD && XSTREAM
-#error "XLD is for the staged x slice (no XSTREAM)"
-#endif
 #ifndef TIMING
 #define TIMING 0  // timing-only variants (wrong results): 1 no x staging, 2 no unpack/MMA
 #endif
@@ -463,27 +457,6 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             }
             *reinterpret_cast<uint4*>(xs + m * XS + kc) = a;
         }
-#elif XLD
-        // XLD: plain 16-byte loads (L2 only, as cp.async.cg), XU in flight per thread, then shared stores, so
-        // that the wait for x is not also a wait for the weight steps issued before it (cp.async.wait_group 0
-        // waits for every group: 17% of the one-row q/k/v call's stall samples, bench/gpu_kernels.md)
-        constexpr int XU = 4;
-        const int nch = (TIMING & 1) ? 0 : (XR + 1) * cw;
-        for (int c0 = threadIdx.x; c0 < nch; c0 += XU * WARPS * 32) {
-            uint4 v[XU];
-#pragma unroll
-            for (int u = 0; u < XU; ++u) {
-                const int c = c0 + u * WARPS * 32, m = c / cw, kc = (c - m * cw) * 8;
-                v[u] = make_uint4(0u, 0u, 0u, 0u);
-                if (c < nch && m < M && kbase + kc < kend)
-                    v[u] = __ldcg(reinterpret_cast<const uint4*>(x + (u64)XROW(m) * stride_xm + kbase + kc));
-            }
-#pragma unroll
-            for (int u = 0; u < XU; ++u) {
-                const int c = c0 + u * WARPS * 32, m = c / cw, kc = (c - m * cw) * 8;
-                if (c < nch) *reinterpret_cast<uint4*>(xs + m * XS + kc) = v[u];
-            }
-        }
 #else
         for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : (XR + 1) * cw); c += WARPS * 32) {
             const int m = c / cw, kc = (c - m * cw) * 8;
@@ -492,15 +465,13 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             cp_async16(smem_u32(xs + m * XS + kc), src, in ? 16 : 0);
         }
 #endif
-#if !XLD
         cp_async_commit();
-#endif
     }
 
-#if !XLD
-    cp_async_wait<0>();  // x and the first weight steps have landed for this thread ...
-#endif
-    __syncthreads();     // ... and for every thread (XLD: x's stores; the weight steps wait in the loop)
+    // x and the first weight steps have landed for this thread, then for every thread. (Staging x by plain
+    // loads so that this wait excludes the weight steps was slower: bench/RESULTS.md, seventeenth session.)
+    cp_async_wait<0>();
+    __syncthreads();
 #endif
 
     // ldmatrix.x4 row addresses: matrix j = x rows 8 mg + (lane & 7) (the zero row past M) x k [8j, 8j+8):
