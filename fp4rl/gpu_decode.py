@@ -82,6 +82,12 @@ COMBINE_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_COMBINE_MAX", "8"))  # (FP4RL
 # a BF16 cache is read by the Triton decode kernel (kernels.attention: [start, length) of each row only),
 # not by SDPA over all T_cap slots with a mask (FP4RL_BF16_ATTENTION=0)
 BF16_ATTENTION = os.environ.get("FP4RL_BF16_ATTENTION", "1") != "0"
+# the fused step writes an NVFP4 cache in its q/k-norm + RoPE kernel (quantized per (row, head) there: the
+# bytes of store_kv) instead of store_kv's quantize and scatter launches (FP4RL_FUSED_KV=0 for A/B)
+FUSED_KV_FP4 = os.environ.get("FP4RL_FUSED_KV", "1") != "0"
+
+
+NVFP4_BUFFERS = ("k_data", "k_block_scale", "k_global_scale", "v_data", "v_block_scale", "v_global_scale")
 
 
 def _pow2(v: int) -> int:
@@ -381,6 +387,11 @@ class DecodeEngine:
             q, _ = fused.qk_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps, k_cache=c.k[i], v_cache=c.v[i],
                                       slot=ctx.slot)  # [bb, H, 1, D]
             y = self._attend_bf16(c, i, q, ctx, bb, attn.n_rep)
+        elif c.kind == "nvfp4" and FUSED_KV_FP4 and fused.fp4_cache_fits(d):  # quantized into the slot there
+            bufs = tuple(getattr(c, name)[i] for name in NVFP4_BUFFERS)
+            q, _ = fused.qk_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps, slot=ctx.slot, fp4_cache=bufs,
+                                      fp4_quant=c.quantize_kwargs)
+            y = self._attend_nvfp4(c, i, q, ctx, bb)
         else:
             q, k = fused.qk_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps)
             v = qkv[:, (hq + hkv) * d:].view(bb, hkv, 1, d)
@@ -466,16 +477,23 @@ class DecodeEngine:
                                               enable_gqa=n_rep > 1)[:, :, 0]
 
     @staticmethod
+    def _attend_nvfp4(c, i: int, q, ctx, bb: int) -> torch.Tensor:
+        """q [bb, H, 1, D] over layer i of an NVFP4 cache (its slot already written) -> [bb, H, D]."""
+        from fp4rl.kernels.attention import decode_attention
+
+        return decode_attention(q[:, :, 0], ctx.lengths, c.k_data[i][:bb], c.v_data[i][:bb],
+                                c.k_global_scale[i][:bb, :, :, 0], c.v_global_scale[i][:bb, :, :, 0],
+                                k_scale=c.k_block_scale[i][:bb], v_scale=c.v_block_scale[i][:bb],
+                                starts=ctx.starts)
+
+    @staticmethod
     def _attend_quantized(c, i: int, q, k, v, ctx, bb: int) -> torch.Tensor:
         """Write k/v [bb, H_kv, 1, D] into an FP8 / NVFP4 cache, attend with q [bb, H, 1, D] -> [bb, H, D]."""
         from fp4rl.kernels.attention import decode_attention
 
         store_kv(c, i, k, v, ctx.slot, bb)
         if c.kind == "nvfp4":
-            return decode_attention(q[:, :, 0], ctx.lengths, c.k_data[i][:bb], c.v_data[i][:bb],
-                                    c.k_global_scale[i][:bb, :, :, 0], c.v_global_scale[i][:bb, :, :, 0],
-                                    k_scale=c.k_block_scale[i][:bb], v_scale=c.v_block_scale[i][:bb],
-                                    starts=ctx.starts)
+            return DecodeEngine._attend_nvfp4(c, i, q, ctx, bb)
         return decode_attention(q[:, :, 0], ctx.lengths, c.k[i][:bb], c.v[i][:bb],
                                 c.k_scale[i][:bb, :, :, 0], c.v_scale[i][:bb, :, :, 0], starts=ctx.starts)
 

@@ -38,3 +38,14 @@ def test_step_bytes_count_an_nvfp4_head():
     head_params = cfg.vocab_size * cfg.hidden_size
     for key in ("built", "full"):
         assert per_step["bf16"][key] - per_step["w4a16"][key] == pytest.approx(head_params * (2 - 0.5625))
+
+
+def test_kv_write_setting(monkeypatch):
+    from fp4rl import gpu_decode
+
+    monkeypatch.setattr(gpu_decode, "FUSED_KV_FP4", True)
+    assert sampler_gpu.kv_write_setting("default") is True and sampler_gpu.kv_write_setting("separate") is False
+    monkeypatch.setattr(gpu_decode, "FUSED_KV_FP4", False)
+    assert sampler_gpu.kv_write_setting("default") is False and sampler_gpu.kv_write_setting("fused") is True
+    with pytest.raises(ValueError, match="--kv-write item 'both'"):
+        sampler_gpu.kv_write_setting("both")

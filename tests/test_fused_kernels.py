@@ -188,6 +188,77 @@ def test_qk_norm_rope_writes_the_bf16_cache_slot():
     assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
 
 
+def _random_fp4_cache(hkv, t, d, quant, seed):
+    """One layer of an NVFP4 KV cache (4 rows, random bytes: a write must change exactly its slot)."""
+    from types import SimpleNamespace
+
+    g = _gen(seed)
+    ns = SimpleNamespace(quantize_kwargs=dict(tile=16, scale_scope="row", **quant))
+    for x in "kv":
+        setattr(ns, f"{x}_data", [torch.randint(0, 256, (4, hkv, t, d // 2), generator=g,
+                                                dtype=torch.uint8).to(DEV)])
+        setattr(ns, f"{x}_block_scale", [torch.randint(0, 120, (4, hkv, t, d // 16), generator=g,
+                                                       dtype=torch.uint8).view(torch.float8_e4m3fn).to(DEV)])
+        setattr(ns, f"{x}_global_scale", [torch.rand(4, hkv, t, 1, generator=g).to(DEV)])
+    return ns
+
+
+FP4_NAMES = ("k_data", "k_block_scale", "k_global_scale", "v_data", "v_block_scale", "v_global_scale")
+
+
+@pytest.mark.parametrize("d,quant", [(32, QUANTS[0]), (64, QUANTS[1]), (128, QUANTS[2])])
+def test_qk_norm_rope_writes_the_nvfp4_cache_slot(d, quant):
+    """The NVFP4 cache written by qk_norm_rope itself (k after q/k-norm + RoPE, v as projected) holds the
+    bytes gpu_decode.store_kv writes (quantize_2d per (row, head): the cache's own quantizer), at the slot
+    only; a zero head and heads 1000x apart in scale included."""
+    from fp4rl.gpu_decode import store_kv
+
+    r, h, hkv, t, slot = 3, 4, 2, 7, 5
+    qkv = _bf16((r, (h + 2 * hkv) * d), 21, 3.0)
+    qkv[1, (h + hkv) * d:(h + hkv + 1) * d] = 0  # row 1's first v head: all zeros
+    qkv[2, h * d:(h + 1) * d] *= 1e-3  # row 2's first k head: small
+    cos, sin = _rope_tables(torch.tensor([4, 9, 2], device=DEV), d)
+    qn, kn = _norm(d, 22), _norm(d, 23)
+    s = torch.tensor([slot], device=DEV)
+    want, got = _random_fp4_cache(hkv, t, d, quant, 24), _random_fp4_cache(hkv, t, d, quant, 24)
+    q_ref, k_ref = fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, qn.weight, kn.weight, 1e-6)
+    store_kv(want, 0, k_ref, qkv[:, (h + hkv) * d:].reshape(r, hkv, 1, d), s, r)
+    q, none = fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, qn.weight, kn.weight, 1e-6, slot=s,
+                                 fp4_cache=tuple(getattr(got, n)[0] for n in FP4_NAMES), fp4_quant=quant)
+    assert none is None and torch.equal(q, q_ref)
+    for n in FP4_NAMES:
+        a, b = getattr(want, n)[0], getattr(got, n)[0]
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b), n
+
+
+def test_qk_norm_rope_nvfp4_cache_refusals():
+    h, hkv, d, t = 4, 2, 32, 7
+    qkv = _bf16((2, (h + 2 * hkv) * d), 25)
+    cos, sin = _rope_tables(torch.tensor([1, 2], device=DEV), d)
+    c = _random_fp4_cache(hkv, t, d, QUANTS[0], 26)
+    bufs = tuple(getattr(c, n)[0] for n in FP4_NAMES)
+    s = torch.tensor([3], device=DEV)
+    assert fused.fp4_cache_fits(128) and fused.fp4_cache_fits(32) and not fused.fp4_cache_fits(48)
+    assert not fused.fp4_cache_fits(16)
+    with pytest.raises(ValueError, match="fp4_cache and slot"):
+        fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, None, None, 1e-6, fp4_cache=bufs)
+    with pytest.raises(ValueError, match="contiguous"):
+        fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, None, None, 1e-6, slot=s,
+                           fp4_cache=(bufs[0].float(), *bufs[1:]))
+    with pytest.raises(ValueError, match="contiguous"):  # a cache of fewer rows than the step's
+        fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, None, None, 1e-6, slot=s,
+                           fp4_cache=tuple(b[:1] for b in bufs))
+    with pytest.raises(ValueError, match="scale_rule"):
+        fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, None, None, 1e-6, slot=s, fp4_cache=bufs,
+                           fp4_quant=dict(scale_rule="5"))
+    q2 = _bf16((2, (h + 2 * hkv) * 48), 27)
+    cos2, sin2 = _rope_tables(torch.tensor([1, 2], device=DEV), 48)
+    with pytest.raises(ValueError, match="head_dim / 2 a power of two"):
+        fused.qk_norm_rope(q2, cos2, sin2, h, hkv, 48, None, None, 1e-6, slot=s, fp4_cache=bufs)
+
+
 def test_fused_kernels_refuse_misfit_arguments():
     """Wrong shapes, dtypes or devices are a ValueError naming the argument, never a silent misread."""
     r, h, hkv, d = 2, 4, 2, 32

@@ -322,6 +322,33 @@ def test_fused_step_computes_the_module_step(config, contract, kv):
     assert_fused_is_module_step(*fused_vs_module_logits(s, 2, 4), gpu_tol=1e-2)
 
 
+@pytest.mark.parametrize("config,contract", [(DENSE, "nvfp4-w4a16"), (MOE, "bf16")])
+def test_fused_step_writes_the_nvfp4_cache_as_store_kv(config, contract, monkeypatch):
+    """The fused step's q/k-norm + RoPE kernel writes the NVFP4 KV cache itself (gpu_decode.FUSED_KV_FP4):
+    the cache's bytes, the tokens and the logprobs are those of store_kv's separate quantize and writes."""
+    from fp4rl.kernels import fused
+
+    writes = []
+    real = fused.qk_norm_rope
+    monkeypatch.setattr(fused, "qk_norm_rope",
+                        lambda *a, **kw: writes.append(kw.get("fp4_cache") is not None) or real(*a, **kw))
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(gpu_decode, "FUSED_KV_FP4", on)
+        writes.clear()
+        s = Sampler(tiny(config, contract), kv_cache="nvfp4", device=DEV, dtype=torch.bfloat16,
+                    eos_token_ids=[], kernels=True)
+        out = s.generate(PROMPTS, SamplingParams(n=2, greedy=True, max_new_tokens=4))
+        assert s.engine.fused and writes and all(writes) == on and any(writes) == on
+        runs[on] = (out, [b.clone() for name in gpu_decode.NVFP4_BUFFERS
+                          for b in getattr(s.engine.static, name)])
+    (a, ca), (b, cb) = runs[True], runs[False]
+    assert [c.completion_ids for c in a] == [c.completion_ids for c in b]
+    assert [c.logprobs for c in a] == [c.logprobs for c in b]
+    for x, y in zip(ca, cb):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
 SHARED_MOE = dict(MOE, model_type="qwen2_moe", qk_norm=False, shared_expert_intermediate_size=48)
 
 

@@ -110,6 +110,10 @@ def add_arguments(parser):
                         "GEMM splits K at one row and for the routed experts (fp4rl.kernels.gemv_cuda."
                         "in_cta_split), each row measured with each: 'cta' (warps of a CTA), 'cluster' (CTAs "
                         "of a cluster) or 'default' (FP4RL_MMA16_KW's choice); the same bits either way")
+    parser.add_argument("--kv-write", default="default", help="comma-separated settings of how the fused "
+                        "step writes an NVFP4 KV cache (fp4rl.gpu_decode.FUSED_KV_FP4), each nvfp4-KV row "
+                        "measured with each: 'fused' (in the q/k-norm + RoPE kernel), 'separate' (store_kv's "
+                        "quantize and writes) or 'default' (FP4RL_FUSED_KV's choice); the same bytes")
     parser.add_argument("--fusion", default="on", help="'on', 'off' or 'on,off': the engine's fused decode "
                         "step (fp4rl.kernels.fused) or the module step, each row measured with each")
     parser.add_argument("--offload-trainer", default="auto", choices=("auto", "on", "off"),
@@ -308,15 +312,21 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
 
     pdls = [pdl_setting(p) for p in args.pdl.split(",")]
     splits = [split_setting(s) for s in args.k_split.split(",")]
-    for kv, fusion, (use_pdl, off), in_cta, batch in ((kv, f, p, s, b) for kv in kvs for f in fusions
-                                                      for p in pdls for s in splits for b in batches):
+    writes = [kv_write_setting(w) for w in args.kv_write.split(",")]
+    from fp4rl import gpu_decode
+
+    for kv, fusion, (use_pdl, off), in_cta, fkv, batch in (
+            (c, f, p, s, w, b) for c in kvs for f in fusions for p in pdls for s in splits
+            for w in (writes if c == "nvfp4" else writes[:1]) for b in batches):
         sampler.kv_cache = kv
         if sampler.engine is not None:
             sampler.engine.set_fused(fusion)
-            if pdl.is_enabled() != use_pdl or pdl.kinds_off() != off or in_cta != gemv_cuda.IN_CTA_SPLIT:
+            if (pdl.is_enabled() != use_pdl or pdl.kinds_off() != off or in_cta != gemv_cuda.IN_CTA_SPLIT
+                    or fkv != gpu_decode.FUSED_KV_FP4):
                 pdl.set_enabled(use_pdl)
                 pdl.set_kinds_off(off)
                 gemv_cuda.set_in_cta_split(in_cta)
+                gpu_decode.FUSED_KV_FP4 = fkv
                 sampler.engine.reset_graphs()
         fused = bool(sampler.engine is not None and sampler.engine.fused)
         head = {"shape": shape, "precision": label, "fused": fused,
@@ -325,6 +335,8 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
             head["pdl_off"] = sorted(off)
         if len(splits) > 1 or not in_cta:
             head["k_split"] = "cta" if in_cta else "cluster"
+        if kv == "nvfp4" and (len(writes) > 1 or not fkv):
+            head["kv_write"] = "fused" if fkv else "separate"
         g = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, trainer.config.vocab_size, (batch, args.prompt), generator=g).tolist()
         row = {**head, "layers": layers, "full_layers": full_layers, "preset": preset,
@@ -375,6 +387,7 @@ def run(args) -> int:
     try:
         [pdl_setting(p) for p in args.pdl.split(",")]
         [split_setting(s) for s in args.k_split.split(",")]
+        [kv_write_setting(w) for w in args.kv_write.split(",")]
         heads = lm_head_settings(args.lm_head)
     except ValueError as exc:
         raise SystemExit(f"sampler_gpu: {exc}") from None
@@ -389,7 +402,7 @@ def run(args) -> int:
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "cuda": torch.version.cuda, "tune": args.tune, "graphs": not args.no_graphs,
            "prompt": args.prompt, "tokens": args.tokens, "fusion": args.fusion, "pdl": args.pdl,
-           "k_split": args.k_split, "lm_head": args.lm_head}
+           "k_split": args.k_split, "kv_write": args.kv_write, "lm_head": args.lm_head}
     env["copy_bw"] = copy_bandwidth(device) if device.type == "cuda" else None
     results = {"env": env, "rows": [], "profiles": [], "checks": [], "builds": [], "errors": []}
 
@@ -463,6 +476,16 @@ def lm_head_settings(text: str) -> list[str]:
     return list(dict.fromkeys(heads))
 
 
+def kv_write_setting(text: str) -> bool:
+    """--kv-write item -> whether the fused step writes an NVFP4 KV cache in its RoPE kernel
+    (gpu_decode.FUSED_KV_FP4): 'fused', 'separate', or 'default' (FP4RL_FUSED_KV's choice)."""
+    from fp4rl import gpu_decode
+
+    if text in ("fused", "separate", "default"):
+        return gpu_decode.FUSED_KV_FP4 if text == "default" else text == "fused"
+    raise ValueError(f"--kv-write item {text!r}: use 'fused', 'separate' or 'default'")
+
+
 def split_setting(text: str) -> bool:
     """--k-split item -> whether the CUDA GEMM splits K inside the CTA (gemv_cuda.in_cta_split): 'cta',
     'cluster', or 'default' (FP4RL_MMA16_KW's choice)."""
@@ -494,6 +517,7 @@ def _label(r) -> str:
     if r.get("pdl") and "pdl_off" in r and set(r["pdl_off"]) != pdl.DEFAULT_OFF:
         pdl_text = f" (no PDL: {'+'.join(r['pdl_off'])})" if r["pdl_off"] else " (PDL: all)"
     split = f" (split-K: {r['k_split']})" if "k_split" in r and r["precision"] != "bf16" else ""
+    split += f" (KV write: {r['kv_write']})" if "kv_write" in r else ""
     return r["precision"] + ("" if r.get("fused", True) else " (unfused)") + pdl_text + split
 
 

@@ -300,13 +300,31 @@ def _silu_mul_kernel(
 
 
 @triton.jit
+def _kv_fp4_store(x1, x2, r_flat, D, d_ptr, s_ptr, g_ptr, BH: tl.constexpr, RULE46: tl.constexpr,
+                  MAE: tl.constexpr):
+    """Q(x) of one head vector x = (x1 | x2) (float32 [BH] halves, BH = D / 2) with its own global scale
+    (the NVFP4 KV cache's per (row, head, slot) scale) into row r_flat of the cache's flat [.., D / 2] data,
+    [.., D / 16] block scales and [..] global scales: quantize_2d(x, per_row=True)'s bytes."""
+    zero = tl.zeros((BH,), tl.int32)
+    amax_bits = tl.max(tl.maximum(_bits_max(zero, x1), _bits_max(zero, x2)), 0)
+    s_enc, s_dec, g, amax = _row_globals(amax_bits, BH // 16, RULE46)
+    _quantize_chunk(x1, r_flat, 0, D, d_ptr, s_ptr, s_enc, s_dec, g, amax, BH, RULE46, MAE)
+    _quantize_chunk(x2, r_flat, BH, D, d_ptr, s_ptr, s_enc, s_dec, g, amax, BH, RULE46, MAE)
+    j = tl.arange(0, BH // 16)
+    tl.store(g_ptr + r_flat + j * 0, g, mask=j == 0)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
-    H, HKV, D, stride_qkv, stride_cs, stride_qb, stride_kb, stride_kh, stride_kt, inv_d, eps,
-    HAS_NORM: tl.constexpr, TO_CACHE: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr,
+    kd_ptr, ks_ptr, kg_ptr, vd_ptr, vs_ptr, vg_ptr,
+    H, HKV, D, T, stride_qkv, stride_cs, stride_qb, stride_kb, stride_kh, stride_kt, inv_d, eps,
+    HAS_NORM: tl.constexpr, TO_CACHE: tl.constexpr, TO_FP4: tl.constexpr, RULE46: tl.constexpr,
+    MAE: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row, head): q heads 0..H-1, then k heads (each also moves its v head). The head's two
-    halves x1 = x[:D/2], x2 = x[D/2:] are loaded apart, so rotate_half is (-x2, x1)."""
+    halves x1 = x[:D/2], x2 = x[D/2:] are loaded apart, so rotate_half is (-x2, x1). TO_FP4: k and v go
+    into an NVFP4 cache [B, H_kv, T, ...] at the slot, quantized per (row, head) (BH = D / 2)."""
     if PDL:  # programmatic dependent launch: let the next kernel launch, then wait for our inputs
         tlcuda.gdc_launch_dependents()
         tlcuda.gdc_wait()
@@ -341,6 +359,14 @@ def _qk_norm_rope_kernel(
         dst = q_ptr + row * stride_qb + head * D
         tl.store(dst + i, o1.to(q_ptr.dtype.element_ty), mask=m)
         tl.store(dst + half + i, o2.to(q_ptr.dtype.element_ty), mask=m)
+    elif TO_FP4:  # the NVFP4 cache: one flat row per (row, head, slot), k then v
+        j = head - H
+        r_flat = (row * HKV + j) * T + tl.load(slot_ptr)
+        _kv_fp4_store(o1, o2, r_flat, D, kd_ptr, ks_ptr, kg_ptr, BH, RULE46, MAE)
+        vsrc = qkv_ptr + row * stride_qkv + (H + HKV + j) * D
+        v1 = tl.load(vsrc + i).to(tl.float32)
+        v2 = tl.load(vsrc + half + i).to(tl.float32)
+        _kv_fp4_store(v1, v2, r_flat, D, vd_ptr, vs_ptr, vg_ptr, BH, RULE46, MAE)
     else:
         j = head - H
         if TO_CACHE:  # the bf16 cache [B, H_kv, T, D]: slot `slot` of this row and head
@@ -538,15 +564,26 @@ def silu_mul(gu: torch.Tensor, *, quant: dict | None = None, write_y: bool = Tru
     return (y if write_y else None), xq
 
 
+def fp4_cache_fits(head_dim: int) -> bool:
+    """Whether qk_norm_rope can write an NVFP4 KV cache itself: each half of a head a power of two >= 16."""
+    half = head_dim // 2
+    return head_dim % 2 == 0 and half >= 16 and half & (half - 1) == 0
+
+
 def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
                  head_dim: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, *,
                  k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-                 slot: torch.Tensor | None = None):
+                 slot: torch.Tensor | None = None, fp4_cache: tuple | None = None,
+                 fp4_quant: dict | None = None):
     """q/k-norm (when weights are given; eps: the norms' epsilon, required since it is per model: Qwen3 1e-6,
     Llama 1e-5) and RoPE of one token per row, qkv [R, (H + 2 H_kv) D] = the fused q|k|v projection, cos/sin
     [R, D] of qkv's dtype (bf16, the step's tables). With k_cache/v_cache ([B >= R, H_kv, T, D] bf16) and
-    slot ([1] long on the device) k and v are written at that slot and (q, None) is returned; otherwise
-    (q, k) with q [R, H, 1, D], k [R, H_kv, 1, D]."""
+    slot ([1] long on the device) k and v are written at that slot and (q, None) is returned; with fp4_cache
+    = (k_data, k_block_scale, k_global_scale, v_data, v_block_scale, v_global_scale), one layer of an NVFP4
+    KV cache ([B >= R, H_kv, T, D/2] uint8, [.., D/16] float8_e4m3fn, [.., 1] float32, contiguous) and
+    slot, k (after the norm and RoPE) and v are quantized per (row, head) with fp4_quant's scale_rule / err
+    (quantize_2d(per_row=True)'s bytes, i.e. the cache's own quantizer) into that slot and (q, None) is
+    returned (head_dim: ``fp4_cache_fits``); otherwise (q, k) with q [R, H, 1, D], k [R, H_kv, 1, D]."""
     _rows(qkv, "qkv")
     r = qkv.shape[0]
     d = head_dim
@@ -572,6 +609,36 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
                                  f"(head_dim) on {qkv.device}, got {tuple(w.shape)} on {w.device}")
     q = torch.empty(r, n_heads, 1, d, dtype=qkv.dtype, device=qkv.device)
     to_cache = k_cache is not None
+    to_fp4 = fp4_cache is not None
+    rule46 = mae = False
+    fp4_args = (q,) * 6
+    t_cap = 0
+    if to_fp4:
+        if to_cache or slot is None:
+            raise ValueError("qk_norm_rope: an NVFP4 cache write takes fp4_cache and slot (no k_cache / "
+                             "v_cache)")
+        if not fp4_cache_fits(d):
+            raise ValueError(f"qk_norm_rope: an NVFP4 cache write needs head_dim / 2 a power of two >= 16, "
+                             f"got head_dim {d}; write the cache with gpu_decode.store_kv")
+        rule46, mae = _quant_flags(fp4_quant or {})
+        if len(fp4_cache) != 6:
+            raise ValueError("qk_norm_rope: fp4_cache is (k_data, k_block_scale, k_global_scale, v_data, "
+                             "v_block_scale, v_global_scale) of one layer")
+        lead = tuple(fp4_cache[0].shape[:3])
+        want = [((d // 2,), torch.uint8), ((d // 16,), torch.float8_e4m3fn), ((1,), torch.float32)] * 2
+        for t, (tail, dtype) in zip(fp4_cache, want):
+            if (t.ndim != 4 or tuple(t.shape[:3]) != lead or tuple(t.shape[3:]) != tail or t.dtype != dtype
+                    or not t.is_contiguous() or t.device != qkv.device or lead[0] < r
+                    or lead[1] != n_kv_heads):
+                raise ValueError(f"qk_norm_rope: fp4_cache tensors must be contiguous [B >= {r}, "
+                                 f"{n_kv_heads}, T, D/2 | D/16 | 1] uint8 / float8_e4m3fn / float32 on "
+                                 f"{qkv.device}, got "
+                                 f"{tuple(t.shape)} {t.dtype}")
+        if slot.dtype != torch.long or slot.numel() != 1 or slot.device != qkv.device:
+            raise ValueError(f"qk_norm_rope: slot must be a [1] torch.long tensor on {qkv.device} (the cache "
+                             f"slot to write), got {slot.dtype} {tuple(slot.shape)} on {slot.device}")
+        t_cap = lead[2]
+        fp4_args = tuple(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in fp4_cache)
     if to_cache:
         if v_cache is None or slot is None or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
             raise ValueError("qk_norm_rope: a cache write needs k_cache and v_cache of one layout and slot")
@@ -584,6 +651,9 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
                              f"slot to write), got {slot.dtype} {tuple(slot.shape)} on {slot.device}")
         k_out, v_out = k_cache, v_cache
         kb, kh, kt = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+    elif to_fp4:
+        k_out = v_out = q  # unused
+        kb = kh = kt = 0
     else:
         k_out = torch.empty(r, n_kv_heads, 1, d, dtype=qkv.dtype, device=qkv.device)
         v_out = k_out
@@ -591,9 +661,9 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
     if r:
         COMPILED["fused qk_norm_rope"] = _qk_norm_rope_kernel[(r, n_heads + n_kv_heads)](
             qkv, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos, q, k_out, v_out,
-            slot if slot is not None else q, n_heads, n_kv_heads, d, qkv.stride(0), cos.stride(0),
-            q.stride(0),
-            kb, kh, kt, 1.0 / d, eps, HAS_NORM=has_norm, TO_CACHE=to_cache,
-            BH=max(16, triton.next_power_of_2(d // 2)), num_warps=1, enable_fp_fusion=False,
+            slot if slot is not None else q, *fp4_args, n_heads, n_kv_heads, d, t_cap, qkv.stride(0),
+            cos.stride(0), q.stride(0),
+            kb, kh, kt, 1.0 / d, eps, HAS_NORM=has_norm, TO_CACHE=to_cache, TO_FP4=to_fp4, RULE46=rule46,
+            MAE=mae, BH=max(16, triton.next_power_of_2(d // 2)), num_warps=1, enable_fp_fusion=False,
             **_launch_opts(qkv.device))
-    return q, (None if to_cache else k_out)
+    return q, (None if to_cache or to_fp4 else k_out)
