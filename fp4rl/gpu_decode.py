@@ -9,15 +9,16 @@ sampler's own model copy. What it changes, and what it computes:
 - KV cache: one static cache (`fp4rl.kvcache` classes, B_cap rows x T_cap slots) reused across
   `generate` calls; prefill writes it through prefix views, the n-fold copy of a prompt's rows and
   the compaction of finished rows are done in place. A decode step writes its token's K/V at one
-  slot (NVFP4: `kernels.quantize` per (row, head), byte-identical to the CPU cache's quantizer; FP8:
-  the cache's own torch quantizer) and attends with `kernels.attention.decode_attention` over
+  slot (NVFP4: quantized per (row, head), byte-identical to the CPU cache's quantizer, by the fused step's
+  q/k-norm + RoPE kernel, `FUSED_KV_FP4`, else by `store_kv`'s `kernels.quantize`; FP8: the cache's own
+  torch quantizer) and attends with `kernels.attention.decode_attention` over
   [first real token, slot] of each row (left padding skipped); so does the BF16 cache (the kernel's bf16
   branch, head_dim a power of two >= 16; else, or with `BF16_ATTENTION` / FP4RL_BF16_ATTENTION=0: SDPA over
   all T_cap slots with a mask).
 - Fused decode step (`FUSED`, `DecodeEngine(fused=...)`, `set_fused` for A/B): the elementwise work between
   the GEMMs runs as fp4rl.kernels.fused kernels, four per layer plus one for the final norm: residual add +
-  RMSNorm before attention and before the MLP, q/k-norm + RoPE + the write of k/v into the BF16 cache slot
-  (FP8/NVFP4 caches keep `store_kv`), SiLU(gate) * up. Where the consumer is a W4A4 linear or fused group
+  RMSNorm before attention and before the MLP, q/k-norm + RoPE + the write of k/v into the BF16 or NVFP4
+  cache slot (FP8 caches keep `store_kv`), SiLU(gate) * up. Where the consumer is a W4A4 linear or fused group
   (q/k/v, gate/up, down_proj), the producer kernel also quantizes its output per token with the shared
   quantizer's own helpers (the bytes of `kernels.quantize` for the same input) and the GEMM takes that Q(x)
   (`packed_gemm(..., xq=)`, `gemm.gemm`'s pre-quantized entry); o_proj (after attention) still quantizes

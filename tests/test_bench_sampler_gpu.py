@@ -44,7 +44,8 @@ def test_kv_write_setting(monkeypatch):
     from fp4rl import gpu_decode
 
     monkeypatch.setattr(gpu_decode, "FUSED_KV_FP4", True)
-    assert sampler_gpu.kv_write_setting("default") is True and sampler_gpu.kv_write_setting("separate") is False
+    assert sampler_gpu.kv_write_setting("default") is True
+    assert sampler_gpu.kv_write_setting("separate") is False
     monkeypatch.setattr(gpu_decode, "FUSED_KV_FP4", False)
     assert sampler_gpu.kv_write_setting("default") is False and sampler_gpu.kv_write_setting("fused") is True
     with pytest.raises(ValueError, match="--kv-write item 'both'"):

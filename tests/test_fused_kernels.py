@@ -478,8 +478,11 @@ def test_launches_pass_launch_pdl_only_with_the_pdl_constexpr(monkeypatch):
                 seen[self.name] = (grid, kwargs)
             return launch
 
-    for name in ("_add_rmsnorm_kernel", "_silu_mul_kernel", "_qk_norm_rope_kernel"):
+    from fp4rl.kernels import fused_rope
+
+    for name in ("_add_rmsnorm_kernel", "_silu_mul_kernel"):
         monkeypatch.setattr(fused, name, Spy(name))
+    monkeypatch.setattr(fused_rope, "_qk_norm_rope_kernel", Spy("_qk_norm_rope_kernel"))
     r, h, hkv, d = 2, 4, 2, 32
     x, norm = _bf16((r, 64), 44), _norm(64, 45)
     qkv = _bf16((r, (h + 2 * hkv) * d), 46)

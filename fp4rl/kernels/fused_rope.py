@@ -1,0 +1,212 @@
+"""The decode step's q/k-norm + RoPE kernel and its KV write (part of fp4rl.kernels.fused, which re-exports
+`qk_norm_rope` and `fp4_cache_fits`; the arithmetic and its claims are described there): one program per
+(row, head), q heads then k heads; a k head also moves its v head into the cache slot, either a BF16 cache's
+or, quantized per (row, head) with the shared quantizer's helpers (the bytes of `quantize_2d(per_row=True)`,
+i.e. of the cache's own quantizer and of `gpu_decode.store_kv`), an NVFP4 cache's."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp4rl.kernels._common import COMPILED
+from fp4rl.kernels.fused import (
+    _bf16,
+    _bits_max,
+    _launch_opts,
+    _quant_flags,
+    _quantize_chunk,
+    _row_globals,
+    _rows,
+    tlcuda,
+)
+
+
+@triton.jit
+def _kv_fp4_store(x1, x2, r_flat, D, d_ptr, s_ptr, g_ptr, BH: tl.constexpr, RULE46: tl.constexpr,
+                  MAE: tl.constexpr):
+    """Q(x) of one head vector x = (x1 | x2) (float32 [BH] halves, BH = D / 2) with its own global scale
+    (the NVFP4 KV cache's per (row, head, slot) scale) into row r_flat of the cache's flat [.., D / 2] data,
+    [.., D / 16] block scales and [..] global scales: quantize_2d(x, per_row=True)'s bytes."""
+    zero = tl.zeros((BH,), tl.int32)
+    amax_bits = tl.max(tl.maximum(_bits_max(zero, x1), _bits_max(zero, x2)), 0)
+    s_enc, s_dec, g, amax = _row_globals(amax_bits, BH // 16, RULE46)
+    _quantize_chunk(x1, r_flat, 0, D, d_ptr, s_ptr, s_enc, s_dec, g, amax, BH, RULE46, MAE)
+    _quantize_chunk(x2, r_flat, BH, D, d_ptr, s_ptr, s_enc, s_dec, g, amax, BH, RULE46, MAE)
+    j = tl.arange(0, BH // 16)
+    tl.store(g_ptr + r_flat + j * 0, g, mask=j == 0)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
+    kd_ptr, ks_ptr, kg_ptr, vd_ptr, vs_ptr, vg_ptr,
+    H, HKV, D, T, stride_qkv, stride_cs, stride_qb, stride_kb, stride_kh, stride_kt, inv_d, eps,
+    HAS_NORM: tl.constexpr, TO_CACHE: tl.constexpr, TO_FP4: tl.constexpr, RULE46: tl.constexpr,
+    MAE: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (row, head): q heads 0..H-1, then k heads (each also moves its v head). The head's two
+    halves x1 = x[:D/2], x2 = x[D/2:] are loaded apart, so rotate_half is (-x2, x1). TO_FP4: k and v go
+    into an NVFP4 cache [B, H_kv, T, ...] at the slot, quantized per (row, head) (BH = D / 2)."""
+    if PDL:  # programmatic dependent launch: let the next kernel launch, then wait for our inputs
+        tlcuda.gdc_launch_dependents()
+        tlcuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half = D // 2
+    i = tl.arange(0, BH)
+    m = i < half
+    is_q = head < H
+    src = qkv_ptr + row * stride_qkv + head * D
+    x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half + i, mask=m, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.math.rsqrt(tl.sum(x1 * x1 + x2 * x2, 0) * inv_d + eps)
+        if is_q:
+            w1 = tl.load(qw_ptr + i, mask=m, other=0.0).to(tl.float32)
+            w2 = tl.load(qw_ptr + half + i, mask=m, other=0.0).to(tl.float32)
+        else:
+            w1 = tl.load(kw_ptr + i, mask=m, other=0.0).to(tl.float32)
+            w2 = tl.load(kw_ptr + half + i, mask=m, other=0.0).to(tl.float32)
+        x1 = _bf16(w1 * _bf16(x1 * rstd))
+        x2 = _bf16(w2 * _bf16(x2 * rstd))
+    cs = cos_ptr + row * stride_cs
+    sn = sin_ptr + row * stride_cs
+    c1 = tl.load(cs + i, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(cs + half + i, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(sn + i, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(sn + half + i, mask=m, other=0.0).to(tl.float32)
+    o1 = _bf16(_bf16(x1 * c1) + _bf16(-x2 * s1))
+    o2 = _bf16(_bf16(x2 * c2) + _bf16(x1 * s2))
+    if is_q:
+        dst = q_ptr + row * stride_qb + head * D
+        tl.store(dst + i, o1.to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(dst + half + i, o2.to(q_ptr.dtype.element_ty), mask=m)
+    elif TO_FP4:  # the NVFP4 cache: one flat row per (row, head, slot), k then v
+        j = head - H
+        r_flat = (row * HKV + j) * T + tl.load(slot_ptr)
+        _kv_fp4_store(o1, o2, r_flat, D, kd_ptr, ks_ptr, kg_ptr, BH, RULE46, MAE)
+        vsrc = qkv_ptr + row * stride_qkv + (H + HKV + j) * D
+        v1 = tl.load(vsrc + i).to(tl.float32)
+        v2 = tl.load(vsrc + half + i).to(tl.float32)
+        _kv_fp4_store(v1, v2, r_flat, D, vd_ptr, vs_ptr, vg_ptr, BH, RULE46, MAE)
+    else:
+        j = head - H
+        if TO_CACHE:  # the bf16 cache [B, H_kv, T, D]: slot `slot` of this row and head
+            off = row * stride_kb + j * stride_kh + tl.load(slot_ptr) * stride_kt
+        else:  # k out [B, H_kv, 1, D]
+            off = row * stride_kb + j * stride_kh
+        tl.store(k_ptr + off + i, o1.to(k_ptr.dtype.element_ty), mask=m)
+        tl.store(k_ptr + off + half + i, o2.to(k_ptr.dtype.element_ty), mask=m)
+        if TO_CACHE:
+            vsrc = qkv_ptr + row * stride_qkv + (H + HKV + j) * D
+            v1 = tl.load(vsrc + i, mask=m, other=0.0)
+            v2 = tl.load(vsrc + half + i, mask=m, other=0.0)
+            tl.store(v_ptr + off + i, v1.to(v_ptr.dtype.element_ty), mask=m)
+            tl.store(v_ptr + off + half + i, v2.to(v_ptr.dtype.element_ty), mask=m)
+
+
+def fp4_cache_fits(head_dim: int) -> bool:
+    """Whether qk_norm_rope can write an NVFP4 KV cache itself: each half of a head a power of two >= 16."""
+    half = head_dim // 2
+    return head_dim % 2 == 0 and half >= 16 and half & (half - 1) == 0
+
+
+def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int,
+                 head_dim: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, *,
+                 k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                 slot: torch.Tensor | None = None, fp4_cache: tuple | None = None,
+                 fp4_quant: dict | None = None):
+    """q/k-norm (when weights are given; eps: the norms' epsilon, required since it is per model: Qwen3 1e-6,
+    Llama 1e-5) and RoPE of one token per row, qkv [R, (H + 2 H_kv) D] = the fused q|k|v projection, cos/sin
+    [R, D] of qkv's dtype (bf16, the step's tables). With k_cache/v_cache ([B >= R, H_kv, T, D] bf16) and
+    slot ([1] long on the device) k and v are written at that slot and (q, None) is returned; with fp4_cache
+    = (k_data, k_block_scale, k_global_scale, v_data, v_block_scale, v_global_scale), one layer of an NVFP4
+    KV cache ([B >= R, H_kv, T, D/2] uint8, [.., D/16] float8_e4m3fn, [.., 1] float32, contiguous) and
+    slot, k (after the norm and RoPE) and v are quantized per (row, head) with fp4_quant's scale_rule / err
+    (quantize_2d(per_row=True)'s bytes, i.e. the cache's own quantizer) into that slot and (q, None) is
+    returned (head_dim: ``fp4_cache_fits``); otherwise (q, k) with q [R, H, 1, D], k [R, H_kv, 1, D]."""
+    _rows(qkv, "qkv")
+    r = qkv.shape[0]
+    d = head_dim
+    if qkv.shape[1] != (n_heads + 2 * n_kv_heads) * d or d % 2:
+        raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)} does not fit {n_heads}+2x{n_kv_heads} heads "
+                         f"of {d} (an even head_dim); pass the fused q|k|v projection of one token per row")
+    for name, t in (("cos", cos), ("sin", sin)):
+        _rows(t, name)
+        if tuple(t.shape) != (r, d) or t.dtype != qkv.dtype or t.device != qkv.device:
+            raise ValueError(f"qk_norm_rope: {name} must be [{r}, {d}] {qkv.dtype} on {qkv.device} (one RoPE "
+                             f"row per qkv row, qkv's dtype: model.rope_tables(..., dtype=qkv.dtype)), got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+    if cos.stride() != sin.stride():
+        raise ValueError(f"qk_norm_rope: cos and sin need one layout, got strides {cos.stride()} and "
+                         f"{sin.stride()}; pass .contiguous() tables")
+    has_norm = q_weight is not None
+    if (k_weight is not None) != has_norm:
+        raise ValueError("qk_norm_rope: pass both q_weight and k_weight (q/k-norm) or neither")
+    if has_norm:
+        for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+            if w.numel() != d or not w.is_contiguous() or w.device != qkv.device:
+                raise ValueError(f"qk_norm_rope: {name} must be the {name[0]}_norm's contiguous [{d}] weight "
+                                 f"(head_dim) on {qkv.device}, got {tuple(w.shape)} on {w.device}")
+    q = torch.empty(r, n_heads, 1, d, dtype=qkv.dtype, device=qkv.device)
+    to_cache = k_cache is not None
+    to_fp4 = fp4_cache is not None
+    rule46 = mae = False
+    fp4_args = (q,) * 6
+    t_cap = 0
+    if to_fp4:
+        if to_cache or slot is None:
+            raise ValueError("qk_norm_rope: an NVFP4 cache write takes fp4_cache and slot (no k_cache / "
+                             "v_cache)")
+        if not fp4_cache_fits(d):
+            raise ValueError(f"qk_norm_rope: an NVFP4 cache write needs head_dim / 2 a power of two >= 16, "
+                             f"got head_dim {d}; write the cache with gpu_decode.store_kv")
+        rule46, mae = _quant_flags(fp4_quant or {})
+        if len(fp4_cache) != 6:
+            raise ValueError("qk_norm_rope: fp4_cache is (k_data, k_block_scale, k_global_scale, v_data, "
+                             "v_block_scale, v_global_scale) of one layer")
+        lead = tuple(fp4_cache[0].shape[:3])
+        want = [((d // 2,), torch.uint8), ((d // 16,), torch.float8_e4m3fn), ((1,), torch.float32)] * 2
+        for t, (tail, dtype) in zip(fp4_cache, want):
+            if (t.ndim != 4 or tuple(t.shape[:3]) != lead or tuple(t.shape[3:]) != tail or t.dtype != dtype
+                    or not t.is_contiguous() or t.device != qkv.device or lead[0] < r
+                    or lead[1] != n_kv_heads):
+                raise ValueError(f"qk_norm_rope: fp4_cache tensors must be contiguous [B >= {r}, "
+                                 f"{n_kv_heads}, T, D/2 | D/16 | 1] uint8 / float8_e4m3fn / float32 on "
+                                 f"{qkv.device}, got "
+                                 f"{tuple(t.shape)} {t.dtype}")
+        if slot.dtype != torch.long or slot.numel() != 1 or slot.device != qkv.device:
+            raise ValueError(f"qk_norm_rope: slot must be a [1] torch.long tensor on {qkv.device} (the cache "
+                             f"slot to write), got {slot.dtype} {tuple(slot.shape)} on {slot.device}")
+        t_cap = lead[2]
+        fp4_args = tuple(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in fp4_cache)
+    if to_cache:
+        if v_cache is None or slot is None or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+            raise ValueError("qk_norm_rope: a cache write needs k_cache and v_cache of one layout and slot")
+        if k_cache.ndim != 4 or k_cache.shape[0] < r or tuple(k_cache.shape[1:2]) + tuple(k_cache.shape[3:]) \
+                != (n_kv_heads, d) or k_cache.shape != v_cache.shape or k_cache.device != qkv.device:
+            raise ValueError(f"qk_norm_rope: k_cache/v_cache must be [B >= {r}, {n_kv_heads}, T, {d}] on "
+                             f"{qkv.device}, got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+        if slot.dtype != torch.long or slot.numel() != 1 or slot.device != qkv.device:
+            raise ValueError(f"qk_norm_rope: slot must be a [1] torch.long tensor on {qkv.device} (the cache "
+                             f"slot to write), got {slot.dtype} {tuple(slot.shape)} on {slot.device}")
+        k_out, v_out = k_cache, v_cache
+        kb, kh, kt = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+    elif to_fp4:
+        k_out = v_out = q  # unused
+        kb = kh = kt = 0
+    else:
+        k_out = torch.empty(r, n_kv_heads, 1, d, dtype=qkv.dtype, device=qkv.device)
+        v_out = k_out
+        kb, kh, kt = k_out.stride(0), k_out.stride(1), 0
+    if r:
+        COMPILED["fused qk_norm_rope"] = _qk_norm_rope_kernel[(r, n_heads + n_kv_heads)](
+            qkv, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos, q, k_out, v_out,
+            slot if slot is not None else q, *fp4_args, n_heads, n_kv_heads, d, t_cap, qkv.stride(0),
+            cos.stride(0), q.stride(0),
+            kb, kh, kt, 1.0 / d, eps, HAS_NORM=has_norm, TO_CACHE=to_cache, TO_FP4=to_fp4, RULE46=rule46,
+            MAE=mae, BH=max(16, triton.next_power_of_2(d // 2)), num_warps=1, enable_fp_fusion=False,
+            **_launch_opts(qkv.device))
+    return q, (None if to_cache or to_fp4 else k_out)
