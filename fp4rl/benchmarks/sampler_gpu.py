@@ -119,7 +119,8 @@ def add_arguments(parser):
     parser.add_argument("--offload-trainer", default="auto", choices=("auto", "on", "off"),
                         help="move the trainer's BF16 weights to host memory while the BF16 sampler (a "
                         "second BF16 copy) is built and measured; auto: when two copies would not fit the "
-                        "free GPU memory (a full-depth Qwen3-30B-A3B: 2 x 61 GB)")
+                        "free GPU memory (a full-depth Qwen3-30B-A3B: 2 x 61 GB); on: always, and after an "
+                        "NVFP4 sampler's build too (long contexts at large batch: room for the KV cache)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None, help="JSON results (rewritten after every row)")
 
@@ -268,7 +269,7 @@ def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, 
         raise
     finally:
         gc.collect()
-        if offload:
+        if device.type == "cuda":  # back on the GPU if it was moved (here or after the build): a no-op if not
             torch.cuda.empty_cache()
             trainer.to(device)
 
@@ -301,10 +302,15 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
         from fp4rl.qat import invalidate
 
         invalidate(trainer)  # the trainer's cached Q(W) (the sampler has its copy): free for later builds
+    moved = not offload and device.type == "cuda" and args.offload_trainer == "on"
+    if moved:  # an NVFP4 sampler is built on the GPU from the trainer's Q(W); measured without the trainer
+        trainer.to("cpu")
+        torch.cuda.empty_cache()
     mem = sampler.memory()
     results["builds"].append({"shape": shape, "precision": label, "build_s": time.perf_counter() - t0,
                               "packed_vs_bf16": mem["packed_vs_bf16"], "packed_bytes": mem["packed_bytes"],
-                              "trainer_offloaded": offload})
+                              "trainer_offloaded": "before the build" if offload else
+                              "after the build" if moved else False})
     from fp4rl.kernels import pdl
 
     fusions = [f == "on" for f in args.fusion.split(",")]
