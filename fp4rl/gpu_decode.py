@@ -88,9 +88,6 @@ BF16_ATTENTION = os.environ.get("FP4RL_BF16_ATTENTION", "1") != "0"
 FUSED_KV_FP4 = os.environ.get("FP4RL_FUSED_KV", "1") != "0"
 
 
-NVFP4_BUFFERS = ("k_data", "k_block_scale", "k_global_scale", "v_data", "v_block_scale", "v_global_scale")
-
-
 def _pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
@@ -389,7 +386,7 @@ class DecodeEngine:
                                       slot=ctx.slot)  # [bb, H, 1, D]
             y = self._attend_bf16(c, i, q, ctx, bb, attn.n_rep)
         elif c.kind == "nvfp4" and FUSED_KV_FP4 and fused.fp4_cache_fits(d):  # quantized into the slot there
-            bufs = tuple(getattr(c, name)[i] for name in NVFP4_BUFFERS)
+            bufs = tuple(getattr(c, name)[i] for name in c.buffer_names)  # k then v: data, scales, global
             q, _ = fused.qk_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps, slot=ctx.slot, fp4_cache=bufs,
                                       fp4_quant=c.quantize_kwargs)
             y = self._attend_nvfp4(c, i, q, ctx, bb)

@@ -341,7 +341,7 @@ def test_fused_step_writes_the_nvfp4_cache_as_store_kv(config, contract, monkeyp
                     eos_token_ids=[], kernels=True)
         out = s.generate(PROMPTS, SamplingParams(greedy=True, max_new_tokens=3))
         assert s.engine.fused and writes and all(writes) == on and any(writes) == on
-        runs[on] = (out, [b.clone() for name in gpu_decode.NVFP4_BUFFERS
+        runs[on] = (out, [b.clone() for name in NVFP4KVCache.buffer_names
                           for b in getattr(s.engine.static, name)])
     (a, ca), (b, cb) = runs[True], runs[False]
     assert [c.completion_ids for c in a] == [c.completion_ids for c in b]

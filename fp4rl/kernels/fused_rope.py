@@ -175,13 +175,13 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
                     or lead[1] != n_kv_heads):
                 raise ValueError(f"qk_norm_rope: fp4_cache tensors must be contiguous [B >= {r}, "
                                  f"{n_kv_heads}, T, D/2 | D/16 | 1] uint8 / float8_e4m3fn / float32 on "
-                                 f"{qkv.device}, got "
-                                 f"{tuple(t.shape)} {t.dtype}")
-        if slot.dtype != torch.long or slot.numel() != 1 or slot.device != qkv.device:
-            raise ValueError(f"qk_norm_rope: slot must be a [1] torch.long tensor on {qkv.device} (the cache "
-                             f"slot to write), got {slot.dtype} {tuple(slot.shape)} on {slot.device}")
+                                 f"{qkv.device}, got {tuple(t.shape)} {t.dtype}")
         t_cap = lead[2]
         fp4_args = tuple(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in fp4_cache)
+    if (to_cache or to_fp4) and slot is not None and (slot.dtype != torch.long or slot.numel() != 1
+                                                      or slot.device != qkv.device):
+        raise ValueError(f"qk_norm_rope: slot must be a [1] torch.long tensor on {qkv.device} (the cache "
+                         f"slot to write), got {slot.dtype} {tuple(slot.shape)} on {slot.device}")
     if to_cache:
         if v_cache is None or slot is None or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
             raise ValueError("qk_norm_rope: a cache write needs k_cache and v_cache of one layout and slot")
@@ -189,9 +189,6 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
                 != (n_kv_heads, d) or k_cache.shape != v_cache.shape or k_cache.device != qkv.device:
             raise ValueError(f"qk_norm_rope: k_cache/v_cache must be [B >= {r}, {n_kv_heads}, T, {d}] on "
                              f"{qkv.device}, got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-        if slot.dtype != torch.long or slot.numel() != 1 or slot.device != qkv.device:
-            raise ValueError(f"qk_norm_rope: slot must be a [1] torch.long tensor on {qkv.device} (the cache "
-                             f"slot to write), got {slot.dtype} {tuple(slot.shape)} on {slot.device}")
         k_out, v_out = k_cache, v_cache
         kb, kh, kt = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
     elif to_fp4:
