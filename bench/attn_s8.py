@@ -1,14 +1,15 @@
 """Eighth session: where the Gluon NVFP4 decode attention stands against its knobs, one process.
 
-[BATCH=8] python3 bench/attn_s8.py [context] [variant,...]  (writes $OUT/attn_s8_<context>_b<batch>.json)
+[BATCH=8] [HKV=8] python3 bench/attn_s8.py [context] [variant,...]
+(writes $OUT/attn_s8_<context>_b<batch>_h<hkv>.json)
 
-Batch 8, 32/8 heads, d 128 at one context (default 32768) against torch SDPA BF16 in the same run: the
-default configuration, then variants of the dispatcher's knobs (splits, warps per CTA, L2 prefetch
-distance, register cap) and the timing-only experiment modes of fp4rl.kernels.attention.gluon_ptx (mode
-bit 1: no unpack, wrong values; it bounds what a cheaper unpack can buy). Each variant's output is
-compared with the default's (bit-identical expected for every knob; splits change the merge order).
-Timing as in attn_s7.py (CUDA-graph replay over rotated operand copies), ROUNDS interleaved rounds
-(env, default 2), medians reported (SDPA too).
+Batch 8 (BATCH), 32 query heads over 8 KV heads (HKV), d 128 at one context (default 32768) against torch
+SDPA BF16 in the same run: the default configuration, then variants of the dispatcher's knobs (splits,
+warps per CTA, L2 prefetch distance, register cap) and the timing-only experiment modes of
+fp4rl.kernels.attention.gluon_ptx (mode bit 1: no unpack, wrong values; it bounds what a cheaper unpack
+can buy). Each variant's output is compared with the default's (bit-identical expected for every knob;
+splits change the merge order). Timing as in attn_s7.py (CUDA-graph replay over rotated operand copies),
+ROUNDS interleaved rounds (env, default 2), medians reported (SDPA too).
 """
 
 import json
@@ -59,7 +60,7 @@ def main():
     gk.WARM_MS = 20.0
     bw = gk.copy_bandwidth()
     print(f"copy {bw['tb_s']:.2f} TB/s", flush=True)
-    b, hq, hkv, d = int(os.environ.get("BATCH", "8")), 32, 8, 128
+    b, hq, hkv, d = int(os.environ.get("BATCH", "8")), 32, int(os.environ.get("HKV", "8")), 128
     torch.manual_seed(0)
     x = timing_inputs(b, t, hq, hkv, d)
     q, q4, lengths, r4, bf16_sets, sets4 = x.q, x.q4, x.lengths, x.ref, x.bf16_sets, x.sets4
@@ -119,7 +120,7 @@ def main():
         print(f"| {name}{note} | {VARIANTS[name]} | {us:.1f} [{lo:.1f}, {hi:.1f}] | "
               f"{sdpa / us:.2f} | "
               f"{row.get('rel_err', 0):.2e} | {eq} |")
-    with open(os.path.join(out_dir, f"attn_s8_{t}_b{b}.json"), "w") as fh:
+    with open(os.path.join(out_dir, f"attn_s8_{t}_b{b}_h{hkv}.json"), "w") as fh:
         json.dump(res, fh, indent=1, default=str)
 
 

@@ -50,3 +50,14 @@ def test_kv_write_setting(monkeypatch):
     assert sampler_gpu.kv_write_setting("default") is False and sampler_gpu.kv_write_setting("fused") is True
     with pytest.raises(ValueError, match="--kv-write item 'both'"):
         sampler_gpu.kv_write_setting("both")
+
+
+def test_profile_kv_refuses_an_unknown_format(capsys):
+    """--profile-kv names KV formats; a typo stops the run before any model is built."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    sampler_gpu.add_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--shapes", "tiny:2", "--profile-kv", "bf16,nvpf4"])
+    with pytest.raises(SystemExit, match="--profile-kv item 'nvpf4'"):
+        sampler_gpu.run(args)

@@ -89,7 +89,9 @@ def add_arguments(parser):
                         "is kept)")
     parser.add_argument("--tune", action="store_true", help="time every GEMM candidate per shape (compiles "
                         "~20 Triton configurations per shape and batch bucket); default: first candidate")
-    parser.add_argument("--profile-batch", default="1,32", help="batches profiled (kv bf16), '' for none")
+    parser.add_argument("--profile-batch", default="1,32", help="batches profiled, '' for none")
+    parser.add_argument("--profile-kv", default="bf16",
+                        help="KV cache formats whose rows are profiled (bf16, nvfp4, fp8)")
     parser.add_argument("--presets", default="", help="comma-separated precision presets to measure (bf16, "
                         "nvfp4-w4a16, nvfp4-linear, nvfp4-experts); default: every row of the shape")
     parser.add_argument("--w4a16-last", default="0", help="comma-separated BF16 last-layer fractions of "
@@ -293,6 +295,7 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
     kvs = args.kv.split(",")
     n2 = int(args.tokens.split(",")[1])
     prof_batches = [int(b) for b in args.profile_batch.split(",") if b]
+    prof_kvs = [k for k in args.profile_kv.split(",") if k]
     host_batches = [int(b) for b in args.host_batch.split(",") if b]
     check_kv = "nvfp4" if "nvfp4" in kvs else kvs[-1]
     t0 = time.perf_counter()
@@ -361,7 +364,7 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
             except Exception as exc:  # noqa: BLE001
                 results["checks"].append({**head, "error": repr(exc)[:300]})
             print(json.dumps(results["checks"][-1]), flush=True)
-        if kv == "bf16" and batch in prof_batches and device.type == "cuda":
+        if kv in prof_kvs and batch in prof_batches and device.type == "cuda":
             try:
                 split = profile_split(sampler, batch)
                 results["profiles"].append({**head, "kv": kv, "batch": batch, **split})
@@ -395,6 +398,9 @@ def run(args) -> int:
         [split_setting(s) for s in args.k_split.split(",")]
         [kv_write_setting(w) for w in args.kv_write.split(",")]
         heads = lm_head_settings(args.lm_head)
+        bad = [k for k in args.profile_kv.split(",") if k and k not in ("bf16", "nvfp4", "fp8")]
+        if bad:
+            raise ValueError(f"--profile-kv item {bad[0]!r}: use KV formats among bf16, nvfp4, fp8")
     except ValueError as exc:
         raise SystemExit(f"sampler_gpu: {exc}") from None
 

@@ -1,0 +1,33 @@
+#!/bin/bash
+# Eighteenth session. Mode a: the NVFP4 decode attention at a rollout's 4096-token context (batch 1 and 8, the
+# 8B's 8 and the 30B's 4 KV heads): splits, warps, and the timing-only no-stream / one-partial-merge variants
+# (what the fixed cost is); the wgmma GEMM at 32 rows on the 8B shapes (ring depth, batching, split); the 8B
+# W4A16 step at batch 1 and 4K profiled with the NVFP4 and the BF16 cache (--profile-kv).
+# Mode b: Qwen3-30B-A3B at 4K, batch 32 with --offload-trainer on (the seventeenth session's rows that ran out
+# of memory in the harness).
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+case "${1:-a}" in
+a)
+  for bh in 1:8 1:4 8:8 8:4; do
+    BATCH=${bh%:*} HKV=${bh#*:} ROUNDS=3 timeout 100 python3 bench/attn_s8.py 4096 \
+      splits2,splits4,splits8,splits16,splits24,splits32,warps2,warps8,no_stream,merge_one \
+      > $OUT/attn64_b${bh%:*}_h${bh#*:}.log 2>&1
+    echo "attn b${bh%:*} hkv ${bh#*:} exit $?"; grep '^|\|context\|rror' $OUT/attn64_b${bh%:*}_h${bh#*:}.log | cut -c1-160
+  done
+  timeout 150 python3 bench/mma16_sweep.py --rows 32 \
+    --variants wide,wide+d3,wide+d4,wide+wb2,wide+wb4,wide+s2x,wide+sh \
+    --shapes 6144x4096,4096x4096,24576x4096,4096x12288 --out $OUT/sweep64.json > $OUT/sweep64.log 2>&1
+  echo "sweep exit $?"; grep -v '^\[' $OUT/sweep64.log | cut -c1-160 | tail -40
+  timeout 200 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets nvfp4-w4a16 \
+    --w4a16-last 0 --batch 1 --kv nvfp4,bf16 --prompt 4096 --repeats 1 --tokens 8,24 --profile-batch 1 \
+    --profile-kv nvfp4,bf16 --out $OUT/sampler64_8b_prof.json > $OUT/sampler64_8b_prof.log 2>&1
+  echo "8b exit $?"; grep -v '^{' $OUT/sampler64_8b_prof.log | cut -c1-200 | tail -45
+  ;;
+b)
+  timeout 500 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets bf16,nvfp4-w4a16 \
+    --w4a16-last 0 --batch 32 --kv bf16,nvfp4 --prompt 4096 --repeats 1 --tokens 8,24 --profile-batch '' \
+    --offload-trainer on --out $OUT/sampler64_30b_4k.json > $OUT/sampler64_30b_4k.log 2>&1
+  echo "30b exit $?"; grep '^|\|rror' $OUT/sampler64_30b_4k.log | cut -c1-300 | tail -14
+  ;;
+esac
