@@ -1,8 +1,9 @@
 """The decode step's q/k-norm + RoPE kernel and its KV write (part of fp4rl.kernels.fused, which re-exports
 `qk_norm_rope` and `fp4_cache_fits`; the arithmetic and its claims are described there): one program per
-(row, head), q heads then k heads; a k head also moves its v head into the cache slot, either a BF16 cache's
-or, quantized per (row, head) with the shared quantizer's helpers (the bytes of `quantize_2d(per_row=True)`,
-i.e. of the cache's own quantizer and of `gpu_decode.store_kv`), an NVFP4 cache's."""
+(row, head), q heads then k heads; a k head also moves its v head into the cache slot of a BF16 cache;
+an NVFP4 cache's k and v heads (v heads in programs of their own) are quantized per (row, head) with the
+shared quantizer's helpers (the bytes of `quantize_2d(per_row=True)`, i.e. of the cache's own quantizer
+and of `gpu_decode.store_kv`)."""
 
 from __future__ import annotations
 
@@ -46,9 +47,11 @@ def _qk_norm_rope_kernel(
     HAS_NORM: tl.constexpr, TO_CACHE: tl.constexpr, TO_FP4: tl.constexpr, RULE46: tl.constexpr,
     MAE: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (row, head): q heads 0..H-1, then k heads (each also moves its v head). The head's two
-    halves x1 = x[:D/2], x2 = x[D/2:] are loaded apart, so rotate_half is (-x2, x1). TO_FP4: k and v go
-    into an NVFP4 cache [B, H_kv, T, ...] at the slot, quantized per (row, head) (BH = D / 2)."""
+    """Program (row, head): q heads 0..H-1, then k heads (each also moves its v head into a BF16 cache or
+    output). The head's two halves x1 = x[:D/2], x2 = x[D/2:] are loaded apart, so rotate_half is (-x2, x1).
+    TO_FP4: k and v go into an NVFP4 cache [B, H_kv, T, ...] at the slot, quantized per (row, head) (BH =
+    D / 2); there the v heads are programs H + H_kv .. H + 2 H_kv - 1 (two quantizations one after another
+    in the k programs made them the step's longest: 4.0 vs 2.0 us a call at one row on the H200)."""
     if PDL:  # programmatic dependent launch: let the next kernel launch, then wait for our inputs
         tlcuda.gdc_launch_dependents()
         tlcuda.gdc_wait()
@@ -57,54 +60,58 @@ def _qk_norm_rope_kernel(
     half = D // 2
     i = tl.arange(0, BH)
     m = i < half
-    is_q = head < H
-    src = qkv_ptr + row * stride_qkv + head * D
-    x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half + i, mask=m, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        rstd = tl.math.rsqrt(tl.sum(x1 * x1 + x2 * x2, 0) * inv_d + eps)
-        if is_q:
-            w1 = tl.load(qw_ptr + i, mask=m, other=0.0).to(tl.float32)
-            w2 = tl.load(qw_ptr + half + i, mask=m, other=0.0).to(tl.float32)
-        else:
-            w1 = tl.load(kw_ptr + i, mask=m, other=0.0).to(tl.float32)
-            w2 = tl.load(kw_ptr + half + i, mask=m, other=0.0).to(tl.float32)
-        x1 = _bf16(w1 * _bf16(x1 * rstd))
-        x2 = _bf16(w2 * _bf16(x2 * rstd))
-    cs = cos_ptr + row * stride_cs
-    sn = sin_ptr + row * stride_cs
-    c1 = tl.load(cs + i, mask=m, other=0.0).to(tl.float32)
-    c2 = tl.load(cs + half + i, mask=m, other=0.0).to(tl.float32)
-    s1 = tl.load(sn + i, mask=m, other=0.0).to(tl.float32)
-    s2 = tl.load(sn + half + i, mask=m, other=0.0).to(tl.float32)
-    o1 = _bf16(_bf16(x1 * c1) + _bf16(-x2 * s1))
-    o2 = _bf16(_bf16(x2 * c2) + _bf16(x1 * s2))
-    if is_q:
-        dst = q_ptr + row * stride_qb + head * D
-        tl.store(dst + i, o1.to(q_ptr.dtype.element_ty), mask=m)
-        tl.store(dst + half + i, o2.to(q_ptr.dtype.element_ty), mask=m)
-    elif TO_FP4:  # the NVFP4 cache: one flat row per (row, head, slot), k then v
-        j = head - H
-        r_flat = (row * HKV + j) * T + tl.load(slot_ptr)
-        _kv_fp4_store(o1, o2, r_flat, D, kd_ptr, ks_ptr, kg_ptr, BH, RULE46, MAE)
-        vsrc = qkv_ptr + row * stride_qkv + (H + HKV + j) * D
+    if TO_FP4 and head >= H + HKV:  # a v head of the NVFP4 cache: quantized as it is (no norm, no RoPE)
+        j = head - H - HKV
+        vsrc = qkv_ptr + row * stride_qkv + head * D
         v1 = tl.load(vsrc + i).to(tl.float32)
         v2 = tl.load(vsrc + half + i).to(tl.float32)
-        _kv_fp4_store(v1, v2, r_flat, D, vd_ptr, vs_ptr, vg_ptr, BH, RULE46, MAE)
+        _kv_fp4_store(v1, v2, (row * HKV + j) * T + tl.load(slot_ptr), D, vd_ptr, vs_ptr, vg_ptr, BH,
+                      RULE46, MAE)
     else:
-        j = head - H
-        if TO_CACHE:  # the bf16 cache [B, H_kv, T, D]: slot `slot` of this row and head
-            off = row * stride_kb + j * stride_kh + tl.load(slot_ptr) * stride_kt
-        else:  # k out [B, H_kv, 1, D]
-            off = row * stride_kb + j * stride_kh
-        tl.store(k_ptr + off + i, o1.to(k_ptr.dtype.element_ty), mask=m)
-        tl.store(k_ptr + off + half + i, o2.to(k_ptr.dtype.element_ty), mask=m)
-        if TO_CACHE:
-            vsrc = qkv_ptr + row * stride_qkv + (H + HKV + j) * D
-            v1 = tl.load(vsrc + i, mask=m, other=0.0)
-            v2 = tl.load(vsrc + half + i, mask=m, other=0.0)
-            tl.store(v_ptr + off + i, v1.to(v_ptr.dtype.element_ty), mask=m)
-            tl.store(v_ptr + off + half + i, v2.to(v_ptr.dtype.element_ty), mask=m)
+        is_q = head < H
+        src = qkv_ptr + row * stride_qkv + head * D
+        x1 = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half + i, mask=m, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            rstd = tl.math.rsqrt(tl.sum(x1 * x1 + x2 * x2, 0) * inv_d + eps)
+            if is_q:
+                w1 = tl.load(qw_ptr + i, mask=m, other=0.0).to(tl.float32)
+                w2 = tl.load(qw_ptr + half + i, mask=m, other=0.0).to(tl.float32)
+            else:
+                w1 = tl.load(kw_ptr + i, mask=m, other=0.0).to(tl.float32)
+                w2 = tl.load(kw_ptr + half + i, mask=m, other=0.0).to(tl.float32)
+            x1 = _bf16(w1 * _bf16(x1 * rstd))
+            x2 = _bf16(w2 * _bf16(x2 * rstd))
+        cs = cos_ptr + row * stride_cs
+        sn = sin_ptr + row * stride_cs
+        c1 = tl.load(cs + i, mask=m, other=0.0).to(tl.float32)
+        c2 = tl.load(cs + half + i, mask=m, other=0.0).to(tl.float32)
+        s1 = tl.load(sn + i, mask=m, other=0.0).to(tl.float32)
+        s2 = tl.load(sn + half + i, mask=m, other=0.0).to(tl.float32)
+        o1 = _bf16(_bf16(x1 * c1) + _bf16(-x2 * s1))
+        o2 = _bf16(_bf16(x2 * c2) + _bf16(x1 * s2))
+        if is_q:
+            dst = q_ptr + row * stride_qb + head * D
+            tl.store(dst + i, o1.to(q_ptr.dtype.element_ty), mask=m)
+            tl.store(dst + half + i, o2.to(q_ptr.dtype.element_ty), mask=m)
+        elif TO_FP4:  # the NVFP4 cache: one flat row per (row, head, slot); v heads: programs of their own
+            j = head - H
+            r_flat = (row * HKV + j) * T + tl.load(slot_ptr)
+            _kv_fp4_store(o1, o2, r_flat, D, kd_ptr, ks_ptr, kg_ptr, BH, RULE46, MAE)
+        else:
+            j = head - H
+            if TO_CACHE:  # the bf16 cache [B, H_kv, T, D]: slot `slot` of this row and head
+                off = row * stride_kb + j * stride_kh + tl.load(slot_ptr) * stride_kt
+            else:  # k out [B, H_kv, 1, D]
+                off = row * stride_kb + j * stride_kh
+            tl.store(k_ptr + off + i, o1.to(k_ptr.dtype.element_ty), mask=m)
+            tl.store(k_ptr + off + half + i, o2.to(k_ptr.dtype.element_ty), mask=m)
+            if TO_CACHE:
+                vsrc = qkv_ptr + row * stride_qkv + (H + HKV + j) * D
+                v1 = tl.load(vsrc + i, mask=m, other=0.0)
+                v2 = tl.load(vsrc + half + i, mask=m, other=0.0)
+                tl.store(v_ptr + off + i, v1.to(v_ptr.dtype.element_ty), mask=m)
+                tl.store(v_ptr + off + half + i, v2.to(v_ptr.dtype.element_ty), mask=m)
 
 
 def fp4_cache_fits(head_dim: int) -> bool:
@@ -199,7 +206,8 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
         v_out = k_out
         kb, kh, kt = k_out.stride(0), k_out.stride(1), 0
     if r:
-        COMPILED["fused qk_norm_rope"] = _qk_norm_rope_kernel[(r, n_heads + n_kv_heads)](
+        grid = (r, n_heads + (2 if to_fp4 else 1) * n_kv_heads)
+        COMPILED["fused qk_norm_rope"] = _qk_norm_rope_kernel[grid](
             qkv, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos, q, k_out, v_out,
             slot if slot is not None else q, *fp4_args, n_heads, n_kv_heads, d, t_cap, qkv.stride(0),
             cos.stride(0), q.stride(0),
