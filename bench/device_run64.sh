@@ -30,4 +30,26 @@ b)
     --offload-trainer on --out $OUT/sampler64_30b_4k.json > $OUT/sampler64_30b_4k.log 2>&1
   echo "30b exit $?"; grep '^|\|rror' $OUT/sampler64_30b_4k.log | cut -c1-300 | tail -14
   ;;
+c)  # after the v heads got programs of their own in qk_norm_rope: its GPU tests; the attention's splits at
+    # rollout-sized contexts (bench/attn_splits.py); ncu's stall samples of the 32-row wgmma GEMM; the 8B b1 4K
+    # NVFP4-cache step profiled again
+  timeout 150 python3 -m pytest -q -m "gpu or not slow" tests/test_fused_kernels.py tests/test_gpu_decode.py \
+    -k "nvfp4_cache" > $OUT/tests64c.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests64c.log | tail -8
+  timeout 200 python3 bench/attn_splits.py > $OUT/attn_splits.log 2>&1
+  echo "splits exit $?"; grep -v '^\[' $OUT/attn_splits.log | cut -c1-220
+  timeout 120 ncu --clock-control none --set full --import-source no --page source --print-source sass \
+    -k regex:w4a16_mma16 -c 1 python3 bench/mma16_sweep.py --shapes 24576x4096 --rows 32 --variants wide \
+    > $OUT/ncu_sass_wide32.txt 2>&1
+  echo "sass exit $?"; wc -l $OUT/ncu_sass_wide32.txt
+  timeout 120 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section Occupancy --section MemoryWorkloadAnalysis -k regex:w4a16_mma16 -c 1 python3 bench/mma16_sweep.py \
+    --shapes 24576x4096 --rows 32 --variants wide > $OUT/ncu_wide32.txt 2>&1
+  echo "ncu exit $?"; grep -E 'Duration|Stall|Warp Cycles|Issued Warp|Achieved Occ|Memory Throughput|DRAM Th|Registers|Block Size|Grid Size|Eligible|Active Warps' \
+    $OUT/ncu_wide32.txt | head -30
+  timeout 150 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets nvfp4-w4a16 \
+    --w4a16-last 0 --batch 1 --kv nvfp4 --prompt 4096 --repeats 1 --tokens 8,24 --profile-batch 1 \
+    --profile-kv nvfp4 --out $OUT/sampler64c_8b_prof.json > $OUT/sampler64c_8b_prof.log 2>&1
+  echo "8b exit $?"; grep -v '^{' $OUT/sampler64c_8b_prof.log | cut -c1-200 | tail -16
+  ;;
 esac

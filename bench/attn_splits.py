@@ -1,0 +1,73 @@
+"""Eighteenth session: the NVFP4 decode attention's context splits at rollout-sized contexts, one process.
+
+CASES="b:hkv:t,..." [SPLITS=2,4,...] [ROUNDS=2] python3 bench/attn_splits.py  (writes $OUT/attn_splits.json)
+
+For each case (batch b, 32 query heads over hkv KV heads, d 128, every sequence at context t = the cache's
+capacity): the dispatcher's split count (`_splits_gluon`, what the sampler runs) and each count of SPLITS,
+timed as bench/attn_s8.py does (CUDA-graph replay over operand copies beyond the L2, ROUNDS interleaved
+rounds, medians), each output checked against the float32 reference on the dequantized cache.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, ".")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attn9 import rel, timing_inputs  # noqa: E402
+
+import fp4rl.benchmarks.gpu_kernels as gk  # noqa: E402
+from fp4rl.kernels import attention as A  # noqa: E402
+
+CASES = os.environ.get("CASES", "1:8:1024,1:8:2048,1:8:4096,1:8:8192,1:8:16384,1:4:1024,1:4:2048,1:4:4096,"
+                                "1:4:8192,1:4:16384,8:4:1024,8:4:2048,8:4:4096,8:4:8192,8:4:16384,8:8:1024,"
+                                "8:8:4096,32:8:1024,32:8:4096,32:4:1024,32:4:4096")
+SPLITS = [int(s) for s in os.environ.get("SPLITS", "1,2,3,4,6,8,12,16,24,32").split(",")]
+ROUNDS = int(os.environ.get("ROUNDS", "2"))
+
+
+def main():
+    gk.WARM_MS = 20.0
+    bw = gk.copy_bandwidth()
+    print(f"copy {bw['tb_s']:.2f} TB/s", flush=True)
+    res = {"env": gk._env(), "copy": bw, "cases": []}
+    for case in CASES.split(","):
+        b, hkv, t = (int(v) for v in case.split(":"))
+        torch.manual_seed(0)
+        x = timing_inputs(b, t, 32, hkv, 128)
+        chosen = A._splits_gluon(b, hkv, t, 4, x.q.device, 168)
+        floor = (x.fp4_bytes + 2 * x.q.nbytes) / (bw["tb_s"] * 1e12) * 1e6
+
+        def call(s, n, x=x):
+            (kd, ks, kg), (vd, vs, vg) = s
+            return A.decode_attention(x.q, x.lengths, kd, vd, kg, vg, k_scale=ks, v_scale=vs, kernel="gluon",
+                                      num_splits=n)
+
+        splits = sorted({n for n in SPLITS if t // (n * 4) >= 16} | {chosen})
+        errs = {n: rel(call(x.sets4[0], n), x.ref) for n in splits}
+        times = {n: [] for n in splits}
+        for _ in range(ROUNDS):
+            for n in splits:
+                times[n].append(gk.time_calls([lambda s=s, n=n: call(s, n) for s in x.sets4], min_calls=8))
+        us = {n: statistics.median(v) for n, v in times.items()}
+        best = min(us, key=us.get)
+        row = {"b": b, "hkv": hkv, "t": t, "chosen": chosen, "best": best, "floor_us": floor,
+               "us": us, "rel_err": errs}
+        res["cases"].append(row)
+        print(f"b {b:2d} hkv {hkv} t {t:5d}: chosen {chosen:2d} {us[chosen]:6.1f} us, best {best:2d} "
+              f"{us[best]:6.1f} us (floor {floor:.1f}) | " + " ".join(f"{n}:{v:.1f}" for n, v in us.items()),
+              flush=True)
+        assert max(errs.values()) < 5e-3, errs
+        torch.cuda.empty_cache()
+    with open(os.path.join(os.environ.get("OUT", "."), "attn_splits.json"), "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main()
+    print(f"[total {time.time() - t0:.0f}s]")
