@@ -39,7 +39,7 @@ def main():
         b, hkv, t = (int(v) for v in case.split(":"))
         torch.manual_seed(0)
         x = timing_inputs(b, t, 32, hkv, 128)
-        chosen = A._splits_gluon(b, hkv, t, 4, x.q.device, 168)
+        chosen = A._splits_gluon(b, hkv, t, 4, x.q.device, 168, 32 // hkv)
         floor = (x.fp4_bytes + 2 * x.q.nbytes) / (bw["tb_s"] * 1e12) * 1e6
 
         def call(s, n, x=x):

@@ -156,23 +156,29 @@ BF16_TUNE = {"block_t": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm":
 GLUON = {"on": gluon is not None and not INTERPRET, "error": None}
 
 
-def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int | None) -> int:
-    """Context splits per (batch, KV head). Long contexts (>= 512 tokens per warp when the grid fills every
-    resident warp slot, 12 per multiprocessor at <= 168 registers) take that many; shorter ones fill two
-    CTAs per multiprocessor (fewer partials to merge: the merge, not the stream, is then the larger cost),
-    with >= 64 tokens per warp. On the H200 at batch 8 this picks 6 splits from 16K up and 4 at 2K-8K,
-    the measured best (bench/RESULTS.md, eighth session; at 2K 3 splits tie); batch 1 at 32K: 33 (32
-    measured best). t is the cache's capacity, not the sequences' lengths (read on the device: no host
-    sync, so a graph captured once serves every step): a 32K cache holding 4K sequences gets 32K's count."""
+# Context splits the short-context rule picks from (what bench/attn_splits.py measured on the H200)
+GLUON_SPLIT_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int | None, g: int = 4) -> int:
+    """Context splits per (batch, KV head), g query heads per KV head. Long contexts (>= 512 tokens per warp
+    when the grid fills every resident warp slot, 12 per multiprocessor at <= 168 registers) take that many:
+    the stream is the cost (batch 8, 8 KV heads: 6 splits from 16K up, the eighth session's best). Shorter
+    ones trade the stream (t / n tokens per warp) against the merge of n x num_warps partials in the last
+    CTA of each (batch, head), whose cost grows with g: n = sqrt(t / (6 g)) down the ladder
+    GLUON_SPLIT_LADDER, at most two CTAs per multiprocessor, >= 64 tokens per warp (fitted on the H200 at
+    batch 1-32, 4 and 8 KV heads, 1K-16K, bench/attn_splits.py, eighteenth session: batch 1, 4 KV heads at
+    16K 39.6 -> 21.2 us, at 4K 14.2 -> 12.5; 8 KV heads at 4K 11.4 -> 10.9; batch 1 at 32K: 32). t is the
+    cache's capacity, not the sequences' lengths (read on the device: no host sync, so a graph captured once
+    serves every step): a 32K cache holding 4K sequences gets 32K's count."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     per_sm = 65536 // (32 * (maxnreg or 168)) // num_warps  # resident CTAs per multiprocessor
     bh = max(1, b * hkv)
     n = max(1, min(64, per_sm * sms // bh))
-    if t // (n * num_warps) < 512:
-        n = max(1, min(64, min(2, per_sm) * sms // bh))
-    while n > 1 and t // (n * num_warps) < 64:
-        n -= 1
-    return n
+    if t // (n * num_warps) >= 512:
+        return n
+    fit = min(math.sqrt(t / (6 * max(1, g))), min(2, per_sm) * sms // bh, t // (64 * num_warps))
+    return max([s for s in GLUON_SPLIT_LADDER if s <= fit] or [1])
 
 
 def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, num_splits, num_warps,
@@ -183,7 +189,7 @@ def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, 
     kw, vw = k.view(torch.int32), v.view(torch.int32)  # [B, Hkv, T, 16] words
     ks16 = ks.view(torch.int16)  # [B, Hkv, T, 4]: scale byte pairs (2c, 2c+1)
     vs8 = vs.view(torch.uint8)
-    num_splits = num_splits or _splits_gluon(b, hkv, t_cap, num_warps, q.device, maxnreg)
+    num_splits = num_splits or _splits_gluon(b, hkv, t_cap, num_warps, q.device, maxnreg, g)
     n_slots = b * hkv * num_splits * num_warps
     part, ml, lock = _WORKSPACE.get(q.device, n_slots, 8, 128, b * hkv, ml_cols=80)
     out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=q.device)
