@@ -263,6 +263,34 @@ def test_gpu_global_scale_read_early_gives_the_same_bits(n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(1008, 1280), (4096, 4096)])
+def test_gpu_wide_precomputed_x_addresses_give_the_same_bits(n, k):
+    """The wgmma configuration's x staging with its per-thread addresses computed once (XPRE, the default at
+    MG <= 8) or in every step: the same bits at 17-64 rows (partial row groups, rows past M zero-filled),
+    every split, with W4A4's per-row x scales."""
+    if not gemv_cuda.wide_available():
+        pytest.skip("needs an sm_90 GPU (wgmma) and torch.cuda._compile_kernel")
+    w, wc, wd, g, base = _gpu_case(n, k, {}, 64, seed=11)
+    xs = torch.rand(64, device="cuda") + 0.5
+    for m in (17, 32, 45, 64):
+        plan = gemv_cuda.choose_wide(n, k, m, torch.cuda.get_device_properties(0).multi_processor_count)
+        for split in sorted({1, plan["SPLIT"], 4}):
+            if (k // 128) < split:
+                continue
+            for x_scale in (None, xs[:m]):
+                out = []
+                for xpre in (0, 1):
+                    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    cfg = dict(plan, SPLIT=split, XPRE=xpre)
+                    gemv_cuda.launch(base[:m], wc, g, y, cfg=cfg, x_scale=x_scale)
+                    assert not y.isnan().any()
+                    out.append(y)
+                if x_scale is None:
+                    assert _rel(out[1], base[:m].double() @ wd.T) < 4e-3
+                assert torch.equal(out[0], out[1]), (m, split, x_scale is None)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,k,kw", [(144, 384, {"scale_scope": "row"}), (1008, 1280, {}),
                                     (4096, 4096, {"scale_rule": "4/6"}), (768, 14336, {})])
 def test_gpu_wide_matches_reference(n, k, kw):

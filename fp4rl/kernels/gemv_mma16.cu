@@ -96,6 +96,12 @@ typedef unsigned long long u64;
 #ifndef SWZ
 #define SWZ 0  // WGMMA: x stages in the 128-byte swizzle (1) or in 8 x 16 B core matrices without swizzle (0)
 #endif
+#ifndef XPRE
+#define XPRE (WGMMA && SWZ && MG <= 8)  // WGMMA: x's cp.async addresses per thread computed once (see issue_x)
+#endif
+#if XPRE && !(WGMMA && SWZ)
+#error "XPRE is for WGMMA with SWZ 1"
+#endif
 #ifndef WB
 #define WB 1  // WGMMA: 16-k blocks per batch of multiplies (one fence / commit / wait per batch)
 #endif
@@ -389,6 +395,34 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #else
     // XSTREAM: the 128-k chunk of x for `step` (its rows, then the zero row) into x stage `stage`, by all
     // threads of the CTA (the chunk is read by every warp: a CTA barrier per step orders it)
+#if XPRE
+    // XPRE (WGMMA): each thread's chunks of a stage (source row and column, swizzled offset) computed once
+    // here; a step adds its 128 k to the source and its stage to the offset. The per-step address arithmetic
+    // of the loop below was ~a fifth of the 32-row kernel's instructions (ncu: issue slots 65% busy).
+    constexpr int XC = (XROWS * 16 + WARPS * 32 - 1) / (WARPS * 32);  // chunks per thread and stage
+    const u16* xsrc[XC];
+    u32 xoff[XC];
+    bool xin[XC], xon[XC];
+#pragma unroll
+    for (int i = 0; i < XC; ++i) {
+        const int c = threadIdx.x + i * WARPS * 32;
+        const int m = c >> 4, q = c & 15;
+        xon[i] = !(TIMING & 1) && c < XROWS * 16;
+        xin[i] = xon[i] && m < M;
+        xsrc[i] = xin[i] ? x + (u64)m * stride_xm + q * 8 : x;
+        xoff[i] = (q >> 3) * (XROWS * 128) + m * 128 + (((q & 7) ^ (m & 7)) << 4);
+    }
+    auto issue_x = [&](int step, int stage) {
+#pragma unroll
+        for (int i = 0; i < XC; ++i) {
+            if (xon[i]) {
+                const bool in = xin[i] && step < s1;
+                cp_async16(smem_u32(xs) + stage * XSTAGE + xoff[i], in ? xsrc[i] + (u64)step * 128 : x,
+                           in ? 16 : 0);
+            }
+        }
+    };
+#else
     auto issue_x = [&](int step, int stage) {
         for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : (WGMMA ? XROWS : XR + 1) * 16); c += WARPS * 32) {
 #if WGMMA && !SWZ
@@ -412,6 +446,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             cp_async16(smem_u32(xs) + stage * XSTAGE + off, src, in ? 16 : 0);
         }
     };
+#endif  // XPRE
 #endif
 #if XSTREAM
     // group 0 = weight steps 0 .. DEPTH-2 + x step 0, group d = x step d: the group of step i is the i-th
