@@ -52,4 +52,21 @@ c)  # after the v heads got programs of their own in qk_norm_rope: its GPU tests
     --profile-kv nvfp4 --out $OUT/sampler64c_8b_prof.json > $OUT/sampler64c_8b_prof.log 2>&1
   echo "8b exit $?"; grep -v '^{' $OUT/sampler64c_8b_prof.log | cut -c1-200 | tail -16
   ;;
+d)  # XPRE (x's addresses computed once in the wgmma GEMM) and the new attention split rule: GPU tests; the
+    # 17-64-row GEMMs with and without XPRE; Qwen3-8B at 4K (NVFP4 cache) and at batch 32 short context
+  timeout 150 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py tests/test_triton_attention.py \
+    -k "wide or gluon or split" > $OUT/tests64d.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests64d.log | tail -8
+  timeout 120 python3 bench/mma16_sweep.py --rows 20,32,48,64 --variants wide,wide+xp0 \
+    --shapes 6144x4096,4096x4096,24576x4096,4096x12288,14336x4096 --out $OUT/sweep64d.json > $OUT/sweep64d.log 2>&1
+  echo "sweep exit $?"; grep -v '^\[' $OUT/sweep64d.log | cut -c1-120 | tail -42
+  timeout 170 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 \
+    --w4a16-last 0 --batch 1,8,32 --kv bf16,nvfp4 --prompt 4096 --repeats 2 --tokens 8,40 --profile-batch '' \
+    --out $OUT/sampler64d_8b_4k.json > $OUT/sampler64d_8b_4k.log 2>&1
+  echo "8b 4k exit $?"; grep '^|\|rror' $OUT/sampler64d_8b_4k.log | cut -c1-250 | tail -10
+  timeout 100 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 \
+    --w4a16-last 0 --batch 32 --kv bf16 --repeats 3 --tokens 8,72 --profile-batch '' \
+    --out $OUT/sampler64d_8b_b32.json > $OUT/sampler64d_8b_b32.log 2>&1
+  echo "8b b32 exit $?"; grep '^|\|rror' $OUT/sampler64d_8b_b32.log | cut -c1-250 | tail -6
+  ;;
 esac
