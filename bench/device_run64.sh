@@ -69,4 +69,20 @@ d)  # XPRE (x's addresses computed once in the wgmma GEMM) and the new attention
     --out $OUT/sampler64d_8b_b32.json > $OUT/sampler64d_8b_b32.log 2>&1
   echo "8b b32 exit $?"; grep '^|\|rror' $OUT/sampler64d_8b_b32.log | cut -c1-250 | tail -6
   ;;
+e)  # DESC0 (x's B descriptors from one precomputed word): GPU bit tests; the 32/64-row GEMMs with and
+    # without it; Qwen3-8B at batch 32 (4K with both caches; short context)
+  timeout 100 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py -k "wide" > $OUT/tests64e.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests64e.log | tail -8
+  timeout 90 python3 bench/mma16_sweep.py --rows 32,64 --variants wide,wide+dz0 \
+    --shapes 6144x4096,4096x4096,24576x4096,4096x12288,14336x4096 --out $OUT/sweep64e.json > $OUT/sweep64e.log 2>&1
+  echo "sweep exit $?"; grep -v '^\[' $OUT/sweep64e.log | cut -c1-100 | tail -20
+  timeout 150 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 \
+    --w4a16-last 0 --batch 32 --kv bf16,nvfp4 --prompt 4096 --repeats 2 --tokens 8,40 --profile-batch '' \
+    --out $OUT/sampler64e_8b_4k.json > $OUT/sampler64e_8b_4k.log 2>&1
+  echo "8b 4k exit $?"; grep '^|' $OUT/sampler64e_8b_4k.log | cut -c1-200 | tail -6
+  timeout 100 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 \
+    --w4a16-last 0 --batch 32 --kv bf16 --repeats 3 --tokens 8,72 --profile-batch '' \
+    --out $OUT/sampler64e_8b_b32.json > $OUT/sampler64e_8b_b32.log 2>&1
+  echo "8b b32 exit $?"; grep '^|' $OUT/sampler64e_8b_b32.log | cut -c1-200 | tail -4
+  ;;
 esac
