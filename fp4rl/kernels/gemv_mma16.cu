@@ -376,6 +376,14 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         wp[j] = wt + (tile * S) * 64 + lane;
         sp[j] = st + (tile * S) * 16 + (lane & 15);
     }
+#if XPRE
+    // XPRE: running source pointers, one step further each call (the calls come in step order from ws0):
+    // without them ptxas rebuilt every pointer from the block index in each step
+    const uint4* wrun[NT];
+    const uint4* srun[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) wrun[j] = wp[j] + (u64)ws0 * 64, srun[j] = sp[j] + (u64)ws0 * 16;
+#endif
     auto issue_w = [&](int step, int stage) {
         if (step < ws1) {
 #pragma unroll
@@ -383,12 +391,22 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                 if (ok[j] || WGMMA) {  // WGMMA: a tile past N reads zeros (the warp still joins the multiply)
                     const u32 dst = ring_s + (stage * NT + j) * STAGE_BYTES;
                     const int nb = ok[j] ? 16 : 0;
+#if XPRE
+                    cp_async16(dst + lane * 16, wrun[j], nb);
+                    cp_async16(dst + 512 + lane * 16, wrun[j] + 32, nb);
+                    if (lane < 16) cp_async16(dst + 1024 + lane * 16, srun[j], nb);
+#else
                     cp_async16(dst + lane * 16, wp[j] + (u64)step * 64, nb);
                     cp_async16(dst + 512 + lane * 16, wp[j] + (u64)step * 64 + 32, nb);
                     if (lane < 16) cp_async16(dst + 1024 + lane * 16, sp[j] + (u64)step * 16, nb);
+#endif
                 }
             }
         }
+#if XPRE
+#pragma unroll
+        for (int j = 0; j < NT; ++j) wrun[j] += 64, srun[j] += 16;
+#endif
     };
 #if !XSTREAM
     auto issue = [&](int step, int stage) {
@@ -415,14 +433,16 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         xsrc[i] = xin[i] ? x + (u64)m * stride_xm + q * 8 : x;
         xoff[i] = (q >> 3) * (XROWS * 128) + m * 128 + (((q & 7) ^ (m & 7)) << 4);
     }
+#pragma unroll
+    for (int i = 0; i < XC; ++i) xsrc[i] += (u64)s0 * 128;  // running: one step further each call (from s0)
     auto issue_x = [&](int step, int stage) {
 #pragma unroll
         for (int i = 0; i < XC; ++i) {
             if (xon[i]) {
                 const bool in = xin[i] && step < s1;
-                cp_async16(smem_u32(xs) + stage * XSTAGE + xoff[i], in ? xsrc[i] + (u64)step * 128 : x,
-                           in ? 16 : 0);
+                cp_async16(smem_u32(xs) + stage * XSTAGE + xoff[i], in ? xsrc[i] : x, in ? 16 : 0);
             }
+            xsrc[i] += 128;
         }
     };
 #else
