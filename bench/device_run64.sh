@@ -73,9 +73,9 @@ e)  # DESC0 (x's B descriptors from one precomputed word): GPU bit tests; the 32
     # without it; Qwen3-8B at batch 32 (4K with both caches; short context)
   timeout 100 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py -k "wide" > $OUT/tests64e.log 2>&1
   echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests64e.log | tail -8
-  timeout 90 python3 bench/mma16_sweep.py --rows 32,64 --variants wide,wide+dz0 \
+  timeout 90 python3 bench/mma16_sweep.py --rows 32,64 --variants wide,wide+dz0,wide+xp0+dz0 \
     --shapes 6144x4096,4096x4096,24576x4096,4096x12288,14336x4096 --out $OUT/sweep64e.json > $OUT/sweep64e.log 2>&1
-  echo "sweep exit $?"; grep -v '^\[' $OUT/sweep64e.log | cut -c1-100 | tail -20
+  echo "sweep exit $?"; grep -v '^\[' $OUT/sweep64e.log | cut -c1-100 | tail -30
   timeout 150 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 \
     --w4a16-last 0 --batch 32 --kv bf16,nvfp4 --prompt 4096 --repeats 2 --tokens 8,40 --profile-batch '' \
     --out $OUT/sampler64e_8b_4k.json > $OUT/sampler64e_8b_4k.log 2>&1
