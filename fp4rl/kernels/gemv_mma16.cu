@@ -102,9 +102,6 @@ typedef unsigned long long u64;
 #if XPRE && !(WGMMA && SWZ)
 #error "XPRE is for WGMMA with SWZ 1"
 #endif
-#ifndef DESC0
-#define DESC0 (WGMMA && SWZ)  // WGMMA: x's B descriptors as one precomputed word plus a constant (see the loop)
-#endif
 #ifndef WB
 #define WB 1  // WGMMA: 16-k blocks per batch of multiplies (one fence / commit / wait per batch)
 #endif
@@ -560,12 +557,6 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             for (int i = 0; i < 4; ++i) acc[j][mg][i] = acc2[j][mg][i] = 0.f;
 #endif
 
-#if WGMMA && SWZ && DESC0
-    // the B descriptor's words for x stage 0, block 0 (128 B swizzle: address >> 4 in bits 0-13, LBO 1,
-    // SBO 1024 B >> 4 in bits 32-45, layout type 1 in bits 62-63); every block's is this plus its offset >> 4
-    const u32 desc_lo0 = ((smem_u32(xs) >> 4) & 0x3FFF) | (1u << 16);
-    const u32 desc_hi = (1024u >> 4) | (1u << 30);
-#endif
     // 3. the stream
     const int g4 = lane >> 2;
     for (int s = ws0; s < ws1; s += DEPTH) {
@@ -635,15 +626,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                             // B: x^T of block b0 + bb in the 128 B swizzle atoms (8 rows x 128 B): the block's
                             // 32 B of each row at (blk % 4) * 32 in k half blk / 4; SBO 1024 B (8 rows)
                             const int blk = b0 + bb;
-#if DESC0
-                            // the descriptor of stage 0's block 0 plus a compile-time offset (no carry out of
-                            // the 14-bit address field: shared addresses stay below 256 KB)
-                            const u64 desc = ((u64)desc_hi << 32)
-                                             | (desc_lo0 + ((kb + (blk >> 2) * (XROWS * 128) + (blk & 3) * 32) >> 4));
-#else
                             const u64 desc = (u64)(((xb + (blk >> 2) * (XROWS * 128) + (blk & 3) * 32) >> 4) & 0x3FFF)
                                              | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
-#endif
 #else
                             // B: x^T of block b0 + bb, core matrices 8 rows x 16 B; LBO 128 B (k), SBO 256 B (rows)
                             const u64 desc = (u64)(((xb + (b0 + bb) * (MG * 256)) >> 4) & 0x3FFF)
