@@ -87,9 +87,9 @@ e)  # DESC0 (x's B descriptors from one precomputed word): GPU bit tests; the 32
   ;;
 f)  # the session's last call: the final wgmma kernel's bit test (XPRE with running pointers against the
     # per-step form); Qwen3-30B-A3B at 4K, batch 32, --offload-trainer on (out of memory in the seventeenth)
-  timeout 80 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py -k "precomputed" > $OUT/tests64f.log 2>&1
+  timeout 70 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py -k "precomputed" > $OUT/tests64f.log 2>&1
   echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests64f.log | tail -6
-  timeout 290 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets bf16,nvfp4-w4a16 \
+  timeout 250 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets bf16,nvfp4-w4a16 \
     --w4a16-last 0 --batch 32 --kv bf16,nvfp4 --prompt 4096 --repeats 1 --tokens 8,24 --profile-batch '' \
     --offload-trainer on --out $OUT/sampler64f_30b_4k.json > $OUT/sampler64f_30b_4k.log 2>&1
   echo "30b exit $?"; grep '^|\|rror' $OUT/sampler64f_30b_4k.log | cut -c1-250 | tail -8
