@@ -52,7 +52,7 @@ def test_kv_write_setting(monkeypatch):
         sampler_gpu.kv_write_setting("both")
 
 
-def test_profile_kv_refuses_an_unknown_format(capsys):
+def test_profile_kv_refuses_an_unknown_format():
     """--profile-kv names KV formats; a typo stops the run before any model is built."""
     import argparse
 

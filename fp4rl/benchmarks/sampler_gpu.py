@@ -53,6 +53,7 @@ from fp4rl.benchmarks.decode_timing import (
     replay_us,
     timed_generate,
 )
+from fp4rl.kvcache import KV_CACHE_KINDS
 
 SHAPES = {
     "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -398,9 +399,9 @@ def run(args) -> int:
         [split_setting(s) for s in args.k_split.split(",")]
         [kv_write_setting(w) for w in args.kv_write.split(",")]
         heads = lm_head_settings(args.lm_head)
-        bad = [k for k in args.profile_kv.split(",") if k and k not in ("bf16", "nvfp4", "fp8")]
+        bad = [k for k in args.profile_kv.split(",") if k and k not in KV_CACHE_KINDS]
         if bad:
-            raise ValueError(f"--profile-kv item {bad[0]!r}: use KV formats among bf16, nvfp4, fp8")
+            raise ValueError(f"--profile-kv item {bad[0]!r}: use KV formats among {KV_CACHE_KINDS}")
     except ValueError as exc:
         raise SystemExit(f"sampler_gpu: {exc}") from None
 
