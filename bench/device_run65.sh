@@ -1,0 +1,22 @@
+#!/bin/bash
+# Nineteenth session. Mode a: the wgmma GEMM at 32 rows with NT 2 now that XPRE is in (the eighteenth session's
+# item 1); the wgmma GEMM at 64-512 rows (where W4A16 is slower than cuBLAS BF16: the issue's "never slower to
+# 512 rows") over NT, depth and split; ncu of the 128-row build (what bounds it).
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+case "${1:-a}" in
+a)
+  timeout 120 python3 bench/mma16_sweep.py --rows 32 --variants wide,wide+nt2,wide+nt2+s2x,wide+nt2+sh \
+    --shapes 6144x4096,4096x4096,24576x4096,4096x12288,14336x4096 --out $OUT/sweep65a32.json > $OUT/sweep65a32.log 2>&1
+  echo "sweep32 exit $?"; grep -v '^\[' $OUT/sweep65a32.log | cut -c1-120 | tail -30
+  timeout 200 python3 bench/mma16_sweep.py --rows 64,128,256,512 \
+    --variants wide,wide+nt1,wide+nt2,wide+d3,wide+d4,wide+s2x,wide+sh \
+    --shapes 14336x4096,4096x14336,4096x4096 --out $OUT/sweep65a.json > $OUT/sweep65a.log 2>&1
+  echo "sweep exit $?"; grep -v '^\[' $OUT/sweep65a.log | cut -c1-120 | tail -80
+  timeout 120 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section Occupancy --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis -k regex:w4a16_mma16 -c 1 \
+    python3 bench/mma16_sweep.py --shapes 14336x4096 --rows 128 --variants wide > $OUT/ncu65_wide128.txt 2>&1
+  echo "ncu exit $?"; grep -E 'Duration|Stall|Warp Cycles|Issued Warp|Achieved Occ|Throughput|Registers|Block Size|Grid Size|Eligible|Active Warps|Pipe|L2|L1|Busy|Shared' \
+    $OUT/ncu65_wide128.txt | head -60
+  ;;
+esac
