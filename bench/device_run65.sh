@@ -19,4 +19,14 @@ a)
   echo "ncu exit $?"; grep -E 'Duration|Stall|Warp Cycles|Issued Warp|Achieved Occ|Throughput|Registers|Block Size|Grid Size|Eligible|Active Warps|Pipe|L2|L1|Busy|Shared' \
     $OUT/ncu65_wide128.txt | head -60
   ;;
+b)  # the 128-row wgmma GEMM: timing-only variants (t1: no x staging), XPRE at MG 16, batches of multiplies;
+    # ncu stall samples per SASS instruction
+  timeout 120 python3 bench/mma16_sweep.py --rows 128 --variants wide,wide+t1,wide+xp1,wide+wb2,wide+wb4,wide+sh+t1 \
+    --shapes 14336x4096,4096x14336 --out $OUT/sweep65b.json > $OUT/sweep65b.log 2>&1
+  echo "sweep exit $?"; grep -v '^\[' $OUT/sweep65b.log | cut -c1-120 | tail -20
+  timeout 150 ncu --clock-control none --set full --import-source no --page source --print-source sass \
+    -k regex:w4a16_mma16 -c 1 python3 bench/mma16_sweep.py --shapes 14336x4096 --rows 128 --variants wide \
+    > $OUT/ncu65_sass128.txt 2>&1
+  echo "sass exit $?"; wc -l $OUT/ncu65_sass128.txt
+  ;;
 esac
