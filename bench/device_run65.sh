@@ -29,4 +29,13 @@ b)  # the 128-row wgmma GEMM: timing-only variants (t1: no x staging), XPRE at M
     > $OUT/ncu65_sass128.txt 2>&1
   echo "sass exit $?"; wc -l $OUT/ncu65_sass128.txt
   ;;
+c)  # XPRE 2 (one running x pointer per thread) and XMID (the next x step issued after the first multiplies, no
+    # drain at the step's start): GPU bit tests; the 32-512-row GEMMs with and without them
+  timeout 150 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py -k "wide" > $OUT/tests65c.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests65c.log | tail -8
+  timeout 240 python3 bench/mma16_sweep.py --rows 32,64,128,256,512 \
+    --variants wide,wide+xp2,wide+xm1,wide+xp2+xm1,wide+xp2+xm1+nt1,wide+xp2+xm1+sh \
+    --shapes 14336x4096,4096x14336,6144x4096,24576x4096,4096x12288,4096x4096 --out $OUT/sweep65c.json > $OUT/sweep65c.log 2>&1
+  echo "sweep exit $?"; grep -v '^\[' $OUT/sweep65c.log | cut -c1-100 | tail -150
+  ;;
 esac

@@ -264,6 +264,37 @@ def test_gpu_global_scale_read_early_gives_the_same_bits(n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(1008, 1280), (4096, 4096)])
+def test_gpu_wide_lean_x_staging_and_mid_step_refill_give_the_same_bits(n, k):
+    """XPRE 2 (one running x pointer per thread; rows past M read row M - 1 instead of zeros) and XMID (the
+    next x step issued after the step's first multiplies instead of after a drain at the step's start) against
+    the per-step x staging: the same bits at 17-300 rows (partial row groups, several row blocks, MG 3-16),
+    every split, with W4A4's per-row x scales."""
+    if not gemv_cuda.wide_available():
+        pytest.skip("needs an sm_90 GPU (wgmma) and torch.cuda._compile_kernel")
+    w, wc, wd, g, base = _gpu_case(n, k, {}, 300, seed=13)
+    xs = torch.rand(300, device="cuda") + 0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in (17, 45, 64, 100, 128, 300):
+        plan = gemv_cuda.choose_wide(n, k, m, sms)
+        for split in sorted({1, plan["SPLIT"], 4}):
+            if (k // 128) < split:
+                continue
+            for x_scale in (None, xs[:m]):
+                out = []
+                for xpre, xmid in ((0, 0), (2, 0), (2, 1), (0, 1)):
+                    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    cfg = dict(plan, SPLIT=split, XPRE=xpre, XMID=xmid)
+                    gemv_cuda.launch(base[:m], wc, g, y, cfg=cfg, x_scale=x_scale)
+                    assert not y.isnan().any(), (m, split, xpre, xmid)
+                    out.append(y)
+                if x_scale is None:
+                    assert _rel(out[0], base[:m].double() @ wd.T) < 4e-3
+                for o, v in zip(out[1:], ((2, 0), (2, 1), (0, 1))):
+                    assert torch.equal(out[0], o), (m, split, v, x_scale is None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(1008, 1280), (4096, 4096)])
 def test_gpu_wide_precomputed_x_addresses_give_the_same_bits(n, k):
     """The wgmma configuration's x staging with its per-thread addresses computed once (XPRE, the default at
     MG <= 8, with running source pointers for x and the weights) or in every step: the same bits at 17-64 rows

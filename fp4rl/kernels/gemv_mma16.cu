@@ -97,10 +97,18 @@ typedef unsigned long long u64;
 #define SWZ 0  // WGMMA: x stages in the 128-byte swizzle (1) or in 8 x 16 B core matrices without swizzle (0)
 #endif
 #ifndef XPRE
-#define XPRE (WGMMA && SWZ && MG <= 8)  // WGMMA: x's cp.async addresses per thread computed once (see issue_x)
+// WGMMA: x's cp.async addresses per thread computed once (see issue_x): 1 one pointer and offset per chunk, 2 one
+// running pointer for all of a thread's chunks (rows past M read row M - 1)
+#define XPRE (WGMMA && SWZ && MG <= 8)
 #endif
 #if XPRE && !(WGMMA && SWZ)
 #error "XPRE is for WGMMA with SWZ 1"
+#endif
+#ifndef XMID
+#define XMID 0  // WGMMA, DEPTH 2: the next step's x issued after the step's first multiplies (see the stream)
+#endif
+#if XMID && !(WGMMA && DEPTH == 2)
+#error "XMID is for WGMMA with DEPTH 2"
 #endif
 #ifndef WB
 #define WB 1  // WGMMA: 16-k blocks per batch of multiplies (one fence / commit / wait per batch)
@@ -413,7 +421,31 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #else
     // XSTREAM: the 128-k chunk of x for `step` (its rows, then the zero row) into x stage `stage`, by all
     // threads of the CTA (the chunk is read by every warp: a CTA barrier per step orders it)
-#if XPRE
+#if XPRE == 2
+    // XPRE 2 (WGMMA, SWZ): chunk c = tid + 256 i of a stage is row (tid >> 4) + 16 i, 16-byte column tid & 15,
+    // so a thread's chunks share their column and their swizzle (row % 8) and lie 16 rows (2 KB of the stage)
+    // apart: one running source pointer and one offset per thread. Rows past M read row M - 1 instead of zeros:
+    // x^T's column m of the product only reaches output row m, and rows >= M are never stored (no registers
+    // per chunk, no per-chunk predicate on the bytes).
+    constexpr int XC = (XROWS * 16 + WARPS * 32 - 1) / (WARPS * 32);  // chunks per thread and stage
+    const int xr0 = threadIdx.x >> 4, xq = threadIdx.x & 15;
+    const bool xlast = xr0 + 16 * (XC - 1) < XROWS;  // the thread's last chunk is in the stage (MG odd: half)
+    const int xnv = M > xr0 ? (M - xr0 + 15) >> 4 : 0;  // its chunks of rows < M
+    const u16* xsrc = x + (u64)min(xr0, M - 1) * stride_xm + xq * 8 + (u64)s0 * 128;  // running (from s0)
+    const u64 xrow16 = (u64)16 * stride_xm;
+    const u32 xdst = smem_u32(xs) + (xq >> 3) * (XROWS * 128) + xr0 * 128 + (((xq & 7) ^ (xr0 & 7)) << 4);
+    auto issue_x = [&](int step, int stage) {
+        if (!(TIMING & 1) && step < s1) {  // past the range: nothing (those stages are never multiplied)
+            const u16* p = xsrc;
+#pragma unroll
+            for (int i = 0; i < XC; ++i) {
+                if (i < XC - 1 || xlast) cp_async16(xdst + stage * XSTAGE + i * 2048, p, 16);
+                if (i + 1 < xnv) p += xrow16;
+            }
+        }
+        xsrc += 128;
+    };
+#elif XPRE
     // XPRE (WGMMA): each thread's chunks of a stage (source row and column, swizzled offset) computed once
     // here; a step adds its 128 k to the source and its stage to the offset. The per-step address arithmetic
     // of the loop below was ~a fifth of the 32-row kernel's instructions (ncu: issue slots 65% busy).
@@ -566,8 +598,10 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             if (sd < ws1) {
 #if XSTREAM
 #if WGMMA
-                wg_wait<0>();  // this warpgroup's multiplies of step sd - 1 have read their x stage
-                acc_fence(&acc[0][0][0]);  // keep the accumulators in place across the loop (no moves)
+                if (!XMID) {  // (XMID: the stage refilled in this step is step sd - 1's, after the first batch)
+                    wg_wait<0>();  // this warpgroup's multiplies of step sd - 1 have read their x stage
+                    acc_fence(&acc[0][0][0]);  // keep the accumulators in place across the loop (no moves)
+                }
 #endif
                 cp_async_wait<DEPTH - 2>();  // this step's group (and all older) landed, for this thread ...
 #if WGMMA
@@ -590,8 +624,10 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                 }
 #if XSTREAM
                 issue_w(sd + DEPTH - 1, (d + DEPTH - 1) % DEPTH);  // into step sd - 1's stages
-                issue_x(sd + DEPTH - 1, (d + DEPTH - 1) % DEPTH);
-                cp_async_commit();
+                if (!XMID) {
+                    issue_x(sd + DEPTH - 1, (d + DEPTH - 1) % DEPTH);
+                    cp_async_commit();
+                }
                 const u32 kb = (u32)d * XSTAGE;  // byte offset of this step's x stage
 #else
                 __syncwarp();  // every lane has its copy: the stage can be refilled
@@ -639,6 +675,17 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                         }
                         wg_commit();
                         wg_wait<1>();  // the batch before this one has finished: its A registers are free
+#if XMID
+                        if (b0 == 0) {
+                            // XMID: no drain at the step's start. Once every warpgroup is here, step sd - 1's
+                            // multiplies (all but this step's first batch) have read its x stage: refill it with
+                            // step sd + 1 (one group with the weight step issued above), while this step's first
+                            // batch keeps the tensor cores busy.
+                            __syncthreads();
+                            issue_x(sd + 1, (d + 1) % DEPTH);
+                            cp_async_commit();
+                        }
+#endif
                     }
                 }
 #else
