@@ -38,4 +38,18 @@ c)  # XPRE 2 (one running x pointer per thread) and XMID (the next x step issued
     --shapes 14336x4096,4096x14336,6144x4096,24576x4096,4096x12288,4096x4096 --out $OUT/sweep65c.json > $OUT/sweep65c.log 2>&1
   echo "sweep exit $?"; grep -v '^\[' $OUT/sweep65c.log | cut -c1-100 | tail -150
   ;;
+d)  # XPRE 2 the default above 32 rows, NT by fill, the wgmma configuration the tuner's first candidate at 33-512
+    # rows: GPU tests; the standard GEMM table (tuned Triton vs the dispatch, cuBLAS BF16) at 32-512 rows; Qwen3-8B
+    # at batch 32-128 (short context)
+  timeout 170 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py -k "wide or choose" > $OUT/tests65d.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests65d.log | tail -8
+  timeout 240 python3 -m fp4rl.benchmarks.gpu_kernels --sections gemm --rows 32,64,128,256,512 \
+    --shapes 4096x14336,14336x4096,4096x6144,6144x4096,4096x4096,24576x4096,4096x12288 \
+    --out $OUT/gemm65d.json > $OUT/gemm65d.log 2>&1
+  echo "gemm exit $?"; grep '^|' $OUT/gemm65d.log | cut -c1-200 | tail -45
+  timeout 160 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 \
+    --w4a16-last 0 --batch 32,64,128 --kv bf16 --repeats 2 --tokens 8,40 --profile-batch '' \
+    --out $OUT/sampler65d_8b.json > $OUT/sampler65d_8b.log 2>&1
+  echo "8b exit $?"; grep '^|\|rror' $OUT/sampler65d_8b.log | cut -c1-250 | tail -8
+  ;;
 esac

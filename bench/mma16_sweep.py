@@ -29,8 +29,8 @@ def variant(name: str, base: dict) -> dict:
     """auto = gemv_cuda.choose(); wide = gemv_cuda.choose_wide() (wgmma, any rows; "wide+s4" etc.);
     dN = DEPTH N; ntN = NT N; sN = SPLIT N; trN = TRIGGER N; xsN = XSTREAM N; wbN = WB N; mgN = MG N;
     swN = SWZ N; gseN = GSE N (the global scale read before the PDL wait: default in KW builds); xpN = XPRE N
-    (wgmma: x's cp.async addresses per thread computed once, default at MG <= 8; 2: one running pointer per
-    thread); xmN = XMID N (wgmma, depth 2: the next x step issued after the step's first multiplies);
+    (wgmma: x's cp.async addresses per thread computed once: 1 per chunk, default at MG <= 4; 2 one running
+    pointer per thread, default above);
     wgN = WGMMA N (with xs1) (combined with "+");
     kwN = KW N (in-CTA split-K: SPLIT 1); kw / cl: the chosen split moved inside the CTA (KW) / into a
     cluster (SPLIT);
@@ -54,8 +54,7 @@ def variant(name: str, base: dict) -> dict:
             c.update(SPLIT=1, KW=int(part[2:]))
             continue
         keys = {"d": "DEPTH", "nt": "NT", "s": "SPLIT", "t": "TIMING", "tr": "TRIGGER", "xs": "XSTREAM",
-                "wg": "WGMMA", "mg": "MG", "wb": "WB", "sw": "SWZ", "gse": "GSE", "xp": "XPRE",
-                "xm": "XMID"}
+                "wg": "WGMMA", "mg": "MG", "wb": "WB", "sw": "SWZ", "gse": "GSE", "xp": "XPRE"}
         prefix = part.rstrip("0123456789")
         if prefix not in keys or prefix == part:
             raise SystemExit(f"variant {name!r}: unknown part {part!r} (see mma16_sweep.variant)")

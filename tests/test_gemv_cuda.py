@@ -264,61 +264,33 @@ def test_gpu_global_scale_read_early_gives_the_same_bits(n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(1008, 1280), (4096, 4096)])
-def test_gpu_wide_lean_x_staging_and_mid_step_refill_give_the_same_bits(n, k):
-    """XPRE 2 (one running x pointer per thread; rows past M read row M - 1 instead of zeros) and XMID (the
-    next x step issued after the step's first multiplies instead of after a drain at the step's start) against
-    the per-step x staging: the same bits at 17-300 rows (partial row groups, several row blocks, MG 3-16),
-    every split, with W4A4's per-row x scales."""
+def test_gpu_wide_x_staging_forms_give_the_same_bits(n, k):
+    """The wgmma configuration's x staging in its three forms: addresses computed in every step (XPRE 0), per
+    thread and chunk once (XPRE 1, the default at MG <= 4), one running pointer per thread with rows past M
+    reading row M - 1 instead of zeros (XPRE 2, the default above): the same bits at 17-300 rows (partial row
+    groups, several row blocks, MG 3-16), every split, with W4A4's per-row x scales."""
     if not gemv_cuda.wide_available():
         pytest.skip("needs an sm_90 GPU (wgmma) and torch.cuda._compile_kernel")
     w, wc, wd, g, base = _gpu_case(n, k, {}, 300, seed=13)
     xs = torch.rand(300, device="cuda") + 0.5
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for m in (17, 45, 64, 100, 128, 300):
+    for m in (17, 32, 45, 64, 100, 128, 300):
         plan = gemv_cuda.choose_wide(n, k, m, sms)
         for split in sorted({1, plan["SPLIT"], 4}):
             if (k // 128) < split:
                 continue
             for x_scale in (None, xs[:m]):
                 out = []
-                for xpre, xmid in ((0, 0), (2, 0), (2, 1), (0, 1)):
-                    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                    cfg = dict(plan, SPLIT=split, XPRE=xpre, XMID=xmid)
-                    gemv_cuda.launch(base[:m], wc, g, y, cfg=cfg, x_scale=x_scale)
-                    assert not y.isnan().any(), (m, split, xpre, xmid)
-                    out.append(y)
-                if x_scale is None:
-                    assert _rel(out[0], base[:m].double() @ wd.T) < 4e-3
-                for o, v in zip(out[1:], ((2, 0), (2, 1), (0, 1))):
-                    assert torch.equal(out[0], o), (m, split, v, x_scale is None)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(1008, 1280), (4096, 4096)])
-def test_gpu_wide_precomputed_x_addresses_give_the_same_bits(n, k):
-    """The wgmma configuration's x staging with its per-thread addresses computed once (XPRE, the default at
-    MG <= 8, with running source pointers for x and the weights) or in every step: the same bits at 17-64 rows
-    (partial row groups, rows past M zero-filled), every split, with W4A4's per-row x scales."""
-    if not gemv_cuda.wide_available():
-        pytest.skip("needs an sm_90 GPU (wgmma) and torch.cuda._compile_kernel")
-    w, wc, wd, g, base = _gpu_case(n, k, {}, 64, seed=11)
-    xs = torch.rand(64, device="cuda") + 0.5
-    for m in (17, 32, 45, 64):
-        plan = gemv_cuda.choose_wide(n, k, m, torch.cuda.get_device_properties(0).multi_processor_count)
-        for split in sorted({1, plan["SPLIT"], 4}):
-            if (k // 128) < split:
-                continue
-            for x_scale in (None, xs[:m]):
-                out = []
-                for xpre in (0, 1):
+                for xpre in (0, 1, 2):
                     y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                     cfg = dict(plan, SPLIT=split, XPRE=xpre)
                     gemv_cuda.launch(base[:m], wc, g, y, cfg=cfg, x_scale=x_scale)
-                    assert not y.isnan().any()
+                    assert not y.isnan().any(), (m, split, xpre)
                     out.append(y)
                 if x_scale is None:
-                    assert _rel(out[1], base[:m].double() @ wd.T) < 4e-3
+                    assert _rel(out[0], base[:m].double() @ wd.T) < 4e-3
                 assert torch.equal(out[0], out[1]), (m, split, x_scale is None)
+                assert torch.equal(out[0], out[2]), (m, split, x_scale is None)
 
 
 @pytest.mark.gpu
@@ -348,6 +320,8 @@ def test_gpu_wide_matches_reference(n, k, kw):
         assert torch.equal(y, y2)  # deterministic
         if gemm.wide_rows(m, n):
             assert torch.equal(gemm.gemm(x, wm), y)  # gemm.gemm dispatches these rows here
+        elif gemm.wide_candidate(m, n):  # the tuner's first candidate: taken untimed with tune=False
+            assert torch.equal(gemm.gemm(x, wm, tune=False), y)
         for split in (1, 2, 4, 8) if m in (33, 129) else ():
             for nt, swz in ((1, 0), (2, 0), (1, 1), (2, 1)):  # x stages without / with the 128 B swizzle
                 if (k // 128) >= split:
@@ -355,13 +329,20 @@ def test_gpu_wide_matches_reference(n, k, kw):
                     y2.fill_(float("nan"))
                     gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
                     assert _rel(y2, ref) < 4e-3, (m, split, nt, swz)
-    # within a band of rows (17-32, 33-64) a row's result does not depend on the other rows
-    for band in ((17, 24, 32), (33, 50, 64)):
+    # within a band of rows (17-32, 33-64, 129+) a row's result does not depend on the other rows
+    for band in ((17, 24, 32), (33, 50, 64), (129, 200, 300)):
         ys = []
         for m in band:
             y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
             ys.append(gemv_cuda.launch_wide(base[:m], wc, g, y)[:band[0]])
         assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), band
+    # nor on the m64 tiles per warpgroup (NT, chosen by how full the GPU is)
+    plan = gemv_cuda.choose_wide(n, k, 300, sms)
+    ys = []
+    for nt in (1, 2):
+        y = torch.empty(300, n, dtype=torch.bfloat16, device="cuda")
+        ys.append(gemv_cuda.launch(base[:300], wc, g, y, cfg=dict(plan, NT=nt)))
+    assert torch.equal(ys[0], ys[1])
     # W4A4: x = e2m1 * block_scale with per-row global scales over 4 decades (through gemm.gemm at 48 rows,
     # directly at 150: two row blocks)
     for m in (48, 150):
@@ -485,13 +466,18 @@ def test_choose_wide_covers_every_row_in_blocks_of_at_most_128():
             assert cfg["WGMMA"] == 1 and cfg["XSTREAM"] == 1 and cfg["SWZ"] == 1 and cfg["MG"] <= 16
             assert zb == -(-m // 128)  # as few row blocks as 128-row blocks allow ...
             assert 8 * cfg["MG"] * zb - m < 8 * zb  # ... with the rows spread evenly (< 8 padding rows each)
-            assert cfg["NT"] == (1 if zb == 1 else 2)  # several row blocks: 256 weight rows share x chunks
+            # several row blocks: 256 weight rows share x chunks (NT 2) where 3/4 of the SMs still get a CTA
+            assert cfg["NT"] == (2 if zb > 1 and -(-n // 256) * zb * 4 >= 3 * 132 else 1)
             assert gemv_cuda.smem_bytes(cfg, k, m) <= gemv_cuda.SMEM_MAX
             assert cfg["SPLIT"] in (1, 2, 4, 8) and (cfg["SPLIT"] == 1 or (k // 128) // cfg["SPLIT"] >= 2)
     # the splits the H200 sweep found best (bench/RESULTS.md, sixth session)
     for n, k, m, split in ((4096, 14336, 32, 8), (14336, 4096, 64, 2), (24576, 4096, 32, 2),
                            (6144, 4096, 64, 4), (4096, 6144, 128, 4), (14336, 4096, 512, 1)):
         assert gemv_cuda.choose_wide(n, k, m, 132)["SPLIT"] == split, (n, k, m)
+    # NT as the nineteenth session's 256-512-row sweep found best
+    for n, k, m, nt in ((14336, 4096, 256, 2), (24576, 4096, 512, 2), (4096, 14336, 256, 1),
+                        (6144, 4096, 512, 1), (4096, 4096, 512, 1)):
+        assert gemv_cuda.choose_wide(n, k, m, 132)["NT"] == nt, (n, k, m)
     with pytest.raises(ValueError, match="at least one row"):
         gemv_cuda.choose_wide(4096, 4096, 0, 132)
 
@@ -502,12 +488,15 @@ def test_wide_rows_dispatch_ranges():
     assert not gemm.wide_rows(16, 14336)  # mma.sync up to 16 rows
     assert gemm.wide_rows(17, 4096) and gemm.wide_rows(32, 4096)  # wgmma at 17-32 rows on any weight
     assert not gemm.wide_rows(48, 4096) and gemm.wide_rows(48, 14336)  # 33-64 rows on wide weights only
-    assert not gemm.wide_rows(65, 14336) and not gemm.wide_rows(512, 14336)  # Triton / dequantize+cuBLAS
+    assert not gemm.wide_rows(65, 14336) and not gemm.wide_rows(512, 14336)  # the tuner's candidates
+    # the tuner's first candidate: the rows up to 512 that wide_rows does not take
+    assert gemm.wide_candidate(48, 4096) and gemm.wide_candidate(65, 14336) and gemm.wide_candidate(512, 4096)
+    assert not any(gemm.wide_candidate(m, 14336) for m in (1, 16, 17, 32, 48, 64, 513))
 
 
 def test_choose_wide_split_depends_on_the_band_of_rows_only():
     for n, k in ((14336, 4096), (4096, 14336), (6144, 4096), (4096, 4096)):
-        for band in (range(1, 33), range(33, 65), range(65, 129)):
+        for band in (range(1, 33), range(33, 65), range(65, 129), range(129, 1025)):
             assert len({gemv_cuda.choose_wide(n, k, m, 132)["SPLIT"] for m in band}) == 1, (n, k, band)
 
 

@@ -235,7 +235,8 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
             y = gemm.linear(x, wq)  # tunes this (rows bucket, N, K) once
             err = _rel(y, x.double() @ w_ref.T)
             key = next(kk for kk in gemm._TUNED
-                       if kk[:3] == (gemm._bucket(m), n, k // 2) and not kk[4] and not kk[5] and not kk[-1])
+                       if kk[:3] == (gemm._bucket(m), n, k // 2) and not kk[4] and not kk[5] and not kk[-2]
+                       and not kk[-1])
             cfg = gemm._TUNED[key]
             us = time_calls([lambda w=w, x=x: gemm.linear(x, w) for w in wqs])
             us_bf16 = time_calls([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbs])
@@ -250,12 +251,19 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
                          "gemv32_path": _path(gemm._TUNED[key[:-1] + (1,)])}
                 extra["gemv32_speedup"] = us_bf16 / extra["gemv32_us"]
                 del wsw
-            if wms is not None and (m <= gemm.MMA16_MAX_ROWS or (gemm.wide_rows(m, n)
+            if wms is not None and (m <= gemm.MMA16_MAX_ROWS or ((gemm.wide_rows(m, n)
+                                                                  or gemm.wide_candidate(m, n))
                                                                  and _mma16.wide_available())):
-                ym = gemm.linear(x, wms[0])  # gemm.gemm's dispatch: mma.sync up to 16 rows, wgmma above
+                # gemm.gemm's dispatch: mma.sync up to 16 rows, wgmma above (wide_rows), else the tuner's pick
+                # with wgmma as a candidate
+                ym = gemm.linear(x, wms[0])
+                path = "mma16" if m <= gemm.MMA16_MAX_ROWS else "wgmma"
+                if gemm.wide_candidate(m, n):
+                    wkey = next(kk for kk in gemm._TUNED if kk[:3] == (gemm._bucket(m), n, k // 2)
+                                and not kk[4] and not kk[5] and kk[-2] and not kk[-1])
+                    path = _path(gemm._TUNED[wkey])
                 extra.update(mma16_us=time_calls([lambda w=w, x=x: gemm.linear(x, w) for w in wms]),
-                             mma16_rel_err=_rel(ym, x.double() @ w_ref.T),
-                             mma16_path="mma16" if m <= gemm.MMA16_MAX_ROWS else "wgmma")
+                             mma16_rel_err=_rel(ym, x.double() @ w_ref.T), mma16_path=path)
                 extra["mma16_speedup"] = us_bf16 / extra["mma16_us"]
             res.append({"n": n, "k": k, "rows": m, "us": us, "bf16_us": us_bf16, "speedup": us_bf16 / us,
                         "floor_us": (fp4_bytes + io) / bw * 1e6,
@@ -267,6 +275,8 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
 
 
 def _path(c) -> str:
+    if isinstance(c, str):  # gemm.FALLBACK, gemm.WIDE
+        return c
     return ("" if c.get("KIND") else "decode " if c["SWAP"] else "prefill ") + _cfg_str(c)
 
 

@@ -30,7 +30,9 @@ Dispatch (``linear``): for each (rows bucket, N, K) the candidates are timed onc
 (rows <= 256: the weights are unpacked exactly once per call when the rows fit one tile), the
 tiled prefill kernel (rows > 32), and for rows > 64 a dequantize-then-cuBLAS path (a bf16 copy
 of W made per call: 2.56 B/element of extra traffic, small next to an M x N x K GEMM once M is
-in the thousands). Nothing is assumed about where the crossovers lie.
+in the thousands). Nothing is assumed about where the crossovers lie. A dense weight carrying the
+CUDA kernel's copy (``mma16``) goes to that kernel at 1-16 rows and the rows of ``wide_rows``, and
+offers its wgmma configuration as the tuner's first candidate (``WIDE``) up to 512 rows.
 
 This module is the host side (argument checks, dispatch, candidate configurations, the tuner and its
 caches); the kernel itself, its launcher and its split-K workspace are fp4rl.kernels.gemm_kernel.
@@ -78,9 +80,21 @@ FUSED_SILU = os.environ.get("FP4RL_MOE_SILU", "1") != "0"
 MMA16_SILU_MAX_TOKENS = 8
 
 
+# The other rows up to WIDE_TUNE_MAX_ROWS (33-64 on narrower weights, 65-512) offer the wgmma configuration to
+# the tuner as its first candidate (WIDE; taken untimed when tuning is off): with one running x pointer per
+# thread (XPRE 2) it beat the tuned Triton kernels there on the H200 (bench/RESULTS.md, nineteenth session).
+WIDE_TUNE_MAX_ROWS = 512
+WIDE = "wgmma"
+
+
 def wide_rows(m: int, n: int) -> bool:
     """Whether m rows of an N-row weight take the wgmma configuration (given the mma16 copy and sm_90)."""
     return MMA16_MAX_ROWS < m <= WIDE_MAX_ROWS and (m <= 32 or n >= WIDE_MIN_N_ABOVE_32)
+
+
+def wide_candidate(m: int, n: int) -> bool:
+    """Whether m rows of an N-row weight offer the wgmma configuration to the tuner (WIDE, first)."""
+    return MMA16_MAX_ROWS < m <= WIDE_TUNE_MAX_ROWS and not wide_rows(m, n)
 
 
 def _weight_parts(weight, grouped: bool):
@@ -195,11 +209,12 @@ def _bucket(m: int) -> int:
     return _pow2(m)
 
 
-def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=False, layout=0):
-    """Pick (and cache) the fastest candidate for this key by timing each on the GPU."""
+def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=False, layout=0, lead=()):
+    """Pick (and cache) the fastest candidate for this key by timing each on the GPU (lead: candidates put
+    first, e.g. WIDE)."""
     if key in _TUNED:
         return _TUNED[key]
-    cands = candidate_configs(m, n, kh, device, grouped, w4a16, layout)
+    cands = list(lead) + candidate_configs(m, n, kh, device, grouped, w4a16, layout)
     if allow_fallback and m > 64:
         cands = cands + [FALLBACK]
     if not tune or INTERPRET or device.type != "cuda" or len(cands) == 1:
@@ -349,9 +364,21 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
             except RuntimeError as exc:  # NVRTC or the driver refused it: that configuration off for good
                 (_mma16.disable if narrow else _mma16.disable_wide)(exc)
 
+    # the wgmma configuration as the tuner's first candidate for the rows of wide_candidate
+    wide_tuned = (m16 is not None and not grouped and config is None and wide_candidate(m, n)
+                  and _mma16.available(device) and _mma16.wide_available(device)
+                  and _mma16.supports(n, 2 * kh) and (m16.n, m16.k) == (n, 2 * kh))
+
     def run(c):
         if c == FALLBACK:
             return _fallback(x2, xq, wd, ws, wg, y)
+        if c == WIDE:
+            if m16 is None or grouped:
+                raise ValueError("the wgmma configuration (WIDE) needs a dense weight with its mma16 copy")
+            xin = (x2 if x2 is not None
+                   else dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False))
+            return _mma16.launch_wide(xin, m16, wg[0] if wg.ndim == 2 else wg, y,
+                                      x_scale=None if x2 is not None else xq[2])
         if isinstance(c, dict) and c.get("KIND") == "gemv_mma":
             if xq is not None or grouped or m > _gemv.MAX_ROWS:
                 raise ValueError(f"the Gluon GEMV config is for dense W4A16 with 1-{_gemv.MAX_ROWS} rows")
@@ -364,9 +391,18 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
 
     if config is None:
         layout = int(swz is not None)
-        key = (_bucket(m), n, kh, e, grouped, xq is not None, wg.ndim, device, layout)
+        key = (_bucket(m), n, kh, e, grouped, xq is not None, wg.ndim, device, wide_tuned, layout)
         config = _choose(key, m, n, kh, device, run, grouped, allow_fallback=not grouped, tune=tune,
-                         w4a16=xq is None, layout=layout)
+                         w4a16=xq is None, layout=layout, lead=(WIDE,) if wide_tuned else ())
+        if config == WIDE:
+            try:
+                return run(config)
+            except RuntimeError as exc:  # NVRTC or the driver refused it: off for good, the tuner again
+                _mma16.disable_wide(exc)
+                _TUNED.pop(key, None)
+                key = key[:-2] + (False, layout)
+                config = _choose(key, m, n, kh, device, run, grouped, allow_fallback=not grouped, tune=tune,
+                                 w4a16=xq is None, layout=layout)
         if isinstance(config, dict) and config.get("KIND") == "gemv_mma":
             try:
                 return run(config)

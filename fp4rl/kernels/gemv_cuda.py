@@ -256,30 +256,39 @@ def wide_available(device=None) -> bool:
 def choose_wide(n: int, k: int, m: int, sms: int) -> dict:
     """The wgmma configuration for m rows (17 and more: wide decode batches and short prefills). x in blocks
     of up to 128 rows (grid z, the rows spread evenly over the blocks); one m64 tile per warpgroup (NT 1:
-    128 weight rows per CTA, two CTAs per SM) for one row block, two (NT 2: 256 weight rows share every x
-    chunk, halving x's L2 reads) for several. Split-K by a cost model fitted on the H200 (bench/RESULTS.md,
-    sixth session; within 2% of the best split on 28 shape x row cases): busy SM-time = max(1, CTAs /
-    CTA slots) x steps per split x (2 + MG), plus 2 x SPLIT x MG x NT for the cluster reduction."""
+    128 weight rows per CTA, two CTAs per SM) for one row block, and for several when two would leave the
+    GPU short of CTAs; else two (NT 2: 256 weight rows share every x chunk, halving x's L2 reads): NT 2 only
+    when its n-blocks x row blocks reach 3/4 of the SMs (H200, nineteenth session: at 256-512 rows NT 1 was
+    1.0-1.7x faster on weights of 4096-6144 rows, NT 2 1.25x faster on 14336 rows and up). Split-K by a cost
+    model fitted on the H200 (bench/RESULTS.md, sixth session; within 2% of the best split on 28 shape x row
+    cases): busy SM-time = max(1, CTAs / CTA slots) x steps per split x (2 + MG), plus 2 x SPLIT x MG x NT for
+    the cluster reduction."""
     if m < 1:
         raise ValueError(f"the wgmma configuration needs at least one row, got {m}")
     zb = -(-m // (8 * WIDE_MG))
     per_block = -(-m // zb)  # rows per block (spread evenly) ...
     mg = -(-per_block // 8)  # ... in groups of 8
-    nt = 1 if zb == 1 else 2
-    nblocks = -(-n // (WARPS * nt * 16))
+    def tiles(zb: int) -> int:  # m64 tiles per warpgroup (NT does not change a row's arithmetic)
+        return 2 if zb > 1 and -(-n // (WARPS * 2 * 16)) * zb * 4 >= 3 * sms else 1
+
+    nt = tiles(zb)
     steps = k // 128
-    slots = (2 if nt == 1 else 1) * sms  # as fitted (MG 9-16 at NT 1 fit one CTA per SM: the fit took that)
-    # the split depends on the band of rows (1-32, 33-64, 65+), not on m itself, so that a row's result does
-    # not depend on how many rows of the same band come with it
+    # the split depends on the band of rows (1-32, 33-64, 65-128, 129+), not on m itself, so that a row's
+    # result does not depend on how many rows of the same band come with it: 129+ are costed as 2 row blocks
     mg_band = 4 if m <= 32 else 8 if m <= 64 else 16
+    zb_band = min(zb, 2)
+    nt_band = tiles(zb_band)
+    nblocks = -(-n // (WARPS * nt_band * 16))
+    slots = (2 if nt_band == 1 else 1) * sms  # as fitted (MG 9-16 at NT 1: one CTA per SM, the fit took it)
 
     def cost(split: int) -> float:
-        busy = max(1.0, nblocks * zb * split / slots) * -(-steps // split) * (2 + mg_band)
-        return busy + (2 * split * mg_band * nt if split > 1 else 0)
+        busy = max(1.0, nblocks * zb_band * split / slots) * -(-steps // split) * (2 + mg_band)
+        return busy + (2 * split * mg_band * nt_band if split > 1 else 0)
 
-    # NT 2 (several row blocks of up to 128 rows): the cluster reduction of 256 x 128 partials per CTA
-    # outweighs more splits (4096x14336 at 256 rows: split 4 136.6 us, at 512 rows split 2 119.8 us)
-    splits = (1, 2) if nt == 2 else (1, 2, 4, 8)
+    # several row blocks of up to 128 rows: the cluster reduction of 128-256 x 128 partials per CTA outweighs
+    # more splits (NT 2, 4096x14336 at 256 rows: split 4 136.6 us, at 512 rows split 2 119.8 us; NT 1 was
+    # measured at split 2 only)
+    splits = (1, 2) if zb > 1 else (1, 2, 4, 8)
     split = min((s for s in splits if s == 1 or steps // s >= 2), key=cost)
     cfg = dict(NT=nt, MG=mg, SPLIT=split, DEPTH=2, XSTREAM=1, WGMMA=1, SWZ=1)
     if smem_bytes(cfg, k, m) > SMEM_MAX:  # cannot happen for the sizes above (<= 131 KB); kept as a guard

@@ -98,18 +98,14 @@ typedef unsigned long long u64;
 #endif
 #ifndef XPRE
 // WGMMA: x's cp.async addresses per thread computed once (see issue_x): 1 one pointer and offset per chunk, 2 one
-// running pointer for all of a thread's chunks (rows past M read row M - 1)
-#define XPRE (WGMMA && SWZ && MG <= 8)
+// running pointer for all of a thread's chunks (rows past M read row M - 1). 2 measured 0-2% slower than 1 at
+// 32 rows and 0-17% faster at 64, 15-25% at 128-512 (bench/RESULTS.md, nineteenth session).
+#define XPRE (WGMMA && SWZ ? (MG <= 4 ? 1 : 2) : 0)
 #endif
 #if XPRE && !(WGMMA && SWZ)
 #error "XPRE is for WGMMA with SWZ 1"
 #endif
-#ifndef XMID
-#define XMID 0  // WGMMA, DEPTH 2: the next step's x issued after the step's first multiplies (see the stream)
-#endif
-#if XMID && !(WGMMA && DEPTH == 2)
-#error "XMID is for WGMMA with DEPTH 2"
-#endif
+
 #ifndef WB
 #define WB 1  // WGMMA: 16-k blocks per batch of multiplies (one fence / commit / wait per batch)
 #endif
@@ -598,10 +594,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             if (sd < ws1) {
 #if XSTREAM
 #if WGMMA
-                if (!XMID) {  // (XMID: the stage refilled in this step is step sd - 1's, after the first batch)
-                    wg_wait<0>();  // this warpgroup's multiplies of step sd - 1 have read their x stage
-                    acc_fence(&acc[0][0][0]);  // keep the accumulators in place across the loop (no moves)
-                }
+                wg_wait<0>();  // this warpgroup's multiplies of step sd - 1 have read their x stage
+                acc_fence(&acc[0][0][0]);  // keep the accumulators in place across the loop (no moves)
 #endif
                 cp_async_wait<DEPTH - 2>();  // this step's group (and all older) landed, for this thread ...
 #if WGMMA
@@ -624,10 +618,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                 }
 #if XSTREAM
                 issue_w(sd + DEPTH - 1, (d + DEPTH - 1) % DEPTH);  // into step sd - 1's stages
-                if (!XMID) {
-                    issue_x(sd + DEPTH - 1, (d + DEPTH - 1) % DEPTH);
-                    cp_async_commit();
-                }
+                issue_x(sd + DEPTH - 1, (d + DEPTH - 1) % DEPTH);
+                cp_async_commit();
                 const u32 kb = (u32)d * XSTAGE;  // byte offset of this step's x stage
 #else
                 __syncwarp();  // every lane has its copy: the stage can be refilled
@@ -675,17 +667,6 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                         }
                         wg_commit();
                         wg_wait<1>();  // the batch before this one has finished: its A registers are free
-#if XMID
-                        if (b0 == 0) {
-                            // XMID: no drain at the step's start. Once every warpgroup is here, step sd - 1's
-                            // multiplies (all but this step's first batch) have read its x stage: refill it with
-                            // step sd + 1 (one group with the weight step issued above), while this step's first
-                            // batch keeps the tensor cores busy.
-                            __syncthreads();
-                            issue_x(sd + 1, (d + 1) % DEPTH);
-                            cp_async_commit();
-                        }
-#endif
                     }
                 }
 #else
