@@ -52,4 +52,13 @@ d)  # XPRE 2 the default above 32 rows, NT by fill, the wgmma configuration the 
     --out $OUT/sampler65d_8b.json > $OUT/sampler65d_8b.log 2>&1
   echo "8b exit $?"; grep '^|\|rror' $OUT/sampler65d_8b.log | cut -c1-250 | tail -8
   ;;
+e)  # the sampler's linears now pass their mma16 copy up to 512 rows (the wgmma configuration first): GPU tests;
+    # Qwen3-8B at batch 32-128 (short context), batch 128 profiled
+  timeout 120 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py -k "decode_copy or wide_matches" > $OUT/tests65e.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests65e.log | tail -8
+  timeout 200 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 \
+    --w4a16-last 0 --batch 32,64,128 --kv bf16 --repeats 2 --tokens 8,40 --profile-batch 128 \
+    --out $OUT/sampler65e_8b.json > $OUT/sampler65e_8b.log 2>&1
+  echo "8b exit $?"; grep -v '^{' $OUT/sampler65e_8b.log | cut -c1-200 | tail -40
+  ;;
 esac

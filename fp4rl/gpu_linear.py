@@ -174,12 +174,14 @@ def _with_copy(weight, copy):
 
 def _decode_copy(cache: _DecodeCopy, data, scale, mode: str, x2, xq=None):
     """The decode copy for this call, or None: the mma16 copy serves W4A16 and W4A4 at 1-16 rows
-    (gemm.MMA16_MAX_ROWS) and, with its wgmma configuration on sm_90, the rows of gemm.wide_rows; the gemv32
-    copy W4A16 at 1-4 rows."""
+    (gemm.MMA16_MAX_ROWS) and, with its wgmma configuration on sm_90, the rows of gemm.wide_rows (and those
+    of gemm.wide_candidate, where the tuner weighs it against the Triton kernels); the gemv32 copy W4A16 at
+    1-4 rows."""
     from fp4rl.kernels import gemm, gemv_cuda
 
     rows = x2.numel() // x2.shape[-1] if x2 is not None else xq[0].shape[0]
-    if rows > gemm.MMA16_MAX_ROWS and not (MMA16 and gemm.wide_rows(rows, data.shape[-2])
+    n = data.shape[-2]
+    if rows > gemm.MMA16_MAX_ROWS and not (MMA16 and (gemm.wide_rows(rows, n) or gemm.wide_candidate(rows, n))
                                            and gemv_cuda.wide_available(data.device)):
         return None
     copy = cache.get(data, scale, mma16_only=mode != "w4a16")

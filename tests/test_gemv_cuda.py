@@ -438,6 +438,14 @@ def test_gpu_gemm_dispatch_and_decode_copy():
         ref = x.double() @ reference.dequantize(w, torch.float64).T
         wm = SimpleNamespace(data=w.data, block_scale=w.block_scale, global_scale=w.global_scale, mma16=wc)
         assert _rel(gemm.gemm(x, wm), ref) < 4e-3
+    # the sampler's linears pass the copy up to 16 rows, and (sm_90) up to 512 for the wgmma configuration
+    from fp4rl.gpu_linear import _decode_copy
+
+    for rows in (16, 48, 100, 512, 513):
+        x = torch.empty(rows, 512, device="cuda", dtype=torch.bfloat16)
+        copy = _decode_copy(cache, w.data, w.block_scale, "w4a16", x)
+        want = rows <= 16 or (rows <= gemm.WIDE_TUNE_MAX_ROWS and gemv_cuda.wide_available())
+        assert (copy is wc) == want, rows
     w2 = _weight(256, 512, seed=5, device="cuda")
     w.data.copy_(w2.data)  # a weight sync writes new bytes in place
     w.block_scale.copy_(w2.block_scale)
