@@ -61,4 +61,14 @@ e)  # the sampler's linears now pass their mma16 copy up to 512 rows (the wgmma 
     --out $OUT/sampler65e_8b.json > $OUT/sampler65e_8b.log 2>&1
   echo "8b exit $?"; grep -v '^{' $OUT/sampler65e_8b.log | cut -c1-200 | tail -40
   ;;
+f)  # the session's last call: the GPU tests of the GEMM dispatch, the decode step and the Triton GEMMs with the final
+    # code; Qwen3-30B-A3B's W4A16 rows at 4K, batch 32 (the eighteenth session's call stopped before them)
+  timeout 300 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py tests/test_gpu_decode.py tests/test_triton_gemm.py \
+    > $OUT/tests65f.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests65f.log | tail -8
+  timeout 230 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets nvfp4-w4a16 \
+    --w4a16-last 0 --batch 32 --kv bf16,nvfp4 --prompt 4096 --repeats 1 --tokens 8,24 --profile-batch '' \
+    --offload-trainer on --out $OUT/sampler65f_30b_4k.json > $OUT/sampler65f_30b_4k.log 2>&1
+  echo "30b exit $?"; grep '^|\|rror' $OUT/sampler65f_30b_4k.log | cut -c1-250 | tail -8
+  ;;
 esac
