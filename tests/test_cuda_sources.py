@@ -87,7 +87,7 @@ def _gemm_configs():
     for n, k in ((4096, 14336), (14336, 4096), (4096, 6144)):
         for m in (1, 8, 16):
             yield f"mma16 {n}x{k} m{m}", gemv_cuda.choose(n, k, m, sms), "sm_90"
-        for m in (32, 64, 128):
+        for m in (32, 64, 128, 256, 512):  # MG 4 (XPRE 1), 8 and 16 (XPRE 2), several row blocks (NT by fill)
             yield f"wgmma {n}x{k} m{m}", gemv_cuda.choose_wide(n, k, m, sms), "sm_90a"
     yield "grouped 2048x768", gemv_cuda.choose_grouped(2048, 768, 8, sms), "sm_90"
     yield "grouped gather 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1}, "sm_90"
