@@ -81,8 +81,9 @@ def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, 
         raise ValueError("packed_gemm: pass x2 [M, K] (or, W4A4, its Q(x) as xq)")
     config = None
     m = x2.shape[0] if xq is None else xq[0].shape[0]
-    if not TUNE and offsets is None and m > gemm.DECODE_MAX_ROWS:
-        config = gemm.FALLBACK
+    wide = getattr(weight, "mma16", None) is not None and gemm.wide_candidate(m, weight.data.shape[-2])
+    if not TUNE and offsets is None and m > gemm.DECODE_MAX_ROWS and not wide:
+        config = gemm.FALLBACK  # (a weight with its mma16 copy: the wgmma build, gemm.WIDE, up to 512 rows)
     if mode == "w4a16":
         return gemm.gemm(x2, weight, offsets=offsets, tune=TUNE, config=config, tokens=tokens, rows=rows,
                          silu=silu)

@@ -321,6 +321,7 @@ def test_gpu_wide_matches_reference(n, k, kw):
         if gemm.wide_rows(m, n):
             assert torch.equal(gemm.gemm(x, wm), y)  # gemm.gemm dispatches these rows here
         elif gemm.wide_candidate(m, n):  # the tuner's first candidate: taken untimed with tune=False
+            gemm._TUNED.clear()  # (a tuned pick of an earlier test would stand for this key)
             assert torch.equal(gemm.gemm(x, wm, tune=False), y)
         for split in (1, 2, 4, 8) if m in (33, 129) else ():
             for nt, swz in ((1, 0), (2, 0), (1, 1), (2, 1)):  # x stages without / with the 128 B swizzle
@@ -344,7 +345,7 @@ def test_gpu_wide_matches_reference(n, k, kw):
         ys.append(gemv_cuda.launch(base[:300], wc, g, y, cfg=dict(plan, NT=nt)))
     assert torch.equal(ys[0], ys[1])
     # W4A4: x = e2m1 * block_scale with per-row global scales over 4 decades (through gemm.gemm at 48 rows,
-    # directly at 150: two row blocks)
+    # directly at 150: two row blocks; gemm.gemm's WIDE candidate where wide_rows does not take the rows)
     for m in (48, 150):
         x = (base[:m].float() * torch.logspace(-2, 2, m, device="cuda")[:, None]).bfloat16()
         xq = gemm.quantize_activations(x)
@@ -355,6 +356,18 @@ def test_gpu_wide_matches_reference(n, k, kw):
         xin = gemm.dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False)
         gemv_cuda.launch_wide(xin, wc, g, y, x_scale=xq[2])
         assert _rel(y, ref) < 4e-3, m
+        if gemm.wide_candidate(m, n):
+            assert torch.equal(gemm.gemm(None, wm, xq=xq, config=gemm.WIDE), y), m
+    # per-output-row global scales (the fused q/k/v and gate/up groups) through the WIDE candidate: the
+    # direct launch's bits
+    lin = torch.linspace(0.5, 2.0, n, device="cuda")
+    gr = g.reshape(-1).expand(n) * lin  # the weight's own scale(s) times a spread per output row
+    wr = SimpleNamespace(data=w.data, block_scale=w.block_scale, global_scale=gr, mma16=wc)
+    for m in (100, 150):
+        y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        gemv_cuda.launch_wide(base[:m], wc, gr, y)
+        assert torch.equal(gemm.gemm(base[:m], wr, config=gemm.WIDE), y), m
+        assert _rel(y, (base[:m].double() @ wd.T) * lin.double()) < 4e-3, m
     # a strided x (padded rows) is read through its stride
     xs = torch.zeros(40, k + 64, dtype=torch.bfloat16, device="cuda")[:, :k]
     xs.copy_(base[:40])

@@ -258,10 +258,10 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
                 # with wgmma as a candidate
                 ym = gemm.linear(x, wms[0])
                 path = "mma16" if m <= gemm.MMA16_MAX_ROWS else "wgmma"
-                if gemm.wide_candidate(m, n):
-                    wkey = next(kk for kk in gemm._TUNED if kk[:3] == (gemm._bucket(m), n, k // 2)
-                                and not kk[4] and not kk[5] and kk[-2] and not kk[-1])
-                    path = _path(gemm._TUNED[wkey])
+                if gemm.wide_candidate(m, n):  # the tuner's pick (none: the wgmma build failed and is off)
+                    wkey = next((kk for kk in gemm._TUNED if kk[:3] == (gemm._bucket(m), n, k // 2)
+                                 and not kk[4] and not kk[5] and kk[-2] and not kk[-1]), None)
+                    path = _path(gemm._TUNED[wkey]) if wkey is not None else "tuned without wgmma"
                 extra.update(mma16_us=time_calls([lambda w=w, x=x: gemm.linear(x, w) for w in wms]),
                              mma16_rel_err=_rel(ym, x.double() @ w_ref.T), mma16_path=path)
                 extra["mma16_speedup"] = us_bf16 / extra["mma16_us"]
@@ -522,7 +522,7 @@ def run(args):
         print(f"[{name}: {time.time() - t0:.0f} s]")
         from fp4rl.kernels import gemm as _gemm
 
-        out["tune_log"] = {str(k[:7]): v for k, v in _gemm.TUNE_LOG.items()}
+        out["tune_log"] = {str(k[:7] + k[8:]): v for k, v in _gemm.TUNE_LOG.items()}  # all but the device
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(out, fh, indent=1, default=str)

@@ -228,6 +228,8 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
         except Exception as exc:  # a configuration that does not compile on this GPU is skipped
             first_error = first_error or exc
             log.append((c, repr(exc)[:100]))
+            if c == WIDE and isinstance(exc, RuntimeError):  # NVRTC / the driver refused sm_90a: off for good
+                _mma16.disable_wide(exc)
             continue
         log.append((c, t * 1e3))  # microseconds
         if t < best_t:

@@ -98,7 +98,7 @@ typedef unsigned long long u64;
 #endif
 #ifndef XPRE
 // WGMMA: x's cp.async addresses per thread computed once (see issue_x): 1 one pointer and offset per chunk, 2 one
-// running pointer for all of a thread's chunks (rows past M read row M - 1). 2 measured 0-2% slower than 1 at
+// running pointer for all of a thread's chunks (rows past M read a row < M). 2 measured 0-2% slower than 1 at
 // 32 rows and 0-17% faster at 64, 15-25% at 128-512 (bench/RESULTS.md, nineteenth session).
 #define XPRE (WGMMA && SWZ ? (MG <= 4 ? 1 : 2) : 0)
 #endif
@@ -420,9 +420,10 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #if XPRE == 2
     // XPRE 2 (WGMMA, SWZ): chunk c = tid + 256 i of a stage is row (tid >> 4) + 16 i, 16-byte column tid & 15,
     // so a thread's chunks share their column and their swizzle (row % 8) and lie 16 rows (2 KB of the stage)
-    // apart: one running source pointer and one offset per thread. Rows past M read row M - 1 instead of zeros:
-    // x^T's column m of the product only reaches output row m, and rows >= M are never stored (no registers
-    // per chunk, no per-chunk predicate on the bytes).
+    // apart: one running source pointer and one offset per thread. Rows past M read a row < M instead of zeros
+    // (the thread's last row < M, or row M - 1 if it has none): x^T's column m of the product only reaches
+    // output row m, and rows >= M are never stored or reduced (no registers per chunk, no per-chunk predicate
+    // on the bytes).
     constexpr int XC = (XROWS * 16 + WARPS * 32 - 1) / (WARPS * 32);  // chunks per thread and stage
     const int xr0 = threadIdx.x >> 4, xq = threadIdx.x & 15;
     const bool xlast = xr0 + 16 * (XC - 1) < XROWS;  // the thread's last chunk is in the stage (MG odd: half)
