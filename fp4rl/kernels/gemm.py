@@ -257,6 +257,14 @@ def _fallback(x2, xq, wd, ws, wg, y):
     return y
 
 
+def _mma16_input(x2, xq):
+    """(x, x_scale) for the CUDA mma16 kernel: W4A16's x as is; W4A4's x = e2m1 * block_scale (exact in bf16)
+    with its per-row global scale, which the kernel applies to the FP32 sum with the weight's."""
+    if x2 is not None:
+        return x2, None
+    return dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False), xq[2]
+
+
 def _disable_fused_silu(exc: Exception) -> None:
     global FUSED_SILU
     FUSED_SILU = False
@@ -330,8 +338,7 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
             and 1 <= tokens <= MMA16_GROUPED_MAX_TOKENS and _mma16.available(device)):
         if (m16.n, m16.k, m16.wt.shape[0]) != (n, 2 * kh, e * n // 16):
             raise ValueError(f"weight.mma16 is not a stacked copy of {e} experts of {n}x{2 * kh}")
-        xin = x2 if x2 is not None else dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False)
-        x_scale = None if x2 is not None else xq[2]
+        xin, x_scale = _mma16_input(x2, xq)
         try:
             return _mma16.launch_grouped(xin, m16, wg, offsets, y, x_scale=x_scale, x_rows=rows, x_silu=silu)
         except ValueError:  # this K slice does not fit its shared memory: the Triton kernels below
@@ -356,9 +363,7 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
             g1 = wg[0] if wg.ndim == 2 else wg
             # W4A4: the same exact products from x = e2m1 * block_scale (bf16, exact), x's per-row global
             # scale applied with the weight's to the FP32 sum
-            xin = x2 if x2 is not None else dequantize(xq[0], xq[1], xq[2], torch.bfloat16,
-                                                       apply_global=False)
-            x_scale = None if x2 is not None else xq[2]
+            xin, x_scale = _mma16_input(x2, xq)
             try:
                 if narrow:
                     return _mma16.launch(xin, m16, g1, y, x_scale=x_scale)
@@ -377,10 +382,8 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
         if c == WIDE:
             if m16 is None or grouped:
                 raise ValueError("the wgmma configuration (WIDE) needs a dense weight with its mma16 copy")
-            xin = (x2 if x2 is not None
-                   else dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False))
-            return _mma16.launch_wide(xin, m16, wg[0] if wg.ndim == 2 else wg, y,
-                                      x_scale=None if x2 is not None else xq[2])
+            xin, x_scale = _mma16_input(x2, xq)
+            return _mma16.launch_wide(xin, m16, wg[0] if wg.ndim == 2 else wg, y, x_scale=x_scale)
         if isinstance(c, dict) and c.get("KIND") == "gemv_mma":
             if xq is not None or grouped or m > _gemv.MAX_ROWS:
                 raise ValueError(f"the Gluon GEMV config is for dense W4A16 with 1-{_gemv.MAX_ROWS} rows")

@@ -105,7 +105,6 @@ typedef unsigned long long u64;
 #if XPRE && !(WGMMA && SWZ)
 #error "XPRE is for WGMMA with SWZ 1"
 #endif
-
 #ifndef WB
 #define WB 1  // WGMMA: 16-k blocks per batch of multiplies (one fence / commit / wait per batch)
 #endif
