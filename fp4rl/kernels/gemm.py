@@ -40,6 +40,7 @@ caches); the kernel itself, its launcher and its split-K workspace are fp4rl.ker
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
@@ -201,7 +202,7 @@ def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False,
 
 
 _TUNED: dict[tuple, dict | str] = {}
-TUNE_LOG: dict[tuple, list] = {}  # every candidate's time (us, L2 flushed) per key, for notes
+TUNE_LOG: dict[tuple, list] = {}  # every candidate's time (us per call, time_chain) per key, for notes
 FALLBACK = "dequantize+cublas"
 
 
@@ -209,9 +210,62 @@ def _bucket(m: int) -> int:
     return _pow2(m)
 
 
-def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=False, layout=0, lead=()):
+# The tuner times each candidate as the sampler runs it: TUNE_CALLS back-to-back calls replayed from one
+# CUDA graph (launch gaps and PDL overlap as in the decode graph), rotating through copies of the weight so
+# that each call reads its weight from DRAM as every layer does. Single launches after an L2 flush (triton's
+# do_bench, the tuner until the twentieth session) timed the wgmma build 2-4x slower than it replays (e.g.
+# 101 vs 34 us, 4096x14336 at 64 rows) and kept slower Triton configurations (bench/RESULTS.md, nineteenth
+# session).
+TUNE_CALLS = 8
+TUNE_REPLAYS = 5
+TUNE_MAX_COPIES = 32
+TUNE_COPY_BUDGET = 1 << 30  # bytes of weight copies at most (and at most a quarter of the free memory)
+
+
+def rotation_copies(read_bytes: int, copy_bytes: int, l2_bytes: int, free_bytes: int) -> int:
+    """How many operand sets the tuner rotates through (the first is the weight itself): enough that a pass
+    reads >= 3x the L2 (read_bytes: what one call reads of its weight), at most TUNE_MAX_COPIES, the extra
+    copies (copy_bytes each) within min(TUNE_COPY_BUDGET, free_bytes / 4)."""
+    want = -(-3 * max(l2_bytes, 1) // max(read_bytes, 1))
+    fit = 1 + min(TUNE_COPY_BUDGET, max(free_bytes, 0) // 4) // max(copy_bytes, 1)
+    return max(1, min(want, TUNE_MAX_COPIES, fit))
+
+
+def time_chain(calls, n_calls: int = TUNE_CALLS, replays: int = TUNE_REPLAYS) -> float:
+    """Median microseconds per call of calls[i % len(calls)], i < max(n_calls, len(calls)), captured back to
+    back in one CUDA graph and replayed (each callable run once eagerly first: compile, allocate)."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    n = max(n_calls, len(calls))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            calls[i % len(calls)]()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for r in range(replays + 2):  # two replays warm the clocks and the instruction caches
+        t0.record()
+        graph.replay()
+        t1.record()
+        t1.synchronize()
+        if r >= 2:
+            times.append(t0.elapsed_time(t1) * 1e3 / n)
+    del graph
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _l2_bytes(device) -> int:
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 50 * 2**20)
+
+
+def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=False, layout=0, lead=(),
+            rotate=None):
     """Pick (and cache) the fastest candidate for this key by timing each on the GPU (lead: candidates put
-    first, e.g. WIDE)."""
+    first, e.g. WIDE). rotate: (make(count) -> `count` run functions over copies of the weight, read_bytes,
+    copy_bytes), see rotation_copies; None: run alone. Inside a CUDA-graph capture nothing is timed: the first
+    candidate runs, and is not kept."""
     if key in _TUNED:
         return _TUNED[key]
     cands = list(lead) + candidate_configs(m, n, kh, device, grouped, w4a16, layout)
@@ -220,20 +274,28 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
     if not tune or INTERPRET or device.type != "cuda" or len(cands) == 1:
         _TUNED[key] = cands[0]
         return cands[0]
+    if torch.cuda.is_current_stream_capturing():  # tune before capture (gpu_decode warms up first)
+        return cands[0]
+    runs = [run]
+    if rotate is not None:
+        make, read_bytes, copy_bytes = rotate
+        count = rotation_copies(read_bytes, copy_bytes, _l2_bytes(device), torch.cuda.mem_get_info(device)[0])
+        runs = make(count)
     best, best_t, first_error = None, float("inf"), None
     log = TUNE_LOG.setdefault(key, [])
     for c in cands:
         try:
-            t = triton.testing.do_bench(lambda c=c: run(c), warmup=5, rep=20, return_mode="median")
-        except Exception as exc:  # a configuration that does not compile on this GPU is skipped
+            t = time_chain([lambda r=r, c=c: r(c) for r in runs])
+        except Exception as exc:  # a configuration that does not compile (or capture) on this GPU is skipped
             first_error = first_error or exc
             log.append((c, repr(exc)[:100]))
             if c == WIDE and isinstance(exc, RuntimeError):  # NVRTC / the driver refused sm_90a: off for good
                 _mma16.disable_wide(exc)
             continue
-        log.append((c, t * 1e3))  # microseconds
+        log.append((c, t))  # microseconds
         if t < best_t:
             best, best_t = c, t
+    del runs
     if best is None:
         raise RuntimeError(f"no NVFP4 GEMM configuration ran for {key}") from first_error
     _TUNED[key] = best
@@ -263,6 +325,19 @@ def _mma16_input(x2, xq):
     if x2 is not None:
         return x2, None
     return dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False), xq[2]
+
+
+def _clone_operands(ops):
+    """A copy of (data, scale, global, mma16 copy or None, gemv32 copy or None) in fresh memory."""
+    wd, ws, wg, m16, swz = ops
+    m16c = None if m16 is None else dataclasses.replace(m16, wt=m16.wt.clone(), st=m16.st.clone())
+    return wd.clone(), ws.clone(), wg.clone(), m16c, None if swz is None else swz.clone()
+
+
+def _operand_bytes(ops) -> int:
+    wd, ws, wg, m16, swz = ops
+    extra = (0 if m16 is None else m16.wt.nbytes + m16.st.nbytes) + (0 if swz is None else swz.nbytes)
+    return wd.nbytes + ws.nbytes + wg.nbytes + extra
 
 
 def _disable_fused_silu(exc: Exception) -> None:
@@ -376,29 +451,41 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
                   and _mma16.available(device) and _mma16.wide_available(device)
                   and _mma16.supports(n, 2 * kh) and (m16.n, m16.k) == (n, 2 * kh))
 
-    def run(c):
-        if c == FALLBACK:
-            return _fallback(x2, xq, wd, ws, wg, y)
-        if c == WIDE:
-            if m16 is None or grouped:
-                raise ValueError("the wgmma configuration (WIDE) needs a dense weight with its mma16 copy")
-            xin, x_scale = _mma16_input(x2, xq)
-            return _mma16.launch_wide(xin, m16, wg[0] if wg.ndim == 2 else wg, y, x_scale=x_scale)
-        if isinstance(c, dict) and c.get("KIND") == "gemv_mma":
-            if xq is not None or grouped or m > _gemv.MAX_ROWS:
-                raise ValueError(f"the Gluon GEMV config is for dense W4A16 with 1-{_gemv.MAX_ROWS} rows")
-            if c["LAYOUT"] == 1 and swz is None:
-                raise ValueError("a gemv32 (LAYOUT 1) config needs weight.gemv32 (gemv.swizzle of its data)")
-            g1 = wg[0] if wg.ndim == 2 else wg
-            return _gemv.launch_mma(x2, swz if c["LAYOUT"] == 1 else wd[0], ws[0], g1, y, c, _WORKSPACE,
-                                    layout=c["LAYOUT"])
-        return _launch(x2, xq, wd, ws, wg, y, c, offsets)
+    def make_run(wd, ws, wg, m16, swz):
+        def run(c):
+            if c == FALLBACK:
+                return _fallback(x2, xq, wd, ws, wg, y)
+            if c == WIDE:
+                if m16 is None or grouped:
+                    raise ValueError("the wgmma configuration (WIDE) needs a dense weight with its mma16 "
+                                     "copy")
+                xin, x_scale = _mma16_input(x2, xq)
+                return _mma16.launch_wide(xin, m16, wg[0] if wg.ndim == 2 else wg, y, x_scale=x_scale)
+            if isinstance(c, dict) and c.get("KIND") == "gemv_mma":
+                if xq is not None or grouped or m > _gemv.MAX_ROWS:
+                    raise ValueError(f"the Gluon GEMV config is for dense W4A16 with 1-{_gemv.MAX_ROWS} rows")
+                if c["LAYOUT"] == 1 and swz is None:
+                    raise ValueError("a gemv32 (LAYOUT 1) config needs weight.gemv32 (gemv.swizzle of its "
+                                     "data)")
+                g1 = wg[0] if wg.ndim == 2 else wg
+                return _gemv.launch_mma(x2, swz if c["LAYOUT"] == 1 else wd[0], ws[0], g1, y, c, _WORKSPACE,
+                                        layout=c["LAYOUT"])
+            return _launch(x2, xq, wd, ws, wg, y, c, offsets)
+        return run
+
+    ops = (wd, ws, wg, m16, swz)
+    run = make_run(*ops)
+
+    def copies(count):  # the tuner's rotation: run over `count` operand sets, the first the weight itself
+        return [run] + [make_run(*_clone_operands(ops)) for _ in range(count - 1)]
+
+    rotate = (copies, wd.nbytes + ws.nbytes, _operand_bytes(ops))
 
     if config is None:
         layout = int(swz is not None)
         key = (_bucket(m), n, kh, e, grouped, xq is not None, wg.ndim, device, wide_tuned, layout)
         config = _choose(key, m, n, kh, device, run, grouped, allow_fallback=not grouped, tune=tune,
-                         w4a16=xq is None, layout=layout, lead=(WIDE,) if wide_tuned else ())
+                         w4a16=xq is None, layout=layout, lead=(WIDE,) if wide_tuned else (), rotate=rotate)
         if config == WIDE:
             try:
                 return run(config)
@@ -407,7 +494,7 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
                 _TUNED.pop(key, None)
                 key = key[:-2] + (False, layout)
                 config = _choose(key, m, n, kh, device, run, grouped, allow_fallback=not grouped, tune=tune,
-                                 w4a16=xq is None, layout=layout)
+                                 w4a16=xq is None, layout=layout, rotate=rotate)
         if isinstance(config, dict) and config.get("KIND") == "gemv_mma":
             try:
                 return run(config)
@@ -415,7 +502,7 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
                 _gemv.disable(exc)
                 _TUNED.pop(key, None)
                 config = _choose(key, m, n, kh, device, run, grouped, allow_fallback=not grouped, tune=tune,
-                                 w4a16=xq is None, layout=layout)
+                                 w4a16=xq is None, layout=layout, rotate=rotate)
     return run(config)
 
 

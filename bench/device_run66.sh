@@ -1,0 +1,22 @@
+#!/bin/bash
+# Twentieth session. Mode a: the review additions of the nineteenth session on the GPU (W4A4 and per-row scales
+# through the WIDE candidate, the untuned 257-512-row path); the tuner timing graph chains over rotated weights
+# (test, then the standard GEMM table at 32-512 rows and Qwen3-8B at batch 32-128, against the nineteenth
+# session's gemm65d / sampler65e).
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+case "${1:-a}" in
+a)
+  timeout 150 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py -k "wide_matches or decode_copy or tuner_keeps" \
+    tests/test_triton_gemm.py > $OUT/tests66a.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests66a.log | tail -12
+  timeout 240 python3 -m fp4rl.benchmarks.gpu_kernels --sections gemm --rows 32,64,128,256,512 \
+    --shapes 4096x14336,14336x4096,4096x6144,6144x4096,4096x4096,24576x4096,4096x12288 \
+    --out $OUT/gemm66a.json > $OUT/gemm66a.log 2>&1
+  echo "gemm exit $?"; grep '^|' $OUT/gemm66a.log | cut -c1-200 | tail -45
+  timeout 180 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 \
+    --w4a16-last 0 --batch 32,64,128 --kv bf16 --repeats 2 --tokens 8,40 --profile-batch '' \
+    --out $OUT/sampler66a_8b.json > $OUT/sampler66a_8b.log 2>&1
+  echo "8b exit $?"; grep '^|\|rror' $OUT/sampler66a_8b.log | cut -c1-250 | tail -8
+  ;;
+esac
