@@ -19,4 +19,15 @@ a)
     --out $OUT/sampler66a_8b.json > $OUT/sampler66a_8b.log 2>&1
   echo "8b exit $?"; grep '^|\|rror' $OUT/sampler66a_8b.log | cut -c1-250 | tail -8
   ;;
+b)  # m64n256 (MG 32, one CTA per SM, weights unpacked once per 256 rows of x) against MG 16 at 256-512 rows;
+    # the 128-row split / MG on the N = 4096 weights (the wgmma build at 0.6-0.7x cuBLAS there)
+  timeout 270 python3 bench/mma16_sweep.py --rows 256,512 \
+    --variants wide,wide+mg32+nt1,wide+mg32+nt1+s1,wide+mg32+nt1+s2,wide+mg32+nt1+d3,wide+mg32+nt1+s1+d3 \
+    --shapes 14336x4096,4096x14336,24576x4096,4096x4096,6144x4096 --out $OUT/sweep66b.json > $OUT/sweep66b.log 2>&1
+  echo "sweep exit $?"; grep -v '^\[' $OUT/sweep66b.log | cut -c1-150 | tail -70
+  timeout 200 python3 bench/mma16_sweep.py --rows 128 \
+    --variants wide,wide+s1,wide+s2,wide+s4,wide+s8,wide+mg8,wide+mg8+s2,wide+mg8+s4,wide+mg8+s8,wide+d3 \
+    --shapes 4096x14336,4096x6144,4096x4096,6144x4096 --out $OUT/sweep66b128.json > $OUT/sweep66b128.log 2>&1
+  echo "sweep128 exit $?"; grep -v '^\[' $OUT/sweep66b128.log | cut -c1-150 | tail -50
+  ;;
 esac

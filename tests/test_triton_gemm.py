@@ -232,7 +232,8 @@ def test_gpu_tuner_keeps_the_candidate_that_replays_fastest():
     before = torch.cuda.memory_allocated()
     y = gemm.gemm(x, wm)
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() - before <= y.nbytes + 2**20  # the rotation's copies are gone
+    # the rotation's copies (4+ of 66 MB) are gone; what stays is y and the split-K workspace (13 MB)
+    assert torch.cuda.memory_allocated() - before < w.data.nbytes and y.shape == (m, n)
     (key, log), = gemm.TUNE_LOG.items()
     timed = [(c, t) for c, t in log if not isinstance(t, str)]
     assert len(timed) >= 2

@@ -90,8 +90,8 @@ typedef unsigned long long u64;
 #ifndef WGMMA
 #define WGMMA 0  // 1: wgmma.mma_async (sm_90a) with the weights as register A, x from shared memory as B
 #endif
-#if WGMMA && (!XSTREAM || NT > 2 || GROUPED || MG > 16)
-#error "WGMMA needs XSTREAM, NT <= 2, MG <= 16 and no GROUPED"
+#if WGMMA && (!XSTREAM || NT > 2 || GROUPED || MG > 32 || (MG > 16 && NT > 1))
+#error "WGMMA needs XSTREAM, NT <= 2, MG <= 16 (MG <= 32 at NT 1) and no GROUPED"
 #endif
 #ifndef SWZ
 #define SWZ 0  // WGMMA: x stages in the 128-byte swizzle (1) or in 8 x 16 B core matrices without swizzle (0)
