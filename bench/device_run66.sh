@@ -30,4 +30,12 @@ b)  # m64n256 (MG 32, one CTA per SM, weights unpacked once per 256 rows of x) a
     --shapes 4096x14336,4096x6144,4096x4096,6144x4096 --out $OUT/sweep66b128.json > $OUT/sweep66b128.log 2>&1
   echo "sweep128 exit $?"; grep -v '^\[' $OUT/sweep66b128.log | cut -c1-150 | tail -50
   ;;
+c)  # row blocks and split at 64-512 rows, NT 1 (mode b: at 128 rows two 64-row blocks with split 2 beat one 128-row
+    # block with split 4-8 by 17-27% on the N = 4096 weights): the map for choose_wide's rule
+  V=wide; for mg in 4 8 16; do for s in 1 2 4; do V=$V,wide+nt1+mg$mg+s$s; done; done
+  timeout 400 python3 bench/mma16_sweep.py --rows 64,128,256,512 --variants $V \
+    --shapes 4096x4096,4096x6144,6144x4096,4096x14336,4096x12288,14336x4096,24576x4096 \
+    --out $OUT/sweep66c.json > $OUT/sweep66c.log 2>&1
+  echo "sweep exit $?"; grep -c FAILED $OUT/sweep66c.log; grep '^\[' $OUT/sweep66c.log | tail -2
+  ;;
 esac
