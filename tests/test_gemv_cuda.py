@@ -330,13 +330,20 @@ def test_gpu_wide_matches_reference(n, k, kw):
                     y2.fill_(float("nan"))
                     gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
                     assert _rel(y2, ref) < 4e-3, (m, split, nt, swz)
-    # within a band of rows (17-32, 33-64, 129+) a row's result does not depend on the other rows
-    for band in ((17, 24, 32), (33, 50, 64), (129, 200, 300)):
+    # within a band of rows (17-32, 33-64, 65-128, 129+) a row's result does not depend on the other rows
+    for band in ((17, 24, 32), (33, 50, 64), (65, 100, 128), (129, 200, 300)):
         ys = []
         for m in band:
             y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
             ys.append(gemv_cuda.launch_wide(base[:m], wc, g, y)[:band[0]])
         assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), band
+    # nor on the rows per block (65-128 rows: one block or two, see choose_wide)
+    plan = gemv_cuda.choose_wide(n, k, 128, sms)
+    ys = []
+    for mg in (8, 16):
+        y = torch.empty(128, n, dtype=torch.bfloat16, device="cuda")
+        ys.append(gemv_cuda.launch(base[:128], wc, g, y, cfg=dict(plan, MG=mg)))
+    assert torch.equal(ys[0], ys[1])
     # nor on the m64 tiles per warpgroup (NT, chosen by how full the GPU is)
     plan = gemv_cuda.choose_wide(n, k, 300, sms)
     ys = []
@@ -485,7 +492,10 @@ def test_choose_wide_covers_every_row_in_blocks_of_at_most_128():
             cfg = gemv_cuda.choose_wide(n, k, m, 132)
             zb = -(-m // (8 * cfg["MG"]))
             assert cfg["WGMMA"] == 1 and cfg["XSTREAM"] == 1 and cfg["SWZ"] == 1 and cfg["MG"] <= 16
-            assert zb == -(-m // 128)  # as few row blocks as 128-row blocks allow ...
+            # as few row blocks as 128-row blocks allow (at 65-128 rows two, split 2, where one would be
+            # split 4 or 8 ways) ...
+            two = 64 < m <= 128 and k // 128 >= 4 and cfg["SPLIT"] == 2 and zb == 2
+            assert zb == -(-m // 128) or two, (n, k, m, cfg)
             assert 8 * cfg["MG"] * zb - m < 8 * zb  # ... with the rows spread evenly (< 8 padding rows each)
             # several row blocks: 256 weight rows share x chunks (NT 2) where 3/4 of the SMs still get a CTA
             assert cfg["NT"] == (2 if zb > 1 and -(-n // 256) * zb * 4 >= 3 * 132 else 1)
@@ -493,8 +503,13 @@ def test_choose_wide_covers_every_row_in_blocks_of_at_most_128():
             assert cfg["SPLIT"] in (1, 2, 4, 8) and (cfg["SPLIT"] == 1 or (k // 128) // cfg["SPLIT"] >= 2)
     # the splits the H200 sweep found best (bench/RESULTS.md, sixth session)
     for n, k, m, split in ((4096, 14336, 32, 8), (14336, 4096, 64, 2), (24576, 4096, 32, 2),
-                           (6144, 4096, 64, 4), (4096, 6144, 128, 4), (14336, 4096, 512, 1)):
+                           (6144, 4096, 64, 4), (14336, 4096, 512, 1)):
         assert gemv_cuda.choose_wide(n, k, m, 132)["SPLIT"] == split, (n, k, m)
+    # 65-128 rows: two row blocks with split 2 where one block would take split 4-8 (twentieth session)
+    for n, k, m, mg, split in ((4096, 6144, 128, 8, 2), (4096, 14336, 100, 7, 2), (4096, 4096, 65, 5, 2),
+                               (6144, 4096, 128, 8, 2), (14336, 4096, 128, 16, 2), (4096, 14336, 64, 8, 8)):
+        cfg = gemv_cuda.choose_wide(n, k, m, 132)
+        assert (cfg["MG"], cfg["SPLIT"]) == (mg, split), (n, k, m, cfg)
     # NT as the nineteenth session's 256-512-row sweep found best
     for n, k, m, nt in ((14336, 4096, 256, 2), (24576, 4096, 512, 2), (4096, 14336, 256, 1),
                         (6144, 4096, 512, 1), (4096, 4096, 512, 1)):

@@ -262,7 +262,7 @@ def choose_wide(n: int, k: int, m: int, sms: int) -> dict:
     1.0-1.7x faster on weights of 4096-6144 rows, NT 2 1.25x faster on 14336 rows and up). Split-K by a cost
     model fitted on the H200 (bench/RESULTS.md, sixth session; within 2% of the best split on 28 shape x row
     cases): busy SM-time = max(1, CTAs / CTA slots) x steps per split x (2 + MG), plus 2 x SPLIT x MG x NT for
-    the cluster reduction."""
+    the cluster reduction. At 65-128 rows where that split is 4 or more: two row blocks, split 2 (below)."""
     if m < 1:
         raise ValueError(f"the wgmma configuration needs at least one row, got {m}")
     zb = -(-m // (8 * WIDE_MG))
@@ -290,6 +290,15 @@ def choose_wide(n: int, k: int, m: int, sms: int) -> dict:
     # measured at split 2 only)
     splits = (1, 2) if zb > 1 else (1, 2, 4, 8)
     split = min((s for s in splits if s == 1 or steps // s >= 2), key=cost)
+    if 64 < m <= 128 and split >= 4:
+        # 65-128 rows on weights of few n-blocks (N <= ~6144): two row blocks with split 2 rather than one
+        # block split 4-8 ways; the reduction of a 128-row block's partials outweighs unpacking the weights
+        # twice (H200, twentieth session: 4096x4096 at 128 rows 24.1 -> 17.6 us, 4096x6144 30.5 -> 23.6,
+        # 4096x12288 55.3 -> 43.4, 4096x14336 60.0 -> 51.0). Decided by the band's split: row-invariant.
+        zb, split = 2, 2
+        per_block = -(-m // zb)
+        mg = -(-per_block // 8)
+        nt = tiles(zb)
     cfg = dict(NT=nt, MG=mg, SPLIT=split, DEPTH=2, XSTREAM=1, WGMMA=1, SWZ=1)
     if smem_bytes(cfg, k, m) > SMEM_MAX:  # cannot happen for the sizes above (<= 131 KB); kept as a guard
         raise ValueError(f"the wgmma configuration {cfg} does not fit shared memory")
