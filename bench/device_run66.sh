@@ -38,4 +38,22 @@ c)  # row blocks and split at 64-512 rows, NT 1 (mode b: at 128 rows two 64-row 
     --out $OUT/sweep66c.json > $OUT/sweep66c.log 2>&1
   echo "sweep exit $?"; grep -c FAILED $OUT/sweep66c.log; grep '^\[' $OUT/sweep66c.log | tail -2
   ;;
+d)  # choose_wide's 65-128-row rule (two row blocks, split 2): GPU tests (band and row-block invariance), the
+    # GEMM table at 64-256 rows, Qwen3-8B at batch 32-128 untuned, and tuned (the tuner's graph-chain timing)
+  timeout 200 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py tests/test_triton_gemm.py -k "wide or choose or tuner" \
+    > $OUT/tests66d.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests66d.log | tail -8
+  timeout 150 python3 -m fp4rl.benchmarks.gpu_kernels --sections gemm --rows 64,128,256 \
+    --shapes 4096x14336,14336x4096,4096x6144,6144x4096,4096x4096,24576x4096,4096x12288 \
+    --out $OUT/gemm66d.json > $OUT/gemm66d.log 2>&1
+  echo "gemm exit $?"; grep '^|' $OUT/gemm66d.log | cut -c1-200 | tail -25
+  timeout 150 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 \
+    --w4a16-last 0 --batch 32,64,128 --kv bf16 --repeats 2 --tokens 8,40 --profile-batch '' \
+    --out $OUT/sampler66d_8b.json > $OUT/sampler66d_8b.log 2>&1
+  echo "8b exit $?"; grep '^|\|rror' $OUT/sampler66d_8b.log | cut -c1-250 | tail -8
+  timeout 150 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets nvfp4-w4a16 --tune \
+    --w4a16-last 0 --batch 64,128 --kv bf16 --repeats 2 --tokens 8,40 --profile-batch '' \
+    --out $OUT/sampler66d_8b_tuned.json > $OUT/sampler66d_8b_tuned.log 2>&1
+  echo "8b tuned exit $?"; grep '^|\|rror' $OUT/sampler66d_8b_tuned.log | cut -c1-250 | tail -5
+  ;;
 esac
