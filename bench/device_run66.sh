@@ -56,4 +56,9 @@ d)  # choose_wide's 65-128-row rule (two row blocks, split 2): GPU tests (band a
     --out $OUT/sampler66d_8b_tuned.json > $OUT/sampler66d_8b_tuned.log 2>&1
   echo "8b tuned exit $?"; grep '^|\|rror' $OUT/sampler66d_8b_tuned.log | cut -c1-250 | tail -5
   ;;
+e)  # the session's last call: the GPU tests of the GEMM dispatch, the tuner, the decode step and the Triton GEMMs
+  timeout 420 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py tests/test_triton_gemm.py tests/test_gpu_decode.py \
+    > $OUT/tests66e.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests66e.log | tail -12
+  ;;
 esac
