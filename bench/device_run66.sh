@@ -61,4 +61,15 @@ e)  # the session's last call: the GPU tests of the GEMM dispatch, the tuner, th
     > $OUT/tests66e.log 2>&1
   echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests66e.log | tail -12
   ;;
+f)  # the flat quantize kernel from the tensor's end (L2 reuse after the per-tensor amax pass): GPU tests, the
+    # quantize table with the from-start order in the same run; the wgmma GEMM at 256-512 rows without x staging (t1)
+    # and without the unpack / multiplies (t2): what bounds it there
+  timeout 200 python3 -m pytest -q -m gpu tests/test_quant_cuda.py > $OUT/tests66f.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests66f.log | tail -8
+  timeout 150 python3 -m fp4rl.benchmarks.gpu_kernels --sections quantize --out $OUT/quant66f.json > $OUT/quant66f.log 2>&1
+  echo "quant exit $?"; grep '^|\|copy' $OUT/quant66f.log | cut -c1-200 | tail -14
+  timeout 100 python3 bench/mma16_sweep.py --rows 128,256,512 --variants wide,wide+t1,wide+t2 \
+    --shapes 14336x4096,4096x14336,24576x4096 --out $OUT/sweep66f.json > $OUT/sweep66f.log 2>&1
+  echo "sweep exit $?"; grep -v '^\[' $OUT/sweep66f.log | cut -c1-110 | tail -30
+  ;;
 esac
