@@ -61,7 +61,7 @@ e)  # the session's last call: the GPU tests of the GEMM dispatch, the tuner, th
     > $OUT/tests66e.log 2>&1
   echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests66e.log | tail -12
   ;;
-f)  # the flat quantize kernel from the tensor's end (L2 reuse after the per-tensor amax pass): GPU tests, the
+f)  # (run at commit 2b06060, then reverted: no gain) the flat quantize kernel from the tensor's end (L2 reuse), the
     # quantize table with the from-start order in the same run; the wgmma GEMM at 256-512 rows without x staging (t1)
     # and without the unpack / multiplies (t2): what bounds it there
   timeout 200 python3 -m pytest -q -m gpu tests/test_quant_cuda.py > $OUT/tests66f.log 2>&1

@@ -156,21 +156,6 @@ def test_gpu_cuda_matches_reference(cuda_on, rule, err, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("reverse", [False, True])
-def test_gpu_cuda_flat_kernel_in_either_block_order(cuda_on, monkeypatch, reverse):
-    """The flat kernel (per-tensor and imposed scales) walks the blocks from the tensor's end by default (L2
-    reuse after the amax pass): the reference's bytes in either order, per-row imposed scales included."""
-    monkeypatch.setattr(qc, "FLAT_REVERSE", reverse)
-    for shape in [(1, 16), (37, 4096), (300, 128), (4096, 1024)]:
-        x = _x(shape, torch.bfloat16, "wide", seed=shape[0])
-        _check(x)
-        _check(x, scale_rule="4/6")
-        gsc = (x.float().abs().amax(dim=1) / 2688.0).clamp(min=1e-30)
-        _check(x, per_row=True, global_scale=gsc)  # per-row imposed: the flat kernel's GIVEN_ROWS build
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cuda_nonfinite(cuda_on):
     for dtype in (torch.bfloat16, torch.float32):
         x = _x((64, 256), dtype, "wide", seed=3)

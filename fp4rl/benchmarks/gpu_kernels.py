@@ -190,14 +190,6 @@ def bench_quantize(bw: float) -> list[dict]:
             finally:
                 qcuda.STATE["on"] = on
             row[prefix + "us"], row[prefix + "tb_s"] = us, moved / us / 1e6
-        if len(paths) == 2 and "tensor" in name:  # A/B: the flat pass from the tensor's start (L2 not reused)
-            qcuda.FLAT_REVERSE = False
-            try:
-                us = time_calls([lambda xi=xi, kw=kw: quantize_2d(xi, check_finite=False, **kw) for xi in xs],
-                                min_calls=6)
-            finally:
-                qcuda.FLAT_REVERSE = True
-            row["forward_us"], row["forward_tb_s"] = us, moved / us / 1e6
         row["path"] = "cuda" if len(paths) == 2 else "triton"
         res.append(row)
     return res
@@ -540,7 +532,6 @@ def run(args):
             ("us", lambda r: f1(r["us"])),
             ("TB/s", lambda r: f2(r["tb_s"])),
             ("Triton us", lambda r: f1(r["triton_us"]) if "triton_us" in r else "-"),
-            ("from start us", lambda r: f1(r["forward_us"]) if "forward_us" in r else "-"),
             ("floor us", lambda r: f1(r["floor_us"])),
             ("bytes = ref", lambda r: f"{r.get('byte_exact')}/{r.get('triton_byte_exact', '-')}")])
     if isinstance(out.get("gemm"), list):

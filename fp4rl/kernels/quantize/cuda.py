@@ -120,16 +120,10 @@ def rows_config(dtype, rule46: bool, mae: bool, allow_nf: bool, nb_row: int, bpt
     return tpr, cta, _defs(dtype, rule46, mae, allow_nf, 1, BPT=bpt, TPR=tpr, CTA=cta, MINB=minb)
 
 
-# The flat kernel walks the tensor's blocks from its end (REV): after the per-tensor amax pass, which reads x
-# from its start, the tail still in L2 is quantized first (the same bytes in any order). False: from the start
-# (benchmark A/B).
-FLAT_REVERSE = True
-
-
 def flat_config(dtype, rule46: bool, mae: bool, allow_nf: bool, src: int, given_rows: bool) -> tuple:
     """Compile key of the flat kernel (per-tensor or imposed scales)."""
     minb = _MIN_BLOCKS[(rule46, 1)] if dtype == torch.bfloat16 else 1
-    return _defs(dtype, rule46, mae, allow_nf, src, given_rows, MINB=minb, REV=int(FLAT_REVERSE))
+    return _defs(dtype, rule46, mae, allow_nf, src, given_rows, MINB=minb)
 
 
 def _dev(x):

@@ -25,9 +25,6 @@ typedef unsigned int u32;
 #ifndef CTA
 #define CTA 256
 #endif
-#ifndef REV
-#define REV 0  // the flat kernel: blocks from the tensor's end (cuda.FLAT_REVERSE)
-#endif
 #ifndef MINB
 #define MINB 1
 #endif
@@ -298,10 +295,7 @@ extern "C" __global__ void __launch_bounds__(256, MINB) nvfp4_quant_flat(
 #endif
   if (blockIdx.x == 0 && threadIdx.x == 0) g_out[0] = sc.g;
 #endif
-  for (int i = blockIdx.x * 256 + threadIdx.x; i < n_blk; i += gridDim.x * 256) {
-    // REV: the tensor's blocks from its end: the amax pass (SRC 0) that ran just before read them from the
-    // start, so the tail it read last is what L2 still holds (any block order gives the same bytes)
-    const int b = REV ? n_blk - 1 - i : i;
+  for (int b = blockIdx.x * 256 + threadIdx.x; b < n_blk; b += gridDim.x * 256) {
     Raw r;
     load_block(x, b, r);
 #if GIVEN_ROWS
