@@ -207,6 +207,10 @@ def test_gemm_operand_copies_are_fresh_memory():
     c = gemm._clone_operands(ops[:3] + (wc, ops[0][0]))
     assert torch.equal(c[3].wt, wc.wt) and c[3].wt.data_ptr() != wc.wt.data_ptr() and c[3].n == 32
     assert c[4].data_ptr() != ops[0].data_ptr()
+    from types import SimpleNamespace  # any object with the copy's fields
+
+    c = gemm._clone_operands(ops[:3] + (SimpleNamespace(wt=wc.wt, st=wc.st, n=32, k=256), None))
+    assert torch.equal(c[3].st, wc.st) and c[3].st.data_ptr() != wc.st.data_ptr() and c[3].k == 256
     assert gemm._operand_bytes(ops[:3] + (wc, ops[0][0])) == sum(t.nbytes for t in ops[:3]) + 16 + 8 + 4096
 
 

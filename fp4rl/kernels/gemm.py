@@ -40,7 +40,7 @@ caches); the kernel itself, its launcher and its split-K workspace are fp4rl.ker
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import os
 import warnings
 
@@ -330,7 +330,10 @@ def _mma16_input(x2, xq):
 def _clone_operands(ops):
     """A copy of (data, scale, global, mma16 copy or None, gemv32 copy or None) in fresh memory."""
     wd, ws, wg, m16, swz = ops
-    m16c = None if m16 is None else dataclasses.replace(m16, wt=m16.wt.clone(), st=m16.st.clone())
+    m16c = None
+    if m16 is not None:  # (gemv_cuda.Mma16Weight, or any object with its fields)
+        m16c = copy.copy(m16)
+        m16c.wt, m16c.st = m16.wt.clone(), m16.st.clone()
     return wd.clone(), ws.clone(), wg.clone(), m16c, None if swz is None else swz.clone()
 
 
