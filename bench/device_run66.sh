@@ -72,4 +72,13 @@ f)  # (run at commit 2b06060, then reverted: no gain) the flat quantize kernel f
     --shapes 14336x4096,4096x14336,24576x4096 --out $OUT/sweep66f.json > $OUT/sweep66f.log 2>&1
   echo "sweep exit $?"; grep -v '^\[' $OUT/sweep66f.log | cut -c1-110 | tail -30
   ;;
+g)  # ASH (the weights' A unpacked into shared memory, 8 shared-memory wgmma per step): GPU bit test against the
+    # register-A build; timing at 64-512 rows against the committed build
+  timeout 150 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py -k "a_in_shared" > $OUT/tests66g.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests66g.log | tail -8
+  timeout 200 python3 bench/mma16_sweep.py --rows 64,128,256,512 \
+    --variants wide,wide+nt1+ash1+d3,wide+nt1+ash1+d3+s1,wide+nt1+ash1+d3+s2,wide+nt1+ash1+mg8+d4,wide+nt1+ash1+mg8+d3,wide+nt1+ash1+mg12+d4 \
+    --shapes 14336x4096,4096x14336,24576x4096,4096x4096,6144x4096 --out $OUT/sweep66g.json > $OUT/sweep66g.log 2>&1
+  echo "sweep exit $?"; grep -c FAILED $OUT/sweep66g.log; grep FAILED $OUT/sweep66g.log | head -3 | cut -c1-300
+  ;;
 esac

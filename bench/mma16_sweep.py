@@ -28,7 +28,8 @@ from fp4rl.nvfp4 import reference  # noqa: E402
 def variant(name: str, base: dict) -> dict:
     """auto = gemv_cuda.choose(); wide = gemv_cuda.choose_wide() (wgmma, any rows; "wide+s4" etc.);
     dN = DEPTH N; ntN = NT N; sN = SPLIT N; trN = TRIGGER N; xsN = XSTREAM N; wbN = WB N; mgN = MG N;
-    swN = SWZ N; gseN = GSE N (the global scale read before the PDL wait: default in KW builds); xpN = XPRE N
+    swN = SWZ N; gseN = GSE N (the global scale read before the PDL wait: default in KW builds); ashN = ASH N
+    (wgmma: the weights' A staged in shared memory, 8 multiplies per step; DEPTH >= 3); xpN = XPRE N
     (wgmma: x's cp.async addresses per thread computed once: 1 per chunk, default at MG <= 4; 2 one running
     pointer per thread, default above);
     wgN = WGMMA N (with xs1) (combined with "+");
@@ -54,7 +55,7 @@ def variant(name: str, base: dict) -> dict:
             c.update(SPLIT=1, KW=int(part[2:]))
             continue
         keys = {"d": "DEPTH", "nt": "NT", "s": "SPLIT", "t": "TIMING", "tr": "TRIGGER", "xs": "XSTREAM",
-                "wg": "WGMMA", "mg": "MG", "wb": "WB", "sw": "SWZ", "gse": "GSE", "xp": "XPRE"}
+                "wg": "WGMMA", "mg": "MG", "wb": "WB", "sw": "SWZ", "gse": "GSE", "xp": "XPRE", "ash": "ASH"}
         prefix = part.rstrip("0123456789")
         if prefix not in keys or prefix == part:
             raise SystemExit(f"variant {name!r}: unknown part {part!r} (see mma16_sweep.variant)")

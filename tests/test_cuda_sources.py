@@ -89,6 +89,9 @@ def _gemm_configs():
             yield f"mma16 {n}x{k} m{m}", gemv_cuda.choose(n, k, m, sms), "sm_90"
         for m in (32, 64, 128, 256, 512):  # MG 4 (XPRE 1), 8 and 16 (XPRE 2), several row blocks (NT by fill)
             yield f"wgmma {n}x{k} m{m}", gemv_cuda.choose_wide(n, k, m, sms), "sm_90a"
+    for m, depth in ((128, 3), (512, 3), (64, 4)):  # ASH: the weights' A in shared memory (sweep variant)
+        cfg = dict(gemv_cuda.choose_wide(4096, 14336, m, sms), NT=1, XPRE=2, ASH=1, DEPTH=depth)
+        yield f"wgmma ash 4096x14336 m{m} d{depth}", cfg, "sm_90a"
     yield "grouped 2048x768", gemv_cuda.choose_grouped(2048, 768, 8, sms), "sm_90"
     yield "grouped gather 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1}, "sm_90"
     # the MoE down projection with SiLU(gate) * up in the x staging: 128 experts' 2048x768 at 1 token of top-8

@@ -294,6 +294,34 @@ def test_gpu_wide_x_staging_forms_give_the_same_bits(n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(1008, 1280), (4096, 4096), (768, 14336)])
+def test_gpu_wide_a_in_shared_memory_gives_the_same_bits(n, k):
+    """ASH (the weights' A operand unpacked into shared memory by stmatrix, 8 shared-memory wgmma per step)
+    against the register-A build: the same products summed in the same order, so the same bits, at 17-300
+    rows, depths 3-4, every split, with W4A4's per-row x scales; N not a multiple of the CTA's 128 rows."""
+    if not gemv_cuda.wide_available():
+        pytest.skip("needs an sm_90 GPU (wgmma) and torch.cuda._compile_kernel")
+    w, wc, wd, g, base = _gpu_case(n, k, {}, 300, seed=17)
+    xs = torch.rand(300, device="cuda") + 0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in (17, 64, 100, 128, 300):
+        plan = dict(gemv_cuda.choose_wide(n, k, m, sms), NT=1, XPRE=2)
+        for split in sorted({1, plan["SPLIT"]}):
+            for x_scale in (None, xs[:m]):
+                ref = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+                gemv_cuda.launch(base[:m], wc, g, ref, cfg=dict(plan, SPLIT=split), x_scale=x_scale)
+                for depth in (3, 4):
+                    cfg = dict(plan, SPLIT=split, ASH=1, DEPTH=depth)
+                    if gemv_cuda.smem_bytes(cfg, k, m) > gemv_cuda.SMEM_MAX:
+                        continue
+                    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    gemv_cuda.launch(base[:m], wc, g, y, cfg=cfg, x_scale=x_scale)
+                    if x_scale is None:
+                        assert _rel(y, base[:m].double() @ wd.T) < 4e-3, (m, split, depth)
+                    assert torch.equal(y, ref), (m, split, depth, x_scale is None)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,k,kw", [(144, 384, {"scale_scope": "row"}), (1008, 1280, {}),
                                     (4096, 4096, {"scale_rule": "4/6"}), (768, 14336, {})])
 def test_gpu_wide_matches_reference(n, k, kw):
@@ -479,8 +507,10 @@ def test_wgmma_source_has_one_operand_per_accumulator():
     for mg in (1, 2, 3, 4, 13, 16):
         src = gemv_cuda._wgmma_source(mg)
         assert f"m64n{8 * mg}k16.f32.bf16.bf16" in src
-        assert src.count('"+f"(d[') == 4 * mg  # n / 2 fp32 accumulators per thread
-        assert f"%{4 * mg + 4}, p, 1, 1, 0" in src  # the descriptor follows the 4 A registers
+        # n / 2 fp32 accumulators per thread, in the register-A form and the shared-memory-A form (ASH)
+        assert src.count('"+f"(d[') == 2 * 4 * mg
+        assert f"%{4 * mg + 4}, p, 1, 1, 0;" in src  # the descriptor follows the 4 A registers
+        assert f"%{4 * mg}, %{4 * mg + 1}, p, 1, 1, 0, 0;" in src  # ASH: A's descriptor, then B's
     cfg = dict(NT=1, MG=4, SPLIT=2, DEPTH=2)
     assert "void wgmma_m64k16(" in gemv_cuda.source(dict(cfg, XSTREAM=1, WGMMA=1), False)
     assert "void wgmma_m64k16(" not in gemv_cuda.source(cfg, False)

@@ -326,6 +326,8 @@ def smem_bytes(cfg: dict, k: int, m: int = 8) -> int:
     xrows = min(m, 8 * cfg["MG"]) + 1
     if cfg.get("WGMMA"):  # all 8 MG rows of each 128-k step, DEPTH stages, + 1 KB to align them to 1024 B
         xb = cfg["DEPTH"] * 8 * cfg["MG"] * 256 + 1024
+        if cfg.get("ASH"):  # two A buffers: every warp's 16 weight rows x 128 k of bf16
+            xb += 2 * WARPS * 16 * 256
     elif cfg.get("XSTREAM"):  # x in 128-k chunks through a ring of DEPTH stages
         xb = (cfg["DEPTH"] * xrows * 136 * 2 + 127) // 128 * 128
     else:
@@ -348,7 +350,14 @@ def _wgmma_source(mg: int) -> str:
             f'  asm volatile("{{ .reg .pred p; setp.ne.b32 p, 1, 0; "\n'
             f'      "wgmma.mma_async.sync.aligned.m64n{8 * mg}k16.f32.bf16.bf16 '
             f'{{{outs}}}, {{{ins}}}, %{nd + 4}, p, 1, 1, 0; }}"\n'
-            f'      : {cons} : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc) : "memory");\n}}\n')
+            f'      : {cons} : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc) : "memory");\n}}\n'
+            # A from shared memory too (ASH): both operands K-major by descriptor
+            "__device__ __forceinline__ void wgmma_m64k16_ss(float* d, unsigned long long da, "
+            "unsigned long long db) {\n"
+            f'  asm volatile("{{ .reg .pred p; setp.ne.b32 p, 1, 0; "\n'
+            f'      "wgmma.mma_async.sync.aligned.m64n{8 * mg}k16.f32.bf16.bf16 '
+            f'{{{outs}}}, %{nd}, %{nd + 1}, p, 1, 1, 0, 0; }}"\n'
+            f'      : {cons} : "l"(da), "l"(db) : "memory");\n}}\n')
 
 
 def source(cfg: dict, wg_row: bool, xg_row: bool = False, grouped: bool = False) -> str:

@@ -111,6 +111,19 @@ typedef unsigned long long u64;
 #if WGMMA && (8 % WB)
 #error "WB must divide the 8 blocks of a 128-k step"
 #endif
+#ifndef ASH
+// WGMMA: the weights' A operand staged in shared memory (1) instead of registers (0). Each warp unpacks and
+// scales its 16 rows of a whole 128-k step into one of two A buffers (stmatrix, the 128 B swizzle of x's
+// stages), and the warpgroup multiplies the step with 8 back-to-back wgmma (A and B from shared memory), one
+// commit and one wait per step: the next step's unpack runs while this step's multiplies do, and no warp
+// waits on a multiply per 16-k block. x is issued DEPTH - 2 steps ahead (the stage of step - 2 is free once
+// every warpgroup passed its wait of step - 1: the CTA barrier of the step orders it). NT 1, DEPTH >= 3.
+#define ASH 0
+#endif
+#if ASH && !(WGMMA && SWZ && NT == 1 && XSTREAM && DEPTH >= 3 && XPRE == 2)
+#error "ASH needs WGMMA, SWZ 1, NT 1, XSTREAM, DEPTH >= 3 and XPRE 2"
+#endif
+#define ABUF (WARPS * 16 * 256)  // ASH: one A buffer (every warp's 16 rows x 128 k of bf16)
 #ifndef KW
 #define KW 1  // warps of a CTA that split one n-tile's K (in-CTA split-K; see the kernel's epilogue)
 #endif
@@ -155,6 +168,11 @@ __device__ __forceinline__ void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u3
         "{%8, %9}, {%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 
 __device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
@@ -360,7 +378,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // bytes of one x stage (XSTREAM) or of the whole slice; WGMMA: all 8 MG rows of a 128-k step as core
     // matrices (8 rows x 16 B): block kb (k 16 kb..), row group ng, half kh at kb * MG * 256 + ng * 256 + kh * 128
     const int XSTAGE = WGMMA ? XROWS * 256 : (XR + 1) * XS * 2;
-    unsigned char* ring = reinterpret_cast<unsigned char*>(xs) + (((XSTREAM ? DEPTH : 1) * XSTAGE + 127) & ~127)
+    unsigned char* ring = reinterpret_cast<unsigned char*>(xs)
+                          + (((XSTREAM ? DEPTH : 1) * XSTAGE + (ASH ? 2 * ABUF : 0) + 127) & ~127)
                           + warp * (DEPTH * NT * STAGE_BYTES);
     const u32 ring_s = smem_u32(ring);
 
@@ -513,8 +532,9 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // PDL: the first DEPTH weight steps above do not depend on the previous kernel; x (its output) does
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #if XSTREAM
+    // (ASH: x one step less ahead; group 0 = weight steps 0 .. DEPTH-2 + x step 0, group d = x step d)
 #pragma unroll
-    for (int d = 0; d < DEPTH - 1; ++d) {
+    for (int d = 0; d < DEPTH - 1 - ASH; ++d) {
         issue_x(s0 + d, d);
         cp_async_commit();
     }
@@ -585,12 +605,71 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             for (int i = 0; i < 4; ++i) acc[j][mg][i] = acc2[j][mg][i] = 0.f;
 #endif
 
+#if ASH
+    // stmatrix.x4 row addresses: lane l gives row l & 7 of matrix l >> 3 (a0: rows 0-7, k 0-7; a1: rows 8-15,
+    // k 0-7; a2: rows 0-7, k 8-15; a3: rows 8-15, k 8-15) of this warp's 16 rows of its warpgroup's A tile
+    // ([k half][64 rows][128 B], 16 B chunk q at q ^ (row % 8)); block blk adds (blk >> 2) k halves
+    const int a_row = 16 * (warp & 3) + (lane & 7) + 8 * ((lane >> 3) & 1);
+    const u32 a_lane = smem_u32(xs) + DEPTH * XSTAGE + (warp >> 2) * (64 * 256) + a_row * 128;
+    u32 a_off[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) a_off[q] = (((2 * q + (lane >> 4)) ^ (lane & 7)) << 4);
+#endif
     // 3. the stream
     const int g4 = lane >> 2;
     for (int s = ws0; s < ws1; s += DEPTH) {
 #pragma unroll
         for (int d = 0; d < DEPTH; ++d) {
             const int sd = s + d;
+#if ASH
+            if (sd < ws1) {
+                // weight step sd landed for this thread (its group is one older than x step sd's), then for
+                // every lane of the warp
+                cp_async_wait<DEPTH - 2>();
+                __syncwarp();
+                const unsigned char* b = ring + d * STAGE_BYTES;
+                const uint4 wv0 = *reinterpret_cast<const uint4*>(b + lane * 16);
+                const uint4 wv1 = *reinterpret_cast<const uint4*>(b + 512 + lane * 16);
+                const uint4 sv0 = *reinterpret_cast<const uint4*>(b + 1024 + g4 * 32);
+                const uint4 sv1 = *reinterpret_cast<const uint4*>(b + 1024 + g4 * 32 + 16);
+                // A of step sd -> buffer sd & 1 (free: this warpgroup's step sd - 2 finished at the wait below)
+                const u32 ab = a_lane + (u32)(sd & 1) * ABUF;
+#pragma unroll
+                for (int blk = 0; blk < 8; ++blk) {
+                    const u32 w = word_of(blk < 4 ? wv0 : wv1, blk & 3);
+                    const u32 sw = word_of(blk < 4 ? sv0 : sv1, blk & 3);
+                    u32 a0, a1, a2, a3;
+                    unpack(w, a0, a1, a2, a3);
+                    const u32 sg = dup_lo(sw), sg8 = dup_hi(sw);
+                    stmatrix_x4(ab + (blk >> 2) * (64 * 128) + a_off[blk & 3], mul_bf16x2(a0, sg),
+                                mul_bf16x2(a1, sg8), mul_bf16x2(a2, sg), mul_bf16x2(a3, sg8));
+                }
+                // x step sd landed for this thread (its wait overlapped by the unpack above); A and x stage d
+                // visible to the async proxy, for every thread of the CTA (and every warpgroup is past its wait
+                // of step sd - 1: its multiplies of step sd - 2 are done)
+                cp_async_wait<DEPTH - 3>();
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                __syncthreads();
+                issue_w(sd + DEPTH - 1, (d + DEPTH - 1) % DEPTH);  // the ring stage read at step sd - 1
+                issue_x(sd + DEPTH - 2, (d + DEPTH - 2) % DEPTH);  // the x stage of step sd - 2
+                cp_async_commit();
+                {
+                    const u32 xb = smem_u32(xs) + (u32)d * XSTAGE;
+                    const u32 aw = smem_u32(xs) + DEPTH * XSTAGE + (u32)(sd & 1) * ABUF + (warp >> 2) * (64 * 256);
+                    wg_fence();
+#pragma unroll
+                    for (int blk = 0; blk < 8; ++blk) {
+                        const u64 da = (u64)(((aw + (blk >> 2) * (64 * 128) + (blk & 3) * 32) >> 4) & 0x3FFF)
+                                       | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+                        const u64 db = (u64)(((xb + (blk >> 2) * (XROWS * 128) + (blk & 3) * 32) >> 4) & 0x3FFF)
+                                       | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+                        wgmma_m64k16_ss(&acc[0][0][0], da, db);
+                    }
+                    wg_commit();
+                    wg_wait<1>();  // step sd - 1's multiplies are done: its A buffer and x stage are free
+                }
+            }
+#else
             if (sd < ws1) {
 #if XSTREAM
 #if WGMMA
@@ -696,6 +775,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                 }
 #endif
             }
+#endif  // ASH
         }
     }
 #if WGMMA
