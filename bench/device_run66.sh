@@ -81,4 +81,17 @@ g)  # ASH (the weights' A unpacked into shared memory, 8 shared-memory wgmma per
     --shapes 14336x4096,4096x14336,24576x4096,4096x4096,6144x4096 --out $OUT/sweep66g.json > $OUT/sweep66g.log 2>&1
   echo "sweep exit $?"; grep -c FAILED $OUT/sweep66g.log; grep FAILED $OUT/sweep66g.log | head -3 | cut -c1-300
   ;;
+h)  # ASH with the first weight steps in a group of their own (call g read weight step 0 before it landed):
+    # the bit test; the sweep again (correct data)
+  timeout 150 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py -k "a_in_shared" > $OUT/tests66h.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests66h.log | tail -8
+  timeout 150 python3 bench/mma16_sweep.py --rows 128,256,512 \
+    --variants wide,wide+nt1+ash1+d3,wide+nt1+ash1+d3+s1,wide+nt1+ash1+d3+s2 \
+    --shapes 14336x4096,4096x14336,24576x4096,4096x4096 --out $OUT/sweep66h.json > $OUT/sweep66h.log 2>&1
+  echo "sweep exit $?"; grep -c FAILED $OUT/sweep66h.log
+  python3 -c "
+import json,os
+d=json.load(open(os.environ['OUT']+'/sweep66h.json'))
+for r in d['rows']: print(r['n'],r['k'],r['rows'],round(r['us'],1),round(r['bf16_us'],1),'%.1e'%r['rel_err'],r['variant'])"
+  ;;
 esac

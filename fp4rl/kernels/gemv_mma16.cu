@@ -517,8 +517,11 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #endif
 #if XSTREAM
     // group 0 = weight steps 0 .. DEPTH-2 + x step 0, group d = x step d: the group of step i is the i-th
+    // (ASH: the weight steps a group of their own, then x steps 0 .. DEPTH-3 one group each, so that weight
+    // step i is always in a group older than x step i's: the loop waits for one, unpacks, then the other)
 #pragma unroll
     for (int d = 0; d < DEPTH - 1; ++d) issue_w(ws0 + d, d);
+    if (ASH) cp_async_commit();
 #else
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) issue(ws0 + d, d);
