@@ -94,4 +94,9 @@ import json,os
 d=json.load(open(os.environ['OUT']+'/sweep66h.json'))
 for r in d['rows']: print(r['n'],r['k'],r['rows'],round(r['us'],1),round(r['bf16_us'],1),'%.1e'%r['rel_err'],r['variant'])"
   ;;
+i)  # the last call: the tuner (operand copies by copy.copy) and the wgmma builds with the final code
+  timeout 200 python3 -m pytest -q -m gpu tests/test_triton_gemm.py tests/test_gemv_cuda.py \
+    -k "tuner or wide_matches or a_in_shared or decode_copy" > $OUT/tests66i.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests66i.log | tail -8
+  ;;
 esac
