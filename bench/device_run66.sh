@@ -99,4 +99,8 @@ i)  # the last call: the tuner (operand copies by copy.copy) and the wgmma build
     -k "tuner or wide_matches or a_in_shared or decode_copy" > $OUT/tests66i.log 2>&1
   echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests66i.log | tail -8
   ;;
+j)  # the tuner's disk cache (fp4rl/kernels/tune_cache.py) on the GPU, and the tuner tests again
+  timeout 200 python3 -m pytest -q -m gpu tests/test_triton_gemm.py -k "tuner" > $OUT/tests66j.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests66j.log | tail -8
+  ;;
 esac

@@ -18,3 +18,6 @@ def _has_cuda_gpu() -> bool:
 
 if not _has_cuda_gpu():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# the GEMM tuner times every candidate in tests (no picks from, or written to, the user's disk cache);
+# tests of the cache set their own directory
+os.environ["FP4RL_TUNE_CACHE"] = "0"

@@ -7,6 +7,7 @@ a relative error ~2^-8/sqrt(3). The dequantize-then-matmul fallback also rounds 
 weight to bfloat16 first, so it gets the looser bfloat16 GEMM bound. Runs in Triton's CPU
 interpreter when there is no CUDA."""
 
+import json
 import os
 
 import pytest
@@ -314,3 +315,29 @@ def test_gpu_gluon_gemv_every_config(n, k, kw):
         g = w.global_scale.float().reshape(-1).contiguous()
         gemv.launch_mma(x, swz, w.block_scale.view(torch.uint8), g, y, cfg, _WORKSPACE, layout=1)
         assert _rel(y, ref) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_tuner_keeps_its_picks_on_disk(monkeypatch, tmp_path):
+    """A tuned pick is written to the disk cache; a later process (the tuner's and the cache's memory
+    cleared) takes it from the file without timing any candidate."""
+    from fp4rl.kernels import tune_cache
+
+    monkeypatch.setenv("FP4RL_TUNE_CACHE", str(tmp_path))
+    monkeypatch.setattr(tune_cache, "_ENTRIES", {})
+    w = _weight(512, 1024, seed=3)
+    x = _x(80, 1024, seed=3)
+    gemm._TUNED.clear()
+    gemm.TUNE_LOG.clear()
+    y = gemm.linear(x, w)
+    (key, log), = gemm.TUNE_LOG.items()
+    assert len([t for _, t in log if not isinstance(t, str)]) >= 2  # timed
+    pick = gemm._TUNED[key]
+    (path,) = tmp_path.iterdir()
+    assert tune_cache.key_str(key) in json.loads(path.read_text())
+    gemm._TUNED.clear()
+    gemm.TUNE_LOG.clear()
+    tune_cache._ENTRIES.clear()
+    assert torch.equal(gemm.linear(x, w), y)
+    assert gemm._TUNED[key] == pick and not gemm.TUNE_LOG  # from the file, nothing timed

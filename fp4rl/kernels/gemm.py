@@ -50,6 +50,7 @@ import triton
 from fp4rl.kernels import fused as _fused
 from fp4rl.kernels import gemv as _gemv
 from fp4rl.kernels import gemv_cuda as _mma16
+from fp4rl.kernels import tune_cache as _tune_cache
 from fp4rl.kernels._common import INTERPRET
 from fp4rl.kernels.dequantize import _u8, dequantize  # noqa: F401  (gemm.dequantize: part of this API)
 from fp4rl.kernels.gemm_kernel import (  # noqa: F401  (the kernel; gemm._WORKSPACE: one object, re-exported)
@@ -265,7 +266,8 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
     """Pick (and cache) the fastest candidate for this key by timing each on the GPU (lead: candidates put
     first, e.g. WIDE). rotate: (make(count) -> `count` run functions over copies of the weight, read_bytes,
     copy_bytes), see rotation_copies; None: run alone. Inside a CUDA-graph capture nothing is timed: the first
-    candidate runs, and is not kept."""
+    candidate runs, and is not kept. Picks are kept on disk too (fp4rl.kernels.tune_cache): a later process
+    on the same kind of GPU, software and kernels takes them without timing."""
     if key in _TUNED:
         return _TUNED[key]
     cands = list(lead) + candidate_configs(m, n, kh, device, grouped, w4a16, layout)
@@ -276,6 +278,12 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
         return cands[0]
     if torch.cuda.is_current_stream_capturing():  # tune before capture (gpu_decode warms up first)
         return cands[0]
+    cache = _tune_cache.file_for(device)  # an earlier process's pick for this GPU, software and key
+    if cache is not None:
+        hit = _tune_cache.lookup(cache, key, cands)
+        if hit is not None:
+            _TUNED[key] = hit
+            return hit
     runs = [run]
     if rotate is not None:
         make, read_bytes, copy_bytes = rotate
@@ -299,6 +307,8 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
     if best is None:
         raise RuntimeError(f"no NVFP4 GEMM configuration ran for {key}") from first_error
     _TUNED[key] = best
+    if cache is not None:
+        _tune_cache.store(cache, key, best)
     return best
 
 

@@ -1,0 +1,117 @@
+"""The GEMM tuner's picks on disk, so that a new process (a restarted sampler, another Ray worker on the same
+kind of GPU) reuses them instead of timing every candidate again (14-22 s of warm-up per batch bucket for
+Qwen3-8B on an H200 with the Triton candidates compiled: bench/RESULTS.md, twentieth session).
+
+One JSON file per (GPU name, compute capability, torch, triton, the kernels' sources): a change to a kernel or
+to a candidate list (the hash of their source files) starts a new file, so a pick is never reused for code it
+was not timed on. An entry maps the tuner's key (gemm._choose's, without the device) to the kept candidate; a
+cached pick is taken only while it is still one of the key's candidates. Directory: FP4RL_TUNE_CACHE (a path;
+"0" or empty turns the cache off), else $XDG_CACHE_HOME/fp4rl/gemm_tune, else ~/.cache/fp4rl/gemm_tune.
+Writes merge with what is on disk and replace the file atomically (a temporary file renamed), so concurrent
+processes never leave a torn file; a file that cannot be read is ignored (and rewritten), a directory that
+cannot be written turns the cache off for the process with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCES = ("gemm.py", "gemm_kernel.py", "gemv.py", "gemv_cuda.py", "gemv_mma16.cu", "_common.py")
+STATE = {"off": False, "error": None}
+_ENTRIES: dict[Path, dict] = {}  # file -> its entries as last read or written by this process
+
+
+def directory() -> Path | None:
+    """Where the cache files go (None: the cache is off)."""
+    v = os.environ.get("FP4RL_TUNE_CACHE")
+    if v is not None:
+        return None if v.strip() in ("", "0") else Path(v)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fp4rl" / "gemm_tune"
+
+
+@functools.cache
+def sources_hash() -> str:
+    h = hashlib.sha256()
+    here = Path(__file__).parent
+    for name in _SOURCES:
+        h.update(name.encode())
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def file_name(gpu: str, capability: tuple[int, int]) -> str:
+    """The cache file of one GPU kind with this torch, triton and kernel sources."""
+    import triton
+
+    def clean(s: str) -> str:
+        return re.sub(r"[^A-Za-z0-9.]+", "-", s).strip("-")
+
+    return (f"{clean(gpu)}-sm{capability[0]}{capability[1]}-torch{clean(torch.__version__)}"
+            f"-triton{clean(triton.__version__)}-{sources_hash()}.json")
+
+
+def file_for(device) -> Path | None:
+    """The cache file for a CUDA device (None: the cache is off)."""
+    d = directory()
+    if d is None or STATE["off"]:
+        return None
+    p = torch.cuda.get_device_properties(device)
+    return d / file_name(p.name, (p.major, p.minor))
+
+
+def key_str(key: tuple) -> str:
+    """The tuner's key without its device (the file is per kind of GPU), as JSON text."""
+    return json.dumps([v for v in key if not isinstance(v, torch.device)])
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, NotADirectoryError):  # no file (yet)
+        return {}
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"GEMM tune cache {path} unreadable ({exc!r:.200}): ignored, it is rewritten on the "
+                      "next tuned shape", stacklevel=3)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def lookup(path: Path, key: tuple, candidates: list):
+    """The cached pick for key if it is still one of `candidates` (that object itself), else None."""
+    if path not in _ENTRIES:
+        _ENTRIES[path] = _read(path)
+    cached = _ENTRIES[path].get(key_str(key))
+    if cached is None:
+        return None
+    return next((c for c in candidates if c == cached), None)
+
+
+def store(path: Path, key: tuple, pick) -> None:
+    """Record key -> pick (a config dict or a path name), merged with the file as it is on disk now."""
+    entries = {**_ENTRIES.get(path, {}), **_read(path), key_str(key): pick}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tune-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(entries, f, indent=0, sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except (OSError, TypeError, ValueError) as exc:
+        STATE["off"], STATE["error"] = True, repr(exc)[:300]
+        warnings.warn(f"GEMM tune cache off for this process: cannot write {path} ({STATE['error']}); set "
+                      "FP4RL_TUNE_CACHE to a writable directory, or 0 to silence this", stacklevel=3)
+        return
+    _ENTRIES[path] = entries

@@ -1,0 +1,99 @@
+"""The GEMM tuner's disk cache (fp4rl.kernels.tune_cache): where it lives, what a file is keyed by, picks
+round-tripped and validated against the current candidates, concurrent writers merged, bad files and
+unwritable directories handled. The tuner using it on a GPU: tests/test_triton_gemm.py."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from fp4rl.kernels import gemm, tune_cache
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    monkeypatch.setattr(tune_cache, "_ENTRIES", {})
+    monkeypatch.setitem(tune_cache.STATE, "off", False)
+
+
+def test_directory_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("FP4RL_TUNE_CACHE", "0")
+    assert tune_cache.directory() is None
+    monkeypatch.setenv("FP4RL_TUNE_CACHE", "")
+    assert tune_cache.directory() is None
+    monkeypatch.setenv("FP4RL_TUNE_CACHE", str(tmp_path / "c"))
+    assert tune_cache.directory() == tmp_path / "c"
+    monkeypatch.delenv("FP4RL_TUNE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert tune_cache.directory() == tmp_path / "fp4rl" / "gemm_tune"
+
+
+def test_file_name_names_the_gpu_software_and_kernels():
+    import triton
+
+    name = tune_cache.file_name("NVIDIA H200 (MIG 1g)", (9, 0))
+    assert name.startswith("NVIDIA-H200-MIG-1g-sm90-torch") and name.endswith(".json")
+    assert torch.__version__.split("+")[0] in name and triton.__version__ in name
+    h = tune_cache.sources_hash()
+    assert len(h) == 16 and h in name and all(c in "0123456789abcdef" for c in h)
+    assert "/" not in name and " " not in name
+
+
+def test_key_drops_the_device():
+    key = (64, 4096, 7168, 1, False, False, 1, torch.device("cuda", 3), True, 0)
+    assert json.loads(tune_cache.key_str(key)) == [64, 4096, 7168, 1, False, False, 1, True, 0]
+    assert tune_cache.key_str(key) == tune_cache.key_str(key[:7] + (torch.device("cuda", 0),) + key[8:])
+
+
+def test_picks_round_trip_and_must_still_be_candidates(tmp_path):
+    path = tmp_path / "d" / "gpu.json"
+    cands = [gemm.WIDE] + gemm.candidate_configs(128, 4096, 2048, torch.device("cpu")) + [gemm.FALLBACK]
+    k1 = (128, 4096, 2048, 1, False, False, 1, torch.device("cpu"), True, 0)
+    k2 = k1[:-2] + (False, 0)
+    assert tune_cache.lookup(path, k1, cands) is None  # no file yet
+    tune_cache.store(path, k1, cands[1])  # a Triton configuration (a dict)
+    tune_cache.store(path, k2, gemm.FALLBACK)
+    tune_cache._ENTRIES.clear()  # a new process: read back from the file
+    assert tune_cache.lookup(path, k1, cands) is cands[1]  # the candidate object itself
+    assert tune_cache.lookup(path, k2, cands) == gemm.FALLBACK
+    # a pick that is no longer among the key's candidates (changed candidate lists) is not taken
+    assert tune_cache.lookup(path, k1, cands[:1] + cands[2:]) is None
+    assert tune_cache.lookup(path, k1[:1] + (8192,) + k1[2:], cands) is None  # another key
+
+
+def test_concurrent_writers_merge(tmp_path):
+    path = tmp_path / "gpu.json"
+    k = [(m, 4096, 2048, 1, False, False, 1, None, False, 0) for m in (64, 128)]
+    tune_cache.store(path, k[0], "a")
+    tune_cache._ENTRIES.clear()  # another process, which read the file before the first one wrote
+    tune_cache._ENTRIES[path] = {}
+    tune_cache.store(path, k[1], "b")
+    data = json.loads(path.read_text())
+    assert data == {tune_cache.key_str(k[0]): "a", tune_cache.key_str(k[1]): "b"}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tune-")]  # no temporary file left
+
+
+def test_unreadable_file_is_ignored_then_rewritten(tmp_path):
+    path = tmp_path / "gpu.json"
+    path.write_text("{not json")
+    key = (64, 4096, 2048, 1, False, False, 1, None, False, 0)
+    with pytest.warns(UserWarning, match="unreadable"):
+        assert tune_cache.lookup(path, key, ["x"]) is None
+    with pytest.warns(UserWarning, match="unreadable"):
+        tune_cache.store(path, key, "x")
+    tune_cache._ENTRIES.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tune_cache.lookup(path, key, ["x"]) == "x"
+
+
+def test_unwritable_directory_turns_the_cache_off(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    path = blocker / "sub" / "gpu.json"  # a directory under a regular file cannot be made
+    with pytest.warns(UserWarning, match="cache off for this process"):
+        tune_cache.store(path, (1,), "x")
+    assert tune_cache.STATE["off"]
+    monkeypatch.setenv("FP4RL_TUNE_CACHE", str(tmp_path))
+    assert tune_cache.file_for(torch.device("cpu")) is None  # off: not even the device is queried
