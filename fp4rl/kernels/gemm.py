@@ -232,12 +232,22 @@ def rotation_copies(read_bytes: int, copy_bytes: int, l2_bytes: int, free_bytes:
     return max(1, min(want, TUNE_MAX_COPIES, fit))
 
 
-def time_chain(calls, n_calls: int = TUNE_CALLS, replays: int = TUNE_REPLAYS) -> float:
-    """Median microseconds per call of calls[i % len(calls)], i < max(n_calls, len(calls)), captured back to
-    back in one CUDA graph and replayed (each callable run once eagerly first: compile, allocate)."""
-    for c in calls:
-        c()
+def warm(calls) -> None:
+    """Run each callable once on a side stream (compile, allocate, lazy library set-up) before a capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+
+
+def time_chain(calls, n_calls: int = TUNE_CALLS, replays: int = TUNE_REPLAYS, warmed: bool = False) -> float:
+    """Median microseconds per call of calls[i % len(calls)], i < max(n_calls, len(calls)), captured back to
+    back in one CUDA graph and replayed (each callable run once first by `warm`, unless warmed)."""
+    if not warmed:
+        warm(calls)
     n = max(n_calls, len(calls))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -276,14 +286,14 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
     if not tune or INTERPRET or device.type != "cuda" or len(cands) == 1:
         _TUNED[key] = cands[0]
         return cands[0]
-    if torch.cuda.is_current_stream_capturing():  # tune before capture (gpu_decode warms up first)
-        return cands[0]
     cache = _tune_cache.file_for(device)  # an earlier process's pick for this GPU, software and key
     if cache is not None:
         hit = _tune_cache.lookup(cache, key, cands)
         if hit is not None:
             _TUNED[key] = hit
             return hit
+    if torch.cuda.is_current_stream_capturing():  # tune before capture (gpu_decode warms up first)
+        return cands[0]
     runs = [run]
     if rotate is not None:
         make, read_bytes, copy_bytes = rotate
@@ -292,20 +302,29 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
     best, best_t, first_error = None, float("inf"), None
     log = TUNE_LOG.setdefault(key, [])
     for c in cands:
+        # errors are kept as text: an exception's traceback would hold these frames, and with them the
+        # weight copies, until the next garbage collection
+        calls = [lambda r=r, c=c: r(c) for r in runs]
         try:
-            t = time_chain([lambda r=r, c=c: r(c) for r in runs])
-        except Exception as exc:  # a configuration that does not compile (or capture) on this GPU is skipped
-            first_error = first_error or exc
+            warm(calls)
+        except Exception as exc:  # a configuration that does not compile or run on this GPU is skipped
+            first_error = first_error or repr(exc)[:300]
             log.append((c, repr(exc)[:100]))
-            if c == WIDE and isinstance(exc, RuntimeError):  # NVRTC / the driver refused sm_90a: off for good
-                _mma16.disable_wide(exc)
+            if c == WIDE and isinstance(exc, RuntimeError) and not isinstance(exc, torch.OutOfMemoryError):
+                _mma16.disable_wide(exc)  # NVRTC / the driver refused sm_90a: off for good
+            continue
+        try:
+            t = time_chain(calls, warmed=True)
+        except Exception as exc:  # ran, but not inside a graph capture: skipped (not switched off)
+            first_error = first_error or repr(exc)[:300]
+            log.append((c, repr(exc)[:100]))
             continue
         log.append((c, t))  # microseconds
         if t < best_t:
             best, best_t = c, t
-    del runs
+    del runs, calls
     if best is None:
-        raise RuntimeError(f"no NVFP4 GEMM configuration ran for {key}") from first_error
+        raise RuntimeError(f"no NVFP4 GEMM configuration ran for {key}; the first error: {first_error}")
     _TUNED[key] = best
     if cache is not None:
         _tune_cache.store(cache, key, best)
