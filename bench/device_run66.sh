@@ -100,7 +100,7 @@ i)  # the last call: the tuner (operand copies by copy.copy) and the wgmma build
   echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests66i.log | tail -8
   ;;
 j)  # the tuner's disk cache (fp4rl/kernels/tune_cache.py) on the GPU, and the tuner tests again
-  timeout 200 python3 -m pytest -q -m gpu tests/test_triton_gemm.py -k "tuner" > $OUT/tests66j.log 2>&1
+  timeout 150 python3 -m pytest -q -m gpu tests/test_triton_gemm.py -k "tuner" -x > $OUT/tests66j.log 2>&1
   echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests66j.log | tail -8
   ;;
 esac
