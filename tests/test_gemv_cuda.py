@@ -365,20 +365,15 @@ def test_gpu_wide_matches_reference(n, k, kw):
             y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
             ys.append(gemv_cuda.launch_wide(base[:m], wc, g, y)[:band[0]])
         assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), band
-    # nor on the rows per block (65-128 rows: one block or two, see choose_wide)
-    plan = gemv_cuda.choose_wide(n, k, 128, sms)
-    ys = []
-    for mg in (8, 16):
-        y = torch.empty(128, n, dtype=torch.bfloat16, device="cuda")
-        ys.append(gemv_cuda.launch(base[:128], wc, g, y, cfg=dict(plan, MG=mg)))
-    assert torch.equal(ys[0], ys[1])
-    # nor on the m64 tiles per warpgroup (NT, chosen by how full the GPU is)
-    plan = gemv_cuda.choose_wide(n, k, 300, sms)
-    ys = []
-    for nt in (1, 2):
-        y = torch.empty(300, n, dtype=torch.bfloat16, device="cuda")
-        ys.append(gemv_cuda.launch(base[:300], wc, g, y, cfg=dict(plan, NT=nt)))
-    assert torch.equal(ys[0], ys[1])
+    # nor on the rows per block (65-128 rows: one block or two, see choose_wide), nor on the m64 tiles per
+    # warpgroup (NT, chosen by how full the GPU is)
+    for m, name, values in ((128, "MG", (8, 16)), (300, "NT", (1, 2))):
+        plan = gemv_cuda.choose_wide(n, k, m, sms)
+        ys = []
+        for v in values:
+            y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            ys.append(gemv_cuda.launch(base[:m], wc, g, y, cfg={**plan, name: v}))
+        assert torch.equal(ys[0], ys[1]), name
     # W4A4: x = e2m1 * block_scale with per-row global scales over 4 decades (through gemm.gemm at 48 rows,
     # directly at 150: two row blocks; gemm.gemm's WIDE candidate where wide_rows does not take the rows)
     for m in (48, 150):
