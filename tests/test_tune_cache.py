@@ -3,6 +3,7 @@ round-tripped and validated against the current candidates, concurrent writers m
 unwritable directories handled. The tuner using it on a GPU: tests/test_triton_gemm.py."""
 
 import json
+import os
 import warnings
 
 import pytest
@@ -97,3 +98,39 @@ def test_unwritable_directory_turns_the_cache_off(tmp_path, monkeypatch):
     assert tune_cache.STATE["off"]
     monkeypatch.setenv("FP4RL_TUNE_CACHE", str(tmp_path))
     assert tune_cache.file_for(torch.device("cpu")) is None  # off: not even the device is queried
+
+
+def test_kernel_switches_and_sources_name_the_file(monkeypatch, tmp_path):
+    for k in [k for k in os.environ if k.startswith("FP4RL_")]:
+        monkeypatch.delenv(k)
+    plain = tune_cache.file_name("H200", (9, 0))
+    assert "-env" not in plain
+    monkeypatch.setenv("FP4RL_TUNE_CACHE", str(tmp_path))  # not a kernel switch
+    monkeypatch.setenv("FP4RL_TRACEBACK", "1")
+    assert tune_cache.file_name("H200", (9, 0)) == plain
+    monkeypatch.setenv("FP4RL_PDL", "0")  # an A/B switch: picks timed under it go to another file
+    other = tune_cache.file_name("H200", (9, 0))
+    assert other != plain and "-env" in other
+    monkeypatch.setenv("FP4RL_TUNE_CACHE", "~/c")
+    assert tune_cache.directory() == (tmp_path.home() / "c").resolve()
+    # a kernel source missing from the installation turns the cache off (the GEMM still runs)
+    monkeypatch.setattr(tune_cache, "_SOURCES", tune_cache._SOURCES + ("missing.cu",))
+    tune_cache.sources_hash.cache_clear()
+    try:
+        with pytest.raises(OSError):
+            tune_cache.sources_hash()
+    finally:
+        tune_cache.sources_hash.cache_clear()
+
+
+def test_a_miss_rereads_a_file_another_process_wrote(tmp_path):
+    path = tmp_path / "gpu.json"
+    k1, k2 = (64, 1), (128, 1)
+    tune_cache.store(path, k1, "a")
+    assert tune_cache.lookup(path, k2, ["b"]) is None
+    other = {tune_cache.key_str(k1): "a", tune_cache.key_str(k2): "b"}  # another process's write
+    path.write_text(json.dumps(other))
+    os.utime(path, ns=(1, 1))  # (a different modification time, whatever the clock's resolution)
+    assert tune_cache.lookup(path, k2, ["b"]) == "b"
+    tune_cache.store(path, (256, 1), "c")
+    assert (path.stat().st_mode & 0o777) == 0o644  # readable by the others sharing the cache

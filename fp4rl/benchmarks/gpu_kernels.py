@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import time
 import traceback
@@ -480,6 +481,9 @@ def run(args):
     if not torch.cuda.is_available():
         print("gpu_kernels needs a CUDA GPU")
         return 1
+    # every GEMM candidate timed in this run (its tune log is part of the record), unless FP4RL_TUNE_CACHE
+    # says otherwise
+    os.environ.setdefault("FP4RL_TUNE_CACHE", "0")
     sections = args.sections.split(",")
     rows_list = [int(v) for v in args.rows.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]

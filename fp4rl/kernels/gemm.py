@@ -236,11 +236,13 @@ def warm(calls) -> None:
     """Run each callable once on a side stream (compile, allocate, lazy library set-up) before a capture."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    try:
+        with torch.cuda.stream(side):
+            for c in calls:
+                c()
+    finally:  # (also when a call fails: nothing of it may overlap the next candidate's calls)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
 
 
 def time_chain(calls, n_calls: int = TUNE_CALLS, replays: int = TUNE_REPLAYS, warmed: bool = False) -> float:
@@ -326,7 +328,7 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
     if best is None:
         raise RuntimeError(f"no NVFP4 GEMM configuration ran for {key}; the first error: {first_error}")
     _TUNED[key] = best
-    if cache is not None:
+    if cache is not None and first_error is None:  # (not a pick made without a candidate that failed here)
         _tune_cache.store(cache, key, best)
     return best
 
