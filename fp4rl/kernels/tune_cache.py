@@ -38,7 +38,7 @@ _SOURCES = ("gemm.py", "gemm_kernel.py", "gemv.py", "gemv_cuda.py", "gemv_mma16.
 _ENV_IGNORED = ("FP4RL_TUNE_CACHE", "FP4RL_TRACEBACK")
 STATE = {"off": False, "error": None}
 _ENTRIES: dict[Path, dict] = {}  # file -> its entries as last read or written by this process
-_MTIME: dict[Path, float] = {}  # file -> its modification time when last read
+_MTIME: dict[Path, int | None] = {}  # file -> its modification time (ns) when last read
 
 
 def directory() -> Path | None:
@@ -103,7 +103,7 @@ def key_str(key: tuple) -> str:
     return json.dumps([v for v in key if not isinstance(v, torch.device)])
 
 
-def _mtime(path: Path) -> float | None:
+def _mtime(path: Path) -> int | None:
     try:
         return path.stat().st_mtime_ns
     except OSError:
