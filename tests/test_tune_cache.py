@@ -134,3 +134,95 @@ def test_a_miss_rereads_a_file_another_process_wrote(tmp_path):
     assert tune_cache.lookup(path, k2, ["b"]) == "b"
     tune_cache.store(path, (256, 1), "c")
     assert (path.stat().st_mode & 0o777) == 0o644  # readable by the others sharing the cache
+
+
+class _Clone:
+    """A stand-in weight copy (a weakref tells whether the tuner let it go)."""
+
+
+def _tuner(monkeypatch, tmp_path, fail=None, oom=False):
+    """gemm._choose with the CUDA pieces replaced: candidate c times c's index (us); `fail` candidates raise
+    in their first (eager) run. Returns (choose, weakrefs to the rotation's copies, disabled-WIDE calls)."""
+    import weakref
+
+    from fp4rl.kernels import gemv_cuda
+
+    monkeypatch.setattr(gemm, "INTERPRET", False)
+    monkeypatch.setattr(gemm, "_sm_count", lambda d: 132)
+    monkeypatch.setattr(gemm, "_l2_bytes", lambda d: 50 * 2**20)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (2**34, 2**35))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: type("P", (), {"name": "H200", "major": 9, "minor": 0})())
+    monkeypatch.setenv("FP4RL_TUNE_CACHE", str(tmp_path))
+    disabled = []
+    monkeypatch.setattr(gemv_cuda, "disable_wide", lambda exc: disabled.append(repr(exc)))
+    clones = []
+
+    def make(count):
+        out = []
+        for _ in range(count):
+            clone = _Clone()
+            clones.append(weakref.ref(clone))
+            out.append(lambda c, clone=clone: (c, clone))
+        return out
+
+    def warm(calls):
+        for call in calls:
+            c, _ = call()
+            if fail is not None and c in fail:
+                raise (torch.OutOfMemoryError("no memory") if oom else RuntimeError("NVRTC refused it"))
+
+    monkeypatch.setattr(gemm, "warm", warm)
+    monkeypatch.setattr(gemm, "time_chain", lambda calls, warmed=False: float(cands().index(calls[0]()[0])))
+    device = type("D", (), {"type": "cuda"})()
+
+    def cands():
+        return [gemm.WIDE] + gemm.candidate_configs(100, 4096, 2048, device) + [gemm.FALLBACK]
+
+    def choose(key):
+        return gemm._choose(key, 100, 4096, 2048, device, None, False, True, True, lead=(gemm.WIDE,),
+                            rotate=(make, 33 * 2**20, 66 * 2**20))
+    return choose, clones, disabled, cands
+
+
+def test_the_tuner_keeps_and_reuses_its_pick(monkeypatch, tmp_path):
+    import gc
+
+    choose, clones, disabled, cands = _tuner(monkeypatch, tmp_path)
+    monkeypatch.setattr(gemm, "_TUNED", {})
+    monkeypatch.setattr(gemm, "TUNE_LOG", {})
+    key = (128, 4096, 2048, 1, False, False, 1, None, True, 0)
+    assert choose(key) == gemm.WIDE  # index 0: the fastest
+    assert len(clones) == 5  # ceil(3 x 50 MB / 33 MB) operand sets, every candidate timed on them
+    assert len(gemm.TUNE_LOG[key]) == len(cands()) and not disabled
+    gc.disable()  # nothing may depend on a garbage-collection pass to free the copies
+    try:
+        assert all(r() is None for r in clones)
+    finally:
+        gc.enable()
+    # a new process: the pick comes from the file, nothing is timed
+    monkeypatch.setattr(gemm, "_TUNED", {})
+    monkeypatch.setattr(gemm, "TUNE_LOG", {})
+    monkeypatch.setattr(tune_cache, "_ENTRIES", {})
+    n = len(clones)
+    assert choose(key) == gemm.WIDE and not gemm.TUNE_LOG and len(clones) == n
+
+
+@pytest.mark.parametrize("oom", [False, True])
+def test_a_failed_candidate_is_skipped_and_its_pick_not_kept(monkeypatch, tmp_path, oom):
+    import gc
+
+    choose, clones, disabled, cands = _tuner(monkeypatch, tmp_path, fail=[gemm.WIDE], oom=oom)
+    monkeypatch.setattr(gemm, "_TUNED", {})
+    monkeypatch.setattr(gemm, "TUNE_LOG", {})
+    key = (128, 4096, 2048, 1, False, False, 1, None, True, 0)
+    assert choose(key) == cands()[1]  # the fastest that ran
+    assert isinstance(gemm.TUNE_LOG[key][0][1], str)  # the failure, as text
+    assert len(disabled) == (0 if oom else 1)  # a compile failure turns the wgmma build off; an OOM does not
+    gc.disable()
+    try:
+        assert all(r() is None for r in clones)  # no kept traceback holds the copies
+    finally:
+        gc.enable()
+    assert not list(tmp_path.glob("*.json"))  # a pick made without a failed candidate is not kept on disk
