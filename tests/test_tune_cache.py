@@ -174,15 +174,19 @@ def _tuner(monkeypatch, tmp_path, fail=None, oom=False):
                 raise (torch.OutOfMemoryError("no memory") if oom else RuntimeError("NVRTC refused it"))
 
     monkeypatch.setattr(gemm, "warm", warm)
-    monkeypatch.setattr(gemm, "time_chain", lambda calls, warmed=False: float(cands().index(calls[0]()[0])))
+    monkeypatch.setattr(gemm, "time_chain", lambda calls: float(cands().index(calls[0]()[0])))
     device = type("D", (), {"type": "cuda"})()
 
     def cands():
         return [gemm.WIDE] + gemm.candidate_configs(100, 4096, 2048, device) + [gemm.FALLBACK]
 
+    mb = 2**20  # the weight's operands as the tuner sizes them: 33 MB read per call, 66 MB a copy
+    sized = [type("T", (), {"nbytes": b})() for b in (29 * mb, 4 * mb, 0)]
+    ops = (*sized, type("M", (), {"wt": sized[0], "st": sized[1]})(), None)
+
     def choose(key):
         return gemm._choose(key, 100, 4096, 2048, device, None, False, True, True, lead=(gemm.WIDE,),
-                            rotate=(make, 33 * 2**20, 66 * 2**20))
+                            rotate=(make, ops))
     return choose, clones, disabled, cands
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 import time
 import traceback
 
@@ -51,39 +50,13 @@ def _env() -> dict:
 
 def time_calls(calls, min_calls: int = 24, replays: int = 7) -> float:
     """Median microseconds per call of `calls` (zero-arg callables over different operand
-    copies), replayed from one CUDA graph."""
+    copies), replayed from one CUDA graph (gemm.time_chain, clocks kept busy WARM_MS first)."""
+    from fp4rl.kernels import gemm
+
     for c in calls:  # compile, tune and allocate outside the capture
         c()
-    torch.cuda.synchronize()
-    n = max(min_calls, len(calls))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(n):
-            calls[i % len(calls)]()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(n):
-            calls[i % len(calls)]()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    graph.replay()
-    t1.record()
-    t1.synchronize()
-    # steady clocks: keep the GPU busy for >= WARM_MS with this graph before timing it (an idle H200
-    # drops its SM clock within milliseconds; instruction-bound kernels then time slower)
-    for _ in range(min(2000, int(WARM_MS / max(t0.elapsed_time(t1), 1e-3)))):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        t0.record()
-        graph.replay()
-        t1.record()
-        t1.synchronize()
-        times.append(t0.elapsed_time(t1) * 1e3 / n)
-    return statistics.median(times)
+    gemm.warm(calls)
+    return gemm.time_chain(calls, min_calls, replays, warm_ms=WARM_MS)
 
 
 def copies_for(nbytes: int, at_least: int = 2, cap: int = 64) -> int:

@@ -245,11 +245,11 @@ def warm(calls) -> None:
         torch.cuda.synchronize()
 
 
-def time_chain(calls, n_calls: int = TUNE_CALLS, replays: int = TUNE_REPLAYS, warmed: bool = False) -> float:
+def time_chain(calls, n_calls: int = TUNE_CALLS, replays: int = TUNE_REPLAYS, warm_ms: float = 0.0) -> float:
     """Median microseconds per call of calls[i % len(calls)], i < max(n_calls, len(calls)), captured back to
-    back in one CUDA graph and replayed (each callable run once first by `warm`, unless warmed)."""
-    if not warmed:
-        warm(calls)
+    back in one CUDA graph and replayed `replays` times after two untimed replays (run `warm` first). warm_ms:
+    keep replaying the graph this long before timing (steady clocks: an idle H200 drops its SM clock within
+    milliseconds, and instruction-bound kernels then time slower)."""
     n = max(n_calls, len(calls))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -262,6 +262,10 @@ def time_chain(calls, n_calls: int = TUNE_CALLS, replays: int = TUNE_REPLAYS, wa
         graph.replay()
         t1.record()
         t1.synchronize()
+        if r == 0 and warm_ms > 0:
+            for _ in range(min(2000, int(warm_ms / max(t0.elapsed_time(t1), 1e-3)))):
+                graph.replay()
+            torch.cuda.synchronize()
         if r >= 2:
             times.append(t0.elapsed_time(t1) * 1e3 / n)
     del graph
@@ -276,10 +280,11 @@ def _l2_bytes(device) -> int:
 def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=False, layout=0, lead=(),
             rotate=None):
     """Pick (and cache) the fastest candidate for this key by timing each on the GPU (lead: candidates put
-    first, e.g. WIDE). rotate: (make(count) -> `count` run functions over copies of the weight, read_bytes,
-    copy_bytes), see rotation_copies; None: run alone. Inside a CUDA-graph capture nothing is timed: the first
-    candidate runs, and is not kept. Picks are kept on disk too (fp4rl.kernels.tune_cache): a later process
-    on the same kind of GPU, software and kernels takes them without timing."""
+    first, e.g. WIDE). rotate: (make(count) -> `count` run functions over copies of the weight, the weight's
+    operands (data, scale, global, mma16 copy, gemv32 copy)), see rotation_copies; None: run alone. Inside a
+    CUDA-graph capture nothing is timed: the first candidate runs, and is not kept. Picks are kept on disk
+    too (fp4rl.kernels.tune_cache): a later process on the same kind of GPU, software and kernels takes them
+    without timing."""
     if key in _TUNED:
         return _TUNED[key]
     cands = list(lead) + candidate_configs(m, n, kh, device, grouped, w4a16, layout)
@@ -298,8 +303,9 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
         return cands[0]
     runs = [run]
     if rotate is not None:
-        make, read_bytes, copy_bytes = rotate
-        count = rotation_copies(read_bytes, copy_bytes, _l2_bytes(device), torch.cuda.mem_get_info(device)[0])
+        make, ops = rotate  # (a call reads the packed data and scales, or the mma16 copy of the same size)
+        count = rotation_copies(ops[0].nbytes + ops[1].nbytes, _operand_bytes(ops), _l2_bytes(device),
+                                torch.cuda.mem_get_info(device)[0])
         runs = make(count)
     best, best_t, first_error = None, float("inf"), None
     log = TUNE_LOG.setdefault(key, [])
@@ -316,7 +322,7 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
                 _mma16.disable_wide(exc)  # NVRTC / the driver refused sm_90a: off for good
             continue
         try:
-            t = time_chain(calls, warmed=True)
+            t = time_chain(calls)
         except Exception as exc:  # ran, but not inside a graph capture: skipped (not switched off)
             first_error = first_error or repr(exc)[:300]
             log.append((c, repr(exc)[:100]))
@@ -513,7 +519,7 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
     def copies(count):  # the tuner's rotation: run over `count` operand sets, the first the weight itself
         return [run] + [make_run(*_clone_operands(ops)) for _ in range(count - 1)]
 
-    rotate = (copies, wd.nbytes + ws.nbytes, _operand_bytes(ops))
+    rotate = (copies, ops)
 
     if config is None:
         layout = int(swz is not None)
