@@ -233,6 +233,10 @@ class SamplerConfig(_Section):
     dtype: str = _knob("model", "compute dtype of the sampler ('model': the master weights' dtype); bfloat16 "
                        "on a CPU runs the fast AMX/oneDNN linears and fused decode kernels",
                        choices=("model", "float32", "bfloat16"))
+    dense_rows: int = _knob(0, "CUDA kernel sampler: batches of at least this many rows (large decode "
+                            "batches, prefill) run cuBLAS on a bfloat16 DQ(W) copy of each packed dense "
+                            "linear (+2 B per weight; same policy, the BF16 engine's speed where the 4-bit "
+                            "kernels are slower: 128 on the H200, bench/RESULTS.md); 0: off", ge=0)
 
 
 @dataclass
@@ -400,6 +404,12 @@ class RunConfig:
                 raise ConfigError(
                     f"[{name}] must be a {cls.__name__}, got {type(getattr(self, name)).__name__}"
                 )
+        if self.sampler.dense_rows and (self.precision.trace or self.model.device == "cpu"):
+            why = ("precision.trace = true samples with the torch sampler (it records the guidance there)"
+                   if self.precision.trace else
+                   "model.device = \"cpu\" samples on the CPU, which caches DQ(W) already")
+            raise ConfigError(f"sampler.dense_rows = {self.sampler.dense_rows} is for the CUDA kernel "
+                              f"sampler, but {why}: set sampler.dense_rows = 0")
 
     @property
     def run_dir(self) -> Path:

@@ -63,6 +63,7 @@ from fp4rl.gpu_linear import (  # noqa: F401  (the engine's modules; re-exported
     KernelPackedLinear,
     attach_kernels,
     decode_copy_bytes,
+    dense_copy_bytes,
     kernel_ready,
     packed_gemm,
 )
@@ -176,7 +177,8 @@ def fused_plans(model: CausalLM) -> list | None:
 class DecodeEngine:
     """Static KV cache + one decode step per batch bucket, replayed from CUDA graphs (see module doc)."""
 
-    def __init__(self, model: CausalLM, *, graphs: bool = True, fused: bool | None = None):
+    def __init__(self, model: CausalLM, *, graphs: bool = True, fused: bool | None = None,
+                 dense_rows: int = 0):
         dtype = model.model.embed_tokens.weight.dtype
         if dtype != KERNEL_DTYPE:
             raise ValueError(f"Sampler kernels=True needs dtype=torch.bfloat16 (the kernels' activations), "
@@ -185,7 +187,7 @@ class DecodeEngine:
         self.config: ModelConfig = model.config
         self.device = model.model.embed_tokens.weight.device
         self.graphs_enabled = graphs and self.device.type == "cuda"
-        self.refreshable = attach_kernels(model)
+        self.refreshable = attach_kernels(model, dense_rows)
         self.plans = fused_plans(model)  # None: the fused step does not cover this model
         self.fused = (FUSED if fused is None else fused) and self.plans is not None
         self.static = None  # the SamplerKVCache all generate calls write into

@@ -23,6 +23,12 @@ decode copies of their weights. `fp4rl.gpu_decode.DecodeEngine` runs them inside
   [E, N, K/2] stacks (`gemm.grouped_linear`, or W4A4 on one Q(x) per row); BF16 experts use
   `torch._grouped_mm` on [E, N, K] stacks. The k expert outputs of a token are weighted and
   summed in FP32 (the CPU loop adds them in bfloat16, expert by expert).
+- Dense copies (`_DenseCopy`, `Sampler(dense_rows=R)`, off by default): each packed dense linear and fused
+  group also keeps DQ(W) in bfloat16 (the reference dequantize, +2 B per weight), and calls of at least R rows
+  (large decode batches, prefill) run cuBLAS on it: the BF16 engine's speed and the reference's arithmetic
+  (DQ(Q(x)) @ DQ(W).T with bfloat16 operands) on the quantized policy, where the 4-bit kernels are slower
+  than cuBLAS (on the H200 from 64-128 rows: bench/RESULTS.md). Rebuilt in place like the decode copies.
+  Routed experts keep the grouped kernels (their rows per expert stay small).
 - BF16 weights (lm_head, embeddings, BF16 layers) stay on cuBLAS.
 """
 
@@ -157,6 +163,73 @@ def _rebuild(old, data: torch.Tensor, scale: torch.Tensor, mma: bool):
     return old
 
 
+DENSE_CHUNK = 1 << 24  # elements per float32 chunk of a dense copy's rebuild (64 MB)
+
+
+class _DenseCopy:
+    """DQ(W) of one packed dense weight (or fused group) in bfloat16, for the calls of at least `rows` rows
+    (`Sampler(dense_rows=...)`): `fp4rl.kernels.dequantize`, bit-identical to the reference's. Rebuilt in
+    place (same storage: captured graphs stay valid) when the bytes', block scales' or global scales' version
+    or storage changes, or after invalidate(); never inside a graph capture (the engine refreshes first)."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.copy: torch.Tensor | None = None
+        self.key = None
+
+    def get(self, data: torch.Tensor, scale: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
+        """The copy, up to date (None inside a capture while it is stale)."""
+        from fp4rl.kernels.dequantize import dequantize
+
+        key = (_version(data), data.data_ptr(), _version(scale), scale.data_ptr(), _version(g), g.data_ptr(),
+               tuple(data.shape))
+        if key != self.key:
+            if data.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            n, k = data.shape[0], 2 * data.shape[1]
+            if self.copy is None or tuple(self.copy.shape) != (n, k):
+                self.copy = torch.empty(n, k, dtype=torch.bfloat16, device=data.device)
+            # float32 in chunks of <= DENSE_CHUNK elements, rounded by torch (Triton's interpreter truncates
+            # float32 -> bfloat16 casts; the GPU kernel rounds to nearest even, as torch)
+            g = g.float().reshape(-1)
+            step = max(1, DENSE_CHUNK // k)
+            for r in range(0, n, step):
+                gr = g if g.numel() == 1 else g[r:r + step]
+                rows = slice(r, r + step)
+                self.copy[rows].copy_(dequantize(data[rows], scale[rows], gr, torch.float32))
+            self.key = key
+            pdl.hazard()  # the next GEMM must not prefetch weights before the rebuild has finished
+        return self.copy
+
+    def invalidate(self) -> None:
+        self.key = None  # the copy's storage is reused by the next get()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.copy is None else self.copy.nbytes
+
+
+def _dense_for(owner, data, scale, g, rows: int):
+    """The owner's dense copy when this call has enough rows for it (`dense_rows`), else None."""
+    if not owner.dense_rows or rows < owner.dense_rows:
+        return None
+    if owner._dense is None:
+        owner._dense = _DenseCopy(owner.dense_rows)
+    return owner._dense.get(data, scale, g)
+
+
+def _with_dense(weight, dense):
+    return SimpleNamespace(data=weight.data, block_scale=weight.block_scale, global_scale=weight.global_scale,
+                           dense=dense)
+
+
+def dense_copy_bytes(model: nn.Module) -> int:
+    """Device bytes of the dense bfloat16 copies (`Sampler(dense_rows=...)`) that the kernel linears and
+    groups hold."""
+    owners = list(model.modules()) + list(getattr(model, "fused_groups", []))
+    return sum(o._dense.nbytes for o in owners if getattr(o, "_dense", None) is not None)
+
+
 def decode_copy_bytes(model: nn.Module) -> int:
     """Device bytes of every decode copy (mma16 or gemv32) that the kernel linears and groups hold."""
     owners = list(model.modules()) + list(getattr(model, "fused_groups", []))
@@ -206,15 +279,21 @@ class KernelPackedLinear(PackedNVFP4Linear):
     """PackedNVFP4Linear computed by the Triton kernels (same buffers; swapped in by class)."""
 
     _gemv32 = None
+    _dense = None
+    dense_rows = 0  # calls of at least this many rows run cuBLAS on a DQ(W) copy (0: never; attach_kernels)
 
     def refresh(self) -> None:
-        """Rebuild the decode copy if the packed bytes changed (called before graph capture/replay)."""
+        """Rebuild the decode (and dense) copy if the packed bytes changed (called before graph capture and
+        replay)."""
         self._swz().get(self.weight_data, self.weight_block_scale, mma16_only=self.mode != "w4a16")
+        _dense_for(self, self.weight_data, self.weight_block_scale, self.weight_global_scale, self.dense_rows)
 
     def invalidate(self) -> None:
         super().invalidate()
         if self._gemv32 is not None:
             self._gemv32.invalidate()
+        if self._dense is not None:
+            self._dense.invalidate()
 
     def _swz(self) -> _DecodeCopy:
         if self._gemv32 is None:
@@ -225,9 +304,9 @@ class KernelPackedLinear(PackedNVFP4Linear):
         """x @ DQ(W).T + b with the W4A16 kernel (x as given)."""
         if x.dtype != KERNEL_DTYPE:
             return super().linear(x)
-        w = _with_copy(self.quantized_weight(),
-                       _decode_copy(self._swz(), self.weight_data, self.weight_block_scale, "w4a16", x))
-        y = packed_gemm(x.reshape(-1, x.shape[-1]), w, "w4a16", self.input_kwargs)
+        x2 = x.reshape(-1, x.shape[-1])
+        w = self._weight_for(x2, None, "w4a16")
+        y = packed_gemm(x2, w, "w4a16", self.input_kwargs)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if self.bias is None else y + self.bias
 
@@ -243,14 +322,27 @@ class KernelPackedLinear(PackedNVFP4Linear):
         """y [M, N] for x2 [M, K] bfloat16, or (W4A4) for its Q(x) made by a fused producer."""
         if self.mode == "w4a16":
             return self.linear(x2)
-        w = _with_copy(self.quantized_weight(),
-                       _decode_copy(self._swz(), self.weight_data, self.weight_block_scale, "w4a4", x2, xq))
+        w = self._weight_for(x2, xq, "w4a4")
         y = packed_gemm(x2, w, "w4a4", self.input_kwargs, xq=xq)
         return y if self.bias is None else y + self.bias
+
+    def _weight_for(self, x2, xq, mode: str):
+        """The weight with the copy this call runs on: the dense copy at dense_rows rows and more, else the
+        decode copy where one serves these rows, else the packed bytes alone."""
+        w = self.quantized_weight()
+        rows = x2.shape[0] if x2 is not None else xq[0].shape[0]
+        dense = _dense_for(self, self.weight_data, self.weight_block_scale, self.weight_global_scale, rows)
+        if dense is not None:
+            return _with_dense(w, dense)
+        copy = _decode_copy(self._swz(), self.weight_data, self.weight_block_scale, mode, x2, xq)
+        return _with_copy(w, copy)
 
 
 class KernelFusedGroup(FusedGroup):
     """A FusedGroup of packed linears computed as one kernel call on a stacked weight."""
+
+    _dense = None
+    dense_rows = 0  # as KernelPackedLinear's
 
     def attach(self) -> None:
         ms = self.members
@@ -273,11 +365,14 @@ class KernelFusedGroup(FusedGroup):
         self.g_rows.copy_(torch.cat([m.weight_global_scale.float().reshape(1).expand(n)
                                      for m, n in zip(self.members, self.splits)]))
         self._swz().get(self.data, self.scale, mma16_only=self.members[0].mode != "w4a16")
+        _dense_for(self, self.data, self.scale, self.g_rows, self.dense_rows)
 
     def invalidate(self) -> None:
         super().invalidate()
         if getattr(self, "_gemv32", None) is not None:
             self._gemv32.invalidate()
+        if self._dense is not None:
+            self._dense.invalidate()
 
     def _swz(self) -> _DecodeCopy:
         if getattr(self, "_gemv32", None) is None:
@@ -289,7 +384,12 @@ class KernelFusedGroup(FusedGroup):
         producer (then x2 may be None)."""
         m0 = self.members[0]
         w = SimpleNamespace(data=self.data, block_scale=self.scale, global_scale=self.g_rows)
-        w = _with_copy(w, _decode_copy(self._swz(), self.data, self.scale, m0.mode, x2, xq))
+        dense = _dense_for(self, self.data, self.scale, self.g_rows,
+                           x2.shape[0] if x2 is not None else xq[0].shape[0])
+        if dense is not None:
+            w = _with_dense(w, dense)
+        else:
+            w = _with_copy(w, _decode_copy(self._swz(), self.data, self.scale, m0.mode, x2, xq))
         y = packed_gemm(x2, w, m0.mode, m0.input_kwargs, xq=xq)
         return y if self.bias_cat is None else y + self.bias_cat
 
@@ -528,9 +628,13 @@ class KernelMoeBlock(SparseMoeBlock):
         return (out.float() * topk_weight.float()[..., None]).sum(1).to(x.dtype)
 
 
-def attach_kernels(model: CausalLM) -> list:
+def attach_kernels(model: CausalLM, dense_rows: int = 0) -> list:
     """Swap the sampler model's packed linears, fused packed groups and MoE blocks to the kernel
-    versions (in place). Returns the objects whose derived global scales `refresh()` renews."""
+    versions (in place). dense_rows > 0: the dense linears and groups (not the routed experts) keep a DQ(W)
+    copy for calls of at least that many rows (_DenseCopy). Returns the objects whose derived global scales
+    and copies `refresh()` renews."""
+    if not isinstance(dense_rows, int) or isinstance(dense_rows, bool) or dense_rows < 0:
+        raise ValueError(f"dense_rows={dense_rows!r}: an integer >= 0 (0: no dense copies)")
     refresh = []
     expert_linears = set()
     for module in model.modules():
@@ -544,11 +648,13 @@ def attach_kernels(model: CausalLM) -> list:
         if group.packed and all(kernel_ready(m) for m in group.members) \
                 and not any(id(m) in expert_linears for m in group.members):
             group.__class__ = KernelFusedGroup
+            group.dense_rows = dense_rows
             group.attach()
             refresh.append(group)
     for module in model.modules():
         if kernel_ready(module):
             module.__class__ = KernelPackedLinear
             if module.group is None and id(module) not in expert_linears:
+                module.dense_rows = dense_rows  # (a group's members run through the group's copy)
                 refresh.append(module)
     return refresh

@@ -447,7 +447,8 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     # the model from its config alone and would miss generation_config.json's
     sampler_kwargs = dict(kv_cache=c.sampler.kv_cache, device=device, policy_version=trainer.policy_version,
                           dtype=sampler_dtype, eos_token_ids=default_eos_token_ids(trainer.model, tokenizer),
-                          **({"kernels": False} if c.precision.trace else {}))
+                          **({"kernels": False} if c.precision.trace else
+                             {"dense_rows": c.sampler.dense_rows} if c.sampler.dense_rows else {}))
     with contextlib.ExitStack() as stack:  # a Ray pool is shut down however train() ends
         sampler = rollout_sampler(trainer.model, tokenizer, sampler_kwargs, c, stack, contract)
         sampler.load(payload)

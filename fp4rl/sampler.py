@@ -144,6 +144,11 @@ class Sampler:
     nvfp4_gemm   BF16 on the CPU: NVFP4 linears multiply up to 64 rows straight from the packed bytes
                  with the AMX kernel of fp4rl.nvfp4.cpu_gemm (no dequantized copy is kept; larger
                  prefills dequantize per call); default: on where that kernel is available.
+    dense_rows   with kernels: the packed dense linears also keep DQ(W) in bfloat16 (+2 B per weight) and
+                 calls of at least this many rows (large decode batches, prefill) run cuBLAS on it, the
+                 reference's arithmetic at the BF16 engine's speed (the H200's 4-bit kernels are slower than
+                 cuBLAS from 64-128 rows: bench/RESULTS.md); routed experts stay on the grouped kernels.
+                 0 (default): no copies.
     """
 
     def __init__(self, model: CausalLM, tokenizer=None, *, kv_cache: str = "bf16", device="cpu",
@@ -151,7 +156,7 @@ class Sampler:
                  cache_dequantized: bool | None = None, fuse: bool | None = None, eos_token_ids=None,
                  policy_version: int = 0, kernels: bool | None = None, cuda_graphs: bool | None = None,
                  prepack: bool | None = None, nvfp4_gemm: bool | None = None, fast_head: bool | None = None,
-                 cpu_ops: bool | None = None):
+                 cpu_ops: bool | None = None, dense_rows: int = 0):
         if not isinstance(model, CausalLM):
             raise TypeError(f"Sampler needs an fp4rl CausalLM (fp4rl.load_model + qat.convert), got "
                             f"{type(model).__name__}")
@@ -189,10 +194,19 @@ class Sampler:
                                          nvfp4_gemm=nvfp4_gemm, cpu_ops=cpu_ops)
         self.fast_head = fast_head
         self.engine = None
+        if not isinstance(dense_rows, int) or isinstance(dense_rows, bool) or dense_rows < 0:
+            raise ValueError(f"Sampler dense_rows={dense_rows!r}: an integer >= 0 (0: off)")
+        if dense_rows and not kernels:
+            raise ValueError(f"Sampler dense_rows={dense_rows} is for the CUDA kernel engine (kernels=True: "
+                             f"a bfloat16 sampler on CUDA, not TRACE); this sampler runs torch on "
+                             f"{self.device} in {self.dtype}: pass dense_rows=0 (the CPU sampler caches "
+                             "DQ(W) already)")
+        self.dense_rows = dense_rows
         if kernels:
             from fp4rl.gpu_decode import DecodeEngine
 
-            self.engine = DecodeEngine(self.model, graphs=True if cuda_graphs is None else cuda_graphs)
+            self.engine = DecodeEngine(self.model, graphs=True if cuda_graphs is None else cuda_graphs,
+                                       dense_rows=dense_rows)
         self.tokenizer, self.kv_cache = tokenizer, kv_cache
         if eos_token_ids is None:
             eos_token_ids = default_eos_token_ids(model, tokenizer)
@@ -253,7 +267,8 @@ class Sampler:
     def memory(self) -> dict[str, float]:
         """Bytes of the packed linears vs the same weights in BF16; what the sampler derives from them
         per weight version (`dequantized_cache_bytes`: a DQ(W) cache, oneDNN-reordered DQ(W), or the
-        AMX kernel's copy; `decode_copy_bytes`: the CUDA decode kernels' copies, mma16 or gemv32);
+        AMX kernel's copy; `decode_copy_bytes`: the CUDA decode kernels' copies, mma16 or gemv32;
+        `dense_copy_bytes`: the kernel engine's DQ(W) copies, dense_rows);
         prepacked copies of BF16 linears; every parameter and buffer."""
         packed = [m for m in self.model.modules() if isinstance(m, PackedNVFP4Linear)]
         params = sum(m.in_features * m.out_features for m in packed)
@@ -264,11 +279,12 @@ class Sampler:
         prepacked_dense = sum(m._prepacked.nbytes for m in self.model.modules()
                               if isinstance(m, PrepackedLinear))
         prepacked_dense += sum(g.nbytes for g in self.model.fused_groups if not g.packed)
-        from fp4rl.gpu_decode import decode_copy_bytes
+        from fp4rl.gpu_decode import decode_copy_bytes, dense_copy_bytes
 
         return dict(quantized_params=params, packed_bytes=packed_bytes, bf16_bytes=2 * params,
                     packed_vs_bf16=packed_bytes / max(2 * params, 1), dequantized_cache_bytes=cache_bytes,
                     prepacked_dense_bytes=prepacked_dense, decode_copy_bytes=decode_copy_bytes(self.model),
+                    dense_copy_bytes=dense_copy_bytes(self.model),
                     other_bytes=sum(p.nbytes for p in self.model.parameters()))
 
     # -- generation --------------------------------------------------------------------------

@@ -61,3 +61,13 @@ def test_profile_kv_refuses_an_unknown_format():
     args = parser.parse_args(["--device", "cpu", "--shapes", "tiny:2", "--profile-kv", "bf16,nvpf4"])
     with pytest.raises(SystemExit, match="--profile-kv item 'nvpf4'"):
         sampler_gpu.run(args)
+
+
+def test_dense_rows_refuses_a_negative_setting():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    sampler_gpu.add_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--shapes", "tiny:2", "--dense-rows", "0,-128"])
+    with pytest.raises(SystemExit, match="--dense-rows '0,-128': integers >= 0"):
+        sampler_gpu.run(args)

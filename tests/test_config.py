@@ -86,6 +86,14 @@ def test_invalid_values_name_the_key_and_the_allowed_values():
     assert load_config(overrides=["precision.weight_err=mae"]).precision.weight_err == "mae"
     with pytest.raises(ConfigError, match=r"run.name"):
         load_config(overrides=["run.name=../x"])
+    with pytest.raises(ConfigError, match=r"sampler.dense_rows = 64 is for the CUDA kernel sampler, but "
+                                          r"precision.trace = true samples with the torch sampler"):
+        load_config(overrides=["precision.trace=true", "sampler.dense_rows=64"])
+    with pytest.raises(ConfigError, match=r"sampler.dense_rows = 64 .*model.device = \"cpu\""):
+        load_config(overrides=["model.device=cpu", "sampler.dense_rows=64"])
+    with pytest.raises(ConfigError, match=r"sampler.dense_rows = -1: must be >= 0"):
+        load_config(overrides=["sampler.dense_rows=-1"])
+    assert load_config(overrides=["sampler.dense_rows=128"]).sampler.dense_rows == 128
 
 
 def test_unknown_keys_are_rejected_with_a_suggestion(tmp_path):

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (decoration time)
 
 from fp4rl import gpu_decode, gpu_linear  # noqa: E402
-from fp4rl.kernels import attention, gemv_cuda  # noqa: E402
+from fp4rl.kernels import attention, gemm, gemv_cuda  # noqa: E402
 from fp4rl.kvcache import NVFP4KVCache, make_kv_cache  # noqa: E402
 from fp4rl.model import CausalLM, ModelConfig  # noqa: E402
 from fp4rl.nvfp4 import reference  # noqa: E402
@@ -193,6 +193,91 @@ def test_generate_compaction_static_cache_reuse_and_weight_sync():
     assert [c.completion_ids for c in synced] == [c.completion_ids for c in fresh]
     assert [c.logprobs for c in synced] == [c.logprobs for c in fresh]
     assert [c.completion_ids for c in synced] != [c.completion_ids for c in first]
+
+
+def _dense_owners(s):
+    """(owner, its DQ(W) in bfloat16 as the reference makes it) for every packed dense linear and fused group
+    of the sampler's kernel model (not the routed experts')."""
+    groups = [g for g in s.model.fused_groups if isinstance(g, gpu_linear.KernelFusedGroup)]
+    lins = [m for m in s.model.modules() if isinstance(m, gpu_linear.KernelPackedLinear) and m.dense_rows]
+    return ([(g, torch.cat([m.dequantized_weight(torch.bfloat16) for m in g.members])) for g in groups]
+            + [(m, m.dequantized_weight(torch.bfloat16)) for m in lins])
+
+
+@pytest.mark.parametrize("config,contract", [(DENSE, "nvfp4-w4a16"), (MOE, "nvfp4-linear")])
+def test_dense_copy_serves_the_calls_of_dense_rows(config, contract, monkeypatch):
+    """Sampler(dense_rows=R): calls of R rows or more (here the prefill's 21) run cuBLAS on each packed dense
+    linear's and fused group's DQ(W) copy (the reference dequantize bit for bit: the product is the
+    reference's, W4A4 on DQ(Q(x))); calls of fewer rows (the decode steps' 4-row bucket) the 4-bit kernels;
+    routed experts never take one. A weight sync rewrites the copies in their storage; memory() counts
+    them."""
+    from fp4rl.weight_sync import build_payload
+
+    model = tiny(config, contract)
+    kw = dict(kv_cache="bf16", device=DEV, dtype=torch.bfloat16, eos_token_ids=[])
+    s = Sampler(model, kernels=True, dense_rows=5, **kw)
+    calls, real = [], gpu_linear.packed_gemm
+
+    def spy(x2, weight, mode, input_kwargs, offsets=None, xq=None, **k):
+        rows = x2.shape[0] if x2 is not None else xq[0].shape[0]
+        calls.append((rows, hasattr(weight, "dense"), offsets is not None))
+        return real(x2, weight, mode, input_kwargs, offsets, xq=xq, **k)
+
+    monkeypatch.setattr(gpu_linear, "packed_gemm", spy)
+    forced = torch.randint(0, V, (len(PROMPTS), 3), generator=torch.Generator().manual_seed(2))
+    a = teacher_forced_logits(s, forced)
+    if contract == "nvfp4-w4a16":  # (W4A4: bfloat16-level differences flip activation codes, see above)
+        b = teacher_forced_logits(Sampler(model, kernels=False, fuse=True, **kw), forced)
+        # this random model's peaked logits magnify bfloat16-level differences (measured spreads between paths
+        # that are all right: the CPU sampler with and without its AMX GEMMs 1.9%, the kernel engine without
+        # dense copies 2.7%, with them 3.6%): the copies' own exactness is checked module by module below
+        err = ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item()
+        assert err < 5e-2, err
+    dense = [c for c in calls if not c[2]]
+    assert {c[0] for c in dense} == {4, 3 * max(len(p) for p in PROMPTS)}  # decode bucket, prefill
+    assert {c[1] for c in dense if c[0] >= 5} == {True} and {c[1] for c in dense if c[0] < 5} == {False}
+    assert (config is MOE) == any(c[2] for c in calls) and not any(c[1] for c in calls if c[2])
+    owners = _dense_owners(s)
+    layers = config["num_hidden_layers"]
+    assert len(owners) == 2 * layers + (0 if config is MOE else 2 * layers)  # qkv, o (+ gate/up, down)
+    x = torch.randn(6, config["hidden_size"], generator=torch.Generator().manual_seed(3)).to(DEV).bfloat16()
+    for owner, dq in owners:
+        assert torch.equal(owner._dense.copy, dq), owner
+        if dq.shape[1] != x.shape[1]:
+            continue
+        xin = x
+        if contract == "nvfp4-linear":  # W4A4: DQ(Q(x)) with the contract's activation quantizer
+            ik = (owner.members[0] if isinstance(owner, gpu_linear.KernelFusedGroup) else owner).input_kwargs
+            xq = gemm.quantize_activations(x, scale_rule=ik["scale_rule"], err=ik["err"])
+            xin = gemm.dequantize(*xq, torch.bfloat16)
+        assert torch.equal(owner.run(x), torch.matmul(xin, dq.t())), owner  # (no biases here)
+    assert s.memory()["dense_copy_bytes"] == sum(dq.nbytes for _, dq in owners)
+    ptrs = [owner._dense.copy.data_ptr() for owner, _ in owners]
+    with torch.no_grad():  # new trainer weights, synced into the sampler
+        for p in model.parameters():
+            p.mul_(1.25)
+    s.load(build_payload(model, PrecisionContract(contract, bf16_last_fraction=0.0), 1))
+    teacher_forced_logits(s, forced)
+    for (owner, dq), ptr in zip(_dense_owners(s), ptrs):
+        assert owner._dense.copy.data_ptr() == ptr and torch.equal(owner._dense.copy, dq), owner
+    assert not torch.equal(owners[0][1], _dense_owners(s)[0][1])  # the weights did change
+
+
+def test_dense_copy_refused_where_it_cannot_run():
+    model = tiny(DENSE, "nvfp4-w4a16")
+    kw = dict(device=DEV, dtype=torch.bfloat16, eos_token_ids=[])
+    with pytest.raises(ValueError, match=r"dense_rows=4 is for the CUDA kernel engine.*pass dense_rows=0"):
+        Sampler(model, kernels=False, dense_rows=4, **kw)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=r"dense_rows=.*an integer >= 0"):
+            Sampler(model, kernels=True, dense_rows=bad, **kw)
+    lin = next(m for m in Sampler(model, kernels=True, **kw).model.modules()
+               if isinstance(m, gpu_linear.KernelPackedLinear))
+    w = lin.quantized_weight()
+    x = torch.randn(2, lin.in_features, device=DEV).bfloat16()
+    bad = gpu_linear._with_dense(w, lin.dequantized_weight(torch.bfloat16).t().contiguous())
+    with pytest.raises(ValueError, match=r"weight.dense must be the dense weight's DQ\(W\), bfloat16"):
+        gemm.gemm(x, bad)
 
 
 def test_decode_attention_skips_left_padding():

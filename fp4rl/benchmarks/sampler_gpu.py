@@ -102,6 +102,9 @@ def add_arguments(parser):
                         "the NVFP4 arms, one row each: 'bf16' (every preset's choice) or 'w4a16' (a contract "
                         "rule ('lm_head', 'w4a16'): the head's 151936 x H weight read as NVFP4, 3.6x fewer "
                         "bytes)")
+    parser.add_argument("--dense-rows", default="0", help="comma-separated Sampler(dense_rows=) settings of "
+                        "the NVFP4 arms, one row each: calls of at least that many rows run cuBLAS on a "
+                        "DQ(W) copy (0: the 4-bit kernels at every batch)")
     parser.add_argument("--host-batch", default="", help="batches whose host time per step is split "
                         "(host_split: graph launch cost, host-only step, top CPU ops), '' for none")
     parser.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
@@ -249,7 +252,7 @@ def measure_row(sampler, contract, row: dict, prompts, args, env, results, base)
 
 
 def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, args, env, results, base,
-                      lm_head: str = "bf16"):
+                      lm_head: str = "bf16", dense_rows: int = 0):
     """Every (KV, batch) row of one precision preset, plus its graph check and profiles; lm_head 'w4a16':
     with the rule ('lm_head', 'w4a16') added to the preset."""
     from fp4rl.precision import PrecisionContract
@@ -266,7 +269,7 @@ def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, 
         torch.cuda.empty_cache()
     try:
         yield from _measure(trainer, contract, shape, layers, full_layers, label, preset, frac, args, env,
-                            results, base, offload)
+                            results, base, offload, dense_rows)
     except BaseException as exc:  # the traceback's frames hold the sampler's tensors: free them first
         traceback.clear_frames(exc.__traceback__)
         raise
@@ -288,7 +291,7 @@ def offload_wanted(trainer: nn.Module, mode: str, device) -> bool:
 
 
 def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac, args, env, results, base,
-             offload):
+             offload, dense_rows=0):
     from fp4rl.sampler import Sampler
 
     device = torch.device(args.device)
@@ -301,7 +304,8 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
     check_kv = "nvfp4" if "nvfp4" in kvs else kvs[-1]
     t0 = time.perf_counter()
     sampler = Sampler(trainer, device=device, dtype=torch.bfloat16, eos_token_ids=[],
-                      max_seq_len=args.prompt + n2 + 8, kernels=True, cuda_graphs=not args.no_graphs)
+                      max_seq_len=args.prompt + n2 + 8, kernels=True, cuda_graphs=not args.no_graphs,
+                      dense_rows=dense_rows)
     if not offload and device.type == "cuda":
         from fp4rl.qat import invalidate
 
@@ -313,6 +317,7 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
     mem = sampler.memory()
     results["builds"].append({"shape": shape, "precision": label, "build_s": time.perf_counter() - t0,
                               "packed_vs_bf16": mem["packed_vs_bf16"], "packed_bytes": mem["packed_bytes"],
+                              "dense_rows": dense_rows, "dense_copy_bytes": mem["dense_copy_bytes"],
                               "trainer_offloaded": "before the build" if offload else
                               "after the build" if moved else False})
     from fp4rl.kernels import pdl
@@ -399,6 +404,9 @@ def run(args) -> int:
         [split_setting(s) for s in args.k_split.split(",")]
         [kv_write_setting(w) for w in args.kv_write.split(",")]
         heads = lm_head_settings(args.lm_head)
+        dense = [int(d) for d in args.dense_rows.split(",")]
+        if any(d < 0 for d in dense):
+            raise ValueError(f"--dense-rows {args.dense_rows!r}: integers >= 0")
         bad = [k for k in args.profile_kv.split(",") if k and k not in KV_CACHE_KINDS]
         if bad:
             raise ValueError(f"--profile-kv item {bad[0]!r}: use KV formats among {KV_CACHE_KINDS}")
@@ -445,15 +453,17 @@ def run(args) -> int:
                          float(f)) for f in args.w4a16_last.split(",")]
             else:
                 arms = [(label, preset, frac)]
-            for arm in arms:  # the NVFP4 arms once per --lm-head choice, BF16 once
-                rows += [(*arm, "bf16")] if preset == "bf16" else \
-                    [(arm[0] + ("" if h == "bf16" else f", lm_head {h.upper()}"), *arm[1:], h) for h in heads]
-        for label, preset, frac, head in rows:
+            for arm in arms:  # the NVFP4 arms once per --lm-head and --dense-rows choice, BF16 once
+                rows += [(*arm, "bf16", 0)] if preset == "bf16" else \
+                    [(arm[0] + ("" if h == "bf16" else f", lm_head {h.upper()}")
+                      + (f", dense copy >= {d} rows" if d else ""), *arm[1:], h, d)
+                     for h in heads for d in dense]
+        for label, preset, frac, head, dense_rows in rows:
             if wanted and preset not in wanted:
                 continue
             try:
                 for _ in measure_precision(trainer, shape, layers, full_layers, label, preset, frac, args,
-                                           env, results, base, lm_head=head):
+                                           env, results, base, lm_head=head, dense_rows=dense_rows):
                     save()
             except Exception as exc:  # noqa: BLE001
                 results["errors"].append({"shape": shape, "precision": label, "error": repr(exc)[:400]})

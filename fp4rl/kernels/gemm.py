@@ -32,7 +32,10 @@ tiled prefill kernel (rows > 32), and for rows > 64 a dequantize-then-cuBLAS pat
 of W made per call: 2.56 B/element of extra traffic, small next to an M x N x K GEMM once M is
 in the thousands). Nothing is assumed about where the crossovers lie. A dense weight carrying the
 CUDA kernel's copy (``mma16``) goes to that kernel at 1-16 rows and the rows of ``wide_rows``, and
-offers its wgmma configuration as the tuner's first candidate (``WIDE``) up to 512 rows.
+offers its wgmma configuration as the tuner's first candidate (``WIDE``) up to 512 rows. A dense weight
+carrying ``dense`` (its DQ(W) in bfloat16, the reference dequantize kept by the caller) runs cuBLAS on it:
+the BF16 engine's GEMM on the quantized weight's values, the reference's arithmetic (the sampler passes it
+for batches of at least ``Sampler(dense_rows=...)`` rows, where the 4-bit kernels are slower than cuBLAS).
 
 This module is the host side (argument checks, dispatch, candidate configurations, the tuner and its
 caches); the kernel itself, its launcher and its split-K workspace are fp4rl.kernels.gemm_kernel.
@@ -394,7 +397,9 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
     x: bfloat16 [M, K] (W4A16), or None with xq = (data uint8 [M, K/2], block_scale [M, K/16],
     global_scale fp32 [M] or [M, 1]) for W4A4 emulation. weight: NVFP4 with data [N, K/2] (or
     [E, N, K/2] with offsets int32 [E+1] over the expert-sorted rows of x). config: a dict from
-    candidate_configs, or FALLBACK, to bypass the tuner. A dense weight may carry `gemv32` (gemv.swizzle
+    candidate_configs, or FALLBACK, to bypass the tuner. A dense weight may carry `dense` (its DQ(W),
+    bfloat16 [N, K], as `dequantize` makes it: then y = x @ dense.T on cuBLAS, W4A4 with x = DQ(Q(x)),
+    unless a kernel config is forced), `gemv32` (gemv.swizzle
     of its data: the Gluon GEMV's copy) or `mma16` (gemv_cuda.relayout: the CUDA kernel's copy, taken for
     1-MMA16_MAX_ROWS rows of W4A16 or W4A4 when no config is forced, and for the rows of `wide_rows` with its
     wgmma configuration on sm_90). Grouped weights may carry `mma16` too
@@ -465,6 +470,16 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
         x2, silu = _fused.silu_mul(x2)[0], False
     if rows is not None:  # the other kernels take the sorted rows themselves
         x2 = x2.index_select(0, rows)
+    dense = getattr(weight, "dense", None)  # DQ(W) in bfloat16, kept by the caller: cuBLAS on it
+    if dense is not None and config in (None, FALLBACK):  # (FALLBACK: the same product, dequantized per call)
+        if grouped or tuple(dense.shape) != (n, 2 * kh) or dense.dtype != torch.bfloat16:
+            raise ValueError(f"weight.dense must be the dense weight's DQ(W), bfloat16 [{n}, {2 * kh}], got "
+                             f"{dense.dtype} {tuple(dense.shape)}" + (" (grouped weights take none)"
+                                                                      if grouped else ""))
+        if xq is not None:  # W4A4: DQ(Q(x)), as the reference
+            x2 = dequantize(xq[0], xq[1], xq[2], torch.bfloat16)
+        torch.matmul(x2, dense.t(), out=y)
+        return y
     if m16 is not None and not grouped and config is None and _mma16.available(device):
         # the CUDA kernel (fp4rl.kernels.gemv_cuda): mma.sync for every row up to 16 on one MMA, its wgmma
         # configuration for the rows of wide_rows
