@@ -192,11 +192,11 @@ def test_gemm_operand_copies_are_fresh_memory():
     import dataclasses
 
     w = _weight(32, 256)
-    ops = gemm._weight_parts(w, False) + (None, None)
+    ops = gemm._weight_parts(w, False) + (None, None, None)
     copy = gemm._clone_operands(ops)
     for a, b in zip(ops[:3], copy[:3]):
         assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
-    assert copy[3:] == (None, None)
+    assert copy[3:] == (None, None, None)
     @dataclasses.dataclass
     class W:
         wt: torch.Tensor
@@ -205,14 +205,17 @@ def test_gemm_operand_copies_are_fresh_memory():
         k: int
 
     wc = W(torch.zeros(4), torch.ones(2), 32, 256)
-    c = gemm._clone_operands(ops[:3] + (wc, ops[0][0]))
+    dense = torch.ones(32, 256, dtype=torch.bfloat16)
+    c = gemm._clone_operands(ops[:3] + (wc, ops[0][0], dense))
     assert torch.equal(c[3].wt, wc.wt) and c[3].wt.data_ptr() != wc.wt.data_ptr() and c[3].n == 32
     assert c[4].data_ptr() != ops[0].data_ptr()
+    assert torch.equal(c[5], dense) and c[5].data_ptr() != dense.data_ptr()
     from types import SimpleNamespace  # any object with the copy's fields
 
-    c = gemm._clone_operands(ops[:3] + (SimpleNamespace(wt=wc.wt, st=wc.st, n=32, k=256), None))
+    c = gemm._clone_operands(ops[:3] + (SimpleNamespace(wt=wc.wt, st=wc.st, n=32, k=256), None, None))
     assert torch.equal(c[3].st, wc.st) and c[3].st.data_ptr() != wc.st.data_ptr() and c[3].k == 256
-    assert gemm._operand_bytes(ops[:3] + (wc, ops[0][0])) == sum(t.nbytes for t in ops[:3]) + 16 + 8 + 4096
+    assert gemm._operand_bytes(ops[:3] + (wc, ops[0][0], dense)) == (sum(t.nbytes for t in ops[:3]) + 16 + 8
+                                                                      + 4096 + 32 * 256 * 2)
 
 
 @pytest.mark.gpu
@@ -243,9 +246,9 @@ def test_gpu_tuner_keeps_the_candidate_that_replays_fastest():
     timed = [(c, t) for c, t in log if not isinstance(t, str)]
     assert len(timed) >= 2
     pick = gemm._TUNED[key]
-    ops = gemm._weight_parts(wm, False) + (mma16, None)
+    ops = gemm._weight_parts(wm, False) + (mma16, None, None)
     sets = [ops] + [gemm._clone_operands(ops) for _ in range(copies_for(w.data.nbytes) - 1)]
-    ws = [SimpleNamespace(data=d[0], block_scale=s[0], global_scale=g, mma16=c) for d, s, g, c, _ in sets]
+    ws = [SimpleNamespace(data=d[0], block_scale=s[0], global_scale=g, mma16=c) for d, s, g, c, _, _ in sets]
 
     def replay(c):
         return time_calls([lambda w=w: gemm.gemm(x, w, config=c) for w in ws])

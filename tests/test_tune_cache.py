@@ -182,7 +182,7 @@ def _tuner(monkeypatch, tmp_path, fail=None, oom=False):
 
     mb = 2**20  # the weight's operands as the tuner sizes them: 33 MB read per call, 66 MB a copy
     sized = [type("T", (), {"nbytes": b})() for b in (29 * mb, 4 * mb, 0)]
-    ops = (*sized, type("M", (), {"wt": sized[0], "st": sized[1]})(), None)
+    ops = (*sized, type("M", (), {"wt": sized[0], "st": sized[1]})(), None, None)
 
     def choose(key):
         return gemm._choose(key, 100, 4096, 2048, device, None, False, True, True, lead=(gemm.WIDE,),
@@ -230,3 +230,34 @@ def test_a_failed_candidate_is_skipped_and_its_pick_not_kept(monkeypatch, tmp_pa
     finally:
         gc.enable()
     assert not list(tmp_path.glob("*.json"))  # a pick made without a failed candidate is not kept on disk
+
+
+@pytest.mark.parametrize("dense_fastest", [True, False])
+def test_the_dense_copy_is_a_timed_candidate_in_place_of_the_fallback(monkeypatch, tmp_path, dense_fastest):
+    """A weight with its dense copy (Sampler(dense_rows=)): untuned, the copy runs (the caller chose it);
+    tuned, it is timed against the 4-bit kernels and kept only if it is faster, and FALLBACK (the same cuBLAS
+    product after a per-call dequantize) is not a candidate."""
+    _tuner(monkeypatch, tmp_path)
+    monkeypatch.setattr(gemm, "_TUNED", {})
+    monkeypatch.setattr(gemm, "TUNE_LOG", {})
+    device = type("D", (), {"type": "cuda"})()
+    key = (128, 4096, 2048, 1, False, False, 1, None, True, 0, True)
+
+    def timing(calls):
+        c = calls[0]()[0]
+        if c == gemm.DENSE:
+            return 0.5 if dense_fastest else 2.0
+        return 1.0 + len(str(c)) / 1e3
+
+    monkeypatch.setattr(gemm, "time_chain", timing)
+    make = lambda count: [lambda c: (c, None) for _ in range(count)]  # noqa: E731
+    mb = 2**20
+    sized = [type("T", (), {"nbytes": b})() for b in (29 * mb, 4 * mb, 0)]
+    ops = (*sized, None, None, type("T", (), {"nbytes": 116 * mb})())
+    lead = (gemm.DENSE, gemm.WIDE)
+    assert gemm._choose(key, 100, 4096, 2048, device, None, False, True, False, lead=lead) == gemm.DENSE
+    monkeypatch.setattr(gemm, "_TUNED", {})
+    pick = gemm._choose(key, 100, 4096, 2048, device, None, False, True, True, lead=lead, rotate=(make, ops))
+    timed = [c for c, _ in gemm.TUNE_LOG[key]]
+    assert timed[:2] == [gemm.DENSE, gemm.WIDE] and gemm.FALLBACK not in timed
+    assert (pick == gemm.DENSE) == dense_fastest

@@ -33,9 +33,10 @@ of W made per call: 2.56 B/element of extra traffic, small next to an M x N x K 
 in the thousands). Nothing is assumed about where the crossovers lie. A dense weight carrying the
 CUDA kernel's copy (``mma16``) goes to that kernel at 1-16 rows and the rows of ``wide_rows``, and
 offers its wgmma configuration as the tuner's first candidate (``WIDE``) up to 512 rows. A dense weight
-carrying ``dense`` (its DQ(W) in bfloat16, the reference dequantize kept by the caller) runs cuBLAS on it:
-the BF16 engine's GEMM on the quantized weight's values, the reference's arithmetic (the sampler passes it
-for batches of at least ``Sampler(dense_rows=...)`` rows, where the 4-bit kernels are slower than cuBLAS).
+carrying ``dense`` (its DQ(W) in bfloat16, the reference dequantize, kept by the caller) offers cuBLAS on it
+(``DENSE``: the BF16 engine's GEMM on the quantized weight's values, the reference's arithmetic) as the first
+candidate, in place of FALLBACK: timed against the 4-bit kernels when tuning, taken when not (the sampler
+passes it for calls of at least ``Sampler(dense_rows=...)`` rows).
 
 This module is the host side (argument checks, dispatch, candidate configurations, the tuner and its
 caches); the kernel itself, its launcher and its split-K workspace are fp4rl.kernels.gemm_kernel.
@@ -208,6 +209,7 @@ def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False,
 _TUNED: dict[tuple, dict | str] = {}
 TUNE_LOG: dict[tuple, list] = {}  # every candidate's time (us per call, time_chain) per key, for notes
 FALLBACK = "dequantize+cublas"
+DENSE = "cublas on the dense copy"  # a weight carrying `dense` (its DQ(W) in bfloat16): cuBLAS on it
 
 
 def _bucket(m: int) -> int:
@@ -291,7 +293,7 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
     if key in _TUNED:
         return _TUNED[key]
     cands = list(lead) + candidate_configs(m, n, kh, device, grouped, w4a16, layout)
-    if allow_fallback and m > 64:
+    if allow_fallback and m > 64 and DENSE not in cands:  # (DENSE is FALLBACK without its dequantize)
         cands = cands + [FALLBACK]
     if not tune or INTERPRET or device.type != "cuda" or len(cands) == 1:
         _TUNED[key] = cands[0]
@@ -368,19 +370,21 @@ def _mma16_input(x2, xq):
 
 
 def _clone_operands(ops):
-    """A copy of (data, scale, global, mma16 copy or None, gemv32 copy or None) in fresh memory."""
-    wd, ws, wg, m16, swz = ops
+    """A copy of (data, scale, global, mma16 copy or None, gemv32 copy or None, dense copy or None) in fresh
+    memory."""
+    wd, ws, wg, m16, swz, dense = ops
     m16c = None
     if m16 is not None:  # (gemv_cuda.Mma16Weight, or any object with its fields)
         m16c = copy.copy(m16)
         m16c.wt, m16c.st = m16.wt.clone(), m16.st.clone()
-    return wd.clone(), ws.clone(), wg.clone(), m16c, None if swz is None else swz.clone()
+    return (wd.clone(), ws.clone(), wg.clone(), m16c, None if swz is None else swz.clone(),
+            None if dense is None else dense.clone())
 
 
 def _operand_bytes(ops) -> int:
-    wd, ws, wg, m16, swz = ops
+    wd, ws, wg, m16, swz, dense = ops
     extra = (0 if m16 is None else m16.wt.nbytes + m16.st.nbytes) + (0 if swz is None else swz.nbytes)
-    return wd.nbytes + ws.nbytes + wg.nbytes + extra
+    return wd.nbytes + ws.nbytes + wg.nbytes + extra + (0 if dense is None else dense.nbytes)
 
 
 def _disable_fused_silu(exc: Exception) -> None:
@@ -470,17 +474,15 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
         x2, silu = _fused.silu_mul(x2)[0], False
     if rows is not None:  # the other kernels take the sorted rows themselves
         x2 = x2.index_select(0, rows)
-    dense = getattr(weight, "dense", None)  # DQ(W) in bfloat16, kept by the caller: cuBLAS on it
-    if dense is not None and config in (None, FALLBACK):  # (FALLBACK: the same product, dequantized per call)
+    dense = getattr(weight, "dense", None)  # DQ(W) in bfloat16, kept by the caller: DENSE
+    if dense is not None:
         if grouped or tuple(dense.shape) != (n, 2 * kh) or dense.dtype != torch.bfloat16:
             raise ValueError(f"weight.dense must be the dense weight's DQ(W), bfloat16 [{n}, {2 * kh}], got "
                              f"{dense.dtype} {tuple(dense.shape)}" + (" (grouped weights take none)"
                                                                       if grouped else ""))
-        if xq is not None:  # W4A4: DQ(Q(x)), as the reference
-            x2 = dequantize(xq[0], xq[1], xq[2], torch.bfloat16)
-        torch.matmul(x2, dense.t(), out=y)
-        return y
-    if m16 is not None and not grouped and config is None and _mma16.available(device):
+        if config == FALLBACK:  # the same product without the per-call dequantize
+            config = DENSE
+    if m16 is not None and dense is None and not grouped and config is None and _mma16.available(device):
         # the CUDA kernel (fp4rl.kernels.gemv_cuda): mma.sync for every row up to 16 on one MMA, its wgmma
         # configuration for the rows of wide_rows
         narrow = m <= MMA16_MAX_ROWS and _mma16.fits(n, 2 * kh, m, _sm_count(device))
@@ -506,10 +508,16 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
                   and _mma16.available(device) and _mma16.wide_available(device)
                   and _mma16.supports(n, 2 * kh) and (m16.n, m16.k) == (n, 2 * kh))
 
-    def make_run(wd, ws, wg, m16, swz):
+    def make_run(wd, ws, wg, m16, swz, dense):
         def run(c):
             if c == FALLBACK:
                 return _fallback(x2, xq, wd, ws, wg, y)
+            if c == DENSE:
+                if dense is None:
+                    raise ValueError("the dense-copy configuration (DENSE) needs weight.dense")
+                # W4A4: DQ(Q(x)) as the reference (dequantized again per call: timed with it)
+                xin = x2 if xq is None else dequantize(xq[0], xq[1], xq[2], torch.bfloat16)
+                return torch.matmul(xin, dense.t(), out=y)
             if c == WIDE:
                 if m16 is None or grouped:
                     raise ValueError("the wgmma configuration (WIDE) needs a dense weight with its mma16 "
@@ -528,7 +536,7 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
             return _launch(x2, xq, wd, ws, wg, y, c, offsets)
         return run
 
-    ops = (wd, ws, wg, m16, swz)
+    ops = (wd, ws, wg, m16, swz, dense)
     run = make_run(*ops)
 
     def copies(count):  # the tuner's rotation: run over `count` operand sets, the first the weight itself
@@ -538,18 +546,21 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
 
     if config is None:
         layout = int(swz is not None)
-        key = (_bucket(m), n, kh, e, grouped, xq is not None, wg.ndim, device, wide_tuned, layout)
+        key = (_bucket(m), n, kh, e, grouped, xq is not None, wg.ndim, device, wide_tuned, layout,
+               dense is not None)
+        # the dense copy first (untuned: the caller's choice), then the wgmma build
+        lead = ((DENSE,) if dense is not None else ()) + ((WIDE,) if wide_tuned else ())
         config = _choose(key, m, n, kh, device, run, grouped, allow_fallback=not grouped, tune=tune,
-                         w4a16=xq is None, layout=layout, lead=(WIDE,) if wide_tuned else (), rotate=rotate)
+                         w4a16=xq is None, layout=layout, lead=lead, rotate=rotate)
         if config == WIDE:
             try:
                 return run(config)
             except RuntimeError as exc:  # NVRTC or the driver refused it: off for good, the tuner again
                 _mma16.disable_wide(exc)
                 _TUNED.pop(key, None)
-                key = key[:-2] + (False, layout)
+                key = key[:-3] + (False, layout, dense is not None)
                 config = _choose(key, m, n, kh, device, run, grouped, allow_fallback=not grouped, tune=tune,
-                                 w4a16=xq is None, layout=layout, rotate=rotate)
+                                 w4a16=xq is None, layout=layout, lead=lead[:-1], rotate=rotate)
         if isinstance(config, dict) and config.get("KIND") == "gemv_mma":
             try:
                 return run(config)
