@@ -25,10 +25,11 @@ decode copies of their weights. `fp4rl.gpu_decode.DecodeEngine` runs them inside
   summed in FP32 (the CPU loop adds them in bfloat16, expert by expert).
 - Dense copies (`_DenseCopy`, `Sampler(dense_rows=R)`, off by default): each packed dense linear and fused
   group also keeps DQ(W) in bfloat16 (the reference dequantize, +2 B per weight), and calls of at least R rows
-  (large decode batches, prefill) run cuBLAS on it: the BF16 engine's speed and the reference's arithmetic
-  (DQ(Q(x)) @ DQ(W).T with bfloat16 operands) on the quantized policy, where the 4-bit kernels are slower
-  than cuBLAS (on the H200 from 64-128 rows: bench/RESULTS.md). Rebuilt in place like the decode copies.
-  Routed experts keep the grouped kernels (their rows per expert stay small).
+  (large decode batches, prefill) may run cuBLAS on it (`gemm.DENSE`): the BF16 engine's speed and the
+  reference's arithmetic (DQ(Q(x)) @ DQ(W).T with bfloat16 operands) on the quantized policy. The GEMM tuner
+  (TUNE) times it against the 4-bit kernels per shape and row bucket and keeps the faster; untuned it is
+  taken. Rebuilt in place like the decode copies. Routed experts keep the grouped kernels (their rows per
+  expert stay small).
 - BF16 weights (lm_head, embeddings, BF16 layers) stay on cuBLAS.
 """
 

@@ -145,7 +145,8 @@ class Sampler:
                  with the AMX kernel of fp4rl.nvfp4.cpu_gemm (no dequantized copy is kept; larger
                  prefills dequantize per call); default: on where that kernel is available.
     dense_rows   with kernels: the packed dense linears also keep DQ(W) in bfloat16 (+2 B per weight) and
-                 calls of at least this many rows (large decode batches, prefill) run cuBLAS on it, the
+                 calls of at least this many rows (large decode batches, prefill) run cuBLAS on it where
+                 the GEMM tuner times it faster than the 4-bit kernels (always when not tuning): the
                  reference's arithmetic at the BF16 engine's speed (the H200's 4-bit kernels are slower than
                  cuBLAS from 64-128 rows: bench/RESULTS.md); routed experts stay on the grouped kernels.
                  0 (default): no copies.
