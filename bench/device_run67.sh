@@ -34,4 +34,15 @@ b)  # the dense copy (Sampler(dense_rows=)): its GPU tests and the tuner's disk 
   python3 -c "
 import json; d=json.load(open('$OUT/sampler67b_8b.json')); print([(b['precision'][-22:], round(b['build_s'],1), b['dense_copy_bytes']) for b in d['builds']])"
   ;;
+c)  # the dense copy with the GEMM tuner (gemm.DENSE timed against the 4-bit kernels per shape and bucket)
+  export FP4RL_TUNE_CACHE=/tmp/fp4rl_tune67c
+  timeout 400 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 --tune \
+    --w4a16-last 0 --batch 64,128,256 --kv bf16 --repeats 2 --tokens 8,40 --profile-batch '' --dense-rows 64 \
+    --out $OUT/sampler67c_8b.json > $OUT/sampler67c_8b.log 2>&1
+  echo "8b exit $?"; grep '^|\|rror' $OUT/sampler67c_8b.log | cut -c1-250 | tail -8
+  python3 -c "
+from fp4rl.kernels import tune_cache; import json, glob
+for f in glob.glob('/tmp/fp4rl_tune67c/*.json'):
+    for k, v in json.load(open(f)).items(): print(k[:90], '->', str(v)[:60])"
+  ;;
 esac
