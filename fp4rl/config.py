@@ -405,12 +405,20 @@ class RunConfig:
                 raise ConfigError(
                     f"[{name}] must be a {cls.__name__}, got {type(getattr(self, name)).__name__}"
                 )
-        if self.sampler.dense_rows and (self.precision.trace or self.model.device == "cpu"):
-            why = ("precision.trace = true samples with the torch sampler (it records the guidance there)"
-                   if self.precision.trace else
-                   "model.device = \"cpu\" samples on the CPU, which caches DQ(W) already")
+        sampler_dtype = self.model.dtype if self.sampler.dtype == "model" else self.sampler.dtype
+        if self.sampler.dense_rows and (self.precision.trace or self.model.device == "cpu"
+                                        or sampler_dtype != "bfloat16"):
+            fix = "set sampler.dense_rows = 0"
+            if self.precision.trace:
+                why = "precision.trace = true samples with the torch sampler (it records the guidance there)"
+            elif self.model.device == "cpu":
+                why = "model.device = \"cpu\" samples on the CPU, which caches DQ(W) already"
+            else:
+                why = (f"the sampler computes in {sampler_dtype} (sampler.dtype = \"{self.sampler.dtype}\"), "
+                       "the kernel sampler in bfloat16 only")
+                fix = "set sampler.dtype = \"bfloat16\", or " + fix
             raise ConfigError(f"sampler.dense_rows = {self.sampler.dense_rows} is for the CUDA kernel "
-                              f"sampler, but {why}: set sampler.dense_rows = 0")
+                              f"sampler, but {why}: {fix}")
 
     @property
     def run_dir(self) -> Path:

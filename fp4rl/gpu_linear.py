@@ -178,18 +178,23 @@ class _DenseCopy:
         self.copy: torch.Tensor | None = None
         self.key = None
 
-    def get(self, data: torch.Tensor, scale: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
-        """The copy, up to date (None inside a capture while it is stale)."""
+    def get(self, data: torch.Tensor, scale: torch.Tensor, g: torch.Tensor,
+            g_key=None) -> torch.Tensor | None:
+        """The copy, up to date (None inside a capture while it is stale). g_key: what identifies g's values
+        (default: g's version and storage; a fused group passes its members' global scales', since its
+        per-row vector is rewritten at every refresh)."""
         from fp4rl.kernels.dequantize import dequantize
 
-        key = (_version(data), data.data_ptr(), _version(scale), scale.data_ptr(), _version(g), g.data_ptr(),
-               tuple(data.shape))
+        if g_key is None:
+            g_key = (_version(g), g.data_ptr())
+        key = (_version(data), data.data_ptr(), _version(scale), scale.data_ptr(), g_key, tuple(data.shape))
         if key != self.key:
             if data.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return None
             n, k = data.shape[0], 2 * data.shape[1]
             if self.copy is None or tuple(self.copy.shape) != (n, k):
-                self.copy = torch.empty(n, k, dtype=torch.bfloat16, device=data.device)
+                with torch.inference_mode(False):  # a normal tensor: rebuilt in place in or out of inference
+                    self.copy = torch.empty(n, k, dtype=torch.bfloat16, device=data.device)
             # float32 in chunks of <= DENSE_CHUNK elements, rounded by torch (Triton's interpreter truncates
             # float32 -> bfloat16 casts; the GPU kernel rounds to nearest even, as torch)
             g = g.float().reshape(-1)
@@ -210,18 +215,23 @@ class _DenseCopy:
         return 0 if self.copy is None else self.copy.nbytes
 
 
-def _dense_for(owner, data, scale, g, rows: int):
+def _dense_for(owner, data, scale, g, rows: int, g_key=None):
     """The owner's dense copy when this call has enough rows for it (`dense_rows`), else None."""
     if not owner.dense_rows or rows < owner.dense_rows:
         return None
     if owner._dense is None:
         owner._dense = _DenseCopy(owner.dense_rows)
-    return owner._dense.get(data, scale, g)
+    return owner._dense.get(data, scale, g, g_key)
 
 
 def _with_dense(weight, dense):
+    """The weight (with its decode copy, if _with_copy gave it one) carrying the dense copy too: gemm weighs
+    the decode kernels against cuBLAS on it."""
+    if dense is None:
+        return weight
     return SimpleNamespace(data=weight.data, block_scale=weight.block_scale, global_scale=weight.global_scale,
-                           dense=dense)
+                           dense=dense, mma16=getattr(weight, "mma16", None),
+                           gemv32=getattr(weight, "gemv32", None))
 
 
 def dense_copy_bytes(model: nn.Module) -> int:
@@ -328,15 +338,12 @@ class KernelPackedLinear(PackedNVFP4Linear):
         return y if self.bias is None else y + self.bias
 
     def _weight_for(self, x2, xq, mode: str):
-        """The weight with the copy this call runs on: the dense copy at dense_rows rows and more, else the
-        decode copy where one serves these rows, else the packed bytes alone."""
-        w = self.quantized_weight()
+        """The weight with the copies this call may run on: the decode copy where one serves these rows, and
+        the dense copy at dense_rows rows and more."""
         rows = x2.shape[0] if x2 is not None else xq[0].shape[0]
         dense = _dense_for(self, self.weight_data, self.weight_block_scale, self.weight_global_scale, rows)
-        if dense is not None:
-            return _with_dense(w, dense)
         copy = _decode_copy(self._swz(), self.weight_data, self.weight_block_scale, mode, x2, xq)
-        return _with_copy(w, copy)
+        return _with_dense(_with_copy(self.quantized_weight(), copy), dense)
 
 
 class KernelFusedGroup(FusedGroup):
@@ -366,7 +373,11 @@ class KernelFusedGroup(FusedGroup):
         self.g_rows.copy_(torch.cat([m.weight_global_scale.float().reshape(1).expand(n)
                                      for m, n in zip(self.members, self.splits)]))
         self._swz().get(self.data, self.scale, mma16_only=self.members[0].mode != "w4a16")
-        _dense_for(self, self.data, self.scale, self.g_rows, self.dense_rows)
+        _dense_for(self, self.data, self.scale, self.g_rows, self.dense_rows, self._g_key())
+
+    def _g_key(self) -> tuple:
+        """The members' global scales' versions and storage: g_rows is rewritten at every refresh."""
+        return tuple((_version(g), g.data_ptr()) for g in (m.weight_global_scale for m in self.members))
 
     def invalidate(self) -> None:
         super().invalidate()
@@ -386,11 +397,9 @@ class KernelFusedGroup(FusedGroup):
         m0 = self.members[0]
         w = SimpleNamespace(data=self.data, block_scale=self.scale, global_scale=self.g_rows)
         dense = _dense_for(self, self.data, self.scale, self.g_rows,
-                           x2.shape[0] if x2 is not None else xq[0].shape[0])
-        if dense is not None:
-            w = _with_dense(w, dense)
-        else:
-            w = _with_copy(w, _decode_copy(self._swz(), self.data, self.scale, m0.mode, x2, xq))
+                           x2.shape[0] if x2 is not None else xq[0].shape[0], self._g_key())
+        copy = _decode_copy(self._swz(), self.data, self.scale, m0.mode, x2, xq)
+        w = _with_dense(_with_copy(w, copy), dense)
         y = packed_gemm(x2, w, m0.mode, m0.input_kwargs, xq=xq)
         return y if self.bias_cat is None else y + self.bias_cat
 

@@ -464,8 +464,9 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
             stack.callback(worker.close, WORKER_CLOSE_S)
             # held-out eval on the trainer's weights, here, sharded as the rollouts are (any backend;
             # greedy or unguided, so the decode kernels even in a TRACE run)
-            eval_sampler = Sampler(trainer.model, tokenizer,
-                                   **{k: v for k, v in sampler_kwargs.items() if k != "kernels"})
+            # (no dense copies: a second DQ(W) set for the eval's few large calls is not worth 2 B a weight)
+            eval_sampler = Sampler(trainer.model, tokenizer, **{k: v for k, v in sampler_kwargs.items()
+                                                                if k not in ("kernels", "dense_rows")})
             if c.distributed.samplers > 1:
                 eval_sampler = LocalShards(eval_sampler, c.distributed.samplers)
             eval_sampler.load(payload)

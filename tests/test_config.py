@@ -92,8 +92,13 @@ def test_invalid_values_name_the_key_and_the_allowed_values():
     with pytest.raises(ConfigError, match=r"sampler.dense_rows = 64 .*model.device = \"cpu\""):
         load_config(overrides=["model.device=cpu", "sampler.dense_rows=64"])
     with pytest.raises(ConfigError, match=r"sampler.dense_rows = -1: must be >= 0"):
-        load_config(overrides=["sampler.dense_rows=-1"])
-    assert load_config(overrides=["sampler.dense_rows=128"]).sampler.dense_rows == 128
+        load_config(overrides=["sampler.dense_rows=-1", "sampler.dtype=bfloat16"])
+    with pytest.raises(ConfigError, match=r"sampler.dense_rows = 64 .*computes in float32 \(sampler.dtype = "
+                                          r"\"model\"\).*: set sampler.dtype = \"bfloat16\", or set "
+                                          r"sampler.dense_rows = 0"):
+        load_config(overrides=["sampler.dense_rows=64"])  # (model.dtype float32 by default)
+    ok = load_config(overrides=["sampler.dense_rows=128", "sampler.dtype=bfloat16"])
+    assert ok.sampler.dense_rows == 128
 
 
 def test_unknown_keys_are_rejected_with_a_suggestion(tmp_path):

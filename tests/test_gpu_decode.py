@@ -252,6 +252,15 @@ def test_dense_copy_serves_the_calls_of_dense_rows(config, contract, monkeypatch
             xin = gemm.dequantize(*xq, torch.bfloat16)
         assert torch.equal(owner.run(x), torch.matmul(xin, dq.t())), owner  # (no biases here)
     assert s.memory()["dense_copy_bytes"] == sum(dq.nbytes for _, dq in owners)
+    keys = [owner._dense.key for owner, _ in owners]
+    teacher_forced_logits(s, forced)  # unchanged weights: no rebuild (a fused group rewrites g_rows anyway)
+    assert all(owner._dense.key is key for (owner, _), key in zip(owners, keys))
+    if config is DENSE:  # a member's global scale written in place (no load, no invalidate): followed
+        group = owners[0][0]
+        with torch.no_grad():
+            group.members[1].weight_global_scale.mul_(2)
+        teacher_forced_logits(s, forced)
+        assert torch.equal(group._dense.copy, _dense_owners(s)[0][1]) and group._dense.key is not keys[0]
     ptrs = [owner._dense.copy.data_ptr() for owner, _ in owners]
     with torch.no_grad():  # new trainer weights, synced into the sampler
         for p in model.parameters():

@@ -322,6 +322,40 @@ def test_gpu_gluon_gemv_every_config(n, k, kw):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_dense_copy_is_weighed_against_the_cuda_kernel():
+    """A weight with its mma16 copy and a dense copy (Sampler(dense_rows=)): at 1-16 rows the mma16 kernel
+    runs as without the dense copy (nothing timed); at the wgmma's rows the tuner times DENSE and WIDE (no
+    FALLBACK) and either gives the product."""
+    from types import SimpleNamespace
+
+    from fp4rl.kernels import gemv_cuda
+
+    if not (gemv_cuda.available() and gemv_cuda.wide_available()):
+        pytest.skip("needs the CUDA mma16 kernel and its wgmma build (sm_90)")
+    n, k = 4096, 4096
+    w = _weight(n, k, seed=7)
+    m16 = gemv_cuda.relayout(w.data, w.block_scale)
+    dense = gemm.dequantize(w.data, w.block_scale, w.global_scale)
+    parts = dict(data=w.data, block_scale=w.block_scale, global_scale=w.global_scale, mma16=m16)
+    wd, wm = SimpleNamespace(dense=dense, **parts), SimpleNamespace(**parts)
+    gemm._TUNED.clear()
+    gemm.TUNE_LOG.clear()
+    x8 = _x(8, k, seed=1)
+    assert torch.equal(gemm.gemm(x8, wd), gemm.gemm(x8, wm)) and not gemm.TUNE_LOG
+    x32 = _x(32, k, seed=2)
+    ref = x32.double() @ dense.double().T
+    y = gemm.gemm(x32, wd)
+    (key, log), = gemm.TUNE_LOG.items()
+    assert key[gemm.KEY_WIDE] and key[gemm.KEY_DENSE]
+    timed = [c for c, t in log if not isinstance(t, str)]
+    assert timed[:2] == [gemm.DENSE, gemm.WIDE] and gemm.FALLBACK not in timed, log
+    assert _rel(y, ref) < TOL
+    for c in (gemm.DENSE, gemm.WIDE):
+        assert _rel(gemm.gemm(x32, wd, config=c), ref) < TOL, c
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_tuner_keeps_its_picks_on_disk(monkeypatch, tmp_path):
     """A tuned pick is written to the disk cache; a later process (the tuner's and the cache's memory
     cleared) takes it from the file without timing any candidate."""

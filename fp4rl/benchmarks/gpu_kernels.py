@@ -209,8 +209,8 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
             y = gemm.linear(x, wq)  # tunes this (rows bucket, N, K) once
             err = _rel(y, x.double() @ w_ref.T)
             key = next(kk for kk in gemm._TUNED
-                       if kk[:3] == (gemm._bucket(m), n, k // 2) and not kk[4] and not kk[5] and not kk[-2]
-                       and not kk[-1])
+                       if kk[:3] == (gemm._bucket(m), n, k // 2) and not kk[4] and not kk[5]
+                       and not kk[gemm.KEY_WIDE] and not kk[gemm.KEY_LAYOUT] and not kk[gemm.KEY_DENSE])
             cfg = gemm._TUNED[key]
             us = time_calls([lambda w=w, x=x: gemm.linear(x, w) for w in wqs])
             us_bf16 = time_calls([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbs])
@@ -222,7 +222,8 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
                 ysw = gemm.linear(x, wsw[0])
                 extra = {"gemv32_us": time_calls([lambda w=w, x=x: gemm.linear(x, w) for w in wsw]),
                          "gemv32_rel_err": _rel(ysw, x.double() @ w_ref.T),
-                         "gemv32_path": _path(gemm._TUNED[key[:-1] + (1,)])}
+                         "gemv32_path": _path(gemm._TUNED[key[:gemm.KEY_LAYOUT] + (1,)
+                                                          + key[gemm.KEY_LAYOUT + 1:]])}
                 extra["gemv32_speedup"] = us_bf16 / extra["gemv32_us"]
                 del wsw
             if wms is not None and (m <= gemm.MMA16_MAX_ROWS or ((gemm.wide_rows(m, n)
@@ -234,7 +235,8 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
                 path = "mma16" if m <= gemm.MMA16_MAX_ROWS else "wgmma"
                 if gemm.wide_candidate(m, n):  # the tuner's pick (none: the wgmma build failed and is off)
                     wkey = next((kk for kk in gemm._TUNED if kk[:3] == (gemm._bucket(m), n, k // 2)
-                                 and not kk[4] and not kk[5] and kk[-2] and not kk[-1]), None)
+                                 and not kk[4] and not kk[5] and kk[gemm.KEY_WIDE] and not kk[gemm.KEY_LAYOUT]
+                                 and not kk[gemm.KEY_DENSE]), None)
                     path = _path(gemm._TUNED[wkey]) if wkey is not None else "tuned without wgmma"
                 extra.update(mma16_us=time_calls([lambda w=w, x=x: gemm.linear(x, w) for w in wms]),
                              mma16_rel_err=_rel(ym, x.double() @ w_ref.T), mma16_path=path)

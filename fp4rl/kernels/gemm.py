@@ -212,6 +212,11 @@ FALLBACK = "dequantize+cublas"
 DENSE = "cublas on the dense copy"  # a weight carrying `dense` (its DQ(W) in bfloat16): cuBLAS on it
 
 
+# the tuner's key: (rows bucket, N, K/2, experts, grouped, W4A4, global-scale ndim, device, wgmma offered
+# (WIDE), gemv32 layout, dense copy offered (DENSE)); the positions of the last three
+KEY_WIDE, KEY_LAYOUT, KEY_DENSE = 8, 9, 10
+
+
 def _bucket(m: int) -> int:
     return _pow2(m)
 
@@ -285,9 +290,10 @@ def _l2_bytes(device) -> int:
 def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=False, layout=0, lead=(),
             rotate=None):
     """Pick (and cache) the fastest candidate for this key by timing each on the GPU (lead: candidates put
-    first, e.g. WIDE). rotate: (make(count) -> `count` run functions over copies of the weight, the weight's
-    operands (data, scale, global, mma16 copy, gemv32 copy)), see rotation_copies; None: run alone. Inside a
-    CUDA-graph capture nothing is timed: the first candidate runs, and is not kept. Picks are kept on disk
+    first, e.g. DENSE, WIDE). rotate: (make(count) -> `count` run functions over copies of the weight, the
+    weight's operands (data, scale, global, mma16 copy, gemv32 copy, dense copy)), see rotation_copies; None:
+    run alone. Inside a CUDA-graph capture nothing is timed: the first candidate runs, and is not kept. Picks
+    are kept on disk
     too (fp4rl.kernels.tune_cache): a later process on the same kind of GPU, software and kernels takes them
     without timing."""
     if key in _TUNED:
@@ -401,12 +407,13 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
     x: bfloat16 [M, K] (W4A16), or None with xq = (data uint8 [M, K/2], block_scale [M, K/16],
     global_scale fp32 [M] or [M, 1]) for W4A4 emulation. weight: NVFP4 with data [N, K/2] (or
     [E, N, K/2] with offsets int32 [E+1] over the expert-sorted rows of x). config: a dict from
-    candidate_configs, or FALLBACK, to bypass the tuner. A dense weight may carry `dense` (its DQ(W),
-    bfloat16 [N, K], as `dequantize` makes it: then y = x @ dense.T on cuBLAS, W4A4 with x = DQ(Q(x)),
-    unless a kernel config is forced), `gemv32` (gemv.swizzle
-    of its data: the Gluon GEMV's copy) or `mma16` (gemv_cuda.relayout: the CUDA kernel's copy, taken for
-    1-MMA16_MAX_ROWS rows of W4A16 or W4A4 when no config is forced, and for the rows of `wide_rows` with its
-    wgmma configuration on sm_90). Grouped weights may carry `mma16` too
+    candidate_configs, FALLBACK or DENSE, to bypass the tuner. A dense weight may carry `dense` (its DQ(W),
+    bfloat16 [N, K], as `dequantize` makes it: DENSE, y = x @ dense.T on cuBLAS, W4A4 with x = DQ(Q(x)), is
+    then the tuner's first candidate, taken untuned, and replaces FALLBACK), `gemv32` (gemv.swizzle
+    of its data: the Gluon GEMV's copy) and/or `mma16` (gemv_cuda.relayout: the CUDA kernel's copy, taken for
+    1-MMA16_MAX_ROWS rows of W4A16 or W4A4 when no config is forced, with or without `dense`, and for the rows
+    of `wide_rows` with its wgmma configuration on sm_90, which with `dense` the tuner weighs against DENSE).
+    Grouped weights may carry `mma16` too
     (gemv_cuda.relayout_stack): taken for decode-sized batches, `tokens` (the batch's tokens before top-k)
     <= MMA16_GROUPED_MAX_TOKENS.
     rows: grouped W4A16 only, int32 [M]: x [T, K] holds the batch's tokens and sorted row r is x[rows[r]];
@@ -482,11 +489,11 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
                                                                       if grouped else ""))
         if config == FALLBACK:  # the same product without the per-call dequantize
             config = DENSE
-    if m16 is not None and dense is None and not grouped and config is None and _mma16.available(device):
+    if m16 is not None and not grouped and config is None and _mma16.available(device):
         # the CUDA kernel (fp4rl.kernels.gemv_cuda): mma.sync for every row up to 16 on one MMA, its wgmma
-        # configuration for the rows of wide_rows
+        # configuration for the rows of wide_rows (with a dense copy: the tuner weighs the two, below)
         narrow = m <= MMA16_MAX_ROWS and _mma16.fits(n, 2 * kh, m, _sm_count(device))
-        wide = (not narrow and wide_rows(m, n) and _mma16.wide_available(device)
+        wide = (dense is None and not narrow and wide_rows(m, n) and _mma16.wide_available(device)
                 and _mma16.supports(n, 2 * kh))
         if narrow or wide:
             if (m16.n, m16.k) != (n, 2 * kh):
@@ -504,7 +511,8 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
                 (_mma16.disable if narrow else _mma16.disable_wide)(exc)
 
     # the wgmma configuration as the tuner's first candidate for the rows of wide_candidate
-    wide_tuned = (m16 is not None and not grouped and config is None and wide_candidate(m, n)
+    wide_tuned = (m16 is not None and not grouped and config is None
+                  and (wide_candidate(m, n) or (dense is not None and wide_rows(m, n)))
                   and _mma16.available(device) and _mma16.wide_available(device)
                   and _mma16.supports(n, 2 * kh) and (m16.n, m16.k) == (n, 2 * kh))
 
@@ -558,9 +566,9 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
             except RuntimeError as exc:  # NVRTC or the driver refused it: off for good, the tuner again
                 _mma16.disable_wide(exc)
                 _TUNED.pop(key, None)
-                key = key[:-3] + (False, layout, dense is not None)
+                key, lead = key[:KEY_WIDE] + (False,) + key[KEY_WIDE + 1:], lead[:-1]  # (WIDE was last)
                 config = _choose(key, m, n, kh, device, run, grouped, allow_fallback=not grouped, tune=tune,
-                                 w4a16=xq is None, layout=layout, lead=lead[:-1], rotate=rotate)
+                                 w4a16=xq is None, layout=layout, lead=lead, rotate=rotate)
         if isinstance(config, dict) and config.get("KIND") == "gemv_mma":
             try:
                 return run(config)
@@ -568,7 +576,7 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
                 _gemv.disable(exc)
                 _TUNED.pop(key, None)
                 config = _choose(key, m, n, kh, device, run, grouped, allow_fallback=not grouped, tune=tune,
-                                 w4a16=xq is None, layout=layout, rotate=rotate)
+                                 w4a16=xq is None, layout=layout, lead=lead, rotate=rotate)
     return run(config)
 
 
