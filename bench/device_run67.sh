@@ -25,7 +25,7 @@ print('$run', [(r['batch'], round(r['warm_s'],2), round(r['step_ms'],3)) for r i
 b)  # the dense copy (Sampler(dense_rows=)): its GPU tests and the tuner's disk test again; Qwen3-8B at batch 64-256
     # with the 4-bit kernels at every batch and with the copy from 64 rows, against BF16 in the same run
   timeout 200 python3 -m pytest -q tests/test_gpu_decode.py tests/test_triton_gemm.py \
-    -k "dense_copy or keeps_its_picks or dense_copy_is_weighed" > $OUT/tests67b.log 2>&1
+    -k "dense_copy or keeps_its_picks or decode_copy" > $OUT/tests67b.log 2>&1
   echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests67b.log | tail -8
   timeout 100 python3 -m fp4rl.benchmarks.gpu_kernels --sections gemm --rows 1,32,128 --shapes 4096x4096 \
     --out $OUT/gemm67b.json > $OUT/gemm67b.log 2>&1

@@ -133,7 +133,8 @@ class _DecodeCopy:
         if key != self.key:
             if torch.cuda.is_current_stream_capturing():
                 return None
-            self.copy = _rebuild(self.copy, data, scale, mma)
+            with torch.inference_mode(False):  # normal tensors: rebuilt in place in or out of inference mode
+                self.copy = _rebuild(self.copy, data, scale, mma)
             self.key = key
             pdl.hazard()  # the next GEMM must not prefetch these bytes before the rebuild has finished
         return self.copy
