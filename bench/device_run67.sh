@@ -22,15 +22,15 @@ print('$run', [(r['batch'], round(r['warm_s'],2), round(r['step_ms'],3)) for r i
   done
   cp -r /tmp/fp4rl_tune $OUT/ 2>/dev/null
   ;;
-b)  # the dense copy (Sampler(dense_rows=)): its GPU tests and the tuner's disk test again; Qwen3-8B at batch 64-256
+b|b_only)  # the dense copy (Sampler(dense_rows=)): its GPU tests and the tuner's disk test again; Qwen3-8B at batch 64-256
     # with the 4-bit kernels at every batch and with the copy from 64 rows, against BF16 in the same run
-  timeout 200 python3 -m pytest -q tests/test_gpu_decode.py tests/test_triton_gemm.py \
+  timeout 120 python3 -m pytest -q tests/test_gpu_decode.py tests/test_triton_gemm.py \
     -k "dense_copy or keeps_its_picks or decode_copy" > $OUT/tests67b.log 2>&1
   echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests67b.log | tail -8
-  timeout 100 python3 -m fp4rl.benchmarks.gpu_kernels --sections gemm --rows 1,32,128 --shapes 4096x4096 \
+  timeout 60 python3 -m fp4rl.benchmarks.gpu_kernels --sections gemm --rows 1,32,128 --shapes 4096x4096 \
     --out $OUT/gemm67b.json > $OUT/gemm67b.log 2>&1
   echo "gemm exit $?"; grep '^|\|rror' $OUT/gemm67b.log | cut -c1-200 | tail -5
-  timeout 380 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 \
+  timeout 280 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 \
     --w4a16-last 0 --batch 64,128,256 --kv bf16 --repeats 2 --tokens 8,40 --profile-batch '' --dense-rows 0,64 \
     --out $OUT/sampler67b_8b.json > $OUT/sampler67b_8b.log 2>&1
   echo "8b exit $?"; grep '^|\|rror' $OUT/sampler67b_8b.log | cut -c1-250 | tail -12
@@ -47,5 +47,17 @@ c)  # the dense copy with the GEMM tuner (gemm.DENSE timed against the 4-bit ker
 from fp4rl.kernels import tune_cache; import json, glob
 for f in glob.glob('/tmp/fp4rl_tune67c/*.json'):
     for k, v in json.load(open(f)).items(): print(k[:90], '->', str(v)[:60])"
+  ;;
+d)  # b and c in one call (machines are scarce): tests, the gemm table's key reading, Qwen3-8B untuned and tuned
+  bash bench/device_run67.sh b_only
+  export FP4RL_TUNE_CACHE=/tmp/fp4rl_tune67d
+  timeout 150 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets nvfp4-w4a16 --tune \
+    --w4a16-last 0 --batch 128,256 --kv bf16 --repeats 2 --tokens 8,40 --profile-batch '' --dense-rows 64 \
+    --out $OUT/sampler67d_8b_tuned.json > $OUT/sampler67d_8b_tuned.log 2>&1
+  echo "8b tuned exit $?"; grep '^|\|rror' $OUT/sampler67d_8b_tuned.log | cut -c1-250 | tail -4
+  python3 -c "
+import json, glob
+for f in glob.glob('/tmp/fp4rl_tune67d/*.json'):
+    for k, v in json.load(open(f)).items(): print(k[:100], '->', str(v)[:60])"
   ;;
 esac
