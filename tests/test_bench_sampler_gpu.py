@@ -52,22 +52,19 @@ def test_kv_write_setting(monkeypatch):
         sampler_gpu.kv_write_setting("both")
 
 
-def test_profile_kv_refuses_an_unknown_format():
-    """--profile-kv names KV formats; a typo stops the run before any model is built."""
+def _args(*argv):
     import argparse
 
     parser = argparse.ArgumentParser()
     sampler_gpu.add_arguments(parser)
-    args = parser.parse_args(["--device", "cpu", "--shapes", "tiny:2", "--profile-kv", "bf16,nvpf4"])
-    with pytest.raises(SystemExit, match="--profile-kv item 'nvpf4'"):
-        sampler_gpu.run(args)
+    return parser.parse_args(["--device", "cpu", "--shapes", "tiny:2", *argv])
 
 
-def test_dense_rows_refuses_a_negative_setting():
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    sampler_gpu.add_arguments(parser)
-    args = parser.parse_args(["--device", "cpu", "--shapes", "tiny:2", "--dense-rows", "0,-128"])
-    with pytest.raises(SystemExit, match="--dense-rows '0,-128': integers >= 0"):
-        sampler_gpu.run(args)
+@pytest.mark.parametrize("argv,message", [
+    (("--profile-kv", "bf16,nvpf4"), "--profile-kv item 'nvpf4'"),
+    (("--dense-rows", "0,-128"), "--dense-rows '0,-128': integers >= 0"),
+])
+def test_bad_settings_stop_the_run_before_any_model_is_built(argv, message):
+    """--profile-kv names KV formats, --dense-rows row counts: a typo stops the run before any build."""
+    with pytest.raises(SystemExit, match=message):
+        sampler_gpu.run(_args(*argv))
