@@ -236,8 +236,8 @@ class SamplerConfig(_Section):
     dense_rows: int = _knob(0, "CUDA kernel sampler: batches of at least this many rows (large decode "
                             "batches, prefill) run cuBLAS on a bfloat16 DQ(W) copy of each packed dense "
                             "linear where the GEMM tuner times it faster than the 4-bit kernels (+2 B per "
-                            "weight; same policy, the BF16 engine's speed; 64 on the H200, "
-                            "bench/RESULTS.md); 0: off", ge=0)
+                            "weight; same policy, the BF16 engine's speed; the 4-bit kernels lose to cuBLAS "
+                            "from 64-128 rows on an H200, bench/RESULTS.md); 0: off", ge=0)
 
 
 @dataclass
