@@ -30,7 +30,7 @@ b|b_only)  # the dense copy (Sampler(dense_rows=)): its GPU tests and the tuner'
   timeout 60 python3 -m fp4rl.benchmarks.gpu_kernels --sections gemm --rows 1,32,128 --shapes 4096x4096 \
     --out $OUT/gemm67b.json > $OUT/gemm67b.log 2>&1
   echo "gemm exit $?"; grep '^|\|rror' $OUT/gemm67b.log | cut -c1-200 | tail -5
-  timeout 280 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 \
+  timeout 260 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 \
     --w4a16-last 0 --batch 64,128,256 --kv bf16 --repeats 2 --tokens 8,40 --profile-batch '' --dense-rows 0,64 \
     --out $OUT/sampler67b_8b.json > $OUT/sampler67b_8b.log 2>&1
   echo "8b exit $?"; grep '^|\|rror' $OUT/sampler67b_8b.log | cut -c1-250 | tail -12
