@@ -156,6 +156,48 @@ def test_silu_is_silu_mul_then_the_gemm():
         gemm.gemm(gu.float(), wd, silu=True)
 
 
+def test_grouped_dense_copy_runs_torch_grouped_mm():
+    """Grouped experts carrying their DQ(W) stack (`dense`, Sampler(dense_rows=)): DENSE is torch's grouped
+    GEMM on it, the per-expert product on the reference's dequantized weights bit for bit (empty experts,
+    the rows gather, silu = silu_mul first, W4A4 on DQ(Q(x))); a copy of the wrong shape is refused."""
+    from types import SimpleNamespace
+
+    from fp4rl.kernels import fused
+
+    e, n, k = 3, 32, 64
+    ws = [_weight(n, k, seed=40 + s) for s in range(e)]
+    w = _stacked(ws)
+    # (float32, rounded by torch, as the sampler's copy: Triton's interpreter truncates float32 -> bfloat16)
+    dq = torch.stack([gemm.dequantize(q.data, q.block_scale, q.global_scale, torch.float32).bfloat16()
+                      for q in ws])
+    assert torch.equal(dq, torch.stack([reference.dequantize(q).bfloat16() for q in ws]))
+    wd = SimpleNamespace(data=w.data, block_scale=w.block_scale, global_scale=w.global_scale, dense=dq)
+    offsets = torch.tensor([0, 3, 3, 8], dtype=torch.int32, device=DEV)  # expert 1 gets no rows
+    bounds = offsets.tolist()
+
+    def per_expert(x):
+        return torch.cat([torch.matmul(x[bounds[i]:bounds[i + 1]], dq[i].t()) for i in range(e)])
+
+    x = _x(8, k, seed=5)
+    y = gemm.gemm(x, wd, offsets=offsets, tune=False)  # untuned: the caller's choice, DENSE
+    assert torch.equal(y, per_expert(x))
+    assert _rel(y, torch.cat([x[bounds[i]:bounds[i + 1]].double() @ reference.dequantize(ws[i]).double().T
+                              for i in range(e)])) < TOL_BF16
+    rows = torch.tensor([0, 2, 3, 0, 1, 1, 2, 3], dtype=torch.int32, device=DEV)
+    xt = _x(4, k, seed=6)
+    assert torch.equal(gemm.gemm(xt, wd, offsets=offsets, rows=rows, tune=False),
+                       per_expert(xt.index_select(0, rows)))
+    gu = _gate_up(8, k, seed=7)
+    assert torch.equal(gemm.gemm(gu, wd, offsets=offsets, silu=True, tune=False),
+                       per_expert(fused.silu_mul(gu)[0]))
+    xq = gemm.quantize_activations(x)
+    assert torch.equal(gemm.gemm(None, wd, xq=xq, offsets=offsets, tune=False),
+                       per_expert(gemm.dequantize(*xq, torch.bfloat16)))
+    bad = SimpleNamespace(data=w.data, block_scale=w.block_scale, global_scale=w.global_scale, dense=dq[0])
+    with pytest.raises(ValueError, match=r"must be the weight's DQ\(W\), bfloat16 \[3, 32, 64\]"):
+        gemm.gemm(x, bad, offsets=offsets, tune=False)
+
+
 def test_w4a4_matches_fake_quantized_operands():
     w, x = _weight(48, 64, scale_rule="4/6"), _x(5, 64, seed=4)
     xq = reference.quantize(x, scale_scope="row")  # what the kernel's per-token quantizer must give

@@ -241,6 +241,19 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
                 extra.update(mma16_us=time_calls([lambda w=w, x=x: gemm.linear(x, w) for w in wms]),
                              mma16_rel_err=_rel(ym, x.double() @ w_ref.T), mma16_path=path)
                 extra["mma16_speedup"] = us_bf16 / extra["mma16_us"]
+            if m > gemm.MMA16_MAX_ROWS:  # the sampler's linear with its dense copy (dense_rows <= m): the
+                # tuner's pick of cuBLAS on DQ(W) and the 4-bit kernels (mma16 copy too where it has one)
+                wds = [SimpleNamespace(data=q.data, block_scale=q.block_scale, global_scale=q.global_scale,
+                                       mma16=None if wms is None else wm.mma16, dense=wb)
+                       for q, wm, wb in zip(wqs, wms or [None] * len(wqs), _dense_copies(wqs, wbs))]
+                yd = gemm.linear(x, wds[0])
+                dkey = next(kk for kk in gemm._TUNED if kk[:3] == (gemm._bucket(m), n, k // 2) and not kk[4]
+                            and not kk[5] and not kk[gemm.KEY_LAYOUT] and kk[gemm.KEY_DENSE])
+                extra.update(dense_us=time_calls([lambda w=w, x=x: gemm.linear(x, w) for w in wds]),
+                             dense_rel_err=_rel(yd, x.double() @ w_ref.T),
+                             dense_path=_path(gemm._TUNED[dkey]))
+                extra["dense_speedup"] = us_bf16 / extra["dense_us"]
+                del wds
             res.append({"n": n, "k": k, "rows": m, "us": us, "bf16_us": us_bf16, "speedup": us_bf16 / us,
                         "floor_us": (fp4_bytes + io) / bw * 1e6,
                         "bf16_floor_us": (w_bf16.nbytes + io) / bw * 1e6,
@@ -248,6 +261,18 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
         del wqs, wbs, wms
         torch.cuda.empty_cache()
     return res
+
+
+def _dense_copies(wqs, wbs) -> list:
+    """DQ(W) in bfloat16 (what Sampler(dense_rows=) keeps) of each weight copy wqs[i]: the first computed, the
+    others clones (in fresh memory, as the BF16 rotation's wbs are, and never more of them than wbs)."""
+    from fp4rl.kernels.dequantize import dequantize
+
+    q = wqs[0]
+    first = dequantize(q.data, q.block_scale, q.global_scale, torch.float32).to(torch.bfloat16)
+    first = first.reshape(wbs[0].shape)
+    out = [first] + [first.clone() for _ in range(min(len(wqs), len(wbs)) - 1)]
+    return [out[i % len(out)] for i in range(len(wqs))]
 
 
 def _path(c) -> str:
@@ -266,6 +291,8 @@ def _cfg_str(c) -> str:
 
 
 def bench_moe(bw: float, rows_list, experts=8, n=2048, k=768) -> list[dict]:
+    from types import SimpleNamespace
+
     from fp4rl.kernels import gemm
     from fp4rl.nvfp4 import reference
     from fp4rl.nvfp4.format import NVFP4Tensor
@@ -286,6 +313,7 @@ def bench_moe(bw: float, rows_list, experts=8, n=2048, k=768) -> list[dict]:
     wbs = [w_bf16] + [w_bf16.clone() for _ in range(n_bf16 - 1)]
     w_ref = torch.stack([reference.dequantize(q) for q in qs]).double()
     grouped_mm = getattr(torch, "_grouped_mm", None)
+    dense = _dense_copies(wqs, wbs) if grouped_mm is not None else None  # Sampler(dense_rows=)'s copies
     res = []
     for m in rows_list:
         counts = [m // experts + (1 if e < m % experts else 0) for e in range(experts)]
@@ -316,9 +344,21 @@ def bench_moe(bw: float, rows_list, experts=8, n=2048, k=768) -> list[dict]:
                 base["grouped_mm_error"] = repr(exc)[:120]
         best = min(v for v in base.values() if isinstance(v, float))
         moved = len(active) * per_expert_fp4 + x.nbytes + m * n * 2
+        extra = {}
+        if grouped_mm is not None and "grouped_mm" in base:  # with the experts' dense copy (dense_rows <= m)
+            wds = [SimpleNamespace(data=q.data, block_scale=q.block_scale, global_scale=q.global_scale,
+                                   dense=d) for q, d in zip(wqs, dense)]
+            yd = gemm.grouped_linear(x, wds[0], offsets)
+            dkey = next(kk for kk in gemm._TUNED if kk[:5] == (gemm._bucket(m), n, k // 2, experts, True)
+                        and not kk[5] and kk[gemm.KEY_DENSE])
+            extra = {"dense_us": time_calls([lambda w=w, x=x, o=offsets: gemm.grouped_linear(x, w, o)
+                                             for w in wds]),
+                     "dense_rel_err": _rel(yd, ref), "dense_path": _path(gemm._TUNED[dkey])}
+            extra["dense_speedup"] = best / extra["dense_us"]
+            del wds
         res.append({"experts": experts, "n": n, "k": k, "rows": m, "active": len(active), "us": us,
                     "bf16_us": best, "bf16_variants": base, "speedup": best / us,
-                    "floor_us": moved / bw * 1e6, "rel_err": err})
+                    "floor_us": moved / bw * 1e6, "rel_err": err, **extra})
     return res
 
 
@@ -523,13 +563,19 @@ def run(args):
             ("gemv32 x", lambda r: f2(r["gemv32_speedup"]) if "gemv32_us" in r else "-"),
             ("cuda us", lambda r: f1(r["mma16_us"]) if "mma16_us" in r else "-"),
             ("cuda x", lambda r: f2(r["mma16_speedup"]) if "mma16_us" in r else "-"),
-            ("cuda path", lambda r: r.get("mma16_path", "-"))])
+            ("cuda path", lambda r: r.get("mma16_path", "-")),
+            ("dense copy us", lambda r: f1(r["dense_us"]) if "dense_us" in r else "-"),
+            ("dense copy x", lambda r: f2(r["dense_speedup"]) if "dense_us" in r else "-"),
+            ("dense copy path", lambda r: r.get("dense_path", "-"))])
     if isinstance(out.get("moe"), list):
         _print_table("grouped experts W4A16 (8 x 2048x768)", out["moe"], [
             ("rows", lambda r: str(r["rows"])), ("active", lambda r: str(r["active"])),
             ("nvfp4 us", lambda r: f1(r["us"])), ("bf16 us", lambda r: f1(r["bf16_us"])),
             ("speedup", lambda r: f2(r["speedup"])), ("floor us", lambda r: f1(r["floor_us"])),
-            ("rel err", lambda r: f"{r['rel_err']:.1e}")])
+            ("rel err", lambda r: f"{r['rel_err']:.1e}"),
+            ("dense copy us", lambda r: f1(r["dense_us"]) if "dense_us" in r else "-"),
+            ("dense copy x", lambda r: f2(r["dense_speedup"]) if "dense_us" in r else "-"),
+            ("dense copy path", lambda r: r.get("dense_path", "-"))])
     if isinstance(out.get("w4a4"), list):
         _print_table("W4A4 emulation (quantize x per token + GEMM), 14336x4096", out["w4a4"], [
             ("rows", lambda r: str(r["rows"])), ("us", lambda r: f1(r["us"])),

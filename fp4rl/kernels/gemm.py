@@ -32,11 +32,12 @@ tiled prefill kernel (rows > 32), and for rows > 64 a dequantize-then-cuBLAS pat
 of W made per call: 2.56 B/element of extra traffic, small next to an M x N x K GEMM once M is
 in the thousands). Nothing is assumed about where the crossovers lie. A dense weight carrying the
 CUDA kernel's copy (``mma16``) goes to that kernel at 1-16 rows and the rows of ``wide_rows``, and
-offers its wgmma configuration as the tuner's first candidate (``WIDE``) up to 512 rows. A dense weight
-carrying ``dense`` (its DQ(W) in bfloat16, the reference dequantize, kept by the caller) offers cuBLAS on it
-(``DENSE``: the BF16 engine's GEMM on the quantized weight's values, the reference's arithmetic) as the first
-candidate, in place of FALLBACK: timed against the 4-bit kernels when tuning, taken when not (the sampler
-passes it for calls of at least ``Sampler(dense_rows=...)`` rows).
+offers its wgmma configuration as the tuner's first candidate (``WIDE``) up to 512 rows. A weight carrying
+``dense`` (its DQ(W) in bfloat16, the reference dequantize, kept by the caller; [E, N, K] for grouped experts)
+offers cuBLAS on it (``DENSE``: the BF16 engine's GEMM on the quantized weight's values, the reference's
+arithmetic; ``torch._grouped_mm`` for experts) as the first candidate, in place of FALLBACK: timed against the
+4-bit kernels when tuning, taken when not (the sampler passes it for calls of at least
+``Sampler(dense_rows=...)`` rows).
 
 This module is the host side (argument checks, dispatch, candidate configurations, the tuner and its
 caches); the kernel itself, its launcher and its split-K workspace are fp4rl.kernels.gemm_kernel.
@@ -407,9 +408,11 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
     x: bfloat16 [M, K] (W4A16), or None with xq = (data uint8 [M, K/2], block_scale [M, K/16],
     global_scale fp32 [M] or [M, 1]) for W4A4 emulation. weight: NVFP4 with data [N, K/2] (or
     [E, N, K/2] with offsets int32 [E+1] over the expert-sorted rows of x). config: a dict from
-    candidate_configs, FALLBACK or DENSE, to bypass the tuner. A dense weight may carry `dense` (its DQ(W),
-    bfloat16 [N, K], as `dequantize` makes it: DENSE, y = x @ dense.T on cuBLAS, W4A4 with x = DQ(Q(x)), is
-    then the tuner's first candidate, taken untuned, and replaces FALLBACK), `gemv32` (gemv.swizzle
+    candidate_configs, FALLBACK or DENSE, to bypass the tuner. A weight may carry `dense` (its DQ(W),
+    bfloat16 [N, K] or grouped [E, N, K], as `dequantize` makes it: DENSE, y = x @ dense.T on cuBLAS, grouped
+    torch._grouped_mm over offsets[1:] (offsets[0] must be 0), W4A4 with x = DQ(Q(x)), is then the tuner's
+    first candidate, taken untuned, and replaces FALLBACK; grouped weights keep the mma16 kernel of
+    decode-sized batches), a dense weight `gemv32` (gemv.swizzle
     of its data: the Gluon GEMV's copy) and/or `mma16` (gemv_cuda.relayout: the CUDA kernel's copy, taken for
     1-MMA16_MAX_ROWS rows of W4A16 or W4A4 when no config is forced, with or without `dense`, and for the rows
     of `wide_rows` with its wgmma configuration on sm_90, which with `dense` the tuner weighs against DENSE).
@@ -483,10 +486,10 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
         x2 = x2.index_select(0, rows)
     dense = getattr(weight, "dense", None)  # DQ(W) in bfloat16, kept by the caller: DENSE
     if dense is not None:
-        if grouped or tuple(dense.shape) != (n, 2 * kh) or dense.dtype != torch.bfloat16:
-            raise ValueError(f"weight.dense must be the dense weight's DQ(W), bfloat16 [{n}, {2 * kh}], got "
-                             f"{dense.dtype} {tuple(dense.shape)}" + (" (grouped weights take none)"
-                                                                      if grouped else ""))
+        want = (e, n, 2 * kh) if grouped else (n, 2 * kh)
+        if tuple(dense.shape) != want or dense.dtype != torch.bfloat16:
+            raise ValueError(f"weight.dense must be the weight's DQ(W), bfloat16 {list(want)}, got "
+                             f"{dense.dtype} {tuple(dense.shape)}")
         if config == FALLBACK:  # the same product without the per-call dequantize
             config = DENSE
     if m16 is not None and not grouped and config is None and _mma16.available(device):
@@ -525,6 +528,8 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
                     raise ValueError("the dense-copy configuration (DENSE) needs weight.dense")
                 # W4A4: DQ(Q(x)) as the reference (dequantized again per call: timed with it)
                 xin = x2 if xq is None else dequantize(xq[0], xq[1], xq[2], torch.bfloat16)
+                if grouped:  # torch's grouped GEMM (the BF16 engine's experts); the sorted rows start at 0
+                    return torch._grouped_mm(xin, dense.transpose(1, 2), offs=offsets[1:])
                 return torch.matmul(xin, dense.t(), out=y)
             if c == WIDE:
                 if m16 is None or grouped:
