@@ -60,4 +60,23 @@ import json, glob
 for f in glob.glob('/tmp/fp4rl_tune67d/*.json'):
     for k, v in json.load(open(f)).items(): print(k[:100], '->', str(v)[:60])"
   ;;
+e)  # twenty-second session: the dense copy in the GEMM table (the four shapes and the experts, 1-512 rows: what
+    # "never slower than BF16 up to 512 rows, falling back where it would be" measures), the grouped dense test;
+    # Qwen3-8B tuned with the copy offered from 64 rows (the tuner weighs it at 64, 96, 512) against BF16
+  timeout 90 python3 -m pytest -q tests/test_triton_gemm.py -k "grouped_dense or dense_copy or grouped" \
+    > $OUT/tests67e.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests67e.log | tail -8
+  timeout 240 python3 -m fp4rl.benchmarks.gpu_kernels --sections gemm,moe --rows 1,16,32,64,128,256,512 \
+    --shapes 4096x14336,14336x4096,4096x6144 --out $OUT/gemm67e.json > $OUT/gemm67e.log 2>&1
+  echo "gemm exit $?"; grep '^|\|rror\|^\[' $OUT/gemm67e.log | cut -c1-60,150-330 | tail -40
+  export FP4RL_TUNE_CACHE=/tmp/fp4rl_tune67e
+  timeout 220 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-8b:36 --presets bf16,nvfp4-w4a16 --tune \
+    --w4a16-last 0 --batch 64,96,512 --kv bf16 --repeats 2 --tokens 8,40 --profile-batch '' --dense-rows 0,64 \
+    --out $OUT/sampler67e_8b.json > $OUT/sampler67e_8b.log 2>&1
+  echo "8b exit $?"; grep '^|\|rror' $OUT/sampler67e_8b.log | cut -c1-250 | tail -12
+  python3 -c "
+import json, glob
+for f in glob.glob('/tmp/fp4rl_tune67e/*.json'):
+    for k, v in json.load(open(f)).items(): print(k[:100], '->', str(v)[:60])"
+  ;;
 esac
