@@ -294,6 +294,7 @@ def bench_moe(bw: float, rows_list, experts=8, n=2048, k=768) -> list[dict]:
     from types import SimpleNamespace
 
     from fp4rl.kernels import gemm
+    from fp4rl.kernels import gemv_cuda as _mma16
     from fp4rl.nvfp4 import reference
     from fp4rl.nvfp4.format import NVFP4Tensor
 
@@ -345,15 +346,25 @@ def bench_moe(bw: float, rows_list, experts=8, n=2048, k=768) -> list[dict]:
         best = min(v for v in base.values() if isinstance(v, float))
         moved = len(active) * per_expert_fp4 + x.nbytes + m * n * 2
         extra = {}
+        if m <= gemm.MMA16_GROUPED_MAX_TOKENS and _mma16.available() and _mma16.supports(n, k):
+            # the sampler's decode path: the grouped CUDA kernel on the experts' mma16 copy (tokens = rows
+            # here: each row its own token)
+            wms = [SimpleNamespace(data=q.data, block_scale=q.block_scale, global_scale=q.global_scale,
+                                   mma16=_mma16.relayout_stack(q.data, q.block_scale)) for q in wqs]
+            ym = gemm.gemm(x, wms[0], offsets=offsets, tokens=m)
+            calls = [lambda w=w, x=x, o=offsets, t=m: gemm.gemm(x, w, offsets=o, tokens=t) for w in wms]
+            extra = {"mma16_us": time_calls(calls), "mma16_rel_err": _rel(ym, ref)}
+            extra["mma16_speedup"] = best / extra["mma16_us"]
+            del wms, calls
         if grouped_mm is not None and "grouped_mm" in base:  # with the experts' dense copy (dense_rows <= m)
             wds = [SimpleNamespace(data=q.data, block_scale=q.block_scale, global_scale=q.global_scale,
                                    dense=d) for q, d in zip(wqs, dense)]
             yd = gemm.grouped_linear(x, wds[0], offsets)
             dkey = next(kk for kk in gemm._TUNED if kk[:5] == (gemm._bucket(m), n, k // 2, experts, True)
                         and not kk[5] and kk[gemm.KEY_DENSE])
-            extra = {"dense_us": time_calls([lambda w=w, x=x, o=offsets: gemm.grouped_linear(x, w, o)
-                                             for w in wds]),
-                     "dense_rel_err": _rel(yd, ref), "dense_path": _path(gemm._TUNED[dkey])}
+            extra.update(dense_us=time_calls([lambda w=w, x=x, o=offsets: gemm.grouped_linear(x, w, o)
+                                              for w in wds]),
+                         dense_rel_err=_rel(yd, ref), dense_path=_path(gemm._TUNED[dkey]))
             extra["dense_speedup"] = best / extra["dense_us"]
             del wds
         res.append({"experts": experts, "n": n, "k": k, "rows": m, "active": len(active), "us": us,
@@ -573,6 +584,8 @@ def run(args):
             ("nvfp4 us", lambda r: f1(r["us"])), ("bf16 us", lambda r: f1(r["bf16_us"])),
             ("speedup", lambda r: f2(r["speedup"])), ("floor us", lambda r: f1(r["floor_us"])),
             ("rel err", lambda r: f"{r['rel_err']:.1e}"),
+            ("cuda us", lambda r: f1(r["mma16_us"]) if "mma16_us" in r else "-"),
+            ("cuda x", lambda r: f2(r["mma16_speedup"]) if "mma16_us" in r else "-"),
             ("dense copy us", lambda r: f1(r["dense_us"]) if "dense_us" in r else "-"),
             ("dense copy x", lambda r: f2(r["dense_speedup"]) if "dense_us" in r else "-"),
             ("dense copy path", lambda r: r.get("dense_path", "-"))])
