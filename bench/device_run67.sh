@@ -79,4 +79,15 @@ import json, glob
 for f in glob.glob('/tmp/fp4rl_tune67e/*.json'):
     for k, v in json.load(open(f)).items(): print(k[:100], '->', str(v)[:60])"
   ;;
+f)  # the grouped CUDA kernel (the sampler's expert path) in the experts' table at 1-64 rows; Qwen3-30B-A3B at batch
+    # 64-512 (full depth, tuned) with and without the dense copy of its attention linears, against BF16
+  timeout 90 python3 -m fp4rl.benchmarks.gpu_kernels --sections moe --rows 1,2,4,8,16,32,64,128 \
+    --out $OUT/moe67f.json > $OUT/moe67f.log 2>&1
+  echo "moe exit $?"; grep '^|\|rror' $OUT/moe67f.log | tail -10
+  export FP4RL_TUNE_CACHE=/tmp/fp4rl_tune67f
+  timeout 430 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets bf16,nvfp4-w4a16 --tune \
+    --w4a16-last 0 --batch 64,128,256,512 --kv bf16 --repeats 2 --tokens 8,40 --profile-batch '' --dense-rows 0,64 \
+    --offload-trainer on --out $OUT/sampler67f_30b.json > $OUT/sampler67f_30b.log 2>&1
+  echo "30b exit $?"; grep '^|\|rror' $OUT/sampler67f_30b.log | cut -c1-250 | tail -16
+  ;;
 esac
