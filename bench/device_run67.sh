@@ -90,4 +90,16 @@ f)  # the grouped CUDA kernel (the sampler's expert path) in the experts' table 
     --offload-trainer on --out $OUT/sampler67f_30b.json > $OUT/sampler67f_30b.log 2>&1
   echo "30b exit $?"; grep '^|\|rror' $OUT/sampler67f_30b.log | cut -c1-250 | tail -16
   ;;
+g)  # the grouped CUDA kernel past 64 tokens (FP4RL_MMA16_GROUPED_MAX=512): the experts' table at 64-512 rows, and
+    # Qwen3-30B-A3B at batch 128-512 against BF16 (call f, the bound at 64: 0.95-0.97x BF16)
+  export FP4RL_MMA16_GROUPED_MAX=512
+  timeout 60 python3 -m fp4rl.benchmarks.gpu_kernels --sections moe --rows 64,128,256,512 \
+    --out $OUT/moe67g.json > $OUT/moe67g.log 2>&1
+  echo "moe exit $?"; grep '^|\|rror' $OUT/moe67g.log | tail -6
+  export FP4RL_TUNE_CACHE=/tmp/fp4rl_tune67g
+  timeout 300 python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 --presets bf16,nvfp4-w4a16 --tune \
+    --w4a16-last 0 --batch 128,256,512 --kv bf16 --repeats 2 --tokens 8,40 --profile-batch '' \
+    --offload-trainer on --out $OUT/sampler67g_30b.json > $OUT/sampler67g_30b.log 2>&1
+  echo "30b exit $?"; grep '^|\|rror' $OUT/sampler67g_30b.log | cut -c1-250 | tail -8
+  ;;
 esac

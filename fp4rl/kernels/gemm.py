@@ -72,7 +72,8 @@ DECODE_MAX_ROWS = 256  # rows up to this take the transposed (weights-as-M) kern
 MMA16_MAX_ROWS = 16
 # Routed experts of batches up to this many tokens go to the grouped mma16 kernel (8-row chunks per expert);
 # larger ones (prefill) to the Triton grouped GEMM, which reads each expert's weights once for all its rows.
-MMA16_GROUPED_MAX_TOKENS = 64
+# (FP4RL_MMA16_GROUPED_MAX=<tokens>: another bound, for measuring where the crossover lies.)
+MMA16_GROUPED_MAX_TOKENS = int(os.environ.get("FP4RL_MMA16_GROUPED_MAX", "64"))
 # The kernel's wgmma configuration (gemv_cuda.choose_wide) takes 17-32 rows, and 33-64 rows of weights with
 # N >= WIDE_MIN_N_ABOVE_32, on sm_90 when the weight carries its mma16 copy: where it beat the tuned Triton
 # kernels on the H200 (bench/RESULTS.md, sixth session: 1.02-1.37x cuBLAS BF16 at 32 rows).
