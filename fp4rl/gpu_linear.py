@@ -475,9 +475,7 @@ class _PackedExperts:
         data, scale, g = ((self.gu_data, self.gu_scale, self.gu_g) if which == 0
                           else (self.d_data, self.d_scale, self.d_g))
         w = SimpleNamespace(data=data, block_scale=scale, global_scale=g)
-        from fp4rl.kernels import gemm
-
-        if tokens is not None and tokens <= gemm.MMA16_GROUPED_MAX_TOKENS:
+        if tokens is not None:  # (gemm takes the grouped mma16 kernel while the rows per expert are few)
             c = self._copy(which)
             if c is not None:
                 w.mma16 = c

@@ -198,6 +198,38 @@ def test_grouped_dense_copy_runs_torch_grouped_mm():
         gemm.gemm(x, bad, offsets=offsets, tune=False)
 
 
+def test_grouped_cuda_kernel_takes_few_rows_per_expert(monkeypatch):
+    """Experts carrying their mma16 copy go to the grouped CUDA kernel while the caller passes `tokens` and
+    the rows average at most MMA16_GROUPED_ROWS_PER_EXPERT per expert (the batch size alone does not decide:
+    Qwen3-30B-A3B's batch 256 puts 16 rows on each of 128 experts); above that, the Triton grouped GEMM."""
+    from types import SimpleNamespace
+
+    e, n, k = 2, 32, 64
+    ws = [_weight(n, k, seed=50 + s) for s in range(e)]
+    w = _stacked(ws)
+    m16 = SimpleNamespace(n=n, k=k, wt=torch.empty(e * n // 16, 1))
+    wm = SimpleNamespace(data=w.data, block_scale=w.block_scale, global_scale=w.global_scale, mma16=m16)
+    launched = []
+
+    def launch(xin, wc, g, offsets, y, **kw):
+        launched.append(xin.shape[0])
+        return y.zero_()
+
+    monkeypatch.setattr(gemm._mma16, "available", lambda device=None: True)
+    monkeypatch.setattr(gemm._mma16, "launch_grouped", launch)
+    monkeypatch.setattr(gemm, "MMA16_GROUPED_ROWS_PER_EXPERT", 16)
+    for m, tokens, cuda in ((32, 4, True), (32, None, False), (33, 33, False)):
+        launched.clear()
+        x = _x(m, k, seed=m)
+        offsets = torch.tensor([0, m // 2, m], dtype=torch.int32, device=DEV)
+        y = gemm.gemm(x, wm, offsets=offsets, tokens=tokens)
+        assert launched == ([m] if cuda else []), (m, tokens)
+        if not cuda:  # the Triton kernel's product
+            ref = torch.cat([x[a:b].double() @ reference.dequantize(q).double().T
+                             for q, a, b in zip(ws, (0, m // 2), (m // 2, m))])
+            assert _rel(y, ref) < TOL
+
+
 def test_w4a4_matches_fake_quantized_operands():
     w, x = _weight(48, 64, scale_rule="4/6"), _x(5, 64, seed=4)
     xq = reference.quantize(x, scale_scope="row")  # what the kernel's per-token quantizer must give

@@ -346,13 +346,17 @@ def bench_moe(bw: float, rows_list, experts=8, n=2048, k=768) -> list[dict]:
         best = min(v for v in base.values() if isinstance(v, float))
         moved = len(active) * per_expert_fp4 + x.nbytes + m * n * 2
         extra = {}
-        if m <= gemm.MMA16_GROUPED_MAX_TOKENS and _mma16.available() and _mma16.supports(n, k):
-            # the sampler's decode path: the grouped CUDA kernel on the experts' mma16 copy (tokens = rows
-            # here: each row its own token)
-            wms = [SimpleNamespace(data=q.data, block_scale=q.block_scale, global_scale=q.global_scale,
-                                   mma16=_mma16.relayout_stack(q.data, q.block_scale)) for q in wqs]
-            ym = gemm.gemm(x, wms[0], offsets=offsets, tokens=m)
-            calls = [lambda w=w, x=x, o=offsets, t=m: gemm.gemm(x, w, offsets=o, tokens=t) for w in wms]
+        if _mma16.available() and _mma16.supports(n, k):
+            # the grouped CUDA kernel on the experts' mma16 copy (the sampler's path while the rows per expert
+            # are few, gemm.MMA16_GROUPED_ROWS_PER_EXPERT), launched directly at every row count
+            wms = [(_mma16.relayout_stack(q.data, q.block_scale), q.global_scale) for q in wqs]
+
+            def grouped(wm, x=x, o=offsets):
+                return _mma16.launch_grouped(x, wm[0], wm[1], o, torch.empty(x.shape[0], n, dtype=x.dtype,
+                                                                             device=x.device))
+
+            ym = grouped(wms[0])
+            calls = [lambda wm=wm: grouped(wm) for wm in wms]
             extra = {"mma16_us": time_calls(calls), "mma16_rel_err": _rel(ym, ref)}
             extra["mma16_speedup"] = best / extra["mma16_us"]
             del wms, calls

@@ -70,10 +70,14 @@ DECODE_MAX_ROWS = 256  # rows up to this take the transposed (weights-as-M) kern
 # H200 1.4-2.2x cuBLAS BF16 at 1-8 rows and 1.1-1.4x at 16 (bench/RESULTS.md); 32-64 rows measured slower
 # than cuBLAS, so they stay with the tuned Triton kernels.
 MMA16_MAX_ROWS = 16
-# Routed experts of batches up to this many tokens go to the grouped mma16 kernel (8-row chunks per expert);
-# larger ones (prefill) to the Triton grouped GEMM, which reads each expert's weights once for all its rows.
-# (FP4RL_MMA16_GROUPED_MAX=<tokens>: another bound, for measuring where the crossover lies.)
-MMA16_GROUPED_MAX_TOKENS = int(os.environ.get("FP4RL_MMA16_GROUPED_MAX", "64"))
+# Routed experts go to the grouped mma16 kernel (8-row chunks, each streaming its expert's weights) while
+# their sorted rows average at most this many per expert (rows <= this x E), else to the Triton grouped GEMM,
+# which reads each expert's weights once for all its rows. On an H200 (bench/RESULTS.md, twenty-second
+# session): 8 experts of 2048x768 at 16 rows each 9.0 vs 11.1 us, at 32 each 14.6 vs 11.2; Qwen3-30B-A3B (128
+# experts, top 8) decodes 1.74x / 1.31x BF16 at batch 128 / 256 (8 / 16 rows per expert) with it and
+# 0.97x / 0.95x without, and 0.97x vs 0.95x at batch 512 (32 per expert). (The bound was 64 tokens before.)
+# FP4RL_MMA16_GROUPED_ROWS=<rows per expert>: another bound, for measuring.
+MMA16_GROUPED_ROWS_PER_EXPERT = int(os.environ.get("FP4RL_MMA16_GROUPED_ROWS", "16"))
 # The kernel's wgmma configuration (gemv_cuda.choose_wide) takes 17-32 rows, and 33-64 rows of weights with
 # N >= WIDE_MIN_N_ABOVE_32, on sm_90 when the weight carries its mma16 copy: where it beat the tuned Triton
 # kernels on the H200 (bench/RESULTS.md, sixth session: 1.02-1.37x cuBLAS BF16 at 32 rows).
@@ -418,8 +422,8 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
     1-MMA16_MAX_ROWS rows of W4A16 or W4A4 when no config is forced, with or without `dense`, and for the rows
     of `wide_rows` with its wgmma configuration on sm_90, which with `dense` the tuner weighs against DENSE).
     Grouped weights may carry `mma16` too
-    (gemv_cuda.relayout_stack): taken for decode-sized batches, `tokens` (the batch's tokens before top-k)
-    <= MMA16_GROUPED_MAX_TOKENS.
+    (gemv_cuda.relayout_stack): taken when the caller passes `tokens` (the batch's tokens before top-k) and
+    the rows average at most MMA16_GROUPED_ROWS_PER_EXPERT per expert.
     rows: grouped W4A16 only, int32 [M]: x [T, K] holds the batch's tokens and sorted row r is x[rows[r]];
     the grouped mma16 kernel reads those rows itself, every other path gathers them first (same result).
     silu: W4A16 only: x is [M, 2K] = gate | up (gate in columns [0, K), up in [K, 2K), K the weight's) and
@@ -470,7 +474,7 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
     if m == 0:
         return y
     if (m16 is not None and grouped and config is None and tokens is not None
-            and 1 <= tokens <= MMA16_GROUPED_MAX_TOKENS and _mma16.available(device)):
+            and tokens >= 1 and m <= MMA16_GROUPED_ROWS_PER_EXPERT * e and _mma16.available(device)):
         if (m16.n, m16.k, m16.wt.shape[0]) != (n, 2 * kh, e * n // 16):
             raise ValueError(f"weight.mma16 is not a stacked copy of {e} experts of {n}x{2 * kh}")
         xin, x_scale = _mma16_input(x2, xq)
