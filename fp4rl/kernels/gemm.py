@@ -416,8 +416,8 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
     candidate_configs, FALLBACK or DENSE, to bypass the tuner. A weight may carry `dense` (its DQ(W),
     bfloat16 [N, K] or grouped [E, N, K], as `dequantize` makes it: DENSE, y = x @ dense.T on cuBLAS, grouped
     torch._grouped_mm over offsets[1:] (offsets[0] must be 0), W4A4 with x = DQ(Q(x)), is then the tuner's
-    first candidate, taken untuned, and replaces FALLBACK; grouped weights keep the mma16 kernel of
-    decode-sized batches), a dense weight `gemv32` (gemv.swizzle
+    first candidate, taken untuned, and replaces FALLBACK; grouped weights keep the grouped mma16 kernel where
+    it is taken, below), a dense weight `gemv32` (gemv.swizzle
     of its data: the Gluon GEMV's copy) and/or `mma16` (gemv_cuda.relayout: the CUDA kernel's copy, taken for
     1-MMA16_MAX_ROWS rows of W4A16 or W4A4 when no config is forced, with or without `dense`, and for the rows
     of `wide_rows` with its wgmma configuration on sm_90, which with `dense` the tuner weighs against DENSE).
