@@ -90,9 +90,11 @@ f)  # the grouped CUDA kernel (the sampler's expert path) in the experts' table 
     --offload-trainer on --out $OUT/sampler67f_30b.json > $OUT/sampler67f_30b.log 2>&1
   echo "30b exit $?"; grep '^|\|rror' $OUT/sampler67f_30b.log | cut -c1-250 | tail -16
   ;;
-g)  # the grouped CUDA kernel past 64 tokens (FP4RL_MMA16_GROUPED_MAX=512): the experts' table at 64-512 rows, and
-    # Qwen3-30B-A3B at batch 128-512 against BF16 (call f, the bound at 64: 0.95-0.97x BF16)
-  export FP4RL_MMA16_GROUPED_MAX=512
+g)  # the grouped CUDA kernel past 64 tokens: the experts' table at 64-512 rows, and Qwen3-30B-A3B at batch 128-512
+    # against BF16 (call f, the bound at 64: 0.95-0.97x BF16). The call ran with FP4RL_MMA16_GROUPED_MAX=512 (a
+    # token bound, commit 6dad010); since the rows-per-expert rule, FP4RL_MMA16_GROUPED_ROWS=32 routes these
+    # batches the same way (32 rows per expert at batch 512 over 128 experts, top 8).
+  export FP4RL_MMA16_GROUPED_ROWS=32
   timeout 60 python3 -m fp4rl.benchmarks.gpu_kernels --sections moe --rows 64,128,256,512 \
     --out $OUT/moe67g.json > $OUT/moe67g.log 2>&1
   echo "moe exit $?"; grep '^|\|rror' $OUT/moe67g.log | tail -6

@@ -237,7 +237,8 @@ class SamplerConfig(_Section):
                             "batches, prefill) run cuBLAS on a bfloat16 DQ(W) copy of each packed dense "
                             "linear where the GEMM tuner times it faster than the 4-bit kernels (+2 B per "
                             "weight; same policy, the BF16 engine's speed; the 4-bit kernels lose to cuBLAS "
-                            "from 64-128 rows on an H200: 64 measured best there, bench/RESULTS.md); 0: off",
+                            "from 64-128 rows on an H200; 64 recommended there: 1.00-1.10x BF16 at batch "
+                            "64-512 on Qwen3-8B, bench/RESULTS.md); 0: off",
                             ge=0)
 
 

@@ -82,7 +82,6 @@ def main(paths, out, tok_only=False):
         ax.set_xticks(ticks, [str(v) for v in ticks])
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         if tok_only:
-            ax.set_ylim(0, max(3.0, ax.get_ylim()[1]))
             ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.16))
         else:
             ax.legend(fontsize=6.5, loc="upper left")

@@ -469,6 +469,12 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
             raise ValueError(
                 f"offsets must have E+1={e + 1} entries (expert starts and the end), got {offsets.numel()}"
             )
+    dense = getattr(weight, "dense", None)  # DQ(W) in bfloat16, kept by the caller: DENSE
+    if dense is not None:
+        want = (e, n, 2 * kh) if grouped else (n, 2 * kh)
+        if tuple(dense.shape) != want or dense.dtype != torch.bfloat16:
+            raise ValueError(f"weight.dense must be the weight's DQ(W), bfloat16 {list(want)}, got "
+                             f"{dense.dtype} {tuple(dense.shape)}")
     device = wd.device
     y = torch.empty(m, n, dtype=torch.bfloat16, device=device)
     if m == 0:
@@ -489,14 +495,8 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
         x2, silu = _fused.silu_mul(x2)[0], False
     if rows is not None:  # the other kernels take the sorted rows themselves
         x2 = x2.index_select(0, rows)
-    dense = getattr(weight, "dense", None)  # DQ(W) in bfloat16, kept by the caller: DENSE
-    if dense is not None:
-        want = (e, n, 2 * kh) if grouped else (n, 2 * kh)
-        if tuple(dense.shape) != want or dense.dtype != torch.bfloat16:
-            raise ValueError(f"weight.dense must be the weight's DQ(W), bfloat16 {list(want)}, got "
-                             f"{dense.dtype} {tuple(dense.shape)}")
-        if config == FALLBACK:  # the same product without the per-call dequantize
-            config = DENSE
+    if dense is not None and config == FALLBACK:  # the same product without the per-call dequantize
+        config = DENSE
     if m16 is not None and not grouped and config is None and _mma16.available(device):
         # the CUDA kernel (fp4rl.kernels.gemv_cuda): mma.sync for every row up to 16 on one MMA, its wgmma
         # configuration for the rows of wide_rows (with a dense copy: the tuner weighs the two, below)
