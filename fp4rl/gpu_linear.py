@@ -169,6 +169,14 @@ def _rebuild(old, data: torch.Tensor, scale: torch.Tensor, mma: bool):
 DENSE_CHUNK = 1 << 24  # elements per float32 chunk of a dense copy's rebuild (64 MB)
 
 
+def _dense_oom(rows: int, n: int, k: int, device, exc: Exception) -> torch.OutOfMemoryError:
+    return torch.OutOfMemoryError(
+        f"Sampler(dense_rows={rows}) (config sampler.dense_rows): the bfloat16 copy of a {n}x{k} NVFP4 "
+        f"weight ({n * k * 2 / 2**20:.0f} MiB; the copies take 2 B per weight of every packed dense linear) "
+        f"does not fit in {device}'s free memory. Set sampler.dense_rows = 0 (the 4-bit kernels at every "
+        f"batch), or free memory (e.g. offload the trainer). {exc}")
+
+
 class _DenseCopy:
     """DQ(W) of one packed dense weight (or fused group) in bfloat16, for the calls of at least `rows` rows
     (`Sampler(dense_rows=...)`): `fp4rl.kernels.dequantize`, bit-identical to the reference's. Rebuilt in
@@ -196,7 +204,10 @@ class _DenseCopy:
             n, k = data.shape[0], 2 * data.shape[1]
             if self.copy is None or tuple(self.copy.shape) != (n, k):
                 with torch.inference_mode(False):  # a normal tensor: rebuilt in place in or out of inference
-                    self.copy = torch.empty(n, k, dtype=torch.bfloat16, device=data.device)
+                    try:
+                        self.copy = torch.empty(n, k, dtype=torch.bfloat16, device=data.device)
+                    except torch.OutOfMemoryError as exc:
+                        raise _dense_oom(self.rows, n, k, data.device, exc) from exc
             # float32 in chunks of <= DENSE_CHUNK elements, rounded by torch (Triton's interpreter truncates
             # float32 -> bfloat16 casts; the GPU kernel rounds to nearest even, as torch)
             g = g.float().reshape(-1)

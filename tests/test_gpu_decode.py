@@ -287,6 +287,25 @@ def test_dense_copy_refused_where_it_cannot_run():
     bad = gpu_linear._with_dense(w, lin.dequantized_weight(torch.bfloat16).t().contiguous())
     with pytest.raises(ValueError, match=r"weight.dense must be the weight's DQ\(W\), bfloat16 \[\d+, \d+\]"):
         gemm.gemm(x, bad)
+    # a copy that does not fit: an OutOfMemoryError that names the knob and the fix; the owner is left as it
+    # was (no copy), and a later call with the memory back builds it
+    real_empty, n, k = torch.empty, lin.out_features, lin.in_features
+
+    def empty(*size, **kw):
+        if tuple(size) == (n, k) and kw.get("dtype") == torch.bfloat16:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 MiB")
+        return real_empty(*size, **kw)
+
+    copy = gpu_linear._DenseCopy(5)
+    parts = (lin.weight_data, lin.weight_block_scale, lin.weight_global_scale)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "empty", empty)
+        want = (rf"Sampler\(dense_rows=5\) \(config sampler.dense_rows\): the bfloat16 copy of a "
+                rf"{n}x{k} NVFP4 weight .*Set sampler.dense_rows = 0")
+        with pytest.raises(torch.OutOfMemoryError, match=want):
+            copy.get(*parts)
+    assert copy.copy is None and copy.key is None
+    assert torch.equal(copy.get(*parts), lin.dequantized_weight(torch.bfloat16))
 
 
 def test_decode_attention_skips_left_padding():
