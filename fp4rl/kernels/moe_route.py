@@ -37,7 +37,9 @@ import triton.language as tl
 from fp4rl.kernels._common import COMPILED, INTERPRET, dot_acc
 from fp4rl.kernels.fused import _bf16, _exp, _launch_opts, _libdevice_for, tlcuda
 
-MAX_PAIRS = 512  # T * top_k of the one-program route (Qwen3-30B-A3B at 64 tokens: 512, measured up to there)
+# T * top_k of the one-program route (Qwen3-30B-A3B at 64 tokens: 512, measured up to there); larger batches
+# take the torch route (FP4RL_MOE_ROUTE_PAIRS=<pairs>: another bound, for measuring past it)
+MAX_PAIRS = int(os.environ.get("FP4RL_MOE_ROUTE_PAIRS", "512"))
 MAX_EXPERTS = 512
 MAX_TILE = 32768  # tokens x experts (both to a power of two) in the program's softmax / top-k tile
 
