@@ -204,6 +204,8 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
         if _mma16.available() and _mma16.supports(n, k):
             wms = [SimpleNamespace(data=q.data, block_scale=q.block_scale, global_scale=q.global_scale,
                                    mma16=_mma16.relayout(q.data, q.block_scale)) for q in wqs]
+        # the dense copies (Sampler(dense_rows=)) once per shape, for the rows past the mma16 kernel's
+        dense = _dense_copies(wqs, wbs) if any(m > gemm.MMA16_MAX_ROWS for m in rows_list) else None
         for m in rows_list:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             y = gemm.linear(x, wq)  # tunes this (rows bucket, N, K) once
@@ -245,7 +247,7 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
                 # tuner's pick of cuBLAS on DQ(W) and the 4-bit kernels (mma16 copy too where it has one)
                 wds = [SimpleNamespace(data=q.data, block_scale=q.block_scale, global_scale=q.global_scale,
                                        mma16=None if wms is None else wm.mma16, dense=wb)
-                       for q, wm, wb in zip(wqs, wms or [None] * len(wqs), _dense_copies(wqs, wbs))]
+                       for q, wm, wb in zip(wqs, wms or [None] * len(wqs), dense)]
                 yd = gemm.linear(x, wds[0])
                 dkey = next(kk for kk in gemm._TUNED if kk[:3] == (gemm._bucket(m), n, k // 2) and not kk[4]
                             and not kk[5] and not kk[gemm.KEY_LAYOUT] and kk[gemm.KEY_DENSE])
@@ -258,7 +260,7 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
                         "floor_us": (fp4_bytes + io) / bw * 1e6,
                         "bf16_floor_us": (w_bf16.nbytes + io) / bw * 1e6,
                         "rel_err": err, "path": cfg if isinstance(cfg, str) else _path(cfg), **extra})
-        del wqs, wbs, wms
+        del wqs, wbs, wms, dense
         torch.cuda.empty_cache()
     return res
 
