@@ -31,7 +31,7 @@ sampler's own model copy. What it changes, and what it computes:
   + RMSNorm, which does the weighted combine itself (`fused.add_rmsnorm(moe=)`; a shared expert's term is
   its h), up to COMBINE_MAX_TOKENS rows: four launches per MoE MLP (router GEMM, route, gate/up, down) where
   the torch path takes ~20
-  (`FUSED_COMBINE` / FP4RL_MOE_COMBINE=0, and gpu_linear's FUSED_ROUTER (up to ROUTER_MAX_TOKENS) /
+  (`FUSED_COMBINE` / FP4RL_MOE_COMBINE=0, and gpu_experts' FUSED_ROUTER (up to ROUTER_MAX_TOKENS) /
   FUSED_GATHER, gemm.FUSED_SILU for A/B).
 - CUDA graphs: one graph per batch bucket (powers of two up to B_cap), captured on first use
   after an eager warm-up step on a side stream (Triton compiles and the GEMM tuner runs there,
@@ -56,10 +56,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4rl.batch import ROUTING_DTYPE
+from fp4rl.gpu_experts import KernelMoeBlock  # noqa: F401  (re-exported for callers of gpu_decode)
 from fp4rl.gpu_linear import (  # noqa: F401  (the engine's modules; re-exported for callers of gpu_decode)
     KERNEL_DTYPE,
     KernelFusedGroup,
-    KernelMoeBlock,
     KernelPackedLinear,
     attach_kernels,
     decode_copy_bytes,

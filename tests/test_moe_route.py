@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (decoration time)
 
-from fp4rl import gpu_linear  # noqa: E402
+from fp4rl import gpu_experts  # noqa: E402
 from fp4rl.kernels import moe_route  # noqa: E402
 from fp4rl.model import CausalLM, ModelConfig  # noqa: E402
 from fp4rl.moe import SparseMoeBlock  # noqa: E402
@@ -187,7 +187,7 @@ def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, config,
     model = convert(model.to(torch.bfloat16).eval(), PrecisionContract(contract, bf16_last_fraction=0.0))
     sampler = Sampler(model, kernels=True, device=DEV, dtype=torch.bfloat16)
     block = sampler.model.model.layers[0].mlp
-    assert isinstance(block, gpu_linear.KernelMoeBlock) and block.plan is not None
+    assert isinstance(block, gpu_experts.KernelMoeBlock) and block.plan is not None
     x0 = torch.randn(3, 1, 64, generator=torch.Generator().manual_seed(2)).bfloat16().to(DEV)
     for scale in (1.0, 1.37, 0.71, 1.9):  # an input without tied router probabilities (with ties either
         x = (x0 * scale).bfloat16()       # id is a valid top-k; check_route covers ties)
@@ -197,8 +197,8 @@ def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, config,
             break
     else:
         pytest.fail("every scaled input has tied router probabilities")
-    monkeypatch.setattr(gpu_linear, "FUSED_ROUTER", True)  # the defaults (set here: the environment may not)
-    monkeypatch.setattr(gpu_linear, "ROUTER_MAX_TOKENS", 8)
+    monkeypatch.setattr(gpu_experts, "FUSED_ROUTER", True)  # the defaults (set here: the environment may not)
+    monkeypatch.setattr(gpu_experts, "ROUTER_MAX_TOKENS", 8)
     calls = []
     real, real_rr = moe_route.route, moe_route.router_route
     monkeypatch.setattr(moe_route, "route", lambda *a, **kw: calls.append("route") or real(*a, **kw))
@@ -206,16 +206,16 @@ def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, config,
     with torch.inference_mode():
         y, experts = block(x)
         y_forced, _ = block(x, experts)  # routing replay takes the torch route
-        monkeypatch.setattr(gpu_linear, "FUSED_ROUTER", False)
+        monkeypatch.setattr(gpu_experts, "FUSED_ROUTER", False)
         y_router, experts_router = block(x)  # the module's gate, then the route kernel
-        monkeypatch.setattr(gpu_linear, "FUSED_ROUTER", True)
-        monkeypatch.setattr(gpu_linear, "ROUTER_MAX_TOKENS", 2)
+        monkeypatch.setattr(gpu_experts, "FUSED_ROUTER", True)
+        monkeypatch.setattr(gpu_experts, "ROUTER_MAX_TOKENS", 2)
         y_bound, experts_bound = block(x)  # 3 tokens, above the bound: the gate module, then the route kernel
-        monkeypatch.setattr(gpu_linear, "ROUTER_MAX_TOKENS", 8)
-        monkeypatch.setattr(gpu_linear, "FUSED_GATHER", False)
+        monkeypatch.setattr(gpu_experts, "ROUTER_MAX_TOKENS", 8)
+        monkeypatch.setattr(gpu_experts, "FUSED_GATHER", False)
         y_gathered, _ = block(x)  # x.index_select(0, rows) before the grouped GEMM instead of in it
-        monkeypatch.setattr(gpu_linear, "FUSED_GATHER", True)
-        monkeypatch.setattr(gpu_linear, "FUSED_ROUTE", False)
+        monkeypatch.setattr(gpu_experts, "FUSED_GATHER", True)
+        monkeypatch.setattr(gpu_experts, "FUSED_ROUTE", False)
         y_ref, experts_ref = block(x)  # the torch route, the same grouped experts
         flat = x[:, 0]
         idx, w = SparseMoeBlock.route(block, flat)

@@ -1,4 +1,4 @@
-"""MoE routing and combine of the decode step in two kernels (fp4rl.gpu_linear.KernelMoeBlock).
+"""MoE routing and combine of the decode step in two kernels (fp4rl.gpu_experts.KernelMoeBlock).
 
 At decode batch sizes the routed experts' grouped GEMMs are a small part of an MoE layer: the torch route
 (softmax, top-k with a sorted output, the top-k normalization, the cast), the stable argsort that groups the
