@@ -207,7 +207,7 @@ def test_grouped_cuda_kernel_takes_few_rows_per_expert(monkeypatch):
     e, n, k = 2, 32, 64
     ws = [_weight(n, k, seed=50 + s) for s in range(e)]
     w = _stacked(ws)
-    m16 = SimpleNamespace(n=n, k=k, wt=torch.empty(e * n // 16, 1))
+    m16 = SimpleNamespace(n=n, k=k, wt=torch.empty(e * n // 16, 1), st=torch.empty(e * n // 16, 1))
     wm = SimpleNamespace(data=w.data, block_scale=w.block_scale, global_scale=w.global_scale, mma16=m16)
     launched = []
 
