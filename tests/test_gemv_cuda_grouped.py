@@ -35,6 +35,18 @@ def test_choose_grouped_splits_to_fill_the_gpu():
     assert gemv_cuda.ksplit(gemv_cuda.choose_grouped(2048, 768, 8, 132)) <= 768 // 128 // 2
 
 
+def test_grouped_chunks_grow_with_rows_per_expert():
+    """8-row chunks up to 8 rows per expert on average, 16 up to 16, then 32 (each chunk re-streams its
+    expert's weights); a chunk whose x slice does not fit shared memory takes fewer row groups."""
+    rows = (1, 512, 1024, 1025, 2048, 2049, 4096)
+    assert [gemv_cuda.grouped_mg(m, 128) for m in rows] == [1, 1, 1, 2, 2, 4, 4]
+    for mg in (1, 2, 4):
+        cfg = gemv_cuda.choose_grouped(1536, 2048, 128, 132, mg)
+        assert cfg["MG"] == mg and gemv_cuda.smem_bytes(cfg, 2048, 8 * mg) <= gemv_cuda.SMEM_MAX
+    big = gemv_cuda.choose_grouped(1024, 4096, 128, 132, 4)  # 32 rows of K=4096 exceed shared memory, 16 fit
+    assert big["MG"] == 2 and gemv_cuda.smem_bytes(big, 4096, 16) <= gemv_cuda.SMEM_MAX
+
+
 @pytest.mark.gpu
 def test_gpu_grouped_experts_match_reference_and_replay_new_routing():
     """Routed experts on the grouped mma16 kernel: each expert's rows against the float64 reference, with

@@ -77,7 +77,7 @@ MMA16_MAX_ROWS = 16
 # experts, top 8) decodes 1.74x / 1.31x BF16 at batch 128 / 256 (8 / 16 rows per expert) with it and
 # 0.97x / 0.95x without, and 0.97x vs 0.95x at batch 512 (32 per expert). (The bound was 64 tokens before.)
 # FP4RL_MMA16_GROUPED_ROWS=<rows per expert>: another bound, for measuring.
-MMA16_GROUPED_ROWS_PER_EXPERT = int(os.environ.get("FP4RL_MMA16_GROUPED_ROWS", "16"))
+MMA16_GROUPED_ROWS_PER_EXPERT = int(os.environ.get("FP4RL_MMA16_GROUPED_ROWS", "32"))
 # The kernel's wgmma configuration (gemv_cuda.choose_wide) takes 17-32 rows, and 33-64 rows of weights with
 # N >= WIDE_MIN_N_ABOVE_32, on sm_90 when the weight carries its mma16 copy: where it beat the tuned Triton
 # kernels on the H200 (bench/RESULTS.md, sixth session: 1.02-1.37x cuBLAS BF16 at 32 rows).

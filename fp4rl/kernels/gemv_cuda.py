@@ -401,8 +401,9 @@ def launch_wide(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y
 
 
 @functools.cache
-def _plan_grouped(n: int, k: int, slots: int, device_index: int) -> dict:
-    return choose_grouped(n, k, slots, torch.cuda.get_device_properties(device_index).multi_processor_count)
+def _plan_grouped(n: int, k: int, slots: int, device_index: int, mg: int = 1) -> dict:
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return choose_grouped(n, k, slots, sms, mg)
 
 
 _SMEM_SET: dict = {}  # (kernel, device) -> the largest dynamic shared memory size set on it
@@ -484,18 +485,29 @@ def relayout_stack(data: torch.Tensor, block_scale: torch.Tensor) -> Mma16Weight
     return Mma16Weight(wt=wc.wt, st=wc.st, n=n, k=wc.k)
 
 
-def choose_grouped(n: int, k: int, slots: int, sms: int) -> dict:
-    """Configuration for about `slots` busy (expert, 8-row chunk) CTAs of an N x K weight: 8 rows per chunk
-    (decode batches put a few rows on each expert; an expert with more gets more chunks)."""
+def grouped_mg(m: int, experts: int) -> int:
+    """Row groups of 8 per (expert, chunk) CTA for m sorted rows over `experts` experts: 8-row chunks up to 8
+    rows per expert on average, 16 up to 16, then 32 (fewer re-reads of each expert's weights; measured on
+    the H200 at 64-512 tokens of Qwen3-30B-A3B's 128 experts, bench/gpu_kernels.md, twenty-third session)."""
+    per = m / max(experts, 1)
+    return 1 if per <= 8 else 2 if per <= 16 else 4
+
+
+def choose_grouped(n: int, k: int, slots: int, sms: int, mg: int = 1) -> dict:
+    """Configuration for about `slots` busy (expert, chunk) CTAs of an N x K weight, each chunk 8 x `mg` rows
+    (decode batches put a few rows on each expert; an expert with more gets more chunks). An `mg` whose
+    x slice does not fit shared memory falls back to fewer row groups."""
     nblocks = -(-n // (WARPS * 16)) * slots
     steps = k // 128
     split = 1  # fill about one wave of 2 CTAs per SM, >= 2 steps per split
     while split < 8 and nblocks * split * 2 <= 2 * sms and steps // (split * 2) >= 2:
         split *= 2
-    cfg = dict(NT=1, MG=1, SPLIT=split, DEPTH=2)
+    cfg = dict(NT=1, MG=mg, SPLIT=split, DEPTH=2)
+    while cfg["MG"] > 1 and smem_bytes(cfg, k, 8 * cfg["MG"]) > SMEM_MAX:
+        cfg["MG"] //= 2
     if smem_bytes(cfg, k, 8) > SMEM_MAX:
         raise ValueError(f"8 rows of K={k} do not fit the mma16 kernel's shared memory")
-    return in_cta_split(cfg, k, 8)
+    return in_cta_split(cfg, k, 8 * cfg["MG"])
 
 
 def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, offsets: torch.Tensor,
@@ -512,8 +524,9 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     [K, 2K), K = wc.k; any row stride) and y = silu_mul(x2) @ ..., the MoE down projection with
     fused.silu_mul(x2)[0] = bf16(bf16(silu(gate)) * up) computed by the kernel's x staging (bit-identical to
     silu_mul then this launch: fused.silu_mul's arithmetic, libdevice expf and IEEE division).
-    No host sync: each CTA finds its (expert, 8-row chunk) from the offsets (graph-capturable; any routing:
-    an expert with r rows takes ceil(r / 8) chunks, each streaming its weights).
+    No host sync: each CTA finds its (expert, chunk of 8 x MG rows) from the offsets (graph-capturable; any
+    routing: an expert with r rows takes ceil(r / (8 MG)) chunks, each streaming its weights; MG from the
+    average rows per expert, ``grouped_mg``).
     cfg: a configuration other than ``choose_grouped``'s (benchmarks)."""
     if x2.ndim != 2:
         raise ValueError(f"x2 must be 2-D [M, K], got {tuple(x2.shape)}")
@@ -548,7 +561,7 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     if m == 0:
         return y
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-    cfg = cfg or _plan_grouped(wc.n, wc.k, min(e, m), dev)
+    cfg = cfg or _plan_grouped(wc.n, wc.k, min(e, m), dev, grouped_mg(m, e))
     slots = min(e, m) + -(-m // (8 * cfg["MG"]))  # >= sum over experts of ceil(rows / chunk rows)
     key = {**cfg, "GATHER": 1} if x_rows is not None else {**cfg, "SILU": 1} if x_silu else cfg
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > e, x_scale is not None, True), dev)
