@@ -70,13 +70,12 @@ DECODE_MAX_ROWS = 256  # rows up to this take the transposed (weights-as-M) kern
 # H200 1.4-2.2x cuBLAS BF16 at 1-8 rows and 1.1-1.4x at 16 (bench/RESULTS.md); 32-64 rows measured slower
 # than cuBLAS, so they stay with the tuned Triton kernels.
 MMA16_MAX_ROWS = 16
-# Routed experts go to the grouped mma16 kernel (8-row chunks, each streaming its expert's weights) while
-# their sorted rows average at most this many per expert (rows <= this x E), else to the Triton grouped GEMM,
-# which reads each expert's weights once for all its rows. On an H200 (bench/RESULTS.md, twenty-second
-# session): 8 experts of 2048x768 at 16 rows each 9.0 vs 11.1 us, at 32 each 14.6 vs 11.2; Qwen3-30B-A3B (128
-# experts, top 8) decodes 1.74x / 1.31x BF16 at batch 128 / 256 (8 / 16 rows per expert) with it and
-# 0.97x / 0.95x without, and 0.97x vs 0.95x at batch 512 (32 per expert). (The bound was 64 tokens before.)
-# FP4RL_MMA16_GROUPED_ROWS=<rows per expert>: another bound, for measuring.
+# Routed experts go to the grouped mma16 kernel (chunks of 8, 16 or 32 rows by the average rows per expert,
+# gemv_cuda.grouped_mg; each chunk streams its expert's weights) while their sorted rows average at most this
+# many per expert (rows <= this x E), else to the Triton grouped GEMM, which reads each expert's weights once.
+# On an H200 (bench/RESULTS.md, twenty-second and twenty-third sessions): Qwen3-30B-A3B (128 experts, top 8)
+# decodes 1.75x / 1.46x / 1.11x BF16 at batch 128 / 256 / 512 (8 / 16 / 32 rows per expert), against 0.97x /
+# 0.95x / 0.95x with the Triton grouped GEMM. FP4RL_MMA16_GROUPED_ROWS=<rows per expert>: another bound.
 MMA16_GROUPED_ROWS_PER_EXPERT = int(os.environ.get("FP4RL_MMA16_GROUPED_ROWS", "32"))
 # The kernel's wgmma configuration (gemv_cuda.choose_wide) takes 17-32 rows, and 33-64 rows of weights with
 # N >= WIDE_MIN_N_ABOVE_32, on sm_90 when the weight carries its mma16 copy: where it beat the tuned Triton
