@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fp4rl.benchmarks.gpu_kernels import _nvfp4_weight, _rel, copies_for, time_calls  # noqa: E402
-from fp4rl.kernels import gemm, gemv  # noqa: E402
+from fp4rl.kernels import gemm, gemm_tune, gemv  # noqa: E402
 from fp4rl.nvfp4 import reference  # noqa: E402
 from fp4rl.nvfp4.format import NVFP4Tensor  # noqa: E402
 
@@ -99,7 +99,7 @@ def main():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.double() @ w_ref.T
             bf = time_calls([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbs])
-            cands = gemm.candidate_configs(m, n, k // 2, x.device)[:a.max_triton]
+            cands = gemm_tune.candidate_configs(m, n, k // 2, x.device)[:a.max_triton]
             for kind, layout in VARIANTS + ([("mma", 2)] if a.layout2 else []):  # 2: no unpack (timing only)
                 run = _direct(kind, layout)
                 for c in _cfgs(kind, n, k // 2, sms, m)[:(a.max_cfg if layout < 2 else 1)]:

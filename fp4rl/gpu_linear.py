@@ -9,7 +9,7 @@ inside its CUDA-graph decode step.
   that Q(x) from the fused step's producer kernel, then runs the exact-operand block-scaled product
   (e2m1 s)_x (e2m1 s)_w * g_x * g_w that an FP4 MMA computes. Against the CPU path (DQ(Q(x)) @ DQ(W).T on
   operands rounded to bfloat16) both differ by bfloat16 rounding only; rows of x never interact, so the
-  result does not depend on the batch. Above `gemm.DECODE_MAX_ROWS` rows (prefill) an untuned engine uses
+  result does not depend on the batch. Above `gemm_tune.DECODE_MAX_ROWS` rows (prefill) an untuned engine uses
   the kernels' dequantize-then-cuBLAS path (measured best at 512 rows, bench/RESULTS.md).
 - Decode copies (`_DecodeCopy`): at 1-16 rows the dense linears run the CUDA mma16 kernel
   (`fp4rl.kernels.gemv_cuda`, W4A16 and W4A4) on a re-laid-out copy of each weight, where it runs (Hopper,
@@ -22,7 +22,7 @@ inside its CUDA-graph decode step.
 - Routed experts: `fp4rl.gpu_experts` (`KernelMoeBlock`, swapped in by `attach_kernels` too).
 - Dense copies (`_DenseCopy`, `Sampler(dense_rows=R)`, off by default): each packed dense linear and fused
   group also keeps DQ(W) in bfloat16 (the reference dequantize, +2 B per weight), and calls of at least R rows
-  (large decode batches, prefill) may run cuBLAS on it (`gemm.DENSE`): the BF16 engine's speed and the
+  (large decode batches, prefill) may run cuBLAS on it (`gemm_tune.DENSE`): the BF16 engine's speed and the
   reference's arithmetic (DQ(Q(x)) @ DQ(W).T with bfloat16 operands) on the quantized policy. The GEMM tuner
   (TUNE) times it against the 4-bit kernels per shape and row bucket and keeps the faster; untuned it is
   taken. Rebuilt in place like the decode copies. Routed experts keep the grouped kernels: on an H200 their
@@ -63,7 +63,7 @@ def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, 
     (gemm.gemm); rows (grouped): int32 [M], x2 holds the tokens and sorted row r is x2[rows[r]]; silu: x2 is
     [M, 2K] gate | up and the GEMM's input is fused.silu_mul(x2) (W4A16: gemm.gemm(silu=); W4A4: silu_mul
     quantizes its output in the same launch)."""
-    from fp4rl.kernels import fused, gemm
+    from fp4rl.kernels import fused, gemm, gemm_tune
 
     if silu and (rows is not None or xq is not None or x2 is None):
         raise ValueError("packed_gemm: silu takes x2 = gate | up [M, 2K] only (no rows, no xq)")
@@ -85,8 +85,8 @@ def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, 
     config = None
     m = x2.shape[0] if xq is None else xq[0].shape[0]
     wide = getattr(weight, "mma16", None) is not None and gemm.wide_candidate(m, weight.data.shape[-2])
-    if not TUNE and offsets is None and m > gemm.DECODE_MAX_ROWS and not wide:
-        config = gemm.FALLBACK  # (a weight with its mma16 copy: the wgmma build, gemm.WIDE, up to 512 rows)
+    if not TUNE and offsets is None and m > gemm_tune.DECODE_MAX_ROWS and not wide:
+        config = gemm_tune.FALLBACK  # (a weight with its mma16 copy: the wgmma build, WIDE, up to 512 rows)
     if mode == "w4a16":
         return gemm.gemm(x2, weight, offsets=offsets, tune=TUNE, config=config, tokens=tokens, rows=rows,
                          silu=silu)

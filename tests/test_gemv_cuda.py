@@ -332,7 +332,7 @@ def test_gpu_wide_matches_reference(n, k, kw):
         pytest.skip("needs an sm_90 GPU (wgmma) and torch.cuda._compile_kernel")
     from types import SimpleNamespace
 
-    from fp4rl.kernels import gemm
+    from fp4rl.kernels import gemm, gemm_tune
 
     w, wc, wd, g, base = _gpu_case(n, k, kw, 300, seed=4)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -349,7 +349,7 @@ def test_gpu_wide_matches_reference(n, k, kw):
         if gemm.wide_rows(m, n):
             assert torch.equal(gemm.gemm(x, wm), y)  # gemm.gemm dispatches these rows here
         elif gemm.wide_candidate(m, n):  # the tuner's first candidate: taken untimed with tune=False
-            gemm._TUNED.clear()  # (a tuned pick of an earlier test would stand for this key)
+            gemm_tune._TUNED.clear()  # (a tuned pick of an earlier test would stand for this key)
             assert torch.equal(gemm.gemm(x, wm, tune=False), y)
         for split in (1, 2, 4, 8) if m in (33, 129) else ():
             for nt, swz in ((1, 0), (2, 0), (1, 1), (2, 1)):  # x stages without / with the 128 B swizzle
@@ -387,7 +387,7 @@ def test_gpu_wide_matches_reference(n, k, kw):
         gemv_cuda.launch_wide(xin, wc, g, y, x_scale=xq[2])
         assert _rel(y, ref) < 4e-3, m
         if gemm.wide_candidate(m, n):
-            assert torch.equal(gemm.gemm(None, wm, xq=xq, config=gemm.WIDE), y), m
+            assert torch.equal(gemm.gemm(None, wm, xq=xq, config=gemm_tune.WIDE), y), m
     # per-output-row global scales (the fused q/k/v and gate/up groups) through the WIDE candidate: the
     # direct launch's bits
     lin = torch.linspace(0.5, 2.0, n, device="cuda")
@@ -396,7 +396,7 @@ def test_gpu_wide_matches_reference(n, k, kw):
     for m in (100, 150):
         y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         gemv_cuda.launch_wide(base[:m], wc, gr, y)
-        assert torch.equal(gemm.gemm(base[:m], wr, config=gemm.WIDE), y), m
+        assert torch.equal(gemm.gemm(base[:m], wr, config=gemm_tune.WIDE), y), m
         assert _rel(y, (base[:m].double() @ wd.T) * lin.double()) < 4e-3, m
     # a strided x (padded rows) is read through its stride
     xs = torch.zeros(40, k + 64, dtype=torch.bfloat16, device="cuda")[:, :k]

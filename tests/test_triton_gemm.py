@@ -16,7 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (decoration time)
 
-from fp4rl.kernels import gemm  # noqa: E402
+from fp4rl.kernels import gemm, gemm_tune  # noqa: E402
 from fp4rl.nvfp4 import reference  # noqa: E402
 from fp4rl.nvfp4.format import NVFP4Tensor  # noqa: E402
 
@@ -63,7 +63,7 @@ def test_linear_w4a16(m, n, k, kw):
 def test_fallback_and_configs_agree():
     w, x = _weight(32, 64), _x(20, 64)
     ref = x.double() @ reference.dequantize(w).double().T
-    y_fb = gemm.gemm(x, w, config=gemm.FALLBACK)  # reference dequantize -> bf16, then matmul
+    y_fb = gemm.gemm(x, w, config=gemm_tune.FALLBACK)  # reference dequantize -> bf16, then matmul
     assert _rel(y_fb, ref) < TOL_BF16
     assert _rel(gemm.gemm(x, w), ref) < TOL
     for swap in (True, False):  # many-row tiles interleave W back to natural order instead of splitting x
@@ -253,14 +253,14 @@ def test_tuner_rotation_copies():
     """The tuner rotates through enough copies that a pass reads >= 3x the L2, bounded by a count, a byte
     budget and a quarter of the free memory; never fewer than the weight itself."""
     mb = 2**20
-    assert gemm.rotation_copies(33 * mb, 66 * mb, 50 * mb, 100 * 2**30) == 5  # ceil(150 / 33)
-    assert gemm.rotation_copies(1 * mb, 2 * mb, 50 * mb, 100 * 2**30) == gemm.TUNE_MAX_COPIES
-    assert gemm.rotation_copies(300 * mb, 600 * mb, 50 * mb, 100 * 2**30) == 1  # 3x L2 read in one call
-    assert gemm.rotation_copies(20 * mb, 40 * mb, 50 * mb, 80 * mb) == 1  # 20 MB free for copies: none
-    assert gemm.rotation_copies(20 * mb, 40 * mb, 50 * mb, 400 * mb) == 3  # 100 MB: two copies
-    big = gemm.TUNE_COPY_BUDGET
-    assert gemm.rotation_copies(10 * mb, big // 2, 50 * mb, 100 * 2**30) == 3  # the byte budget: two copies
-    assert gemm.rotation_copies(0, 0, 0, 0) == 1
+    assert gemm_tune.rotation_copies(33 * mb, 66 * mb, 50 * mb, 100 * 2**30) == 5  # ceil(150 / 33)
+    assert gemm_tune.rotation_copies(1 * mb, 2 * mb, 50 * mb, 100 * 2**30) == gemm_tune.TUNE_MAX_COPIES
+    assert gemm_tune.rotation_copies(300 * mb, 600 * mb, 50 * mb, 100 * 2**30) == 1  # 3x L2 read in one call
+    assert gemm_tune.rotation_copies(20 * mb, 40 * mb, 50 * mb, 80 * mb) == 1  # 20 MB free for copies: none
+    assert gemm_tune.rotation_copies(20 * mb, 40 * mb, 50 * mb, 400 * mb) == 3  # 100 MB: two copies
+    big = gemm_tune.TUNE_COPY_BUDGET
+    assert gemm_tune.rotation_copies(10 * mb, big // 2, 50 * mb, 100 * 2**30) == 3  # byte budget: 2 copies
+    assert gemm_tune.rotation_copies(0, 0, 0, 0) == 1
 
 
 def test_gemm_operand_copies_are_fresh_memory():
@@ -268,7 +268,7 @@ def test_gemm_operand_copies_are_fresh_memory():
 
     w = _weight(32, 256)
     ops = gemm._weight_parts(w, False) + (None, None, None)
-    copy = gemm._clone_operands(ops)
+    copy = gemm_tune._clone_operands(ops)
     for a, b in zip(ops[:3], copy[:3]):
         assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
     assert copy[3:] == (None, None, None)
@@ -281,16 +281,16 @@ def test_gemm_operand_copies_are_fresh_memory():
 
     wc = W(torch.zeros(4), torch.ones(2), 32, 256)
     dense = torch.ones(32, 256, dtype=torch.bfloat16)
-    c = gemm._clone_operands(ops[:3] + (wc, ops[0][0], dense))
+    c = gemm_tune._clone_operands(ops[:3] + (wc, ops[0][0], dense))
     assert torch.equal(c[3].wt, wc.wt) and c[3].wt.data_ptr() != wc.wt.data_ptr() and c[3].n == 32
     assert c[4].data_ptr() != ops[0].data_ptr()
     assert torch.equal(c[5], dense) and c[5].data_ptr() != dense.data_ptr()
     from types import SimpleNamespace  # any object with the copy's fields
 
-    c = gemm._clone_operands(ops[:3] + (SimpleNamespace(wt=wc.wt, st=wc.st, n=32, k=256), None, None))
+    c = gemm_tune._clone_operands(ops[:3] + (SimpleNamespace(wt=wc.wt, st=wc.st, n=32, k=256), None, None))
     assert torch.equal(c[3].st, wc.st) and c[3].st.data_ptr() != wc.st.data_ptr() and c[3].k == 256
-    assert gemm._operand_bytes(ops[:3] + (wc, ops[0][0], dense)) == (sum(t.nbytes for t in ops[:3]) + 16 + 8
-                                                                      + 4096 + 32 * 256 * 2)
+    assert gemm_tune._operand_bytes(ops[:3] + (wc, ops[0][0], dense)) == (
+        sum(t.nbytes for t in ops[:3]) + 16 + 8 + 4096 + 32 * 256 * 2)
 
 
 @pytest.mark.gpu
@@ -308,8 +308,8 @@ def test_gpu_tuner_keeps_the_candidate_that_replays_fastest():
     w = _weight(n, k, seed=5)
     mma16 = gemv_cuda.relayout(w.data, w.block_scale) if gemv_cuda.available() else None
     x = _x(m, k, seed=5)
-    gemm._TUNED.clear()
-    gemm.TUNE_LOG.clear()
+    gemm_tune._TUNED.clear()
+    gemm_tune.TUNE_LOG.clear()
     wm = SimpleNamespace(data=w.data, block_scale=w.block_scale, global_scale=w.global_scale, mma16=mma16)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -317,12 +317,12 @@ def test_gpu_tuner_keeps_the_candidate_that_replays_fastest():
     torch.cuda.synchronize()
     # the rotation's copies (4+ of 66 MB) are gone; what stays is y and the split-K workspace (13 MB)
     assert torch.cuda.memory_allocated() - before < w.data.nbytes and y.shape == (m, n)
-    (key, log), = gemm.TUNE_LOG.items()
+    (key, log), = gemm_tune.TUNE_LOG.items()
     timed = [(c, t) for c, t in log if not isinstance(t, str)]
     assert len(timed) >= 2
-    pick = gemm._TUNED[key]
+    pick = gemm_tune._TUNED[key]
     ops = gemm._weight_parts(wm, False) + (mma16, None, None)
-    sets = [ops] + [gemm._clone_operands(ops) for _ in range(copies_for(w.data.nbytes) - 1)]
+    sets = [ops] + [gemm_tune._clone_operands(ops) for _ in range(copies_for(w.data.nbytes) - 1)]
     ws = [SimpleNamespace(data=d[0], block_scale=s[0], global_scale=g, mma16=c) for d, s, g, c, _, _ in sets]
 
     def replay(c):
@@ -340,10 +340,10 @@ def test_gpu_shapes_every_config(m):
     w = _weight(n, k, seed=m)
     x = _x(m, k, seed=m)
     ref = x.double() @ reference.dequantize(w).double().T
-    for cfg in gemm.candidate_configs(m, n, k // 2, x.device) + [gemm.FALLBACK]:
+    for cfg in gemm_tune.candidate_configs(m, n, k // 2, x.device) + [gemm_tune.FALLBACK]:
         for _ in range(3):  # split-K reduction through counters: must not race
             y = gemm.gemm(x, w, config=cfg)
-            assert _rel(y, ref) < (TOL_BF16 if cfg == gemm.FALLBACK else TOL), cfg
+            assert _rel(y, ref) < (TOL_BF16 if cfg == gemm_tune.FALLBACK else TOL), cfg
 
 
 @pytest.mark.gpu
@@ -376,7 +376,7 @@ def test_gpu_gluon_gemv_every_config(n, k, kw):
         x = _x(m, k, seed=m + n)
         ref = x.double() @ reference.dequantize(w).double().T
         for layout, wt in ((0, w), (1, w32)):
-            cands = gemm.candidate_configs(m, n, k // 2, x.device, w4a16=True, layout=layout)
+            cands = gemm_tune.candidate_configs(m, n, k // 2, x.device, w4a16=True, layout=layout)
             assert cands[0]["KIND"] == "gemv_mma"
             for c in cands:
                 for _ in range(2):  # split-K counters must reset
@@ -413,19 +413,19 @@ def test_gpu_dense_copy_is_weighed_against_the_cuda_kernel():
     dense = gemm.dequantize(w.data, w.block_scale, w.global_scale)
     parts = dict(data=w.data, block_scale=w.block_scale, global_scale=w.global_scale, mma16=m16)
     wd, wm = SimpleNamespace(dense=dense, **parts), SimpleNamespace(**parts)
-    gemm._TUNED.clear()
-    gemm.TUNE_LOG.clear()
+    gemm_tune._TUNED.clear()
+    gemm_tune.TUNE_LOG.clear()
     x8 = _x(8, k, seed=1)
-    assert torch.equal(gemm.gemm(x8, wd), gemm.gemm(x8, wm)) and not gemm.TUNE_LOG
+    assert torch.equal(gemm.gemm(x8, wd), gemm.gemm(x8, wm)) and not gemm_tune.TUNE_LOG
     x32 = _x(32, k, seed=2)
     ref = x32.double() @ dense.double().T
     y = gemm.gemm(x32, wd)
-    (key, log), = gemm.TUNE_LOG.items()
-    assert key[gemm.KEY_WIDE] and key[gemm.KEY_DENSE]
+    (key, log), = gemm_tune.TUNE_LOG.items()
+    assert key[gemm_tune.KEY_WIDE] and key[gemm_tune.KEY_DENSE]
     timed = [c for c, t in log if not isinstance(t, str)]
-    assert timed[:2] == [gemm.DENSE, gemm.WIDE] and gemm.FALLBACK not in timed, log
+    assert timed[:2] == [gemm_tune.DENSE, gemm_tune.WIDE] and gemm_tune.FALLBACK not in timed, log
     assert _rel(y, ref) < TOL
-    for c in (gemm.DENSE, gemm.WIDE):
+    for c in (gemm_tune.DENSE, gemm_tune.WIDE):
         assert _rel(gemm.gemm(x32, wd, config=c), ref) < TOL, c
 
 
@@ -440,16 +440,16 @@ def test_gpu_tuner_keeps_its_picks_on_disk(monkeypatch, tmp_path):
     monkeypatch.setattr(tune_cache, "_ENTRIES", {})
     w = _weight(512, 1024, seed=3)
     x = _x(80, 1024, seed=3)
-    gemm._TUNED.clear()
-    gemm.TUNE_LOG.clear()
+    gemm_tune._TUNED.clear()
+    gemm_tune.TUNE_LOG.clear()
     y = gemm.linear(x, w)
-    (key, log), = gemm.TUNE_LOG.items()
+    (key, log), = gemm_tune.TUNE_LOG.items()
     assert len([t for _, t in log if not isinstance(t, str)]) >= 2  # timed
-    pick = gemm._TUNED[key]
+    pick = gemm_tune._TUNED[key]
     (path,) = tmp_path.glob("*.json")  # beside it, the store's lock file
     assert tune_cache.key_str(key) in json.loads(path.read_text())
-    gemm._TUNED.clear()
-    gemm.TUNE_LOG.clear()
+    gemm_tune._TUNED.clear()
+    gemm_tune.TUNE_LOG.clear()
     tune_cache._ENTRIES.clear()
     assert torch.equal(gemm.linear(x, w), y)
-    assert gemm._TUNED[key] == pick and not gemm.TUNE_LOG  # from the file, nothing timed
+    assert gemm_tune._TUNED[key] == pick and not gemm_tune.TUNE_LOG  # from the file, nothing timed

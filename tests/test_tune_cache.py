@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from fp4rl.kernels import gemm, tune_cache
+from fp4rl.kernels import gemm, gemm_tune, tune_cache
 
 
 @pytest.fixture(autouse=True)
@@ -49,15 +49,16 @@ def test_key_drops_the_device():
 
 def test_picks_round_trip_and_must_still_be_candidates(tmp_path):
     path = tmp_path / "d" / "gpu.json"
-    cands = [gemm.WIDE] + gemm.candidate_configs(128, 4096, 2048, torch.device("cpu")) + [gemm.FALLBACK]
+    cands = ([gemm_tune.WIDE] + gemm_tune.candidate_configs(128, 4096, 2048, torch.device("cpu"))
+             + [gemm_tune.FALLBACK])
     k1 = (128, 4096, 2048, 1, False, False, 1, torch.device("cpu"), True, 0)
     k2 = k1[:-2] + (False, 0)
     assert tune_cache.lookup(path, k1, cands) is None  # no file yet
     tune_cache.store(path, k1, cands[1])  # a Triton configuration (a dict)
-    tune_cache.store(path, k2, gemm.FALLBACK)
+    tune_cache.store(path, k2, gemm_tune.FALLBACK)
     tune_cache._ENTRIES.clear()  # a new process: read back from the file
     assert tune_cache.lookup(path, k1, cands) is cands[1]  # the candidate object itself
-    assert tune_cache.lookup(path, k2, cands) == gemm.FALLBACK
+    assert tune_cache.lookup(path, k2, cands) == gemm_tune.FALLBACK
     # a pick that is no longer among the key's candidates (changed candidate lists) is not taken
     assert tune_cache.lookup(path, k1, cands[:1] + cands[2:]) is None
     assert tune_cache.lookup(path, k1[:1] + (8192,) + k1[2:], cands) is None  # another key
@@ -141,15 +142,16 @@ class _Clone:
 
 
 def _tuner(monkeypatch, tmp_path, fail=None, oom=False):
-    """gemm._choose with the CUDA pieces replaced: candidate c times c's index (us); `fail` candidates raise
-    in their first (eager) run. Returns (choose, weakrefs to the rotation's copies, disabled-WIDE calls)."""
+    """gemm_tune._choose with the CUDA pieces replaced: candidate c times c's index (us); `fail` candidates
+    raise in their first (eager) run. Returns (choose, weakrefs to the rotation's copies, disabled-WIDE
+    calls)."""
     import weakref
 
     from fp4rl.kernels import gemv_cuda
 
-    monkeypatch.setattr(gemm, "INTERPRET", False)
-    monkeypatch.setattr(gemm, "_sm_count", lambda d: 132)
-    monkeypatch.setattr(gemm, "_l2_bytes", lambda d: 50 * 2**20)
+    monkeypatch.setattr(gemm_tune, "INTERPRET", False)
+    monkeypatch.setattr(gemm_tune, "_sm_count", lambda d: 132)
+    monkeypatch.setattr(gemm_tune, "_l2_bytes", lambda d: 50 * 2**20)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (2**34, 2**35))
     monkeypatch.setattr(torch.cuda, "get_device_properties",
@@ -173,20 +175,20 @@ def _tuner(monkeypatch, tmp_path, fail=None, oom=False):
             if fail is not None and c in fail:
                 raise (torch.OutOfMemoryError("no memory") if oom else RuntimeError("NVRTC refused it"))
 
-    monkeypatch.setattr(gemm, "warm", warm)
-    monkeypatch.setattr(gemm, "time_chain", lambda calls: float(cands().index(calls[0]()[0])))
+    monkeypatch.setattr(gemm_tune, "warm", warm)
+    monkeypatch.setattr(gemm_tune, "time_chain", lambda calls: float(cands().index(calls[0]()[0])))
     device = type("D", (), {"type": "cuda"})()
 
     def cands():
-        return [gemm.WIDE] + gemm.candidate_configs(100, 4096, 2048, device) + [gemm.FALLBACK]
+        return [gemm_tune.WIDE] + gemm_tune.candidate_configs(100, 4096, 2048, device) + [gemm_tune.FALLBACK]
 
     mb = 2**20  # the weight's operands as the tuner sizes them: 33 MB read per call, 66 MB a copy
     sized = [type("T", (), {"nbytes": b})() for b in (29 * mb, 4 * mb, 0)]
     ops = (*sized, type("M", (), {"wt": sized[0], "st": sized[1]})(), None, None)
 
     def choose(key):
-        return gemm._choose(key, 100, 4096, 2048, device, None, False, True, True, lead=(gemm.WIDE,),
-                            rotate=(make, ops))
+        return gemm_tune._choose(key, 100, 4096, 2048, device, None, False, True, True,
+                                 lead=(gemm_tune.WIDE,), rotate=(make, ops))
     return choose, clones, disabled, cands
 
 
@@ -194,35 +196,35 @@ def test_the_tuner_keeps_and_reuses_its_pick(monkeypatch, tmp_path):
     import gc
 
     choose, clones, disabled, cands = _tuner(monkeypatch, tmp_path)
-    monkeypatch.setattr(gemm, "_TUNED", {})
-    monkeypatch.setattr(gemm, "TUNE_LOG", {})
+    monkeypatch.setattr(gemm_tune, "_TUNED", {})
+    monkeypatch.setattr(gemm_tune, "TUNE_LOG", {})
     key = (128, 4096, 2048, 1, False, False, 1, None, True, 0)
-    assert choose(key) == gemm.WIDE  # index 0: the fastest
+    assert choose(key) == gemm_tune.WIDE  # index 0: the fastest
     assert len(clones) == 5  # ceil(3 x 50 MB / 33 MB) operand sets, every candidate timed on them
-    assert len(gemm.TUNE_LOG[key]) == len(cands()) and not disabled
+    assert len(gemm_tune.TUNE_LOG[key]) == len(cands()) and not disabled
     gc.disable()  # nothing may depend on a garbage-collection pass to free the copies
     try:
         assert all(r() is None for r in clones)
     finally:
         gc.enable()
     # a new process: the pick comes from the file, nothing is timed
-    monkeypatch.setattr(gemm, "_TUNED", {})
-    monkeypatch.setattr(gemm, "TUNE_LOG", {})
+    monkeypatch.setattr(gemm_tune, "_TUNED", {})
+    monkeypatch.setattr(gemm_tune, "TUNE_LOG", {})
     monkeypatch.setattr(tune_cache, "_ENTRIES", {})
     n = len(clones)
-    assert choose(key) == gemm.WIDE and not gemm.TUNE_LOG and len(clones) == n
+    assert choose(key) == gemm_tune.WIDE and not gemm_tune.TUNE_LOG and len(clones) == n
 
 
 @pytest.mark.parametrize("oom", [False, True])
 def test_a_failed_candidate_is_skipped_and_its_pick_not_kept(monkeypatch, tmp_path, oom):
     import gc
 
-    choose, clones, disabled, cands = _tuner(monkeypatch, tmp_path, fail=[gemm.WIDE], oom=oom)
-    monkeypatch.setattr(gemm, "_TUNED", {})
-    monkeypatch.setattr(gemm, "TUNE_LOG", {})
+    choose, clones, disabled, cands = _tuner(monkeypatch, tmp_path, fail=[gemm_tune.WIDE], oom=oom)
+    monkeypatch.setattr(gemm_tune, "_TUNED", {})
+    monkeypatch.setattr(gemm_tune, "TUNE_LOG", {})
     key = (128, 4096, 2048, 1, False, False, 1, None, True, 0)
     assert choose(key) == cands()[1]  # the fastest that ran
-    assert isinstance(gemm.TUNE_LOG[key][0][1], str)  # the failure, as text
+    assert isinstance(gemm_tune.TUNE_LOG[key][0][1], str)  # the failure, as text
     assert len(disabled) == (0 if oom else 1)  # a compile failure turns the wgmma build off; an OOM does not
     gc.disable()
     try:
@@ -238,26 +240,27 @@ def test_the_dense_copy_is_a_timed_candidate_in_place_of_the_fallback(monkeypatc
     tuned, it is timed against the 4-bit kernels and kept only if it is faster, and FALLBACK (the same cuBLAS
     product after a per-call dequantize) is not a candidate."""
     _tuner(monkeypatch, tmp_path)
-    monkeypatch.setattr(gemm, "_TUNED", {})
-    monkeypatch.setattr(gemm, "TUNE_LOG", {})
+    monkeypatch.setattr(gemm_tune, "_TUNED", {})
+    monkeypatch.setattr(gemm_tune, "TUNE_LOG", {})
     device = type("D", (), {"type": "cuda"})()
     key = (128, 4096, 2048, 1, False, False, 1, None, True, 0, True)
 
     def timing(calls):
         c = calls[0]()[0]
-        if c == gemm.DENSE:
+        if c == gemm_tune.DENSE:
             return 0.5 if dense_fastest else 2.0
         return 1.0 + len(str(c)) / 1e3
 
-    monkeypatch.setattr(gemm, "time_chain", timing)
+    monkeypatch.setattr(gemm_tune, "time_chain", timing)
     make = lambda count: [lambda c: (c, None) for _ in range(count)]  # noqa: E731
     mb = 2**20
     sized = [type("T", (), {"nbytes": b})() for b in (29 * mb, 4 * mb, 0)]
     ops = (*sized, None, None, type("T", (), {"nbytes": 116 * mb})())
-    lead = (gemm.DENSE, gemm.WIDE)
-    assert gemm._choose(key, 100, 4096, 2048, device, None, False, True, False, lead=lead) == gemm.DENSE
-    monkeypatch.setattr(gemm, "_TUNED", {})
-    pick = gemm._choose(key, 100, 4096, 2048, device, None, False, True, True, lead=lead, rotate=(make, ops))
-    timed = [c for c, _ in gemm.TUNE_LOG[key]]
-    assert timed[:2] == [gemm.DENSE, gemm.WIDE] and gemm.FALLBACK not in timed
-    assert (pick == gemm.DENSE) == dense_fastest
+    lead = (gemm_tune.DENSE, gemm_tune.WIDE)
+    choose = gemm_tune._choose
+    assert choose(key, 100, 4096, 2048, device, None, False, True, False, lead=lead) == gemm_tune.DENSE
+    monkeypatch.setattr(gemm_tune, "_TUNED", {})
+    pick = choose(key, 100, 4096, 2048, device, None, False, True, True, lead=lead, rotate=(make, ops))
+    timed = [c for c, _ in gemm_tune.TUNE_LOG[key]]
+    assert timed[:2] == [gemm_tune.DENSE, gemm_tune.WIDE] and gemm_tune.FALLBACK not in timed
+    assert (pick == gemm_tune.DENSE) == dense_fastest

@@ -50,13 +50,13 @@ def _env() -> dict:
 
 def time_calls(calls, min_calls: int = 24, replays: int = 7) -> float:
     """Median microseconds per call of `calls` (zero-arg callables over different operand
-    copies), replayed from one CUDA graph (gemm.time_chain, clocks kept busy WARM_MS first)."""
-    from fp4rl.kernels import gemm
+    copies), replayed from one CUDA graph (gemm_tune.time_chain, clocks kept busy WARM_MS first)."""
+    from fp4rl.kernels import gemm_tune
 
     for c in calls:  # compile, tune and allocate outside the capture
         c()
-    gemm.warm(calls)
-    return gemm.time_chain(calls, min_calls, replays, warm_ms=WARM_MS)
+    gemm_tune.warm(calls)
+    return gemm_tune.time_chain(calls, min_calls, replays, warm_ms=WARM_MS)
 
 
 def copies_for(nbytes: int, at_least: int = 2, cap: int = 64) -> int:
@@ -183,7 +183,7 @@ def _nvfp4_weight(n, k, seed=0):
 def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
     from types import SimpleNamespace
 
-    from fp4rl.kernels import gemm
+    from fp4rl.kernels import gemm, gemm_tune
     from fp4rl.kernels import gemv as _gemv
     from fp4rl.kernels import gemv_cuda as _mma16
     from fp4rl.nvfp4 import reference
@@ -210,10 +210,11 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             y = gemm.linear(x, wq)  # tunes this (rows bucket, N, K) once
             err = _rel(y, x.double() @ w_ref.T)
-            key = next(kk for kk in gemm._TUNED
-                       if kk[:3] == (gemm._bucket(m), n, k // 2) and not kk[4] and not kk[5]
-                       and not kk[gemm.KEY_WIDE] and not kk[gemm.KEY_LAYOUT] and not kk[gemm.KEY_DENSE])
-            cfg = gemm._TUNED[key]
+            key = next(kk for kk in gemm_tune._TUNED
+                       if kk[:3] == (gemm_tune._bucket(m), n, k // 2) and not kk[4] and not kk[5]
+                       and not kk[gemm_tune.KEY_WIDE] and not kk[gemm_tune.KEY_LAYOUT]
+                       and not kk[gemm_tune.KEY_DENSE])
+            cfg = gemm_tune._TUNED[key]
             us = time_calls([lambda w=w, x=x: gemm.linear(x, w) for w in wqs])
             us_bf16 = time_calls([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbs])
             io = x.nbytes + m * n * 2
@@ -224,8 +225,8 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
                 ysw = gemm.linear(x, wsw[0])
                 extra = {"gemv32_us": time_calls([lambda w=w, x=x: gemm.linear(x, w) for w in wsw]),
                          "gemv32_rel_err": _rel(ysw, x.double() @ w_ref.T),
-                         "gemv32_path": _path(gemm._TUNED[key[:gemm.KEY_LAYOUT] + (1,)
-                                                          + key[gemm.KEY_LAYOUT + 1:]])}
+                         "gemv32_path": _path(gemm_tune._TUNED[key[:gemm_tune.KEY_LAYOUT] + (1,)
+                                                          + key[gemm_tune.KEY_LAYOUT + 1:]])}
                 extra["gemv32_speedup"] = us_bf16 / extra["gemv32_us"]
                 del wsw
             if wms is not None and (m <= gemm.MMA16_MAX_ROWS or ((gemm.wide_rows(m, n)
@@ -236,10 +237,10 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
                 ym = gemm.linear(x, wms[0])
                 path = "mma16" if m <= gemm.MMA16_MAX_ROWS else "wgmma"
                 if gemm.wide_candidate(m, n):  # the tuner's pick (none: the wgmma build failed and is off)
-                    wkey = next((kk for kk in gemm._TUNED if kk[:3] == (gemm._bucket(m), n, k // 2)
-                                 and not kk[4] and not kk[5] and kk[gemm.KEY_WIDE] and not kk[gemm.KEY_LAYOUT]
-                                 and not kk[gemm.KEY_DENSE]), None)
-                    path = _path(gemm._TUNED[wkey]) if wkey is not None else "tuned without wgmma"
+                    wkey = next((kk for kk in gemm_tune._TUNED if kk[:3] == (gemm_tune._bucket(m), n, k // 2)
+                                 and not kk[4] and not kk[5] and kk[gemm_tune.KEY_WIDE]
+                                 and not kk[gemm_tune.KEY_LAYOUT] and not kk[gemm_tune.KEY_DENSE]), None)
+                    path = _path(gemm_tune._TUNED[wkey]) if wkey is not None else "tuned without wgmma"
                 extra.update(mma16_us=time_calls([lambda w=w, x=x: gemm.linear(x, w) for w in wms]),
                              mma16_rel_err=_rel(ym, x.double() @ w_ref.T), mma16_path=path)
                 extra["mma16_speedup"] = us_bf16 / extra["mma16_us"]
@@ -249,11 +250,12 @@ def bench_gemm(bw: float, shapes, rows_list) -> list[dict]:
                                        mma16=None if wms is None else wm.mma16, dense=wb)
                        for q, wm, wb in zip(wqs, wms or [None] * len(wqs), dense)]
                 yd = gemm.linear(x, wds[0])
-                dkey = next(kk for kk in gemm._TUNED if kk[:3] == (gemm._bucket(m), n, k // 2) and not kk[4]
-                            and not kk[5] and not kk[gemm.KEY_LAYOUT] and kk[gemm.KEY_DENSE])
+                dkey = next(kk for kk in gemm_tune._TUNED if kk[:3] == (gemm_tune._bucket(m), n, k // 2)
+                            and not kk[4] and not kk[5] and not kk[gemm_tune.KEY_LAYOUT]
+                            and kk[gemm_tune.KEY_DENSE])
                 extra.update(dense_us=time_calls([lambda w=w, x=x: gemm.linear(x, w) for w in wds]),
                              dense_rel_err=_rel(yd, x.double() @ w_ref.T),
-                             dense_path=_path(gemm._TUNED[dkey]))
+                             dense_path=_path(gemm_tune._TUNED[dkey]))
                 extra["dense_speedup"] = us_bf16 / extra["dense_us"]
                 del wds
             res.append({"n": n, "k": k, "rows": m, "us": us, "bf16_us": us_bf16, "speedup": us_bf16 / us,
@@ -278,7 +280,7 @@ def _dense_copies(wqs, wbs) -> list:
 
 
 def _path(c) -> str:
-    if isinstance(c, str):  # gemm.FALLBACK, gemm.WIDE
+    if isinstance(c, str):  # gemm_tune.FALLBACK, WIDE, DENSE
         return c
     return ("" if c.get("KIND") else "decode " if c["SWAP"] else "prefill ") + _cfg_str(c)
 
@@ -295,7 +297,7 @@ def _cfg_str(c) -> str:
 def bench_moe(bw: float, rows_list, experts=8, n=2048, k=768) -> list[dict]:
     from types import SimpleNamespace
 
-    from fp4rl.kernels import gemm
+    from fp4rl.kernels import gemm, gemm_tune
     from fp4rl.kernels import gemv_cuda as _mma16
     from fp4rl.nvfp4 import reference
     from fp4rl.nvfp4.format import NVFP4Tensor
@@ -366,11 +368,12 @@ def bench_moe(bw: float, rows_list, experts=8, n=2048, k=768) -> list[dict]:
             wds = [SimpleNamespace(data=q.data, block_scale=q.block_scale, global_scale=q.global_scale,
                                    dense=d) for q, d in zip(wqs, dense)]
             yd = gemm.grouped_linear(x, wds[0], offsets)
-            dkey = next(kk for kk in gemm._TUNED if kk[:5] == (gemm._bucket(m), n, k // 2, experts, True)
-                        and not kk[5] and kk[gemm.KEY_DENSE])
+            bucket = gemm_tune._bucket(m)
+            dkey = next(kk for kk in gemm_tune._TUNED if kk[:5] == (bucket, n, k // 2, experts, True)
+                        and not kk[5] and kk[gemm_tune.KEY_DENSE])
             extra.update(dense_us=time_calls([lambda w=w, x=x, o=offsets: gemm.grouped_linear(x, w, o)
                                               for w in wds]),
-                         dense_rel_err=_rel(yd, ref), dense_path=_path(gemm._TUNED[dkey]))
+                         dense_rel_err=_rel(yd, ref), dense_path=_path(gemm_tune._TUNED[dkey]))
             extra["dense_speedup"] = best / extra["dense_us"]
             del wds
         res.append({"experts": experts, "n": n, "k": k, "rows": m, "active": len(active), "us": us,
@@ -556,9 +559,9 @@ def run(args):
             traceback.print_exc()
             out[name] = {"error": traceback.format_exc()[-2000:]}
         print(f"[{name}: {time.time() - t0:.0f} s]")
-        from fp4rl.kernels import gemm as _gemm
+        from fp4rl.kernels import gemm_tune
 
-        out["tune_log"] = {str(k[:7] + k[8:]): v for k, v in _gemm.TUNE_LOG.items()}  # all but the device
+        out["tune_log"] = {str(k[:7] + k[8:]): v for k, v in gemm_tune.TUNE_LOG.items()}  # all but the device
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(out, fh, indent=1, default=str)

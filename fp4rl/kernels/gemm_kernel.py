@@ -2,7 +2,7 @@
 
 One kernel body, chosen by compile-time flags (SWAP decode, tiled prefill, GROUPED experts, XQ W4A4
 emulation), computes y = x @ DQ(W).T on packed NVFP4 weights with the arithmetic that fp4rl.kernels.gemm's
-docstring specifies. ``_launch`` runs it with one configuration (a dict from gemm.candidate_configs);
+docstring specifies. ``_launch`` runs it with one configuration (a dict from gemm_tune.candidate_configs);
 ``_WORKSPACE`` holds the split-K partials and per-tile counters (also lent to the Gluon GEMV, see
 gemm.gemm), the only state here, and fp4rl.kernels.gemm re-exports it as ``gemm._WORKSPACE``.
 

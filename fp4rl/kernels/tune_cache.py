@@ -4,15 +4,16 @@ Qwen3-8B on an H200 with the Triton candidates compiled: bench/RESULTS.md, twent
 
 One JSON file per (GPU name, compute capability, torch, triton, the kernels' sources): a change to a kernel or
 to a candidate list (the hash of their source files) starts a new file, so a pick is never reused for code it
-was not timed on. An entry maps the tuner's key (gemm._choose's, without the device) to the kept candidate; a
-cached pick is taken only while it is still one of the key's candidates. Directory: FP4RL_TUNE_CACHE (a path;
-"0" or empty turns the cache off), else $XDG_CACHE_HOME/fp4rl/gemm_tune, else ~/.cache/fp4rl/gemm_tune.
+was not timed on. An entry maps the tuner's key (gemm_tune._choose's, without the device) to the kept
+candidate; a cached pick is taken only while it is still one of the key's candidates. Directory:
+FP4RL_TUNE_CACHE (a path; "0" or empty turns the cache off), else $XDG_CACHE_HOME/fp4rl/gemm_tune, else
+~/.cache/fp4rl/gemm_tune.
 FP4RL_* switches that change the kernels (PDL, splits: every FP4RL_* variable but FP4RL_TUNE_CACHE and
 FP4RL_TRACEBACK) are part of the file name too. Writes take a lock, merge with what is on disk and replace
 the file atomically (a temporary file renamed), so concurrent processes neither tear the file nor drop each
 other's picks; a miss re-reads a file that another process has changed. A file that cannot be read is
 ignored (and rewritten), a directory that cannot be written turns the cache off for the process with one
-warning. The tuner stores a pick only when every candidate ran (gemm._choose): a pick made without a
+warning. The tuner stores a pick only when every candidate ran (gemm_tune._choose): a pick made without a
 candidate that failed in one process (the wgmma build off, a Gluon failure, an out-of-memory) is not kept
 for the others.
 """
@@ -31,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = ("gemm.py", "gemm_kernel.py", "gemv.py", "gemv_cuda.py", "gemv_mma16.cu", "_common.py", "pdl.py",
-            "dequantize.py")
+_SOURCES = ("gemm.py", "gemm_tune.py", "gemm_kernel.py", "gemv.py", "gemv_cuda.py", "gemv_mma16.cu",
+            "_common.py", "pdl.py", "dequantize.py")
 # environment switches that are not kernel choices (every other FP4RL_* variable is part of the file name: A/B
 # switches such as FP4RL_PDL change what the candidates measure)
 _ENV_IGNORED = ("FP4RL_TUNE_CACHE", "FP4RL_TRACEBACK")
