@@ -8,7 +8,9 @@ configuration is checked against the float64 product of the dequantized experts 
                                  [--variants auto,d3,d4,s2x,pdl,pdl+d4,t3] [--out FILE]
 
 Variants as bench/mma16_sweep.py (dN DEPTH, sN SPLIT, trN TRIGGER, tN timing-only builds, s2x / sh twice /
-half the chosen split, pdl: launches with programmatic dependent launch).
+half the chosen split, pdl: launches with programmatic dependent launch; mgN: chunks of 8N rows; auto: as
+the sampler launches it, gemv_cuda.grouped_mg's chunks), and triton: the Triton grouped GEMM (gemm.gemm
+without `tokens`, tuned), the experts' other path.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -28,13 +31,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mma16_sweep import configs, start  # noqa: E402
 
 from fp4rl.benchmarks.gpu_kernels import _rel, time_calls  # noqa: E402
-from fp4rl.kernels import gemv_cuda, pdl  # noqa: E402
+from fp4rl.kernels import gemm, gemv_cuda, pdl  # noqa: E402
 from fp4rl.nvfp4 import reference  # noqa: E402
 
 
 def expert_stack(e: int, n: int, k: int, seed: int):
-    """E random experts [N, K] quantized to NVFP4: the stacked mma16 copy, global scales [E], and a function
-    giving expert i dequantized (float64)."""
+    """E random experts [N, K] quantized to NVFP4: the stacked mma16 copy, global scales [E], a function
+    giving expert i dequantized (float64), and the packed stack (data, block_scale, global_scale: the Triton
+    grouped GEMM's operand)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     datas, scales, gs = [], [], []
     for _ in range(e):
@@ -51,7 +55,7 @@ def expert_stack(e: int, n: int, k: int, seed: int):
         return reference.dequantize(NVFP4Tensor(data=data[i], block_scale=bs[i], global_scale=gsc[i],
                                                 shape=(n, k), dtype=torch.float32)).double()
 
-    return wc, gsc, deq
+    return wc, gsc, deq, SimpleNamespace(data=data, block_scale=bs, global_scale=gsc)
 
 
 def routings(tokens: int, experts: int, topk: int, sets: int, seed: int):
@@ -92,8 +96,8 @@ def main():
     a = ap.parse_args()
     sms, out, bw, t_start = start()
     e, h, f = a.experts, a.hidden, a.inter
-    up_wc, up_g, up_deq = expert_stack(e, 2 * f, h, seed=1)
-    dn_wc, dn_g, dn_deq = expert_stack(e, h, f, seed=2)
+    up_wc, up_g, up_deq, up_packed = expert_stack(e, 2 * f, h, seed=1)
+    dn_wc, dn_g, dn_deq, dn_packed = expert_stack(e, h, f, seed=2)
     per_up = (2 * f) * h * 9 // 16  # packed bytes + E4M3 scales per expert
     per_dn = h * f * 9 // 16
     print(f"experts built [{time.time() - t_start:.0f} s]", flush=True)
@@ -104,8 +108,9 @@ def main():
         gu = [torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16) for _ in sets]
         offs0, rows0, ex0 = sets[0]
         used = sorted(set(ex0.tolist()))
-        for name, wc, g, deq, n, k, per in (("gate_up", up_wc, up_g, up_deq, 2 * f, h, per_up),
-                                              ("down", dn_wc, dn_g, dn_deq, h, f, per_dn)):
+        for name, wc, g, deq, n, k, per, packed in (
+                ("gate_up", up_wc, up_g, up_deq, 2 * f, h, per_up, up_packed),
+                ("down", dn_wc, dn_g, dn_deq, h, f, per_dn, dn_packed)):
             deqs = {i: deq(i) for i in used}
             ex_rows = ex0.tolist()
             if name == "gate_up":
@@ -114,10 +119,30 @@ def main():
                 gate, up = gu[0][:, :f].float(), gu[0][:, f:].float()
                 xin = (torch.nn.functional.silu(gate).bfloat16().float() * up).bfloat16().double()
             ref = torch.stack([xin[r] @ deqs[ex_rows[r]].T for r in range(m)])
-            base = gemv_cuda.choose_grouped(n, k, min(e, m), sms)
+            base = gemv_cuda.choose_grouped(n, k, min(e, m), sms, gemv_cuda.grouped_mg(m, e))  # as launched
             moved = len(set(ex_rows)) * per + m * (k if name == "gate_up" else 2 * k) * 2 + m * n * 2
             floor_us = moved / bw / 1e6
-            for vname, c, use_pdl in configs(a.variants.split(","), base, k):
+            variants = a.variants.split(",")
+            if "triton" in variants:  # the Triton grouped GEMM (gemm.gemm without `tokens`), tuned
+                def trun(i, name=name, packed=packed, sets=sets, x=x, gu=gu):
+                    offs, rows, _ = sets[i]
+                    if name == "gate_up":
+                        return gemm.gemm(x, packed, offsets=offs, rows=rows)
+                    return gemm.gemm(gu[i], packed, offsets=offs, silu=True)
+
+                try:
+                    err = _rel(trun(0), ref)
+                    us = time_calls([lambda i=i: trun(i) for i in range(len(sets))])
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{name} t{t} triton FAILED {repr(exc)[:400]}", flush=True)
+                    us = None
+            if "triton" in variants and us is not None:
+                out["rows"].append(dict(kernel="triton_grouped", which=name, variant="triton", n=n, k=k,
+                                        tokens=t, rows=m, us=us, floor_us=floor_us, rel_err=err,
+                                        tb_s=moved / us / 1e6))
+                print(f"{name:8s} {n}x{k} t{t:2d} {us:7.2f} us  floor {floor_us:5.2f}  "
+                      f"{moved / us / 1e6:4.2f} TB/s  err {err:.1e}  triton grouped", flush=True)
+            for vname, c, use_pdl in configs([v for v in variants if v != "triton"], base, k):
                 ys = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in sets]
 
                 def run(i, c=c, name=name, wc=wc, g=g, sets=sets, x=x, ys=ys, gu=gu):
