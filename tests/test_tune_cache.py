@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from fp4rl.kernels import gemm, gemm_tune, tune_cache
+from fp4rl.kernels import gemm_tune, tune_cache
 
 
 @pytest.fixture(autouse=True)
