@@ -2,7 +2,8 @@
 # Twenty-fourth session (prepared in the twenty-third). Mode a: the GPU tests of the tuner after its move to
 # kernels/gemm_tune.py, the dense copy and the decode copy (never run with the gpu marker), the grouped paths;
 # then the GEMM / experts tables at HEAD (8 experts of 2048x768 now take 16-32-row chunks at 128-256 rows).
-# Mode b: the experts above 32 rows per expert: 64-row chunks (MG 8) against the Triton grouped GEMM
+# Mode b: the experts above 32 rows per expert: 64-row chunks (MG 8; gate/up's K=2048 fits shared memory only
+# with the split, mg8+s2x; plain mg8 prints FAILED there) against the Triton grouped GEMM
 # (bench/grouped_sweep.py's triton variant), Qwen3-30B-A3B's experts at 256-1024 tokens.
 # Mode c: the one-program MoE route past 512 pairs (device_run68.sh c).
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -19,7 +20,7 @@ a)
   echo "kernels exit $?"; grep -v '^\[' $OUT/kernels70a.log | cut -c1-220 | tail -30
   ;;
 b)
-  timeout 400 python3 bench/grouped_sweep.py --tokens 256,512,1024 --variants auto,mg2,mg4,mg8,triton \
+  timeout 400 python3 bench/grouped_sweep.py --tokens 256,512,1024 --variants auto,mg2,mg4,mg8,mg8+s2x,triton \
     --out $OUT/grouped70b.json > $OUT/grouped70b.log 2>&1
   echo "sweep exit $?"; grep -v '^\[' $OUT/grouped70b.log | cut -c1-170 | tail -40
   ;;

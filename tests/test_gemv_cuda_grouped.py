@@ -1,8 +1,9 @@
 """The CUDA mma16 kernel's routed-expert (grouped) launches (gemv_cuda.launch_grouped): the stacked weight
 copy and the configuration on any device; on a Hopper GPU (-m gpu) the grouped kernel against the float64
-reference over any routing (empty experts, several 8-row chunks of one expert), in CUDA graphs replayed with
-new routing, its gather of the sorted rows (x_rows) and its SiLU(gate) * up staging (x_silu) bit for bit
-against silu_mul then the plain launch. The dense kernel: tests/test_gemv_cuda.py."""
+reference over any routing (empty experts, several chunks of one expert; 8-, 16- and 32-row chunks), in
+CUDA graphs replayed with new routing, its gather of the sorted rows (x_rows) and its SiLU(gate) * up
+staging (x_silu) bit for bit against silu_mul then the plain launch. The dense kernel:
+tests/test_gemv_cuda.py."""
 
 import pytest
 import torch
@@ -50,7 +51,8 @@ def test_grouped_chunks_grow_with_rows_per_expert():
 @pytest.mark.gpu
 def test_gpu_grouped_experts_match_reference_and_replay_new_routing():
     """Routed experts on the grouped mma16 kernel: each expert's rows against the float64 reference, with
-    empty experts, one expert taking every row, 9-41 rows per expert (several 8-row chunks), per-row and
+    empty experts, one expert taking every row, 9-100 rows per expert (several chunks of 8, 16 or 32 rows,
+    gemv_cuda.grouped_mg), per-row and
     per-expert global scales, W4A4 (x_scale), and a CUDA graph captured once and replayed with new routing
     (the kernel finds its experts and chunks from the offsets on the device)."""
     if not gemv_cuda.available():
@@ -90,7 +92,9 @@ def test_gpu_grouped_experts_match_reference_and_replay_new_routing():
     check([16, 3, 16, 0, 9, 1], per_row=True)
     check([2, 2, 0, 1, 0, 3], per_row=False, w4a4=True)
     check([0, 41, 0, 7, 0, 0], per_row=True)  # 6 chunks of one expert (replayed routing can do this)
-    check([9, 9, 9, 9, 9, 9], per_row=False, w4a4=True)
+    check([9, 9, 9, 9, 9, 9], per_row=False, w4a4=True)  # 9 rows per expert: 16-row chunks (MG 2)
+    check([0, 100, 0, 7, 0, 0], per_row=True)  # ~18 per expert: 32-row chunks (MG 4), one expert in four
+    check([40, 0, 50, 9, 0, 30], per_row=False, w4a4=True)
     # one graph, new routing each replay (same M, same most-rows bound)
     offs = torch.zeros(e + 1, dtype=torch.int32, device="cuda")
     m = 8
@@ -412,7 +416,7 @@ def test_gpu_grouped_in_cta_split_gives_the_cluster_splits_bits():
     """The routed experts with K split between KW warps of a CTA (choose_grouped's default where x fits)
     give the bits of SPLIT = KW CTAs of a cluster: plain x, the gather (x_rows), SiLU staging (x_silu),
     per-row global scales, uneven step ranges (K = 640: 5 steps over 2 and 4 parts), several chunks per
-    expert."""
+    expert, chunks of 8, 16 and 32 rows (MG 1, 2, 4)."""
     if not gemv_cuda.available():
         pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
     gen = torch.Generator().manual_seed(7)
@@ -426,16 +430,18 @@ def test_gpu_grouped_in_cta_split_gives_the_cluster_splits_bits():
             rows = torch.randint(0, t, (m,), generator=gen, dtype=torch.int32).cuda()
             xm = torch.randn(m, k, generator=gen).bfloat16().cuda()
             gu = _gate_up(m, k, gen)
-            for split in (2, 4):
-                cluster = dict(NT=1, MG=1, SPLIT=split, DEPTH=2)
-                inside = dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=split)
+            for split, mg in ((2, 1), (4, 1), (2, 2), (4, 4)):
+                cluster = dict(NT=1, MG=mg, SPLIT=split, DEPTH=2)
+                inside = dict(NT=1, MG=mg, SPLIT=1, DEPTH=2, KW=split)
+                if gemv_cuda.smem_bytes(inside, k, 8 * mg) > gemv_cuda.SMEM_MAX:
+                    continue
                 for gs in (g, gr):
                     for kwargs, x in (({}, xm), ({"x_rows": rows}, xt), ({"x_silu": True}, gu)):
                         a = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                         b = torch.full_like(a, float("nan"))
                         gemv_cuda.launch_grouped(x, wc, gs, offs, a, cfg=cluster, **kwargs)
                         gemv_cuda.launch_grouped(x, wc, gs, offs, b, cfg=inside, **kwargs)
-                        assert not a.isnan().any() and torch.equal(a, b), (e, k, t, split, list(kwargs))
+                        assert not a.isnan().any() and torch.equal(a, b), (e, k, t, split, mg, list(kwargs))
                         if split == 2 and gs is g and t in (3, 20):  # the global scale read late (GSE 0)
                             b.fill_(float("nan"))
                             gemv_cuda.launch_grouped(x, wc, gs, offs, b, cfg=dict(inside, GSE=0), **kwargs)

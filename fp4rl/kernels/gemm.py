@@ -327,7 +327,7 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
         # the dense copy first (untuned: the caller's choice), then the wgmma build
         lead = ((_tune.DENSE,) if dense is not None else ()) + ((_tune.WIDE,) if wide_tuned else ())
         config = _tune._choose(key, m, n, kh, device, run, grouped, allow_fallback=not grouped, tune=tune,
-                         w4a16=xq is None, layout=layout, lead=lead, rotate=rotate)
+                               w4a16=xq is None, layout=layout, lead=lead, rotate=rotate)
         if config == _tune.WIDE:
             try:
                 return run(config)

@@ -247,7 +247,6 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
     return best
 
 
-
 def _clone_operands(ops):
     """A copy of (data, scale, global, mma16 copy or None, gemv32 copy or None, dense copy or None) in fresh
     memory."""

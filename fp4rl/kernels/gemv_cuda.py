@@ -44,7 +44,7 @@ SMEM_MAX = 227 * 1024  # one CTA
 # stream, 0 at exit); only matters for launches with the PDL attribute (fp4rl/kernels/pdl.py)
 TRIGGER = int(os.environ.get("FP4RL_MMA16_TRIGGER", "2"))
 # split K between the warps of a CTA instead of a cluster of CTAs where x's whole K fits (one row; the routed
-# experts' 8-row chunks): FP4RL_MMA16_KW=0 keeps the cluster (measured in bench/RESULTS.md, fifteenth session)
+# experts' chunks): FP4RL_MMA16_KW=0 keeps the cluster (measured in bench/RESULTS.md, fifteenth session)
 IN_CTA_SPLIT = os.environ.get("FP4RL_MMA16_KW", "1") != "0"
 _TWO_POW_118 = 2.0 ** 118
 
