@@ -17,7 +17,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fp4rl.benchmarks.gpu_kernels import _nvfp4_weight, _rel, copies_for, time_calls  # noqa: E402
+from fp4rl.benchmarks.gpu_gemm import _nvfp4_weight  # noqa: E402
+from fp4rl.benchmarks.gpu_kernels import _rel, copies_for, time_calls  # noqa: E402
 from fp4rl.kernels import gemm, gemm_tune, gemv  # noqa: E402
 from fp4rl.nvfp4 import reference  # noqa: E402
 from fp4rl.nvfp4.format import NVFP4Tensor  # noqa: E402

@@ -20,7 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fp4rl.benchmarks.gpu_kernels import _env, _nvfp4_weight, _rel, copies_for, copy_bandwidth, time_calls  # noqa: E402,E501
+from fp4rl.benchmarks.gpu_gemm import _nvfp4_weight  # noqa: E402
+from fp4rl.benchmarks.gpu_kernels import _env, _rel, copies_for, copy_bandwidth, time_calls  # noqa: E402
 from fp4rl.kernels import gemm, gemv, gemv_cuda, pdl  # noqa: E402
 from fp4rl.nvfp4 import reference  # noqa: E402
 
