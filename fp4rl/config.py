@@ -5,8 +5,8 @@ A run is described by one `RunConfig`, made of one dataclass per TOML table:
     [model] [precision] [sampler] [grpo] [trainer] [loop] [distributed] [task] [eval] [run] [logging]
 
 Every field carries a one-line doc and its validation rules in `dataclasses.field(metadata=...)`
-("doc", and optionally "choices", "ge", "gt", "le", "lt"); `validate_fields` checks type and
-rules on construction, so a bad value fails at load time with the key and the allowed values
+("doc", and optionally "choices", "ge", "gt", "le", "lt"); `validate_fields` (fp4rl.config_fields)
+checks type and rules on construction, so a bad value fails at load time with the key and the allowed values
 in the message, never halfway through a run. `describe_fields()` lists every key with its
 default and doc (for `fp4rl train --help-config`).
 
@@ -24,9 +24,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
-import operator
 import re
-import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -37,102 +35,16 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from fp4rl.config_fields import (  # noqa: F401  (ConfigError, validate_fields: part of this module's API)
+    _RULES,
+    ConfigError,
+    _knob,
+    _Section,
+    _type_name,
+    validate_fields,
+)
 from fp4rl.grpo import GRPOConfig
 from fp4rl.tasks import EXTRACT_MODES
-
-
-class ConfigError(ValueError):
-    """A config key is unknown or its value is invalid; the message names the key."""
-
-
-# ---------------------------------------------------------------------------------- validation
-
-_RULES = (
-    ("ge", operator.ge, ">="),
-    ("gt", operator.gt, ">"),
-    ("le", operator.le, "<="),
-    ("lt", operator.lt, "<"),
-)
-
-
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _check_type(key: str, value, tp):
-    """Return value (ints widened to float where a float is expected) or raise ConfigError."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _check_type(key, value, inner)
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key} = {value!r}: expected a list of {_type_name(args[0])}")
-        return [_check_type(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} = {value!r}: expected a table, e.g. {{name = value}}")
-        return dict(value)
-    if tp is bool:
-        ok = isinstance(value, bool)
-    elif tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    else:
-        ok = isinstance(value, tp)
-    if not ok:
-        raise ConfigError(f"{key} = {value!r}: expected {_type_name(tp)}")
-    return value
-
-
-def validate_fields(obj, section: str) -> None:
-    """Check every field of dataclass `obj` against its type and metadata rules (in place)."""
-    hints = typing.get_type_hints(type(obj))
-    for f in fields(obj):
-        key = f"{section}.{f.name}"
-        value = _check_type(key, getattr(obj, f.name), hints[f.name])
-        object.__setattr__(obj, f.name, value)
-        meta = f.metadata
-        if "choices" in meta and value not in meta["choices"]:
-            allowed = ", ".join(repr(c) for c in meta["choices"])
-            raise ConfigError(f"{key} = {value!r}: allowed values are {allowed}")
-        items = value if isinstance(value, list) else [value]
-        inf_ok = meta.get("inf", False)  # a knob where inf means "no limit"
-        if any(isinstance(v, float) and (math.isnan(v) or math.isinf(v) and not inf_ok) for v in items):
-            raise ConfigError(f"{key} = {value!r}: must be a finite number")
-        for rule, op, text in _RULES:
-            if rule in meta and value is not None:
-                items = value if isinstance(value, list) else [value]
-                if (
-                    isinstance(value, float)
-                    and math.isnan(value)
-                    or not all(op(v, meta[rule]) for v in items)
-                ):
-                    raise ConfigError(f"{key} = {value!r}: must be {text} {meta[rule]}")
-
-
-def _knob(default, doc: str, **rules):
-    """A field with a one-line doc and validation rules; mutable defaults are copied."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc, **rules})
-    return field(default=default, metadata={"doc": doc, **rules})
-
-
-@dataclass
-class _Section:
-    SECTION: ClassVar[str] = ""
-
-    def __post_init__(self):
-        validate_fields(self, self.SECTION)
-        self.check()
-
-    def check(self) -> None:
-        """Cross-field rules of the section (overridden where needed)."""
-
 
 # ---------------------------------------------------------------------------------- sections
 

@@ -62,19 +62,16 @@ Everything here is a pure function over tensors; nothing knows about models or s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from fp4rl.config_fields import ConfigError, _knob, validate_fields
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 IS_MODES = ("none", "tis", "mis")
 IS_LEVELS = ("token", "sequence")
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 4.9e8: far above any sensible TIS cap or MIS bound
-
-
-def _knob(default, doc: str, **rules):
-    """A dataclass field with a one-line doc and validation rules (see fp4rl.config)."""
-    return field(default=default, metadata={"doc": doc, **rules})
 
 
 @dataclass
@@ -96,8 +93,6 @@ class GRPOConfig:
     mis_high: float = _knob(2.0, "MIS: tokens/sequences with weight above this are masked out", gt=0.0)
 
     def __post_init__(self):
-        from fp4rl.config import ConfigError, validate_fields
-
         validate_fields(self, "grpo")
         if self.mis_low >= self.mis_high:
             raise ConfigError(f"grpo.mis_low = {self.mis_low} must be < grpo.mis_high = {self.mis_high}")
