@@ -89,8 +89,8 @@ class Batch:
         if self.guidance_valid is not None and tuple(self.guidance_valid.shape) != (B, T - 1):
             raise ValueError(f"Batch.guidance_valid has shape {list(self.guidance_valid.shape)}, expected "
                              f"{[B, T - 1]}")
-        for key, g in (self.guidance or {}).items():
-            if tuple(g.amax.shape) != (B, T - 1):
+        for key, g in (self.guidance or {}).items():  # (a routed experts' down input: [B, T - 1, top_k])
+            if tuple(g.amax.shape[:2]) != (B, T - 1) or g.amax.ndim > 3:
                 raise ValueError(f"Batch.guidance[{key!r}] covers {list(g.amax.shape)} tokens, expected "
                                  f"{[B, T - 1]}")
         if self.routing is not None:  # another integer dtype handed in: cast (range-checked)
@@ -193,8 +193,9 @@ def _guidance(completions, B: int, T: int, rows) -> tuple[dict | None, torch.Ten
     keys = sorted(completions[0].guidance)
     out, valid = {}, torch.zeros(B, T - 1, dtype=torch.bool)
     for k in keys:
-        width = completions[0].guidance[k]["bits"].shape[-1] * 8
-        out[k] = Guidance.empty((B, T - 1), width)
+        first = completions[0].guidance[k]
+        width = first["bits"].shape[-1] * 8
+        out[k] = Guidance.empty((B, T - 1, *first["amax"].shape[1:]), width)  # (experts' down: [..., top_k])
     for i, (c, row) in enumerate(zip(completions, rows)):
         if sorted(c.guidance) != keys:
             raise ValueError(f"completion {i}: guided inputs {sorted(c.guidance)}, the first one's {keys}")

@@ -109,11 +109,10 @@ class PrecisionConfig(_Section):
                     f"precision.rules.{glob!r} = {precision!r}: allowed values are "
                     + ", ".join(map(repr, LINEAR_PRECISIONS))
                 )
-        if self.trace and self.preset in ("bf16", "nvfp4-w4a16", "nvfp4-experts") \
-                and "w4a4" not in self.rules.values():
-            raise ConfigError(f"precision.trace = true guides W4A4 linears outside the routed experts, "
-                              f"which precision.preset = {self.preset!r} has none of: use 'nvfp4-linear' "
-                              "(or rules)")
+        if self.trace and self.preset in ("bf16", "nvfp4-w4a16") and "w4a4" not in self.rules.values():
+            raise ConfigError(f"precision.trace = true guides W4A4 linears, which precision.preset = "
+                              f"{self.preset!r} has none of: use 'nvfp4-linear' (every decoder linear) or "
+                              "'nvfp4-experts' (the routed experts of an MoE model), or rules")
         if self.trace and self.trace_deep_fraction == 0:
             raise ConfigError("precision.trace = true with precision.trace_deep_fraction = 0 guides no layer")
         for side in ("weight", "act"):  # (PrecisionContract refuses it too; here before any model loads)

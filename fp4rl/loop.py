@@ -406,10 +406,10 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
         if not trace.guided_modules(trainer.model, c.precision.trace_deep_fraction):
             raise ConfigError(f"precision.trace = true but this model under precision.preset = "
                               f"{c.precision.preset!r} and precision.rules = {dict(c.precision.rules)} has "
-                              "no W4A4 linear outside the routed experts in the guided layers "
+                              "no W4A4 linear in the guided layers "
                               f"(trace_deep_fraction = {c.precision.trace_deep_fraction}): TRACE would guide "
-                              "nothing. Use a preset or rules with W4A4 dense linears (e.g. 'nvfp4-linear'), "
-                              "or precision.trace = false")
+                              "nothing. Use a preset or rules with W4A4 linears ('nvfp4-linear'; "
+                              "'nvfp4-experts' only has them in an MoE model), or precision.trace = false")
     staleness = c.loop.max_staleness if c.loop.mode == "async" else 0
 
     start_step, pending = 0, {}

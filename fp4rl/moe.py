@@ -18,14 +18,33 @@ Every projection is a plain `nn.Linear` (each expert an `MLP` of three), so a pr
 contract can swap the routed experts' linears by name. The routed compute goes through one
 method, `run_experts`, that a grouped-matmul GPU path overrides (`routed`, route + run_experts, for a
 path that does both at once); the default loops over the experts and touches only the tokens routed to
-each.
+each, and while an expert runs, `EXPERT_ROWS` says which (token, slot) pairs its rows are (TRACE records
+and applies the routed experts' guidance per token and slot with it, fp4rl.trace).
 """
 
 from __future__ import annotations
 
+import contextvars
+import typing
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class ExpertRows(typing.NamedTuple):
+    """The rows an expert is running: token [n] and slot [n] (its row r is token[r]'s slot[r]-th choice)
+    of `tokens` tokens routed to `top_k` experts each."""
+
+    token: torch.Tensor
+    slot: torch.Tensor
+    tokens: int
+    top_k: int
+
+
+# set by SparseMoeBlock.run_experts while an expert runs; None elsewhere
+EXPERT_ROWS: contextvars.ContextVar[ExpertRows | None] = contextvars.ContextVar("fp4rl_expert_rows",
+                                                                                default=None)
 
 
 class SparseMoeBlock(nn.Module):
@@ -65,7 +84,12 @@ class SparseMoeBlock(nn.Module):
             if counts[e] == 0:
                 continue
             token, slot = torch.where(topk_idx == e)  # [n_e], [n_e]
-            y.index_add_(0, token, expert(x[token]) * topk_weight[token, slot, None])
+            rows = EXPERT_ROWS.set(ExpertRows(token, slot, x.shape[0], topk_idx.shape[1]))
+            try:
+                out = expert(x[token])
+            finally:
+                EXPERT_ROWS.reset(rows)
+            y.index_add_(0, token, out * topk_weight[token, slot, None])
         return y
 
     def routed(self, x: torch.Tensor, forced_experts: torch.Tensor | None = None):

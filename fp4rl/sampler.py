@@ -360,10 +360,10 @@ class Sampler:
         ids, mask = ids.to(dev), mask.to(dev)
         if params.guidance and not trace.guided_modules(self.model, params.guidance):
             raise ValueError(f"generate: SamplingParams.guidance={params.guidance} records TRACE guidance of "
-                             "the W4A4 linears (quantized activations) outside the routed experts, and this "
-                             "Sampler's model has none: convert it with a W4A4 contract, e.g. "
-                             "PrecisionContract('nvfp4-linear') (precision.preset = 'nvfp4-linear'), or pass "
-                             "guidance=0")
+                             "the W4A4 linears (quantized activations), and this Sampler's model has none: "
+                             "convert it with a W4A4 contract, e.g. PrecisionContract('nvfp4-linear') "
+                             "(precision.preset = 'nvfp4-linear'; 'nvfp4-experts' for an MoE model's routed "
+                             "experts), or pass guidance=0")
         if params.guidance and self.engine is not None:
             raise ValueError("generate: TRACE guidance (SamplingParams.guidance) is recorded on the eager "
                              "decode path; build the Sampler with kernels=False for a guided run")
@@ -384,8 +384,10 @@ class Sampler:
         logits = self.model.lm_head(h[:, -1])  # [P, V]
         guide_pre, guide_steps, fed_rows = {}, {}, []
         if rec is not None:  # prefill rows [P * T_p]; each decode step's rows are collected below
-            guide_pre = {k: trace.Guidance(g.bits.view(P, T_p, -1), g.block_scale.view(P, T_p, -1),
-                                           g.amax.view(P, T_p)) for k, g in rec.take().items()}
+            guide_pre = {k: trace.Guidance(g.bits.view(P, T_p, *g.bits.shape[1:]),  # (routed experts' down
+                                           g.block_scale.view(P, T_p, *g.block_scale.shape[1:]),  # input:
+                                           g.amax.view(P, T_p, *g.amax.shape[1:]))  # [..., top_k, F/8])
+                         for k, g in rec.take().items()}
             guide_steps = {k: [] for k in guide_pre}  # per step, its rows (none preallocated for all steps)
 
         # n samples per prompt share the prefill: copy each prompt's rows n times
@@ -467,7 +469,7 @@ class Sampler:
             counts = torch.bincount(fed_row, minlength=B).tolist()
             dec_rows = torch.sort(fed_row, stable=True).indices.split(counts)
             guide_dec = {k: trace.Guidance.cat(guide_steps[k]) if guide_steps[k] else
-                         trace.Guidance.empty((0,), g.width) for k, g in guide_pre.items()}
+                         trace.Guidance.empty((0, *g.amax.shape[2:]), g.width) for k, g in guide_pre.items()}
             del guide_steps
         out = []
         for r in range(B):

@@ -22,10 +22,16 @@ linears, and the trainer's W4A4 forward reproduce it:
   where x is the sampler's x they are the sampler's bytes exactly (tested). Gradients pass straight
   through as for any Q(x) (qat.py).
 
-Who is guided: the dense W4A4 linears of the deepest `deep_fraction` of the decoder layers that can
+Who is guided: the W4A4 linears of the deepest `deep_fraction` of the decoder layers that can
 hold them (layers 0 .. the deepest one with a W4A4 linear: the BF16 last layers are not counted;
-``guided_layers``); routed experts keep round-to-nearest (their rows are a routing-dependent subset
-of the tokens). The paper keeps guidance for the deep half only (it finds the mismatches there); here
+``guided_layers``). Routed experts (the recipe's W4A4 linears) are guided per token and slot: an expert
+runs on a routing-dependent subset of the tokens, so SparseMoeBlock.run_experts says which (token, slot)
+pairs its rows are (moe.EXPERT_ROWS). Their gate/up input is the token's row whichever expert reads it, so
+its guidance is per token ([..., K/8] like a dense input, key "<layer>.mlp.experts.gate_proj"); the down
+projection's input, SiLU(gate) * up, is the slot's expert's own, so its guidance is per token and slot
+([..., top_k, F/8], key "<layer>.mlp.experts.down_proj"). The trainer replays the sampler's routing
+(batch.routing), so each slot's guidance meets the expert that produced it. The paper keeps guidance for
+the deep half only (it finds the mismatches there); here
 every W4A4 layer is the default (precision.trace_deep_fraction = 1): a flip left in a shallow layer
 moves every later layer's activations, which is where the deep mismatches come from (SmolLM2-135M,
 W4A4: |logprob diff| 0.39 unguided, 0.30 with the deep half guided, 0.009 with all layers).
@@ -53,6 +59,7 @@ from collections.abc import Iterator
 
 import torch
 
+from fp4rl.moe import EXPERT_ROWS, ExpertRows
 from fp4rl.nvfp4 import NVFP4Tensor, quantize
 from fp4rl.nvfp4.format import E2M1_VALUES, pack_fp4, round_to_e2m1, unpack_fp4
 from fp4rl.nvfp4.reference import block_encode_scale, global_scales_from_amax
@@ -77,6 +84,11 @@ class Guidance:
 
     def bytes_per_row(self) -> int:
         return self.bits.shape[-1] + self.block_scale.shape[-1] + 4
+
+    def bytes_per_token(self, token_dims: int) -> int:
+        """Bytes per token when the first `token_dims` leading dims are tokens (a routed experts' down
+        projection keeps top_k rows per token)."""
+        return self.bytes_per_row() * math.prod(self.amax.shape[token_dims:])
 
     def flat(self) -> Guidance:
         """Rows flattened: [N, ...]."""
@@ -216,11 +228,11 @@ def guided_layers(num_layers: int, deep_fraction: float = 1.0) -> range:
 
 
 def guided_modules(model: torch.nn.Module, deep_fraction: float = 1.0) -> dict[str, torch.nn.Module]:
-    """The W4A4 linears (trainer NVFP4Linear or sampler PackedNVFP4Linear) of the guided layers, by name.
-    Routed experts are left out: their rows are a routing-dependent subset of the tokens."""
+    """The W4A4 linears (trainer NVFP4Linear or sampler PackedNVFP4Linear) of the guided layers, by name,
+    routed experts included (``expert_input``)."""
     found = {n: m for n, m in model.named_modules()
              if getattr(m, "mode", None) == "w4a4" and hasattr(m, "quantize_input")
-             and layer_of(n) is not None and ".experts." not in f".{n}."}
+             and layer_of(n) is not None}
     if not found:
         return {}
     layers = guided_layers(1 + max(layer_of(n) for n in found), deep_fraction)
@@ -230,24 +242,76 @@ def guided_modules(model: torch.nn.Module, deep_fraction: float = 1.0) -> dict[s
 _SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
 
 
+_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(\w+)$")
+
+
+def expert_input(name: str) -> tuple[str, bool] | None:
+    """For a routed expert's linear (".experts.<i>.<proj>"): (its guidance key, whether that guidance is
+    per token and slot: the down projection's); None for any other linear."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    proj = _SHARED_INPUT.get(m.group(2), m.group(2))
+    return f"{m.group(1)}.{proj}", proj == "down_proj"
+
+
 def input_key(name: str) -> str:
     """Linears reading the same input share one guidance: k/v_proj use q_proj's, up_proj gate_proj's
-    (the sampler quantizes a fused group's input once)."""
+    (the sampler quantizes a fused group's input once); every routed expert of a layer shares one key per
+    projection input (``expert_input``)."""
+    expert = expert_input(name)
+    if expert is not None:
+        return expert[0]
     head, _, last = name.rpartition(".")
     return f"{head}.{_SHARED_INPUT[last]}" if last in _SHARED_INPUT else name
 
 
+def _rows_now(name: str) -> ExpertRows:
+    rows = EXPERT_ROWS.get()
+    if rows is None:
+        raise RuntimeError(f"TRACE: the routed expert linear {name} ran outside SparseMoeBlock.run_experts, "
+                           "which says which (token, slot) rows it gets (moe.EXPERT_ROWS); a MoE path that "
+                           "overrides run_experts must set it too, or run without TRACE")
+    return rows
+
+
+def _expert_index(rows: ExpertRows, per_slot: bool) -> torch.Tensor:
+    """The flat guidance rows of an expert's activation rows: token, or token * top_k + slot."""
+    return rows.token * rows.top_k + rows.slot if per_slot else rows.token
+
+
 class Recording:
-    """Guidance captured by ``recording``: per input key, the rows of the calls since the last take."""
+    """Guidance captured by ``recording``: per input key, the rows of the calls since the last take
+    (a routed experts' key: [tokens] or [tokens, top_k] rows, gathered from every expert's calls)."""
 
     def __init__(self):
         self._got: dict[str, Guidance] = {}
+        self._experts: dict[str, tuple[tuple, list]] = {}  # key -> (lead, [(flat rows, guidance)])
 
     def add(self, key: str, g: Guidance) -> None:
         self._got.setdefault(key, g)  # unfused q/k/v quantize the same x three times: keep one
 
+    def add_rows(self, key: str, lead: tuple, index: torch.Tensor, g: Guidance) -> None:
+        """Rows `index` (into the flattened `lead`) of a routed experts' key."""
+        have = self._experts.setdefault(key, (lead, []))
+        if have[0] != lead:
+            raise RuntimeError(f"TRACE: {key} recorded rows of {have[0]} and of {lead} tokens in one forward")
+        have[1].append((index.cpu(), g))
+
     def take(self) -> dict[str, Guidance]:
         got, self._got = self._got, {}
+        for key, (lead, parts) in self._experts.items():
+            out = Guidance.empty(lead, parts[0][1].width).flat()
+            seen = torch.zeros(out.amax.shape[0], dtype=torch.bool)
+            for index, g in parts:  # (the same token's gate/up rows from each of its experts: equal)
+                out.bits[index], out.block_scale[index], out.amax[index] = g.bits, g.block_scale, g.amax
+                seen[index] = True
+            if not bool(seen.all()):
+                raise RuntimeError(f"TRACE: {key} has no guidance for {int((~seen).sum())} of its "
+                                   f"{seen.numel()} rows (every token's experts should have run)")
+            got[key] = Guidance(out.bits.view(*lead, -1), out.block_scale.view(*lead, -1),
+                                out.amax.view(lead))
+        self._experts = {}
         return got
 
 
@@ -267,9 +331,16 @@ def recording(model: torch.nn.Module, deep_fraction: float = 1.0) -> Iterator[Re
     rec, mods = Recording(), guided_modules(model, deep_fraction)
 
     def make(name, m, orig):
+        expert = expert_input(name)
+
         def quantize_input(x):
             q = orig(x)
-            rec.add(input_key(name), compact(x, q))
+            if expert is None:
+                rec.add(input_key(name), compact(x, q))
+            else:
+                rows = _rows_now(name)
+                lead = (rows.tokens, rows.top_k) if expert[1] else (rows.tokens,)
+                rec.add_rows(expert[0], lead, _expert_index(rows, expert[1]), compact(x, q))
             return q
         return quantize_input
 
@@ -299,12 +370,25 @@ def guiding(model: torch.nn.Module, guidance: dict[str, Guidance], valid: torch.
         g = guidance[key].flat()
         kw = {k: v for k, v in m.input_kwargs.items() if k not in ("scale_rule", "scale_scope")}
         rule = m.input_kwargs.get("scale_rule", "6")
+        expert = expert_input(name)
 
         def quantize_input(x):
             ident = (key, rule, kw, x.data_ptr(), x.shape, x.stride(), x.dtype, x.device, _version(x))
             if last.get("id") == ident:
                 return last["q"]
-            q = guided_quantize(x, g, valid, scale_rule=rule, stats=stats, name=name, **kw)
+            if expert is None:
+                gx, vx = g, valid
+            else:  # this expert's rows of the layer's guidance
+                rows = _rows_now(name)
+                want = rows.tokens * (rows.top_k if expert[1] else 1)
+                if g.amax.shape[0] != want or valid.shape[0] != rows.tokens:
+                    raise ValueError(f"TRACE guidance of {key} has {g.amax.shape[0]} rows and valid "
+                                     f"{valid.shape[0]}, but {name} runs on {rows.tokens} tokens x "
+                                     f"{rows.top_k if expert[1] else 1} (the batch's tokens" +
+                                     (" x top_k)" if expert[1] else ")"))
+                index = _expert_index(rows, expert[1]).to(g.bits.device)
+                gx, vx = g.index(index), valid[rows.token.to(valid.device)]
+            q = guided_quantize(x, gx, vx, scale_rule=rule, stats=stats, name=name, **kw)
             last.update(id=ident, x=x, q=q)
             return q
         return quantize_input

@@ -237,7 +237,7 @@ class Trainer:
                 metrics["train/kl_ref"] = sum(kls) / len(kls)
             metrics.update(self._mismatch(batch, micro, pi_old))
         if batch.guidance is not None:
-            self.trace_stats.cache_bytes = sum(g.bytes_per_row() for g in batch.guidance.values()) * int(
+            self.trace_stats.cache_bytes = sum(g.bytes_per_token(2) for g in batch.guidance.values()) * int(
                 batch.guidance_valid.sum())
             self.trace_stats.tokens = int(batch.guidance_valid.sum())
             metrics.update(self.trace_stats.metrics())

@@ -562,3 +562,37 @@ def test_guidance_without_a_w4a4_linear_is_refused(contract):
                                          r"PrecisionContract\('nvfp4-linear'\)"):
         sampler.generate(PROMPTS, SamplingParams(max_new_tokens=2, guidance=1.0))
     assert sampler.generate(PROMPTS, SamplingParams(max_new_tokens=2))[0].guidance is None
+
+
+def test_trace_guidance_of_the_routed_experts_reaches_the_trainer():
+    """TRACE on the recipe (W4A4 routed experts, nvfp4-experts): the sampler records each completion's
+    experts' guidance ([L-1] token rows for gate/up, [L-1, top_k] for down), Batch lays it out as [B, T-1,
+    ...], and the trainer's forward, replaying the routing, is guided by it (every expert row counted) and
+    scores the sampler's logprobs."""
+    from fp4rl import trace
+
+    trainer = tiny(MOE, "nvfp4-experts")
+    sampler = Sampler(trainer, eos_token_ids=[])
+    out = sampler.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=6, seed=2, guidance=1.0))
+    top_k = MOE["num_experts_per_tok"]
+    guided_layers = sorted({trace.layer_of(n) for n in trace.guided_modules(trainer)})
+    keys = sorted(f"model.layers.{i}.mlp.experts.{p}" for i in guided_layers
+                  for p in ("gate_proj", "down_proj"))
+    for c in out:
+        L = len(c.prompt_ids) + len(c.completion_ids)
+        assert sorted(c.guidance) == keys
+        for k, g in c.guidance.items():
+            assert tuple(g["amax"].shape) == ((L - 1, top_k) if k.endswith("down_proj") else (L - 1,))
+    batch = Batch.from_completions(out, [1.0] * len(out))
+    B, T1 = batch.guidance_valid.shape
+    assert tuple(batch.guidance[keys[0]].amax.shape[:2]) == (B, T1)
+    stats = trace.TraceStats()
+    for b, c in enumerate(out):
+        n = len(c.prompt_ids) + len(c.completion_ids) - 1
+        ids = torch.tensor([c.prompt_ids + c.completion_ids])
+        guidance = {k: g.index(slice(b, b + 1), slice(0, n)) for k, g in batch.guidance.items()}
+        with torch.no_grad(), trace.guiding(trainer, guidance, torch.ones(1, n, dtype=torch.bool), stats):
+            logits = trainer(ids[:, :-1], routing=[r[None] for r in c.routing])
+        lp = token_logprobs(logits, ids[:, 1:])[0, len(c.prompt_ids) - 1:]
+        assert float((lp - torch.tensor(c.logprobs)).abs().max()) < 1e-5
+    assert stats.elements > 0 and stats.disagree_rtn == 0

@@ -243,3 +243,58 @@ def test_shared_inputs_are_guided_and_counted_once(monkeypatch):
     with torch.no_grad(), trace.guiding(model, guidance, valid, unshared):
         assert torch.equal(model.model(ids)[0], out)
     assert len(calls) == 21 and unshared.elements > stats.elements
+
+
+def test_routed_experts_are_guided_per_token_and_slot(monkeypatch):
+    """The recipe's W4A4 linears are the routed experts: their gate/up input is recorded per token (the same
+    row whichever expert reads it), their down input per token and slot (each slot's expert has its own
+    SiLU(gate) * up). Guiding the same forward (routing replayed) with it gives every expert back its own
+    rows' codes and scales: the outputs are those of the recorded forward bit for bit, every guided row
+    counted once. Guidance of the wrong rows (two tokens swapped) changes them."""
+    from rl_fixtures import tiny_model
+
+    from fp4rl.precision import PrecisionContract
+    from fp4rl.qat import convert
+
+    model = convert(tiny_model(moe=True), PrecisionContract("nvfp4-experts", bf16_last_fraction=0.0))
+    cfg = model.config
+    k, h, f = cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    mods = trace.guided_modules(model)
+    assert mods and all(".experts." in n for n in mods)  # nothing else is W4A4 under this preset
+    assert trace.input_key("model.layers.2.mlp.experts.3.up_proj") == "model.layers.2.mlp.experts.gate_proj"
+    assert trace.expert_input("model.layers.2.mlp.experts.3.down_proj") == (
+        "model.layers.2.mlp.experts.down_proj", True)
+    assert trace.expert_input("model.layers.2.mlp.down_proj") is None
+    ids = torch.randint(4, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), trace.recording(model) as rec:
+        ref, routing = model.model(ids)
+    got = rec.take()
+    layers = cfg.num_hidden_layers
+    assert sorted(got) == sorted(f"model.layers.{i}.mlp.experts.{p}" for i in range(layers)
+                                 for p in ("gate_proj", "down_proj"))
+    guidance = {}
+    for key, g in got.items():
+        per_slot = key.endswith("down_proj")
+        assert tuple(g.amax.shape) == ((18, k) if per_slot else (18,))
+        assert g.width == (f if per_slot else h)
+        guidance[key] = trace.Guidance(g.bits.view(2, 9, *g.bits.shape[1:]),
+                                       g.block_scale.view(2, 9, *g.block_scale.shape[1:]),
+                                       g.amax.view(2, 9, *g.amax.shape[1:]))
+        assert guidance[key].bytes_per_token(2) == (k if per_slot else 1) * g.bytes_per_row()
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    stats = trace.TraceStats()
+    with torch.no_grad(), trace.guiding(model, guidance, valid, stats):
+        out, _ = model.model(ids, routing=routing)
+    assert torch.equal(out, ref)
+    assert stats.elements == layers * 18 * k * (h + f)  # per expert row: its gate/up input once, its down
+    assert stats.disagree_rtn == 0  # the same x: round-to-nearest already has every recorded bit
+    order = torch.tensor([1, 0, 2, 3, 4, 5, 6, 7, 8])
+    swapped = {key: g.index(slice(None), order) for key, g in guidance.items()}
+    with torch.no_grad(), trace.guiding(model, swapped, valid):
+        out, _ = model.model(ids, routing=routing)
+    assert not torch.equal(out, ref)
+    # an expert linear run outside run_experts cannot know its rows: a clear error, not a silent guess
+    expert = model.model.layers[0].mlp.experts[0]
+    with (torch.no_grad(), trace.guiding(model, guidance, valid),
+          pytest.raises(RuntimeError, match="EXPERT_ROWS")):
+        expert(torch.randn(3, h))
