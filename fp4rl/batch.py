@@ -15,7 +15,8 @@ and column t is about token x[t + 1], predicted from x[: t + 1]:
 
 That is exactly the sampler's own view: it fed L_i - 1 tokens (the last completion token is
 never fed back), which is why `Completion.routing` has L_i - 1 rows (and TRACE guidance, `guidance`
-[B, T-1] per guided input with `guidance_valid` marking real columns, likewise). Right padding needs no
+[B, T-1] per guided input, [B, T-1, top_k] for a routed experts' down input, with `guidance_valid`
+marking real columns, likewise). Right padding needs no
 attention mask: with a causal mask a real token never sees the padding after it, and RoPE
 positions 0, 1, ... of a row are those the sampler used for the unpadded sequence.
 

@@ -403,7 +403,11 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     if c.precision.trace:
         from fp4rl import trace
 
-        if not trace.guided_modules(trainer.model, c.precision.trace_deep_fraction):
+        try:
+            guided = trace.guided_modules(trainer.model, c.precision.trace_deep_fraction)
+        except ValueError as exc:  # routed experts quantized unalike within a layer
+            raise ConfigError(str(exc)) from None
+        if not guided:
             raise ConfigError(f"precision.trace = true but this model under precision.preset = "
                               f"{c.precision.preset!r} and precision.rules = {dict(c.precision.rules)} has "
                               "no W4A4 linear in the guided layers "

@@ -97,7 +97,8 @@ class Completion:
     None for dense models."""
     guidance: dict | None = None
     """TRACE (SamplingParams.guidance > 0): per guided input (fp4rl.trace.input_key), the guidance
-    of the len(prompt_ids) + len(completion_ids) - 1 tokens the sampler fed, as Guidance.to_dict()."""
+    of the len(prompt_ids) + len(completion_ids) - 1 tokens the sampler fed, as Guidance.to_dict()
+    (a routed experts' down input: [tokens, top_k] rows, one per slot)."""
 
 
 # ----------------------------------------------------------------------------------------------

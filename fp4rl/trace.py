@@ -36,7 +36,8 @@ every W4A4 layer is the default (precision.trace_deep_fraction = 1): a flip left
 moves every later layer's activations, which is where the deep mismatches come from (SmolLM2-135M,
 W4A4: |logprob diff| 0.39 unguided, 0.30 with the deep half guided, 0.009 with all layers).
 
-Counters (``TraceStats``): elements guided (an input q/k/v or gate/up share counts once), those whose
+Counters (``TraceStats``): elements guided (an input q/k/v or gate/up share counts once; a routed
+token's gate/up input counts once per expert it goes to, as each expert quantizes it), those whose
 round-to-nearest code (on the rollout scales) has another bit than recorded (``trace/code_disagree_rtn``:
 a lower bound of the codes that guidance changes), and the cache's bytes per token
 (``trace/cache_bytes_per_token``). There is no "after guidance" count: the guided code's low bit is
@@ -235,8 +236,27 @@ def guided_modules(model: torch.nn.Module, deep_fraction: float = 1.0) -> dict[s
              and layer_of(n) is not None}
     if not found:
         return {}
+    _check_experts_alike(model, found)
     layers = guided_layers(1 + max(layer_of(n) for n in found), deep_fraction)
     return {n: m for n, m in found.items() if layer_of(n) in layers}
+
+
+def _check_experts_alike(model: torch.nn.Module, w4a4: dict) -> None:
+    """Routed experts' guidance is per token (and slot) for the whole layer: every expert of a layer must
+    quantize a projection's input alike (W4A4 in all or in none), else some rows would have none."""
+    every: dict[str, set] = {}
+    for n, m in model.named_modules():
+        match = _EXPERT.match(n)
+        if match and hasattr(m, "quantize_input"):
+            every.setdefault(f"{match.group(1)}.*.{match.group(2)}", set()).add(n)
+    for proj, names in every.items():
+        some = names & set(w4a4)
+        if some and some != names:
+            raise ValueError(f"TRACE guides the routed experts per token and slot, so every expert of a "
+                             f"layer must quantize {proj} alike; {len(some)} of its {len(names)} experts are "
+                             f"W4A4 (e.g. {sorted(some)[0]}) and the others not (e.g. "
+                             f"{sorted(names - some)[0]}): make precision rules cover all of a layer's "
+                             "experts, or turn precision.trace off")
 
 
 _SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
@@ -329,6 +349,7 @@ def _unpatch(mods: dict[str, torch.nn.Module]) -> None:
 def recording(model: torch.nn.Module, deep_fraction: float = 1.0) -> Iterator[Recording]:
     """While active, every guided linear of `model` records the guidance of what it quantizes."""
     rec, mods = Recording(), guided_modules(model, deep_fraction)
+    done: dict[str, ExpertRows] = {}  # key -> the expert call it last recorded (unfused gate/up: once)
 
     def make(name, m, orig):
         expert = expert_input(name)
@@ -337,10 +358,18 @@ def recording(model: torch.nn.Module, deep_fraction: float = 1.0) -> Iterator[Re
             q = orig(x)
             if expert is None:
                 rec.add(input_key(name), compact(x, q))
-            else:
-                rows = _rows_now(name)
-                lead = (rows.tokens, rows.top_k) if expert[1] else (rows.tokens,)
-                rec.add_rows(expert[0], lead, _expert_index(rows, expert[1]), compact(x, q))
+                return q
+            rows = _rows_now(name)
+            if done.get(expert[0]) is rows:
+                return q
+            done[expert[0]] = rows
+            if expert[1]:  # the down input: every (token, slot) row is this expert's own
+                rec.add_rows(expert[0], (rows.tokens, rows.top_k), _expert_index(rows, True), compact(x, q))
+            else:  # gate/up: a token's row is the same for each of its experts; keep its slot-0 expert's
+                first = (rows.slot == 0).cpu()
+                if bool(first.any()):
+                    g = compact(x, q).index(first)
+                    rec.add_rows(expert[0], (rows.tokens,), rows.token.cpu()[first], g)
             return q
         return quantize_input
 
@@ -349,13 +378,15 @@ def recording(model: torch.nn.Module, deep_fraction: float = 1.0) -> Iterator[Re
         yield rec
     finally:
         _unpatch(mods)
+        done.clear()
 
 
 @contextlib.contextmanager
 def guiding(model: torch.nn.Module, guidance: dict[str, Guidance], valid: torch.Tensor,
             stats: TraceStats | None = None, deep_fraction: float = 1.0) -> Iterator[None]:
     """While active, the guided linears of `model` round their activation rows (flattened [N, K])
-    with guidance[input_key(name)] ([N] rows; valid [N] marks the rows that have it).
+    with guidance[input_key(name)] ([N] rows; valid [N] marks the rows that have it; a routed experts'
+    down key has [N, top_k] rows, and each expert takes its (token, slot) rows, moe.EXPERT_ROWS).
 
     Linears that read one input (q/k/v, gate/up: ``input_key``) quantize it once: the last input's
     Q(x) is kept and handed to the next linear of the same key given the same tensor (same storage,
@@ -363,11 +394,13 @@ def guiding(model: torch.nn.Module, guidance: dict[str, Guidance], valid: torch.
     each guided input once."""
     mods = {n: m for n, m in guided_modules(model, deep_fraction).items() if input_key(n) in guidance}
     valid = valid.reshape(-1).to(torch.bool)
+    flats = {k: guidance[k].flat() for k in {input_key(n) for n in mods}}  # once per key, not per expert
     last: dict = {}  # "id": the last quantized input's identity, "x": it (held), "q": its Q(x)
+    here: dict = {}  # "rows": the expert call being guided, "cpu": its (token, slot) on the CPU
 
     def make(name, m, orig):
         key = input_key(name)
-        g = guidance[key].flat()
+        g = flats[key]
         kw = {k: v for k, v in m.input_kwargs.items() if k not in ("scale_rule", "scale_scope")}
         rule = m.input_kwargs.get("scale_rule", "6")
         expert = expert_input(name)
@@ -386,8 +419,11 @@ def guiding(model: torch.nn.Module, guidance: dict[str, Guidance], valid: torch.
                                      f"{valid.shape[0]}, but {name} runs on {rows.tokens} tokens x "
                                      f"{rows.top_k if expert[1] else 1} (the batch's tokens" +
                                      (" x top_k)" if expert[1] else ")"))
-                index = _expert_index(rows, expert[1]).to(g.bits.device)
-                gx, vx = g.index(index), valid[rows.token.to(valid.device)]
+                if here.get("rows") is not rows:  # one device -> host copy per expert call
+                    here.update(rows=rows, cpu=rows._replace(token=rows.token.cpu(), slot=rows.slot.cpu()))
+                cpu = here["cpu"]
+                gx = g.index(_expert_index(cpu, expert[1]).to(g.bits.device))
+                vx = valid[cpu.token.to(valid.device)]
             q = guided_quantize(x, gx, vx, scale_rule=rule, stats=stats, name=name, **kw)
             last.update(id=ident, x=x, q=q)
             return q
@@ -399,6 +435,7 @@ def guiding(model: torch.nn.Module, guidance: dict[str, Guidance], valid: torch.
     finally:
         _unpatch(mods)
         last.clear()
+        here.clear()
 
 
 def _version(x: torch.Tensor) -> int | None:

@@ -266,9 +266,16 @@ def test_routed_experts_are_guided_per_token_and_slot(monkeypatch):
         "model.layers.2.mlp.experts.down_proj", True)
     assert trace.expert_input("model.layers.2.mlp.down_proj") is None
     ids = torch.randint(4, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    recorded = {}
+    add_rows = trace.Recording.add_rows
+    monkeypatch.setattr(trace.Recording, "add_rows", lambda self, key, lead, index, g: recorded.update(
+        {key: recorded.get(key, 0) + index.numel()}) or add_rows(self, key, lead, index, g))
     with torch.no_grad(), trace.recording(model) as rec:
         ref, routing = model.model(ids)
     got = rec.take()
+    # each row recorded once: a token's gate/up input by one of its experts (not top_k times, nor again
+    # by up_proj), each (token, slot) down input by its expert
+    assert recorded == {key: 18 * (k if key.endswith("down_proj") else 1) for key in got}
     layers = cfg.num_hidden_layers
     assert sorted(got) == sorted(f"model.layers.{i}.mlp.experts.{p}" for i in range(layers)
                                  for p in ("gate_proj", "down_proj"))
@@ -293,6 +300,10 @@ def test_routed_experts_are_guided_per_token_and_slot(monkeypatch):
     with torch.no_grad(), trace.guiding(model, swapped, valid):
         out, _ = model.model(ids, routing=routing)
     assert not torch.equal(out, ref)
+    # experts of one layer quantized unalike would leave rows without guidance: refused, naming the fix
+    mixed = convert(tiny_model(moe=True), PrecisionContract("nvfp4-w4a16", rules={"*.experts.0.*": "w4a4"}))
+    with pytest.raises(ValueError, match="every expert of a layer must quantize .* alike.*precision rules"):
+        trace.guided_modules(mixed)
     # an expert linear run outside run_experts cannot know its rows: a clear error, not a silent guess
     expert = model.model.layers[0].mlp.experts[0]
     with (torch.no_grad(), trace.guiding(model, guidance, valid),
