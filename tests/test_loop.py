@@ -574,3 +574,7 @@ def test_trace_guides_the_routed_experts_of_the_recipe(tmp_path):
     assert "trace/code_disagree_rtn" not in plain[-1]
     # 0.0049 vs 0.033 on this job (k3 KL 2.6e-5 vs 1.3e-3)
     assert r["mismatch/logprob_abs_diff"] < 0.3 * plain[-1]["mismatch/logprob_abs_diff"], (r, plain[-1])
+    # rules that quantize one layer's experts unalike: refused before any rollout, naming the fix
+    with pytest.raises(ConfigError, match="every expert of a layer must quantize"):
+        run_tiny(assets, tmp_path, "moe_mixed", "trainer.steps=1", "precision.preset=nvfp4-w4a16",
+                 'precision.rules={"*.experts.0.*" = "w4a4"}', "precision.trace=true")
