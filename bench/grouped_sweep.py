@@ -135,13 +135,12 @@ def main():
                     us = time_calls([lambda i=i: trun(i) for i in range(len(sets))])
                 except Exception as exc:  # noqa: BLE001
                     print(f"{name} t{t} triton FAILED {repr(exc)[:400]}", flush=True)
-                    us = None
-            if "triton" in variants and us is not None:
-                out["rows"].append(dict(kernel="triton_grouped", which=name, variant="triton", n=n, k=k,
-                                        tokens=t, rows=m, us=us, floor_us=floor_us, rel_err=err,
-                                        tb_s=moved / us / 1e6))
-                print(f"{name:8s} {n}x{k} t{t:2d} {us:7.2f} us  floor {floor_us:5.2f}  "
-                      f"{moved / us / 1e6:4.2f} TB/s  err {err:.1e}  triton grouped", flush=True)
+                else:
+                    out["rows"].append(dict(kernel="triton_grouped", which=name, variant="triton", n=n, k=k,
+                                            tokens=t, rows=m, us=us, floor_us=floor_us, rel_err=err,
+                                            tb_s=moved / us / 1e6))
+                    print(f"{name:8s} {n}x{k} t{t:2d} {us:7.2f} us  floor {floor_us:5.2f}  "
+                          f"{moved / us / 1e6:4.2f} TB/s  err {err:.1e}  triton grouped", flush=True)
             for vname, c, use_pdl in configs([v for v in variants if v != "triton"], base, k):
                 ys = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in sets]
 

@@ -413,12 +413,11 @@ def guiding(model: torch.nn.Module, guidance: dict[str, Guidance], valid: torch.
                 gx, vx = g, valid
             else:  # this expert's rows of the layer's guidance
                 rows = _rows_now(name)
-                want = rows.tokens * (rows.top_k if expert[1] else 1)
-                if g.amax.shape[0] != want or valid.shape[0] != rows.tokens:
+                per = rows.top_k if expert[1] else 1  # guidance rows per token
+                if g.amax.shape[0] != rows.tokens * per or valid.shape[0] != rows.tokens:
                     raise ValueError(f"TRACE guidance of {key} has {g.amax.shape[0]} rows and valid "
-                                     f"{valid.shape[0]}, but {name} runs on {rows.tokens} tokens x "
-                                     f"{rows.top_k if expert[1] else 1} (the batch's tokens" +
-                                     (" x top_k)" if expert[1] else ")"))
+                                     f"{valid.shape[0]}, but {name} runs on {rows.tokens} tokens with {per} "
+                                     "row(s) each")
                 if here.get("rows") is not rows:  # one device -> host copy per expert call
                     here.update(rows=rows, cpu=rows._replace(token=rows.token.cpu(), slot=rows.slot.cpu()))
                 cpu = here["cpu"]
