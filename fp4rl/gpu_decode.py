@@ -196,6 +196,9 @@ class DecodeEngine:
         self.pool = None
         self.counts = {"replays": 0, "eager_steps": 0, "captures": 0}
         self.attention_error: str | None = None  # why the BF16-cache attention kernel was given up, if it was
+        self.guidance = 0.0  # TRACE: the deep fraction whose guidance every forward records (0: none)
+        self.sink = None  # its gpu_trace.GuideSink
+        self._step_guidance: dict = {}  # the last decode step's, its live rows (take_guidance)
 
     # -- cache -----------------------------------------------------------------------------------
     def new_cache(self, kind: str, rows: int, batch: int, total: int):
@@ -256,18 +259,48 @@ class DecodeEngine:
         self.lengths.fill_(slots)
         self.slot.fill_(slots - 1)
         bucket = min(_pow2(b), self.static.batch_size)
+        key = self.graph_key(bucket)
         out = None
         if self.graphs_enabled and self.graph_error is None:
-            out = self.graphs[bucket][1] if bucket in self.graphs else self._capture(bucket)
+            out = self.graphs[key][1] if key in self.graphs else self._capture(bucket)
             if out is not None:
-                self.graphs[bucket][0].replay()
+                self.graphs[key][0].replay()
                 self.counts["replays"] += 1
         if out is None:
             out = self._step(bucket)
             self.counts["eager_steps"] += 1
         view.length = slots
-        logits, chosen = out
+        logits, chosen, guidance = out
+        self._step_guidance = {k: g.index(slice(0, b)) for k, g in guidance.items()}
         return logits[:b], None if chosen is None else chosen[:, :b]
+
+    def graph_key(self, bucket: int) -> tuple:
+        """The key of `graphs` for a batch bucket: a guided step records guidance, a graph of its own."""
+        return bucket, self.guidance
+
+    # -- TRACE guidance --------------------------------------------------------------------------
+    def set_guidance(self, deep_fraction: float) -> None:
+        """Record TRACE guidance of the W4A4 linears in the deepest `deep_fraction` of the layers
+        (fp4rl.trace.guided_modules) in every forward from now on, prefill and decode (0: stop). A guided
+        decode step is captured as its own graph per batch bucket (switching back and forth recaptures
+        nothing); in the fused step its norm and SiLU kernels then also write the bf16 x whose Q(x) they
+        hand a guided site (the guidance's amax is x's)."""
+        from fp4rl import gpu_trace
+
+        deep_fraction = float(deep_fraction or 0.0)
+        if deep_fraction != self.guidance:
+            self.sink = gpu_trace.attach(self.model, deep_fraction)
+            self.guidance = deep_fraction
+            self._step_guidance = {}
+
+    def take_guidance(self) -> dict:
+        """The guidance of the last forward: a decode step's (its live rows; device tensors that the next
+        step overwrites) or, after a prefill through the engine's modules, the prefill's rows."""
+        if self.sink is None:
+            return {}
+        got = self.sink.take() or self._step_guidance
+        self._step_guidance = {}
+        return got
 
     def _capture(self, bucket: int):
         """Warm up (compile, tune, allocate) on a side stream, then capture one step; None on failure."""
@@ -297,7 +330,7 @@ class DecodeEngine:
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize(self.device)
             return None
-        self.graphs[bucket] = (graph, out, keep)
+        self.graphs[self.graph_key(bucket)] = (graph, out, keep)
         self.counts["captures"] += 1
         return out
 
@@ -321,11 +354,14 @@ class DecodeEngine:
 
     def _step(self, bb: int):
         """The decode step on the static buffers' first bb rows (what a graph captures)."""
+        if self.sink is not None:
+            self.sink.take()  # (left by a forward whose guidance nobody took)
         with pdl.step():  # programmatic dependent launches between the step's kernels (kernels/pdl.py)
             logits, chosen = self._step_fused(bb) if self.fused else self._step_modules(bb)
             # one [L_moe, bb, 1, k] tensor in the routing record's dtype: the sampler records it with one
             # index_put (no stacking of L_moe views, no cast) on the host every step
-            return logits, torch.stack(chosen).to(ROUTING_DTYPE) if chosen else None
+            guidance = self.sink.take() if self.sink is not None else {}
+            return logits, torch.stack(chosen).to(ROUTING_DTYPE) if chosen else None, guidance
 
     def _step_fused(self, bb: int):
         """_step_modules' arithmetic in fused kernels (fp4rl.kernels.fused): per layer one residual-add +
@@ -339,10 +375,11 @@ class DecodeEngine:
         cos, sin = m.rope_tables(self.positions[:bb], x.dtype)  # [bb, D]
         ctx = self._context(bb)
         h, chosen, moe = None, [], {}
+        guided = bool(self.guidance)  # TRACE: a W4A4 site records its Q(x)'s guidance, needing x (amax)
         for layer, p in zip(m.layers, self.plans):
             norm = layer.input_layernorm
             x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.in_quant,
-                                         write_y=p.in_quant is None, **moe)
+                                         write_y=p.in_quant is None or guided, **moe)
             moe = {}
             if p.qkv is not None:
                 h = self._attention_fused(layer.self_attn, p.qkv.run(n, nq), cos, sin, ctx, bb)
@@ -351,9 +388,10 @@ class DecodeEngine:
                                     bb)[:, 0]
             norm = layer.post_attention_layernorm
             x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.post_quant,
-                                         write_y=p.post_quant is None)
+                                         write_y=p.post_quant is None or guided)
             if p.gate_up is not None:
-                a, aq = fused.silu_mul(p.gate_up.run(n, nq), quant=p.down.quant, write_y=p.down.quant is None)
+                a, aq = fused.silu_mul(p.gate_up.run(n, nq), quant=p.down.quant,
+                                       write_y=p.down.quant is None or guided)
                 h = p.down.run(a, aq)  # [bb, H]
             elif layer.is_moe:
                 fold = FUSED_COMBINE and bb <= COMBINE_MAX_TOKENS and isinstance(layer.mlp, KernelMoeBlock)

@@ -46,6 +46,7 @@ class _PackedExperts:
         self.gu_g = torch.empty(len(gates), 2 * i, dtype=torch.float32, device=dev)  # per output row
         self.d_g = torch.empty(len(gates), dtype=torch.float32, device=dev)  # per expert
         self.copies = (_DecodeCopy(), _DecodeCopy())  # the mma16 copies of the gate/up and down stacks
+        self.trace_guide = None  # a gpu_trace.ExpertGuide while the engine records TRACE guidance
         self.refresh()
 
     def _copy(self, which: int):
@@ -74,7 +75,7 @@ class _PackedExperts:
         self.gu_g.copy_(torch.cat([g[:, None].expand(e, i), u[:, None].expand(e, i)], 1))
         self.d_g.copy_(torch.stack([m.weight_global_scale.float().reshape(()) for m in self.downs]))
 
-    def _run(self, which: int, x, offsets, tokens, rows=None, silu=False):
+    def _run(self, which: int, x, offsets, tokens, rows=None, silu=False, pairs=None):
         data, scale, g = ((self.gu_data, self.gu_scale, self.gu_g) if which == 0
                           else (self.d_data, self.d_scale, self.d_g))
         w = SimpleNamespace(data=data, block_scale=scale, global_scale=g)
@@ -82,20 +83,52 @@ class _PackedExperts:
             c = self._copy(which)
             if c is not None:
                 w.mma16 = c
+        xq = None
+        key = None if self.trace_guide is None else (self.trace_guide.gate_up, self.trace_guide.down)[which]
+        if key is not None and self.mode == "w4a4":  # TRACE on the engine: Q(x) made here, its guidance kept
+            x, xq = self._guided(which, key, x, rows, silu, pairs)
+            rows, silu = None, False
         # (through the module: the linears and the experts share one packed_gemm, one point to wrap)
-        return gpu_linear.packed_gemm(x, w, self.mode, self.input_kwargs, offsets, tokens=tokens, rows=rows,
-                                      silu=silu)
+        return gpu_linear.packed_gemm(None if xq is not None else x, w, self.mode, self.input_kwargs, offsets,
+                                      xq=xq, tokens=tokens, rows=rows, silu=silu)
 
-    def gate_up(self, xs, offsets, tokens: int | None = None, rows: torch.Tensor | None = None):
+    def _guided(self, which: int, key: str, x, rows, silu, pairs):
+        """(x, Q(x)) of the sorted rows after writing the guidance of key (gpu_trace module doc)."""
+        from fp4rl.kernels import fused, gemm
+
+        if pairs is None:
+            raise RuntimeError(f"TRACE on the kernel engine: {key} needs the sorted row of each (token, "
+                               "slot) pair (pairs=) to record its guidance by token")
+        kw = dict(scale_rule=self.input_kwargs["scale_rule"], err=self.input_kwargs["err"])
+        sink = self.trace_guide.sink
+        if which == 0:
+            if rows is not None:  # x: the tokens; quantized once each, then gathered (per row: same bytes)
+                xq = gemm.quantize_activations(x, **kw)
+                sink.write(key, x, xq)
+                return None, tuple(t.index_select(0, rows) for t in xq)
+            xq = gemm.quantize_activations(x, **kw)
+            sink.write(key, x, xq, src=pairs[:, 0].contiguous())  # x: the sorted rows; a token's slot-0 row
+            return x, xq
+        if silu:  # a = bf16(bf16(silu(gate)) * up) and Q(a) in one launch, as packed_gemm's W4A4 path
+            a, xq = fused.silu_mul(x, quant=kw, write_y=True)
+        else:
+            a, xq = x, gemm.quantize_activations(x, **kw)
+        sink.write(key, a, xq, src=pairs.reshape(-1), lead=tuple(pairs.shape))
+        return a, xq
+
+    def gate_up(self, xs, offsets, tokens: int | None = None, rows: torch.Tensor | None = None,
+                pairs: torch.Tensor | None = None):
         """[M, 2I] for the expert-sorted rows xs [M, H], or with rows (int32 [M]) for xs[rows] (xs: the
-        tokens; the grouped mma16 kernel reads those rows itself)."""
-        return self._run(0, xs, offsets, tokens, rows)
+        tokens; the grouped mma16 kernel reads those rows itself). pairs [n, k]: the sorted row of each
+        (token, slot) pair (TRACE records by token and slot)."""
+        return self._run(0, xs, offsets, tokens, rows, pairs=pairs)
 
-    def down(self, a, offsets, tokens: int | None = None, silu: bool = False):
+    def down(self, a, offsets, tokens: int | None = None, silu: bool = False,
+             pairs: torch.Tensor | None = None):
         """[M, H] for the sorted rows a [M, I]; silu: a is gate_up's [M, 2I] and the input is
         bf16(bf16(silu(gate)) * up) (fused.silu_mul's bits; W4A16: in the grouped kernel's x staging where it
-        runs, gemm.gemm(silu=); W4A4: silu_mul quantizes it in the same launch)."""
-        return self._run(1, a, offsets, tokens, silu=silu)
+        runs, gemm.gemm(silu=); W4A4: silu_mul quantizes it in the same launch). pairs: as gate_up's."""
+        return self._run(1, a, offsets, tokens, silu=silu, pairs=pairs)
 
 
 class _DenseExperts:
@@ -115,15 +148,17 @@ class _DenseExperts:
                 group._weight = self.gu[e]
         self.gu_t, self.d_t = self.gu.transpose(1, 2), self.d.transpose(1, 2)  # [E, K, N] views
 
+    trace_guide = None  # BF16 experts quantize nothing: never guided (pairs= is for _PackedExperts' TRACE)
+
     def refresh(self) -> None:
         pass
 
-    def gate_up(self, xs, offsets, tokens: int | None = None, rows: torch.Tensor | None = None):
+    def gate_up(self, xs, offsets, tokens: int | None = None, rows: torch.Tensor | None = None, pairs=None):
         if rows is not None:
             xs = xs.index_select(0, rows)
         return torch._grouped_mm(xs, self.gu_t, offs=offsets[1:])
 
-    def down(self, a, offsets, tokens: int | None = None, silu: bool = False):
+    def down(self, a, offsets, tokens: int | None = None, silu: bool = False, pairs=None):
         if silu:
             from fp4rl.kernels import fused
 
@@ -220,12 +255,13 @@ class KernelMoeBlock(SparseMoeBlock):
         else:
             idx, w, rows, pos, offsets = moe_route.route(gate(x), self.top_k, self.norm_topk_prob,
                                                          weight_dtype=x.dtype)
+        pairs = pos.view(n, self.top_k)  # the sorted row of each (token, slot): TRACE's guidance order
         if FUSED_GATHER:  # [n k, 2I]: x[rows], the sorted rows
-            gu = self.plan.gate_up(x, offsets, tokens=n, rows=rows)
+            gu = self.plan.gate_up(x, offsets, tokens=n, rows=rows, pairs=pairs)
         else:
-            gu = self.plan.gate_up(x.index_select(0, rows), offsets, tokens=n)
+            gu = self.plan.gate_up(x.index_select(0, rows), offsets, tokens=n, pairs=pairs)
         # down_proj of bf16(bf16(silu(gate)) * up) (torch's bits on the GPU), the SiLU fused where it can be
-        return self.plan.down(gu, offsets, tokens=n, silu=True), pos, w, idx
+        return self.plan.down(gu, offsets, tokens=n, silu=True, pairs=pairs), pos, w, idx
 
     def run_experts(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         if self.plan is None or x.dtype != KERNEL_DTYPE:
@@ -236,8 +272,12 @@ class KernelMoeBlock(SparseMoeBlock):
         ids = torch.arange(self.num_experts + 1, device=x.device)
         offsets = torch.searchsorted(flat[order], ids).to(torch.int32)  # [E + 1] start of each expert
         xs = x.index_select(0, order // k)  # [n k, H]
-        gu = self.plan.gate_up(xs, offsets, tokens=n)  # [n k, 2I]
+        pairs = None
+        if self.plan.trace_guide is not None:  # the sorted row of each (token, slot) pair
+            pairs = torch.empty_like(order).index_copy_(0, order, torch.arange(n * k, device=x.device))
+            pairs = pairs.view(n, k)
+        gu = self.plan.gate_up(xs, offsets, tokens=n, pairs=pairs)  # [n k, 2I]
         i = gu.shape[-1] // 2
-        d = self.plan.down(F.silu(gu[:, :i]) * gu[:, i:], offsets, tokens=n)  # [n k, H]
+        d = self.plan.down(F.silu(gu[:, :i]) * gu[:, i:], offsets, tokens=n, pairs=pairs)  # [n k, H]
         out = torch.empty_like(d).index_copy_(0, order, d).view(n, k, -1)  # back to (token, slot) order
         return (out.float() * topk_weight.float()[..., None]).sum(1).to(x.dtype)

@@ -302,6 +302,7 @@ class KernelPackedLinear(PackedNVFP4Linear):
     _gemv32 = None
     _dense = None
     dense_rows = 0  # calls of at least this many rows run cuBLAS on a DQ(W) copy (0: never; attach_kernels)
+    trace_guide = None  # W4A4: a gpu_trace.Guide while the engine records TRACE guidance
 
     def refresh(self) -> None:
         """Rebuild the decode (and dense) copy if the packed bytes changed (called before graph capture and
@@ -343,6 +344,8 @@ class KernelPackedLinear(PackedNVFP4Linear):
         """y [M, N] for x2 [M, K] bfloat16, or (W4A4) for its Q(x) made by a fused producer."""
         if self.mode == "w4a16":
             return self.linear(x2)
+        if self.trace_guide is not None:  # TRACE on the engine: Q(x) made here and its guidance written
+            xq = self.trace_guide.quantized(x2, xq, self.input_kwargs)
         w = self._weight_for(x2, xq, "w4a4")
         y = packed_gemm(x2, w, "w4a4", self.input_kwargs, xq=xq)
         return y if self.bias is None else y + self.bias
@@ -361,6 +364,7 @@ class KernelFusedGroup(FusedGroup):
 
     _dense = None
     dense_rows = 0  # as KernelPackedLinear's
+    trace_guide = None  # as KernelPackedLinear's
 
     def attach(self) -> None:
         ms = self.members
@@ -405,6 +409,8 @@ class KernelFusedGroup(FusedGroup):
         """The whole group's y [M, sum N] for x2 [M, K] bfloat16, or (W4A4) for its Q(x) made by a fused
         producer (then x2 may be None)."""
         m0 = self.members[0]
+        if self.trace_guide is not None and m0.mode == "w4a4":
+            xq = self.trace_guide.quantized(x2, xq, m0.input_kwargs)
         w = SimpleNamespace(data=self.data, block_scale=self.scale, global_scale=self.g_rows)
         dense = _dense_for(self, self.data, self.scale, self.g_rows,
                            x2.shape[0] if x2 is not None else xq[0].shape[0], self._g_key())

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp4rl import cpu_head, trace
+from fp4rl import cpu_head, gpu_trace, trace
 from fp4rl.batch import MAX_EXPERTS, ROUTING_DTYPE
 from fp4rl.cpu_ops import FastCPUDecoder
 from fp4rl.kvcache import KV_CACHE_KINDS, make_kv_cache
@@ -365,11 +365,13 @@ class Sampler:
                              "convert it with a W4A4 contract, e.g. PrecisionContract('nvfp4-linear') "
                              "(precision.preset = 'nvfp4-linear'; 'nvfp4-experts' for an MoE model's routed "
                              "experts), or pass guidance=0")
-        if params.guidance and self.engine is not None:
-            raise ValueError("generate: TRACE guidance (SamplingParams.guidance) is recorded on the eager "
-                             "decode path; build the Sampler with kernels=False for a guided run")
-        recording = (trace.recording(self.model, params.guidance) if params.guidance
-                     else contextlib.nullcontext())
+        if self.engine is not None:  # the engine's modules record it themselves (fp4rl.gpu_trace)
+            self.engine.set_guidance(params.guidance)
+            recording = contextlib.nullcontext(gpu_trace.EngineRecording(self.engine) if params.guidance
+                                               else None)
+        else:
+            recording = (trace.recording(self.model, params.guidance) if params.guidance
+                         else contextlib.nullcontext())
         with recording as rec:
             return self._generate(prompt_ids, params, lens, T_p, total, generator, ids, mask, version, dev, P,
                                   n, new, rec)
@@ -419,6 +421,12 @@ class Sampler:
         # from a step on the compacted batch, as a row's already depends on its batch's size and bucket.
         # The same seed still gives the same completions.)
         lookahead = self.engine is not None
+
+        def fed(rows: list[int]) -> None:  # a decode step's guidance: one row per row fed
+            fed_rows.append(torch.tensor(rows, dtype=torch.long))
+            for k, g in rec.take().items():
+                guide_steps[k].append(g)
+
         tokens, lp = self._next_tokens(logits, params, generator)  # [b], [b]
         for step in range(new):
             logprobs[active_t, step] = lp
@@ -427,6 +435,8 @@ class Sampler:
             if lookahead and step < new - 1:
                 logits = self._decode_step(cache, tokens, positions, mask, T_p + step, routing, active_t)
                 positions = positions + 1
+                if rec is not None:  # the rows fed (those finishing now ran one step too many: dropped below)
+                    fed(active)
             if ready is not None:
                 ready.synchronize()
             if self.step_clock is not None:
@@ -458,9 +468,7 @@ class Sampler:
                 logits = self._decode_step(cache, tokens, positions, mask, T_p + step, routing, active_t)
                 positions = positions + 1
                 if rec is not None:  # the rows fed: token `step` of each active row
-                    fed_rows.append(torch.tensor(active, dtype=torch.long))
-                    for k, g in rec.take().items():
-                        guide_steps[k].append(g)
+                    fed(active)
             tokens, lp = self._next_tokens(logits, params, generator)
 
         logprobs = logprobs.cpu()

@@ -56,9 +56,9 @@ def replay_us(sampler, batch: int, n: int = 20):
     if eng is None or not eng.graphs or sampler.device.type != "cuda":
         return None
     bucket = min(1 << max(0, (batch - 1).bit_length()), eng.static.batch_size)
-    if bucket not in eng.graphs:
+    if eng.graph_key(bucket) not in eng.graphs:
         return None
-    graph = eng.graphs[bucket][0]
+    graph = eng.graphs[eng.graph_key(bucket)][0]
     with torch.inference_mode():
         graph.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -171,9 +171,10 @@ def host_split(sampler, prompts, n1: int, n2: int, top_ops: int = 15) -> dict:
     eng = sampler.engine
     batch = len(prompts)
     bucket = min(1 << max(0, (batch - 1).bit_length()), eng.static.batch_size)
-    if bucket not in eng.graphs or eng.graph_error is not None or not eng.graphs_enabled:
+    key = eng.graph_key(bucket)
+    if key not in eng.graphs or eng.graph_error is not None or not eng.graphs_enabled:
         return {"error": f"no graph in use for bucket {bucket} ({eng.graph_error or 'not captured'})"}
-    graph, out, keep = eng.graphs[bucket]
+    graph, out, keep = eng.graphs[key]
     with torch.inference_mode():
         graph.replay()
         _sync(sampler.device)
@@ -182,12 +183,12 @@ def host_split(sampler, prompts, n1: int, n2: int, top_ops: int = 15) -> dict:
             graph.replay()
         enqueue = (time.perf_counter() - t) / 20
         _sync(sampler.device)
-    eng.graphs[bucket] = (_NoReplay(), out, keep)
+    eng.graphs[key] = (_NoReplay(), out, keep)
     try:
         timed_generate(sampler, prompts, 4)
         host = _median(sorted(_clocked(sampler, prompts, n2)[1] for _ in range(3)))
     finally:
-        eng.graphs[bucket] = (graph, out, keep)
+        eng.graphs[key] = (graph, out, keep)
     short, long = _cpu_ops(sampler, prompts, n1), _cpu_ops(sampler, prompts, n2)
     per = {k: ((us - short.get(k, (0, 0))[0]) / (n2 - n1), (c - short.get(k, (0, 0))[1]) / (n2 - n1))
            for k, (us, c) in long.items()}

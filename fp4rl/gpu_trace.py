@@ -1,0 +1,143 @@
+"""TRACE guidance recorded by the kernel engine (fp4rl.gpu_decode), prefill and CUDA-graph decode steps alike.
+
+On the eager path fp4rl.trace.recording patches the guided linears' ``quantize_input``; the engine's
+modules (fp4rl.gpu_linear, fp4rl.gpu_experts) quantize elsewhere (``gemm.quantize_activations``, the SiLU
+kernel), so there each guided site carries a ``Guide`` and writes the guidance of the Q(x) its GEMM takes
+into the engine's ``GuideSink`` with one launch (fp4rl.kernels.trace_record): the same keys, shapes and
+bytes as ``trace.compact`` of the same x and Q(x). In the fused decode step a producer kernel (RMSNorm,
+SiLU * up) quantizes a W4A4 site's x; while guiding it also writes x (the guidance's amax is x's), and the
+site records from both.
+
+Routed experts: the gate/up input is quantized once per token (per-row quantization does not depend on the
+other rows, so the sorted rows' Q(x) is a gather of it) and recorded per token; the down input is each
+(token, slot) pair's own, recorded in pair order through ``pairs`` (the expert-sorted row of each pair).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fp4rl import trace
+
+
+class GuideSink:
+    """The guidance written during one engine forward: input key -> Guidance (device tensors)."""
+
+    def __init__(self):
+        self.got: dict[str, trace.Guidance] = {}
+
+    def write(self, key: str, x: torch.Tensor, xq, src: torch.Tensor | None = None,
+              lead: tuple | None = None) -> None:
+        """Rows of x [R, K] quantized to xq = (data, block_scale, global_scale); src: output row p is x's
+        row src[p]; lead: the output rows' shape (default [P])."""
+        if key in self.got:  # unfused q/k/v quantize one x three times: the first is kept (trace.Recording)
+            return
+        from fp4rl.kernels import trace_record
+
+        bits, scales, amax = trace_record.record(x, xq[0], xq[1], src)
+        if lead is not None:
+            bits, scales, amax = bits.view(*lead, -1), scales.view(*lead, -1), amax.view(lead)
+        self.got[key] = trace.Guidance(bits, scales, amax)
+
+    def take(self) -> dict[str, trace.Guidance]:
+        got, self.got = self.got, {}
+        return got
+
+
+@dataclasses.dataclass
+class Guide:
+    """What a guided dense site (KernelPackedLinear / KernelFusedGroup) writes: its input key."""
+
+    sink: GuideSink
+    key: str
+
+    def quantized(self, x2: torch.Tensor | None, xq, input_kwargs: dict):
+        """Q(x2) (made here unless xq is given) after recording its guidance."""
+        from fp4rl.kernels import gemm
+
+        if x2 is None:
+            raise RuntimeError(f"TRACE on the kernel engine: {self.key} got a Q(x) without x (a fused "
+                               "producer's that did not write x; a guided step must: see _step_fused)")
+        if xq is None:
+            xq = gemm.quantize_activations(x2, scale_rule=input_kwargs["scale_rule"], err=input_kwargs["err"])
+        self.sink.write(self.key, x2, xq)
+        return xq
+
+
+@dataclasses.dataclass
+class ExpertGuide:
+    """What a guided routed-experts plan (gpu_experts._PackedExperts) writes: its gate/up and down keys
+    (None: that projection is not guided)."""
+
+    sink: GuideSink
+    gate_up: str | None
+    down: str | None
+
+
+def attach(model: torch.nn.Module, deep_fraction: float) -> GuideSink | None:
+    """Give the guided sites of the engine's `model` a Guide into one new sink (deep_fraction 0: take every
+    Guide away); the sink, or None."""
+    for m in model.modules():
+        for obj in (m, getattr(m, "group", None), getattr(m, "plan", None)):
+            if obj is not None and getattr(obj, "trace_guide", None) is not None:
+                obj.trace_guide = None
+    if not deep_fraction:
+        return None
+    try:
+        return _attach(model, deep_fraction)
+    except Exception:
+        attach(model, 0)  # nothing half-attached
+        raise
+
+
+def _attach(model: torch.nn.Module, deep_fraction: float) -> GuideSink:
+    from fp4rl.gpu_experts import KernelMoeBlock
+
+    sink = GuideSink()
+    mods = trace.guided_modules(model, deep_fraction)
+    by_id = {id(m): n for n, m in mods.items()}
+    for name, m in mods.items():
+        if trace.expert_input(name) is None:  # a fused group's members share their group's Guide
+            target = getattr(m, "group", None) or m
+            target.trace_guide = Guide(sink, trace.input_key(name))
+    covered: set[str] = set()
+    for m in model.modules():
+        if isinstance(m, KernelMoeBlock) and hasattr(m.plan, "gates"):  # packed experts (BF16: none)
+            keys = {}
+            for proj, members in (("gate_up", m.plan.gates), ("down", m.plan.downs)):
+                names = [by_id[id(e)] for e in members if id(e) in by_id]
+                keys[proj] = trace.expert_input(names[0])[0] if names else None
+            if keys["gate_up"] or keys["down"]:
+                m.plan.trace_guide = ExpertGuide(sink, **keys)
+                covered.update(k for k in keys.values() if k)
+    missing = {trace.expert_input(n)[0] for n in mods if trace.expert_input(n)} - covered
+    if missing:
+        raise ValueError(f"TRACE on the kernel engine: the routed experts of {sorted(missing)[0]} do not run "
+                         "as one packed stack (experts quantized with different settings), so their guidance "
+                         "cannot be recorded; give a layer's experts one precision rule, or sample with "
+                         "Sampler(kernels=False)")
+    return sink
+
+
+def to_host(g: trace.Guidance) -> trace.Guidance:
+    """A copy on the host that the next step cannot overwrite: pinned and non-blocking from a GPU (read it
+    after the stream syncs), a clone on the CPU."""
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cuda":
+            return t.clone()
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return out.copy_(t, non_blocking=True)
+    return trace.Guidance(one(g.bits), one(g.block_scale), one(g.amax))
+
+
+class EngineRecording:
+    """``trace.Recording``'s interface over the engine's sink: ``take`` hands over the last forward's
+    guidance (prefill: every row; decode: the step's live rows) on the host."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def take(self) -> dict[str, trace.Guidance]:
+        return {k: to_host(g) for k, g in self.engine.take_guidance().items()}
