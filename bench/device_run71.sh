@@ -22,6 +22,13 @@ t)  # the trace bench alone (call a's first run had no sys.path entry for fp4rl)
     --repeats 3 --eager-tokens 12 --out $OUT/trace71t.json > $OUT/trace71t.log 2>&1
   echo "trace exit $?"; cut -c1-300 $OUT/trace71t.log | tail -24
   ;;
+c)  # after packing each step's guidance into one host copy and the record kernel split over columns
+  timeout 150 python3 -m pytest -q -m "gpu or not slow" tests/test_gpu_trace.py > $OUT/tests71c.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests71c.log | tail -6
+  timeout 400 python3 bench/trace_gpu.py --shapes qwen3-8b:8,qwen3-30b-a3b:8 --batch 1,8,32 --tokens 40 \
+    --repeats 3 --eager-tokens 0 --out $OUT/trace71c.json > $OUT/trace71c.log 2>&1
+  echo "trace exit $?"; cut -c1-250 $OUT/trace71c.log | tail -24
+  ;;
 b)
   export FP4RL_TUNE_CACHE=/tmp/fp4rl_tune71b
   timeout 250 python3 -m fp4rl.benchmarks.gpu_kernels --sections moe --rows 1,16,64,128,256,512 \

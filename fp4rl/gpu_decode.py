@@ -198,7 +198,7 @@ class DecodeEngine:
         self.attention_error: str | None = None  # why the BF16-cache attention kernel was given up, if it was
         self.guidance = 0.0  # TRACE: the deep fraction whose guidance every forward records (0: none)
         self.sink = None  # its gpu_trace.GuideSink
-        self._step_guidance: dict = {}  # the last decode step's, its live rows (take_guidance)
+        self._step_guidance = None  # the last decode step's (take_guidance)
 
     # -- cache -----------------------------------------------------------------------------------
     def new_cache(self, kind: str, rows: int, batch: int, total: int):
@@ -271,7 +271,7 @@ class DecodeEngine:
             self.counts["eager_steps"] += 1
         view.length = slots
         logits, chosen, guidance = out
-        self._step_guidance = {k: g.index(slice(0, b)) for k, g in guidance.items()}
+        self._step_guidance = None if guidance is None else (*guidance, b)
         return logits[:b], None if chosen is None else chosen[:, :b]
 
     def graph_key(self, bucket: int) -> tuple:
@@ -291,16 +291,22 @@ class DecodeEngine:
         if deep_fraction != self.guidance:
             self.sink = gpu_trace.attach(self.model, deep_fraction)
             self.guidance = deep_fraction
-            self._step_guidance = {}
+            self._step_guidance = None
 
-    def take_guidance(self) -> dict:
-        """The guidance of the last forward: a decode step's (its live rows; device tensors that the next
-        step overwrites) or, after a prefill through the engine's modules, the prefill's rows."""
+    def take_guidance(self) -> tuple | None:
+        """The guidance of the last forward, packed (gpu_trace.pack): (flat uint8 device tensor, layout,
+        rows), rows None for every row; a decode step's (its live rows: b of the bucket's; a graph's static
+        output, which the next step overwrites) or, after a prefill through the engine's modules, the
+        prefill's. None if there is none."""
+        from fp4rl import gpu_trace
+
         if self.sink is None:
-            return {}
-        got = self.sink.take() or self._step_guidance
-        self._step_guidance = {}
-        return got
+            return None
+        got = self.sink.take()
+        if got:
+            return (*gpu_trace.pack(got), None)
+        step, self._step_guidance = self._step_guidance, None
+        return step
 
     def _capture(self, bucket: int):
         """Warm up (compile, tune, allocate) on a side stream, then capture one step; None on failure."""
@@ -354,13 +360,16 @@ class DecodeEngine:
 
     def _step(self, bb: int):
         """The decode step on the static buffers' first bb rows (what a graph captures)."""
+        from fp4rl import gpu_trace
+
         if self.sink is not None:
             self.sink.take()  # (left by a forward whose guidance nobody took)
         with pdl.step():  # programmatic dependent launches between the step's kernels (kernels/pdl.py)
             logits, chosen = self._step_fused(bb) if self.fused else self._step_modules(bb)
             # one [L_moe, bb, 1, k] tensor in the routing record's dtype: the sampler records it with one
             # index_put (no stacking of L_moe views, no cast) on the host every step
-            guidance = self.sink.take() if self.sink is not None else {}
+            # TRACE: the step's guidance packed into one tensor (a graph output; one copy to the host)
+            guidance = gpu_trace.pack(self.sink.take()) if self.sink is not None else None
             return logits, torch.stack(chosen).to(ROUTING_DTYPE) if chosen else None, guidance
 
     def _step_fused(self, bb: int):

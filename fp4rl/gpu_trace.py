@@ -16,6 +16,7 @@ other rows, so the sorted rows' Q(x) is a gather of it) and recorded per token; 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -121,23 +122,88 @@ def _attach(model: torch.nn.Module, deep_fraction: float) -> GuideSink:
     return sink
 
 
-def to_host(g: trace.Guidance) -> trace.Guidance:
-    """A copy on the host that the next step cannot overwrite: pinned and non-blocking from a GPU (read it
-    after the stream syncs), a clone on the CPU."""
-    def one(t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "cuda":
-            return t.clone()
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return out.copy_(t, non_blocking=True)
-    return trace.Guidance(one(g.bits), one(g.block_scale), one(g.amax))
+_FIELDS = ("amax", "bits", "block_scale")  # amax (float32) first: every view of the flat bytes stays aligned
+
+
+def pack(got: dict[str, trace.Guidance]) -> tuple[torch.Tensor, list] | None:
+    """Every tensor of one forward's guidance in one flat uint8 tensor (one copy to the host instead of three
+    per key), and its layout [(key, field, dtype, shape, byte offset)]; None for no guidance. The float32
+    amax come first, so each field's offset is a multiple of its element size."""
+    if not got:
+        return None
+    parts, layout, off = [], [], 0
+    for f in _FIELDS:
+        for key, g in got.items():
+            t = getattr(g, f).contiguous()
+            b = t.view(torch.uint8).reshape(-1)
+            parts.append(b)
+            layout.append((key, f, t.dtype, tuple(t.shape), off))
+            off += b.numel()
+    return torch.cat(parts), layout
+
+
+def unpack(flat: torch.Tensor, layout: list, rows: int | None = None) -> dict[str, trace.Guidance]:
+    """pack's guidance as views of `flat` (its first `rows` rows)."""
+    out: dict[str, dict] = {}
+    for key, f, dtype, shape, off in layout:
+        n = math.prod(shape) * dtype.itemsize
+        t = flat[off:off + n].view(dtype).view(shape)
+        out.setdefault(key, {})[f] = t if rows is None else t[:rows]
+    return {k: trace.Guidance(**d) for k, d in out.items()}
 
 
 class EngineRecording:
-    """``trace.Recording``'s interface over the engine's sink: ``take`` hands over the last forward's
-    guidance (prefill: every row; decode: the step's live rows) on the host."""
+    """``trace.Recording``'s interface over the engine: ``take`` hands over the last forward's guidance
+    (prefill: every row; a decode step: its live rows) as host tensors, ``flush`` makes them final.
+
+    From a GPU each forward's guidance is one packed tensor (``pack``; a decode step's is packed inside its
+    CUDA graph) copied without blocking into one of a few reused pinned buffers, then by the host into the
+    tensors ``take`` returned, once the copy is done (at the latest in ``flush``, before they are read):
+    no pinned allocation per step, one device-to-host copy per step."""
+
+    RING = 4  # pinned buffers in flight
 
     def __init__(self, engine):
         self.engine = engine
+        self.free: list[torch.Tensor] = []  # pinned buffers not in use
+        self.pending: list[tuple] = []  # (event, pinned buffer, destination), oldest first
 
     def take(self) -> dict[str, trace.Guidance]:
-        return {k: to_host(g) for k, g in self.engine.take_guidance().items()}
+        got = self.engine.take_guidance()
+        if got is None:
+            return {}
+        flat, layout, rows = got
+        dest = torch.empty(flat.numel(), dtype=torch.uint8)
+        if flat.device.type != "cuda":
+            dest.copy_(flat)
+        else:
+            buf = self._buffer(flat.numel())
+            buf[:flat.numel()].copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.pending.append((event, buf, dest))
+        return unpack(dest, layout, rows)
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        while self.pending and self.pending[0][0].query():  # copies already done: their buffers come back
+            self._finish()
+        if not self.free and len(self.pending) >= self.RING:
+            self._finish()  # wait for the oldest
+        fits = [b for b in self.free if b.numel() >= n]
+        if fits:
+            self.free.remove(fits[0])
+            return fits[0]
+        if self.free:  # too small: replaced by a larger one
+            self.free.pop(0)
+        return torch.empty(max(n, 1 << 16), dtype=torch.uint8, pin_memory=True)
+
+    def _finish(self) -> None:
+        event, buf, dest = self.pending.pop(0)
+        event.synchronize()
+        dest.copy_(buf[:dest.numel()])
+        self.free.append(buf)
+
+    def flush(self) -> None:
+        """Wait for every copy in flight: the tensors ``take`` returned hold their guidance from here on."""
+        while self.pending:
+            self._finish()

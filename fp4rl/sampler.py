@@ -474,6 +474,7 @@ class Sampler:
         logprobs = logprobs.cpu()
         guide_dec, dec_rows = {}, []
         if rec is not None:  # every step's rows one after the other; dec_rows[r]: row r's, in step order
+            rec.flush()  # (the engine's guidance copies, in flight until here)
             fed_row = torch.cat(fed_rows) if fed_rows else torch.zeros(0, dtype=torch.long)
             counts = torch.bincount(fed_row, minlength=B).tolist()
             dec_rows = torch.sort(fed_row, stable=True).indices.split(counts)

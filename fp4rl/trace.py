@@ -334,6 +334,9 @@ class Recording:
         self._experts = {}
         return got
 
+    def flush(self) -> None:
+        """Nothing in flight here (the kernel engine's recording copies from the GPU: gpu_trace)."""
+
 
 def _patch(mods: dict[str, torch.nn.Module], make) -> None:
     for name, m in mods.items():

@@ -112,7 +112,7 @@ def test_engine_stops_recording_when_guidance_is_off():
     guided = [m for m in fast.model.modules() if getattr(getattr(m, "group", None) or m, "trace_guide", None)]
     assert guided and fast.engine.sink is not None
     out = fast.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
-    assert out[0].guidance is None and fast.engine.sink is None and fast.engine.take_guidance() == {}
+    assert out[0].guidance is None and fast.engine.sink is None and fast.engine.take_guidance() is None
     assert not [m for m in fast.model.modules()
                 if getattr(getattr(m, "group", None) or m, "trace_guide", None)]
 
@@ -138,3 +138,27 @@ def test_gpu_graph_replays_record_the_eager_steps_guidance(config, contract):
             for f in ("bits", "block_scale", "amax"):
                 same = torch.equal(x.guidance[k][f].view(torch.uint8), y.guidance[k][f].view(torch.uint8))
                 assert same, (k, f)
+
+
+def test_pack_round_trips_every_key_and_field():
+    """A forward's guidance in one flat tensor and back (the step's one copy to the host): every field of
+    every key, dtypes and shapes kept, float32 views aligned whatever the byte widths before; rows cut."""
+    from fp4rl import gpu_trace
+
+    g = torch.Generator().manual_seed(0)
+    got = {"a": trace.Guidance(torch.randint(0, 255, (3, 6), generator=g, dtype=torch.uint8),
+                               torch.randn(3, 3, generator=g).to(torch.float8_e4m3fn),
+                               torch.randn(3, generator=g)),
+           "b.down_proj": trace.Guidance(torch.randint(0, 255, (3, 2, 2), generator=g, dtype=torch.uint8),
+                                         torch.randn(3, 2, 1, generator=g).to(torch.float8_e4m3fn),
+                                         torch.randn(3, 2, generator=g))}
+    flat, layout = gpu_trace.pack(got)
+    assert flat.dtype == torch.uint8 and flat.ndim == 1
+    for rows in (None, 2):
+        back = gpu_trace.unpack(flat.clone(), layout, rows)
+        assert list(back) == list(got)
+        for k, want in got.items():
+            for f in ("bits", "block_scale", "amax"):
+                w = getattr(want, f) if rows is None else getattr(want, f)[:rows]
+                assert torch.equal(getattr(back[k], f).view(torch.uint8), w.view(torch.uint8)), (k, f)
+    assert gpu_trace.pack({}) is None

@@ -17,35 +17,34 @@ import triton.language as tl
 
 from fp4rl.kernels._common import COMPILED
 
+BK = 512  # columns per program: a decode step's few rows still spread over many programs
+
 
 @triton.jit
 def _record_kernel(x_ptr, data_ptr, bs_ptr, src_ptr, bits_ptr, obs_ptr, amax_ptr, K,
                    stride_x, stride_d, stride_s, HAS_SRC: tl.constexpr, BK: tl.constexpr):
+    # program (p, c): output row p, columns [c BK, (c + 1) BK); the row's amax by an atomic max of the chunks'
+    # (|x| as int32 bits: the same order for non-negative floats, NaN above inf; amax starts at 0)
     p = tl.program_id(0)
+    k0 = tl.program_id(1) * BK
     r = p
     if HAS_SRC:
         r = tl.load(src_ptr + p).to(tl.int64)
+    cols = k0 + tl.arange(0, BK)
+    xv = tl.load(x_ptr + r * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+    tl.atomic_max(amax_ptr + p, tl.max(tl.abs(xv).to(tl.int32, bitcast=True), axis=0))
+    # output byte j of the chunk: elements k0 + 8 j .. + 7 = packed bytes k0 / 2 + 4 j + i, i in 0..3
     j = tl.arange(0, BK // 8)
     i = tl.arange(0, 4)
+    ok = (k0 + 8 * j) < K
+    d = tl.load(data_ptr + r * stride_d + k0 // 2 + 4 * j[:, None] + i[None, :], mask=ok[:, None],
+                other=0).to(tl.int32)
+    two = ((d & 1) | ((d >> 3) & 2)) << (2 * i[None, :])  # element 2i's bit at 2i, element 2i+1's at 2i+1
+    tl.store(bits_ptr + p.to(tl.int64) * (K // 8) + k0 // 8 + j, tl.sum(two, axis=1).to(tl.uint8), mask=ok)
     sb = tl.arange(0, BK // 16)
-    amax = tl.zeros([BK], dtype=tl.float32)
-    nan = tl.zeros([BK], dtype=tl.int32)  # torch's amax is NaN if any element is
-    for k0 in range(0, K, BK):
-        cols = k0 + tl.arange(0, BK)
-        xv = tl.load(x_ptr + r * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(xv))
-        nan = nan | (xv != xv).to(tl.int32)
-        # output byte j of this chunk: elements k0 + 8 j .. + 7 = packed bytes k0 / 2 + 4 j + i, i in 0..3
-        ok = (k0 + 8 * j) < K
-        d = tl.load(data_ptr + r * stride_d + k0 // 2 + 4 * j[:, None] + i[None, :], mask=ok[:, None],
-                    other=0).to(tl.int32)
-        two = ((d & 1) | ((d >> 3) & 2)) << (2 * i[None, :])  # element 2i's bit at 2i, element 2i+1's at 2i+1
-        tl.store(bits_ptr + p.to(tl.int64) * (K // 8) + k0 // 8 + j, tl.sum(two, axis=1).to(tl.uint8),
-                 mask=ok)
-        sok = (k0 + 16 * sb) < K
-        s = tl.load(bs_ptr + r * stride_s + k0 // 16 + sb, mask=sok, other=0)
-        tl.store(obs_ptr + p.to(tl.int64) * (K // 16) + k0 // 16 + sb, s, mask=sok)
-    tl.store(amax_ptr + p, tl.where(tl.max(nan, axis=0) > 0, float("nan"), tl.max(amax, axis=0)))
+    sok = (k0 + 16 * sb) < K
+    s = tl.load(bs_ptr + r * stride_s + k0 // 16 + sb, mask=sok, other=0)
+    tl.store(obs_ptr + p.to(tl.int64) * (K // 16) + k0 // 16 + sb, s, mask=sok)
 
 
 def record(x: torch.Tensor, data: torch.Tensor, block_scale: torch.Tensor,
@@ -72,10 +71,11 @@ def record(x: torch.Tensor, data: torch.Tensor, block_scale: torch.Tensor,
     dev = x.device
     bits = torch.empty(P, K // 8, dtype=torch.uint8, device=dev)
     scales = torch.empty(P, K // 16, dtype=torch.float8_e4m3fn, device=dev)
-    amax = torch.empty(P, dtype=torch.float32, device=dev)
+    amax = torch.zeros(P, dtype=torch.int32, device=dev)  # float32 bits, max-ed by the programs
     if P:
-        COMPILED["trace record"] = _record_kernel[(P,)](
+        bk = min(BK, max(16, triton.next_power_of_2(K)))
+        COMPILED["trace record"] = _record_kernel[(P, triton.cdiv(K, bk))](
             x, data, block_scale.view(torch.uint8), src if src is not None else data, bits,
             scales.view(torch.uint8), amax, K, x.stride(0), data.stride(0), block_scale.stride(0),
-            HAS_SRC=src is not None, BK=min(1024, max(16, triton.next_power_of_2(K))), num_warps=4)
-    return bits, scales, amax
+            HAS_SRC=src is not None, BK=bk, num_warps=2)
+    return bits, scales, amax.view(torch.float32)
