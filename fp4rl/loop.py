@@ -446,13 +446,11 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     # version 0 and a resumed version are held exactly as a synced one
     payload = weight_sync.build_payload(trainer.model, contract, trainer.policy_version)
     sampler_dtype = None if c.sampler.dtype == "model" else getattr(torch, c.sampler.dtype)
-    # TRACE records guidance where activations are quantized eagerly: not in the GPU decode kernels
     # the end-of-turn ids resolved here (tokenizer, config.json, generation_config.json): Ray actors rebuild
     # the model from its config alone and would miss generation_config.json's
     sampler_kwargs = dict(kv_cache=c.sampler.kv_cache, device=device, policy_version=trainer.policy_version,
                           dtype=sampler_dtype, eos_token_ids=default_eos_token_ids(trainer.model, tokenizer),
-                          **({"kernels": False} if c.precision.trace else
-                             {"dense_rows": c.sampler.dense_rows} if c.sampler.dense_rows else {}))
+                          **({"dense_rows": c.sampler.dense_rows} if c.sampler.dense_rows else {}))
     with contextlib.ExitStack() as stack:  # a Ray pool is shut down however train() ends
         sampler = rollout_sampler(trainer.model, tokenizer, sampler_kwargs, c, stack, contract)
         sampler.load(payload)
@@ -467,7 +465,7 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
             # does not wait out a rollout in progress for more than WORKER_CLOSE_S
             stack.callback(worker.close, WORKER_CLOSE_S)
             # held-out eval on the trainer's weights, here, sharded as the rollouts are (any backend;
-            # greedy or unguided, so the decode kernels even in a TRACE run)
+            # greedy and unguided)
             # (no dense copies: a second DQ(W) set for the eval's few large calls is not worth 2 B a weight)
             eval_sampler = Sampler(trainer.model, tokenizer, **{k: v for k, v in sampler_kwargs.items()
                                                                 if k not in ("kernels", "dense_rows")})
