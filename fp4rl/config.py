@@ -319,12 +319,9 @@ class RunConfig:
                     f"[{name}] must be a {cls.__name__}, got {type(getattr(self, name)).__name__}"
                 )
         sampler_dtype = self.model.dtype if self.sampler.dtype == "model" else self.sampler.dtype
-        if self.sampler.dense_rows and (self.precision.trace or self.model.device == "cpu"
-                                        or sampler_dtype != "bfloat16"):
+        if self.sampler.dense_rows and (self.model.device == "cpu" or sampler_dtype != "bfloat16"):
             fix = "set sampler.dense_rows = 0"
-            if self.precision.trace:
-                why = "precision.trace = true samples with the torch sampler (it records the guidance there)"
-            elif self.model.device == "cpu":
+            if self.model.device == "cpu":
                 why = "model.device = \"cpu\" samples on the CPU, which caches DQ(W) already"
             else:
                 why = (f"the sampler computes in {sampler_dtype} (sampler.dtype = \"{self.sampler.dtype}\"), "

@@ -200,7 +200,7 @@ class Sampler:
             raise ValueError(f"Sampler dense_rows={dense_rows!r}: an integer >= 0 (0: off)")
         if dense_rows and not kernels:
             raise ValueError(f"Sampler dense_rows={dense_rows} is for the CUDA kernel engine (kernels=True: "
-                             f"a bfloat16 sampler on CUDA, not TRACE); this sampler runs torch on "
+                             f"a bfloat16 sampler on CUDA); this sampler runs torch on "
                              f"{self.device} in {self.dtype}: pass dense_rows=0 (the CPU sampler caches "
                              "DQ(W) already)")
         self.dense_rows = dense_rows
