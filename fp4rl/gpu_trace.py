@@ -37,10 +37,10 @@ class GuideSink:
             return
         from fp4rl.kernels import trace_record
 
-        bits, scales, chunks = trace_record.record(x, xq[0], xq[1], src)
+        bits, scales, amax = trace_record.record(x, xq[0], xq[1], src)
         if lead is not None:
-            bits, scales, chunks = bits.view(*lead, -1), scales.view(*lead, -1), chunks.view(*lead, -1)
-        self.got[key] = trace.Guidance(bits, scales, chunks)  # (amax: its chunk maxima [..., C], see unpack)
+            bits, scales, amax = bits.view(*lead, -1), scales.view(*lead, -1), amax.view(lead)
+        self.got[key] = trace.Guidance(bits, scales, amax)
 
     def take(self) -> dict[str, trace.Guidance]:
         got, self.got = self.got, {}
@@ -142,28 +142,14 @@ def pack(got: dict[str, trace.Guidance]) -> tuple[torch.Tensor, list] | None:
     return torch.cat(parts), layout
 
 
-def unpack(flat: torch.Tensor, layout: list, rows: int | None = None):
-    """pack's guidance (its first `rows` rows) as views of `flat`, and what ``finish`` completes once flat
-    holds the bytes: each amax is the max of the record kernel's chunk maxima (its last dim)."""
+def unpack(flat: torch.Tensor, layout: list, rows: int | None = None) -> dict[str, trace.Guidance]:
+    """pack's guidance as views of `flat` (its first `rows` rows)."""
     out: dict[str, dict] = {}
-    finals = []
     for key, f, dtype, shape, off in layout:
         n = math.prod(shape) * dtype.itemsize
         t = flat[off:off + n].view(dtype).view(shape)
-        t = t if rows is None else t[:rows]
-        if f == "amax":
-            finals.append((torch.empty(t.shape[:-1], dtype=t.dtype), t))
-            t = finals[-1][0]
-        out.setdefault(key, {})[f] = t
-    return {k: trace.Guidance(**d) for k, d in out.items()}, finals
-
-
-def finish(finals: list) -> None:
-    """unpack's amax from their chunk maxima (after the bytes arrived)."""
-    from fp4rl.kernels.trace_record import row_amax
-
-    for amax, chunks in finals:
-        amax.copy_(row_amax(chunks))
+        out.setdefault(key, {})[f] = t if rows is None else t[:rows]
+    return {k: trace.Guidance(**d) for k, d in out.items()}
 
 
 class EngineRecording:
@@ -188,17 +174,15 @@ class EngineRecording:
             return {}
         flat, layout, rows = got
         dest = torch.empty(flat.numel(), dtype=torch.uint8)
-        out, finals = unpack(dest, layout, rows)
         if flat.device.type != "cuda":
             dest.copy_(flat)
-            finish(finals)
         else:
             buf = self._buffer(flat.numel())
             buf[:flat.numel()].copy_(flat, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self.pending.append((event, buf, dest, finals))
-        return out
+            self.pending.append((event, buf, dest))
+        return unpack(dest, layout, rows)
 
     def _buffer(self, n: int) -> torch.Tensor:
         while self.pending and self.pending[0][0].query():  # copies already done: their buffers come back
@@ -214,10 +198,9 @@ class EngineRecording:
         return torch.empty(max(n, 1 << 16), dtype=torch.uint8, pin_memory=True)
 
     def _finish(self) -> None:
-        event, buf, dest, finals = self.pending.pop(0)
+        event, buf, dest = self.pending.pop(0)
         event.synchronize()
         dest.copy_(buf[:dest.numel()])
-        finish(finals)
         self.free.append(buf)
 
     def flush(self) -> None:
