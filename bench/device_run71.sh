@@ -39,3 +39,11 @@ b)
   echo "sweep exit $?"; grep -v '^\[' $OUT/grouped71b.log | cut -c1-170 | tail -30
   ;;
 esac
+# (mode s: the record kernels on a side stream of the graph against the default, Qwen3-8B shape, batch 1 and 8)
+if [ "$1" = s ]; then
+  timeout 150 python3 bench/trace_gpu.py --shapes qwen3-8b:8 --batch 1,8 --tokens 40 --repeats 3 \
+    --eager-tokens 0 --side-stream 0,1 --out $OUT/trace71s.json > $OUT/trace71s.log 2>&1
+  echo "side exit $?"; python3 -c "
+import json; d = json.load(open('$OUT/trace71s.json'))
+print([(r['batch'], r['guidance'], r['side_stream'], round(r.get('step_ms', 0), 3), r.get('error')) for r in d['rows']])"
+fi

@@ -58,6 +58,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--eager-tokens", type=int, default=12, help="new tokens of the eager sampler's generate "
                    "(kernels=False; 0 to skip it)")
+    p.add_argument("--side-stream", default="0", help="comma-separated settings of gpu_trace.SIDE_STREAM "
+                   "for the guided engine rows (1: record kernels on a side stream of the graph)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.tokens < CLOCK_SKIP + 2 or (args.eager_tokens and args.eager_tokens < CLOCK_SKIP + 2):
@@ -66,6 +68,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("trace_gpu needs a CUDA GPU")
         return 1
+    from fp4rl import gpu_trace
     from fp4rl.precision import PrecisionContract
     from fp4rl.qat import convert
     from fp4rl.sampler import Sampler
@@ -87,13 +90,18 @@ def main() -> int:
         for batch in (int(b) for b in args.batch.split(",")):
             g = torch.Generator().manual_seed(batch)
             prompts = torch.randint(0, cfg["vocab_size"], (batch, args.prompt), generator=g).tolist()
-            for name, guidance in (("engine", 0.0), ("engine", 1.0), ("eager", 1.0)):
+            sides = [int(v) for v in args.side_stream.split(",")]
+            arms = [("engine", 0.0, 0)] + [("engine", 1.0, side) for side in sides] + [("eager", 1.0, 0)]
+            for name, guidance, side in arms:
                 if name not in samplers:
                     continue
                 s = samplers[name]
+                if s.engine is not None and bool(side) != gpu_trace.SIDE_STREAM:
+                    gpu_trace.SIDE_STREAM = bool(side)
+                    s.engine.reset_graphs()  # (recaptured with the other form)
                 tokens = args.tokens if name == "engine" else args.eager_tokens
                 row = {"shape": shape, "layers": int(layers), "preset": preset, "batch": batch,
-                       "sampler": name, "guidance": guidance}
+                       "sampler": name, "guidance": guidance, "side_stream": bool(side)}
                 try:
                     clocked(s, prompts, CLOCK_SKIP + 2, guidance)  # compile, tune, capture
                     runs = [clocked(s, prompts, tokens, guidance) for _ in range(args.repeats)]

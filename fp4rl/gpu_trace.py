@@ -17,10 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 
 from fp4rl import trace
+
+# FP4RL_TRACE_SIDE_STREAM=1: the record kernels run on a side stream (forked after each guided input's
+# quantizer, joined before the step's guidance is packed), off the GEMMs' chain of dependent launches.
+# Not measured yet (bench/RESULTS.md, twenty-fourth session): off by default.
+SIDE_STREAM = os.environ.get("FP4RL_TRACE_SIDE_STREAM", "0") == "1"
 
 
 class GuideSink:
@@ -28,6 +34,8 @@ class GuideSink:
 
     def __init__(self):
         self.got: dict[str, trace.Guidance] = {}
+        self._side = None  # SIDE_STREAM: the CUDA stream the record kernels run on
+        self._held: list = []  # their inputs, kept alive (not reused by the allocator) until the join
 
     def write(self, key: str, x: torch.Tensor, xq, src: torch.Tensor | None = None,
               lead: tuple | None = None) -> None:
@@ -37,12 +45,24 @@ class GuideSink:
             return
         from fp4rl.kernels import trace_record
 
-        bits, scales, amax = trace_record.record(x, xq[0], xq[1], src)
+        if SIDE_STREAM and x.is_cuda:
+            main = torch.cuda.current_stream(x.device)
+            if self._side is None:
+                self._side = torch.cuda.Stream(x.device)
+            self._side.wait_stream(main)
+            self._held.append((x, xq, src))
+            with torch.cuda.stream(self._side):
+                bits, scales, amax = trace_record.record(x, xq[0], xq[1], src)
+        else:
+            bits, scales, amax = trace_record.record(x, xq[0], xq[1], src)
         if lead is not None:
             bits, scales, amax = bits.view(*lead, -1), scales.view(*lead, -1), amax.view(lead)
         self.got[key] = trace.Guidance(bits, scales, amax)
 
     def take(self) -> dict[str, trace.Guidance]:
+        if self._held:  # the side stream's record kernels: joined before anyone reads their outputs
+            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
+            self._held = []
         got, self.got = self.got, {}
         return got
 
