@@ -25,7 +25,8 @@ from fp4rl import trace
 
 # FP4RL_TRACE_SIDE_STREAM=1: the record kernels run on a side stream (forked after each guided input's
 # quantizer, joined before the step's guidance is packed), off the GEMMs' chain of dependent launches.
-# Not measured yet (bench/RESULTS.md, twenty-fourth session): off by default.
+# Not yet run on a GPU (no device time was left in the twenty-fourth session; bench/device_run71.sh s runs its
+# GPU test and times it): off by default.
 SIDE_STREAM = os.environ.get("FP4RL_TRACE_SIDE_STREAM", "0") == "1"
 
 

@@ -121,10 +121,15 @@ def test_engine_stops_recording_when_guidance_is_off():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("config,contract", [(DENSE, "nvfp4-linear"), (MOE, "nvfp4-experts")])
-def test_gpu_graph_replays_record_the_eager_steps_guidance(config, contract):
+@pytest.mark.parametrize("side", [False, True])
+def test_gpu_graph_replays_record_the_eager_steps_guidance(config, contract, side, monkeypatch):
     """On a GPU the guided steps are CUDA-graph replays (their guidance buffers copied to pinned host memory
-    before the next step overwrites them): the same guidance bytes as the engine decoding eagerly."""
+    before the next step overwrites them): the same guidance bytes as the engine decoding eagerly; with the
+    record kernels on a side stream (gpu_trace.SIDE_STREAM) too."""
+    from fp4rl import gpu_trace
     from fp4rl.sampler import Sampler
+
+    monkeypatch.setattr(gpu_trace, "SIDE_STREAM", side)
 
     model = tiny(config, contract)
     params = SamplingParams(n=2, max_new_tokens=8, seed=4, guidance=1.0)
