@@ -33,14 +33,15 @@ sampler's own model copy. What it changes, and what it computes:
   the torch path takes ~20
   (`FUSED_COMBINE` / FP4RL_MOE_COMBINE=0, and gpu_experts' FUSED_ROUTER (up to ROUTER_MAX_TOKENS) /
   FUSED_GATHER, gemm.FUSED_SILU for A/B).
-- CUDA graphs: one graph per batch bucket (powers of two up to B_cap), captured on first use
+- CUDA graphs: one graph per batch bucket (powers of two up to B_cap; and per TRACE guidance fraction,
+  `set_guidance`: a guided step also records guidance, fp4rl/gpu_trace.py), captured on first use
   after an eager warm-up step on a side stream (Triton compiles and the GEMM tuner runs there,
   never during capture), replayed for every decode step of that bucket. Inputs (tokens, RoPE
   positions, first real slot per row, current length) are copied into static buffers; rows past
   the live batch in a bucket compute on stale data nobody reads. The step has no host sync
   (quantize with check_finite=False, routing sorted on the device). If capture fails the engine
   warns once, records why (`graph_error`) and decodes eagerly with the same code (until `set_fused`
-  switches the step, which then gets its own capture).
+  switches the step, which then gets its own capture; one failure, guided or not, stops every graph).
 """
 
 from __future__ import annotations
@@ -107,6 +108,13 @@ class _Site:
 
     def __init__(self, run, quant: dict | None = None):
         self.run, self.quant = run, quant
+
+
+def _records(site: _Site | None) -> bool:
+    """Whether the site's module records TRACE guidance now (a gpu_trace.Guide on it: it needs x, not only
+    the Q(x) its producer makes)."""
+    owner = getattr(getattr(site, "run", None), "__self__", None)
+    return getattr(owner, "trace_guide", None) is not None
 
 
 def _quant_of(m: PackedNVFP4Linear) -> dict | None:
@@ -191,7 +199,7 @@ class DecodeEngine:
         self.plans = fused_plans(model)  # None: the fused step does not cover this model
         self.fused = (FUSED if fused is None else fused) and self.plans is not None
         self.static = None  # the SamplerKVCache all generate calls write into
-        self.graphs: dict[int, tuple] = {}  # bucket -> (CUDAGraph, outputs, workspaces kept alive)
+        self.graphs: dict[tuple, tuple] = {}  # graph_key -> (CUDAGraph, outputs, workspaces kept alive)
         self.graph_error: str | None = None
         self.pool = None
         self.counts = {"replays": 0, "eager_steps": 0, "captures": 0}
@@ -288,10 +296,13 @@ class DecodeEngine:
         from fp4rl import gpu_trace
 
         deep_fraction = float(deep_fraction or 0.0)
+        if self.sink is not None:
+            self.sink.take()  # (guidance of a forward nobody took, e.g. one that failed: not the next one's)
+        self._step_guidance = None
         if deep_fraction != self.guidance:
+            self.sink, self.guidance = None, 0.0  # (attach takes every Guide away first, even if it fails)
             self.sink = gpu_trace.attach(self.model, deep_fraction)
             self.guidance = deep_fraction
-            self._step_guidance = None
 
     def take_guidance(self) -> tuple | None:
         """The guidance of the last forward, packed (gpu_trace.pack): (flat uint8 device tensor, layout,
@@ -384,11 +395,11 @@ class DecodeEngine:
         cos, sin = m.rope_tables(self.positions[:bb], x.dtype)  # [bb, D]
         ctx = self._context(bb)
         h, chosen, moe = None, [], {}
-        guided = bool(self.guidance)  # TRACE: a W4A4 site records its Q(x)'s guidance, needing x (amax)
         for layer, p in zip(m.layers, self.plans):
             norm = layer.input_layernorm
+            # (TRACE: a guided W4A4 site records its Q(x)'s guidance, and needs x too: its amax)
             x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.in_quant,
-                                         write_y=p.in_quant is None or guided, **moe)
+                                         write_y=p.in_quant is None or _records(p.qkv), **moe)
             moe = {}
             if p.qkv is not None:
                 h = self._attention_fused(layer.self_attn, p.qkv.run(n, nq), cos, sin, ctx, bb)
@@ -397,10 +408,10 @@ class DecodeEngine:
                                     bb)[:, 0]
             norm = layer.post_attention_layernorm
             x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.post_quant,
-                                         write_y=p.post_quant is None or guided)
+                                         write_y=p.post_quant is None or _records(p.gate_up))
             if p.gate_up is not None:
                 a, aq = fused.silu_mul(p.gate_up.run(n, nq), quant=p.down.quant,
-                                       write_y=p.down.quant is None or guided)
+                                       write_y=p.down.quant is None or _records(p.down))
                 h = p.down.run(a, aq)  # [bb, H]
             elif layer.is_moe:
                 fold = FUSED_COMBINE and bb <= COMBINE_MAX_TOKENS and isinstance(layer.mlp, KernelMoeBlock)

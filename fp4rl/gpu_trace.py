@@ -26,7 +26,7 @@ from fp4rl import trace
 # FP4RL_TRACE_SIDE_STREAM=1: the record kernels run on a side stream (forked after each guided input's
 # quantizer, joined before the step's guidance is packed), off the GEMMs' chain of dependent launches.
 # Not yet run on a GPU (no device time was left in the twenty-fourth session; bench/device_run71.sh s runs its
-# GPU test and times it): off by default.
+# GPU test and times it): off by default until it has.
 SIDE_STREAM = os.environ.get("FP4RL_TRACE_SIDE_STREAM", "0") == "1"
 
 
@@ -116,6 +116,7 @@ def attach(model: torch.nn.Module, deep_fraction: float) -> GuideSink | None:
 
 def _attach(model: torch.nn.Module, deep_fraction: float) -> GuideSink:
     from fp4rl.gpu_experts import KernelMoeBlock
+    from fp4rl.gpu_linear import KernelFusedGroup, KernelPackedLinear
 
     sink = GuideSink()
     mods = trace.guided_modules(model, deep_fraction)
@@ -123,6 +124,10 @@ def _attach(model: torch.nn.Module, deep_fraction: float) -> GuideSink:
     for name, m in mods.items():
         if trace.expert_input(name) is None:  # a fused group's members share their group's Guide
             target = getattr(m, "group", None) or m
+            if not isinstance(target, (KernelPackedLinear, KernelFusedGroup)):
+                raise ValueError(f"TRACE on the kernel engine: {name} does not run on the GPU kernels (a "
+                                 "shape they do not take), so its guidance cannot be recorded there; sample "
+                                 "with Sampler(kernels=False), or turn precision.trace off")
             target.trace_guide = Guide(sink, trace.input_key(name))
     covered: set[str] = set()
     for m in model.modules():
@@ -201,7 +206,7 @@ class EngineRecording:
             buf = self._buffer(flat.numel())
             buf[:flat.numel()].copy_(flat, non_blocking=True)
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(flat.device))
             self.pending.append((event, buf, dest))
         return unpack(dest, layout, rows)
 

@@ -131,7 +131,8 @@ class Sampler:
     kernels      Triton NVFP4 kernels, static KV cache, grouped experts (fp4rl/gpu_decode.py); needs
                  dtype bfloat16 (default: on for CUDA in bfloat16, off elsewhere; the CPU runs them
                  only under TRITON_INTERPRET=1).
-    cuda_graphs  with kernels on CUDA: one CUDA graph per decode batch bucket (default: on).
+    cuda_graphs  with kernels on CUDA: one CUDA graph per decode batch bucket (and TRACE guidance fraction:
+                 guided generates record the guidance inside their graphs; default: on).
     prepack      BF16 on the CPU: every linear computes with its weight reordered once per weight
                  version for oneDNN, bit-identical to F.linear and 1.5-2.6x faster per GEMM (default:
                  on for a BF16 CPU sampler where torch's oneDNN supports BF16); see fp4rl/packed.py.

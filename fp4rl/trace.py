@@ -46,8 +46,9 @@ the sampler's code.
 
 Hooks: ``recording(model)`` captures guidance from every guided linear's activation quantizer while
 the sampler's model runs (``Recording.take`` hands it over per forward); ``guiding(model, guidance)``
-makes the trainer's guided linears round with it for one forward. Both hook the one place where
-activations are quantized, ``quantize_input`` of qat.NVFP4Linear / packed.PackedNVFP4Linear.
+makes the trainer's guided linears round with it for one forward. Both hook the one place where the
+torch paths quantize activations, ``quantize_input`` of qat.NVFP4Linear / packed.PackedNVFP4Linear; the
+GPU kernel sampler quantizes in its own modules and records there (fp4rl.gpu_trace, same keys and bytes).
 """
 
 from __future__ import annotations

@@ -106,16 +106,40 @@ def test_engine_guidance_guides_the_trainer_to_the_engines_tokens(config, contra
     assert guided < 0.03 and guided < rtn / 4, (rtn, guided)
 
 
-def test_engine_stops_recording_when_guidance_is_off():
-    """set_guidance(0) (an unguided generate) takes every Guide away: no guidance, no recording launches."""
+def _guides(model) -> list:
+    return [m for m in model.modules() if getattr(getattr(m, "group", None) or m, "trace_guide", None)]
+
+
+def test_engine_guidance_on_off_and_refused_sites():
+    """set_guidance(0) (an unguided generate) takes every Guide away: no guidance, no recording launches.
+    Guidance left in the sink by a forward nobody took is not handed to the next generate. A guided linear
+    the engine does not run on its kernels cannot record: refused by name, and nothing stays attached (the
+    next guided generate attaches again)."""
+    from fp4rl import trace
+    from fp4rl.packed import PackedNVFP4Linear
+
     fast, _ = _pair(DENSE, "nvfp4-linear", "bf16")
-    fast.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, guidance=1.0))
-    guided = [m for m in fast.model.modules() if getattr(getattr(m, "group", None) or m, "trace_guide", None)]
-    assert guided and fast.engine.sink is not None
+    params = SamplingParams(max_new_tokens=2, guidance=1.0)
+    first = fast.generate(PROMPTS[:1], params)
+    assert _guides(fast.model) and fast.engine.sink is not None
     out = fast.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
     assert out[0].guidance is None and fast.engine.sink is None and fast.engine.take_guidance() is None
-    assert not [m for m in fast.model.modules()
-                if getattr(getattr(m, "group", None) or m, "trace_guide", None)]
+    assert not _guides(fast.model)
+    half = fast.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, guidance=0.5))[0].guidance
+    assert sorted(half) == sorted(k for k in first[0].guidance if ".layers.1." in k)  # the deeper half
+    fast.generate(PROMPTS[:1], params)
+    fast.engine.sink.got["stale"] = trace.Guidance.empty((1,), 16)  # (a forward whose guidance nobody took)
+    assert sorted(fast.generate(PROMPTS[:1], params)[0].guidance) == sorted(first[0].guidance)
+    o = fast.model.model.layers[0].self_attn.o_proj
+    kernel_class, o.__class__ = o.__class__, PackedNVFP4Linear  # as if the kernels did not take its shape
+    fast.engine.set_guidance(0.5)  # the last layer only: fine
+    assert fast.engine.guidance == 0.5 and _guides(fast.model)
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.o_proj does not run on the GPU kernels.*"
+                                         r"kernels=False"):
+        fast.engine.set_guidance(1.0)
+    assert not _guides(fast.model) and fast.engine.guidance == 0.0 and fast.engine.sink is None
+    o.__class__ = kernel_class
+    assert sorted(fast.generate(PROMPTS[:1], params)[0].guidance) == sorted(first[0].guidance)
 
 
 @pytest.mark.gpu

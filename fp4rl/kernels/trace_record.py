@@ -33,7 +33,7 @@ def _record_kernel(x_ptr, data_ptr, bs_ptr, src_ptr, bits_ptr, obs_ptr, amax_ptr
     # (|x| as int32 bits: the same order for non-negative floats, NaN above inf; amax starts at 0)
     p = tl.program_id(0)
     k0 = tl.program_id(1) * BK
-    r = p
+    r = p.to(tl.int64)  # (row offsets of a long prefill pass 2^31)
     if HAS_SRC:
         r = tl.load(src_ptr + p).to(tl.int64)
     cols = k0 + tl.arange(0, BK)
