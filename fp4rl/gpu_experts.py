@@ -102,11 +102,10 @@ class _PackedExperts:
         kw = dict(scale_rule=self.input_kwargs["scale_rule"], err=self.input_kwargs["err"])
         sink = self.trace_guide.sink
         if which == 0:
+            xq = gemm.quantize_activations(x, **kw)
             if rows is not None:  # x: the tokens; quantized once each, then gathered (per row: same bytes)
-                xq = gemm.quantize_activations(x, **kw)
                 sink.write(key, x, xq)
                 return None, tuple(t.index_select(0, rows) for t in xq)
-            xq = gemm.quantize_activations(x, **kw)
             sink.write(key, x, xq, src=pairs[:, 0].contiguous())  # x: the sorted rows; a token's slot-0 row
             return x, xq
         if silu:  # a = bf16(bf16(silu(gate)) * up) and Q(a) in one launch, as packed_gemm's W4A4 path

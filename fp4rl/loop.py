@@ -468,7 +468,7 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
             # greedy and unguided)
             # (no dense copies: a second DQ(W) set for the eval's few large calls is not worth 2 B a weight)
             eval_sampler = Sampler(trainer.model, tokenizer, **{k: v for k, v in sampler_kwargs.items()
-                                                                if k not in ("kernels", "dense_rows")})
+                                                                if k != "dense_rows"})
             if c.distributed.samplers > 1:
                 eval_sampler = LocalShards(eval_sampler, c.distributed.samplers)
             eval_sampler.load(payload)
