@@ -7,7 +7,9 @@ One step s = 1, 2, ..., trainer.steps:
     rewards   = task.score(...)                           -> group advantages (fp4rl.grpo)
     batch     = Batch.from_completions(kept groups)       zero-variance groups dropped (if configured)
     metrics   = trainer.step(batch)                       policy_version s - 1 -> s
-    payload   = weight_sync.build_payload(trainer)        packed NVFP4 + the BF16 rest
+    payload   = weight_sync.build_payload(trainer)        packed NVFP4 + the BF16 rest (unsealed: no
+                                                          checksums until to_bytes, which a Ray pool or
+                                                          torch.distributed sampler calls)
     sampler.load(payload)                                  the sampler now holds version s
 
 Versions. policy_version v is the policy after v trainer steps (v = 0: the initial model).
@@ -444,7 +446,8 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
 
     # Samplers start from a payload like every later version does (dense tensors in BF16), so
     # version 0 and a resumed version are held exactly as a synced one
-    payload = weight_sync.build_payload(trainer.model, contract, trainer.policy_version)
+    payload = weight_sync.build_payload(trainer.model, contract, trainer.policy_version,
+                                         seal=False)  # sealed by to_bytes if it leaves the process
     sampler_dtype = None if c.sampler.dtype == "model" else getattr(torch, c.sampler.dtype)
     # the end-of-turn ids resolved here (tokenizer, config.json, generation_config.json): Ray actors rebuild
     # the model from its config alone and would miss generation_config.json's
@@ -505,7 +508,8 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
                 })
                 record.update(trainer.step(batch))
                 sync_start = time.perf_counter()
-                payload = weight_sync.build_payload(trainer.model, contract, trainer.policy_version)
+                payload = weight_sync.build_payload(trainer.model, contract, trainer.policy_version,
+                                                    seal=False)
                 if worker:
                     worker.publish(trainer.policy_version, payload)
                 else:

@@ -8,18 +8,24 @@ and lm_head when BF16, biases) goes in `dense_dtype` (BF16 by default; pass torc
 bit-exact FP32 sampler). Tied parameters travel once.
 
 Integrity. Each tensor has a BLAKE2b-128 checksum over (name, dtype, shape, bytes); the payload's
-`digest` hashes the version, the quantizer settings and every checksum in name order.
+`digest` hashes the version, the quantizer settings and every checksum in name order. Sealing (computing
+them: a copy of every byte to the host and a hash of it) is for payloads that leave their process:
+`build_payload(..., seal=False)` makes an unsealed payload for samplers in the same process (the RL loop's),
+which `to_bytes` seals before the bytes go anywhere; until then its `digest` is a name unique to the object
+(`local_digest`, kept after sealing so that a sampler holding it accepts the sealed re-push).
 `apply_payload` (what `Sampler.load` calls) validates everything before it touches a weight:
 - the version is not older than the sampler's; an equal version is accepted only as a re-push of
   the payload the sampler holds (same digest: a version names one set of weights);
 - the names are exactly the sampler's packed and dense tensors; shapes, dtypes, NVFP4 metadata
   (tile, 4/6 rule) and each packed linear's mode and activation quantizer settings match;
-- every checksum and the digest recompute to the stored values (a flipped byte is named);
-- every dense tensor and packed global scale is finite (no NaN / Inf, e.g. from a diverged trainer).
+- a sealed payload's checksums and digest recompute to the stored values (a flipped byte is named);
+- every dense tensor and packed global scale is finite (no NaN / Inf, e.g. from a diverged trainer; one
+  min/max per tensor and one host sync for all of them).
 Only then are the tensors copied in place; a refused payload raises ValueError and the sampler
 keeps its old weights. With verify=True the sampler's own tensors are hashed again after the
-copy and must reproduce the payload's checksums (a dense tensor: its bytes in the sampler's dtype, compared
-byte for byte): the sampler then provably holds the bytes the trainer's forward quantized
+copy and must reproduce the payload's checksums (unsealed: its packed tensors compared byte for byte; a
+dense tensor: its bytes in the sampler's dtype, compared byte for byte): the sampler then provably holds the
+bytes the trainer's forward quantized
 (`verify_equal` checks that directly against a trainer in-process).
 A verify failure (VerifyError, a ValueError) comes after the copy, so the old weights are gone:
 the Sampler then refuses to generate until a load succeeds; so does any other exception raised once the
@@ -36,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +87,14 @@ class Payload:
     input_kwargs: dict  # the contract's activation quantizer settings (W4A4)
     checksums: dict[str, str] = field(default_factory=dict)
     digest: str = ""
+    sealed: bool = False  # checksums and digest computed (seal(), from_bytes); unsealed: never left home
+    # a name unique to this object (not copied by dataclasses.replace): an unsealed payload's digest
+    local_digest: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.local_digest = f"local-{uuid.uuid4().hex}"
+        if not self.sealed:
+            self.digest = self.local_digest
 
     # -- integrity ---------------------------------------------------------------------------
     def items(self):
@@ -102,10 +117,19 @@ class Payload:
     def seal(self) -> Payload:
         self.checksums = self.compute_checksums()
         self.digest = self.compute_digest(self.checksums)
+        self.sealed = True
         return self
+
+    def names_weights(self, digest: str | None) -> bool:
+        """Whether `digest` (a sampler's weights_digest) names this payload's weights: its digest, or the
+        unique name it had before it was sealed."""
+        return digest is not None and digest in (self.digest, self.local_digest)
 
     def check(self) -> None:
         """Raise ValueError naming the first tensor whose bytes do not hash to its checksum."""
+        if not self.sealed:
+            raise ValueError(f"weight sync payload v{self.version} is not sealed: it has no checksums to "
+                             "check (seal() it, or build it with build_payload(..., seal=True))")
         names = {name for name, _ in self.items()}
         if names != set(self.checksums):
             raise ValueError(f"weight sync payload v{self.version}: checksums list "
@@ -156,7 +180,10 @@ class Payload:
                 for name, q in self.packed.items()}
 
     def to_bytes(self) -> bytes:
-        """safetensors bytes: tensors under their payload names, everything else in the header."""
+        """safetensors bytes: tensors under their payload names, everything else in the header (an unsealed
+        payload is sealed first, in place)."""
+        if not self.sealed:
+            self.seal()
         header = dict(format=FORMAT, version=self.version, modes=self.modes, input_kwargs=self.input_kwargs,
                       packed=self._packed_meta(), checksums=self.checksums, digest=self.digest)
         tensors = {name: t.detach().contiguous().cpu() for name, t in self.items()}
@@ -203,7 +230,7 @@ class Payload:
                                        hadamard_seed=hadamard_seed)
         return cls(version=header["version"], packed=packed, dense=tensors, modes=header["modes"],
                    input_kwargs=header["input_kwargs"], checksums=header["checksums"],
-                   digest=header["digest"])
+                   digest=header["digest"], sealed=True)
 
     def save(self, path: str | os.PathLike) -> None:
         with open(path, "wb") as f:
@@ -220,11 +247,12 @@ class Payload:
 
 
 def build_payload(trainer_model: nn.Module, contract: PrecisionContract, version: int, *,
-                  dense_dtype: torch.dtype = torch.bfloat16) -> Payload:
+                  dense_dtype: torch.dtype = torch.bfloat16, seal: bool = True) -> Payload:
     """The payload of `trainer_model` (converted with `contract`) at policy `version`.
 
     Packed tensors are the trainer's cached quantized weights themselves (never modified in place:
-    a weight change makes a new Q(W)); dense tensors are copies in dense_dtype."""
+    a weight change makes a new Q(W)); dense tensors are copies in dense_dtype. seal=False: no checksums
+    (for samplers in this process; `to_bytes` seals it before it travels)."""
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"build_payload: version={version!r} must be an integer >= 0")
     resolved = contract.resolve(trainer_model)
@@ -245,7 +273,8 @@ def build_payload(trainer_model: nn.Module, contract: PrecisionContract, version
     dense = {name: p.detach().to(dtype=dense_dtype, copy=True)
              for name, p in trainer_model.named_parameters() if name not in skip}  # tied: once
     modes = {f"{name}.weight": m.mode for name, m in converted.items()}
-    return Payload(version=version, packed=packed, dense=dense, modes=modes, input_kwargs=input_kwargs).seal()
+    payload = Payload(version=version, packed=packed, dense=dense, modes=modes, input_kwargs=input_kwargs)
+    return payload.seal() if seal else payload
 
 
 def verify_equal(sampler_model: nn.Module, trainer_model: nn.Module) -> None:
@@ -293,7 +322,13 @@ def apply_payload(model: nn.Module, payload: Payload, *, current_version: int, v
     if payload.version < current_version:
         raise ValueError(f"weight sync: payload v{payload.version} is older than the sampler's policy "
                          f"v{current_version}: refused (stale), the sampler keeps v{current_version}")
-    if payload.version == current_version and current_digest is not None and payload.digest != current_digest:
+    if payload.version == current_version and current_digest is not None and \
+            not payload.names_weights(current_digest):
+        if not payload.sealed or current_digest.startswith("local-"):
+            raise ValueError(f"weight sync: payload v{payload.version} is not the v{current_version} payload "
+                             "the sampler holds, and an unsealed payload is known by its object, not by its "
+                             "bytes: refused; push the same payload object again, a newer version, or sealed "
+                             "payloads (build_payload(..., seal=True)), whose digests name their bytes")
         raise ValueError(f"weight sync: payload v{payload.version} holds other weights than the "
                          f"v{current_version} the sampler has (digest {payload.digest[:12]} vs "
                          f"{current_digest[:12]}): refused; a version names one set of weights, so a trainer "
@@ -328,13 +363,14 @@ def apply_payload(model: nn.Module, payload: Payload, *, current_version: int, v
         if t.shape != p.shape or not t.is_floating_point():
             raise ValueError(f"weight sync: {name} is {t.dtype} {list(t.shape)} in the payload, the sampler "
                              f"holds {p.dtype} {list(p.shape)}: refused")
-    payload.check()
+    if payload.sealed:  # (an unsealed payload's tensors never left this process: nothing to check them by)
+        payload.check()
     finite = [(f"{name}.global_scale", q.global_scale) for name, q in payload.packed.items()]
-    for name, t in [*finite, *payload.dense.items()]:
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"weight sync: payload v{payload.version} tensor {name} holds non-finite "
-                             "values (NaN or Inf: diverged training?): refused, the sampler keeps "
-                             f"v{current_version}")
+    bad = first_nonfinite([*finite, *payload.dense.items()])
+    if bad is not None:
+        raise ValueError(f"weight sync: payload v{payload.version} tensor {bad} holds non-finite "
+                         "values (NaN or Inf: diverged training?): refused, the sampler keeps "
+                         f"v{current_version}")
 
     # validated. From here on the old weights are being overwritten: whatever is raised (an interruption
     # of the copy, Ctrl-C or an out-of-memory error while verifying, a VerifyError) leaves the sampler with
@@ -355,12 +391,35 @@ def apply_payload(model: nn.Module, payload: Payload, *, current_version: int, v
         raise
 
 
+def first_nonfinite(named) -> str | None:
+    """The first name of (name, tensor) pairs whose floating-point tensor holds a NaN or an Inf, or None.
+    One aminmax per tensor (NaN propagates through both, an Inf is one of them) and one host sync per device
+    for all of them, instead of an isfinite pass and a sync per tensor."""
+    named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
+    by_device: dict[torch.device, list] = {}
+    for i, (_, t) in enumerate(named):
+        by_device.setdefault(t.device, []).append(i)
+    bad = []
+    for idx in by_device.values():
+        ends = torch.stack([torch.stack(torch.aminmax(named[i][1].detach())).float() for i in idx])
+        ok = torch.isfinite(ends).all(dim=1).cpu().tolist()
+        bad += [i for i, good in zip(idx, ok) if not good]
+    return named[min(bad)][0] if bad else None
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    b = b.to(a.device)
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.detach().contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
 def _verify_loaded(packed: dict, dense: dict, payload: Payload) -> None:
     """Raise VerifyError unless the sampler's tensors hold the payload's bytes (after the copy)."""
     for name, m in packed.items():
         q = m.quantized_weight()
         for f in PACKED_FIELDS:
-            if tensor_checksum(f"{name}.{f}", getattr(q, f)) != payload.checksums[f"{name}.{f}"]:
+            if (tensor_checksum(f"{name}.{f}", getattr(q, f)) != payload.checksums[f"{name}.{f}"]
+                    if payload.sealed else not _same_bytes(getattr(q, f), getattr(payload.packed[name], f))):
                 raise VerifyError(f"weight sync verify: {name}.{f} in the sampler does not hold the "
                                   "payload's bytes after loading")
     for name, p in dense.items():  # by bytes: NaN != NaN and -0.0 == 0.0 as numbers
