@@ -10,6 +10,7 @@
 #   mode part (carry .gguf1): the first half alone;
 #   mode sync (carry .gguf2 .whl, after p1 or part): the default job after the in-process sync stopped hashing, on a cold
 #     machine (no Triton, NVRTC or GEMM-tuner caches) and again with them warm;
+#   mode all (carry .gguf2 .whl, after part): sync's cold run and trace's two arms;
 #   mode trace (after sync, the model still in /tmp/site): W4A4 on every decoder linear (nvfp4-linear), TRACE on
 #     and off, the guided kernel engine's first run in the RL loop.
 # Making the carried folders (ignored by .git/info/exclude): see the twenty-fifth session in bench/RESULTS.md.
@@ -30,9 +31,9 @@ setup() {
 }
 arm() {  # arm NAME TIMEOUT [--set ...]: fp4rl train on the default job with a BF16 sampler
   local name=$1 limit=$2; shift 2
-  /usr/bin/time -v timeout $limit python3 -m fp4rl.cli train --config configs/default.toml \
+  /usr/bin/time -v timeout $limit python3 bench/rl_gpu.py train --config configs/default.toml \
     --set sampler.dtype=bfloat16 --set run.dir=/tmp/runs --set run.name=$name "$@" > $OUT/rl72_$name.log 2>&1
-  echo "$name exit $?"; grep -E "held-out|Error|error:|Elapsed|Maximum resident" $OUT/rl72_$name.log | tail -6
+  echo "$name exit $?"; grep -E "held-out|Error|error:|Elapsed|Maximum resident|rl_gpu" $OUT/rl72_$name.log | tail -6
   cp /tmp/runs/$name/metrics.jsonl $OUT/rl72_$name.jsonl 2>/dev/null
 }
 case "${1:-p1}" in
@@ -70,5 +71,11 @@ trace)
   setup
   arm linear_trace 300 --set precision.preset=nvfp4-linear --set precision.trace=true
   arm linear_rtn 240 --set precision.preset=nvfp4-linear --set precision.trace=false
+  ;;
+all)  # sync's cold run, then trace's two arms (the second with the first's kernels compiled), in one call
+  setup
+  arm w4a16_cold 190
+  arm linear_trace 210 --set precision.preset=nvfp4-linear --set precision.trace=true
+  arm linear_rtn 160 --set precision.preset=nvfp4-linear --set precision.trace=false
   ;;
 esac

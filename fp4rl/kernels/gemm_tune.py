@@ -12,6 +12,7 @@ Without a GPU, without tuning, or inside a capture, the first candidate runs.
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 import triton
@@ -105,6 +106,7 @@ def candidate_configs(m: int, n: int, kh: int, device, grouped: bool = False,
 
 _TUNED: dict[tuple, dict | str] = {}
 TUNE_LOG: dict[tuple, list] = {}  # every candidate's time (us per call, time_chain) per key, for notes
+TUNE_SECONDS: dict[tuple, float] = {}  # wall seconds each timed key cost (its candidates' compiles included)
 FALLBACK = "dequantize+cublas"
 DENSE = "cublas on the dense copy"  # a weight carrying `dense` (its DQ(W) in bfloat16): cuBLAS on it
 
@@ -217,6 +219,7 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
         runs = make(count)
     best, best_t, first_error = None, float("inf"), None
     log = TUNE_LOG.setdefault(key, [])
+    started = time.perf_counter()
     for c in cands:
         # errors are kept as text: an exception's traceback would hold these frames, and with them the
         # weight copies, until the next garbage collection
@@ -239,6 +242,7 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
         if t < best_t:
             best, best_t = c, t
     del runs, calls
+    TUNE_SECONDS[key] = time.perf_counter() - started
     if best is None:
         raise RuntimeError(f"no NVFP4 GEMM configuration ran for {key}; the first error: {first_error}")
     _TUNED[key] = best
