@@ -29,10 +29,10 @@ setup() {
   fi
   export PYTHONPATH=/tmp/site FP4RL_CACHE=/tmp/fp4rl_cache HF_HUB_OFFLINE=1 FP4RL_TUNE_CACHE=/tmp/fp4rl_tune
 }
-arm() {  # arm NAME TIMEOUT [--set ...]: fp4rl train on the default job with a BF16 sampler
+arm() {  # arm NAME TIMEOUT [--set ...]: fp4rl train on the default job (sampler.dtype auto: BF16 on CUDA)
   local name=$1 limit=$2; shift 2
   /usr/bin/time -v timeout $limit python3 bench/rl_gpu.py train --config configs/default.toml \
-    --set sampler.dtype=bfloat16 --set run.dir=/tmp/runs --set run.name=$name "$@" > $OUT/rl72_$name.log 2>&1
+    --set run.dir=/tmp/runs --set run.name=$name "$@" > $OUT/rl72_$name.log 2>&1
   echo "$name exit $?"; grep -E "held-out|Error|error:|Elapsed|Maximum resident|rl_gpu" $OUT/rl72_$name.log | tail -6
   cp /tmp/runs/$name/metrics.jsonl $OUT/rl72_$name.jsonl 2>/dev/null
 }

@@ -141,9 +141,11 @@ class SamplerConfig(_Section):
     top_k: int = _knob(0, "sample among the k most likely tokens (0: off); logprobs as for top_p", ge=0)
     max_new_tokens: int = _knob(32, "completion length limit in tokens", ge=1)
     kv_cache: str = _knob("bf16", "KV-cache storage format of the sampler", choices=("bf16", "fp8", "nvfp4"))
-    dtype: str = _knob("model", "compute dtype of the sampler ('model': the master weights' dtype); bfloat16 "
-                       "on a CPU runs the fast AMX/oneDNN linears and fused decode kernels",
-                       choices=("model", "float32", "bfloat16"))
+    dtype: str = _knob("auto", "compute dtype of the sampler ('auto': bfloat16 when the trainer runs on "
+                       "CUDA, which runs the kernel sampler (packed NVFP4 GEMMs, CUDA graphs), else the "
+                       "master weights' dtype; 'model': the master weights' dtype); bfloat16 on a CPU runs "
+                       "the fast AMX/oneDNN linears and fused decode kernels",
+                       choices=("auto", "model", "float32", "bfloat16"))
     dense_rows: int = _knob(0, "CUDA kernel sampler: batches of at least this many rows (large decode "
                             "batches, prefill) run cuBLAS on a bfloat16 DQ(W) copy of each packed dense "
                             "linear where the GEMM tuner times it faster than the 4-bit kernels (+2 B per "
@@ -318,7 +320,7 @@ class RunConfig:
                 raise ConfigError(
                     f"[{name}] must be a {cls.__name__}, got {type(getattr(self, name)).__name__}"
                 )
-        sampler_dtype = self.model.dtype if self.sampler.dtype == "model" else self.sampler.dtype
+        sampler_dtype = self.sampler_dtype()
         if self.sampler.dense_rows and (self.model.device == "cpu" or sampler_dtype != "bfloat16"):
             fix = "set sampler.dense_rows = 0"
             if self.model.device == "cpu":
@@ -329,6 +331,18 @@ class RunConfig:
                 fix = "set sampler.dtype = \"bfloat16\", or " + fix
             raise ConfigError(f"sampler.dense_rows = {self.sampler.dense_rows} is for the CUDA kernel "
                               f"sampler, but {why}: {fix}")
+
+    def sampler_dtype(self, device: str | None = None) -> str:
+        """The sampler's compute dtype (sampler.dtype resolved) where the trainer runs on `device` (None:
+        model.device, 'auto' resolved as the loop resolves it)."""
+        if self.sampler.dtype != "auto":
+            return self.model.dtype if self.sampler.dtype == "model" else self.sampler.dtype
+        device = device or self.model.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return "bfloat16" if str(device).startswith("cuda") else self.model.dtype
 
     @property
     def run_dir(self) -> Path:

@@ -448,7 +448,7 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     # version 0 and a resumed version are held exactly as a synced one
     payload = weight_sync.build_payload(trainer.model, contract, trainer.policy_version,
                                          seal=False)  # sealed by to_bytes if it leaves the process
-    sampler_dtype = None if c.sampler.dtype == "model" else getattr(torch, c.sampler.dtype)
+    sampler_dtype = getattr(torch, c.sampler_dtype(device))  # ('auto': the kernel sampler's bf16 on CUDA)
     # the end-of-turn ids resolved here (tokenizer, config.json, generation_config.json): Ray actors rebuild
     # the model from its config alone and would miss generation_config.json's
     sampler_kwargs = dict(kv_cache=c.sampler.kv_cache, device=device, policy_version=trainer.policy_version,

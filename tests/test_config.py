@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from fp4rl.config import (
     SECTIONS,
@@ -96,7 +97,12 @@ def test_invalid_values_name_the_key_and_the_allowed_values():
     with pytest.raises(ConfigError, match=r"sampler.dense_rows = 64 .*computes in float32 \(sampler.dtype = "
                                           r"\"model\"\).*: set sampler.dtype = \"bfloat16\", or set "
                                           r"sampler.dense_rows = 0"):
-        load_config(overrides=["sampler.dense_rows=64"])  # (model.dtype float32 by default)
+        load_config(overrides=["sampler.dense_rows=64", "sampler.dtype=model", "model.device=cuda"])
+    if not torch.cuda.is_available():  # 'auto' (the default) samples in the master weights' dtype on a CPU
+        with pytest.raises(ConfigError, match=r"sampler.dense_rows = 64 .*computes in float32 "
+                                              r"\(sampler.dtype = \"auto\"\)"):
+            load_config(overrides=["sampler.dense_rows=64"])  # (model.dtype float32 by default)
+    assert load_config(overrides=["sampler.dense_rows=64", "model.device=cuda"]).sampler.dense_rows == 64
     ok = load_config(overrides=["sampler.dense_rows=128", "sampler.dtype=bfloat16"])
     assert ok.sampler.dense_rows == 128
 
@@ -208,3 +214,20 @@ def test_precision_section_builds_the_precision_contract():
     assert contract.weight_tile == (16, 16)
     with pytest.raises(ConfigError, match=r"precision.rules.'x' = 'fp4'.*'w4a4'"):
         load_config(overrides=["precision.rules.x=fp4"])
+
+
+def test_the_sampler_samples_in_bf16_on_the_kernel_engine_where_the_trainer_runs_on_cuda():
+    """sampler.dtype = 'auto' (the default): bfloat16 on CUDA, where Sampler then runs the kernel engine
+    (packed NVFP4 GEMMs, CUDA graphs; a float32 sampler there ran plain torch), the master weights' dtype on
+    a CPU (the default job's exact FP32 sampler); the explicit choices are kept."""
+    c = load_config()
+    assert c.sampler.dtype == "auto"
+    assert c.sampler_dtype("cpu") == "float32" and c.sampler_dtype("cuda") == "bfloat16"
+    assert c.sampler_dtype("cuda:1") == "bfloat16"
+    assert c.sampler_dtype() == ("bfloat16" if torch.cuda.is_available() else "float32")  # model.device auto
+    assert load_config(overrides=["model.device=cpu"]).sampler_dtype() == "float32"
+    assert load_config(overrides=["model.device=cuda"]).sampler_dtype() == "bfloat16"
+    assert load_config(overrides=["model.dtype=bfloat16"]).sampler_dtype("cpu") == "bfloat16"
+    assert load_config(overrides=["sampler.dtype=model"]).sampler_dtype("cuda") == "float32"
+    assert load_config(overrides=["sampler.dtype=float32"]).sampler_dtype("cuda") == "float32"
+    assert load_config(overrides=["sampler.dtype=bfloat16"]).sampler_dtype("cpu") == "bfloat16"

@@ -215,6 +215,34 @@ def test_the_tuner_keeps_and_reuses_its_pick(monkeypatch, tmp_path):
     assert choose(key) == gemm_tune.WIDE and not gemm_tune.TUNE_LOG and len(clones) == n
 
 
+def test_a_small_weight_is_not_timed(monkeypatch, tmp_path):
+    """A weight under gemm_tune.TUNE_MIN_BYTES (packed data + scales) takes its first candidate untimed, and
+    nothing goes to disk: a call over it is launch-bound, and timing compiles every candidate per row bucket.
+    TUNE_MIN_BYTES = 0 (FP4RL_TUNE_MIN_BYTES=0) times it."""
+    _tuner(monkeypatch, tmp_path)
+    monkeypatch.setattr(gemm_tune, "_TUNED", {})
+    monkeypatch.setattr(gemm_tune, "TUNE_LOG", {})
+    monkeypatch.setattr(gemm_tune, "time_chain",
+                        lambda calls: 1.0 if calls[0]()[0] == gemm_tune.WIDE else 0.5)
+    device = type("D", (), {"type": "cuda"})()
+    make = lambda count: [lambda c: (c, None) for _ in range(count)]  # noqa: E731
+    kb = 2**10
+    for data, scales, timed in ((3072 * kb, 384 * kb, False), (3800 * kb, 500 * kb, True)):
+        sized = [type("T", (), {"nbytes": b})() for b in (data, scales, 0)]
+        ops = (*sized, None, None, None)
+        key = (8, 4096, 2048, 1, False, False, 1, None, True, 0, data)
+        pick = gemm_tune._choose(key, 8, 4096, 2048, device, None, False, True, True, lead=(gemm_tune.WIDE,),
+                                 rotate=(make, ops))
+        assert (key in gemm_tune.TUNE_LOG) == timed and (pick != gemm_tune.WIDE) == timed
+    assert len(list(tmp_path.glob("*.json"))) == 1  # the timed pick only
+    monkeypatch.setattr(gemm_tune, "TUNE_MIN_BYTES", 0)
+    key = (16, 4096, 2048, 1, False, False, 1, None, True, 0, 1)
+    sized = [type("T", (), {"nbytes": b})() for b in (kb, kb, 0)]
+    assert gemm_tune._choose(key, 16, 4096, 2048, device, None, False, True, True, lead=(gemm_tune.WIDE,),
+                             rotate=(make, (*sized, None, None, None))) != gemm_tune.WIDE
+    assert key in gemm_tune.TUNE_LOG
+
+
 @pytest.mark.parametrize("oom", [False, True])
 def test_a_failed_candidate_is_skipped_and_its_pick_not_kept(monkeypatch, tmp_path, oom):
     import gc

@@ -12,6 +12,7 @@ Without a GPU, without tuning, or inside a capture, the first candidate runs.
 from __future__ import annotations
 
 import copy
+import os
 import time
 
 import torch
@@ -126,6 +127,12 @@ def _bucket(m: int) -> int:
 # do_bench, the tuner until the twentieth session) timed the wgmma build 2-4x slower than it replays (e.g.
 # 101 vs 34 us, 4096x14336 at 64 rows) and kept slower Triton configurations (bench/RESULTS.md, nineteenth
 # session).
+# A weight smaller than this (packed bytes) is not timed: its first candidate runs. A call over it is bound
+# by launch and latency (microseconds whichever candidate), while timing its candidates compiles each of them
+# for every row bucket: with every weight timed, the default job's SmolLM2-135M (weights of 0.2-1 MB) took
+# 129 s on an H200 to its first rollout (bench/RESULTS.md, twenty-fifth session). FP4RL_TUNE_MIN_BYTES=0
+# times every weight.
+TUNE_MIN_BYTES = int(os.environ.get("FP4RL_TUNE_MIN_BYTES", str(4 << 20)))
 TUNE_CALLS = 8
 TUNE_REPLAYS = 5
 TUNE_MAX_COPIES = 32
@@ -200,7 +207,9 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
     cands = list(lead) + candidate_configs(m, n, kh, device, grouped, w4a16, layout)
     if allow_fallback and m > 64 and DENSE not in cands:  # (DENSE is FALLBACK without its dequantize)
         cands = cands + [FALLBACK]
-    if not tune or INTERPRET or device.type != "cuda" or len(cands) == 1:
+    small = (rotate[1][0].nbytes + rotate[1][1].nbytes if rotate is not None else n * kh * 9 // 8) \
+        < TUNE_MIN_BYTES
+    if not tune or INTERPRET or device.type != "cuda" or len(cands) == 1 or small:
         _TUNED[key] = cands[0]
         return cands[0]
     cache = _tune_cache.file_for(device)  # an earlier process's pick for this GPU, software and key
