@@ -11,6 +11,8 @@
 #   mode sync (carry .gguf2 .whl, after p1 or part): the default job after the in-process sync stopped hashing, on a cold
 #     machine (no Triton, NVRTC or GEMM-tuner caches) and again with them warm;
 #   mode all (carry .gguf2 .whl, after part): sync's cold run and trace's two arms;
+#   mode seeds (carry .gguf2 .whl, after part): all's TRACE / RTN arms at trainer seeds 1 and 2, and BF16;
+#   mode verify (carry .gguf2 .whl, after part): the GPU tuner tests, then the default job once more;
 #   mode trace (after sync, the model still in /tmp/site): W4A4 on every decoder linear (nvfp4-linear), TRACE on
 #     and off, the guided kernel engine's first run in the RL loop.
 # Making the carried folders (ignored by .git/info/exclude): see the twenty-fifth session in bench/RESULTS.md.
@@ -77,5 +79,21 @@ all)  # sync's cold run, then trace's two arms (the second with the first's kern
   arm w4a16_cold 190
   arm linear_trace 210 --set precision.preset=nvfp4-linear --set precision.trace=true
   arm linear_rtn 160 --set precision.preset=nvfp4-linear --set precision.trace=false
+  ;;
+seeds)  # (carry .gguf2 .whl, after part) TRACE and RTN on W4A4 everywhere, trainer seeds 1 and 2; BF16 for reference
+  setup
+  for seed in 1 2; do
+    arm linear_trace_s$seed 150 --set precision.preset=nvfp4-linear --set precision.trace=true --set trainer.seed=$seed
+    arm linear_rtn_s$seed 110 --set precision.preset=nvfp4-linear --set precision.trace=false --set trainer.seed=$seed
+  done
+  arm bf16 110 --set precision.preset=bf16
+  (cd $OUT && tar czf seeds72.tgz rl72_* && rm rl72_*)  # (at most 8 files come back)
+  ;;
+verify)  # (carry .gguf2 .whl, after part) the tuner's tests on the GPU after the review, then the default job
+  timeout 200 python3 -m pytest -q -m "gpu or not slow" tests/test_triton_gemm.py tests/test_tune_cache.py \
+    -k "tune or dense_copy" > $OUT/tests72v.log 2>&1
+  echo "tests exit $?"; grep -E 'passed|failed|Error|assert' $OUT/tests72v.log | tail -6
+  setup
+  arm w4a16_verify 170
   ;;
 esac

@@ -148,10 +148,11 @@ class SamplerConfig(_Section):
                        choices=("auto", "model", "float32", "bfloat16"))
     dense_rows: int = _knob(0, "CUDA kernel sampler: batches of at least this many rows (large decode "
                             "batches, prefill) run cuBLAS on a bfloat16 DQ(W) copy of each packed dense "
-                            "linear where the GEMM tuner times it faster than the 4-bit kernels (+2 B per "
-                            "weight; same policy, the BF16 engine's speed; the 4-bit kernels lose to cuBLAS "
-                            "from 64-128 rows on an H200; 64 recommended there: 1.00-1.10x BF16 at batch "
-                            "64-512 on Qwen3-8B, bench/RESULTS.md); 0: off",
+                            "linear where the GEMM tuner times it faster than the 4-bit kernels (always for "
+                            "weights under 4 MiB, which it does not time) (+2 B per weight; same policy, the "
+                            "BF16 engine's speed; the 4-bit kernels lose to cuBLAS from 64-128 rows on an "
+                            "H200; 64 recommended there: 1.00-1.10x BF16 at batch 64-512 on Qwen3-8B, "
+                            "bench/RESULTS.md); 0: off",
                             ge=0)
 
 

@@ -88,13 +88,23 @@ class Payload:
     checksums: dict[str, str] = field(default_factory=dict)
     digest: str = ""
     sealed: bool = False  # checksums and digest computed (seal(), from_bytes); unsealed: never left home
-    # a name unique to this object (not copied by dataclasses.replace): an unsealed payload's digest
+    # a name unique to this object (not carried over by dataclasses.replace, copy or pickle): an unsealed
+    # payload's digest
     local_digest: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        if not self.sealed and (self.checksums or (self.digest and not self.digest.startswith("local-"))):
+            self.sealed = True  # checksums or a content digest given: checked as before (an outside reader)
+        self._new_name()
+
+    def _new_name(self) -> None:
         self.local_digest = f"local-{uuid.uuid4().hex}"
         if not self.sealed:
             self.digest = self.local_digest
+
+    def __setstate__(self, state: dict) -> None:  # copy / deepcopy / pickle: another object, another name
+        self.__dict__.update(state)
+        self._new_name()
 
     # -- integrity ---------------------------------------------------------------------------
     def items(self):
@@ -252,7 +262,10 @@ def build_payload(trainer_model: nn.Module, contract: PrecisionContract, version
 
     Packed tensors are the trainer's cached quantized weights themselves (never modified in place:
     a weight change makes a new Q(W)); dense tensors are copies in dense_dtype. seal=False: no checksums
-    (for samplers in this process; `to_bytes` seals it before it travels)."""
+    (for samplers in this process; `to_bytes` seals it before it travels). An unsealed payload is known by
+    its object, not its bytes: two unsealed payloads of the same weights have different digests (ranks of a
+    DistributedSampler must load one payload through DistributedSampler.load, which seals it once), and one
+    changed in place after a load is not detected (a sealed payload's checksums would be)."""
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"build_payload: version={version!r} must be an integer >= 0")
     resolved = contract.resolve(trainer_model)
@@ -399,10 +412,17 @@ def first_nonfinite(named) -> str | None:
     by_device: dict[torch.device, list] = {}
     for i, (_, t) in enumerate(named):
         by_device.setdefault(t.device, []).append(i)
+
+    def ends_finite(t: torch.Tensor) -> torch.Tensor:  # bool [2], in t's dtype (float64 past fp32's range)
+        try:
+            ends = torch.aminmax(t)
+        except (NotImplementedError, RuntimeError):  # a dtype without aminmax here (e.g. float8 on a CPU)
+            ends = torch.aminmax(t.float())  # (exact: every such dtype is narrower than float32)
+        return torch.isfinite(torch.stack(ends))
+
     bad = []
     for idx in by_device.values():
-        ends = torch.stack([torch.stack(torch.aminmax(named[i][1].detach())).float() for i in idx])
-        ok = torch.isfinite(ends).all(dim=1).cpu().tolist()
+        ok = torch.stack([ends_finite(named[i][1].detach()) for i in idx]).all(dim=1).cpu().tolist()
         bad += [i for i, good in zip(idx, ok) if not good]
     return named[min(bad)][0] if bad else None
 

@@ -50,7 +50,7 @@ def test_shipped_configs_load():
     assert tiny.run.name == "tiny" and tiny.trainer.steps <= 3 and not tiny.logging.tensorboard
 
 
-def test_invalid_values_name_the_key_and_the_allowed_values():
+def test_invalid_values_name_the_key_and_the_allowed_values(monkeypatch):
     with pytest.raises(
         ConfigError, match=r"precision.preset = 'fp4'.*'bf16', 'nvfp4-experts', 'nvfp4-linear'"
     ):
@@ -98,10 +98,13 @@ def test_invalid_values_name_the_key_and_the_allowed_values():
                                           r"\"model\"\).*: set sampler.dtype = \"bfloat16\", or set "
                                           r"sampler.dense_rows = 0"):
         load_config(overrides=["sampler.dense_rows=64", "sampler.dtype=model", "model.device=cuda"])
-    if not torch.cuda.is_available():  # 'auto' (the default) samples in the master weights' dtype on a CPU
+    with monkeypatch.context() as m:  # 'auto' (the default) samples in the master weights' dtype on a CPU
+        m.setattr(torch.cuda, "is_available", lambda: False)
         with pytest.raises(ConfigError, match=r"sampler.dense_rows = 64 .*computes in float32 "
                                               r"\(sampler.dtype = \"auto\"\)"):
             load_config(overrides=["sampler.dense_rows=64"])  # (model.dtype float32 by default)
+        m.setattr(torch.cuda, "is_available", lambda: True)  # model.device 'auto' resolves to cuda
+        assert load_config(overrides=["sampler.dense_rows=64"]).sampler_dtype() == "bfloat16"
     assert load_config(overrides=["sampler.dense_rows=64", "model.device=cuda"]).sampler.dense_rows == 64
     ok = load_config(overrides=["sampler.dense_rows=128", "sampler.dtype=bfloat16"])
     assert ok.sampler.dense_rows == 128

@@ -215,32 +215,50 @@ def test_the_tuner_keeps_and_reuses_its_pick(monkeypatch, tmp_path):
     assert choose(key) == gemm_tune.WIDE and not gemm_tune.TUNE_LOG and len(clones) == n
 
 
-def test_a_small_weight_is_not_timed(monkeypatch, tmp_path):
-    """A weight under gemm_tune.TUNE_MIN_BYTES (packed data + scales) takes its first candidate untimed, and
-    nothing goes to disk: a call over it is launch-bound, and timing compiles every candidate per row bucket.
-    TUNE_MIN_BYTES = 0 (FP4RL_TUNE_MIN_BYTES=0) times it."""
-    _tuner(monkeypatch, tmp_path)
+@pytest.mark.parametrize("first_fails", [False, True])
+def test_a_small_weight_is_not_timed(monkeypatch, tmp_path, first_fails):
+    """A weight under gemm_tune.TUNE_MIN_BYTES (packed data + scales) takes the first candidate that runs,
+    untimed, and nothing goes to disk: a call over it is launch-bound, and timing compiles every candidate per
+    row bucket. A first candidate that fails is skipped as the timing loop skips it (WIDE refused: the wgmma
+    build off). TUNE_MIN_BYTES = 0 (FP4RL_TUNE_MIN_BYTES=0) times it."""
+    _, _, disabled, cands = _tuner(monkeypatch, tmp_path, fail=[gemm_tune.WIDE] if first_fails else None)
     monkeypatch.setattr(gemm_tune, "_TUNED", {})
     monkeypatch.setattr(gemm_tune, "TUNE_LOG", {})
     monkeypatch.setattr(gemm_tune, "time_chain",
                         lambda calls: 1.0 if calls[0]()[0] == gemm_tune.WIDE else 0.5)
     device = type("D", (), {"type": "cuda"})()
     make = lambda count: [lambda c: (c, None) for _ in range(count)]  # noqa: E731
+    ran = []
+    run = lambda c: ran.append(c) or (c, None)  # noqa: E731
     kb = 2**10
+    first = cands()[1] if first_fails else gemm_tune.WIDE
     for data, scales, timed in ((3072 * kb, 384 * kb, False), (3800 * kb, 500 * kb, True)):
         sized = [type("T", (), {"nbytes": b})() for b in (data, scales, 0)]
-        ops = (*sized, None, None, None)
-        key = (8, 4096, 2048, 1, False, False, 1, None, True, 0, data)
-        pick = gemm_tune._choose(key, 8, 4096, 2048, device, None, False, True, True, lead=(gemm_tune.WIDE,),
-                                 rotate=(make, ops))
-        assert (key in gemm_tune.TUNE_LOG) == timed and (pick != gemm_tune.WIDE) == timed
-    assert len(list(tmp_path.glob("*.json"))) == 1  # the timed pick only
+        key = (128, 4096, 2048, 1, False, False, 1, None, True, 0, data)
+        pick = gemm_tune._choose(key, 100, 4096, 2048, device, run, False, True, True, lead=(gemm_tune.WIDE,),
+                                 rotate=(make, (*sized, None, None, None)))
+        assert (key in gemm_tune.TUNE_LOG) == timed
+        assert pick == (cands()[1] if timed else first)
+        if not timed:
+            assert ran == [gemm_tune.WIDE] + ([first] if first_fails else [])  # compiled and run, once each
+    assert len(disabled) == (2 if first_fails else 0)  # (once per pick: the stand-in keeps WIDE in `lead`)
+    assert len(list(tmp_path.glob("*.json"))) == (0 if first_fails else 1)  # the timed pick only (if clean)
     monkeypatch.setattr(gemm_tune, "TUNE_MIN_BYTES", 0)
-    key = (16, 4096, 2048, 1, False, False, 1, None, True, 0, 1)
+    key = (128, 4096, 2048, 1, False, False, 1, None, True, 0, 1)
     sized = [type("T", (), {"nbytes": b})() for b in (kb, kb, 0)]
-    assert gemm_tune._choose(key, 16, 4096, 2048, device, None, False, True, True, lead=(gemm_tune.WIDE,),
-                             rotate=(make, (*sized, None, None, None))) != gemm_tune.WIDE
+    assert gemm_tune._choose(key, 100, 4096, 2048, device, run, False, True, True, lead=(gemm_tune.WIDE,),
+                             rotate=(make, (*sized, None, None, None))) == cands()[1]
     assert key in gemm_tune.TUNE_LOG
+
+
+def test_tune_min_bytes_from_the_environment(monkeypatch):
+    assert gemm_tune._env_bytes("FP4RL_TEST_UNSET_BYTES", 123) == 123
+    monkeypatch.setenv("FP4RL_TEST_BYTES", "0")
+    assert gemm_tune._env_bytes("FP4RL_TEST_BYTES", 123) == 0
+    for bad in ("4MiB", "-1", ""):
+        monkeypatch.setenv("FP4RL_TEST_BYTES", bad)
+        with pytest.raises(ValueError, match="FP4RL_TEST_BYTES=.*integer number of bytes >= 0"):
+            gemm_tune._env_bytes("FP4RL_TEST_BYTES", 123)
 
 
 @pytest.mark.parametrize("oom", [False, True])

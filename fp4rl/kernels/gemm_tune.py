@@ -121,22 +121,37 @@ def _bucket(m: int) -> int:
     return _pow2(m)
 
 
+def _env_bytes(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name}={raw!r}: give an integer number of bytes >= 0 (0: time every weight), or "
+                         f"unset it (default {default})")
+    return value
+
+
 # The tuner times each candidate as the sampler runs it: TUNE_CALLS back-to-back calls replayed from one
 # CUDA graph (launch gaps and PDL overlap as in the decode graph), rotating through copies of the weight so
 # that each call reads its weight from DRAM as every layer does. Single launches after an L2 flush (triton's
 # do_bench, the tuner until the twentieth session) timed the wgmma build 2-4x slower than it replays (e.g.
 # 101 vs 34 us, 4096x14336 at 64 rows) and kept slower Triton configurations (bench/RESULTS.md, nineteenth
 # session).
-# A weight smaller than this (packed bytes) is not timed: its first candidate runs. A call over it is bound
-# by launch and latency (microseconds whichever candidate), while timing its candidates compiles each of them
-# for every row bucket: with every weight timed, the default job's SmolLM2-135M (weights of 0.2-1 MB) took
-# 129 s on an H200 to its first rollout (bench/RESULTS.md, twenty-fifth session). FP4RL_TUNE_MIN_BYTES=0
-# times every weight.
-TUNE_MIN_BYTES = int(os.environ.get("FP4RL_TUNE_MIN_BYTES", str(4 << 20)))
 TUNE_CALLS = 8
 TUNE_REPLAYS = 5
 TUNE_MAX_COPIES = 32
 TUNE_COPY_BUDGET = 1 << 30  # bytes of weight copies at most (and at most a quarter of the free memory)
+
+# A weight smaller than this (packed bytes) is not timed: the first candidate that runs is kept. A call over
+# it is bound by launch and latency (microseconds whichever candidate), while timing its candidates compiles
+# each of them for every row bucket: with every weight timed, the default job's SmolLM2-135M (weights of
+# 0.2-1 MB) took 129 s on an H200 to its first rollout (bench/RESULTS.md, twenty-fifth session).
+# FP4RL_TUNE_MIN_BYTES=0 times every weight.
+TUNE_MIN_BYTES = _env_bytes("FP4RL_TUNE_MIN_BYTES", 4 << 20)
 
 
 def rotation_copies(read_bytes: int, copy_bytes: int, l2_bytes: int, free_bytes: int) -> int:
@@ -207,11 +222,12 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
     cands = list(lead) + candidate_configs(m, n, kh, device, grouped, w4a16, layout)
     if allow_fallback and m > 64 and DENSE not in cands:  # (DENSE is FALLBACK without its dequantize)
         cands = cands + [FALLBACK]
-    small = (rotate[1][0].nbytes + rotate[1][1].nbytes if rotate is not None else n * kh * 9 // 8) \
-        < TUNE_MIN_BYTES
-    if not tune or INTERPRET or device.type != "cuda" or len(cands) == 1 or small:
+    if not tune or INTERPRET or device.type != "cuda" or len(cands) == 1:
         _TUNED[key] = cands[0]
         return cands[0]
+    weight_bytes = rotate[1][0].nbytes + rotate[1][1].nbytes if rotate is not None else n * kh * 9 // 8
+    if weight_bytes < TUNE_MIN_BYTES:
+        return _first_that_runs(key, cands, run)
     cache = _tune_cache.file_for(device)  # an earlier process's pick for this GPU, software and key
     if cache is not None:
         hit = _tune_cache.lookup(cache, key, cands)
@@ -258,6 +274,25 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
     if cache is not None and first_error is None:  # (not a pick made without a candidate that failed here)
         _tune_cache.store(cache, key, best)
     return best
+
+
+def _first_that_runs(key, cands, run):
+    """A small weight's pick, untimed: the first candidate that compiles and runs (as the timing loop skips
+    one that fails: e.g. a tile that needs more shared memory than this GPU has)."""
+    if torch.cuda.is_current_stream_capturing():
+        return cands[0]
+    first_error = None
+    for c in cands:
+        try:
+            warm([lambda c=c: run(c)])
+        except Exception as exc:  # noqa: BLE001 (kept as text, as in _choose)
+            first_error = first_error or repr(exc)[:300]
+            if c == WIDE and isinstance(exc, RuntimeError) and not isinstance(exc, torch.OutOfMemoryError):
+                _mma16.disable_wide(exc)
+            continue
+        _TUNED[key] = c
+        return c
+    raise RuntimeError(f"no NVFP4 GEMM configuration ran for {key}; the first error: {first_error}")
 
 
 def _clone_operands(ops):
