@@ -159,7 +159,26 @@ def rank_grads(rank: int) -> dict:
     return dict(before=before, after=after, nones=nones, mismatch=mismatch)
 
 
-PROGRAMS = dict(broadcast=rank_broadcast, generate=rank_generate, load=rank_load, grads=rank_grads)
+def rank_load_unsealed(rank: int) -> dict:
+    """The RL loop's unsealed payload on rank 0: DistributedSampler.load seals it once for the broadcast, so
+    every rank (rank 0 loading the object, the others the bytes) holds the same digest and generate's check
+    that the ranks hold the same weights passes; a re-push of the same object is accepted."""
+    model, contract = converted_model(DENSE, "nvfp4-linear")
+    sampler = td.DistributedSampler(Sampler(model, eos_token_ids=[]))
+    optimizer_step(model)
+    payload = build_payload(model, contract, version=1, dense_dtype=torch.float32, seal=False) \
+        if rank == 0 else None
+    sampler.load(payload, verify=True)
+    out = dict(digest=sampler.sampler.weights_digest, version=sampler.policy_version,
+               sealed_here=payload.sealed if rank == 0 else None,
+               greedy=[c.completion_ids for c in sampler.generate([[3, 4, 5], [9, 1]], GREEDY)])
+    sampler.load(payload)  # the same object again (sealed now): accepted on every rank
+    out["again"] = [c.completion_ids for c in sampler.generate([[3, 4, 5], [9, 1]], GREEDY)]
+    return out
+
+
+PROGRAMS = dict(broadcast=rank_broadcast, generate=rank_generate, load=rank_load, grads=rank_grads,
+                load_unsealed=rank_load_unsealed)
 
 
 def _rank_main(rank: int, world: int, init: str, out_dir: str, program: str) -> None:
@@ -294,6 +313,18 @@ def test_distributed_load_syncs_every_rank(tmp_path):
     assert r0["one_refuses"].startswith("RuntimeError") and "failed on rank(s) [1]" in r0["one_refuses"]
     assert r1["one_refuses"].startswith("ValueError") and "older than" in r1["one_refuses"]
     assert r0["final_version"] == 2 and r1["final_version"] == 9
+
+
+def test_distributed_load_of_an_unsealed_payload(tmp_path):
+    r0, r1 = run_ranks(tmp_path, "load_unsealed")
+    model, contract = converted_model(DENSE, "nvfp4-linear")
+    reference = Sampler(model, eos_token_ids=[])
+    optimizer_step(model)
+    reference.load(build_payload(model, contract, version=1, dense_dtype=torch.float32), verify=True)
+    want = [c.completion_ids for c in reference.generate([[3, 4, 5], [9, 1]], GREEDY)]
+    assert r0["sealed_here"] is True and r0["version"] == r1["version"] == 1
+    assert r0["digest"] == r1["digest"] == reference.weights_digest  # the content digest, on every rank
+    assert r0["greedy"] == r1["greedy"] == r0["again"] == r1["again"] == want
 
 
 def test_average_gradients_is_the_mean_bit_for_bit(tmp_path):
