@@ -73,6 +73,23 @@ def test_sync_run_logs_the_design_keys(assets, tmp_path):
     assert (run_dir / "plots" / "reward.png").is_file()
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_in_process_weight_sync_hashes_nothing(assets, tmp_path, monkeypatch, mode):
+    """The loop's samplers live in its process: its payloads are unsealed (build_payload(seal=False)), and no
+    checksum is computed to build or load them (on an H200 the two hashing passes took 0.85 s of the default
+    job's 1.29 s step, bench/RESULTS.md twenty-fifth session)."""
+    from fp4rl import weight_sync
+    hashed = []
+    real = weight_sync.tensor_checksum
+    monkeypatch.setattr(weight_sync, "tensor_checksum", lambda n, t: hashed.append(n) or real(n, t))
+    sets = ["trainer.steps=2", "task.eval_every=1"] + (["loop.mode=async", "loop.max_staleness=1"]
+                                                        if mode == "async" else [])
+    records = run_tiny(assets, tmp_path, mode, *sets)
+    assert [r["policy_version"] for r in records if r["step"] > 0] == [1, 2]
+    assert all(r["time/sync_s"] >= 0 for r in records if r["step"] > 0)
+    assert hashed == []
+
+
 def test_a_bfloat16_sampler_is_a_config_key(assets, tmp_path):
     """sampler.dtype=bfloat16 samples in BF16 (the fast CPU path) while the master weights stay
     FP32: the run works and its sampler/trainer mismatch shows the BF16 rounding."""
