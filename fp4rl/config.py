@@ -333,17 +333,20 @@ class RunConfig:
             raise ConfigError(f"sampler.dense_rows = {self.sampler.dense_rows} is for the CUDA kernel "
                               f"sampler, but {why}: {fix}")
 
+    def device(self) -> str:
+        """Where the trainer runs: model.device, 'auto' resolved (cuda if torch sees one, else cpu)."""
+        if self.model.device != "auto":
+            return self.model.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
     def sampler_dtype(self, device: str | None = None) -> str:
         """The sampler's compute dtype (sampler.dtype resolved) where the trainer runs on `device` (None:
-        model.device, 'auto' resolved as the loop resolves it)."""
+        self.device())."""
         if self.sampler.dtype != "auto":
             return self.model.dtype if self.sampler.dtype == "model" else self.sampler.dtype
-        device = device or self.model.device
-        if device == "auto":
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        return "bfloat16" if str(device).startswith("cuda") else self.model.dtype
+        return "bfloat16" if str(device or self.device()).startswith("cuda") else self.model.dtype
 
     @property
     def run_dir(self) -> Path:

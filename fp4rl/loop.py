@@ -382,7 +382,7 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     task = task or task_from_config(c.task)
     task.batch(0, c.task.prompts_per_step)  # fails now, not at step 1, if the split is too small
 
-    device = c.model.device if c.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = c.device()
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"model.device = {c.model.device!r} but torch sees no CUDA device here (torch "
                           f"{torch.__version__}): use model.device = 'auto' or 'cpu'")

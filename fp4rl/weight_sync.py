@@ -428,6 +428,7 @@ def first_nonfinite(named) -> str | None:
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether b (moved to a's device) holds a's bytes: same shape, dtype and raw bytes."""
     b = b.to(a.device)
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
         a.detach().contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
@@ -443,8 +444,6 @@ def _verify_loaded(packed: dict, dense: dict, payload: Payload) -> None:
                 raise VerifyError(f"weight sync verify: {name}.{f} in the sampler does not hold the "
                                   "payload's bytes after loading")
     for name, p in dense.items():  # by bytes: NaN != NaN and -0.0 == 0.0 as numbers
-        want = payload.dense[name].to(device=p.device, dtype=p.dtype)
-        if not torch.equal(p.detach().contiguous().reshape(-1).view(torch.uint8),
-                           want.contiguous().reshape(-1).view(torch.uint8)):
+        if not _same_bytes(p, payload.dense[name].to(dtype=p.dtype)):
             raise VerifyError(f"weight sync verify: {name} in the sampler differs from the payload after "
                               "loading")

@@ -295,13 +295,19 @@ def test_distributed_generate_equals_local_shards(tmp_path):
         assert r["version"] == 0 and r["max_seq_len"] == sampler.max_seq_len and r["world"] == WORLD
 
 
-def test_distributed_load_syncs_every_rank(tmp_path):
-    r0, r1 = run_ranks(tmp_path, "load")
+def loaded_reference():
+    """A local sampler holding what the "load" programs' rank 0 pushes (v1 after one step), and its greedy
+    completions of two prompts."""
     model, contract = converted_model(DENSE, "nvfp4-linear")
     reference = Sampler(model, eos_token_ids=[])
     optimizer_step(model)
     reference.load(build_payload(model, contract, version=1, dense_dtype=torch.float32), verify=True)
-    want = [c.completion_ids for c in reference.generate([[3, 4, 5], [9, 1]], GREEDY)]
+    return reference, [c.completion_ids for c in reference.generate([[3, 4, 5], [9, 1]], GREEDY)]
+
+
+def test_distributed_load_syncs_every_rank(tmp_path):
+    r0, r1 = run_ranks(tmp_path, "load")
+    reference, want = loaded_reference()
     assert r0["before"] == r1["before"] != r0["after"]
     assert r0["after"] == r1["after"] == weights_digest(reference)
     assert r0["version"] == r1["version"] == 1
@@ -317,11 +323,7 @@ def test_distributed_load_syncs_every_rank(tmp_path):
 
 def test_distributed_load_of_an_unsealed_payload(tmp_path):
     r0, r1 = run_ranks(tmp_path, "load_unsealed")
-    model, contract = converted_model(DENSE, "nvfp4-linear")
-    reference = Sampler(model, eos_token_ids=[])
-    optimizer_step(model)
-    reference.load(build_payload(model, contract, version=1, dense_dtype=torch.float32), verify=True)
-    want = [c.completion_ids for c in reference.generate([[3, 4, 5], [9, 1]], GREEDY)]
+    reference, want = loaded_reference()
     assert r0["sealed_here"] is True and r0["version"] == r1["version"] == 1
     assert r0["digest"] == r1["digest"] == reference.weights_digest  # the content digest, on every rank
     assert r0["greedy"] == r1["greedy"] == r0["again"] == r1["again"] == want
