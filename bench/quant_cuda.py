@@ -1,4 +1,5 @@
-"""Device benchmark of the CUDA quantize kernels (fp4rl/kernels/quantize/quant.cu), seventh session.
+"""Device benchmark of the CUDA quantize kernels (fp4rl/kernels/quantize/quant.cu), seventh session; the
+"exact" variants (twenty-sixth session) run rule 4/6 without decide46 (FAST46 0).
 
 For each shape and mode, in one run: the CUDA kernels (per-row modes also with 1, 2 and 4 blocks per thread in
 the row kernel; "cuda" is the default choice) and the Triton kernels (CUDA off); bytes checked against the
@@ -31,6 +32,8 @@ MODES = [
 ]
 VARIANTS = [("cuda", True, None), ("cuda_bpt1", True, 1), ("cuda_bpt2", True, 2), ("cuda_bpt4", True, 4),
             ("triton", False, None)]
+# rule 4/6 with every block's exact errors (quant.cu FAST46 0), the kernels before the twenty-sixth session
+VARIANTS += [("exact" + v[0][4:], True, v[2]) for v in VARIANTS if v[0].startswith("cuda")]
 
 
 def main():
@@ -62,9 +65,12 @@ def main():
             row = {"shape": shape, "mode": name, "floor_us": moved / bw["tb_s"] / 1e6, "dtype": args.dtype}
             exact = []
             for vname, on, bpt in variants:
-                if vname.startswith("cuda_bpt") and not name.startswith("row"):
+                if vname.startswith(("cuda_bpt", "exact_bpt")) and not name.startswith("row"):
+                    continue
+                if vname.startswith("exact") and "4/6" not in name:
                     continue
                 qc.STATE["on"] = on
+                qc.FAST46 = not vname.startswith("exact")
                 qc.ROWS_BPT = {"6": bpt, "4/6": bpt}
                 kwc = {a: (b[:4096] if a == "global_scale" else b) for a, b in kw.items()}
                 d, s, g = quantize_2d(x[:4096], check_finite=False, **kwc)
@@ -76,6 +82,7 @@ def main():
                 row[vname] = {"us": us, "tb_s": moved / us / 1e6, "byte_exact": ok}
                 exact.append(ok)
             qc.STATE["on"] = True
+            qc.FAST46 = True
             qc.ROWS_BPT = dict(ROWS_BPT0)
             if name.startswith("tensor") and len(variants):
                 row["amax_cuda_us"] = time_calls([lambda xi=xi: qc.amax_parts(xi) for xi in xs], min_calls=6)

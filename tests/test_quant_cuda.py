@@ -57,7 +57,8 @@ def test_rows_plan(nb_row, want):
 def test_source_defines_every_macro():
     """The kernels' compile-time switches all come from _defs (a missing one would be a silent 0)."""
     src = qc.source(dict(qc.rows_config(torch.bfloat16, True, True, True, 200, 2)[2]))
-    for name in ("RULE46", "MAE", "NONFINITE", "SRC", "GIVEN_ROWS", "IN_F32", "BPT", "TPR", "CTA", "MINB"):
+    for name in ("RULE46", "MAE", "NONFINITE", "SRC", "GIVEN_ROWS", "IN_F32", "FAST46", "BPT", "TPR", "CTA",
+                 "MINB"):
         assert f"#define {name} " in src
         assert name in qc._SOURCE.read_text()
 
@@ -252,3 +253,28 @@ def test_gpu_cuda_nonfinite_unchecked_matches_triton(cuda_on, monkeypatch):
                 assert torch.equal(got[0], want[0]), (dtype, rule, per_row)
                 assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)), (rule, per_row)
                 assert torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("err", ["mse", "mae"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fast46_near_ties(cuda_on, err):
+    """quant.cu's decide46 on the GPU against the reference where it must give way to the exact errors: near
+    ties found by bisection (tests/test_quant_fast46.py), as one tensor (per tensor and per row, imposed amax
+    and g) and with FAST46 off, the same bytes."""
+    from test_quant_fast46 import near_ties
+
+    for src in (0, 3):
+        x, v = near_ties(err == "mae", src)
+        x = x.reshape(-1, 64).cuda()  # 4 blocks a row: the row kernel's path too
+        for fast in (True, False):
+            qc.FAST46 = fast
+            try:
+                if src == 0:
+                    _check(x, scale_rule="4/6", err=err, amax=torch.tensor(v, device="cuda"))
+                    _check(x, scale_rule="4/6", err=err)
+                    _check(x, scale_rule="4/6", err=err, per_row=True)
+                else:
+                    _check(x, scale_rule="4/6", err=err, global_scale=torch.tensor(v, device="cuda"))
+            finally:
+                qc.FAST46 = True

@@ -1,0 +1,18 @@
+#!/bin/bash
+# Twenty-sixth session: rule 4/6 decided by a bound (quant.cu FAST46, decide46) on the H200.
+#   mode a: the quantize GPU tests (near ties by bisection included; FAST46 on and off), then bench/quant_cuda.py
+#     on the 4/6 modes with decide46 ("cuda*") and with every block's exact errors ("exact*", the kernels before)
+#     in the same process, bytes checked against the reference.
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.version.cuda)"
+case "$1" in
+a)
+  timeout 240 python3 -m pytest -q -x -m "gpu or not slow" tests/test_quant_cuda.py tests/test_quant_fast46.py \
+    2>&1 | tail -15
+  timeout 300 python3 bench/quant_cuda.py --shapes 32768x4096,8192x14336,4096x4096,32x4096 \
+    --modes "row 4/6 mse,tensor 4/6 mse,tensor 4/6 mae" \
+    --variants cuda,cuda_bpt1,cuda_bpt2,cuda_bpt4,exact,exact_bpt1,exact_bpt2,exact_bpt4 --out "$OUT/quant46.json"
+  ;;
+*) echo "mode a"; exit 2 ;;
+esac
