@@ -172,10 +172,10 @@ def scale_bytes(x: torch.Tensor, t: torch.Tensor, v: float, mae: bool, src: int)
 
 
 def near_ties(mae: bool, src: int, n: int = 2048, seed: int = 0):
-    """Blocks on both sides of a flip of the reference's choice: element 1 of each block (element 0 is the block
-    max, so the candidates' scales stay put) scanned over (0.02, 0.98) of the max for a flip, then
-    bisected over float32 bit patterns until the two ends are adjacent floats. ([2 m, 16] float32 for the m blocks
-    with a flip in range, the amax or g for the call)."""
+    """Blocks on both sides of a flip of the reference's choice: element 1 of each block (element 0 is the
+    block max, so the candidates' scales stay put) scanned over (0.02, 0.98) of the max for a flip, then
+    bisected over float32 bit patterns until the two ends are adjacent floats. Returns ([2 m, 16] float32 for
+    the m blocks with a flip in range, the amax or g for the call)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 16, generator=g)
     x[:, 0] = x[:, 1:].abs().amax(1) * 1.25
