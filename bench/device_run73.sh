@@ -14,5 +14,14 @@ a)
     --modes "row 4/6 mse,tensor 4/6 mse,tensor 4/6 mae" \
     --variants cuda,cuda_bpt1,cuda_bpt2,cuda_bpt4,exact,exact_bpt1,exact_bpt2,exact_bpt4 --out "$OUT/quant46.json"
   ;;
-*) echo "mode a"; exit 2 ;;
+b)  # the near-tie GPU test (fixed), then ncu on the row kernel, decide46 and exact at 4, 2, 1 blocks per thread
+  timeout 120 python3 -m pytest -q -x -m "gpu or not slow" tests/test_quant_cuda.py -k fast46 2>&1 | tail -5
+  timeout 400 ncu --clock-control none --kernel-name nvfp4_quant_rows --section SpeedOfLight \
+    --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
+    --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SourceCounters \
+    python3 bench/quant46_ncu.py > "$OUT/ncu_quant46.txt" 2>&1
+  grep -E "launched|Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Achieved Occupancy|Theoretical Occ|\
+Warp Cycles Per Issued|Executed Instructions  |No Eligible|Memory Throughput|Block Limit Reg" "$OUT/ncu_quant46.txt" | head -120
+  ;;
+*) echo "mode a or b"; exit 2 ;;
 esac
