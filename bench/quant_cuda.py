@@ -11,6 +11,7 @@ median of 7). Usage (device): python3 bench/quant_cuda.py --out $OUT/quant_cuda.
 
 import argparse
 import json
+import re
 import sys
 
 import torch
@@ -34,6 +35,28 @@ VARIANTS = [("cuda", True, None), ("cuda_bpt1", True, 1), ("cuda_bpt2", True, 2)
             ("triton", False, None)]
 # rule 4/6 with every block's exact errors (quant.cu FAST46 0), the kernels before the twenty-sixth session
 VARIANTS += [("exact" + v[0][4:], True, v[2]) for v in VARIANTS if v[0].startswith("cuda")]
+# any "cuda" or "exact" variant may end in _m<k>: the kernel compiled with MINB k (CTAs of its size per SM
+# that the registers must allow) instead of the launcher's table
+ROWS_CONFIG, FLAT_CONFIG = qc.rows_config, qc.flat_config
+
+
+def variant(name: str):
+    """(name, CUDA on, blocks per thread or None, MINB or None) of a variant name."""
+    m = re.fullmatch(r"(cuda|exact)(?:_bpt(\d+))?(?:_m(\d+))?", name)
+    if m is None:
+        hit = [v for v in VARIANTS if v[0] == name]
+        if not hit:
+            raise SystemExit(f"unknown variant {name!r}")
+        return (*hit[0], None)
+    return name, True, int(m.group(2)) if m.group(2) else None, int(m.group(3)) if m.group(3) else None
+
+
+def force_minb(minb):
+    """qc's launch configurations with MINB replaced (None: the launcher's own)."""
+    def swap(key):
+        return key if minb is None else tuple(sorted({**dict(key), "MINB": minb}.items()))
+    qc.rows_config = lambda *a: (lambda t: (t[0], t[1], swap(t[2])))(ROWS_CONFIG(*a))
+    qc.flat_config = lambda *a: swap(FLAT_CONFIG(*a))
 
 
 def main():
@@ -49,7 +72,7 @@ def main():
     print(f"copy {bw['tb_s']:.2f} TB/s", flush=True)
     out = {"env": _env(), "copy": bw, "rows": []}
     modes = [m for m in MODES if m[0] in args.modes.split(",")]
-    variants = [v for v in VARIANTS if v[0] in args.variants.split(",")]
+    variants = [variant(v) for v in args.variants.split(",")]
     heads = " | ".join(f"{v[0]} us (TB/s)" for v in variants)
     print(f"| shape | mode | {heads} | floor us | bytes = ref |")
     print("|---" * (len(variants) + 4) + "|")
@@ -64,13 +87,14 @@ def main():
             ref_kw = {a: (gsc[:4096, None] if b == "g" else b) for a, b in ref_kw.items()}
             row = {"shape": shape, "mode": name, "floor_us": moved / bw["tb_s"] / 1e6, "dtype": args.dtype}
             exact = []
-            for vname, on, bpt in variants:
-                if vname.startswith(("cuda_bpt", "exact_bpt")) and not name.startswith("row"):
+            for vname, on, bpt, minb in variants:
+                if bpt is not None and not name.startswith("row"):
                     continue
                 if vname.startswith("exact") and "4/6" not in name:
                     continue
                 qc.STATE["on"] = on
                 qc.FAST46 = not vname.startswith("exact")
+                force_minb(minb)
                 qc.ROWS_BPT = {"6": bpt, "4/6": bpt}
                 kwc = {a: (b[:4096] if a == "global_scale" else b) for a, b in kw.items()}
                 d, s, g = quantize_2d(x[:4096], check_finite=False, **kwc)
@@ -83,6 +107,7 @@ def main():
                 exact.append(ok)
             qc.STATE["on"] = True
             qc.FAST46 = True
+            force_minb(None)
             qc.ROWS_BPT = dict(ROWS_BPT0)
             if name.startswith("tensor") and len(variants):
                 row["amax_cuda_us"] = time_calls([lambda xi=xi: qc.amax_parts(xi) for xi in xs], min_calls=6)
