@@ -96,6 +96,23 @@ def test_an_actor_failure_names_the_actor(pool_and_model):
     assert pool.generate(PROMPTS[:2], SamplingParams(n=1, seed=0, max_new_tokens=2))  # the pool still works
 
 
+def _wait_until_dead(ray, actor, timeout_s: float = 60.0) -> None:
+    """Block until calls to a killed actor fail (a call sent before the kill lands could still run: the test
+    would then see a live actor, a race that failed once in a full local run)."""
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ready.remote(), timeout=10)
+        except RayActorError:
+            return
+        except GetTimeoutError:
+            continue
+        time.sleep(0.05)
+    pytest.fail(f"the killed actor still answers after {timeout_s} s")
+
+
 def test_a_dead_actor_stops_the_pool(ray_session):
     """An actor that died is named when its result is due, and the pool then refuses to generate (running
     the live shards again could only fail the same way) until it is rebuilt."""
@@ -106,6 +123,7 @@ def test_a_dead_actor_stops_the_pool(ray_session):
         params = SamplingParams(n=1, seed=0, max_new_tokens=2)
         assert pool.generate(PROMPTS, params)
         ray_session.kill(pool._actors[1])
+        _wait_until_dead(ray_session, pool._actors[1])  # ray.kill returns before the actor is gone
         with pytest.raises(SamplerActorError, match=r"sampler actor 1 of 2 failed in generate") as info:
             pool.generate(PROMPTS, params)
         assert info.value.index == 1
