@@ -23,13 +23,15 @@ b)  # the near-tie GPU test (fixed), then ncu on the row kernel, decide46 and ex
   grep -E "launched|Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Achieved Occupancy|Theoretical Occ|\
 Warp Cycles Per Issued|Executed Instructions  |No Eligible|Memory Throughput|Block Limit Reg" "$OUT/ncu_quant46.txt" | head -120
   ;;
-c)  # the near-tie GPU test (fixed); MINB (register caps) for decide46 and exact; then b's ncu
+c)  # the near-tie GPU test (fixed); FAST46 2 (codes in decide46's pass), 1 and 0 with register caps (MINB) swept;
+    # then b's ncu
   timeout 120 python3 -m pytest -q -x -m "gpu or not slow" tests/test_quant_cuda.py -k fast46 2>&1 | tail -3
   timeout 200 python3 bench/quant_cuda.py --shapes 32768x4096,8192x14336 --modes "row 4/6 mse" \
-    --variants cuda,cuda_bpt1_m5,cuda_bpt2_m4,cuda_bpt4_m3,cuda_bpt2_m2,exact,exact_bpt2,exact_bpt2_m4,exact_bpt4_m3 \
+    --variants cuda,cuda_bpt1_m5,cuda_bpt2_m4,cuda_bpt4_m3,cuda_bpt2_m2,fast1,fast1_bpt2_m4,exact,exact_bpt2,\
+exact_bpt2_m4,exact_bpt4_m3 \
     --out "$OUT/quant46_minb_rows.json"
   timeout 150 python3 bench/quant_cuda.py --shapes 32768x4096,8192x14336 --modes "tensor 4/6 mse,tensor 4/6 mae" \
-    --variants cuda,cuda_m5,cuda_m3,exact,exact_m5 --out "$OUT/quant46_minb_flat.json"
+    --variants cuda,cuda_m5,cuda_m3,fast1,exact,exact_m5 --out "$OUT/quant46_minb_flat.json"
   timeout 200 ncu --clock-control none --kernel-name nvfp4_quant_rows --section SpeedOfLight \
     --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
     --section InstructionStats --section SourceCounters python3 bench/quant46_ncu.py > "$OUT/ncu_quant46.txt" 2>&1

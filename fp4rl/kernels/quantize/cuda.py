@@ -28,9 +28,9 @@ STATE = {"on": os.environ.get("FP4RL_QUANT_CUDA", "1") != "0", "error": None}
 MAX_TPR = 512
 MAX_BPT = 8
 # rule 4/6: decide most blocks from quant.cu's bounded cheaper error (decide46), the exact errors only where
-# it cannot (the same bytes); FP4RL_QUANT_FAST46=0 (or False here, as the benchmark does) for the exact errors
-# of every block
-FAST46 = os.environ.get("FP4RL_QUANT_FAST46", "1") != "0"
+# it cannot (the same bytes): 2 with both candidates' codes from that pass, 1 with the winner's codes in a
+# pass of their own, 0 the exact errors of every block (FP4RL_QUANT_FAST46; the benchmark sets it here)
+FAST46 = int(os.environ.get("FP4RL_QUANT_FAST46", "2"))
 ROWS_MAX_BLOCKS = MAX_TPR * MAX_BPT  # K <= 65536 for per-row scales in one pass (bfloat16)
 MAX_BLOCKS = 2 ** 31 - 2 ** 26  # 16-element blocks per call (int block indices, grid-stride headroom)
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
@@ -112,7 +112,7 @@ def _kernel(name: str, key: tuple, device_index: int):
 
 def _defs(dtype, rule46=False, mae=False, allow_nf=False, src=0, given_rows=False, **extra) -> tuple:
     d = dict(RULE46=int(rule46), MAE=int(mae), NONFINITE=int(allow_nf), SRC=src, GIVEN_ROWS=int(given_rows),
-             IN_F32=_DTYPES[dtype], FAST46=int(FAST46 and rule46), **extra)
+             IN_F32=_DTYPES[dtype], FAST46=int(FAST46) if rule46 else 0, **extra)
     return tuple(sorted(d.items()))
 
 

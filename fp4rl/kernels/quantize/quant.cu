@@ -11,7 +11,8 @@
 //   GIVEN_ROWS SRC 2/3: one imposed value per row instead of one for the tensor
 //   IN_F32     1: float32 input, 0: bfloat16
 //   FAST46     rule 4/6: decide most blocks from a cheaper error with a proven bound, the exact errors only
-//              where the bound cannot (1, see decide46), or the exact errors of every block (0)
+//              where the bound cannot (see decide46): 2 with both candidates' codes packed in the same pass,
+//              1 with the winner's codes in a pass of their own; 0: the exact errors of every block
 //   BPT, TPR, CTA  nvfp4_quant_rows: blocks per thread, threads per row (a power of two), threads per CTA
 //   MINB       CTAs per SM the registers must allow (__launch_bounds__; cuda.py's table, no spills)
 //
@@ -245,16 +246,24 @@ __device__ __noinline__ void errors_exact(const Raw r, float s6, float enc6, flo
 // z = x * enc, the encoded values the codes round (ev: their E2M1 values, the reference's). Two chains of 8
 // (even and odd elements, added at the end). 9 instructions per element against the exact error's 15: no
 // decode (value * s * amax / 1536) and no x-domain difference.
-__device__ __forceinline__ float approx_error(const Raw& r, float enc) {
+// FAST46 2: the candidate's codes too (codes_of's, from the same rounding: e2m1 is e2m1_mag plus the sign).
+__device__ __forceinline__ float approx_error(const Raw& r, float enc, uint2& codes) {
   float acc[2] = {0.0f, 0.0f};
+  u32 w[2] = {0u, 0u};
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    float za = fabsf(__fmul_rn(elem(r, i), enc));
+    float z = __fmul_rn(elem(r, i), enc);
+    float za = fabsf(z);
     float ev;
+#if FAST46 == 2
+    w[i >> 3] += e2m1(z, ev) << (4 * (i & 7));
+#else
     e2m1_mag(fminf(za, 6.0f), ev);
+#endif
     float d = __fadd_rn(ev, -za);
     acc[i & 1] = MAE ? __fadd_rn(acc[i & 1], fabsf(d)) : __fmaf_rn(d, d, acc[i & 1]);
   }
+  codes = make_uint2(w[0] - BIAS * 0x11111111u, w[1] - BIAS * 0x11111111u);
   return __fadd_rn(acc[0], acc[1]);
 }
 
@@ -311,11 +320,13 @@ __device__ __forceinline__ void quantize_block(const Raw& r, const Scales& sc, u
   bool pick4;
 #if FAST46
   bool known = false;
-  if (sc.fast && bamax >= 9.094947017729282e-13f && bamax <= 1.099511627776e12f && s6 >= 0.001953125f &&
-      enc6 < FLT_MAX_F && enc4 < FLT_MAX_F) {  // bamax in 2^-40..2^40, s4 >= s6 >= 2^-9
+  uint2 c6, c4;
+  const bool in_range = sc.fast && bamax >= 9.094947017729282e-13f && bamax <= 1.099511627776e12f &&
+                        s6 >= 0.001953125f && enc6 < FLT_MAX_F && enc4 < FLT_MAX_F;  // bamax 2^-40..2^40, s4 >= s6
+  if (FAST46 == 2 || in_range) {  // FAST46 2: every block, for the codes
     const float xs = 1.00000095367431640625f;  // 1 + 2^-20
-    known = decide46(approx_error(r, enc6), approx_error(r, enc4), s6, s4, __fmul_rn(bamax, enc6) * xs,
-                     __fmul_rn(bamax, enc4) * xs, pick4);
+    const float a6 = approx_error(r, enc6, c6), a4 = approx_error(r, enc4, c4);
+    if (in_range) known = decide46(a6, a4, s6, s4, __fmul_rn(bamax, enc6) * xs, __fmul_rn(bamax, enc4) * xs, pick4);
   }
 #ifdef HOST_COUNT
   HOST_COUNT(known);  // tests/test_quant_fast46.py: this code compiled for the CPU counts decided blocks
@@ -334,7 +345,11 @@ __device__ __forceinline__ void quantize_block(const Raw& r, const Scales& sc, u
   }
   pick4 = e4 < e6;
 #endif
+#if FAST46 == 2
+  codes = pick4 ? c4 : c6;
+#else
   codes = codes_of(r, pick4 ? enc4 : enc6);
+#endif
   sbits = e4m3_bits(pick4 ? s4 : s6);
 #else
   float s = e4m3_round(__fmul_rn(bamax, __fmul_rn(sc.enc, ONE_SIXTH_F)));
