@@ -66,7 +66,8 @@ def spills(log: str) -> dict[str, tuple[int, int]]:
 def _quant_configs():
     for dtype in (torch.bfloat16, torch.float32):
         for rule46, mae, nf in ((False, False, False), (True, False, False), (True, True, True)):
-            for nb, bpt in ((1, 1), (256, 1), (256, 4), (896, 4), (qc.rows_max_blocks(dtype), 1)):
+            for nb, bpt in ((1, 1), (256, 1), (256, 2), (256, 4), (896, 2), (896, 4),
+                            (qc.rows_max_blocks(dtype), 1)):
                 key = qc.rows_config(dtype, rule46, mae, nf, nb, bpt)[2]
                 yield f"rows {dtype} {rule46} {nb}x{bpt}", key
             for src, given_rows in ((0, False), (2, True), (3, False)):

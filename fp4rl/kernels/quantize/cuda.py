@@ -39,8 +39,12 @@ _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 ROWS_BPT = {"6": None, "4/6": None}
 # CTAs of 256 threads per SM that the registers must allow, per (rule 4/6, blocks per thread), bfloat16 input:
 # no spills on the common path (ptxas, sm_90): rule 6 fits 32 / 40 / 64 registers at 1 / 2 / 4 blocks, 4/6
-# 64 / 80 / 118 (float32 input: no cap)
+# 64 / 80 / 118 (float32 input: no cap). Rule 4/6 with decide46 (FAST46 1, 2): 64 / 64 / 80, the fastest of the
+# caps swept on an H200 (bench/RESULTS.md, twenty-sixth session: 2 blocks a thread at 64 registers, 32 warps
+# an SM, 237.7 us for 32768x4096 against 258.1 at 4 blocks and 128 registers)
 _MIN_BLOCKS = {(False, 1): 8, (False, 2): 6, (False, 4): 4, (True, 1): 4, (True, 2): 3, (True, 4): 2}
+_MIN_BLOCKS_FAST46 = {1: 4, 2: 4, 4: 3}
+FAST46_MAX_BPT = 2  # rule 4/6 with decide46: at most 2 blocks a thread in the row kernel (see above)
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -120,7 +124,11 @@ def rows_config(dtype, rule46: bool, mae: bool, allow_nf: bool, nb_row: int, bpt
     """(TPR, CTA, compile key) of the row kernel for rows of nb_row blocks, at least bpt blocks per thread.
     The register caps (MINB) are bfloat16's; float32 blocks hold twice the data (ptxas spills under them)."""
     bpt, tpr, cta = rows_plan(nb_row, bpt)
-    minb = _MIN_BLOCKS.get((rule46, bpt), 1) if cta == 256 and dtype == torch.bfloat16 else 1
+    minb = 1
+    if dtype == torch.bfloat16 and rule46 and FAST46:  # the same threads per SM at 512-thread CTAs
+        minb = max(1, _MIN_BLOCKS_FAST46.get(bpt, 1) * 256 // cta)
+    elif dtype == torch.bfloat16 and cta == 256:
+        minb = _MIN_BLOCKS.get((rule46, bpt), 1)
     return tpr, cta, _defs(dtype, rule46, mae, allow_nf, 1, BPT=bpt, TPR=tpr, CTA=cta, MINB=minb)
 
 
@@ -166,6 +174,8 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
         return
     if src == 1:
         bpt = ROWS_BPT["4/6" if rule46 else "6"] or rows_bpt(n_blk, x.device)
+        if rule46 and FAST46 and not ROWS_BPT["4/6"]:
+            bpt = min(bpt, FAST46_MAX_BPT)
         tpr, cta, key = rows_config(x.dtype, rule46, mae, allow_nf, nb_row, bpt)
         rows_per_cta = cta // tpr
         _launch("nvfp4_quant_rows", key, x, (-(-r // rows_per_cta), 1, 1), (cta, 1, 1),
