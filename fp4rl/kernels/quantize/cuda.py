@@ -39,9 +39,9 @@ _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 ROWS_BPT = {"6": None, "4/6": None}
 # CTAs of 256 threads per SM that the registers must allow, per (rule 4/6, blocks per thread), bfloat16 input:
 # no spills on the common path (ptxas, sm_90): rule 6 fits 32 / 40 / 64 registers at 1 / 2 / 4 blocks, 4/6
-# 64 / 80 / 118 (float32 input: no cap). Rule 4/6 with decide46 (FAST46 1, 2): 64 / 64 / 80, the fastest of the
-# caps swept on an H200 (bench/RESULTS.md, twenty-sixth session: 2 blocks a thread at 64 registers, 32 warps
-# an SM, 237.7 us for 32768x4096 against 258.1 at 4 blocks and 128 registers)
+# 64 / 80 / 118 (float32 input: no cap). Rule 4/6 with decide46 (FAST46 1, 2): 64 / 64 / 80, the fastest of
+# the caps swept on an H200 (bench/RESULTS.md, twenty-sixth session: 2 blocks a thread at 64 registers, 32
+# warps an SM, 237.7 us for 32768x4096 against 258.1 at 4 blocks and 128 registers)
 _MIN_BLOCKS = {(False, 1): 8, (False, 2): 6, (False, 4): 4, (True, 1): 4, (True, 2): 3, (True, 4): 2}
 _MIN_BLOCKS_FAST46 = {1: 4, 2: 4, 4: 3}
 FAST46_MAX_BPT = 2  # rule 4/6 with decide46: at most 2 blocks a thread in the row kernel (see above)
