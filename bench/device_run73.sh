@@ -38,5 +38,12 @@ exact_bpt2_m4,exact_bpt4_m3 \
   grep -E "launched|Duration|Issue Slots Busy|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|\
 Executed Instructions  |No Eligible" "$OUT/ncu_quant46.txt" | head -80
   ;;
-*) echo "mode a, b or c"; exit 2 ;;
+d)  # the defaults chosen from c (2 blocks a thread at 64 registers for 4/6 with decide46): the quantize GPU tests,
+    # then the standard table, every mode, against the kernels before (exact) and Triton in the same process
+  timeout 300 python3 -m pytest -q -m "gpu or not slow" tests/test_quant_cuda.py tests/test_quant_fast46.py \
+    tests/test_triton_quantize.py 2>&1 | tail -4
+  timeout 280 python3 bench/quant_cuda.py --shapes 32768x4096,8192x14336,4096x4096,32x4096 \
+    --variants cuda,exact,triton --out "$OUT/quant46_d.json"
+  ;;
+*) echo "mode a, b, c or d"; exit 2 ;;
 esac
