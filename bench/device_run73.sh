@@ -45,5 +45,10 @@ d)  # the defaults chosen from c (2 blocks a thread at 64 registers for 4/6 with
   timeout 280 python3 bench/quant_cuda.py --shapes 32768x4096,8192x14336,4096x4096,32x4096 \
     --variants cuda,exact,triton --out "$OUT/quant46_d.json"
   ;;
-*) echo "mode a, b, c or d"; exit 2 ;;
+e)  # where decide46 starts to pay: decode- to prefill-sized activations, the launcher's choice (cuda) against
+    # decide46 (fast2) and the exact errors (exact) at every size
+  timeout 200 python3 bench/quant_cuda.py --shapes 32x4096,128x4096,256x4096,512x4096,1024x4096,2048x4096 \
+    --modes "row 4/6 mse,tensor 4/6 mse" --variants cuda,fast2,exact --out "$OUT/quant46_e.json"
+  ;;
+*) echo "mode a, b, c, d or e"; exit 2 ;;
 esac

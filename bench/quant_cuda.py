@@ -1,5 +1,5 @@
 """Device benchmark of the CUDA quantize kernels (fp4rl/kernels/quantize/quant.cu), seventh session; the
-"exact" variants (twenty-sixth session) run rule 4/6 without decide46 (FAST46 0).
+"exact", "fast1" and "fast2" variants (twenty-sixth session) run rule 4/6 with FAST46 0, 1, 2 at every size.
 
 For each shape and mode, in one run: the CUDA kernels (per-row modes also with 1, 2 and 4 blocks per thread in
 the row kernel; "cuda" is the default choice) and the Triton kernels (CUDA off); bytes checked against the
@@ -33,11 +33,13 @@ MODES = [
 ]
 VARIANTS = [("cuda", True, None), ("cuda_bpt1", True, 1), ("cuda_bpt2", True, 2), ("cuda_bpt4", True, 4),
             ("triton", False, None)]
-# rule 4/6 with every block's exact errors (quant.cu FAST46 0, the kernels before the twenty-sixth session)
-# and with decide46 but the winner's codes in a pass of their own (FAST46 1); "cuda": the default (2)
-VARIANTS += [(p + v[0][4:], True, v[2]) for p in ("exact", "fast1") for v in VARIANTS
+# rule 4/6 with every block's exact errors (quant.cu FAST46 0, the kernels before the twenty-sixth session),
+# with decide46 and the winner's codes in a pass of their own (FAST46 1) and with both candidates' codes in
+# its pass (2), at every size; "cuda": the launcher's own choice (FAST46 2 from FAST46_MIN_BLOCKS blocks)
+VARIANTS += [(p + v[0][4:], True, v[2]) for p in ("exact", "fast1", "fast2") for v in VARIANTS
              if v[0].startswith("cuda")]
-FAST46_OF = {"cuda": qc.FAST46, "fast1": 1, "exact": 0}
+FAST46_OF = {"fast2": 2, "fast1": 1, "exact": 0}
+FAST46_0, MIN_BLOCKS_0 = qc.FAST46, qc.FAST46_MIN_BLOCKS
 # any "cuda" or "exact" variant may end in _m<k>: the kernel compiled with MINB k (CTAs of its size per SM
 # that the registers must allow) instead of the launcher's table
 ROWS_CONFIG, FLAT_CONFIG = qc.rows_config, qc.flat_config
@@ -45,7 +47,7 @@ ROWS_CONFIG, FLAT_CONFIG = qc.rows_config, qc.flat_config
 
 def variant(name: str):
     """(name, CUDA on, blocks per thread or None, MINB or None) of a variant name."""
-    m = re.fullmatch(r"(cuda|exact|fast1)(?:_bpt(\d+))?(?:_m(\d+))?", name)
+    m = re.fullmatch(r"(cuda|exact|fast1|fast2)(?:_bpt(\d+))?(?:_m(\d+))?", name)
     if m is None:
         hit = [v for v in VARIANTS if v[0] == name]
         if not hit:
@@ -93,10 +95,12 @@ def main():
             for vname, on, bpt, minb in variants:
                 if bpt is not None and not name.startswith("row"):
                     continue
-                if vname.startswith(("exact", "fast1")) and "4/6" not in name:
+                prefix = vname.split("_")[0]
+                if prefix in FAST46_OF and "4/6" not in name:
                     continue
                 qc.STATE["on"] = on
-                qc.FAST46 = FAST46_OF.get(vname.split("_")[0], FAST46_OF["cuda"])
+                qc.FAST46 = FAST46_OF.get(prefix, FAST46_0)
+                qc.FAST46_MIN_BLOCKS = 0 if prefix in FAST46_OF else MIN_BLOCKS_0
                 force_minb(minb)
                 qc.ROWS_BPT = {"6": bpt, "4/6": bpt}
                 kwc = {a: (b[:4096] if a == "global_scale" else b) for a, b in kw.items()}
@@ -109,7 +113,7 @@ def main():
                 row[vname] = {"us": us, "tb_s": moved / us / 1e6, "byte_exact": ok}
                 exact.append(ok)
             qc.STATE["on"] = True
-            qc.FAST46 = FAST46_OF["cuda"]
+            qc.FAST46, qc.FAST46_MIN_BLOCKS = FAST46_0, MIN_BLOCKS_0
             force_minb(None)
             qc.ROWS_BPT = dict(ROWS_BPT0)
             if name.startswith("tensor") and len(variants):

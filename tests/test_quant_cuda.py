@@ -278,3 +278,28 @@ def test_gpu_fast46_near_ties(cuda_on, err):
                     _check(x, scale_rule="4/6", err=err, global_scale=torch.tensor(v, device="cuda"))
             finally:
                 qc.FAST46 = 2
+
+
+def test_fast46_from_its_size_with_its_register_caps(monkeypatch):
+    """The launcher takes decide46 (FAST46 2) from FAST46_MIN_BLOCKS blocks a call, with at most 2 blocks a
+    thread and the 64-register cap in the row kernel; smaller calls and rule 6 compile without it (measured faster on
+    a decode-sized tensor). Launches recorded, not run (no GPU needed)."""
+    from types import SimpleNamespace
+
+    calls = []
+    monkeypatch.setattr(qc, "_launch", lambda name, key, *a: calls.append((name, dict(key))))
+    sm = SimpleNamespace(multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: sm)
+    monkeypatch.setattr(qc, "FAST46", 2)
+    for rows, rule46, src, want in ((32, True, 1, 0), (4096, True, 1, 2), (4096, False, 1, 0),
+                                    (32, True, 0, 0), (4096, True, 0, 2)):
+        x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
+        qc.quantize(x, None, None, None, None, None, None, src, False, rule46, False, False)
+        name, key = calls[-1]
+        assert name == ("nvfp4_quant_rows" if src == 1 else "nvfp4_quant_flat")
+        assert key["FAST46"] == want, (rows, rule46, src, key)
+        if src == 1 and want:
+            assert key["BPT"] == 2 and key["MINB"] == 4  # 64 registers, 32 warps an SM
+    monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0)
+    qc.quantize(torch.zeros(32, 4096, dtype=torch.bfloat16), *[None] * 6, 1, False, True, False, False)
+    assert calls[-1][1]["FAST46"] == 2

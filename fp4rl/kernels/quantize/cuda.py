@@ -45,6 +45,9 @@ ROWS_BPT = {"6": None, "4/6": None}
 _MIN_BLOCKS = {(False, 1): 8, (False, 2): 6, (False, 4): 4, (True, 1): 4, (True, 2): 3, (True, 4): 2}
 _MIN_BLOCKS_FAST46 = {1: 4, 2: 4, 4: 3}
 FAST46_MAX_BPT = 2  # rule 4/6 with decide46: at most 2 blocks a thread in the row kernel (see above)
+# decide46 from this many 16-element blocks per call: on a decode-sized tensor (32x4096, one wave) the exact
+# errors were faster on the H200 (2.7 vs 3.1 us), on 4096x4096 decide46 (34.4 vs 39.1 us)
+FAST46_MIN_BLOCKS = int(os.environ.get("FP4RL_QUANT_FAST46_MIN_BLOCKS", str(1 << 16)))
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -114,28 +117,34 @@ def _kernel(name: str, key: tuple, device_index: int):
     return _KERNELS[ident]
 
 
-def _defs(dtype, rule46=False, mae=False, allow_nf=False, src=0, given_rows=False, **extra) -> tuple:
+def _defs(dtype, rule46=False, mae=False, allow_nf=False, src=0, given_rows=False, fast46=None,
+          **extra) -> tuple:
+    fast46 = FAST46 if fast46 is None else fast46
     d = dict(RULE46=int(rule46), MAE=int(mae), NONFINITE=int(allow_nf), SRC=src, GIVEN_ROWS=int(given_rows),
-             IN_F32=_DTYPES[dtype], FAST46=int(FAST46) if rule46 else 0, **extra)
+             IN_F32=_DTYPES[dtype], FAST46=int(fast46) if rule46 else 0, **extra)
     return tuple(sorted(d.items()))
 
 
-def rows_config(dtype, rule46: bool, mae: bool, allow_nf: bool, nb_row: int, bpt: int) -> tuple:
+def rows_config(dtype, rule46: bool, mae: bool, allow_nf: bool, nb_row: int, bpt: int,
+                fast46=None) -> tuple:
     """(TPR, CTA, compile key) of the row kernel for rows of nb_row blocks, at least bpt blocks per thread.
     The register caps (MINB) are bfloat16's; float32 blocks hold twice the data (ptxas spills under them)."""
     bpt, tpr, cta = rows_plan(nb_row, bpt)
+    fast46 = FAST46 if fast46 is None else fast46
     minb = 1
-    if dtype == torch.bfloat16 and rule46 and FAST46:  # the same threads per SM at 512-thread CTAs
+    if dtype == torch.bfloat16 and rule46 and fast46:  # the same threads per SM at 512-thread CTAs
         minb = max(1, _MIN_BLOCKS_FAST46.get(bpt, 1) * 256 // cta)
     elif dtype == torch.bfloat16 and cta == 256:
         minb = _MIN_BLOCKS.get((rule46, bpt), 1)
-    return tpr, cta, _defs(dtype, rule46, mae, allow_nf, 1, BPT=bpt, TPR=tpr, CTA=cta, MINB=minb)
+    key = _defs(dtype, rule46, mae, allow_nf, 1, fast46=fast46, BPT=bpt, TPR=tpr, CTA=cta, MINB=minb)
+    return tpr, cta, key
 
 
-def flat_config(dtype, rule46: bool, mae: bool, allow_nf: bool, src: int, given_rows: bool) -> tuple:
+def flat_config(dtype, rule46: bool, mae: bool, allow_nf: bool, src: int, given_rows: bool,
+                fast46=None) -> tuple:
     """Compile key of the flat kernel (per-tensor or imposed scales)."""
     minb = _MIN_BLOCKS[(rule46, 1)] if dtype == torch.bfloat16 else 1
-    return _defs(dtype, rule46, mae, allow_nf, src, given_rows, MINB=minb)
+    return _defs(dtype, rule46, mae, allow_nf, src, given_rows, fast46=fast46, MINB=minb)
 
 
 def _dev(x):
@@ -172,17 +181,18 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
     n_blk = r * nb_row
     if n_blk == 0:
         return
+    fast46 = FAST46 if n_blk >= FAST46_MIN_BLOCKS else 0
     if src == 1:
         bpt = ROWS_BPT["4/6" if rule46 else "6"] or rows_bpt(n_blk, x.device)
-        if rule46 and FAST46 and not ROWS_BPT["4/6"]:
+        if rule46 and fast46 and not ROWS_BPT["4/6"]:
             bpt = min(bpt, FAST46_MAX_BPT)
-        tpr, cta, key = rows_config(x.dtype, rule46, mae, allow_nf, nb_row, bpt)
+        tpr, cta, key = rows_config(x.dtype, rule46, mae, allow_nf, nb_row, bpt, fast46)
         rows_per_cta = cta // tpr
         _launch("nvfp4_quant_rows", key, x, (-(-r // rows_per_cta), 1, 1), (cta, 1, 1),
                 [x, data, scale, g, flag, r, nb_row])
         return
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = max(1, min(-(-n_blk // 256), sms * 16))
-    key = flat_config(x.dtype, rule46, mae, allow_nf, src, per_row_given)
+    key = flat_config(x.dtype, rule46, mae, allow_nf, src, per_row_given, fast46)
     _launch("nvfp4_quant_flat", key, x, (grid, 1, 1), (256, 1, 1),
             [x, data, scale, g, given, parts if parts is not None else g, n_blk, nb_row])
