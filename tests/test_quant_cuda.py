@@ -282,8 +282,8 @@ def test_gpu_fast46_near_ties(cuda_on, err):
 
 def test_fast46_from_its_size_with_its_register_caps(monkeypatch):
     """The launcher takes decide46 (FAST46 2) from FAST46_MIN_BLOCKS blocks a call, with at most 2 blocks a
-    thread and the 64-register cap in the row kernel; smaller calls and rule 6 compile without it (measured faster on
-    a decode-sized tensor). Launches recorded, not run (no GPU needed)."""
+    thread and the 64-register cap in the row kernel; smaller calls and rule 6 compile without it (measured
+    faster on a decode-sized tensor). Launches recorded, not run (no GPU needed)."""
     from types import SimpleNamespace
 
     calls = []
