@@ -291,7 +291,7 @@ def test_fast46_from_its_size_with_its_register_caps(monkeypatch):
     sm = SimpleNamespace(multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: sm)
     monkeypatch.setattr(qc, "FAST46", 2)
-    for rows, rule46, src, want in ((32, True, 1, 0), (4096, True, 1, 2), (4096, False, 1, 0),
+    for rows, rule46, src, want in ((256, True, 1, 0), (4096, True, 1, 2), (4096, False, 1, 0),
                                     (32, True, 0, 0), (4096, True, 0, 2)):
         x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
         qc.quantize(x, None, None, None, None, None, None, src, False, rule46, False, False)

@@ -45,9 +45,10 @@ ROWS_BPT = {"6": None, "4/6": None}
 _MIN_BLOCKS = {(False, 1): 8, (False, 2): 6, (False, 4): 4, (True, 1): 4, (True, 2): 3, (True, 4): 2}
 _MIN_BLOCKS_FAST46 = {1: 4, 2: 4, 4: 3}
 FAST46_MAX_BPT = 2  # rule 4/6 with decide46: at most 2 blocks a thread in the row kernel (see above)
-# decide46 from this many 16-element blocks per call: on a decode-sized tensor (32x4096, one wave) the exact
-# errors were faster on the H200 (2.7 vs 3.1 us), on 4096x4096 decide46 (34.4 vs 39.1 us)
-FAST46_MIN_BLOCKS = int(os.environ.get("FP4RL_QUANT_FAST46_MIN_BLOCKS", str(1 << 16)))
+# decide46 from this many 16-element blocks per call: the exact errors were faster on the H200 up to 128x4096
+# (3.5 vs 3.9 us), even at 256 and 512 rows, decide46 faster from 1024 rows (11.8 vs 12.5 us; 4096x4096 34.4
+# vs 39.1; bench/RESULTS.md, twenty-sixth session)
+FAST46_MIN_BLOCKS = int(os.environ.get("FP4RL_QUANT_FAST46_MIN_BLOCKS", str(1 << 17)))
 
 
 def usable(x: torch.Tensor) -> bool:
