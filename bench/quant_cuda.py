@@ -40,8 +40,8 @@ VARIANTS += [(p + v[0][4:], True, v[2]) for p in ("exact", "fast1", "fast2") for
              if v[0].startswith("cuda")]
 FAST46_OF = {"fast2": 2, "fast1": 1, "exact": 0}
 FAST46_0, MIN_BLOCKS_0 = qc.FAST46, qc.FAST46_MIN_BLOCKS
-# any "cuda" or "exact" variant may end in _m<k>: the kernel compiled with MINB k (CTAs of its size per SM
-# that the registers must allow) instead of the launcher's table
+# any "cuda", "exact", "fast1" or "fast2" variant may end in _m<k>: the kernel compiled with MINB k (CTAs of
+# its size per SM that the registers must allow) instead of the launcher's table
 ROWS_CONFIG, FLAT_CONFIG = qc.rows_config, qc.flat_config
 
 

@@ -134,11 +134,18 @@ def _check(x, **kw):
     assert torch.equal(g.reshape(-1), q.global_scale.reshape(-1).to(g.device)), f"global scales differ ({kw})"
 
 
-@pytest.mark.parametrize("rule,err", [("6", "mse"), ("4/6", "mse"), ("4/6", "mae")])
+@pytest.mark.parametrize("rule,err,fast46", [("6", "mse", None), ("4/6", "mse", None), ("4/6", "mae", None),
+                                             ("4/6", "mse", 2), ("4/6", "mae", 2), ("4/6", "mse", 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_cuda_matches_reference(cuda_on, rule, err, dtype):
+def test_gpu_cuda_matches_reference(cuda_on, monkeypatch, rule, err, fast46, dtype):
+    """Every mode's bytes against the reference on wide, grid, 60-decade and edge-case tensors; fast46 set:
+    the 4/6 kernels with decide46 (FAST46 2 or 1) at every size (the launcher takes it from FAST46_MIN_BLOCKS
+    blocks, more than these tensors hold), else the launcher's own choice (here the exact errors)."""
+    if fast46 is not None:
+        monkeypatch.setattr(qc, "FAST46", fast46)
+        monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0)
     for shape in [(1, 16), (3, 48), (37, 4096), (5, 4112), (2, 14336), (3, 65536), (300, 128)]:
         for kind in ("wide", "grid", "rows", "edges"):
             x = _x(shape, dtype, kind, seed=shape[0] + shape[1])
@@ -157,11 +164,16 @@ def test_gpu_cuda_matches_reference(cuda_on, rule, err, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_cuda_nonfinite(cuda_on):
+@pytest.mark.parametrize("min_blocks", [None, 0])
+def test_gpu_cuda_nonfinite(cuda_on, monkeypatch, min_blocks):
+    """min_blocks 0: rule 4/6 with decide46 (its NaN / Inf blocks go to the exact errors) at this size."""
+    if min_blocks is not None:
+        monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", min_blocks)
     for dtype in (torch.bfloat16, torch.float32):
         x = _x((64, 256), dtype, "wide", seed=3)
         x[3, 5], x[7, 1], x[9, 30] = float("nan"), float("inf"), -float("inf")
         x[11, 32:48] = float("nan")
+        x[13, 3] = -0.0
         for rule in ("6", "4/6"):
             for per_row in (False, True):
                 _check(x, scale_rule=rule, per_row=per_row, allow_nonfinite=True)
@@ -258,26 +270,25 @@ def test_gpu_cuda_nonfinite_unchecked_matches_triton(cuda_on, monkeypatch):
 @pytest.mark.parametrize("err", ["mse", "mae"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_fast46_near_ties(cuda_on, err):
+def test_gpu_fast46_near_ties(cuda_on, monkeypatch, err):
     """quant.cu's decide46 on the GPU against the reference where it must give way to the exact errors: near
-    ties found by bisection (tests/test_quant_fast46.py), as one tensor (per tensor and per row, imposed amax
-    and g) and with FAST46 1 and 0, the same bytes."""
-    from test_quant_fast46 import near_ties
+    ties found by bisection and blocks on both candidates' grids moved by a few ulps
+    (tests/test_quant_fast46.py), as one tensor (per tensor and per row, imposed amax and g), at FAST46 2, 1
+    and 0 whatever the size."""
+    from test_quant_fast46 import grid_ties, near_ties
 
+    monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0)  # these tensors are smaller than the launcher's gate
     for src in (0, 3):
-        x, v = near_ties(err == "mae", src)
-        x = x[: x.shape[0] // 4 * 4].reshape(-1, 64).cuda()  # 4 blocks a row: the row kernel's path too
-        for fast in (2, 1, 0):
-            qc.FAST46 = fast
-            try:
+        for x, v in (near_ties(err == "mae", src), grid_ties(src)):
+            x = x[: x.shape[0] // 4 * 4].reshape(-1, 64).cuda()  # 4 blocks a row: the row kernel's path too
+            for fast in (2, 1, 0):
+                monkeypatch.setattr(qc, "FAST46", fast)
                 if src == 0:
                     _check(x, scale_rule="4/6", err=err, amax=torch.tensor(v, device="cuda"))
                     _check(x, scale_rule="4/6", err=err)
                     _check(x, scale_rule="4/6", err=err, per_row=True)
                 else:
                     _check(x, scale_rule="4/6", err=err, global_scale=torch.tensor(v, device="cuda"))
-            finally:
-                qc.FAST46 = 2
 
 
 def test_fast46_from_its_size_with_its_register_caps(monkeypatch):
@@ -303,3 +314,11 @@ def test_fast46_from_its_size_with_its_register_caps(monkeypatch):
     monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0)
     qc.quantize(torch.zeros(32, 4096, dtype=torch.bfloat16), *[None] * 6, 1, False, True, False, False)
     assert calls[-1][1]["FAST46"] == 2
+
+
+def test_fast46_env_is_checked(monkeypatch):
+    monkeypatch.setenv("FP4RL_QUANT_FAST46", "3")
+    with pytest.raises(ValueError, match="FP4RL_QUANT_FAST46='3': use 2"):
+        qc._fast46_from_env()
+    monkeypatch.setenv("FP4RL_QUANT_FAST46", "0")
+    assert qc._fast46_from_env() == 0

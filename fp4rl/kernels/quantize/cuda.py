@@ -30,7 +30,15 @@ MAX_BPT = 8
 # rule 4/6: decide most blocks from quant.cu's bounded cheaper error (decide46), the exact errors only where
 # it cannot (the same bytes): 2 with both candidates' codes from that pass, 1 with the winner's codes in a
 # pass of their own, 0 the exact errors of every block (FP4RL_QUANT_FAST46; the benchmark sets it here)
-FAST46 = int(os.environ.get("FP4RL_QUANT_FAST46", "2"))
+def _fast46_from_env() -> int:
+    raw = os.environ.get("FP4RL_QUANT_FAST46", "2").strip()
+    if raw not in ("0", "1", "2"):
+        raise ValueError(f"FP4RL_QUANT_FAST46={raw!r}: use 2 (the default), 1, or 0 for the exact 4/6 "
+                         "errors of every block")
+    return int(raw)
+
+
+FAST46 = _fast46_from_env()
 ROWS_MAX_BLOCKS = MAX_TPR * MAX_BPT  # K <= 65536 for per-row scales in one pass (bfloat16)
 MAX_BLOCKS = 2 ** 31 - 2 ** 26  # 16-element blocks per call (int block indices, grid-stride headroom)
 _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
@@ -133,7 +141,7 @@ def rows_config(dtype, rule46: bool, mae: bool, allow_nf: bool, nb_row: int, bpt
     bpt, tpr, cta = rows_plan(nb_row, bpt)
     fast46 = FAST46 if fast46 is None else fast46
     minb = 1
-    if dtype == torch.bfloat16 and rule46 and fast46:  # the same threads per SM at 512-thread CTAs
+    if dtype == torch.bfloat16 and rule46 and fast46:  # 512-thread CTAs: half as many, same cap at bpt 1-2
         minb = max(1, _MIN_BLOCKS_FAST46.get(bpt, 1) * 256 // cta)
     elif dtype == torch.bfloat16 and cta == 256:
         minb = _MIN_BLOCKS.get((rule46, bpt), 1)

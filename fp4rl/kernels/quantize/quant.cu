@@ -272,7 +272,8 @@ __device__ __forceinline__ float approx_error(const Raw& r, float enc, uint2& co
 // u = 2^-24 the unit roundoff, the reference's decoded value (ev s amax) / 1536 is ev sigma (1 + eta), |eta| <=
 // 2u; the encode factor 1 / fl(s fl(1 / fl(1536 / amax))) is (1 + theta) / sigma, |theta| <= 4u, so |z| =
 // X (1 + phi), |phi| <= 5u. Then d / sigma (the reference's rounded difference) and fl(ev - |z|) are both
-// within eps_i <= 6.04 u X_i of R_i, using |R_i| <= X_i (0 is an E2M1 value; a clamped |z| > 6 has ev = 6).
+// within eps_i <= 6.04 u X_i of R_i, using |R_i| <= X_i (1 + 10u) (ev is the E2M1 value nearest |z| and 0 is
+// one; a clamped |z| > 6 has ev = 6).
 // MSE: |d^2 / sigma^2 - R^2| and |r^2 - R^2| <= eps (2|R| + eps); the two ordered sums of 16 nonnegative terms
 // are within 16u of their exact sums; so |e_ref / sigma^2 - E| <= 24.2u sum X|R| + 33u E + O(u^2 X^2), and
 // sum X|R| <= Xmax sum |R| <= 4 Xmax sqrt(sum R^2) <= 8 Xmax sqrt(E) + 800u Xmax^2. Bound used (each term
@@ -282,10 +283,15 @@ __device__ __forceinline__ float approx_error(const Raw& r, float enc, uint2& co
 // both candidates, so e4 < e6 for certain when s4^2 (E4 + B4) < s6^2 (E6 - B6) (MAE: s, not s^2), with
 // 2^-20 of slack for the float products here; e6 < e4 for certain in the mirror case (the reference keeps
 // 6 on a tie: only a strict e6 < e4 decides it). Xmax = fl(bamax * enc) (1 + 2^-20) >= max X. Valid when
-// every value stays normal: amax (SRC 3: g) in 2^-70..2^100 (sc.fast), bamax in 2^-40..2^40, s4, s6 >=
-// 2^-9 (no zero scale) and enc4, enc6 unclamped; a NaN or Inf anywhere makes every comparison false.
-// CPU twin: decide46 in fp4rl/nvfp4/nvfp4_cpu.c; tests: near-tie blocks found by bisection
-// (tests/test_nvfp4_cpu.py, tests/test_quant_cuda.py).
+// amax (SRC 3: g) is in 2^-70..2^100 (sc.fast), bamax in 2^-40..2^40, s4, s6 >= 2^-9 (no zero scale) and
+// enc4, enc6 unclamped: the decoded values are normal, and a reference square d^2 that falls below the normal
+// range (an absolute error of at most 2^-150 a term) is at most 2^-59.7 in units of sigma^2 (sigma >=
+// bamax / 9 >= 2^-43.2), far inside 45000 u^2 Xmax^2. A NaN or Inf anywhere makes every comparison false.
+// The arithmetic here (and Xmax) uses plain operators: NVRTC may contract them into FMAs, which the factor 2
+// and the 2^-20 slack absorb (the host build in the tests does not contract: its decisions may differ from
+// the GPU's only where both are certain). Tests: tests/test_quant_fast46.py (this file compiled for the CPU:
+// near ties by bisection, blocks on both candidates' grids moved by ulps, NaN / Inf / -0.0, the guards'
+// edges) and the GPU tests in tests/test_quant_cuda.py.
 __device__ __forceinline__ bool decide46(float e6, float e4, float s6, float s4, float xm6, float xm4,
                                          bool& pick4) {
   const float U = 5.9604644775390625e-08f;  // 2^-24
@@ -311,7 +317,8 @@ __device__ __forceinline__ bool decide46(float e6, float e4, float s6, float s4,
 }
 
 // one block: codes (8 bytes) and the E4M3 scale bits. Rule 4/6: the error of each candidate, then the codes
-// of the winner only (its encode factor, so the same codes as the candidate's).
+// of the winner only (its encode factor, so the same codes as the candidate's); FAST46 2: both candidates'
+// codes from decide46's pass, the winner's kept.
 __device__ __forceinline__ void quantize_block(const Raw& r, const Scales& sc, u32 bmax_bits, uint2& codes,
                                                u32& sbits) {
   float bamax = __uint_as_float(bmax_bits);
