@@ -249,13 +249,10 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
         # errors are kept as text: an exception's traceback would hold these frames, and with them the
         # weight copies, until the next garbage collection
         calls = [lambda r=r, c=c: r(c) for r in runs]
-        try:
-            warm(calls)
-        except Exception as exc:  # a configuration that does not compile or run on this GPU is skipped
-            first_error = first_error or repr(exc)[:300]
-            log.append((c, repr(exc)[:100]))
-            if c == WIDE and isinstance(exc, RuntimeError) and not isinstance(exc, torch.OutOfMemoryError):
-                _mma16.disable_wide(exc)  # NVRTC / the driver refused sm_90a: off for good
+        error = _warm_or_error(c, calls)
+        if error is not None:  # a configuration that does not compile or run on this GPU is skipped
+            first_error = first_error or error[:300]
+            log.append((c, error[:100]))
             continue
         try:
             t = time_chain(calls)
@@ -276,6 +273,19 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
     return best
 
 
+def _warm_or_error(c, calls) -> str | None:
+    """Warm candidate c on calls; None if it ran, else its error as text (a traceback would hold the caller's
+    frames, and with them the weight copies, until the next garbage collection). A wgmma build that NVRTC or
+    the driver refuses switches the wgmma kernels off for good."""
+    try:
+        warm(calls)
+    except Exception as exc:
+        if c == WIDE and isinstance(exc, RuntimeError) and not isinstance(exc, torch.OutOfMemoryError):
+            _mma16.disable_wide(exc)
+        return repr(exc)
+    return None
+
+
 def _first_that_runs(key, cands, run):
     """A small weight's pick, untimed: the first candidate that compiles and runs (as the timing loop skips
     one that fails: e.g. a tile that needs more shared memory than this GPU has)."""
@@ -283,12 +293,9 @@ def _first_that_runs(key, cands, run):
         return cands[0]
     first_error = None
     for c in cands:
-        try:
-            warm([lambda c=c: run(c)])
-        except Exception as exc:  # noqa: BLE001 (kept as text, as in _choose)
-            first_error = first_error or repr(exc)[:300]
-            if c == WIDE and isinstance(exc, RuntimeError) and not isinstance(exc, torch.OutOfMemoryError):
-                _mma16.disable_wide(exc)
+        error = _warm_or_error(c, [lambda c=c: run(c)])
+        if error is not None:
+            first_error = first_error or error[:300]
             continue
         _TUNED[key] = c
         return c

@@ -27,9 +27,6 @@ _SOURCE = Path(__file__).with_name("quant.cu")
 STATE = {"on": os.environ.get("FP4RL_QUANT_CUDA", "1") != "0", "error": None}
 MAX_TPR = 512
 MAX_BPT = 8
-# rule 4/6: decide most blocks from quant.cu's bounded cheaper error (decide46), the exact errors only where
-# it cannot (the same bytes): 2 with both candidates' codes from that pass, 1 with the winner's codes in a
-# pass of their own, 0 the exact errors of every block (FP4RL_QUANT_FAST46; the benchmark sets it here)
 def _fast46_from_env() -> int:
     raw = os.environ.get("FP4RL_QUANT_FAST46", "2").strip()
     if raw not in ("0", "1", "2"):
@@ -38,6 +35,9 @@ def _fast46_from_env() -> int:
     return int(raw)
 
 
+# rule 4/6: decide most blocks from quant.cu's bounded cheaper error (decide46), the exact errors only where
+# it cannot (the same bytes): 2 with both candidates' codes from that pass, 1 with the winner's codes in a
+# pass of their own, 0 the exact errors of every block (FP4RL_QUANT_FAST46; the benchmark sets it here)
 FAST46 = _fast46_from_env()
 ROWS_MAX_BLOCKS = MAX_TPR * MAX_BPT  # K <= 65536 for per-row scales in one pass (bfloat16)
 MAX_BLOCKS = 2 ** 31 - 2 ** 26  # 16-element blocks per call (int block indices, grid-stride headroom)

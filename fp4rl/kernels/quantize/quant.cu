@@ -32,7 +32,7 @@ typedef unsigned int u32;
 #define MINB 1
 #endif
 #ifndef FAST46
-#define FAST46 1
+#define FAST46 2  // cuda.py's default (it always defines it)
 #endif
 
 struct Raw {  // one block: 16 values as float32 bit patterns' sources
