@@ -1,5 +1,6 @@
 """Device benchmark of the CUDA quantize kernels (fp4rl/kernels/quantize/quant.cu), seventh session; the
-"exact", "fast1" and "fast2" variants (twenty-sixth session) run rule 4/6 with FAST46 0, 1, 2 at every size.
+"exact", "fast1", "fast2" and "fast3" variants (twenty-sixth, twenty-seventh sessions) run rule 4/6 with
+FAST46 0, 1, 2, 3 at every size.
 
 For each shape and mode, in one run: the CUDA kernels (per-row modes also with 1, 2 and 4 blocks per thread in
 the row kernel; "cuda" is the default choice) and the Triton kernels (CUDA off); bytes checked against the
@@ -36,18 +37,18 @@ VARIANTS = [("cuda", True, None), ("cuda_bpt1", True, 1), ("cuda_bpt2", True, 2)
 # rule 4/6 with every block's exact errors (quant.cu FAST46 0, the kernels before the twenty-sixth session),
 # with decide46 and the winner's codes in a pass of their own (FAST46 1) and with both candidates' codes in
 # its pass (2), at every size; "cuda": the launcher's own choice (FAST46 2 from FAST46_MIN_BLOCKS blocks)
-VARIANTS += [(p + v[0][4:], True, v[2]) for p in ("exact", "fast1", "fast2") for v in VARIANTS
+VARIANTS += [(p + v[0][4:], True, v[2]) for p in ("exact", "fast1", "fast2", "fast3") for v in VARIANTS
              if v[0].startswith("cuda")]
-FAST46_OF = {"fast2": 2, "fast1": 1, "exact": 0}
+FAST46_OF = {"fast3": 3, "fast2": 2, "fast1": 1, "exact": 0}
 FAST46_0, MIN_BLOCKS_0 = qc.FAST46, qc.FAST46_MIN_BLOCKS
-# any "cuda", "exact", "fast1" or "fast2" variant may end in _m<k>: the kernel compiled with MINB k (CTAs of
+# any "cuda", "exact" or "fast<n>" variant may end in _m<k>: the kernel compiled with MINB k (CTAs of
 # its size per SM that the registers must allow) instead of the launcher's table
 ROWS_CONFIG, FLAT_CONFIG = qc.rows_config, qc.flat_config
 
 
 def variant(name: str):
     """(name, CUDA on, blocks per thread or None, MINB or None) of a variant name."""
-    m = re.fullmatch(r"(cuda|exact|fast1|fast2)(?:_bpt(\d+))?(?:_m(\d+))?", name)
+    m = re.fullmatch(r"(cuda|exact|fast1|fast2|fast3)(?:_bpt(\d+))?(?:_m(\d+))?", name)
     if m is None:
         hit = [v for v in VARIANTS if v[0] == name]
         if not hit:

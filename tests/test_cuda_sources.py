@@ -68,11 +68,11 @@ def _quant_configs():
         for rule46, mae, nf in ((False, False, False), (True, False, False), (True, True, True)):
             for nb, bpt in ((1, 1), (256, 1), (256, 2), (256, 4), (896, 2), (896, 4),
                             (qc.rows_max_blocks(dtype), 1)):
-                for fast46 in ((2, 0) if rule46 else (0,)):  # 4/6 under and over FAST46_MIN_BLOCKS
+                for fast46 in ((3, 2, 0) if rule46 else (0,)):  # 4/6 under and over FAST46_MIN_BLOCKS
                     key = qc.rows_config(dtype, rule46, mae, nf, nb, bpt, fast46)[2]
                     yield f"rows {dtype} {rule46} {nb}x{bpt} fast46 {fast46}", key
             for src, given_rows in ((0, False), (2, True), (3, False)):
-                for fast46 in ((2, 0) if rule46 else (0,)):
+                for fast46 in ((3, 2, 0) if rule46 else (0,)):
                     key = qc.flat_config(dtype, rule46, mae, nf, src, given_rows, fast46)
                     yield f"flat {dtype} {rule46} src{src} fast46 {fast46}", key
 

@@ -135,14 +135,16 @@ def _check(x, **kw):
 
 
 @pytest.mark.parametrize("rule,err,fast46", [("6", "mse", None), ("4/6", "mse", None), ("4/6", "mae", None),
-                                             ("4/6", "mse", 2), ("4/6", "mae", 2), ("4/6", "mse", 1)])
+                                             ("4/6", "mse", 3), ("4/6", "mae", 3), ("4/6", "mse", 2),
+                                             ("4/6", "mae", 2), ("4/6", "mse", 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cuda_matches_reference(cuda_on, monkeypatch, rule, err, fast46, dtype):
     """Every mode's bytes against the reference on wide, grid, 60-decade and edge-case tensors; fast46 set:
-    the 4/6 kernels with decide46 (FAST46 2 or 1) at every size (the launcher takes it from FAST46_MIN_BLOCKS
-    blocks, more than these tensors hold), else the launcher's own choice (here the exact errors)."""
+    the 4/6 kernels with decide46 (FAST46 3, 2 or 1) at every size (the launcher takes it from
+    FAST46_MIN_BLOCKS blocks, more than these tensors hold), else the launcher's own choice (here the exact
+    errors)."""
     if fast46 is not None:
         monkeypatch.setattr(qc, "FAST46", fast46)
         monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0)
@@ -273,15 +275,15 @@ def test_gpu_cuda_nonfinite_unchecked_matches_triton(cuda_on, monkeypatch):
 def test_gpu_fast46_near_ties(cuda_on, monkeypatch, err):
     """quant.cu's decide46 on the GPU against the reference where it must give way to the exact errors: near
     ties found by bisection and blocks on both candidates' grids moved by a few ulps
-    (tests/test_quant_fast46.py), as one tensor (per tensor and per row, imposed amax and g), at FAST46 2, 1
-    and 0 whatever the size."""
+    (tests/test_quant_fast46.py), as one tensor (per tensor and per row, imposed amax and g), at FAST46 3, 2,
+    1 and 0 whatever the size; and bfloat16 near ties and sign blocks (FAST46 3's bfloat16 path)."""
     from test_quant_fast46 import grid_ties, near_ties
 
     monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0)  # these tensors are smaller than the launcher's gate
     for src in (0, 3):
         for x, v in (near_ties(err == "mae", src), grid_ties(src)):
             x = x[: x.shape[0] // 4 * 4].reshape(-1, 64).cuda()  # 4 blocks a row: the row kernel's path too
-            for fast in (2, 1, 0):
+            for fast in (3, 2, 1, 0):
                 monkeypatch.setattr(qc, "FAST46", fast)
                 if src == 0:
                     _check(x, scale_rule="4/6", err=err, amax=torch.tensor(v, device="cuda"))
@@ -289,21 +291,30 @@ def test_gpu_fast46_near_ties(cuda_on, monkeypatch, err):
                     _check(x, scale_rule="4/6", err=err, per_row=True)
                 else:
                     _check(x, scale_rule="4/6", err=err, global_scale=torch.tensor(v, device="cuda"))
+    from test_quant_fast46 import bfloat16_sign_blocks
+
+    x16 = near_ties(err == "mae", 0, dtype=torch.bfloat16)[0]
+    for x in (x16[: x16.shape[0] // 4 * 4].reshape(-1, 64), bfloat16_sign_blocks()[0].reshape(-1, 64)):
+        x = x.cuda()
+        for fast in (3, 2):
+            monkeypatch.setattr(qc, "FAST46", fast)
+            _check(x, scale_rule="4/6", err=err)
+            _check(x, scale_rule="4/6", err=err, per_row=True)
 
 
 def test_fast46_from_its_size_with_its_register_caps(monkeypatch):
-    """The launcher takes decide46 (FAST46 2) from FAST46_MIN_BLOCKS blocks a call, with at most 2 blocks a
-    thread and the 64-register cap in the row kernel; smaller calls and rule 6 compile without it (measured
-    faster on a decode-sized tensor). Launches recorded, not run (no GPU needed)."""
+    """The launcher takes decide46 (FAST46 3, the default) from FAST46_MIN_BLOCKS blocks a call, with at most
+    2 blocks a thread and the 64-register cap in the row kernel; smaller calls and rule 6 compile without it
+    (measured faster on a decode-sized tensor). Launches recorded, not run (no GPU needed)."""
     from types import SimpleNamespace
 
     calls = []
     monkeypatch.setattr(qc, "_launch", lambda name, key, *a: calls.append((name, dict(key))))
     sm = SimpleNamespace(multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: sm)
-    monkeypatch.setattr(qc, "FAST46", 2)
-    for rows, rule46, src, want in ((256, True, 1, 0), (4096, True, 1, 2), (4096, False, 1, 0),
-                                    (32, True, 0, 0), (4096, True, 0, 2)):
+    monkeypatch.setattr(qc, "FAST46", 3)
+    for rows, rule46, src, want in ((256, True, 1, 0), (4096, True, 1, 3), (4096, False, 1, 0),
+                                    (32, True, 0, 0), (4096, True, 0, 3)):
         x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
         qc.quantize(x, None, None, None, None, None, None, src, False, rule46, False, False)
         name, key = calls[-1]
@@ -313,12 +324,12 @@ def test_fast46_from_its_size_with_its_register_caps(monkeypatch):
             assert key["BPT"] == 2 and key["MINB"] == 4  # 64 registers, 32 warps an SM
     monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0)
     qc.quantize(torch.zeros(32, 4096, dtype=torch.bfloat16), *[None] * 6, 1, False, True, False, False)
-    assert calls[-1][1]["FAST46"] == 2
+    assert calls[-1][1]["FAST46"] == 3
 
 
 def test_fast46_env_is_checked(monkeypatch):
-    monkeypatch.setenv("FP4RL_QUANT_FAST46", "3")
-    with pytest.raises(ValueError, match="FP4RL_QUANT_FAST46='3': use 2"):
+    monkeypatch.setenv("FP4RL_QUANT_FAST46", "4")
+    with pytest.raises(ValueError, match="FP4RL_QUANT_FAST46='4': use 3"):
         qc._fast46_from_env()
     monkeypatch.setenv("FP4RL_QUANT_FAST46", "0")
     assert qc._fast46_from_env() == 0

@@ -28,16 +28,18 @@ STATE = {"on": os.environ.get("FP4RL_QUANT_CUDA", "1") != "0", "error": None}
 MAX_TPR = 512
 MAX_BPT = 8
 def _fast46_from_env() -> int:
-    raw = os.environ.get("FP4RL_QUANT_FAST46", "2").strip()
-    if raw not in ("0", "1", "2"):
-        raise ValueError(f"FP4RL_QUANT_FAST46={raw!r}: use 2 (the default), 1, or 0 for the exact 4/6 "
+    raw = os.environ.get("FP4RL_QUANT_FAST46", "3").strip()
+    if raw not in ("0", "1", "2", "3"):
+        raise ValueError(f"FP4RL_QUANT_FAST46={raw!r}: use 3 (the default), 2, 1, or 0 for the exact 4/6 "
                          "errors of every block")
     return int(raw)
 
 
 # rule 4/6: decide most blocks from quant.cu's bounded cheaper error (decide46), the exact errors only where
-# it cannot (the same bytes): 2 with both candidates' codes from that pass, 1 with the winner's codes in a
-# pass of their own, 0 the exact errors of every block (FP4RL_QUANT_FAST46; the benchmark sets it here)
+# it cannot (the same bytes): 3 with FAST46 2's arithmetic in fewer instructions where lean46's guards hold
+# (normal E4M3 scales, finite blocks: nearly every block), 2 with both candidates' codes from that pass, 1
+# with the winner's codes in a pass of their own, 0 the exact errors of every block (FP4RL_QUANT_FAST46; the
+# benchmark sets it here)
 FAST46 = _fast46_from_env()
 ROWS_MAX_BLOCKS = MAX_TPR * MAX_BPT  # K <= 65536 for per-row scales in one pass (bfloat16)
 MAX_BLOCKS = 2 ** 31 - 2 ** 26  # 16-element blocks per call (int block indices, grid-stride headroom)
@@ -47,7 +49,7 @@ _DTYPES = {torch.bfloat16: 0, torch.float32: 1}
 ROWS_BPT = {"6": None, "4/6": None}
 # CTAs of 256 threads per SM that the registers must allow, per (rule 4/6, blocks per thread), bfloat16 input:
 # no spills on the common path (ptxas, sm_90): rule 6 fits 32 / 40 / 64 registers at 1 / 2 / 4 blocks, 4/6
-# 64 / 80 / 118 (float32 input: no cap). Rule 4/6 with decide46 (FAST46 1, 2): 64 / 64 / 80, the fastest of
+# 64 / 80 / 118 (float32 input: no cap). Rule 4/6 with decide46 (FAST46 1-3): 64 / 64 / 80, the fastest of
 # the caps swept on an H200 (bench/RESULTS.md, twenty-sixth session: 2 blocks a thread at 64 registers, 32
 # warps an SM, 237.7 us for 32768x4096 against 258.1 at 4 blocks and 128 registers)
 _MIN_BLOCKS = {(False, 1): 8, (False, 2): 6, (False, 4): 4, (True, 1): 4, (True, 2): 3, (True, 4): 2}

@@ -12,7 +12,9 @@
 //   IN_F32     1: float32 input, 0: bfloat16
 //   FAST46     rule 4/6: decide most blocks from a cheaper error with a proven bound, the exact errors only
 //              where the bound cannot (see decide46): 2 with both candidates' codes packed in the same pass,
-//              1 with the winner's codes in a pass of their own; 0: the exact errors of every block
+//              1 with the winner's codes in a pass of their own; 0: the exact errors of every block;
+//              3: FAST46 2's arithmetic in fewer instructions for the blocks where it allows (see lean46), the
+//              rest as FAST46 2
 //   BPT, TPR, CTA  nvfp4_quant_rows: blocks per thread, threads per row (a power of two), threads per CTA
 //   MINB       CTAs per SM the registers must allow (__launch_bounds__; cuda.py's table, no spills)
 //
@@ -32,8 +34,9 @@ typedef unsigned int u32;
 #define MINB 1
 #endif
 #ifndef FAST46
-#define FAST46 2  // cuda.py's default (it always defines it)
+#define FAST46 3  // cuda.py's default (it always defines it)
 #endif
+#define GENERAL46 (FAST46 == 3 ? 2 : FAST46)  // the path of the blocks that FAST46 3's lean46 leaves
 
 struct Raw {  // one block: 16 values as float32 bit patterns' sources
 #if IN_F32
@@ -255,7 +258,7 @@ __device__ __forceinline__ float approx_error(const Raw& r, float enc, uint2& co
     float z = __fmul_rn(elem(r, i), enc);
     float za = fabsf(z);
     float ev;
-#if FAST46 == 2
+#if GENERAL46 == 2
     w[i >> 3] += e2m1(z, ev) << (4 * (i & 7));
 #else
     e2m1_mag(fminf(za, 6.0f), ev);
@@ -316,24 +319,30 @@ __device__ __forceinline__ bool decide46(float e6, float e4, float s6, float s4,
   return false;
 }
 
-// one block: codes (8 bytes) and the E4M3 scale bits. Rule 4/6: the error of each candidate, then the codes
-// of the winner only (its encode factor, so the same codes as the candidate's); FAST46 2: both candidates'
-// codes from decide46's pass, the winner's kept.
-__device__ __forceinline__ void quantize_block(const Raw& r, const Scales& sc, u32 bmax_bits, uint2& codes,
-                                               u32& sbits) {
-  float bamax = __uint_as_float(bmax_bits);
 #if RULE46
+// rule 4/6, one block: codes (8 bytes) and the E4M3 scale bits. The error of each candidate, then the codes of
+// the winner only (its encode factor, so the same codes as the candidate's); FAST46 2 (and FAST46 3's blocks
+// that lean46 leaves): both candidates' codes from decide46's pass, the winner's kept.
+struct Block46 {
+  uint2 codes;
+  u32 sbits;
+};
+
+__device__ __forceinline__ Block46 quantize46(const Raw& r, const Scales& sc, float bamax) {
+  Block46 out;
+  uint2& codes = out.codes;
+  u32& sbits = out.sbits;
   float base = __fmul_rn(__fdiv_rn(bamax, 6.0f), sc.enc);
   float s6 = e4m3_round(base), s4 = e4m3_round(__fmul_rn(base, 1.5f));
   float enc6 = enc_for(s6, sc), enc4 = enc_for(s4, sc);
   float e6, e4;
   bool pick4;
-#if FAST46
+#if GENERAL46
   bool known = false;
   uint2 c6, c4;
   const bool in_range = sc.fast && bamax >= 9.094947017729282e-13f && bamax <= 1.099511627776e12f &&
                         s6 >= 0.001953125f && enc6 < FLT_MAX_F && enc4 < FLT_MAX_F;  // bamax 2^-40..2^40, s4 >= s6
-  if (FAST46 == 2 || in_range) {  // FAST46 2: every block, for the codes
+  if (GENERAL46 == 2 || in_range) {  // FAST46 2: every block, for the codes
     const float xs = 1.00000095367431640625f;  // 1 + 2^-20
     const float a6 = approx_error(r, enc6, c6), a4 = approx_error(r, enc4, c4);
     if (in_range) known = decide46(a6, a4, s6, s4, __fmul_rn(bamax, enc6) * xs, __fmul_rn(bamax, enc4) * xs, pick4);
@@ -355,12 +364,143 @@ __device__ __forceinline__ void quantize_block(const Raw& r, const Scales& sc, u
   }
   pick4 = e4 < e6;
 #endif
-#if FAST46 == 2
+#if GENERAL46 == 2
   codes = pick4 ? c4 : c6;
 #else
   codes = codes_of(r, pick4 ? enc4 : enc6);
 #endif
   sbits = e4m3_bits(pick4 ? s4 : s6);
+  return out;
+}
+
+#if FAST46 == 3
+// FAST46 3 (lean46): FAST46 2's arithmetic, the same bytes, in fewer instructions, for the blocks where its
+// guards hold: block max in 2^-40..2^40, both scales normal E4M3 (base >= 2^-6), max |z| < 7 for both
+// candidates (no clamp at 6 needed: the E2M1 rounding of |z| < 7 never reaches 8), enc4 >= 2^-15, the
+// tensor's (or row's) amax in decide46's range, and no NaN / Inf in the block. Every other block (zero and
+// padding blocks, NaN / Inf, tiny block maxima against the amax) takes FAST46 2's path (quantize46; inline:
+// out of line, under the row kernel's 64-register cap, it spilled).
+// - bamax / 6 without a division (div6; exact on every float32: tests/test_quant_fast46.py checks two
+//   binades, and scaling by 2 commutes with it), the scales' E4M3 rounding and bits by their normal-range
+//   formulas only.
+// - Per element, both candidates in one pass: the sign once (bfloat16: x < 0; with enc >= 2^-15 no nonzero
+//   x underflows to -0 and -0.0 stays 0, so z's sign is x's for both candidates), the E2M1 rounding of
+//   e2m1_mag with its power of two m * 2^22 taken by the FMA that rounds (m = 2^max(exponent of a, 0)), the
+//   code + BIAS as tb + (tb >> 22): its low 23 bits are (tb & 0x7FFFFF) + (tb >> 22), the rest (the exponent
+//   field, bits 23 up) leaves the word when shifted by 4k >= 12 (elements k = 3..7 of a word); elements 0..2
+//   go shifted by 4k + 9 into a word of their own, shifted back once (code + BIAS < 2^9: nothing carries).
+// - decide46's bound at its largest under these guards (Xmax < 7 (1 + 2^-20), E <= 16.5: each |ev - |z|| <= 1
+//   when |z| < 7; a larger E, NaN or Inf means a non-finite block, which goes to quantize46): MSE
+//   u (400 * 7 * sqrt(16.5) + 70 * 16.5) + 45000 u^2 49 + 2^-60 < 12600 u, MAE u (400 * 7 + 70 * 16.5) +
+//   1000 u^2 7 + 2^-60 < 4000 u; no square root per block. The blocks it leaves take the exact errors
+//   (errors_exact).
+#define LEAN_B ((MAE ? 4096.0f : 12800.0f) * 5.9604644775390625e-08f)
+
+__device__ __forceinline__ float div6(float v) {  // fp32(v / 6) where v / 6 is normal
+  const float c = 0.1666666716337204f;  // fp32(1/6)
+  float q = __fmul_rn(v, c);
+  float r = __fmaf_rn(-q, 6.0f, v);
+  return __fmaf_rn(r, c, q);
+}
+
+__device__ __forceinline__ float e4m3_normal(float v) {  // e4m3_round for v >= 2^-6 (min(v, 448), ties even)
+  v = fminf(v, 448.0f);
+  int b = __float_as_int(v);
+  return __int_as_float((b + 0x7FFFF + ((b >> 20) & 1)) & -1048576);
+}
+
+// one element of one candidate: the error term into acc, code + BIAS (its sign apart) into the word it goes to
+__device__ __forceinline__ void lean_elem(float z, int k, float& acc, u32& lo, u32& w) {
+  const float a = fabsf(z);  // (an operand modifier below; the mask takes z's exponent without it)
+  const float m = __uint_as_float(max(__float_as_uint(z) & 0x7F800000u, 0x3F800000u));
+  const float t = __fmaf_rn(m, 4194304.0f, a);    // a + 2^(e + 22), one rounding: e2m1_mag's t
+  const float ev = __fmaf_rn(-m, 4194304.0f, t);  // exact
+  const float d = __fadd_rn(ev, -a);
+  acc = MAE ? __fadd_rn(acc, fabsf(d)) : __fmaf_rn(d, d, acc);
+  const u32 tb = __float_as_uint(t);
+  const u32 v = tb + (tb >> 22);
+  if (k < 3) lo += v << (4 * k + 9);
+  else w += v << (4 * k);
+}
+
+__device__ __forceinline__ bool lean46(const Raw& r, const Scales& sc, float bamax, uint2& codes, u32& sbits) {
+  const float base = __fmul_rn(div6(bamax), sc.enc);
+  const float s6 = e4m3_normal(base), s4 = e4m3_normal(__fmul_rn(base, 1.5f));
+  const float enc6 = enc_for(s6, sc), enc4 = enc_for(s4, sc);
+  if (!(sc.fast && bamax >= 9.094947017729282e-13f && bamax <= 1.099511627776e12f && base >= 0.015625f &&
+        __fmul_rn(bamax, enc6) < 7.0f && enc4 >= 3.0517578125e-05f))  // 2^-40, 2^40, 2^-6, 2^-15
+    return false;
+  float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // [6, 4][even, odd elements]
+  u32 c6[2], c4[2];                                  // the candidates' code words, 8 elements each
+  const u32 bias = BIAS * 0x11111111u;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // a word's accumulators end with its 8 elements (fewer live registers)
+    u32 lo6 = 0u, w6 = 0u, lo4 = 0u, w4 = 0u, sg6 = 0u, sg4 = 0u;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int i = 8 * h + k;
+      const float x = elem(r, i);
+      const float z6 = __fmul_rn(x, enc6), z4 = __fmul_rn(x, enc4);
+#if IN_F32
+      sg6 += z6 < 0.0f ? 8u << (4 * k) : 0u;  // float32 input: a nonzero x may underflow, per candidate
+      sg4 += z4 < 0.0f ? 8u << (4 * k) : 0u;
+#else
+      sg6 += x < 0.0f ? 8u << (4 * k) : 0u;
+#endif
+      lean_elem(z6, k, acc[0][i & 1], lo6, w6);
+      lean_elem(z4, k, acc[1][i & 1], lo4, w4);
+    }
+#if !IN_F32
+    sg4 = sg6;
+#endif
+    c6[h] = (lo6 >> 9) + w6 + sg6 - bias;
+    c4[h] = (lo4 >> 9) + w4 + sg4 - bias;
+  }
+  const float e6 = __fadd_rn(acc[0][0], acc[0][1]), e4 = __fadd_rn(acc[1][0], acc[1][1]);
+  if (!(e6 <= 16.5f && e4 <= 16.5f)) return false;  // NaN or Inf in the block
+  bool pick4 = false, known = false;
+  {
+    const float w6 = MAE ? s6 : s6 * s6, w4 = MAE ? s4 : s4 * s4;  // exact: 4 significant bits
+    const float c = 1.0000019073486328125f;  // 1 + 2^-19: the float roundings of these products (< 5u)
+    if (w4 * (e4 + LEAN_B) * c < w6 * (e6 - LEAN_B)) { pick4 = true; known = true; }
+    else if (w6 * (e6 + LEAN_B) * c < w4 * (e4 - LEAN_B)) { known = true; }
+  }
+#ifdef HOST_COUNT
+  HOST_COUNT(known);
+#endif
+#ifdef HOST_LEAN
+  HOST_LEAN();  // tests/test_quant_fast46.py: the blocks this path took
+#endif
+  if (!known) {
+    float x6, x4;
+    errors_exact(r, s6, enc6, s4, enc4, sc, &x6, &x4);
+    pick4 = x4 < x6;
+  }
+  codes = pick4 ? make_uint2(c4[0], c4[1]) : make_uint2(c6[0], c6[1]);
+  sbits = (__float_as_uint(pick4 ? s4 : s6) >> 20) - 960u;  // normal E4M3: ((exponent - 120) << 3) | mantissa
+  return true;
+}
+
+__device__ __forceinline__ Block46 quantize46_general(const Raw& r, const Scales& sc, float bamax) {
+  return quantize46(r, sc, bamax);
+}
+#endif
+#endif
+
+// one block: codes (8 bytes) and the E4M3 scale bits
+__device__ __forceinline__ void quantize_block(const Raw& r, const Scales& sc, u32 bmax_bits, uint2& codes,
+                                               u32& sbits) {
+  float bamax = __uint_as_float(bmax_bits);
+#if RULE46 && FAST46 == 3
+  if (!lean46(r, sc, bamax, codes, sbits)) {
+    const Block46 b = quantize46_general(r, sc, bamax);
+    codes = b.codes;
+    sbits = b.sbits;
+  }
+#elif RULE46
+  const Block46 b = quantize46(r, sc, bamax);
+  codes = b.codes;
+  sbits = b.sbits;
 #else
   float s = e4m3_round(__fmul_rn(bamax, __fmul_rn(sc.enc, ONE_SIXTH_F)));
   codes = codes_of(r, enc_for(s, sc));

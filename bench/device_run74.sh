@@ -1,0 +1,26 @@
+#!/bin/bash
+# Twenty-seventh session: rule 4/6's lean path (quant.cu FAST46 3, lean46) on the H200.
+#   mode a: the quantize GPU tests (FAST46 3, 2, 1, 0; bfloat16 near ties and sign blocks), then bench/quant_cuda.py
+#     on the 4/6 modes: the launcher's choice (cuda = FAST46 3) against FAST46 2 (the kernels before) and the
+#     exact errors, in the same process, bytes checked against the reference; register caps for FAST46 3;
+#     decode-sized tensors (where decide46 starts to pay); ncu on the row kernel, FAST46 3 then 2.
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.version.cuda)"
+case "$1" in
+a)
+  timeout 200 python3 -m pytest -q -x -m "gpu or not slow" tests/test_quant_cuda.py tests/test_quant_fast46.py \
+    2>&1 | tail -6
+  timeout 200 python3 bench/quant_cuda.py --shapes 32768x4096,8192x14336,4096x4096 \
+    --modes "row 4/6 mse,tensor 4/6 mse,tensor 4/6 mae" \
+    --variants cuda,fast2,exact,fast3_bpt1_m5,fast3_bpt2_m3,fast3_bpt4_m3,fast3_bpt4_m2 --out "$OUT/quant74_a.json"
+  timeout 120 python3 bench/quant_cuda.py --shapes 32x4096,128x4096,512x4096,1024x4096,2048x4096 \
+    --modes "row 4/6 mse,tensor 4/6 mse" --variants cuda,fast3,fast2,exact --out "$OUT/quant74_small.json"
+  timeout 150 ncu --clock-control none --kernel-name nvfp4_quant_rows --section SpeedOfLight \
+    --section WarpStateStats --section SchedulerStats --section Occupancy --section InstructionStats \
+    --section ComputeWorkloadAnalysis python3 bench/quant46_ncu.py 3 2 > "$OUT/ncu_quant74.txt" 2>&1
+  grep -E "launched|Duration|Issue Slots Busy|Registers Per|Warp Cycles Per Issued|Executed Instructions  |\
+No Eligible|Executed Ipc A|DRAM Throughput" "$OUT/ncu_quant74.txt" | head -60
+  ;;
+*) echo "mode a"; exit 2 ;;
+esac
