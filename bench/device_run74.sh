@@ -22,5 +22,12 @@ a)
   grep -E "launched|Duration|Issue Slots Busy|Registers Per|Warp Cycles Per Issued|Executed Instructions  |\
 No Eligible|Executed Ipc A|DRAM Throughput" "$OUT/ncu_quant74.txt" | head -60
   ;;
-*) echo "mode a"; exit 2 ;;
+b)  # why the FAST46 3 row kernel issues on 75% of cycles: stall reasons per issued instruction, pipe use
+  timeout 200 ncu --clock-control none --kernel-name nvfp4_quant_rows --section LaunchStats --section Occupancy \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active" \
+    python3 bench/quant46_ncu.py 3 > "$OUT/ncu_stall74.txt" 2>&1
+  grep -vE "^\s*$|----" "$OUT/ncu_stall74.txt" | grep -E "launched|Registers|Occupancy|stalled|pipe|issue_active|Block Limit" | \
+    awk '$NF != "0" && $NF != "0.00"' | head -80
+  ;;
+*) echo "mode a or b"; exit 2 ;;
 esac
