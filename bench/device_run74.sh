@@ -29,5 +29,17 @@ b)  # why the FAST46 3 row kernel issues on 75% of cycles: stall reasons per iss
   grep -vE "^\s*$|----" "$OUT/ncu_stall74.txt" | grep -E "launched|Registers|Occupancy|stalled|pipe|issue_active|Block Limit" | \
     awk '$NF != "0" && $NF != "0.00"' | head -80
   ;;
-*) echo "mode a or b"; exit 2 ;;
+c)  # lean46 with __frcp_rn's fast path inlined (rcp_lean): the GPU tests, the 4/6 table against FAST46 2, and
+    # the flat kernel's stall reasons (per-tensor scales)
+  timeout 220 python3 -m pytest -q -x -m "gpu or not slow" tests/test_quant_cuda.py tests/test_quant_fast46.py \
+    2>&1 | tail -3
+  timeout 150 python3 bench/quant_cuda.py --shapes 32768x4096,8192x14336 \
+    --modes "row 4/6 mse,tensor 4/6 mse,tensor 4/6 mae" --variants cuda,fast2,fast3_bpt2_m3 --out "$OUT/quant74_c.json"
+  timeout 100 ncu --clock-control none --kernel-name nvfp4_quant_flat --section LaunchStats --section Occupancy \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,gpu__time_duration.sum" \
+    python3 bench/quant46_ncu.py 3 flat > "$OUT/ncu_flat74.txt" 2>&1
+  grep -vE "^\s*$|----" "$OUT/ncu_flat74.txt" | grep -E "launched|Registers|Achieved Occ|stalled|pipe|issue_active|inst_exec|duration" | \
+    awk '$NF != "0" && $NF != "0.00"' | head -40
+  ;;
+*) echo "mode a, b or c"; exit 2 ;;
 esac

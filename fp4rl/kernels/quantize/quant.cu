@@ -403,6 +403,19 @@ __device__ __forceinline__ float div6(float v) {  // fp32(v / 6) where v / 6 is 
   return __fmaf_rn(r, c, q);
 }
 
+// 1 / y correctly rounded for y in 2^-126 .. 2^126: __frcp_rn's own fast path (the hardware's approximate
+// reciprocal and one Newton step by FMAs) without its range check and slow path. lean46's y = s * S_dec lies in
+// 2^-87 .. 2^99 whenever its guards pass (s normal E4M3, amax in 2^-70 .. 2^100); elsewhere the value is unused.
+__device__ __forceinline__ float rcp_lean(float y) {
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+  return __fmaf_rn(r, __fmaf_rn(-y, r, 1.0f), r);
+#else
+  return __frcp_rn(y);  // the host build (tests): IEEE division
+#endif
+}
+
 __device__ __forceinline__ float e4m3_normal(float v) {  // e4m3_round for v >= 2^-6 (min(v, 448), ties even)
   v = fminf(v, 448.0f);
   int b = __float_as_int(v);
@@ -426,7 +439,7 @@ __device__ __forceinline__ void lean_elem(float z, int k, float& acc, u32& lo, u
 __device__ __forceinline__ bool lean46(const Raw& r, const Scales& sc, float bamax, uint2& codes, u32& sbits) {
   const float base = __fmul_rn(div6(bamax), sc.enc);
   const float s6 = e4m3_normal(base), s4 = e4m3_normal(__fmul_rn(base, 1.5f));
-  const float enc6 = enc_for(s6, sc), enc4 = enc_for(s4, sc);
+  const float enc6 = rcp_lean(__fmul_rn(s6, sc.dec)), enc4 = rcp_lean(__fmul_rn(s4, sc.dec));  // enc_for's
   if (!(sc.fast && bamax >= 9.094947017729282e-13f && bamax <= 1.099511627776e12f && base >= 0.015625f &&
         __fmul_rn(bamax, enc6) < 7.0f && enc4 >= 3.0517578125e-05f))  // 2^-40, 2^40, 2^-6, 2^-15
     return false;
