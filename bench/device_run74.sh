@@ -41,5 +41,12 @@ c)  # lean46 with __frcp_rn's fast path inlined (rcp_lean): the GPU tests, the 4
   grep -vE "^\s*$|----" "$OUT/ncu_flat74.txt" | grep -E "launched|Registers|Achieved Occ|stalled|pipe|issue_active|inst_exec|duration" | \
     awk '$NF != "0" && $NF != "0.00"' | head -40
   ;;
-*) echo "mode a, b or c"; exit 2 ;;
+d)  # lean46 with the signs by packed compares (signs8): the quantize GPU tests, then the standard table, every
+    # mode, against FAST46 2 (the kernels before this session), the exact errors and Triton, in the same process
+  timeout 220 python3 -m pytest -q -m "gpu or not slow" tests/test_quant_cuda.py tests/test_quant_fast46.py \
+    2>&1 | tail -3
+  timeout 300 python3 bench/quant_cuda.py --shapes 32768x4096,8192x14336,4096x4096,32x4096 \
+    --variants cuda,fast2,exact,triton --out "$OUT/quant74_d.json"
+  ;;
+*) echo "mode a, b, c or d"; exit 2 ;;
 esac

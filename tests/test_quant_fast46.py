@@ -53,6 +53,12 @@ static inline unsigned __vcmpltu2(unsigned a, unsigned b) {
   return ((a & 0xFFFFu) < (b & 0xFFFFu) ? 0xFFFFu : 0u) | ((a >> 16) < (b >> 16) ? 0xFFFF0000u : 0u);
 }
 static inline unsigned __reduce_max_sync(unsigned, unsigned v) { return v; }
+static inline unsigned __byte_perm(unsigned a, unsigned b, unsigned s) {  // CUDA's default mode
+  unsigned long long v = ((unsigned long long)b << 32) | a;
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFFu) << (8 * i);
+  return r;
+}
 static inline void __syncthreads() {}
 static inline int atomicMax(int* p, int v) { int o = *p; if (v > o) *p = v; return o; }
 struct Dim3 { unsigned x; };

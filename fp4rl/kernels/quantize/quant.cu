@@ -436,6 +436,32 @@ __device__ __forceinline__ void lean_elem(float z, int k, float& acc, u32& lo, u
   else w += v << (4 * k);
 }
 
+#if !IN_F32
+// the sign bits (8 << 4k for x_k < 0, strictly: -0.0 gives 0) of elements 8h .. 8h + 7 of a bfloat16 block, as
+// a code word's: per word one packed compare (x < 0 on both halves: 0xFFFF or 0), then four byte permutes
+// gather a byte per element (e: elements 0-3, f: 4-7; ev: the even elements, od: the odd ones), whose bit 3
+// (even) and bit 7 (odd) land on the nibbles' sign bits. 10 instructions for 8 elements (a compare and a
+// select per element before).
+__device__ __forceinline__ u32 lt0_bf16x2(u32 w) {
+#ifdef __CUDA_ARCH__
+  u32 m;
+  asm("set.lt.u32.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(w), "r"(0u));
+  return m;
+#else
+  const float lo = __uint_as_float(w << 16), hi = __uint_as_float(w & 0xFFFF0000u);
+  return (lo < 0.0f ? 0xFFFFu : 0u) | (hi < 0.0f ? 0xFFFF0000u : 0u);
+#endif
+}
+
+__device__ __forceinline__ u32 signs8(const Raw& r, int h) {
+  const u32 m0 = lt0_bf16x2(word(r, 4 * h)), m1 = lt0_bf16x2(word(r, 4 * h + 1));
+  const u32 m2 = lt0_bf16x2(word(r, 4 * h + 2)), m3 = lt0_bf16x2(word(r, 4 * h + 3));
+  const u32 e = __byte_perm(m0, m1, 0x7531), f = __byte_perm(m2, m3, 0x7531);
+  const u32 ev = __byte_perm(e, f, 0x6420), od = __byte_perm(e, f, 0x7531);
+  return (ev & 0x08080808u) | (od & 0x80808080u);
+}
+#endif
+
 __device__ __forceinline__ bool lean46(const Raw& r, const Scales& sc, float bamax, uint2& codes, u32& sbits) {
   const float base = __fmul_rn(div6(bamax), sc.enc);
   const float s6 = e4m3_normal(base), s4 = e4m3_normal(__fmul_rn(base, 1.5f));
@@ -457,14 +483,12 @@ __device__ __forceinline__ bool lean46(const Raw& r, const Scales& sc, float bam
 #if IN_F32
       sg6 += z6 < 0.0f ? 8u << (4 * k) : 0u;  // float32 input: a nonzero x may underflow, per candidate
       sg4 += z4 < 0.0f ? 8u << (4 * k) : 0u;
-#else
-      sg6 += x < 0.0f ? 8u << (4 * k) : 0u;
 #endif
       lean_elem(z6, k, acc[0][i & 1], lo6, w6);
       lean_elem(z4, k, acc[1][i & 1], lo4, w4);
     }
 #if !IN_F32
-    sg4 = sg6;
+    sg4 = sg6 = signs8(r, h);
 #endif
     c6[h] = (lo6 >> 9) + w6 + sg6 - bias;
     c4[h] = (lo4 >> 9) + w4 + sg4 - bias;
