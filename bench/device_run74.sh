@@ -48,5 +48,12 @@ d)  # lean46 with the signs by packed compares (signs8): the quantize GPU tests,
   timeout 300 python3 bench/quant_cuda.py --shapes 32768x4096,8192x14336,4096x4096,32x4096 \
     --variants cuda,fast2,exact,triton --out "$OUT/quant74_d.json"
   ;;
-*) echo "mode a, b, c or d"; exit 2 ;;
+e)  # lean46's row kernel reading each block twice (RELOAD46: 8 or 4 blocks a thread, one block's registers):
+    # its GPU tests, then the row table against the default (2 blocks a thread held in registers) and FAST46 2
+  timeout 200 python3 -m pytest -q -x -m "gpu or not slow" tests/test_quant_cuda.py \
+    -k "(matches_reference and 4/6) or near_ties or nonfinite or register_caps" 2>&1 | tail -3
+  timeout 200 python3 bench/quant_cuda.py --shapes 32768x4096,8192x14336,4096x4096,1024x4096 --modes "row 4/6 mse" \
+    --variants cuda,reload_bpt8,reload_bpt8_m3,reload_bpt8_m5,reload_bpt4,reload_bpt16,fast2 --out "$OUT/quant74_e.json"
+  ;;
+*) echo "mode a, b, c, d or e"; exit 2 ;;
 esac

@@ -71,6 +71,10 @@ def _quant_configs():
                 for fast46 in ((3, 2, 0) if rule46 else (0,)):  # 4/6 under and over FAST46_MIN_BLOCKS
                     key = qc.rows_config(dtype, rule46, mae, nf, nb, bpt, fast46)[2]
                     yield f"rows {dtype} {rule46} {nb}x{bpt} fast46 {fast46}", key
+            if rule46:  # lean46's row kernel reading each block twice (cuda.RELOAD46)
+                for nb, bpt in ((1, 8), (256, 8), (256, 4), (896, 8), (qc.rows_max_blocks(dtype), 8)):
+                    key = qc.rows_config(dtype, rule46, mae, nf, nb, bpt, 3, True)[2]
+                    yield f"rows {dtype} {rule46} {nb}x{bpt} fast46 3 reload", key
             for src, given_rows in ((0, False), (2, True), (3, False)):
                 for fast46 in ((3, 2, 0) if rule46 else (0,)):
                     key = qc.flat_config(dtype, rule46, mae, nf, src, given_rows, fast46)

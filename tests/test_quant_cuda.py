@@ -135,18 +135,20 @@ def _check(x, **kw):
 
 
 @pytest.mark.parametrize("rule,err,fast46", [("6", "mse", None), ("4/6", "mse", None), ("4/6", "mae", None),
-                                             ("4/6", "mse", 3), ("4/6", "mae", 3), ("4/6", "mse", 2),
-                                             ("4/6", "mae", 2), ("4/6", "mse", 1)])
+                                             ("4/6", "mse", 3), ("4/6", "mae", 3), ("4/6", "mse", "3r"),
+                                             ("4/6", "mae", "3r"), ("4/6", "mse", 2), ("4/6", "mae", 2),
+                                             ("4/6", "mse", 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cuda_matches_reference(cuda_on, monkeypatch, rule, err, fast46, dtype):
     """Every mode's bytes against the reference on wide, grid, 60-decade and edge-case tensors; fast46 set:
-    the 4/6 kernels with decide46 (FAST46 3, 2 or 1) at every size (the launcher takes it from
-    FAST46_MIN_BLOCKS blocks, more than these tensors hold), else the launcher's own choice (here the exact
-    errors)."""
-    if fast46 is not None:
-        monkeypatch.setattr(qc, "FAST46", fast46)
+    the 4/6 kernels with decide46 (FAST46 3, 3 reading blocks twice, 2 or 1) at every size (the launcher
+    takes it from FAST46_MIN_BLOCKS blocks, more than these tensors hold), else the launcher's own choice
+    (here the exact errors)."""
+    if fast46 is not None:  # "3r": FAST46 3 with the row kernel reading each block twice (RELOAD46)
+        monkeypatch.setattr(qc, "FAST46", 3 if fast46 == "3r" else fast46)
+        monkeypatch.setattr(qc, "RELOAD46", fast46 == "3r")
         monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0)
     for shape in [(1, 16), (3, 48), (37, 4096), (5, 4112), (2, 14336), (3, 65536), (300, 128)]:
         for kind in ("wide", "grid", "rows", "edges"):
@@ -283,8 +285,9 @@ def test_gpu_fast46_near_ties(cuda_on, monkeypatch, err):
     for src in (0, 3):
         for x, v in (near_ties(err == "mae", src), grid_ties(src)):
             x = x[: x.shape[0] // 4 * 4].reshape(-1, 64).cuda()  # 4 blocks a row: the row kernel's path too
-            for fast in (3, 2, 1, 0):
+            for fast, reload in ((3, True), (3, False), (2, False), (1, False), (0, False)):
                 monkeypatch.setattr(qc, "FAST46", fast)
+                monkeypatch.setattr(qc, "RELOAD46", reload)
                 if src == 0:
                     _check(x, scale_rule="4/6", err=err, amax=torch.tensor(v, device="cuda"))
                     _check(x, scale_rule="4/6", err=err)
@@ -296,8 +299,9 @@ def test_gpu_fast46_near_ties(cuda_on, monkeypatch, err):
     x16 = near_ties(err == "mae", 0, dtype=torch.bfloat16)[0]
     for x in (x16[: x16.shape[0] // 4 * 4].reshape(-1, 64), bfloat16_sign_blocks()[0].reshape(-1, 64)):
         x = x.cuda()
-        for fast in (3, 2):
+        for fast, reload in ((3, True), (3, False), (2, False)):
             monkeypatch.setattr(qc, "FAST46", fast)
+            monkeypatch.setattr(qc, "RELOAD46", reload)
             _check(x, scale_rule="4/6", err=err)
             _check(x, scale_rule="4/6", err=err, per_row=True)
 
@@ -325,6 +329,13 @@ def test_fast46_from_its_size_with_its_register_caps(monkeypatch):
     monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0)
     qc.quantize(torch.zeros(32, 4096, dtype=torch.bfloat16), *[None] * 6, 1, False, True, False, False)
     assert calls[-1][1]["FAST46"] == 3
+    monkeypatch.setattr(qc, "RELOAD46", True)  # blocks read twice: 8 a thread, one warp a row at K = 4096
+    for dtype, want in ((torch.bfloat16, 1), (torch.float32, None)):
+        qc.quantize(torch.zeros(32, 4096, dtype=dtype), *[None] * 6, 1, False, True, False, False)
+        key = calls[-1][1]
+        assert key.get("RELOAD") == want, key
+        if want:
+            assert key["BPT"] == 8 and key["TPR"] == 32 and key["MINB"] == 4
 
 
 def test_fast46_env_is_checked(monkeypatch):

@@ -55,6 +55,13 @@ ROWS_BPT = {"6": None, "4/6": None}
 _MIN_BLOCKS = {(False, 1): 8, (False, 2): 6, (False, 4): 4, (True, 1): 4, (True, 2): 3, (True, 4): 2}
 _MIN_BLOCKS_FAST46 = {1: 4, 2: 4, 4: 3}
 FAST46_MAX_BPT = 2  # rule 4/6 with decide46: at most 2 blocks a thread in the row kernel (see above)
+# rule 4/6 with lean46 (FAST46 3), bfloat16: the row kernel reading each block twice (RELOAD: the row max,
+# then one block at a time from L1 / L2 with the next in flight), RELOAD46_BPT blocks a thread (more per-row
+# work shared, fewer threads per row: one warp a row at K <= 4096 and no barrier), registers capped as
+# _MIN_BLOCKS_RELOAD (CTAs of 256 threads per SM)
+RELOAD46 = os.environ.get("FP4RL_QUANT_RELOAD46", "0") == "1"
+RELOAD46_BPT = 8
+_MIN_BLOCKS_RELOAD = {2: 4, 4: 4, 8: 4}
 # decide46 from this many 16-element blocks per call: the exact errors were faster on the H200 up to 128x4096
 # (3.5 vs 3.9 us), even at 256 and 512 rows, decide46 faster from 1024 rows (11.8 vs 12.5 us; 4096x4096 34.4
 # vs 39.1; bench/RESULTS.md, twenty-sixth session)
@@ -137,12 +144,18 @@ def _defs(dtype, rule46=False, mae=False, allow_nf=False, src=0, given_rows=Fals
 
 
 def rows_config(dtype, rule46: bool, mae: bool, allow_nf: bool, nb_row: int, bpt: int,
-                fast46=None) -> tuple:
+                fast46=None, reload=False) -> tuple:
     """(TPR, CTA, compile key) of the row kernel for rows of nb_row blocks, at least bpt blocks per thread.
-    The register caps (MINB) are bfloat16's; float32 blocks hold twice the data (ptxas spills under them)."""
+    The register caps (MINB) are bfloat16's; float32 blocks hold twice the data (ptxas spills under them).
+    reload: each block read twice (RELOAD), registers for one block at a time (and 4 for the row max)."""
     bpt, tpr, cta = rows_plan(nb_row, bpt)
     fast46 = FAST46 if fast46 is None else fast46
     minb = 1
+    if reload:
+        minb = max(1, _MIN_BLOCKS_RELOAD.get(bpt, 4) * 256 // cta) if dtype == torch.bfloat16 else 1
+        key = _defs(dtype, rule46, mae, allow_nf, 1, fast46=fast46, BPT=bpt, TPR=tpr, CTA=cta, MINB=minb,
+                    RELOAD=1)
+        return tpr, cta, key
     if dtype == torch.bfloat16 and rule46 and fast46:  # 512-thread CTAs: half as many, same cap at bpt 1-2
         minb = max(1, _MIN_BLOCKS_FAST46.get(bpt, 1) * 256 // cta)
     elif dtype == torch.bfloat16 and cta == 256:
@@ -195,9 +208,10 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
     fast46 = FAST46 if n_blk >= FAST46_MIN_BLOCKS else 0
     if src == 1:
         bpt = ROWS_BPT["4/6" if rule46 else "6"] or rows_bpt(n_blk, x.device)
+        reload = rule46 and fast46 == 3 and RELOAD46 and x.dtype == torch.bfloat16
         if rule46 and fast46 and not ROWS_BPT["4/6"]:
-            bpt = min(bpt, FAST46_MAX_BPT)
-        tpr, cta, key = rows_config(x.dtype, rule46, mae, allow_nf, nb_row, bpt, fast46)
+            bpt = RELOAD46_BPT if reload else min(bpt, FAST46_MAX_BPT)
+        tpr, cta, key = rows_config(x.dtype, rule46, mae, allow_nf, nb_row, bpt, fast46, reload)
         rows_per_cta = cta // tpr
         _launch("nvfp4_quant_rows", key, x, (-(-r // rows_per_cta), 1, 1), (cta, 1, 1),
                 [x, data, scale, g, flag, r, nb_row])

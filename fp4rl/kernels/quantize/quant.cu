@@ -16,6 +16,8 @@
 //              3: FAST46 2's arithmetic in fewer instructions for the blocks where it allows (see lean46), the
 //              rest as FAST46 2
 //   BPT, TPR, CTA  nvfp4_quant_rows: blocks per thread, threads per row (a power of two), threads per CTA
+//   RELOAD     nvfp4_quant_rows: 1 reads each block twice (the row max, then one block at a time to quantize,
+//              from L1 / L2) instead of holding all BPT blocks in registers
 //   MINB       CTAs per SM the registers must allow (__launch_bounds__; cuda.py's table, no spills)
 //
 // Every float operation is an explicit round-to-nearest intrinsic (__fmul_rn, __fadd_rn, __fmaf_rn where an
@@ -32,6 +34,9 @@ typedef unsigned int u32;
 #endif
 #ifndef MINB
 #define MINB 1
+#endif
+#ifndef RELOAD
+#define RELOAD 0
 #endif
 #ifndef FAST46
 #define FAST46 3  // cuda.py's default (it always defines it)
@@ -617,8 +622,28 @@ extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
   const int t = threadIdx.x % TPR;
   const int row = blockIdx.x * (CTA / TPR) + threadIdx.x / TPR;
   const bool live = row < n_rows;
+  u32 raw = 0, fin = 0;
+#if RELOAD
+  // the row max from up to 4 blocks' loads in flight at a time; the blocks are read again below
+#pragma unroll
+  for (int j0 = 0; j0 < BPT; j0 += 4) {
+    Raw r[4];
+#pragma unroll
+    for (int jj = 0; jj < 4 && j0 + jj < BPT; ++jj) {
+      int col = t + (j0 + jj) * TPR;
+      if (live && col < nb_row) load_block(x, (long long)row * nb_row + col, r[jj]);
+    }
+#pragma unroll
+    for (int jj = 0; jj < 4 && j0 + jj < BPT; ++jj) {
+      int col = t + (j0 + jj) * TPR;
+      u32 braw = 0, bfin = 0, unused;
+      if (live && col < nb_row) block_max_bits(r[jj], braw, bfin, unused);
+      raw = max(raw, braw); fin = max(fin, bfin);
+    }
+  }
+#else
   Raw r[BPT];
-  u32 raw = 0, fin = 0, bmax[BPT];
+  u32 bmax[BPT];
 #pragma unroll
   for (int j = 0; j < BPT; ++j) {
     int col = t + j * TPR;
@@ -632,6 +657,7 @@ extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
     if (live && col < nb_row) block_max_bits(r[j], braw, bfin, bmax[j]);
     raw = max(raw, braw); fin = max(fin, bfin);
   }
+#endif
 #if TPR < 32
   const u32 mask = ((1u << TPR) - 1u) << ((threadIdx.x & 31) & ~(TPR - 1));
   raw = __reduce_max_sync(mask, raw);
@@ -652,6 +678,25 @@ extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
   if (!live) return;
   const Scales sc = scales_from(__uint_as_float(fin));
   if (t == 0) { g_out[row] = sc.g; flag[row] = (int)raw; }
+#if RELOAD
+  // each block read again (from L1 or L2: this thread read it above) and quantized, the next one's loads in
+  // flight meanwhile; a loop, not unrolled: one copy of the block's code whatever BPT
+  const long long row0 = (long long)row * nb_row;
+  Raw nxt;
+  if (t < nb_row) load_block(x, row0 + t, nxt);
+#pragma unroll 1
+  for (int col = t; col < nb_row; col += TPR) {
+    const Raw cur = nxt;
+    if (col + TPR < nb_row) load_block(x, row0 + col + TPR, nxt);
+    u32 braw, bfin, bmax;
+    block_max_bits(cur, braw, bfin, bmax);
+    uint2 codes;
+    u32 sbits;
+    quantize_block(cur, sc, bmax, codes, sbits);
+    d[row0 + col] = codes;
+    sc_out[row0 + col] = (unsigned char)sbits;
+  }
+#else
 #pragma unroll
   for (int j = 0; j < BPT; ++j) {
     int col = t + j * TPR;
@@ -664,5 +709,6 @@ extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
       sc_out[b] = (unsigned char)sbits;
     }
   }
+#endif
 }
 #endif
