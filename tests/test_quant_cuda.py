@@ -149,6 +149,7 @@ def test_gpu_cuda_matches_reference(cuda_on, monkeypatch, rule, err, fast46, dty
     if fast46 is not None:  # "3r": FAST46 3 with the row kernel reading each block twice (RELOAD46)
         monkeypatch.setattr(qc, "FAST46", 3 if fast46 == "3r" else fast46)
         monkeypatch.setattr(qc, "RELOAD46", fast46 == "3r")
+        monkeypatch.setattr(qc, "RELOAD46_MIN_WAVES", 0.0)  # 8 blocks a thread whatever the size
         monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0)
     for shape in [(1, 16), (3, 48), (37, 4096), (5, 4112), (2, 14336), (3, 65536), (300, 128)]:
         for kind in ("wide", "grid", "rows", "edges"):
@@ -282,6 +283,7 @@ def test_gpu_fast46_near_ties(cuda_on, monkeypatch, err):
     from test_quant_fast46 import grid_ties, near_ties
 
     monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0)  # these tensors are smaller than the launcher's gate
+    monkeypatch.setattr(qc, "RELOAD46_MIN_WAVES", 0.0)  # and than the RELOAD row kernel's
     for src in (0, 3):
         for x, v in (near_ties(err == "mae", src), grid_ties(src)):
             x = x[: x.shape[0] // 4 * 4].reshape(-1, 64).cuda()  # 4 blocks a row: the row kernel's path too
@@ -329,13 +331,22 @@ def test_fast46_from_its_size_with_its_register_caps(monkeypatch):
     monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0)
     qc.quantize(torch.zeros(32, 4096, dtype=torch.bfloat16), *[None] * 6, 1, False, True, False, False)
     assert calls[-1][1]["FAST46"] == 3
-    monkeypatch.setattr(qc, "RELOAD46", True)  # blocks read twice: 8 a thread, one warp a row at K = 4096
-    for dtype, want in ((torch.bfloat16, 1), (torch.float32, None)):
-        qc.quantize(torch.zeros(32, 4096, dtype=dtype), *[None] * 6, 1, False, True, False, False)
+    # blocks read twice: 8 a thread (one warp a row at K = 4096) from 2 x 8 x the thread slots, 4 from
+    # 2 x 4 x, else held in registers; bfloat16 only
+    monkeypatch.setattr(qc, "RELOAD46", True)
+    monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 1 << 17)
+    slots = 132 * 2048
+    big, mid = 2 * 8 * slots // 256, 2 * 4 * slots // 256  # rows of 256 blocks
+    for rows, dtype, want, bpt in ((big, torch.bfloat16, 1, 8), (mid, torch.bfloat16, 1, 4),
+                                   (4096, torch.bfloat16, None, 2), (big, torch.float32, None, 2)):
+        qc.quantize(torch.zeros(rows, 4096, dtype=dtype), *[None] * 6, 1, False, True, False, False)
         key = calls[-1][1]
-        assert key.get("RELOAD") == want, key
+        assert key.get("RELOAD") == want and key["BPT"] == bpt, (rows, dtype, key)
         if want:
-            assert key["BPT"] == 8 and key["TPR"] == 32 and key["MINB"] == 4
+            assert key["TPR"] == 256 // bpt and key["MINB"] == 4
+    monkeypatch.setattr(qc, "RELOAD46", False)
+    qc.quantize(torch.zeros(big, 4096, dtype=torch.bfloat16), *[None] * 6, 1, False, True, False, False)
+    assert "RELOAD" not in calls[-1][1] and calls[-1][1]["BPT"] == 2
 
 
 def test_fast46_env_is_checked(monkeypatch):

@@ -56,11 +56,13 @@ _MIN_BLOCKS = {(False, 1): 8, (False, 2): 6, (False, 4): 4, (True, 1): 4, (True,
 _MIN_BLOCKS_FAST46 = {1: 4, 2: 4, 4: 3}
 FAST46_MAX_BPT = 2  # rule 4/6 with decide46: at most 2 blocks a thread in the row kernel (see above)
 # rule 4/6 with lean46 (FAST46 3), bfloat16: the row kernel reading each block twice (RELOAD: the row max,
-# then one block at a time from L1 / L2 with the next in flight), RELOAD46_BPT blocks a thread (more per-row
-# work shared, fewer threads per row: one warp a row at K <= 4096 and no barrier), registers capped as
-# _MIN_BLOCKS_RELOAD (CTAs of 256 threads per SM)
-RELOAD46 = os.environ.get("FP4RL_QUANT_RELOAD46", "0") == "1"
-RELOAD46_BPT = 8
+# then one block at a time from L1 / L2 with the next in flight), 8 or 4 blocks a thread (more per-row work
+# shared, fewer threads per row: one warp a row at K <= 4096 and no barrier) where that still leaves
+# RELOAD46_MIN_WAVES x the GPU's thread slots (`reload_bpt`), 64 registers (_MIN_BLOCKS_RELOAD: CTAs of 256
+# threads per SM). Measured on an H200 (bench/RESULTS.md, twenty-seventh session): 32768x4096 191.5 -> 183.1
+# us, 8192x14336 189.1 -> 163.9 at 8 a thread; 4096x4096 29.7 -> 34.2 (8) / 30.6 (4): too few threads, off
+RELOAD46 = os.environ.get("FP4RL_QUANT_RELOAD46", "1") != "0"
+RELOAD46_MIN_WAVES = 2.0
 _MIN_BLOCKS_RELOAD = {2: 4, 4: 4, 8: 4}
 # decide46 from this many 16-element blocks per call: the exact errors were faster on the H200 up to 128x4096
 # (3.5 vs 3.9 us), even at 256 and 512 rows, decide46 faster from 1024 rows (11.8 vs 12.5 us; 4096x4096 34.4
@@ -109,6 +111,16 @@ def rows_bpt(n_blk: int, device) -> int:
         if n_blk // bpt >= slots // 2:
             return bpt
     return 1
+
+
+def reload_bpt(n_blk: int, device) -> int:
+    """Blocks a thread for the RELOAD row kernel (8 or 4), or 0 where it would leave fewer than
+    RELOAD46_MIN_WAVES x the GPU's thread slots busy (then the blocks stay in registers, 2 a thread)."""
+    slots = torch.cuda.get_device_properties(device).multi_processor_count * 2048
+    for bpt in (8, 4):
+        if n_blk / bpt >= RELOAD46_MIN_WAVES * slots:
+            return bpt
+    return 0
 
 
 def source(defs: dict) -> str:
@@ -209,8 +221,11 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
     if src == 1:
         bpt = ROWS_BPT["4/6" if rule46 else "6"] or rows_bpt(n_blk, x.device)
         reload = rule46 and fast46 == 3 and RELOAD46 and x.dtype == torch.bfloat16
-        if rule46 and fast46 and not ROWS_BPT["4/6"]:
-            bpt = RELOAD46_BPT if reload else min(bpt, FAST46_MAX_BPT)
+        if reload and not ROWS_BPT["4/6"]:  # (a benchmark's forced blocks a thread keep RELOAD as set)
+            rbpt = reload_bpt(n_blk, x.device)
+            reload, bpt = rbpt > 0, rbpt or bpt
+        if rule46 and fast46 and not ROWS_BPT["4/6"] and not reload:
+            bpt = min(bpt, FAST46_MAX_BPT)
         tpr, cta, key = rows_config(x.dtype, rule46, mae, allow_nf, nb_row, bpt, fast46, reload)
         rows_per_cta = cta // tpr
         _launch("nvfp4_quant_rows", key, x, (-(-r // rows_per_cta), 1, 1), (cta, 1, 1),
