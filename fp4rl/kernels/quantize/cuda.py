@@ -63,6 +63,9 @@ FAST46_MAX_BPT = 2  # rule 4/6 with decide46: at most 2 blocks a thread in the r
 # us, 8192x14336 189.1 -> 163.9 at 8 a thread; 4096x4096 29.7 -> 34.2 (8) / 30.6 (4): too few threads, off
 RELOAD46 = os.environ.get("FP4RL_QUANT_RELOAD46", "1") != "0"
 RELOAD46_MIN_WAVES = 2.0
+# the flat kernel (per-tensor and imposed scales) issuing the next block's loads before quantizing the current
+# one (PREFETCH), per scale rule
+FLAT_PREFETCH = {"6": False, "4/6": False}
 _MIN_BLOCKS_RELOAD = {2: 4, 4: 4, 8: 4}
 # decide46 from this many 16-element blocks per call: the exact errors were faster on the H200 up to 128x4096
 # (3.5 vs 3.9 us), even at 256 and 512 rows, decide46 faster from 1024 rows (11.8 vs 12.5 us; 4096x4096 34.4
@@ -180,7 +183,8 @@ def flat_config(dtype, rule46: bool, mae: bool, allow_nf: bool, src: int, given_
                 fast46=None) -> tuple:
     """Compile key of the flat kernel (per-tensor or imposed scales)."""
     minb = _MIN_BLOCKS[(rule46, 1)] if dtype == torch.bfloat16 else 1
-    return _defs(dtype, rule46, mae, allow_nf, src, given_rows, fast46=fast46, MINB=minb)
+    extra = {"PREFETCH": 1} if FLAT_PREFETCH["4/6" if rule46 else "6"] else {}
+    return _defs(dtype, rule46, mae, allow_nf, src, given_rows, fast46=fast46, MINB=minb, **extra)
 
 
 def _dev(x):

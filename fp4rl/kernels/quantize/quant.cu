@@ -16,6 +16,7 @@
 //              3: FAST46 2's arithmetic in fewer instructions for the blocks where it allows (see lean46), the
 //              rest as FAST46 2
 //   BPT, TPR, CTA  nvfp4_quant_rows: blocks per thread, threads per row (a power of two), threads per CTA
+//   PREFETCH   nvfp4_quant_flat: 1 issues the next block's loads before quantizing the current one
 //   RELOAD     nvfp4_quant_rows: 1 reads each block twice (the row max, then one block at a time to quantize,
 //              from L1 / L2) instead of holding all BPT blocks in registers
 //   MINB       CTAs per SM the registers must allow (__launch_bounds__; cuda.py's table, no spills)
@@ -37,6 +38,9 @@ typedef unsigned int u32;
 #endif
 #ifndef RELOAD
 #define RELOAD 0
+#endif
+#ifndef PREFETCH
+#define PREFETCH 0
 #endif
 #ifndef FAST46
 #define FAST46 3  // cuda.py's default (it always defines it)
@@ -595,9 +599,19 @@ extern "C" __global__ void __launch_bounds__(256, MINB) nvfp4_quant_flat(
 #endif
   if (blockIdx.x == 0 && threadIdx.x == 0) g_out[0] = sc.g;
 #endif
-  for (int b = blockIdx.x * 256 + threadIdx.x; b < n_blk; b += gridDim.x * 256) {
+  const int stride = gridDim.x * 256;
+#if PREFETCH
+  Raw nxt;  // the next block's loads in flight while this one is quantized
+  if (blockIdx.x * 256 + threadIdx.x < n_blk) load_block(x, blockIdx.x * 256 + threadIdx.x, nxt);
+#endif
+  for (int b = blockIdx.x * 256 + threadIdx.x; b < n_blk; b += stride) {
+#if PREFETCH
+    const Raw r = nxt;
+    if (b + stride < n_blk) load_block(x, b + stride, nxt);
+#else
     Raw r;
     load_block(x, b, r);
+#endif
 #if GIVEN_ROWS
     int row = b / nb_row;
     const Scales sc = scales_from(given[row]);
