@@ -79,7 +79,7 @@ def _quant_configs():
                 for fast46 in ((3, 2, 0) if rule46 else (0,)):
                     key = qc.flat_config(dtype, rule46, mae, nf, src, given_rows, fast46)
                     yield f"flat {dtype} {rule46} src{src} fast46 {fast46}", key
-                    if rule46:  # cuda.FLAT_PREFETCH (rule 6's flat kernel, capped at 32 registers, spills with it)
+                    if rule46:  # cuda.FLAT_PREFETCH (rule 6 capped at 32 registers spills with it)
                         key = tuple(sorted({**dict(key), "PREFETCH": 1}.items()))
                         yield f"flat {dtype} {rule46} src{src} fast46 {fast46} prefetch", key
 
