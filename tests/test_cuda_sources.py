@@ -92,6 +92,17 @@ def test_quantize_kernels_compile_without_spills(name, key):
     assert {"nvfp4_amax"} <= set(found)
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89"])
+def test_quantize_kernels_compile_before_hopper(arch):
+    """quant.cu builds for Ampere and Ada too (cuda.usable takes compute capability >= 8): lean46's packed
+    bfloat16 compare is sm_90 PTX, with a fallback below it."""
+    for mae in (False, True):
+        for key in (qc.rows_config(torch.bfloat16, True, mae, False, 256, 2, 3)[2],
+                    qc.rows_config(torch.bfloat16, True, mae, False, 256, 8, 3, True)[2],
+                    qc.flat_config(torch.bfloat16, True, mae, False, 0, False, 3)):
+            compile_log(qc.source(dict(key)), arch)
+
+
 def _gemm_configs():
     sms = 132
     for n, k in ((4096, 14336), (14336, 4096), (4096, 6144)):

@@ -389,9 +389,9 @@ __device__ __forceinline__ Block46 quantize46(const Raw& r, const Scales& sc, fl
 // tensor's (or row's) amax in decide46's range, and no NaN / Inf in the block. Every other block (zero and
 // padding blocks, NaN / Inf, tiny block maxima against the amax) takes FAST46 2's path (quantize46; inline:
 // out of line, under the row kernel's 64-register cap, it spilled).
-// - bamax / 6 without a division (div6; exact on every float32: tests/test_quant_fast46.py checks two
-//   binades, and scaling by 2 commutes with it), the scales' E4M3 rounding and bits by their normal-range
-//   formulas only.
+// - bamax / 6 without a division (div6: correctly rounded wherever v / 6 is normal, as bamax >= 2^-40 keeps it;
+//   tests/test_quant_fast46.py checks two binades, and scaling by 2 commutes with it), the scales' E4M3
+//   rounding and bits by their normal-range formulas only.
 // - Per element, both candidates in one pass: the sign once (bfloat16: x < 0; with enc >= 2^-15 no nonzero
 //   x underflows to -0 and -0.0 stays 0, so z's sign is x's for both candidates), the E2M1 rounding of
 //   e2m1_mag with its power of two m * 2^22 taken by the FMA that rounds (m = 2^max(exponent of a, 0)), the
@@ -413,8 +413,9 @@ __device__ __forceinline__ float div6(float v) {  // fp32(v / 6) where v / 6 is 
 }
 
 // 1 / y correctly rounded for y in 2^-126 .. 2^126: __frcp_rn's own fast path (the hardware's approximate
-// reciprocal and one Newton step by FMAs) without its range check and slow path. lean46's y = s * S_dec lies in
-// 2^-87 .. 2^99 whenever its guards pass (s normal E4M3, amax in 2^-70 .. 2^100); elsewhere the value is unused.
+// reciprocal and one Newton step by FMAs) without its range check and slow path. Where lean46's guards pass,
+// y = s * S_dec = 1 / enc lies in about 2^-43 .. 2^15 (bamax * enc6 < 7 with bamax >= 2^-40, enc4 >= 2^-15);
+// elsewhere the value is unused.
 __device__ __forceinline__ float rcp_lean(float y) {
 #ifdef __CUDA_ARCH__
   float r;
@@ -452,10 +453,12 @@ __device__ __forceinline__ void lean_elem(float z, int k, float& acc, u32& lo, u
 // (even) and bit 7 (odd) land on the nibbles' sign bits. 10 instructions for 8 elements (a compare and a
 // select per element before).
 __device__ __forceinline__ u32 lt0_bf16x2(u32 w) {
-#ifdef __CUDA_ARCH__
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   u32 m;
-  asm("set.lt.u32.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(w), "r"(0u));
+  asm("set.lt.u32.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(w), "r"(0u));  // sm_90: one instruction
   return m;
+#elif defined(__CUDA_ARCH__)
+  return __vcmpgtu2(w, 0x80008000u);  // sm_80-89: a half above 0x8000 is a sign with a nonzero magnitude
 #else
   const float lo = __uint_as_float(w << 16), hi = __uint_as_float(w & 0xFFFF0000u);
   return (lo < 0.0f ? 0xFFFFu : 0u) | (hi < 0.0f ? 0xFFFF0000u : 0u);
