@@ -280,7 +280,7 @@ def test_gpu_fast46_near_ties(cuda_on, monkeypatch, err):
     """quant.cu's decide46 on the GPU against the reference where it must give way to the exact errors: near
     ties found by bisection and blocks on both candidates' grids moved by a few ulps
     (tests/test_quant_fast46.py), as one tensor (per tensor and per row, imposed amax and g), at FAST46 3, 2,
-    1 and 0 whatever the size; and bfloat16 near ties and sign blocks (FAST46 3's bfloat16 path)."""
+    1 and 0 whatever the size; and bfloat16 near ties and sign blocks (FAST46 3's signs)."""
     from test_quant_fast46 import grid_ties, near_ties
 
     monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0)  # these tensors are smaller than the launcher's gate
@@ -297,10 +297,11 @@ def test_gpu_fast46_near_ties(cuda_on, monkeypatch, err):
                     _check(x, scale_rule="4/6", err=err, per_row=True)
                 else:
                     _check(x, scale_rule="4/6", err=err, global_scale=torch.tensor(v, device="cuda"))
-    from test_quant_fast46 import bfloat16_sign_blocks
+    from test_quant_fast46 import sign_blocks
 
     x16 = near_ties(err == "mae", 0, dtype=torch.bfloat16)[0]
-    for x in (x16[: x16.shape[0] // 4 * 4].reshape(-1, 64), bfloat16_sign_blocks()[0].reshape(-1, 64)):
+    for x in (x16[: x16.shape[0] // 4 * 4].reshape(-1, 64), sign_blocks(torch.bfloat16).reshape(-1, 64),
+              sign_blocks(torch.float32).reshape(-1, 64)):
         x = x.cuda()
         for fast, reload in ((3, True), (3, False), (2, False)):
             monkeypatch.setattr(qc, "FAST46", fast)

@@ -360,42 +360,69 @@ def test_nonfinite_blocks(build, mae):
         assert b3[3] < xs.shape[0] - 4  # the NaN / Inf blocks left the lean path
 
 
-def bfloat16_sign_blocks() -> tuple[torch.Tensor, float]:
-    """bfloat16 blocks for lean46's one sign per element: -0.0, negative subnormals (2^-133 and up) and tiny
-    negatives that round to a zero magnitude (code 8, not 0) next to an ordinary block max, with block maxima
-    on both sides of enc4 >= 2^-15 (above it a subnormal x * enc underflows to -0: code 0, the reference's
-    z < 0 being false; those blocks must leave the lean path)."""
+def sign_blocks(dtype) -> torch.Tensor:
+    """Blocks for lean46's signs: -0.0, the dtype's smallest negative subnormals and tiny negatives that round
+    to a zero magnitude (code 8, not 0) next to an ordinary block max, 32 blocks per block max. bfloat16: the
+    sign is taken once per element from x, valid while enc4 >= 2^-15 (a nonzero x * enc cannot underflow to
+    -0); block maxima on both sides of it (from 2^17 up a subnormal's z underflows: code 0, the reference's
+    z < 0 being false; those blocks must leave the lean path). float32: per candidate from z, whose subnormals
+    underflow in one candidate and not the other at some block maxima (8.5-12.5)."""
     g = torch.Generator().manual_seed(11)
+    if dtype == torch.bfloat16:
+        tops = (1.0, 3.0e4, 1.5e5, 2.0 ** 17, 2.0 ** 18, 1.0e6, 2.0 ** 21, 1.0e7, 2.0 ** 39)
+        tiny = -(2.0 ** -133)
+    else:
+        tops, tiny = (1.0, 8.5, 10.0, 12.5, 100.0, 1.0e4, 1.0e8), -(2.0 ** -149)
     rows = []
-    for top in (1.0, 3.0e4, 1.5e5, 3.0e5, 1.0e7, 2.0 ** 39):
-        for _ in range(64):
+    for top in tops:
+        for _ in range(32):
             blk = torch.randn(16, generator=g) * top / 4
             blk[0] = top
-            k = torch.randint(1, 16, (4,), generator=g)
+            k = torch.randperm(15, generator=g)[:6] + 1
             blk[k[0]] = -0.0
-            blk[k[1]] = -(2.0 ** -133) * float(torch.randint(1, 100, (1,), generator=g))
-            blk[k[2]] = -top * 2.0 ** -10  # |z| < 0.25: a zero magnitude with the sign
-            blk[k[3]] = -(2.0 ** -126)
+            blk[k[1]] = tiny
+            blk[k[2]] = tiny * 2
+            blk[k[3]] = tiny * float(torch.randint(3, 100, (1,), generator=g))
+            blk[k[4]] = -top * 2.0 ** -10  # |z| < 0.25: a zero magnitude with the sign
+            blk[k[5]] = -(2.0 ** -126)
             rows.append(blk)
-    x = torch.stack(rows).bfloat16()
-    return x, float(x.float().abs().max())
+    return torch.stack(rows).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mae", [False, True])
+def test_signs(build, mae, dtype):
+    """Each block max's 32 blocks with their own amax (SRC 0) and g (SRC 3), the bytes the reference's: lean46
+    takes those its guards allow (bfloat16: not from ~1.3e5 up); then the whole set under one amax."""
+    x = sign_blocks(dtype)
+    n_lean = 0
+    for i in range(0, x.shape[0], 32):
+        blk = x[i:i + 32]
+        b = float(blk.float().abs().max())
+        lean = []
+        check(build, blk, b, mae, 0, fast=3, lean=lean)
+        check(build, blk, b / 1536.0, mae, 3, fast=3)
+        n_lean += lean[0]
+    assert n_lean >= 64  # at least the blocks of the two smallest maxima
+    check(build, x, float(x.float().abs().max()), mae, 0, fast=3)
+    lib = build(mae, 0, dtype == torch.float32, 3, False)
+    codes = run_host(lib, x[:32], float(x[:32].float().abs().max()))[0]
+    assert bool(((codes.view(-1) & 0x88) != 0).any())  # negative codes among them
 
 
 @pytest.mark.parametrize("mae", [False, True])
-def test_bfloat16_signs(build, mae):
-    x, a = bfloat16_sign_blocks()
-    for per_block in (False, True):  # the tensor amax, and each block's own (SRC 3 g from it)
-        if per_block:
-            for i in range(0, x.shape[0], 64):
-                blk = x[i:i + 64]
-                b = float(blk.float().abs().max())
-                check(build, blk, b, mae, 0, fast=3)
-                check(build, blk, b / 1536.0, mae, 3, fast=3)
-        else:
-            lean = []
-            check(build, x, a, mae, 0, fast=3, lean=lean)
-    codes = run_host(build(mae, 0, False, 3, False), x[:64], float(x[:64].float().abs().max()))[0]
-    assert bool(((codes.view(-1) & 0x88) != 0).any())  # negative codes among them
+def test_lean_edges(build, mae):
+    """The guards' edges: max |z| exactly 7 (fl(bamax * enc6) == 7 with both scales clamped at 448: E2M1 would
+    round it to 8, so lean46 must refuse; `< 7` tested), and an imposed amax of 0 (S_enc = 1 as TE: outside
+    decide46's range)."""
+    x = torch.tensor([[2352.0, 1000.0, -2000.0, 5.0] + [100.0] * 12])  # g = 0.75: 2352 * enc6 == 7
+    check(build, x, 0.75, mae, 3, fast=3)
+    check(build, x.bfloat16(), 0.75, mae, 3, fast=3)
+    x = random_blocks(256, torch.float32, 2)
+    lean = []
+    check(build, x, 0.0, mae, 0, fast=3, lean=lean)
+    check(build, x.bfloat16(), 0.0, mae, 0, fast=3)
+    assert lean[0] == 0
 
 
 def test_div6_is_the_correctly_rounded_division(build):
@@ -405,5 +432,3 @@ def test_div6_is_the_correctly_rounded_division(build):
     lib.div6_mismatches.restype = ctypes.c_longlong
     lib.div6_mismatches.argtypes = [ctypes.c_uint, ctypes.c_uint]
     assert lib.div6_mismatches(127 << 23, 129 << 23) == 0
-    # and a division by 6 that is not correctly rounded is caught: 0.1666... rounded the other way
-    assert lib.div6_mismatches(0x3F800000, 0x3F800000 + (1 << 23)) == 0
