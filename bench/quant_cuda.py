@@ -28,6 +28,8 @@ MODES = [
     ("tensor 6", dict(), dict()),
     ("row 6", dict(per_row=True), dict(scale_scope="row")),
     ("row 4/6 mse", dict(per_row=True, scale_rule="4/6"), dict(scale_scope="row", scale_rule="4/6")),
+    ("row 4/6 mae", dict(per_row=True, scale_rule="4/6", err="mae"),
+     dict(scale_scope="row", scale_rule="4/6", err="mae")),
     ("tensor 4/6 mse", dict(scale_rule="4/6"), dict(scale_rule="4/6")),
     ("tensor 4/6 mae", dict(scale_rule="4/6", err="mae"), dict(scale_rule="4/6", err="mae")),
     ("row 6 imposed g", dict(per_row=True, global_scale="g"), dict(scale_scope="row", global_scale="g")),
