@@ -130,7 +130,9 @@ def default_key(**over) -> dict:
 def hot_source(src: str) -> str:
     """quant.cu with its out-of-line rare paths cut (calls replaced by constants), for static counts."""
     src = re.sub(r"(?<!void )errors_(exact|ieee)\(r,[^;]*\)", "0", src)
-    return src.replace("quantize46_general(r, sc, bamax)", "Block46{}")
+    fallback = "if (!lean46(r, sc, bamax, codes, sbits)) quantize46(r, sc, bamax, codes, sbits);"
+    assert fallback in src, "quant.cu's FAST46 3 fallback changed: update hot_source"
+    return src.replace(fallback, "lean46(r, sc, bamax, codes, sbits);")
 
 
 def main(argv: list[str]) -> None:

@@ -57,7 +57,8 @@ e)  # lean46's row kernel reading each block twice (RELOAD46: 8 or 4 blocks a th
   ;;
 f)  # the defaults (RELOAD from 2 x 4 x the thread slots): the quantize GPU tests, then the 4/6 rows of the
     # standard table against lean46 with the blocks in registers (fast3), FAST46 2 and the exact errors; the
-    # flat kernel with PREFETCH (_pf; rule 6 at 64 registers: _m4_pf)
+    # flat kernel with PREFETCH (_pf; rule 6 at 64 registers: _m4_pf; PREFETCH was removed after this call:
+    # measured mixed, bench/RESULTS.md)
   timeout 70 python3 -m pytest -q -m "gpu or not slow" tests/test_quant_cuda.py -k "matches_reference and 3r" \
     2>&1 | tail -3
   timeout 100 python3 bench/quant_cuda.py --shapes 32768x4096,8192x14336 \

@@ -44,8 +44,6 @@ VARIANTS += [(p + v[0][4:], True, v[2]) for p in ("exact", "fast1", "fast2", "fa
 # "reload": FAST46 3 with the row kernel reading each block twice (cuda.RELOAD46; twenty-seventh session)
 FAST46_OF = {"reload": 3, "fast3": 3, "fast2": 2, "fast1": 1, "exact": 0}
 RELOAD46_0 = qc.RELOAD46
-# any variant ending in "_pf": the flat kernel with PREFETCH (the next block's loads issued first)
-PREFETCH_0 = dict(qc.FLAT_PREFETCH)
 FAST46_0, MIN_BLOCKS_0 = qc.FAST46, qc.FAST46_MIN_BLOCKS
 # any "cuda", "exact", "fast<n>" or "reload" variant may end in _m<k>: the kernel compiled with MINB k (CTAs
 # of its size per SM that the registers must allow) instead of the launcher's table
@@ -54,7 +52,7 @@ ROWS_CONFIG, FLAT_CONFIG = qc.rows_config, qc.flat_config
 
 def variant(name: str):
     """(name, CUDA on, blocks per thread or None, MINB or None) of a variant name."""
-    m = re.fullmatch(r"(cuda|exact|fast1|fast2|fast3|reload)(?:_bpt(\d+))?(?:_m(\d+))?(?:_pf)?", name)
+    m = re.fullmatch(r"(cuda|exact|fast1|fast2|fast3|reload)(?:_bpt(\d+))?(?:_m(\d+))?", name)
     if m is None:
         hit = [v for v in VARIANTS if v[0] == name]
         if not hit:
@@ -108,7 +106,6 @@ def main():
                 qc.STATE["on"] = on
                 qc.FAST46 = FAST46_OF.get(prefix, FAST46_0)
                 qc.RELOAD46 = prefix == "reload" or (RELOAD46_0 and prefix == "cuda")
-                qc.FLAT_PREFETCH = {k: v or vname.endswith("_pf") for k, v in PREFETCH_0.items()}
                 qc.FAST46_MIN_BLOCKS = 0 if prefix in FAST46_OF else MIN_BLOCKS_0
                 force_minb(minb)
                 qc.ROWS_BPT = {"6": bpt, "4/6": bpt}
@@ -123,7 +120,6 @@ def main():
                 exact.append(ok)
             qc.STATE["on"] = True
             qc.FAST46, qc.FAST46_MIN_BLOCKS, qc.RELOAD46 = FAST46_0, MIN_BLOCKS_0, RELOAD46_0
-            qc.FLAT_PREFETCH = dict(PREFETCH_0)
             force_minb(None)
             qc.ROWS_BPT = dict(ROWS_BPT0)
             if name.startswith("tensor") and len(variants):

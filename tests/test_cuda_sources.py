@@ -79,9 +79,6 @@ def _quant_configs():
                 for fast46 in ((3, 2, 0) if rule46 else (0,)):
                     key = qc.flat_config(dtype, rule46, mae, nf, src, given_rows, fast46)
                     yield f"flat {dtype} {rule46} src{src} fast46 {fast46}", key
-                    if rule46:  # cuda.FLAT_PREFETCH (rule 6 capped at 32 registers spills with it)
-                        key = tuple(sorted({**dict(key), "PREFETCH": 1}.items()))
-                        yield f"flat {dtype} {rule46} src{src} fast46 {fast46} prefetch", key
 
 
 @pytest.mark.parametrize("name,key", list(_quant_configs()), ids=lambda v: v if isinstance(v, str) else "")

@@ -146,10 +146,9 @@ def test_gpu_cuda_matches_reference(cuda_on, monkeypatch, rule, err, fast46, dty
     the 4/6 kernels with decide46 (FAST46 3, 3 reading blocks twice, 2 or 1) at every size (the launcher
     takes it from FAST46_MIN_BLOCKS blocks, more than these tensors hold), else the launcher's own choice
     (here the exact errors)."""
-    if fast46 is not None:  # "3r": FAST46 3, the row kernel reading each block twice (RELOAD46) and the flat
-        monkeypatch.setattr(qc, "FAST46", 3 if fast46 == "3r" else fast46)  # one prefetching (FLAT_PREFETCH)
+    if fast46 is not None:  # "3r": FAST46 3 with the row kernel reading each block twice (RELOAD46)
+        monkeypatch.setattr(qc, "FAST46", 3 if fast46 == "3r" else fast46)
         monkeypatch.setattr(qc, "RELOAD46", fast46 == "3r")
-        monkeypatch.setattr(qc, "FLAT_PREFETCH", {"6": False, "4/6": fast46 == "3r"})
         monkeypatch.setattr(qc, "RELOAD46_MIN_WAVES", 0.0)  # 8 blocks a thread whatever the size
         monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0)
     for shape in [(1, 16), (3, 48), (37, 4096), (5, 4112), (2, 14336), (3, 65536), (300, 128)]:

@@ -58,15 +58,12 @@ FAST46_MAX_BPT = 2  # rule 4/6 with decide46: at most 2 blocks a thread in the r
 # rule 4/6 with lean46 (FAST46 3), bfloat16: the row kernel reading each block twice (RELOAD: the row max,
 # then one block at a time from L1 / L2 with the next in flight), 8 or 4 blocks a thread (more per-row work
 # shared, fewer threads per row: one warp a row at K <= 4096 and no barrier) where that still leaves
-# RELOAD46_MIN_WAVES x the GPU's thread slots (`reload_bpt`), 64 registers (_MIN_BLOCKS_RELOAD: CTAs of 256
+# RELOAD46_MIN_WAVES x the GPU's thread slots (`reload_bpt`), 64 registers (MIN_BLOCKS_RELOAD CTAs of 256
 # threads per SM). Measured on an H200 (bench/RESULTS.md, twenty-seventh session): 32768x4096 191.5 -> 183.1
 # us, 8192x14336 189.1 -> 163.9 at 8 a thread; 4096x4096 29.7 -> 34.2 (8) / 30.6 (4): too few threads, off
 RELOAD46 = os.environ.get("FP4RL_QUANT_RELOAD46", "1") != "0"
 RELOAD46_MIN_WAVES = 2.0
-# the flat kernel (per-tensor and imposed scales) issuing the next block's loads before quantizing the current
-# one (PREFETCH), per scale rule
-FLAT_PREFETCH = {"6": False, "4/6": False}
-_MIN_BLOCKS_RELOAD = {2: 4, 4: 4, 8: 4}
+MIN_BLOCKS_RELOAD = 4
 # decide46 from this many 16-element blocks per call: the exact errors were faster on the H200 up to 128x4096
 # (3.5 vs 3.9 us), even at 256 and 512 rows, decide46 faster from 1024 rows (11.8 vs 12.5 us; 4096x4096 34.4
 # vs 39.1; bench/RESULTS.md, twenty-sixth session)
@@ -167,7 +164,7 @@ def rows_config(dtype, rule46: bool, mae: bool, allow_nf: bool, nb_row: int, bpt
     fast46 = FAST46 if fast46 is None else fast46
     minb = 1
     if reload:
-        minb = max(1, _MIN_BLOCKS_RELOAD.get(bpt, 4) * 256 // cta) if dtype == torch.bfloat16 else 1
+        minb = max(1, MIN_BLOCKS_RELOAD * 256 // cta) if dtype == torch.bfloat16 else 1
         key = _defs(dtype, rule46, mae, allow_nf, 1, fast46=fast46, BPT=bpt, TPR=tpr, CTA=cta, MINB=minb,
                     RELOAD=1)
         return tpr, cta, key
@@ -183,8 +180,7 @@ def flat_config(dtype, rule46: bool, mae: bool, allow_nf: bool, src: int, given_
                 fast46=None) -> tuple:
     """Compile key of the flat kernel (per-tensor or imposed scales)."""
     minb = _MIN_BLOCKS[(rule46, 1)] if dtype == torch.bfloat16 else 1
-    extra = {"PREFETCH": 1} if FLAT_PREFETCH["4/6" if rule46 else "6"] else {}
-    return _defs(dtype, rule46, mae, allow_nf, src, given_rows, fast46=fast46, MINB=minb, **extra)
+    return _defs(dtype, rule46, mae, allow_nf, src, given_rows, fast46=fast46, MINB=minb)
 
 
 def _dev(x):
@@ -225,11 +221,9 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
     if src == 1:
         bpt = ROWS_BPT["4/6" if rule46 else "6"] or rows_bpt(n_blk, x.device)
         reload = rule46 and fast46 == 3 and RELOAD46 and x.dtype == torch.bfloat16
-        if reload and not ROWS_BPT["4/6"]:  # (a benchmark's forced blocks a thread keep RELOAD as set)
-            rbpt = reload_bpt(n_blk, x.device)
-            reload, bpt = rbpt > 0, rbpt or bpt
-        if rule46 and fast46 and not ROWS_BPT["4/6"] and not reload:
-            bpt = min(bpt, FAST46_MAX_BPT)
+        if rule46 and fast46 and not ROWS_BPT["4/6"]:  # (forced blocks a thread keep RELOAD as set)
+            rbpt = reload_bpt(n_blk, x.device) if reload else 0
+            reload, bpt = rbpt > 0, rbpt or min(bpt, FAST46_MAX_BPT)
         tpr, cta, key = rows_config(x.dtype, rule46, mae, allow_nf, nb_row, bpt, fast46, reload)
         rows_per_cta = cta // tpr
         _launch("nvfp4_quant_rows", key, x, (-(-r // rows_per_cta), 1, 1), (cta, 1, 1),

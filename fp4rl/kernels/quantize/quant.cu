@@ -16,7 +16,6 @@
 //              3: FAST46 2's arithmetic in fewer instructions for the blocks where it allows (see lean46), the
 //              rest as FAST46 2
 //   BPT, TPR, CTA  nvfp4_quant_rows: blocks per thread, threads per row (a power of two), threads per CTA
-//   PREFETCH   nvfp4_quant_flat: 1 issues the next block's loads before quantizing the current one
 //   RELOAD     nvfp4_quant_rows: 1 reads each block twice (the row max, then one block at a time to quantize,
 //              from L1 / L2) instead of holding all BPT blocks in registers
 //   MINB       CTAs per SM the registers must allow (__launch_bounds__; cuda.py's table, no spills)
@@ -38,9 +37,6 @@ typedef unsigned int u32;
 #endif
 #ifndef RELOAD
 #define RELOAD 0
-#endif
-#ifndef PREFETCH
-#define PREFETCH 0
 #endif
 #ifndef FAST46
 #define FAST46 3  // cuda.py's default (it always defines it)
@@ -332,15 +328,7 @@ __device__ __forceinline__ bool decide46(float e6, float e4, float s6, float s4,
 // rule 4/6, one block: codes (8 bytes) and the E4M3 scale bits. The error of each candidate, then the codes of
 // the winner only (its encode factor, so the same codes as the candidate's); FAST46 2 (and FAST46 3's blocks
 // that lean46 leaves): both candidates' codes from decide46's pass, the winner's kept.
-struct Block46 {
-  uint2 codes;
-  u32 sbits;
-};
-
-__device__ __forceinline__ Block46 quantize46(const Raw& r, const Scales& sc, float bamax) {
-  Block46 out;
-  uint2& codes = out.codes;
-  u32& sbits = out.sbits;
+__device__ __forceinline__ void quantize46(const Raw& r, const Scales& sc, float bamax, uint2& codes, u32& sbits) {
   float base = __fmul_rn(__fdiv_rn(bamax, 6.0f), sc.enc);
   float s6 = e4m3_round(base), s4 = e4m3_round(__fmul_rn(base, 1.5f));
   float enc6 = enc_for(s6, sc), enc4 = enc_for(s4, sc);
@@ -379,7 +367,6 @@ __device__ __forceinline__ Block46 quantize46(const Raw& r, const Scales& sc, fl
   codes = codes_of(r, pick4 ? enc4 : enc6);
 #endif
   sbits = e4m3_bits(pick4 ? s4 : s6);
-  return out;
 }
 
 #if FAST46 == 3
@@ -529,10 +516,6 @@ __device__ __forceinline__ bool lean46(const Raw& r, const Scales& sc, float bam
   sbits = (__float_as_uint(pick4 ? s4 : s6) >> 20) - 960u;  // normal E4M3: ((exponent - 120) << 3) | mantissa
   return true;
 }
-
-__device__ __forceinline__ Block46 quantize46_general(const Raw& r, const Scales& sc, float bamax) {
-  return quantize46(r, sc, bamax);
-}
 #endif
 #endif
 
@@ -541,15 +524,9 @@ __device__ __forceinline__ void quantize_block(const Raw& r, const Scales& sc, u
                                                u32& sbits) {
   float bamax = __uint_as_float(bmax_bits);
 #if RULE46 && FAST46 == 3
-  if (!lean46(r, sc, bamax, codes, sbits)) {
-    const Block46 b = quantize46_general(r, sc, bamax);
-    codes = b.codes;
-    sbits = b.sbits;
-  }
+  if (!lean46(r, sc, bamax, codes, sbits)) quantize46(r, sc, bamax, codes, sbits);
 #elif RULE46
-  const Block46 b = quantize46(r, sc, bamax);
-  codes = b.codes;
-  sbits = b.sbits;
+  quantize46(r, sc, bamax, codes, sbits);
 #else
   float s = e4m3_round(__fmul_rn(bamax, __fmul_rn(sc.enc, ONE_SIXTH_F)));
   codes = codes_of(r, enc_for(s, sc));
@@ -602,19 +579,9 @@ extern "C" __global__ void __launch_bounds__(256, MINB) nvfp4_quant_flat(
 #endif
   if (blockIdx.x == 0 && threadIdx.x == 0) g_out[0] = sc.g;
 #endif
-  const int stride = gridDim.x * 256;
-#if PREFETCH
-  Raw nxt;  // the next block's loads in flight while this one is quantized
-  if (blockIdx.x * 256 + threadIdx.x < n_blk) load_block(x, blockIdx.x * 256 + threadIdx.x, nxt);
-#endif
-  for (int b = blockIdx.x * 256 + threadIdx.x; b < n_blk; b += stride) {
-#if PREFETCH
-    const Raw r = nxt;
-    if (b + stride < n_blk) load_block(x, b + stride, nxt);
-#else
+  for (int b = blockIdx.x * 256 + threadIdx.x; b < n_blk; b += gridDim.x * 256) {
     Raw r;
     load_block(x, b, r);
-#endif
 #if GIVEN_ROWS
     int row = b / nb_row;
     const Scales sc = scales_from(given[row]);
