@@ -4,8 +4,7 @@ FAST46 0, 1, 2, 3 at every size.
 
 For each shape and mode, in one run: the CUDA kernels (per-row modes also with 1, 2 and 4 blocks per thread in
 the row kernel; "cuda" is the default choice) and the Triton kernels (CUDA off); bytes checked against the
-reference on the first --check-rows rows (4096; 0: all) for each; effective TB/s = (bytes read once +
-written) / time, as in RESULTS.
+reference on the first 4096 rows for each; effective TB/s = (bytes read once + written) / time, as in RESULTS.
 The per-tensor modes also report the amax pass alone.
 Timing: fp4rl.benchmarks.gpu_kernels.time_calls (CUDA-graph replay, operands rotated through >= 4x L2,
 median of 7). Usage (device): python3 bench/quant_cuda.py --out $OUT/quant_cuda.json
@@ -42,9 +41,8 @@ VARIANTS = [("cuda", True, None), ("cuda_bpt1", True, 1), ("cuda_bpt2", True, 2)
 # its pass (2), at every size; "cuda": the launcher's own choice (FAST46 2 from FAST46_MIN_BLOCKS blocks)
 VARIANTS += [(p + v[0][4:], True, v[2]) for p in ("exact", "fast1", "fast2", "fast3") for v in VARIANTS
              if v[0].startswith("cuda")]
-# "reload": FAST46 3 with the row kernel reading each block twice (cuda.RELOAD46 1; twenty-seventh session),
-# "pipe": the same persistent and pipelined (RELOAD46 2; twenty-eighth)
-FAST46_OF = {"pipe": 3, "reload": 3, "fast3": 3, "fast2": 2, "fast1": 1, "exact": 0}
+# "reload": FAST46 3 with the row kernel reading each block twice (cuda.RELOAD46; twenty-seventh session)
+FAST46_OF = {"reload": 3, "fast3": 3, "fast2": 2, "fast1": 1, "exact": 0}
 RELOAD46_0 = qc.RELOAD46
 FAST46_0, MIN_BLOCKS_0 = qc.FAST46, qc.FAST46_MIN_BLOCKS
 # any "cuda", "exact", "fast<n>" or "reload" variant may end in _m<k>: the kernel compiled with MINB k (CTAs
@@ -54,7 +52,7 @@ ROWS_CONFIG, FLAT_CONFIG = qc.rows_config, qc.flat_config
 
 def variant(name: str):
     """(name, CUDA on, blocks per thread or None, MINB or None) of a variant name."""
-    m = re.fullmatch(r"(cuda|exact|fast1|fast2|fast3|reload|pipe)(?:_bpt(\d+))?(?:_m(\d+))?", name)
+    m = re.fullmatch(r"(cuda|exact|fast1|fast2|fast3|reload)(?:_bpt(\d+))?(?:_m(\d+))?", name)
     if m is None:
         hit = [v for v in VARIANTS if v[0] == name]
         if not hit:
@@ -78,9 +76,6 @@ def main():
     ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--check-rows", type=int, default=4096,
-                    help="rows checked against the reference (0: all; the pipelined row kernel needs more "
-                         "rows than its groups of threads to be checked past each group's first row)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     bw = copy_bandwidth()
@@ -99,9 +94,7 @@ def main():
         gsc = x.float().abs().amax(dim=1) / 2688.0
         for name, kw, ref_kw in modes:
             kw = {a: (gsc if b == "g" else b) for a, b in kw.items()}
-            nc = args.check_rows or r
-            ref_kw = {a: (gsc[:nc, None] if b == "g" else b) for a, b in ref_kw.items()}
-            q = reference.quantize(x[:nc], **ref_kw)
+            ref_kw = {a: (gsc[:4096, None] if b == "g" else b) for a, b in ref_kw.items()}
             row = {"shape": shape, "mode": name, "floor_us": moved / bw["tb_s"] / 1e6, "dtype": args.dtype}
             exact = []
             for vname, on, bpt, minb in variants:
@@ -112,12 +105,13 @@ def main():
                     continue
                 qc.STATE["on"] = on
                 qc.FAST46 = FAST46_OF.get(prefix, FAST46_0)
-                qc.RELOAD46 = {"reload": 1, "pipe": 2, "cuda": RELOAD46_0}.get(prefix, 0)
+                qc.RELOAD46 = prefix == "reload" or (RELOAD46_0 and prefix == "cuda")
                 qc.FAST46_MIN_BLOCKS = 0 if prefix in FAST46_OF else MIN_BLOCKS_0
                 force_minb(minb)
                 qc.ROWS_BPT = {"6": bpt, "4/6": bpt}
-                kwc = {a: (b[:nc] if a == "global_scale" else b) for a, b in kw.items()}
-                d, s, g = quantize_2d(x[:nc], check_finite=False, **kwc)
+                kwc = {a: (b[:4096] if a == "global_scale" else b) for a, b in kw.items()}
+                d, s, g = quantize_2d(x[:4096], check_finite=False, **kwc)
+                q = reference.quantize(x[:4096], **ref_kw)
                 ok = bool(torch.equal(d, q.data) and torch.equal(g.reshape(-1), q.global_scale.reshape(-1))
                           and torch.equal(s.view(torch.uint8), q.block_scale.view(torch.uint8)))
                 us = time_calls([lambda xi=xi, kw=kw: quantize_2d(xi, check_finite=False, **kw) for xi in xs],

@@ -71,11 +71,10 @@ def _quant_configs():
                 for fast46 in ((3, 2, 0) if rule46 else (0,)):  # 4/6 under and over FAST46_MIN_BLOCKS
                     key = qc.rows_config(dtype, rule46, mae, nf, nb, bpt, fast46)[2]
                     yield f"rows {dtype} {rule46} {nb}x{bpt} fast46 {fast46}", key
-            if rule46:  # lean46's row kernel reading each block twice (cuda.RELOAD46 1), and pipelined (2)
+            if rule46:  # lean46's row kernel reading each block twice (cuda.RELOAD46)
                 for nb, bpt in ((1, 8), (256, 8), (256, 4), (896, 8), (qc.rows_max_blocks(dtype), 8)):
-                    for reload in ((1, 2) if nb >= 256 else (1,)):  # (2 from a warp a row)
-                        key = qc.rows_config(dtype, rule46, mae, nf, nb, bpt, 3, reload)[2]
-                        yield f"rows {dtype} {rule46} {nb}x{bpt} fast46 3 reload {reload}", key
+                    key = qc.rows_config(dtype, rule46, mae, nf, nb, bpt, 3, True)[2]
+                    yield f"rows {dtype} {rule46} {nb}x{bpt} fast46 3 reload", key
             for src, given_rows in ((0, False), (2, True), (3, False)):
                 for fast46 in ((3, 2, 0) if rule46 else (0,)):
                     key = qc.flat_config(dtype, rule46, mae, nf, src, given_rows, fast46)
@@ -96,8 +95,7 @@ def test_quantize_kernels_compile_before_hopper(arch):
     bfloat16 compare is sm_90 PTX, with a fallback below it."""
     for mae in (False, True):
         for key in (qc.rows_config(torch.bfloat16, True, mae, False, 256, 2, 3)[2],
-                    qc.rows_config(torch.bfloat16, True, mae, False, 256, 8, 3, 1)[2],
-                    qc.rows_config(torch.bfloat16, True, mae, False, 896, 8, 3, 2)[2],
+                    qc.rows_config(torch.bfloat16, True, mae, False, 256, 8, 3, True)[2],
                     qc.flat_config(torch.bfloat16, True, mae, False, 0, False, 3)):
             compile_log(qc.source(dict(key)), arch)
 

@@ -136,21 +136,19 @@ def _check(x, **kw):
 
 @pytest.mark.parametrize("rule,err,fast46", [("6", "mse", None), ("4/6", "mse", None), ("4/6", "mae", None),
                                              ("4/6", "mse", 3), ("4/6", "mae", 3), ("4/6", "mse", "3r"),
-                                             ("4/6", "mae", "3r"), ("4/6", "mse", "3p"), ("4/6", "mae", "3p"),
-                                             ("4/6", "mse", 2), ("4/6", "mae", 2),
+                                             ("4/6", "mae", "3r"), ("4/6", "mse", 2), ("4/6", "mae", 2),
                                              ("4/6", "mse", 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_cuda_matches_reference(cuda_on, monkeypatch, rule, err, fast46, dtype):
     """Every mode's bytes against the reference on wide, grid, 60-decade and edge-case tensors; fast46 set:
-    the 4/6 kernels with decide46 (FAST46 3, 3 reading blocks twice, the same pipelined, 2 or 1) at every
-    size (the launcher takes it from FAST46_MIN_BLOCKS blocks, more than these tensors hold), else the
-    launcher's own choice (here the exact errors)."""
-    if fast46 is not None:  # "3r" / "3p": FAST46 3, the row kernel reading each block twice (RELOAD46 1 / 2)
-        monkeypatch.setattr(qc, "FAST46", fast46 if isinstance(fast46, int) else 3)
-        monkeypatch.setattr(qc, "RELOAD46", {"3r": 1, "3p": 2}.get(fast46, 0))
-        monkeypatch.setattr(qc, "PIPE_MAX_CTAS", 1)  # one CTA: each group of threads takes several rows
+    the 4/6 kernels with decide46 (FAST46 3, 3 reading blocks twice, 2 or 1) at every size (the launcher
+    takes it from FAST46_MIN_BLOCKS blocks, more than these tensors hold), else the launcher's own choice
+    (here the exact errors)."""
+    if fast46 is not None:  # "3r": FAST46 3 with the row kernel reading each block twice (RELOAD46)
+        monkeypatch.setattr(qc, "FAST46", 3 if fast46 == "3r" else fast46)
+        monkeypatch.setattr(qc, "RELOAD46", fast46 == "3r")
         monkeypatch.setattr(qc, "RELOAD46_MIN_WAVES", 0.0)  # 8 blocks a thread whatever the size
         monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0)
     for shape in [(1, 16), (3, 48), (37, 4096), (5, 4112), (2, 14336), (3, 65536), (300, 128)]:
@@ -286,11 +284,10 @@ def test_gpu_fast46_near_ties(cuda_on, monkeypatch, err):
 
     monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0)  # these tensors are smaller than the launcher's gate
     monkeypatch.setattr(qc, "RELOAD46_MIN_WAVES", 0.0)  # and than the RELOAD row kernel's
-    monkeypatch.setattr(qc, "PIPE_MAX_CTAS", 1)  # RELOAD 2: each group of threads takes several rows
     for src in (0, 3):
         for x, v in (near_ties(err == "mae", src), grid_ties(src)):
             x = x[: x.shape[0] // 4 * 4].reshape(-1, 64).cuda()  # 4 blocks a row: the row kernel's path too
-            for fast, reload in ((3, 2), (3, 1), (3, 0), (2, 0), (1, 0), (0, 0)):
+            for fast, reload in ((3, True), (3, False), (2, False), (1, False), (0, False)):
                 monkeypatch.setattr(qc, "FAST46", fast)
                 monkeypatch.setattr(qc, "RELOAD46", reload)
                 if src == 0:
@@ -305,7 +302,7 @@ def test_gpu_fast46_near_ties(cuda_on, monkeypatch, err):
     for x in (x16[: x16.shape[0] // 4 * 4].reshape(-1, 64), sign_blocks(torch.bfloat16).reshape(-1, 64),
               sign_blocks(torch.float32).reshape(-1, 64)):
         x = x.cuda()
-        for fast, reload in ((3, 2), (3, 1), (3, 0), (2, 0)):
+        for fast, reload in ((3, True), (3, False), (2, False)):
             monkeypatch.setattr(qc, "FAST46", fast)
             monkeypatch.setattr(qc, "RELOAD46", reload)
             _check(x, scale_rule="4/6", err=err)
@@ -348,30 +345,9 @@ def test_fast46_from_its_size_with_its_register_caps(monkeypatch):
         assert key.get("RELOAD") == want and key["BPT"] == bpt, (rows, dtype, key)
         if want:
             assert key["TPR"] == 256 // bpt and key["MINB"] == 4
-    monkeypatch.setattr(qc, "RELOAD46", 0)
+    monkeypatch.setattr(qc, "RELOAD46", False)
     qc.quantize(torch.zeros(big, 4096, dtype=torch.bfloat16), *[None] * 6, 1, False, True, False, False)
     assert "RELOAD" not in calls[-1][1] and calls[-1][1]["BPT"] == 2
-    # pipelined (RELOAD 2): persistent, as many CTAs as the registers let the SMs hold (MINB each)
-    grids = []
-    monkeypatch.setattr(qc, "_launch", lambda name, key, x, grid, *a: grids.append((dict(key), grid)))
-    monkeypatch.setattr(qc, "RELOAD46", 2)
-    for rows, k, want in ((big, 4096, 132 * 4), (8192, 14336, 132 * 4), (mid, 4096, 132 * 4),
-                          (4096, 4096, 4096 // 2)):  # (held in registers: 2 rows a CTA, not persistent)
-        qc.quantize(torch.zeros(rows, k, dtype=torch.bfloat16), *[None] * 6, 1, False, True, False, False)
-        key, grid = grids[-1]
-        assert grid == (want, 1, 1), (rows, k, grid)
-        assert key.get("RELOAD") == (2 if rows > 4096 else None), key
-    # fewer threads a row than a warp spill under RELOAD 2's register cap: those rows take RELOAD 1
-    assert dict(qc.rows_config(torch.bfloat16, True, False, False, 16, 8, 3, 2)[2])["RELOAD"] == 1
-
-
-def test_reload46_env_is_checked(monkeypatch):
-    monkeypatch.setenv("FP4RL_QUANT_RELOAD46", "3")
-    with pytest.raises(ValueError, match="FP4RL_QUANT_RELOAD46='3': use 1"):
-        qc._reload46_from_env()
-    for v in ("0", "1", "2"):
-        monkeypatch.setenv("FP4RL_QUANT_RELOAD46", v)
-        assert qc._reload46_from_env() == int(v)
 
 
 def test_fast46_env_is_checked(monkeypatch):

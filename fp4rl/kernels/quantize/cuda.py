@@ -61,19 +61,8 @@ FAST46_MAX_BPT = 2  # rule 4/6 with decide46: at most 2 blocks a thread in the r
 # RELOAD46_MIN_WAVES x the GPU's thread slots (`reload_bpt`), 64 registers (MIN_BLOCKS_RELOAD CTAs of 256
 # threads per SM). Measured on an H200 (bench/RESULTS.md, twenty-seventh session): 32768x4096 191.5 -> 183.1
 # us, 8192x14336 189.1 -> 163.9 at 8 a thread; 4096x4096 29.7 -> 34.2 (8) / 30.6 (4): too few threads, off
-def _reload46_from_env() -> int:
-    raw = os.environ.get("FP4RL_QUANT_RELOAD46", "1").strip()
-    if raw not in ("0", "1", "2"):
-        raise ValueError(f"FP4RL_QUANT_RELOAD46={raw!r}: use 1 (the default: each block read twice), 2 (the "
-                         "same, persistent and pipelined), or 0 (the blocks held in registers)")
-    return int(raw)
-
-
-# 2: the RELOAD row kernel persistent (one CTA per slot the registers allow, MIN_BLOCKS_RELOAD x 256 threads
-# an SM), each group of threads loading its next row while it quantizes the current one (quant.cu RELOAD 2)
-RELOAD46 = _reload46_from_env()
+RELOAD46 = os.environ.get("FP4RL_QUANT_RELOAD46", "1") != "0"
 RELOAD46_MIN_WAVES = 2.0
-PIPE_MAX_CTAS = None  # tests: a smaller persistent grid, so that every group of threads takes several rows
 MIN_BLOCKS_RELOAD = 4
 # decide46 from this many 16-element blocks per call: the exact errors were faster on the H200 up to 128x4096
 # (3.5 vs 3.9 us), even at 256 and 512 rows, decide46 faster from 1024 rows (11.8 vs 12.5 us; 4096x4096 34.4
@@ -170,18 +159,14 @@ def rows_config(dtype, rule46: bool, mae: bool, allow_nf: bool, nb_row: int, bpt
                 fast46=None, reload=False) -> tuple:
     """(TPR, CTA, compile key) of the row kernel for rows of nb_row blocks, at least bpt blocks per thread.
     The register caps (MINB) are bfloat16's; float32 blocks hold twice the data (ptxas spills under them).
-    reload: each block read twice (RELOAD 1), registers for one block at a time (and 4 for the row max); 2:
-    the same, persistent and pipelined (RELOAD 2), from a warp a row (fewer threads a row spill under the
-    cap: those take 1)."""
+    reload: each block read twice (RELOAD), registers for one block at a time (and 4 for the row max)."""
     bpt, tpr, cta = rows_plan(nb_row, bpt)
     fast46 = FAST46 if fast46 is None else fast46
     minb = 1
-    if reload == 2 and tpr < 32:
-        reload = 1
     if reload:
         minb = max(1, MIN_BLOCKS_RELOAD * 256 // cta) if dtype == torch.bfloat16 else 1
         key = _defs(dtype, rule46, mae, allow_nf, 1, fast46=fast46, BPT=bpt, TPR=tpr, CTA=cta, MINB=minb,
-                    RELOAD=int(reload))
+                    RELOAD=1)
         return tpr, cta, key
     if dtype == torch.bfloat16 and rule46 and fast46:  # 512-thread CTAs: half as many, same cap at bpt 1-2
         minb = max(1, _MIN_BLOCKS_FAST46.get(bpt, 1) * 256 // cta)
@@ -235,16 +220,14 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
     fast46 = FAST46 if n_blk >= FAST46_MIN_BLOCKS else 0
     if src == 1:
         bpt = ROWS_BPT["4/6" if rule46 else "6"] or rows_bpt(n_blk, x.device)
-        reload = RELOAD46 if rule46 and fast46 == 3 and x.dtype == torch.bfloat16 else 0
+        reload = rule46 and fast46 == 3 and RELOAD46 and x.dtype == torch.bfloat16
         if rule46 and fast46 and not ROWS_BPT["4/6"]:  # (forced blocks a thread keep RELOAD as set)
             rbpt = reload_bpt(n_blk, x.device) if reload else 0
-            reload, bpt = reload if rbpt else 0, rbpt or min(bpt, FAST46_MAX_BPT)
+            reload, bpt = rbpt > 0, rbpt or min(bpt, FAST46_MAX_BPT)
         tpr, cta, key = rows_config(x.dtype, rule46, mae, allow_nf, nb_row, bpt, fast46, reload)
-        grid = -(-r // (cta // tpr))
-        if reload == 2:  # persistent: the CTAs the registers let every SM hold at once
-            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-            grid = min(grid, sms * dict(key)["MINB"], PIPE_MAX_CTAS or grid)
-        _launch("nvfp4_quant_rows", key, x, (grid, 1, 1), (cta, 1, 1), [x, data, scale, g, flag, r, nb_row])
+        rows_per_cta = cta // tpr
+        _launch("nvfp4_quant_rows", key, x, (-(-r // rows_per_cta), 1, 1), (cta, 1, 1),
+                [x, data, scale, g, flag, r, nb_row])
         return
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     grid = max(1, min(-(-n_blk // 256), sms * 16))

@@ -17,8 +17,7 @@
 //              rest as FAST46 2
 //   BPT, TPR, CTA  nvfp4_quant_rows: blocks per thread, threads per row (a power of two), threads per CTA
 //   RELOAD     nvfp4_quant_rows: 1 reads each block twice (the row max, then one block at a time to quantize,
-//              from L1 / L2) instead of holding all BPT blocks in registers; 2 as 1, persistent and pipelined:
-//              the row max of a group's next row from the loads made while it quantizes the current one
+//              from L1 / L2) instead of holding all BPT blocks in registers
 //   MINB       CTAs per SM the registers must allow (__launch_bounds__; cuda.py's table, no spills)
 //
 // Every float operation is an explicit round-to-nearest intrinsic (__fmul_rn, __fadd_rn, __fmaf_rn where an
@@ -599,113 +598,6 @@ extern "C" __global__ void __launch_bounds__(256, MINB) nvfp4_quant_flat(
 }
 
 #else
-// the row max over TPR threads (a warp reduction and, past 32 threads, shared memory: buf alternates between
-// calls that follow one another without a barrier in between)
-__device__ __forceinline__ void row_reduce(u32& raw, u32& fin, int buf) {
-#if TPR < 32
-  const u32 mask = ((1u << TPR) - 1u) << ((threadIdx.x & 31) & ~(TPR - 1));
-  raw = __reduce_max_sync(mask, raw);
-  fin = __reduce_max_sync(mask, fin);
-#else
-  raw = __reduce_max_sync(0xFFFFFFFFu, raw);
-  fin = __reduce_max_sync(0xFFFFFFFFu, fin);
-#if TPR > 32
-  __shared__ u32 sm[2][2][CTA / 32];
-  const int warp = threadIdx.x >> 5;
-  if ((threadIdx.x & 31) == 0) { sm[buf][0][warp] = raw; sm[buf][1][warp] = fin; }
-  __syncthreads();
-  const int w0 = (threadIdx.x / TPR) * (TPR / 32);
-#pragma unroll 4
-  for (int i = 0; i < TPR / 32; ++i) { raw = max(raw, sm[buf][0][w0 + i]); fin = max(fin, sm[buf][1][w0 + i]); }
-#endif
-#endif
-}
-
-#if RELOAD
-// this thread's part of a row's max (blocks t, t + TPR, ... of the row at row0), up to 4 blocks' loads in flight
-__device__ __forceinline__ void row_part_max(const void* __restrict__ x, long long row0, int t, int nb_row,
-                                             bool live, u32& raw, u32& fin) {
-#pragma unroll
-  for (int j0 = 0; j0 < BPT; j0 += 4) {
-    Raw r[4];
-#pragma unroll
-    for (int jj = 0; jj < 4 && j0 + jj < BPT; ++jj) {
-      int col = t + (j0 + jj) * TPR;
-      if (live && col < nb_row) load_block(x, row0 + col, r[jj]);
-    }
-#pragma unroll
-    for (int jj = 0; jj < 4 && j0 + jj < BPT; ++jj) {
-      int col = t + (j0 + jj) * TPR;
-      u32 braw = 0, bfin = 0, unused;
-      if (live && col < nb_row) block_max_bits(r[jj], braw, bfin, unused);
-      raw = max(raw, braw); fin = max(fin, bfin);
-    }
-  }
-}
-#endif
-
-#if RELOAD == 2
-// a block copied to shared memory without passing through registers (cp.async, sm_80+; L2 only): the next
-// row's block stays out of the registers while this one's arithmetic runs (held there, it spilled)
-__device__ __forceinline__ void stage_block(const void* __restrict__ x, long long blk, Raw* dst) {
-  const char* src = reinterpret_cast<const char*>(x) + blk * (long long)sizeof(Raw);
-  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-#pragma unroll
-  for (int i = 0; i < (int)(sizeof(Raw) / 16); ++i)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s + 16 * i), "l"(src + 16 * i) : "memory");
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// per-row scales, persistent and pipelined (SRC 1, RELOAD 2): the grid's G groups of TPR threads take rows g,
-// g + G, g + 2G, ...; a group quantizes its row one block at a time (each block read again, from L1 / L2,
-// with the next one in flight) and meanwhile loads the same blocks of its next row from memory for that row's
-// max. Only the first row's max is a phase of its own: in a launch of one row per group every warp of a wave
-// first waits on memory for its row max, then computes while memory idles (RELOAD 1).
-extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
-    const void* __restrict__ x, uint2* __restrict__ d, unsigned char* __restrict__ sc_out, float* __restrict__ g_out,
-    int* __restrict__ flag, int n_rows, int nb_row) {
-  const int t = threadIdx.x % TPR;
-  const int groups = gridDim.x * (CTA / TPR);
-  int row = blockIdx.x * (CTA / TPR) + threadIdx.x / TPR;
-  u32 raw = 0, fin = 0;
-  row_part_max(x, row * nb_row, t, nb_row, row < n_rows, raw, fin);
-  __shared__ Raw ahead[CTA];  // this thread's block of its next row, on its way from memory
-  int buf = 0;
-  // the loop's bound is the CTA's first row: every thread of the CTA takes part in each row_reduce
-  for (int first = blockIdx.x * (CTA / TPR); first < n_rows; first += groups, row += groups, buf ^= 1) {
-    row_reduce(raw, fin, buf);
-    if (row >= n_rows) continue;
-    const Scales sc = scales_from(__uint_as_float(fin));
-    if (t == 0) { g_out[row] = sc.g; flag[row] = (int)raw; }
-    raw = fin = 0;
-    const int row0 = row * nb_row, next0 = row0 + groups * nb_row;  // (cuda.MAX_BLOCKS: int block indices)
-    const bool next = row + groups < n_rows;
-    Raw nxt;
-    if (t < nb_row) load_block(x, row0 + t, nxt);
-#pragma unroll 1
-    for (int col = t; col < nb_row; col += TPR) {
-      const Raw cur = nxt;
-      if (col + TPR < nb_row) load_block(x, row0 + col + TPR, nxt);
-      if (next) stage_block(x, next0 + col, &ahead[threadIdx.x]);  // its max after this block's arithmetic
-      u32 braw, bfin, bmax;
-      block_max_bits(cur, braw, bfin, bmax);
-      uint2 codes;
-      u32 sbits;
-      quantize_block(cur, sc, bmax, codes, sbits);
-      d[row0 + col] = codes;
-      sc_out[row0 + col] = (unsigned char)sbits;
-      if (next) {
-        asm volatile("cp.async.wait_group 0;" ::: "memory");  // (only this thread reads its slot)
-        const Raw a = ahead[threadIdx.x];
-        u32 araw, afin, unused;
-        block_max_bits(a, araw, afin, unused);
-        raw = max(raw, araw); fin = max(fin, afin);
-      }
-    }
-  }
-}
-
-#else
 // per-row scales in one pass (SRC 1): TPR threads per row (CTA / TPR rows per CTA), each holding BPT blocks
 // (thread t: blocks t, t + TPR, ...); the row max is a warp reduction (and, past 32 threads, shared memory).
 extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
@@ -717,7 +609,22 @@ extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
   u32 raw = 0, fin = 0;
 #if RELOAD
   // the row max from up to 4 blocks' loads in flight at a time; the blocks are read again below
-  row_part_max(x, (long long)row * nb_row, t, nb_row, live, raw, fin);
+#pragma unroll
+  for (int j0 = 0; j0 < BPT; j0 += 4) {
+    Raw r[4];
+#pragma unroll
+    for (int jj = 0; jj < 4 && j0 + jj < BPT; ++jj) {
+      int col = t + (j0 + jj) * TPR;
+      if (live && col < nb_row) load_block(x, (long long)row * nb_row + col, r[jj]);
+    }
+#pragma unroll
+    for (int jj = 0; jj < 4 && j0 + jj < BPT; ++jj) {
+      int col = t + (j0 + jj) * TPR;
+      u32 braw = 0, bfin = 0, unused;
+      if (live && col < nb_row) block_max_bits(r[jj], braw, bfin, unused);
+      raw = max(raw, braw); fin = max(fin, bfin);
+    }
+  }
 #else
   Raw r[BPT];
   u32 bmax[BPT];
@@ -735,7 +642,23 @@ extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
     raw = max(raw, braw); fin = max(fin, bfin);
   }
 #endif
-  row_reduce(raw, fin, 0);
+#if TPR < 32
+  const u32 mask = ((1u << TPR) - 1u) << ((threadIdx.x & 31) & ~(TPR - 1));
+  raw = __reduce_max_sync(mask, raw);
+  fin = __reduce_max_sync(mask, fin);
+#else
+  raw = __reduce_max_sync(0xFFFFFFFFu, raw);
+  fin = __reduce_max_sync(0xFFFFFFFFu, fin);
+#if TPR > 32
+  __shared__ u32 sm[2][CTA / 32];
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) { sm[0][warp] = raw; sm[1][warp] = fin; }
+  __syncthreads();
+  const int w0 = (threadIdx.x / TPR) * (TPR / 32);
+#pragma unroll 4
+  for (int i = 0; i < TPR / 32; ++i) { raw = max(raw, sm[0][w0 + i]); fin = max(fin, sm[1][w0 + i]); }
+#endif
+#endif
   if (!live) return;
   const Scales sc = scales_from(__uint_as_float(fin));
   if (t == 0) { g_out[row] = sc.g; flag[row] = (int)raw; }
@@ -772,5 +695,4 @@ extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
   }
 #endif
 }
-#endif
 #endif
