@@ -4,7 +4,8 @@ FAST46 0, 1, 2, 3 at every size.
 
 For each shape and mode, in one run: the CUDA kernels (per-row modes also with 1, 2 and 4 blocks per thread in
 the row kernel; "cuda" is the default choice) and the Triton kernels (CUDA off); bytes checked against the
-reference on the first 4096 rows for each; effective TB/s = (bytes read once + written) / time, as in RESULTS.
+reference on the first --check-rows rows (4096; 0: all) for each; effective TB/s = (bytes read once +
+written) / time, as in RESULTS.
 The per-tensor modes also report the amax pass alone.
 Timing: fp4rl.benchmarks.gpu_kernels.time_calls (CUDA-graph replay, operands rotated through >= 4x L2,
 median of 7). Usage (device): python3 bench/quant_cuda.py --out $OUT/quant_cuda.json
@@ -76,6 +77,7 @@ def main():
     ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--check-rows", type=int, default=4096, help="rows checked against the reference, 0: all")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     bw = copy_bandwidth()
@@ -94,7 +96,9 @@ def main():
         gsc = x.float().abs().amax(dim=1) / 2688.0
         for name, kw, ref_kw in modes:
             kw = {a: (gsc if b == "g" else b) for a, b in kw.items()}
-            ref_kw = {a: (gsc[:4096, None] if b == "g" else b) for a, b in ref_kw.items()}
+            nc = args.check_rows or r
+            ref_kw = {a: (gsc[:nc, None] if b == "g" else b) for a, b in ref_kw.items()}
+            q = reference.quantize(x[:nc], **ref_kw)
             row = {"shape": shape, "mode": name, "floor_us": moved / bw["tb_s"] / 1e6, "dtype": args.dtype}
             exact = []
             for vname, on, bpt, minb in variants:
@@ -109,9 +113,8 @@ def main():
                 qc.FAST46_MIN_BLOCKS = 0 if prefix in FAST46_OF else MIN_BLOCKS_0
                 force_minb(minb)
                 qc.ROWS_BPT = {"6": bpt, "4/6": bpt}
-                kwc = {a: (b[:4096] if a == "global_scale" else b) for a, b in kw.items()}
-                d, s, g = quantize_2d(x[:4096], check_finite=False, **kwc)
-                q = reference.quantize(x[:4096], **ref_kw)
+                kwc = {a: (b[:nc] if a == "global_scale" else b) for a, b in kw.items()}
+                d, s, g = quantize_2d(x[:nc], check_finite=False, **kwc)
                 ok = bool(torch.equal(d, q.data) and torch.equal(g.reshape(-1), q.global_scale.reshape(-1))
                           and torch.equal(s.view(torch.uint8), q.block_scale.view(torch.uint8)))
                 us = time_calls([lambda xi=xi, kw=kw: quantize_2d(xi, check_finite=False, **kw) for xi in xs],
