@@ -371,26 +371,30 @@ __device__ __forceinline__ void quantize46(const Raw& r, const Scales& sc, float
 
 #if FAST46 == 3
 // FAST46 3 (lean46): FAST46 2's arithmetic, the same bytes, in fewer instructions, for the blocks where its
-// guards hold: block max in 2^-40..2^40, both scales normal E4M3 (base >= 2^-6), max |z| < 7 for both
+// guards hold: block max in 2^-40..2^40, both scales nonzero (subnormal E4M3 ones, s < 2^-6, take the general
+// rounding in a branch of their own: since the twenty-eighth session; before, such blocks, a few per row of
+// a tensor with 4 decades between its columns, sent a warp in 20 down quantize46's path), max |z| < 7 for both
 // candidates (no clamp at 6 needed: the E2M1 rounding of |z| < 7 never reaches 8), enc4 >= 2^-15, the
 // tensor's (or row's) amax in decide46's range, and no NaN / Inf in the block. Every other block (zero and
 // padding blocks, NaN / Inf, tiny block maxima against the amax) takes FAST46 2's path (quantize46; inline:
 // out of line, under the row kernel's 64-register cap, it spilled).
 // - bamax / 6 without a division (div6: correctly rounded wherever v / 6 is normal, as bamax >= 2^-40 keeps it;
 //   tests/test_quant_fast46.py checks two binades, and scaling by 2 commutes with it), the scales' E4M3
-//   rounding and bits by their normal-range formulas only.
+//   rounding and bits by their normal-range formulas (subnormal scales: the general ones, in a branch).
 // - Per element, both candidates in one pass: the sign once (bfloat16: x < 0; with enc >= 2^-15 no nonzero
 //   x underflows to -0 and -0.0 stays 0, so z's sign is x's for both candidates), the E2M1 rounding of
 //   e2m1_mag with its power of two m * 2^22 taken by the FMA that rounds (m = 2^max(exponent of a, 0)), the
 //   code + BIAS as tb + (tb >> 22): its low 23 bits are (tb & 0x7FFFFF) + (tb >> 22), the rest (the exponent
 //   field, bits 23 up) leaves the word when shifted by 4k >= 12 (elements k = 3..7 of a word); elements 0..2
 //   go shifted by 4k + 9 into a word of their own, shifted back once (code + BIAS < 2^9: nothing carries).
-// - decide46's bound at its largest under these guards (Xmax < 7 (1 + 2^-20), E <= 16.5: each |ev - |z|| <= 1
-//   when |z| < 7; a larger E, NaN or Inf means a non-finite block, which goes to quantize46): MSE
-//   u (400 * 7 * sqrt(16.5) + 70 * 16.5) + 45000 u^2 49 + 2^-60 < 12600 u, MAE u (400 * 7 + 70 * 16.5) +
-//   1000 u^2 7 + 2^-60 < 4000 u; no square root per block. The blocks it leaves take the exact errors
-//   (errors_exact).
-#define LEAN_B ((MAE ? 4096.0f : 12800.0f) * 5.9604644775390625e-08f)
+// - decide46's bound per candidate without a square root: sqrt(E) <= (E + 2.25) / 3 (AM-GM, equal at E =
+//   2.25, near the typical E of a 16-element block), so MSE B <= u (133.34 Xmax (E + 2.25) + 70 E + 1) and MAE
+//   B <= u (400 Xmax + 70 E + 1), the 1 covering 45000 u^2 Xmax^2 + 2^-60 (MAE 1000 u^2 Xmax + 2^-60) with
+//   Xmax < 7 (1 + 2^-20). (Until the twenty-eighth session the bound's maximum under the guards, 12800 u /
+//   4096 u, whatever the block: ~0.34% of blocks then went to the exact errors, a tenth of the row kernel's
+//   warps at 32 blocks a warp instruction, ~9% of its instructions.) E <= 16.5 (each |ev - |z|| <= 1 when
+//   |z| < 7): a larger E, NaN or Inf means a non-finite block, which goes to quantize46. The blocks the
+//   bound leaves take the exact errors (errors_exact).
 
 __device__ __forceinline__ float div6(float v) {  // fp32(v / 6) where v / 6 is normal
   const float c = 0.1666666716337204f;  // fp32(1/6)
@@ -463,10 +467,15 @@ __device__ __forceinline__ u32 signs8(const Raw& r, int h) {
 
 __device__ __forceinline__ bool lean46(const Raw& r, const Scales& sc, float bamax, uint2& codes, u32& sbits) {
   const float base = __fmul_rn(div6(bamax), sc.enc);
-  const float s6 = e4m3_normal(base), s4 = e4m3_normal(__fmul_rn(base, 1.5f));
+  float s6 = e4m3_normal(base), s4 = e4m3_normal(__fmul_rn(base, 1.5f));
+  if (base < 0.015625f) {  // a subnormal E4M3 scale (a block far below the amax): the general rounding
+    s6 = e4m3_round(base);
+    s4 = e4m3_round(__fmul_rn(base, 1.5f));
+  }
   const float enc6 = rcp_lean(__fmul_rn(s6, sc.dec)), enc4 = rcp_lean(__fmul_rn(s4, sc.dec));  // enc_for's
-  if (!(sc.fast && bamax >= 9.094947017729282e-13f && bamax <= 1.099511627776e12f && base >= 0.015625f &&
-        __fmul_rn(bamax, enc6) < 7.0f && enc4 >= 3.0517578125e-05f))  // 2^-40, 2^40, 2^-6, 2^-15
+  const float xm6 = __fmul_rn(bamax, enc6), xm4 = __fmul_rn(bamax, enc4);  // max |z| (Xmax: * (1 + 2^-20))
+  if (!(sc.fast && bamax >= 9.094947017729282e-13f && bamax <= 1.099511627776e12f && s6 >= 0.001953125f &&
+        xm6 < 7.0f && enc4 >= 3.0517578125e-05f))  // 2^-40, 2^40, 2^-9 (s4 >= s6: so xm4 <= xm6), 2^-15
     return false;
   float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // [6, 4][even, odd elements]
   u32 c6[2], c4[2];                                  // the candidates' code words, 8 elements each
@@ -498,8 +507,15 @@ __device__ __forceinline__ bool lean46(const Raw& r, const Scales& sc, float bam
   {
     const float w6 = MAE ? s6 : s6 * s6, w4 = MAE ? s4 : s4 * s4;  // exact: 4 significant bits
     const float c = 1.0000019073486328125f;  // 1 + 2^-19: the float roundings of these products (< 5u)
-    if (w4 * (e4 + LEAN_B) * c < w6 * (e6 - LEAN_B)) { pick4 = true; known = true; }
-    else if (w6 * (e6 + LEAN_B) * c < w4 * (e4 - LEAN_B)) { known = true; }
+    const float U = 5.9604644775390625e-08f, xs = 1.00000095367431640625f;  // 2^-24, 1 + 2^-20
+#if MAE
+    const float b6 = U * (400.0f * xs * xm6 + 70.0f * e6 + 1.0f), b4 = U * (400.0f * xs * xm4 + 70.0f * e4 + 1.0f);
+#else
+    const float b6 = U * (133.34f * xs * xm6 * (e6 + 2.25f) + 70.0f * e6 + 1.0f);
+    const float b4 = U * (133.34f * xs * xm4 * (e4 + 2.25f) + 70.0f * e4 + 1.0f);
+#endif
+    if (w4 * (e4 + b4) * c < w6 * (e6 - b6)) { pick4 = true; known = true; }
+    else if (w6 * (e6 + b6) * c < w4 * (e4 - b4)) { known = true; }
   }
 #ifdef HOST_COUNT
   HOST_COUNT(known);
@@ -513,7 +529,9 @@ __device__ __forceinline__ bool lean46(const Raw& r, const Scales& sc, float bam
     pick4 = x4 < x6;
   }
   codes = pick4 ? make_uint2(c4[0], c4[1]) : make_uint2(c6[0], c6[1]);
-  sbits = (__float_as_uint(pick4 ? s4 : s6) >> 20) - 960u;  // normal E4M3: ((exponent - 120) << 3) | mantissa
+  const float ps = pick4 ? s4 : s6;
+  sbits = (__float_as_uint(ps) >> 20) - 960u;  // normal E4M3: ((exponent - 120) << 3) | mantissa
+  if (ps < 0.015625f) sbits = e4m3_bits(ps);
   return true;
 }
 #endif
