@@ -15,6 +15,7 @@ import argparse
 import json
 import re
 import sys
+from pathlib import Path
 
 import torch
 
@@ -46,14 +47,16 @@ VARIANTS += [(p + v[0][4:], True, v[2]) for p in ("exact", "fast1", "fast2", "fa
 FAST46_OF = {"reload": 3, "fast3": 3, "fast2": 2, "fast1": 1, "exact": 0}
 RELOAD46_0 = qc.RELOAD46
 FAST46_0, MIN_BLOCKS_0 = qc.FAST46, qc.FAST46_MIN_BLOCKS
+# "prev": the launcher's choices with quant.cu from --prev-source (an earlier commit's, timed in the same run)
 # any "cuda", "exact", "fast<n>" or "reload" variant may end in _m<k>: the kernel compiled with MINB k (CTAs
 # of its size per SM that the registers must allow) instead of the launcher's table
 ROWS_CONFIG, FLAT_CONFIG = qc.rows_config, qc.flat_config
+SOURCE_0 = qc._SOURCE
 
 
 def variant(name: str):
     """(name, CUDA on, blocks per thread or None, MINB or None) of a variant name."""
-    m = re.fullmatch(r"(cuda|exact|fast1|fast2|fast3|reload)(?:_bpt(\d+))?(?:_m(\d+))?", name)
+    m = re.fullmatch(r"(cuda|prev|exact|fast1|fast2|fast3|reload)(?:_bpt(\d+))?(?:_m(\d+))?", name)
     if m is None:
         hit = [v for v in VARIANTS if v[0] == name]
         if not hit:
@@ -77,6 +80,8 @@ def main():
     ap.add_argument("--variants", default=",".join(v[0] for v in VARIANTS))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--prev-source", default=None,
+                    help="a quant.cu to time as the 'prev' variants (the launcher's choices, that source)")
     ap.add_argument("--check-rows", type=int, default=4096, help="rows checked against the reference, 0: all")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -108,8 +113,11 @@ def main():
                 if prefix in FAST46_OF and "4/6" not in name:
                     continue
                 qc.STATE["on"] = on
+                if (qc._SOURCE == SOURCE_0) == (prefix == "prev"):  # swap sources (and built kernels)
+                    qc._SOURCE = Path(args.prev_source) if prefix == "prev" else SOURCE_0
+                    qc._KERNELS.clear()
                 qc.FAST46 = FAST46_OF.get(prefix, FAST46_0)
-                qc.RELOAD46 = prefix == "reload" or (RELOAD46_0 and prefix == "cuda")
+                qc.RELOAD46 = prefix == "reload" or (RELOAD46_0 and prefix in ("cuda", "prev"))
                 qc.FAST46_MIN_BLOCKS = 0 if prefix in FAST46_OF else MIN_BLOCKS_0
                 force_minb(minb)
                 qc.ROWS_BPT = {"6": bpt, "4/6": bpt}
