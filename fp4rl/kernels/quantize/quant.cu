@@ -626,7 +626,13 @@ extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
   const bool live = row < n_rows;
   u32 raw = 0, fin = 0;
 #if RELOAD
-  // the row max from up to 4 blocks' loads in flight at a time; the blocks are read again below
+  // the row max from up to 4 blocks' loads in flight at a time; the blocks are read again below, their max |x|
+  // kept here in shared memory (bfloat16: a bfloat16 value, its upper half kept; NaN / Inf: found again below)
+#if IN_F32
+  __shared__ u32 bm_s[NONFINITE ? 1 : BPT][CTA];
+#else
+  __shared__ unsigned short bm_s[NONFINITE ? 1 : BPT][CTA];
+#endif
 #pragma unroll
   for (int j0 = 0; j0 < BPT; j0 += 4) {
     Raw r[4];
@@ -640,6 +646,7 @@ extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
       int col = t + (j0 + jj) * TPR;
       u32 braw = 0, bfin = 0, unused;
       if (live && col < nb_row) block_max_bits(r[jj], braw, bfin, unused);
+      if (!NONFINITE) bm_s[NONFINITE ? 0 : j0 + jj][threadIdx.x] = IN_F32 ? braw : braw >> 16;
       raw = max(raw, braw); fin = max(fin, bfin);
     }
   }
@@ -687,11 +694,19 @@ extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
   Raw nxt;
   if (t < nb_row) load_block(x, row0 + t, nxt);
 #pragma unroll 1
-  for (int col = t; col < nb_row; col += TPR) {
+  for (int col = t, j = 0; col < nb_row; col += TPR, ++j) {
     const Raw cur = nxt;
     if (col + TPR < nb_row) load_block(x, row0 + col + TPR, nxt);
+#if NONFINITE  // (kept from above, it spilled under the 64-register cap with MAE)
     u32 braw, bfin, bmax;
     block_max_bits(cur, braw, bfin, bmax);
+#else
+    u32 bmax = IN_F32 ? bm_s[j][threadIdx.x] : (u32)bm_s[j][threadIdx.x] << 16;  // (this thread's own)
+    if (bmax >= 0x7F800000u) {  // NaN / Inf in the block: the block scale's max as block_max_bits gives it
+      u32 braw, bfin;
+      block_max_bits(cur, braw, bfin, bmax);
+    }
+#endif
     uint2 codes;
     u32 sbits;
     quantize_block(cur, sc, bmax, codes, sbits);
