@@ -688,15 +688,15 @@ extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
   const Scales sc = scales_from(__uint_as_float(fin));
   if (t == 0) { g_out[row] = sc.g; flag[row] = (int)raw; }
 #if RELOAD
-  // each block read again (from L1 or L2: this thread read it above) and quantized, the next one's loads in
-  // flight meanwhile; a loop, not unrolled: one copy of the block's code whatever BPT
+  // each block read again (from L1 or L2: this thread read it above) and quantized; a loop, not unrolled: one
+  // copy of the block's code whatever BPT. The block is loaded at the top of its iteration (other warps cover
+  // the latency): with the next one prefetched into registers instead, 8 moves a block made it 1.5-2.5% slower
+  // (bench/RESULTS.md, twenty-eighth session; unrolled by 2 to rename them, it spilled)
   const long long row0 = (long long)row * nb_row;
-  Raw nxt;
-  if (t < nb_row) load_block(x, row0 + t, nxt);
 #pragma unroll 1
   for (int col = t, j = 0; col < nb_row; col += TPR, ++j) {
-    const Raw cur = nxt;
-    if (col + TPR < nb_row) load_block(x, row0 + col + TPR, nxt);
+    Raw cur;
+    load_block(x, row0 + col, cur);
 #if NONFINITE  // (kept from above, it spilled under the 64-register cap with MAE)
     u32 braw, bfin, bmax;
     block_max_bits(cur, braw, bfin, bmax);
