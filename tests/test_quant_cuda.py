@@ -345,6 +345,11 @@ def test_fast46_from_its_size_with_its_register_caps(monkeypatch):
         assert key.get("RELOAD") == want and key["BPT"] == bpt, (rows, dtype, key)
         if want:
             assert key["TPR"] == 256 // bpt and key["MINB"] == 4
+    # rows of 512 blocks or more (K >= 8192) from 1 x the thread slots: 4 a thread at 2048 x 14336
+    for rows, want, bpt in ((2048, 1, 4), (1024, None, 2)):
+        qc.quantize(torch.zeros(rows, 14336, dtype=torch.bfloat16), *[None] * 6, 1, False, True, False, False)
+        key = calls[-1][1]
+        assert key.get("RELOAD") == want and key["BPT"] == bpt, (rows, key)
     monkeypatch.setattr(qc, "RELOAD46", False)
     qc.quantize(torch.zeros(big, 4096, dtype=torch.bfloat16), *[None] * 6, 1, False, True, False, False)
     assert "RELOAD" not in calls[-1][1] and calls[-1][1]["BPT"] == 2

@@ -63,6 +63,11 @@ FAST46_MAX_BPT = 2  # rule 4/6 with decide46: at most 2 blocks a thread in the r
 # us, 8192x14336 189.1 -> 163.9 at 8 a thread; 4096x4096 29.7 -> 34.2 (8) / 30.6 (4): too few threads, off
 RELOAD46 = os.environ.get("FP4RL_QUANT_RELOAD46", "1") != "0"
 RELOAD46_MIN_WAVES = 2.0
+# rows of at least RELOAD46_LONG_ROW blocks (K >= 8192) from fewer waves: the blocks held there take 512-thread
+# CTAs and a barrier over 16 warps a row; measured on an H200 (bench/RESULTS.md, twenty-eighth session):
+# 2048x14336 (1.7 waves at 4 a thread) 45.0 us held, 41.3 read twice
+RELOAD46_LONG_ROW = 512
+RELOAD46_MIN_WAVES_LONG = 1.0
 MIN_BLOCKS_RELOAD = 4
 # decide46 from this many 16-element blocks per call: the exact errors were faster on the H200 up to 128x4096
 # (3.5 vs 3.9 us), even at 256 and 512 rows, decide46 faster from 1024 rows (11.8 vs 12.5 us; 4096x4096 34.4
@@ -113,12 +118,14 @@ def rows_bpt(n_blk: int, device) -> int:
     return 1
 
 
-def reload_bpt(n_blk: int, device) -> int:
+def reload_bpt(n_blk: int, device, nb_row: int = 0) -> int:
     """Blocks a thread for the RELOAD row kernel (8 or 4), or 0 where it would leave fewer than
-    RELOAD46_MIN_WAVES x the GPU's thread slots busy (then the blocks stay in registers, 2 a thread)."""
+    RELOAD46_MIN_WAVES x the GPU's thread slots busy (then the blocks stay in registers, 2 a thread);
+    RELOAD46_MIN_WAVES_LONG for rows of RELOAD46_LONG_ROW blocks or more."""
     slots = torch.cuda.get_device_properties(device).multi_processor_count * 2048
+    waves = RELOAD46_MIN_WAVES_LONG if nb_row >= RELOAD46_LONG_ROW else RELOAD46_MIN_WAVES
     for bpt in (8, 4):
-        if n_blk / bpt >= RELOAD46_MIN_WAVES * slots:
+        if n_blk / bpt >= waves * slots:
             return bpt
     return 0
 
@@ -222,7 +229,7 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
         bpt = ROWS_BPT["4/6" if rule46 else "6"] or rows_bpt(n_blk, x.device)
         reload = rule46 and fast46 == 3 and RELOAD46 and x.dtype == torch.bfloat16
         if rule46 and fast46 and not ROWS_BPT["4/6"]:  # (forced blocks a thread keep RELOAD as set)
-            rbpt = reload_bpt(n_blk, x.device) if reload else 0
+            rbpt = reload_bpt(n_blk, x.device, nb_row) if reload else 0
             reload, bpt = rbpt > 0, rbpt or min(bpt, FAST46_MAX_BPT)
         tpr, cta, key = rows_config(x.dtype, rule46, mae, allow_nf, nb_row, bpt, fast46, reload)
         rows_per_cta = cta // tpr
