@@ -345,8 +345,8 @@ def test_fast46_from_its_size_with_its_register_caps(monkeypatch):
         assert key.get("RELOAD") == want and key["BPT"] == bpt, (rows, dtype, key)
         if want:
             assert key["TPR"] == 256 // bpt and key["MINB"] == 4
-    # rows of 512 blocks or more (K >= 8192) from 1 x the thread slots: 4 a thread at 2048 x 14336
-    for rows, want, bpt in ((2048, 1, 4), (1024, None, 2)):
+    # rows of more than 512 blocks (K > 8192): 4 a thread from 0.8 x the thread slots, 8 from 2 x 8 x
+    for rows, want, bpt in ((8192, 1, 8), (4096, 1, 4), (1024, 1, 4), (512, None, 2)):
         qc.quantize(torch.zeros(rows, 14336, dtype=torch.bfloat16), *[None] * 6, 1, False, True, False, False)
         key = calls[-1][1]
         assert key.get("RELOAD") == want and key["BPT"] == bpt, (rows, key)

@@ -63,11 +63,13 @@ FAST46_MAX_BPT = 2  # rule 4/6 with decide46: at most 2 blocks a thread in the r
 # us, 8192x14336 189.1 -> 163.9 at 8 a thread; 4096x4096 29.7 -> 34.2 (8) / 30.6 (4): too few threads, off
 RELOAD46 = os.environ.get("FP4RL_QUANT_RELOAD46", "1") != "0"
 RELOAD46_MIN_WAVES = 2.0
-# rows of at least RELOAD46_LONG_ROW blocks (K >= 8192) from fewer waves: the blocks held there take 512-thread
-# CTAs and a barrier over 16 warps a row; measured on an H200 (bench/RESULTS.md, twenty-eighth session):
-# 2048x14336 (1.7 waves at 4 a thread) 45.0 us held, 41.3 read twice
+# rows of more than RELOAD46_LONG_ROW blocks (K > 8192: held 2 a thread, 512-thread CTAs with a barrier over
+# 16 warps a row) read twice at 4 a thread from RELOAD46_MIN_WAVES_LONG x the thread slots (8 a thread from
+# RELOAD46_MIN_WAVES as other rows). Measured on an H200 (bench/RESULTS.md, twenty-eighth session), 4/6 mse,
+# held / 4 / 8 a thread: 1024x14336 24.8 / 23.5 / 26.9 us, 2048x14336 45.2 / 41.7 / 45.2, 4096x14336 84.1 / 75.8 /
+# 78.9, 8192x14336 162.3 / 144.4 / 144.0; K = 8192 gained nothing (2048 and 4096 rows: held = 4 a thread)
 RELOAD46_LONG_ROW = 512
-RELOAD46_MIN_WAVES_LONG = 1.0
+RELOAD46_MIN_WAVES_LONG = 0.8
 MIN_BLOCKS_RELOAD = 4
 # decide46 from this many 16-element blocks per call: the exact errors were faster on the H200 up to 128x4096
 # (3.5 vs 3.9 us), even at 256 and 512 rows, decide46 faster from 1024 rows (11.8 vs 12.5 us; 4096x4096 34.4
@@ -120,13 +122,14 @@ def rows_bpt(n_blk: int, device) -> int:
 
 def reload_bpt(n_blk: int, device, nb_row: int = 0) -> int:
     """Blocks a thread for the RELOAD row kernel (8 or 4), or 0 where it would leave fewer than
-    RELOAD46_MIN_WAVES x the GPU's thread slots busy (then the blocks stay in registers, 2 a thread);
-    RELOAD46_MIN_WAVES_LONG for rows of RELOAD46_LONG_ROW blocks or more."""
+    RELOAD46_MIN_WAVES x the GPU's thread slots busy (then the blocks stay in registers, 2 a thread); rows of
+    more than RELOAD46_LONG_ROW blocks take 4 from RELOAD46_MIN_WAVES_LONG x."""
     slots = torch.cuda.get_device_properties(device).multi_processor_count * 2048
-    waves = RELOAD46_MIN_WAVES_LONG if nb_row >= RELOAD46_LONG_ROW else RELOAD46_MIN_WAVES
-    for bpt in (8, 4):
-        if n_blk / bpt >= waves * slots:
-            return bpt
+    if n_blk / 8 >= RELOAD46_MIN_WAVES * slots:
+        return 8
+    long_row = nb_row > RELOAD46_LONG_ROW
+    if n_blk / 4 >= (RELOAD46_MIN_WAVES_LONG if long_row else RELOAD46_MIN_WAVES) * slots:
+        return 4
     return 0
 
 
