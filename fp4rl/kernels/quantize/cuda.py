@@ -67,7 +67,7 @@ RELOAD46_MIN_WAVES = 2.0
 # 16 warps a row) read twice at 4 a thread from RELOAD46_MIN_WAVES_LONG x the thread slots (8 a thread from
 # RELOAD46_MIN_WAVES as other rows). Measured on an H200 (bench/RESULTS.md, twenty-eighth session), 4/6 mse,
 # held / 4 / 8 a thread: 1024x14336 24.8 / 23.5 / 26.9 us, 2048x14336 45.2 / 41.7 / 45.2, 4096x14336 84.1 /
-# 75.8 / 78.9, 8192x14336 162.3 / 144.4 / 144.0; K = 8192 gained nothing (2048 and 4096 rows: held = 4 a thread)
+# 75.8 / 78.9, 8192x14336 162.3 / 144.4 / 144.0; K = 8192 gained nothing (2048, 4096 rows: held = 4 a thread)
 RELOAD46_LONG_ROW = 512
 RELOAD46_MIN_WAVES_LONG = 0.8
 MIN_BLOCKS_RELOAD = 4
