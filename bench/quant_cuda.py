@@ -90,6 +90,8 @@ def main():
     out = {"env": _env(), "copy": bw, "rows": []}
     modes = [m for m in MODES if m[0] in args.modes.split(",")]
     variants = [variant(v) for v in args.variants.split(",")]
+    if any(v[0].startswith("prev") for v in variants) and not args.prev_source:
+        raise SystemExit("the 'prev' variants need --prev-source (an earlier quant.cu)")
     heads = " | ".join(f"{v[0]} us (TB/s)" for v in variants)
     print(f"| shape | mode | {heads} | floor us | bytes = ref |")
     print("|---" * (len(variants) + 4) + "|")

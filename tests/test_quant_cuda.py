@@ -249,10 +249,16 @@ def test_gpu_cuda_rows_blocks_per_thread(cuda_on, monkeypatch, bpt):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_cuda_nonfinite_unchecked_matches_triton(cuda_on, monkeypatch):
+@pytest.mark.parametrize("reload", [False, True])
+def test_gpu_cuda_nonfinite_unchecked_matches_triton(cuda_on, monkeypatch, reload):
     """Without allow_nonfinite and without the check (the engine's setting) the bytes of blocks with NaN/Inf
     are the Triton kernels' (which the fused decode kernels reproduce): amaxes over the finite values, block
-    maxima over the non-NaN ones (NaN when all 16 are NaN)."""
+    maxima over the non-NaN ones (NaN when all 16 are NaN). reload: rule 4/6 per row on the row kernel that
+    reads each block twice (its second read takes the first's block maxima, NaN / Inf ones computed again)."""
+    if reload:
+        monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0)
+        monkeypatch.setattr(qc, "RELOAD46_MIN_WAVES", 0.0)
+        monkeypatch.setattr(qc, "RELOAD46", True)
     for dtype in (torch.bfloat16, torch.float32):
         x = _x((48, 256), dtype, "wide", seed=9)
         x[1, 5], x[2, 20], x[3, 40] = float("nan"), float("inf"), -float("inf")
@@ -345,9 +351,11 @@ def test_fast46_from_its_size_with_its_register_caps(monkeypatch):
         assert key.get("RELOAD") == want and key["BPT"] == bpt, (rows, dtype, key)
         if want:
             assert key["TPR"] == 256 // bpt and key["MINB"] == 4
-    # rows of more than 512 blocks (K > 8192): 4 a thread from 0.8 x the thread slots, 8 from 2 x 8 x
-    for rows, want, bpt in ((8192, 1, 8), (4096, 1, 4), (1024, 1, 4), (512, None, 2)):
-        qc.quantize(torch.zeros(rows, 14336, dtype=torch.bfloat16), *[None] * 6, 1, False, True, False, False)
+    # rows of more than 512 blocks (K > 8192): 4 a thread from 0.8 x the thread slots, 8 from 2 x 8 x; rows of
+    # 512 (K = 8192) keep the 2-wave rule
+    for rows, k, want, bpt in ((8192, 14336, 1, 8), (4096, 14336, 1, 4), (1024, 14336, 1, 4),
+                               (512, 14336, None, 2), (2048, 8192, None, 2)):
+        qc.quantize(torch.zeros(rows, k, dtype=torch.bfloat16), *[None] * 6, 1, False, True, False, False)
         key = calls[-1][1]
         assert key.get("RELOAD") == want and key["BPT"] == bpt, (rows, key)
     monkeypatch.setattr(qc, "RELOAD46", False)

@@ -188,7 +188,7 @@ def test_random_blocks_decided_by_the_bound(build, mae, src, dtype):
     assert known >= 0.99 * x.shape[0]
     assert check(build, x, _v(x, src), mae, src, fast=1) == known  # the winner's codes in a pass of their own
     assert check(build, x, _v(x, src), mae, src, fast=0) == 0  # FAST46 0: every block exact
-    lean = []  # FAST46 3: lean46 takes the blocks whose scales are normal E4M3 (98% here), its bound most
+    lean = []  # FAST46 3: lean46 takes the blocks whose scales are nonzero E4M3 values, its bound most
     assert check(build, x, _v(x, src), mae, src, fast=3, lean=lean) >= 0.99 * x.shape[0]
     assert lean[0] >= 0.97 * x.shape[0]
 
@@ -448,18 +448,17 @@ def test_lean_subnormal_scales(build, mae, src):
                 assert 0 < lean[0] < x.shape[0]
 
 
-@pytest.mark.parametrize("mae", [False, True])
-def test_lean_bound_per_block(build, mae):
-    """lean46's bound from each block's own E and max |z| leaves few blocks to the exact errors on rows of
-    four decades between columns (MSE 0.26% with the bound's maximum under the guards, before the
-    twenty-eighth session; each such block sends its warp down errors_exact)."""
+def test_lean_bound_per_block(build):
+    """lean46's MSE bound from each block's own E and max |z| leaves few blocks to the exact errors on rows of
+    four decades between columns: 0.26% of them with the bound's maximum under the guards (before the
+    twenty-eighth session; each such block sends its warp down errors_exact), ~0.06% with it."""
     g = torch.Generator().manual_seed(3)
-    x = (torch.randn(16, 4096, generator=g) * torch.logspace(-2, 2, 4096)).bfloat16()
+    x = (torch.randn(64, 4096, generator=g) * torch.logspace(-2, 2, 4096)).bfloat16()
     undecided = 0
     for row in x:
-        known = check(build, row.reshape(-1, 16), float(row.float().abs().max()), mae, 0, fast=3)
+        known = check(build, row.reshape(-1, 16), float(row.float().abs().max()), False, 0, fast=3)
         undecided += 256 - known
-    assert undecided <= (0.002 if mae else 0.001) * x.numel() / 16, undecided
+    assert undecided <= 0.001 * x.numel() / 16, undecided
 
 
 def test_div6_is_the_correctly_rounded_division(build):

@@ -37,7 +37,7 @@ def _fast46_from_env() -> int:
 
 # rule 4/6: decide most blocks from quant.cu's bounded cheaper error (decide46), the exact errors only where
 # it cannot (the same bytes): 3 with FAST46 2's arithmetic in fewer instructions where lean46's guards hold
-# (normal E4M3 scales, finite blocks: nearly every block), 2 with both candidates' codes from that pass, 1
+# (nonzero E4M3 scales, finite blocks: nearly every block), 2 with both candidates' codes from that pass, 1
 # with the winner's codes in a pass of their own, 0 the exact errors of every block (FP4RL_QUANT_FAST46; the
 # benchmark sets it here)
 FAST46 = _fast46_from_env()
@@ -120,7 +120,7 @@ def rows_bpt(n_blk: int, device) -> int:
     return 1
 
 
-def reload_bpt(n_blk: int, device, nb_row: int = 0) -> int:
+def reload_bpt(n_blk: int, device, nb_row: int) -> int:
     """Blocks a thread for the RELOAD row kernel (8 or 4), or 0 where it would leave fewer than
     RELOAD46_MIN_WAVES x the GPU's thread slots busy (then the blocks stay in registers, 2 a thread); rows of
     more than RELOAD46_LONG_ROW blocks take 4 from RELOAD46_MIN_WAVES_LONG x."""

@@ -392,9 +392,9 @@ __device__ __forceinline__ void quantize46(const Raw& r, const Scales& sc, float
 //   B <= u (400 Xmax + 70 E + 1), the 1 covering 45000 u^2 Xmax^2 + 2^-60 (MAE 1000 u^2 Xmax + 2^-60) with
 //   Xmax < 7 (1 + 2^-20). (Until the twenty-eighth session the bound's maximum under the guards, 12800 u /
 //   4096 u, whatever the block: ~0.34% of blocks then went to the exact errors, a tenth of the row kernel's
-//   warps at 32 blocks a warp instruction, ~9% of its instructions.) E <= 16.5 (each |ev - |z|| <= 1 when
-//   |z| < 7): a larger E, NaN or Inf means a non-finite block, which goes to quantize46. The blocks the
-//   bound leaves take the exact errors (errors_exact).
+//   warps at 32 blocks a warp instruction, ~9% of its instructions.) The bound does not need E <= 16.5, but
+//   every finite block has it (each |ev - |z|| <= 1 when |z| < 7): a larger E, NaN or Inf means a non-finite
+//   block, which goes to quantize46. The blocks the bound leaves take the exact errors (errors_exact).
 
 __device__ __forceinline__ float div6(float v) {  // fp32(v / 6) where v / 6 is normal
   const float c = 0.1666666716337204f;  // fp32(1/6)
