@@ -1,4 +1,6 @@
 #!/bin/bash
+# Superseded in the twenty-eighth session (not run): device_run76.sh took the ncu of RELOAD (mode b), device_run82.sh
+# and device_run83.sh where RELOAD pays (mode a).
 # Prepared in the twenty-seventh session for the next one (not yet run): the 4/6 row kernel reading each block
 # twice (quant.cu RELOAD, on by default from 2 waves of threads).
 #   mode a: where RELOAD starts to pay (sizes between the measured 4096x4096 and 32768x4096), 8 and 4 blocks a
