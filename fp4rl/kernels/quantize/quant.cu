@@ -391,7 +391,7 @@ __device__ __forceinline__ void quantize46(const Raw& r, const Scales& sc, float
 //   2.25, near the typical E of a 16-element block), so MSE B <= u (133.34 Xmax (E + 2.25) + 70 E + 1) and MAE
 //   B <= u (400 Xmax + 70 E + 1), the 1 covering 45000 u^2 Xmax^2 + 2^-60 (MAE 1000 u^2 Xmax + 2^-60) with
 //   Xmax < 7 (1 + 2^-20). (Until the twenty-eighth session the bound's maximum under the guards, 12800 u /
-//   4096 u, whatever the block: ~0.34% of blocks then went to the exact errors, a tenth of the row kernel's
+//   4096 u, whatever the block: ~0.3% of blocks then went to the exact errors, a tenth of the row kernel's
 //   warps at 32 blocks a warp instruction, ~9% of its instructions.) The bound does not need E <= 16.5, but
 //   every finite block has it (each |ev - |z|| <= 1 when |z| < 7): a larger E, NaN or Inf means a non-finite
 //   block, which goes to quantize46. The blocks the bound leaves take the exact errors (errors_exact).
@@ -697,7 +697,7 @@ extern "C" __global__ void __launch_bounds__(CTA, MINB) nvfp4_quant_rows(
   for (int col = t, j = 0; col < nb_row; col += TPR, ++j) {
     Raw cur;
     load_block(x, row0 + col, cur);
-#if NONFINITE  // (kept from above, it spilled under the 64-register cap with MAE)
+#if NONFINITE  // the block max again (NONFINITE builds keep none from above: with MAE that spilled)
     u32 braw, bfin, bmax;
     block_max_bits(cur, braw, bfin, bmax);
 #else
