@@ -446,3 +446,91 @@ def test_gpu_grouped_in_cta_split_gives_the_cluster_splits_bits():
                             b.fill_(float("nan"))
                             gemv_cuda.launch_grouped(x, wc, gs, offs, b, cfg=dict(inside, GSE=0), **kwargs)
                             assert torch.equal(a, b), (e, k, t, list(kwargs))
+
+
+@pytest.mark.gpu
+def test_gpu_expert_prefetch_gives_the_same_bits(monkeypatch):
+    """EXPERT_PREFETCH: the gate / up GEMM (gather, TRIGGER 3) then the down projection (SiLU staging)
+    guessing its slot's expert before the PDL wait, chained under PDL as the MoE layer runs them, eagerly and
+    replayed in a CUDA graph with new routing: the bits of the chain without it, at choose_grouped's depth
+    and at 3-4 steps ahead, with the K split in a cluster, and with every guess wrong (SPEC_WRONG: the
+    stream restarted after the wait; idle slots guessing an expert; the last expert guessing none)."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    from fp4rl.kernels import pdl
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator().manual_seed(11)
+    e, top, i, h = 128, 8, 768, 2048
+    _, _, gu_g, wgu = _random_experts(e, 2 * i, h, seed=4)
+    _, _, dn_g, wdn = _random_experts(e, h, i, seed=5)
+
+    def chain(x, rows, offs, gu, y, down_cfg=None):
+        gemv_cuda.launch_grouped(x, wgu, gu_g, offs, gu, x_rows=rows)
+        gemv_cuda.launch_grouped(gu, wdn, dn_g, offs, y, x_silu=True, cfg=down_cfg)
+
+    for t, hot in ((1, None), (8, 127), (32, 7), (32, None)):  # 127: the last expert guesses none
+        m = t * top
+        offs = _routing(e, t, top, gen, hot)
+        x = torch.randn(t, h, generator=gen).bfloat16().cuda()
+        rows = torch.randint(0, t, (m,), generator=gen, dtype=torch.int32).cuda()
+        base = gemv_cuda.choose_grouped(h, i, min(e, m), sms, gemv_cuda.grouped_mg(m, e))
+        for down_cfg in (None, dict(NT=1, MG=1, SPLIT=2, DEPTH=2)):
+            gu = torch.empty(m, 2 * i, dtype=torch.bfloat16, device="cuda")
+            want = torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+            monkeypatch.setattr(gemv_cuda, "EXPERT_PREFETCH", False)
+            with pdl.step():
+                chain(x, rows, offs, gu, want, down_cfg)
+            assert not want.isnan().any()
+            monkeypatch.setattr(gemv_cuda, "EXPERT_PREFETCH", True)
+            for depth in (0, 3, 4):
+                monkeypatch.setattr(gemv_cuda, "PREFETCH_DEPTH", depth)
+                for wrong in (0, 1):
+                    cfg = dict(down_cfg or base, SPEC_WRONG=wrong)
+                    got = torch.full_like(want, float("nan"))
+                    with pdl.step():
+                        chain(x, rows, offs, gu, got, cfg)
+                    assert torch.equal(got, want), (t, hot, down_cfg, depth, wrong)
+
+    # replayed: the route's offsets change between replays, the guess reads each replay's
+    monkeypatch.setattr(gemv_cuda, "PREFETCH_DEPTH", 3)
+    t = 8
+    m = t * top
+    x = torch.randn(t, h, generator=gen).bfloat16().cuda()
+    rows = torch.randint(0, t, (m,), generator=gen, dtype=torch.int32).cuda()
+    offs = _routing(e, t, top, gen)
+    gu = torch.empty(m, 2 * i, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty(m, h, dtype=torch.bfloat16, device="cuda")
+    with pdl.step():
+        chain(x, rows, offs, gu, y)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), pdl.step():
+        chain(x, rows, offs, gu, y)
+    for hot in (None, 3, None):
+        offs.copy_(_routing(e, t, top, gen, hot))
+        x.copy_(torch.randn(t, h, generator=gen).bfloat16())
+        y.fill_(float("nan"))
+        graph.replay()
+        monkeypatch.setattr(gemv_cuda, "EXPERT_PREFETCH", False)
+        want = torch.empty_like(y)
+        gu2 = torch.empty_like(gu)
+        chain(x, rows, offs, gu2, want)
+        monkeypatch.setattr(gemv_cuda, "EXPERT_PREFETCH", True)
+        assert torch.equal(y, want), hot
+
+
+def test_prefetch_config_depth_is_capped_by_a_warps_steps_and_shared_memory(monkeypatch):
+    cfg = gemv_cuda.choose_grouped(2048, 768, 8, 132)  # the down projection at 1 token: KW 2, 3 steps a warp
+    assert cfg["KW"] == 2 and cfg["DEPTH"] == 2
+    monkeypatch.setattr(gemv_cuda, "PREFETCH_DEPTH", 0)
+    assert gemv_cuda.prefetch_config(cfg, 768) == cfg
+    monkeypatch.setattr(gemv_cuda, "PREFETCH_DEPTH", 8)
+    assert gemv_cuda.prefetch_config(cfg, 768) == dict(cfg, DEPTH=3)
+    assert cfg["DEPTH"] == 2  # not modified in place
+    # K = 2048 unsplit: 16 steps a warp; the ring stops where two CTAs no longer fit an SM
+    monkeypatch.setattr(gemv_cuda, "PREFETCH_DEPTH", 16)
+    long = dict(NT=1, MG=1, SPLIT=1, DEPTH=2)
+    deep = gemv_cuda.prefetch_config(long, 2048)
+    assert 2 < deep["DEPTH"] < 16
+    assert gemv_cuda.smem_bytes(deep, 2048, 8) <= gemv_cuda.SMEM_LIMIT
+    assert gemv_cuda.smem_bytes(dict(deep, DEPTH=deep["DEPTH"] + 1), 2048, 8) > gemv_cuda.SMEM_LIMIT
