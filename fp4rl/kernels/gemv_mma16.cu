@@ -592,7 +592,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     {
         int chunk_r = 0;
         const int exr = find_slot(offs, E, (int)blockIdx.z, lane, chunk_r);
-        if (exr != ex) {  // CTA-uniform (every warp reads the same offs now): the guess was wrong
+        if (exr != ex || exr < 0) {  // the guess was wrong, or this slot has no chunk (CTA-uniform now)
             cp_async_wait<0>();  // this thread's copies of the guess have landed: none writes the ring later
             if (exr < 0) return;  // the whole cluster (same z) leaves before any barrier
             ex = exr;
