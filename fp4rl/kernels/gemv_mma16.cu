@@ -174,12 +174,15 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
 
 #if GROUPED
 // Routed experts: slot z -> (expert, chunk of XROWS rows): expert i owns ceil(rows_i / XROWS) consecutive
-// slots; -1 for a slot past the last chunk. Warp-uniform (every warp finds the same). offs through L2 only
-// (__ldcg): a read before griddepcontrol.wait (SPEC) leaves no line in L1 for the read after it to hit.
+// slots; -1 for a slot past the last chunk. Warp-uniform (every warp finds the same). CG: offs through L2
+// only (__ldcg), for SPEC's read before griddepcontrol.wait: it leaves no line in L1 for the reads after the
+// wait to hit (those are plain loads: the chunk's offs[ex] after them hits L1).
+template <bool CG>
 __device__ __forceinline__ int find_slot(const int* __restrict__ offs, int E, int z, int lane, int& chunk) {
     for (int b = 0, seen = 0; b < E; b += 32) {
         const int i = b + lane;
-        const int nch = i < E ? (__ldcg(offs + i + 1) - __ldcg(offs + i) + XROWS - 1) / XROWS : 0;
+        const int nch = i >= E ? 0 : CG ? (__ldcg(offs + i + 1) - __ldcg(offs + i) + XROWS - 1) / XROWS
+                                        : (offs[i + 1] - offs[i] + XROWS - 1) / XROWS;
         int inc = nch;  // inclusive prefix sum of the slots over the lanes
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
@@ -381,7 +384,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     asm volatile("griddepcontrol.wait;" ::: "memory");
     if (TRIGGER == 3) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-    int ex = find_slot(offs, E, (int)blockIdx.z, lane, chunk);
+    int ex = find_slot<SPEC>(offs, E, (int)blockIdx.z, lane, chunk);
 #if SPEC
     if (SPEC_WRONG) ex = ex < 0 ? 0 : ex + 1 < E ? ex + 1 : -1;  // (the restart path, for tests)
     wt += (u64)max(ex, 0) * wexp * 64;
@@ -393,8 +396,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #endif
     // the chunk's rows: x, y, the gather's rows, the global scale (SPEC: after the wait)
     auto chunk_rows = [&]() {
-        const int r0 = __ldcg(offs + ex) + chunk * XROWS;
-        M = min(XROWS, __ldcg(offs + ex + 1) - r0);
+        const int r0 = offs[ex] + chunk * XROWS;
+        M = min(XROWS, offs[ex + 1] - r0);
         if (GATHER) xrows += r0;  // row m of this chunk is token xrows[m]
         else x += (u64)r0 * stride_xm;
         y += (u64)r0 * stride_ym;
@@ -591,7 +594,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     if (TRIGGER == 3) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     {
         int chunk_r = 0;
-        const int exr = find_slot(offs, E, (int)blockIdx.z, lane, chunk_r);
+        const int exr = find_slot<false>(offs, E, (int)blockIdx.z, lane, chunk_r);
         if (exr != ex || exr < 0) {  // the guess was wrong, or this slot has no chunk (CTA-uniform now)
             cp_async_wait<0>();  // this thread's copies of the guess have landed: none writes the ring later
             if (exr < 0) return;  // the whole cluster (same z) leaves before any barrier
