@@ -1,4 +1,6 @@
 #!/bin/bash
+# Measured at commit 5c93122 (the expert prefetch, sampler_gpu --expert-prefetch); both were taken out after
+# device_run87 measured the prefetch slower (bench/gpu_kernels.md, twenty-ninth session).
 # Twenty-ninth session. Mode a: the expert prefetch (gemv_cuda.EXPERT_PREFETCH: the MoE down projection guessing
 # its expert before the PDL wait, the gate / up GEMM triggering after its own wait): its GPU bits test with the
 # grouped GPU tests, the twenty-eighth session's untested RELOAD NaN / Inf test, then Qwen3-30B-A3B at batch 1

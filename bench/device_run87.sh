@@ -1,4 +1,5 @@
 #!/bin/bash
+# Measured at commit 60ccecb (FP4RL_EXPERT_PREFETCH*, taken out after this call: the prefetch was slower).
 # Twenty-ninth session. device_run86 measured Qwen3-30B-A3B W4A16 at 2.18 / 4.30 ms a step (batch 1 / 8) in a
 # process of its own at HEAD, 4ead7ce and 101eeb2 alike: device_run85's 2.47 / 5.12 came from measuring after
 # the BF16 rows in the same process, so its prefetch A/B (same process, one after another) is not conclusive.

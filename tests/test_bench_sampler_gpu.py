@@ -52,20 +52,6 @@ def test_kv_write_setting(monkeypatch):
         sampler_gpu.kv_write_setting("both")
 
 
-def test_prefetch_setting(monkeypatch):
-    from fp4rl.kernels import gemv_cuda
-
-    monkeypatch.setattr(gemv_cuda, "EXPERT_PREFETCH", True)
-    monkeypatch.setattr(gemv_cuda, "PREFETCH_DEPTH", 4)
-    assert sampler_gpu.prefetch_setting("default") == (True, 4)
-    assert sampler_gpu.prefetch_setting("off") == (False, 0)
-    assert sampler_gpu.prefetch_setting("on") == (True, 0)
-    assert sampler_gpu.prefetch_setting("d3") == (True, 3)
-    for bad in ("d0", "d", "yes"):
-        with pytest.raises(ValueError, match=f"--expert-prefetch item '{bad}'"):
-            sampler_gpu.prefetch_setting(bad)
-
-
 def _args(*argv):
     import argparse
 

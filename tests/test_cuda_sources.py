@@ -118,14 +118,6 @@ def _gemm_configs():
         cfg = {**gemv_cuda.choose_grouped(2048, 768, slots, sms), "SILU": 1}
         yield f"grouped silu 2048x768 s{slots}", cfg, "sm_90"
     yield "grouped silu 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "SILU": 1}, "sm_90"
-    # the expert prefetch (gemv_cuda.EXPERT_PREFETCH): the down projection guessing its expert before the PDL
-    # wait, at the depths prefetch_config gives, and the gate / up build triggering after its wait
-    for slots, depth in ((8, 2), (8, 3), (64, 4)):
-        base = gemv_cuda.choose_grouped(2048, 768, slots, sms)
-        cfg = {**base, "SILU": 1, "SPEC": 1, "DEPTH": depth}
-        yield f"grouped silu spec 2048x768 s{slots} d{depth}", cfg, "sm_90"
-    yield "grouped gather tr3 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
-                                           "TRIGGER": 3}, "sm_90"
 
 
 @pytest.mark.parametrize("name,cfg,arch", list(_gemm_configs()),

@@ -120,10 +120,6 @@ def add_arguments(parser):
                         "step writes an NVFP4 KV cache (fp4rl.gpu_decode.FUSED_KV_FP4), each nvfp4-KV row "
                         "measured with each: 'fused' (in the q/k-norm + RoPE kernel), 'separate' (store_kv's "
                         "quantize and writes) or 'default' (FP4RL_FUSED_KV's choice); the same bytes")
-    parser.add_argument("--expert-prefetch", default="default",
-                        help="comma-separated settings of the MoE down projection's expert prefetch "
-                             "before its PDL wait (gemv_cuda.EXPERT_PREFETCH): 'off', 'on' (choose_grouped's "
-                             "depth), 'dN' (N steps ahead), 'default' (FP4RL_EXPERT_PREFETCH's choice)")
     parser.add_argument("--fusion", default="on", help="'on', 'off' or 'on,off': the engine's fused decode "
                         "step (fp4rl.kernels.fused) or the module step, each row measured with each")
     parser.add_argument("--offload-trainer", default="auto", choices=("auto", "on", "off"),
@@ -332,24 +328,20 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
     pdls = [pdl_setting(p) for p in args.pdl.split(",")]
     splits = [split_setting(s) for s in args.k_split.split(",")]
     writes = [kv_write_setting(w) for w in args.kv_write.split(",")]
-    prefetches = [prefetch_setting(p) for p in args.expert_prefetch.split(",")]
     from fp4rl import gpu_decode
 
-    for kv, fusion, (use_pdl, off), in_cta, fkv, pre, batch in (
-            (c, f, p, s, w, x, b) for c in kvs for f in fusions for p in pdls for s in splits
-            for w in (writes if c == "nvfp4" else writes[:1])
-            for x in (prefetches if preset != "bf16" else prefetches[:1]) for b in batches):
+    for kv, fusion, (use_pdl, off), in_cta, fkv, batch in (
+            (c, f, p, s, w, b) for c in kvs for f in fusions for p in pdls for s in splits
+            for w in (writes if c == "nvfp4" else writes[:1]) for b in batches):
         sampler.kv_cache = kv
         if sampler.engine is not None:
             sampler.engine.set_fused(fusion)
             if (pdl.is_enabled() != use_pdl or pdl.kinds_off() != off or in_cta != gemv_cuda.IN_CTA_SPLIT
-                    or fkv != gpu_decode.FUSED_KV_FP4
-                    or pre != (gemv_cuda.EXPERT_PREFETCH, gemv_cuda.PREFETCH_DEPTH)):
+                    or fkv != gpu_decode.FUSED_KV_FP4):
                 pdl.set_enabled(use_pdl)
                 pdl.set_kinds_off(off)
                 gemv_cuda.set_in_cta_split(in_cta)
                 gpu_decode.FUSED_KV_FP4 = fkv
-                gemv_cuda.EXPERT_PREFETCH, gemv_cuda.PREFETCH_DEPTH = pre
                 sampler.engine.reset_graphs()
         fused = bool(sampler.engine is not None and sampler.engine.fused)
         head = {"shape": shape, "precision": label, "fused": fused,
@@ -360,8 +352,6 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
             head["k_split"] = "cta" if in_cta else "cluster"
         if kv == "nvfp4" and (len(writes) > 1 or not fkv):
             head["kv_write"] = "fused" if fkv else "separate"
-        if len(prefetches) > 1 or pre[0]:
-            head["expert_prefetch"] = f"d{pre[1]}" if pre[0] and pre[1] else "on" if pre[0] else "off"
         g = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, trainer.config.vocab_size, (batch, args.prompt), generator=g).tolist()
         row = {**head, "layers": layers, "full_layers": full_layers, "preset": preset,
@@ -413,7 +403,6 @@ def run(args) -> int:
         [pdl_setting(p) for p in args.pdl.split(",")]
         [split_setting(s) for s in args.k_split.split(",")]
         [kv_write_setting(w) for w in args.kv_write.split(",")]
-        [prefetch_setting(p) for p in args.expert_prefetch.split(",")]
         heads = lm_head_settings(args.lm_head)
         dense = [int(d) for d in args.dense_rows.split(",")]
         if any(d < 0 for d in dense):
@@ -434,8 +423,7 @@ def run(args) -> int:
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "cuda": torch.version.cuda, "tune": args.tune, "graphs": not args.no_graphs,
            "prompt": args.prompt, "tokens": args.tokens, "fusion": args.fusion, "pdl": args.pdl,
-           "k_split": args.k_split, "kv_write": args.kv_write, "lm_head": args.lm_head,
-           "expert_prefetch": args.expert_prefetch}
+           "k_split": args.k_split, "kv_write": args.kv_write, "lm_head": args.lm_head}
     env["copy_bw"] = copy_bandwidth(device) if device.type == "cuda" else None
     results = {"env": env, "rows": [], "profiles": [], "checks": [], "builds": [], "errors": []}
 
@@ -521,20 +509,6 @@ def kv_write_setting(text: str) -> bool:
     raise ValueError(f"--kv-write item {text!r}: use 'fused', 'separate' or 'default'")
 
 
-def prefetch_setting(text: str) -> tuple[bool, int]:
-    """--expert-prefetch item -> (gemv_cuda.EXPERT_PREFETCH, gemv_cuda.PREFETCH_DEPTH): 'off', 'on' (depth 0:
-    choose_grouped's), 'dN' (N steps ahead), or 'default' (the FP4RL_EXPERT_PREFETCH* choice)."""
-    from fp4rl.kernels import gemv_cuda
-
-    if text == "default":
-        return gemv_cuda.EXPERT_PREFETCH, gemv_cuda.PREFETCH_DEPTH
-    if text in ("on", "off"):
-        return text == "on", 0
-    if text.startswith("d") and text[1:].isdigit() and int(text[1:]) >= 1:
-        return True, int(text[1:])
-    raise ValueError(f"--expert-prefetch item {text!r}: use 'off', 'on', 'dN' (N >= 1 steps) or 'default'")
-
-
 def split_setting(text: str) -> bool:
     """--k-split item -> whether the CUDA GEMM splits K inside the CTA (gemv_cuda.in_cta_split): 'cta',
     'cluster', or 'default' (FP4RL_MMA16_KW's choice)."""
@@ -567,7 +541,6 @@ def _label(r) -> str:
         pdl_text = f" (no PDL: {'+'.join(r['pdl_off'])})" if r["pdl_off"] else " (PDL: all)"
     split = f" (split-K: {r['k_split']})" if "k_split" in r and r["precision"] != "bf16" else ""
     split += f" (KV write: {r['kv_write']})" if "kv_write" in r else ""
-    split += f" (expert prefetch: {r['expert_prefetch']})" if "expert_prefetch" in r else ""
     return r["precision"] + ("" if r.get("fused", True) else " (unfused)") + pdl_text + split
 
 

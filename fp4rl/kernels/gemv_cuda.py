@@ -46,14 +46,6 @@ TRIGGER = int(os.environ.get("FP4RL_MMA16_TRIGGER", "2"))
 # split K between the warps of a CTA instead of a cluster of CTAs where x's whole K fits (one row; the routed
 # experts' chunks): FP4RL_MMA16_KW=0 keeps the cluster (measured in bench/RESULTS.md, fifteenth session)
 IN_CTA_SPLIT = os.environ.get("FP4RL_MMA16_KW", "1") != "0"
-# The MoE down projection (the grouped SILU build) guesses its slot's expert from the offsets before its PDL
-# wait and streams that expert's first weight steps while the gate / up GEMM before it finishes (SPEC: found
-# again after the wait, the stream restarted on a wrong guess: the same bits either way); the gate / up
-# build (GATHER) then triggers just after its own wait (TRIGGER 3), when the offsets are the route's.
-# FP4RL_EXPERT_PREFETCH=0 turns both off; FP4RL_EXPERT_PREFETCH_DEPTH=N streams up to N steps ahead (at
-# most a warp's steps, within shared memory; 0: choose_grouped's DEPTH).
-EXPERT_PREFETCH = os.environ.get("FP4RL_EXPERT_PREFETCH", "0") != "0"
-PREFETCH_DEPTH = int(os.environ.get("FP4RL_EXPERT_PREFETCH_DEPTH", "0"))
 _TWO_POW_118 = 2.0 ** 118
 
 
@@ -518,21 +510,6 @@ def choose_grouped(n: int, k: int, slots: int, sms: int, mg: int = 1) -> dict:
     return in_cta_split(cfg, k, 8 * cfg["MG"])
 
 
-def prefetch_config(cfg: dict, k: int) -> dict:
-    """`cfg` (a grouped configuration) with the DEPTH that SPEC prefetches: PREFETCH_DEPTH steps, at most a
-    warp's steps of K, while shared memory allows; unchanged for PREFETCH_DEPTH 0 (DEPTH changes where the
-    steps wait, not the sums: the same bits)."""
-    out = dict(cfg)
-    steps = k // 128
-    per = -(-steps // cfg["SPLIT"])
-    warp_steps = -(-per // cfg.get("KW", 1))
-    depth = min(PREFETCH_DEPTH, warp_steps)
-    while depth > out["DEPTH"] and smem_bytes(dict(out, DEPTH=depth), k, 8 * out["MG"]) > SMEM_LIMIT:
-        depth -= 1
-    out["DEPTH"] = max(out["DEPTH"], depth)
-    return out
-
-
 def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, offsets: torch.Tensor,
                    y: torch.Tensor, x_scale: torch.Tensor | None = None,
                    x_rows: torch.Tensor | None = None, x_silu: bool = False,
@@ -586,13 +563,9 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     cfg = cfg or _plan_grouped(wc.n, wc.k, min(e, m), dev, grouped_mg(m, e))
     slots = min(e, m) + -(-m // (8 * cfg["MG"]))  # >= sum over experts of ceil(rows / chunk rows)
-    key = {**cfg, "GATHER": 1} if x_rows is not None else {**cfg, "SILU": 1} if x_silu else dict(cfg)
-    if EXPERT_PREFETCH and x_rows is not None:
-        key["TRIGGER"] = 3
-    if EXPERT_PREFETCH and x_silu:
-        key.update(prefetch_config(cfg, wc.k), SPEC=1)
+    key = {**cfg, "GATHER": 1} if x_rows is not None else {**cfg, "SILU": 1} if x_silu else cfg
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > e, x_scale is not None, True), dev)
-    smem = smem_bytes(key, wc.k, 8 * cfg["MG"])
+    smem = smem_bytes(cfg, wc.k, 8 * cfg["MG"])
     nb = -(-wc.n // block_rows(cfg))
     offs = offsets.contiguous()
     rows = offs if x_rows is None else x_rows.contiguous()

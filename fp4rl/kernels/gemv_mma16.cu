@@ -60,17 +60,6 @@ typedef unsigned long long u64;
 #ifndef TRIGGER
 #define TRIGGER 1  // where griddepcontrol.launch_dependents goes (see below)
 #endif
-#ifndef SPEC
-// GROUPED: guess the slot's expert from offs before griddepcontrol.wait and prefetch its first DEPTH weight
-// steps, then find the slot again after the wait and restart the stream if the guess was wrong (always the
-// same bits; see the kernel's first block). Pays where offs were written two or more kernels back and the
-// kernel before this one triggers after its own wait (the MoE down projection after the GATHER gate / up
-// GEMM with TRIGGER 3): the guess is then right and the weights stream while that GEMM finishes.
-#define SPEC 0
-#endif
-#ifndef SPEC_WRONG
-#define SPEC_WRONG 0  // tests: SPEC guesses the next expert (none past the last; expert 0 for no chunk)
-#endif
 #ifndef GROUPED
 #define GROUPED 0
 #endif
@@ -141,9 +130,6 @@ typedef unsigned long long u64;
 #if KW > 1 && (SPLIT > 1 || XSTREAM || WGMMA || (WARPS % KW))
 #error "KW (in-CTA split-K) needs SPLIT 1, the staged x slice (no XSTREAM, no WGMMA) and KW dividing WARPS"
 #endif
-#if SPEC && (!GROUPED || XSTREAM || WGMMA)
-#error "SPEC is for GROUPED builds with the staged x slice (no XSTREAM, no WGMMA)"
-#endif
 #ifndef GSE
 #define GSE (KW > 1)  // the weight's global scale read before griddepcontrol.wait, not in the epilogue (below)
 #endif
@@ -171,38 +157,6 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
 }
-
-#if GROUPED
-// Routed experts: slot z -> (expert, chunk of XROWS rows): expert i owns ceil(rows_i / XROWS) consecutive
-// slots; -1 for a slot past the last chunk. Warp-uniform (every warp finds the same). CG: offs through L2
-// only (__ldcg), for SPEC's read before griddepcontrol.wait: it leaves no line in L1 for the reads after the
-// wait to hit (those are plain loads: the chunk's offs[ex] after them hits L1).
-template <bool CG>
-__device__ __forceinline__ int find_slot(const int* __restrict__ offs, int E, int z, int lane, int& chunk) {
-    for (int b = 0, seen = 0; b < E; b += 32) {
-        const int i = b + lane;
-        const int nch = i >= E ? 0 : CG ? (__ldcg(offs + i + 1) - __ldcg(offs + i) + XROWS - 1) / XROWS
-                                        : (offs[i + 1] - offs[i] + XROWS - 1) / XROWS;
-        int inc = nch;  // inclusive prefix sum of the slots over the lanes
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int t = __shfl_up_sync(0xffffffffu, inc, o);
-            if (lane >= o) inc += t;
-        }
-        const int total = __shfl_sync(0xffffffffu, inc, 31);
-        if (z < seen + total) {
-            const int zz = z - seen;
-            const u32 hit = __ballot_sync(0xffffffffu, zz >= inc - nch && zz < inc);
-            if (!hit) return -1;  // SPEC's guess from offs being written (a negative count): no expert
-            const int src = __ffs(hit) - 1;
-            chunk = zz - __shfl_sync(0xffffffffu, inc - nch, src);
-            return b + src;
-        }
-        seen += total;
-    }
-    return -1;
-}
-#endif
 
 __device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -365,8 +319,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     const int XS = per * 128 + 8;  // smem row stride of x in bf16 (16 B pad: conflict-free ldmatrix)
 #endif
     // PDL (a no-op without the launch attribute): the next kernel may be scheduled once every CTA of this
-    // grid has triggered (TRIGGER 1: at its start; 2: after its weight stream; 3: just after its own
-    // griddepcontrol.wait, so that the next kernel starts only once this one's inputs are final; 0: at its exit); it waits
+    // grid has triggered (TRIGGER 1: at its start; 2: after its weight stream; 0: at its exit); it waits
     // for this grid's completion before reading what it writes
     if (TRIGGER == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #if GROUPED
@@ -374,39 +327,41 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // before this one: wait first). Slot blockIdx.z serves one chunk of up to XROWS rows of one expert
     // (any number of rows per expert: more chunks); slots past the last chunk exit. wt / st / wg are stacks
     // over experts ([E][N/16]... tiles; wg [E][N] or [E]).
-    // SPEC: the expert guessed here from offs read before the wait (stale or half-written offs give a wrong
-    // expert or none) only chooses which weights to prefetch; the slot is found again after the wait (below).
-    const u64 wexp = (u64)(N >> 4) * S;  // one expert's 16-row tiles x steps
-    const uint4* const wt_stack = wt;
-    const uint4* const st_stack = st;
-    int chunk = 0;
-#if !SPEC
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    if (TRIGGER == 3) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-    int ex = find_slot<SPEC>(offs, E, (int)blockIdx.z, lane, chunk);
-#if SPEC
-    if (SPEC_WRONG) ex = ex < 0 ? 0 : ex + 1 < E ? ex + 1 : -1;  // (the restart path, for tests)
-    wt += (u64)max(ex, 0) * wexp * 64;
-    st += (u64)max(ex, 0) * wexp * 16;
-#else
+    // slot z -> (expert, chunk of 8 MG rows): expert i owns ceil(rows_i / XROWS) consecutive slots
+    int ex = -1, chunk = 0;
+    for (int b = 0, seen = 0; b < E; b += 32) {  // warp-uniform: every warp finds the same expert
+        const int i = b + lane;
+        const int nch = i < E ? (offs[i + 1] - offs[i] + XROWS - 1) / XROWS : 0;
+        int inc = nch;  // inclusive prefix sum of the slots over the lanes
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int t = __shfl_up_sync(0xffffffffu, inc, o);
+            if (lane >= o) inc += t;
+        }
+        const int total = __shfl_sync(0xffffffffu, inc, 31);
+        if ((int)blockIdx.z < seen + total) {
+            const int z = (int)blockIdx.z - seen;
+            const u32 hit = __ballot_sync(0xffffffffu, z >= inc - nch && z < inc);
+            const int src = __ffs(hit) - 1;
+            ex = b + src;
+            chunk = z - __shfl_sync(0xffffffffu, inc - nch, src);
+            break;
+        }
+        seen += total;
+    }
     if (ex < 0) return;  // the whole cluster (same z) leaves before any barrier
-    wt += (u64)ex * wexp * 64;
-    st += (u64)ex * wexp * 16;
-#endif
-    // the chunk's rows: x, y, the gather's rows, the global scale (SPEC: after the wait)
-    auto chunk_rows = [&]() {
+    {
         const int r0 = offs[ex] + chunk * XROWS;
         M = min(XROWS, offs[ex + 1] - r0);
         if (GATHER) xrows += r0;  // row m of this chunk is token xrows[m]
         else x += (u64)r0 * stride_xm;
         y += (u64)r0 * stride_ym;
+        wt += (u64)ex * (u64)(N >> 4) * S * 64;
+        st += (u64)ex * (u64)(N >> 4) * S * 16;
         wg += WG_ROW ? (u64)ex * N : (u64)ex;
         if (XG_ROW) xg += r0;
-    };
-#if !SPEC
-    chunk_rows();
-#endif
+    }
 #else
     {  // row block blockIdx.z of XROWS rows (launches with more rows than one configuration covers: WGMMA)
         const int r0 = blockIdx.z * XROWS;
@@ -420,7 +375,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // shared memory: x's K slice [XR + 1][XS] bf16 (rows < M, then one zero row that the B fragments
     // of rows >= M read), then one ring per warp of DEPTH stages x NT x (1 KB of weight words + 256 B
     // of scales)
-    int XR = min(M, XROWS);  // (SPEC: set again after the wait)
+    const int XR = min(M, XROWS);
 #if WGMMA
     // x stages 1024-byte aligned (the 128 B swizzle repeats every 1024 B of the address; smem_bytes adds 1 KB)
     u16* xs = reinterpret_cast<u16*>(smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u));
@@ -429,8 +384,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #endif
     // bytes of one x stage (XSTREAM) or of the whole slice; WGMMA: all 8 MG rows of a 128-k step as core
     // matrices (8 rows x 16 B): block kb (k 16 kb..), row group ng, half kh at kb * MG * 256 + ng * 256 + kh * 128
-    // (SPEC: the ring is placed before the chunk's rows are known, after room for all XROWS of them)
-    const int XSTAGE = WGMMA ? XROWS * 256 : ((SPEC ? XROWS : XR) + 1) * XS * 2;
+    const int XSTAGE = WGMMA ? XROWS * 256 : (XR + 1) * XS * 2;
     unsigned char* ring = reinterpret_cast<unsigned char*>(xs)
                           + (((XSTREAM ? DEPTH : 1) * XSTAGE + (ASH ? 2 * ABUF : 0) + 127) & ~127)
                           + warp * (DEPTH * NT * STAGE_BYTES);
@@ -443,11 +397,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     bool ok[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-#if SPEC
-        ok[j] = tile0 + j < ntiles && ex >= 0;  // no guess, no prefetch
-#else
         ok[j] = tile0 + j < ntiles;
-#endif
         const u64 tile = ok[j] ? (u64)(tile0 + j) : 0;
         wp[j] = wt + (tile * S) * 64 + lane;
         sp[j] = st + (tile * S) * 16 + (lane & 15);
@@ -588,40 +538,9 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // (6% of the one-row q/k/v call's stall samples were there, an L2 round trip on the critical path;
     // nothing on the stream writes it). Not for the other builds: the register held through the stream cost
     // 2 (MG 2: 64 -> 66, a CTA per SM less).
-#if SPEC
-    // PDL: the first DEPTH weight steps of the guessed expert are in flight; now the slot for certain
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    if (TRIGGER == 3) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    {
-        int chunk_r = 0;
-        const int exr = find_slot<false>(offs, E, (int)blockIdx.z, lane, chunk_r);
-        if (exr != ex || exr < 0) {  // the guess was wrong, or this slot has no chunk (CTA-uniform now)
-            cp_async_wait<0>();  // this thread's copies of the guess have landed: none writes the ring later
-            if (exr < 0) return;  // the whole cluster (same z) leaves before any barrier
-            ex = exr;
-            wt = wt_stack + (u64)ex * wexp * 64;
-            st = st_stack + (u64)ex * wexp * 16;
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                ok[j] = tile0 + j < ntiles;
-                const u64 tile = ok[j] ? (u64)(tile0 + j) : 0;
-                wp[j] = wt + (tile * S) * 64 + lane;
-                sp[j] = st + (tile * S) * 16 + (lane & 15);
-            }
-#pragma unroll
-            for (int d = 0; d < DEPTH; ++d) issue(ws0 + d, d);  // the stream again, from the same stages
-        }
-        chunk = chunk_r;
-        chunk_rows();
-        XR = min(M, XROWS);
-    }
-    const float gs_early = (WG_ROW || !GSE) ? 0.f : wg[0] * 256.f;
-#else
     const float gs_early = (WG_ROW || !GSE) ? 0.f : wg[0] * 256.f;
     // PDL: the first DEPTH weight steps above do not depend on the previous kernel; x (its output) does
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    if (TRIGGER == 3 && !GROUPED) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 #if XSTREAM
     // (ASH: x one step less ahead; after the weights' group, group d + 1 = x step d)
 #pragma unroll
