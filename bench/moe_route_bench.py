@@ -3,6 +3,7 @@ replaces (softmax, top-k, normalize, cast, stable argsort, searchsorted, gather 
 torch path).
 
 python3 bench/moe_route_bench.py   (Qwen3-30B-A3B router: E 128, top 8; tokens 1, 8, 32, 64)
+python3 bench/moe_route_bench.py regs   (twenty-ninth session: the sort from the ids in registers, by warps)
 python3 bench/moe_route_bench.py router   (eleventh session: the router GEMM + route in one launch,
                                            moe_route.router_route, by warps / experts per program / columns
                                            per step / columns per program, against F.linear (cuBLAS) + the
@@ -109,6 +110,35 @@ def keyed_main():
             print(f"| {name} | {t} | {old:.2f} | {new:.2f} | {old - new:.2f} |", flush=True)
 
 
+def regs_main():
+    """Twenty-ninth session: the sort from the ids in registers (REGS) against the sort from idx, and the
+    launch's warps (the last program's reductions are shared-memory trees with barriers past one warp), for
+    router_route (Qwen3-30B-A3B's router, its defaults otherwise) and route at 1 / 8 tokens; the variants
+    alternate over ROUNDS rounds (median of the rounds' medians); outputs checked equal to the default's."""
+    e, k, h = 128, 8, 2048
+    wr = (torch.randn(e, h, device="cuda") * 0.02).bfloat16()
+    variants = [(nw, regs) for nw in (1, 2, 4) for regs in (False, True)]
+    names = [f"w{nw} {'regs' if r else 'idx'} us" for nw, r in variants]
+    print("| kernel | tokens | " + " | ".join(names) + " |")
+    for t in (1, 8):
+        lg = torch.randn(t, e, device="cuda").bfloat16()
+        x = torch.randn(t, h, device="cuda").bfloat16()
+        cases = [("router_route",
+                  lambda nw, r, x=x: moe_route.router_route(x, wr, k, True, num_warps=nw, regs=r)),
+                 ("route", lambda nw, r, lg=lg: moe_route.route(lg, k, True, num_warps=nw, regs=r))]
+        for name, fn in cases:
+            ref = fn(None, None)
+            for nw, r in variants:
+                if not all(torch.equal(a, b) for a, b in zip(fn(nw, r), ref)):
+                    raise SystemExit(f"{name} {t} tokens w{nw} regs {r}: outputs differ from the default's")
+            got = {v: [] for v in variants}
+            for _ in range(5):
+                for v in variants:
+                    got[v].append(timed(lambda _r, fn=fn, v=v: fn(*v), REPS))
+            print(f"| {name} | {t} | " + " | ".join(f"{sorted(got[v])[2]:.2f}" for v in variants) + " |",
+                  flush=True)
+
+
 if __name__ == "__main__":
-    modes = {"router": router_main, "keyed": keyed_main}
+    modes = {"router": router_main, "keyed": keyed_main, "regs": regs_main}
     modes.get(sys.argv[1] if sys.argv[1:] else "", main)()

@@ -237,3 +237,29 @@ def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, config,
     assert torch.allclose(y[:, 0].float(), y_run.float(), rtol=2 ** -7, atol=1e-6)
     assert torch.allclose(y.float(), y_ref.float(), rtol=2 ** -7, atol=1e-6)
     assert torch.equal(y_forced, y_ref)
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 128, 8), (8, 128, 8), (5, 20, 4), (3, 8, 8), (2, 60, 1), (7, 33, 6)])
+def test_route_sort_from_registers_is_the_sort_from_idx(t, e, k):
+    """REGS: the counting sort over the ids as the program holds them (all pairs at once) gives the outputs of
+    the sort that reads them back from idx in blocks; ties, a NaN row, keyed and two-pass top-k, the router's
+    fused launch with and without column slices; by default up to REGS_PAIRS cells (0: never)."""
+    lg = _logits(t, e, seed=t * 17 + e, scale=3.0)
+    lg[0] = 0.0
+    if t > 2:
+        lg[1, e // 3] = float("nan")
+    for keyed in (True, False):
+        a = moe_route.route(lg, k, True, keyed=keyed, regs=True)
+        b = moe_route.route(lg, k, True, keyed=keyed, regs=False)
+        for u, v in zip(a, b):
+            assert torch.equal(torch.nan_to_num(u), torch.nan_to_num(v)), (keyed, u, v)
+    assert moe_route._regs(t, k, None) == (max(2, 1 << (t - 1).bit_length()) * (1 << (k - 1).bit_length())
+                                           <= moe_route.REGS_PAIRS)
+    g = torch.Generator().manual_seed(t)
+    x = (torch.randn(t, 96, generator=g) * 0.5).bfloat16().to(DEV)
+    wr = (torch.randn(e, 96, generator=g) * 0.2).bfloat16().to(DEV)
+    for tile in ({"bh": 32, "hc": 32}, {"bh": 16, "hc": 4096}):  # three column slices (the tile kept), one
+        a = moe_route.router_route(x, wr, k, True, regs=True, **tile)
+        b = moe_route.router_route(x, wr, k, True, regs=False, **tile)
+        for u, v in zip(a, b):
+            assert torch.equal(u, v), tile

@@ -74,11 +74,9 @@ def _pick(q, v, bad, e, E, BE: tl.constexpr):
 def _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, stride_l,
                 K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr,
                 NORM: tl.constexpr, LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr, CG: tl.constexpr,
-                KEYED: tl.constexpr, KP: tl.constexpr):
-    """The route of all T tokens by one program (see the module docstring). CG: the logits were written by
-    other programs of this grid (router_route): read them past the L1 cache. KEYED: the top-k in K rounds of
-    one reduction each over packed (probability bits, reversed expert id) keys (KEYED_TOPK); else 2 K rounds
-    of two (the chosen values' sum first, then the same choices again for the stores): the same outputs."""
+                KEYED: tl.constexpr, KP: tl.constexpr, REGS: tl.constexpr):
+    """The route of all T tokens by one program (see the module docstring), from the logits in memory. CG:
+    they were written by other programs of this grid (router_route): read them past the L1 cache."""
     t = tl.arange(0, BT)
     e = tl.arange(0, BE)
     tm = t < T
@@ -88,7 +86,28 @@ def _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, st
         raw = tl.load(lptr, mask=tm[:, None] & em[None, :], other=0.0, cache_modifier=".cg")
     else:
         raw = tl.load(lptr, mask=tm[:, None] & em[None, :], other=0.0)
-    lg = tl.where(em[None, :], raw.to(tl.float32), float("-inf"))
+    _route_tile(raw.to(tl.float32), idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E,
+                K, BT, BE, BP, BQ, NORM, LIBDEVICE, W_BF16, KEYED, KP, REGS)
+
+
+@triton.jit
+def _route_tile(raw, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E,
+                K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr,
+                NORM: tl.constexpr, LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr,
+                KEYED: tl.constexpr, KP: tl.constexpr, REGS: tl.constexpr):
+    """The route of all T tokens from their logits raw [BT, BE] (float32, the values the logits' dtype holds;
+    rows >= T and columns >= E anything). KEYED: the top-k in K rounds of one reduction each over packed
+    (probability bits, reversed expert id) keys (KEYED_TOPK); else 2 K rounds of two (the chosen values' sum
+    first, then the same choices again for the stores): the same outputs. REGS (BT * KP <= REGS_PAIRS): the
+    counting sort from the chosen ids as the program holds them, over all pairs at once, instead of reading
+    them back from idx in blocks of BQ pairs (a global round trip and a barrier): the same outputs."""
+    t = tl.arange(0, BT)
+    e = tl.arange(0, BE)
+    tm = t < T
+    em = e < E
+    kk = tl.arange(0, KP)
+    ids = tl.zeros([BT, KP], dtype=tl.int32)  # (REGS) the chosen experts, (token, slot)
+    lg = tl.where(em[None, :], raw, float("-inf"))
     mx = tl.max(lg, 1)
     ex = _exp(lg - mx[:, None], LIBDEVICE)
     p = tl.math.div_rn(ex, tl.sum(ex, 1)[:, None])  # [BT, BE], 0 past E (IEEE division, as torch)
@@ -100,7 +119,6 @@ def _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, st
         # lower id); a NaN row's keys are its ids alone (the lowest id not taken, as _pick); -1: past E, taken
         bits = tl.where(bad[:, None], 0, p.to(tl.int32, bitcast=True)).to(tl.int64)
         key = tl.where(e[None, :] < E, (bits << 32) | (BE - 1 - e[None, :]).to(tl.int64), -1)
-        kk = tl.arange(0, KP)
         vals = tl.zeros([BT, KP], dtype=tl.float32)
         for j in tl.static_range(K):
             km = tl.max(key, 1)
@@ -109,6 +127,7 @@ def _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, st
             total += v
             key = tl.where(e[None, :] == i[:, None], -1, key)
             vals = tl.where(kk[None, :] == j, v[:, None], vals)
+            ids = tl.where(kk[None, :] == j, i[:, None], ids)
             tl.store(idx_ptr + t * K + j, i.to(tl.int64), mask=tm)
         w = tl.math.div_rn(vals, total[:, None]) if NORM else vals
         w = tl.where(bad[:, None], float("nan"), w)
@@ -128,11 +147,34 @@ def _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, st
             q = tl.where(e[None, :] == i[:, None], -1.0, q)
             w = tl.math.div_rn(v, total) if NORM else v
             w = tl.where(bad, float("nan"), w)
+            ids = tl.where(kk[None, :] == j, i[:, None], ids)
             tl.store(idx_ptr + t * K + j, i.to(tl.int64), mask=tm)
             tl.store(w_ptr + t * K + j, _rounded(w, W_BF16).to(w_ptr.dtype.element_ty), mask=tm)
-    tl.debug_barrier()  # the ids just stored are read back below by other threads of the program
-    # counting sort of the P = T * K pairs by expert, stable in pair order
     P = T * K
+    if REGS:
+        # counting sort of the P = T * K pairs by expert, stable in pair order, over all pairs at once: pair
+        # f = t KP + j of the flattened (token, slot) tile is pair p = t K + j when t < T and j < K
+        f = tl.arange(0, BT * KP)
+        fv = ((f // KP) < T) & ((f % KP) < K)
+        fp = (f // KP) * K + f % KP
+        ef = tl.where(fv, tl.reshape(ids, [BT * KP]), E)  # past the pairs: E, after every real expert
+        less = (ef[None, :] < ef[:, None]) | ((ef[None, :] == ef[:, None]) & (fp[None, :] < fp[:, None]))
+        before = tl.sum((less & fv[None, :]).to(tl.int32), 1)
+        tl.store(pos_ptr + fp, before, mask=fv)
+        tl.store(rows_ptr + before, (f // KP).to(tl.int32), mask=fv)
+        xo = tl.arange(0, BE)
+        cnt = tl.sum(((ef[None, :] < xo[:, None]) & fv[None, :]).to(tl.int32), 1)
+        tl.store(offs_ptr + xo, cnt, mask=xo < E)
+        tl.store(offs_ptr + E, P)
+    else:
+        tl.debug_barrier()  # the ids just stored are read back below by other threads of the program
+        _sort_from_idx(idx_ptr, rows_ptr, pos_ptr, offs_ptr, P, E, K, BE, BP, BQ)
+
+
+@triton.jit
+def _sort_from_idx(idx_ptr, rows_ptr, pos_ptr, offs_ptr, P, E, K: tl.constexpr, BE: tl.constexpr,
+                   BP: tl.constexpr, BQ: tl.constexpr):
+    """The counting sort of the P pairs by expert, stable in pair order, from the ids stored in idx."""
     pp = tl.arange(0, BP)
     pm = pp < P
     ep = tl.load(idx_ptr + pp, mask=pm, other=E).to(tl.int32)  # past P: E, after every real expert
@@ -155,18 +197,16 @@ def _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, st
     tl.store(offs_ptr + E, P)
 
 
-
-
 @triton.jit
 def _route_kernel(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, stride_l,
                   K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr, BQ: tl.constexpr,
                   NORM: tl.constexpr, LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr, KEYED: tl.constexpr,
-                  KP: tl.constexpr, PDL: tl.constexpr):
+                  KP: tl.constexpr, REGS: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tlcuda.gdc_launch_dependents()
         tlcuda.gdc_wait()
     _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, stride_l,
-                K, BT, BE, BP, BQ, NORM, LIBDEVICE, W_BF16, False, KEYED, KP)
+                K, BT, BE, BP, BQ, NORM, LIBDEVICE, W_BF16, False, KEYED, KP, REGS)
 
 
 @triton.jit
@@ -175,7 +215,8 @@ def _router_route_kernel(x_ptr, wr_ptr, logit_ptr, part_ptr, lock_ptr, idx_ptr, 
                          K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr,
                          BQ: tl.constexpr, BES: tl.constexpr, BH: tl.constexpr, SPLIT_H: tl.constexpr,
                          NORM: tl.constexpr, LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr,
-                         INTERP: tl.constexpr, KEYED: tl.constexpr, KP: tl.constexpr, PDL: tl.constexpr):
+                         INTERP: tl.constexpr, KEYED: tl.constexpr, KP: tl.constexpr, REGS: tl.constexpr,
+                         PDL: tl.constexpr):
     """Program (p, s): the router sums of experts [p BES, p BES + BES) over hidden columns [s HC, s HC + HC)
     for all T tokens (x [T, H] @ Wr.T, fp32 sums of exact bf16 products). One column slice (SPLIT_H 1): the
     logits, rounded once to bf16 as F.linear's output, published past L1. Several: the fp32 partial sums,
@@ -218,11 +259,14 @@ def _router_route_kernel(x_ptr, wr_ptr, logit_ptr, part_ptr, lock_ptr, idx_ptr, 
             for s in range(0, SPLIT_H):
                 tot += tl.load(part_ptr + (s * T + t[:, None]) * E + e[None, :], mask=m, other=0.0,
                                cache_modifier=".cg")
-            tl.store(logit_ptr + t[:, None] * E + e[None, :], _bf16(tot).to(logit_ptr.dtype.element_ty),
+            lg = _bf16(tot)  # the bf16 logits as float32: what they load back as
+            tl.store(logit_ptr + t[:, None] * E + e[None, :], lg.to(logit_ptr.dtype.element_ty),
                      mask=m, cache_modifier=".cg")
-            tl.debug_barrier()  # the logits just stored are read back below by other threads of the program
-        _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, E,
-                    K, BT, BE, BP, BQ, NORM, LIBDEVICE, W_BF16, True, KEYED, KP)
+            _route_tile(lg, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E,
+                        K, BT, BE, BP, BQ, NORM, LIBDEVICE, W_BF16, KEYED, KP, REGS)
+        else:  # one slice: the programs stored the logits themselves
+            _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, E,
+                        K, BT, BE, BP, BQ, NORM, LIBDEVICE, W_BF16, True, KEYED, KP, REGS)
         tl.atomic_xchg(lock_ptr, 0)  # ready for the next call
 
 
@@ -251,6 +295,17 @@ ROUTE_BQ = 32
 # The top-k: K rounds of one int64 max over (probability bits << 32 | reversed expert id) keys, instead of 2 K
 # rounds of a max and a min (FP4RL_MOE_ROUTE_KEYED=0, for A/B; the same outputs).
 KEYED_TOPK = os.environ.get("FP4RL_MOE_ROUTE_KEYED", "1") != "0"
+# The counting sort from the chosen ids as the route program holds them, all pairs compared at once, where the
+# (token, slot) tile has at most this many cells (0: always from idx in blocks of BQ pairs; the same outputs):
+# no round trip through idx (nor, in router_route with column slices, through the logits) and no barrier
+# before it. Off until timed on a GPU (`python3 bench/moe_route_bench.py regs`; compiled for sm_90 offline,
+# twenty-ninth session); FP4RL_MOE_ROUTE_REGS=64 turns it on up to 8 tokens of top-8.
+REGS_PAIRS = int(os.environ.get("FP4RL_MOE_ROUTE_REGS", "0"))
+
+
+def _regs(t: int, top_k: int, regs: bool | None) -> bool:
+    cells = max(2, triton.next_power_of_2(t)) * triton.next_power_of_2(top_k)
+    return cells <= REGS_PAIRS if regs is None else bool(regs)
 
 
 def _route_outputs(t: int, top_k: int, e: int, weight_dtype: torch.dtype, dev):
@@ -262,10 +317,12 @@ def _route_outputs(t: int, top_k: int, e: int, weight_dtype: torch.dtype, dev):
 
 
 def route(logits: torch.Tensor, top_k: int, norm: bool, weight_dtype: torch.dtype | None = None, *,
-          num_warps: int | None = None, bq: int | None = None, keyed: bool | None = None):
+          num_warps: int | None = None, bq: int | None = None, keyed: bool | None = None,
+          regs: bool | None = None):
     """logits [T, E] (router output, any float dtype) -> (topk_idx [T, k] int64, topk_weight [T, k] in
     weight_dtype (default logits' dtype), rows [T k] int32, pos [T k] int32, offsets [E + 1] int32); see the
-    module docstring. keyed: the top-k's form (default KEYED_TOPK; the same outputs either way)."""
+    module docstring. keyed: the top-k's form (default KEYED_TOPK); regs: the sort from the ids in registers
+    (default: up to REGS_PAIRS cells); the same outputs either way."""
     if logits.ndim != 2 or logits.stride(-1) != 1:
         raise ValueError(f"route: logits must be [T, E] with unit column stride, got {tuple(logits.shape)} "
                          f"strides {logits.stride()}")
@@ -283,7 +340,7 @@ def route(logits: torch.Tensor, top_k: int, norm: bool, weight_dtype: torch.dtyp
         K=top_k, BT=max(2, triton.next_power_of_2(t)), BE=max(16, triton.next_power_of_2(e)), BP=bp, BQ=bq,
         NORM=bool(norm), LIBDEVICE=_libdevice_for(dev), W_BF16=w.dtype == torch.bfloat16,
         KEYED=KEYED_TOPK if keyed is None else bool(keyed), KP=triton.next_power_of_2(top_k),
-        num_warps=num_warps or ROUTE_WARPS[t * top_k > 16],
+        REGS=_regs(t, top_k, regs), num_warps=num_warps or ROUTE_WARPS[t * top_k > 16],
         enable_fp_fusion=False, **_launch_opts(dev))
     return idx, w, rows, pos, offsets
 
@@ -291,14 +348,14 @@ def route(logits: torch.Tensor, top_k: int, norm: bool, weight_dtype: torch.dtyp
 ROUTER_BES = 16  # experts per program of router_route (E 128: 8 per column slice)
 ROUTER_BH = 256  # hidden columns per step of its sums
 ROUTER_HC = 256  # hidden columns per program (H 2048: 8 column slices, 64 programs at E 128)
-ROUTER_WARPS = 4
+ROUTER_WARPS = int(os.environ.get("FP4RL_MOE_ROUTER_WARPS", "4"))  # (another count: for A/B)
 _LOCKS: dict = {}  # router_route's counter per device (back to zero after every call)
 
 
 def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: bool,
                  weight_dtype: torch.dtype | None = None, *, num_warps: int | None = None,
                  bes: int | None = None, bh: int | None = None, hc: int | None = None,
-                 lock: torch.Tensor | None = None, keyed: bool | None = None):
+                 lock: torch.Tensor | None = None, keyed: bool | None = None, regs: bool | None = None):
     """The router and the route in one launch: logits = x [T, H] @ gate_weight [E, H].T (bfloat16, as
     F.linear's output: fp32 sums of the exact products in another order than cuBLAS, so a logit can differ in
     its last bf16 bit), then `route(logits, ...)` by the grid's last program. Returns (logits [T, E], idx, w,
@@ -307,7 +364,7 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
     columns per step), hc (hidden columns per program, a multiple of bh; >= H: one slice): tuning
     (bench/moe_route_bench.py). No host sync. lock: the int32 [1] zero counter the grid's programs count on
     (back to zero after each call); calls that may run concurrently (two streams) need their own. Default: one
-    per device. keyed: as `route`'s."""
+    per device. keyed, regs: as `route`'s."""
     if x.ndim != 2 or gate_weight.ndim != 2 or x.shape[1] != gate_weight.shape[1]:
         raise ValueError(f"router_route: x must be [T, H] and gate_weight [E, H], got {tuple(x.shape)} and "
                          f"{tuple(gate_weight.shape)}")
@@ -348,7 +405,8 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
         BP=max(16, triton.next_power_of_2(t * top_k)), BQ=bq, BES=bes, BH=bh, SPLIT_H=split, NORM=bool(norm),
         LIBDEVICE=_libdevice_for(dev), W_BF16=w.dtype == torch.bfloat16, INTERP=INTERPRET,
         KEYED=KEYED_TOPK if keyed is None else bool(keyed), KP=triton.next_power_of_2(top_k),
-        num_warps=num_warps or ROUTER_WARPS, enable_fp_fusion=False, **_launch_opts(dev))
+        REGS=_regs(t, top_k, regs), num_warps=num_warps or ROUTER_WARPS, enable_fp_fusion=False,
+        **_launch_opts(dev))
     return logits, idx, w, rows, pos, offsets
 
 
