@@ -113,11 +113,12 @@ def keyed_main():
 def regs_main():
     """Twenty-ninth session: the sort from the ids in registers (REGS) against the sort from idx, and the
     launch's warps (the last program's reductions are shared-memory trees with barriers past one warp), for
-    router_route (Qwen3-30B-A3B's router, its defaults otherwise) and route at 1 / 8 tokens; the variants
-    alternate over ROUNDS rounds (median of the rounds' medians); outputs checked equal to the default's."""
+    router_route (Qwen3-30B-A3B's router, its defaults otherwise) and route at 1 / 8 tokens (route's default
+    is 2 warps to 16 pairs, 8 above); the variants alternate over 5 rounds (the median of the rounds'
+    medians); outputs checked equal to the default's."""
     e, k, h = 128, 8, 2048
     wr = (torch.randn(e, h, device="cuda") * 0.02).bfloat16()
-    variants = [(nw, regs) for nw in (1, 2, 4) for regs in (False, True)]
+    variants = [(nw, regs) for nw in (1, 2, 4, 8) for regs in (False, True)]
     names = [f"w{nw} {'regs' if r else 'idx'} us" for nw, r in variants]
     print("| kernel | tokens | " + " | ".join(names) + " |")
     for t in (1, 8):

@@ -240,10 +240,11 @@ def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, config,
 
 
 @pytest.mark.parametrize("t,e,k", [(1, 128, 8), (8, 128, 8), (5, 20, 4), (3, 8, 8), (2, 60, 1), (7, 33, 6)])
-def test_route_sort_from_registers_is_the_sort_from_idx(t, e, k):
+def test_route_sort_from_registers_is_the_sort_from_idx(t, e, k, monkeypatch):
     """REGS: the counting sort over the ids as the program holds them (all pairs at once) gives the outputs of
-    the sort that reads them back from idx in blocks; ties, a NaN row, keyed and two-pass top-k, the router's
-    fused launch with and without column slices; by default up to REGS_PAIRS cells (0: never)."""
+    the sort that reads them back from idx in blocks, and torch's grouping; ties, a NaN row, keyed and
+    two-pass top-k, the router's fused launch with column slices (routed from its sums as held) and without;
+    by default only up to REGS_PAIRS cells (0: never), and never past REGS_MAX."""
     lg = _logits(t, e, seed=t * 17 + e, scale=3.0)
     lg[0] = 0.0
     if t > 2:
@@ -252,14 +253,29 @@ def test_route_sort_from_registers_is_the_sort_from_idx(t, e, k):
         a = moe_route.route(lg, k, True, keyed=keyed, regs=True)
         b = moe_route.route(lg, k, True, keyed=keyed, regs=False)
         for u, v in zip(a, b):
+            assert torch.equal(u.isnan(), v.isnan()) if u.is_floating_point() else True
             assert torch.equal(torch.nan_to_num(u), torch.nan_to_num(v)), (keyed, u, v)
-    assert moe_route._regs(t, k, None) == (max(2, 1 << (t - 1).bit_length()) * (1 << (k - 1).bit_length())
-                                           <= moe_route.REGS_PAIRS)
+    monkeypatch.setattr(moe_route, "REGS_PAIRS", moe_route.REGS_MAX)  # the default path takes REGS
+    assert moe_route._regs(t, k, None)
+    check_route(_logits(t, e, seed=t * 19 + e), k, True)  # against torch's argsort / searchsorted
     g = torch.Generator().manual_seed(t)
     x = (torch.randn(t, 96, generator=g) * 0.5).bfloat16().to(DEV)
     wr = (torch.randn(e, 96, generator=g) * 0.2).bfloat16().to(DEV)
-    for tile in ({"bh": 32, "hc": 32}, {"bh": 16, "hc": 4096}):  # three column slices (the tile kept), one
-        a = moe_route.router_route(x, wr, k, True, regs=True, **tile)
-        b = moe_route.router_route(x, wr, k, True, regs=False, **tile)
-        for u, v in zip(a, b):
-            assert torch.equal(u, v), tile
+    for tile in ({"bh": 32, "hc": 32}, {"bh": 16, "hc": 4096}):  # three column slices, one
+        for keyed in (True, False):
+            a = moe_route.router_route(x, wr, k, True, regs=True, keyed=keyed, **tile)
+            b = moe_route.router_route(x, wr, k, True, regs=False, keyed=keyed, **tile)
+            for u, v in zip(a, b):
+                assert torch.equal(u, v), (tile, keyed)
+
+
+def test_route_sort_from_registers_bounds(monkeypatch):
+    monkeypatch.setattr(moe_route, "REGS_PAIRS", 0)
+    assert not moe_route._regs(1, 8, None) and moe_route._regs(1, 8, True)
+    monkeypatch.setattr(moe_route, "REGS_PAIRS", 16)  # (token, slot) cells: tokens to a power of two >= 2
+    assert moe_route._regs(1, 8, None) and moe_route._regs(2, 8, None) and not moe_route._regs(3, 8, None)
+    assert moe_route._regs(2, 5, None) and not moe_route._regs(2, 9, None)
+    monkeypatch.setattr(moe_route, "REGS_PAIRS", 1 << 20)  # never past REGS_MAX
+    assert moe_route._regs(16, 8, None) and not moe_route._regs(17, 8, None)
+    with pytest.raises(ValueError, match="at most 128"):
+        moe_route.route(_logits(17, 16, seed=0), 8, True, regs=True)

@@ -12,8 +12,9 @@ batch 1-8, in BF16 and NVFP4 alike. Here they are:
   when norm) in the logits' dtype, and the counting sort of the T * top_k pairs by expert, stable in pair
   order p = t * top_k + j: offsets [E + 1] (the start of each expert's rows), ``rows`` (the token of each
   sorted row: what the grouped GEMM's x gathers) and ``pos`` (the sorted row of each pair). The sort is
-  two counts per pair, #{q : e_q < e_p} + #{q < p : e_q = e_p}, over blocks of pairs: P^2 comparisons,
-  nothing for P <= MAX_PAIRS.
+  two counts per pair, #{q : e_q < e_p} + #{q < p : e_q = e_p}, over blocks of pairs read back from idx
+  (or, REGS, over all pairs at once from the ids the program holds): P^2 comparisons, nothing for P <=
+  MAX_PAIRS.
 - ``combine(d, pos, weight, top_k)``: y[t] = sum_j w[t, j] * d[pos[t * top_k + j]] in fp32, j in order, each
   product rounded to fp32 before the add (no FMA), one rounding to d's dtype: what
   ``(d_in_pair_order.float() * w.float()[..., None]).sum(1).to(dtype)`` computes with a sequential sum.
@@ -98,9 +99,9 @@ def _route_tile(raw, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E,
     """The route of all T tokens from their logits raw [BT, BE] (float32, the values the logits' dtype holds;
     rows >= T and columns >= E anything). KEYED: the top-k in K rounds of one reduction each over packed
     (probability bits, reversed expert id) keys (KEYED_TOPK); else 2 K rounds of two (the chosen values' sum
-    first, then the same choices again for the stores): the same outputs. REGS (BT * KP <= REGS_PAIRS): the
-    counting sort from the chosen ids as the program holds them, over all pairs at once, instead of reading
-    them back from idx in blocks of BQ pairs (a global round trip and a barrier): the same outputs."""
+    first, then the same choices again for the stores): the same outputs. REGS (by default where BT * KP <=
+    REGS_PAIRS): the counting sort from the chosen ids as the program holds them, over all pairs at once,
+    instead of reading them back from idx in blocks of BQ pairs (a global round trip): the same outputs."""
     t = tl.arange(0, BT)
     e = tl.arange(0, BE)
     tm = t < T
@@ -221,7 +222,8 @@ def _router_route_kernel(x_ptr, wr_ptr, logit_ptr, part_ptr, lock_ptr, idx_ptr, 
     for all T tokens (x [T, H] @ Wr.T, fp32 sums of exact bf16 products). One column slice (SPLIT_H 1): the
     logits, rounded once to bf16 as F.linear's output, published past L1. Several: the fp32 partial sums,
     published past L1, and the last program adds them up in slice order and rounds once. The last program to
-    finish (a counter, reset by it) then routes all tokens from the logits (_route_body)."""
+    finish (a counter, reset by it) then routes all tokens from the logits (_route_body; REGS with several
+    slices: from its sums as it holds them, _route_tile)."""
     if PDL:
         tlcuda.gdc_launch_dependents()
         tlcuda.gdc_wait()
@@ -262,8 +264,13 @@ def _router_route_kernel(x_ptr, wr_ptr, logit_ptr, part_ptr, lock_ptr, idx_ptr, 
             lg = _bf16(tot)  # the bf16 logits as float32: what they load back as
             tl.store(logit_ptr + t[:, None] * E + e[None, :], lg.to(logit_ptr.dtype.element_ty),
                      mask=m, cache_modifier=".cg")
-            _route_tile(lg, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E,
-                        K, BT, BE, BP, BQ, NORM, LIBDEVICE, W_BF16, KEYED, KP, REGS)
+            if REGS:  # routed from the sums as held (no round trip through the logits just stored)
+                _route_tile(lg, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E,
+                            K, BT, BE, BP, BQ, NORM, LIBDEVICE, W_BF16, KEYED, KP, REGS)
+            else:
+                tl.debug_barrier()  # the logits just stored are read back below by other threads
+                _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, E,
+                            K, BT, BE, BP, BQ, NORM, LIBDEVICE, W_BF16, True, KEYED, KP, REGS)
         else:  # one slice: the programs stored the logits themselves
             _route_body(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, E,
                         K, BT, BE, BP, BQ, NORM, LIBDEVICE, W_BF16, True, KEYED, KP, REGS)
@@ -297,15 +304,23 @@ ROUTE_BQ = 32
 KEYED_TOPK = os.environ.get("FP4RL_MOE_ROUTE_KEYED", "1") != "0"
 # The counting sort from the chosen ids as the route program holds them, all pairs compared at once, where the
 # (token, slot) tile has at most this many cells (0: always from idx in blocks of BQ pairs; the same outputs):
-# no round trip through idx (nor, in router_route with column slices, through the logits) and no barrier
-# before it. Off until timed on a GPU (`python3 bench/moe_route_bench.py regs`; compiled for sm_90 offline,
-# twenty-ninth session); FP4RL_MOE_ROUTE_REGS=64 turns it on up to 8 tokens of top-8.
+# no round trip through idx (nor, in router_route with column slices, through the logits); its all-pairs
+# reductions may cost barriers of their own (offline SASS at 8 tokens of top-8: more than the sort from idx).
+# Off until timed on a GPU (`python3 bench/moe_route_bench.py regs`, twenty-ninth session): e.g.
+# FP4RL_MOE_ROUTE_REGS=16 takes it at 1-2 tokens of top-8. At most REGS_MAX cells (a cells^2 comparison).
 REGS_PAIRS = int(os.environ.get("FP4RL_MOE_ROUTE_REGS", "0"))
+REGS_MAX = 128
 
 
 def _regs(t: int, top_k: int, regs: bool | None) -> bool:
+    """Whether the route of t tokens' top_k takes the sort from registers: `regs` if given (within REGS_MAX
+    cells), else by REGS_PAIRS."""
     cells = max(2, triton.next_power_of_2(t)) * triton.next_power_of_2(top_k)
-    return cells <= REGS_PAIRS if regs is None else bool(regs)
+    if regs and cells > REGS_MAX:
+        raise ValueError(f"route: the sort from registers compares all {cells} (token, slot) cells "
+                         f"pairwise; it takes at most {REGS_MAX} (pass regs=None or False for {t} tokens of "
+                         f"top {top_k})")
+    return cells <= min(REGS_PAIRS, REGS_MAX) if regs is None else bool(regs)
 
 
 def _route_outputs(t: int, top_k: int, e: int, weight_dtype: torch.dtype, dev):
@@ -348,7 +363,7 @@ def route(logits: torch.Tensor, top_k: int, norm: bool, weight_dtype: torch.dtyp
 ROUTER_BES = 16  # experts per program of router_route (E 128: 8 per column slice)
 ROUTER_BH = 256  # hidden columns per step of its sums
 ROUTER_HC = 256  # hidden columns per program (H 2048: 8 column slices, 64 programs at E 128)
-ROUTER_WARPS = int(os.environ.get("FP4RL_MOE_ROUTER_WARPS", "4"))  # (another count: for A/B)
+ROUTER_WARPS = int(os.environ.get("FP4RL_MOE_ROUTER_WARPS", "4"))  # (FP4RL_MOE_ROUTER_WARPS=<n>: for A/B)
 _LOCKS: dict = {}  # router_route's counter per device (back to zero after every call)
 
 
