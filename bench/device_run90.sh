@@ -2,8 +2,8 @@
 # Prepared in the twenty-ninth session for the next one (not yet run). The MoE route's last program (router_route
 # at 1-8 tokens: 6.7 us a layer of Qwen3-30B-A3B's 2.18 ms batch-1 step, most of it the last program alone, 35%
 # of its stalls at CTA barriers in the sixteenth session's ncu) does its softmax and top-8 as shared-memory
-# reductions across 4 warps: ~37 barriers in the kernel's SASS at 4 warps, ~7-11 at 1 (static counts, compiled
-# offline for sm_90 with Triton 3.9; the device has 3.6). Mode a: the GPU route tests (the sort from registers, REGS, against the sort from idx), then
+# reductions across 4 warps: 52 barrier lines in the kernel's SASS at 4 warps, 15 at 1 (static counts at 1 token,
+# compiled offline for sm_90 with the device's Triton 3.6; bench/gpu_kernels.md, twenty-ninth session). Mode a: the GPU route tests (the sort from registers, REGS, against the sort from idx), then
 # `bench/moe_route_bench.py regs` (warps 1 / 2 / 4, REGS on / off, router_route and route at 1 / 8 tokens).
 # Mode b WARPS REGS: Qwen3-30B-A3B W4A16 at batch 1 / 8 in fresh processes, the defaults against
 # FP4RL_MOE_ROUTER_WARPS=WARPS with FP4RL_MOE_ROUTE_REGS=REGS (cells: 16 = 1-2 tokens of top-8, 0 = off;

@@ -305,7 +305,7 @@ KEYED_TOPK = os.environ.get("FP4RL_MOE_ROUTE_KEYED", "1") != "0"
 # The counting sort from the chosen ids as the route program holds them, all pairs compared at once, where the
 # (token, slot) tile has at most this many cells (0: always from idx in blocks of BQ pairs; the same outputs):
 # no round trip through idx (nor, in router_route with column slices, through the logits); its all-pairs
-# reductions may cost barriers of their own (offline SASS at 8 tokens of top-8: more than the sort from idx).
+# reductions have barriers of their own (offline SASS, Triton 3.6, sm_90: 81 against 70 at 8 tokens of top-8).
 # Off until timed on a GPU (`python3 bench/moe_route_bench.py regs`, twenty-ninth session): e.g.
 # FP4RL_MOE_ROUTE_REGS=16 takes it at 1-2 tokens of top-8. At most REGS_MAX cells (a cells^2 comparison).
 REGS_PAIRS = int(os.environ.get("FP4RL_MOE_ROUTE_REGS", "0"))
