@@ -1,4 +1,6 @@
 #!/bin/bash
+# Measured at commit 6cb48f1 (device_run91 a, thirtieth session): the fused add + RMSNorm was no faster at batch 1
+# and 26% slower at batch 8, and was taken out (bench/gpu_kernels.md, thirtieth session).
 # Thirtieth session. The residual add + RMSNorm before each MoE MLP inside its router's launch
 # (moe_route.add_rmsnorm_router_route, KernelMoeBlock.add_norm_routed_parts; FP4RL_MOE_ADD_NORM=0 turns it off)
 # and the route's sort from registers at 1-2 tokens (FP4RL_MOE_ROUTE_REGS=16; device_run90 a: router_route at

@@ -30,11 +30,9 @@ sampler's own model copy. What it changes, and what it computes:
   down's with SiLU * up inside at decode sizes) hands its expert outputs to the next residual add
   + RMSNorm, which does the weighted combine itself (`fused.add_rmsnorm(moe=)`; a shared expert's term is
   its h), up to COMBINE_MAX_TOKENS rows: four launches per MoE MLP (router GEMM, route, gate/up, down) where
-  the torch path takes ~20; where the router's GEMM runs in the route's launch, the residual add + RMSNorm
-  before the MLP runs there too (`KernelMoeBlock.add_norm_routed_parts`: add_rmsnorm's bits, one launch
-  fewer; with post-attention quantization it keeps its own launch)
+  the torch path takes ~20
   (`FUSED_COMBINE` / FP4RL_MOE_COMBINE=0, and gpu_experts' FUSED_ROUTER (up to ROUTER_MAX_TOKENS) /
-  FUSED_ADD_NORM / FUSED_GATHER, gemm.FUSED_SILU for A/B).
+  FUSED_GATHER, gemm.FUSED_SILU for A/B).
 - CUDA graphs: one graph per batch bucket (powers of two up to B_cap; and per TRACE guidance fraction,
   `set_guidance`: a guided step also records guidance, fp4rl/gpu_trace.py), captured on first use
   after an eager warm-up step on a side stream (Triton compiles and the GEMM tuner runs there,
@@ -409,22 +407,15 @@ class DecodeEngine:
                 h = self._attention(layer.self_attn, n[:, None], cos[:, None, None], sin[:, None, None], ctx,
                                     bb)[:, 0]
             norm = layer.post_attention_layernorm
-            fold = (p.gate_up is None and layer.is_moe and FUSED_COMBINE and bb <= COMBINE_MAX_TOKENS
-                    and isinstance(layer.mlp, KernelMoeBlock))
-            # the residual add + RMSNorm inside the router's launch where it runs there (the same bits)
-            added = layer.mlp.add_norm_routed_parts(x, h, norm) if fold and p.post_quant is None else None
-            if added is not None:
-                x, n, parts = added
-            else:
-                x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.post_quant,
-                                             write_y=p.post_quant is None or _records(p.gate_up))
+            x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.post_quant,
+                                         write_y=p.post_quant is None or _records(p.gate_up))
             if p.gate_up is not None:
                 a, aq = fused.silu_mul(p.gate_up.run(n, nq), quant=p.down.quant,
                                        write_y=p.down.quant is None or _records(p.down))
                 h = p.down.run(a, aq)  # [bb, H]
             elif layer.is_moe:
-                if added is None:
-                    parts = layer.mlp.routed_parts(n) if fold else None
+                fold = FUSED_COMBINE and bb <= COMBINE_MAX_TOKENS and isinstance(layer.mlp, KernelMoeBlock)
+                parts = layer.mlp.routed_parts(n) if fold else None
                 if parts is None:
                     h, experts = layer.mlp(n[:, None])  # experts [bb, 1, k]
                     chosen.append(experts)

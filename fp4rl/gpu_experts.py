@@ -203,10 +203,6 @@ FUSED_GATHER = os.environ.get("FP4RL_MOE_GATHER", "1") != "0"  # the grouped mma
 # 11.97 -> 11.89, batch 32 7.50 -> 8.59 / 21.51 -> 22.42 (hence the bound).
 FUSED_ROUTER = os.environ.get("FP4RL_MOE_ROUTER", "1") != "0"
 ROUTER_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_ROUTER_MAX", "8"))
-# The residual add + RMSNorm before an MoE layer inside its router's launch where the router runs there
-# (KernelMoeBlock.add_norm_routed_parts, the fused decode step; FP4RL_MOE_ADD_NORM=0: its own launch, for
-# A/B).
-FUSED_ADD_NORM = os.environ.get("FP4RL_MOE_ADD_NORM", "1") != "0"
 
 
 class KernelMoeBlock(SparseMoeBlock):
@@ -239,62 +235,25 @@ class KernelMoeBlock(SparseMoeBlock):
         take this call (then `routed` runs the torch route). The fused decode step folds the combine into the
         next residual add + RMSNorm (fused.add_rmsnorm(moe=))."""
         from fp4rl.kernels import moe_route
-
-        if not self._kernels_take(x, forced_experts):
-            return None
-        if self._router_fits(x):  # a plain bf16 router: its GEMM runs in the route kernel's launch
-            _, idx, w, rows, pos, offsets = moe_route.router_route(x, self.gate.weight, self.top_k,
-                                                                   self.norm_topk_prob, weight_dtype=x.dtype,
-                                                                   lock=self._lock(x.device))
-        else:
-            idx, w, rows, pos, offsets = moe_route.route(self.gate(x), self.top_k, self.norm_topk_prob,
-                                                         weight_dtype=x.dtype)
-        return self._experts(x, idx, w, rows, pos, offsets)
-
-    def add_norm_routed_parts(self, x: torch.Tensor, h: torch.Tensor, norm: nn.Module):
-        """The residual add + RMSNorm before this block (x' = x + h, y = norm(x'): fused.add_rmsnorm's bits)
-        inside the router's launch (moe_route.add_rmsnorm_router_route: one launch fewer per MoE layer), then
-        the routed experts as routed_parts(y): returns (x', y, routed_parts(y)), or None where that launch
-        does not take the call (FUSED_ADD_NORM off, the router not fused at this size, x / h / norm not as
-        the kernel needs): the caller then runs add_rmsnorm and routed_parts."""
-        from fp4rl.kernels import moe_route
-
-        w = getattr(norm, "weight", None)
-        if (not FUSED_ADD_NORM or not self._kernels_take(x, None) or not self._router_fits(x)
-                or not isinstance(getattr(norm, "eps", None), float) or w is None or w.ndim != 1
-                or w.shape[0] != x.shape[-1] or not w.is_contiguous() or w.device != x.device
-                or h.shape != x.shape or h.dtype != x.dtype or x.stride(-1) != 1 or h.stride(-1) != 1):
-            return None
-        xo, y, _, idx, tw, rows, pos, offsets = moe_route.add_rmsnorm_router_route(
-            x, h, w, norm.eps, self.gate.weight, self.top_k, self.norm_topk_prob, weight_dtype=x.dtype,
-            lock=self._lock(x.device))
-        return xo, y, self._experts(y, idx, tw, rows, pos, offsets)
-
-    def _kernels_take(self, x: torch.Tensor, forced_experts) -> bool:
-        """Whether the route / combine kernels take this call (else the torch route)."""
-        from fp4rl.kernels import moe_route
         from fp4rl.kernels._common import INTERPRET
 
-        return (FUSED_ROUTE and forced_experts is None and self.plan is not None
-                and x.dtype == KERNEL_DTYPE and (x.is_cuda or INTERPRET)
-                and moe_route.fits(x.shape[0], self.top_k, self.num_experts))
-
-    def _router_fits(self, x: torch.Tensor) -> bool:
-        """Whether the router's GEMM runs in the route's launch (a plain bf16 router; ROUTER_MAX_TOKENS)."""
-        gate = self.gate
-        return (FUSED_ROUTER and x.shape[0] <= ROUTER_MAX_TOKENS
-                and type(gate) in (nn.Linear, PrepackedLinear) and gate.bias is None
-                and gate.weight.dtype == x.dtype and gate.weight.stride(-1) == 1)
-
-    def _lock(self, device: torch.device) -> torch.Tensor:
-        lock = self._router_lock
-        if lock is None or lock.device != device:  # two samplers' blocks never share one
-            lock = self._router_lock = torch.zeros(1, dtype=torch.int32, device=device)
-        return lock
-
-    def _experts(self, x, idx, w, rows, pos, offsets):
-        """The grouped gate/up and down GEMMs of the routed pairs: (d, pos, w, experts), as routed_parts."""
         n = x.shape[0]
+        if (not FUSED_ROUTE or forced_experts is not None or self.plan is None or x.dtype != KERNEL_DTYPE
+                or not (x.is_cuda or INTERPRET) or not moe_route.fits(n, self.top_k, self.num_experts)):
+            return None
+        gate = self.gate  # a plain bf16 router: its GEMM runs in the route kernel's launch
+        if (FUSED_ROUTER and n <= ROUTER_MAX_TOKENS and type(gate) in (nn.Linear, PrepackedLinear)
+                and gate.bias is None
+                and gate.weight.dtype == x.dtype and gate.weight.stride(-1) == 1):
+            lock = self._router_lock
+            if lock is None or lock.device != x.device:  # two samplers' blocks never share one
+                lock = self._router_lock = torch.zeros(1, dtype=torch.int32, device=x.device)
+            _, idx, w, rows, pos, offsets = moe_route.router_route(x, gate.weight, self.top_k,
+                                                                   self.norm_topk_prob, weight_dtype=x.dtype,
+                                                                   lock=lock)
+        else:
+            idx, w, rows, pos, offsets = moe_route.route(gate(x), self.top_k, self.norm_topk_prob,
+                                                         weight_dtype=x.dtype)
         pairs = pos.view(n, self.top_k)  # the sorted row of each (token, slot): TRACE's guidance order
         if FUSED_GATHER:  # [n k, 2I]: x[rows], the sorted rows
             gu = self.plan.gate_up(x, offsets, tokens=n, rows=rows, pairs=pairs)

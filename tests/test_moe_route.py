@@ -153,52 +153,6 @@ def test_router_route_refuses_bad_operands():
                                torch.zeros(8, 32, dtype=torch.bfloat16, device=DEV), 8, True)
 
 
-@pytest.mark.parametrize("t,e,k,h,tile", [(1, 128, 8, 2048, {}), (8, 128, 8, 2048, {}), (3, 20, 4, 300, {}),
-                                          (5, 16, 2, 96, {"bh": 32, "hc": 64}),
-                                          (2, 60, 6, 512, {"hc": 4096})])
-def test_add_rmsnorm_router_route_is_add_rmsnorm_then_router_route(t, e, k, h, tile):
-    """The residual add + RMSNorm inside the router's launch: x' and y are add_rmsnorm's bits and the rest is
-    router_route of that y, for Qwen3-30B-A3B's router (H 2048, E 128, top 8) at 1 and 8 tokens, a width
-    that is no power of two, column slices, one slice; a NaN row stays in its row; x and h are left as they
-    were; the counter back at zero."""
-    from fp4rl.kernels import fused
-
-    g = torch.Generator().manual_seed(t * 31 + h)
-    x = torch.randn(t, h, generator=g).bfloat16().to(DEV)
-    hd = (torch.randn(t, h, generator=g) * 3).bfloat16().to(DEV)
-    if t > 2:
-        hd[2, 7] = float("nan")
-    nw = (torch.rand(h, generator=g) + 0.5).bfloat16().to(DEV)
-    wr = (torch.randn(e, h, generator=g) * 0.05).bfloat16().to(DEV)
-    x0, h0 = x.clone(), hd.clone()
-    for _ in range(2):
-        xo, y, *out = moe_route.add_rmsnorm_router_route(x, hd, nw, 1e-6, wr, k, True, **tile)
-        xo_ref, y_ref, _ = fused.add_rmsnorm(x, hd, nw, 1e-6)
-        ref = moe_route.router_route(y_ref, wr, k, True, **tile)
-        assert torch.equal(xo.nan_to_num(), xo_ref.nan_to_num()) and torch.equal(xo.isnan(), xo_ref.isnan())
-        assert torch.equal(y.nan_to_num(), y_ref.nan_to_num()) and torch.equal(y.isnan(), y_ref.isnan())
-        if t > 2:
-            assert y[2].isnan().all() and not y[[0, 1]].isnan().any()
-        for u, v in zip(out, ref):
-            assert torch.equal(u.nan_to_num(), v.nan_to_num()), "router_route of add_rmsnorm's y"
-    assert torch.equal(x.nan_to_num(), x0.nan_to_num()) and torch.equal(hd.nan_to_num(), h0.nan_to_num())
-    assert int(moe_route._LOCKS[x.device].item()) == 0
-
-
-def test_add_rmsnorm_router_route_refuses_bad_operands():
-    x = torch.zeros(2, 32, dtype=torch.bfloat16, device=DEV)
-    wr = torch.zeros(8, 32, dtype=torch.bfloat16, device=DEV)
-    nw = torch.ones(32, dtype=torch.bfloat16, device=DEV)
-    with pytest.raises(ValueError, match="h must be like x"):
-        moe_route.add_rmsnorm_router_route(x, x[:1], nw, 1e-6, wr, 2, True)
-    with pytest.raises(ValueError, match="h must be like x"):
-        moe_route.add_rmsnorm_router_route(x, x.float(), nw, 1e-6, wr, 2, True)
-    with pytest.raises(ValueError, match=r"contiguous \[32\] vector"):
-        moe_route.add_rmsnorm_router_route(x, x, nw[:16], 1e-6, wr, 2, True)
-    with pytest.raises(TypeError, match="bfloat16"):
-        moe_route.add_rmsnorm_router_route(x, x, nw, 1e-6, wr.float(), 2, True)
-
-
 def test_combine_is_the_weighted_sum_in_pair_order():
     t, k, h = 6, 4, 96
     lg = _logits(t, 16, seed=5)

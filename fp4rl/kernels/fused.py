@@ -159,22 +159,6 @@ def _residual(x_ptr, h_ptr, row, cols, mask, stride_x, stride_h, HAS_RES: tl.con
 
 
 @triton.jit
-def _row_rstd(x_ptr, h_ptr, row, K, stride_x, stride_h, inv_k, eps, HAS_RES: tl.constexpr,
-              md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk,
-              HAS_MOE: tl.constexpr, K_TOP: tl.constexpr, BC: tl.constexpr):
-    """1 / sqrt(mean(x'^2) + eps) of one row (x' as _residual), its squares summed over tiles of BC columns:
-    the same loop in every program that needs the row's rstd (add_rmsnorm's chunks,
-    moe_route.add_rmsnorm_router_route's programs), hence the same rstd, bit for bit, at the same warps."""
-    acc = tl.zeros((BC,), tl.float32)
-    for c0 in range(0, K, BC):
-        cols = c0 + tl.arange(0, BC)
-        xs = _residual(x_ptr, h_ptr, row, cols, cols < K, stride_x, stride_h, HAS_RES,
-                       md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk, HAS_MOE, K_TOP)
-        acc += xs * xs
-    return tl.math.rsqrt(tl.sum(acc, 0) * inv_k + eps)
-
-
-@triton.jit
 def _normed(x_ptr, h_ptr, w_ptr, row, cols, mask, stride_x, stride_h, rstd, HAS_RES: tl.constexpr,
             md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk,
             HAS_MOE: tl.constexpr, K_TOP: tl.constexpr):
@@ -243,8 +227,13 @@ def _add_rmsnorm_kernel(
         tlcuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    rstd = _row_rstd(x_ptr, h_ptr, row, K, stride_x, stride_h, inv_k, eps, HAS_RES,
-                     md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk, HAS_MOE, K_TOP, BC)
+    acc = tl.zeros((BC,), tl.float32)
+    for c0 in range(0, K, BC):  # the same loop in every program: the same rstd, bit for bit
+        cols = c0 + tl.arange(0, BC)
+        xs = _residual(x_ptr, h_ptr, row, cols, cols < K, stride_x, stride_h, HAS_RES,
+                       md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk, HAS_MOE, K_TOP)
+        acc += xs * xs
+    rstd = tl.math.rsqrt(tl.sum(acc, 0) * inv_k + eps)
     if QUANT:
         amax_acc = tl.zeros((BC,), tl.int32)
         for c0 in range(0, K, BC):
@@ -411,16 +400,6 @@ def _moe_args(moe, x: torch.Tensor):
     return d, pos, w, k
 
 
-def _stat_tile(k: int) -> int:
-    """The row statistics' tile width at K columns (it fixes the order of the sum of squares)."""
-    return max(16, min(4096, triton.next_power_of_2(k)))
-
-
-def _stat_warps(k: int) -> int:
-    """add_rmsnorm's warps at K columns (with the tile, the sum's order on a GPU)."""
-    return 4 if k <= 4096 else 8
-
-
 def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
                 quant: dict | None = None, write_y: bool = True, block: int | None = None,
                 chunk: int | None = None, moe: tuple | None = None):
@@ -453,7 +432,7 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, e
     xo = torch.empty_like(x) if (h is not None or moe is not None) else x
     y = torch.empty_like(x) if (write_y or quant is None) else x
     xq = _quant_out(r, k, x.device) if quant is not None else None
-    bc = block or _stat_tile(k)
+    bc = block or max(16, min(4096, triton.next_power_of_2(k)))  # the statistics' tile (fixes the sum order)
     ch, qbc = _chunk(k, r, _qbc(k, rule46, block), chunk)
     d, s, g = xq if xq is not None else (x, x, x)
     if r:
@@ -463,7 +442,7 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, e
             1.0 / k, eps,
             HAS_RES=h is not None, WRITE_Y=write_y or quant is None, QUANT=quant is not None,
             RULE46=rule46, MAE=mae, BC=bc, QBC=qbc, CH=ch, HAS_MOE=moe is not None, K_TOP=k_top,
-            num_warps=_stat_warps(k), enable_fp_fusion=False, **_launch_opts(x.device))
+            num_warps=4 if k <= 4096 else 8, enable_fp_fusion=False, **_launch_opts(x.device))
     if xq is not None:
         xq = (xq[0], xq[1].view(torch.float8_e4m3fn), xq[2])
     return xo, (y if write_y or quant is None else None), xq

@@ -36,16 +36,7 @@ import triton
 import triton.language as tl
 
 from fp4rl.kernels._common import COMPILED, INTERPRET, dot_acc
-from fp4rl.kernels.fused import (
-    _bf16,
-    _exp,
-    _launch_opts,
-    _libdevice_for,
-    _row_rstd,
-    _stat_tile,
-    _stat_warps,
-    tlcuda,
-)
+from fp4rl.kernels.fused import _bf16, _exp, _launch_opts, _libdevice_for, tlcuda
 
 # T * top_k of the one-program route (Qwen3-30B-A3B at 64 tokens: 512, measured up to there); larger batches
 # take the torch route (FP4RL_MOE_ROUTE_PAIRS=<pairs>: another bound, for measuring past it)
@@ -222,23 +213,17 @@ def _route_kernel(logit_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr, offs_ptr, T, E, 
 @triton.jit
 def _router_route_kernel(x_ptr, wr_ptr, logit_ptr, part_ptr, lock_ptr, idx_ptr, w_ptr, rows_ptr, pos_ptr,
                          offs_ptr, T, E, H, HC, stride_x, stride_wr,
-                         h_ptr, nw_ptr, xo_ptr, y_ptr, stride_h, stride_xo, stride_y, inv_h, eps,
                          K: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr,
                          BQ: tl.constexpr, BES: tl.constexpr, BH: tl.constexpr, SPLIT_H: tl.constexpr,
                          NORM: tl.constexpr, LIBDEVICE: tl.constexpr, W_BF16: tl.constexpr,
                          INTERP: tl.constexpr, KEYED: tl.constexpr, KP: tl.constexpr, REGS: tl.constexpr,
-                         ADD: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
+                         PDL: tl.constexpr):
     """Program (p, s): the router sums of experts [p BES, p BES + BES) over hidden columns [s HC, s HC + HC)
     for all T tokens (x [T, H] @ Wr.T, fp32 sums of exact bf16 products). One column slice (SPLIT_H 1): the
     logits, rounded once to bf16 as F.linear's output, published past L1. Several: the fp32 partial sums,
     published past L1, and the last program adds them up in slice order and rounds once. The last program to
     finish (a counter, reset by it) then routes all tokens from the logits (_route_body; REGS with several
-    slices: from its sums as it holds them, _route_tile).
-
-    ADD: the router's input is add_rmsnorm's y of x' = bf16(x + h): every program computes the rstd of its
-    tokens' rows over the whole row (fused._row_rstd, add_rmsnorm's loop and tile BC), then y of its own
-    columns (add_rmsnorm's arithmetic); the programs of expert slice 0 store x' and y of their columns (each
-    column by one program; x and h are only read, xo and y only written)."""
+    slices: from its sums as it holds them, _route_tile)."""
     if PDL:
         tlcuda.gdc_launch_dependents()
         tlcuda.gdc_wait()
@@ -251,31 +236,11 @@ def _router_route_kernel(x_ptr, wr_ptr, logit_ptr, part_ptr, lock_ptr, idx_ptr, 
         tt = t0 + tl.arange(0, 16)
         ttm = tt < T
         acc = tl.zeros((16, BES), tl.float32)
-        if ADD:  # each token's rstd, one row at a time as add_rmsnorm's programs compute it
-            rstd = tl.zeros((16,), tl.float32)
-            for tq in range(t0, tl.minimum(T, t0 + 16)):
-                row = tl.full((), 0, tl.int64) + tq
-                r = _row_rstd(x_ptr, h_ptr, row, H, stride_x, stride_h, inv_h, eps, True,
-                              x_ptr, x_ptr, x_ptr, 0, 0, 0, False, 1, BC)
-                rstd = tl.where(tt == tq, r, rstd)
         for h0 in range(sid * HC, h_end, BH):
             hh = h0 + tl.arange(0, BH)
             hm = hh < h_end
-            if ADD:
-                m2 = ttm[:, None] & hm[None, :]
-                t64 = tt[:, None].to(tl.int64)
-                xs = tl.load(x_ptr + t64 * stride_x + hh[None, :], mask=m2, other=0.0).to(tl.float32)
-                hv = tl.load(h_ptr + t64 * stride_h + hh[None, :], mask=m2, other=0.0).to(tl.float32)
-                xs = _bf16(xs + hv)
-                nw = tl.load(nw_ptr + hh, mask=hm, other=0.0).to(tl.float32)
-                y = _bf16(nw[None, :] * _bf16(xs * rstd[:, None]))  # add_rmsnorm's y
-                xt = y.to(x_ptr.dtype.element_ty)
-                if pid == 0:
-                    tl.store(xo_ptr + t64 * stride_xo + hh[None, :], xs.to(xo_ptr.dtype.element_ty), mask=m2)
-                    tl.store(y_ptr + t64 * stride_y + hh[None, :], xt, mask=m2)
-            else:
-                xt = tl.load(x_ptr + tt[:, None].to(tl.int64) * stride_x + hh[None, :],
-                             mask=ttm[:, None] & hm[None, :], other=0.0)
+            xt = tl.load(x_ptr + tt[:, None].to(tl.int64) * stride_x + hh[None, :],
+                         mask=ttm[:, None] & hm[None, :], other=0.0)
             wt = tl.load(wr_ptr + ex[:, None].to(tl.int64) * stride_wr + hh[None, :],
                          mask=exm[:, None] & hm[None, :], other=0.0)
             acc = dot_acc(xt, tl.trans(wt), acc, INTERP)
@@ -405,8 +370,7 @@ _LOCKS: dict = {}  # router_route's counter per device (back to zero after every
 def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: bool,
                  weight_dtype: torch.dtype | None = None, *, num_warps: int | None = None,
                  bes: int | None = None, bh: int | None = None, hc: int | None = None,
-                 lock: torch.Tensor | None = None, keyed: bool | None = None, regs: bool | None = None,
-                 add: tuple | None = None):
+                 lock: torch.Tensor | None = None, keyed: bool | None = None, regs: bool | None = None):
     """The router and the route in one launch: logits = x [T, H] @ gate_weight [E, H].T (bfloat16, as
     F.linear's output: fp32 sums of the exact products in another order than cuBLAS, so a logit can differ in
     its last bf16 bit), then `route(logits, ...)` by the grid's last program. Returns (logits [T, E], idx, w,
@@ -415,7 +379,7 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
     columns per step), hc (hidden columns per program, a multiple of bh; >= H: one slice): tuning
     (bench/moe_route_bench.py). No host sync. lock: the int32 [1] zero counter the grid's programs count on
     (back to zero after each call); calls that may run concurrently (two streams) need their own. Default: one
-    per device. keyed, regs: as `route`'s. add = (h, norm_weight, eps): see add_rmsnorm_router_route."""
+    per device. keyed, regs: as `route`'s."""
     if x.ndim != 2 or gate_weight.ndim != 2 or x.shape[1] != gate_weight.shape[1]:
         raise ValueError(f"router_route: x must be [T, H] and gate_weight [E, H], got {tuple(x.shape)} and "
                          f"{tuple(gate_weight.shape)}")
@@ -444,11 +408,6 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
         raise ValueError(f"router_route: lock must be an int32 [1] counter on {dev}, got {lock.dtype} "
                          f"{tuple(lock.shape)} on {lock.device}")
     split = triton.cdiv(h, hc)
-    if add is None:
-        hx, nw, xo, y, eps = x, x, x, x, 0.0
-    else:
-        hx, nw, eps = add
-        xo, y = torch.empty_like(x), torch.empty_like(x)
     logits = torch.empty(t, e, dtype=torch.bfloat16, device=dev)
     # the column slices' fp32 sums (one slice: unused, the kernel stores bf16 logits directly)
     part = torch.empty((split, t, e) if split > 1 else (1,), dtype=torch.float32, device=dev)
@@ -456,39 +415,14 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
     bq = 16 if INTERPRET else ROUTE_BQ
     COMPILED["moe router+route"] = _router_route_kernel[(triton.cdiv(e, bes), split)](
         x, gate_weight, logits, part, lock, idx, w, rows, pos, offsets, t, e, h, hc, x.stride(0),
-        gate_weight.stride(0), hx, nw, xo, y, hx.stride(0), xo.stride(0), y.stride(0), 1.0 / h, eps,
+        gate_weight.stride(0),
         K=top_k, BT=max(2, triton.next_power_of_2(t)), BE=max(16, triton.next_power_of_2(e)),
         BP=max(16, triton.next_power_of_2(t * top_k)), BQ=bq, BES=bes, BH=bh, SPLIT_H=split, NORM=bool(norm),
         LIBDEVICE=_libdevice_for(dev), W_BF16=w.dtype == torch.bfloat16, INTERP=INTERPRET,
         KEYED=KEYED_TOPK if keyed is None else bool(keyed), KP=triton.next_power_of_2(top_k),
-        REGS=_regs(t, top_k, regs), ADD=add is not None, BC=_stat_tile(h),
-        num_warps=num_warps or (_stat_warps(h) if add is not None else ROUTER_WARPS),
-        enable_fp_fusion=False, **_launch_opts(dev))
-    out = (logits, idx, w, rows, pos, offsets)
-    return out if add is None else (xo, y, *out)
-
-
-def add_rmsnorm_router_route(x: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                             gate_weight: torch.Tensor, top_k: int, norm: bool,
-                             weight_dtype: torch.dtype | None = None, *, lock: torch.Tensor | None = None,
-                             **tuning):
-    """fused.add_rmsnorm(x, h, norm_weight, eps) and router_route of its y in one launch (the residual add +
-    RMSNorm before an MoE layer's router, at decode sizes): returns (x' = x + h, y = RMSNorm(x') *
-    norm_weight, logits, idx, w, rows, pos, offsets). x' and y are add_rmsnorm's bits (the same row loop for
-    the sum of squares, at its tile and, by default, its warps: pass num_warps only for timing, since the
-    sum's order on a GPU follows the warps), the rest router_route's of y. x, h [T, H] bfloat16 with unit
-    column stride; norm_weight the RMSNorm's contiguous [H] vector. tuning: router_route's keywords."""
-    if h.shape != x.shape or h.dtype != x.dtype or h.device != x.device or h.stride(-1) != 1:
-        raise ValueError(f"add_rmsnorm_router_route: h must be like x ({tuple(x.shape)} {x.dtype} on "
-                         f"{x.device}, unit column stride), got {tuple(h.shape)} {h.dtype} on {h.device} "
-                         f"strides {h.stride()}")
-    hd = x.shape[-1]
-    if norm_weight.numel() != hd or not norm_weight.is_contiguous() or norm_weight.device != x.device:
-        raise ValueError(f"add_rmsnorm_router_route: norm_weight must be the RMSNorm's contiguous "
-                         f"[{hd}] vector on {x.device}, got {tuple(norm_weight.shape)} on "
-                         f"{norm_weight.device}")
-    return router_route(x, gate_weight, top_k, norm, weight_dtype, lock=lock,
-                        add=(h, norm_weight, float(eps)), **tuning)
+        REGS=_regs(t, top_k, regs), num_warps=num_warps or ROUTER_WARPS, enable_fp_fusion=False,
+        **_launch_opts(dev))
+    return logits, idx, w, rows, pos, offsets
 
 
 def combine(d: torch.Tensor, pos: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
