@@ -68,3 +68,29 @@ def test_bad_settings_stop_the_run_before_any_model_is_built(argv, message):
     """--profile-kv names KV formats, --dense-rows row counts: a typo stops the run before any build."""
     with pytest.raises(SystemExit, match=message):
         sampler_gpu.run(_args(*argv))
+
+
+def test_chain_advance_splits_an_overlapping_chain():
+    """Graph-replay kernels that overlap (PDL): each kernel's advance is how far it moves the latest end, gaps
+    are the idle time before a kernel; advances + gaps add up to the span, per step."""
+    from fp4rl.benchmarks.decode_timing import chain_advance
+
+    # two steps of: a [0, 10), b [8, 15) overlaps a's tail, c [20, 22) after 5 us idle, d [16, 18) inside
+    # nothing but after b (gap 1), e [9, 12) wholly inside a and b (advance 0)
+    step = [(0, 10, "a"), (8, 15, "b"), (15 + 1, 18, "d"), (20, 22, "c"), (9, 12, "e")]
+    kernels = step + [(s + 100, e + 100, n) for s, e, n in reversed(step)]
+    out = chain_advance(kernels, steps=2)
+    top = {k["name"]: k for k in out["top"]}
+    assert top["a"]["advance_us_per_step"] == 10 and top["b"]["advance_us_per_step"] == 5
+    assert top["e"]["advance_us_per_step"] == 0 and top["e"]["us_per_step"] == 3
+    assert top["d"]["gap_us_per_step"] == 1 and top["d"]["advance_us_per_step"] == 2
+    assert top["c"]["gap_us_per_step"] == 2 and top["c"]["advance_us_per_step"] == 2
+    # the span runs from the first start to the last end (122 us over 2 steps); idle: 1 + 2 per step and the
+    # 78 us between the steps
+    assert out["span_us"] == 61 and out["idle_us"] == (2 * 3 + 78) / 2
+    assert out["busy_us"] == sum(k["advance_us_per_step"] for k in out["top"]) == 19
+    assert [k["name"] for k in out["top"]][:2] == ["a", "b"] and top["a"]["calls_per_step"] == 1
+    with pytest.raises(ValueError, match="ends"):
+        chain_advance([(5, 4, "x")], steps=1)
+    with pytest.raises(ValueError, match="steps"):
+        chain_advance(step, steps=0)

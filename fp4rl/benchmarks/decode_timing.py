@@ -132,6 +132,65 @@ def profile_split(sampler, batch: int, steps: int = 10, top_kernels: int = 12) -
             "split_ms": {k: v / 1e3 for k, v in sorted(split.items(), key=lambda kv: -kv[1])}, "top": top}
 
 
+def chain_advance(kernels, steps: int, top: int = 12) -> dict:
+    """Where a chain of kernels spends its time when they overlap (PDL, streams): kernels = [(start_us,
+    end_us, name)] in any order. Sorted by start, each kernel's `advance` is how far it moves the latest end
+    seen so far (its share of the span: the advances add up to the span less the idle gaps), its `gap` the
+    idle time between that latest end and its start (0 when it overlaps), and its duration its own. Returns
+    {"span_us", "busy_us", "idle_us"} per step and `top` kernel names by advance per step, each with its
+    calls, duration, advance and gap per step."""
+    if steps < 1:
+        raise ValueError(f"chain_advance: steps must be >= 1, got {steps}")
+    per: dict[str, list[float]] = {}
+    last = None
+    first = None
+    idle = 0.0
+    for start, end, name in sorted(kernels):
+        if end < start:
+            raise ValueError(f"chain_advance: kernel {name!r} ends ({end}) before it starts ({start})")
+        first = start if first is None else first
+        gap = 0.0 if last is None else max(0.0, start - last)
+        advance = end - start if last is None else max(0.0, end - max(last, start))
+        idle += gap
+        last = end if last is None else max(last, end)
+        acc = per.setdefault(name, [0, 0.0, 0.0, 0.0])
+        acc[0] += 1
+        acc[1] += end - start
+        acc[2] += advance
+        acc[3] += gap
+    span = 0.0 if last is None else last - first
+    ranked = sorted(per.items(), key=lambda kv: -kv[1][2])[:top]
+    return {"span_us": span / steps, "busy_us": (span - idle) / steps, "idle_us": idle / steps,
+            "top": [{"name": name[:120], "calls_per_step": c / steps, "us_per_step": d / steps,
+                     "advance_us_per_step": a / steps, "gap_us_per_step": g / steps}
+                    for name, (c, d, a, g) in ranked]}
+
+
+def replay_chain(sampler, batch: int, steps: int = 10) -> dict:
+    """chain_advance over `steps` graph replays of the engine's decode step for this batch (the kernels as the
+    sampler runs them, PDL overlaps included; profile_split's are eager): which kernels the step waits on."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = sampler.engine
+    bucket = min(1 << max(0, (batch - 1).bit_length()), eng.static.batch_size)
+    entry = eng.graphs.get(eng.graph_key(bucket))
+    if entry is None:
+        raise RuntimeError(f"replay_chain: no captured graph for batch bucket {bucket} (generate at this "
+                           "batch with graphs on first)")
+    graph = entry[0]
+    graph.replay()
+    _sync(sampler.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+        _sync(sampler.device)
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+               if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        raise RuntimeError("replay_chain: the profiler saw no kernel of the graph replays")
+    return chain_advance(kernels, steps)
+
+
 class _NoReplay:
     """Stands in for a captured graph: replay() does nothing (host_split's host-only steps)."""
 
