@@ -266,7 +266,7 @@ class DecodeEngine:
         self.starts[:b].copy_(slots - mask.sum(-1))
         self.lengths.fill_(slots)
         self.slot.fill_(slots - 1)
-        bucket = min(_pow2(b), self.static.batch_size)
+        bucket = self.bucket(b)
         key = self.graph_key(bucket)
         out = None
         if self.graphs_enabled and self.graph_error is None:
@@ -281,6 +281,10 @@ class DecodeEngine:
         logits, chosen, guidance = out
         self._step_guidance = None if guidance is None else (*guidance, b)
         return logits[:b], None if chosen is None else chosen[:, :b]
+
+    def bucket(self, batch: int) -> int:
+        """The rows a step of `batch` rows runs on: next power of two, at most the static buffers' rows."""
+        return min(_pow2(batch), self.static.batch_size)
 
     def graph_key(self, bucket: int) -> tuple:
         """The key of `graphs` for a batch bucket: a guided step records guidance, a graph of its own."""

@@ -55,7 +55,7 @@ def replay_us(sampler, batch: int, n: int = 20):
     eng = sampler.engine
     if eng is None or not eng.graphs or sampler.device.type != "cuda":
         return None
-    bucket = min(1 << max(0, (batch - 1).bit_length()), eng.static.batch_size)
+    bucket = eng.bucket(batch)
     if eng.graph_key(bucket) not in eng.graphs:
         return None
     graph = eng.graphs[eng.graph_key(bucket)][0]
@@ -101,11 +101,12 @@ def profile_split(sampler, batch: int, steps: int = 10, top_kernels: int = 12) -
     """CUDA kernel time by family of the engine's decode step for this batch, run eagerly `steps`
     times on the static buffers of the last generate (the kernels a graph replay runs; eager so
     that every kernel is visible to the profiler whatever it does with graphs); `top`: the
-    `top_kernels` kernels that take the most time, with their calls per step."""
+    `top_kernels` kernels that take the most time, with their calls per step; `chain`: replay_chain's
+    split of the graph replay (or its error)."""
     from torch.profiler import ProfilerActivity, profile
 
     eng = sampler.engine
-    bucket = min(1 << max(0, (batch - 1).bit_length()), eng.static.batch_size)
+    bucket = eng.bucket(batch)
     with torch.inference_mode():
         eng._step(bucket)
         _sync(sampler.device)
@@ -128,8 +129,13 @@ def profile_split(sampler, batch: int, steps: int = 10, top_kernels: int = 12) -
     total = sum(split.values())
     top = [{"name": name[:120], "us_per_step": us / steps, "calls_per_step": count / steps}
            for us, count, name in sorted(kernels, reverse=True)[:top_kernels]]
+    try:  # the graph replay's chain: which kernels the step waits on (PDL overlaps included)
+        chain = replay_chain(sampler, batch, steps)
+    except Exception as exc:  # noqa: BLE001 - the eager split stands without it
+        chain = {"error": repr(exc)[:300]}
     return {"eager_wall_ms": wall * 1e3, "kernel_ms": total / 1e3, "steps": steps,
-            "split_ms": {k: v / 1e3 for k, v in sorted(split.items(), key=lambda kv: -kv[1])}, "top": top}
+            "split_ms": {k: v / 1e3 for k, v in sorted(split.items(), key=lambda kv: -kv[1])}, "top": top,
+            "chain": chain}
 
 
 def chain_advance(kernels, steps: int, top: int = 12) -> dict:
@@ -142,23 +148,22 @@ def chain_advance(kernels, steps: int, top: int = 12) -> dict:
     if steps < 1:
         raise ValueError(f"chain_advance: steps must be >= 1, got {steps}")
     per: dict[str, list[float]] = {}
-    last = None
-    first = None
+    kernels = sorted(kernels)
+    first = last = kernels[0][0] if kernels else 0.0
     idle = 0.0
-    for start, end, name in sorted(kernels):
+    for start, end, name in kernels:
         if end < start:
             raise ValueError(f"chain_advance: kernel {name!r} ends ({end}) before it starts ({start})")
-        first = start if first is None else first
-        gap = 0.0 if last is None else max(0.0, start - last)
-        advance = end - start if last is None else max(0.0, end - max(last, start))
+        gap = max(0.0, start - last)
+        advance = max(0.0, end - max(last, start))
         idle += gap
-        last = end if last is None else max(last, end)
+        last = max(last, end)
         acc = per.setdefault(name, [0, 0.0, 0.0, 0.0])
         acc[0] += 1
         acc[1] += end - start
         acc[2] += advance
         acc[3] += gap
-    span = 0.0 if last is None else last - first
+    span = last - first
     ranked = sorted(per.items(), key=lambda kv: -kv[1][2])[:top]
     return {"span_us": span / steps, "busy_us": (span - idle) / steps, "idle_us": idle / steps,
             "top": [{"name": name[:120], "calls_per_step": c / steps, "us_per_step": d / steps,
@@ -172,7 +177,7 @@ def replay_chain(sampler, batch: int, steps: int = 10) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     eng = sampler.engine
-    bucket = min(1 << max(0, (batch - 1).bit_length()), eng.static.batch_size)
+    bucket = eng.bucket(batch)
     entry = eng.graphs.get(eng.graph_key(bucket))
     if entry is None:
         raise RuntimeError(f"replay_chain: no captured graph for batch bucket {bucket} (generate at this "
@@ -229,7 +234,7 @@ def host_split(sampler, prompts, n1: int, n2: int, top_ops: int = 15) -> dict:
     tokens, the difference over n2 - n1: prefill and setup cancel out)."""
     eng = sampler.engine
     batch = len(prompts)
-    bucket = min(1 << max(0, (batch - 1).bit_length()), eng.static.batch_size)
+    bucket = eng.bucket(batch)
     key = eng.graph_key(bucket)
     if key not in eng.graphs or eng.graph_error is not None or not eng.graphs_enabled:
         return {"error": f"no graph in use for bucket {bucket} ({eng.graph_error or 'not captured'})"}

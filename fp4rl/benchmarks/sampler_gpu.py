@@ -50,7 +50,6 @@ from fp4rl.benchmarks.decode_timing import (
     graph_check,
     host_split,
     profile_split,
-    replay_chain,
     replay_us,
     timed_generate,
 )
@@ -374,10 +373,6 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
         if kv in prof_kvs and batch in prof_batches and device.type == "cuda":
             try:
                 split = profile_split(sampler, batch)
-                try:  # the graph replay's chain: which kernels the step waits on (PDL overlaps included)
-                    split["chain"] = replay_chain(sampler, batch)
-                except Exception as exc:  # noqa: BLE001
-                    split["chain"] = {"error": repr(exc)[:300]}
                 results["profiles"].append({**head, "kv": kv, "batch": batch, **split})
             except Exception as exc:  # noqa: BLE001
                 results["profiles"].append({**head, "batch": batch, "error": repr(exc)[:300]})
