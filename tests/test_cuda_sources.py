@@ -54,6 +54,20 @@ def _compile(src: str, arch: str) -> tuple[int, str]:
     return rc, log.value.decode(errors="replace")
 
 
+def _ptx(src: str, arch: str) -> str:
+    """The PTX NVRTC makes of src for arch's virtual architecture."""
+    prog = ctypes.c_void_p()
+    assert LIB.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"k.cu", 0, None, None) == 0
+    opts = [f"--gpu-architecture={arch.replace('sm_', 'compute_')}".encode(), b"-std=c++17"]
+    assert LIB.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) == 0
+    n = ctypes.c_size_t()
+    LIB.nvrtcGetPTXSize(prog, ctypes.byref(n))
+    ptx = ctypes.create_string_buffer(n.value)
+    LIB.nvrtcGetPTX(prog, ptx)
+    LIB.nvrtcDestroyProgram(ctypes.byref(prog))
+    return ptx.value.decode(errors="replace")
+
+
 def spills(log: str) -> dict[str, tuple[int, int]]:
     """Per function: (spill store bytes, spill load bytes)."""
     pat = (r"Function properties for (\w+)\s*\n\s*ptxas\s+\.\s+\d+ bytes stack frame, "
@@ -130,6 +144,27 @@ def test_gemm_kernel_compiles_without_spills_or_serialized_wgmma(name, cfg, arch
         assert "C7515" not in log, f"{name}: ptxas serialized the wgmma pipeline:\n{log[:2000]}"
         for fn, (stores, loads) in spills(log).items():
             assert stores == 0 and loads == 0, f"{name} {cfg}: {fn} spills {stores} B / loads {loads} B"
+
+
+@pytest.mark.parametrize("name,cfg,grouped,arch", [
+    ("one row, in-CTA split", gemv_cuda.in_cta_split(gemv_cuda.choose(5120, 2048, 1, 132), 2048, 1), False,
+     "sm_90"),
+    ("8 rows, cluster split", gemv_cuda.choose(5120, 2048, 8, 132), False, "sm_90"),
+    ("grouped silu", {**gemv_cuda.choose_grouped(2048, 768, 8, 132), "SILU": 1}, True, "sm_90"),
+    ("wgmma", gemv_cuda.choose_wide(4096, 4096, 64, 132), False, "sm_90a"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_stamped_builds_compile_and_read_the_global_timer(name, cfg, grouped, arch):
+    """The diagnostics build (fp4rl.benchmarks.stamps: STAMP_BUF) compiles on every exit path without spills,
+    and only it reads %globaltimer."""
+    plain = gemv_cuda.source(cfg, False, False, grouped)
+    assert "STAMP_BUF" not in plain.split("\n", 1)[0]
+    log = compile_log("#define STAMP_BUF 0x7f0000000000ull\n" + plain, arch)
+    for fn, (stores, loads) in spills(log).items():
+        assert stores == 0 and loads == 0, f"{name} stamped: {fn} spills {stores} B / loads {loads} B"
+    stamped = _ptx("#define STAMP_BUF 0x7f0000000000ull\n" + plain, arch)
+    assert "%globaltimer" not in _ptx(plain, arch)
+    assert stamped.count("%globaltimer") >= 5, f"{name}: a stamp at each of five points expected"
+    assert "atom.add.u64" in stamped, f"{name}: the record's slot is taken by an atomic"
 
 
 def test_gather_needs_grouped_w4a16():

@@ -127,6 +127,9 @@ def add_arguments(parser):
                         "second BF16 copy) is built and measured; auto: when two copies would not fit the "
                         "free GPU memory (a full-depth Qwen3-30B-A3B: 2 x 61 GB); on: always, and after an "
                         "NVFP4 sampler's build too (long contexts at large batch: room for the KV cache)")
+    parser.add_argument("--mma16-stamps", action="store_true", help="diagnostics: the CUDA mma16 GEMMs stamp "
+                        "their CTAs' progress in the graph (fp4rl.benchmarks.stamps), reported with each "
+                        "profiled row ('stamps'); slows them a little, so time the rows without it")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None, help="JSON results (rewritten after every row)")
 
@@ -373,6 +376,10 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
         if kv in prof_kvs and batch in prof_batches and device.type == "cuda":
             try:
                 split = profile_split(sampler, batch)
+                if args.mma16_stamps:
+                    from fp4rl.benchmarks import stamps
+
+                    split["stamps"] = stamps.replay(sampler, batch)
                 results["profiles"].append({**head, "kv": kv, "batch": batch, **split})
             except Exception as exc:  # noqa: BLE001
                 results["profiles"].append({**head, "batch": batch, "error": repr(exc)[:300]})
@@ -418,12 +425,17 @@ def run(args) -> int:
         print("sampler_gpu needs a CUDA GPU (or --device cpu with TRITON_INTERPRET=1 for a smoke test)")
         return 1
     gpu_linear.TUNE = args.tune
+    if args.mma16_stamps and device.type == "cuda":
+        from fp4rl.benchmarks import stamps
+
+        stamps.enable(device)
     env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "device": str(device),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "cuda": torch.version.cuda, "tune": args.tune, "graphs": not args.no_graphs,
            "prompt": args.prompt, "tokens": args.tokens, "fusion": args.fusion, "pdl": args.pdl,
-           "k_split": args.k_split, "kv_write": args.kv_write, "lm_head": args.lm_head}
+           "k_split": args.k_split, "kv_write": args.kv_write, "lm_head": args.lm_head,
+           "mma16_stamps": args.mma16_stamps}
     env["copy_bw"] = copy_bandwidth(device) if device.type == "cuda" else None
     results = {"env": env, "rows": [], "profiles": [], "checks": [], "builds": [], "errors": []}
 

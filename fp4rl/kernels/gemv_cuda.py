@@ -47,6 +47,9 @@ TRIGGER = int(os.environ.get("FP4RL_MMA16_TRIGGER", "2"))
 # experts' chunks): FP4RL_MMA16_KW=0 keeps the cluster (measured in bench/RESULTS.md, fifteenth session)
 IN_CTA_SPLIT = os.environ.get("FP4RL_MMA16_KW", "1") != "0"
 _TWO_POW_118 = 2.0 ** 118
+# device index -> the int64 buffer that kernels compiled there append their in-kernel stamps to (diagnostics
+# only, empty unless fp4rl.benchmarks.stamps.enable put one there; gemv_mma16.cu: STAMP_BUF)
+STAMPS: dict = {}
 
 
 def available(device=None) -> bool:
@@ -375,6 +378,8 @@ def _kernel(key: tuple, device_index: int):
     device's context)."""
     cfg = dict(key[:-3])
     src = source(cfg, *key[-3:])
+    if device_index in STAMPS:  # diagnostics (fp4rl.benchmarks.stamps): every CTA appends its stamps there
+        src = f"#define STAMP_BUF {STAMPS[device_index].data_ptr():#x}ull\n" + src
     with torch.cuda.device(device_index):
         if cfg.get("WGMMA"):  # wgmma needs the arch-specific target
             major, minor = torch.cuda.get_device_capability(device_index)

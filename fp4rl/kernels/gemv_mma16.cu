@@ -136,6 +136,22 @@ typedef unsigned long long u64;
 #ifndef TIMING
 #define TIMING 0  // timing-only variants (wrong results): 1 no x staging, 2 no unpack/MMA
 #endif
+// STAMP_BUF (diagnostics only, gemv_cuda.stamp_buffer; never in a normal build): thread 0 of every CTA records
+// %globaltimer at its start, after griddepcontrol.wait, once x is staged, after its weight stream and before it
+// leaves, and appends one record of 8 u64 to the buffer at STAMP_BUF (u64 [0] = records taken; gemv_cuda.stamps
+// decodes them): where a decode GEMM's time goes inside the CUDA graph, PDL overlaps included.
+#ifdef STAMP_BUF
+#define STAMP(i)                                                                          \
+    if (threadIdx.x == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(stamp_t[i]) :: "memory")
+#define STAMP_EXIT()                                                                      \
+    do {                                                                                  \
+        STAMP(4);                                                                         \
+        if (threadIdx.x == 0) stamp_write(stamp_t, stamp_c0, N, K, M);                    \
+    } while (0)
+#else
+#define STAMP(i)
+#define STAMP_EXIT()
+#endif
 #define TW (WARPS / KW)  // warps per k range: TW x NT n-tiles per CTA
 #define NB (TW * NT * 16)
 #define XROWS (8 * MG)
@@ -294,12 +310,34 @@ __device__ __forceinline__ uint4 silu_up8(const uint4& g, const uint4& u) {
 }
 #endif
 
+#ifdef STAMP_BUF
+#define STAMP_SLOTS 524288  // fp4rl.benchmarks.stamps.SLOTS
+__device__ __noinline__ void stamp_write(const u64* t, long long c0, int N, int K, int M) {
+    u64* buf = reinterpret_cast<u64*>(STAMP_BUF);
+    const u64 slot = atomicAdd(buf, 1ull);
+    if (slot >= STAMP_SLOTS) return;
+    u32 smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    u64* r = buf + 8 + slot * 8;
+    for (int i = 0; i < 5; ++i) r[i] = t[i];
+    r[5] = (u64)(u32)N | ((u64)(u32)K << 32);
+    r[6] = (u64)blockIdx.x | ((u64)blockIdx.y << 16) | ((u64)blockIdx.z << 32) | ((u64)smid << 48);
+    r[7] = (u64)(u32)M | ((u64)GROUPED << 16) | ((u64)SPLIT << 20) | ((u64)KW << 24)
+           | ((u64)(u32)(clock64() - c0) << 32);
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32) CLUSTER
 w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4* __restrict__ st,
             const float* __restrict__ wg, const float* __restrict__ xg, u16* __restrict__ y, int M, int N,
             int K, int stride_xm, int stride_ym, const int* __restrict__ offs, int E,
             const int* __restrict__ xrows) {
     extern __shared__ __align__(16) unsigned char smem[];
+#ifdef STAMP_BUF
+    u64 stamp_t[5] = {0, 0, 0, 0, 0};
+    const long long stamp_c0 = clock64();
+#endif
+    STAMP(0);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int S = K >> 7;                    // 128-k steps
     const int per = (S + SPLIT - 1) / SPLIT;  // steps per split
@@ -328,6 +366,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // (any number of rows per expert: more chunks); slots past the last chunk exit. wt / st / wg are stacks
     // over experts ([E][N/16]... tiles; wg [E][N] or [E]).
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    STAMP(1);
     // slot z -> (expert, chunk of 8 MG rows): expert i owns ceil(rows_i / XROWS) consecutive slots
     int ex = -1, chunk = 0;
     for (int b = 0, seen = 0; b < E; b += 32) {  // warp-uniform: every warp finds the same expert
@@ -541,6 +580,9 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     const float gs_early = (WG_ROW || !GSE) ? 0.f : wg[0] * 256.f;
     // PDL: the first DEPTH weight steps above do not depend on the previous kernel; x (its output) does
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#if !GROUPED
+    STAMP(1);
+#endif
 #if XSTREAM
     // (ASH: x one step less ahead; after the weights' group, group d + 1 = x step d)
 #pragma unroll
@@ -586,6 +628,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     cp_async_wait<0>();
     __syncthreads();
 #endif
+    STAMP(2);
 
     // ldmatrix.x4 row addresses: matrix j = x rows 8 mg + (lane & 7) (the zero row past M) x k [8j, 8j+8):
     // b0, b1 of the block at k, b0, b1 of the block at k + 16
@@ -786,6 +829,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     acc_fence(&acc[0][0][0]);
 #endif
     cp_async_wait<0>();  // no copy may still be in flight when shared memory is reused below
+    STAMP(3);
     if (TRIGGER == 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #if !WGMMA
 #pragma unroll
@@ -835,6 +879,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                 y[(u64)m * stride_ym + n] = (u16)(f2_to_bf16x2(p[0] * gg, 0.f) & 0xFFFFu);
             }
         }
+        STAMP_EXIT();
         return;
     }
 #endif
@@ -857,6 +902,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                 }
             }
         }
+        STAMP_EXIT();
         return;
     }
 #if SPLIT > 1
@@ -920,5 +966,6 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     }
     // nobody leaves while another CTA of the cluster may still read its shared memory
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    STAMP_EXIT();
 #endif
 }

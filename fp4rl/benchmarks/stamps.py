@@ -1,0 +1,183 @@
+"""In-kernel timestamps of the CUDA mma16 GEMMs inside a decode step's graph replay (diagnostics, bench only).
+
+``enable(device)`` makes every mma16 kernel compiled there from then on stamp %globaltimer in thread 0 of each
+CTA at five points (gemv_mma16.cu, STAMP_BUF): its start (the CTA became resident: under programmatic
+dependent launch, possibly long before the previous kernel ends), after griddepcontrol.wait (the previous
+kernel's results are visible), once x is staged, after its weight stream and before it leaves. ``replay``
+replays a sampler's captured decode step with the stamps on, and ``summary`` turns the records into where a
+GEMM's time goes in the graph as the sampler runs it: from its release to x, to the end of the stream and to
+its last CTA's exit, and the gap from the previous mma16 launch's last exit to its release (which holds the
+kernels between them and the hand-offs from one grid to the next). Each CTA then does one atomic and 64 bytes
+of stores more, so time a step without stamps for its speed.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from fp4rl.kernels import gemv_cuda
+
+SLOTS = 524288  # records the buffer holds (gemv_mma16.cu: STAMP_SLOTS; 32 MB)
+FIELDS = ("start", "wait", "x", "stream", "exit")  # a record's %globaltimer stamps, ns
+# the CTAs of one launch pass their wait within this of its first (launches of one kind: a layer apart)
+GAP_NS = 10_000
+
+
+def _index(device) -> int:
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"the mma16 stamps need a CUDA device, got {dev}")
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+def enable(device) -> None:
+    """Stamps on for the mma16 kernels compiled on `device` from now on. Compiled kernels are dropped so that
+    the next launches rebuild with the stamps: enable before a sampler captures its graphs."""
+    dev = _index(device)
+    if dev not in gemv_cuda.STAMPS:
+        gemv_cuda.STAMPS[dev] = torch.zeros(8 + 8 * SLOTS, dtype=torch.int64,
+                                            device=torch.device("cuda", dev))
+    gemv_cuda._kernel.cache_clear()
+    gemv_cuda._SMEM_SET.clear()
+
+
+def disable(device) -> None:
+    """Stamps off again for `device`: the kernels compiled from now on are the plain builds."""
+    gemv_cuda.STAMPS.pop(_index(device), None)
+    gemv_cuda._kernel.cache_clear()
+    gemv_cuda._SMEM_SET.clear()
+
+
+def enabled(device) -> bool:
+    return torch.device(device).type == "cuda" and _index(device) in gemv_cuda.STAMPS
+
+
+def reset(device) -> None:
+    """Forget the records taken so far."""
+    gemv_cuda.STAMPS[_index(device)][0].zero_()
+
+
+def decode(buf: torch.Tensor) -> list[dict]:
+    """The records of a stamp buffer (int64 [8 + 8 * SLOTS], u64 [0] = records taken), one per CTA in the
+    order the CTAs left: FIELDS in ns, then n, k, m (the CTA's rows), the CTA (bx, by, bz), its SM, grouped,
+    split, kw and cycles (clock64 from its start to its exit)."""
+    taken = int(buf[0])
+    if taken > SLOTS:
+        raise RuntimeError(f"{taken} CTAs stamped, the buffer holds {SLOTS}: replay fewer steps")
+    out = []
+    for rec in buf[8:8 + 8 * taken].view(taken, 8).tolist():
+        nk, cta, flags = rec[5], rec[6], rec[7]
+        d = dict(zip(FIELDS, rec[:5]))
+        d.update(n=nk & 0xFFFFFFFF, k=(nk >> 32) & 0xFFFFFFFF, m=flags & 0xFFFF, bx=cta & 0xFFFF,
+                 by=(cta >> 16) & 0xFFFF, bz=(cta >> 32) & 0xFFFF, sm=(cta >> 48) & 0xFFFF,
+                 grouped=(flags >> 16) & 0xF, split=(flags >> 20) & 0xF, kw=(flags >> 24) & 0xFF,
+                 cycles=(flags >> 32) & 0xFFFFFFFF)
+        out.append(d)
+    return out
+
+
+def read(device) -> list[dict]:
+    """``decode`` of `device`'s buffer (enable first)."""
+    dev = _index(device)
+    if dev not in gemv_cuda.STAMPS:
+        raise RuntimeError("stamps.read: call stamps.enable(device) before the kernels are compiled")
+    return decode(gemv_cuda.STAMPS[dev].cpu())
+
+
+def kind(rec: dict) -> str:
+    return f"{'grouped ' if rec['grouped'] else ''}{rec['n']}x{rec['k']}"
+
+
+def launches(records: list[dict], gap_ns: int = GAP_NS) -> list[dict]:
+    """The records grouped into launches (a kind's CTAs whose wait is within gap_ns of the launch's first),
+    in the order of their release (first wait), each with its CTAs' extremes."""
+    out = []
+    by_kind: dict[str, list[dict]] = {}
+    for r in records:
+        by_kind.setdefault(kind(r), []).append(r)
+    for name, recs in by_kind.items():
+        recs.sort(key=lambda r: r["wait"])
+        group: list[dict] = []
+        for r in recs + [None]:
+            if group and (r is None or r["wait"] - group[0]["wait"] > gap_ns):
+                out.append(_launch(name, group))
+                group = []
+            if r is not None:
+                group.append(r)
+    out.sort(key=lambda lch: lch["wait"])
+    return out
+
+
+def _launch(name: str, group: list[dict]) -> dict:
+    cta = {  # per CTA: its own spans, ns
+        "x": [r["x"] - r["wait"] for r in group],
+        "stream": [r["stream"] - r["x"] for r in group],
+        "tail": [r["exit"] - r["stream"] for r in group],
+    }
+    return {"kind": name, "ctas": len(group), "start": min(r["start"] for r in group),
+            "wait": min(r["wait"] for r in group), "wait_last": max(r["wait"] for r in group),
+            "x": max(r["x"] for r in group), "stream": max(r["stream"] for r in group),
+            "exit": max(r["exit"] for r in group),
+            **{f"cta_{k}": statistics.median(v) for k, v in cta.items()}}
+
+
+def summary(records: list[dict], steps: int, gap_ns: int = GAP_NS) -> dict:
+    """Per kind of launch (medians over its launches, us): `early` (its first CTA resident before its
+    release), `wait_spread` (first to last CTA past the wait), `x` / `stream` / `exit` (release to the last
+    CTA's x staged / stream done / exit), `from_prev` (the previous mma16 launch's last exit to this release)
+    and `after` (the kind most often before it); the median CTA's own x, stream and tail spans. Per step: the
+    launches' release-to-exit spans and the gaps between them, summed, and `tick_ns` (the smallest step
+    between distinct stamps: the timer's resolution, or finer)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    seq = launches(records, gap_ns)
+    if not seq:
+        raise RuntimeError("no mma16 stamps: were the kernels compiled after stamps.enable?")
+    rows: dict[str, dict[str, list]] = {}
+    own = gaps = 0
+    for i, lch in enumerate(seq):
+        r = rows.setdefault(lch["kind"], {k: [] for k in ("early", "wait_spread", "x", "stream", "exit",
+                                                          "from_prev", "after", "ctas", "cta_x",
+                                                          "cta_stream", "cta_tail")})
+        r["early"].append(lch["wait"] - lch["start"])
+        r["wait_spread"].append(lch["wait_last"] - lch["wait"])
+        for key in ("x", "stream", "exit"):
+            r[key].append(lch[key] - lch["wait"])
+        for key in ("cta_x", "cta_stream", "cta_tail"):
+            r[key].append(lch[key])
+        r["ctas"].append(lch["ctas"])
+        own += lch["exit"] - lch["wait"]
+        if i:
+            r["from_prev"].append(lch["wait"] - seq[i - 1]["exit"])
+            r["after"].append(seq[i - 1]["kind"])
+            gaps += lch["wait"] - seq[i - 1]["exit"]
+    kinds = {}
+    for name, r in rows.items():
+        med = {k: statistics.median(v) / 1e3 for k, v in r.items() if v and k not in ("after", "ctas")}
+        kinds[name] = {"launches_per_step": len(r["ctas"]) / steps, "ctas": statistics.median(r["ctas"]),
+                       **med, "after": max(set(r["after"]), key=r["after"].count) if r["after"] else None}
+    stamps = sorted({r[f] for r in records for f in FIELDS})
+    steps_between = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"launches_per_step": len(seq) / steps, "own_us_per_step": own / steps / 1e3,
+            "gaps_us_per_step": gaps / steps / 1e3, "span_us": (seq[-1]["exit"] - seq[0]["wait"]) / 1e3,
+            "tick_ns": min(steps_between) if steps_between else None, "kinds": kinds}
+
+
+def replay(sampler, batch: int, steps: int = 1) -> dict:
+    """``summary`` of `steps` graph replays of the engine's decode step for this batch (enable before the
+    graphs are captured)."""
+    eng = sampler.engine
+    entry = eng.graphs.get(eng.graph_key(eng.bucket(batch)))
+    if entry is None:
+        raise RuntimeError(f"stamps.replay: no captured graph for batch {batch} (generate at this batch with "
+                           "graphs on first)")
+    graph = entry[0]
+    graph.replay()
+    torch.cuda.synchronize(sampler.device)
+    reset(sampler.device)
+    for _ in range(steps):
+        graph.replay()
+    torch.cuda.synchronize(sampler.device)
+    return summary(read(sampler.device), steps)

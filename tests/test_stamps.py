@@ -1,0 +1,89 @@
+"""fp4rl.benchmarks.stamps on CPU: the record layout gemv_mma16.cu writes (STAMP_BUF) decoded, and the
+launches and per-kind spans of a made-up decode step."""
+
+import pytest
+import torch
+
+from fp4rl.benchmarks import stamps
+
+
+def _buffer(records):
+    """Records encoded as gemv_mma16.cu's stamp_write writes them (u64 [0]: records taken)."""
+    buf = torch.zeros(8 + 8 * stamps.SLOTS, dtype=torch.int64)
+    buf[0] = len(records)
+    for i, r in enumerate(records):
+        row = [r[f] for f in stamps.FIELDS]
+        row.append(r["n"] | (r["k"] << 32))
+        row.append(r["bx"] | (r["by"] << 16) | (r["bz"] << 32) | (r["sm"] << 48))
+        row.append(r["m"] | (r["grouped"] << 16) | (r["split"] << 20) | (r["kw"] << 24) | (r["cycles"] << 32))
+        buf[8 + 8 * i:16 + 8 * i] = torch.tensor(row, dtype=torch.int64)
+    return buf
+
+
+def _cta(t0, wait, x, stream, exit_, n, k, grouped=0, bx=0, sm=0):
+    return {"start": t0, "wait": wait, "x": x, "stream": stream, "exit": exit_, "n": n, "k": k, "m": 1,
+            "bx": bx, "by": 0, "bz": 3 if grouped else 0, "sm": sm, "grouped": grouped, "split": 1, "kw": 4,
+            "cycles": 12345}
+
+
+def _step(base):
+    """One layer's two kinds: a dense 5120x2048 launch of 2 CTAs, then a grouped 2048x768 one of 2 CTAs."""
+    return [
+        _cta(base, base + 1000, base + 1500, base + 2500, base + 3000, 5120, 2048, bx=0, sm=7),
+        _cta(base + 200, base + 1100, base + 1800, base + 2600, base + 3300, 5120, 2048, bx=1, sm=131),
+        _cta(base + 2000, base + 5300, base + 6000, base + 7000, base + 7600, 2048, 768, grouped=1),
+        _cta(base + 2100, base + 5400, base + 6100, base + 7200, base + 8000, 2048, 768, grouped=1, bx=1),
+    ]
+
+
+def test_decode_inverts_the_kernel_layout():
+    recs = _step(10**12)
+    out = stamps.decode(_buffer(recs))
+    assert len(out) == 4
+    for got, want in zip(out, recs):
+        assert {k: got[k] for k in want} == want
+    assert stamps.kind(out[0]) == "5120x2048" and stamps.kind(out[2]) == "grouped 2048x768"
+
+
+def test_decode_refuses_an_overflowed_buffer():
+    buf = _buffer([])
+    buf[0] = stamps.SLOTS + 1
+    with pytest.raises(RuntimeError, match="replay fewer steps"):
+        stamps.decode(buf)
+
+
+def test_summary_spans_and_gaps():
+    base = 10**12
+    recs = _step(base) + _step(base + 50_000)  # two steps, 50 us apart
+    seq = stamps.launches(stamps.decode(_buffer(recs)))
+    assert [lch["kind"] for lch in seq] == ["5120x2048", "grouped 2048x768"] * 2
+    assert [lch["ctas"] for lch in seq] == [2, 2, 2, 2]
+    s = stamps.summary(recs, steps=2)
+    assert s["launches_per_step"] == 2
+    dense, grouped = s["kinds"]["5120x2048"], s["kinds"]["grouped 2048x768"]
+    assert dense["early"] == pytest.approx(1.0) and dense["wait_spread"] == pytest.approx(0.1)
+    assert dense["x"] == pytest.approx(0.8) and dense["stream"] == pytest.approx(1.6)
+    assert dense["exit"] == pytest.approx(2.3)
+    assert dense["cta_x"] == pytest.approx(0.6) and dense["cta_tail"] == pytest.approx(0.6)
+    # the grouped launch is released 2.0 us after the dense launch's last exit (base + 3300 -> base + 5300)
+    assert grouped["from_prev"] == pytest.approx(2.0) and grouped["after"] == "5120x2048"
+    # the second dense launch follows the first step's grouped one: 50_000 + 1000 - 8000 ns
+    assert dense["from_prev"] == pytest.approx(43.0) and dense["after"] == "grouped 2048x768"
+    assert s["own_us_per_step"] == pytest.approx((2.3 + 2.7) * 2 / 2)
+    assert s["gaps_us_per_step"] == pytest.approx((2.0 + 43.0 + 2.0) / 2)
+    assert s["tick_ns"] == 100
+
+
+def test_summary_needs_records():
+    with pytest.raises(RuntimeError, match="no mma16 stamps"):
+        stamps.summary([], steps=1)
+    with pytest.raises(ValueError, match="steps"):
+        stamps.summary(_step(0), steps=0)
+
+
+def test_the_kernel_and_the_reader_agree_on_the_slots():
+    import re
+    from pathlib import Path
+
+    src = (Path(stamps.__file__).parents[1] / "kernels" / "gemv_mma16.cu").read_text()
+    assert int(re.search(r"#define STAMP_SLOTS (\d+)", src).group(1)) == stamps.SLOTS
