@@ -643,3 +643,28 @@ def test_gpu_stamps_record_every_cta_in_order_and_keep_the_bits():
     finally:
         stamps.disable("cuda")
     assert not stamps.enabled("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (1008, 1280)])
+def test_gpu_one_row_deeper_rings_give_the_same_bits(n, k):
+    """gemv_cuda.deeper (FP4RL_MMA16_DEPTH1): one row through rings of 3-6 steps gives the bits of choose's
+    depth-2 ring, eagerly and in a CUDA graph with PDL (where the deeper ring is issued before the wait)."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    _, wc, _, g, base = _gpu_case(n, k, {}, 1, seed=8)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = gemv_cuda.choose(n, k, 1, sms)
+    want = gemv_cuda.launch(base, wc, g, torch.empty(1, n, dtype=torch.bfloat16, device="cuda"), cfg=cfg)
+    for depth in (3, 4, 6):
+        deep = gemv_cuda.deeper(cfg, depth, k, 1)
+        y = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gemv_cuda.launch(base, wc, g, y, cfg=deep)
+        assert torch.equal(y, want), (depth, deep)
+        graph = torch.cuda.CUDAGraph()
+        y.fill_(float("nan"))
+        with torch.cuda.graph(graph):
+            gemv_cuda.launch(base, wc, g, y, cfg=deep)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, want), (depth, deep, "graph")

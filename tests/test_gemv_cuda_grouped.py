@@ -446,3 +446,30 @@ def test_gpu_grouped_in_cta_split_gives_the_cluster_splits_bits():
                             b.fill_(float("nan"))
                             gemv_cuda.launch_grouped(x, wc, gs, offs, b, cfg=dict(inside, GSE=0), **kwargs)
                             assert torch.equal(a, b), (e, k, t, list(kwargs))
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_deeper_rings_give_the_same_bits():
+    """gemv_cuda.deeper (FP4RL_MMA16_GDEPTH): rings of 3-8 steps give the bits of choose_grouped's depth-2
+    ring (plain x, the gather and the SiLU staging; K = 768 and 2048, the Qwen3-30B-A3B experts' K)."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    gen = torch.Generator().manual_seed(11)
+    for e, n, k in ((16, 256, 768), (8, 384, 2048)):
+        _, _, g, wc = _random_experts(e, n, k, seed=4)
+        for t in (1, 8):
+            offs = _routing(e, t, 4, gen)
+            m = t * 4
+            xt = torch.randn(t, k, generator=gen).bfloat16().cuda()
+            rows = torch.randint(0, t, (m,), generator=gen, dtype=torch.int32).cuda()
+            gu = _gate_up(m, k, gen)
+            base = gemv_cuda.choose_grouped(n, k, min(e, m), 132)
+            for kwargs, x in (({"x_rows": rows}, xt), ({"x_silu": True}, gu)):
+                a = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                gemv_cuda.launch_grouped(x, wc, g, offs, a, cfg=base, **kwargs)
+                assert not a.isnan().any()
+                for depth in (3, 4, 6, 8):
+                    cfg = gemv_cuda.deeper(base, depth, k, 8)
+                    b = torch.full_like(a, float("nan"))
+                    gemv_cuda.launch_grouped(x, wc, g, offs, b, cfg=cfg, **kwargs)
+                    assert torch.equal(a, b), (k, t, depth, cfg, list(kwargs))

@@ -47,6 +47,10 @@ TRIGGER = int(os.environ.get("FP4RL_MMA16_TRIGGER", "2"))
 # experts' chunks): FP4RL_MMA16_KW=0 keeps the cluster (measured in bench/RESULTS.md, fifteenth session)
 IN_CTA_SPLIT = os.environ.get("FP4RL_MMA16_KW", "1") != "0"
 _TWO_POW_118 = 2.0 ** 118
+# ring depth (DEPTH: 128-k steps in flight per warp) of one-row dense launches and of the routed experts'
+# launches; 0 keeps the choice of ``choose`` / ``choose_grouped`` (benchmarks: bench/device_run94.sh)
+DEPTH_ONE_ROW = int(os.environ.get("FP4RL_MMA16_DEPTH1", "0"))
+DEPTH_GROUPED = int(os.environ.get("FP4RL_MMA16_GDEPTH", "0"))
 # device index -> the int64 buffer that kernels compiled there append their in-kernel stamps to (diagnostics
 # only, empty unless fp4rl.benchmarks.stamps.enable put one there; gemv_mma16.cu: STAMP_BUF)
 STAMPS: dict = {}
@@ -215,6 +219,17 @@ def in_cta_split(cfg: dict, k: int, m: int) -> dict:
     return moved if smem_bytes(moved, k, m) <= SMEM_LIMIT else cfg
 
 
+def deeper(cfg: dict, depth: int, k: int, m: int) -> dict:
+    """`cfg` with a ring of `depth` steps (at most the steps a warp streams, at least 2) where it fits two
+    CTAs per SM; else `cfg`. The ring does not change which steps a warp adds, or in which order: the same
+    bits."""
+    if not depth or cfg.get("XSTREAM") or cfg.get("WGMMA"):
+        return cfg
+    per_warp = -(-(k // 128) // ksplit(cfg))
+    moved = dict(cfg, DEPTH=max(2, min(depth, per_warp)))
+    return moved if smem_bytes(moved, k, m) <= SMEM_LIMIT else cfg
+
+
 def choose(n: int, k: int, m: int, sms: int) -> dict:
     """(NT, MG, SPLIT, DEPTH[, XSTREAM, KW]) for an N x K weight and m rows. Up to 16 rows the split of K
     (``ksplit``) depends on N and K only, so a row's result does not depend on how many rows (<= 16) come
@@ -237,7 +252,7 @@ def choose(n: int, k: int, m: int, sms: int) -> dict:
     if mg >= 2 and split <= 2:  # long x slices of 9+ rows: stream x with the weights instead of staging it
         cfg["XSTREAM"] = 1  # (24576x4096 at 16 rows: 29.6 vs 35.7 us; same arithmetic order, same bits)
     if m == 1:  # one row: the whole of x is 2K bytes; the split goes inside the CTA (same bits)
-        cfg = in_cta_split(cfg, k, m)
+        cfg = deeper(in_cta_split(cfg, k, m), DEPTH_ONE_ROW, k, m)
     if smem_bytes(cfg, k, m) > SMEM_MAX:
         raise ValueError(f"{m} rows of K={k} do not fit the mma16 kernel's shared memory "
                          f"({smem_bytes(cfg, k, m)} B)")
@@ -512,7 +527,7 @@ def choose_grouped(n: int, k: int, slots: int, sms: int, mg: int = 1) -> dict:
         cfg["MG"] //= 2
     if smem_bytes(cfg, k, 8) > SMEM_MAX:
         raise ValueError(f"8 rows of K={k} do not fit the mma16 kernel's shared memory")
-    return in_cta_split(cfg, k, 8 * cfg["MG"])
+    return deeper(in_cta_split(cfg, k, 8 * cfg["MG"]), DEPTH_GROUPED, k, 8 * cfg["MG"])
 
 
 def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, offsets: torch.Tensor,
