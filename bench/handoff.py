@@ -43,7 +43,8 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
 }
 // MODE 0 serial, 1 pdl (griddepcontrol.wait), 2 flag (counters)
 extern "C" __global__ void __launch_bounds__(256)
-link(const float* __restrict__ x, float* __restrict__ y, int n, const unsigned* cin, unsigned* cout, unsigned need) {
+link(const float* __restrict__ x, float* __restrict__ y, int n, const unsigned* cin, unsigned* cout,
+     unsigned need) {
     if (MODE >= 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     if (MODE == 1) asm volatile("griddepcontrol.wait;" ::: "memory");
     if (MODE == 2) {
