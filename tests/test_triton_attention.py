@@ -376,9 +376,16 @@ def test_gpu_bf16_cache(b, t_cap):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("b,t_cap", [(8, 256), (32, 4096), (1, 32768)])
-def test_gpu_bf16_cache_graph_replay(b, t_cap):
+@pytest.mark.parametrize("attn_pdl", [False, True])
+def test_gpu_bf16_cache_graph_replay(b, t_cap, attn_pdl, monkeypatch):
     """Captured once in a CUDA graph, replayed with new lengths / starts / q written into the same buffers:
-    short rows (one active split), long ones (merged), empty ones; each replay matches the reference."""
+    short rows (one active split), long ones (merged), empty ones; each replay matches the reference. With
+    attn_pdl the kernel is launched with programmatic dependent launch (pdl kind "attn"), q copied in by the
+    kernel before it in the graph and its output read by the kernel after it."""
+    from fp4rl.kernels import pdl
+
+    monkeypatch.setattr(pdl, "_STATE", dict(pdl._STATE, off=pdl.DEFAULT_OFF - {"attn"} if attn_pdl else
+                                            pdl.DEFAULT_OFF))
     lengths, starts = _gpu_lengths(b, t_cap, seed=b + 5 * t_cap)
     q, k, v, lens, st = _gpu_bf16(b, t_cap, lengths, starts, seed=b * 3 + t_cap)
     bb = max(1, b - 1)  # a view [:bb] of the cache, as the engine passes it
@@ -390,8 +397,11 @@ def test_gpu_bf16_cache_graph_replay(b, t_cap):
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    q_in = torch.empty_like(qv)
     with torch.cuda.graph(graph):
+        qv.copy_(q_in)
         out = attention.decode_attention(qv, lv, kv_, vv, None, None, starts=sv)
+        out_next = out * 1
     g = torch.Generator().manual_seed(t_cap)
     for step in range(6):
         if step == 0:
@@ -407,9 +417,10 @@ def test_gpu_bf16_cache_graph_replay(b, t_cap):
             new_st = [int(torch.randint(0, n, (1,), generator=g)) for n in new_len]
         lv.copy_(torch.tensor(new_len, dtype=torch.int32))
         sv.copy_(torch.tensor(new_st, dtype=torch.int32))
-        qv.copy_(torch.randn(qv.shape, generator=g).bfloat16())
+        q_in.copy_(torch.randn(qv.shape, generator=g).bfloat16())
         graph.replay()
         torch.cuda.synchronize()
+        assert torch.equal(out_next, out), step
         ref = _bf16_ref(qv, kv_, vv, lv, sv)
         assert torch.isfinite(out).all(), step
         assert (out.float() - ref).abs().max().item() < 3e-2, step

@@ -111,7 +111,7 @@ def add_arguments(parser):
     parser.add_argument("--pdl", default="on", help="comma-separated settings of programmatic dependent "
                         "launch between the decode step's kernels (fp4rl.kernels.pdl), each row measured "
                         "with each: 'on' (the default kinds), 'all' (every kind), 'off', or 'no-KIND[+KIND]' "
-                        "(every kind except those: gemv, mma, wide, grouped, triton)")
+                        "(every kind except those: gemv, mma, wide, grouped, triton, attn)")
     parser.add_argument("--k-split", default="default", help="comma-separated settings of where the CUDA "
                         "GEMM splits K at one row and for the routed experts (fp4rl.kernels.gemv_cuda."
                         "in_cta_split), each row measured with each: 'cta' (warps of a CTA), 'cluster' (CTAs "

@@ -15,12 +15,13 @@ SDPA) launch normally and keep full stream ordering. CUDA graphs capture the pro
 attribute and the kernels' ``griddepcontrol`` instructions are no-ops.
 
 Which launches carry it (``KINDS``): by default the fused Triton kernels, the grouped (routed-expert) GEMM
-and the dense CUDA GEMM at one row ("gemv"), not the dense GEMM at 2-16 rows ("mma") or its wgmma
-configuration ("wide"): ``DEFAULT_OFF``. Measured on the H200 at full depth, W4A16 (bench/RESULTS.md,
-"sampler on H200", fourteenth session): PDL on the dense GEMM cost Qwen3-8B's step 0.75 ms of 5.15 at batch
-32 and 0.18 ms of 3.1 at batch 8, and Qwen3-30B-A3B's 0.23 ms of 7.7 at batch 32, while at batch 1 it saved
-0.04-0.09 ms and PDL on the Triton kernels saved 0.30 ms of 2.7 (Qwen3-30B-A3B). ``FP4RL_PDL_OFF``
-(comma-separated kinds, empty for none) or ``set_kinds_off`` chooses another set.
+and the dense CUDA GEMM at one row ("gemv"), not the dense GEMM at 2-16 rows ("mma"), its wgmma
+configuration ("wide") or the Triton decode attention ("attn", being measured): ``DEFAULT_OFF``. Measured on
+the H200 at full depth, W4A16 (bench/RESULTS.md, "sampler on H200", fourteenth session): PDL on the dense
+GEMM cost Qwen3-8B's step 0.75 ms of 5.15 at batch 32 and 0.18 ms of 3.1 at batch 8, and Qwen3-30B-A3B's
+0.23 ms of 7.7 at batch 32, while at batch 1 it saved 0.04-0.09 ms and PDL on the Triton kernels saved 0.30
+ms of 2.7 (Qwen3-30B-A3B). ``FP4RL_PDL_OFF`` (comma-separated kinds, empty for none) or ``set_kinds_off``
+chooses another set.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ import os
 import torch
 
 # the kinds of PDL launch: the dense CUDA GEMM's mma.sync configurations at 1 row ("gemv") and at 2-16 rows
-# ("mma"), its wgmma configuration (17+ rows), its grouped (routed-expert) launches, the fused Triton kernels
-KINDS = ("gemv", "mma", "wide", "grouped", "triton")
-DEFAULT_OFF = frozenset({"mma", "wide"})
+# ("mma"), its wgmma configuration (17+ rows), its grouped (routed-expert) launches, the fused Triton kernels,
+# the Triton decode attention ("attn": BF16 and FP8 caches, and NVFP4 where the Gluon kernel does not take it)
+KINDS = ("gemv", "mma", "wide", "grouped", "triton", "attn")
+DEFAULT_OFF = frozenset({"mma", "wide", "attn"})
 
 
 def _kinds(names, what: str) -> frozenset:
@@ -124,9 +126,10 @@ def gemm_flag(device, kind: str) -> bool:
     return _STATE["step"] > 0 and kind not in _STATE["off"] and enabled(device)
 
 
-def triton_flag(device) -> bool:
-    """The `PDL` constexpr (and `launch_pdl`) for a Triton kernel launched on `device`."""
-    return "triton" not in _STATE["off"] and enabled(device) and triton_supported()
+def triton_flag(device, kind: str = "triton") -> bool:
+    """The `PDL` constexpr (and `launch_pdl`) for a Triton kernel of `kind` ("triton" or "attn") launched on
+    `device`."""
+    return kind not in _STATE["off"] and enabled(device) and triton_supported()
 
 
 # ----------------------------------------------------------------------------- cuLaunchKernelEx

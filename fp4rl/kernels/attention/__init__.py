@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl  # noqa: F401  (kept importable from here)
 
+from fp4rl.kernels import pdl
 from fp4rl.kernels._common import (  # noqa: F401
     ASM,
     COMPILED,
@@ -298,6 +299,7 @@ def decode_attention(q, lengths, k, v, k_global=None, v_global=None, *, k_scale=
     if starts is not None:
         starts = starts.to(device=q.device, dtype=torch.int32)
     nsp = triton.next_power_of_2(num_splits)
+    use_pdl = q.is_cuda and pdl.triton_flag(q.device, "attn")
     COMPILED["decode_attn " + ("nvfp4" if fp4 else "bf16" if bf16 else "fp8")] = _decode_attn_kernel[
         (b * hkv, num_splits)](
         q, k, ks, k_global, v, vs, v_global, lengths, starts if starts is not None else lengths, out,
@@ -310,7 +312,7 @@ def decode_attention(q, lengths, k, v, k_global=None, v_global=None, *, k_scale=
         out.stride(0), out.stride(1),
         G=g, GP=gp, D=d, FP4=fp4, NUM_SPLITS=num_splits, BT=block_t,
         USE_ASM=ASM["on"], INTERP=INTERPRET, HAS_START=starts is not None,
-        BF16=bf16, MIN_CHUNK=min_chunk, NSP=nsp,
-        num_warps=num_warps, num_stages=num_stages,
+        BF16=bf16, MIN_CHUNK=min_chunk, NSP=nsp, PDL=use_pdl,
+        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if use_pdl else {}),
     )
     return out

@@ -31,6 +31,11 @@ import triton.language as tl
 
 from fp4rl.kernels._common import dot_acc, load_unpacked
 
+try:  # griddepcontrol (programmatic dependent launch); traced only when the kernel's PDL constexpr is on
+    from triton.language.extra import cuda as tlcuda
+except ImportError:
+    tlcuda = None
+
 
 @triton.jit
 def _decode_attn_kernel(
@@ -42,8 +47,11 @@ def _decode_attn_kernel(
     stride_vgb, stride_vgh, stride_ob, stride_oh,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BT: tl.constexpr, USE_ASM: tl.constexpr, INTERP: tl.constexpr, HAS_START: tl.constexpr = False,
-    BF16: tl.constexpr = False, MIN_CHUNK: tl.constexpr = 0, NSP: tl.constexpr = 1,
+    BF16: tl.constexpr = False, MIN_CHUNK: tl.constexpr = 0, NSP: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (fp4rl.kernels.pdl, kind "attn"): the next kernel may launch now;
+        tlcuda.gdc_launch_dependents()  # wait for q, the lengths and the new token's K / V before any read
+        tlcuda.gdc_wait()
     DH: tl.constexpr = D // 2
     bh = tl.program_id(0)
     split = tl.program_id(1)
