@@ -488,7 +488,8 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
     with torch.cuda.device(dev):
         _set_smem(kern, smem)
         pdl.launch(kern, (nb, cfg["SPLIT"], zb), (WARPS * 32, 1, 1),
-                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), g, 0, g], smem,
+                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), g, 0, g,
+                    g, g, 0, 0], smem,
                    torch.cuda.current_stream(dev), pdl.gemm_flag(dev, _pdl_kind(cfg, m)))
     STATE["ok"] = True
     return y
@@ -533,7 +534,7 @@ def choose_grouped(n: int, k: int, slots: int, sms: int, mg: int = 1) -> dict:
 def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, offsets: torch.Tensor,
                    y: torch.Tensor, x_scale: torch.Tensor | None = None,
                    x_rows: torch.Tensor | None = None, x_silu: bool = False,
-                   cfg: dict | None = None) -> torch.Tensor:
+                   cfg: dict | None = None, l2_next: Mma16Weight | None = None) -> torch.Tensor:
     """Routed experts: y [M, N] = x2 [M, K] (rows sorted by expert; offsets int32 [E + 1], rows
     offsets[e]:offsets[e+1] go to expert e) @ DQ(W_e).T with the stacked copy of `relayout_stack`.
     global_scale fp32 [E, N] (per output row) or [E] (per expert). x_scale fp32 [M]: W4A4 as in `launch`.
@@ -547,7 +548,10 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     No host sync: each CTA finds its (expert, chunk of 8 x MG rows) from the offsets (graph-capturable; any
     routing: an expert with r rows takes ceil(r / (8 MG)) chunks, each streaming its weights; MG from the
     average rows per expert, ``grouped_mg``).
-    cfg: a configuration other than ``choose_grouped``'s (benchmarks)."""
+    cfg: a configuration other than ``choose_grouped``'s (benchmarks).
+    l2_next: another stacked copy over the same experts (the down projection's, given to the gate / up
+    launch): the CTAs of each routed expert's first chunk send that expert's slice of it to L2 with bulk
+    prefetches once they know their expert, for the launch that reads it next (PREFETCH; y is unchanged)."""
     if x2.ndim != 2:
         raise ValueError(f"x2 must be 2-D [M, K], got {tuple(x2.shape)}")
     m, k = x2.shape
@@ -584,6 +588,16 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     cfg = cfg or _plan_grouped(wc.n, wc.k, min(e, m), dev, grouped_mg(m, e))
     slots = min(e, m) + -(-m // (8 * cfg["MG"]))  # >= sum over experts of ceil(rows / chunk rows)
     key = {**cfg, "GATHER": 1} if x_rows is not None else {**cfg, "SILU": 1} if x_silu else cfg
+    pf = (g, g, 0, 0)
+    if l2_next is not None:
+        if l2_next.wt.shape[0] * 16 != e * l2_next.n or l2_next.wt.device != x2.device:
+            raise ValueError(f"l2_next must be a stacked copy over the same {e} experts on x's device, got "
+                             f"{l2_next.wt.shape[0] * 16 // max(l2_next.n, 1)} on {l2_next.wt.device}")
+        wb, sb = l2_next.wt.numel() * 4 // e, l2_next.st.numel() * 2 // e
+        if wb % 16 or sb % 16 or not l2_next.wt.is_contiguous() or not l2_next.st.is_contiguous():
+            raise ValueError("l2_next: each expert's slice must be contiguous, in 16-byte multiples "
+                             "(relayout_stack's copy)")
+        key, pf = {**key, "PREFETCH": 1}, (l2_next.wt, l2_next.st, wb, sb)
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > e, x_scale is not None, True), dev)
     smem = smem_bytes(cfg, wc.k, 8 * cfg["MG"])
     nb = -(-wc.n // block_rows(cfg))
@@ -592,7 +606,7 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     with torch.cuda.device(dev):
         _set_smem(kern, smem)
         pdl.launch(kern, (nb, cfg["SPLIT"], slots), (WARPS * 32, 1, 1),
-                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), offs, e, rows],
+                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), offs, e, rows, *pf],
                    smem,
                    torch.cuda.current_stream(dev), pdl.gemm_flag(dev, "grouped"))
     STATE["ok"] = True
