@@ -132,6 +132,11 @@ def _gemm_configs():
         cfg = {**gemv_cuda.choose_grouped(2048, 768, slots, sms), "SILU": 1}
         yield f"grouped silu 2048x768 s{slots}", cfg, "sm_90"
     yield "grouped silu 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "SILU": 1}, "sm_90"
+    # the experts' offsets in one round trip (SLOTTABLE 4: 128 experts, 8: 256)
+    yield "grouped gather slottable 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
+                                                 "SLOTTABLE": 4}, "sm_90"
+    yield "grouped silu slottable 2048x768", {**gemv_cuda.choose_grouped(2048, 768, 64, sms), "SILU": 1,
+                                              "SLOTTABLE": 8}, "sm_90"
     # the gate / up launch that sends the down projection's weights to L2 (launch_grouped's l2_next)
     for slots in (8, 64):
         cfg = {**gemv_cuda.choose_grouped(1536, 2048, slots, sms), "GATHER": 1, "PREFETCH": 1}

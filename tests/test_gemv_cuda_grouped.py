@@ -506,3 +506,36 @@ def test_gpu_gate_up_with_l2_next_keeps_the_bits():
     with pytest.raises(ValueError, match="same 16 experts"):
         out = torch.empty(m, 2 * i, dtype=torch.bfloat16, device="cuda")
         gemv_cuda.launch_grouped(xt, wc_gu, g_gu, offs, out, x_rows=rows, l2_next=other)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e", [6, 128, 300])
+def test_gpu_slot_table_finds_the_same_experts(e, monkeypatch):
+    """SLOTTABLE (FP4RL_MMA16_SLOTTABLE): the experts' offsets read in one round trip give the bits of the
+    32-experts-a-trip search, for fewer experts than a warp, 128 (one table of 4 words) and 300 (the table,
+    then the rest 32 at a time), routings that use the last experts, several chunks of one expert, plain x,
+    the gather and the SiLU staging."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    gen = torch.Generator().manual_seed(17 + e)
+    n, k = 64, 256
+    _, _, g, wc = _random_experts(e, n, k, seed=9)
+    routings = [_routing(e, t, min(4, e), gen, hot=e - 1) for t in (1, 8)]
+    counts = torch.zeros(e, dtype=torch.int64)
+    counts[e - 1], counts[e // 2] = 20, 3  # the last expert in three 8-row chunks
+    routings.append(torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).cuda())
+    for offs in routings:
+        m = int(offs[-1])
+        xt = torch.randn(m, k, generator=gen).bfloat16().cuda()
+        rows = torch.randint(0, m, (m,), generator=gen, dtype=torch.int32).cuda()
+        gu = _gate_up(m, k, gen)
+        for kwargs, x in (({}, xt), ({"x_rows": rows}, xt), ({"x_silu": True}, gu)):
+            outs = []
+            for table in (0, 4, 1):
+                monkeypatch.setattr(gemv_cuda, "SLOT_TABLE", table)
+                y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                gemv_cuda.launch_grouped(x, wc, g, offs, y, **kwargs)
+                outs.append(y)
+            assert not outs[0].isnan().any(), (e, m, list(kwargs))
+            for y in outs[1:]:
+                assert torch.equal(y, outs[0]), (e, m, list(kwargs))

@@ -51,6 +51,9 @@ _TWO_POW_118 = 2.0 ** 118
 # launches; 0 keeps the choice of ``choose`` / ``choose_grouped`` (benchmarks: bench/device_run94.sh)
 DEPTH_ONE_ROW = int(os.environ.get("FP4RL_MMA16_DEPTH1", "0"))
 DEPTH_GROUPED = int(os.environ.get("FP4RL_MMA16_GDEPTH", "0"))
+# routed-expert launches: the first 32 x SLOT_TABLE experts' offsets read in one round trip when a CTA looks
+# for its expert (gemv_mma16.cu SLOTTABLE; 0: 32 experts a round trip). Being measured (bench/device_run98.sh)
+SLOT_TABLE = int(os.environ.get("FP4RL_MMA16_SLOTTABLE", "0"))
 # device index -> the int64 buffer that kernels compiled there append their in-kernel stamps to (diagnostics
 # only, empty unless fp4rl.benchmarks.stamps.enable put one there; gemv_mma16.cu: STAMP_BUF)
 STAMPS: dict = {}
@@ -588,6 +591,8 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     cfg = cfg or _plan_grouped(wc.n, wc.k, min(e, m), dev, grouped_mg(m, e))
     slots = min(e, m) + -(-m // (8 * cfg["MG"]))  # >= sum over experts of ceil(rows / chunk rows)
     key = {**cfg, "GATHER": 1} if x_rows is not None else {**cfg, "SILU": 1} if x_silu else cfg
+    if SLOT_TABLE and "SLOTTABLE" not in key:
+        key = {**key, "SLOTTABLE": SLOT_TABLE}
     pf = (g, g, 0, 0)
     if l2_next is not None:
         if l2_next.wt.shape[0] * 16 != e * l2_next.n or l2_next.wt.device != x2.device:

@@ -75,6 +75,9 @@ typedef unsigned long long u64;
 #ifndef SILU
 #define SILU 0
 #endif
+#ifndef SLOTTABLE
+#define SLOTTABLE 0  // GROUPED: the first 32 SLOTTABLE experts' offsets read in one round trip (below); 0: 32 a trip
+#endif
 #ifndef PREFETCH
 #define PREFETCH 0  // GROUPED: each CTA of an expert's first chunk sends its share of that expert's next weights
 #endif              // (pf_wt / pf_st, pf_wb / pf_sb bytes per expert: the down projection's) to L2 (below)
@@ -375,6 +378,50 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     asm volatile("griddepcontrol.wait;" ::: "memory");
     STAMP(1);
     // slot z -> (expert, chunk of 8 MG rows): expert i owns ceil(rows_i / XROWS) consecutive slots
+#if SLOTTABLE
+    // (being measured, bench/device_run98.sh) warp-uniform: every warp finds the same expert. The offsets of the
+    // first 32 SLOTTABLE experts are loaded at once, before any is used: one L2 round trip for the search
+    // instead of one per 32 experts (4 for 128) and one more for offs[ex]; lane l looks at experts b + l, 32 at
+    // a time, and eo0 / eo1 = offs[ex] / offs[ex + 1] come from the lane that read them
+    int ex = -1, chunk = 0, eo0 = 0, eo1 = 0, seen = 0;
+    auto find = [&](int b, int a0, int a1) {  // experts b .. b + 31, lane l's offsets a0 / a1
+        const int nch = (a1 - a0 + XROWS - 1) / XROWS;  // 0 past E (a0 = a1 = 0)
+        int inc = nch;  // inclusive prefix sum of the slots over the lanes
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int t = __shfl_up_sync(0xffffffffu, inc, o);
+            if (lane >= o) inc += t;
+        }
+        const int total = __shfl_sync(0xffffffffu, inc, 31);
+        if ((int)blockIdx.z < seen + total) {
+            const int z = (int)blockIdx.z - seen;
+            const u32 hit = __ballot_sync(0xffffffffu, z >= inc - nch && z < inc);
+            const int src = __ffs(hit) - 1;
+            ex = b + src;
+            chunk = z - __shfl_sync(0xffffffffu, inc - nch, src);
+            eo0 = __shfl_sync(0xffffffffu, a0, src);
+            eo1 = __shfl_sync(0xffffffffu, a1, src);
+        } else {
+            seen += total;
+        }
+    };
+    {
+        int t0[SLOTTABLE], t1[SLOTTABLE];
+#pragma unroll
+        for (int q = 0; q < SLOTTABLE; ++q) {
+            const int i = 32 * q + lane;
+            t0[q] = i < E ? offs[i] : 0;
+            t1[q] = i < E ? offs[i + 1] : 0;
+        }
+#pragma unroll
+        for (int q = 0; q < SLOTTABLE; ++q)
+            if (ex < 0 && 32 * q < E) find(32 * q, t0[q], t1[q]);
+    }
+    for (int b = 32 * SLOTTABLE; ex < 0 && b < E; b += 32) {
+        const int i = b + lane;
+        find(b, i < E ? offs[i] : 0, i < E ? offs[i + 1] : 0);
+    }
+#else
     int ex = -1, chunk = 0;
     for (int b = 0, seen = 0; b < E; b += 32) {  // warp-uniform: every warp finds the same expert
         const int i = b + lane;
@@ -396,10 +443,16 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         }
         seen += total;
     }
+#endif
     if (ex < 0) return;  // the whole cluster (same z) leaves before any barrier
     {
+#if SLOTTABLE
+        const int r0 = eo0 + chunk * XROWS;
+        M = min(XROWS, eo1 - r0);
+#else
         const int r0 = offs[ex] + chunk * XROWS;
         M = min(XROWS, offs[ex + 1] - r0);
+#endif
         if (GATHER) xrows += r0;  // row m of this chunk is token xrows[m]
         else x += (u64)r0 * stride_xm;
         y += (u64)r0 * stride_ym;
