@@ -87,3 +87,16 @@ def test_the_kernel_and_the_reader_agree_on_the_slots():
 
     src = (Path(stamps.__file__).parents[1] / "kernels" / "gemv_mma16.cu").read_text()
     assert int(re.search(r"#define STAMP_SLOTS (\d+)", src).group(1)) == stamps.SLOTS
+
+
+def test_a_grids_later_wave_stays_in_its_launch():
+    """CTAs of one launch that pass their wait in waves (here 6 us apart each, 18 us from first to last) are
+    one launch; the same kind a layer later is another."""
+    base = 10**12
+    wave = [_cta(base + 6000 * i, base + 1000 + 6000 * i, base + 2000 + 6000 * i, base + 3000 + 6000 * i,
+                 base + 4000 + 6000 * i, 2048, 768, grouped=1, bx=i) for i in range(4)]
+    t = base + 60_000
+    later = [_cta(t, t + 1000, t + 2000, t + 3000, t + 4000, 2048, 768, grouped=1)]
+    seq = stamps.launches(wave + later)
+    assert [lch["ctas"] for lch in seq] == [4, 1]
+    assert seq[0]["wait_last"] - seq[0]["wait"] == 18_000

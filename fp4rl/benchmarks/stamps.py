@@ -21,7 +21,8 @@ from fp4rl.kernels import gemv_cuda
 
 SLOTS = 524288  # records the buffer holds (gemv_mma16.cu: STAMP_SLOTS; 32 MB)
 FIELDS = ("start", "wait", "x", "stream", "exit")  # a record's %globaltimer stamps, ns
-# the CTAs of one launch pass their wait within this of its first (launches of one kind: a layer apart)
+# a launch's CTAs, sorted by their wait, follow each other closer than this (waves included); launches of one
+# kind are a layer apart
 GAP_NS = 10_000
 
 
@@ -91,8 +92,9 @@ def kind(rec: dict) -> str:
 
 
 def launches(records: list[dict], gap_ns: int = GAP_NS) -> list[dict]:
-    """The records grouped into launches (a kind's CTAs whose wait is within gap_ns of the launch's first),
-    in the order of their release (first wait), each with its CTAs' extremes."""
+    """The records grouped into launches (a kind's CTAs sorted by their wait, a new launch wherever two follow
+    each other by more than gap_ns: a grid's later waves stay in its launch), in the order of their release
+    (first wait), each with its CTAs' extremes."""
     out = []
     by_kind: dict[str, list[dict]] = {}
     for r in records:
@@ -101,7 +103,7 @@ def launches(records: list[dict], gap_ns: int = GAP_NS) -> list[dict]:
         recs.sort(key=lambda r: r["wait"])
         group: list[dict] = []
         for r in recs + [None]:
-            if group and (r is None or r["wait"] - group[0]["wait"] > gap_ns):
+            if group and (r is None or r["wait"] - group[-1]["wait"] > gap_ns):
                 out.append(_launch(name, group))
                 group = []
             if r is not None:
