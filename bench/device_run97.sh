@@ -1,5 +1,5 @@
 #!/bin/bash
-# Thirty-first session. The routed experts' gate / up launch sends its experts' down-projection weights to L2
+# Thirty-first session, at 560be40 (the L2_NEXT build was taken out after this call: slower). The routed experts' gate / up launch sends its experts' down-projection weights to L2
 # (FP4RL_MOE_L2_NEXT=1: gemv_cuda.launch_grouped l2_next, bulk prefetches once each CTA knows its expert):
 # device_run93's stamps show the down GEMM 4.1 us from its release to x staged, its first weight burst from
 # DRAM. Arms in fresh processes, Qwen3-30B-A3B W4A16 at batch 1 and 8; then the L2_NEXT arm's stamps at batch 1.

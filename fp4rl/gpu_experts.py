@@ -83,8 +83,6 @@ class _PackedExperts:
             c = self._copy(which)
             if c is not None:
                 w.mma16 = c
-                if which == 0 and L2_NEXT:  # the gate / up launch sends its experts' down weights to L2
-                    w.l2_next = self._copy(1)
         xq = None
         key = None if self.trace_guide is None else (self.trace_guide.gate_up, self.trace_guide.down)[which]
         if key is not None and self.mode == "w4a4":  # TRACE on the engine: Q(x) made here, its guidance kept
@@ -197,9 +195,6 @@ def expert_plan(block: SparseMoeBlock):
 
 FUSED_ROUTE = os.environ.get("FP4RL_MOE_ROUTE", "1") != "0"  # KernelMoeBlock's route/combine kernels
 FUSED_GATHER = os.environ.get("FP4RL_MOE_GATHER", "1") != "0"  # the grouped mma16 kernel reads x[rows] itself
-# the grouped mma16 gate / up launch sends its routed experts' down-projection weights to L2 (gemv_cuda
-# launch_grouped's l2_next; being measured: bench/device_run97.sh), so the down GEMM's first steps hit L2
-L2_NEXT = os.environ.get("FP4RL_MOE_L2_NEXT", "0") == "1"
 # The router GEMM inside the route's launch (moe_route.router_route) up to ROUTER_MAX_TOKENS tokens
 # (FP4RL_MOE_ROUTER=0: never; FP4RL_MOE_ROUTER_MAX: another bound, for A/B). On an H200 (E 128, H 2048,
 # top 8; bench/RESULTS.md, fourteenth session), with the router split over 256-column slices: 6.9 / 8.1 /

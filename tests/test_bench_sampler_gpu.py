@@ -94,3 +94,12 @@ def test_chain_advance_splits_an_overlapping_chain():
         chain_advance([(5, 4, "x")], steps=1)
     with pytest.raises(ValueError, match="steps"):
         chain_advance(step, steps=0)
+
+
+def test_stamped_rows_say_so_in_the_table():
+    """A row measured with --mma16-stamps (slower kernels) is labelled so in the markdown table."""
+    from fp4rl.benchmarks.sampler_gpu import _label
+
+    row = {"precision": "nvfp4-w4a16 all linears", "pdl": True, "fused": True}
+    assert "stamps" not in _label(row)
+    assert "(mma16 stamps on: slower)" in _label({**row, "mma16_stamps": True})

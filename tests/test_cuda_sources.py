@@ -137,10 +137,6 @@ def _gemm_configs():
                                                  "SLOTTABLE": 4}, "sm_90"
     yield "grouped silu slottable 2048x768", {**gemv_cuda.choose_grouped(2048, 768, 64, sms), "SILU": 1,
                                               "SLOTTABLE": 8}, "sm_90"
-    # the gate / up launch that sends the down projection's weights to L2 (launch_grouped's l2_next)
-    for slots in (8, 64):
-        cfg = {**gemv_cuda.choose_grouped(1536, 2048, slots, sms), "GATHER": 1, "PREFETCH": 1}
-        yield f"grouped gather prefetch 1536x2048 s{slots}", cfg, "sm_90"
 
 
 @pytest.mark.parametrize("name,cfg,arch", list(_gemm_configs()),
@@ -174,11 +170,6 @@ def test_stamped_builds_compile_and_read_the_global_timer(name, cfg, grouped, ar
     assert "%globaltimer" not in _ptx(plain, arch)
     assert stamped.count("%globaltimer") >= 5, f"{name}: a stamp at each of five points expected"
     assert "atom.add.u64" in stamped, f"{name}: the record's slot is taken by an atomic"
-
-
-def test_prefetch_needs_grouped():
-    cfg = dict(gemv_cuda.choose(4096, 4096, 1, 132), PREFETCH=1)
-    assert "PREFETCH is for GROUPED" in _compile_error(gemv_cuda.source(cfg, False, False, False))
 
 
 def test_gather_needs_grouped_w4a16():

@@ -476,39 +476,6 @@ def test_gpu_grouped_deeper_rings_give_the_same_bits():
 
 
 @pytest.mark.gpu
-def test_gpu_gate_up_with_l2_next_keeps_the_bits():
-    """launch_grouped(l2_next=): the gate / up launch that sends the routed experts' down weights to L2 gives
-    the bits of the launch without it, and the down launch after it too (1 and 8 tokens of top-4 over 16
-    experts, plain x and the gather); a copy over other experts is refused."""
-    if not gemv_cuda.available():
-        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
-    gen = torch.Generator().manual_seed(13)
-    e, i, h = 16, 384, 512
-    _, _, g_gu, wc_gu = _random_experts(e, 2 * i, h, seed=5)
-    _, _, g_d, wc_d = _random_experts(e, h, i, seed=6)
-    for t in (1, 8):
-        offs = _routing(e, t, 4, gen)
-        m = t * 4
-        xt = torch.randn(t, h, generator=gen).bfloat16().cuda()
-        rows = torch.randint(0, t, (m,), generator=gen, dtype=torch.int32).cuda()
-        for kwargs, x in (({"x_rows": rows}, xt), ({}, torch.randn(m, h, generator=gen).bfloat16().cuda())):
-            outs = []
-            for nxt in (None, wc_d):
-                gu = torch.full((m, 2 * i), float("nan"), dtype=torch.bfloat16, device="cuda")
-                gemv_cuda.launch_grouped(x, wc_gu, g_gu, offs, gu, l2_next=nxt, **kwargs)
-                y = torch.full((m, h), float("nan"), dtype=torch.bfloat16, device="cuda")
-                gemv_cuda.launch_grouped(gu, wc_d, g_d, offs, y, x_silu=True)
-                outs.append((gu, y))
-            assert not outs[0][0].isnan().any() and not outs[0][1].isnan().any()
-            for a, b in zip(*outs):
-                assert torch.equal(a, b), (t, list(kwargs))
-    _, _, _, other = _random_experts(8, h, i, seed=7)
-    with pytest.raises(ValueError, match="same 16 experts"):
-        out = torch.empty(m, 2 * i, dtype=torch.bfloat16, device="cuda")
-        gemv_cuda.launch_grouped(xt, wc_gu, g_gu, offs, out, x_rows=rows, l2_next=other)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("e", [6, 128, 300])
 def test_gpu_slot_table_finds_the_same_experts(e, monkeypatch):
     """SLOTTABLE (FP4RL_MMA16_SLOTTABLE): the experts' offsets read in one round trip give the bits of the

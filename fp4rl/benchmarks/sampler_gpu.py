@@ -349,6 +349,8 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
         fused = bool(sampler.engine is not None and sampler.engine.fused)
         head = {"shape": shape, "precision": label, "fused": fused,
                 "pdl": bool(sampler.engine is not None and pdl.enabled(device))}
+        if args.mma16_stamps and device.type == "cuda":
+            head["mma16_stamps"] = True
         if head["pdl"]:
             head["pdl_off"] = sorted(off)
         if len(splits) > 1 or not in_cta:
@@ -553,6 +555,7 @@ def _label(r) -> str:
         pdl_text = f" (no PDL: {'+'.join(r['pdl_off'])})" if r["pdl_off"] else " (PDL: all)"
     split = f" (split-K: {r['k_split']})" if "k_split" in r and r["precision"] != "bf16" else ""
     split += f" (KV write: {r['kv_write']})" if "kv_write" in r else ""
+    split += " (mma16 stamps on: slower)" if r.get("mma16_stamps") else ""
     return r["precision"] + ("" if r.get("fused", True) else " (unfused)") + pdl_text + split
 
 

@@ -243,8 +243,7 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
             raise ValueError(f"weight.mma16 is not a stacked copy of {e} experts of {n}x{2 * kh}")
         xin, x_scale = _mma16_input(x2, xq)
         try:
-            return _mma16.launch_grouped(xin, m16, wg, offsets, y, x_scale=x_scale, x_rows=rows, x_silu=silu,
-                                         l2_next=getattr(weight, "l2_next", None))
+            return _mma16.launch_grouped(xin, m16, wg, offsets, y, x_scale=x_scale, x_rows=rows, x_silu=silu)
         except ValueError:  # this K slice does not fit its shared memory: the Triton kernels below
             pass
         except RuntimeError as exc:  # NVRTC or the driver refused it: off for the process (the SILU build

@@ -48,7 +48,8 @@ TRIGGER = int(os.environ.get("FP4RL_MMA16_TRIGGER", "2"))
 IN_CTA_SPLIT = os.environ.get("FP4RL_MMA16_KW", "1") != "0"
 _TWO_POW_118 = 2.0 ** 118
 # ring depth (DEPTH: 128-k steps in flight per warp) of one-row dense launches and of the routed experts'
-# launches; 0 keeps the choice of ``choose`` / ``choose_grouped`` (benchmarks: bench/device_run94.sh)
+# launches; 0 keeps the choice of ``choose`` / ``choose_grouped`` (deeper was slower in the 30B step:
+# bench/RESULTS.md, sampler, thirty-first session)
 DEPTH_ONE_ROW = int(os.environ.get("FP4RL_MMA16_DEPTH1", "0"))
 DEPTH_GROUPED = int(os.environ.get("FP4RL_MMA16_GDEPTH", "0"))
 # routed-expert launches: the first 32 x SLOT_TABLE experts' offsets read in one round trip when a CTA looks
@@ -491,8 +492,7 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
     with torch.cuda.device(dev):
         _set_smem(kern, smem)
         pdl.launch(kern, (nb, cfg["SPLIT"], zb), (WARPS * 32, 1, 1),
-                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), g, 0, g,
-                    g, g, 0, 0], smem,
+                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), g, 0, g], smem,
                    torch.cuda.current_stream(dev), pdl.gemm_flag(dev, _pdl_kind(cfg, m)))
     STATE["ok"] = True
     return y
@@ -537,7 +537,7 @@ def choose_grouped(n: int, k: int, slots: int, sms: int, mg: int = 1) -> dict:
 def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, offsets: torch.Tensor,
                    y: torch.Tensor, x_scale: torch.Tensor | None = None,
                    x_rows: torch.Tensor | None = None, x_silu: bool = False,
-                   cfg: dict | None = None, l2_next: Mma16Weight | None = None) -> torch.Tensor:
+                   cfg: dict | None = None) -> torch.Tensor:
     """Routed experts: y [M, N] = x2 [M, K] (rows sorted by expert; offsets int32 [E + 1], rows
     offsets[e]:offsets[e+1] go to expert e) @ DQ(W_e).T with the stacked copy of `relayout_stack`.
     global_scale fp32 [E, N] (per output row) or [E] (per expert). x_scale fp32 [M]: W4A4 as in `launch`.
@@ -551,10 +551,7 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     No host sync: each CTA finds its (expert, chunk of 8 x MG rows) from the offsets (graph-capturable; any
     routing: an expert with r rows takes ceil(r / (8 MG)) chunks, each streaming its weights; MG from the
     average rows per expert, ``grouped_mg``).
-    cfg: a configuration other than ``choose_grouped``'s (benchmarks).
-    l2_next: another stacked copy over the same experts (the down projection's, given to the gate / up
-    launch): the CTAs of each routed expert's first chunk send that expert's slice of it to L2 with bulk
-    prefetches once they know their expert, for the launch that reads it next (PREFETCH; y is unchanged)."""
+    cfg: a configuration other than ``choose_grouped``'s (benchmarks)."""
     if x2.ndim != 2:
         raise ValueError(f"x2 must be 2-D [M, K], got {tuple(x2.shape)}")
     m, k = x2.shape
@@ -593,16 +590,6 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     key = {**cfg, "GATHER": 1} if x_rows is not None else {**cfg, "SILU": 1} if x_silu else cfg
     if SLOT_TABLE and "SLOTTABLE" not in key:
         key = {**key, "SLOTTABLE": SLOT_TABLE}
-    pf = (g, g, 0, 0)
-    if l2_next is not None:
-        if l2_next.wt.shape[0] * 16 != e * l2_next.n or l2_next.wt.device != x2.device:
-            raise ValueError(f"l2_next must be a stacked copy over the same {e} experts on x's device, got "
-                             f"{l2_next.wt.shape[0] * 16 // max(l2_next.n, 1)} on {l2_next.wt.device}")
-        wb, sb = l2_next.wt.numel() * 4 // e, l2_next.st.numel() * 2 // e
-        if wb % 16 or sb % 16 or not l2_next.wt.is_contiguous() or not l2_next.st.is_contiguous():
-            raise ValueError("l2_next: each expert's slice must be contiguous, in 16-byte multiples "
-                             "(relayout_stack's copy)")
-        key, pf = {**key, "PREFETCH": 1}, (l2_next.wt, l2_next.st, wb, sb)
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > e, x_scale is not None, True), dev)
     smem = smem_bytes(cfg, wc.k, 8 * cfg["MG"])
     nb = -(-wc.n // block_rows(cfg))
@@ -611,7 +598,7 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     with torch.cuda.device(dev):
         _set_smem(kern, smem)
         pdl.launch(kern, (nb, cfg["SPLIT"], slots), (WARPS * 32, 1, 1),
-                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), offs, e, rows, *pf],
+                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), offs, e, rows],
                    smem,
                    torch.cuda.current_stream(dev), pdl.gemm_flag(dev, "grouped"))
     STATE["ok"] = True

@@ -78,12 +78,6 @@ typedef unsigned long long u64;
 #ifndef SLOTTABLE
 #define SLOTTABLE 0  // GROUPED: the first 32 SLOTTABLE experts' offsets read in one round trip (below); 0: 32 a trip
 #endif
-#ifndef PREFETCH
-#define PREFETCH 0  // GROUPED: each CTA of an expert's first chunk sends its share of that expert's next weights
-#endif              // (pf_wt / pf_st, pf_wb / pf_sb bytes per expert: the down projection's) to L2 (below)
-#if PREFETCH && !GROUPED
-#error "PREFETCH is for GROUPED launches"
-#endif
 #if SILU && (!GROUPED || XG_ROW || GATHER || XSTREAM)
 #error "SILU is for GROUPED W4A16 with the staged x slice (no XG_ROW, GATHER or XSTREAM)"
 #endif
@@ -340,8 +334,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) CLUSTER
 w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4* __restrict__ st,
             const float* __restrict__ wg, const float* __restrict__ xg, u16* __restrict__ y, int M, int N,
             int K, int stride_xm, int stride_ym, const int* __restrict__ offs, int E,
-            const int* __restrict__ xrows, const unsigned char* __restrict__ pf_wt,
-            const unsigned char* __restrict__ pf_st, int pf_wb, int pf_sb) {
+            const int* __restrict__ xrows) {
     extern __shared__ __align__(16) unsigned char smem[];
 #ifdef STAMP_BUF
     u64 stamp_t[5] = {0, 0, 0, 0, 0};
@@ -631,25 +624,6 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #else
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) issue(ws0 + d, d);
-#endif
-#if PREFETCH
-    // the routed experts' gate / up GEMM knows its expert now, the down projection only after its own wait:
-    // thread 0 of each CTA of the expert's first chunk sends its 1/(CTAs per chunk) share of the expert's
-    // down-projection weights (words, then scales; 16-byte multiples) to L2 with a bulk prefetch (no
-    // registers, no shared memory, nothing waits on it), so that the down GEMM's first steps hit L2
-    if (chunk == 0 && threadIdx.x == 0) {
-        const u32 parts = gridDim.x * gridDim.y, part = blockIdx.y * gridDim.x + blockIdx.x;
-        const int sizes[2] = {pf_wb, pf_sb};
-        const unsigned char* bases[2] = {pf_wt, pf_st};
-#pragma unroll
-        for (int a = 0; a < 2; ++a) {
-            const u32 size = (u32)sizes[a], per16 = (size >> 4) / parts + 1;  // 16-byte units per part
-            const u32 lo = min(size, part * per16 * 16), hi = min(size, lo + per16 * 16);
-            if (hi > lo)
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                             :: "l"(bases[a] + (u64)ex * (u64)sizes[a] + lo), "r"((u32)(hi - lo)) : "memory");
-        }
-    }
 #endif
 
     // GSE (default: the KW builds, one row): the weight's global scale read now rather than in the epilogue
