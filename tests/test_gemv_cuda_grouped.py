@@ -506,3 +506,46 @@ def test_gpu_slot_table_finds_the_same_experts(e, monkeypatch):
             assert not outs[0].isnan().any(), (e, m, list(kwargs))
             for y in outs[1:]:
                 assert torch.equal(y, outs[0]), (e, m, list(kwargs))
+
+
+@pytest.mark.gpu
+def test_gpu_one_token_view_keeps_the_gathers_bits(monkeypatch):
+    """ONE_TOKEN_VIEW (FP4RL_MMA16_ONE_TOKEN): at one token the gather's rows read x through a row stride of 0
+    instead of x_rows, with the bits of the gather, eagerly and in a CUDA graph replayed with new routing;
+    more tokens keep the gather."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    gen = torch.Generator().manual_seed(19)
+    e, n, k = 128, 64, 512
+    _, _, g, wc = _random_experts(e, n, k, seed=12)
+    for t in (1, 2):
+        x = torch.randn(t, k, generator=gen).bfloat16().cuda()
+        for _ in range(3):
+            offs = _routing(e, t, 8, gen)
+            m = t * 8
+            rows = torch.randint(0, t, (m,), generator=gen, dtype=torch.int32).cuda()
+            outs = []
+            for view in (False, True):
+                monkeypatch.setattr(gemv_cuda, "ONE_TOKEN_VIEW", view)
+                y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                gemv_cuda.launch_grouped(x, wc, g, offs, y, x_rows=rows)
+                outs.append(y)
+            assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), t
+    monkeypatch.setattr(gemv_cuda, "ONE_TOKEN_VIEW", True)  # a graph captured with the view, new routing
+    x = torch.randn(1, k, generator=gen).bfloat16().cuda()
+    offs = _routing(e, 1, 8, gen)
+    rows = torch.zeros(8, dtype=torch.int32, device="cuda")
+    y = torch.empty(8, n, dtype=torch.bfloat16, device="cuda")
+    gemv_cuda.launch_grouped(x, wc, g, offs, y, x_rows=rows)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemv_cuda.launch_grouped(x, wc, g, offs, y, x_rows=rows)
+    for _ in range(3):
+        offs.copy_(_routing(e, 1, 8, gen))
+        x.copy_(torch.randn(1, k, generator=gen).bfloat16())
+        graph.replay()
+        want = torch.empty_like(y)
+        monkeypatch.setattr(gemv_cuda, "ONE_TOKEN_VIEW", False)
+        gemv_cuda.launch_grouped(x, wc, g, offs, want, x_rows=rows)
+        monkeypatch.setattr(gemv_cuda, "ONE_TOKEN_VIEW", True)
+        assert torch.equal(y, want)

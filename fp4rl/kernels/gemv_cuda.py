@@ -55,6 +55,9 @@ DEPTH_GROUPED = int(os.environ.get("FP4RL_MMA16_GDEPTH", "0"))
 # routed-expert launches: the first 32 x SLOT_TABLE experts' offsets read in one round trip when a CTA looks
 # for its expert (gemv_mma16.cu SLOTTABLE; 0: 32 experts a round trip). Being measured (bench/device_run98.sh)
 SLOT_TABLE = int(os.environ.get("FP4RL_MMA16_SLOTTABLE", "0"))
+# routed-expert launches with the gather (x_rows) at one token: x's one row through a row stride of 0 instead
+# of x_rows (launch_grouped; being measured, bench/device_run98.sh)
+ONE_TOKEN_VIEW = os.environ.get("FP4RL_MMA16_ONE_TOKEN", "0") == "1"
 # device index -> the int64 buffer that kernels compiled there append their in-kernel stamps to (diagnostics
 # only, empty unless fp4rl.benchmarks.stamps.enable put one there; gemv_mma16.cu: STAMP_BUF)
 STAMPS: dict = {}
@@ -573,6 +576,10 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
             raise TypeError(f"x_rows must be int32 [M] on x's device, got {x_rows.dtype} "
                             f"{tuple(x_rows.shape)} on {x_rows.device}")
         m = x_rows.numel()
+        if ONE_TOKEN_VIEW and x2.shape[0] == 1 and x2.ndim == 2:
+            # one token: every sorted row is row 0, so read it through a row stride of 0 (the plain build)
+            # instead of loading x_rows first, one dependent round trip less; the same rows, the same bits
+            x2, x_rows = x2.expand(m, x2.shape[1]), None
     e = offsets.numel() - 1
     if k != wc.k or wc.wt.shape[0] != e * (wc.n // 16):
         raise ValueError(f"x [*, {k}] / offsets for {e} experts do not match the copy "
