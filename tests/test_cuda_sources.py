@@ -132,6 +132,11 @@ def _gemm_configs():
         cfg = {**gemv_cuda.choose_grouped(2048, 768, slots, sms), "SILU": 1}
         yield f"grouped silu 2048x768 s{slots}", cfg, "sm_90"
     yield "grouped silu 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "SILU": 1}, "sm_90"
+    # per-row global scales read before the stream (GSR): one-row q/k/v and o, the experts' gate / up
+    yield "mma16 gsr 5120x2048 m1", {**gemv_cuda.choose(5120, 2048, 1, sms), "GSR": 1}, "sm_90"
+    yield "mma16 gsr 2048x4096 m1", {**gemv_cuda.choose(2048, 4096, 1, sms), "GSR": 1}, "sm_90"
+    yield "grouped gather gsr 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
+                                           "GSR": 1}, "sm_90"
     # the experts' offsets in one round trip (SLOTTABLE 4: 128 experts, 8: 256)
     yield "grouped gather slottable 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
                                                  "SLOTTABLE": 4}, "sm_90"
@@ -170,6 +175,11 @@ def test_stamped_builds_compile_and_read_the_global_timer(name, cfg, grouped, ar
     assert "%globaltimer" not in _ptx(plain, arch)
     assert stamped.count("%globaltimer") >= 5, f"{name}: a stamp at each of five points expected"
     assert "atom.add.u64" in stamped, f"{name}: the record's slot is taken by an atomic"
+
+
+def test_row_scales_early_need_the_in_cta_split():
+    cfg = dict(gemv_cuda.choose(5120, 2048, 8, 132), GSR=1)  # 8 rows: the cluster split, no KW
+    assert "GSR is for the in-CTA split" in _compile_error(gemv_cuda.source(cfg, True, False, False))
 
 
 def test_gather_needs_grouped_w4a16():

@@ -668,3 +668,28 @@ def test_gpu_one_row_deeper_rings_give_the_same_bits(n, k):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, want), (depth, deep, "graph")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096), (1008, 1280)])
+def test_gpu_row_scales_read_early_keep_the_bits(n, k, monkeypatch):
+    """ROW_SCALE_EARLY (FP4RL_MMA16_GSR): one row with per-row global scales (a fused q/k/v's) and the in-CTA
+    split gives the bits of the epilogue's own read of the scales, eagerly and in a CUDA graph."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    _, wc, _, g, base = _gpu_case(n, k, {}, 1, seed=21)
+    gr = (g * torch.linspace(0.25, 4.0, n, device="cuda")).contiguous()  # [N]: per-row scales
+    outs = []
+    for early in (False, True):
+        monkeypatch.setattr(gemv_cuda, "ROW_SCALE_EARLY", early)
+        y = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gemv_cuda.launch(base, wc, gr, y)
+        outs.append(y)
+        y2 = torch.full_like(y, float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gemv_cuda.launch(base, wc, gr, y2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y2, y), early
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])

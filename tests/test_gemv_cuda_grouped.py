@@ -549,3 +549,29 @@ def test_gpu_one_token_view_keeps_the_gathers_bits(monkeypatch):
         gemv_cuda.launch_grouped(x, wc, g, offs, want, x_rows=rows)
         monkeypatch.setattr(gemv_cuda, "ONE_TOKEN_VIEW", True)
         assert torch.equal(y, want)
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_row_scales_read_early_keep_the_bits(monkeypatch):
+    """ROW_SCALE_EARLY (FP4RL_MMA16_GSR) on the experts' gate / up launch (per-row global scales [E, N], the
+    gather and plain x, 1 and 8 tokens): the bits of the epilogue's own read."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    gen = torch.Generator().manual_seed(23)
+    e, n, k = 16, 384, 1024
+    _, _, g, wc = _random_experts(e, n, k, seed=14)
+    gr = (g[:, None] * torch.linspace(0.5, 2.0, n, device="cuda")).contiguous()
+    for t in (1, 8):
+        offs = _routing(e, t, 4, gen)
+        m = t * 4
+        xt = torch.randn(t, k, generator=gen).bfloat16().cuda()
+        rows = torch.randint(0, t, (m,), generator=gen, dtype=torch.int32).cuda()
+        xm = torch.randn(m, k, generator=gen).bfloat16().cuda()
+        for kwargs, x in (({"x_rows": rows}, xt), ({}, xm)):
+            outs = []
+            for early in (False, True):
+                monkeypatch.setattr(gemv_cuda, "ROW_SCALE_EARLY", early)
+                y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                gemv_cuda.launch_grouped(x, wc, gr, offs, y, **kwargs)
+                outs.append(y)
+            assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), (t, list(kwargs))

@@ -58,6 +58,13 @@ SLOT_TABLE = int(os.environ.get("FP4RL_MMA16_SLOTTABLE", "0"))
 # routed-expert launches with the gather (x_rows) at one token: x's one row through a row stride of 0 instead
 # of x_rows (launch_grouped; being measured, bench/device_run98.sh)
 ONE_TOKEN_VIEW = os.environ.get("FP4RL_MMA16_ONE_TOKEN", "0") == "1"
+# in-CTA split builds (KW) with per-row global scales: each thread's row scale read before the stream instead
+# of in the epilogue (gemv_mma16.cu GSR; being measured, bench/device_run98.sh)
+ROW_SCALE_EARLY = os.environ.get("FP4RL_MMA16_GSR", "0") == "1"
+
+
+def _row_scale_key(cfg: dict, per_row: bool) -> dict:
+    return {**cfg, "GSR": 1} if ROW_SCALE_EARLY and per_row and cfg.get("KW", 1) > 1 else cfg
 # device index -> the int64 buffer that kernels compiled there append their in-kernel stamps to (diagnostics
 # only, empty unless fp4rl.benchmarks.stamps.enable put one there; gemv_mma16.cu: STAMP_BUF)
 STAMPS: dict = {}
@@ -489,7 +496,8 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
     if m > 8 * cfg["MG"] and not cfg.get("WGMMA"):
         raise ValueError(f"configuration {cfg} covers {8 * cfg['MG']} rows, x has {m}")
     zb = -(-m // (8 * cfg["MG"]))  # row blocks (WGMMA: any number; else 1)
-    kern = _kernel(tuple(sorted(cfg.items())) + (g.numel() > 1, x_scale is not None, False), dev)
+    key = _row_scale_key(cfg, g.numel() > 1)
+    kern = _kernel(tuple(sorted(key.items())) + (g.numel() > 1, x_scale is not None, False), dev)
     smem = smem_bytes(cfg, wc.k, m)
     nb = -(-wc.n // block_rows(cfg))
     with torch.cuda.device(dev):
@@ -597,6 +605,7 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     key = {**cfg, "GATHER": 1} if x_rows is not None else {**cfg, "SILU": 1} if x_silu else cfg
     if SLOT_TABLE and "SLOTTABLE" not in key:
         key = {**key, "SLOTTABLE": SLOT_TABLE}
+    key = _row_scale_key(key, g.numel() > e)
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > e, x_scale is not None, True), dev)
     smem = smem_bytes(cfg, wc.k, 8 * cfg["MG"])
     nb = -(-wc.n // block_rows(cfg))
