@@ -100,3 +100,11 @@ def test_a_grids_later_wave_stays_in_its_launch():
     seq = stamps.launches(wave + later)
     assert [lch["ctas"] for lch in seq] == [4, 1]
     assert seq[0]["wait_last"] - seq[0]["wait"] == 18_000
+
+
+def test_raw_records_round_trip(tmp_path):
+    recs = stamps.decode(_buffer(_step(10**12)))
+    path = tmp_path / "stamps.json.gz"
+    stamps.save_records(recs, path)
+    assert stamps.load_records(path) == recs
+    assert stamps.summary(stamps.load_records(path), steps=1) == stamps.summary(recs, steps=1)

@@ -167,9 +167,30 @@ def summary(records: list[dict], steps: int, gap_ns: int = GAP_NS) -> dict:
             "tick_ns": min(steps_between) if steps_between else None, "kinds": kinds}
 
 
-def replay(sampler, batch: int, steps: int = 1) -> dict:
+def save_records(records: list[dict], path) -> None:
+    """The raw records as gzipped JSON (one list per field, FIELDS first), to group or read them again without
+    a GPU (``load_records``)."""
+    import gzip
+    import json
+
+    keys = list(records[0]) if records else list(FIELDS)
+    with gzip.open(path, "wt") as fh:
+        json.dump({k: [r[k] for r in records] for k in keys}, fh)
+
+
+def load_records(path) -> list[dict]:
+    import gzip
+    import json
+
+    with gzip.open(path, "rt") as fh:
+        cols = json.load(fh)
+    keys = list(cols)
+    return [dict(zip(keys, vals)) for vals in zip(*(cols[k] for k in keys))]
+
+
+def replay(sampler, batch: int, steps: int = 1, records_path=None) -> dict:
     """``summary`` of `steps` graph replays of the engine's decode step for this batch (enable before the
-    graphs are captured)."""
+    graphs are captured); records_path: also the raw records there (``save_records``)."""
     eng = sampler.engine
     entry = eng.graphs.get(eng.graph_key(eng.bucket(batch)))
     if entry is None:
@@ -182,4 +203,7 @@ def replay(sampler, batch: int, steps: int = 1) -> dict:
     for _ in range(steps):
         graph.replay()
     torch.cuda.synchronize(sampler.device)
-    return summary(read(sampler.device), steps)
+    records = read(sampler.device)
+    if records_path is not None:
+        save_records(records, records_path)
+    return summary(records, steps)
