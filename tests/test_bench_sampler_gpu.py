@@ -103,11 +103,3 @@ def test_stamped_rows_say_so_in_the_table():
     row = {"precision": "nvfp4-w4a16 all linears", "pdl": True, "fused": True}
     assert "stamps" not in _label(row)
     assert "(mma16 stamps on: slower)" in _label({**row, "mma16_stamps": True})
-
-
-def test_stamps_path_is_one_plain_file_name_per_row():
-    from fp4rl.benchmarks.sampler_gpu import stamps_path
-
-    path = stamps_path("/tmp/x/s.json", "qwen3-30b-a3b", "nvfp4-w4a16 all linears (no PDL: mma+wide)", 8)
-    assert path.startswith("/tmp/x/s.json.stamps_qwen3-30b-a3b_nvfp4-w4a16_all_linears_no_PDL_mma_wide")
-    assert path.endswith("_b8.json.gz") and " " not in path and path.count("/") == 3

@@ -171,18 +171,23 @@ def chain_advance(kernels, steps: int, top: int = 12) -> dict:
                     for name, (c, d, a, g) in ranked]}
 
 
+def captured_graph(sampler, batch: int, who: str):
+    """The engine's captured decode graph for this batch's bucket; `who` names the caller in the error."""
+    eng = sampler.engine
+    bucket = eng.bucket(batch)
+    entry = eng.graphs.get(eng.graph_key(bucket))
+    if entry is None:
+        raise RuntimeError(f"{who}: no captured graph for batch bucket {bucket} (generate at this batch with "
+                           "graphs on first)")
+    return entry[0]
+
+
 def replay_chain(sampler, batch: int, steps: int = 10) -> dict:
     """chain_advance over `steps` graph replays of the engine's decode step for this batch (the kernels as the
     sampler runs them, PDL overlaps included; profile_split's are eager): which kernels the step waits on."""
     from torch.profiler import ProfilerActivity, profile
 
-    eng = sampler.engine
-    bucket = eng.bucket(batch)
-    entry = eng.graphs.get(eng.graph_key(bucket))
-    if entry is None:
-        raise RuntimeError(f"replay_chain: no captured graph for batch bucket {bucket} (generate at this "
-                           "batch with graphs on first)")
-    graph = entry[0]
+    graph = captured_graph(sampler, batch, "replay_chain")
     graph.replay()
     _sync(sampler.device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import gc
 import json
 import math
-import re
 import time
 import traceback
 
@@ -382,7 +381,7 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
                 if args.mma16_stamps:
                     from fp4rl.benchmarks import stamps
 
-                    raw = stamps_path(args.out, shape, label, batch) if args.out else None
+                    raw = stamps.records_path(args.out, shape, label, batch) if args.out else None
                     split["stamps"] = stamps.replay(sampler, batch, records_path=raw)
                 results["profiles"].append({**head, "kv": kv, "batch": batch, **split})
             except Exception as exc:  # noqa: BLE001
@@ -547,12 +546,6 @@ def pdl_setting(text: str) -> tuple[bool, frozenset]:
         if kinds and not kinds - set(pdl.KINDS):
             return True, kinds
     raise ValueError(f"--pdl item {text!r}: use 'on', 'all', 'off' or 'no-KIND[+KIND]', kinds {pdl.KINDS}")
-
-
-def stamps_path(out: str, shape: str, label: str, batch: int) -> str:
-    """Where --mma16-stamps keeps a profiled row's raw records: beside --out, one file per row."""
-    tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{shape}_{label}_b{batch}")
-    return f"{out}.stamps_{tag}.json.gz"
 
 
 def _label(r) -> str:

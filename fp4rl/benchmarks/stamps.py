@@ -13,6 +13,9 @@ of stores more, so time a step without stamps for its speed.
 
 from __future__ import annotations
 
+import gzip
+import json
+import re
 import statistics
 
 import torch
@@ -37,18 +40,15 @@ def enable(device) -> None:
     """Stamps on for the mma16 kernels compiled on `device` from now on. Compiled kernels are dropped so that
     the next launches rebuild with the stamps: enable before a sampler captures its graphs."""
     dev = _index(device)
-    if dev not in gemv_cuda.STAMPS:
-        gemv_cuda.STAMPS[dev] = torch.zeros(8 + 8 * SLOTS, dtype=torch.int64,
-                                            device=torch.device("cuda", dev))
-    gemv_cuda._kernel.cache_clear()
-    gemv_cuda._SMEM_SET.clear()
+    buf = gemv_cuda.STAMPS.get(dev)
+    if buf is None:
+        buf = torch.zeros(8 + 8 * SLOTS, dtype=torch.int64, device=torch.device("cuda", dev))
+    gemv_cuda.set_stamp_buffer(dev, buf)
 
 
 def disable(device) -> None:
     """Stamps off again for `device`: the kernels compiled from now on are the plain builds."""
-    gemv_cuda.STAMPS.pop(_index(device), None)
-    gemv_cuda._kernel.cache_clear()
-    gemv_cuda._SMEM_SET.clear()
+    gemv_cuda.set_stamp_buffer(_index(device), None)
 
 
 def enabled(device) -> bool:
@@ -170,33 +170,30 @@ def summary(records: list[dict], steps: int, gap_ns: int = GAP_NS) -> dict:
 def save_records(records: list[dict], path) -> None:
     """The raw records as gzipped JSON (one list per field, FIELDS first), to group or read them again without
     a GPU (``load_records``)."""
-    import gzip
-    import json
-
     keys = list(records[0]) if records else list(FIELDS)
     with gzip.open(path, "wt") as fh:
         json.dump({k: [r[k] for r in records] for k in keys}, fh)
 
 
 def load_records(path) -> list[dict]:
-    import gzip
-    import json
-
     with gzip.open(path, "rt") as fh:
         cols = json.load(fh)
     keys = list(cols)
     return [dict(zip(keys, vals)) for vals in zip(*(cols[k] for k in keys))]
 
 
+def records_path(out: str, shape: str, label: str, batch: int) -> str:
+    """Where a benchmark row's raw records go: beside its results file `out`, one plain file name per row."""
+    tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{shape}_{label}_b{batch}")
+    return f"{out}.stamps_{tag}.json.gz"
+
+
 def replay(sampler, batch: int, steps: int = 1, records_path=None) -> dict:
     """``summary`` of `steps` graph replays of the engine's decode step for this batch (enable before the
     graphs are captured); records_path: also the raw records there (``save_records``)."""
-    eng = sampler.engine
-    entry = eng.graphs.get(eng.graph_key(eng.bucket(batch)))
-    if entry is None:
-        raise RuntimeError(f"stamps.replay: no captured graph for batch {batch} (generate at this batch with "
-                           "graphs on first)")
-    graph = entry[0]
+    from fp4rl.benchmarks.decode_timing import captured_graph
+
+    graph = captured_graph(sampler, batch, "stamps.replay")
     graph.replay()
     torch.cuda.synchronize(sampler.device)
     reset(sampler.device)

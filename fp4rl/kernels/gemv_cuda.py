@@ -66,8 +66,20 @@ ROW_SCALE_EARLY = os.environ.get("FP4RL_MMA16_GSR", "0") == "1"
 def _row_scale_key(cfg: dict, per_row: bool) -> dict:
     return {**cfg, "GSR": 1} if ROW_SCALE_EARLY and per_row and cfg.get("KW", 1) > 1 else cfg
 # device index -> the int64 buffer that kernels compiled there append their in-kernel stamps to (diagnostics
-# only, empty unless fp4rl.benchmarks.stamps.enable put one there; gemv_mma16.cu: STAMP_BUF)
+# only: set_stamp_buffer, from fp4rl.benchmarks.stamps; gemv_mma16.cu: STAMP_BUF)
 STAMPS: dict = {}
+
+
+def set_stamp_buffer(device_index: int, buf: torch.Tensor | None) -> None:
+    """Kernels compiled on this device from now on append their stamps to `buf` (None: plain builds again);
+    the compiled kernels are dropped so that the next launches rebuild (CUDA graphs captured before keep
+    theirs: recapture them)."""
+    if buf is None:
+        STAMPS.pop(device_index, None)
+    else:
+        STAMPS[device_index] = buf
+    _kernel.cache_clear()
+    _SMEM_SET.clear()
 
 
 def available(device=None) -> bool:
@@ -584,7 +596,7 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
             raise TypeError(f"x_rows must be int32 [M] on x's device, got {x_rows.dtype} "
                             f"{tuple(x_rows.shape)} on {x_rows.device}")
         m = x_rows.numel()
-        if ONE_TOKEN_VIEW and x2.shape[0] == 1 and x2.ndim == 2:
+        if ONE_TOKEN_VIEW and x2.shape[0] == 1:
             # one token: every sorted row is row 0, so read it through a row stride of 0 (the plain build)
             # instead of loading x_rows first, one dependent round trip less; the same rows, the same bits
             x2, x_rows = x2.expand(m, x2.shape[1]), None

@@ -299,7 +299,7 @@ def decode_attention(q, lengths, k, v, k_global=None, v_global=None, *, k_scale=
     if starts is not None:
         starts = starts.to(device=q.device, dtype=torch.int32)
     nsp = triton.next_power_of_2(num_splits)
-    use_pdl = q.is_cuda and pdl.triton_flag(q.device, "attn")
+    use_pdl = pdl.triton_flag(q.device, "attn")  # (False off CUDA)
     COMPILED["decode_attn " + ("nvfp4" if fp4 else "bf16" if bf16 else "fp8")] = _decode_attn_kernel[
         (b * hkv, num_splits)](
         q, k, ks, k_global, v, vs, v_global, lengths, starts if starts is not None else lengths, out,
