@@ -177,6 +177,24 @@ def test_stamped_builds_compile_and_read_the_global_timer(name, cfg, grouped, ar
     assert "atom.add.u64" in stamped, f"{name}: the record's slot is taken by an atomic"
 
 
+@pytest.mark.parametrize("at", [1, 2])
+@pytest.mark.parametrize("name,cfg,grouped", [
+    ("one row, in-CTA split", gemv_cuda.in_cta_split(gemv_cuda.choose(5120, 2048, 1, 132), 2048, 1), False),
+    ("grouped silu, table", {**gemv_cuda.choose_grouped(2048, 768, 8, 132), "SILU": 1, "SLOTTABLE": 4}, True),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_stamps_taken_earlier_compile(name, cfg, grouped, at):
+    """STAMP_AT (gemv_cuda.STAMP_AT, diagnostics): the third stamp once the expert is found (1) or x is issued
+    (2) instead of staged; still five stamps, no spills, and a different program than the default's."""
+    plain = gemv_cuda.source(cfg, False, False, grouped)
+    head = "#define STAMP_BUF 0x7f0000000000ull\n"
+    log = compile_log(f"{head}#define STAMP_AT {at}\n" + plain, "sm_90")
+    for fn, (stores, loads) in spills(log).items():
+        assert stores == 0 and loads == 0, f"{name} STAMP_AT {at}: {fn} spills {stores} B / loads {loads} B"
+    moved = _ptx(f"{head}#define STAMP_AT {at}\n" + plain, "sm_90")
+    assert moved.count("%globaltimer") >= 5, f"{name}: a stamp at each of five points expected"
+    assert moved != _ptx(head + plain, "sm_90")
+
+
 def test_row_scales_early_need_the_in_cta_split():
     cfg = dict(gemv_cuda.choose(5120, 2048, 8, 132), GSR=1)  # 8 rows: the cluster split, no KW
     assert "GSR is for the in-CTA split" in _compile_error(gemv_cuda.source(cfg, True, False, False))

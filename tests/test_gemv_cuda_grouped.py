@@ -478,10 +478,10 @@ def test_gpu_grouped_deeper_rings_give_the_same_bits():
 @pytest.mark.gpu
 @pytest.mark.parametrize("e", [6, 128, 300])
 def test_gpu_slot_table_finds_the_same_experts(e, monkeypatch):
-    """SLOTTABLE (FP4RL_MMA16_SLOTTABLE): the experts' offsets read in one round trip give the bits of the
-    32-experts-a-trip search, for fewer experts than a warp, 128 (one table of 4 words) and 300 (the table,
-    then the rest 32 at a time), routings that use the last experts, several chunks of one expert, plain x,
-    the gather and the SiLU staging."""
+    """SLOTTABLE (gemv_cuda.SLOT_TABLE, the default): the experts' offsets read in one round trip give the
+    bits of the 32-experts-a-trip search, for fewer experts than a warp, 128 (one table of 4 words) and 300 (8
+    words, then the rest 32 at a time; or one word, then the rest), routings that use the last experts,
+    several chunks of one expert, plain x, the gather and the SiLU staging."""
     if not gemv_cuda.available():
         pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
     gen = torch.Generator().manual_seed(17 + e)
@@ -498,8 +498,10 @@ def test_gpu_slot_table_finds_the_same_experts(e, monkeypatch):
         gu = _gate_up(m, k, gen)
         for kwargs, x in (({}, xt), ({"x_rows": rows}, xt), ({"x_silu": True}, gu)):
             outs = []
-            for table in (0, 4, 1):
+            # no table; all words (300: 8 words, then 32 a trip); one word
+            for table, cap in ((False, 8), (True, 8), (True, 1)):
                 monkeypatch.setattr(gemv_cuda, "SLOT_TABLE", table)
+                monkeypatch.setattr(gemv_cuda, "SLOT_TABLE_MAX", cap)
                 y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                 gemv_cuda.launch_grouped(x, wc, g, offs, y, **kwargs)
                 outs.append(y)
@@ -575,3 +577,11 @@ def test_gpu_grouped_row_scales_read_early_keep_the_bits(monkeypatch):
                 gemv_cuda.launch_grouped(x, wc, gr, offs, y, **kwargs)
                 outs.append(y)
             assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), (t, list(kwargs))
+
+
+def test_slot_table_words_by_experts(monkeypatch):
+    """slot_table: the 32-expert words of offsets a routed-experts CTA reads at once (SLOTTABLE), up to
+    SLOT_TABLE_MAX; 0 with the table off (FP4RL_MMA16_SLOTTABLE=0)."""
+    assert [gemv_cuda.slot_table(e) for e in (1, 32, 33, 128, 256, 300)] == [1, 1, 2, 4, 8, 8]
+    monkeypatch.setattr(gemv_cuda, "SLOT_TABLE", False)
+    assert gemv_cuda.slot_table(128) == 0

@@ -190,7 +190,8 @@ def records_path(out: str, shape: str, label: str, batch: int) -> str:
 
 def replay(sampler, batch: int, steps: int = 1, records_path=None) -> dict:
     """``summary`` of `steps` graph replays of the engine's decode step for this batch (enable before the
-    graphs are captured); records_path: also the raw records there (``save_records``)."""
+    graphs are captured); records_path: also the raw records there (``save_records``). `x_at`: where the
+    builds took their third stamp (gemv_cuda.STAMP_AT: 0 x staged, 1 the expert found, 2 x issued)."""
     from fp4rl.benchmarks.decode_timing import captured_graph
 
     graph = captured_graph(sampler, batch, "stamps.replay")
@@ -203,4 +204,4 @@ def replay(sampler, batch: int, steps: int = 1, records_path=None) -> dict:
     records = read(sampler.device)
     if records_path is not None:
         save_records(records, records_path)
-    return summary(records, steps)
+    return {**summary(records, steps), "x_at": gemv_cuda.STAMP_AT}

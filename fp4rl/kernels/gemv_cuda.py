@@ -52,15 +52,25 @@ _TWO_POW_118 = 2.0 ** 118
 # bench/RESULTS.md, sampler, thirty-first session)
 DEPTH_ONE_ROW = int(os.environ.get("FP4RL_MMA16_DEPTH1", "0"))
 DEPTH_GROUPED = int(os.environ.get("FP4RL_MMA16_GDEPTH", "0"))
-# routed-expert launches: the first 32 x SLOT_TABLE experts' offsets read in one round trip when a CTA looks
-# for its expert (gemv_mma16.cu SLOTTABLE; 0: 32 experts a round trip). Being measured (bench/device_run98.sh)
-SLOT_TABLE = int(os.environ.get("FP4RL_MMA16_SLOTTABLE", "0"))
-# routed-expert launches with the gather (x_rows) at one token: x's one row through a row stride of 0 instead
-# of x_rows (launch_grouped; being measured, bench/device_run98.sh)
-ONE_TOKEN_VIEW = os.environ.get("FP4RL_MMA16_ONE_TOKEN", "0") == "1"
+# Three dependent L2 round trips fewer on the decode GEMMs' critical paths (the same bits; 30B W4A16 step
+# 2.17 -> 2.15 ms at batch 1, 4.25 at 8 either way: bench/RESULTS.md, sampler, thirty-second session).
+# Each "0" for A/B.
+# Routed-expert launches: every offset a CTA looks at for its expert read in one round trip, up to 32 x
+# SLOT_TABLE_MAX experts (gemv_mma16.cu SLOTTABLE; more experts: 32 a trip after those)
+SLOT_TABLE = os.environ.get("FP4RL_MMA16_SLOTTABLE", "1") != "0"
+SLOT_TABLE_MAX = 8
+# ... with the gather (x_rows) at one token: x's one row through a row stride of 0 instead of x_rows
+ONE_TOKEN_VIEW = os.environ.get("FP4RL_MMA16_ONE_TOKEN", "1") != "0"
 # in-CTA split builds (KW) with per-row global scales: each thread's row scale read before the stream instead
-# of in the epilogue (gemv_mma16.cu GSR; being measured, bench/device_run98.sh)
-ROW_SCALE_EARLY = os.environ.get("FP4RL_MMA16_GSR", "0") == "1"
+# of in the epilogue (gemv_mma16.cu GSR)
+ROW_SCALE_EARLY = os.environ.get("FP4RL_MMA16_GSR", "1") != "0"
+# stamps builds only (fp4rl.benchmarks.stamps): where the third stamp is taken (gemv_mma16.cu STAMP_AT)
+STAMP_AT = int(os.environ.get("FP4RL_MMA16_STAMP_AT", "0"))
+
+
+def slot_table(e: int) -> int:
+    """SLOTTABLE for a launch over e experts: the 32-expert words of the offsets read at once."""
+    return min(SLOT_TABLE_MAX, -(-e // 32)) if SLOT_TABLE else 0
 
 
 def _row_scale_key(cfg: dict, per_row: bool) -> dict:
@@ -420,7 +430,8 @@ def _kernel(key: tuple, device_index: int):
     cfg = dict(key[:-3])
     src = source(cfg, *key[-3:])
     if device_index in STAMPS:  # diagnostics (fp4rl.benchmarks.stamps): every CTA appends its stamps there
-        src = f"#define STAMP_BUF {STAMPS[device_index].data_ptr():#x}ull\n" + src
+        buf = STAMPS[device_index].data_ptr()
+        src = f"#define STAMP_BUF {buf:#x}ull\n#define STAMP_AT {STAMP_AT}\n" + src
     with torch.cuda.device(device_index):
         if cfg.get("WGMMA"):  # wgmma needs the arch-specific target
             major, minor = torch.cuda.get_device_capability(device_index)
@@ -615,8 +626,8 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     cfg = cfg or _plan_grouped(wc.n, wc.k, min(e, m), dev, grouped_mg(m, e))
     slots = min(e, m) + -(-m // (8 * cfg["MG"]))  # >= sum over experts of ceil(rows / chunk rows)
     key = {**cfg, "GATHER": 1} if x_rows is not None else {**cfg, "SILU": 1} if x_silu else cfg
-    if SLOT_TABLE and "SLOTTABLE" not in key:
-        key = {**key, "SLOTTABLE": SLOT_TABLE}
+    if "SLOTTABLE" not in key and slot_table(e):
+        key = {**key, "SLOTTABLE": slot_table(e)}
     key = _row_scale_key(key, g.numel() > e)
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > e, x_scale is not None, True), dev)
     smem = smem_bytes(cfg, wc.k, 8 * cfg["MG"])

@@ -151,7 +151,13 @@ static_assert((WARPS * 32) % (WARPS / KW * NT * 16) == 0, "GSR: a thread's epilo
 // STAMP_BUF (diagnostics only, gemv_cuda.stamp_buffer; never in a normal build): thread 0 of every CTA records
 // %globaltimer at its start, after griddepcontrol.wait, once x is staged, after its weight stream and before it
 // leaves, and appends one record of 8 u64 to the buffer at STAMP_BUF (u64 [0] = records taken; gemv_cuda.stamps
-// decodes them): where a decode GEMM's time goes inside the CUDA graph, PDL overlaps included.
+// decodes them): where a decode GEMM's time goes inside the CUDA graph, PDL overlaps included. STAMP_AT moves
+// the third stamp earlier, to split the time from the wait to x staged: 1 once a routed-experts CTA has found
+// its expert (dense builds: right after the wait), 2 once x and the first weight steps are issued (before the
+// cp.async wait; XSTREAM builds: where 0 stamps); 0 (default) once they have landed.
+#ifndef STAMP_AT
+#define STAMP_AT 0
+#endif
 #ifdef STAMP_BUF
 #define STAMP(i)                                                                          \
     if (threadIdx.x == 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(stamp_t[i]) :: "memory")
@@ -380,11 +386,10 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     asm volatile("griddepcontrol.wait;" ::: "memory");
     STAMP(1);
     // slot z -> (expert, chunk of 8 MG rows): expert i owns ceil(rows_i / XROWS) consecutive slots
-#if SLOTTABLE
-    // (being measured, bench/device_run98.sh) warp-uniform: every warp finds the same expert. The offsets of the
-    // first 32 SLOTTABLE experts are loaded at once, before any is used: one L2 round trip for the search
-    // instead of one per 32 experts (4 for 128) and one more for offs[ex]; lane l looks at experts b + l, 32 at
-    // a time, and eo0 / eo1 = offs[ex] / offs[ex + 1] come from the lane that read them
+    // warp-uniform: every warp finds the same expert. The offsets of the first 32 SLOTTABLE experts are loaded
+    // at once, before any is used: one L2 round trip for the search (SLOTTABLE 0: one per 32 experts); lane l
+    // looks at experts b + l, 32 at a time, and eo0 / eo1 = offs[ex] / offs[ex + 1] come from the lane that
+    // read them (no trip more for offs[ex])
     int ex = -1, chunk = 0, eo0 = 0, eo1 = 0, seen = 0;
     auto find = [&](int b, int a0, int a1) {  // experts b .. b + 31, lane l's offsets a0 / a1
         const int nch = (a1 - a0 + XROWS - 1) / XROWS;  // 0 past E (a0 = a1 = 0)
@@ -407,6 +412,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             seen += total;
         }
     };
+#if SLOTTABLE
     {
         int t0[SLOTTABLE], t1[SLOTTABLE];
 #pragma unroll
@@ -419,42 +425,18 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         for (int q = 0; q < SLOTTABLE; ++q)
             if (ex < 0 && 32 * q < E) find(32 * q, t0[q], t1[q]);
     }
+#endif
     for (int b = 32 * SLOTTABLE; ex < 0 && b < E; b += 32) {
         const int i = b + lane;
         find(b, i < E ? offs[i] : 0, i < E ? offs[i + 1] : 0);
     }
-#else
-    int ex = -1, chunk = 0;
-    for (int b = 0, seen = 0; b < E; b += 32) {  // warp-uniform: every warp finds the same expert
-        const int i = b + lane;
-        const int nch = i < E ? (offs[i + 1] - offs[i] + XROWS - 1) / XROWS : 0;
-        int inc = nch;  // inclusive prefix sum of the slots over the lanes
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int t = __shfl_up_sync(0xffffffffu, inc, o);
-            if (lane >= o) inc += t;
-        }
-        const int total = __shfl_sync(0xffffffffu, inc, 31);
-        if ((int)blockIdx.z < seen + total) {
-            const int z = (int)blockIdx.z - seen;
-            const u32 hit = __ballot_sync(0xffffffffu, z >= inc - nch && z < inc);
-            const int src = __ffs(hit) - 1;
-            ex = b + src;
-            chunk = z - __shfl_sync(0xffffffffu, inc - nch, src);
-            break;
-        }
-        seen += total;
-    }
-#endif
     if (ex < 0) return;  // the whole cluster (same z) leaves before any barrier
+#if STAMP_AT == 1
+    STAMP(2);
+#endif
     {
-#if SLOTTABLE
         const int r0 = eo0 + chunk * XROWS;
         M = min(XROWS, eo1 - r0);
-#else
-        const int r0 = offs[ex] + chunk * XROWS;
-        M = min(XROWS, offs[ex + 1] - r0);
-#endif
         if (GATHER) xrows += r0;  // row m of this chunk is token xrows[m]
         else x += (u64)r0 * stride_xm;
         y += (u64)r0 * stride_ym;
@@ -641,8 +623,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // 2 (MG 2: 64 -> 66, a CTA per SM less).
     const float gs_early = (WG_ROW || !GSE) ? 0.f : wg[0] * 256.f;
 #if GSR && WG_ROW
-    // GSR (being measured, bench/device_run98.sh): per-row global scales (fused q/k/v, the experts' gate / up).
-    // In the KW epilogue below thread t only ever writes columns nl = t % NB (NB divides the 256 threads), so
+    // GSR (gemv_cuda.ROW_SCALE_EARLY): per-row global scales (fused q/k/v, the experts' gate / up). In the KW
+    // epilogue below thread t only ever writes columns nl = t % NB (NB divides the 256 threads), so
     // its one row scale is read now, off the epilogue's critical path; the same multiply, the same bits
     const int gsr_n = blockIdx.x * NB + (int)threadIdx.x % NB;
     const float gsr_early = gsr_n < N ? wg[gsr_n] * 256.f : 0.f;
@@ -651,6 +633,9 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #if !GROUPED
     STAMP(1);
+#if STAMP_AT == 1
+    STAMP(2);
+#endif
 #endif
 #if XSTREAM
     // (ASH: x one step less ahead; after the weights' group, group d + 1 = x step d)
@@ -694,10 +679,15 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 
     // x and the first weight steps have landed for this thread, then for every thread. (Staging x by plain
     // loads so that this wait excludes the weight steps was slower: bench/RESULTS.md, seventeenth session.)
+#if STAMP_AT == 2
+    STAMP(2);
+#endif
     cp_async_wait<0>();
     __syncthreads();
 #endif
+#if STAMP_AT == 0 || (STAMP_AT == 2 && XSTREAM)
     STAMP(2);
+#endif
 
     // ldmatrix.x4 row addresses: matrix j = x rows 8 mg + (lane & 7) (the zero row past M) x k [8j, 8j+8):
     // b0, b1 of the block at k, b0, b1 of the block at k + 16
