@@ -1,4 +1,5 @@
 #!/bin/bash
+# (Measured slower: 2.14 -> 2.23 ms at batch 1, 4.26 -> 4.52 at 8; WARM was taken out again, commit 33d8ec2 has it.)
 # Thirty-second session. device_run99's stamps split the routed experts' GEMMs' 2.3 / 3.3 us (gate / up, down)
 # from a CTA's release to x staged: 0.8 to find the expert, then 1.5 / 2.0 us to issue the loads (code running
 # for the first time after the release), then ~0 / 0.5 for them to land. FP4RL_MMA16_WARM=1 runs that prologue

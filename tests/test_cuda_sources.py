@@ -137,13 +137,6 @@ def _gemm_configs():
     yield "mma16 gsr 2048x4096 m1", {**gemv_cuda.choose(2048, 4096, 1, sms), "GSR": 1}, "sm_90"
     yield "grouped gather gsr 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
                                            "GSR": 1}, "sm_90"
-    # the prologue run dry before the wait (WARM): the gather, the SiLU staging, plain x with per-row scales
-    yield "grouped gather warm 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
-                                            "SLOTTABLE": 4, "WARM": 1}, "sm_90"
-    yield "grouped silu warm 2048x768", {**gemv_cuda.choose_grouped(2048, 768, 8, sms), "SILU": 1,
-                                         "SLOTTABLE": 4, "WARM": 1}, "sm_90"
-    yield "grouped warm gsr 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "SLOTTABLE": 4,
-                                         "GSR": 1, "WARM": 1}, "sm_90"
     # the experts' offsets in one round trip (SLOTTABLE 4: 128 experts, 8: 256)
     yield "grouped gather slottable 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
                                                  "SLOTTABLE": 4}, "sm_90"
@@ -155,8 +148,7 @@ def _gemm_configs():
                          ids=lambda v: v if isinstance(v, str) else "")
 def test_gemm_kernel_compiles_without_spills_or_serialized_wgmma(name, cfg, arch):
     w4a16_grouped = bool(cfg.get("GATHER", 0) or cfg.get("SILU", 0))  # builds for grouped W4A16 only
-    grouped_only = w4a16_grouped or bool(cfg.get("WARM", 0))
-    variants = ((False, False, name.startswith("grouped")), (True, not w4a16_grouped, grouped_only))
+    variants = ((False, False, name.startswith("grouped")), (True, not w4a16_grouped, w4a16_grouped))
     for wg_row, xg_row, grouped in variants:
         log = compile_log(gemv_cuda.source(cfg, wg_row, xg_row, grouped), arch)
         assert "C7515" not in log, f"{name}: ptxas serialized the wgmma pipeline:\n{log[:2000]}"
@@ -206,12 +198,6 @@ def test_stamps_taken_earlier_compile(name, cfg, grouped, at):
 def test_row_scales_early_need_the_in_cta_split():
     cfg = dict(gemv_cuda.choose(5120, 2048, 8, 132), GSR=1)  # 8 rows: the cluster split, no KW
     assert "GSR is for the in-CTA split" in _compile_error(gemv_cuda.source(cfg, True, False, False))
-
-
-def test_warm_needs_grouped_with_staged_x():
-    for cfg, grouped in ((dict(gemv_cuda.choose(5120, 2048, 1, 132), WARM=1), False),
-                         (dict(gemv_cuda.choose_grouped(2048, 768, 8, 132), WARM=1, XSTREAM=1), True)):
-        assert "WARM is for GROUPED" in _compile_error(gemv_cuda.source(cfg, False, False, grouped))
 
 
 def test_gather_needs_grouped_w4a16():

@@ -579,59 +579,6 @@ def test_gpu_grouped_row_scales_read_early_keep_the_bits(monkeypatch):
             assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), (t, list(kwargs))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("e", [6, 128])
-def test_gpu_warm_prologue_keeps_the_bits(e, monkeypatch):
-    """WARM_PROLOGUE (FP4RL_MMA16_WARM): each CTA's dry pass before the wait (expert 0, no rows, zero-size
-    copies) leaves the bits of the one-pass kernel: plain x, the gather and the SiLU staging, per-expert and
-    per-row global scales, 1 / 8 / 40 tokens (an expert in several chunks), eagerly and in a CUDA graph
-    replayed with new routing and new x."""
-    if not gemv_cuda.available():
-        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
-    gen = torch.Generator().manual_seed(29 + e)
-    n, k = 256, 512
-    _, _, g, wc = _random_experts(e, n, k, seed=15)
-    gr = (g[:, None] * torch.linspace(0.5, 2.0, n, device="cuda")).contiguous()
-    top = min(4, e)
-    for t in (1, 8, 40):
-        offs = _routing(e, t, top, gen, hot=e - 1)
-        m = t * top
-        xt = torch.randn(t, k, generator=gen).bfloat16().cuda()
-        rows = torch.randint(0, t, (m,), generator=gen, dtype=torch.int32).cuda()
-        xm = torch.randn(m, k, generator=gen).bfloat16().cuda()
-        gu = _gate_up(m, k, gen)
-        for scales in (g, gr):
-            for kwargs, x in (({}, xm), ({"x_rows": rows}, xt), ({"x_silu": True}, gu)):
-                if kwargs.get("x_silu") and scales is gr:
-                    continue  # the down projection's scales are per expert
-                outs = []
-                for warm in (False, True):
-                    monkeypatch.setattr(gemv_cuda, "WARM_PROLOGUE", warm)
-                    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                    gemv_cuda.launch_grouped(x, wc, scales, offs, y, **kwargs)
-                    outs.append(y)
-                assert not outs[0].isnan().any(), (t, list(kwargs))
-                assert torch.equal(outs[0], outs[1]), (e, t, scales.ndim, list(kwargs))
-    monkeypatch.setattr(gemv_cuda, "WARM_PROLOGUE", True)  # a graph captured with it, new routing and x
-    t = 2
-    x = torch.randn(t * top, k, generator=gen).bfloat16().cuda()
-    offs = _routing(e, t, top, gen)
-    y = torch.empty(t * top, n, dtype=torch.bfloat16, device="cuda")
-    gemv_cuda.launch_grouped(x, wc, g, offs, y)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gemv_cuda.launch_grouped(x, wc, g, offs, y)
-    for _ in range(3):
-        offs.copy_(_routing(e, t, top, gen))
-        x.copy_(torch.randn(t * top, k, generator=gen).bfloat16())
-        graph.replay()
-        want = torch.empty_like(y)
-        monkeypatch.setattr(gemv_cuda, "WARM_PROLOGUE", False)
-        gemv_cuda.launch_grouped(x, wc, g, offs, want)
-        monkeypatch.setattr(gemv_cuda, "WARM_PROLOGUE", True)
-        assert torch.equal(y, want)
-
-
 def test_slot_table_words_by_experts(monkeypatch):
     """slot_table: the 32-expert words of offsets a routed-experts CTA reads at once (SLOTTABLE), up to
     SLOT_TABLE_MAX; 0 with the table off (FP4RL_MMA16_SLOTTABLE=0)."""

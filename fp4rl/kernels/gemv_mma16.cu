@@ -75,12 +75,6 @@ typedef unsigned long long u64;
 #ifndef SILU
 #define SILU 0
 #endif
-#ifndef WARM
-#define WARM 0  // GROUPED: the prologue run once dry before griddepcontrol.wait (below)
-#endif
-#if WARM && (!GROUPED || XSTREAM)
-#error "WARM is for GROUPED with the staged x slice (no XSTREAM)"
-#endif
 #ifndef SLOTTABLE
 #define SLOTTABLE 0  // GROUPED: the first 32 SLOTTABLE experts' offsets read in one round trip (below); 0: 32 a trip
 #endif
@@ -89,7 +83,7 @@ typedef unsigned long long u64;
 #endif
 // the row of x that row m of this CTA's rows reads (only evaluated for m < M)
 #if GATHER
-#define XROW(m) ld_after_wait(xrows + (m))
+#define XROW(m) xrows[m]
 #else
 #define XROW(m) (m)
 #endif
@@ -187,18 +181,6 @@ __device__ __forceinline__ u32 smem_u32(const void* p);
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes)
                  : "memory");
-}
-// an int written by the kernel before this one, read after griddepcontrol.wait: a volatile asm load stays
-// after the wait (a const __restrict__ read becomes ld.global.nc, which the compiler may hoist above it, as it
-// did in WARM builds); WARM builds only, the default builds keep their SASS
-__device__ __forceinline__ int ld_after_wait(const int* p) {
-#if WARM
-    int v;
-    asm volatile("ld.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-#else
-    return *p;
-#endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -396,40 +378,13 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // grid has triggered (TRIGGER 1: at its start; 2: after its weight stream; 0: at its exit); it waits
     // for this grid's completion before reading what it writes
     if (TRIGGER == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#if WARM
-    int pass;  // 0: WARM's dry pass (below), 1: the real one
-    asm volatile("mov.b32 %0, 0;" : "=r"(pass));
-#else
-    constexpr int pass = 1;
-#endif
 #if GROUPED
     // Routed experts: x's rows are sorted by expert, offs[E + 1] the expert starts (written by the kernels
     // before this one: wait first). Slot blockIdx.z serves one chunk of up to XROWS rows of one expert
     // (any number of rows per expert: more chunks); slots past the last chunk exit. wt / st / wg are stacks
     // over experts ([E][N/16]... tiles; wg [E][N] or [E]).
-#if WARM
-    // WARM (being measured, bench/device_run100.sh): the stamps put 1.5 us of a CTA's 2.3 from its release to x
-    // staged between finding its expert and having issued its loads, code that runs for the first time after
-    // the release (its instructions and the kernel's parameters not yet in the SM's caches). Pass 0 runs that
-    // prologue dry while the CTA waits to be released (no global load: expert 0, no rows, zero-size copies),
-    // then jumps back for pass 1, the real one after the wait: the same instructions twice. `pass` is opaque to
-    // the compiler so that it keeps one copy of the code.
-    const u16* const x_arg = x;
-    const int* const xrows_arg = xrows;
-    u16* const y_arg = y;
-    const uint4* const wt_arg = wt;
-    const uint4* const st_arg = st;
-    const float* const wg_arg = wg;
-    const float* const xg_arg = xg;
-warm_again:
-    x = x_arg, xrows = xrows_arg, y = y_arg, wt = wt_arg, st = st_arg, wg = wg_arg, xg = xg_arg;
-    if (pass) {
-#else
-    {
-#endif
-        asm volatile("griddepcontrol.wait;" ::: "memory");
-        STAMP(1);
-    }
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    STAMP(1);
     // slot z -> (expert, chunk of 8 MG rows): expert i owns ceil(rows_i / XROWS) consecutive slots
     // warp-uniform: every warp finds the same expert. The offsets of the first 32 SLOTTABLE experts are loaded
     // at once, before any is used: one L2 round trip for the search (SLOTTABLE 0: one per 32 experts); lane l
@@ -463,19 +418,18 @@ warm_again:
 #pragma unroll
         for (int q = 0; q < SLOTTABLE; ++q) {
             const int i = 32 * q + lane;
-            t0[q] = i < E && pass ? ld_after_wait(offs + i) : 0;
-            t1[q] = i < E && pass ? ld_after_wait(offs + i + 1) : 0;
+            t0[q] = i < E ? offs[i] : 0;
+            t1[q] = i < E ? offs[i + 1] : 0;
         }
 #pragma unroll
         for (int q = 0; q < SLOTTABLE; ++q)
             if (ex < 0 && 32 * q < E) find(32 * q, t0[q], t1[q]);
     }
 #endif
-    for (int b = 32 * SLOTTABLE; ex < 0 && pass && b < E; b += 32) {
+    for (int b = 32 * SLOTTABLE; ex < 0 && b < E; b += 32) {
         const int i = b + lane;
-        find(b, i < E ? ld_after_wait(offs + i) : 0, i < E ? ld_after_wait(offs + i + 1) : 0);
+        find(b, i < E ? offs[i] : 0, i < E ? offs[i + 1] : 0);
     }
-    if (!pass) ex = 0;  // WARM's dry pass: expert 0, no rows (eo0 = eo1 = 0)
     if (ex < 0) return;  // the whole cluster (same z) leaves before any barrier
 #if STAMP_AT == 1
     STAMP(2);
@@ -545,7 +499,7 @@ warm_again:
             for (int j = 0; j < NT; ++j) {
                 if (ok[j] || WGMMA) {  // WGMMA: a tile past N reads zeros (the warp still joins the multiply)
                     const u32 dst = ring_s + (stage * NT + j) * STAGE_BYTES;
-                    const int nb = ok[j] && pass ? 16 : 0;
+                    const int nb = ok[j] ? 16 : 0;
 #if XPRE
                     cp_async16(dst + lane * 16, wrun[j], nb);
                     cp_async16(dst + 512 + lane * 16, wrun[j] + 32, nb);
@@ -676,10 +630,7 @@ warm_again:
     const float gsr_early = gsr_n < N ? wg[gsr_n] * 256.f : 0.f;
 #endif
     // PDL: the first DEPTH weight steps above do not depend on the previous kernel; x (its output) does
-    // (GROUPED: waited for above)
-#if !(GROUPED && WARM)
     asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
 #if !GROUPED
     STAMP(1);
 #if STAMP_AT == 1
@@ -733,12 +684,6 @@ warm_again:
 #endif
     cp_async_wait<0>();
     __syncthreads();
-#if WARM
-    if (!pass) {
-        asm volatile("mov.b32 %0, 1;" : "=r"(pass));
-        goto warm_again;
-    }
-#endif
 #endif
 #if STAMP_AT == 0 || (STAMP_AT == 2 && XSTREAM)
     STAMP(2);
