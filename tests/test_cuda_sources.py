@@ -137,6 +137,11 @@ def _gemm_configs():
     yield "mma16 gsr 2048x4096 m1", {**gemv_cuda.choose(2048, 4096, 1, sms), "GSR": 1}, "sm_90"
     yield "grouped gather gsr 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
                                            "GSR": 1}, "sm_90"
+    # the grid's L2 prefetches over the expert stacks before the wait (TLBWARM: every 64 KB)
+    yield "grouped gather tlbwarm 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
+                                               "SLOTTABLE": 4, "TLBWARM": 16}, "sm_90"
+    yield "grouped silu tlbwarm 2048x768", {**gemv_cuda.choose_grouped(2048, 768, 8, sms), "SILU": 1,
+                                            "SLOTTABLE": 4, "TLBWARM": 16}, "sm_90"
     # the experts' offsets in one round trip (SLOTTABLE 4: 128 experts, 8: 256)
     yield "grouped gather slottable 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
                                                  "SLOTTABLE": 4}, "sm_90"
@@ -195,9 +200,60 @@ def test_stamps_taken_earlier_compile(name, cfg, grouped, at):
     assert moved != _ptx(head + plain, "sm_90")
 
 
+def _sass_ops(src: str, arch: str = "sm_90") -> list[str]:
+    """The opcodes of src's cubin in program order (NVRTC here, nvdisasm from the triton wheel)."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    prog = ctypes.c_void_p()
+    assert LIB.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"k.cu", 0, None, None) == 0
+    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+    assert LIB.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) == 0
+    n = ctypes.c_size_t()
+    LIB.nvrtcGetCUBINSize(prog, ctypes.byref(n))
+    buf = ctypes.create_string_buffer(n.value)
+    LIB.nvrtcGetCUBIN(prog, buf)
+    LIB.nvrtcDestroyProgram(ctypes.byref(prog))
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(buf.raw)
+        f.flush()
+        text = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]+)", text)
+
+
+@pytest.mark.parametrize("extra", [{}, {"TLBWARM": 16}, {"TLBWARM": 21}],
+                         ids=["default", "tlbwarm16", "tlbwarm21"])
+@pytest.mark.parametrize("name,cfg,wg_row,xg_row", [
+    ("gather", {**gemv_cuda.choose_grouped(1536, 2048, 8, 132), "GATHER": 1, "SLOTTABLE": 4, "GSR": 1},
+     True, False),
+    ("silu", {**gemv_cuda.choose_grouped(2048, 768, 8, 132), "SILU": 1, "SLOTTABLE": 4}, False, False),
+    ("plain, per-row scales", {**gemv_cuda.choose_grouped(1536, 2048, 8, 132), "SLOTTABLE": 4, "GSR": 1},
+     True, False),
+    ("w4a4, 64 slots", {**gemv_cuda.choose_grouped(1536, 2048, 64, 132), "SLOTTABLE": 4}, False, True),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_grouped_builds_load_nothing_before_the_wait(name, cfg, wg_row, xg_row, extra):
+    """The routed experts' GEMMs read the offsets (and x_rows, x) the kernel before them writes: no global
+    load or copy may come before griddepcontrol.wait (ACQBULK) in the SASS. ptxas moved the offsets'
+    ld.global.nc above it in a TLBWARM build before its loads became volatile (ld_after_wait). TLBWARM's
+    prefetches do come before it."""
+    ops = _sass_ops(gemv_cuda.source({**cfg, **extra}, wg_row, xg_row, True))
+    wait = ops.index("ACQBULK")
+    early = [op for op in ops[:wait] if op.startswith(("LDG", "LD.", "LDGSTS", "UBLKCP", "UTMALDG"))]
+    assert not early, f"{name} {extra}: {early} before the wait"
+    assert any(op.startswith("CCTL") for op in ops[:wait]) == bool(extra), f"{name} {extra}: the prefetches"
+
+
 def test_row_scales_early_need_the_in_cta_split():
     cfg = dict(gemv_cuda.choose(5120, 2048, 8, 132), GSR=1)  # 8 rows: the cluster split, no KW
     assert "GSR is for the in-CTA split" in _compile_error(gemv_cuda.source(cfg, True, False, False))
+
+
+def test_tlb_warm_needs_grouped():
+    cfg = dict(gemv_cuda.choose(5120, 2048, 1, 132), TLBWARM=16)
+    assert "TLBWARM is for GROUPED" in _compile_error(gemv_cuda.source(cfg, False, False, False))
 
 
 def test_gather_needs_grouped_w4a16():

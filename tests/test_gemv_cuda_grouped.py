@@ -579,6 +579,35 @@ def test_gpu_grouped_row_scales_read_early_keep_the_bits(monkeypatch):
             assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), (t, list(kwargs))
 
 
+@pytest.mark.gpu
+def test_gpu_tlb_warm_keeps_the_bits(monkeypatch):
+    """TLB_WARM (FP4RL_MMA16_TLBWARM): the grid's L2 prefetches over the expert stacks before the wait (every
+    64 KB or 2 MB) leave the bits: plain x, the gather and the SiLU staging at 1 and 8 tokens of 128
+    experts."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    gen = torch.Generator().manual_seed(31)
+    e, n, k = 128, 256, 512
+    _, _, g, wc = _random_experts(e, n, k, seed=16)
+    for t in (1, 8):
+        offs = _routing(e, t, 8, gen, hot=e - 1)
+        m = t * 8
+        xt = torch.randn(t, k, generator=gen).bfloat16().cuda()
+        rows = torch.randint(0, t, (m,), generator=gen, dtype=torch.int32).cuda()
+        xm = torch.randn(m, k, generator=gen).bfloat16().cuda()
+        gu = _gate_up(m, k, gen)
+        for kwargs, x in (({}, xm), ({"x_rows": rows}, xt), ({"x_silu": True}, gu)):
+            outs = []
+            for warm in (0, 16, 21):
+                monkeypatch.setattr(gemv_cuda, "TLB_WARM", warm)
+                y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                gemv_cuda.launch_grouped(x, wc, g, offs, y, **kwargs)
+                outs.append(y)
+            assert not outs[0].isnan().any(), (t, list(kwargs))
+            for y in outs[1:]:
+                assert torch.equal(y, outs[0]), (t, list(kwargs))
+
+
 def test_slot_table_words_by_experts(monkeypatch):
     """slot_table: the 32-expert words of offsets a routed-experts CTA reads at once (SLOTTABLE), up to
     SLOT_TABLE_MAX; 0 with the table off (FP4RL_MMA16_SLOTTABLE=0)."""

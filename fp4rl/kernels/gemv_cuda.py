@@ -64,6 +64,10 @@ ONE_TOKEN_VIEW = os.environ.get("FP4RL_MMA16_ONE_TOKEN", "1") != "0"
 # in-CTA split builds (KW) with per-row global scales: each thread's row scale read before the stream instead
 # of in the epilogue (gemv_mma16.cu GSR)
 ROW_SCALE_EARLY = os.environ.get("FP4RL_MMA16_GSR", "1") != "0"
+# routed-expert launches: the grid's threads prefetch one L2 line per 2^TLB_WARM bytes of the expert stacks
+# before griddepcontrol.wait, to have their pages translated before the release (gemv_mma16.cu TLBWARM;
+# 0: off; being measured, bench/device_run102.sh)
+TLB_WARM = int(os.environ.get("FP4RL_MMA16_TLBWARM", "0"))
 # stamps builds only (fp4rl.benchmarks.stamps): where the third stamp is taken (gemv_mma16.cu STAMP_AT)
 STAMP_AT = int(os.environ.get("FP4RL_MMA16_STAMP_AT", "0"))
 
@@ -628,6 +632,8 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     key = {**cfg, "GATHER": 1} if x_rows is not None else {**cfg, "SILU": 1} if x_silu else cfg
     if "SLOTTABLE" not in key and slot_table(e):
         key = {**key, "SLOTTABLE": slot_table(e)}
+    if TLB_WARM:
+        key = {**key, "TLBWARM": TLB_WARM}
     key = _row_scale_key(key, g.numel() > e)
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > e, x_scale is not None, True), dev)
     smem = smem_bytes(cfg, wc.k, 8 * cfg["MG"])

@@ -75,6 +75,12 @@ typedef unsigned long long u64;
 #ifndef SILU
 #define SILU 0
 #endif
+#ifndef TLBWARM
+#define TLBWARM 0  // GROUPED: log2 of the stride of the L2 prefetches over the expert stacks before the wait (below)
+#endif
+#if TLBWARM && (!GROUPED || TLBWARM < 12)
+#error "TLBWARM is for GROUPED, a stride of 4 KB (12) or more"
+#endif
 #ifndef SLOTTABLE
 #define SLOTTABLE 0  // GROUPED: the first 32 SLOTTABLE experts' offsets read in one round trip (below); 0: 32 a trip
 #endif
@@ -83,7 +89,7 @@ typedef unsigned long long u64;
 #endif
 // the row of x that row m of this CTA's rows reads (only evaluated for m < M)
 #if GATHER
-#define XROW(m) xrows[m]
+#define XROW(m) ld_after_wait(xrows + (m))
 #else
 #define XROW(m) (m)
 #endif
@@ -181,6 +187,19 @@ __device__ __forceinline__ u32 smem_u32(const void* p);
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes)
                  : "memory");
+}
+// an int written by the kernel before this one (the offsets, x_rows), read after griddepcontrol.wait. A const
+// __restrict__ read compiles to ld.global.nc, which the compiler may move above the wait's asm: it did in
+// TLBWARM builds (and in a dry-prologue build, 33d8ec2). There a volatile asm load keeps it after the wait; the
+// default builds keep their SASS (tests/test_cuda_sources.py checks that their loads stay after the wait).
+__device__ __forceinline__ int ld_after_wait(const int* p) {
+#if TLBWARM
+    int v;
+    asm volatile("ld.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+#else
+    return *p;
+#endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -383,6 +402,26 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // before this one: wait first). Slot blockIdx.z serves one chunk of up to XROWS rows of one expert
     // (any number of rows per expert: more chunks); slots past the last chunk exit. wt / st / wg are stacks
     // over experts ([E][N/16]... tiles; wg [E][N] or [E]).
+#if TLBWARM
+    // TLBWARM (being measured, bench/device_run102.sh): thread 0's first loads after the release take 1.5 / 2.0 us
+    // to issue in the 30B step (the stamps, thirty-second session), not the code (a dry run of it before the
+    // release did not shorten them). If it is the translation of the newly routed experts' pages, the grid's
+    // threads can have every page of both stacks translated while they wait to be released: one L2 prefetch
+    // per 2^TLBWARM bytes (a line each, ~0.3% of the stacks' bytes at 64 KB), independent of the routing.
+    {
+        const u64 wbytes = (u64)E * (u64)(N >> 4) * (u64)S * 1024u;  // wt: 1 KB per tile and 128-k step
+        const u64 nw = (wbytes + (1ull << TLBWARM) - 1) >> TLBWARM;
+        const u64 ns = ((wbytes >> 2) + (1ull << TLBWARM) - 1) >> TLBWARM;  // st: 256 B per tile and step
+        const u64 nthr = (u64)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
+        for (u64 i = ((u64)blockIdx.x + (u64)gridDim.x * (blockIdx.y + (u64)gridDim.y * blockIdx.z)) * blockDim.x
+                     + threadIdx.x;
+             i < nw + ns; i += nthr) {
+            const unsigned char* p = i < nw ? reinterpret_cast<const unsigned char*>(wt) + (i << TLBWARM)
+                                            : reinterpret_cast<const unsigned char*>(st) + ((i - nw) << TLBWARM);
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+        }
+    }
+#endif
     asm volatile("griddepcontrol.wait;" ::: "memory");
     STAMP(1);
     // slot z -> (expert, chunk of 8 MG rows): expert i owns ceil(rows_i / XROWS) consecutive slots
@@ -418,8 +457,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #pragma unroll
         for (int q = 0; q < SLOTTABLE; ++q) {
             const int i = 32 * q + lane;
-            t0[q] = i < E ? offs[i] : 0;
-            t1[q] = i < E ? offs[i + 1] : 0;
+            t0[q] = i < E ? ld_after_wait(offs + i) : 0;
+            t1[q] = i < E ? ld_after_wait(offs + i + 1) : 0;
         }
 #pragma unroll
         for (int q = 0; q < SLOTTABLE; ++q)
@@ -428,7 +467,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #endif
     for (int b = 32 * SLOTTABLE; ex < 0 && b < E; b += 32) {
         const int i = b + lane;
-        find(b, i < E ? offs[i] : 0, i < E ? offs[i + 1] : 0);
+        find(b, i < E ? ld_after_wait(offs + i) : 0, i < E ? ld_after_wait(offs + i + 1) : 0);
     }
     if (ex < 0) return;  // the whole cluster (same z) leaves before any barrier
 #if STAMP_AT == 1
