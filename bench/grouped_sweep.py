@@ -9,8 +9,8 @@ configuration is checked against the float64 product of the dequantized experts 
 
 Variants as bench/mma16_sweep.py (dN DEPTH, sN SPLIT, trN TRIGGER, tN timing-only builds, s2x / sh twice /
 half the chosen split, pdl: launches with programmatic dependent launch; mgN: chunks of 8N rows; auto: as
-the sampler launches it, gemv_cuda.grouped_mg's chunks), and triton: the Triton grouped GEMM (gemm.gemm
-without `tokens`, tuned), the experts' other path.
+the sampler launches it, gemv_cuda_grouped.grouped_mg's chunks), and triton: the Triton grouped GEMM
+(gemm.gemm without `tokens`, tuned), the experts' other path.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mma16_sweep import configs, start  # noqa: E402
 
 from fp4rl.benchmarks.gpu_kernels import _rel, time_calls  # noqa: E402
-from fp4rl.kernels import gemm, gemv_cuda, pdl  # noqa: E402
+from fp4rl.kernels import gemm, gemv_cuda_grouped, pdl  # noqa: E402
 from fp4rl.nvfp4 import reference  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def expert_stack(e: int, n: int, k: int, seed: int):
         scales.append(q.block_scale)
         gs.append(q.global_scale.float().reshape(()))
     data, bs, gsc = torch.stack(datas), torch.stack(scales), torch.stack(gs)
-    wc = gemv_cuda.relayout_stack(data, bs)
+    wc = gemv_cuda_grouped.relayout_stack(data, bs)
 
     def deq(i):
         from fp4rl.nvfp4.format import NVFP4Tensor
@@ -119,7 +119,8 @@ def main():
                 gate, up = gu[0][:, :f].float(), gu[0][:, f:].float()
                 xin = (torch.nn.functional.silu(gate).bfloat16().float() * up).bfloat16().double()
             ref = torch.stack([xin[r] @ deqs[ex_rows[r]].T for r in range(m)])
-            base = gemv_cuda.choose_grouped(n, k, min(e, m), sms, gemv_cuda.grouped_mg(m, e))  # as launched
+            base = gemv_cuda_grouped.choose_grouped(n, k, min(e, m), sms,
+                                                    gemv_cuda_grouped.grouped_mg(m, e))  # as launched
             moved = len(set(ex_rows)) * per + m * (k if name == "gate_up" else 2 * k) * 2 + m * n * 2
             floor_us = moved / bw / 1e6
             variants = a.variants.split(",")
@@ -147,8 +148,8 @@ def main():
                 def run(i, c=c, name=name, wc=wc, g=g, sets=sets, x=x, ys=ys, gu=gu):
                     offs, rows, _ = sets[i]
                     if name == "gate_up":
-                        return gemv_cuda.launch_grouped(x, wc, g, offs, ys[i], x_rows=rows, cfg=c)
-                    return gemv_cuda.launch_grouped(gu[i], wc, g, offs, ys[i], x_silu=True, cfg=c)
+                        return gemv_cuda_grouped.launch_grouped(x, wc, g, offs, ys[i], x_rows=rows, cfg=c)
+                    return gemv_cuda_grouped.launch_grouped(gu[i], wc, g, offs, ys[i], x_silu=True, cfg=c)
 
                 try:
                     err = _rel(call(lambda: run(0), use_pdl), ref)

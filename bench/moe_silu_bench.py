@@ -1,6 +1,6 @@
 """Eleventh session: the MoE down projection with SiLU(gate) * up computed in the grouped mma16 kernel's x
-staging (its SILU build, gemv_cuda.launch_grouped(x_silu=True)) against fused.silu_mul then the plain kernel,
-and the plain kernel alone. Qwen3-30B-A3B's down_proj: 128 experts of 2048x768, top 8, random routing.
+staging (its SILU build, gemv_cuda_grouped.launch_grouped(x_silu=True)) against fused.silu_mul then the plain
+kernel, and the plain kernel alone. Qwen3-30B-A3B's down_proj: 128 experts of 2048x768, top 8, random routing.
 
 python3 bench/moe_silu_bench.py [--tokens 1,2,4,8,16,32,64] [--out FILE.json]
 
@@ -21,7 +21,7 @@ sys.path.insert(0, ".")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gemm_fixed import timed  # noqa: E402
 
-from fp4rl.kernels import fused, gemv_cuda, pdl  # noqa: E402
+from fp4rl.kernels import fused, gemv_cuda, gemv_cuda_grouped, pdl  # noqa: E402
 
 REPS = 50
 
@@ -38,15 +38,15 @@ def measure(t, e, top, i, h, g, wc, gen) -> dict:
 
     def unfused(_r):
         with pdl.step():
-            gemv_cuda.launch_grouped(fused.silu_mul(gu)[0], wc, g, offs, y1)
+            gemv_cuda_grouped.launch_grouped(fused.silu_mul(gu)[0], wc, g, offs, y1)
 
     def silu(_r):
         with pdl.step():
-            gemv_cuda.launch_grouped(gu, wc, g, offs, y2, x_silu=True)
+            gemv_cuda_grouped.launch_grouped(gu, wc, g, offs, y2, x_silu=True)
 
     def alone(_r):
         with pdl.step():
-            gemv_cuda.launch_grouped(a, wc, g, offs, y3)
+            gemv_cuda_grouped.launch_grouped(a, wc, g, offs, y3)
 
     unfused(0)
     silu(0)
@@ -69,7 +69,7 @@ def main() -> int:
     data = torch.randint(0, 256, (e, h, i // 2), generator=gen, dtype=torch.uint8).cuda()
     scale = (torch.rand(e, h, i // 16, generator=gen) * 4 + 0.0625).to(torch.float8_e4m3fn).cuda()
     g = (torch.rand(e, generator=gen) * 1e-2 + 1e-3).cuda()
-    wc = gemv_cuda.relayout_stack(data, scale)
+    wc = gemv_cuda_grouped.relayout_stack(data, scale)
     rows = []
     print("| tokens | silu_mul + kernel us | SILU build us | kernel alone us |")
     for t in (int(v) for v in args.tokens.split(",")):

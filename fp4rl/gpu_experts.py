@@ -50,7 +50,8 @@ class _PackedExperts:
         self.refresh()
 
     def _copy(self, which: int):
-        """The stacked mma16 copy (gemv_cuda.relayout_stack's layout) of gate/up (0) or down (1), or None."""
+        """The stacked mma16 copy (gemv_cuda_grouped.relayout_stack's layout) of gate/up (0) or down (1), or
+        None."""
         from fp4rl.kernels import gemv_cuda
 
         data, scale = (self.gu_data, self.gu_scale) if which == 0 else (self.d_data, self.d_scale)

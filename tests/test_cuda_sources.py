@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fp4rl.kernels import gemv_cuda
+from fp4rl.kernels.gemv_cuda_grouped import choose_grouped
 from fp4rl.kernels.quantize import cuda as qc
 
 nvrtc_pkg = pytest.importorskip("nvidia.cuda_nvrtc", reason="pip install nvidia-cuda-nvrtc-cu12 (dev extra)")
@@ -124,28 +125,28 @@ def _gemm_configs():
     for m, depth in ((128, 3), (512, 3), (64, 4)):  # ASH: the weights' A in shared memory (sweep variant)
         cfg = dict(gemv_cuda.choose_wide(4096, 14336, m, sms), NT=1, XPRE=2, ASH=1, DEPTH=depth)
         yield f"wgmma ash 4096x14336 m{m} d{depth}", cfg, "sm_90a"
-    yield "grouped 2048x768", gemv_cuda.choose_grouped(2048, 768, 8, sms), "sm_90"
-    yield "grouped gather 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1}, "sm_90"
+    yield "grouped 2048x768", choose_grouped(2048, 768, 8, sms), "sm_90"
+    yield "grouped gather 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1}, "sm_90"
     # the MoE down projection with SiLU(gate) * up in the x staging: 128 experts' 2048x768 at 1 token of top-8
     # (8 slots: split 2) and at 8 tokens (64 slots: split 1), and 1536x2048 on 8 slots
     for slots in (8, 64):
-        cfg = {**gemv_cuda.choose_grouped(2048, 768, slots, sms), "SILU": 1}
+        cfg = {**choose_grouped(2048, 768, slots, sms), "SILU": 1}
         yield f"grouped silu 2048x768 s{slots}", cfg, "sm_90"
-    yield "grouped silu 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "SILU": 1}, "sm_90"
+    yield "grouped silu 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "SILU": 1}, "sm_90"
     # per-row global scales read before the stream (GSR): one-row q/k/v and o, the experts' gate / up
     yield "mma16 gsr 5120x2048 m1", {**gemv_cuda.choose(5120, 2048, 1, sms), "GSR": 1}, "sm_90"
     yield "mma16 gsr 2048x4096 m1", {**gemv_cuda.choose(2048, 4096, 1, sms), "GSR": 1}, "sm_90"
-    yield "grouped gather gsr 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
+    yield "grouped gather gsr 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
                                            "GSR": 1}, "sm_90"
     # the grid's L2 prefetches over the expert stacks before the wait (TLBWARM: every 64 KB)
-    yield "grouped gather tlbwarm 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
+    yield "grouped gather tlbwarm 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
                                                "SLOTTABLE": 4, "TLBWARM": 16}, "sm_90"
-    yield "grouped silu tlbwarm 2048x768", {**gemv_cuda.choose_grouped(2048, 768, 8, sms), "SILU": 1,
+    yield "grouped silu tlbwarm 2048x768", {**choose_grouped(2048, 768, 8, sms), "SILU": 1,
                                             "SLOTTABLE": 4, "TLBWARM": 16}, "sm_90"
     # the experts' offsets in one round trip (SLOTTABLE 4: 128 experts, 8: 256)
-    yield "grouped gather slottable 1536x2048", {**gemv_cuda.choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
+    yield "grouped gather slottable 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
                                                  "SLOTTABLE": 4}, "sm_90"
-    yield "grouped silu slottable 2048x768", {**gemv_cuda.choose_grouped(2048, 768, 64, sms), "SILU": 1,
+    yield "grouped silu slottable 2048x768", {**choose_grouped(2048, 768, 64, sms), "SILU": 1,
                                               "SLOTTABLE": 8}, "sm_90"
 
 
@@ -165,7 +166,7 @@ def test_gemm_kernel_compiles_without_spills_or_serialized_wgmma(name, cfg, arch
     ("one row, in-CTA split", gemv_cuda.in_cta_split(gemv_cuda.choose(5120, 2048, 1, 132), 2048, 1), False,
      "sm_90"),
     ("8 rows, cluster split", gemv_cuda.choose(5120, 2048, 8, 132), False, "sm_90"),
-    ("grouped silu", {**gemv_cuda.choose_grouped(2048, 768, 8, 132), "SILU": 1}, True, "sm_90"),
+    ("grouped silu", {**choose_grouped(2048, 768, 8, 132), "SILU": 1}, True, "sm_90"),
     ("wgmma", gemv_cuda.choose_wide(4096, 4096, 64, 132), False, "sm_90a"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_stamped_builds_compile_and_read_the_global_timer(name, cfg, grouped, arch):
@@ -185,7 +186,7 @@ def test_stamped_builds_compile_and_read_the_global_timer(name, cfg, grouped, ar
 @pytest.mark.parametrize("at", [1, 2])
 @pytest.mark.parametrize("name,cfg,grouped", [
     ("one row, in-CTA split", gemv_cuda.in_cta_split(gemv_cuda.choose(5120, 2048, 1, 132), 2048, 1), False),
-    ("grouped silu, table", {**gemv_cuda.choose_grouped(2048, 768, 8, 132), "SILU": 1, "SLOTTABLE": 4}, True),
+    ("grouped silu, table", {**choose_grouped(2048, 768, 8, 132), "SILU": 1, "SLOTTABLE": 4}, True),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_stamps_taken_earlier_compile(name, cfg, grouped, at):
     """STAMP_AT (gemv_cuda.STAMP_AT, diagnostics): the third stamp once the expert is found (1) or x is issued
@@ -227,12 +228,12 @@ def _sass_ops(src: str, arch: str = "sm_90") -> list[str]:
 @pytest.mark.parametrize("extra", [{}, {"TLBWARM": 16}, {"TLBWARM": 21}],
                          ids=["default", "tlbwarm16", "tlbwarm21"])
 @pytest.mark.parametrize("name,cfg,wg_row,xg_row", [
-    ("gather", {**gemv_cuda.choose_grouped(1536, 2048, 8, 132), "GATHER": 1, "SLOTTABLE": 4, "GSR": 1},
+    ("gather", {**choose_grouped(1536, 2048, 8, 132), "GATHER": 1, "SLOTTABLE": 4, "GSR": 1},
      True, False),
-    ("silu", {**gemv_cuda.choose_grouped(2048, 768, 8, 132), "SILU": 1, "SLOTTABLE": 4}, False, False),
-    ("plain, per-row scales", {**gemv_cuda.choose_grouped(1536, 2048, 8, 132), "SLOTTABLE": 4, "GSR": 1},
+    ("silu", {**choose_grouped(2048, 768, 8, 132), "SILU": 1, "SLOTTABLE": 4}, False, False),
+    ("plain, per-row scales", {**choose_grouped(1536, 2048, 8, 132), "SLOTTABLE": 4, "GSR": 1},
      True, False),
-    ("w4a4, 64 slots", {**gemv_cuda.choose_grouped(1536, 2048, 64, 132), "SLOTTABLE": 4}, False, True),
+    ("w4a4, 64 slots", {**choose_grouped(1536, 2048, 64, 132), "SLOTTABLE": 4}, False, True),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_grouped_builds_load_nothing_before_the_wait(name, cfg, wg_row, xg_row, extra):
     """The routed experts' GEMMs read the offsets (and x_rows, x) the kernel before them writes: no global
@@ -257,7 +258,7 @@ def test_tlb_warm_needs_grouped():
 
 
 def test_gather_needs_grouped_w4a16():
-    cfg = {**gemv_cuda.choose_grouped(1536, 2048, 8, 132), "GATHER": 1}
+    cfg = {**choose_grouped(1536, 2048, 8, 132), "GATHER": 1}
     for wg_row, xg_row, grouped in ((False, False, False), (False, True, True)):
         prog_log = _compile_error(gemv_cuda.source(cfg, wg_row, xg_row, grouped))
         assert "GATHER is for GROUPED W4A16" in prog_log
@@ -266,7 +267,7 @@ def test_gather_needs_grouped_w4a16():
 def test_silu_needs_grouped_w4a16_with_staged_x():
     """SILU (SiLU(gate) * up computed by the x staging) compiles only for grouped W4A16 with x staged whole:
     not dense, not W4A4 (XG_ROW), not with GATHER, not with x streamed (XSTREAM)."""
-    cfg = {**gemv_cuda.choose_grouped(2048, 768, 8, 132), "SILU": 1}
+    cfg = {**choose_grouped(2048, 768, 8, 132), "SILU": 1}
     assert "XSTREAM" not in cfg and "WGMMA" not in cfg  # what launch_grouped builds (see the compile test)
     for c, wg_row, xg_row, grouped in ((cfg, False, False, False), (cfg, False, True, True),
                                        ({**cfg, "GATHER": 1}, False, False, True),
@@ -279,7 +280,7 @@ def test_silu_build_uses_accurate_expf_and_ieee_division():
     """The SILU staging must be fused.silu_mul's arithmetic: libdevice's accurate expf (no fast-math option
     in the launcher's NVRTC options, no __expf in the source), the IEEE division (silu_div: checked against
     __fdiv_rn on every bf16 input by tests/test_gemv_cuda_grouped.py on the GPU), one rounded multiply."""
-    cfg = {**gemv_cuda.choose_grouped(2048, 768, 8, 132), "SILU": 1}
+    cfg = {**choose_grouped(2048, 768, 8, 132), "SILU": 1}
     src = gemv_cuda.source(cfg, False, False, True)
     body = src[src.index("float silu_up1("):src.index("}", src.index("float silu_up1("))]
     assert "expf(-g)" in body and "__expf" not in body and "silu_div(" in body and "__fmul_rn(" in body

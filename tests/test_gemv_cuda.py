@@ -10,7 +10,7 @@ split-K and depth it may choose, determinism and batch invariance."""
 import pytest
 import torch
 
-from fp4rl.kernels import gemv_cuda
+from fp4rl.kernels import gemv_cuda, gemv_cuda_grouped
 from fp4rl.nvfp4 import reference
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
@@ -110,7 +110,7 @@ def test_in_cta_split_moves_the_cluster_split_where_x_fits(monkeypatch):
     long = dict(NT=1, MG=1, SPLIT=4, DEPTH=2)
     assert gemv_cuda.in_cta_split(long, 8192, 8) == long
     assert gemv_cuda.in_cta_split(long, 4096, 8) == dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=4)
-    assert gemv_cuda.choose_grouped(2048, 768, 8, 132) == dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=2)
+    assert gemv_cuda_grouped.choose_grouped(2048, 768, 8, 132) == dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=2)
     monkeypatch.setattr(gemv_cuda, "IN_CTA_SPLIT", False)
     assert gemv_cuda.in_cta_split(long, 4096, 8) == long
     assert gemv_cuda.choose(2048, 4096, 1, 132) == gemv_cuda.choose(2048, 4096, 2, 132)

@@ -1,7 +1,7 @@
-"""The CUDA mma16 kernel's routed-expert (grouped) launches (gemv_cuda.launch_grouped): the stacked weight
-copy and the configuration on any device; on a Hopper GPU (-m gpu) the grouped kernel against the float64
-reference over any routing (empty experts, several chunks of one expert; 8-, 16- and 32-row chunks), in
-CUDA graphs replayed with new routing, its gather of the sorted rows (x_rows) and its SiLU(gate) * up
+"""The CUDA mma16 kernel's routed-expert (grouped) launches (fp4rl.kernels.gemv_cuda_grouped): the stacked
+weight copy and the configuration on any device; on a Hopper GPU (-m gpu) the grouped kernel against the
+float64 reference over any routing (empty experts, several chunks of one expert; 8-, 16- and 32-row chunks),
+in CUDA graphs replayed with new routing, its gather of the sorted rows (x_rows) and its SiLU(gate) * up
 staging (x_silu) bit for bit against silu_mul then the plain launch. The dense kernel:
 tests/test_gemv_cuda.py."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_gemv_cuda import _rel, _weight
 
-from fp4rl.kernels import gemv_cuda
+from fp4rl.kernels import gemv_cuda, gemv_cuda_grouped
 from fp4rl.nvfp4 import reference
 
 
@@ -18,33 +18,34 @@ def test_relayout_stack_is_the_experts_copies_one_after_another():
     ws = [_weight(n, k, seed=i) for i in range(e)]
     data = torch.stack([w.data for w in ws])
     scale = torch.stack([w.block_scale for w in ws])
-    st = gemv_cuda.relayout_stack(data, scale)
+    st = gemv_cuda_grouped.relayout_stack(data, scale)
     assert (st.n, st.k) == (n, k) and st.wt.shape[0] == e * n // 16
     one = [gemv_cuda.relayout(w.data, w.block_scale) for w in ws]
     assert torch.equal(st.wt, torch.cat([c.wt for c in one]))
     assert torch.equal(st.st, torch.cat([c.st for c in one]))
     with pytest.raises(ValueError, match=r"\[E, N, K/2\]"):
-        gemv_cuda.relayout_stack(ws[0].data, ws[0].block_scale)
+        gemv_cuda_grouped.relayout_stack(ws[0].data, ws[0].block_scale)
 
 
 def test_choose_grouped_splits_to_fill_the_gpu():
-    cfg = gemv_cuda.choose_grouped(1536, 2048, 8, 132)
+    cfg = gemv_cuda_grouped.choose_grouped(1536, 2048, 8, 132)
     assert cfg["MG"] == 1 and gemv_cuda.ksplit(cfg) >= 2  # 8 experts x 12 n-blocks: split to fill the GPU
     assert cfg["SPLIT"] == 1  # ... between the warps of a CTA (x's whole K of 8 rows fits)
     # many experts: a wave already
-    assert gemv_cuda.ksplit(gemv_cuda.choose_grouped(1536, 2048, 128, 132)) == 1
-    assert gemv_cuda.ksplit(gemv_cuda.choose_grouped(2048, 768, 8, 132)) <= 768 // 128 // 2
+    assert gemv_cuda.ksplit(gemv_cuda_grouped.choose_grouped(1536, 2048, 128, 132)) == 1
+    assert gemv_cuda.ksplit(gemv_cuda_grouped.choose_grouped(2048, 768, 8, 132)) <= 768 // 128 // 2
 
 
 def test_grouped_chunks_grow_with_rows_per_expert():
     """8-row chunks up to 8 rows per expert on average, 16 up to 16, then 32 (each chunk re-streams its
     expert's weights); a chunk whose x slice does not fit shared memory takes fewer row groups."""
     rows = (1, 512, 1024, 1025, 2048, 2049, 4096)
-    assert [gemv_cuda.grouped_mg(m, 128) for m in rows] == [1, 1, 1, 2, 2, 4, 4]
+    assert [gemv_cuda_grouped.grouped_mg(m, 128) for m in rows] == [1, 1, 1, 2, 2, 4, 4]
     for mg in (1, 2, 4):
-        cfg = gemv_cuda.choose_grouped(1536, 2048, 128, 132, mg)
+        cfg = gemv_cuda_grouped.choose_grouped(1536, 2048, 128, 132, mg)
         assert cfg["MG"] == mg and gemv_cuda.smem_bytes(cfg, 2048, 8 * mg) <= gemv_cuda.SMEM_MAX
-    big = gemv_cuda.choose_grouped(1024, 4096, 128, 132, 4)  # 32 rows of K=4096 exceed shared memory, 16 fit
+    # 32 rows of K=4096 exceed shared memory, 16 fit
+    big = gemv_cuda_grouped.choose_grouped(1024, 4096, 128, 132, 4)
     assert big["MG"] == 2 and gemv_cuda.smem_bytes(big, 4096, 16) <= gemv_cuda.SMEM_MAX
 
 
@@ -52,7 +53,7 @@ def test_grouped_chunks_grow_with_rows_per_expert():
 def test_gpu_grouped_experts_match_reference_and_replay_new_routing():
     """Routed experts on the grouped mma16 kernel: each expert's rows against the float64 reference, with
     empty experts, one expert taking every row, 9-100 rows per expert (several chunks of 8, 16 or 32 rows,
-    gemv_cuda.grouped_mg), per-row and
+    gemv_cuda_grouped.grouped_mg), per-row and
     per-expert global scales, W4A4 (x_scale), and a CUDA graph captured once and replayed with new routing
     (the kernel finds its experts and chunks from the offsets on the device)."""
     if not gemv_cuda.available():
@@ -65,7 +66,7 @@ def test_gpu_grouped_experts_match_reference_and_replay_new_routing():
     scale = torch.stack([w.block_scale for w in ws])
     wd = torch.stack([reference.dequantize(w, torch.float64) for w in ws])  # [E, N, K] with global scales
     gexp = torch.stack([w.global_scale.float().reshape(()) for w in ws])  # [E]
-    wc = gemv_cuda.relayout_stack(data, scale)
+    wc = gemv_cuda_grouped.relayout_stack(data, scale)
 
     def check(counts, per_row: bool, w4a4: bool = False):
         offs = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32, device="cuda")
@@ -79,7 +80,7 @@ def test_gpu_grouped_experts_match_reference_and_replay_new_routing():
             xs = xq[2]
         y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         with pdl.step():
-            gemv_cuda.launch_grouped(x, wc, g, offs, y, x_scale=xs)
+            gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, x_scale=xs)
         xr = x.double() * (xs.double().reshape(-1, 1) if xs is not None else 1.0)
         for i in range(e):
             a, b = int(offs[i]), int(offs[i + 1])
@@ -101,10 +102,10 @@ def test_gpu_grouped_experts_match_reference_and_replay_new_routing():
     x = torch.randn(m, k, device="cuda").bfloat16()
     y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     offs.copy_(torch.tensor([0, 8, 8, 8, 8, 8, 8], dtype=torch.int32))
-    gemv_cuda.launch_grouped(x, wc, gexp, offs, y)  # compile outside the capture
+    gemv_cuda_grouped.launch_grouped(x, wc, gexp, offs, y)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), pdl.step():
-        gemv_cuda.launch_grouped(x, wc, gexp, offs, y)
+        gemv_cuda_grouped.launch_grouped(x, wc, gexp, offs, y)
     for counts in ([8, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 3], [0, 0, 4, 0, 4, 0]):
         offs.copy_(torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32))
         y.fill_(float("nan"))
@@ -126,7 +127,8 @@ def test_gpu_grouped_gather_equals_gathered_rows_and_replays():
 
     e, n, k, t, top = 6, 256, 384, 5, 3
     ws = [_weight(n, k, seed=30 + i, device="cuda") for i in range(e)]
-    wc = gemv_cuda.relayout_stack(torch.stack([w.data for w in ws]), torch.stack([w.block_scale for w in ws]))
+    wc = gemv_cuda_grouped.relayout_stack(torch.stack([w.data for w in ws]),
+                                          torch.stack([w.block_scale for w in ws]))
     g = torch.stack([w.global_scale.float().reshape(()) for w in ws])
     x = torch.randn(t, k, device="cuda").bfloat16()
     gen = torch.Generator().manual_seed(0)
@@ -144,15 +146,15 @@ def test_gpu_grouped_gather_equals_gathered_rows_and_replays():
         want = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         got = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         with pdl.step():
-            gemv_cuda.launch_grouped(x.index_select(0, rows), wc, g, offs, want)
-            gemv_cuda.launch_grouped(x, wc, g, offs, got, x_rows=rows)
+            gemv_cuda_grouped.launch_grouped(x.index_select(0, rows), wc, g, offs, want)
+            gemv_cuda_grouped.launch_grouped(x, wc, g, offs, got, x_rows=rows)
         assert torch.equal(got, want)
     rows_buf, offs_buf = routing()
     y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    gemv_cuda.launch_grouped(x, wc, g, offs_buf, y, x_rows=rows_buf)
+    gemv_cuda_grouped.launch_grouped(x, wc, g, offs_buf, y, x_rows=rows_buf)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), pdl.step():
-        gemv_cuda.launch_grouped(x, wc, g, offs_buf, y, x_rows=rows_buf)
+        gemv_cuda_grouped.launch_grouped(x, wc, g, offs_buf, y, x_rows=rows_buf)
     for _ in range(3):
         rows, offs = routing()
         rows_buf.copy_(rows)
@@ -160,12 +162,12 @@ def test_gpu_grouped_gather_equals_gathered_rows_and_replays():
         y.fill_(float("nan"))
         graph.replay()
         want = torch.empty_like(y)
-        gemv_cuda.launch_grouped(x.index_select(0, rows), wc, g, offs, want)
+        gemv_cuda_grouped.launch_grouped(x.index_select(0, rows), wc, g, offs, want)
         assert torch.equal(y, want)
     with pytest.raises(ValueError, match="W4A16"):
-        gemv_cuda.launch_grouped(x, wc, g, offs, y, x_scale=torch.ones(t, device="cuda"), x_rows=rows)
+        gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, x_scale=torch.ones(t, device="cuda"), x_rows=rows)
     with pytest.raises(TypeError, match="int32"):
-        gemv_cuda.launch_grouped(x, wc, g, offs, y, x_rows=rows.long())
+        gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, x_rows=rows.long())
 
 
 def test_launch_grouped_silu_refusals():
@@ -173,19 +175,21 @@ def test_launch_grouped_silu_refusals():
     Checked before anything runs (no GPU needed)."""
     e, n, k = 2, 16, 128
     ws = [_weight(n, k, seed=40 + i) for i in range(e)]
-    wc = gemv_cuda.relayout_stack(torch.stack([w.data for w in ws]), torch.stack([w.block_scale for w in ws]))
+    wc = gemv_cuda_grouped.relayout_stack(torch.stack([w.data for w in ws]),
+                                          torch.stack([w.block_scale for w in ws]))
     g = torch.ones(e)
     offs = torch.tensor([0, 1, 2], dtype=torch.int32)
     gu = torch.zeros(2, 2 * k, dtype=torch.bfloat16)
     y = torch.empty(2, n, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="W4A16"):
-        gemv_cuda.launch_grouped(gu, wc, g, offs, y, x_scale=torch.ones(2), x_silu=True)
+        gemv_cuda_grouped.launch_grouped(gu, wc, g, offs, y, x_scale=torch.ones(2), x_silu=True)
     with pytest.raises(ValueError, match="x_rows"):
-        gemv_cuda.launch_grouped(gu, wc, g, offs, y, x_rows=offs[:2].clone(), x_silu=True)
+        gemv_cuda_grouped.launch_grouped(gu, wc, g, offs, y, x_rows=offs[:2].clone(), x_silu=True)
     with pytest.raises(ValueError, match=r"gate \| up \[M, 2K\] with K=128"):
-        gemv_cuda.launch_grouped(gu[:, :k], wc, g, offs, y, x_silu=True)
+        gemv_cuda_grouped.launch_grouped(gu[:, :k], wc, g, offs, y, x_silu=True)
     with pytest.raises(ValueError, match=r"gate \| up \[M, 2K\] with K=128"):
-        gemv_cuda.launch_grouped(torch.zeros(2, 3 * k, dtype=torch.bfloat16), wc, g, offs, y, x_silu=True)
+        gemv_cuda_grouped.launch_grouped(torch.zeros(2, 3 * k, dtype=torch.bfloat16), wc, g, offs, y,
+                                         x_silu=True)
 
 
 def _random_experts(e, n, k, seed):
@@ -196,7 +200,7 @@ def _random_experts(e, n, k, seed):
     data = torch.randint(0, 256, (e, n, k // 2), generator=gen, dtype=torch.uint8).cuda()
     scale = (torch.rand(e, n, k // 16, generator=gen) * 4 + 0.0625).to(torch.float8_e4m3fn).cuda()
     g = (torch.rand(e, generator=gen) * 1e-2 + 1e-3).cuda()
-    return data, scale, g, gemv_cuda.relayout_stack(data, scale)
+    return data, scale, g, gemv_cuda_grouped.relayout_stack(data, scale)
 
 
 def _gate_up(m, i, gen, pad=0, small_up=True):
@@ -236,7 +240,7 @@ def _identity_experts(e, k):
     codes[:, torch.arange(k), torch.arange(k)] = 2  # e2m1 code 2 = 1.0
     data = (codes[..., 0::2] | (codes[..., 1::2] << 4)).cuda()
     scale = torch.full((e, k, k // 16), 0x78, dtype=torch.uint8).view(torch.float8_e4m3fn).cuda()  # 256
-    return gemv_cuda.relayout_stack(data, scale), torch.full((e,), 1 / 256, device="cuda")
+    return gemv_cuda_grouped.relayout_stack(data, scale), torch.full((e,), 1 / 256, device="cuda")
 
 
 @pytest.mark.gpu
@@ -285,10 +289,10 @@ extern "C" __global__ void silu_div_check(const unsigned short* gb, float* qf, f
     wci, gi = _identity_experts(2, k)
     offs = torch.tensor([0, 0, m], dtype=torch.int32, device="cuda")  # expert 1: m rows, 11 chunks
     got = torch.full((m, k), float("nan"), dtype=torch.bfloat16, device="cuda")
-    gemv_cuda.launch_grouped(gu, wci, gi, offs, got, x_silu=True)
+    gemv_cuda_grouped.launch_grouped(gu, wci, gi, offs, got, x_silu=True)
     a = fused.silu_mul(gu)[0]
     plain = torch.empty_like(got)
-    gemv_cuda.launch_grouped(a, wci, gi, offs, plain)
+    gemv_cuda_grouped.launch_grouped(a, wci, gi, offs, plain)
     assert torch.equal(plain, a)  # the identity weights return their input exactly
     bad = (got != a).reshape(-1)
     assert not bad.any(), [(gate[i].item(), got.reshape(-1)[i].item(), a.reshape(-1)[i].item())
@@ -327,8 +331,8 @@ def test_gpu_grouped_silu_equals_silu_mul_then_kernel(monkeypatch):
         want = torch.full((gu.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
         got = torch.full_like(want, float("nan"))
         with pdl.step():
-            gemv_cuda.launch_grouped(a, w, gs, offs, want)
-            gemv_cuda.launch_grouped(gu, w, gs, offs, got, x_silu=True)
+            gemv_cuda_grouped.launch_grouped(a, w, gs, offs, want)
+            gemv_cuda_grouped.launch_grouped(gu, w, gs, offs, got, x_silu=True)
         return a, want, got
 
     calls = []  # fused.silu_mul launches (gemm.gemm calls it as gemm._fused.silu_mul)
@@ -339,7 +343,7 @@ def test_gpu_grouped_silu_equals_silu_mul_then_kernel(monkeypatch):
         offs = _routing(e, t, top, gen, hot)
         gu = _gate_up(t * top, i, gen, pad)
         assert gu.stride(0) == 2 * i + pad
-        cfg = gemv_cuda.choose_grouped(h, i, min(e, t * top), sms)
+        cfg = gemv_cuda_grouped.choose_grouped(h, i, min(e, t * top), sms)
         a, want, got = both(gu, offs, g)
         assert not want.isnan().any()
         assert torch.equal(got, want), (t, hot, pad, cfg, (got != want).sum().item())
@@ -359,7 +363,7 @@ def test_gpu_grouped_silu_equals_silu_mul_then_kernel(monkeypatch):
 
     # split 2 over 5 steps of 128 k: the second split's 2 steps leave the rest of its x slice zero-filled
     e2, n2, k2 = 4, 256, 640
-    assert gemv_cuda.ksplit(gemv_cuda.choose_grouped(n2, k2, 4, sms)) == 2
+    assert gemv_cuda.ksplit(gemv_cuda_grouped.choose_grouped(n2, k2, 4, sms)) == 2
     _, _, g2, wc2 = _random_experts(e2, n2, k2, seed=2)
     for counts in ([1, 0, 2, 1], [0, 9, 0, 0], [3, 3, 3, 3]):
         offs = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32, device="cuda")
@@ -396,17 +400,17 @@ def test_gpu_grouped_silu_replays_in_a_cuda_graph():
     gu_buf = _gate_up(m, i, gen)
     offs_buf = _routing(e, t, top, gen)
     y = torch.empty(m, h, dtype=torch.bfloat16, device="cuda")
-    gemv_cuda.launch_grouped(gu_buf, wc, g, offs_buf, y, x_silu=True)  # compile outside the capture
+    gemv_cuda_grouped.launch_grouped(gu_buf, wc, g, offs_buf, y, x_silu=True)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), pdl.step():
-        gemv_cuda.launch_grouped(gu_buf, wc, g, offs_buf, y, x_silu=True)
+        gemv_cuda_grouped.launch_grouped(gu_buf, wc, g, offs_buf, y, x_silu=True)
     for hot in (None, 11, None):
         gu_buf.copy_(_gate_up(m, i, gen))
         offs_buf.copy_(_routing(e, t, top, gen, hot))
         y.fill_(float("nan"))
         graph.replay()
         want = torch.empty_like(y)
-        gemv_cuda.launch_grouped(fused.silu_mul(gu_buf)[0], wc, g, offs_buf, want)
+        gemv_cuda_grouped.launch_grouped(fused.silu_mul(gu_buf)[0], wc, g, offs_buf, want)
         assert not want.isnan().any()
         assert torch.equal(y, want), hot
 
@@ -439,12 +443,13 @@ def test_gpu_grouped_in_cta_split_gives_the_cluster_splits_bits():
                     for kwargs, x in (({}, xm), ({"x_rows": rows}, xt), ({"x_silu": True}, gu)):
                         a = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                         b = torch.full_like(a, float("nan"))
-                        gemv_cuda.launch_grouped(x, wc, gs, offs, a, cfg=cluster, **kwargs)
-                        gemv_cuda.launch_grouped(x, wc, gs, offs, b, cfg=inside, **kwargs)
+                        gemv_cuda_grouped.launch_grouped(x, wc, gs, offs, a, cfg=cluster, **kwargs)
+                        gemv_cuda_grouped.launch_grouped(x, wc, gs, offs, b, cfg=inside, **kwargs)
                         assert not a.isnan().any() and torch.equal(a, b), (e, k, t, split, mg, list(kwargs))
                         if split == 2 and gs is g and t in (3, 20):  # the global scale read late (GSE 0)
                             b.fill_(float("nan"))
-                            gemv_cuda.launch_grouped(x, wc, gs, offs, b, cfg=dict(inside, GSE=0), **kwargs)
+                            gemv_cuda_grouped.launch_grouped(x, wc, gs, offs, b, cfg=dict(inside, GSE=0),
+                                                             **kwargs)
                             assert torch.equal(a, b), (e, k, t, list(kwargs))
 
 
@@ -463,24 +468,24 @@ def test_gpu_grouped_deeper_rings_give_the_same_bits():
             xt = torch.randn(t, k, generator=gen).bfloat16().cuda()
             rows = torch.randint(0, t, (m,), generator=gen, dtype=torch.int32).cuda()
             gu = _gate_up(m, k, gen)
-            base = gemv_cuda.choose_grouped(n, k, min(e, m), 132)
+            base = gemv_cuda_grouped.choose_grouped(n, k, min(e, m), 132)
             for kwargs, x in (({"x_rows": rows}, xt), ({"x_silu": True}, gu)):
                 a = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                gemv_cuda.launch_grouped(x, wc, g, offs, a, cfg=base, **kwargs)
+                gemv_cuda_grouped.launch_grouped(x, wc, g, offs, a, cfg=base, **kwargs)
                 assert not a.isnan().any()
                 for depth in (3, 4, 6, 8):
                     cfg = gemv_cuda.deeper(base, depth, k, 8)
                     b = torch.full_like(a, float("nan"))
-                    gemv_cuda.launch_grouped(x, wc, g, offs, b, cfg=cfg, **kwargs)
+                    gemv_cuda_grouped.launch_grouped(x, wc, g, offs, b, cfg=cfg, **kwargs)
                     assert torch.equal(a, b), (k, t, depth, cfg, list(kwargs))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("e", [6, 128, 300])
 def test_gpu_slot_table_finds_the_same_experts(e, monkeypatch):
-    """SLOTTABLE (gemv_cuda.SLOT_TABLE, the default): the experts' offsets read in one round trip give the
-    bits of the 32-experts-a-trip search, for fewer experts than a warp, 128 (one table of 4 words) and 300 (8
-    words, then the rest 32 at a time; or one word, then the rest), routings that use the last experts,
+    """SLOTTABLE (gemv_cuda_grouped.SLOT_TABLE, the default): the experts' offsets read in one round trip give
+    the bits of the 32-experts-a-trip search, for fewer experts than a warp, 128 (one table of 4 words) and
+    300 (8 words, then the rest 32 at a time; or one word, then the rest), routings that use the last experts,
     several chunks of one expert, plain x, the gather and the SiLU staging."""
     if not gemv_cuda.available():
         pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
@@ -500,10 +505,10 @@ def test_gpu_slot_table_finds_the_same_experts(e, monkeypatch):
             outs = []
             # no table; all words (300: 8 words, then 32 a trip); one word
             for table, cap in ((False, 8), (True, 8), (True, 1)):
-                monkeypatch.setattr(gemv_cuda, "SLOT_TABLE", table)
-                monkeypatch.setattr(gemv_cuda, "SLOT_TABLE_MAX", cap)
+                monkeypatch.setattr(gemv_cuda_grouped, "SLOT_TABLE", table)
+                monkeypatch.setattr(gemv_cuda_grouped, "SLOT_TABLE_MAX", cap)
                 y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                gemv_cuda.launch_grouped(x, wc, g, offs, y, **kwargs)
+                gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, **kwargs)
                 outs.append(y)
             assert not outs[0].isnan().any(), (e, m, list(kwargs))
             for y in outs[1:]:
@@ -528,28 +533,29 @@ def test_gpu_one_token_view_keeps_the_gathers_bits(monkeypatch):
             rows = torch.randint(0, t, (m,), generator=gen, dtype=torch.int32).cuda()
             outs = []
             for view in (False, True):
-                monkeypatch.setattr(gemv_cuda, "ONE_TOKEN_VIEW", view)
+                monkeypatch.setattr(gemv_cuda_grouped, "ONE_TOKEN_VIEW", view)
                 y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                gemv_cuda.launch_grouped(x, wc, g, offs, y, x_rows=rows)
+                gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, x_rows=rows)
                 outs.append(y)
             assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), t
-    monkeypatch.setattr(gemv_cuda, "ONE_TOKEN_VIEW", True)  # a graph captured with the view, new routing
+    # a graph captured with the view, new routing
+    monkeypatch.setattr(gemv_cuda_grouped, "ONE_TOKEN_VIEW", True)
     x = torch.randn(1, k, generator=gen).bfloat16().cuda()
     offs = _routing(e, 1, 8, gen)
     rows = torch.zeros(8, dtype=torch.int32, device="cuda")
     y = torch.empty(8, n, dtype=torch.bfloat16, device="cuda")
-    gemv_cuda.launch_grouped(x, wc, g, offs, y, x_rows=rows)
+    gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, x_rows=rows)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gemv_cuda.launch_grouped(x, wc, g, offs, y, x_rows=rows)
+        gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, x_rows=rows)
     for _ in range(3):
         offs.copy_(_routing(e, 1, 8, gen))
         x.copy_(torch.randn(1, k, generator=gen).bfloat16())
         graph.replay()
         want = torch.empty_like(y)
-        monkeypatch.setattr(gemv_cuda, "ONE_TOKEN_VIEW", False)
-        gemv_cuda.launch_grouped(x, wc, g, offs, want, x_rows=rows)
-        monkeypatch.setattr(gemv_cuda, "ONE_TOKEN_VIEW", True)
+        monkeypatch.setattr(gemv_cuda_grouped, "ONE_TOKEN_VIEW", False)
+        gemv_cuda_grouped.launch_grouped(x, wc, g, offs, want, x_rows=rows)
+        monkeypatch.setattr(gemv_cuda_grouped, "ONE_TOKEN_VIEW", True)
         assert torch.equal(y, want)
 
 
@@ -574,7 +580,7 @@ def test_gpu_grouped_row_scales_read_early_keep_the_bits(monkeypatch):
             for early in (False, True):
                 monkeypatch.setattr(gemv_cuda, "ROW_SCALE_EARLY", early)
                 y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                gemv_cuda.launch_grouped(x, wc, gr, offs, y, **kwargs)
+                gemv_cuda_grouped.launch_grouped(x, wc, gr, offs, y, **kwargs)
                 outs.append(y)
             assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), (t, list(kwargs))
 
@@ -599,9 +605,9 @@ def test_gpu_tlb_warm_keeps_the_bits(monkeypatch):
         for kwargs, x in (({}, xm), ({"x_rows": rows}, xt), ({"x_silu": True}, gu)):
             outs = []
             for warm in (0, 16, 21):
-                monkeypatch.setattr(gemv_cuda, "TLB_WARM", warm)
+                monkeypatch.setattr(gemv_cuda_grouped, "TLB_WARM", warm)
                 y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                gemv_cuda.launch_grouped(x, wc, g, offs, y, **kwargs)
+                gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, **kwargs)
                 outs.append(y)
             assert not outs[0].isnan().any(), (t, list(kwargs))
             for y in outs[1:]:
@@ -611,6 +617,6 @@ def test_gpu_tlb_warm_keeps_the_bits(monkeypatch):
 def test_slot_table_words_by_experts(monkeypatch):
     """slot_table: the 32-expert words of offsets a routed-experts CTA reads at once (SLOTTABLE), up to
     SLOT_TABLE_MAX; 0 with the table off (FP4RL_MMA16_SLOTTABLE=0)."""
-    assert [gemv_cuda.slot_table(e) for e in (1, 32, 33, 128, 256, 300)] == [1, 1, 2, 4, 8, 8]
-    monkeypatch.setattr(gemv_cuda, "SLOT_TABLE", False)
-    assert gemv_cuda.slot_table(128) == 0
+    assert [gemv_cuda_grouped.slot_table(e) for e in (1, 32, 33, 128, 256, 300)] == [1, 1, 2, 4, 8, 8]
+    monkeypatch.setattr(gemv_cuda_grouped, "SLOT_TABLE", False)
+    assert gemv_cuda_grouped.slot_table(128) == 0

@@ -216,7 +216,7 @@ def test_grouped_cuda_kernel_takes_few_rows_per_expert(monkeypatch):
         return y.zero_()
 
     monkeypatch.setattr(gemm._mma16, "available", lambda device=None: True)
-    monkeypatch.setattr(gemm._mma16, "launch_grouped", launch)
+    monkeypatch.setattr(gemm._mma16_grouped, "launch_grouped", launch)
     monkeypatch.setattr(gemm, "MMA16_GROUPED_ROWS_PER_EXPERT", 16)
     # (tokens 100: past the old 64-token bound, still 16 rows per expert)
     for m, tokens, cuda in ((32, 4, True), (32, 100, True), (32, None, False), (33, 33, False)):

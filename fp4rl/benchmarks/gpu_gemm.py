@@ -176,6 +176,7 @@ def bench_moe(bw: float, rows_list, experts=8, n=2048, k=768) -> list[dict]:
 
     from fp4rl.kernels import gemm, gemm_tune
     from fp4rl.kernels import gemv_cuda as _mma16
+    from fp4rl.kernels import gemv_cuda_grouped as _mma16_grouped
     from fp4rl.nvfp4 import reference
     from fp4rl.nvfp4.format import NVFP4Tensor
 
@@ -230,11 +231,11 @@ def bench_moe(bw: float, rows_list, experts=8, n=2048, k=768) -> list[dict]:
         if _mma16.available() and _mma16.supports(n, k):
             # the grouped CUDA kernel on the experts' mma16 copy (the sampler's path while the rows per expert
             # are few, gemm.MMA16_GROUPED_ROWS_PER_EXPERT), launched directly at every row count
-            wms = [(_mma16.relayout_stack(q.data, q.block_scale), q.global_scale) for q in wqs]
+            wms = [(_mma16_grouped.relayout_stack(q.data, q.block_scale), q.global_scale) for q in wqs]
 
             def grouped(wm, x=x, o=offsets):
-                return _mma16.launch_grouped(x, wm[0], wm[1], o, torch.empty(x.shape[0], n, dtype=x.dtype,
-                                                                             device=x.device))
+                y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+                return _mma16_grouped.launch_grouped(x, wm[0], wm[1], o, y)
 
             ym = grouped(wms[0])
             calls = [lambda wm=wm: grouped(wm) for wm in wms]

@@ -54,6 +54,7 @@ from fp4rl.kernels import fused as _fused
 from fp4rl.kernels import gemm_tune as _tune
 from fp4rl.kernels import gemv as _gemv
 from fp4rl.kernels import gemv_cuda as _mma16
+from fp4rl.kernels import gemv_cuda_grouped as _mma16_grouped
 from fp4rl.kernels.dequantize import _u8, dequantize  # noqa: F401  (gemm.dequantize: part of this API)
 from fp4rl.kernels.gemm_kernel import (  # noqa: F401  (the kernel; gemm._WORKSPACE: one object, re-exported)
     _WORKSPACE,
@@ -67,8 +68,9 @@ from fp4rl.kernels.gemm_kernel import (  # noqa: F401  (the kernel; gemm._WORKSP
 # than cuBLAS, so they stay with the tuned Triton kernels.
 MMA16_MAX_ROWS = 16
 # Routed experts go to the grouped mma16 kernel (chunks of 8, 16 or 32 rows by the average rows per expert,
-# gemv_cuda.grouped_mg; each chunk streams its expert's weights) while their sorted rows average at most this
-# many per expert (rows <= this x E), else to the Triton grouped GEMM, which reads each expert's weights once.
+# gemv_cuda_grouped.grouped_mg; each chunk streams its expert's weights) while their sorted rows average at
+# most this many per expert (rows <= this x E), else to the Triton grouped GEMM, which reads each expert's
+# weights once.
 # On an H200 (bench/RESULTS.md, twenty-second and twenty-third sessions): Qwen3-30B-A3B (128 experts, top 8)
 # decodes 1.75x / 1.46x / 1.11x BF16 at batch 128 / 256 / 512 (8 / 16 / 32 rows per expert), against 0.97x /
 # 0.95x / 0.95x with the Triton grouped GEMM. FP4RL_MMA16_GROUPED_ROWS=<rows per expert>: another bound.
@@ -180,8 +182,8 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
     1-MMA16_MAX_ROWS rows of W4A16 or W4A4 when no config is forced, with or without `dense`, and for the rows
     of `wide_rows` with its wgmma configuration on sm_90, which with `dense` the tuner weighs against DENSE).
     Grouped weights may carry `mma16` too
-    (gemv_cuda.relayout_stack): taken when the caller passes `tokens` (the batch's tokens before top-k) and
-    the rows average at most MMA16_GROUPED_ROWS_PER_EXPERT per expert.
+    (gemv_cuda_grouped.relayout_stack): taken when the caller passes `tokens` (the batch's tokens before
+    top-k) and the rows average at most MMA16_GROUPED_ROWS_PER_EXPERT per expert.
     rows: grouped W4A16 only, int32 [M]: x [T, K] holds the batch's tokens and sorted row r is x[rows[r]];
     the grouped mma16 kernel reads those rows itself, every other path gathers them first (same result).
     silu: W4A16 only: x is [M, 2K] = gate | up (gate in columns [0, K), up in [K, 2K), K the weight's) and
@@ -243,7 +245,8 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
             raise ValueError(f"weight.mma16 is not a stacked copy of {e} experts of {n}x{2 * kh}")
         xin, x_scale = _mma16_input(x2, xq)
         try:
-            return _mma16.launch_grouped(xin, m16, wg, offsets, y, x_scale=x_scale, x_rows=rows, x_silu=silu)
+            return _mma16_grouped.launch_grouped(xin, m16, wg, offsets, y, x_scale=x_scale, x_rows=rows,
+                                                 x_silu=silu)
         except ValueError:  # this K slice does not fit its shared memory: the Triton kernels below
             pass
         except RuntimeError as exc:  # NVRTC or the driver refused it: off for the process (the SILU build

@@ -8,7 +8,8 @@ of codes = one lane's A fragment) and x^T the B operand, so each MMA serves 8 ro
 cost the same per weight byte as one. Split-K partials are reduced in a fixed order, inside a thread-block
 cluster through distributed shared memory (SPLIT CTAs per n-block), or, at one row and for the routed
 experts, inside the CTA (KW warps per n-tile: ``in_cta_split``): the same bits for the same split, without
-the cluster's barriers. The .cu file says how (layout, fragments).
+the cluster's barriers. The .cu file says how (layout, fragments). The routed experts' launches (one launch
+over a stack of expert weights, rows sorted by expert) are fp4rl.kernels.gemv_cuda_grouped's.
 
 Arithmetic: the bf16 operands (e2m1 * block_scale, exact) times x in the tensor core with FP32
 accumulation, the FP32 global scale once on the sum, one bfloat16 rounding: the same products as
@@ -47,34 +48,16 @@ TRIGGER = int(os.environ.get("FP4RL_MMA16_TRIGGER", "2"))
 # experts' chunks): FP4RL_MMA16_KW=0 keeps the cluster (measured in bench/RESULTS.md, fifteenth session)
 IN_CTA_SPLIT = os.environ.get("FP4RL_MMA16_KW", "1") != "0"
 _TWO_POW_118 = 2.0 ** 118
-# ring depth (DEPTH: 128-k steps in flight per warp) of one-row dense launches and of the routed experts'
-# launches; 0 keeps the choice of ``choose`` / ``choose_grouped`` (deeper was slower in the 30B step:
+# ring depth (DEPTH: 128-k steps in flight per warp) of one-row dense launches (the routed experts':
+# gemv_cuda_grouped.DEPTH_GROUPED); 0 keeps the choice of ``choose`` (deeper was slower in the 30B step:
 # bench/RESULTS.md, sampler, thirty-first session)
 DEPTH_ONE_ROW = int(os.environ.get("FP4RL_MMA16_DEPTH1", "0"))
-DEPTH_GROUPED = int(os.environ.get("FP4RL_MMA16_GDEPTH", "0"))
-# Three dependent L2 round trips fewer on the decode GEMMs' critical paths (the same bits; 30B W4A16 step
-# 2.17 -> 2.15 ms at batch 1, 4.25 at 8 either way: bench/RESULTS.md, sampler, thirty-second session).
-# Each "0" for A/B.
-# Routed-expert launches: every offset a CTA looks at for its expert read in one round trip, up to 32 x
-# SLOT_TABLE_MAX experts (gemv_mma16.cu SLOTTABLE; more experts: 32 a trip after those)
-SLOT_TABLE = os.environ.get("FP4RL_MMA16_SLOTTABLE", "1") != "0"
-SLOT_TABLE_MAX = 8
-# ... with the gather (x_rows) at one token: x's one row through a row stride of 0 instead of x_rows
-ONE_TOKEN_VIEW = os.environ.get("FP4RL_MMA16_ONE_TOKEN", "1") != "0"
 # in-CTA split builds (KW) with per-row global scales: each thread's row scale read before the stream instead
-# of in the epilogue (gemv_mma16.cu GSR)
+# of in the epilogue (gemv_mma16.cu GSR; the same bits; one of the three dependent L2 round trips taken out of
+# the decode GEMMs' paths in the thirty-second session, gemv_cuda_grouped has the other two; "0" for A/B)
 ROW_SCALE_EARLY = os.environ.get("FP4RL_MMA16_GSR", "1") != "0"
-# routed-expert launches: the grid's threads prefetch one L2 line per 2^TLB_WARM bytes of the expert stacks
-# before griddepcontrol.wait, to have their pages translated before the release (gemv_mma16.cu TLBWARM;
-# 0: off; being measured, bench/device_run102.sh)
-TLB_WARM = int(os.environ.get("FP4RL_MMA16_TLBWARM", "0"))
 # stamps builds only (fp4rl.benchmarks.stamps): where the third stamp is taken (gemv_mma16.cu STAMP_AT)
 STAMP_AT = int(os.environ.get("FP4RL_MMA16_STAMP_AT", "0"))
-
-
-def slot_table(e: int) -> int:
-    """SLOTTABLE for a launch over e experts: the 32-expert words of the offsets read at once."""
-    return min(SLOT_TABLE_MAX, -(-e // 32)) if SLOT_TABLE else 0
 
 
 def _row_scale_key(cfg: dict, per_row: bool) -> dict:
@@ -244,7 +227,9 @@ def set_in_cta_split(on: bool) -> None:
     global IN_CTA_SPLIT
     IN_CTA_SPLIT = bool(on)
     _plan.cache_clear()
-    _plan_grouped.cache_clear()
+    from fp4rl.kernels import gemv_cuda_grouped  # (it imports this module)
+
+    gemv_cuda_grouped._plan_grouped.cache_clear()
 
 
 def in_cta_split(cfg: dict, k: int, m: int) -> dict:
@@ -461,12 +446,6 @@ def launch_wide(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y
     return launch(x2, wc, global_scale, y, cfg=_plan_wide(wc.n, wc.k, x2.shape[0], dev), x_scale=x_scale)
 
 
-@functools.cache
-def _plan_grouped(n: int, k: int, slots: int, device_index: int, mg: int = 1) -> dict:
-    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-    return choose_grouped(n, k, slots, sms, mg)
-
-
 _SMEM_SET: dict = {}  # (kernel, device) -> the largest dynamic shared memory size set on it
 
 
@@ -532,119 +511,5 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
         pdl.launch(kern, (nb, cfg["SPLIT"], zb), (WARPS * 32, 1, 1),
                    [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), g, 0, g], smem,
                    torch.cuda.current_stream(dev), pdl.gemm_flag(dev, _pdl_kind(cfg, m)))
-    STATE["ok"] = True
-    return y
-
-
-# ----------------------------------------------------------------------------- routed experts
-def relayout_stack(data: torch.Tensor, block_scale: torch.Tensor) -> Mma16Weight:
-    """Experts' packed data [E, N, K/2] and block scales [E, N, K/16] -> one copy whose tiles are expert
-    after expert (16-row tiles never straddle two experts: N % 16 == 0). n is N per expert, k is K."""
-    if data.ndim != 3:
-        raise ValueError(f"expert data must be [E, N, K/2], got {tuple(data.shape)}")
-    e, n, kh = data.shape
-    wc = relayout(data.reshape(e * n, kh), block_scale.reshape(e * n, -1))
-    return Mma16Weight(wt=wc.wt, st=wc.st, n=n, k=wc.k)
-
-
-def grouped_mg(m: int, experts: int) -> int:
-    """Row groups of 8 per (expert, chunk) CTA for m sorted rows over `experts` experts: 8-row chunks up to 8
-    rows per expert on average, 16 up to 16, then 32 (fewer re-reads of each expert's weights; measured on
-    the H200 at 64-512 tokens of Qwen3-30B-A3B's 128 experts, bench/gpu_kernels.md, twenty-third session)."""
-    per = m / max(experts, 1)
-    return 1 if per <= 8 else 2 if per <= 16 else 4
-
-
-def choose_grouped(n: int, k: int, slots: int, sms: int, mg: int = 1) -> dict:
-    """Configuration for about `slots` busy (expert, chunk) CTAs of an N x K weight, each chunk 8 x `mg` rows
-    (decode batches put a few rows on each expert; an expert with more gets more chunks). An `mg` whose
-    x slice does not fit shared memory falls back to fewer row groups."""
-    nblocks = -(-n // (WARPS * 16)) * slots
-    steps = k // 128
-    split = 1  # fill about one wave of 2 CTAs per SM, >= 2 steps per split
-    while split < 8 and nblocks * split * 2 <= 2 * sms and steps // (split * 2) >= 2:
-        split *= 2
-    cfg = dict(NT=1, MG=mg, SPLIT=split, DEPTH=2)
-    while cfg["MG"] > 1 and smem_bytes(cfg, k, 8 * cfg["MG"]) > SMEM_MAX:
-        cfg["MG"] //= 2
-    if smem_bytes(cfg, k, 8) > SMEM_MAX:
-        raise ValueError(f"8 rows of K={k} do not fit the mma16 kernel's shared memory")
-    return deeper(in_cta_split(cfg, k, 8 * cfg["MG"]), DEPTH_GROUPED, k, 8 * cfg["MG"])
-
-
-def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, offsets: torch.Tensor,
-                   y: torch.Tensor, x_scale: torch.Tensor | None = None,
-                   x_rows: torch.Tensor | None = None, x_silu: bool = False,
-                   cfg: dict | None = None) -> torch.Tensor:
-    """Routed experts: y [M, N] = x2 [M, K] (rows sorted by expert; offsets int32 [E + 1], rows
-    offsets[e]:offsets[e+1] go to expert e) @ DQ(W_e).T with the stacked copy of `relayout_stack`.
-    global_scale fp32 [E, N] (per output row) or [E] (per expert). x_scale fp32 [M]: W4A4 as in `launch`.
-    x_rows int32 [M] (W4A16 only): x2 [T, K] holds the tokens and sorted row r reads x2[x_rows[r]], i.e.
-    y = (x2.index_select(0, x_rows)) @ ..., with the gather done by the kernel's x staging (bit-identical:
-    the same rows reach the same arithmetic).
-    x_silu (W4A16, without x_rows): x2 [M, 2K] is the experts' gate | up (gate in columns [0, K), up in
-    [K, 2K), K = wc.k; any row stride) and y = silu_mul(x2) @ ..., the MoE down projection with
-    fused.silu_mul(x2)[0] = bf16(bf16(silu(gate)) * up) computed by the kernel's x staging (bit-identical to
-    silu_mul then this launch: fused.silu_mul's arithmetic, libdevice expf and IEEE division).
-    No host sync: each CTA finds its (expert, chunk of 8 x MG rows) from the offsets (graph-capturable; any
-    routing: an expert with r rows takes ceil(r / (8 MG)) chunks, each streaming its weights; MG from the
-    average rows per expert, ``grouped_mg``).
-    cfg: a configuration other than ``choose_grouped``'s (benchmarks)."""
-    if x2.ndim != 2:
-        raise ValueError(f"x2 must be 2-D [M, K], got {tuple(x2.shape)}")
-    m, k = x2.shape
-    if x_silu:
-        if x_scale is not None:
-            raise ValueError("x_silu (SiLU(gate) * up in the x staging) is for W4A16; W4A4 quantizes "
-                             "silu_mul's output first")
-        if x_rows is not None:
-            raise ValueError("x_silu does not take x_rows: the down projection's gate | up rows are already "
-                             "the sorted rows")
-        if k != 2 * wc.k:
-            raise ValueError(f"x_silu: x2 must be gate | up [M, 2K] with K={wc.k} (the weight's), got "
-                             f"{tuple(x2.shape)}")
-        k = wc.k
-    if x_rows is not None:
-        if x_scale is not None:
-            raise ValueError("x_rows (the gather) is for W4A16; W4A4 gathers its quantized rows first")
-        if x_rows.dtype != torch.int32 or x_rows.ndim != 1 or x_rows.device != x2.device:
-            raise TypeError(f"x_rows must be int32 [M] on x's device, got {x_rows.dtype} "
-                            f"{tuple(x_rows.shape)} on {x_rows.device}")
-        m = x_rows.numel()
-        if ONE_TOKEN_VIEW and x2.shape[0] == 1:
-            # one token: every sorted row is row 0, so read it through a row stride of 0 (the plain build)
-            # instead of loading x_rows first, one dependent round trip less; the same rows, the same bits
-            x2, x_rows = x2.expand(m, x2.shape[1]), None
-    e = offsets.numel() - 1
-    if k != wc.k or wc.wt.shape[0] != e * (wc.n // 16):
-        raise ValueError(f"x [*, {k}] / offsets for {e} experts do not match the copy "
-                         f"({wc.wt.shape[0] * 16 // max(wc.n, 1)} experts of {wc.n}x{wc.k})")
-    if x2.dtype != torch.bfloat16 or y.dtype != torch.bfloat16 or offsets.dtype != torch.int32:
-        raise TypeError("the grouped mma16 kernel takes bfloat16 x and y and int32 offsets")
-    if tuple(y.shape) != (m, wc.n) or y.stride(1) != 1:
-        raise ValueError(f"y must be [{m}, {wc.n}] with unit column stride, got {tuple(y.shape)}")
-    x2, g, xg = _operands(x2, global_scale, x_scale, (e, e * wc.n), f"E={e} or E*N={e * wc.n}")
-    if m == 0:
-        return y
-    dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-    cfg = cfg or _plan_grouped(wc.n, wc.k, min(e, m), dev, grouped_mg(m, e))
-    slots = min(e, m) + -(-m // (8 * cfg["MG"]))  # >= sum over experts of ceil(rows / chunk rows)
-    key = {**cfg, "GATHER": 1} if x_rows is not None else {**cfg, "SILU": 1} if x_silu else cfg
-    if "SLOTTABLE" not in key and slot_table(e):
-        key = {**key, "SLOTTABLE": slot_table(e)}
-    if TLB_WARM:
-        key = {**key, "TLBWARM": TLB_WARM}
-    key = _row_scale_key(key, g.numel() > e)
-    kern = _kernel(tuple(sorted(key.items())) + (g.numel() > e, x_scale is not None, True), dev)
-    smem = smem_bytes(cfg, wc.k, 8 * cfg["MG"])
-    nb = -(-wc.n // block_rows(cfg))
-    offs = offsets.contiguous()
-    rows = offs if x_rows is None else x_rows.contiguous()
-    with torch.cuda.device(dev):
-        _set_smem(kern, smem)
-        pdl.launch(kern, (nb, cfg["SPLIT"], slots), (WARPS * 32, 1, 1),
-                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), offs, e, rows],
-                   smem,
-                   torch.cuda.current_stream(dev), pdl.gemm_flag(dev, "grouped"))
     STATE["ok"] = True
     return y

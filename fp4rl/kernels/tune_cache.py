@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = ("gemm.py", "gemm_tune.py", "gemm_kernel.py", "gemv.py", "gemv_cuda.py", "gemv_mma16.cu",
-            "_common.py", "pdl.py", "dequantize.py")
+_SOURCES = ("gemm.py", "gemm_tune.py", "gemm_kernel.py", "gemv.py", "gemv_cuda.py", "gemv_cuda_grouped.py",
+            "gemv_mma16.cu", "_common.py", "pdl.py", "dequantize.py")
 # environment switches that are not kernel choices (every other FP4RL_* variable is part of the file name: A/B
 # switches such as FP4RL_PDL change what the candidates measure)
 _ENV_IGNORED = ("FP4RL_TUNE_CACHE", "FP4RL_TRACEBACK")
