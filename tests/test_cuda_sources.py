@@ -55,18 +55,24 @@ def _compile(src: str, arch: str) -> tuple[int, str]:
     return rc, log.value.decode(errors="replace")
 
 
-def _ptx(src: str, arch: str) -> str:
-    """The PTX NVRTC makes of src for arch's virtual architecture."""
+def _output(src: str, arch: str, kind: str) -> bytes:
+    """What NVRTC makes of src: kind "PTX" (for arch's virtual architecture) or "CUBIN" (for arch)."""
     prog = ctypes.c_void_p()
     assert LIB.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"k.cu", 0, None, None) == 0
-    opts = [f"--gpu-architecture={arch.replace('sm_', 'compute_')}".encode(), b"-std=c++17"]
+    target = arch.replace("sm_", "compute_") if kind == "PTX" else arch
+    opts = [f"--gpu-architecture={target}".encode(), b"-std=c++17"]
     assert LIB.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) == 0
     n = ctypes.c_size_t()
-    LIB.nvrtcGetPTXSize(prog, ctypes.byref(n))
-    ptx = ctypes.create_string_buffer(n.value)
-    LIB.nvrtcGetPTX(prog, ptx)
+    getattr(LIB, f"nvrtcGet{kind}Size")(prog, ctypes.byref(n))
+    buf = ctypes.create_string_buffer(n.value)
+    getattr(LIB, f"nvrtcGet{kind}")(prog, buf)
     LIB.nvrtcDestroyProgram(ctypes.byref(prog))
-    return ptx.value.decode(errors="replace")
+    return buf.raw
+
+
+def _ptx(src: str, arch: str) -> str:
+    """The PTX NVRTC makes of src for arch's virtual architecture."""
+    return _output(src, arch, "PTX").rstrip(b"\0").decode(errors="replace")
 
 
 def spills(log: str) -> dict[str, tuple[int, int]]:
@@ -208,18 +214,10 @@ def _sass_ops(src: str, arch: str = "sm_90") -> list[str]:
 
     import triton
 
-    prog = ctypes.c_void_p()
-    assert LIB.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"k.cu", 0, None, None) == 0
-    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
-    assert LIB.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) == 0
-    n = ctypes.c_size_t()
-    LIB.nvrtcGetCUBINSize(prog, ctypes.byref(n))
-    buf = ctypes.create_string_buffer(n.value)
-    LIB.nvrtcGetCUBIN(prog, buf)
-    LIB.nvrtcDestroyProgram(ctypes.byref(prog))
+    cubin = _output(src, arch, "CUBIN")
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(buf.raw)
+        f.write(cubin)
         f.flush()
         text = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
     return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]+)", text)
