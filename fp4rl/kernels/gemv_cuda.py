@@ -58,13 +58,14 @@ DEPTH_ONE_ROW = int(os.environ.get("FP4RL_MMA16_DEPTH1", "0"))
 ROW_SCALE_EARLY = os.environ.get("FP4RL_MMA16_GSR", "1") != "0"
 # stamps builds only (fp4rl.benchmarks.stamps): where the third stamp is taken (gemv_mma16.cu STAMP_AT)
 STAMP_AT = int(os.environ.get("FP4RL_MMA16_STAMP_AT", "0"))
-
-
-def _row_scale_key(cfg: dict, per_row: bool) -> dict:
-    return {**cfg, "GSR": 1} if ROW_SCALE_EARLY and per_row and cfg.get("KW", 1) > 1 else cfg
 # device index -> the int64 buffer that kernels compiled there append their in-kernel stamps to (diagnostics
 # only: set_stamp_buffer, from fp4rl.benchmarks.stamps; gemv_mma16.cu: STAMP_BUF)
 STAMPS: dict = {}
+
+
+def _row_scale_key(cfg: dict, per_row: bool) -> dict:
+    """The compile key with GSR where it applies (ROW_SCALE_EARLY, per-row scales, the in-CTA split)."""
+    return {**cfg, "GSR": 1} if ROW_SCALE_EARLY and per_row and cfg.get("KW", 1) > 1 else cfg
 
 
 def set_stamp_buffer(device_index: int, buf: torch.Tensor | None) -> None:

@@ -149,8 +149,9 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     cfg = cfg or _plan_grouped(wc.n, wc.k, min(e, m), dev, grouped_mg(m, e))
     slots = min(e, m) + -(-m // (8 * cfg["MG"]))  # >= sum over experts of ceil(rows / chunk rows)
     key = {**cfg, "GATHER": 1} if x_rows is not None else {**cfg, "SILU": 1} if x_silu else cfg
-    if "SLOTTABLE" not in key and slot_table(e):
-        key = {**key, "SLOTTABLE": slot_table(e)}
+    table = slot_table(e)
+    if table and "SLOTTABLE" not in key:
+        key = {**key, "SLOTTABLE": table}
     if TLB_WARM:
         key = {**key, "TLBWARM": TLB_WARM}
     key = _row_scale_key(key, g.numel() > e)
