@@ -9,7 +9,7 @@
 # time permitting, the 64 KB build's stamps (third stamp once x is issued) at batch 1. Up to ~560 s.
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
-timeout 60 python3 -m pytest -q -m gpu tests/test_gemv_cuda_grouped.py -k "tlb_warm or slot_table" \
+timeout 60 python3 -m pytest -q -m gpu tests/test_gemv_cuda_grouped_switches.py -k "tlb_warm or slot_table" \
   > $OUT/tests102.log 2>&1; echo "tests exit $?"; tail -3 $OUT/tests102.log
 arm() {
   name=$1; limit=$2; batch=$3; extra=$4; shift 4

@@ -1,0 +1,151 @@
+"""The routed experts' GEMM switches that leave its bits (fp4rl.kernels.gemv_cuda_grouped: SLOT_TABLE, the
+one-token view, the early per-row scales, TLB_WARM): on a Hopper GPU (-m gpu) each against the kernel without
+it; the slot table's words on any device. The kernel itself: tests/test_gemv_cuda_grouped.py."""
+
+import pytest
+import torch
+from test_gemv_cuda_grouped import _gate_up, _random_experts, _routing
+
+from fp4rl.kernels import gemv_cuda, gemv_cuda_grouped
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e", [6, 128, 300])
+def test_gpu_slot_table_finds_the_same_experts(e, monkeypatch):
+    """SLOTTABLE (gemv_cuda_grouped.SLOT_TABLE, the default): the experts' offsets read in one round trip give
+    the bits of the 32-experts-a-trip search, for fewer experts than a warp, 128 (one table of 4 words) and
+    300 (8 words, then the rest 32 at a time; or one word, then the rest), routings that use the last experts,
+    several chunks of one expert, plain x, the gather and the SiLU staging."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    gen = torch.Generator().manual_seed(17 + e)
+    n, k = 64, 256
+    _, _, g, wc = _random_experts(e, n, k, seed=9)
+    routings = [_routing(e, t, min(4, e), gen, hot=e - 1) for t in (1, 8)]
+    counts = torch.zeros(e, dtype=torch.int64)
+    counts[e - 1], counts[e // 2] = 20, 3  # the last expert in three 8-row chunks
+    routings.append(torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).cuda())
+    for offs in routings:
+        m = int(offs[-1])
+        xt = torch.randn(m, k, generator=gen).bfloat16().cuda()
+        rows = torch.randint(0, m, (m,), generator=gen, dtype=torch.int32).cuda()
+        gu = _gate_up(m, k, gen)
+        for kwargs, x in (({}, xt), ({"x_rows": rows}, xt), ({"x_silu": True}, gu)):
+            outs = []
+            # no table; all words (300: 8 words, then 32 a trip); one word
+            for table, cap in ((False, 8), (True, 8), (True, 1)):
+                monkeypatch.setattr(gemv_cuda_grouped, "SLOT_TABLE", table)
+                monkeypatch.setattr(gemv_cuda_grouped, "SLOT_TABLE_MAX", cap)
+                y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, **kwargs)
+                outs.append(y)
+            assert not outs[0].isnan().any(), (e, m, list(kwargs))
+            for y in outs[1:]:
+                assert torch.equal(y, outs[0]), (e, m, list(kwargs))
+
+
+@pytest.mark.gpu
+def test_gpu_one_token_view_keeps_the_gathers_bits(monkeypatch):
+    """ONE_TOKEN_VIEW (FP4RL_MMA16_ONE_TOKEN): at one token the gather's rows read x through a row stride of 0
+    instead of x_rows, with the bits of the gather, eagerly and in a CUDA graph replayed with new routing;
+    more tokens keep the gather."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    gen = torch.Generator().manual_seed(19)
+    e, n, k = 128, 64, 512
+    _, _, g, wc = _random_experts(e, n, k, seed=12)
+    for t in (1, 2):
+        x = torch.randn(t, k, generator=gen).bfloat16().cuda()
+        for _ in range(3):
+            offs = _routing(e, t, 8, gen)
+            m = t * 8
+            rows = torch.randint(0, t, (m,), generator=gen, dtype=torch.int32).cuda()
+            outs = []
+            for view in (False, True):
+                monkeypatch.setattr(gemv_cuda_grouped, "ONE_TOKEN_VIEW", view)
+                y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, x_rows=rows)
+                outs.append(y)
+            assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), t
+    # a graph captured with the view, new routing
+    monkeypatch.setattr(gemv_cuda_grouped, "ONE_TOKEN_VIEW", True)
+    x = torch.randn(1, k, generator=gen).bfloat16().cuda()
+    offs = _routing(e, 1, 8, gen)
+    rows = torch.zeros(8, dtype=torch.int32, device="cuda")
+    y = torch.empty(8, n, dtype=torch.bfloat16, device="cuda")
+    gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, x_rows=rows)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, x_rows=rows)
+    for _ in range(3):
+        offs.copy_(_routing(e, 1, 8, gen))
+        x.copy_(torch.randn(1, k, generator=gen).bfloat16())
+        graph.replay()
+        want = torch.empty_like(y)
+        monkeypatch.setattr(gemv_cuda_grouped, "ONE_TOKEN_VIEW", False)
+        gemv_cuda_grouped.launch_grouped(x, wc, g, offs, want, x_rows=rows)
+        monkeypatch.setattr(gemv_cuda_grouped, "ONE_TOKEN_VIEW", True)
+        assert torch.equal(y, want)
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_row_scales_read_early_keep_the_bits(monkeypatch):
+    """ROW_SCALE_EARLY (FP4RL_MMA16_GSR) on the experts' gate / up launch (per-row global scales [E, N], the
+    gather and plain x, 1 and 8 tokens): the bits of the epilogue's own read."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    gen = torch.Generator().manual_seed(23)
+    e, n, k = 16, 384, 1024
+    _, _, g, wc = _random_experts(e, n, k, seed=14)
+    gr = (g[:, None] * torch.linspace(0.5, 2.0, n, device="cuda")).contiguous()
+    for t in (1, 8):
+        offs = _routing(e, t, 4, gen)
+        m = t * 4
+        xt = torch.randn(t, k, generator=gen).bfloat16().cuda()
+        rows = torch.randint(0, t, (m,), generator=gen, dtype=torch.int32).cuda()
+        xm = torch.randn(m, k, generator=gen).bfloat16().cuda()
+        for kwargs, x in (({"x_rows": rows}, xt), ({}, xm)):
+            outs = []
+            for early in (False, True):
+                monkeypatch.setattr(gemv_cuda, "ROW_SCALE_EARLY", early)
+                y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                gemv_cuda_grouped.launch_grouped(x, wc, gr, offs, y, **kwargs)
+                outs.append(y)
+            assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), (t, list(kwargs))
+
+
+@pytest.mark.gpu
+def test_gpu_tlb_warm_keeps_the_bits(monkeypatch):
+    """TLB_WARM (FP4RL_MMA16_TLBWARM): the grid's L2 prefetches over the expert stacks before the wait (every
+    64 KB or 2 MB) leave the bits: plain x, the gather and the SiLU staging at 1 and 8 tokens of 128
+    experts."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    gen = torch.Generator().manual_seed(31)
+    e, n, k = 128, 256, 512
+    _, _, g, wc = _random_experts(e, n, k, seed=16)
+    for t in (1, 8):
+        offs = _routing(e, t, 8, gen, hot=e - 1)
+        m = t * 8
+        xt = torch.randn(t, k, generator=gen).bfloat16().cuda()
+        rows = torch.randint(0, t, (m,), generator=gen, dtype=torch.int32).cuda()
+        xm = torch.randn(m, k, generator=gen).bfloat16().cuda()
+        gu = _gate_up(m, k, gen)
+        for kwargs, x in (({}, xm), ({"x_rows": rows}, xt), ({"x_silu": True}, gu)):
+            outs = []
+            for warm in (0, 16, 21):
+                monkeypatch.setattr(gemv_cuda_grouped, "TLB_WARM", warm)
+                y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, **kwargs)
+                outs.append(y)
+            assert not outs[0].isnan().any(), (t, list(kwargs))
+            for y in outs[1:]:
+                assert torch.equal(y, outs[0]), (t, list(kwargs))
+
+
+def test_slot_table_words_by_experts(monkeypatch):
+    """slot_table: the 32-expert words of offsets a routed-experts CTA reads at once (SLOTTABLE), up to
+    SLOT_TABLE_MAX; 0 with the table off (FP4RL_MMA16_SLOTTABLE=0)."""
+    assert [gemv_cuda_grouped.slot_table(e) for e in (1, 32, 33, 128, 256, 300)] == [1, 1, 2, 4, 8, 8]
+    monkeypatch.setattr(gemv_cuda_grouped, "SLOT_TABLE", False)
+    assert gemv_cuda_grouped.slot_table(128) == 0

@@ -1,0 +1,217 @@
+"""The CUDA mma16 kernel's wgmma configuration (gemv_cuda.choose_wide, launch_wide; sm_90a): how it covers
+rows and where gemm.gemm sends them, on any device; on a Hopper GPU (-m gpu) against the float64 reference
+(bf16 and W4A4 x, per-tensor and per-row scales, strided x) and its x staging / A-in-shared-memory variants
+bit for bit. The mma.sync configurations: tests/test_gemv_cuda.py."""
+
+import pytest
+import torch
+from test_gemv_cuda import _gpu_case, _rel
+
+from fp4rl.kernels import gemv_cuda
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(1008, 1280), (4096, 4096)])
+def test_gpu_wide_x_staging_forms_give_the_same_bits(n, k):
+    """The wgmma configuration's x staging in its three forms: addresses computed in every step (XPRE 0), per
+    thread and chunk once (XPRE 1, the default at MG <= 4), one running pointer per thread with rows past M
+    reading row M - 1 instead of zeros (XPRE 2, the default above): the same bits at 17-300 rows (partial row
+    groups, several row blocks, MG 3-16), every split, with W4A4's per-row x scales."""
+    if not gemv_cuda.wide_available():
+        pytest.skip("needs an sm_90 GPU (wgmma) and torch.cuda._compile_kernel")
+    w, wc, wd, g, base = _gpu_case(n, k, {}, 300, seed=13)
+    xs = torch.rand(300, device="cuda") + 0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in (17, 32, 45, 64, 100, 128, 300):
+        plan = gemv_cuda.choose_wide(n, k, m, sms)
+        for split in sorted({1, plan["SPLIT"], 4}):
+            if (k // 128) < split:
+                continue
+            for x_scale in (None, xs[:m]):
+                out = []
+                for xpre in (0, 1, 2):
+                    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    cfg = dict(plan, SPLIT=split, XPRE=xpre)
+                    gemv_cuda.launch(base[:m], wc, g, y, cfg=cfg, x_scale=x_scale)
+                    assert not y.isnan().any(), (m, split, xpre)
+                    out.append(y)
+                if x_scale is None:
+                    assert _rel(out[0], base[:m].double() @ wd.T) < 4e-3
+                assert torch.equal(out[0], out[1]), (m, split, x_scale is None)
+                assert torch.equal(out[0], out[2]), (m, split, x_scale is None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(1008, 1280), (4096, 4096), (768, 14336)])
+def test_gpu_wide_a_in_shared_memory_gives_the_same_bits(n, k):
+    """ASH (the weights' A operand unpacked into shared memory by stmatrix, 8 shared-memory wgmma per step)
+    against the register-A build: the same products summed in the same order, so the same bits, at 17-300
+    rows, depths 3-4, every split, with W4A4's per-row x scales; N not a multiple of the CTA's 128 rows."""
+    if not gemv_cuda.wide_available():
+        pytest.skip("needs an sm_90 GPU (wgmma) and torch.cuda._compile_kernel")
+    w, wc, wd, g, base = _gpu_case(n, k, {}, 300, seed=17)
+    xs = torch.rand(300, device="cuda") + 0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in (17, 64, 100, 128, 300):
+        plan = dict(gemv_cuda.choose_wide(n, k, m, sms), NT=1, XPRE=2)
+        for split in sorted({1, plan["SPLIT"]}):
+            for x_scale in (None, xs[:m]):
+                ref = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+                gemv_cuda.launch(base[:m], wc, g, ref, cfg=dict(plan, SPLIT=split), x_scale=x_scale)
+                for depth in (3, 4):
+                    cfg = dict(plan, SPLIT=split, ASH=1, DEPTH=depth)
+                    if gemv_cuda.smem_bytes(cfg, k, m) > gemv_cuda.SMEM_MAX:
+                        continue
+                    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    gemv_cuda.launch(base[:m], wc, g, y, cfg=cfg, x_scale=x_scale)
+                    if x_scale is None:
+                        assert _rel(y, base[:m].double() @ wd.T) < 4e-3, (m, split, depth)
+                    assert torch.equal(y, ref), (m, split, depth, x_scale is None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,kw", [(144, 384, {"scale_scope": "row"}), (1008, 1280, {}),
+                                    (4096, 4096, {"scale_rule": "4/6"}), (768, 14336, {})])
+def test_gpu_wide_matches_reference(n, k, kw):
+    """The wgmma configuration (17+ rows, row blocks of <= 128 in grid z) against the float64 product: odd
+    row counts, N not a multiple of the CTA's 256 rows (tiles past N read zeros), every split, W4A4's per-row
+    x scales, the dispatch in gemm.gemm, and a strided x."""
+    if not gemv_cuda.wide_available():
+        pytest.skip("needs an sm_90 GPU (wgmma) and torch.cuda._compile_kernel")
+    from types import SimpleNamespace
+
+    from fp4rl.kernels import gemm, gemm_tune
+
+    w, wc, wd, g, base = _gpu_case(n, k, kw, 300, seed=4)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    wm = SimpleNamespace(data=w.data, block_scale=w.block_scale, global_scale=w.global_scale, mma16=wc)
+    for m in (17, 33, 100, 128, 129, 300):
+        x = base[:m]
+        ref = x.double() @ wd.T
+        y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gemv_cuda.launch_wide(x, wc, g, y)
+        assert _rel(y, ref) < 4e-3, (m, _rel(y, ref))
+        y2 = torch.empty_like(y)
+        gemv_cuda.launch_wide(x, wc, g, y2)
+        assert torch.equal(y, y2)  # deterministic
+        if gemm.wide_rows(m, n):
+            assert torch.equal(gemm.gemm(x, wm), y)  # gemm.gemm dispatches these rows here
+        elif gemm.wide_candidate(m, n):  # the tuner's first candidate: taken untimed with tune=False
+            gemm_tune._TUNED.clear()  # (a tuned pick of an earlier test would stand for this key)
+            assert torch.equal(gemm.gemm(x, wm, tune=False), y)
+        for split in (1, 2, 4, 8) if m in (33, 129) else ():
+            for nt, swz in ((1, 0), (2, 0), (1, 1), (2, 1)):  # x stages without / with the 128 B swizzle
+                if (k // 128) >= split:
+                    cfg = dict(gemv_cuda.choose_wide(n, k, m, sms), SPLIT=split, NT=nt, SWZ=swz)
+                    y2.fill_(float("nan"))
+                    gemv_cuda.launch(x, wc, g, y2, cfg=cfg)
+                    assert _rel(y2, ref) < 4e-3, (m, split, nt, swz)
+    # within a band of rows (17-32, 33-64, 65-128, 129+) a row's result does not depend on the other rows
+    for band in ((17, 24, 32), (33, 50, 64), (65, 100, 128), (129, 200, 300)):
+        ys = []
+        for m in band:
+            y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            ys.append(gemv_cuda.launch_wide(base[:m], wc, g, y)[:band[0]])
+        assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), band
+    # nor on the rows per block (65-128 rows: one block or two, see choose_wide), nor on the m64 tiles per
+    # warpgroup (NT, chosen by how full the GPU is)
+    for m, name, values in ((128, "MG", (8, 16)), (300, "NT", (1, 2))):
+        plan = gemv_cuda.choose_wide(n, k, m, sms)
+        ys = []
+        for v in values:
+            y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            ys.append(gemv_cuda.launch(base[:m], wc, g, y, cfg={**plan, name: v}))
+        assert torch.equal(ys[0], ys[1]), name
+    # W4A4: x = e2m1 * block_scale with per-row global scales over 4 decades (through gemm.gemm at 48 rows,
+    # directly at 150: two row blocks; gemm.gemm's WIDE candidate where wide_rows does not take the rows)
+    for m in (48, 150):
+        x = (base[:m].float() * torch.logspace(-2, 2, m, device="cuda")[:, None]).bfloat16()
+        xq = gemm.quantize_activations(x)
+        ref = gemm.dequantize(*xq, torch.float32).double() @ wd.T
+        if gemm.wide_rows(m, n):
+            assert _rel(gemm.gemm(None, wm, xq=xq), ref) < 4e-3
+        y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        xin = gemm.dequantize(xq[0], xq[1], xq[2], torch.bfloat16, apply_global=False)
+        gemv_cuda.launch_wide(xin, wc, g, y, x_scale=xq[2])
+        assert _rel(y, ref) < 4e-3, m
+        if gemm.wide_candidate(m, n):
+            assert torch.equal(gemm.gemm(None, wm, xq=xq, config=gemm_tune.WIDE), y), m
+    # per-output-row global scales (the fused q/k/v and gate/up groups) through the WIDE candidate: the
+    # direct launch's bits
+    lin = torch.linspace(0.5, 2.0, n, device="cuda")
+    gr = g.reshape(-1).expand(n) * lin  # the weight's own scale(s) times a spread per output row
+    wr = SimpleNamespace(data=w.data, block_scale=w.block_scale, global_scale=gr, mma16=wc)
+    for m in (100, 150):
+        y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        gemv_cuda.launch_wide(base[:m], wc, gr, y)
+        assert torch.equal(gemm.gemm(base[:m], wr, config=gemm_tune.WIDE), y), m
+        assert _rel(y, (base[:m].double() @ wd.T) * lin.double()) < 4e-3, m
+    # a strided x (padded rows) is read through its stride
+    xs = torch.zeros(40, k + 64, dtype=torch.bfloat16, device="cuda")[:, :k]
+    xs.copy_(base[:40])
+    y = torch.empty(40, n, dtype=torch.bfloat16, device="cuda")
+    gemv_cuda.launch_wide(xs, wc, g, y)
+    assert _rel(y, base[:40].double() @ wd.T) < 4e-3
+
+
+def test_wgmma_source_has_one_operand_per_accumulator():
+    for mg in (1, 2, 3, 4, 13, 16):
+        src = gemv_cuda._wgmma_source(mg)
+        assert f"m64n{8 * mg}k16.f32.bf16.bf16" in src
+        # n / 2 fp32 accumulators per thread, in the register-A form and the shared-memory-A form (ASH)
+        assert src.count('"+f"(d[') == 2 * 4 * mg
+        assert f"%{4 * mg + 4}, p, 1, 1, 0;" in src  # the descriptor follows the 4 A registers
+        assert f"%{4 * mg}, %{4 * mg + 1}, p, 1, 1, 0, 0;" in src  # ASH: A's descriptor, then B's
+    cfg = dict(NT=1, MG=4, SPLIT=2, DEPTH=2)
+    assert "void wgmma_m64k16(" in gemv_cuda.source(dict(cfg, XSTREAM=1, WGMMA=1), False)
+    assert "void wgmma_m64k16(" not in gemv_cuda.source(cfg, False)
+
+
+def test_choose_wide_covers_every_row_in_blocks_of_at_most_128():
+    for n, k in ((4096, 14336), (14336, 4096), (6144, 4096), (144, 384), (2048, 768)):
+        for m in (1, 17, 24, 33, 64, 100, 128, 129, 300, 512, 1000, 4096):
+            cfg = gemv_cuda.choose_wide(n, k, m, 132)
+            zb = -(-m // (8 * cfg["MG"]))
+            assert cfg["WGMMA"] == 1 and cfg["XSTREAM"] == 1 and cfg["SWZ"] == 1 and cfg["MG"] <= 16
+            # as few row blocks as 128-row blocks allow (at 65-128 rows two, split 2, where one would be
+            # split 4 or 8 ways) ...
+            two = 64 < m <= 128 and k // 128 >= 4 and cfg["SPLIT"] == 2 and zb == 2
+            assert zb == -(-m // 128) or two, (n, k, m, cfg)
+            assert 8 * cfg["MG"] * zb - m < 8 * zb  # ... with the rows spread evenly (< 8 padding rows each)
+            # several row blocks: 256 weight rows share x chunks (NT 2) where 3/4 of the SMs still get a CTA
+            assert cfg["NT"] == (2 if zb > 1 and -(-n // 256) * zb * 4 >= 3 * 132 else 1)
+            assert gemv_cuda.smem_bytes(cfg, k, m) <= gemv_cuda.SMEM_MAX
+            assert cfg["SPLIT"] in (1, 2, 4, 8) and (cfg["SPLIT"] == 1 or (k // 128) // cfg["SPLIT"] >= 2)
+    # the splits the H200 sweep found best (bench/RESULTS.md, sixth session)
+    for n, k, m, split in ((4096, 14336, 32, 8), (14336, 4096, 64, 2), (24576, 4096, 32, 2),
+                           (6144, 4096, 64, 4), (14336, 4096, 512, 1)):
+        assert gemv_cuda.choose_wide(n, k, m, 132)["SPLIT"] == split, (n, k, m)
+    # 65-128 rows: two row blocks with split 2 where one block would take split 4-8 (twentieth session)
+    for n, k, m, mg, split in ((4096, 6144, 128, 8, 2), (4096, 14336, 100, 7, 2), (4096, 4096, 65, 5, 2),
+                               (6144, 4096, 128, 8, 2), (14336, 4096, 128, 16, 2), (4096, 14336, 64, 8, 8)):
+        cfg = gemv_cuda.choose_wide(n, k, m, 132)
+        assert (cfg["MG"], cfg["SPLIT"]) == (mg, split), (n, k, m, cfg)
+    # NT as the nineteenth session's 256-512-row sweep found best
+    for n, k, m, nt in ((14336, 4096, 256, 2), (24576, 4096, 512, 2), (4096, 14336, 256, 1),
+                        (6144, 4096, 512, 1), (4096, 4096, 512, 1)):
+        assert gemv_cuda.choose_wide(n, k, m, 132)["NT"] == nt, (n, k, m)
+    with pytest.raises(ValueError, match="at least one row"):
+        gemv_cuda.choose_wide(4096, 4096, 0, 132)
+
+
+def test_wide_rows_dispatch_ranges():
+    from fp4rl.kernels import gemm
+
+    assert not gemm.wide_rows(16, 14336)  # mma.sync up to 16 rows
+    assert gemm.wide_rows(17, 4096) and gemm.wide_rows(32, 4096)  # wgmma at 17-32 rows on any weight
+    assert not gemm.wide_rows(48, 4096) and gemm.wide_rows(48, 14336)  # 33-64 rows on wide weights only
+    assert not gemm.wide_rows(65, 14336) and not gemm.wide_rows(512, 14336)  # the tuner's candidates
+    # the tuner's first candidate: the rows up to 512 that wide_rows does not take
+    assert gemm.wide_candidate(48, 4096) and gemm.wide_candidate(65, 14336) and gemm.wide_candidate(512, 4096)
+    assert not any(gemm.wide_candidate(m, 14336) for m in (1, 16, 17, 32, 48, 64, 513))
+
+
+def test_choose_wide_split_depends_on_the_band_of_rows_only():
+    for n, k in ((14336, 4096), (4096, 14336), (6144, 4096), (4096, 4096)):
+        for band in (range(1, 33), range(33, 65), range(65, 129), range(129, 1025)):
+            assert len({gemv_cuda.choose_wide(n, k, m, 132)["SPLIT"] for m in band}) == 1, (n, k, band)
