@@ -98,7 +98,7 @@ def test_chain_advance_splits_an_overlapping_chain():
 
 def test_stamped_rows_say_so_in_the_table():
     """A row measured with --mma16-stamps (slower kernels) is labelled so in the markdown table."""
-    from fp4rl.benchmarks.sampler_gpu import _label
+    from fp4rl.benchmarks.sampler_gpu_report import _label
 
     row = {"precision": "nvfp4-w4a16 all linears", "pdl": True, "fused": True}
     assert "stamps" not in _label(row)

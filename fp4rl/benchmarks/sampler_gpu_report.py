@@ -1,0 +1,72 @@
+"""The table and notes `fp4rl bench sampler_gpu` prints from its results (``markdown``): one row per measured
+arm (tokens/s, the ratio to the BF16 row of the same shape and batch, the step and graph-replay times, the
+byte floor), then the profiles' and host timings' lines."""
+
+from __future__ import annotations
+
+import math
+
+
+def _f(v, fmt="{:.2f}"):
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+
+def _mode(r) -> str:
+    """'graph' when the row's decode steps were graph replays, 'eager' after a failed capture."""
+    return "eager" if r.get("graph_error") or not r.get("graph_us") else "graph"
+
+
+def _label(r) -> str:
+    from fp4rl.kernels import pdl
+
+    pdl_text = "" if r.get("pdl", True) else " (no PDL)"
+    if r.get("pdl") and "pdl_off" in r and set(r["pdl_off"]) != pdl.DEFAULT_OFF:
+        pdl_text = f" (no PDL: {'+'.join(r['pdl_off'])})" if r["pdl_off"] else " (PDL: all)"
+    split = f" (split-K: {r['k_split']})" if "k_split" in r and r["precision"] != "bf16" else ""
+    split += f" (KV write: {r['kv_write']})" if "kv_write" in r else ""
+    split += " (mma16 stamps on: slower)" if r.get("mma16_stamps") else ""
+    return r["precision"] + ("" if r.get("fused", True) else " (unfused)") + pdl_text + split
+
+
+def markdown(results) -> str:
+    rows = [r for r in results["rows"] if "error" not in r]
+    base = {(r["shape"], r["batch"], r.get("fused"), r.get("pdl")): _mode(r) for r in rows
+            if r["preset"] == "bf16" and r["kv"] == "bf16"}
+    lines = ["| shape (layers built / full) | precision | KV | batch | decode | tok/s | vs BF16 | "
+             "limit built / full depth | step ms | graph replay ms | byte floor tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['shape']} ({r['layers']}) | {_label(r)} | {r['kv']} | {r['batch']} | | "
+                         f"error: {r['error'][:80]} | | | | | |")
+            continue
+        lim = f"{_f(r.get('limit_built'))} / {_f(r.get('limit_full'))}"
+        vs = _f(r.get("vs_bf16"))
+        key = (r["shape"], r["batch"], r.get("fused"), r.get("pdl"))
+        if base.get(key) == "eager" and r["preset"] != "bf16":
+            vs += " (BF16 eager)"
+        graph_ms = r["graph_us"] / 1e3 if r.get("graph_us") else None
+        lines.append(f"| {r['shape']} ({r['layers']}/{r['full_layers']}) | {_label(r)} | {r['kv']} | "
+                     f"{r['batch']} | {_mode(r)} | {_f(r['tok_s'], '{:.0f}')}{'*' * bool(r.get('noisy'))} "
+                     f"| {vs} | {lim} | "
+                     f"{_f(r['step_ms'])} | {_f(graph_ms)} | {_f(r.get('floor_tok_s'), '{:.0f}')} |")
+    for p in results["profiles"]:
+        if "error" in p:
+            lines.append(f"\nprofile {p['shape']} {p['precision']} b{p['batch']}: error {p['error'][:100]}")
+            continue
+        parts = ", ".join(f"{k} {v / p['steps']:.2f}" for k, v in p["split_ms"].items())
+        per = p["steps"]
+        lines.append(f"\nprofile {p['shape']} {_label(p)} kv {p['kv']} b{p['batch']}: eager step "
+                     f"{p['eager_wall_ms'] / per:.1f} ms, kernels {p['kernel_ms'] / per:.2f} ms: {parts}")
+        for t in p.get("top", []):
+            lines.append(f"  {t['us_per_step']:9.1f} us {t['calls_per_step']:6.1f} calls  {t['name']}")
+    for h in results.get("hosts", []):
+        if "error" in h:
+            lines.append(f"\nhost {h['shape']} {h['precision']} b{h['batch']}: error {h['error'][:100]}")
+            continue
+        lines.append(f"\nhost {h['shape']} {_label(h)} kv {h['kv']} b{h['batch']}: graph launch "
+                     f"{h['replay_enqueue_us']:.0f} us, host-only step {h['host_step_ms']:.2f} ms; CPU "
+                     "operators per decode step:")
+        for o in h["ops"]:
+            lines.append(f"  {o['self_us_per_step']:9.1f} us {o['calls_per_step']:6.1f} calls  {o['name']}")
+    return "\n".join(lines)
