@@ -144,11 +144,14 @@ def _gemm_configs():
     yield "mma16 gsr 2048x4096 m1", {**gemv_cuda.choose(2048, 4096, 1, sms), "GSR": 1}, "sm_90"
     yield "grouped gather gsr 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
                                            "GSR": 1}, "sm_90"
-    # the grid's L2 prefetches over the expert stacks before the wait (TLBWARM: every 64 KB)
-    yield "grouped gather tlbwarm 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
-                                               "SLOTTABLE": 4, "TLBWARM": 16}, "sm_90"
-    yield "grouped silu tlbwarm 2048x768", {**choose_grouped(2048, 768, 8, sms), "SILU": 1,
-                                            "SLOTTABLE": 4, "TLBWARM": 16}, "sm_90"
+    # the offsets and x_rows by volatile loads (LDVOL)
+    yield "grouped gather ldvol 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
+                                             "SLOTTABLE": 4, "LDVOL": 1}, "sm_90"
+    yield "grouped silu ldvol 2048x768", {**choose_grouped(2048, 768, 8, sms), "SILU": 1,
+                                          "SLOTTABLE": 4, "LDVOL": 1}, "sm_90"
+    # the one-token gate / up with K split over 4 warps (FP4RL_MMA16_GFILL=3: 384 CTAs)
+    yield "grouped gather kw4 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
+                                           "SLOTTABLE": 4, "KW": 4}, "sm_90"
     # the experts' offsets in one round trip (SLOTTABLE 4: 128 experts, 8: 256)
     yield "grouped gather slottable 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
                                                  "SLOTTABLE": 4}, "sm_90"
@@ -223,8 +226,7 @@ def _sass_ops(src: str, arch: str = "sm_90") -> list[str]:
     return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]+)", text)
 
 
-@pytest.mark.parametrize("extra", [{}, {"TLBWARM": 16}, {"TLBWARM": 21}],
-                         ids=["default", "tlbwarm16", "tlbwarm21"])
+@pytest.mark.parametrize("extra", [{}, {"LDVOL": 1}], ids=["default", "ldvol"])
 @pytest.mark.parametrize("name,cfg,wg_row,xg_row", [
     ("gather", {**choose_grouped(1536, 2048, 8, 132), "GATHER": 1, "SLOTTABLE": 4, "GSR": 1},
      True, False),
@@ -236,13 +238,13 @@ def _sass_ops(src: str, arch: str = "sm_90") -> list[str]:
 def test_grouped_builds_load_nothing_before_the_wait(name, cfg, wg_row, xg_row, extra):
     """The routed experts' GEMMs read the offsets (and x_rows, x) the kernel before them writes: no global
     load or copy may come before griddepcontrol.wait (ACQBULK) in the SASS. ptxas moved the offsets'
-    ld.global.nc above it in a TLBWARM build before its loads became volatile (ld_after_wait). TLBWARM's
-    prefetches do come before it."""
+    ld.global.nc above it in an L2-prefetch build (e14c14c) before its loads became volatile (LDVOL). Nor may
+    any prefetch (CCTL): the builds have none."""
     ops = _sass_ops(gemv_cuda.source({**cfg, **extra}, wg_row, xg_row, True))
     wait = ops.index("ACQBULK")
     early = [op for op in ops[:wait] if op.startswith(("LDG", "LD.", "LDGSTS", "UBLKCP", "UTMALDG"))]
     assert not early, f"{name} {extra}: {early} before the wait"
-    assert any(op.startswith("CCTL") for op in ops[:wait]) == bool(extra), f"{name} {extra}: the prefetches"
+    assert not any(op.startswith("CCTL") for op in ops[:wait]), f"{name} {extra}: a prefetch before the wait"
 
 
 def test_row_scales_early_need_the_in_cta_split():
@@ -250,9 +252,9 @@ def test_row_scales_early_need_the_in_cta_split():
     assert "GSR is for the in-CTA split" in _compile_error(gemv_cuda.source(cfg, True, False, False))
 
 
-def test_tlb_warm_needs_grouped():
-    cfg = dict(gemv_cuda.choose(5120, 2048, 1, 132), TLBWARM=16)
-    assert "TLBWARM is for GROUPED" in _compile_error(gemv_cuda.source(cfg, False, False, False))
+def test_volatile_offsets_need_grouped():
+    cfg = dict(gemv_cuda.choose(5120, 2048, 1, 132), LDVOL=1)
+    assert "LDVOL is for GROUPED" in _compile_error(gemv_cuda.source(cfg, False, False, False))
 
 
 def test_gather_needs_grouped_w4a16():

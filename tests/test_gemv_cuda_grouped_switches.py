@@ -1,6 +1,6 @@
 """The routed experts' GEMM switches that leave its bits (fp4rl.kernels.gemv_cuda_grouped: SLOT_TABLE, the
-one-token view, the early per-row scales, TLB_WARM): on a Hopper GPU (-m gpu) each against the kernel without
-it; the slot table's words on any device. The kernel itself: tests/test_gemv_cuda_grouped.py."""
+one-token view, the early per-row scales, LD_VOLATILE): on a Hopper GPU (-m gpu) each against the kernel
+without it; the slot table's words on any device. The kernel itself: tests/test_gemv_cuda_grouped.py."""
 
 import pytest
 import torch
@@ -115,10 +115,9 @@ def test_gpu_grouped_row_scales_read_early_keep_the_bits(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_tlb_warm_keeps_the_bits(monkeypatch):
-    """TLB_WARM (FP4RL_MMA16_TLBWARM): the grid's L2 prefetches over the expert stacks before the wait (every
-    64 KB or 2 MB) leave the bits: plain x, the gather and the SiLU staging at 1 and 8 tokens of 128
-    experts."""
+def test_gpu_volatile_offsets_keep_the_bits(monkeypatch):
+    """LD_VOLATILE (FP4RL_MMA16_LDVOL): the offsets and x_rows read by volatile loads leave the bits: plain x,
+    the gather and the SiLU staging at 1 and 8 tokens of 128 experts."""
     if not gemv_cuda.available():
         pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
     gen = torch.Generator().manual_seed(31)
@@ -133,8 +132,8 @@ def test_gpu_tlb_warm_keeps_the_bits(monkeypatch):
         gu = _gate_up(m, k, gen)
         for kwargs, x in (({}, xm), ({"x_rows": rows}, xt), ({"x_silu": True}, gu)):
             outs = []
-            for warm in (0, 16, 21):
-                monkeypatch.setattr(gemv_cuda_grouped, "TLB_WARM", warm)
+            for vol in (False, True):
+                monkeypatch.setattr(gemv_cuda_grouped, "LD_VOLATILE", vol)
                 y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                 gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, **kwargs)
                 outs.append(y)

@@ -39,10 +39,14 @@ SLOT_TABLE = os.environ.get("FP4RL_MMA16_SLOTTABLE", "1") != "0"
 SLOT_TABLE_MAX = 8
 # ... with the gather (x_rows) at one token: x's one row through a row stride of 0 instead of x_rows
 ONE_TOKEN_VIEW = os.environ.get("FP4RL_MMA16_ONE_TOKEN", "1") != "0"
-# routed-expert launches: the grid's threads prefetch one L2 line per 2^TLB_WARM bytes of the expert stacks
-# before griddepcontrol.wait, to have their pages translated before the release (gemv_mma16.cu TLBWARM;
-# 0: off; being measured, bench/device_run102.sh)
-TLB_WARM = int(os.environ.get("FP4RL_MMA16_TLBWARM", "0"))
+# the offsets and x_rows read by a volatile load, which no compiler moves above griddepcontrol.wait
+# (gemv_mma16.cu LDVOL; the default builds' plain loads stay after it in their SASS today, which a CPU test
+# checks; being measured, bench/device_run103.sh)
+LD_VOLATILE = os.environ.get("FP4RL_MMA16_LDVOL", "0") != "0"
+# CTAs per SM that choose_grouped's split of K may fill at few rows (2: the split doubles while the grid stays
+# within 2 CTAs per SM; 3 takes Qwen3-30B-A3B's one-token gate / up from 192 CTAs on 132 SMs, 60 SMs with two,
+# to 384; being measured, bench/device_run103.sh)
+GROUPED_FILL = int(os.environ.get("FP4RL_MMA16_GFILL", "2"))
 
 
 def slot_table(e: int) -> int:
@@ -80,8 +84,8 @@ def choose_grouped(n: int, k: int, slots: int, sms: int, mg: int = 1) -> dict:
     x slice does not fit shared memory falls back to fewer row groups."""
     nblocks = -(-n // (WARPS * 16)) * slots
     steps = k // 128
-    split = 1  # fill about one wave of 2 CTAs per SM, >= 2 steps per split
-    while split < 8 and nblocks * split * 2 <= 2 * sms and steps // (split * 2) >= 2:
+    split = 1  # fill about one wave of GROUPED_FILL CTAs per SM, >= 2 steps per split
+    while split < 8 and nblocks * split * 2 <= GROUPED_FILL * sms and steps // (split * 2) >= 2:
         split *= 2
     cfg = dict(NT=1, MG=mg, SPLIT=split, DEPTH=2)
     while cfg["MG"] > 1 and smem_bytes(cfg, k, 8 * cfg["MG"]) > SMEM_MAX:
@@ -152,8 +156,8 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     table = slot_table(e)
     if table and "SLOTTABLE" not in key:
         key = {**key, "SLOTTABLE": table}
-    if TLB_WARM:
-        key = {**key, "TLBWARM": TLB_WARM}
+    if LD_VOLATILE:
+        key = {**key, "LDVOL": 1}
     key = _row_scale_key(key, g.numel() > e)
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > e, x_scale is not None, True), dev)
     smem = smem_bytes(cfg, wc.k, 8 * cfg["MG"])

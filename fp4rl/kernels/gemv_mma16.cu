@@ -75,11 +75,11 @@ typedef unsigned long long u64;
 #ifndef SILU
 #define SILU 0
 #endif
-#ifndef TLBWARM
-#define TLBWARM 0  // GROUPED: log2 of the stride of the L2 prefetches over the expert stacks before the wait (below)
+#ifndef LDVOL
+#define LDVOL 0  // GROUPED: the offsets and x_rows read by a volatile load (ld_after_wait, below)
 #endif
-#if TLBWARM && (!GROUPED || TLBWARM < 12)
-#error "TLBWARM is for GROUPED, a stride of 4 KB (12) or more"
+#if LDVOL && !GROUPED
+#error "LDVOL is for GROUPED"
 #endif
 #ifndef SLOTTABLE
 #define SLOTTABLE 0  // GROUPED: the first 32 SLOTTABLE experts' offsets read in one round trip (below); 0: 32 a trip
@@ -189,11 +189,12 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_byt
                  : "memory");
 }
 // an int written by the kernel before this one (the offsets, x_rows), read after griddepcontrol.wait. A const
-// __restrict__ read compiles to ld.global.nc, which the compiler may move above the wait's asm: it did in
-// TLBWARM builds (and in a dry-prologue build, 33d8ec2). There a volatile asm load keeps it after the wait; the
-// default builds keep their SASS (tests/test_cuda_sources.py checks that their loads stay after the wait).
+// __restrict__ read compiles to ld.global.nc, which the compiler may move above the wait's asm: it did in a
+// dry-prologue build (33d8ec2) and an L2-prefetch build (e14c14c). LDVOL: a volatile asm load keeps it after
+// the wait; the default builds keep their SASS (tests/test_cuda_sources.py checks that their loads stay after
+// the wait) until a device call shows LDVOL costs nothing.
 __device__ __forceinline__ int ld_after_wait(const int* p) {
-#if TLBWARM
+#if LDVOL
     int v;
     asm volatile("ld.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
@@ -402,26 +403,6 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // before this one: wait first). Slot blockIdx.z serves one chunk of up to XROWS rows of one expert
     // (any number of rows per expert: more chunks); slots past the last chunk exit. wt / st / wg are stacks
     // over experts ([E][N/16]... tiles; wg [E][N] or [E]).
-#if TLBWARM
-    // TLBWARM (being measured, bench/device_run102.sh): thread 0's first loads after the release take 1.5 / 2.0 us
-    // to issue in the 30B step (the stamps, thirty-second session), not the code (a dry run of it before the
-    // release did not shorten them). If it is the translation of the newly routed experts' pages, the grid's
-    // threads can have every page of both stacks translated while they wait to be released: one L2 prefetch
-    // per 2^TLBWARM bytes (a line each, ~0.3% of the stacks' bytes at 64 KB), independent of the routing.
-    {
-        const u64 wbytes = (u64)E * (u64)(N >> 4) * (u64)S * 1024u;  // wt: 1 KB per tile and 128-k step
-        const u64 nw = (wbytes + (1ull << TLBWARM) - 1) >> TLBWARM;
-        const u64 ns = ((wbytes >> 2) + (1ull << TLBWARM) - 1) >> TLBWARM;  // st: 256 B per tile and step
-        const u64 nthr = (u64)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
-        for (u64 i = ((u64)blockIdx.x + (u64)gridDim.x * (blockIdx.y + (u64)gridDim.y * blockIdx.z)) * blockDim.x
-                     + threadIdx.x;
-             i < nw + ns; i += nthr) {
-            const unsigned char* p = i < nw ? reinterpret_cast<const unsigned char*>(wt) + (i << TLBWARM)
-                                            : reinterpret_cast<const unsigned char*>(st) + ((i - nw) << TLBWARM);
-            asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-        }
-    }
-#endif
     asm volatile("griddepcontrol.wait;" ::: "memory");
     STAMP(1);
     // slot z -> (expert, chunk of 8 MG rows): expert i owns ceil(rows_i / XROWS) consecutive slots
