@@ -149,9 +149,9 @@ def _gemm_configs():
                                              "SLOTTABLE": 4, "LDVOL": 1}, "sm_90"
     yield "grouped silu ldvol 2048x768", {**choose_grouped(2048, 768, 8, sms), "SILU": 1,
                                           "SLOTTABLE": 4, "LDVOL": 1}, "sm_90"
-    # the one-token gate / up with K split over 4 warps (FP4RL_MMA16_GFILL=3: 384 CTAs)
-    yield "grouped gather kw4 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
-                                           "SLOTTABLE": 4, "KW": 4}, "sm_90"
+    # the one-token gate / up with K over 2 warps (FP4RL_MMA16_GFILL=2: 192 CTAs; the default 3: 4 warps)
+    yield "grouped gather kw2 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
+                                           "SLOTTABLE": 4, "KW": 2}, "sm_90"
     # the experts' offsets in one round trip (SLOTTABLE 4: 128 experts, 8: 256)
     yield "grouped gather slottable 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
                                                  "SLOTTABLE": 4}, "sm_90"

@@ -38,16 +38,16 @@ def test_choose_grouped_splits_to_fill_the_gpu():
 
 def test_grouped_fill_lets_the_split_take_more_ctas_per_sm(monkeypatch):
     """GROUPED_FILL (FP4RL_MMA16_GFILL): the CTAs per SM the split may fill. Qwen3-30B-A3B's one-token gate /
-    up (8 experts x 12 n-blocks of 128 rows) splits K over 2 warps (192 CTAs) at the default 2 and over 4 (384
-    CTAs) at 3; its down projection (8 x 16 n-blocks, K = 768) stays at 2: at 3, 512 CTAs would be 3.9 per
+    up (8 experts x 12 n-blocks of 128 rows) splits K over 2 warps (192 CTAs) at 2 and over 4 (384 CTAs) at
+    the default 3; its down projection (8 x 16 n-blocks, K = 768) stays at 2: at 3, 512 CTAs would be 3.9 per
     SM, and 4 parts would leave a warp fewer than 2 of its 6 steps."""
     def plan(n, k):
         cfg = gemv_cuda_grouped.choose_grouped(n, k, 8, 132)
         return gemv_cuda.ksplit(cfg), cfg["SPLIT"], 8 * -(-n // gemv_cuda.block_rows(cfg)) * cfg["SPLIT"]
 
-    assert plan(1536, 2048) == (2, 1, 192) and plan(2048, 768) == (2, 1, 256)
-    monkeypatch.setattr(gemv_cuda_grouped, "GROUPED_FILL", 3)
     assert plan(1536, 2048) == (4, 1, 384) and plan(2048, 768) == (2, 1, 256)
+    monkeypatch.setattr(gemv_cuda_grouped, "GROUPED_FILL", 2)
+    assert plan(1536, 2048) == (2, 1, 192) and plan(2048, 768) == (2, 1, 256)
     monkeypatch.setattr(gemv_cuda_grouped, "GROUPED_FILL", 4)
     assert plan(1536, 2048) == (4, 1, 384) and plan(2048, 768) == (2, 1, 256)
     monkeypatch.setattr(gemv_cuda_grouped, "GROUPED_FILL", 6)

@@ -41,12 +41,13 @@ SLOT_TABLE_MAX = 8
 ONE_TOKEN_VIEW = os.environ.get("FP4RL_MMA16_ONE_TOKEN", "1") != "0"
 # the offsets and x_rows read by a volatile load, which no compiler moves above griddepcontrol.wait
 # (gemv_mma16.cu LDVOL; the default builds' plain loads stay after it in their SASS today, which a CPU test
-# checks; being measured, bench/device_run103.sh)
+# checks; volatile: 30B W4A16 at batch 8 4.24 -> 4.29 ms, batch 1 unchanged, thirty-third session: off)
 LD_VOLATILE = os.environ.get("FP4RL_MMA16_LDVOL", "0") != "0"
-# CTAs per SM that choose_grouped's split of K may fill at few rows (2: the split doubles while the grid stays
-# within 2 CTAs per SM; 3 takes Qwen3-30B-A3B's one-token gate / up from 192 CTAs on 132 SMs, 60 SMs with two,
-# to 384; being measured, bench/device_run103.sh)
-GROUPED_FILL = int(os.environ.get("FP4RL_MMA16_GFILL", "2"))
+# CTAs per SM that choose_grouped's split of K may fill at few rows: 3 takes Qwen3-30B-A3B's one-token
+# gate / up from 192 CTAs on 132 SMs (60 of them with two; a CTA sharing its SM streamed 4.32 us against
+# 3.55 alone) to 384 over 4 warps' parts of K (30B W4A16 at batch 1 2.149 -> 2.121 ms; other bits, the KW 4
+# sums: bench/RESULTS.md, sampler, thirty-third session); 2 for the previous plan
+GROUPED_FILL = int(os.environ.get("FP4RL_MMA16_GFILL", "3"))
 
 
 def slot_table(e: int) -> int:
