@@ -71,8 +71,11 @@ def test_relayout_rejects_bad_shapes():
         gemv_cuda.relayout(w.data, w.block_scale[:, :4])
 
 
-def test_choose_is_row_invariant_up_to_16_and_fits_shared_memory():
-    for n, k in ((4096, 14336), (14336, 4096), (6144, 4096), (24576, 4096), (2048, 768), (16, 128)):
+@pytest.mark.parametrize("fill", [2, 3])
+def test_choose_is_row_invariant_up_to_16_and_fits_shared_memory(fill, monkeypatch):
+    monkeypatch.setattr(gemv_cuda, "DENSE_FILL", fill)
+    for n, k in ((4096, 14336), (14336, 4096), (6144, 4096), (24576, 4096), (2048, 768), (16, 128),
+                 (5120, 2048)):
         cfgs = [gemv_cuda.choose(n, k, m, 132) for m in range(1, 17)]
         # the split of K decides the sums: SPLIT CTAs of a cluster from 2 rows, KW warps of a CTA at one row
         assert all(gemv_cuda.ksplit(c) == gemv_cuda.ksplit(cfgs[0]) for c in cfgs)
@@ -91,6 +94,22 @@ def test_choose_is_row_invariant_up_to_16_and_fits_shared_memory():
     assert "XSTREAM" not in gemv_cuda.choose(4096, 12288, 16, 132)  # split 8: short slices, staged
     with pytest.raises(ValueError, match="1-64 rows"):
         gemv_cuda.choose(4096, 4096, 65, 132)
+
+
+def test_dense_fill_lets_the_split_take_more_ctas_per_sm(monkeypatch):
+    """DENSE_FILL (FP4RL_MMA16_FILL): the CTAs per SM choose's split may fill. The q/k/v of Qwen3-30B-A3B
+    (5120x2048) and Qwen3-8B (6144x4096) split K in 4 (160 / 192 CTAs: 28 / 60 SMs with two) at the default
+    2 and in 8 (320 / 384) at 3, at 1 row (KW) and at 8 (a cluster) alike; shapes already past a wave do not
+    change."""
+    def plan(n, k, m):
+        cfg = gemv_cuda.choose(n, k, m, 132)
+        return gemv_cuda.ksplit(cfg), -(-n // gemv_cuda.block_rows(cfg)) * cfg["SPLIT"]
+
+    for fill, want in ((2, [(4, 160), (4, 192)]), (3, [(8, 320), (8, 384)])):
+        monkeypatch.setattr(gemv_cuda, "DENSE_FILL", fill)
+        for m in (1, 8):
+            assert [plan(5120, 2048, m), plan(6144, 4096, m)] == want, (fill, m)
+        assert plan(14336, 4096, 1) == (2, 224) and plan(2048, 4096, 1) == (8, 128)
 
 
 def test_in_cta_split_moves_the_cluster_split_where_x_fits(monkeypatch):

@@ -58,6 +58,10 @@ DEPTH_ONE_ROW = int(os.environ.get("FP4RL_MMA16_DEPTH1", "0"))
 ROW_SCALE_EARLY = os.environ.get("FP4RL_MMA16_GSR", "1") != "0"
 # stamps builds only (fp4rl.benchmarks.stamps): where the third stamp is taken (gemv_mma16.cu STAMP_AT)
 STAMP_AT = int(os.environ.get("FP4RL_MMA16_STAMP_AT", "0"))
+# CTAs per SM that ``choose``'s split of K may fill (1-16 rows: the same split for all of them). 3 takes
+# Qwen3-30B-A3B's q/k/v (5120x2048) from 160 CTAs (28 SMs with two, which left 0.6 us after the others at one
+# row: bench/gpu_kernels.md, thirty-third session) to 320; other bits. Being measured (bench/device_run105.sh)
+DENSE_FILL = int(os.environ.get("FP4RL_MMA16_FILL", "2"))
 # device index -> the int64 buffer that kernels compiled there append their in-kernel stamps to (diagnostics
 # only: set_stamp_buffer, from fp4rl.benchmarks.stamps; gemv_mma16.cu: STAMP_BUF)
 STAMPS: dict = {}
@@ -267,8 +271,8 @@ def choose(n: int, k: int, m: int, sms: int) -> dict:
     mg = 1 if m <= 8 else 2 if m <= 16 else 4 if m <= 32 else 8
     nblocks = -(-n // (WARPS * nt * 16))
     steps = k // 128
-    split = 1  # up to 2 CTAs per SM in one wave, >= 2 steps per split
-    while split < 8 and nblocks * split * 2 <= 2 * sms and steps // (split * 2) >= 2:
+    split = 1  # up to DENSE_FILL (2) CTAs per SM in one wave, >= 2 steps per split
+    while split < 8 and nblocks * split * 2 <= DENSE_FILL * sms and steps // (split * 2) >= 2:
         split *= 2
     depth = 2  # 2 beat 3-8 on every Qwen3-8B decode shape at 1 and 8 rows (bench/RESULTS.md, fifth session)
     while smem_bytes(dict(NT=nt, MG=max(mg, 2), SPLIT=split, DEPTH=depth), k, max(m, 16)) > SMEM_LIMIT \

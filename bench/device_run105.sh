@@ -1,0 +1,51 @@
+#!/bin/bash
+# Thirty-third session, prepared for the next one (device time spent). The stamps' %smid (device_run102/103):
+# at one row Qwen3-30B-A3B's q/k/v (5120x2048, K split in 4: 160 CTAs) puts two CTAs on 28 of the 132 SMs,
+# which leave 0.6 us after the others (exit 3.20 vs 2.62 us after the release); Qwen3-8B's q/k/v (6144x4096:
+# 192 CTAs) two on 60. FP4RL_MMA16_FILL=3 lets choose's split take ~3 CTAs per SM: K in 8 (320 / 384 CTAs), at
+# 1 row (8 warps of a CTA) and at 2-16 rows (a cluster of 8) alike, so batch 8 pays the larger cluster's
+# reduction: time both. Other bits than the default (the 8-part sums). Each arm in a fresh process.
+#   bash bench/device_run105.sh a    # Qwen3-30B-A3B W4A16 at batch 1 / 8: defaults, FILL 3, then FILL 3's stamps
+#   bash bench/device_run105.sh b    # Qwen3-8B W4A16 at batch 1 / 8: defaults, FILL 3
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+mode=${1:-a}
+if [ "$mode" = a ]; then shape=qwen3-30b-a3b:48; else shape=qwen3-8b:36; fi
+arm() {
+  name=$1; limit=$2; batch=$3; extra=$4; shift 4
+  env "$@" timeout $limit python3 -m fp4rl.benchmarks.sampler_gpu --shapes $shape \
+    --presets nvfp4-w4a16 --w4a16-last 0 --batch $batch --kv bf16 --repeats 2 --tokens 8,40 --offload-trainer on \
+    $extra --out $OUT/sampler105${mode}_$name.json > $OUT/sampler105${mode}_$name.log 2>&1
+  echo "$name exit $? at ${SECONDS}s"; grep '^| qwen\|rror' $OUT/sampler105${mode}_$name.log | cut -c1-200
+}
+timeout 60 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py -k "in_cta_split_gives" > $OUT/tests105.log 2>&1
+echo "tests exit $?"; tail -2 $OUT/tests105.log
+arm defaults 180 1,8 "--profile-batch=" X=0
+arm fill3 140 1,8 "--profile-batch=" FP4RL_MMA16_FILL=3
+if [ "$mode" = a ] && [ $SECONDS -lt 460 ]; then
+  arm fill3_stamps $((575 - SECONDS)) 1 "--profile-batch=1 --mma16-stamps" FP4RL_MMA16_FILL=3
+fi
+python3 - "$mode" <<'PY'
+import json, os, sys
+mode = sys.argv[1]
+for name in ("defaults", "fill3"):
+    try:
+        d = json.load(open(os.environ["OUT"] + f"/sampler105{mode}_{name}.json"))
+    except OSError as exc:
+        print(name, exc)
+        continue
+    for r in d["rows"]:
+        print(name, "batch", r["batch"], {k: r.get(k) for k in ("step_ms", "graph_us", "tok_s", "error") if k in r})
+    print(name, "checks", [{k: v for k, v in c.items() if k in ("batch", "tokens_equal", "max_logprob_diff",
+                                                                "error")} for c in d["checks"]])
+try:
+    d = json.load(open(os.environ["OUT"] + f"/sampler105{mode}_fill3_stamps.json"))
+except OSError as exc:
+    raise SystemExit(f"stamps: {exc}")
+for p in d["profiles"]:
+    s = p.get("stamps") or {}
+    print("batch", p["batch"], {k: (round(v, 2) if isinstance(v, float) else v) for k, v in s.items() if k != "kinds"})
+    for name, k in (s.get("kinds") or {}).items():
+        print(f"  {name:22s} " + " ".join(f"{key} {v:.2f}" if isinstance(v, float) else f"{key} {v}"
+                                          for key, v in k.items()))
+PY
