@@ -1,6 +1,6 @@
 #!/bin/bash
 # Thirty-third session. device_run102: TLBWARM left the step and the experts' release-to-issue time as they were
-# (taken out). Its stamps by SM: at one token the gate / up GEMM's 192 CTAs sit on 132 SMs (60 with two), and
+# (taken out). Its stamps by SM: at one token the gate / up GEMM's 192 CTAs sit on 132 SMs (68 with two), and
 # a CTA sharing its SM streams its 74 KB in 4.32 us against 3.55 alone (exit 7.36 vs 6.43 us after release).
 # FP4RL_MMA16_GFILL=3 lets choose_grouped split K over 4 warps there instead of 2: 384 CTAs of 32 rows (~2.9
 # per SM, 3 fit), twice the warps streaming, other bits (the KW = 4 sums, GPU-tested against the cluster's).

@@ -1,8 +1,8 @@
 #!/bin/bash
 # Thirty-third session, prepared for the next one (device time spent). The stamps' %smid (device_run102/103):
-# at one row Qwen3-30B-A3B's q/k/v (5120x2048, K split in 4: 160 CTAs) puts two CTAs on 28 of the 132 SMs,
+# at one row Qwen3-30B-A3B's q/k/v (5120x2048, K split in 4: 160 CTAs) puts two CTAs on 36 of the 132 SMs,
 # which leave 0.6 us after the others (exit 3.20 vs 2.62 us after the release); Qwen3-8B's q/k/v (6144x4096:
-# 192 CTAs) two on 60. FP4RL_MMA16_FILL=3 lets choose's split take ~3 CTAs per SM: K in 8 (320 / 384 CTAs), at
+# 192 CTAs) at least two on 60. FP4RL_MMA16_FILL=3 lets choose's split take ~3 CTAs per SM: K in 8 (320 / 384 CTAs), at
 # 1 row (8 warps of a CTA) and at 2-16 rows (a cluster of 8) alike, so batch 8 pays the larger cluster's
 # reduction: time both (the sixteenth session timed this split for q/k/v alone: 4.4 vs 4.5 us at one row, slower
 # at 4-16 rows). Other bits than the default (the 8-part sums). Each arm in a fresh process.
@@ -26,27 +26,5 @@ arm fill3 140 1,8 "--profile-batch=" FP4RL_MMA16_FILL=3
 if [ "$mode" = a ] && [ $SECONDS -lt 460 ]; then
   arm fill3_stamps $((575 - SECONDS)) 1 "--profile-batch=1 --mma16-stamps" FP4RL_MMA16_FILL=3
 fi
-python3 - "$mode" <<'PY'
-import json, os, sys
-mode = sys.argv[1]
-for name in ("defaults", "fill3"):
-    try:
-        d = json.load(open(os.environ["OUT"] + f"/sampler105{mode}_{name}.json"))
-    except OSError as exc:
-        print(name, exc)
-        continue
-    for r in d["rows"]:
-        print(name, "batch", r["batch"], {k: r.get(k) for k in ("step_ms", "graph_us", "tok_s", "error") if k in r})
-    print(name, "checks", [{k: v for k, v in c.items() if k in ("batch", "tokens_equal", "max_logprob_diff",
-                                                                "error")} for c in d["checks"]])
-try:
-    d = json.load(open(os.environ["OUT"] + f"/sampler105{mode}_fill3_stamps.json"))
-except OSError as exc:
-    raise SystemExit(f"stamps: {exc}")
-for p in d["profiles"]:
-    s = p.get("stamps") or {}
-    print("batch", p["batch"], {k: (round(v, 2) if isinstance(v, float) else v) for k, v in s.items() if k != "kinds"})
-    for name, k in (s.get("kinds") or {}).items():
-        print(f"  {name:22s} " + " ".join(f"{key} {v:.2f}" if isinstance(v, float) else f"{key} {v}"
-                                          for key, v in k.items()))
-PY
+python3 -m fp4rl.benchmarks.sampler_gpu_report $OUT/sampler105${mode}_*.json
+for f in $OUT/sampler105${mode}_*stamps*.json.gz; do [ -e "$f" ] && python3 -m fp4rl.benchmarks.stamps "$f"; done

@@ -103,3 +103,22 @@ def test_stamped_rows_say_so_in_the_table():
     row = {"precision": "nvfp4-w4a16 all linears", "pdl": True, "fused": True}
     assert "stamps" not in _label(row)
     assert "(mma16 stamps on: slower)" in _label({**row, "mma16_stamps": True})
+
+
+def test_arms_summary_of_recorded_runs(tmp_path):
+    """What a device script prints after its arms, from the thirty-third session's results files: each row's
+    step time, the graph-vs-eager check, the stamps by kind of launch; a missing file (an arm killed before
+    it wrote) is named and the others still print."""
+    from pathlib import Path
+
+    from fp4rl.benchmarks.sampler_gpu_report import arms_summary
+
+    data = Path(__file__).parents[1] / "bench" / "data" / "s33"
+    text = arms_summary([data / "sampler104_defaults.json", tmp_path / "lost.json",
+                         data / "sampler103_gfill3_stamps.json"])
+    lines = text.splitlines()
+    assert lines[0].startswith("sampler104_defaults batch 1 {'step_ms': 2.12")
+    assert "sampler104_defaults checks [{'batch': 1, 'tokens_equal': True, 'max_logprob_diff': 0.0}]" in lines
+    assert any(line.startswith("lost: no results") for line in lines)
+    gate_up = next(line for line in lines if line.strip().startswith("grouped 1536x2048"))
+    assert "ctas 384.00" in gate_up and "exit 7.49" in gate_up

@@ -98,7 +98,7 @@ def test_choose_is_row_invariant_up_to_16_and_fits_shared_memory(fill, monkeypat
 
 def test_dense_fill_lets_the_split_take_more_ctas_per_sm(monkeypatch):
     """DENSE_FILL (FP4RL_MMA16_FILL): the CTAs per SM choose's split may fill. The q/k/v of Qwen3-30B-A3B
-    (5120x2048) and Qwen3-8B (6144x4096) split K in 4 (160 / 192 CTAs: 28 / 60 SMs with two) at the default
+    (5120x2048) and Qwen3-8B (6144x4096) split K in 4 (160 / 192 CTAs on 132 SMs) at the default
     2 and in 8 (320 / 384) at 3, at 1 row (KW) and at 8 (a cluster) alike; shapes already past a wave do not
     change."""
     def plan(n, k, m):

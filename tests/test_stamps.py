@@ -110,6 +110,34 @@ def test_raw_records_round_trip(tmp_path):
     assert stamps.summary(stamps.load_records(path), steps=1) == stamps.summary(recs, steps=1)
 
 
+def test_by_sm_load_splits_a_launch_by_the_ctas_on_each_sm():
+    """Three CTAs of one launch, two of them on SM 5: per share count the CTAs, their median stream and their
+    median exit after the launch's release (its first wait)."""
+    base = 10**12
+    recs = [_cta(base, base + 1000, base + 1500, base + 2500, base + 3000, 5120, 2048, bx=0, sm=5),
+            _cta(base, base + 1100, base + 1600, base + 3600, base + 4100, 5120, 2048, bx=1, sm=5),
+            _cta(base, base + 1000, base + 1400, base + 2200, base + 2500, 5120, 2048, bx=2, sm=9)]
+    got = stamps.by_sm_load(recs)["5120x2048"]
+    assert set(got) == {1, 2}
+    assert got[1] == {"ctas": 1, "stream_us": pytest.approx(0.8), "exit_us": pytest.approx(1.5)}
+    assert got[2] == {"ctas": 2, "stream_us": pytest.approx(1.5), "exit_us": pytest.approx(2.55)}
+
+
+def test_by_sm_load_on_a_recorded_step():
+    """The thirty-third session's records (device_run102: Qwen3-30B-A3B W4A16, batch 1, 48 layers, the
+    experts' gate / up on 192 CTAs): per launch 68 SMs held two gate / up CTAs, 56 one and 8 none; those
+    sharing their SM ended later than those alone."""
+    from pathlib import Path
+
+    path = (Path(__file__).parents[1] / "bench" / "data" / "s33" /
+            "sampler102_tlb16_stamps.json.stamps_qwen3-30b-a3b_nvfp4-w4a16_all_linears_b1.json.gz")
+    got = stamps.by_sm_load(stamps.load_records(path))
+    gate_up = got["grouped 1536x2048"]
+    assert {k: v["ctas"] for k, v in gate_up.items()} == {1: 56 * 48, 2: 2 * 68 * 48}
+    assert gate_up[2]["exit_us"] > gate_up[1]["exit_us"] + 0.5
+    assert sum(c["ctas"] for c in got["2048x4096"].values()) == 128 * 48
+
+
 @pytest.mark.gpu
 def test_gpu_stamps_record_every_cta_in_order_and_keep_the_bits():
     """fp4rl.benchmarks.stamps: the stamped build gives the plain build's bits, every CTA of a launch leaves

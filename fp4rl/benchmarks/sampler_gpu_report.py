@@ -70,3 +70,44 @@ def markdown(results) -> str:
         for o in h["ops"]:
             lines.append(f"  {o['self_us_per_step']:9.1f} us {o['calls_per_step']:6.1f} calls  {o['name']}")
     return "\n".join(lines)
+
+
+def arms_summary(paths) -> str:
+    """The lines a device script prints after its arms (`python3 -m fp4rl.benchmarks.sampler_gpu_report
+    FILE.json ...`): per results file its rows' step / graph-replay times, tokens/s or error, its checks
+    (graph replay against eager), and the in-kernel stamps of its profiles (`--mma16-stamps`) by kind of
+    launch. A file that is missing (an arm that timed out before writing it) is named, not fatal."""
+    import json
+    from pathlib import Path
+
+    lines = []
+    for path in paths:
+        name = Path(path).name.removesuffix(".json")
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            lines.append(f"{name}: no results ({exc})")
+            continue
+        for r in d.get("rows", []):
+            keep = {k: r[k] for k in ("step_ms", "graph_us", "tok_s", "error") if k in r}
+            lines.append(f"{name} batch {r['batch']} {keep}")
+        checks = [{k: c[k] for k in ("batch", "tokens_equal", "max_logprob_diff", "error") if k in c}
+                  for c in d.get("checks", [])]
+        if checks:
+            lines.append(f"{name} checks {checks}")
+        for p in d.get("profiles", []):
+            s = p.get("stamps") or {}
+            if not s:
+                continue
+            head = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in s.items() if k != "kinds"}
+            lines.append(f"{name} stamps batch {p['batch']} {head}")
+            for kind, k in (s.get("kinds") or {}).items():
+                lines.append(f"  {kind:22s} " + " ".join(f"{key} {v:.2f}" if isinstance(v, float) else
+                                                       f"{key} {v}" for key, v in k.items()))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(arms_summary(sys.argv[1:]))

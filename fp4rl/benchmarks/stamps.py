@@ -95,20 +95,26 @@ def launches(records: list[dict], gap_ns: int = GAP_NS) -> list[dict]:
     """The records grouped into launches (a kind's CTAs sorted by their wait, a new launch wherever two follow
     each other by more than gap_ns: a grid's later waves stay in its launch), in the order of their release
     (first wait), each with its CTAs' extremes."""
+    out = [_launch(kind(group[0]), group) for group in _groups(records, gap_ns)]
+    out.sort(key=lambda lch: lch["wait"])
+    return out
+
+
+def _groups(records: list[dict], gap_ns: int) -> list[list[dict]]:
+    """The records of each launch (see ``launches``)."""
     out = []
     by_kind: dict[str, list[dict]] = {}
     for r in records:
         by_kind.setdefault(kind(r), []).append(r)
-    for name, recs in by_kind.items():
+    for recs in by_kind.values():
         recs.sort(key=lambda r: r["wait"])
         group: list[dict] = []
         for r in recs + [None]:
             if group and (r is None or r["wait"] - group[-1]["wait"] > gap_ns):
-                out.append(_launch(name, group))
+                out.append(group)
                 group = []
             if r is not None:
                 group.append(r)
-    out.sort(key=lambda lch: lch["wait"])
     return out
 
 
@@ -167,6 +173,36 @@ def summary(records: list[dict], steps: int, gap_ns: int = GAP_NS) -> dict:
             "tick_ns": min(steps_between) if steps_between else None, "kinds": kinds}
 
 
+def by_sm_load(records: list[dict], gap_ns: int = GAP_NS) -> dict:
+    """Per kind of launch, its CTAs grouped by how many CTAs of the same launch shared their SM (%smid): for
+    each share count the CTAs, and their medians (us) of the stream (x to the last weight step) and of the
+    exit after the launch's release. A grid of C CTAs on S SMs leaves C mod S SMs one CTA more: where those
+    CTAs end later, the launch ends with them (the thirty-third session's reading: bench/gpu_kernels.md)."""
+    rows: dict[str, dict[int, dict[str, list]]] = {}
+    for lch in launches_with_ctas(records, gap_ns):
+        per_sm: dict[int, int] = {}
+        for r in lch["records"]:
+            per_sm[r["sm"]] = per_sm.get(r["sm"], 0) + 1
+        by_share = rows.setdefault(lch["kind"], {})
+        for r in lch["records"]:
+            cell = by_share.setdefault(per_sm[r["sm"]], {"stream": [], "exit": []})
+            cell["stream"].append(r["stream"] - r["x"])
+            cell["exit"].append(r["exit"] - lch["wait"])
+    return {kind: {share: {"ctas": len(c["stream"]), "stream_us": statistics.median(c["stream"]) / 1e3,
+                           "exit_us": statistics.median(c["exit"]) / 1e3}
+                   for share, c in sorted(by_share.items())}
+            for kind, by_share in rows.items()}
+
+
+def launches_with_ctas(records: list[dict], gap_ns: int = GAP_NS) -> list[dict]:
+    """``launches``, each with its CTAs' records under "records"."""
+    out = []
+    for group in _groups(records, gap_ns):
+        out.append({**_launch(kind(group[0]), group), "records": group})
+    out.sort(key=lambda lch: lch["wait"])
+    return out
+
+
 def save_records(records: list[dict], path) -> None:
     """The raw records as gzipped JSON (one list per field, FIELDS first), to group or read them again without
     a GPU (``load_records``)."""
@@ -205,3 +241,15 @@ def replay(sampler, batch: int, steps: int = 1, records_path=None) -> dict:
     if records_path is not None:
         save_records(records, records_path)
     return {**summary(records, steps), "x_at": gemv_cuda.STAMP_AT}
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python3 -m fp4rl.benchmarks.stamps RECORDS.json.gz   (a --mma16-stamps "
+                         "run's raw records: each kind of launch's CTAs by how many shared their SM)")
+    for name, shares in by_sm_load(load_records(sys.argv[1])).items():
+        for share, c in shares.items():
+            print(f"{name:22s} {share} a SM: {c['ctas']:6d} CTAs, stream {c['stream_us']:.2f} us, "
+                  f"exit {c['exit_us']:.2f} us after the release")

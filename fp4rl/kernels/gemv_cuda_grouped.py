@@ -44,7 +44,7 @@ ONE_TOKEN_VIEW = os.environ.get("FP4RL_MMA16_ONE_TOKEN", "1") != "0"
 # checks; volatile: 30B W4A16 at batch 8 4.24 -> 4.29 ms, batch 1 unchanged, thirty-third session: off)
 LD_VOLATILE = os.environ.get("FP4RL_MMA16_LDVOL", "0") != "0"
 # CTAs per SM that choose_grouped's split of K may fill at few rows: 3 takes Qwen3-30B-A3B's one-token
-# gate / up from 192 CTAs on 132 SMs (60 of them with two; a CTA sharing its SM streamed 4.32 us against
+# gate / up from 192 CTAs on 132 SMs (68 of them with two; a CTA sharing its SM streamed 4.32 us against
 # 3.55 alone) to 384 over 4 warps' parts of K (30B W4A16 at batch 1 2.149 -> 2.121 ms; other bits, the KW 4
 # sums: bench/RESULTS.md, sampler, thirty-third session); 2 for the previous plan
 GROUPED_FILL = int(os.environ.get("FP4RL_MMA16_GFILL", "3"))
