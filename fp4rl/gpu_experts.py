@@ -76,7 +76,7 @@ class _PackedExperts:
         self.gu_g.copy_(torch.cat([g[:, None].expand(e, i), u[:, None].expand(e, i)], 1))
         self.d_g.copy_(torch.stack([m.weight_global_scale.float().reshape(()) for m in self.downs]))
 
-    def _run(self, which: int, x, offsets, tokens, rows=None, silu=False, pairs=None):
+    def _run(self, which: int, x, offsets, tokens, rows=None, silu=False, pairs=None, settled=False):
         data, scale, g = ((self.gu_data, self.gu_scale, self.gu_g) if which == 0
                           else (self.d_data, self.d_scale, self.d_g))
         w = SimpleNamespace(data=data, block_scale=scale, global_scale=g)
@@ -91,7 +91,7 @@ class _PackedExperts:
             rows, silu = None, False
         # (through the module: the linears and the experts share one packed_gemm, one point to wrap)
         return gpu_linear.packed_gemm(None if xq is not None else x, w, self.mode, self.input_kwargs, offsets,
-                                      xq=xq, tokens=tokens, rows=rows, silu=silu)
+                                      xq=xq, tokens=tokens, rows=rows, silu=silu, offsets_settled=settled)
 
     def _guided(self, which: int, key: str, x, rows, silu, pairs):
         """(x, Q(x)) of the sorted rows after writing the guidance of key (gpu_trace module doc)."""
@@ -124,11 +124,13 @@ class _PackedExperts:
         return self._run(0, xs, offsets, tokens, rows, pairs=pairs)
 
     def down(self, a, offsets, tokens: int | None = None, silu: bool = False,
-             pairs: torch.Tensor | None = None):
+             pairs: torch.Tensor | None = None, after_gate_up: bool = False):
         """[M, H] for the sorted rows a [M, I]; silu: a is gate_up's [M, 2I] and the input is
         bf16(bf16(silu(gate)) * up) (fused.silu_mul's bits; W4A16: in the grouped kernel's x staging where it
-        runs, gemm.gemm(silu=); W4A4: silu_mul quantizes it in the same launch). pairs: as gate_up's."""
-        return self._run(1, a, offsets, tokens, silu=silu, pairs=pairs)
+        runs, gemm.gemm(silu=); W4A4: silu_mul quantizes it in the same launch). pairs: as gate_up's.
+        after_gate_up: gate_up ran just before on these offsets, unchanged since (gemm.gemm's
+        offsets_settled)."""
+        return self._run(1, a, offsets, tokens, silu=silu, pairs=pairs, settled=after_gate_up)
 
 
 class _DenseExperts:
@@ -261,7 +263,7 @@ class KernelMoeBlock(SparseMoeBlock):
         else:
             gu = self.plan.gate_up(x.index_select(0, rows), offsets, tokens=n, pairs=pairs)
         # down_proj of bf16(bf16(silu(gate)) * up) (torch's bits on the GPU), the SiLU fused where it can be
-        return self.plan.down(gu, offsets, tokens=n, silu=True, pairs=pairs), pos, w, idx
+        return self.plan.down(gu, offsets, tokens=n, silu=True, pairs=pairs, after_gate_up=True), pos, w, idx
 
     def run_experts(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         if self.plan is None or x.dtype != KERNEL_DTYPE:
@@ -278,6 +280,7 @@ class KernelMoeBlock(SparseMoeBlock):
             pairs = pairs.view(n, k)
         gu = self.plan.gate_up(xs, offsets, tokens=n, pairs=pairs)  # [n k, 2I]
         i = gu.shape[-1] // 2
-        d = self.plan.down(F.silu(gu[:, :i]) * gu[:, i:], offsets, tokens=n, pairs=pairs)  # [n k, H]
+        d = self.plan.down(F.silu(gu[:, :i]) * gu[:, i:], offsets, tokens=n, pairs=pairs,
+                           after_gate_up=True)  # [n k, H]
         out = torch.empty_like(d).index_copy_(0, order, d).view(n, k, -1)  # back to (token, slot) order
         return (out.float() * topk_weight.float()[..., None]).sum(1).to(x.dtype)

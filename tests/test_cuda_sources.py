@@ -149,6 +149,12 @@ def _gemm_configs():
                                              "SLOTTABLE": 4, "LDVOL": 1}, "sm_90"
     yield "grouped silu ldvol 2048x768", {**choose_grouped(2048, 768, 8, sms), "SILU": 1,
                                           "SLOTTABLE": 4, "LDVOL": 1}, "sm_90"
+    # the expert found and the first weight steps issued before the wait (EARLY: the down projection)
+    yield "grouped silu early 2048x768", {**choose_grouped(2048, 768, 8, sms), "SILU": 1, "SLOTTABLE": 4,
+                                          "EARLY": 1}, "sm_90"
+    # the gate / up letting the next launch start once past its wait (TRIGGER 3: FP4RL_MMA16_GTRIGGER=3)
+    yield "grouped gather trigger3 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
+                                                "SLOTTABLE": 4, "TRIGGER": 3}, "sm_90"
     # the one-token gate / up with K over 2 warps (FP4RL_MMA16_GFILL=2: 192 CTAs; the default 3: 4 warps)
     yield "grouped gather kw2 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
                                            "SLOTTABLE": 4, "KW": 2}, "sm_90"
@@ -245,6 +251,56 @@ def test_grouped_builds_load_nothing_before_the_wait(name, cfg, wg_row, xg_row, 
     early = [op for op in ops[:wait] if op.startswith(("LDG", "LD.", "LDGSTS", "UBLKCP", "UTMALDG"))]
     assert not early, f"{name} {extra}: {early} before the wait"
     assert not any(op.startswith("CCTL") for op in ops[:wait]), f"{name} {extra}: a prefetch before the wait"
+
+
+@pytest.mark.parametrize("name,cfg,wg_row", [
+    ("silu", {**choose_grouped(2048, 768, 8, 132), "SILU": 1, "SLOTTABLE": 4}, False),
+    ("silu, 64 slots", {**choose_grouped(2048, 768, 64, 132), "SILU": 1, "SLOTTABLE": 4}, False),
+    ("plain, per-row scales", {**choose_grouped(1536, 2048, 8, 132), "SLOTTABLE": 4, "GSR": 1}, True),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_early_builds_read_only_offsets_scales_and_weights_before_the_wait(name, cfg, wg_row):
+    """EARLY (launch_grouped(offsets_settled=True)): before griddepcontrol.wait (ACQBULK) the SASS reads the
+    offsets from L2 (LDG.E.STRONG.GPU: ld.global.cg, not an L1 line of an earlier layer), the weight's global
+    scales (read-only) and issues weight steps (LDGSTS); x, the previous kernel's output (16-byte loads or
+    copies of it), only after the wait."""
+    ops = _sass_ops(gemv_cuda.source({**cfg, "EARLY": 1}, wg_row, False, True))
+    wait = ops.index("ACQBULK")
+    loads = [op for op in ops[:wait] if op.startswith(("LDG", "LD.", "UBLKCP", "UTMALDG"))]
+    assert "LDG.E.STRONG.GPU" in loads and any(op.startswith("LDGSTS") for op in loads), (name, loads)
+    assert not [op for op in loads if op.startswith("LDG.E.128") or op.startswith(("LD.", "UBLKCP", "UTMA"))
+                or (op.startswith("LDG.") and not op.startswith(("LDGSTS", "LDGDEPBAR"))
+                    and op not in ("LDG.E.STRONG.GPU", "LDG.E.CONSTANT"))], (name, loads)
+    if cfg.get("SILU"):
+        assert any(op.startswith("LDG.E.128") for op in ops[wait:]), name  # gate | up, after the wait
+
+
+def test_trigger_3_comes_after_the_wait():
+    """TRIGGER 3 (the gate / up before an EARLY down projection): launch_dependents only once past
+    griddepcontrol.wait (ACQBULK), so that the next launch starts after the offsets' writer finished."""
+    cfg = {**choose_grouped(1536, 2048, 8, 132), "GATHER": 1, "SLOTTABLE": 4}
+    for trigger in (3, 2):
+        ops = _sass_ops(gemv_cuda.source({**cfg, "TRIGGER": trigger}, True, False, True))
+        wait = ops.index("ACQBULK")
+        assert not any(op.startswith("PREEXIT") for op in ops[:wait]), trigger
+        assert any(op.startswith("PREEXIT") for op in ops[wait:]), trigger
+    ops = _sass_ops(gemv_cuda.source({**cfg, "TRIGGER": 1}, True, False, True))
+    assert any(op.startswith("PREEXIT") for op in ops[:ops.index("ACQBULK")])
+
+
+def test_gate_up_trigger_1_is_refused():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FP4RL_MMA16_GTRIGGER": "1"}
+    run = subprocess.run([sys.executable, "-c", "import fp4rl.kernels.gemv_cuda_grouped"], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and "FP4RL_MMA16_GTRIGGER=1" in run.stderr and "offsets" in run.stderr
+
+
+def test_early_find_needs_grouped():
+    cfg = dict(gemv_cuda.choose(5120, 2048, 1, 132), EARLY=1)
+    assert "EARLY is for GROUPED" in _compile_error(gemv_cuda.source(cfg, False, False, False))
 
 
 def test_row_scales_early_need_the_in_cta_split():

@@ -148,3 +148,106 @@ def test_slot_table_words_by_experts(monkeypatch):
     assert [gemv_cuda_grouped.slot_table(e) for e in (1, 32, 33, 128, 256, 300)] == [1, 1, 2, 4, 8, 8]
     monkeypatch.setattr(gemv_cuda_grouped, "SLOT_TABLE", False)
     assert gemv_cuda_grouped.slot_table(128) == 0
+
+
+def test_gemm_passes_settled_offsets_only_right_after_an_mma16_grouped_call(monkeypatch):
+    """gemm.gemm(offsets_settled=True) (the experts' down projection) reaches launch_grouped as settled only
+    when the grouped call just before it on the stream ran on the grouped mma16 kernel with the same offsets:
+    not as the first call, not after a call on other offsets, not after a grouped call that took another
+    kernel (which may have let the next one start before the offsets' writer finished), and never unclaimed.
+    (The kernels are stand-ins: this is the bookkeeping; the GPU tests run the real ones.)"""
+    from types import SimpleNamespace
+
+    from fp4rl.kernels import gemm
+
+    e, n, k = 4, 32, 64
+    seen = []
+
+    def fake_launch(x, wc, g, offs, y, x_scale=None, x_rows=None, x_silu=False, offsets_settled=False):
+        if on_mma16[0] is False:
+            raise ValueError("does not fit")  # the gemm then takes its other grouped kernels
+        seen.append(offsets_settled)
+        return y
+
+    on_mma16 = [True]
+    monkeypatch.setattr(gemm._mma16, "available", lambda device=None: True)
+    monkeypatch.setattr(gemm._mma16_grouped, "launch_grouped", fake_launch)
+    monkeypatch.setattr(gemm, "_stream_key", lambda offsets: (0, 7))
+    monkeypatch.setattr(gemm, "_LAST_GROUPED_MMA16", {})
+    weight = SimpleNamespace(data=torch.zeros(e, n, k // 2, dtype=torch.uint8),
+                             block_scale=torch.zeros(e, n, k // 16, dtype=torch.uint8),
+                             global_scale=torch.ones(e),
+                             mma16=SimpleNamespace(n=n, k=k, wt=torch.empty(e * n // 16)))
+    x = torch.zeros(2, k, dtype=torch.bfloat16)
+    offs_a = torch.tensor([0, 1, 1, 2, 2], dtype=torch.int32)
+    offs_b = offs_a.clone()
+
+    def call(offs, settled):
+        gemm.gemm(x, weight, offsets=offs, tokens=1, offsets_settled=settled)
+
+    call(offs_a, True)       # first on the stream: nothing before it
+    call(offs_a, True)       # after an mma16 call on the same offsets: settled
+    call(offs_a, False)      # not claimed
+    call(offs_b, True)       # other offsets before it
+    call(offs_a, False)
+    call(offs_a, True)       # settled again
+    assert seen == [False, True, False, False, False, True]
+    seen.clear()
+    on_mma16[0] = False      # a grouped call on another kernel ...
+    call(offs_a, False)
+    on_mma16[0] = True
+    call(offs_a, True)       # ... leaves the next one unsettled
+    assert seen == [False]
+
+
+def _route_then_experts(b, early):
+    """The MoE step's order: new offsets written (the route's place), gate / up with the gather, then the down
+    projection with SiLU staging, told (early) that its offsets are the gate / up's."""
+    b.offs.copy_(b.offs_src)
+    gemv_cuda_grouped.launch_grouped(b.x, b.wc_gu, b.g_gu, b.offs, b.gu, x_rows=b.rows)
+    gemv_cuda_grouped.launch_grouped(b.gu, b.wc_d, b.g_d, b.offs, b.y, x_silu=True, offsets_settled=early)
+
+
+@pytest.mark.gpu
+def test_gpu_early_find_keeps_the_bits_and_sees_each_routing(monkeypatch):
+    """EARLY_FIND (FP4RL_MMA16_EARLY): the down projection told its offsets are settled finds its expert and
+    issues its first weight steps before waiting for the gate / up launch. In a CUDA graph under PDL whose
+    first node writes new offsets each replay (as the route does), gate / up -> down gives, replay after
+    replay, the bits of the same launches run eagerly without it; 1 and 8 tokens of 128 experts, top 8; with
+    the gate / up's trigger where it is (after its stream) and right after its wait (GATE_UP_TRIGGER 3)."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    from types import SimpleNamespace
+
+    from fp4rl.kernels import pdl
+
+    gen = torch.Generator().manual_seed(41)
+    e, top, i, h = 128, 8, 256, 512
+    _, _, g_gu, wc_gu = _random_experts(e, 2 * i, h, seed=21)
+    _, _, g_d, wc_d = _random_experts(e, h, i, seed=22)
+    for t, trigger in ((1, None), (8, None), (1, 3), (8, 3)):
+        monkeypatch.setattr(gemv_cuda_grouped, "GATE_UP_TRIGGER", trigger)
+        m = t * top
+        offs_src = _routing(e, t, top, gen)
+        b = SimpleNamespace(x=torch.randn(t, h, generator=gen).bfloat16().cuda(), offs_src=offs_src,
+                            rows=torch.randint(0, t, (m,), generator=gen, dtype=torch.int32).cuda(),
+                            offs=torch.empty_like(offs_src), wc_gu=wc_gu, g_gu=g_gu, wc_d=wc_d, g_d=g_d,
+                            gu=torch.empty(m, 2 * i, dtype=torch.bfloat16, device="cuda"),
+                            y=torch.empty(m, h, dtype=torch.bfloat16, device="cuda"))
+        monkeypatch.setattr(gemv_cuda_grouped, "EARLY_FIND", True)
+        _route_then_experts(b, True)  # compiled outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), pdl.step():
+            _route_then_experts(b, True)
+        for hot in (None, e - 1, 3, None):
+            b.offs_src.copy_(_routing(e, t, top, gen, hot))
+            b.x.copy_(torch.randn(t, h, generator=gen).bfloat16())
+            b.y.fill_(float("nan"))
+            graph.replay()
+            got = b.y.clone()
+            _route_then_experts(b, True)  # eager, early
+            assert torch.equal(got, b.y), (t, trigger, hot)
+            monkeypatch.setattr(gemv_cuda_grouped, "EARLY_FIND", False)
+            _route_then_experts(b, False)
+            monkeypatch.setattr(gemv_cuda_grouped, "EARLY_FIND", True)
+            assert not b.y.isnan().any() and torch.equal(got, b.y), (t, trigger, hot)

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from fp4rl.kernels import pdl
+from fp4rl.kernels import gemv_cuda, pdl
 from fp4rl.kernels.gemv_cuda import (
     SMEM_MAX,
     STATE,
@@ -48,6 +48,21 @@ LD_VOLATILE = os.environ.get("FP4RL_MMA16_LDVOL", "0") != "0"
 # 3.55 alone) to 384 over 4 warps' parts of K (30B W4A16 at batch 1 2.149 -> 2.121 ms; other bits, the KW 4
 # sums: bench/RESULTS.md, sampler, thirty-third session); 2 for the previous plan
 GROUPED_FILL = int(os.environ.get("FP4RL_MMA16_GFILL", "3"))
+# launches told that their offsets were final before the previous kernel passed its wait
+# (``launch_grouped(offsets_settled=True)``: the experts' down projection right after their gate / up) find
+# their expert and issue their first weight steps before griddepcontrol.wait (gemv_mma16.cu EARLY; the same
+# bits; being measured, bench/device_run106.sh)
+EARLY_FIND = os.environ.get("FP4RL_MMA16_EARLY", "0") != "0"
+# where the routed experts' launches without SiLU staging (the gate / up) let the next kernel start
+# (gemv_mma16.cu TRIGGER): None keeps gemv_cuda.TRIGGER (2: after the weight stream); 3: once past their wait,
+# so that an EARLY down projection finds its expert and streams its first weights while the gate / up still
+# runs (a CTA of each fits an SM beside three gate / up CTAs at one token). 1 (at the start) is refused: it
+# would let the down projection start before the offsets' writer finished. Being measured (device_run106).
+_GT = os.environ.get("FP4RL_MMA16_GTRIGGER", "")
+GATE_UP_TRIGGER = int(_GT) if _GT else None
+if GATE_UP_TRIGGER not in (None, 0, 2, 3):
+    raise ValueError(f"FP4RL_MMA16_GTRIGGER={_GT}: use 0 (at exit), 2 (after the weight stream) or 3 (after "
+                     "the wait); 1 would let the next launch read the offsets before their writer finished")
 
 
 def slot_table(e: int) -> int:
@@ -99,7 +114,7 @@ def choose_grouped(n: int, k: int, slots: int, sms: int, mg: int = 1) -> dict:
 def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, offsets: torch.Tensor,
                    y: torch.Tensor, x_scale: torch.Tensor | None = None,
                    x_rows: torch.Tensor | None = None, x_silu: bool = False,
-                   cfg: dict | None = None) -> torch.Tensor:
+                   cfg: dict | None = None, offsets_settled: bool = False) -> torch.Tensor:
     """Routed experts: y [M, N] = x2 [M, K] (rows sorted by expert; offsets int32 [E + 1], rows
     offsets[e]:offsets[e+1] go to expert e) @ DQ(W_e).T with the stacked copy of `relayout_stack`.
     global_scale fp32 [E, N] (per output row) or [E] (per expert). x_scale fp32 [M]: W4A4 as in `launch`.
@@ -113,7 +128,12 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     No host sync: each CTA finds its (expert, chunk of 8 x MG rows) from the offsets (graph-capturable; any
     routing: an expert with r rows takes ceil(r / (8 MG)) chunks, each streaming its weights; MG from the
     average rows per expert, ``grouped_mg``).
-    cfg: a configuration other than ``choose_grouped``'s (benchmarks)."""
+    cfg: a configuration other than ``choose_grouped``'s (benchmarks).
+    offsets_settled: the previous kernel on this stream started after the offsets were final and lets this
+    launch start only once it has waited for its own predecessor (an mma16 launch with gemv_cuda.TRIGGER != 1,
+    as the gate / up launch_grouped on the same offsets before the down projection is: gemm.gemm tracks it).
+    With EARLY_FIND the CTAs then read the offsets and issue their first weight steps before waiting for the
+    previous kernel, whose output (x) they read after it. Claiming it otherwise reads stale offsets."""
     if x2.ndim != 2:
         raise ValueError(f"x2 must be 2-D [M, K], got {tuple(x2.shape)}")
     m, k = x2.shape
@@ -159,6 +179,10 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
         key = {**key, "SLOTTABLE": table}
     if LD_VOLATILE:
         key = {**key, "LDVOL": 1}
+    if offsets_settled and EARLY_FIND and gemv_cuda.TRIGGER != 1:
+        key = {**key, "EARLY": 1}
+    if GATE_UP_TRIGGER is not None and not x_silu:
+        key = {**key, "TRIGGER": GATE_UP_TRIGGER}
     key = _row_scale_key(key, g.numel() > e)
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > e, x_scale is not None, True), dev)
     smem = smem_bytes(cfg, wc.k, 8 * cfg["MG"])

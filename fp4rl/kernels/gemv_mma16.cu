@@ -81,6 +81,12 @@ typedef unsigned long long u64;
 #if LDVOL && !GROUPED
 #error "LDVOL is for GROUPED"
 #endif
+#ifndef EARLY
+#define EARLY 0  // GROUPED: the expert found and its first weight steps issued before griddepcontrol.wait (below)
+#endif
+#if EARLY && !GROUPED
+#error "EARLY is for GROUPED"
+#endif
 #ifndef SLOTTABLE
 #define SLOTTABLE 0  // GROUPED: the first 32 SLOTTABLE experts' offsets read in one round trip (below); 0: 32 a trip
 #endif
@@ -194,7 +200,13 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_byt
 // the wait; the default builds keep their SASS (tests/test_cuda_sources.py checks that their loads stay after
 // the wait) until a device call shows LDVOL costs nothing.
 __device__ __forceinline__ int ld_after_wait(const int* p) {
-#if LDVOL
+#if EARLY
+    // EARLY: read before the wait, from L2 (.cg: this SM's L1 may hold an earlier layer's offsets), in an asm
+    // volatile so that it stays where it is written
+    int v;
+    asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+#elif LDVOL
     int v;
     asm volatile("ld.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
@@ -395,7 +407,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     const int XS = per * 128 + 8;  // smem row stride of x in bf16 (16 B pad: conflict-free ldmatrix)
 #endif
     // PDL (a no-op without the launch attribute): the next kernel may be scheduled once every CTA of this
-    // grid has triggered (TRIGGER 1: at its start; 2: after its weight stream; 0: at its exit); it waits
+    // grid has triggered (TRIGGER 1: at its start; 3: once past griddepcontrol.wait; 2: after its weight
+    // stream; 0: at its exit); it waits
     // for this grid's completion before reading what it writes
     if (TRIGGER == 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #if GROUPED
@@ -403,8 +416,16 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // before this one: wait first). Slot blockIdx.z serves one chunk of up to XROWS rows of one expert
     // (any number of rows per expert: more chunks); slots past the last chunk exit. wt / st / wg are stacks
     // over experts ([E][N/16]... tiles; wg [E][N] or [E]).
+    // EARLY (gemv_cuda_grouped.launch_grouped(offsets_settled=True)): the offsets were final before the
+    // previous kernel passed its own wait, and that kernel lets this grid start only after it (its trigger
+    // comes later: gemv_cuda.TRIGGER != 1), so they are read now, without waiting for the previous kernel,
+    // and the first weight steps go out before the wait below as in the dense builds; x (the previous
+    // kernel's output) after it. The experts' down projection after their gate / up on the same routing.
+#if !EARLY
     asm volatile("griddepcontrol.wait;" ::: "memory");
     STAMP(1);
+    if (TRIGGER == 3) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     // slot z -> (expert, chunk of 8 MG rows): expert i owns ceil(rows_i / XROWS) consecutive slots
     // warp-uniform: every warp finds the same expert. The offsets of the first 32 SLOTTABLE experts are loaded
     // at once, before any is used: one L2 round trip for the search (SLOTTABLE 0: one per 32 experts); lane l
@@ -651,11 +672,12 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #endif
     // PDL: the first DEPTH weight steps above do not depend on the previous kernel; x (its output) does
     asm volatile("griddepcontrol.wait;" ::: "memory");
-#if !GROUPED
+#if !GROUPED || EARLY
     STAMP(1);
-#if STAMP_AT == 1
-    STAMP(2);
+    if (TRIGGER == 3) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+#if !GROUPED && STAMP_AT == 1
+    STAMP(2);
 #endif
 #if XSTREAM
     // (ASH: x one step less ahead; after the weights' group, group d + 1 = x step d)
