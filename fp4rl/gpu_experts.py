@@ -160,7 +160,8 @@ class _DenseExperts:
             xs = xs.index_select(0, rows)
         return torch._grouped_mm(xs, self.gu_t, offs=offsets[1:])
 
-    def down(self, a, offsets, tokens: int | None = None, silu: bool = False, pairs=None):
+    def down(self, a, offsets, tokens: int | None = None, silu: bool = False, pairs=None,
+             after_gate_up: bool = False):  # (after_gate_up: the packed plan's; cuBLAS has no use for it)
         if silu:
             from fp4rl.kernels import fused
 
