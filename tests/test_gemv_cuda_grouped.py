@@ -50,8 +50,13 @@ def test_grouped_fill_lets_the_split_take_more_ctas_per_sm(monkeypatch):
     assert plan(1536, 2048) == (2, 1, 192) and plan(2048, 768) == (2, 1, 256)
     monkeypatch.setattr(gemv_cuda_grouped, "GROUPED_FILL", 4)
     assert plan(1536, 2048) == (4, 1, 384) and plan(2048, 768) == (2, 1, 256)
-    monkeypatch.setattr(gemv_cuda_grouped, "GROUPED_FILL", 6)
-    assert plan(1536, 2048) == (8, 1, 768)
+    monkeypatch.setattr(gemv_cuda_grouped, "GROUPED_FILL", 6)  # K over 8 warps: 768 CTAs, 3 fit an SM
+    assert plan(1536, 2048) == (4, 1, 384)
+    # where 3 CTAs do not fit an SM's shared memory, 3 a SM would be two waves: the plan of 2 a SM
+    monkeypatch.setattr(gemv_cuda_grouped, "GROUPED_FILL", 3)
+    cfg = gemv_cuda_grouped.choose_grouped(3072, 4096, 8, 132)  # K over 2 warps: 94.5 KB a CTA
+    assert gemv_cuda_grouped._grouped_plan(3072, 4096, 8, 132, 1, 3).get("KW") == 2
+    assert plan(3072, 4096) == (1, 1, 192) and gemv_cuda.smem_bytes(cfg, 4096, 8) > 228 * 1024 // 3
 
 
 def test_grouped_chunks_grow_with_rows_per_expert():

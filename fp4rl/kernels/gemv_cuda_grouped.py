@@ -97,11 +97,25 @@ def grouped_mg(m: int, experts: int) -> int:
 def choose_grouped(n: int, k: int, slots: int, sms: int, mg: int = 1) -> dict:
     """Configuration for about `slots` busy (expert, chunk) CTAs of an N x K weight, each chunk 8 x `mg` rows
     (decode batches put a few rows on each expert; an expert with more gets more chunks). An `mg` whose
-    x slice does not fit shared memory falls back to fewer row groups."""
+    x slice does not fit shared memory falls back to fewer row groups. The split of K fills about one wave
+    of GROUPED_FILL CTAs per SM, or of fewer (down to 2) where that many do not fit an SM's shared memory."""
+    for fill in range(GROUPED_FILL, 2, -1):
+        cfg = _grouped_plan(n, k, slots, sms, mg, fill)
+        ctas = -(-n // block_rows(cfg)) * slots * cfg["SPLIT"]
+        if ctas <= min(SMEM_SM // (smem_bytes(cfg, k, 8 * cfg["MG"]) + SMEM_CTA_RESERVED), fill) * sms:
+            return cfg
+    return _grouped_plan(n, k, slots, sms, mg, 2)
+
+
+SMEM_SM = 228 * 1024  # shared memory of an H100 / H200 SM
+SMEM_CTA_RESERVED = 1024  # what the driver keeps of it per CTA
+
+
+def _grouped_plan(n: int, k: int, slots: int, sms: int, mg: int, fill: int) -> dict:
     nblocks = -(-n // (WARPS * 16)) * slots
     steps = k // 128
-    split = 1  # fill about one wave of GROUPED_FILL CTAs per SM, >= 2 steps per split
-    while split < 8 and nblocks * split * 2 <= GROUPED_FILL * sms and steps // (split * 2) >= 2:
+    split = 1  # fill about one wave of `fill` CTAs per SM, >= 2 steps per split
+    while split < 8 and nblocks * split * 2 <= fill * sms and steps // (split * 2) >= 2:
         split *= 2
     cfg = dict(NT=1, MG=mg, SPLIT=split, DEPTH=2)
     while cfg["MG"] > 1 and smem_bytes(cfg, k, 8 * cfg["MG"]) > SMEM_MAX:
