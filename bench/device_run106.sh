@@ -6,11 +6,12 @@
 # 2), so they are final by then: FP4RL_MMA16_EARLY=1 reads them (from L2) and issues the first weight steps
 # before griddepcontrol.wait, as the dense GEMMs do; FP4RL_MMA16_GTRIGGER=3 also has the gate / up let it start
 # right after its wait, so the down weights stream while the gate / up still runs. The same bits.
-# GPU tests first (EARLY under PDL in a graph with new offsets each replay); then each arm in a fresh process
+# GPU tests first (EARLY under PDL in a graph with new offsets each replay, and behind a PDL writer of the
+# offsets that writes late); then each arm in a fresh process
 # (Qwen3-30B-A3B W4A16 at batch 1 / 8), then the best-looking arm's stamps at batch 1. Up to ~570 s.
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
-timeout 80 python3 -m pytest -q -m gpu tests/test_gemv_cuda_grouped_switches.py tests/test_gemv_cuda_grouped.py \
+timeout 150 python3 -m pytest -q -m gpu tests/test_gemv_cuda_grouped_switches.py tests/test_gemv_cuda_grouped.py \
   -k "early or silu_replays" > $OUT/tests106.log 2>&1; echo "tests exit $?"; tail -3 $OUT/tests106.log
 arm() {
   name=$1; limit=$2; batch=$3; extra=$4; shift 4

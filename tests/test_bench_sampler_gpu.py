@@ -114,11 +114,18 @@ def test_arms_summary_of_recorded_runs(tmp_path):
     from fp4rl.benchmarks.sampler_gpu_report import arms_summary
 
     data = Path(__file__).parents[1] / "bench" / "data" / "s33"
+    import json
+
+    failed = tmp_path / "failed.json"  # an arm whose model build failed: no rows, its error
+    failed.write_text(json.dumps({"rows": [], "profiles": [{"batch": 1, "error": "RuntimeError('x')"}],
+                                  "errors": [{"shape": "qwen3-8b", "stage": "build", "error": "OOM"}]}))
     text = arms_summary([data / "sampler104_defaults.json", tmp_path / "lost.json",
-                         data / "sampler103_gfill3_stamps.json"])
+                         data / "sampler103_gfill3_stamps.json", failed])
     lines = text.splitlines()
     assert lines[0].startswith("sampler104_defaults batch 1 {'step_ms': 2.12")
     assert "sampler104_defaults checks [{'batch': 1, 'tokens_equal': True, 'max_logprob_diff': 0.0}]" in lines
     assert any(line.startswith("lost: no results") for line in lines)
     gate_up = next(line for line in lines if line.strip().startswith("grouped 1536x2048"))
     assert "ctas 384.00" in gate_up and "exit 7.49" in gate_up
+    assert "failed error {'shape': 'qwen3-8b', 'stage': 'build', 'error': 'OOM'}" in lines
+    assert "failed profile batch 1 error RuntimeError('x')" in lines

@@ -240,6 +240,8 @@ def _sass_ops(src: str, arch: str = "sm_90") -> list[str]:
     ("plain, per-row scales", {**choose_grouped(1536, 2048, 8, 132), "SLOTTABLE": 4, "GSR": 1},
      True, False),
     ("w4a4, 64 slots", {**choose_grouped(1536, 2048, 64, 132), "SLOTTABLE": 4}, False, True),
+    ("gather, K over 2 warps", {**choose_grouped(1536, 2048, 8, 132), "GATHER": 1, "SLOTTABLE": 4, "GSR": 1,
+                                "KW": 2}, True, False),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_grouped_builds_load_nothing_before_the_wait(name, cfg, wg_row, xg_row, extra):
     """The routed experts' GEMMs read the offsets (and x_rows, x) the kernel before them writes: no global
@@ -253,38 +255,59 @@ def test_grouped_builds_load_nothing_before_the_wait(name, cfg, wg_row, xg_row, 
     assert not any(op.startswith("CCTL") for op in ops[:wait]), f"{name} {extra}: a prefetch before the wait"
 
 
-@pytest.mark.parametrize("name,cfg,wg_row", [
-    ("silu", {**choose_grouped(2048, 768, 8, 132), "SILU": 1, "SLOTTABLE": 4}, False),
-    ("silu, 64 slots", {**choose_grouped(2048, 768, 64, 132), "SILU": 1, "SLOTTABLE": 4}, False),
-    ("plain, per-row scales", {**choose_grouped(1536, 2048, 8, 132), "SLOTTABLE": 4, "GSR": 1}, True),
+@pytest.mark.parametrize("name,cfg,wg_row,xg_row", [
+    ("silu", {**choose_grouped(2048, 768, 8, 132), "SILU": 1, "SLOTTABLE": 4}, False, False),
+    ("silu, 64 slots", {**choose_grouped(2048, 768, 64, 132), "SILU": 1, "SLOTTABLE": 4}, False, False),
+    ("plain, per-row scales", {**choose_grouped(1536, 2048, 8, 132), "SLOTTABLE": 4, "GSR": 1}, True, False),
+    ("plain, per-expert scale", {**choose_grouped(1536, 2048, 8, 132), "SLOTTABLE": 4}, False, False),
+    ("w4a4", {**choose_grouped(1536, 2048, 8, 132), "SLOTTABLE": 4}, False, True),
 ], ids=lambda v: v if isinstance(v, str) else "")
-def test_early_builds_read_only_offsets_scales_and_weights_before_the_wait(name, cfg, wg_row):
+def test_early_builds_read_only_offsets_scales_and_weights_before_the_wait(name, cfg, wg_row, xg_row):
     """EARLY (launch_grouped(offsets_settled=True)): before griddepcontrol.wait (ACQBULK) the SASS reads the
-    offsets from L2 (LDG.E.STRONG.GPU: ld.global.cg, not an L1 line of an earlier layer), the weight's global
-    scales (read-only) and issues weight steps (LDGSTS); x, the previous kernel's output (16-byte loads or
-    copies of it), only after the wait."""
-    ops = _sass_ops(gemv_cuda.source({**cfg, "EARLY": 1}, wg_row, False, True))
+    offsets from L2 (LDG.E.STRONG.GPU: ld.global.cg, not an L1 line of an earlier layer), at most one
+    read-only global scale (the weight's, or the thread's row scale with GSR: LDG.E.CONSTANT) and issues
+    the first DEPTH weight steps (DEPTH x NT x 3 LDGSTS: two 16-byte copies of weight words, one of scales);
+    x, the previous kernel's output (its copies or 16-byte loads), and W4A4's per-row x scales only after
+    the wait."""
+    ops = _sass_ops(gemv_cuda.source({**cfg, "EARLY": 1}, wg_row, xg_row, True))
     wait = ops.index("ACQBULK")
     loads = [op for op in ops[:wait] if op.startswith(("LDG", "LD.", "UBLKCP", "UTMALDG"))]
-    assert "LDG.E.STRONG.GPU" in loads and any(op.startswith("LDGSTS") for op in loads), (name, loads)
-    assert not [op for op in loads if op.startswith("LDG.E.128") or op.startswith(("LD.", "UBLKCP", "UTMA"))
-                or (op.startswith("LDG.") and not op.startswith(("LDGSTS", "LDGDEPBAR"))
-                    and op not in ("LDG.E.STRONG.GPU", "LDG.E.CONSTANT"))], (name, loads)
+    assert "LDG.E.STRONG.GPU" in loads, (name, loads)
+    assert sum(op.startswith("LDGSTS") for op in loads) == cfg["DEPTH"] * cfg["NT"] * 3, (name, loads)
+    assert loads.count("LDG.E.CONSTANT") <= 1, (name, loads)
+    assert not [op for op in loads if op.startswith(("LD.", "UBLKCP", "UTMA")) or (
+        op.startswith("LDG.") and op not in ("LDG.E.STRONG.GPU", "LDG.E.CONSTANT")
+        and not op.startswith(("LDGSTS", "LDGDEPBAR")))], (name, loads)
+    after = ops[wait:]
     if cfg.get("SILU"):
-        assert any(op.startswith("LDG.E.128") for op in ops[wait:]), name  # gate | up, after the wait
+        assert any(op.startswith("LDG.E.128") for op in after), name  # gate | up, after the wait
+    if xg_row:
+        assert "LDG.E.CONSTANT" in after, name  # the rows' x scales, after the wait
 
 
-def test_trigger_3_comes_after_the_wait():
-    """TRIGGER 3 (the gate / up before an EARLY down projection): launch_dependents only once past
-    griddepcontrol.wait (ACQBULK), so that the next launch starts after the offsets' writer finished."""
-    cfg = {**choose_grouped(1536, 2048, 8, 132), "GATHER": 1, "SLOTTABLE": 4}
-    for trigger in (3, 2):
-        ops = _sass_ops(gemv_cuda.source({**cfg, "TRIGGER": trigger}, True, False, True))
-        wait = ops.index("ACQBULK")
-        assert not any(op.startswith("PREEXIT") for op in ops[:wait]), trigger
-        assert any(op.startswith("PREEXIT") for op in ops[wait:]), trigger
-    ops = _sass_ops(gemv_cuda.source({**cfg, "TRIGGER": 1}, True, False, True))
-    assert any(op.startswith("PREEXIT") for op in ops[:ops.index("ACQBULK")])
+@pytest.mark.parametrize("name,cfg,wg_row,grouped", [
+    ("gate / up", {**choose_grouped(1536, 2048, 8, 132), "GATHER": 1, "SLOTTABLE": 4}, True, True),
+    ("down, early", {**choose_grouped(2048, 768, 8, 132), "SILU": 1, "SLOTTABLE": 4, "EARLY": 1}, False,
+     True),
+    ("dense one row", gemv_cuda.choose(5120, 2048, 1, 132), True, False),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_where_each_trigger_goes(name, cfg, wg_row, grouped):
+    """launch_dependents (PREEXIT): TRIGGER 1 before griddepcontrol.wait (ACQBULK); 3 once past the first
+    wait and before the first multiply (HMMA), so that the next launch starts after the offsets' writer
+    finished and overlaps this one's stream; 2 after the last multiply."""
+    def where(trigger):
+        ops = _sass_ops(gemv_cuda.source({**cfg, "TRIGGER": trigger}, wg_row, False, grouped))
+        pre = [i for i, op in enumerate(ops) if op.startswith("PREEXIT")]
+        mma = [i for i, op in enumerate(ops) if op.startswith("HMMA")]
+        assert len(pre) == 1 and mma, (name, trigger, pre)
+        return pre[0], ops.index("ACQBULK"), mma[0], mma[-1]
+
+    pre, wait, _, _ = where(1)
+    assert pre < wait, name
+    pre, wait, first, _ = where(3)
+    assert wait < pre < first, name
+    pre, _, _, last = where(2)
+    assert pre > last, name
 
 
 def test_gate_up_trigger_1_is_refused():

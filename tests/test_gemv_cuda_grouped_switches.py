@@ -251,3 +251,74 @@ def test_gpu_early_find_keeps_the_bits_and_sees_each_routing(monkeypatch):
             _route_then_experts(b, False)
             monkeypatch.setattr(gemv_cuda_grouped, "EARLY_FIND", True)
             assert not b.y.isnan().any() and torch.equal(got, b.y), (t, trigger, hot)
+
+
+# the route's place in a PDL chain, written late: lets the next kernel start at once, then writes dst ~spin
+# cycles after its own wait
+_LATE_WRITE = r"""
+extern "C" __global__ void late_write(const int* src, int* dst, int n, int spin) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    const long long t0 = clock64();
+    while (clock64() - t0 < spin) {}
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_early_find_waits_for_a_route_that_writes_late(monkeypatch):
+    """The offsets written by a PDL kernel in the route's place that lets the next kernel start at once and
+    writes ~50 us later. With the gate / up between letting the down projection start only once past its
+    own wait (GATE_UP_TRIGGER None: after its stream; 3: right after the wait), the EARLY down projection
+    gives the bits of the same launches without PDL, routing after routing. With the gate / up letting it
+    start at its own start (TRIGGER 1, which GATE_UP_TRIGGER refuses) it reads the previous routing's
+    offsets: the hazard, seen, so that the first half of the test is not passing by luck."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    from types import SimpleNamespace
+
+    from fp4rl.kernels import fused, pdl
+
+    gen = torch.Generator().manual_seed(43)
+    e, top, i, h, t = 128, 8, 256, 512, 1
+    _, _, g_gu, wc_gu = _random_experts(e, 2 * i, h, seed=23)
+    _, _, g_d, wc_d = _random_experts(e, h, i, seed=24)
+    m = t * top
+    offs_src = _routing(e, t, top, gen)
+    b = SimpleNamespace(x=torch.randn(t, h, generator=gen).bfloat16().cuda(), offs_src=offs_src,
+                        rows=torch.zeros(m, dtype=torch.int32, device="cuda"), offs=offs_src.clone(),
+                        gu=torch.empty(m, 2 * i, dtype=torch.bfloat16, device="cuda"),
+                        y=torch.empty(m, h, dtype=torch.bfloat16, device="cuda"))
+    late = torch.cuda._compile_kernel(_LATE_WRITE, "late_write")
+    monkeypatch.setattr(gemv_cuda_grouped, "EARLY_FIND", True)
+
+    def chained(trigger):
+        monkeypatch.setattr(gemv_cuda_grouped, "GATE_UP_TRIGGER", trigger)
+        with pdl.step():
+            pdl.launch(late, (1, 1, 1), (128, 1, 1), [b.offs_src, b.offs, b.offs.numel(), 100_000], 0,
+                       torch.cuda.current_stream(), True)
+            gemv_cuda_grouped.launch_grouped(b.x, wc_gu, g_gu, b.offs, b.gu, x_rows=b.rows)
+            gemv_cuda_grouped.launch_grouped(b.gu, wc_d, g_d, b.offs, b.y, x_silu=True, offsets_settled=True)
+        torch.cuda.synchronize()
+        return b.y.clone()
+
+    def reference():  # no PDL, no early read: each launch after the one before
+        gemv_cuda_grouped.launch_grouped(b.x, wc_gu, g_gu, b.offs_src, b.gu, x_rows=b.rows)
+        y = torch.empty_like(b.y)
+        gemv_cuda_grouped.launch_grouped(fused.silu_mul(b.gu)[0], wc_d, g_d, b.offs_src, y)
+        return y
+
+    for trigger in (None, 3, 1):  # compiled before the timing matters
+        chained(trigger)
+    stale = 0
+    for n, trigger in enumerate([None, 3] * 4 + [1] * 6):
+        b.offs_src.copy_(_routing(e, t, top, gen, hot=n % e))  # another routing than the one in b.offs
+        torch.cuda.synchronize()
+        got = chained(trigger)
+        want = reference()
+        if trigger is None or trigger == 3:
+            assert torch.equal(got, want), (n, trigger)
+        else:
+            stale += not torch.equal(got, want)
+    assert stale > 0, "the down projection never read stale offsets behind a trigger at the gate / up's start"

@@ -74,9 +74,10 @@ def markdown(results) -> str:
 
 def arms_summary(paths) -> str:
     """The lines a device script prints after its arms (`python3 -m fp4rl.benchmarks.sampler_gpu_report
-    FILE.json ...`): per results file its rows' step / graph-replay times, tokens/s or error, its checks
-    (graph replay against eager), and the in-kernel stamps of its profiles (`--mma16-stamps`) by kind of
-    launch. A file that is missing (an arm that timed out before writing it) is named, not fatal."""
+    FILE.json ...`): per results file its errors (a build or precision that failed), its rows' step /
+    graph-replay times, tokens/s or error, its checks (graph replay against eager), and its profiles' errors
+    and in-kernel stamps (`--mma16-stamps`) by kind of launch. A file that is missing (an arm that timed
+    out before writing it) is named, not fatal."""
     import json
     from pathlib import Path
 
@@ -88,6 +89,8 @@ def arms_summary(paths) -> str:
         except (OSError, ValueError) as exc:
             lines.append(f"{name}: no results ({exc})")
             continue
+        for err in d.get("errors", []):  # a build or a precision that failed before any row
+            lines.append(f"{name} error {err}")
         for r in d.get("rows", []):
             keep = {k: r[k] for k in ("step_ms", "graph_us", "tok_s", "error") if k in r}
             lines.append(f"{name} batch {r['batch']} {keep}")
@@ -96,6 +99,8 @@ def arms_summary(paths) -> str:
         if checks:
             lines.append(f"{name} checks {checks}")
         for p in d.get("profiles", []):
+            if "error" in p:
+                lines.append(f"{name} profile batch {p.get('batch')} error {p['error']}")
             s = p.get("stamps") or {}
             if not s:
                 continue

@@ -177,7 +177,8 @@ def by_sm_load(records: list[dict], gap_ns: int = GAP_NS) -> dict:
     """Per kind of launch, its CTAs grouped by how many CTAs of the same launch shared their SM (%smid): for
     each share count the CTAs, and their medians (us) of the stream (x to the last weight step) and of the
     exit after the launch's release. A grid of C CTAs on S SMs leaves C mod S SMs one CTA more: where those
-    CTAs end later, the launch ends with them (the thirty-third session's reading: bench/gpu_kernels.md)."""
+    CTAs end later, the launch ends with them (the thirty-third session's reading: bench/gpu_kernels.md).
+    A grid of more than one wave counts its later waves' CTAs as sharing the SM with the earlier ones."""
     rows: dict[str, dict[int, dict[str, list]]] = {}
     for lch in launches_with_ctas(records, gap_ns):
         per_sm: dict[int, int] = {}

@@ -88,10 +88,11 @@ WIDE_MIN_N_ABOVE_32 = 8192
 FUSED_SILU = os.environ.get("FP4RL_MOE_SILU", "1") != "0"
 MMA16_SILU_MAX_TOKENS = 8
 
-# per (device, stream): the offsets (data_ptr) of the last grouped call if the grouped mma16 kernel ran it. A
-# grouped call that claims offsets_settled (the down projection right after its gate / up) is passed on to
-# that kernel as settled only if the call just before it on the stream ran there on the same offsets: that
-# launch waited for the offsets' writer before it let the next kernel start (gemv_cuda.TRIGGER != 1).
+# per (device, stream): the offsets (data_ptr) of the last grouped gemm call if the grouped mma16 kernel ran
+# it. A grouped call that claims offsets_settled (the down projection right after its gate / up) is passed on
+# to that kernel as settled only if the grouped gemm call just before it on the stream ran there on the same
+# offsets: that launch waited for the offsets' writer before it let any later kernel start (its trigger comes
+# after its wait), so launches between the two that are not grouped gemm calls do not matter.
 _LAST_GROUPED_MMA16: dict[tuple[int, int], int] = {}
 
 

@@ -59,7 +59,7 @@ ROW_SCALE_EARLY = os.environ.get("FP4RL_MMA16_GSR", "1") != "0"
 # stamps builds only (fp4rl.benchmarks.stamps): where the third stamp is taken (gemv_mma16.cu STAMP_AT)
 STAMP_AT = int(os.environ.get("FP4RL_MMA16_STAMP_AT", "0"))
 # CTAs per SM that ``choose``'s split of K may fill (1-16 rows: the same split for all of them). 3 takes
-# Qwen3-30B-A3B's q/k/v (5120x2048) from 160 CTAs (36 SMs with two, which left 0.6 us after the others at one
+# Qwen3-30B-A3B's q/k/v (5120x2048) from 160 CTAs (36 SMs with two, which left 0.7 us after the others at one
 # row: bench/gpu_kernels.md, thirty-third session) to 320; other bits. Being measured (bench/device_run105.sh)
 DENSE_FILL = int(os.environ.get("FP4RL_MMA16_FILL", "2"))
 # device index -> the int64 buffer that kernels compiled there append their in-kernel stamps to (diagnostics

@@ -53,16 +53,17 @@ GROUPED_FILL = int(os.environ.get("FP4RL_MMA16_GFILL", "3"))
 # their expert and issue their first weight steps before griddepcontrol.wait (gemv_mma16.cu EARLY; the same
 # bits; being measured, bench/device_run106.sh)
 EARLY_FIND = os.environ.get("FP4RL_MMA16_EARLY", "0") != "0"
-# where the routed experts' launches without SiLU staging (the gate / up) let the next kernel start
-# (gemv_mma16.cu TRIGGER): None keeps gemv_cuda.TRIGGER (2: after the weight stream); 3: once past their wait,
+# where the routed experts' launches without SiLU staging (the gate / up; also a down projection whose SiLU
+# ran apart: past MMA16_SILU_MAX_TOKENS, W4A4) let the next kernel start (gemv_mma16.cu TRIGGER): None keeps
+# gemv_cuda.TRIGGER (2: after the weight stream); 3: once past their wait,
 # so that an EARLY down projection finds its expert and streams its first weights while the gate / up still
 # runs (a CTA of each fits an SM beside three gate / up CTAs at one token). 1 (at the start) is refused: it
 # would let the down projection start before the offsets' writer finished. Being measured (device_run106).
-_GT = os.environ.get("FP4RL_MMA16_GTRIGGER", "")
-GATE_UP_TRIGGER = int(_GT) if _GT else None
-if GATE_UP_TRIGGER not in (None, 0, 2, 3):
+_GT = os.environ.get("FP4RL_MMA16_GTRIGGER", "").strip()
+if _GT not in ("", "0", "2", "3"):
     raise ValueError(f"FP4RL_MMA16_GTRIGGER={_GT}: use 0 (at exit), 2 (after the weight stream) or 3 (after "
                      "the wait); 1 would let the next launch read the offsets before their writer finished")
+GATE_UP_TRIGGER = int(_GT) if _GT else None
 
 
 def slot_table(e: int) -> int:
@@ -143,9 +144,9 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     routing: an expert with r rows takes ceil(r / (8 MG)) chunks, each streaming its weights; MG from the
     average rows per expert, ``grouped_mg``).
     cfg: a configuration other than ``choose_grouped``'s (benchmarks).
-    offsets_settled: the previous kernel on this stream started after the offsets were final and lets this
-    launch start only once it has waited for its own predecessor (an mma16 launch with gemv_cuda.TRIGGER != 1,
-    as the gate / up launch_grouped on the same offsets before the down projection is: gemm.gemm tracks it).
+    offsets_settled: an earlier kernel on this stream passed its own wait only once the offsets were final,
+    and let the kernels after it start only then (an mma16 launch with gemv_cuda.TRIGGER != 1, as the gate /
+    up launch_grouped on the same offsets before the down projection is: gemm.gemm tracks it).
     With EARLY_FIND the CTAs then read the offsets and issue their first weight steps before waiting for the
     previous kernel, whose output (x) they read after it. Claiming it otherwise reads stale offsets."""
     if x2.ndim != 2:
