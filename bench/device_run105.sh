@@ -9,17 +9,11 @@
 # fresh process.
 #   bash bench/device_run105.sh a    # Qwen3-30B-A3B W4A16 at batch 1 / 8: defaults, FILL 3, then FILL 3's stamps
 #   bash bench/device_run105.sh b    # Qwen3-8B W4A16 at batch 1 / 8: defaults, FILL 3
-export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+source bench/sampler_arm.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 mode=${1:-a}
-if [ "$mode" = a ]; then shape=qwen3-30b-a3b:48; else shape=qwen3-8b:36; fi
-arm() {
-  name=$1; limit=$2; batch=$3; extra=$4; shift 4
-  env "$@" timeout $limit python3 -m fp4rl.benchmarks.sampler_gpu --shapes $shape \
-    --presets nvfp4-w4a16 --w4a16-last 0 --batch $batch --kv bf16 --repeats 2 --tokens 8,40 --offload-trainer on \
-    $extra --out $OUT/sampler105${mode}_$name.json > $OUT/sampler105${mode}_$name.log 2>&1
-  echo "$name exit $? at ${SECONDS}s"; grep '^| qwen\|rror' $OUT/sampler105${mode}_$name.log | cut -c1-200
-}
+if [ "$mode" = a ]; then ARM_SHAPE=qwen3-30b-a3b:48; else ARM_SHAPE=qwen3-8b:36; fi
+ARM_PREFIX=sampler105${mode}
 timeout 60 python3 -m pytest -q -m gpu tests/test_gemv_cuda.py -k "in_cta_split_gives" > $OUT/tests105.log 2>&1
 echo "tests exit $?"; tail -2 $OUT/tests105.log
 arm defaults 180 1,8 "--profile-batch=" X=0

@@ -9,17 +9,11 @@
 # GPU tests first (EARLY under PDL in a graph with new offsets each replay, and behind a PDL writer of the
 # offsets that writes late); then each arm in a fresh process
 # (Qwen3-30B-A3B W4A16 at batch 1 / 8), then the best-looking arm's stamps at batch 1. Up to ~570 s.
-export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+source bench/sampler_arm.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 timeout 150 python3 -m pytest -q -m gpu tests/test_gemv_cuda_grouped_switches.py tests/test_gemv_cuda_grouped.py \
   -k "early or silu_replays" > $OUT/tests106.log 2>&1; echo "tests exit $?"; tail -3 $OUT/tests106.log
-arm() {
-  name=$1; limit=$2; batch=$3; extra=$4; shift 4
-  env "$@" timeout $limit python3 -m fp4rl.benchmarks.sampler_gpu --shapes qwen3-30b-a3b:48 \
-    --presets nvfp4-w4a16 --w4a16-last 0 --batch $batch --kv bf16 --repeats 2 --tokens 8,40 --offload-trainer on \
-    $extra --out $OUT/sampler106_$name.json > $OUT/sampler106_$name.log 2>&1
-  echo "$name exit $? at ${SECONDS}s"; grep '^| qwen\|rror' $OUT/sampler106_$name.log | cut -c1-200
-}
+ARM_SHAPE=qwen3-30b-a3b:48 ARM_PREFIX=sampler106
 arm defaults 175 1,8 "--profile-batch=" X=0
 arm early 125 1,8 "--profile-batch=" FP4RL_MMA16_EARLY=1
 arm early_gt3 125 1,8 "--profile-batch=" FP4RL_MMA16_EARLY=1 FP4RL_MMA16_GTRIGGER=3
