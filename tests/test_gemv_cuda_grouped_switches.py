@@ -202,10 +202,17 @@ def test_gemm_passes_settled_offsets_only_right_after_an_mma16_grouped_call(monk
 
 def _route_then_experts(b, early):
     """The MoE step's order: new offsets written (the route's place), gate / up with the gather, then the down
-    projection with SiLU staging, told (early) that its offsets are the gate / up's."""
+    projection, told (early) that its offsets are the gate / up's: with SiLU staging (b.silu), or after a
+    silu_mul launch as past 8 tokens (the plain build)."""
+    from fp4rl.kernels import fused
+
     b.offs.copy_(b.offs_src)
     gemv_cuda_grouped.launch_grouped(b.x, b.wc_gu, b.g_gu, b.offs, b.gu, x_rows=b.rows)
-    gemv_cuda_grouped.launch_grouped(b.gu, b.wc_d, b.g_d, b.offs, b.y, x_silu=True, offsets_settled=early)
+    if b.silu:
+        gemv_cuda_grouped.launch_grouped(b.gu, b.wc_d, b.g_d, b.offs, b.y, x_silu=True, offsets_settled=early)
+    else:
+        gemv_cuda_grouped.launch_grouped(fused.silu_mul(b.gu)[0], b.wc_d, b.g_d, b.offs, b.y,
+                                         offsets_settled=early)
 
 
 @pytest.mark.gpu
@@ -213,8 +220,10 @@ def test_gpu_early_find_keeps_the_bits_and_sees_each_routing(monkeypatch):
     """EARLY_FIND (FP4RL_MMA16_EARLY): the down projection told its offsets are settled finds its expert and
     issues its first weight steps before waiting for the gate / up launch. In a CUDA graph under PDL whose
     first node writes new offsets each replay (as the route does), gate / up -> down gives, replay after
-    replay, the bits of the same launches run eagerly without it; 1 and 8 tokens of 128 experts, top 8; with
-    the gate / up's trigger where it is (after its stream) and right after its wait (GATE_UP_TRIGGER 3)."""
+    replay, the bits of the same launches run eagerly without it; 1 and 8 tokens of 128 experts, top 8, the
+    SiLU in the down projection's staging, and 16 tokens with silu_mul launched between (the plain build);
+    with the gate / up's trigger where it is (after its stream) and right after its wait (GATE_UP_TRIGGER
+    3)."""
     if not gemv_cuda.available():
         pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
     from types import SimpleNamespace
@@ -225,7 +234,7 @@ def test_gpu_early_find_keeps_the_bits_and_sees_each_routing(monkeypatch):
     e, top, i, h = 128, 8, 256, 512
     _, _, g_gu, wc_gu = _random_experts(e, 2 * i, h, seed=21)
     _, _, g_d, wc_d = _random_experts(e, h, i, seed=22)
-    for t, trigger in ((1, None), (8, None), (1, 3), (8, 3)):
+    for t, trigger in ((1, None), (8, None), (16, None), (1, 3), (8, 3), (16, 3)):
         monkeypatch.setattr(gemv_cuda_grouped, "GATE_UP_TRIGGER", trigger)
         m = t * top
         offs_src = _routing(e, t, top, gen)
@@ -233,7 +242,7 @@ def test_gpu_early_find_keeps_the_bits_and_sees_each_routing(monkeypatch):
                             rows=torch.randint(0, t, (m,), generator=gen, dtype=torch.int32).cuda(),
                             offs=torch.empty_like(offs_src), wc_gu=wc_gu, g_gu=g_gu, wc_d=wc_d, g_d=g_d,
                             gu=torch.empty(m, 2 * i, dtype=torch.bfloat16, device="cuda"),
-                            y=torch.empty(m, h, dtype=torch.bfloat16, device="cuda"))
+                            y=torch.empty(m, h, dtype=torch.bfloat16, device="cuda"), silu=t <= 8)
         monkeypatch.setattr(gemv_cuda_grouped, "EARLY_FIND", True)
         _route_then_experts(b, True)  # compiled outside the capture
         graph = torch.cuda.CUDAGraph()
