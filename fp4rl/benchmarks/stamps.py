@@ -13,6 +13,7 @@ of stores more, so time a step without stamps for its speed.
 
 from __future__ import annotations
 
+import collections
 import gzip
 import json
 import re
@@ -180,28 +181,18 @@ def by_sm_load(records: list[dict], gap_ns: int = GAP_NS) -> dict:
     CTAs end later, the launch ends with them (the thirty-third session's reading: bench/gpu_kernels.md).
     A grid of more than one wave counts its later waves' CTAs as sharing the SM with the earlier ones."""
     rows: dict[str, dict[int, dict[str, list]]] = {}
-    for lch in launches_with_ctas(records, gap_ns):
-        per_sm: dict[int, int] = {}
-        for r in lch["records"]:
-            per_sm[r["sm"]] = per_sm.get(r["sm"], 0) + 1
-        by_share = rows.setdefault(lch["kind"], {})
-        for r in lch["records"]:
+    for group in _groups(records, gap_ns):  # one launch's CTAs
+        release = min(r["wait"] for r in group)
+        per_sm = collections.Counter(r["sm"] for r in group)
+        by_share = rows.setdefault(kind(group[0]), {})
+        for r in group:
             cell = by_share.setdefault(per_sm[r["sm"]], {"stream": [], "exit": []})
             cell["stream"].append(r["stream"] - r["x"])
-            cell["exit"].append(r["exit"] - lch["wait"])
-    return {kind: {share: {"ctas": len(c["stream"]), "stream_us": statistics.median(c["stream"]) / 1e3,
+            cell["exit"].append(r["exit"] - release)
+    return {name: {share: {"ctas": len(c["stream"]), "stream_us": statistics.median(c["stream"]) / 1e3,
                            "exit_us": statistics.median(c["exit"]) / 1e3}
                    for share, c in sorted(by_share.items())}
-            for kind, by_share in rows.items()}
-
-
-def launches_with_ctas(records: list[dict], gap_ns: int = GAP_NS) -> list[dict]:
-    """``launches``, each with its CTAs' records under "records"."""
-    out = []
-    for group in _groups(records, gap_ns):
-        out.append({**_launch(kind(group[0]), group), "records": group})
-    out.sort(key=lambda lch: lch["wait"])
-    return out
+            for name, by_share in rows.items()}
 
 
 def save_records(records: list[dict], path) -> None:
