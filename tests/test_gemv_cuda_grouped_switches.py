@@ -9,6 +9,12 @@ from test_gemv_cuda_grouped import _gate_up, _random_experts, _routing
 from fp4rl.kernels import gemv_cuda, gemv_cuda_grouped
 
 
+def _grouped(x, wc, g, offs, shape, **kwargs):
+    """launch_grouped into a fresh NaN-filled bfloat16 y of `shape` (a row it misses stays NaN)."""
+    y = torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    return gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, **kwargs)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("e", [6, 128, 300])
 def test_gpu_slot_table_finds_the_same_experts(e, monkeypatch):
@@ -36,9 +42,7 @@ def test_gpu_slot_table_finds_the_same_experts(e, monkeypatch):
             for table, cap in ((False, 8), (True, 8), (True, 1)):
                 monkeypatch.setattr(gemv_cuda_grouped, "SLOT_TABLE", table)
                 monkeypatch.setattr(gemv_cuda_grouped, "SLOT_TABLE_MAX", cap)
-                y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, **kwargs)
-                outs.append(y)
+                outs.append(_grouped(x, wc, g, offs, (m, n), **kwargs))
             assert not outs[0].isnan().any(), (e, m, list(kwargs))
             for y in outs[1:]:
                 assert torch.equal(y, outs[0]), (e, m, list(kwargs))
@@ -63,9 +67,7 @@ def test_gpu_one_token_view_keeps_the_gathers_bits(monkeypatch):
             outs = []
             for view in (False, True):
                 monkeypatch.setattr(gemv_cuda_grouped, "ONE_TOKEN_VIEW", view)
-                y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, x_rows=rows)
-                outs.append(y)
+                outs.append(_grouped(x, wc, g, offs, (m, n), x_rows=rows))
             assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), t
     # a graph captured with the view, new routing
     monkeypatch.setattr(gemv_cuda_grouped, "ONE_TOKEN_VIEW", True)
@@ -108,9 +110,7 @@ def test_gpu_grouped_row_scales_read_early_keep_the_bits(monkeypatch):
             outs = []
             for early in (False, True):
                 monkeypatch.setattr(gemv_cuda, "ROW_SCALE_EARLY", early)
-                y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                gemv_cuda_grouped.launch_grouped(x, wc, gr, offs, y, **kwargs)
-                outs.append(y)
+                outs.append(_grouped(x, wc, gr, offs, (m, n), **kwargs))
             assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), (t, list(kwargs))
 
 
@@ -134,9 +134,7 @@ def test_gpu_volatile_offsets_keep_the_bits(monkeypatch):
             outs = []
             for vol in (False, True):
                 monkeypatch.setattr(gemv_cuda_grouped, "LD_VOLATILE", vol)
-                y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                gemv_cuda_grouped.launch_grouped(x, wc, g, offs, y, **kwargs)
-                outs.append(y)
+                outs.append(_grouped(x, wc, g, offs, (m, n), **kwargs))
             assert not outs[0].isnan().any(), (t, list(kwargs))
             for y in outs[1:]:
                 assert torch.equal(y, outs[0]), (t, list(kwargs))
