@@ -41,6 +41,8 @@ STATE = {"ok": None, "error": None, "wide": None}  # None: not tried yet here; "
 MAX_ROWS = 64  # MG up to 8 groups of 8 rows
 SMEM_LIMIT = 110 * 1024  # two CTAs per SM on an H100/H200 (227 KB)
 SMEM_MAX = 227 * 1024  # one CTA
+SMEM_SM = 228 * 1024  # an SM's shared memory, of which the driver keeps SMEM_CTA_RESERVED per CTA
+SMEM_CTA_RESERVED = 1024
 # where the kernel signals programmatic dependent launch (gemv_mma16.cu: 1 at its start, 2 after its weight
 # stream, 0 at exit); only matters for launches with the PDL attribute (fp4rl/kernels/pdl.py)
 TRIGGER = int(os.environ.get("FP4RL_MMA16_TRIGGER", "2"))

@@ -13,7 +13,9 @@ import torch
 
 from fp4rl.kernels import gemv_cuda, pdl
 from fp4rl.kernels.gemv_cuda import (
+    SMEM_CTA_RESERVED,
     SMEM_MAX,
+    SMEM_SM,
     STATE,
     WARPS,
     Mma16Weight,
@@ -106,10 +108,6 @@ def choose_grouped(n: int, k: int, slots: int, sms: int, mg: int = 1) -> dict:
         if ctas <= min(SMEM_SM // (smem_bytes(cfg, k, 8 * cfg["MG"]) + SMEM_CTA_RESERVED), fill) * sms:
             return cfg
     return _grouped_plan(n, k, slots, sms, mg, 2)
-
-
-SMEM_SM = 228 * 1024  # shared memory of an H100 / H200 SM
-SMEM_CTA_RESERVED = 1024  # what the driver keeps of it per CTA
 
 
 def _grouped_plan(n: int, k: int, slots: int, sms: int, mg: int, fill: int) -> dict:

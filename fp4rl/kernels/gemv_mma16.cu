@@ -76,7 +76,7 @@ typedef unsigned long long u64;
 #define SILU 0
 #endif
 #ifndef LDVOL
-#define LDVOL 0  // GROUPED: the offsets and x_rows read by a volatile load (ld_after_wait, below)
+#define LDVOL 0  // GROUPED: the offsets and x_rows read by a volatile load (ld_routing, below)
 #endif
 #if LDVOL && !GROUPED
 #error "LDVOL is for GROUPED"
@@ -95,7 +95,7 @@ typedef unsigned long long u64;
 #endif
 // the row of x that row m of this CTA's rows reads (only evaluated for m < M)
 #if GATHER
-#define XROW(m) ld_after_wait(xrows + (m))
+#define XROW(m) ld_routing(xrows + (m))
 #else
 #define XROW(m) (m)
 #endif
@@ -194,12 +194,12 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_byt
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes)
                  : "memory");
 }
-// an int written by the kernel before this one (the offsets, x_rows), read after griddepcontrol.wait. A const
-// __restrict__ read compiles to ld.global.nc, which the compiler may move above the wait's asm: it did in a
-// dry-prologue build (33d8ec2) and an L2-prefetch build (e14c14c). LDVOL: a volatile asm load keeps it after
-// the wait; the default builds keep their SASS (tests/test_cuda_sources.py checks that their loads stay after
-// the wait) until a device call shows LDVOL costs nothing.
-__device__ __forceinline__ int ld_after_wait(const int* p) {
+// an int the route wrote (the offsets, x_rows): read after griddepcontrol.wait, or before it in EARLY builds
+// (below). A const __restrict__ read compiles to ld.global.nc, which the compiler may move above the wait's
+// asm: it did in a dry-prologue build (33d8ec2) and an L2-prefetch build (e14c14c). LDVOL: a volatile asm load
+// keeps it after the wait; the default builds keep their SASS (tests/test_cuda_sources.py checks that their
+// loads stay after the wait) until a device call shows LDVOL costs nothing.
+__device__ __forceinline__ int ld_routing(const int* p) {
 #if EARLY
     // EARLY: read before the wait, from L2 (.cg: this SM's L1 may hold an earlier layer's offsets), in an asm
     // volatile so that it stays where it is written
@@ -459,8 +459,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #pragma unroll
         for (int q = 0; q < SLOTTABLE; ++q) {
             const int i = 32 * q + lane;
-            t0[q] = i < E ? ld_after_wait(offs + i) : 0;
-            t1[q] = i < E ? ld_after_wait(offs + i + 1) : 0;
+            t0[q] = i < E ? ld_routing(offs + i) : 0;
+            t1[q] = i < E ? ld_routing(offs + i + 1) : 0;
         }
 #pragma unroll
         for (int q = 0; q < SLOTTABLE; ++q)
@@ -469,7 +469,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #endif
     for (int b = 32 * SLOTTABLE; ex < 0 && b < E; b += 32) {
         const int i = b + lane;
-        find(b, i < E ? ld_after_wait(offs + i) : 0, i < E ? ld_after_wait(offs + i + 1) : 0);
+        find(b, i < E ? ld_routing(offs + i) : 0, i < E ? ld_routing(offs + i + 1) : 0);
     }
     if (ex < 0) return;  // the whole cluster (same z) leaves before any barrier
 #if STAMP_AT == 1
