@@ -207,6 +207,11 @@ FUSED_GATHER = os.environ.get("FP4RL_MOE_GATHER", "1") != "0"  # the grouped mma
 # 11.97 -> 11.89, batch 32 7.50 -> 8.59 / 21.51 -> 22.42 (hence the bound).
 FUSED_ROUTER = os.environ.get("FP4RL_MOE_ROUTER", "1") != "0"
 ROUTER_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_ROUTER_MAX", "8"))
+# Within that bound, the router + route as one CUDA cluster launch (fp4rl.kernels.moe_route_cuda) where its
+# plan takes the router, instead of the Triton router_route: the route in warp-wide reductions, without the
+# Triton grid's serial last program. FP4RL_MOE_ROUTER_CUDA=1; off until timed on a GPU
+# (bench/device_run107.sh).
+ROUTER_CUDA = os.environ.get("FP4RL_MOE_ROUTER_CUDA", "0") == "1"
 
 
 class KernelMoeBlock(SparseMoeBlock):
@@ -216,10 +221,11 @@ class KernelMoeBlock(SparseMoeBlock):
     are `run_experts`', the combine's sum over the k slots is sequential (torch's reduction may add in another
     order: a bf16 ulp), the router probabilities can differ from torch's in their last fp32 bit (see
     moe_route). Up to ROUTER_MAX_TOKENS tokens (FUSED_ROUTER; FP4RL_MOE_ROUTER=0 turns it off) a plain bf16
-    router runs inside the route's launch (moe_route.router_route: its logits can differ from cuBLAS's in
-    their last bf16 bit); else the gate module, then the route kernel. The grouped mma16 kernel gathers the
-    sorted rows' tokens itself (gemm rows=; FP4RL_MOE_GATHER=0: index_select first, the same bits). Routing
-    replay (forced experts), larger batches and FP4RL_MOE_ROUTE=0 take the torch route."""
+    router runs inside the route's launch (moe_route.router_route, or with ROUTER_CUDA moe_route_cuda's: its
+    logits can differ from cuBLAS's in their last bf16 bit); else the gate module, then the route kernel. The
+    grouped mma16 kernel gathers the sorted rows' tokens itself (gemm rows=; FP4RL_MOE_GATHER=0: index_select
+    first, the same bits). Routing replay (forced experts), larger batches and FP4RL_MOE_ROUTE=0 take the
+    torch route."""
 
     plan = None
     _router_lock: torch.Tensor | None = None  # router_route's counter, this block's own (set at first use)
@@ -249,12 +255,7 @@ class KernelMoeBlock(SparseMoeBlock):
         if (FUSED_ROUTER and n <= ROUTER_MAX_TOKENS and type(gate) in (nn.Linear, PrepackedLinear)
                 and gate.bias is None
                 and gate.weight.dtype == x.dtype and gate.weight.stride(-1) == 1):
-            lock = self._router_lock
-            if lock is None or lock.device != x.device:  # two samplers' blocks never share one
-                lock = self._router_lock = torch.zeros(1, dtype=torch.int32, device=x.device)
-            _, idx, w, rows, pos, offsets = moe_route.router_route(x, gate.weight, self.top_k,
-                                                                   self.norm_topk_prob, weight_dtype=x.dtype,
-                                                                   lock=lock)
+            _, idx, w, rows, pos, offsets = self._router_route(x, gate.weight)
         else:
             idx, w, rows, pos, offsets = moe_route.route(gate(x), self.top_k, self.norm_topk_prob,
                                                          weight_dtype=x.dtype)
@@ -265,6 +266,28 @@ class KernelMoeBlock(SparseMoeBlock):
             gu = self.plan.gate_up(x.index_select(0, rows), offsets, tokens=n, pairs=pairs)
         # down_proj of bf16(bf16(silu(gate)) * up) (torch's bits on the GPU), the SiLU fused where it can be
         return self.plan.down(gu, offsets, tokens=n, silu=True, pairs=pairs, after_gate_up=True), pos, w, idx
+
+    def _router_route(self, x: torch.Tensor, weight: torch.Tensor):
+        """The plain bf16 router and the route in one launch: the CUDA kernel (ROUTER_CUDA, where it runs
+        and its plan takes the router; a failure outside a graph capture turns it off with a warning) or the
+        Triton router_route on this block's own counter."""
+        from fp4rl.kernels import moe_route, moe_route_cuda
+
+        n, h = x.shape
+        if (ROUTER_CUDA and moe_route_cuda.available(x.device)
+                and moe_route_cuda.plan(n, self.top_k, self.num_experts, h) is not None):
+            try:
+                return moe_route_cuda.router_route(x, weight, self.top_k, self.norm_topk_prob,
+                                                   weight_dtype=x.dtype)
+            except Exception as exc:  # noqa: BLE001 - compile / launch failure here: the Triton kernel from now
+                if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise  # the eager warm-up runs before each capture; a failure here fails the capture
+                moe_route_cuda.disable(exc)
+        lock = self._router_lock
+        if lock is None or lock.device != x.device:  # two samplers' blocks never share one
+            lock = self._router_lock = torch.zeros(1, dtype=torch.int32, device=x.device)
+        return moe_route.router_route(x, weight, self.top_k, self.norm_topk_prob, weight_dtype=x.dtype,
+                                      lock=lock)
 
     def run_experts(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         if self.plan is None or x.dtype != KERNEL_DTYPE:

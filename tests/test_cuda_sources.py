@@ -393,3 +393,48 @@ def test_in_cta_split_refuses_what_it_cannot_build():
     for cfg in (dict(base, SPLIT=2, KW=2), dict(base, SPLIT=1, KW=2, XSTREAM=1), dict(base, SPLIT=1, KW=3)):
         assert "KW (in-CTA split-K) needs" in _compile_error(gemv_cuda.source(cfg, False)), cfg
     assert _compile(gemv_cuda.source(dict(base, SPLIT=1, KW=4), False), "sm_90")[0] == 0
+
+
+_ROUTER_PLANS = [(1, 8, 128, 2048), (8, 8, 128, 2048), (8, 4, 60, 2048), (2, 2, 8, 576), (8, 16, 256, 1024),
+                 (3, 6, 20, 296)]
+
+
+@pytest.mark.parametrize("t,k,e,h", _ROUTER_PLANS)
+@pytest.mark.parametrize("norm", [True, False])
+def test_moe_router_route_compiles_without_spills(t, k, e, h, norm):
+    from fp4rl.kernels import moe_route_cuda
+
+    log = compile_log(moe_route_cuda.source(moe_route_cuda.plan(t, k, e, h), norm), "sm_90")
+    assert spills(log) == {"moe_router_route": (0, 0)}, log
+
+
+@pytest.mark.parametrize("t,k,e,h", _ROUTER_PLANS[:3])
+def test_moe_router_route_reads_its_weight_before_the_wait_and_x_after(t, k, e, h):
+    """Before griddepcontrol.wait (ACQBULK) the SASS copies the warps' router rows to shared memory (LDGSTS,
+    EPW x NCH per thread) and loads nothing else from global memory (x is the previous kernel's output);
+    x's copies come after it, then the CTA barrier, the cluster barrier (UCGABAR) and CTA 0's top-k on
+    redux.sync (REDUX, two per slot)."""
+    from fp4rl.kernels import moe_route_cuda
+
+    cfg = moe_route_cuda.plan(t, k, e, h)
+    ops = _sass_ops(moe_route_cuda.source(cfg, True))
+    wait = ops.index("ACQBULK")
+    before = [op for op in ops[:wait] if op.startswith(("LDG", "LD.", "UBLKCP", "UTMALDG"))]
+    assert before.count("LDGSTS.E.BYPASS.128") == cfg["EPW"] * cfg["NCH"], before
+    assert not [op for op in before if not op.startswith(("LDGSTS", "LDGDEPBAR"))], before
+    after = ops[wait:]
+    assert "LDGSTS.E.BYPASS.128" in after and "UCGABAR_WAIT" in after
+    assert after.index("LDGSTS.E.BYPASS.128") < after.index("UCGABAR_ARV")
+    assert sum(op.startswith("REDUX") for op in after) == 2 * k
+    assert ops.index("PREEXIT") < wait
+
+
+def test_moe_router_route_uses_accurate_expf_and_ieee_division():
+    """The softmax is moe_route_cuda.reference's: libdevice's accurate expf (torch's exp on the GPU), IEEE
+    division; the launcher passes no fast-math option."""
+    from fp4rl.kernels import moe_route_cuda
+
+    src = moe_route_cuda.source(moe_route_cuda.plan(1, 8, 128, 2048), True)
+    assert "expf(l[s] - mx)" in src and "__expf" not in src and "__fdiv_rn(l[s], sum)" in src
+    launcher = Path(moe_route_cuda.__file__).read_text()
+    assert "fast_math" not in launcher and "fast-math" not in launcher and "ftz" not in launcher

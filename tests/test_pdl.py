@@ -36,6 +36,22 @@ def test_gemm_flag_only_inside_a_step_and_not_after_a_rebuild(on_gpu):
     assert not pdl.gemm_flag("cuda", "gemv")
 
 
+def test_weights_flag_inside_a_step_leaves_the_hazard_to_the_gemm(on_gpu):
+    """The CUDA MoE router + route reads its router weight before its wait: PDL only inside a step and not
+    while a decode-copy rebuild is pending, which it does not consume (the GEMM after it must still see it)."""
+    assert not pdl.weights_flag("cuda", "route")
+    with pdl.step():
+        assert pdl.weights_flag("cuda", "route")
+        pdl.hazard()
+        assert not pdl.weights_flag("cuda", "route") and not pdl.weights_flag("cuda", "route")
+        assert not pdl.gemm_flag("cuda", "gemv")  # the hazard was left for the GEMM
+        assert pdl.weights_flag("cuda", "route")
+        pdl.set_kinds_off({"route"})
+        assert not pdl.weights_flag("cuda", "route")
+    with pytest.raises(ValueError, match="unknown launch kinds"):
+        pdl.set_kinds_off({"router"})
+
+
 def test_switching_off(on_gpu):
     pdl.set_enabled(False)
     assert not pdl.is_enabled()

@@ -15,7 +15,8 @@ SDPA) launch normally and keep full stream ordering. CUDA graphs capture the pro
 attribute and the kernels' ``griddepcontrol`` instructions are no-ops.
 
 Which launches carry it (``KINDS``): by default the fused Triton kernels, the grouped (routed-expert) GEMM and
-the dense CUDA GEMM at one row ("gemv"), not the dense GEMM at 2-16 rows ("mma"), its wgmma configuration
+the dense CUDA GEMM at one row ("gemv"), the CUDA MoE router + route ("route"), not the dense GEMM at 2-16
+rows ("mma"), its wgmma configuration
 ("wide") or the Triton decode attention ("attn": no faster in the 30B step, thirty-first session):
 ``DEFAULT_OFF``. Measured on the H200 at full depth, W4A16 (bench/RESULTS.md, "sampler on H200", fourteenth
 session): PDL on the dense GEMM cost Qwen3-8B's step 0.75 ms of 5.15 at batch 32 and 0.18 ms of 3.1 at batch
@@ -35,8 +36,9 @@ import torch
 
 # the kinds of PDL launch: the dense CUDA GEMM's mma.sync configurations at 1 row ("gemv") and at 2-16 rows
 # ("mma"), its wgmma configuration (17+ rows), its grouped (routed-expert) launches, the fused Triton kernels,
-# the Triton decode attention ("attn": BF16 and FP8 caches, and NVFP4 where the Gluon kernel does not take it)
-KINDS = ("gemv", "mma", "wide", "grouped", "triton", "attn")
+# the Triton decode attention ("attn": BF16 and FP8 caches, and NVFP4 where the Gluon kernel does not take
+# it), the CUDA MoE router + route (moe_route_cuda: "route", which reads the router weight before its wait)
+KINDS = ("gemv", "mma", "wide", "grouped", "triton", "attn", "route")
 DEFAULT_OFF = frozenset({"mma", "wide", "attn"})
 
 
@@ -124,6 +126,13 @@ def gemm_flag(device, kind: str) -> bool:
         _STATE["hazard"] = False
         return False
     return _STATE["step"] > 0 and kind not in _STATE["off"] and enabled(device)
+
+
+def weights_flag(device, kind: str) -> bool:
+    """Whether a launch of `kind` that reads a module's weights before its griddepcontrol.wait (the CUDA MoE
+    router + route) carries the PDL attribute now: inside a step, with no hazard pending (which it leaves for
+    the GEMM it concerns)."""
+    return _STATE["step"] > 0 and not _STATE["hazard"] and kind not in _STATE["off"] and enabled(device)
 
 
 def triton_flag(device, kind: str = "triton") -> bool:

@@ -1,0 +1,227 @@
+"""The MoE router GEMV and the route of 1-8 decode tokens in one CUDA cluster launch (moe_router_route.cu),
+compiled by NVRTC at run time: what `moe_route.router_route` (Triton) computes, without its last program's
+serial route.
+
+At one token the Triton router_route spends ~4.5 of its ~6-7 us in the grid's last program, which routes
+alone after a global counter and a round trip through the column slices' partial sums, with a CTA barrier per
+reduction (bench/gpu_kernels.md, sixteenth and thirtieth sessions). Here one cluster of CL CTAs holds the
+router weight in registers (read before griddepcontrol.wait: it does not change during a decode step), sums
+x @ Wr.T per warp, hands the logits to CTA 0 through distributed shared memory behind one cluster barrier,
+and CTA 0 routes with warp-wide reductions (one warp per token; redux.sync for the top-k).
+
+Outputs: those of `moe_route.router_route` (logits [T, E] bf16, idx [T, K] int64, w [T, K] bf16, rows,
+pos [T K] int32, offsets [E + 1] int32), with the same meaning and the same top-k / tie / NaN-row rules. The
+fp32 summation orders are the kernel's own (written out by `reference`, which runs the same arithmetic in
+torch ops on any device): a logit can differ from cuBLAS's or the Triton kernel's in its last bf16 bit, a
+probability from torch's softmax in its last fp32 bit (then only an exact or one-bit near tie can choose
+another expert, and routing replay records the choice made). On a GPU the kernel equals `reference` on the
+same device bit for bit (tests/test_moe_route_cuda.py, gpu marker); on a CPU `reference` is checked against
+torch's route and grouping.
+
+Off by default until timed on a GPU: `gpu_experts.ROUTER_CUDA` (FP4RL_MOE_ROUTER_CUDA=1) makes KernelMoeBlock
+take it where `plan` fits, before the Triton router_route.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+
+from fp4rl.kernels import gemv_cuda, pdl
+
+_SOURCE = Path(__file__).with_name("moe_router_route.cu")
+WARPS = 8
+MAX_TOKENS = 8  # tokens: warps of CTA 0 that route
+MAX_CLUSTER = 8  # CTAs of the cluster (the portable limit)
+MAX_TOP_K = 16
+MAX_WORDS = 16  # 16-byte chunks of router weight a lane holds (EPW x NCH): 64 registers
+# ok False: it failed here once (compile or launch); the Triton router_route from then on
+STATE = {"ok": None, "error": None}
+
+
+def plan(tokens: int, top_k: int, experts: int, hidden: int) -> dict | None:
+    """The build for this router (None where the kernel does not take it: the caller keeps the Triton
+    router_route). EPW router rows per warp, NCH 16-byte chunks of a row per lane, CL CTAs."""
+    if not (1 <= tokens <= MAX_TOKENS and 1 <= top_k <= min(MAX_TOP_K, experts) and hidden > 0
+            and hidden % 8 == 0):
+        return None
+    epw = -(-experts // (MAX_CLUSTER * WARPS))
+    nch = -(-hidden // 256)
+    if epw * nch > MAX_WORDS:
+        return None
+    cl = -(-experts // (WARPS * epw))
+    return {"T": tokens, "E": experts, "H": hidden, "K": top_k, "EPW": epw, "NCH": nch, "CL": cl}
+
+
+def smem_bytes(cfg: dict) -> int:
+    """The launch's dynamic shared memory: the warps' router rows and x, in 16-byte chunks (the .cu's
+    W_CHUNKS + X_CHUNKS)."""
+    return 16 * 32 * cfg["NCH"] * (WARPS * cfg["EPW"] + cfg["T"])
+
+
+def source(cfg: dict, norm: bool) -> str:
+    defs = {**cfg, "NORM": int(norm)}
+    return "".join(f"#define {key} {val}\n" for key, val in defs.items()) + _SOURCE.read_text()
+
+
+def available(device=None) -> bool:
+    """A CUDA device of compute capability 9.x (clusters, redux.sync, griddepcontrol) and NVRTC through torch,
+    and no failure here before."""
+    if STATE["ok"] is False or not torch.cuda.is_available():
+        return False
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
+        return False
+    return hasattr(torch.cuda, "_compile_kernel")
+
+
+def disable(exc: Exception) -> None:
+    STATE["ok"], STATE["error"] = False, repr(exc)[:300]
+    warnings.warn(f"CUDA MoE router + route kernel disabled ({STATE['error']}); using the Triton "
+                  "router_route", stacklevel=3)
+
+
+@functools.cache
+def _kernel(key: tuple, device_index: int):
+    cfg = dict(key[:-1])
+    with torch.cuda.device(device_index):
+        return torch.cuda._compile_kernel(source(cfg, key[-1]), "moe_router_route",
+                                          nvcc_options=["-std=c++17"])
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
+
+
+def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: bool,
+                 weight_dtype: torch.dtype | None = None):
+    """logits = x [T, H] @ gate_weight [E, H].T (bf16), then the route of the T tokens: (logits, idx, w, rows,
+    pos, offsets) as `moe_route.router_route`. bfloat16 operands and weights; no host sync. Inside
+    `pdl.step()` the launch carries PDL (kind "route") and reads the router weight before waiting for the
+    kernel before it."""
+    if x.ndim != 2 or gate_weight.ndim != 2 or x.shape[1] != gate_weight.shape[1]:
+        raise ValueError(f"router_route (CUDA): x must be [T, H] and gate_weight [E, H], got "
+                         f"{tuple(x.shape)} and {tuple(gate_weight.shape)}")
+    if x.dtype != torch.bfloat16 or gate_weight.dtype != torch.bfloat16:
+        raise TypeError(f"router_route (CUDA): x and gate_weight must be bfloat16, got {x.dtype} and "
+                        f"{gate_weight.dtype}")
+    if (weight_dtype or torch.bfloat16) != torch.bfloat16:
+        raise TypeError(f"router_route (CUDA): the top-k weights are bfloat16, got weight_dtype "
+                        f"{weight_dtype}; use moe_route.router_route")
+    if not x.is_cuda or x.device != gate_weight.device:
+        raise ValueError(f"router_route (CUDA): x and gate_weight must be on one CUDA device, got {x.device} "
+                         f"and {gate_weight.device}")
+    t, h = x.shape
+    e = gate_weight.shape[0]
+    cfg = plan(t, top_k, e, h)
+    if cfg is None:
+        raise ValueError(f"router_route (CUDA): {t} tokens, top {top_k} of {e} experts, hidden {h} is "
+                         f"outside the kernel (1-{MAX_TOKENS} tokens, top_k <= {MAX_TOP_K}, hidden % 8 == 0, "
+                         f"at most {MAX_WORDS * 256 * MAX_CLUSTER * WARPS} expert x hidden columns); use "
+                         "moe_route.router_route")
+    if not _aligned(x):  # cp.async reads 16-byte chunks of each row
+        x = x.clone(memory_format=torch.contiguous_format)
+    if not _aligned(gate_weight):
+        raise ValueError("router_route (CUDA): gate_weight rows must be 16-byte aligned with unit column "
+                         "stride (pass .contiguous())")
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    logits = torch.empty(t, e, dtype=torch.bfloat16, device=x.device)
+    idx = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    w = torch.empty(t, top_k, dtype=torch.bfloat16, device=x.device)
+    rows, pos = (torch.empty(t * top_k, dtype=torch.int32, device=x.device) for _ in range(2))
+    offsets = torch.empty(e + 1, dtype=torch.int32, device=x.device)
+    kern = _kernel(tuple(sorted(cfg.items())) + (bool(norm),), dev)
+    smem = smem_bytes(cfg)
+    with torch.cuda.device(dev):
+        gemv_cuda._set_smem(kern, smem)
+        pdl.launch(kern, (cfg["CL"], 1, 1), (WARPS * 32, 1, 1),
+                   [x, gate_weight, logits, idx, w, rows, pos, offsets, x.stride(0), gate_weight.stride(0)],
+                   smem, torch.cuda.current_stream(dev), pdl.weights_flag(dev, "route"))
+    STATE["ok"] = True
+    return logits, idx, w, rows, pos, offsets
+
+
+def _butterfly(v: torch.Tensor, op) -> torch.Tensor:
+    """A warp's xor butterfly over the last dim (32 lanes): v[l] = op(v[l], v[l ^ m]) for m = 16 .. 1."""
+    lanes = torch.arange(32, device=v.device)
+    for m in (16, 8, 4, 2, 1):
+        v = op(v, v[..., lanes ^ m])
+    return v
+
+
+def _sums(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """The router's fp32 sums [T, E] in the kernel's order: lane l sums its 16-byte chunks c = l + 32 i (i
+    ascending, the 8 exact products of a chunk in order), then the warp's xor butterfly adds the lanes."""
+    t, h = x.shape
+    e = gate_weight.shape[0]
+    nch = -(-h // 256)
+    dev = x.device
+    pad = 256 * nch
+    xf = torch.zeros(t, pad, device=dev)
+    xf[:, :h] = x.float()
+    wf = torch.zeros(e, pad, device=dev)
+    wf[:, :h] = gate_weight.float()
+    xl = xf.view(t, nch, 32, 8)  # [t, i, lane, element]: column 8 (lane + 32 i) + element
+    wl = wf.view(e, nch, 32, 8)
+    acc = torch.zeros(t, e, 32, device=dev)
+    for i in range(nch):
+        for el in range(8):
+            acc = acc + xl[:, None, i, :, el] * wl[None, :, i, :, el]  # exact product, one rounding per add
+    return _butterfly(acc, torch.add)[..., 0]
+
+
+def reference(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: bool):
+    """The kernel's arithmetic in torch ops (any device; each op one IEEE rounding, as the kernel's fmaf of an
+    exact product and its adds): (logits, idx, w, rows, pos, offsets) as `router_route`. On the GPU that ran
+    the kernel, torch's exp is the same libdevice expf, so the outputs are the kernel's bit for bit."""
+    t = x.shape[0]
+    e = gate_weight.shape[0]
+    dev = x.device
+    logits = _sums(x, gate_weight).bfloat16()
+    # the route: lane l holds experts l + 32 s (s ascending), past E: none
+    el_ = -(-e // 32)
+    lg = torch.full((t, 32 * el_), float("-inf"), device=dev)
+    lg[:, :e] = logits.float()
+    real = torch.arange(32 * el_, device=dev) < e
+    lane_major = lg.view(t, el_, 32)  # [t, s, lane]
+    mx = _fmax_over(lg)[:, None]  # fmaxf in any order: the largest logit that is not NaN
+    ex = torch.where(real.view(el_, 32), torch.exp(lane_major - mx[:, :, None]), torch.zeros((), device=dev))
+    s = torch.zeros(t, 32, device=dev)
+    for i in range(el_):
+        s = s + ex[:, i]
+    total_e = _butterfly(s, torch.add)[:, :1]  # [t, 1]
+    p = (ex / total_e[:, :, None]).reshape(t, 32 * el_)  # expert l + 32 s at s * 32 + l
+    bad = (p[:, :e] != p[:, :e]).any(1)
+    key = torch.where(bad[:, None], torch.ones_like(p, dtype=torch.int64),
+                      p.view(torch.int32).to(torch.int64) + 1)
+    key = torch.where(real[None, :], key, torch.zeros_like(key))
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=dev)
+    vals = torch.empty(t, top_k, device=dev)
+    total = torch.zeros(t, device=dev)
+    cols = torch.arange(32 * el_, device=dev)
+    for j in range(top_k):
+        top = key.max(1).values
+        i = torch.where(key == top[:, None], cols[None, :], torch.full_like(cols, 1 << 30)).min(1).values
+        key = torch.where(cols[None, :] == i[:, None], torch.zeros_like(key), key)
+        v = torch.where(bad, torch.zeros_like(total), (top - 1).to(torch.int32).view(torch.float32))
+        total = total + v
+        ids[:, j], vals[:, j] = i, v
+    w = vals / total[:, None] if norm else vals
+    w = torch.where(bad[:, None], torch.full_like(w, float("nan")), w).bfloat16()
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(t * top_k, device=dev)
+    offsets = torch.searchsorted(flat[order], torch.arange(e + 1, device=dev))
+    return logits, ids, w, (order // top_k).int(), pos.int(), offsets.int()
+
+
+def _fmax_over(v: torch.Tensor) -> torch.Tensor:
+    """fmaxf over dim 1 (a NaN operand is skipped, as CUDA's fmaxf; NaN only if all are)."""
+    out = v[:, 0]
+    for i in range(1, v.shape[1]):
+        out = torch.fmax(out, v[:, i])
+    return out
