@@ -38,7 +38,7 @@ def test_gemm_flag_only_inside_a_step_and_not_after_a_rebuild(on_gpu):
 
 def test_weights_flag_inside_a_step_leaves_the_hazard_to_the_gemm(on_gpu):
     """The CUDA MoE router + route reads its router weight before its wait: PDL only inside a step and not
-    while a decode-copy rebuild is pending, which it does not consume (the GEMM after it must still see it)."""
+    while a decode-copy rebuild is pending, which it does not consume (the GEMM after it must see it)."""
     assert not pdl.weights_flag("cuda", "route")
     with pdl.step():
         assert pdl.weights_flag("cuda", "route")
