@@ -4,6 +4,8 @@ torch path).
 
 python3 bench/moe_route_bench.py   (Qwen3-30B-A3B router: E 128, top 8; tokens 1, 8, 32, 64)
 python3 bench/moe_route_bench.py regs   (twenty-ninth session: the sort from the ids in registers, by warps)
+python3 bench/moe_route_bench.py cuda   (thirty-fourth session: the CUDA router + route, moe_route_cuda,
+                                        against the Triton router_route, with and without PDL between calls)
 python3 bench/moe_route_bench.py router   (eleventh session: the router GEMM + route in one launch,
                                            moe_route.router_route, by warps / experts per program / columns
                                            per step / columns per program, against F.linear (cuBLAS) + the
@@ -140,6 +142,41 @@ def regs_main():
                   flush=True)
 
 
+def cuda_main():
+    """Thirty-fourth session: the CUDA router + route (moe_route_cuda, one cluster launch) against the Triton
+    router_route at its defaults, Qwen3-30B-A3B's router (E 128, H 2048, top 8) at 1 / 2 / 4 / 8 tokens.
+    Outputs first: the CUDA kernel equal to its reference, the same experts as the Triton kernel. Then each
+    timed alternately over 5 rounds (the median of the rounds' medians): a graph of REPS calls without PDL,
+    and inside pdl.step() (each call may start while the one before runs: the CUDA kernel's router rows go to
+    shared memory before its wait, as in the decode step)."""
+    from fp4rl.kernels import moe_route_cuda, pdl
+
+    e, k, h = 128, 8, 2048
+    wr = (torch.randn(e, h, device="cuda") * 0.02).bfloat16()
+    print("| tokens | PDL | Triton router_route us | CUDA router + route us | saved us |")
+    for t in (1, 2, 4, 8):
+        x = torch.randn(t, h, device="cuda").bfloat16()
+        got = moe_route_cuda.router_route(x, wr, k, True)
+        if not all(torch.equal(a, b) for a, b in zip(got, moe_route_cuda.reference(x, wr, k, True))):
+            raise SystemExit(f"{t} tokens: the CUDA kernel differs from its reference")
+        if not torch.equal(got[1], moe_route.router_route(x, wr, k, True)[1]):
+            print(f"({t} tokens: other experts than the Triton kernel's: a near tie in the logits' last bit)")
+        fns = {"triton": lambda x=x: moe_route.router_route(x, wr, k, True),
+               "cuda": lambda x=x: moe_route_cuda.router_route(x, wr, k, True)}
+        for use_pdl in (False, True):
+            times = {name: [] for name in fns}
+            for _ in range(5):
+                for name, fn in fns.items():
+                    if use_pdl:
+                        with pdl.step():
+                            times[name].append(timed(lambda _r, fn=fn: fn(), REPS))
+                    else:
+                        times[name].append(timed(lambda _r, fn=fn: fn(), REPS))
+            old, new = (sorted(times[n])[2] for n in ("triton", "cuda"))
+            print(f"| {t} | {'on' if use_pdl else 'off'} | {old:.2f} | {new:.2f} | {old - new:.2f} |",
+                  flush=True)
+
+
 if __name__ == "__main__":
-    modes = {"router": router_main, "keyed": keyed_main, "regs": regs_main}
+    modes = {"router": router_main, "keyed": keyed_main, "regs": regs_main, "cuda": cuda_main}
     modes.get(sys.argv[1] if sys.argv[1:] else "", main)()
