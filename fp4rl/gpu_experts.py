@@ -274,7 +274,7 @@ class KernelMoeBlock(SparseMoeBlock):
         from fp4rl.kernels import moe_route, moe_route_cuda
 
         n, h = x.shape
-        if (ROUTER_CUDA and moe_route_cuda.available(x.device)
+        if (ROUTER_CUDA and moe_route_cuda.available(x.device) and moe_route_cuda.aligned(weight)
                 and moe_route_cuda.plan(n, self.top_k, self.num_experts, h) is not None):
             try:
                 return moe_route_cuda.router_route(x, weight, self.top_k, self.norm_topk_prob,

@@ -396,16 +396,23 @@ def test_in_cta_split_refuses_what_it_cannot_build():
 
 
 _ROUTER_PLANS = [(1, 8, 128, 2048), (8, 8, 128, 2048), (8, 4, 60, 2048), (2, 2, 8, 576), (8, 16, 256, 1024),
-                 (3, 6, 20, 296)]
+                 (3, 6, 20, 296), (8, 16, 64, 4096)]
 
 
 @pytest.mark.parametrize("t,k,e,h", _ROUTER_PLANS)
 @pytest.mark.parametrize("norm", [True, False])
 def test_moe_router_route_compiles_without_spills(t, k, e, h, norm):
+    """Spill-free; the static shared memory ptxas reports is at most moe_route_cuda.static_smem_bytes (the
+    launcher adds it to the dynamic part to decide the opt-in past 48 KB), and the two fit one CTA (the
+    largest plan here: 128 KB of dynamic shared memory)."""
     from fp4rl.kernels import moe_route_cuda
 
-    log = compile_log(moe_route_cuda.source(moe_route_cuda.plan(t, k, e, h), norm), "sm_90")
+    cfg = moe_route_cuda.plan(t, k, e, h)
+    log = compile_log(moe_route_cuda.source(cfg, norm), "sm_90")
     assert spills(log) == {"moe_router_route": (0, 0)}, log
+    static = int(re.search(r"(\d+) bytes smem", log).group(1))
+    assert moe_route_cuda.static_smem_bytes(cfg) - 16 < static <= moe_route_cuda.static_smem_bytes(cfg), log
+    assert moe_route_cuda.smem_bytes(cfg) + static <= gemv_cuda.SMEM_MAX
 
 
 @pytest.mark.parametrize("t,k,e,h", _ROUTER_PLANS[:3])

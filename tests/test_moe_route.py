@@ -295,24 +295,27 @@ def test_kernel_moe_block_takes_the_cuda_router_route_where_it_runs(contract, mo
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_moe_block_with_the_cuda_router_route():
-    """On the GPU: the block with ROUTER_CUDA (the kernel itself) chooses the Triton router_route's experts
-    and gives its output within a bf16 ulp; its route is the kernel reference's."""
+def test_gpu_kernel_moe_block_with_the_cuda_router_route(monkeypatch):
+    """On the GPU: the block with ROUTER_CUDA runs the kernel itself (once, without failing), chooses the
+    Triton router_route's experts and gives its output within a bf16 ulp; its route is the kernel
+    reference's."""
     from fp4rl.kernels import moe_route_cuda
 
     if not moe_route_cuda.available():
         pytest.skip("needs an sm_90 GPU and NVRTC")
     block, x = _kernel_moe_block("nvfp4-w4a16", MOE)
-    old = gpu_experts.ROUTER_CUDA
-    try:
-        with torch.inference_mode():
-            gpu_experts.ROUTER_CUDA = True
-            y, experts = block(x)
-            gpu_experts.ROUTER_CUDA = False
-            y_triton, experts_triton = block(x)
-    finally:
-        gpu_experts.ROUTER_CUDA = old
-    assert moe_route_cuda.STATE["ok"] is True, moe_route_cuda.STATE
+    calls = []
+    real = moe_route_cuda.router_route
+    monkeypatch.setattr(moe_route_cuda, "router_route", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(gpu_experts, "FUSED_ROUTER", True)
+    monkeypatch.setattr(gpu_experts, "ROUTER_MAX_TOKENS", 8)
+    monkeypatch.setitem(moe_route_cuda.STATE, "ok", None)
+    with torch.inference_mode():
+        monkeypatch.setattr(gpu_experts, "ROUTER_CUDA", True)
+        y, experts = block(x)
+        monkeypatch.setattr(gpu_experts, "ROUTER_CUDA", False)
+        y_triton, experts_triton = block(x)
+    assert calls == [1] and moe_route_cuda.STATE["ok"] is True, moe_route_cuda.STATE
     assert torch.equal(experts, experts_triton)
     assert torch.allclose(y.float(), y_triton.float(), rtol=2 ** -7, atol=1e-6)
     want = moe_route_cuda.reference(x[:, 0].contiguous(), block.gate.weight, block.top_k,
@@ -464,22 +467,27 @@ def test_cuda_router_route_plan_and_refusals():
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,e,k,h,norm", [(1, 128, 8, 2048, True), (8, 128, 8, 2048, True),
                                           (3, 60, 4, 296, False), (2, 8, 2, 576, True), (5, 33, 16, 64, True),
-                                          (4, 256, 6, 1024, True)])
+                                          (4, 256, 6, 1024, True), (7, 128, 8, 1024, True)])
 def test_gpu_cuda_router_route_is_its_reference_bit_for_bit(t, e, k, h, norm):
     """The kernel against moe_route_cuda.reference on the same GPU (torch's exp there is libdevice's expf):
-    every output equal, three times (nothing left over from a call; the second with a strided x), with ties
-    (x = 0) and a NaN row."""
+    every output equal for three inputs in a row (a call that wrote nothing would leave the last one's
+    outputs), the second a strided view, the third a view the kernel cannot read in place (its start 2 bytes
+    off 16: the launcher copies it); with ties (x = 0) and a NaN row. 7 tokens at H 1024: 46 KB of dynamic and
+    4 KB of static shared memory (past 48 KB only with the opt-in)."""
     from fp4rl.kernels import moe_route_cuda
 
     if not moe_route_cuda.available():
         pytest.skip("needs an sm_90 GPU and NVRTC")
-    x, wr = _router_operands(t, e, h, seed=t + e + h)
+    x0, wr = _router_operands(t, e, h, seed=t + e + h)
     if t > 2:
-        x[0] = 0.0
-        x[1, h // 2] = float("nan")
+        x0[0] = 0.0
+        x0[1, h // 2] = float("nan")
     wide = torch.zeros(t, h + 64, dtype=torch.bfloat16, device="cuda")
-    wide[:, :h] = x
-    for xs in (x, wide[:, :h], x):
+    views = (lambda v: v, lambda v: wide[:, :h].copy_(v), lambda v: wide[:, 1:h + 1].copy_(v))
+    for i, (view, sign) in enumerate(zip(views, (1.0, -1.0, 0.5))):
+        x = (x0 * sign).bfloat16()
+        xs = view(x)
+        assert moe_route_cuda.aligned(xs) == (i < 2) and torch.equal(xs.isnan(), x.isnan())
         got = moe_route_cuda.router_route(xs, wr, k, norm)
         want = moe_route_cuda.reference(x, wr, k, norm)
         for name, a, b in zip(("logits", "idx", "w", "rows", "pos", "offsets"), got, want):
@@ -501,8 +509,10 @@ def test_gpu_cuda_router_route_under_pdl_reads_the_new_x(t):
     input must give the route of the new x (the reference's outputs), never the previous replay's."""
     from fp4rl.kernels import fused, moe_route_cuda, pdl
 
-    if not moe_route_cuda.available() or not pdl.enabled("cuda"):
-        pytest.skip("needs an sm_90 GPU with PDL and NVRTC")
+    if not moe_route_cuda.available() or not pdl.triton_flag("cuda"):
+        pytest.skip("needs an sm_90 GPU, PDL in Triton and NVRTC")
+    with pdl.step():
+        assert pdl.weights_flag("cuda", "route"), "the route's launch must carry PDL here (FP4RL_PDL_OFF?)"
     h, e, k = 2048, 128, 8
     _, wr = _router_operands(t, e, h, seed=11)
     nw = torch.ones(h, dtype=torch.bfloat16, device="cuda")

@@ -4,8 +4,8 @@ serial route.
 
 At one token the Triton router_route spends ~4.5 of its ~6-7 us in the grid's last program, which routes
 alone after a global counter and a round trip through the column slices' partial sums, with a CTA barrier per
-reduction (bench/gpu_kernels.md, sixteenth and thirtieth sessions). Here one cluster of CL CTAs holds the
-router weight in registers (read before griddepcontrol.wait: it does not change during a decode step), sums
+reduction (bench/gpu_kernels.md, sixteenth and thirtieth sessions). Here one cluster of CL CTAs copies the
+router weight to shared memory before griddepcontrol.wait (it does not change during a decode step), sums
 x @ Wr.T per warp, hands the logits to CTA 0 through distributed shared memory behind one cluster barrier,
 and CTA 0 routes with warp-wide reductions (one warp per token; redux.sync for the top-k).
 
@@ -15,8 +15,8 @@ fp32 summation orders are the kernel's own (written out by `reference`, which ru
 torch ops on any device): a logit can differ from cuBLAS's or the Triton kernel's in its last bf16 bit, a
 probability from torch's softmax in its last fp32 bit (then only an exact or one-bit near tie can choose
 another expert, and routing replay records the choice made). On a GPU the kernel equals `reference` on the
-same device bit for bit (tests/test_moe_route_cuda.py, gpu marker); on a CPU `reference` is checked against
-torch's route and grouping.
+same device bit for bit (tests/test_moe_route.py, gpu marker: that assumes torch's exp and NVRTC's libdevice
+expf agree, which the test checks); on a CPU `reference` is checked against torch's route and grouping.
 
 Off by default until timed on a GPU: `gpu_experts.ROUTER_CUDA` (FP4RL_MOE_ROUTER_CUDA=1) makes KernelMoeBlock
 take it where `plan` fits, before the Triton router_route.
@@ -37,7 +37,7 @@ WARPS = 8
 MAX_TOKENS = 8  # tokens: warps of CTA 0 that route
 MAX_CLUSTER = 8  # CTAs of the cluster (the portable limit)
 MAX_TOP_K = 16
-MAX_WORDS = 16  # 16-byte chunks of router weight a lane holds (EPW x NCH): 64 registers
+MAX_WORDS = 16  # 16-byte chunks of router weight a lane copies and reads (EPW x NCH): 8 KB a warp
 # ok False: it failed here once (compile or launch); the Triton router_route from then on
 STATE = {"ok": None, "error": None}
 
@@ -60,6 +60,12 @@ def smem_bytes(cfg: dict) -> int:
     """The launch's dynamic shared memory: the warps' router rows and x, in 16-byte chunks (the .cu's
     W_CHUNKS + X_CHUNKS)."""
     return 16 * 32 * cfg["NCH"] * (WARPS * cfg["EPW"] + cfg["T"])
+
+
+def static_smem_bytes(cfg: dict) -> int:
+    """The kernel's static shared memory (at most: each array to 16 bytes): every expert's logit per token
+    (lg) and the chosen ids."""
+    return sum(-(-4 * cfg["T"] * n // 16) * 16 for n in (cfg["CL"] * WARPS * cfg["EPW"], cfg["K"]))
 
 
 def source(cfg: dict, norm: bool) -> str:
@@ -92,7 +98,9 @@ def _kernel(key: tuple, device_index: int):
                                           nvcc_options=["-std=c++17"])
 
 
-def _aligned(t: torch.Tensor) -> bool:
+def aligned(t: torch.Tensor) -> bool:
+    """Rows the kernel's 16-byte copies can read: unit column stride, a row stride that is a multiple of 8,
+    a 16-byte aligned start."""
     return t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
 
 
@@ -120,11 +128,11 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
     if cfg is None:
         raise ValueError(f"router_route (CUDA): {t} tokens, top {top_k} of {e} experts, hidden {h} is "
                          f"outside the kernel (1-{MAX_TOKENS} tokens, top_k <= {MAX_TOP_K}, hidden % 8 == 0, "
-                         f"at most {MAX_WORDS * 256 * MAX_CLUSTER * WARPS} expert x hidden columns); use "
+                         f"ceil(E / {MAX_CLUSTER * WARPS}) x ceil(H / 256) <= {MAX_WORDS}); use "
                          "moe_route.router_route")
-    if not _aligned(x):  # cp.async reads 16-byte chunks of each row
+    if not aligned(x):  # cp.async reads 16-byte chunks of each row
         x = x.clone(memory_format=torch.contiguous_format)
-    if not _aligned(gate_weight):
+    if not aligned(gate_weight):
         raise ValueError("router_route (CUDA): gate_weight rows must be 16-byte aligned with unit column "
                          "stride (pass .contiguous())")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -136,7 +144,8 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
     kern = _kernel(tuple(sorted(cfg.items())) + (bool(norm),), dev)
     smem = smem_bytes(cfg)
     with torch.cuda.device(dev):
-        gemv_cuda._set_smem(kern, smem)
+        # past 48 KB of dynamic + static shared memory the launch needs the opt-in (the static part counts)
+        gemv_cuda._set_smem(kern, smem + static_smem_bytes(cfg))
         pdl.launch(kern, (cfg["CL"], 1, 1), (WARPS * 32, 1, 1),
                    [x, gate_weight, logits, idx, w, rows, pos, offsets, x.stride(0), gate_weight.stride(0)],
                    smem, torch.cuda.current_stream(dev), pdl.weights_flag(dev, "route"))
@@ -175,8 +184,10 @@ def _sums(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
 
 def reference(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: bool):
     """The kernel's arithmetic in torch ops (any device; each op one IEEE rounding, as the kernel's fmaf of an
-    exact product and its adds): (logits, idx, w, rows, pos, offsets) as `router_route`. On the GPU that ran
-    the kernel, torch's exp is the same libdevice expf, so the outputs are the kernel's bit for bit."""
+    exact product and its adds: the bf16 products are exact in fp32 except below ~2^-133 or from 2^128,
+    where the kernel's fmaf and torch's rounded product can part): (logits, idx, w, rows, pos, offsets) as
+    `router_route`. On the GPU that ran the kernel, torch's exp is libdevice's expf as the kernel's, so the
+    outputs are the kernel's bit for bit (NaNs as torch's 0x7FC0)."""
     t = x.shape[0]
     e = gate_weight.shape[0]
     dev = x.device

@@ -24,7 +24,7 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 
 #define WARPS 8
-#define EL ((CL * WARPS * EPW + 31) / 32)  // logits per lane in the route (experts lane + 32 s)
+#define EL ((E + 31) / 32)  // logits per lane in the route (experts lane + 32 s)
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 a;
@@ -40,10 +40,10 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_byt
 __device__ __forceinline__ float lo(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float hi(u32 v) { return __uint_as_float(v & 0xFFFF0000u); }
 
-// fp32 -> bf16 bits, round to nearest even (NaN stays NaN)
+// fp32 -> bf16 bits, round to nearest even; a NaN as 0x7FC0 (torch's conversion, c10::BFloat16)
 __device__ __forceinline__ u16 to_bf16(float f) {
     const u32 u = __float_as_uint(f);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u16)((u >> 16) | 0x40u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u16)0x7FC0u;
     return (u16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
@@ -77,6 +77,9 @@ moe_router_route(const u16* x, const u16* __restrict__ wr, u16* __restrict__ log
     asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
     // PDL (no-ops without the launch attribute): the next kernel may be scheduled now; it waits for this grid
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    // the cluster's CTAs may touch each other's shared memory only once all have started: arrive now, wait
+    // before the first remote store (the GEMV lies between)
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
     // this warp's router rows go to shared memory before the wait (read-only during a decode step); each lane
     // copies the chunks it reads itself. cp.async, not loads into registers: ptxas sinks a register load of
     // read-only data below griddepcontrol.wait, to its use
@@ -132,6 +135,7 @@ moe_router_route(const u16* x, const u16* __restrict__ wr, u16* __restrict__ log
     // to CTA 0 through distributed shared memory (one lane per logit), then one cluster barrier; the logits'
     // global copy after it, so that the barrier's release does not wait for those stores
     const u32 lg0 = smem_u32(&lg[0][0]);
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 #pragma unroll
     for (int j = 0; j < EPW; ++j)
 #pragma unroll
