@@ -187,7 +187,7 @@ def reference(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: bool
     exact product and its adds: the bf16 products are exact in fp32 except below ~2^-133 or from 2^128,
     where the kernel's fmaf and torch's rounded product can part): (logits, idx, w, rows, pos, offsets) as
     `router_route`. On the GPU that ran the kernel, torch's exp is libdevice's expf as the kernel's, so the
-    outputs are the kernel's bit for bit (NaNs as torch's 0x7FC0)."""
+    outputs are the kernel's bit for bit (a NaN as a NaN: the kernel writes 0x7FC0)."""
     t = x.shape[0]
     e = gate_weight.shape[0]
     dev = x.device

@@ -40,7 +40,8 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_byt
 __device__ __forceinline__ float lo(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float hi(u32 v) { return __uint_as_float(v & 0xFFFF0000u); }
 
-// fp32 -> bf16 bits, round to nearest even; a NaN as 0x7FC0 (torch's conversion, c10::BFloat16)
+// fp32 -> bf16 bits, round to nearest even; a NaN as 0x7FC0 (c10::BFloat16's on the host; the GPU's
+// __float2bfloat16 may give another NaN)
 __device__ __forceinline__ u16 to_bf16(float f) {
     const u32 u = __float_as_uint(f);
     if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u16)0x7FC0u;
