@@ -143,8 +143,9 @@ def regs_main():
 
 
 def cuda_main():
-    """Thirty-fourth session: the CUDA router + route (moe_route_cuda, one cluster launch) against the Triton
-    router_route at its defaults, Qwen3-30B-A3B's router (E 128, H 2048, top 8) at 1 / 2 / 4 / 8 tokens.
+    """Thirty-fourth session: the CUDA router + route (moe_route_cuda, one cluster launch; the logits to CTA 0
+    behind a cluster barrier, and by st.async on an mbarrier: ASYNC_LOGITS) against the Triton router_route at
+    its defaults, Qwen3-30B-A3B's router (E 128, H 2048, top 8) at 1 / 2 / 4 / 8 tokens.
     Outputs first: the CUDA kernel equal to its reference, the same experts as the Triton kernel. Then each
     timed alternately over 5 rounds (the median of the rounds' medians): a graph of REPS calls without PDL,
     and inside pdl.step() (each call may start while the one before runs: the CUDA kernel's router rows go to
@@ -153,16 +154,25 @@ def cuda_main():
 
     e, k, h = 128, 8, 2048
     wr = (torch.randn(e, h, device="cuda") * 0.02).bfloat16()
-    print("| tokens | PDL | Triton router_route us | CUDA router + route us | saved us |")
+    print("| tokens | PDL | Triton router_route us | CUDA, cluster barrier us | CUDA, st.async (ASYNC) us |")
+
+    def cuda(x, asy):
+        moe_route_cuda.ASYNC_LOGITS = asy
+        try:
+            return moe_route_cuda.router_route(x, wr, k, True)
+        finally:
+            moe_route_cuda.ASYNC_LOGITS = False
+
     for t in (1, 2, 4, 8):
         x = torch.randn(t, h, device="cuda").bfloat16()
-        got = moe_route_cuda.router_route(x, wr, k, True)
-        if not all(torch.equal(a, b) for a, b in zip(got, moe_route_cuda.reference(x, wr, k, True))):
-            raise SystemExit(f"{t} tokens: the CUDA kernel differs from its reference")
-        if not torch.equal(got[1], moe_route.router_route(x, wr, k, True)[1]):
+        want = moe_route_cuda.reference(x, wr, k, True)
+        for asy in (False, True):
+            if not all(torch.equal(a, b) for a, b in zip(cuda(x, asy), want)):
+                raise SystemExit(f"{t} tokens, ASYNC {asy}: the CUDA kernel differs from its reference")
+        if not torch.equal(want[1], moe_route.router_route(x, wr, k, True)[1]):
             print(f"({t} tokens: other experts than the Triton kernel's: a near tie in the logits' last bit)")
         fns = {"triton": lambda x=x: moe_route.router_route(x, wr, k, True),
-               "cuda": lambda x=x: moe_route_cuda.router_route(x, wr, k, True)}
+               "cuda": lambda x=x: cuda(x, False), "async": lambda x=x: cuda(x, True)}
         for use_pdl in (False, True):
             times = {name: [] for name in fns}
             for _ in range(5):
@@ -172,9 +182,8 @@ def cuda_main():
                             times[name].append(timed(lambda _r, fn=fn: fn(), REPS))
                     else:
                         times[name].append(timed(lambda _r, fn=fn: fn(), REPS))
-            old, new = (sorted(times[n])[2] for n in ("triton", "cuda"))
-            print(f"| {t} | {'on' if use_pdl else 'off'} | {old:.2f} | {new:.2f} | {old - new:.2f} |",
-                  flush=True)
+            cells = " | ".join(f"{sorted(times[n])[2]:.2f}" for n in fns)
+            print(f"| {t} | {'on' if use_pdl else 'off'} | {cells} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -400,30 +400,32 @@ _ROUTER_PLANS = [(1, 8, 128, 2048), (8, 8, 128, 2048), (8, 4, 60, 2048), (2, 2, 
 
 
 @pytest.mark.parametrize("t,k,e,h", _ROUTER_PLANS)
-@pytest.mark.parametrize("norm", [True, False])
-def test_moe_router_route_compiles_without_spills(t, k, e, h, norm):
+@pytest.mark.parametrize("norm,asy", [(True, 0), (False, 0), (True, 1)])
+def test_moe_router_route_compiles_without_spills(t, k, e, h, norm, asy):
     """Spill-free; the static shared memory ptxas reports is at most moe_route_cuda.static_smem_bytes (the
     launcher adds it to the dynamic part to decide the opt-in past 48 KB), and the two fit one CTA (the
     largest plan here: 128 KB of dynamic shared memory)."""
     from fp4rl.kernels import moe_route_cuda
 
-    cfg = moe_route_cuda.plan(t, k, e, h)
+    cfg = dict(moe_route_cuda.plan(t, k, e, h), ASYNC=asy)
     log = compile_log(moe_route_cuda.source(cfg, norm), "sm_90")
     assert spills(log) == {"moe_router_route": (0, 0)}, log
     static = int(re.search(r"(\d+) bytes smem", log).group(1))
-    assert moe_route_cuda.static_smem_bytes(cfg) - 16 < static <= moe_route_cuda.static_smem_bytes(cfg), log
+    assert moe_route_cuda.static_smem_bytes(cfg) - 32 < static <= moe_route_cuda.static_smem_bytes(cfg), log
     assert moe_route_cuda.smem_bytes(cfg) + static <= gemv_cuda.SMEM_MAX
 
 
+@pytest.mark.parametrize("asy", [0, 1])
 @pytest.mark.parametrize("t,k,e,h", _ROUTER_PLANS[:3])
-def test_moe_router_route_reads_its_weight_before_the_wait_and_x_after(t, k, e, h):
+def test_moe_router_route_reads_its_weight_before_the_wait_and_x_after(t, k, e, h, asy):
     """Before griddepcontrol.wait (ACQBULK) the SASS copies the warps' router rows to shared memory (LDGSTS,
     EPW x NCH per thread) and loads nothing else from global memory (x is the previous kernel's output);
-    x's copies come after it, then the CTA barrier, the cluster barrier (UCGABAR) and CTA 0's top-k on
-    redux.sync (REDUX, two per slot)."""
+    x's copies come after it, then the remote stores of the logits: with the cluster barrier (release: a
+    MEMBAR.ALL.GPU), or ASYNC by st.async (STAS) and CTA 0's mbarrier wait (SYNCS...TRYWAIT), no MEMBAR; then
+    CTA 0's top-k on redux.sync (REDUX, two per slot)."""
     from fp4rl.kernels import moe_route_cuda
 
-    cfg = moe_route_cuda.plan(t, k, e, h)
+    cfg = dict(moe_route_cuda.plan(t, k, e, h), ASYNC=asy)
     ops = _sass_ops(moe_route_cuda.source(cfg, True))
     wait = ops.index("ACQBULK")
     before = [op for op in ops[:wait] if op.startswith(("LDG", "LD.", "UBLKCP", "UTMALDG"))]
@@ -431,7 +433,13 @@ def test_moe_router_route_reads_its_weight_before_the_wait_and_x_after(t, k, e, 
     assert not [op for op in before if not op.startswith(("LDGSTS", "LDGDEPBAR"))], before
     after = ops[wait:]
     assert "LDGSTS.E.BYPASS.128" in after and "UCGABAR_WAIT" in after
-    assert after.index("LDGSTS.E.BYPASS.128") < after.index("UCGABAR_ARV")
+    if asy:
+        assert "STAS" in after and not any(op.startswith("MEMBAR") for op in ops)
+        assert after.index("LDGSTS.E.BYPASS.128") < after.index("STAS")
+        assert any(op.startswith("SYNCS.PHASECHK") for op in after[after.index("STAS"):])
+    else:
+        assert "STAS" not in ops and "MEMBAR.ALL.GPU" in after
+        assert after.index("LDGSTS.E.BYPASS.128") < after.index("UCGABAR_ARV")
     assert sum(op.startswith("REDUX") for op in after) == 2 * k
     assert ops.index("PREEXIT") < wait
 

@@ -465,19 +465,21 @@ def test_cuda_router_route_plan_and_refusals():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("asy", [False, True], ids=["cluster-barrier", "st-async"])
 @pytest.mark.parametrize("t,e,k,h,norm", [(1, 128, 8, 2048, True), (8, 128, 8, 2048, True),
                                           (3, 60, 4, 296, False), (2, 8, 2, 576, True), (5, 33, 16, 64, True),
                                           (4, 256, 6, 1024, True), (7, 128, 8, 1024, True)])
-def test_gpu_cuda_router_route_is_its_reference_bit_for_bit(t, e, k, h, norm):
+def test_gpu_cuda_router_route_is_its_reference_bit_for_bit(t, e, k, h, norm, asy, monkeypatch):
     """The kernel against moe_route_cuda.reference on the same GPU (torch's exp there is libdevice's expf):
     every output equal for three inputs in a row (a call that wrote nothing would leave the last one's
     outputs), the second a strided view, the third a view the kernel cannot read in place (its start 2 bytes
     off 16: the launcher copies it); with ties (x = 0) and a NaN row. 7 tokens at H 1024: 46 KB of dynamic and
-    4 KB of static shared memory (past 48 KB only with the opt-in)."""
+    4 KB of static shared memory (past 48 KB only with the opt-in). Both hand-offs of the logits to CTA 0."""
     from fp4rl.kernels import moe_route_cuda
 
     if not moe_route_cuda.available():
         pytest.skip("needs an sm_90 GPU and NVRTC")
+    monkeypatch.setattr(moe_route_cuda, "ASYNC_LOGITS", asy)
     x0, wr = _router_operands(t, e, h, seed=t + e + h)
     if t > 2:
         x0[0] = 0.0

@@ -25,6 +25,7 @@ take it where `plan` fits, before the Triton router_route.
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from pathlib import Path
 
@@ -38,6 +39,10 @@ MAX_TOKENS = 8  # tokens: warps of CTA 0 that route
 MAX_CLUSTER = 8  # CTAs of the cluster (the portable limit)
 MAX_TOP_K = 16
 MAX_WORDS = 16  # 16-byte chunks of router weight a lane copies and reads (EPW x NCH): 8 KB a warp
+# the logits to CTA 0 by st.async on an mbarrier that CTA 0 alone waits on, instead of remote stores and a
+# cluster barrier (whose release compiles to a MEMBAR.ALL.GPU); the same outputs.
+# FP4RL_MOE_ROUTER_CUDA_ASYNC=1: for A/B, untimed (bench/moe_route_bench.py cuda times both)
+ASYNC_LOGITS = os.environ.get("FP4RL_MOE_ROUTER_CUDA_ASYNC", "0") == "1"
 # ok False: it failed here once (compile or launch); the Triton router_route from then on
 STATE = {"ok": None, "error": None}
 
@@ -64,8 +69,9 @@ def smem_bytes(cfg: dict) -> int:
 
 def static_smem_bytes(cfg: dict) -> int:
     """The kernel's static shared memory (at most: each array to 16 bytes): every expert's logit per token
-    (lg) and the chosen ids."""
-    return sum(-(-4 * cfg["T"] * n // 16) * 16 for n in (cfg["CL"] * WARPS * cfg["EPW"], cfg["K"]))
+    (lg), the chosen ids, and with ASYNC the mbarrier."""
+    arrays = sum(-(-4 * cfg["T"] * n // 16) * 16 for n in (cfg["CL"] * WARPS * cfg["EPW"], cfg["K"]))
+    return arrays + 16 * cfg.get("ASYNC", 0)
 
 
 def source(cfg: dict, norm: bool) -> str:
@@ -141,6 +147,7 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
     w = torch.empty(t, top_k, dtype=torch.bfloat16, device=x.device)
     rows, pos = (torch.empty(t * top_k, dtype=torch.int32, device=x.device) for _ in range(2))
     offsets = torch.empty(e + 1, dtype=torch.int32, device=x.device)
+    cfg["ASYNC"] = int(ASYNC_LOGITS)
     kern = _kernel(tuple(sorted(cfg.items())) + (bool(norm),), dev)
     smem = smem_bytes(cfg)
     with torch.cuda.device(dev):

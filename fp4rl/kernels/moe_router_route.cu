@@ -24,6 +24,11 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 
 #define WARPS 8
+#ifndef ASYNC
+// 1: the logits reach CTA 0 by st.async, each completing bytes on an mbarrier of CTA 0 that only CTA 0 waits
+// on, instead of st.shared::cluster and a cluster barrier (whose release is a MEMBAR.ALL.GPU on the path)
+#define ASYNC 0
+#endif
 #define EL ((E + 31) / 32)  // logits per lane in the route (experts lane + 32 s)
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
@@ -73,13 +78,24 @@ moe_router_route(const u16* x, const u16* __restrict__ wr, u16* __restrict__ log
     extern __shared__ __align__(16) uint4 chunks[];
     __shared__ float lg[T][CL * WARPS * EPW];  // CTA 0: every expert's logit (as the bf16 value)
     __shared__ int ids[T * K];                  // CTA 0: the chosen experts, pair p = t K + j
+#if ASYNC
+    __shared__ __align__(8) unsigned long long bar;  // CTA 0: completes once every logit's 4 bytes landed
+#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u32 rank;
     asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
     // PDL (no-ops without the launch attribute): the next kernel may be scheduled now; it waits for this grid
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    // the cluster's CTAs may touch each other's shared memory only once all have started: arrive now, wait
-    // before the first remote store (the GEMV lies between)
+#if ASYNC
+    if (rank == 0 && threadIdx.x == 0) {  // one arrival (this one, expecting the bytes) and T E x 4 bytes
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_u32(&bar)) : "memory");
+        asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }"
+                     :: "r"(smem_u32(&bar)), "r"(4 * T * E) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+#endif
+    // the cluster's CTAs may touch each other's shared memory only once all have started (and CTA 0's
+    // mbarrier is set up): arrive now, wait before the first remote store (the GEMV lies between)
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
     // this warp's router rows go to shared memory before the wait (read-only during a decode step); each lane
     // copies the chunks it reads itself. cp.async, not loads into registers: ptxas sinks a register load of
@@ -133,10 +149,15 @@ moe_router_route(const u16* x, const u16* __restrict__ wr, u16* __restrict__ log
             for (int m = 16; m >= 1; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
             acc[j][t] = v;
         }
-    // to CTA 0 through distributed shared memory (one lane per logit), then one cluster barrier; the logits'
-    // global copy after it, so that the barrier's release does not wait for those stores
+    // to CTA 0 through distributed shared memory (one lane per logit), then one cluster barrier (ASYNC: CTA
+    // 0 waits on its mbarrier for the bytes; the others go on); the logits' global copy after it, so that the
+    // barrier's release does not wait for those stores
     const u32 lg0 = smem_u32(&lg[0][0]);
     asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#if ASYNC
+    u32 rbar;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(rbar) : "r"(smem_u32(&bar)));
+#endif
 #pragma unroll
     for (int j = 0; j < EPW; ++j)
 #pragma unroll
@@ -145,10 +166,24 @@ moe_router_route(const u16* x, const u16* __restrict__ wr, u16* __restrict__ log
             u32 ra;  // lg[t][e] in CTA 0
             asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(ra)
                          : "r"(lg0 + 4u * (u32)(t * CL * WARPS * EPW + e0 + j)));
-            asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(ra),
-                         "f"(__uint_as_float((u32)to_bf16(acc[j][t]) << 16)) : "memory");
+            const u32 v = (u32)to_bf16(acc[j][t]) << 16;
+#if ASYNC
+            asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+                         :: "r"(ra), "r"(v), "r"(rbar) : "memory");
+#else
+            asm volatile("st.shared::cluster.b32 [%0], %1;" :: "r"(ra), "r"(v) : "memory");
+#endif
         }
+#if ASYNC
+    if (rank == 0) {
+        u32 done = 0;
+        while (!done)
+            asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0; "
+                         "selp.u32 %0, 1, 0, p; }" : "=r"(done) : "r"(smem_u32(&bar)) : "memory");
+    }
+#else
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
 #pragma unroll
     for (int j = 0; j < EPW; ++j)
 #pragma unroll
