@@ -251,6 +251,24 @@ def test_kernel_moe_block_fused_route_computes_the_torch_route(contract, config,
     assert torch.equal(y_forced, y_ref)
 
 
+def _with_and_without_router_cuda(block, x, router_route, monkeypatch):
+    """block(x) with ROUTER_CUDA (moe_route_cuda.router_route replaced by `router_route`, its failure state
+    cleared) and without: (y, experts, y_triton, experts_triton); the fused router's defaults set here (the
+    environment may not)."""
+    from fp4rl.kernels import moe_route_cuda
+
+    monkeypatch.setattr(moe_route_cuda, "router_route", router_route)
+    monkeypatch.setattr(gpu_experts, "FUSED_ROUTER", True)
+    monkeypatch.setattr(gpu_experts, "ROUTER_MAX_TOKENS", 8)
+    monkeypatch.setitem(moe_route_cuda.STATE, "ok", None)
+    with torch.inference_mode():
+        monkeypatch.setattr(gpu_experts, "ROUTER_CUDA", True)
+        y, experts = block(x)
+        monkeypatch.setattr(gpu_experts, "ROUTER_CUDA", False)
+        y_triton, experts_triton = block(x)
+    return y, experts, y_triton, experts_triton
+
+
 @pytest.mark.parametrize("contract", ["bf16", "nvfp4-w4a16"])
 def test_kernel_moe_block_takes_the_cuda_router_route_where_it_runs(contract, monkeypatch):
     """ROUTER_CUDA: the decode-sized forward routes through moe_route_cuda.router_route where the kernel runs
@@ -268,15 +286,8 @@ def test_kernel_moe_block_takes_the_cuda_router_route_where_it_runs(contract, mo
 
     monkeypatch.setattr(moe_route_cuda, "available", lambda device=None:
                         moe_route_cuda.STATE["ok"] is not False)
-    monkeypatch.setattr(moe_route_cuda, "router_route", fake)
-    monkeypatch.setattr(gpu_experts, "FUSED_ROUTER", True)
-    monkeypatch.setattr(gpu_experts, "ROUTER_MAX_TOKENS", 8)
-    monkeypatch.setitem(moe_route_cuda.STATE, "ok", None)
+    y, experts, y_triton, experts_triton = _with_and_without_router_cuda(block, x, fake, monkeypatch)
     with torch.inference_mode():
-        monkeypatch.setattr(gpu_experts, "ROUTER_CUDA", True)
-        y, experts = block(x)
-        monkeypatch.setattr(gpu_experts, "ROUTER_CUDA", False)
-        y_triton, experts_triton = block(x)
         monkeypatch.setattr(gpu_experts, "ROUTER_CUDA", True)
 
         def broken(*args, **kwargs):
@@ -306,15 +317,8 @@ def test_gpu_kernel_moe_block_with_the_cuda_router_route(monkeypatch):
     block, x = _kernel_moe_block("nvfp4-w4a16", MOE)
     calls = []
     real = moe_route_cuda.router_route
-    monkeypatch.setattr(moe_route_cuda, "router_route", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(gpu_experts, "FUSED_ROUTER", True)
-    monkeypatch.setattr(gpu_experts, "ROUTER_MAX_TOKENS", 8)
-    monkeypatch.setitem(moe_route_cuda.STATE, "ok", None)
-    with torch.inference_mode():
-        monkeypatch.setattr(gpu_experts, "ROUTER_CUDA", True)
-        y, experts = block(x)
-        monkeypatch.setattr(gpu_experts, "ROUTER_CUDA", False)
-        y_triton, experts_triton = block(x)
+    y, experts, y_triton, experts_triton = _with_and_without_router_cuda(
+        block, x, lambda *a, **kw: calls.append(1) or real(*a, **kw), monkeypatch)
     assert calls == [1] and moe_route_cuda.STATE["ok"] is True, moe_route_cuda.STATE
     assert torch.equal(experts, experts_triton)
     assert torch.allclose(y.float(), y_triton.float(), rtol=2 ** -7, atol=1e-6)

@@ -86,16 +86,20 @@ def set_stamp_buffer(device_index: int, buf: torch.Tensor | None) -> None:
     _SMEM_SET.clear()
 
 
-def available(device=None) -> bool:
-    """True where the kernel can run: a CUDA device of compute capability 9.x and NVRTC through torch."""
-    if STATE["ok"] is False:
-        return False
+def hopper_nvrtc(device=None) -> bool:
+    """A CUDA device of compute capability 9.x (the CUDA C++ kernels' sm_90 code: clusters, griddepcontrol)
+    and NVRTC through torch."""
     if not torch.cuda.is_available():
         return False
     dev = torch.device("cuda") if device is None else torch.device(device)
     if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
         return False
     return hasattr(torch.cuda, "_compile_kernel")
+
+
+def available(device=None) -> bool:
+    """True where the kernel can run: hopper_nvrtc, and no failure here before."""
+    return STATE["ok"] is not False and hopper_nvrtc(device)
 
 
 def disable_wide(exc: Exception) -> None:

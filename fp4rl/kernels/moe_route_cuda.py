@@ -80,14 +80,8 @@ def source(cfg: dict, norm: bool) -> str:
 
 
 def available(device=None) -> bool:
-    """A CUDA device of compute capability 9.x (clusters, redux.sync, griddepcontrol) and NVRTC through torch,
-    and no failure here before."""
-    if STATE["ok"] is False or not torch.cuda.is_available():
-        return False
-    dev = torch.device("cuda") if device is None else torch.device(device)
-    if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
-        return False
-    return hasattr(torch.cuda, "_compile_kernel")
+    """gemv_cuda.hopper_nvrtc (clusters, redux.sync, griddepcontrol, NVRTC), and no failure here before."""
+    return STATE["ok"] is not False and gemv_cuda.hopper_nvrtc(device)
 
 
 def disable(exc: Exception) -> None:
