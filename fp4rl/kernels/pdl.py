@@ -18,10 +18,10 @@ Which launches carry it (``KINDS``): by default the fused Triton kernels, the gr
 the dense CUDA GEMM at one row ("gemv"), the CUDA MoE router + route ("route"), not the dense GEMM at 2-16
 rows ("mma"), its wgmma configuration ("wide") or the Triton decode attention ("attn": no faster in the 30B
 step, thirty-first session): ``DEFAULT_OFF``. Measured on the H200 at full depth, W4A16 (bench/RESULTS.md,
-"sampler on H200", fourteenth session): PDL on the dense GEMM cost Qwen3-8B's step 0.75 ms of 5.15 at batch 32 and 0.18 ms of 3.1 at batch
-8, and Qwen3-30B-A3B's 0.23 ms of 7.7 at batch 32, while at batch 1 it saved 0.04-0.09 ms and PDL on the
-Triton kernels saved 0.30 ms of 2.7 (Qwen3-30B-A3B). ``FP4RL_PDL_OFF`` (comma-separated kinds, empty for none)
-or ``set_kinds_off`` chooses another set.
+"sampler on H200", fourteenth session): PDL on the dense GEMM cost Qwen3-8B's step 0.75 ms of 5.15 at batch 32
+and 0.18 ms of 3.1 at batch 8, and Qwen3-30B-A3B's 0.23 ms of 7.7 at batch 32, while at batch 1 it saved
+0.04-0.09 ms and PDL on the Triton kernels saved 0.30 ms of 2.7 (Qwen3-30B-A3B). ``FP4RL_PDL_OFF``
+(comma-separated kinds, empty for none) or ``set_kinds_off`` chooses another set.
 """
 
 from __future__ import annotations
