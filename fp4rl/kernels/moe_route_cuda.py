@@ -136,11 +136,10 @@ def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: b
         raise ValueError("router_route (CUDA): gate_weight rows must be 16-byte aligned with unit column "
                          "stride (pass .contiguous())")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    from fp4rl.kernels.moe_route import _route_outputs
+
     logits = torch.empty(t, e, dtype=torch.bfloat16, device=x.device)
-    idx = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
-    w = torch.empty(t, top_k, dtype=torch.bfloat16, device=x.device)
-    rows, pos = (torch.empty(t * top_k, dtype=torch.int32, device=x.device) for _ in range(2))
-    offsets = torch.empty(e + 1, dtype=torch.int32, device=x.device)
+    idx, w, rows, pos, offsets = _route_outputs(t, top_k, e, torch.bfloat16, x.device)
     cfg["ASYNC"] = int(ASYNC_LOGITS)
     kern = _kernel(tuple(sorted(cfg.items())) + (bool(norm),), dev)
     smem = smem_bytes(cfg)
