@@ -24,7 +24,9 @@ Asynchronous with k = loop.max_staleness >= 1: the rollout of step s uses versio
     v(s) = max(0, s - 1 - k)
 
 A background thread owns the sampler and produces rollouts in step order; for step s it
-waits until version v(s) has been published, loads it, and generates. The trainer publishes
+waits until version v(s) has been published, loads it, and generates. The trainer's thread scores
+them (task.score) when it takes them, so a reward that only works in the main thread (math-verify's
+signal.alarm timeouts) or is not thread-safe runs as in a sync run. The trainer publishes
 version s right after step s, so while it trains step s the thread can already generate the
 rollouts of steps s + 1 .. s + k (those need versions <= s - 1, all published). Staleness is exactly
 k from step s = k + 1 on (smaller in the first steps, which all use version 0), never more. Because a rollout
@@ -43,7 +45,7 @@ second sampler in this process in async mode, sharded as the rollouts are): gree
 last step.
 
 Determinism and resume. Every random draw is seeded from trainer.seed: sampling uses a seed
-derived from (seed, "rollout", s) (and (seed, "eval", s, T)), training order is fixed, and the
+derived from (seed, "rollout", s) (and (seed, "eval", s, T, chunk)), training order is fixed, and the
 global torch/python/numpy RNG states travel in the checkpoint. `fp4rl train --resume RUN_DIR`
 after a crash (even kill -9) loads the newest complete checkpoint, drops the metrics.jsonl
 lines of later steps and redoes them: the metrics, apart from time/* and memory/*, equal
@@ -67,6 +69,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import math
 import os
@@ -116,16 +119,18 @@ def rollout_version(step: int, staleness: int) -> int:
 
 @dataclass
 class Rollout:
-    """Scored completions of one step: G prompts x n samples, grouped by prompt."""
+    """Completions of one step: G prompts x n samples, grouped by prompt, and their rewards (None until
+    scored: an async rollout is scored by the trainer's thread, Rollouts.scored)."""
 
     step: int
     prompts: list[Prompt]  # [G]
     completions: list  # [G * n] fp4rl.sampler.Completion, prompt-major
-    rewards: torch.Tensor  # [G, n] fp32
+    rewards: torch.Tensor | None  # [G, n] fp32
     seconds: float  # generation + scoring wall time
 
     def state_dict(self) -> dict:
-        """Plain data (for a checkpoint): the prompts by id, the completions as dicts."""
+        """Plain data (for a checkpoint): the prompts by id, the completions as dicts (and the rewards, or
+        None: a pending async rollout is scored when the resumed run takes it)."""
         return {"step": self.step, "prompt_ids": [p.id for p in self.prompts],
                 "completions": [dataclasses.asdict(c) for c in self.completions],
                 "rewards": self.rewards, "seconds": self.seconds}
@@ -166,7 +171,8 @@ class Rollouts:
             rewards = [1.0 if r >= 1.0 else 0.0 for r in rewards]
         return rewards
 
-    def rollout(self, sampler, step: int) -> Rollout:
+    def rollout(self, sampler, step: int, *, score: bool = True) -> Rollout:
+        """The rollout of `step`; with score=False its rewards are left for `scored` (the async thread)."""
         from fp4rl.sampler import SamplingParams
 
         start = time.perf_counter()
@@ -177,9 +183,17 @@ class Rollouts:
                                 seed=derive_seed(c.trainer.seed, "rollout", step),
                                 guidance=c.precision.trace_deep_fraction if c.precision.trace else 0.0)
         completions = self.generate(sampler, prompts, params)
-        rewards = torch.tensor(self.score(prompts, completions), dtype=torch.float32)
-        return Rollout(step, prompts, completions, rewards.view(len(prompts), c.sampler.n),
-                       time.perf_counter() - start)
+        rollout = Rollout(step, prompts, completions, None, time.perf_counter() - start)
+        return self.scored(rollout) if score else rollout
+
+    def scored(self, rollout: Rollout) -> Rollout:
+        """`rollout` with its rewards (task.score here, in the caller's thread; once)."""
+        if rollout.rewards is None:
+            start = time.perf_counter()
+            rewards = torch.tensor(self.score(rollout.prompts, rollout.completions), dtype=torch.float32)
+            rollout.rewards = rewards.view(len(rollout.prompts), self.config.sampler.n)
+            rollout.seconds += time.perf_counter() - start
+        return rollout
 
     def evaluate(self, sampler, step: int) -> dict[str, float]:
         """Held-out accuracy at every eval temperature (0: greedy)."""
@@ -192,13 +206,14 @@ class Rollouts:
             return out
         start = time.perf_counter()
         for temperature in c.eval.temperatures:
-            params = SamplingParams(
-                n=1, greedy=temperature == 0, temperature=temperature or 1.0, top_p=c.sampler.top_p,
-                top_k=c.sampler.top_k, max_new_tokens=c.eval.max_new_tokens or c.sampler.max_new_tokens,
-                seed=derive_seed(c.trainer.seed, "eval", step, temperature))
             correct, lengths = 0, 0
             for i in range(0, len(prompts), EVAL_CHUNK):
                 chunk = prompts[i : i + EVAL_CHUNK]
+                # a seed per chunk: with one, row j of every chunk would draw the same random numbers
+                params = SamplingParams(
+                    n=1, greedy=temperature == 0, temperature=temperature or 1.0, top_p=c.sampler.top_p,
+                    top_k=c.sampler.top_k, max_new_tokens=c.eval.max_new_tokens or c.sampler.max_new_tokens,
+                    seed=derive_seed(c.trainer.seed, "eval", step, temperature, i // EVAL_CHUNK))
                 completions = self.generate(sampler, chunk, params)
                 correct += sum(r >= 1.0 for r in self.score(chunk, completions))
                 lengths += sum(len(x.completion_ids) for x in completions)
@@ -462,8 +477,9 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
             else (tokenizer.eos_token_id or 0)
         worker, eval_sampler = None, sampler
         if staleness > 0 and start_step < c.trainer.steps:  # (nothing to train: no thread)
-            worker = RolloutWorker(sampler, rollouts.rollout, staleness=staleness, first_step=first,
-                                   last_step=last, ready=pending)
+            # the thread only generates: its rollouts are scored here, in this thread (module docstring)
+            worker = RolloutWorker(sampler, functools.partial(rollouts.rollout, score=False),
+                                   staleness=staleness, first_step=first, last_step=last, ready=pending)
             # however train() ends, and before the pool shuts down; an interrupted run (Ctrl-C, an error)
             # does not wait out a rollout in progress for more than WORKER_CLOSE_S
             stack.callback(worker.close, WORKER_CLOSE_S)
@@ -499,6 +515,7 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
                 trained_on = trainer.policy_version
                 rollout = worker.get(step) if worker else rollouts.rollout(sampler, step)
                 wait_s = time.perf_counter() - step_start
+                rollouts.scored(rollout)
                 batch, record = make_batch(rollout, c, pad_id)
                 versions = [x.policy_version for x in rollout.completions]
                 record.update({
@@ -506,7 +523,11 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
                     "rollout/staleness_mean": trained_on - sum(versions) / len(versions),
                     "rollout/staleness_max": trained_on - min(versions),
                 })
-                record.update(trainer.step(batch))
+                # a step whose groups were all dropped still measures the sampler/trainer mismatch: on the
+                # whole rollout (advantages 0, nothing is trained on it)
+                measure = None if len(batch) else Batch.from_completions(
+                    rollout.completions, torch.zeros(len(rollout.completions)), pad_id=pad_id)
+                record.update(trainer.step(batch, measure=measure))
                 sync_start = time.perf_counter()
                 payload = weight_sync.build_payload(trainer.model, contract, trainer.policy_version,
                                                     seal=False)

@@ -51,6 +51,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +115,12 @@ class Trainer:
                                            weight_decay=tc.weight_decay)
         self.updates_per_batch = config.loop.updates_per_batch
         self.total_updates = tc.steps * self.updates_per_batch
+        if tc.warmup_steps > self.total_updates:
+            warnings.warn(f"trainer.warmup_steps = {tc.warmup_steps} is more than the run's "
+                          f"{self.total_updates} optimizer updates (trainer.steps = {tc.steps} x "
+                          f"loop.updates_per_batch = {self.updates_per_batch}): the learning rate never "
+                          f"reaches trainer.lr (it peaks at {self.total_updates / tc.warmup_steps:.3g} x "
+                          "lr). Lower trainer.warmup_steps, or raise trainer.steps", stacklevel=2)
         self.autocast_dtype = torch.bfloat16 if tc.autocast == "bf16" else None
         self.policy_version = 0  # steps taken; the sampler's weights carry the same number
         self.updates = 0  # optimizer updates taken; drives the LR schedule
@@ -150,8 +157,12 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ step
 
-    def step(self, batch: Batch) -> dict[str, float]:
-        """One RL step on `batch` (see the module docstring) -> train/*, mismatch/*, time/, memory/."""
+    def step(self, batch: Batch, *, measure: Batch | None = None) -> dict[str, float]:
+        """One RL step on `batch` (see the module docstring) -> train/*, mismatch/*, time/, memory/.
+
+        An empty `batch` (every group dropped: equal rewards) updates nothing: train/loss and
+        train/grad_norm are 0, and the mismatch/* metrics come from `measure` (the step's whole rollout,
+        its logprobs by one no-grad forward), so every step logs them."""
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -236,6 +247,17 @@ class Trainer:
             if config.grpo.kl_coef > 0:
                 metrics["train/kl_ref"] = sum(kls) / len(kls)
             metrics.update(self._mismatch(batch, micro, pi_old))
+        else:  # no update: the gradient of an empty loss is zero
+            metrics["train/loss"] = metrics["train/grad_norm"] = metrics["train/grad_norm_max"] = 0.0
+            if measure is not None and len(measure):
+                measure = measure.to(self.device)
+                if measure.routing is not None:
+                    check_routing(measure.routing, self.model.config.num_experts, "measure.routing")
+                parts = measure.split(config.trainer.micro_batch_size)
+                with torch.no_grad():
+                    lps = [self.logprobs(mb) for mb in parts]
+                metrics.update(self._mismatch(measure, parts, lps))
+                batch = measure  # its TRACE guidance is what this step's forwards used
         if batch.guidance is not None:
             self.trace_stats.cache_bytes = sum(g.bytes_per_token(2) for g in batch.guidance.values()) * int(
                 batch.guidance_valid.sum())

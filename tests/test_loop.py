@@ -24,7 +24,7 @@ from rl_fixtures import TINY_CONFIG as TINY
 from rl_fixtures import run_tiny, tiny_assets, tiny_sets
 
 from fp4rl.config import ConfigError, load_config
-from fp4rl.loop import derive_seed, main, rollout_version
+from fp4rl.loop import derive_seed, main, rollout_version, train
 from fp4rl.metrics import read_metrics
 from fp4rl.trainer import list_checkpoints
 
@@ -71,6 +71,26 @@ def test_sync_run_logs_the_design_keys(assets, tmp_path):
     assert load_config(run_dir / "config.toml").trainer.steps == 3
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_000002", "step_000003"]  # keep 2
     assert (run_dir / "plots" / "reward.png").is_file()
+
+
+def test_async_scores_in_the_trainers_thread_and_an_untrained_step_still_measures(assets, tmp_path):
+    """An async run whose task has the JSONL default reward, math-verify (its timeouts use signal.alarm, which
+    only works in the main thread: scored in the rollout thread, the first rollout failed). On the tiny
+    model it scores 0 everywhere, so every group is dropped and no step trains: each step still logs the
+    DESIGN keys, the mismatch measured on the whole rollout and a zero gradient."""
+    prompts = tmp_path / "prompts.jsonl"  # an answer the tiny vocabulary (digits as words) cannot write
+    prompts.write_text("".join(json.dumps({"prompt": f"w{i} w{i + 1}", "answer": "1/7"}) + "\n"
+                               for i in range(40)))
+    sets = [s for s in tiny_sets(assets, tmp_path, "mv") if not s.startswith("task.kwargs=")]
+    sets += [f"task.kwargs={{path = {json.dumps(str(prompts))}}}", "trainer.steps=2", "loop.mode=async",
+             "loop.max_staleness=1", "task.eval_size=0"]
+    records = train(load_config(TINY, sets))
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["reward/mean"] == 0.0 and r["train/sequences"] == 0
+        assert r["train/grad_norm"] == 0.0 and r["train/loss"] == 0.0
+        assert 0 < r["mismatch/logprob_abs_diff"] < 1 and r["mismatch/kl_k3"] >= 0
+        assert "mismatch/tis_clip_frac" in r
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -448,9 +468,10 @@ def test_trace_guides_the_trainer_towards_the_samplers_codes(assets, tmp_path):
     plain = run_tiny(assets, tmp_path, "plain", "trainer.steps=2")
     guided = run_tiny(assets, tmp_path, "guided", "trainer.steps=2", "precision.trace=true")
     for r in guided:
-        assert {"trace/code_disagree_rtn", "trace/cache_bytes_per_token"} <= set(r)
-        assert "trace/code_disagree_guided" not in r  # removed: 0 by construction, it measured nothing
+        assert {"trace/code_disagree_rtn", "trace/code_disagree_guided",
+                "trace/cache_bytes_per_token"} <= set(r)
         assert 0 < r["trace/code_disagree_rtn"] < 1  # some round-to-nearest codes changed, not all
+        assert 0 <= r["trace/code_disagree_guided"] < r["trace/code_disagree_rtn"]
         assert r["trace/cache_bytes_per_token"] > 0
     # every W4A4 layer guided (the default): 0.002 vs 0.11 on this job
     assert guided[0]["mismatch/logprob_abs_diff"] < 0.1 * plain[0]["mismatch/logprob_abs_diff"]
@@ -499,6 +520,33 @@ def test_partial_credit_is_a_config_key(partial):
     completions = [SimpleNamespace(prompt_index=0, text=t) for t in (prompt.answer, f"-{prompt.answer}", "x")]
     rewards = Rollouts(task, None, config).score([prompt], completions)
     assert rewards == ([1.0, 0.5, 0.0] if partial else [1.0, 0.0, 0.0])
+
+
+def test_sampled_eval_draws_a_seed_per_chunk(monkeypatch):
+    """Held-out prompts go to the sampler in chunks; each chunk its own seed (with one seed, row j of every
+    chunk would draw the same random numbers), each seed the same in every run."""
+    from types import SimpleNamespace
+
+    from fp4rl import loop
+    from fp4rl.tasks import ReasoningGymTask
+
+    class Recorder:
+        def __init__(self):
+            self.seeds = []
+
+        def generate(self, ids, params):
+            self.seeds.append(params.seed)
+            return [SimpleNamespace(prompt_index=i, sample_index=0, text="x", completion_ids=[1])
+                    for i in range(len(ids))]
+
+    monkeypatch.setattr(loop, "EVAL_CHUNK", 2)
+    task = ReasoningGymTask("basic_arithmetic", eval_size=5, pool_size=100)
+    rollouts = loop.Rollouts(task, None, load_config(None, ["eval.temperatures=[1.0]"]))
+    monkeypatch.setattr(rollouts, "encode", lambda p: [1, 2])
+    first, again = Recorder(), Recorder()
+    rollouts.evaluate(first, 3)
+    rollouts.evaluate(again, 3)
+    assert len(first.seeds) == 3 and len(set(first.seeds)) == 3 and first.seeds == again.seeds
 
 
 def test_closing_the_rollout_thread_does_not_wait_out_a_long_rollout():

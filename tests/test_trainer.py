@@ -147,7 +147,7 @@ def test_empty_batch_counts_a_step_without_an_update():
     params = [p.detach().clone() for p in trainer.params]
     metrics = trainer.step(Batch.from_completions([], []))
     assert trainer.policy_version == 1 and trainer.updates == 0
-    assert metrics["train/sequences"] == 0 and "train/loss" not in metrics
+    assert metrics["train/sequences"] == 0 and metrics["train/loss"] == metrics["train/grad_norm"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(params, trainer.params))
 
 
@@ -454,3 +454,25 @@ def test_resume_uses_the_configs_betas_and_weight_decay_and_names_a_damaged_chec
     other = Trainer(tiny_model(moe=True), NVFP4, config())  # another model.name: other tensors
     with pytest.raises(ConfigError, match=r"does not match the model of model.name: .*model.name changed"):
         other.load_checkpoint(first)
+
+
+def test_a_step_with_nothing_to_train_measures_the_mismatch_on_the_rollout():
+    """Every group dropped (equal rewards): no update, a zero gradient, and the mismatch/* metrics from the
+    whole rollout (`measure`): here sampler logprobs 0.25 above the trainer's, on every completion token."""
+    trainer = Trainer(tiny_model(), PrecisionContract("bf16"), config())
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    rollout = make_batch(trainer.model, offset=0.25)
+    empty = Batch.from_completions([], [])
+    m = trainer.step(empty, measure=rollout)
+    assert m["train/sequences"] == 0 and m["train/grad_norm"] == 0.0 and m["train/loss"] == 0.0
+    assert m["mismatch/logprob_abs_diff"] == pytest.approx(0.25, abs=1e-4)
+    assert m["mismatch/tis_clip_frac"] == 0.0  # pi / mu = exp(-0.25) < the cap everywhere
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert trainer.policy_version == 1 and trainer.updates == 0
+    assert "mismatch/logprob_abs_diff" not in trainer.step(empty)  # nothing to measure on
+
+
+def test_a_warmup_longer_than_the_run_warns():
+    with pytest.warns(UserWarning, match=r"trainer.warmup_steps = 50 is more than the run's 20 optimizer"):
+        Trainer(tiny_model(), PrecisionContract("bf16"),
+                config(**{"trainer.warmup_steps": 50, "trainer.steps": 10, "loop.updates_per_batch": 2}))
