@@ -39,10 +39,10 @@ W4A4: |logprob diff| 0.39 unguided, 0.30 with the deep half guided, 0.009 with a
 Counters (``TraceStats``): elements guided (an input q/k/v or gate/up share counts once; a routed
 token's gate/up input counts once per expert it goes to, as each expert quantizes it), those whose
 round-to-nearest code (on the rollout scales) has another bit than recorded (``trace/code_disagree_rtn``:
-a lower bound of the codes that guidance changes), and the cache's bytes per token
-(``trace/cache_bytes_per_token``). There is no "after guidance" count: the guided code's low bit is
-the recorded one by construction (but on exact grid hits, above), and the bit is all the trainer knows of
-the sampler's code.
+a lower bound of the codes that guidance changes), those whose guided code still has another bit than
+recorded (``trace/code_disagree_guided``: only exact grid hits, above, where the trainer keeps its point
+rather than guess a neighbour; the bit is all the trainer knows of the sampler's code, so this is the part of
+the disagreement guidance cannot remove), and the cache's bytes per token (``trace/cache_bytes_per_token``).
 
 Hooks: ``recording(model)`` captures guidance from every guided linear's activation quantizer while
 the sampler's model runs (``Recording.take`` hands it over per forward); ``guiding(model, guidance)``
@@ -147,6 +147,7 @@ class TraceStats:
 
     elements: int = 0
     disagree_rtn: int = 0
+    disagree_guided: int = 0
     cache_bytes: int = 0
     tokens: int = 0
 
@@ -154,6 +155,7 @@ class TraceStats:
         if not self.elements:
             return {}
         return {"trace/code_disagree_rtn": self.disagree_rtn / self.elements,
+                "trace/code_disagree_guided": self.disagree_guided / self.elements,
                 "trace/cache_bytes_per_token": self.cache_bytes / max(1, self.tokens)}
 
 
@@ -213,6 +215,7 @@ def guided_quantize(x: torch.Tensor, guide: Guidance, valid: torch.Tensor | None
         nearest = round_to_e2m1(z).to(torch.int64)  # round-to-nearest on the rollout scales
         stats.elements += rows.numel() * K
         stats.disagree_rtn += int(((nearest & 1) != bit).sum())
+        stats.disagree_guided += int(((pick & 1) != bit).sum())
     data[rows], block_scale[rows], global_scale[rows] = pack_fp4(codes), bs, gs.global_scale
     return NVFP4Tensor(data=data, block_scale=block_scale, global_scale=global_scale, shape=x.shape,
                        dtype=x.dtype, tile=16, scale_rule=scale_rule)

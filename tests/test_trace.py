@@ -10,6 +10,7 @@
   never further from the sampler's code than round-to-nearest);
 - the cache holds K/8 + K/16 + 4 bytes per row; bad shapes are refused."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -68,9 +69,32 @@ def test_perturbed_input_moves_towards_the_samplers_codes():
     err_guided = (dequantize(guided) - dequantize(q)).abs().sum()
     assert err_guided < 0.5 * err_rtn
     m = stats.metrics()
-    # no "guided disagreement": it was 0 by construction (the guided code's low bit is the recorded one)
-    assert set(m) == {"trace/code_disagree_rtn", "trace/cache_bytes_per_token"}
-    assert not hasattr(stats, "disagree_guided")
+    assert set(m) == {"trace/code_disagree_rtn", "trace/code_disagree_guided", "trace/cache_bytes_per_token"}
+    assert m["trace/code_disagree_guided"] < m["trace/code_disagree_rtn"]
+
+
+def test_guided_disagreement_counts_the_grid_hits_guidance_keeps():
+    """trace/code_disagree_guided: the elements whose guided code's low bit is still not the recorded one.
+    Guided rounding moves every element off its round-to-nearest code when the bits differ, except one that
+    sits exactly on a grid point (both neighbours with the bit are a step away): it keeps that point. Zeros
+    are such points; recorded bits flipped under them must be counted, the other elements must not."""
+    x = _acts(seed=5)
+    zeros = torch.zeros_like(x, dtype=torch.bool)
+    zeros[:, 3::16] = True  # one element per block (the block amax and scales stay x's)
+    zeros[::2] = False
+    x = torch.where(zeros, torch.zeros_like(x), x)
+    q = quantize(x, scale_scope="row")
+    g = trace.compact(x, q)
+    bits = trace._unpack_bits(g.bits).bool()
+    flipped = trace._pack_bits((bits ^ zeros).to(torch.uint8))
+    g = dataclasses.replace(g, bits=flipped)  # as if the sampler had seen +-0.5 there
+    stats = trace.TraceStats()
+    guided = trace.guided_quantize(x, g, stats=stats)
+    low = (unpack_fp4(guided.data) & 1).bool()
+    still = low != (bits ^ zeros)
+    assert torch.equal(still, zeros)  # the flipped zeros, and only they, keep a bit other than recorded
+    assert stats.disagree_guided == int(zeros.sum()) > 0 and stats.disagree_rtn == int(zeros.sum())
+    assert stats.metrics()["trace/code_disagree_guided"] == int(zeros.sum()) / x.numel()
 
 
 def test_rtn_disagreement_counts_the_codes_guidance_changes():
