@@ -27,7 +27,11 @@ What is written (the tensors of each format: fp4rl/export_formats.py):
   every BF16 linear listed by name in exclude_modules / ignore. When a layer's routed experts
   are all BF16 the list also names the layer's `...mlp.experts` (the servers' fused MoE module);
 - W4A4: one static input scale per linear from the activation amax on `calib_prompts` built-in
-  prompts (see export_formats.py); W4A16 has none.
+  prompts (see export_formats.py); a layer's routed experts share two, the MoE input's for gate/up
+  and the largest down_proj input's for down_proj (an expert sees few calibration tokens). W4A16
+  has none;
+- an all-zero quantized weight with global scale 1 (its block scales and codes are 0); an NVFP4
+  lm_head is refused (servers load lm_head as their BF16 vocabulary-parallel head).
 The NVFP4 arithmetic is fp4rl's own; compressed-tensors and ModelOpt are used only in the tests,
 as oracles that their loaders read back the same values.
 
@@ -288,6 +292,14 @@ def _check_servable(model: nn.Module, resolved: dict[str, str], packed: dict) ->
     if model.config.tie_word_embeddings and "lm_head.weight" in packed:
         raise ValueError("export: lm_head is NVFP4 but tied to embed_tokens (tie_word_embeddings); a "
                          "checkpoint stores the tied weight once, as the embedding. Keep lm_head BF16")
+    if "lm_head.weight" in packed:
+        # servers build lm_head as their vocabulary-parallel head, not a quantized linear: compressed-tensors'
+        # "Linear" target skips it (its packed bytes then go unread) and vLLM's ModelOpt loader quantizes it
+        # only for a few architectures, so the model would be served with another (or no) head
+        raise ValueError("export: lm_head is NVFP4 (a precision rule quantizes it); vLLM and SGLang load "
+                         "lm_head as their BF16 vocabulary-parallel head and would not serve these bytes. "
+                         "Keep lm_head BF16 (every preset does: drop the rule) and train with it, or export "
+                         "with --precision bf16 for that module")
     for full in fused_groups(model):
         precisions = {resolved.get(n) for n in full}
         if len(precisions) > 1:
@@ -387,14 +399,16 @@ def observe_input_amax(model: nn.Module, calib_ids: list[list[int]], quantized: 
         block = next((b for b in blocks if name.startswith(f"{b}.experts.")), None)
         if block is not None and name.endswith(("gate_proj", "up_proj")):
             out[name] = amax[block]
-        elif name in amax:
-            out[name] = amax[name]
         elif block is not None:
+            # every expert's down_proj takes the layer's largest: an expert sees few calibration tokens (one
+            # or none), and a static scale below its real inputs would clip them at 6 x 448 x the scale
             seen = [amax[n] for n in quantized if n.startswith(f"{block}.experts.") and n in amax
                     and n.endswith("down_proj")]
             if not seen:
                 raise ValueError(f"export: no calibration token reached any expert of {block}")
             out[name] = torch.stack(seen).amax()
+        elif name in amax:
+            out[name] = amax[name]
         else:
             raise ValueError(f"export: {name} saw no calibration input; it cannot get an input scale")
     return out

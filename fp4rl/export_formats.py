@@ -86,6 +86,11 @@ def _bytes(q: NVFP4Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch
     if q.global_scale.numel() != 1:
         raise ValueError(f"export: {name} has a per-row global scale; the formats hold one per tensor")
     g = q.global_scale.reshape(()).cpu().float()
+    if g == 0:  # an all-zero weight (amax 0): every block scale and code is 0, and any scale decodes them
+        if bool(q.block_scale.float().any()):  # to zeros; 1 keeps the formats' scales finite (not 1/0)
+            raise ValueError(f"export: {name} has global scale 0 but non-zero block scales: not an NVFP4 "
+                             "tensor the quantizer writes")
+        g = torch.ones_like(g)
     return q.data.cpu().contiguous(), q.block_scale.cpu().contiguous(), g
 
 

@@ -338,7 +338,7 @@ def test_moe_experts_are_written_one_by_one(tmp_path):
     hf_quant = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())
     exclude = hf_quant["quantization"]["exclude_modules"]
     for layer in (0, 1):
-        inputs = []
+        inputs, downs = [], []
         for e in range(4):
             key = f"model.layers.{layer}.mlp.experts.{e}"
             for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -346,7 +346,11 @@ def test_moe_experts_are_written_one_by_one(tmp_path):
             assert torch.equal(st[f"{key}.gate_proj.weight_scale_2"], st[f"{key}.up_proj.weight_scale_2"])
             assert torch.equal(st[f"{key}.gate_proj.input_scale"], st[f"{key}.up_proj.input_scale"])
             inputs.append(st[f"{key}.gate_proj.input_scale"])
+            downs.append(st[f"{key}.down_proj.input_scale"])
         assert all(torch.equal(x, inputs[0]) for x in inputs)  # one MoE input scale per layer
+        # and one for the experts' down_proj, the largest of theirs: an expert a calibration token or two
+        # reached must not clip what the others see
+        assert all(torch.equal(x, downs[0]) for x in downs)
         for kept in ("mlp.gate", "mlp.shared_expert.gate_proj", "mlp.shared_expert_gate", "self_attn.q_proj",
                      "self_attn.qkv_proj", "mlp.shared_expert.gate_up_proj"):
             assert f"model.layers.{layer}.{kept}" in exclude
@@ -363,3 +367,31 @@ def test_moe_experts_are_written_one_by_one(tmp_path):
         assert not sglang_skips(f"model.layers.{layer}.mlp.experts.0.gate_up_proj") or layer == 2
     assert "model.layers.2.mlp.experts" in exclude and "lm_head" in exclude
     assert st["model.layers.2.mlp.experts.0.gate_proj.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_an_all_zero_weight_exports_finite_scales_and_loads_back(tmp_path, fmt):
+    """A linear whose weights are all 0 (a zero-initialised projection): global scale 1, not 0 (ModelOpt) or
+    1/0 (compressed-tensors); its block scales and codes are 0, so it decodes to zeros; fp4rl imports it."""
+    model = tiny("llama")
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight.zero_()
+    export_model(model, PrecisionContract("nvfp4-w4a16"), tmp_path / "out", format=fmt)
+    st = load_file(tmp_path / "out" / "model.safetensors")
+    scale = "weight_scale_2" if fmt == "modelopt" else "weight_global_scale"
+    key = f"model.layers.0.self_attn.o_proj.{scale}"
+    assert st[key].float().reshape(()).item() == 1.0
+    loaded, _ = fp4rl.load_model(tmp_path / "out")
+    w = dequantize(packed_state(loaded)["model.layers.0.self_attn.o_proj.weight"])
+    assert not w.any()
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_an_nvfp4_lm_head_is_refused(tmp_path, fmt):
+    """Servers load lm_head as their BF16 vocabulary-parallel head: an NVFP4 one would not be served."""
+    model = tiny("llama")
+    assert not model.config.tie_word_embeddings
+    with pytest.raises(ValueError, match="lm_head is NVFP4 .* Keep lm_head BF16"):
+        export_model(model, PrecisionContract("nvfp4-w4a16", rules=(("lm_head", "w4a16"),)), tmp_path / "out",
+                     format=fmt)
+    assert not (tmp_path / "out").exists()  # refused before anything is written
