@@ -76,6 +76,22 @@ def test_concurrent_writers_merge(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tune-")]  # no temporary file left
 
 
+def test_the_first_pick_stored_wins(tmp_path):
+    """Two processes time the same key at once (Ray actors starting together): the second to store gets
+    the first one's pick back, and the file keeps it; a pick that is no longer a candidate is replaced."""
+    path = tmp_path / "gpu.json"
+    cands = [gemm_tune.WIDE, gemm_tune.FALLBACK, "dense"]
+    k = (64, 4096, 2048, 1, False, False, 1, None, False, 0)
+    assert tune_cache.store(path, k, gemm_tune.WIDE, cands) == gemm_tune.WIDE
+    tune_cache._ENTRIES.clear()  # the other process, which looked the key up before the first one stored
+    tune_cache._ENTRIES[path] = {}
+    assert tune_cache.store(path, k, gemm_tune.FALLBACK, cands) == gemm_tune.WIDE
+    assert json.loads(path.read_text()) == {tune_cache.key_str(k): gemm_tune.WIDE}
+    assert tune_cache.lookup(path, k, cands) == gemm_tune.WIDE  # and it is what it now reads
+    assert tune_cache.store(path, k, "dense", ["dense", gemm_tune.FALLBACK]) == "dense"  # WIDE gone
+    assert json.loads(path.read_text()) == {tune_cache.key_str(k): "dense"}
+
+
 def test_unreadable_file_is_ignored_then_rewritten(tmp_path):
     path = tmp_path / "gpu.json"
     path.write_text("{not json")
@@ -213,6 +229,27 @@ def test_the_tuner_keeps_and_reuses_its_pick(monkeypatch, tmp_path):
     monkeypatch.setattr(tune_cache, "_ENTRIES", {})
     n = len(clones)
     assert choose(key) == gemm_tune.WIDE and not gemm_tune.TUNE_LOG and len(clones) == n
+
+
+def test_a_pick_another_process_stored_while_this_one_timed_is_taken(monkeypatch, tmp_path):
+    """Sampler processes on one machine run one configuration per key: one that stores its pick while this
+    process is timing the same key makes this one drop its own (faster here) pick and run the stored one."""
+    choose, _, _, cands = _tuner(monkeypatch, tmp_path)
+    monkeypatch.setattr(gemm_tune, "_TUNED", {})
+    monkeypatch.setattr(gemm_tune, "TUNE_LOG", {})
+    monkeypatch.setattr(tune_cache, "_ENTRIES", {})
+    key = (128, 4096, 2048, 1, False, False, 1, None, True, 0)
+    timed = gemm_tune.time_chain
+    other = cands()[2]
+
+    def time_and_race(calls):
+        if not gemm_tune.TUNE_LOG[key]:  # the other process finishes while this one times its first
+            tune_cache.store(tune_cache.file_for(None), key, other)
+        return timed(calls)
+
+    monkeypatch.setattr(gemm_tune, "time_chain", time_and_race)
+    assert choose(key) == other and gemm_tune._TUNED[key] == other
+    assert min(gemm_tune.TUNE_LOG[key], key=lambda e: e[1])[0] == gemm_tune.WIDE  # its own pick was WIDE
 
 
 @pytest.mark.parametrize("first_fails", [False, True])

@@ -91,6 +91,9 @@ class SamplerFactory:
         from fp4rl.qat import convert
 
         config, dtype = self._shape
+        # in the sampler's dtype when it names one: the zeros are only a shape for the first payload to fill,
+        # and a master-dtype (fp32) model of a large config would hold twice the host memory per actor
+        dtype = self.sampler_kwargs.get("dtype") or dtype
         with torch.device("meta"):
             model = CausalLM(config)
         model = model.to_empty(device="cpu").to(dtype)

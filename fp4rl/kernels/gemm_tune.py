@@ -267,9 +267,9 @@ def _choose(key, m, n, kh, device, run, grouped, allow_fallback, tune, w4a16=Fal
     TUNE_SECONDS[key] = time.perf_counter() - started
     if best is None:
         raise RuntimeError(f"no NVFP4 GEMM configuration ran for {key}; the first error: {first_error}")
-    _TUNED[key] = best
     if cache is not None and first_error is None:  # (not a pick made without a candidate that failed here)
-        _tune_cache.store(cache, key, best)
+        best = _tune_cache.store(cache, key, best, cands)  # another process's pick, if it stored one first
+    _TUNED[key] = best
     return best
 
 

@@ -11,7 +11,9 @@ FP4RL_TUNE_CACHE (a path; "0" or empty turns the cache off), else $XDG_CACHE_HOM
 FP4RL_* switches that change the kernels (PDL, splits: every FP4RL_* variable but FP4RL_TUNE_CACHE and
 FP4RL_TRACEBACK) are part of the file name too. Writes take a lock, merge with what is on disk and replace
 the file atomically (a temporary file renamed), so concurrent processes neither tear the file nor drop each
-other's picks; a miss re-reads a file that another process has changed. A file that cannot be read is
+other's picks; a miss re-reads a file that another process has changed, and of two processes that timed the
+same key at once the second adopts the first one's pick (`store`): one configuration, one rounding, per
+machine. A file that cannot be read is
 ignored (and rewritten), a directory that cannot be written turns the cache off for the process with one
 warning. The tuner stores a pick only when every candidate ran (gemm_tune._choose): a pick made without a
 candidate that failed in one process (the wgmma build off, a Gluon failure, an out-of-memory) is not kept
@@ -134,14 +136,25 @@ def lookup(path: Path, key: tuple, candidates: list):
     return next((c for c in candidates if c == cached), None)
 
 
-def store(path: Path, key: tuple, pick) -> None:
+def store(path: Path, key: tuple, pick, candidates: list | None = None):
     """Record key -> pick (a config dict or a path name), merged with the file as it is on disk now, under an
-    exclusive lock on a sidecar file (concurrent writers do not drop each other's entries)."""
+    exclusive lock on a sidecar file (concurrent writers do not drop each other's entries). -> the pick to
+    run: the first one stored wins. When another process stored one of `candidates` for the key first (Ray
+    sampler actors starting together all miss the cache and time), that one is kept and returned, so every
+    process sharing the directory runs the same configuration, and candidates that sum in another order
+    give no process other bits than the rest."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_name(path.name + ".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            entries = {**_ENTRIES.get(path, {}), **_read(path), key_str(key): pick}
+            on_disk = _read(path)
+            first = on_disk.get(key_str(key))
+            if first is not None and candidates is not None:
+                kept = next((c for c in candidates if c == first), None)
+                if kept is not None:
+                    _ENTRIES[path] = {**_ENTRIES.get(path, {}), **on_disk}
+                    return kept
+            entries = {**_ENTRIES.get(path, {}), **on_disk, key_str(key): pick}
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tune-", suffix=".json")
             try:
                 with os.fdopen(fd, "w") as f:
@@ -154,5 +167,6 @@ def store(path: Path, key: tuple, pick) -> None:
             _MTIME[path] = _mtime(path)
     except (OSError, TypeError, ValueError) as exc:
         _off(exc, f"cannot write {path}")
-        return
+        return pick
     _ENTRIES[path] = entries
+    return pick
