@@ -55,7 +55,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fp4rl.nvfp4 import NVFP4Tensor, dequantize, quantize
+from fp4rl.nvfp4 import NonFiniteError, NVFP4Tensor, dequantize, quantize
 from fp4rl.precision import PrecisionContract
 
 _PACKED_FIELDS = ("data", "block_scale", "global_scale")
@@ -146,6 +146,14 @@ class NVFP4Linear(nn.Module):
         self._qweight: NVFP4Tensor | None = None
         self._qweight_key = None
         self.scale_group = [self]  # linears sharing one weight global scale (a plain list: set by convert)
+        self.module_name = ""  # its name in the model (set by convert): errors name it
+
+    def _nonfinite(self, what: str, exc: NonFiniteError | str) -> ValueError:
+        where = f" {self.module_name}" if self.module_name else ""
+        return ValueError(
+            f"NVFP4Linear{where}: its {what} holds NaN or Inf, so it cannot be quantized ({exc}). The model "
+            "diverged or was given a damaged checkpoint: lower trainer.lr or set trainer.grad_clip > 0, and "
+            "resume from a checkpoint before the step that produced them (fp4rl train --resume)")
 
     def quantized_weight(self) -> NVFP4Tensor:
         """Q(W), cached until the weight changes (in place, or a new tensor/storage). Built outside inference
@@ -159,7 +167,15 @@ class NVFP4Linear(nn.Module):
                 amax = None
                 if len(weights) > 1:  # one global scale for the group: its amax
                     amax = torch.stack([w.detach().abs().amax().float() for w in weights]).amax()
-                self._qweight = quantize(self.weight.detach(), amax=amax, **self.weight_kwargs)
+                    if not bool(torch.isfinite(amax)):
+                        bad = [m.module_name or "?" for m in self.scale_group
+                               if not bool(torch.isfinite(m.weight).all())]
+                        raise self._nonfinite(f"fused group's weights (one global scale; non-finite: "
+                                              f"{', '.join(bad)})", f"their amax is {amax.item()}")
+                try:
+                    self._qweight = quantize(self.weight.detach(), amax=amax, **self.weight_kwargs)
+                except NonFiniteError as exc:
+                    raise self._nonfinite("weight", exc) from None
             self._qweight_key = key
         return self._qweight
 
@@ -173,7 +189,10 @@ class NVFP4Linear(nn.Module):
         qx = None
         if self.mode == "w4a4":
             with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-                qx = self.quantize_input(x.detach().reshape(-1, x.shape[-1]))  # [M, K]
+                try:
+                    qx = self.quantize_input(x.detach().reshape(-1, x.shape[-1]))  # [M, K]
+                except NonFiniteError as exc:
+                    raise self._nonfinite("input activation", exc) from None
         return _NVFP4LinearFunction.apply(x, self.weight, self.bias, qw, qx, self.backward,
                                           _compute_dtype(x))
 
@@ -204,6 +223,7 @@ def convert(model: nn.Module, contract: PrecisionContract) -> nn.Module:
                                  + (" and out_features too" if tile_rows == 16 else "")
                                  + f"; keep it BF16 with a rule ('{name}', 'bf16')")
             new = NVFP4Linear(old.weight, old.bias, precision, contract)
+            new.module_name = name
         new.weight, new.bias = old.weight, old.bias
         swaps.append((name, new))
     for name, new in swaps:

@@ -356,3 +356,30 @@ def test_fused_groups_share_one_weight_global_scale():
     attn = separate.model.layers[0].self_attn
     assert same_bytes(attn.q_proj.quantized_weight(),
                       quantize(attn.q_proj.weight.detach(), **W4A4.weight_quantize_kwargs()))
+
+
+def test_non_finite_weights_and_activations_name_the_linear():
+    """A NaN reaching a quantized linear (a diverged update, a damaged checkpoint) is named: which linear,
+    weight or input activation, and what to do; a fused group names the member that holds it."""
+    from rl_fixtures import tiny_model
+
+    model = convert(tiny_model(), PrecisionContract("nvfp4-linear"))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    model(ids)  # finite: fine
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[3, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"NVFP4Linear model.layers.0.mlp.down_proj: its weight holds NaN "
+                                         r"or Inf.*lower trainer.lr"):
+        model(ids)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[3, 5] = 0.0
+        model.model.layers[1].self_attn.k_proj.weight[0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.q_proj: its fused group's weights \(one "
+                                         r"global scale; non-finite: model.layers.1.self_attn.k_proj\)"):
+        model(ids)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight[0, 0] = 0.0
+        model.model.layers[1].input_layernorm.weight[2] = float("nan")  # layer 1's q/k/v inputs
+    with pytest.raises(ValueError, match=r"NVFP4Linear model.layers.1.self_attn.q_proj: its input "
+                                         r"activation holds NaN or Inf"):
+        model(ids)

@@ -45,6 +45,11 @@ _STEP = (0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0, 1.0)  # distance from index i to i+1
 _tables: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
+class NonFiniteError(ValueError):
+    """A tensor to quantize holds NaN or Inf (and the caller did not pass allow_nonfinite=True). A ValueError,
+    so that callers can name the tensor in their own message (qat.NVFP4Linear names the linear)."""
+
+
 def _table(name: str, device: torch.device) -> torch.Tensor:
     key = (name, device)
     if key not in _tables:

@@ -55,6 +55,7 @@ from fp4rl.nvfp4.format import (
     BLOCK,
     E2M1_MAX,
     FP32_MAX,
+    NonFiniteError,
     NVFP4Tensor,
     block_encode_scale,
     cast_to_e4m3,
@@ -149,7 +150,7 @@ def _validate_input(x, tile_rows: int, pad: bool, allow_nonfinite: bool) -> None
             "use tile=16 or pad the rows"
         )
     if not allow_nonfinite and not bool(torch.isfinite(x).all()):
-        raise ValueError(
+        raise NonFiniteError(
             "x contains NaN or Inf; fix the producer, or pass allow_nonfinite=True "
             "(scales then come from the finite values; NaN -> code 0, +-Inf -> +-6)"
         )

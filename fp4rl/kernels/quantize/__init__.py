@@ -71,6 +71,7 @@ from fp4rl.kernels.quantize.tiles import (  # noqa: F401
     _sum16,
     _tile_tree,
 )
+from fp4rl.nvfp4.format import NonFiniteError
 
 if gluon is not None:
     from fp4rl.kernels.quantize.gluon_blocks import (  # noqa: F401
@@ -250,7 +251,7 @@ def quantize_2d(
         else:
             raw = (x.float().abs().view(torch.int32)).max()
         if int(raw) >= 0x7F800000:
-            raise ValueError(
+            raise NonFiniteError(
                 "x contains NaN or Inf; fix the producer, or pass allow_nonfinite=True "
                 "(NaN -> code 0 and ignored by amax, +-Inf -> +-6)"
             )
