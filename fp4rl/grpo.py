@@ -118,7 +118,13 @@ def group_advantages(
     if rewards.shape[1] < 2:
         raise ValueError(f"a GRPO group needs n >= 2 completions, got n = {rewards.shape[1]}")
     if not torch.isfinite(rewards).all():
-        raise ValueError("rewards contain NaN or Inf")
+        group, i = (~torch.isfinite(rewards)).nonzero()[0].tolist()
+        raise ValueError(
+            f"rewards contain NaN or Inf (first: {rewards[group, i].item()} for group {group}, "
+            f"completion {i}): "
+            "the task's score() must return a finite float per completion (for task.name = 'jsonl', fix the "
+            "function named by task.kwargs.reward)"
+        )
     rewards = rewards.float()
     zero_variance = rewards.amax(dim=1) == rewards.amin(dim=1)  # [G]
     centred = rewards - rewards.mean(dim=1, keepdim=True)  # [G, n]

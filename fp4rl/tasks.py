@@ -28,7 +28,10 @@ text before the split, and a split that does not fit raises with the sizes in th
 from __future__ import annotations
 
 import importlib
+import io
 import json
+import math
+import os
 import random
 import re
 import warnings
@@ -297,8 +300,55 @@ def load_reward(spec: str) -> RewardFn:
     return fn
 
 
+def _reward_name(reward) -> str:
+    """How a reward is named in messages: its "module:function" spec, or the function's own name."""
+    if isinstance(reward, str):
+        return reward
+    return f"{getattr(reward, '__module__', '?')}:{getattr(reward, '__qualname__', type(reward).__name__)}"
+
+
+def _check_rewards(rewards, n: int, spec: str) -> list[float]:
+    """What a reward function returned -> n finite floats, or a ValueError naming the function, the problem
+    and the fix (a bad reward otherwise surfaces later as a TypeError or grpo's bare "NaN or Inf")."""
+    where = f"task.kwargs.reward = {spec!r}"
+    fix = (f"it must return a list of {n} finite floats, one per completion in order "
+           "(e.g. 1.0 correct, 0.0 wrong)")
+    try:  # a 0-d array or tensor has __iter__ but does not iterate
+        if rewards is None or isinstance(rewards, (str, bytes, dict)):
+            raise TypeError
+        rewards = list(rewards)
+    except TypeError:
+        got = f"{type(rewards).__name__} {_short(rewards)}"
+        raise ValueError(f"{where} returned {got}, not a list of rewards; {fix}") from None
+    if len(rewards) != n:
+        raise ValueError(f"{where} returned {len(rewards)} rewards for {n} completions; {fix}")
+    out = []
+    for i, r in enumerate(rewards):
+        try:
+            if r is None or isinstance(r, (str, bytes)):
+                raise TypeError
+            value = float(r)
+        except (TypeError, ValueError):
+            got = f"{type(r).__name__} ({_short(r)})"
+            raise ValueError(f"{where} returned a {got} at index {i}, not a number; {fix}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"{where} returned {value} at index {i} (the first non-finite reward); {fix}")
+        out.append(value)
+    return out
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class JsonlTask(Task):
-    """Questions from a JSONL file ({"prompt", "answer"[, "id"]} per line) and a pluggable reward."""
+    """Questions from a JSONL file ({"prompt", "answer"[, "id"]} per line) and a pluggable reward.
+
+    Read as UTF-8 (a byte-order mark is allowed). Each non-blank line must be a JSON object whose "prompt" is
+    a non-empty string and whose "answer" is a non-empty string or a number (the reward gets it as text);
+    "id", when given, is a string or an integer. Anything else is refused with the file and line.
+    """
 
     def __init__(
         self,
@@ -310,27 +360,28 @@ class JsonlTask(Task):
         suffix: str = "",
         name: str | None = None,
     ):
+        if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+            raise ValueError(f"task.kwargs.path = {path!r}: must be the JSONL file's path, a non-empty "
+                             "string (e.g. task.kwargs.path = 'data/train.jsonl')")
+        if not isinstance(reward, str) and not callable(reward):
+            raise ValueError(f"task.kwargs.reward = {reward!r}: must be a 'package.module:function' string "
+                             "(default 'fp4rl.tasks:math_reward')")
         path = Path(path)
         prompts = []
-        with open(path) as fh:
-            for line_no, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{line_no}: not JSON ({e})") from e
-                missing = {"prompt", "answer"} - set(record)
-                if missing:
-                    raise ValueError(f"{path}:{line_no}: missing field(s) {sorted(missing)}")
-                prompts.append(
-                    Prompt(
-                        id=str(record.get("id", f"{path.stem}/{line_no}")),
-                        question=_with_suffix(record["prompt"], suffix),
-                        answer=str(record["answer"]),
-                        entry=record,
-                    )
-                )
+        # the built-in rewards compare with the answer; a custom one may not use it (then "" is fine)
+        builtin_reward = _reward_name(reward).startswith(f"{__name__}:")
+        for line_no, line in enumerate(io.StringIO(_read_utf8(path), newline=None), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not JSON ({e})") from e
+            prompts.append(_jsonl_prompt(record, path, line_no, suffix, builtin_reward))
+        if not prompts:
+            raise ValueError(f"{path}: no questions (the file is empty or blank); write one JSON object per "
+                             'line, e.g. {"prompt": "What is 2+2?", "answer": "4"}')
+        self.reward_spec = _reward_name(reward)
         self.reward_fn = load_reward(reward) if isinstance(reward, str) else reward
         super().__init__(name or path.stem, prompts, eval_size=eval_size, seed=seed)
 
@@ -342,12 +393,58 @@ class JsonlTask(Task):
             answer=[p.answer for p in prompts],
             **kw,
         )
-        rewards = [float(r) for r in rewards]
-        if len(rewards) != len(prompts):
-            raise ValueError(
-                f"reward function returned {len(rewards)} rewards for {len(prompts)} completions"
-            )
-        return rewards
+        return _check_rewards(rewards, len(prompts), self.reward_spec)
+
+
+def _read_utf8(path: Path) -> str:
+    """The file's text; a byte that is not UTF-8 is refused with the file and line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line_no = data[: e.start].count(b"\n") + 1
+        raise ValueError(
+            f"{path}:{line_no}: not UTF-8 ({e.reason}: byte {data[e.start:e.start + 1]!r} at offset "
+            f"{e.start}); save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
+        ) from e
+
+
+def _jsonl_prompt(record, path: Path, line_no: int, suffix: str, builtin_reward: bool = True) -> Prompt:
+    """One JSONL record -> a Prompt, or a ValueError naming path:line, the field and the fix."""
+    where = f"{path}:{line_no}"
+    example = '{"prompt": "What is 2+2?", "answer": "4"}'
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a line must be a JSON object like {example}, got "
+                         f"{type(record).__name__} {_short(record)}")
+    missing = {"prompt", "answer"} - set(record)
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {sorted(missing)}")
+    question, answer = record["prompt"], record["answer"]
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f'{where}: "prompt" must be a non-empty string (the question), got '
+                         f"{_short(question)}")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise ValueError(
+            f'{where}: "answer" must be a string or a number, got {type(answer).__name__} {_short(answer)} '
+            f"(the reward would compare completions with the text {str(answer)!r}); write the expected "
+            'answer, e.g. "answer": "4"'
+        )
+    if isinstance(answer, float) and not math.isfinite(answer):
+        raise ValueError(f'{where}: "answer" is {answer}, not a finite number; write the expected answer')
+    if builtin_reward and not str(answer).strip():
+        raise ValueError(f'{where}: "answer" is empty; no completion can match it: write the expected answer '
+                         "(or score with a reward of your own that does not use it: task.kwargs.reward)")
+    if "id" in record:
+        pid = record["id"]
+        if isinstance(pid, bool) or not isinstance(pid, (str, int)) or not str(pid).strip():
+            raise ValueError(f'{where}: "id" must be a non-empty string or an integer, got {_short(pid)}; '
+                             "fix it or drop the field (each line then gets its own id)")
+    return Prompt(
+        id=str(record.get("id", f"{path.stem}/{line_no}")),
+        question=_with_suffix(question, suffix),
+        answer=str(answer),
+        entry=record,
+    )
 
 
 def load_task(

@@ -1,6 +1,7 @@
 """Tasks on real reasoning-gym data, JSONL tasks, rewards and the chat template."""
 
 import json
+import sys
 
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -232,6 +233,125 @@ def test_jsonl_custom_reward_and_errors(tmp_path):
     (tmp_path / "dup.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     assert JsonlTask(tmp_path / "dup.jsonl", eval_size=1).sizes["distinct"] == 2
 
+
+
+def _jsonl(tmp_path, *lines, name="t.jsonl"):
+    """A JSONL file of two good questions, then `lines` (raw text) from line 3 on."""
+    good = [json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(2)]
+    path = tmp_path / name
+    path.write_text("\n".join(good + list(lines)) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("line", ["5", "null", '"text"', '[{"prompt": "x", "answer": "1"}]'])
+def test_jsonl_line_that_is_not_an_object_names_the_line(tmp_path, line):
+    with pytest.raises(ValueError, match=r"t\.jsonl:3: a line must be a JSON object"):
+        JsonlTask(_jsonl(tmp_path, line), eval_size=1)
+
+
+@pytest.mark.parametrize("prompt", [0, None, ["q"], "", "  \n "])
+def test_jsonl_prompt_must_be_a_non_empty_string(tmp_path, prompt):
+    path = _jsonl(tmp_path, json.dumps({"prompt": prompt, "answer": "1"}))
+    with pytest.raises(ValueError, match=r't\.jsonl:3: "prompt" must be a non-empty string'):
+        JsonlTask(path, eval_size=1)
+
+
+@pytest.mark.parametrize("path", [3, None, "", ["a.jsonl"]])
+def test_jsonl_path_must_be_a_string(path):
+    with pytest.raises(ValueError, match=r"task\.kwargs\.path = .*must be the JSONL file's path"):
+        load_task("jsonl", {"path": path}, eval_size=1)
+
+
+@pytest.mark.parametrize(
+    "answer, problem",
+    [(None, "must be a string or a number"), (["1", "one"], "must be a string or a number"),
+     ({"x": 1}, "must be a string or a number"), (True, "must be a string or a number"),
+     ("", "is empty"), (" ", "is empty"), (float("nan"), "is nan, not a finite number")],
+)
+def test_jsonl_answer_null_or_not_scalar_is_refused(tmp_path, answer, problem):
+    """The reward gets str(answer): null was scored against the text "None", a list against "['1', 'one']"."""
+    path = _jsonl(tmp_path, json.dumps({"prompt": "q9", "answer": answer}))
+    with pytest.raises(ValueError, match=rf't\.jsonl:3: "answer" {problem}'):
+        JsonlTask(path, eval_size=1)
+    # numbers are fine: the reward gets them as text
+    path = _jsonl(tmp_path, json.dumps({"prompt": "q9", "answer": 9.5}), name="ok.jsonl")
+    task = JsonlTask(path, eval_size=1)
+    assert {p.answer for p in task.train + task.eval} == {"0", "1", "9.5"}
+    if problem == "is empty":  # a reward of one's own may not use the answer: "" is then allowed
+        path = _jsonl(tmp_path, json.dumps({"prompt": "q9", "answer": answer}), name="own.jsonl")
+        task = JsonlTask(path, eval_size=1,
+                         reward=lambda prompts, completions, answer, **kw: [0.0] * len(prompts))
+        assert answer in {p.answer for p in task.train + task.eval}
+
+
+@pytest.mark.parametrize("pid", [None, True, "", {"a": 1}])
+def test_jsonl_bad_id_is_refused(tmp_path, pid):
+    path = _jsonl(tmp_path, json.dumps({"id": pid, "prompt": "q9", "answer": "9"}))
+    with pytest.raises(ValueError, match=r't\.jsonl:3: "id" must be a non-empty string or an integer'):
+        JsonlTask(path, eval_size=1)
+
+
+def test_jsonl_not_utf8_or_empty_names_the_file(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    text = '{"prompt": "q0", "answer": "0"}\n{"prompt": "caf\u00e9?", "answer": "1"}\n'
+    path.write_bytes(text.encode("latin1"))
+    with pytest.raises(ValueError, match=r"latin1\.jsonl:2: not UTF-8.*save the file as UTF-8"):
+        JsonlTask(path, eval_size=1)
+    bom = tmp_path / "bom.jsonl"  # a UTF-8 byte-order mark is fine
+    bom.write_bytes(b"\xef\xbb\xbf" + _jsonl(tmp_path).read_bytes())
+    assert JsonlTask(bom, eval_size=1).sizes["drawn"] == 2
+    (tmp_path / "empty.jsonl").write_text("\n  \n")
+    with pytest.raises(ValueError, match=r"empty\.jsonl: no questions"):
+        JsonlTask(tmp_path / "empty.jsonl", eval_size=1)
+
+
+def test_jsonl_reward_spec_must_be_a_string():
+    with pytest.raises(ValueError, match=r"task\.kwargs\.reward = 3: must be a 'package\.module:function'"):
+        load_task("jsonl", {"path": "x.jsonl", "reward": 3}, eval_size=1)
+
+
+@pytest.mark.parametrize(
+    "returned, problem",
+    [
+        (None, r"returned NoneType None, not a list of rewards"),
+        (0.5, r"returned float 0\.5, not a list of rewards"),
+        ([1.0], r"returned 1 rewards for 2 completions"),
+        ([1.0, 0.0, 1.0], r"returned 3 rewards for 2 completions"),
+        ([1.0, None], r"returned a NoneType \(None\) at index 1, not a number"),
+        (["1.0", 0.0], r"returned a str \('1\.0'\) at index 0, not a number"),
+        ([0.0, float("nan")], r"returned nan at index 1 \(the first non-finite reward\)"),
+        ([float("-inf"), float("inf")], r"returned -inf at index 0 \(the first non-finite reward\)"),
+    ],
+)
+def test_custom_reward_that_returns_garbage_is_named(tmp_path, monkeypatch, returned, problem):
+    (tmp_path / "my_rewards.py").write_text(
+        "from math import inf, nan\n\n\n"
+        f"def bad(prompts, completions, answer, **kw):\n    return {returned!r}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)  # each case imports its own
+    task = load_task("jsonl", {"path": str(_jsonl(tmp_path)), "reward": "my_rewards:bad"}, eval_size=1)
+    with pytest.raises(ValueError, match=rf"task\.kwargs\.reward = 'my_rewards:bad' {problem}.*"
+                                         r"must return a list of 2 finite floats, one per completion"):
+        task.score([task.train[0]] * 2, ["a", "b"])
+
+
+def test_custom_reward_arrays_and_bools_are_accepted(tmp_path):
+    np = pytest.importorskip("numpy")
+    task = JsonlTask(_jsonl(tmp_path), reward=lambda prompts, completions, answer, **kw: np.array([1, 0.5]),
+                     eval_size=1)
+    assert task.score([task.train[0]] * 2, ["a", "b"]) == [1.0, 0.5]
+    task.reward_fn = lambda prompts, completions, answer, **kw: (c == "a" for c in completions)
+    assert task.score([task.train[0]] * 2, ["a", "b"]) == [1.0, 0.0]
+
+
+def test_grpo_nan_reward_message_says_where_and_what_to_fix():
+    import torch
+
+    from fp4rl.grpo import group_advantages
+
+    with pytest.raises(ValueError, match=r"NaN or Inf \(first: inf for group 1, completion 0\).*\.reward"):
+        group_advantages(torch.tensor([[0.0, 1.0], [float("inf"), 0.0]]))
 
 def test_rewards_directly():
     assert math_reward(["q"] * 2, ["$x = \\frac{3}{4}$", "0.7"], ["0.75", "0.75"]) == [1.0, 0.0]
