@@ -74,6 +74,7 @@ import hashlib
 import math
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -353,6 +354,46 @@ def check_distributed(config: RunConfig, device: str) -> None:
                           "distributed.gpus_per_sampler = 0 for CPU sampler actors, or run on CUDA")
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """train() stopped on Ctrl-C / SIGTERM at the end of a step, after writing that step's checkpoint."""
+
+    def __init__(self, step: int, run_dir: Path):
+        super().__init__(f"interrupted: stopped after step {step} with its checkpoint written; continue the "
+                         f"run with `fp4rl train --resume {run_dir}`")
+        self.step, self.run_dir = step, run_dir
+
+
+class StopRequest:
+    """Ctrl-C (SIGINT) or SIGTERM during train(): the first one asks the run to stop at the end of the step in
+    progress, where a checkpoint is written (nothing trained is lost, and --resume continues exactly); a
+    second one stops at once, as Ctrl-C does without this (back to the last checkpoint). Handlers are only
+    installed from the main thread (signals are delivered there); elsewhere `requested` stays False."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._old: dict = {}
+
+    def _handle(self, signum, frame):
+        if self.requested is not None:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        print(f"\n{self.requested}: stopping after the step in progress, with a checkpoint (again: stop now, "
+              "back to the last checkpoint)", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+
 def rollout_sampler(model, tokenizer, sampler_kwargs: dict, config: RunConfig, stack: contextlib.ExitStack,
                     contract=None):
     """The rollout sampler of a run ([distributed]): one Sampler; LocalShards of one Sampler (backend
@@ -505,6 +546,15 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
             from tqdm import tqdm
 
             progress = tqdm(total=c.trainer.steps, initial=start_step, desc=c.run.name, unit="step")
+
+        def save_step(step: int) -> None:
+            extra = {}
+            if worker:
+                ahead = range(step + 1, min(step + staleness, last) + 1)  # past trainer.steps too
+                extra["pending_rollouts"] = {s: r.state_dict() for s, r in worker.pending(ahead).items()}
+            trainer.save_checkpoint(run_dir, step, extra=extra, keep=c.trainer.checkpoint_keep)
+
+        stop = stack.enter_context(StopRequest())
         try:
             if start_step == 0 and c.eval.at_start and task.eval:
                 record = {"policy_version": 0, **rollouts.evaluate(eval_sampler, 0)}
@@ -550,13 +600,11 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix_str(format_progress(record))
-                if is_last or (c.trainer.checkpoint_every and step % c.trainer.checkpoint_every == 0):
-                    extra = {}
-                    if worker:
-                        ahead = range(step + 1, min(step + staleness, last) + 1)  # past trainer.steps too
-                        extra["pending_rollouts"] = {s: r.state_dict()
-                                                     for s, r in worker.pending(ahead).items()}
-                    trainer.save_checkpoint(run_dir, step, extra=extra, keep=c.trainer.checkpoint_keep)
+                if (is_last or (c.trainer.checkpoint_every and step % c.trainer.checkpoint_every == 0)
+                        or stop.requested):
+                    save_step(step)
+                if stop.requested and not is_last:
+                    raise RunInterrupted(step, run_dir)
         finally:
             if progress is not None:
                 progress.close()
@@ -607,6 +655,9 @@ def run(args) -> int:
             raise
         print(f"fp4rl train: error: {e}", file=sys.stderr)
         return 2
+    except RunInterrupted as e:
+        print(f"fp4rl train: {e}", file=sys.stderr)
+        return 130
     return 0
 
 

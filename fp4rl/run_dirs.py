@@ -14,16 +14,27 @@ from pathlib import Path
 
 from fp4rl.config import ConfigError, RunConfig, load_config
 from fp4rl.metrics import METRICS_FILE, read_metrics
-from fp4rl.trainer import CHECKPOINT_DIR, latest_checkpoint
+from fp4rl.trainer import _STATE_FILE, CHECKPOINT_DIR, latest_checkpoint
 
 
 def check_fresh(run_dir: Path) -> None:
     """FileExistsError if run_dir already holds a run (metrics or a checkpoint): a new run never overwrites
     one."""
     metrics = run_dir / METRICS_FILE
-    if (metrics.exists() and metrics.stat().st_size > 0) or latest_checkpoint(run_dir) is not None:
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is not None:
         raise FileExistsError(f"{run_dir} already holds a run: continue it with `fp4rl train --resume "
                               f"{run_dir}` (or run.resume = true), or pick another run.name")
+    if metrics.exists() and metrics.stat().st_size > 0:
+        try:
+            trained = any(isinstance(r.get("step"), int) and r["step"] > 0 for r in read_metrics(metrics))
+        except ValueError:
+            trained = True
+        fix = ("it has no checkpoint to continue from (trainer.checkpoint_every = 0 writes one only after "
+               "the last step): move it away, or pick another run.name" if trained else
+               f"it stopped before its first step: continue it with `fp4rl train --resume {run_dir}`, or "
+               "pick another run.name")
+        raise FileExistsError(f"{run_dir} already holds a run; {fix}")
 
 
 def check_resumable(config: RunConfig, checkpoint: Path | None) -> None:
@@ -32,6 +43,10 @@ def check_resumable(config: RunConfig, checkpoint: Path | None) -> None:
     checkpoint has done, or whose metrics.jsonl is damaged; a warning when there is nothing to continue
     (stopped before the end of step 1; the at-start eval of step 0 is redone): the run starts at step 1."""
     run_dir, steps = config.run_dir, config.trainer.steps
+    if not (run_dir / "config.toml").is_file() and checkpoint is None:
+        raise ConfigError(f"run.resume = true but {run_dir} holds no run (no config.toml, no checkpoint): "
+                          "nothing to resume. Check run.dir and run.name, or set run.resume = false to start "
+                          "it")
     metrics = run_dir / METRICS_FILE
     try:  # a damaged metrics.jsonl is named now, before anything is loaded or written
         logged = [r.get("step") for r in read_metrics(metrics)] if metrics.exists() else []
@@ -63,10 +78,19 @@ def check_resumable(config: RunConfig, checkpoint: Path | None) -> None:
 def resume_config(run_dir: Path, overrides: list[str]) -> RunConfig:
     """The config of `fp4rl train --resume RUN_DIR`: RUN_DIR/config.toml with the --set overrides, resuming,
     at RUN_DIR itself (run.dir / run.name follow the folder if it moved)."""
+    if (run_dir / _STATE_FILE).is_file() or run_dir.parent.name == CHECKPOINT_DIR:
+        run = run_dir.parent.parent
+        raise ConfigError(f"--resume {run_dir} is a checkpoint of the run {run}: resume the run directory, "
+                          f"`fp4rl train --resume {run}` (it continues from its newest checkpoint; to go on "
+                          f"from this one, move the newer ones out of {run_dir.parent})")
     if not (run_dir / "config.toml").is_file():
         raise ConfigError(f"--resume {run_dir}: no config.toml there; is it a run directory "
                           f"(runs/<name>/ with config.toml, metrics.jsonl, {CHECKPOINT_DIR}/)?")
-    named = [o for o in overrides if o.split("=", 1)[0].strip() in ("run.dir", "run.name", "run.resume")]
+
+    def key(override: str) -> str:  # as the TOML parser reads it: '"run" . name' is run.name
+        return ".".join(part.strip().strip("'\"") for part in override.split("=", 1)[0].split("."))
+
+    named = [o for o in overrides if key(o) in ("run.dir", "run.name", "run.resume")]
     if named:
         raise ConfigError(f"--resume {run_dir} names the run and resumes it: {', '.join(named)} cannot "
                           "change that (to start another run from its config, copy its config.toml and use "
@@ -114,6 +138,13 @@ def warn_changed_settings(checkpoint: Path, c: RunConfig) -> None:
     old, new = dict(flat(was)), dict(flat(c.to_dict()))
     changed = [k for k in sorted(set(old) | set(new))
                if old.get(k) != new.get(k) and not k.startswith(RESUME_FREE_KEYS)]
+    if old.get("trainer.steps") != new.get("trainer.steps") and new.get("trainer.lr_schedule") != "constant":
+        warnings.warn(f"resuming {checkpoint} with trainer.steps {old.get('trainer.steps')} -> "
+                      f"{new.get('trainer.steps')} under trainer.lr_schedule = "
+                      f"{new.get('trainer.lr_schedule')!r}: "
+                      "the schedule spans trainer.steps, so the learning rates from here on follow the new "
+                      "length and the run matches no uninterrupted run of either length (only a constant "
+                      "schedule extends exactly)", stacklevel=3)
     if changed:
         warnings.warn(f"resuming {checkpoint} with settings other than it was trained with: "
                       + "; ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:8])

@@ -192,6 +192,40 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(assets, tmp_path, mode
     assert deterministic(resumed) == deterministic(full)
 
 
+@pytest.mark.parametrize("mode,sig", [("sync", "SIGINT"), ("async", "SIGTERM")])
+def test_an_interrupted_run_checkpoints_its_last_step_and_resumes_exactly(assets, tmp_path, mode, sig):
+    """Ctrl-C (or SIGTERM) with the default checkpointing (only after the last step): the run stops at the end
+    of the step in progress with that step's checkpoint, exit 130 and the command to continue; the resumed
+    run equals an uninterrupted one. Before, everything trained was lost and the run could not be resumed."""
+    import signal
+
+    sets = ["trainer.steps=6", f"loop.mode={mode}", "loop.max_staleness=1", "eval.at_start=true",
+            "task.eval_every=2", "trainer.checkpoint_every=0"]
+    full = run_tiny(assets, tmp_path, "full", *sets)
+    run_dir = tmp_path / "stopped"
+    argv = [sys.executable, "-m", "fp4rl.loop", "--config", str(TINY)]
+    for item in tiny_sets(assets, tmp_path, "stopped", *sets):
+        argv += ["--set", item]
+    path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": path}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(run_dir / "metrics.jsonl", 2, proc)
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    stopped_at = read_metrics(run_dir)[-1]["step"]
+    assert 2 <= stopped_at < 6, "the run finished before it could be stopped"
+    assert f"stopped after step {stopped_at}" in err and f"fp4rl train --resume {run_dir}" in err
+    assert [p.name for p in list_checkpoints(run_dir)] == [f"step_{stopped_at:06d}"]
+    assert main(["--resume", str(run_dir)]) == 0
+    resumed = read_metrics(run_dir)
+    assert [r["step"] for r in resumed] == list(range(7))
+    assert deterministic(resumed) == deterministic(full)
+
+
 def test_resume_of_a_finished_run_changes_nothing(assets, tmp_path, capsys):
     records = run_tiny(assets, tmp_path, "done", "trainer.steps=2")
     run_dir = tmp_path / "done"
@@ -247,6 +281,80 @@ def test_resume_without_a_checkpoint_refuses_to_drop_metrics(assets, tmp_path, c
     with pytest.warns(UserWarning, match="no checkpoint and no trained step there .*starts at step 1"):
         assert main(["--resume", str(run_dir)]) == 0
     assert deterministic(read_metrics(run_dir)) == deterministic(records)
+
+
+def test_resume_refuses_a_checkpoint_folder_a_missing_run_and_a_quoted_run_key(assets, tmp_path, capsys):
+    """--resume on a checkpoint (runs/x/checkpoints/step_N) is refused and names the run folder (before, it
+    started a new run from the base model inside the checkpoint, rewriting its config.toml); run.resume = true
+    on a run folder that holds nothing is refused (a typo in run.name used to start a fresh run); a quoted
+    '"run".name' override is a run key too; a fresh run over a folder with metrics but no checkpoint is told
+    it cannot be resumed, not to --resume it."""
+    run_tiny(assets, tmp_path, "base", "trainer.steps=2", "trainer.checkpoint_every=1")
+    run_dir = tmp_path / "base"
+    step = run_dir / "checkpoints" / "step_000002"
+    config = (step / "config.toml").read_bytes()
+    capsys.readouterr()
+    assert main(["--resume", str(step)]) == 2
+    err = capsys.readouterr().err
+    assert f"is a checkpoint of the run {run_dir}" in err and f"fp4rl train --resume {run_dir}" in err
+    assert (step / "config.toml").read_bytes() == config and not (step / "metrics.jsonl").exists()
+    assert main(["--resume", str(run_dir), "--set", '"run".name=other']) == 2
+    assert "cannot change that" in capsys.readouterr().err and not (tmp_path / "other").exists()
+    with pytest.raises(ConfigError, match=r"run.resume = true but .*typo holds no run .*nothing to resume"):
+        run_tiny(assets, tmp_path, "typo", "run.resume=true")
+    assert not (tmp_path / "typo").exists()
+    shutil.rmtree(run_dir / "checkpoints")
+    with pytest.raises(FileExistsError, match="no checkpoint to continue from .*move it away"):
+        run_tiny(assets, tmp_path, "base", "trainer.steps=2")
+
+
+def test_generate_samples_a_run_in_its_precision(assets, tmp_path, monkeypatch, capsys):
+    """`fp4rl generate --model RUN` (or one of its checkpoints): the run's newest weights, quantized as the
+    run trained them (its config.toml's contract), the tokenizer of its model.name. Before, a run folder was
+    "no config.json" and a checkpoint "no tokenizer", and one given a tokenizer sampled in BF16."""
+    from fp4rl import sampler as sampler_module
+    from fp4rl.cli import main as cli
+    from fp4rl.qat import NVFP4Linear
+
+    run_tiny(assets, tmp_path, "gen", "trainer.steps=1", "precision.preset=nvfp4-linear")
+    seen = []
+    real = sampler_module.Sampler
+
+    def recording(model, *args, **kwargs):
+        seen.append(sorted({m.mode for m in model.modules() if isinstance(m, NVFP4Linear)}))
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(sampler_module, "Sampler", recording)
+    run_dir = tmp_path / "gen"
+    argv = ["generate", "--prompt", "w1 w2", "--max-new-tokens", "3", "--seed", "1"]
+    capsys.readouterr()
+    assert cli(argv + ["--model", str(run_dir)]) == 0
+    first = capsys.readouterr()
+    assert "step_000001: the run's weights in its precision (nvfp4-linear)" in first.err
+    assert cli(argv + ["--model", str(run_dir / "checkpoints" / "step_000001")]) == 0
+    assert capsys.readouterr().out == first.out  # the same weights, precision and seed
+    assert cli(argv + ["--model", str(run_dir), "--precision", "bf16"]) == 0
+    assert seen == [["w4a4"], ["w4a4"], []]
+    for bad, says in ((["--greedy", "--temperature", "0.5"], "--temperature 0.5 would do nothing"),
+                      (["--greedy", "--n", "2"], "2 identical completions")):
+        with pytest.raises(SystemExit, match=says):
+            cli(argv + ["--model", str(run_dir), *bad])
+
+
+def test_extending_a_run_under_a_decaying_schedule_warns(assets, tmp_path):
+    """trainer.steps may change on --resume, but a linear / cosine schedule spans it: the learning rates from
+    there on differ from both runs', which is said (a constant schedule extends exactly, silently)."""
+    sets = ["trainer.steps=2", "trainer.checkpoint_every=1"]
+    run_tiny(assets, tmp_path, "lin", *sets, "trainer.lr_schedule=linear")
+    with pytest.warns(UserWarning, match=r"trainer.steps 2 -> 3 under trainer.lr_schedule = 'linear'"):
+        assert main(["--resume", str(tmp_path / "lin"), "--set", "trainer.steps=3"]) == 0
+    run_tiny(assets, tmp_path, "const", *sets)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["--resume", str(tmp_path / "const"), "--set", "trainer.steps=3"]) == 0
+    assert not [w for w in caught if "lr_schedule" in str(w.message)]
 
 
 def test_a_run_killed_during_step_1_resumes_from_its_step_0_eval(assets, tmp_path, capsys):
