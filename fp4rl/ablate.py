@@ -15,9 +15,11 @@ peak memory (on CPU the process's peak RSS) and its warm-up are its own, not tho
 
 Interrupted, it continues: an arm whose run directory already holds the finished run is read
 back, not run again; an unfinished one resumes from its newest checkpoint (as `fp4rl train
---resume`), so the arm's records are those of an uninterrupted run. Every arm's run directory is
-checked before the first arm trains: one holding a run of another config is refused (it is never
-overwritten or mixed), and so is a summary directory holding the summary of an ablation of other arms.
+--resume`), so the arm's records are those of an uninterrupted run. As `fp4rl train --resume RUN_DIR --set
+trainer.steps=N`, a larger trainer.steps extends the arms' runs (under a constant LR schedule; the run may
+also differ in run_dirs.RESUME_FREE_KEYS, its logging, evaluation and checkpoint schedule). Every arm's run
+directory is checked before the first arm trains: one holding a run of another config is refused (it is
+never overwritten or mixed), and so is a summary directory holding the summary of an ablation of other arms.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pathlib import Path
 
 from fp4rl.config import PRECISION_PRESETS, ConfigError, RunConfig, dump_toml, load_config
 from fp4rl.metrics import read_metrics, write_atomic
+from fp4rl.run_dirs import RESUME_FREE_KEYS
 from fp4rl.trainer import latest_checkpoint
 
 _ARM_NAME = re.compile(r"[A-Za-z0-9._=+-]+")
@@ -135,9 +138,32 @@ def arm_config(config_file: str | None, base_sets: list[str], name: str, sets: l
     try:
         return load_config(config_file, [*base_sets, *sets, f"run.name={base.run.name}-{name}"])
     except ConfigError as e:
-        raise ConfigError(f"arm {name!r} ({', '.join(sets) or 'the base config'}): {e}. A key that must "
-                          "differ between arms goes in --arm NAME:KEY=VALUE, not --set (which sets it for "
-                          "every arm)") from None
+        raise ConfigError(f"arm {name!r} ({', '.join(sets) or 'the base config'}): {e}. "
+                          f"{_arm_error_fix(config_file, base_sets, name, sets, str(e))}") from None
+
+
+def _refused(config_file: str | None, sets: list[str], message: str) -> bool:
+    """Whether load_config(config_file, sets) refuses with the same message (the same cause)."""
+    try:
+        load_config(config_file, sets)
+    except ConfigError as e:
+        return str(e) == message
+    return False
+
+
+def _arm_error_fix(config_file: str | None, base_sets: list[str], name: str, sets: list[str],
+                   message: str) -> str:
+    """The fix of an arm's refused config, for where the refused key came from: the arm's own keys (refused
+    on the defaults too), their clash with the --config file, or with a --set key (every arm's)."""
+    if sets and _refused(None, sets, message):
+        return (f"The arm's own keys are refused together, whatever --config and --set hold: fix them in "
+                f"--arm {name}:KEY=VALUE[,...]")
+    if config_file is not None and sets and _refused(config_file, sets, message):
+        return (f"The arm's keys clash with {config_file}, the base config of every arm: a key of the file "
+                "that must differ between arms goes in --arm NAME:KEY=VALUE (out of the file), or choose "
+                "other arms (--arm, --presets)")
+    return ("A --set key sets it for every arm: a key that must differ between arms goes in --arm "
+            "NAME:KEY=VALUE, not --set")
 
 
 def _finished(records: list[dict], steps: int) -> bool:
@@ -146,34 +172,61 @@ def _finished(records: list[dict], steps: int) -> bool:
 
 def arm_state(config: RunConfig) -> tuple[str, list[dict]]:
     """What running the arm will do, checked without training: ("fresh", []), ("finished", its records)
-    or ("resume", its records); raises ConfigError if its run directory holds a run it cannot continue."""
+    or ("resume", its records); raises ConfigError if its run directory holds a run it cannot continue.
+    As `fp4rl train --resume` (run_dirs.RESUME_FREE_KEYS), the run may differ from the arm's config in its
+    length (a larger trainer.steps extends it, under a constant LR schedule), logging, evaluation and
+    checkpoint schedule: resumed, it goes on with the arm's; any other key makes it another config's run,
+    refused."""
     run_dir = config.run_dir
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-    if not records and latest_checkpoint(run_dir) is None:
+    checkpoint = latest_checkpoint(run_dir)
+    if not records and checkpoint is None:
         return "fresh", []
     saved = run_dir / "config.toml"
     if not saved.is_file():
         raise ConfigError(f"{run_dir} holds a run but no config.toml: move it away or pick another run.name")
     held = load_config(saved, ["run.resume=false"])
     want = dataclasses.replace(config, run=dataclasses.replace(config.run, resume=False))
-    if dump_toml(held) != dump_toml(want):
-        h, w = held.to_dict(), want.to_dict()
-        diff = [f"{s}.{k}" for s in w for k in w[s] if h.get(s, {}).get(k) != w[s][k]]
-        raise ConfigError(f"{run_dir} holds a run of another config ({', '.join(diff) or 'some keys'} "
+    h, w = held.to_dict(), want.to_dict()
+    diff = [f"{s}.{k}" for s in w for k in w[s] if h.get(s, {}).get(k) != w[s][k]]
+    fixed = [k for k in diff if not k.startswith(RESUME_FREE_KEYS)]
+    if fixed or (not diff and dump_toml(held) != dump_toml(want)):
+        raise ConfigError(f"{run_dir} holds a run of another config ({', '.join(fixed) or 'some keys'} "
                           "differ): move it away or pick another run.name")
-    if _finished(records, config.trainer.steps):
+    steps, was = want.trainer.steps, held.trainer.steps
+    trained = [r["step"] for r in records if r["step"] > 0]
+    reached = max([int(checkpoint.name.removeprefix("step_")) if checkpoint else 0, *trained])
+    if steps != was and reached:
+        extend = (f"`fp4rl train --resume {run_dir} --set trainer.steps={steps}` (each arm's run directory "
+                  "alike), then run this ablation again")
+        if steps <= reached:
+            raise ConfigError(
+                f"{run_dir} holds this arm's run of trainer.steps = {was}, trained to step {reached}: it "
+                f"cannot become a run of trainer.steps = {steps} (a run does not go back to fewer steps). "
+                f"Set trainer.steps = {was} to read it back or continue it (or more to extend it), or move "
+                f"it away to run the arm for trainer.steps = {steps}")
+        if want.trainer.lr_schedule != "constant":
+            raise ConfigError(
+                f"{run_dir} holds this arm's run of trainer.steps = {was} (trained to step {reached}) under "
+                f"trainer.lr_schedule = {want.trainer.lr_schedule!r}, which spans trainer.steps: continued "
+                f"to {steps} steps it would match no uninterrupted run of either length (only a constant "
+                f"schedule extends exactly), so the arm does not extend it. Move it away to run the arm for "
+                f"trainer.steps = {steps}, set trainer.steps = {was} to keep it as it is, or to extend it "
+                f"anyway: {extend}")
+    if _finished(records, steps):
+        other = [k for k in diff if not k.startswith("run.")]
+        if other:
+            print(f"{run_dir}: finished; read back as it was run, whose {', '.join(other)} differ from this "
+                  "arm's config (no trained step depends on them); move it away to run it with the arm's")
         return "finished", records
-    if latest_checkpoint(run_dir) is None:
+    if checkpoint is None and trained:
         # as `fp4rl train --resume` (run_dirs.check_resumable): stopped in its first step, only the at-start
         # eval of step 0 is logged, and a resume redoes it from step 1; trained steps would be lost
-        trained = [r["step"] for r in records if r["step"] > 0]
-        if trained:
-            raise ConfigError(
-                f"{run_dir} holds an unfinished run without a checkpoint to resume from (steps {trained[0]}.."
-                f"{trained[-1]} logged, no checkpoint): it cannot be continued, and this arm never "
-                "overwrites it; move the directory away (or pick another run.name) to run the arm again. "
-                "(trainer.checkpoint_every > 0 makes future arms resumable after a kill; changing it now "
-                "makes this arm a run of another config.)")
+        raise ConfigError(
+            f"{run_dir} holds an unfinished run without a checkpoint to resume from (steps {trained[0]}.."
+            f"{trained[-1]} logged, no checkpoint): it cannot be continued, and this arm never "
+            "overwrites it; move the directory away (or pick another run.name) to run the arm again. "
+            "(trainer.checkpoint_every > 0 makes future arms resumable after a kill.)")
     return "resume", records
 
 
@@ -186,7 +239,9 @@ def run_arm(config: RunConfig, train_fn, state: tuple[str, list[dict]] | None = 
     if kind == "finished":
         print(f"{config.run_dir}: finished run found, read back")
         return records
-    return train_fn(load_config(config.run_dir / "config.toml", ["run.resume=true"]))
+    # the arm's config, resuming: a run that differs only in RESUME_FREE_KEYS (arm_state) goes on with the
+    # arm's (a larger trainer.steps extends it), as `fp4rl train --resume RUN_DIR --set KEY=VALUE` would
+    return train_fn(dataclasses.replace(config, run=dataclasses.replace(config.run, resume=True)))
 
 
 class ArmFailed(RuntimeError):

@@ -462,6 +462,11 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
                 data = tomllib.load(fh)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from e
+        except UnicodeDecodeError as e:  # TOML is UTF-8; the codec's message names no file
+            line = e.object[:e.start].count(b"\n") + 1
+            raise ConfigError(f"{path}: not UTF-8 text (line {line}, byte {e.start}: "
+                              f"{e.object[e.start:e.end]!r}, {e.reason}): a TOML file must be UTF-8; re-save "
+                              "it as UTF-8 in your editor, or with `iconv -f <its encoding> -t utf-8`") from e
     for item in overrides:
         apply_override(data, item)
     return RunConfig.from_dict(data)

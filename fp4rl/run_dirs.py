@@ -99,7 +99,7 @@ def resume_config(run_dir: Path, overrides: list[str]) -> RunConfig:
         run = tomllib.loads((run_dir / "config.toml").read_text()).get("run", {})
         default = RunConfig().run
         named_dir = Path(str(run.get("dir", default.dir))) / str(run.get("name", default.name))
-    except (tomllib.TOMLDecodeError, OSError):
+    except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError):
         named_dir = None  # load_config below names the problem
     where = ["run.resume=true"]
     here = run_dir.resolve()

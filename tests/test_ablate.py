@@ -80,6 +80,66 @@ def test_an_arm_config_error_names_the_arm(capsys):
     assert "arm 'bf16' (precision.preset=bf16): precision.trace" in capsys.readouterr().err
 
 
+def test_an_arm_config_error_says_where_its_key_came_from(tmp_path):
+    """The hint named --set even when the refused keys were all the arm's own (--arm): now it names the arm's
+    --arm, the --config file, or --set, whichever holds the cause."""
+    arms = ["a:precision.trace=true,precision.preset=bf16", "b:trainer.lr=1e-5"]
+    parsed = ablate.parse_arms(arms, None, load_config(TINY))
+    with pytest.raises(ConfigError) as e:
+        ablate.arm_config(str(TINY), [], "a", parsed["a"])
+    assert "refused together, whatever --config and --set hold: fix them in --arm a:" in str(e.value)
+    assert "not --set" not in str(e.value)
+    # the config file (every arm's base) traces, which the implicit bf16 arm cannot
+    traced = tmp_path / "traced.toml"
+    traced.write_text(TINY.read_text().replace('preset = "nvfp4-linear"',
+                                               'preset = "nvfp4-linear"\ntrace = true'))
+    with pytest.raises(ConfigError, match=f"clash with {traced}, the base config of every arm") as e:
+        ablate.arm_config(str(traced), [], "bf16", ["precision.preset=bf16"])
+    assert "not --set" not in str(e.value)
+
+
+def test_a_larger_trainer_steps_extends_the_arms(assets, tmp_path):  # noqa: F811
+    """An ablation run for trainer.steps=1, then asked for 2, was refused ("trainer.steps differ"): as
+    `fp4rl train --resume RUN --set trainer.steps=2`, each arm's run goes on from its final checkpoint to the
+    records of an uninterrupted 2-step run. Fewer steps than a run has done, or a longer run under an LR
+    schedule spanning trainer.steps, is refused, naming the fix."""
+    from fp4rl.loop import train
+
+    arms = {"a": ["trainer.lr=1e-4"], "b": ["trainer.lr=1e-5"]}
+    def sets(name, steps):
+        return tiny_sets(assets, tmp_path, name, f"trainer.steps={steps}", "trainer.checkpoint_every=0")
+
+    ablate.ablate(str(TINY), sets("ext", 1), arms, train_fn=train)
+    two = sets("ext", 2)
+    resumed = []
+
+    def train_fn(config):
+        resumed.append((config.run.name, config.run.resume, config.trainer.steps))
+        return train(config)
+
+    summary, _ = ablate.ablate(str(TINY), two, arms, train_fn=train_fn)
+    assert resumed == [("ext-a", True, 2), ("ext-b", True, 2)]
+    assert summary["a"]["steps"] == summary["b"]["steps"] == 2
+    assert load_config(tmp_path / "ext-a" / "config.toml").trainer.steps == 2
+    uninterrupted = train(ablate.arm_config(str(TINY), sets("full", 2), "a", arms["a"]))
+    assert deterministic(read_metrics(tmp_path / "ext-a")) == deterministic(uninterrupted)
+    # back to 1 step: refused (a run does not go back), naming the trainer.steps that reads it back
+    with pytest.raises(ConfigError, match=r"ext-a holds this arm's run of trainer.steps = 2, trained to step "
+                       r"2.*Set trainer.steps = 2 to read it back"):
+        ablate.ablate(str(TINY), sets("ext", 1), arms, train_fn=train_fn)
+    # a cosine schedule spans trainer.steps: not extended, and the message gives the command that would
+    cosine = ablate.arm_config(str(TINY), tiny_sets(assets, tmp_path, "cos", "trainer.lr_schedule=cosine"),
+                               "a", ["trainer.steps=1"])
+    cosine.run_dir.mkdir()
+    save_config(cosine, cosine.run_dir / "config.toml")
+    (cosine.run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    longer = ablate.arm_config(str(TINY), tiny_sets(assets, tmp_path, "cos", "trainer.lr_schedule=cosine"),
+                               "a", ["trainer.steps=3"])
+    with pytest.raises(ConfigError, match=r"under trainer.lr_schedule = 'cosine'.*extend it anyway: `fp4rl "
+                       f"train --resume {cosine.run_dir} --set trainer.steps=3`"):
+        ablate.arm_state(longer)
+
+
 def _recording_train(calls):
     def train(config):
         calls.append(config.run.name)

@@ -128,6 +128,21 @@ def test_unknown_keys_are_rejected_with_a_suggestion(tmp_path):
         load_config(overrides=["trainer.lr.x=1"])
 
 
+def test_a_config_that_is_not_utf8_is_named(tmp_path, capsys, monkeypatch):
+    """A Latin-1 config raised the codec's "'utf-8' codec can't decode byte 0xe9", naming no file: the
+    ConfigError names the file, the line and the fix, and `fp4rl train` prints it (status 2)."""
+    from fp4rl.cli import main
+
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('[trainer]\nlr = 1e-5\n[task]\nsuffix = "R\u00e9ponds."\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: not UTF-8 text (line 4") + ".*re-save it as"):
+        load_config(path)
+    monkeypatch.delenv("FP4RL_TRACEBACK", raising=False)
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"fp4rl train: error: {path}: not UTF-8 text" in err and "Traceback" not in err
+
+
 def test_overrides_parse_toml_literals_and_fall_back_to_strings():
     cfg = load_config(
         CONFIGS / "default.toml",

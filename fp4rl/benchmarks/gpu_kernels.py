@@ -16,6 +16,7 @@ experts), w4a4 (those three in fp4rl.benchmarks.gpu_gemm), attention. Prints a s
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -23,6 +24,8 @@ import time
 import traceback
 
 import torch
+
+from fp4rl.benchmarks import int_at_least, int_list_at_least
 
 L2_BYTES = 60 * 2**20  # H200; rotation makes the working set several times larger
 WARM_MS = 0.0  # set > 0 to replay each graph this long before timing it (steady clocks)
@@ -32,13 +35,35 @@ W4A4_ROWS = (1, 16, 128, 512)
 def add_arguments(parser):
     parser.add_argument("--sections", default="copy,quantize,gemm,moe,w4a4,attention",
                         help="comma-separated subset of copy,quantize,gemm,moe,w4a4,attention")
-    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512", help="GEMM row counts")
-    parser.add_argument("--shapes", default="4096x14336,14336x4096,4096x6144",
-                        help="dense weights as NxK (out x in features)")
-    parser.add_argument("--context", default="4096,32768", help="attention context lengths")
+    parser.add_argument("--rows", type=int_list_at_least(1), default="1,2,4,8,16,32,64,128,256,512",
+                        help="GEMM row counts")
+    parser.add_argument("--shapes", type=_shapes, default="4096x14336,14336x4096,4096x6144",
+                        help="dense weights as NxK (out x in features), K a multiple of 16")
+    parser.add_argument("--context", type=int_list_at_least(1), default="4096,32768",
+                        help="attention context lengths")
     parser.add_argument("--out", default=None, help="write all results as JSON here")
-    parser.add_argument("--workers", type=int, default=12,
+    parser.add_argument("--workers", type=int_at_least(0), default=12,
                         help="processes compiling kernels up front (0: none)")
+
+
+def _shapes(text: str) -> str:
+    """argparse type of --shapes: comma-separated NxK, N >= 1, K >= 16 a multiple of 16 (one E4M3 scale per
+    16 values along K); returns them cleaned."""
+    shapes = []
+    for spec in (s.strip() for s in text.split(",") if s.strip()):
+        n, _, k = spec.partition("x")
+        try:
+            n, k = int(n), int(k)
+        except ValueError:
+            n = k = 0
+        if n < 1 or k < 16 or k % 16:
+            raise argparse.ArgumentTypeError((f"{spec!r} of " if spec != text.strip() else "") + f"{text!r}: "
+                                             "expected NxK, N >= 1 and K a multiple of 16 (e.g. 4096x14336), "
+                                             "comma-separated")
+        shapes.append(f"{n}x{k}")
+    if not shapes:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated NxK (e.g. 4096x14336)")
+    return ",".join(shapes)
 
 
 def _env() -> dict:
@@ -355,7 +380,6 @@ def dump_compiled(path: str) -> dict:
 
 
 if __name__ == "__main__":
-    import argparse
     import sys
 
     _parser = argparse.ArgumentParser(prog="python -m fp4rl.benchmarks.gpu_kernels")

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fp4rl.benchmarks import int_at_least
 from fp4rl.nvfp4 import fake_quantize
 from fp4rl.precision import PrecisionContract
 from fp4rl.qat import NVFP4Linear, convert
@@ -41,12 +42,15 @@ MiB = 2**20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--features", type=int, default=4096, help="linear in = out features (4096)")
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens through the linear (2048)")
+    parser.add_argument("--features", type=int_at_least(16, 16), default=4096,
+                        help="linear in = out features, a multiple of 16 (4096)")
+    parser.add_argument("--tokens", type=int_at_least(1), default=2048,
+                        help="tokens through the linear (2048)")
     parser.add_argument("--model", default="default", help="model for the training step (fp4rl.load_model)")
     parser.add_argument("--presets", default="bf16,nvfp4-linear", help="comma-separated presets for the step")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per training step (4)")
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (128)")
+    parser.add_argument("--batch", type=int_at_least(1), default=4, help="sequences per training step (4)")
+    parser.add_argument("--seq", type=int_at_least(2), default=128,
+                        help="tokens per sequence, 2 or more (the loss predicts tokens 2..seq) (128)")
     parser.add_argument("--skip-step", action="store_true", help="only the single-linear measurement")
     parser.add_argument("--results", default=None, help="append the tables to this markdown file")
     parser.add_argument("--step-child", default=None, help=argparse.SUPPRESS)  # internal: one preset

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from fp4rl import nvfp4
+from fp4rl.benchmarks import int_at_least, int_list_at_least
 
 MODES: list[tuple[str, dict]] = [
     ("1x16, tensor scale, rule 6", {}),
@@ -43,12 +44,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size", type=int, default=4096, help="the tensor is size x size (4096)")
+    # sizes: one E4M3 scale per 16 values (and 16x16 tiles), so multiples of 16; refused now, not after
+    # minutes of timing
+    parser.add_argument("--size", type=int_at_least(16, 16), default=4096,
+                        help="the tensor is size x size, a multiple of 16 (4096)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="input dtype (float32)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per mode, median shown (3)")
-    parser.add_argument("--threads", default=None,
+    parser.add_argument("--repeats", type=int_at_least(1), default=3,
+                        help="timed repeats per mode, median shown (3)")
+    parser.add_argument("--threads", type=int_list_at_least(1), default=None,
                         help="comma-separated torch thread counts to time (default: 1 and the current count)")
-    parser.add_argument("--snr-size", type=int, default=1024, help="the SNR tensors are snr-size^2 (1024)")
+    parser.add_argument("--snr-size", type=int_at_least(16, 16), default=1024,
+                        help="the SNR tensors are snr-size^2, a multiple of 16 (1024)")
     parser.add_argument("--results", default=None, help="append the tables to this markdown file")
 
 

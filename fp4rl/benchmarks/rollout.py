@@ -295,11 +295,14 @@ def check_args(args: argparse.Namespace) -> None:
     for opt in ("new_tokens", "repeats", "mismatch_prompts", "mismatch_tokens"):
         if getattr(args, opt) < 1:
             raise ValueError(f"bench rollout --{opt.replace('_', '-')} {getattr(args, opt)}: must be >= 1")
+    if args.threads is not None and args.threads < 1:  # (torch.set_num_threads: a bare RuntimeError)
+        raise ValueError(f"bench rollout --threads {args.threads}: must be >= 1 (leave it out for the "
+                         "current count)")
 
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     print("throughput ...", flush=True)
     speed = throughput(args)

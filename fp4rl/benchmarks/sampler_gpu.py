@@ -41,6 +41,7 @@ import traceback
 import torch
 from torch import nn
 
+from fp4rl.benchmarks import int_at_least, int_list_at_least
 from fp4rl.benchmarks.decode_timing import (
     CLOCK_SKIP,
     _clocked,
@@ -82,15 +83,17 @@ PRECISIONS = {
 def add_arguments(parser):
     parser.add_argument("--shapes", default="qwen3-8b:36,qwen3-30b-a3b:12",
                         help="comma-separated SHAPE:LAYERS (decoder layers built; time is linear in layers)")
-    parser.add_argument("--batch", default="1,8,32", help="batch sizes (prompts, n=1)")
+    parser.add_argument("--batch", type=int_list_at_least(1), default="1,8,32",
+                        help="batch sizes (prompts, n=1)")
     parser.add_argument("--kv", default="bf16,nvfp4,fp8", help="KV caches")
-    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--prompt", type=int_at_least(1), default=128, help="prompt tokens")
     parser.add_argument("--tokens", default="8,56", help="N1,N2 new tokens of the two timed generates")
-    parser.add_argument("--repeats", type=int, default=3, help="timed (N1, N2) pairs (the median cadence "
-                        "is kept)")
+    parser.add_argument("--repeats", type=int_at_least(1), default=3,
+                        help="timed (N1, N2) pairs (the median cadence is kept)")
     parser.add_argument("--tune", action="store_true", help="time every GEMM candidate per shape (compiles "
                         "~20 Triton configurations per shape and batch bucket); default: first candidate")
-    parser.add_argument("--profile-batch", default="1,32", help="batches profiled, '' for none")
+    parser.add_argument("--profile-batch", type=int_list_at_least(1, empty_ok=True), default="1,32",
+                        help="batches profiled, '' for none")
     parser.add_argument("--profile-kv", default="bf16",
                         help="KV cache formats whose rows are profiled (bf16, nvfp4, fp8)")
     parser.add_argument("--presets", default="", help="comma-separated precision presets to measure (bf16, "
@@ -105,7 +108,8 @@ def add_arguments(parser):
     parser.add_argument("--dense-rows", default="0", help="comma-separated Sampler(dense_rows=) settings of "
                         "the NVFP4 arms, one row each: calls of at least that many rows run cuBLAS on a "
                         "DQ(W) copy (0: the 4-bit kernels at every batch)")
-    parser.add_argument("--host-batch", default="", help="batches whose host time per step is split "
+    parser.add_argument("--host-batch", type=int_list_at_least(1, empty_ok=True), default="",
+                        help="batches whose host time per step is split "
                         "(host_split: graph launch cost, host-only step, top CPU ops), '' for none")
     parser.add_argument("--no-graphs", action="store_true", help="decode eagerly (no CUDA graphs)")
     parser.add_argument("--pdl", default="on", help="comma-separated settings of programmatic dependent "
