@@ -407,19 +407,24 @@ def _resolve(name_or_path) -> Path:
                             "(config.json + *.safetensors) or 'default'")
 
 
+_MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def _pick_dtype(dtype, config: ModelConfig, device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype={dtype} is not a floating torch dtype (e.g. torch.bfloat16, "
-                             "'float32')")
+        if dtype not in _MODEL_DTYPES:
+            raise ValueError(f"dtype={dtype} is not a dtype a model computes in: use torch.float32, "
+                             "torch.bfloat16 or torch.float16 (FP8 / NVFP4 weights come from a precision "
+                             "contract, not from dtype)")
         return dtype
     if dtype is None:
         if torch.device(device).type == "cpu":
             return torch.float32
         dtype = config.torch_dtype or "float32"
     value = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise ValueError(f"dtype={dtype!r} is not a floating torch dtype (e.g. torch.bfloat16 or 'float32')")
+    if value not in _MODEL_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not a dtype a model computes in (torch.bfloat16 or 'float32', "
+                         "'float16'; FP8 / NVFP4 weights come from a precision contract)")
     return value
 
 

@@ -337,7 +337,13 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], *,
         state_dict = {k: v for k, v in state_dict.items()
                       if not (".mlp.shared_expert." in k and not v.numel())}
     if config.tie_word_embeddings:
-        state_dict.pop("lm_head.weight", None)
+        head, embed = state_dict.pop("lm_head.weight", None), state_dict.get("model.embed_tokens.weight")
+        if head is not None and embed is not None and not torch.equal(head, embed):
+            raise ValueError("checkpoint: config.json says tie_word_embeddings = true, but its "
+                             "lm_head.weight differs from model.embed_tokens.weight; tied, it would be "
+                             "dropped (and the logits change). Set tie_word_embeddings = false in "
+                             "config.json if the head is its own, or remove lm_head.weight if it is a stale "
+                             "copy")
     with torch.device("meta"):
         model = CausalLM(config)
     expected = set(model.state_dict())

@@ -144,7 +144,11 @@ class ModelConfig:
             raise ValueError(f"config.json: model_type={t!r} is not supported; fp4rl supports "
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
         layer_types = d.pop("layer_types", None) or []
-        if d.pop("use_sliding_window", False) or any(lt != "full_attention" for lt in layer_types):
+        sliding = d.pop("use_sliding_window", False) and d.get("sliding_window") is not None
+        if sliding and not layer_types:  # transformers' rule: layers from max_window_layers on slide
+            first = d.get("max_window_layers")
+            sliding = first is None or first < d.get("num_hidden_layers", first + 1)
+        if sliding or any(lt != "full_attention" for lt in layer_types):
             raise ValueError("config.json: sliding-window attention (use_sliding_window / layer_types) is "
                              "not implemented; fp4rl supports full attention only (set "
                              "use_sliding_window=false if the model was trained without it)")

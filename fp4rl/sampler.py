@@ -189,9 +189,15 @@ class Sampler:
         if fast_head is None:
             fast_head = (cpu_bf16 and cpu_head.available()) or kernels
         self.config = model.config
-        self.max_seq_len = max_seq_len or self.config.max_position_embeddings
-        if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
+        limit = self.config.max_position_embeddings
+        self.max_seq_len = limit if max_seq_len is None else max_seq_len
+        n = self.max_seq_len
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
             raise ValueError(f"Sampler max_seq_len={max_seq_len!r}: must be an integer >= 2")
+        if limit and self.max_seq_len > limit:
+            raise ValueError(f"Sampler max_seq_len={max_seq_len}: more positions than the model's "
+                             f"max_position_embeddings = {limit} (its RoPE and training stop there); use "
+                             f"max_seq_len <= {limit}, or leave it out")
         self.model = build_sampler_model(model, dtype=self.dtype, device=self.device,
                                          cache_dequantized=cache_dequantized, fuse=fuse, prepack=prepack,
                                          nvfp4_gemm=nvfp4_gemm, cpu_ops=cpu_ops)
@@ -304,6 +310,9 @@ class Sampler:
                 p = self.tokenizer(p)["input_ids"]
             elif isinstance(p, torch.Tensor):
                 p = p.tolist()
+            if isinstance(p, int):
+                raise ValueError(f"generate: prompt {i} is the int {p}: prompts is a list of prompts, each a "
+                                 "list of token ids; wrap one prompt as [[id, id, ...]]")
             ids = list(p)
             if not ids:
                 raise ValueError(f"generate: prompt {i} is empty; a completion needs at least one token to "

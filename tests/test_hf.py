@@ -153,8 +153,9 @@ def test_dtype_choice(tmp_path):
     assert as_bf16.lm_head.weight is as_bf16.model.embed_tokens.weight  # still tied
     logits = as_bf16(torch.tensor([[1, 2, 3]]))
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
-    for bad in ("int8", torch.int8):  # a torch.dtype too (it failed deep in load_state_dict)
-        with pytest.raises(ValueError, match="is not a floating torch dtype"):
+    # a torch.dtype too (it failed deep in load_state_dict); FP8 loaded, then failed in the first forward
+    for bad in ("int8", torch.int8, torch.float8_e4m3fn, "float8_e5m2"):
+        with pytest.raises(ValueError, match="is not a dtype a model computes in"):
             load_model(tmp_path / "bf16", dtype=bad)
 
 

@@ -7,7 +7,7 @@ import torch
 import transformers as tf
 
 from fp4rl.hf import load_model
-from fp4rl.model import KVCache, ModelConfig
+from fp4rl.model import CausalLM, KVCache, ModelConfig
 
 V = 97
 BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -231,6 +231,28 @@ def hf_dict(**kw):
 def test_unsupported_configs_raise_naming_the_key(kw, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf(hf_dict(**kw))
+
+
+@pytest.mark.parametrize("kw", [dict(sliding_window=None), dict(sliding_window=16, max_window_layers=2)])
+def test_sliding_window_switched_on_for_no_layer_is_full_attention(kw):
+    """use_sliding_window = true with no window, or with max_window_layers >= the layer count: transformers
+    runs every layer with full attention, and so does fp4rl (they were refused)."""
+    cfg = ModelConfig.from_hf(hf_dict(model_type="qwen2", use_sliding_window=True, **kw))
+    assert cfg.num_hidden_layers == 2
+
+
+def test_a_tied_head_that_differs_from_the_embedding_is_refused():
+    """tie_word_embeddings = true and an lm_head.weight of its own: it was dropped without a word (the logits
+    then differ from transformers', which unties them); an equal copy is fine."""
+    from fp4rl.model import build_model
+
+    cfg = ModelConfig.from_hf(hf_dict(tie_word_embeddings=True))
+    state = {k: v.clone() for k, v in CausalLM(cfg).state_dict().items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    build_model(cfg, dict(state))
+    state["lm_head.weight"] += 1.0
+    with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        build_model(cfg, state)
 
 
 @pytest.mark.parametrize("scaling, key", [

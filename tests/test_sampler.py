@@ -596,3 +596,20 @@ def test_trace_guidance_of_the_routed_experts_reaches_the_trainer():
         lp = token_logprobs(logits, ids[:, 1:])[0, len(c.prompt_ids) - 1:]
         assert float((lp - torch.tensor(c.logprobs)).abs().max()) < 1e-5
     assert stats.elements > 0 and stats.disagree_rtn == 0
+
+
+def test_max_seq_len_past_the_models_positions_and_a_flat_prompt_are_refused():
+    """max_seq_len above max_position_embeddings (positions the model never had) or 0 (it used to mean "the
+    model's" silently) is refused; so is a prompt list of bare ints (one prompt not wrapped in a list)."""
+    from rl_fixtures import tiny_model
+
+    model = tiny_model()
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"more positions than the model's max_position_embeddings = "
+                                         f"{limit}"):
+        Sampler(model, max_seq_len=limit + 1)
+    with pytest.raises(ValueError, match="max_seq_len=0: must be an integer >= 2"):
+        Sampler(model, max_seq_len=0)
+    sampler = Sampler(model, max_seq_len=limit, eos_token_ids=[])
+    with pytest.raises(ValueError, match=r"prompt 0 is the int 5: .*wrap one prompt as \[\[id"):
+        sampler.generate([5, 6, 7], SamplingParams(max_new_tokens=2))
