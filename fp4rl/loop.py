@@ -456,6 +456,12 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
     model, tokenizer = load_model(c.model.name, dtype=getattr(torch, c.model.dtype), device=device)
     if tokenizer is None:
         raise ValueError(f"model.name = {c.model.name!r} has no tokenizer files: RL needs one for prompts")
+    context = model.config.max_position_embeddings
+    for key, new in (("sampler.max_new_tokens", c.sampler.max_new_tokens),
+                     ("eval.max_new_tokens", c.eval.max_new_tokens)):
+        if context and new and new >= context:  # now, not at the first generate after the step-0 eval
+            raise ConfigError(f"{key} = {new} leaves no room for a prompt in the model's context of "
+                              f"{context} tokens (max_position_embeddings of {c.model.name!r}): lower {key}")
     contract = PrecisionContract(**c.precision.contract_kwargs())
     trainer = Trainer(model, contract, c)
     if c.precision.trace:

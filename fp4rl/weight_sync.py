@@ -91,6 +91,10 @@ class Payload:
     # a name unique to this object (not carried over by dataclasses.replace, copy or pickle): an unsealed
     # payload's digest
     local_digest: str = field(init=False, repr=False, compare=False)
+    # sealed by to_bytes, in this process, from the tensors it holds: those never left, so a load here has
+    # nothing to check them against (an async run's Ray pool seals the payload its in-process eval sampler
+    # loads too: it was hashed twice). Not carried by copies, as local_digest.
+    sealed_to_travel: bool = field(init=False, default=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.sealed and (self.checksums or (self.digest and not self.digest.startswith("local-"))):
@@ -104,6 +108,7 @@ class Payload:
 
     def __setstate__(self, state: dict) -> None:  # copy / deepcopy / pickle: another object, another name
         self.__dict__.update(state)
+        self.sealed_to_travel = False
         self._new_name()
 
     # -- integrity ---------------------------------------------------------------------------
@@ -194,6 +199,7 @@ class Payload:
         payload is sealed first, in place)."""
         if not self.sealed:
             self.seal()
+            self.sealed_to_travel = True
         header = dict(format=FORMAT, version=self.version, modes=self.modes, input_kwargs=self.input_kwargs,
                       packed=self._packed_meta(), checksums=self.checksums, digest=self.digest)
         tensors = {name: t.detach().contiguous().cpu() for name, t in self.items()}
@@ -376,7 +382,9 @@ def apply_payload(model: nn.Module, payload: Payload, *, current_version: int, v
         if t.shape != p.shape or not t.is_floating_point():
             raise ValueError(f"weight sync: {name} is {t.dtype} {list(t.shape)} in the payload, the sampler "
                              f"holds {p.dtype} {list(p.shape)}: refused")
-    if payload.sealed:  # (an unsealed payload's tensors never left this process: nothing to check them by)
+    # an unsealed payload's tensors never left this process, nor did those of one sealed only to travel:
+    # nothing to check them by
+    if payload.sealed and not payload.sealed_to_travel:
         payload.check()
     finite = [(f"{name}.global_scale", q.global_scale) for name, q in payload.packed.items()]
     bad = first_nonfinite([*finite, *payload.dense.items()])

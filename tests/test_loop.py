@@ -526,6 +526,10 @@ def test_config_errors_name_the_key(tmp_path, capsys, assets):
         assert not (tmp_path / "wandb").exists()
     with pytest.raises(ValueError, match="sampler.temperature"):
         run_tiny(assets, tmp_path, "greedy", "sampler.temperature=0")
+    for key in ("sampler.max_new_tokens", "eval.max_new_tokens"):  # before the step-0 eval, naming the key
+        with pytest.raises(ConfigError, match=f"{key} = 100000 leaves no room for a prompt .*lower {key}"):
+            run_tiny(assets, tmp_path, "long", f"{key}=100000", "eval.at_start=true")
+        assert not (tmp_path / "long" / "metrics.jsonl").exists()
     run_tiny(assets, tmp_path, "twice", "trainer.steps=1")
     with pytest.raises(FileExistsError, match="--resume"):
         run_tiny(assets, tmp_path, "twice", "trainer.steps=1")

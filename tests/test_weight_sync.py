@@ -456,6 +456,13 @@ def test_an_unsealed_payload_loads_without_hashing_and_is_sealed_when_it_travels
     assert remote.weights_digest == second.digest
     sampler.load(second)  # the sampler that holds it unsealed accepts it sealed (its name before sealing)
     assert sampler.policy_version == 2
+    # sealed only to travel, it is not hashed again by a load in this process (async + Ray: the trainer
+    # thread's eval sampler loads the payload the rollout thread's pool sealed)
+    n = len(hashed)
+    evaluator = Sampler(model, eos_token_ids=[])
+    evaluator.load(second)
+    assert len(hashed) == n and evaluator.policy_version == 2
+    assert not copy.copy(second).sealed_to_travel  # a copy of it is checked as any sealed payload
 
 
 def test_a_payload_given_checksums_is_sealed_and_checked():
