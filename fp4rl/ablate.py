@@ -37,6 +37,7 @@ import tempfile
 from pathlib import Path
 
 from fp4rl.config import PRECISION_PRESETS, ConfigError, RunConfig, dump_toml, load_config
+from fp4rl.loop import RunInterrupted
 from fp4rl.metrics import read_metrics, write_atomic
 from fp4rl.run_dirs import RESUME_FREE_KEYS
 from fp4rl.trainer import latest_checkpoint
@@ -244,6 +245,10 @@ def run_arm(config: RunConfig, train_fn, state: tuple[str, list[dict]] | None = 
     return train_fn(dataclasses.replace(config, run=dataclasses.replace(config.run, resume=True)))
 
 
+class ArmInterrupted(KeyboardInterrupt):
+    """An arm's `fp4rl train` stopped on Ctrl-C / SIGTERM after checkpointing its step."""
+
+
 class ArmFailed(RuntimeError):
     """An arm's training process exited with an error (its message is on stderr above)."""
 
@@ -256,8 +261,24 @@ def train_in_subprocess(config: RunConfig) -> list[dict]:
         cfg.write_text(dump_toml(config))
         # the child imports what this process can (a task's reward function named module:function)
         path = os.pathsep.join(p for p in [*sys.path, os.environ.get("PYTHONPATH", "")] if p)
-        rc = subprocess.run([sys.executable, "-m", "fp4rl.cli", "train", "--config", str(cfg)],
-                            env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}).returncode
+        child = subprocess.Popen([sys.executable, "-m", "fp4rl.cli", "train", "--config", str(cfg)],
+                                 env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"})
+        try:
+            rc = child.wait()
+        except KeyboardInterrupt:  # Ctrl-C reached the child too: it finishes its step with a checkpoint
+            try:
+                rc = child.wait()
+            except KeyboardInterrupt:  # a second one: as the child's own second one, stop now
+                child.kill()
+                child.wait()
+                raise
+        finally:
+            if child.poll() is None:  # (anything else raised here)
+                child.kill()
+                child.wait()
+    if rc == 130:  # fp4rl train's exit after a Ctrl-C / SIGTERM (loop.RunInterrupted): the arm resumes
+        raise ArmInterrupted(f"{config.run_dir}: interrupted, stopped at the end of a step with its "
+                             "checkpoint; run the same `fp4rl ablate` command again to continue")
     if rc != 0:
         raise ArmFailed(f"training {config.run_dir} failed: `fp4rl train` exited with status {rc}")
     return read_metrics(config.run_dir)
@@ -416,6 +437,9 @@ def run(args) -> int:
     except ArmFailed as e:
         print(f"fp4rl ablate: error: {e}", file=sys.stderr)
         return 1
+    except (ArmInterrupted, RunInterrupted) as e:
+        print(f"fp4rl ablate: {e}", file=sys.stderr)
+        return 130
     print(table(summary))
     print(f"summary: {out_dir / 'summary.md'}, {out_dir / 'summary.json'}, {out_dir / 'plots'}")
     return 0

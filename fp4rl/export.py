@@ -298,8 +298,9 @@ def _check_servable(model: nn.Module, resolved: dict[str, str], packed: dict) ->
         # only for a few architectures, so the model would be served with another (or no) head
         raise ValueError("export: lm_head is NVFP4 (a precision rule quantizes it); vLLM and SGLang load "
                          "lm_head as their BF16 vocabulary-parallel head and would not serve these bytes. "
-                         "Keep lm_head BF16 (every preset does: drop the rule) and train with it, or export "
-                         "with --precision bf16 for that module")
+                         "Keep lm_head BF16: every preset does, so drop the rule that quantizes it (a run's "
+                         "precision.rules in its config.toml, or add ('lm_head', 'bf16') there) and train "
+                         "with it")
     for full in fused_groups(model):
         precisions = {resolved.get(n) for n in full}
         if len(precisions) > 1:

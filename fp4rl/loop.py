@@ -355,11 +355,14 @@ def check_distributed(config: RunConfig, device: str) -> None:
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """train() stopped on Ctrl-C / SIGTERM at the end of a step, after writing that step's checkpoint."""
+    """train() stopped on Ctrl-C / SIGTERM at the end of a step, after writing that step's checkpoint (step 0:
+    after the held-out eval before training, which a resume redoes: nothing trained, nothing to save)."""
 
     def __init__(self, step: int, run_dir: Path):
-        super().__init__(f"interrupted: stopped after step {step} with its checkpoint written; continue the "
-                         f"run with `fp4rl train --resume {run_dir}`")
+        done = (f"after step {step} with its checkpoint written" if step else
+                "after the held-out eval before step 1 (nothing trained yet)")
+        super().__init__(f"interrupted: stopped {done}; continue the run with "
+                         f"`fp4rl train --resume {run_dir}`")
         self.step, self.run_dir = step, run_dir
 
 
@@ -566,6 +569,8 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
                 record = {"policy_version": 0, **rollouts.evaluate(eval_sampler, 0)}
                 logger.log(0, record)
                 print("step 0 (before training): " + format_progress(record))
+                if stop.requested:  # not a whole training step more: a resume redoes this eval
+                    raise RunInterrupted(0, run_dir)
             for step in range(start_step + 1, c.trainer.steps + 1):
                 step_start = time.perf_counter()
                 trained_on = trainer.policy_version
@@ -606,10 +611,11 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix_str(format_progress(record))
-                if (is_last or (c.trainer.checkpoint_every and step % c.trainer.checkpoint_every == 0)
-                        or stop.requested):
+                stopping = stop.requested is not None  # read once: a signal may arrive between two reads
+                every = c.trainer.checkpoint_every
+                if is_last or (every and step % every == 0) or stopping:
                     save_step(step)
-                if stop.requested and not is_last:
+                if stopping and not is_last:
                     raise RunInterrupted(step, run_dir)
         finally:
             if progress is not None:

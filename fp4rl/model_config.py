@@ -145,7 +145,9 @@ class ModelConfig:
                              f"{', '.join(SUPPORTED_MODEL_TYPES)}")
         layer_types = d.pop("layer_types", None) or []
         sliding = d.pop("use_sliding_window", False) and d.get("sliding_window") is not None
-        if sliding and not layer_types:  # transformers' rule: layers from max_window_layers on slide
+        if sliding and not layer_types and t in ("qwen2", "qwen3"):
+            # transformers' rule for these two: the layers from max_window_layers on slide (its MoE models
+            # slide by other rules: refused whenever the switch is on with a window)
             first = d.get("max_window_layers")
             sliding = first is None or first < d.get("num_hidden_layers", first + 1)
         if sliding or any(lt != "full_attention" for lt in layer_types):

@@ -8,6 +8,7 @@ checkpoint's is named in a warning (warn_changed_settings). Nothing here loads a
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 import warnings
 from pathlib import Path
@@ -43,11 +44,14 @@ def check_resumable(config: RunConfig, checkpoint: Path | None) -> None:
     checkpoint has done, or whose metrics.jsonl is damaged; a warning when there is nothing to continue
     (stopped before the end of step 1; the at-start eval of step 0 is redone): the run starts at step 1."""
     run_dir, steps = config.run_dir, config.trainer.steps
-    if not (run_dir / "config.toml").is_file() and checkpoint is None:
-        raise ConfigError(f"run.resume = true but {run_dir} holds no run (no config.toml, no checkpoint): "
-                          "nothing to resume. Check run.dir and run.name, or set run.resume = false to start "
-                          "it")
     metrics = run_dir / METRICS_FILE
+    if not (run_dir / "config.toml").is_file() and checkpoint is None and not metrics.exists():
+        # (a job that always resumes, requeued or launched the first time): it starts, said loudly in case
+        # run.dir / run.name has a typo and another run was meant
+        warnings.warn(f"run.resume = true but {run_dir} holds no run (no config.toml, metrics or "
+                      "checkpoint): starting it at step 1. If you meant to resume another run, check run.dir "
+                      "and run.name", stacklevel=3)
+        return
     try:  # a damaged metrics.jsonl is named now, before anything is loaded or written
         logged = [r.get("step") for r in read_metrics(metrics)] if metrics.exists() else []
     except ValueError as exc:
@@ -78,7 +82,8 @@ def check_resumable(config: RunConfig, checkpoint: Path | None) -> None:
 def resume_config(run_dir: Path, overrides: list[str]) -> RunConfig:
     """The config of `fp4rl train --resume RUN_DIR`: RUN_DIR/config.toml with the --set overrides, resuming,
     at RUN_DIR itself (run.dir / run.name follow the folder if it moved)."""
-    if (run_dir / _STATE_FILE).is_file() or run_dir.parent.name == CHECKPOINT_DIR:
+    if (run_dir / _STATE_FILE).is_file() or (run_dir.parent.name == CHECKPOINT_DIR
+                                              and re.fullmatch(r"step_\d+", run_dir.name)):
         run = run_dir.parent.parent
         raise ConfigError(f"--resume {run_dir} is a checkpoint of the run {run}: resume the run directory, "
                           f"`fp4rl train --resume {run}` (it continues from its newest checkpoint; to go on "

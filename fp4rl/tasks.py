@@ -420,6 +420,8 @@ def _jsonl_prompt(record, path: Path, line_no: int, suffix: str, builtin_reward:
     if missing:
         raise ValueError(f"{where}: missing field(s) {sorted(missing)}")
     question, answer = record["prompt"], record["answer"]
+    if answer is None and not builtin_reward:  # a reward of one's own may score without an answer
+        answer = ""
     if not isinstance(question, str) or not question.strip():
         raise ValueError(f'{where}: "prompt" must be a non-empty string (the question), got '
                          f"{_short(question)}")

@@ -277,3 +277,44 @@ def test_cli_reports_bad_arms(capsys):
     assert cli_main(["ablate", "--config", str(TINY), "--arm", "a:run.name=x",
                      "--arm", "b:trainer.lr=1e-5"]) == 2
     assert "cannot set run.* keys" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("second_ctrl_c", [False, True])
+def test_ctrl_c_lets_the_arms_training_process_checkpoint_its_step(monkeypatch, tmp_path, second_ctrl_c):
+    """Ctrl-C reaches the arm's `fp4rl train` too, which finishes its step with a checkpoint and exits 130:
+    the ablation waits for it (it used to kill it at once, losing the step) and says to run it again; a
+    second Ctrl-C kills it."""
+    import subprocess
+
+    from fp4rl import ablate as ablate_module
+
+    events = []
+
+    class Child:
+        def __init__(self, *args, **kwargs):
+            self.waits, self.rc = 0, None
+
+        def wait(self):
+            self.waits += 1
+            if self.waits == 1 or (second_ctrl_c and self.waits == 2):
+                events.append("ctrl-c")
+                raise KeyboardInterrupt
+            self.rc = -9 if "kill" in events else 130
+            return self.rc
+
+        def poll(self):
+            return self.rc
+
+        def kill(self):
+            events.append("kill")
+
+    monkeypatch.setattr(subprocess, "Popen", Child)
+    config = load_config(None, [f"run.dir={str(tmp_path)!r}", "run.name=arm"])
+    if second_ctrl_c:
+        with pytest.raises(KeyboardInterrupt):
+            ablate_module.train_in_subprocess(config)
+        assert events == ["ctrl-c", "ctrl-c", "kill"]
+    else:
+        with pytest.raises(ablate_module.ArmInterrupted, match="run the same `fp4rl ablate` command again"):
+            ablate_module.train_in_subprocess(config)
+        assert events == ["ctrl-c"]  # waited for it, never killed

@@ -226,6 +226,33 @@ def test_an_interrupted_run_checkpoints_its_last_step_and_resumes_exactly(assets
     assert deterministic(resumed) == deterministic(full)
 
 
+@pytest.mark.parametrize("at_start", [True, False])
+def test_a_stop_request_ends_the_run_at_the_next_boundary(assets, tmp_path, monkeypatch, at_start):
+    """A Ctrl-C that arrived before step 0's held-out eval ended ends the run right after it (nothing
+    trained, a resume redoes the eval); without that eval, after step 1 with step 1's checkpoint."""
+    from fp4rl import loop
+
+    class Requested(loop.StopRequest):
+        def __enter__(self):
+            self.requested = "SIGINT"
+            return self
+
+    monkeypatch.setattr(loop, "StopRequest", Requested)
+    sets = ["trainer.steps=3", "trainer.checkpoint_every=0", f"eval.at_start={str(at_start).lower()}"]
+    with pytest.raises(loop.RunInterrupted) as stopped:
+        run_tiny(assets, tmp_path, "stop", *sets)
+    run_dir = tmp_path / "stop"
+    if at_start:
+        assert stopped.value.step == 0 and "nothing trained yet" in str(stopped.value)
+        assert [r["step"] for r in read_metrics(run_dir)] == [0] and not list_checkpoints(run_dir)
+    else:
+        assert stopped.value.step == 1 and "after step 1 with its checkpoint written" in str(stopped.value)
+        assert [p.name for p in list_checkpoints(run_dir)] == ["step_000001"]
+    monkeypatch.undo()
+    assert main(["--resume", str(run_dir)]) == 0
+    assert [r["step"] for r in read_metrics(run_dir)] == ([0] if at_start else []) + [1, 2, 3]
+
+
 def test_resume_of_a_finished_run_changes_nothing(assets, tmp_path, capsys):
     records = run_tiny(assets, tmp_path, "done", "trainer.steps=2")
     run_dir = tmp_path / "done"
@@ -300,9 +327,12 @@ def test_resume_refuses_a_checkpoint_folder_a_missing_run_and_a_quoted_run_key(a
     assert (step / "config.toml").read_bytes() == config and not (step / "metrics.jsonl").exists()
     assert main(["--resume", str(run_dir), "--set", '"run".name=other']) == 2
     assert "cannot change that" in capsys.readouterr().err and not (tmp_path / "other").exists()
-    with pytest.raises(ConfigError, match=r"run.resume = true but .*typo holds no run .*nothing to resume"):
-        run_tiny(assets, tmp_path, "typo", "run.resume=true")
-    assert not (tmp_path / "typo").exists()
+    # a run folder that holds nothing: started, with a warning (a job that always resumes, requeued or not)
+    with pytest.warns(UserWarning, match=r"run.resume = true but .*typo holds no run .*check run.dir"):
+        run_tiny(assets, tmp_path, "typo", "run.resume=true", "trainer.steps=1")
+    # a run directory inside a folder that happens to be named "checkpoints" is a run, not a checkpoint
+    run_tiny(assets, tmp_path / "checkpoints", "inner", "trainer.steps=1")
+    assert main(["--resume", str(tmp_path / "checkpoints" / "inner"), "--set", "trainer.steps=2"]) == 0
     shutil.rmtree(run_dir / "checkpoints")
     with pytest.raises(FileExistsError, match="no checkpoint to continue from .*move it away"):
         run_tiny(assets, tmp_path, "base", "trainer.steps=2")

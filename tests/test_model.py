@@ -211,6 +211,9 @@ def hf_dict(**kw):
     (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "dynamic"),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16), "sliding"),
     (dict(layer_types=["sliding_attention", "full_attention"]), "sliding"),
+    # the MoE models slide by other rules than max_window_layers (qwen3_moe: every layer)
+    (dict(model_type="qwen3_moe", use_sliding_window=True, sliding_window=8, max_window_layers=2, **MOE),
+     "sliding"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(num_key_value_heads=3), "num_key_value_heads"),
     (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8), "experts"),
