@@ -435,13 +435,18 @@ def test_the_cli_turns_a_refused_value_into_a_message_and_exit_2(capsys, monkeyp
     from fp4rl.cli import main
 
     monkeypatch.delenv("FP4RL_TRACEBACK", raising=False)
-    assert main(["bench", "quantize", "--size", "0", "--repeats", "1"]) == 2  # ValueError in the benchmark
+    # a ValueError in the library (bench's numeric options are now refused by argparse itself, exit 2)
+    refused = ["export", str(tmp_path / "src"), str(tmp_path / "out"), "--calib-prompts", "0"]
+    assert main(refused) == 2
     err = capsys.readouterr().err
-    assert err.startswith("fp4rl bench: error: ") and "Traceback" not in err and "FP4RL_TRACEBACK" in err
+    assert err.startswith("fp4rl export: error: ") and "Traceback" not in err and "FP4RL_TRACEBACK" in err
     assert main(["plot", str(tmp_path / "missing")]) == 2  # a file error too
+    with pytest.raises(SystemExit) as parsed:
+        main(["bench", "quantize", "--size", "0", "--repeats", "1"])
+    assert parsed.value.code == 2 and "--size: '0': expected an integer >= 16" in capsys.readouterr().err
     monkeypatch.setenv("FP4RL_TRACEBACK", "1")
     with pytest.raises(ValueError):
-        main(["bench", "quantize", "--size", "0", "--repeats", "1"])
+        main(refused)
     for command in (["train"], ["ablate", "--presets", "bf16,nvfp4-w4a16"]):  # they catch config errors
         with pytest.raises(FileNotFoundError):  # themselves: the variable shows the traceback there too
             main([*command, "--config", str(tmp_path / "missing.toml")])
