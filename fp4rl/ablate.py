@@ -346,10 +346,8 @@ def table(summary: dict) -> str:
 
 def plot(arms: dict[str, list[dict]], out_dir: Path) -> Path | None:
     """The arms' curves of PLOT_KEYS, one panel per key logged by any arm; None if nothing to draw."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     def series(records, key):
         pairs = [(r["step"], float(r[key])) for r in records if isinstance(r.get(key), (int, float))]
@@ -358,7 +356,9 @@ def plot(arms: dict[str, list[dict]], out_dir: Path) -> Path | None:
     keys = [k for k in PLOT_KEYS if any(series(r, k)[0] for r in arms.values())]
     if not keys:
         return None
-    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.8 * len(keys)), squeeze=False, sharex=True)
+    fig = Figure(figsize=(7, 2.8 * len(keys)))  # its own Agg canvas: pyplot's backend is left alone
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(keys), 1, squeeze=False, sharex=True)
     for ax, key in zip(axes[:, 0], keys):
         for name, records in arms.items():
             steps, values = series(records, key)
@@ -379,8 +379,6 @@ def plot(arms: dict[str, list[dict]], out_dir: Path) -> Path | None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    finally:
-        plt.close(fig)
     return path
 
 

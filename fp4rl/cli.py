@@ -26,7 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fp4rl import __version__
+
     parser = argparse.ArgumentParser(prog="fp4rl", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"fp4rl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

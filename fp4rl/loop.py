@@ -622,7 +622,11 @@ def train(config: RunConfig, *, task: Task | None = None) -> list[dict]:
                 progress.close()
             logger.close()
     records = read_metrics(run_dir)
-    plot(run_dir)
+    try:
+        plot(run_dir)
+    except Exception as exc:  # the run is trained and checkpointed: its plots are not worth failing it
+        warnings.warn(f"plotting {run_dir} failed ({type(exc).__name__}: {exc}); the run is complete. "
+                      f"Draw them again with `fp4rl plot {run_dir}`", stacklevel=2)
     _print_summary(records)
     return records
 

@@ -21,10 +21,12 @@ import math
 import numbers
 import os
 import tempfile
+import uuid
 import warnings
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_id"  # the wandb run this run logs to (logging.wandb)
 
 
 def write_atomic(path: str | Path, text: str) -> Path:
@@ -54,7 +56,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     else is damage this refuses (ValueError naming the file and line).
     """
     path = Path(run_dir)
-    path = path if path.suffix == ".jsonl" else path / METRICS_FILE
+    path = path if path.suffix == ".jsonl" and not path.is_dir() else path / METRICS_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {path.parent} a run directory?")
     records = []
@@ -85,20 +87,30 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
-def _jsonable(value):
+def _jsonable(value, key: str = ""):
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         value = float(value)
         return value if math.isfinite(value) else str(value)  # JSON has no NaN/Inf: "nan", "inf"
-    if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1:  # 0-d tensor / numpy scalar
-        return _jsonable(value.item())
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v, key) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v, key) for k, v in value.items()}
+    if hasattr(value, "item") and hasattr(value, "shape"):  # tensor / numpy array or scalar
+        size = 1
+        for d in value.shape:
+            size *= d
+        if size != 1:
+            raise ValueError(f"metric {key!r}: a tensor/array of shape {tuple(value.shape)}; log a number "
+                             "(e.g. its mean) or a list (.tolist())")
+        return _jsonable(value.item(), key)
     return value
 
 
 def _line(record: dict) -> str:
     """One metrics.jsonl line: NaN / Inf as the strings "nan" / "inf" / "-inf" (read back as floats)."""
-    return json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n"
+    return json.dumps({k: _jsonable(v, k) for k, v in record.items()}) + "\n"
 
 
 class MetricsLogger:
@@ -153,9 +165,18 @@ class MetricsLogger:
                     "logging.wandb = true but wandb is not installed: pip install wandb "
                     "(or set logging.wandb = false)"
                 ) from e
+            # one wandb run per fp4rl run: its id is kept in the run directory, so a resume continues it
+            # (without an id, resume="allow" started a new wandb run at every resume). wandb keeps a run's
+            # steps increasing: the steps a resume redoes are logged to it again only from the last one on
+            id_file = self.run_dir / WANDB_ID_FILE
+            run_id = id_file.read_text().strip() if id_file.is_file() else ""
+            if not run_id:
+                run_id = uuid.uuid4().hex[:16]
+                write_atomic(id_file, run_id + "\n")
             self._wandb = wandb_module.init(
                 project=wandb_project,
                 name=self.run_dir.name,
+                id=run_id,
                 dir=str(self.run_dir),
                 config=config,
                 resume="allow",
@@ -165,7 +186,7 @@ class MetricsLogger:
         """Record the metrics of `step` (must be larger than every step logged before)."""
         if self.last_step is not None and step <= self.last_step:
             raise ValueError(f"step {step} logged after step {self.last_step}: steps must increase")
-        record = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items() if k != "step"}}
+        record = {"step": int(step), **{k: _jsonable(v, k) for k, v in metrics.items() if k != "step"}}
         self._file.write(_line(record))
         self._file.flush()
         os.fsync(self._file.fileno())  # on disk before the step's checkpoint: one fsync per step (seconds)
@@ -243,10 +264,8 @@ def plot(run_dir: str | Path) -> list[Path]:
 
     A figure whose metrics the run never logged is not drawn.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
@@ -274,7 +293,10 @@ def plot(run_dir: str | Path) -> list[Path]:
         panels = [keys for keys in panels if keys]
         if not panels:
             continue
-        fig, axes = plt.subplots(len(panels), 1, figsize=(7, 3.2 * len(panels)), squeeze=False, sharex=True)
+        # a Figure on its own Agg canvas: pyplot's global backend (a notebook's) is left alone
+        fig = Figure(figsize=(7, 3.2 * len(panels)))
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(len(panels), 1, squeeze=False, sharex=True)
         for ax, keys in zip(axes[:, 0], panels):
             for key in keys:
                 steps, values = _series(records, key)
@@ -288,7 +310,6 @@ def plot(run_dir: str | Path) -> list[Path]:
         fig.tight_layout()
         path = out_dir / f"{name}.png"
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         written.append(path)
     return written
 
@@ -299,7 +320,10 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     run_dir = Path(args.run_dir)
-    if run_dir.name == METRICS_FILE and run_dir.is_file():  # `fp4rl plot RUN/metrics.jsonl`: its run
+    if run_dir.suffix == ".jsonl" and run_dir.is_file():  # `fp4rl plot RUN/metrics.jsonl`: its run
+        if run_dir.name != METRICS_FILE:
+            raise ValueError(f"{run_dir}: pass a run directory (the one holding {METRICS_FILE}); its plots "
+                             "are written there")
         run_dir = run_dir.parent
     written = plot(run_dir)
     if not written:

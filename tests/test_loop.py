@@ -371,6 +371,18 @@ def test_generate_samples_a_run_in_its_precision(assets, tmp_path, monkeypatch, 
             cli(argv + ["--model", str(run_dir), *bad])
 
 
+def test_a_plotting_failure_does_not_fail_a_finished_run(assets, tmp_path, monkeypatch):
+    from fp4rl import loop
+
+    def broken(run_dir):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(loop, "plot", broken)
+    with pytest.warns(UserWarning, match=r"plotting .* failed \(OSError: disk full\); the run is complete"):
+        records = run_tiny(assets, tmp_path, "plotless", "trainer.steps=1")
+    assert records[-1]["step"] == 1
+
+
 def test_extending_a_run_under_a_decaying_schedule_warns(assets, tmp_path):
     """trainer.steps may change on --resume, but a linear / cosine schedule spans it: the learning rates from
     there on differ from both runs', which is said (a constant schedule extends exactly, silently)."""

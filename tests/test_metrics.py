@@ -238,3 +238,60 @@ def test_write_atomic_closes_and_removes_its_temporary_file_when_chmod_fails(tmp
     monkeypatch.undo()
     assert set(os.listdir("/proc/self/fd")) <= fds_before  # no descriptor leaked
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.toml"] and target.read_text() == "old\n"
+
+
+def test_wandb_resumes_its_own_run(tmp_path, monkeypatch):
+    """logging.wandb: the run's wandb id is kept in the run directory and passed again on resume (without an
+    id every resume started a second wandb run of the same name)."""
+    import types
+
+    calls = []
+
+    class Run:
+        def log(self, metrics, step):
+            calls.append(("log", step))
+
+        def finish(self):
+            pass
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(("init", kw["id"], kw["resume"])) or Run()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    with MetricsLogger(tmp_path / "run", tensorboard=False, wandb=True) as logger:
+        logger.log(1, {"a": 1.0})
+    with MetricsLogger(tmp_path / "run", tensorboard=False, wandb=True, resume_step=1) as logger:
+        logger.log(2, {"a": 2.0})
+    first, second = calls[0], calls[2]
+    assert first[0] == second[0] == "init" and first[1] == second[1] and first[2] == "allow"
+    assert (tmp_path / "run" / metrics_module.WANDB_ID_FILE).read_text().strip() == first[1]
+
+
+def test_nan_inside_lists_and_arrays_and_a_run_named_like_a_file(tmp_path, monkeypatch):
+    """NaN inside a list is written as JSON too ("nan"); an array metric is refused naming the key; a run
+    directory whose name ends in .jsonl is a run directory; plotting leaves pyplot's backend alone."""
+    import matplotlib
+
+    with MetricsLogger(tmp_path / "v1.jsonl", tensorboard=False) as logger:
+        logger.log(1, {"a/list": [1.0, math.nan], "reward/mean": 0.5})
+        with pytest.raises(ValueError, match=r"metric 'b': a tensor/array of shape \(2,\)"):
+            logger.log(2, {"b": torch.ones(2)})
+    text = (tmp_path / "v1.jsonl" / "metrics.jsonl").read_text()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"invalid JSON constant {c}"))
+    assert read_metrics(tmp_path / "v1.jsonl")[0]["reward/mean"] == 0.5
+    matplotlib.use("svg")
+    try:
+        assert plot(tmp_path / "v1.jsonl")
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use("Agg")
+
+
+def test_cli_version_and_plot_of_another_jsonl(tmp_path, capsys):
+    from fp4rl.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("fp4rl ")
+    (tmp_path / "other.jsonl").write_text('{"step": 1}\n')
+    assert main(["plot", str(tmp_path / "other.jsonl")]) == 2
+    assert "pass a run directory" in capsys.readouterr().err
