@@ -30,6 +30,7 @@ import json
 import math
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -261,24 +262,34 @@ def train_in_subprocess(config: RunConfig) -> list[dict]:
         cfg.write_text(dump_toml(config))
         # the child imports what this process can (a task's reward function named module:function)
         path = os.pathsep.join(p for p in [*sys.path, os.environ.get("PYTHONPATH", "")] if p)
+        # in a session of its own, so a terminal's Ctrl-C reaches it once, from here: the first one asks it to
+        # finish its step with a checkpoint (loop.StopRequest), a second one kills it
         child = subprocess.Popen([sys.executable, "-m", "fp4rl.cli", "train", "--config", str(cfg)],
-                                 env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"})
+                                 env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"},
+                                 start_new_session=True)
+        interrupted = False
         try:
-            rc = child.wait()
-        except KeyboardInterrupt:  # Ctrl-C reached the child too: it finishes its step with a checkpoint
             try:
                 rc = child.wait()
-            except KeyboardInterrupt:  # a second one: as the child's own second one, stop now
-                child.kill()
-                child.wait()
-                raise
+            except KeyboardInterrupt:
+                interrupted = True
+                child.send_signal(signal.SIGINT)
+                try:
+                    rc = child.wait()
+                except KeyboardInterrupt:  # a second one: stop now
+                    child.kill()
+                    child.wait()
+                    raise
         finally:
             if child.poll() is None:  # (anything else raised here)
                 child.kill()
                 child.wait()
-    if rc == 130:  # fp4rl train's exit after a Ctrl-C / SIGTERM (loop.RunInterrupted): the arm resumes
-        raise ArmInterrupted(f"{config.run_dir}: interrupted, stopped at the end of a step with its "
-                             "checkpoint; run the same `fp4rl ablate` command again to continue")
+    if interrupted or rc == 130:  # (130: fp4rl train stopped on a signal of its own, loop.RunInterrupted)
+        state = ("finished, and the ablation stops before the next arm" if rc == 0 else
+                 "stopped at the end of a step with its checkpoint" if rc == 130 else
+                 "stopped before its first step or checkpoint")
+        raise ArmInterrupted(f"{config.run_dir}: interrupted ({state}); run the same `fp4rl ablate` "
+                             "command again to continue")
     if rc != 0:
         raise ArmFailed(f"training {config.run_dir} failed: `fp4rl train` exited with status {rc}")
     return read_metrics(config.run_dir)

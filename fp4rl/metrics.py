@@ -73,7 +73,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
                                  "object with an integer \"step\"): the file is damaged; repair or delete "
                                  "that line")
             # the non-finite values the logger wrote as strings (JSON has no NaN/Inf) are floats again
-            records.append({k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()})
+            records.append({k: _finite_back(v) for k, v in record.items()})
         except json.JSONDecodeError as e:
             if line_no == len(lines) and not line.endswith("\n"):
                 warnings.warn(f"{path}:{line_no}: dropped its last line, a write cut short (no newline, not "
@@ -85,6 +85,17 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _finite_back(value):
+    """What _jsonable wrote, read back: its "nan" / "inf" / "-inf" strings are floats again, in lists too."""
+    if isinstance(value, str):
+        return _NONFINITE.get(value, value)
+    if isinstance(value, list):
+        return [_finite_back(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _finite_back(v) for k, v in value.items()}
+    return value
 
 
 def _jsonable(value, key: str = ""):

@@ -279,11 +279,14 @@ def test_cli_reports_bad_arms(capsys):
     assert "cannot set run.* keys" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("second_ctrl_c", [False, True])
-def test_ctrl_c_lets_the_arms_training_process_checkpoint_its_step(monkeypatch, tmp_path, second_ctrl_c):
-    """Ctrl-C reaches the arm's `fp4rl train` too, which finishes its step with a checkpoint and exits 130:
-    the ablation waits for it (it used to kill it at once, losing the step) and says to run it again; a
-    second Ctrl-C kills it."""
+@pytest.mark.parametrize("second_ctrl_c, child_rc", [(False, 130), (False, 0), (False, -2), (True, None)])
+def test_ctrl_c_lets_the_arms_training_process_checkpoint_its_step(monkeypatch, tmp_path, second_ctrl_c,
+                                                                   child_rc):
+    """The arm's `fp4rl train` runs in a session of its own: a Ctrl-C is passed to it once (SIGINT), it
+    finishes its step with a checkpoint and exits 130 (or 0 if that was its last step, or -2 if it was still
+    starting), and the ablation stops saying to run it again: it does not go on to the next arm, nor call it
+    a failure (it used to kill the child at once, losing the step); a second Ctrl-C kills it."""
+    import signal
     import subprocess
 
     from fp4rl import ablate as ablate_module
@@ -292,6 +295,7 @@ def test_ctrl_c_lets_the_arms_training_process_checkpoint_its_step(monkeypatch, 
 
     class Child:
         def __init__(self, *args, **kwargs):
+            assert kwargs.get("start_new_session") is True
             self.waits, self.rc = 0, None
 
         def wait(self):
@@ -299,8 +303,11 @@ def test_ctrl_c_lets_the_arms_training_process_checkpoint_its_step(monkeypatch, 
             if self.waits == 1 or (second_ctrl_c and self.waits == 2):
                 events.append("ctrl-c")
                 raise KeyboardInterrupt
-            self.rc = -9 if "kill" in events else 130
+            self.rc = -9 if "kill" in events else child_rc
             return self.rc
+
+        def send_signal(self, sig):
+            events.append(signal.Signals(sig).name)
 
         def poll(self):
             return self.rc
@@ -313,8 +320,8 @@ def test_ctrl_c_lets_the_arms_training_process_checkpoint_its_step(monkeypatch, 
     if second_ctrl_c:
         with pytest.raises(KeyboardInterrupt):
             ablate_module.train_in_subprocess(config)
-        assert events == ["ctrl-c", "ctrl-c", "kill"]
+        assert events == ["ctrl-c", "SIGINT", "ctrl-c", "kill"]
     else:
         with pytest.raises(ablate_module.ArmInterrupted, match="run the same `fp4rl ablate` command again"):
             ablate_module.train_in_subprocess(config)
-        assert events == ["ctrl-c"]  # waited for it, never killed
+        assert events == ["ctrl-c", "SIGINT"]  # passed on once, waited for, never killed

@@ -277,7 +277,8 @@ def test_nan_inside_lists_and_arrays_and_a_run_named_like_a_file(tmp_path, monke
             logger.log(2, {"b": torch.ones(2)})
     text = (tmp_path / "v1.jsonl" / "metrics.jsonl").read_text()
     json.loads(text, parse_constant=lambda c: pytest.fail(f"invalid JSON constant {c}"))
-    assert read_metrics(tmp_path / "v1.jsonl")[0]["reward/mean"] == 0.5
+    back = read_metrics(tmp_path / "v1.jsonl")[0]
+    assert back["reward/mean"] == 0.5 and back["a/list"][0] == 1.0 and math.isnan(back["a/list"][1])
     matplotlib.use("svg")
     try:
         assert plot(tmp_path / "v1.jsonl")
