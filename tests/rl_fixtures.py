@@ -135,3 +135,20 @@ def optimizer_step(model, seed: int = 1) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def record_sampler_modes(monkeypatch) -> list:
+    """Make fp4rl.sampler.Sampler record, per construction, the sorted modes of the model's NVFP4 linears
+    (what `fp4rl generate` quantized); returns the list it appends to."""
+    from fp4rl import sampler as sampler_module
+    from fp4rl.qat import NVFP4Linear
+
+    seen = []
+    real = sampler_module.Sampler
+
+    def recording(model, *args, **kwargs):
+        seen.append(sorted({m.mode for m in model.modules() if isinstance(m, NVFP4Linear)}))
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(sampler_module, "Sampler", recording)
+    return seen

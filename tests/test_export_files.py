@@ -20,7 +20,7 @@ from fp4rl.export import add_arguments, export, export_model, run
 from fp4rl.export_files import MANIFEST
 from fp4rl.export_formats import encode_global_scale, reciprocal
 from fp4rl.precision import PrecisionContract
-from fp4rl.qat import NVFP4Linear, packed_state
+from fp4rl.qat import packed_state
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer files")  # tiny models have none
 _fixtures = (dense_modelopt, one_thread)  # the shared fixtures (module-scoped: built again for this module)
@@ -311,21 +311,13 @@ def test_sharded_export_and_a_checkpoint_without_manifest(tmp_path):
 def test_generate_samples_an_export_with_its_own_precision(tmp_path, monkeypatch, capsys):
     """`fp4rl generate --model OUT` keeps an export's NVFP4 linears (the default --precision bf16 converted
     them back to plain linears: a W4A4 export was sampled without its activation quantizer)."""
-    from rl_fixtures import tiny_model, tiny_tokenizer
+    from rl_fixtures import record_sampler_modes, tiny_model, tiny_tokenizer
 
-    from fp4rl import sampler as sampler_module
     from fp4rl.cli import main
 
     out = export_model(tiny_model(), PrecisionContract("nvfp4-linear"), tmp_path / "out",
                        tokenizer=tiny_tokenizer(), calib_prompts=1)
-    seen = []
-    real = sampler_module.Sampler
-
-    def recording(model, *args, **kwargs):
-        seen.append(sorted({m.mode for m in model.modules() if isinstance(m, NVFP4Linear)}))
-        return real(model, *args, **kwargs)
-
-    monkeypatch.setattr(sampler_module, "Sampler", recording)
+    seen = record_sampler_modes(monkeypatch)
     argv = ["generate", "--model", str(out), "--prompt", "1 + 1", "--greedy", "--max-new-tokens", "3",
             "--raw"]
     assert main(argv) == 0 and seen == [["w4a4"]]

@@ -156,9 +156,19 @@ def _wait_for_step(path, step, proc, timeout=300):
                 return
         if proc.poll() is not None:
             raise AssertionError(f"the run ended (rc {proc.returncode}) before step {step}: "
-                                 f"{proc.stderr.read().decode()[-2000:]}")
+                                 f"{proc.stderr.read()[-2000:]}")
         time.sleep(0.02)
     raise AssertionError(f"no step {step} in {path} after {timeout} s")
+
+
+def _train_in_a_process(assets, tmp_path, name: str, sets: list[str]) -> subprocess.Popen:
+    """`fp4rl train` of the tiny job in a process of its own (stderr captured as text)."""
+    argv = [sys.executable, "-m", "fp4rl.loop", "--config", str(TINY)]
+    for item in tiny_sets(assets, tmp_path, name, *sets):
+        argv += ["--set", item]
+    path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    return subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": path}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -168,12 +178,7 @@ def test_resume_after_kill_9_matches_an_uninterrupted_run(assets, tmp_path, mode
     full = run_tiny(assets, tmp_path, "full", *sets)
 
     run_dir = tmp_path / "killed"
-    argv = [sys.executable, "-m", "fp4rl.loop", "--config", str(TINY)]
-    for item in tiny_sets(assets, tmp_path, "killed", *sets):
-        argv += ["--set", item]
-    path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path}
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = _train_in_a_process(assets, tmp_path, "killed", sets)
     try:
         _wait_for_step(run_dir / "metrics.jsonl", 3, proc)
     finally:
@@ -203,12 +208,7 @@ def test_an_interrupted_run_checkpoints_its_last_step_and_resumes_exactly(assets
             "task.eval_every=2", "trainer.checkpoint_every=0"]
     full = run_tiny(assets, tmp_path, "full", *sets)
     run_dir = tmp_path / "stopped"
-    argv = [sys.executable, "-m", "fp4rl.loop", "--config", str(TINY)]
-    for item in tiny_sets(assets, tmp_path, "stopped", *sets):
-        argv += ["--set", item]
-    path = os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": path}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = _train_in_a_process(assets, tmp_path, "stopped", sets)
     try:
         _wait_for_step(run_dir / "metrics.jsonl", 2, proc)
         proc.send_signal(getattr(signal, sig))
@@ -342,19 +342,12 @@ def test_generate_samples_a_run_in_its_precision(assets, tmp_path, monkeypatch, 
     """`fp4rl generate --model RUN` (or one of its checkpoints): the run's newest weights, quantized as the
     run trained them (its config.toml's contract), the tokenizer of its model.name. Before, a run folder was
     "no config.json" and a checkpoint "no tokenizer", and one given a tokenizer sampled in BF16."""
-    from fp4rl import sampler as sampler_module
+    from rl_fixtures import record_sampler_modes
+
     from fp4rl.cli import main as cli
-    from fp4rl.qat import NVFP4Linear
 
     run_tiny(assets, tmp_path, "gen", "trainer.steps=1", "precision.preset=nvfp4-linear")
-    seen = []
-    real = sampler_module.Sampler
-
-    def recording(model, *args, **kwargs):
-        seen.append(sorted({m.mode for m in model.modules() if isinstance(m, NVFP4Linear)}))
-        return real(model, *args, **kwargs)
-
-    monkeypatch.setattr(sampler_module, "Sampler", recording)
+    seen = record_sampler_modes(monkeypatch)
     run_dir = tmp_path / "gen"
     argv = ["generate", "--prompt", "w1 w2", "--max-new-tokens", "3", "--seed", "1"]
     capsys.readouterr()
