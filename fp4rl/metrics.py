@@ -109,10 +109,7 @@ def _jsonable(value, key: str = ""):
     if isinstance(value, dict):
         return {k: _jsonable(v, key) for k, v in value.items()}
     if hasattr(value, "item") and hasattr(value, "shape"):  # tensor / numpy array or scalar
-        size = 1
-        for d in value.shape:
-            size *= d
-        if size != 1:
+        if math.prod(value.shape) != 1:
             raise ValueError(f"metric {key!r}: a tensor/array of shape {tuple(value.shape)}; log a number "
                              "(e.g. its mean) or a list (.tolist())")
         return _jsonable(value.item(), key)
