@@ -430,7 +430,7 @@ def _contract_dict(contract: PrecisionContract) -> dict:
 
 def _resolve_source(source) -> Path:
     from fp4rl.hf import default_model_dir
-    from fp4rl.trainer import latest_checkpoint
+    from fp4rl.run_dirs import checkpoint_of
 
     if str(source) == "default":
         return default_model_dir(convert=True)
@@ -438,12 +438,7 @@ def _resolve_source(source) -> Path:
     if not path.is_dir():
         raise FileNotFoundError(f"export: no such directory {source}; pass a run directory, a checkpoint "
                                 "directory, a Hugging Face model directory or 'default'")
-    if (path / "checkpoints").is_dir() and not (path / "config.json").is_file():  # a run directory
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise FileNotFoundError(f"export: run directory {path} has no complete checkpoint")
-        return latest
-    return path
+    return checkpoint_of(path, "export") or path
 
 
 def _model_dir(name: str) -> Path | None:

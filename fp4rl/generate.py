@@ -105,20 +105,12 @@ def run(args) -> int:
 
 def _run_checkpoint(model: str):
     """The checkpoint folder `model` names (a run directory: its newest; a checkpoint: itself), else None."""
-    from fp4rl.trainer import _STATE_FILE, latest_checkpoint
+    from fp4rl.run_dirs import checkpoint_of
 
-    path = Path(model).expanduser()
-    if not path.is_dir() or (path / "config.json").is_file() and not (path / _STATE_FILE).is_file():
-        return None  # 'default', a Hub id, or a model folder
-    if (path / _STATE_FILE).is_file():
-        return path
-    if (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file():
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise SystemExit(f"fp4rl generate: run directory {path} has no complete checkpoint yet (one is "
-                             "written after the last step, or every trainer.checkpoint_every steps)")
-        return latest
-    return None
+    try:
+        return checkpoint_of(Path(model), "fp4rl generate")
+    except FileNotFoundError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def _load_run(checkpoint: Path, args):

@@ -156,3 +156,25 @@ def warn_changed_settings(checkpoint: Path, c: RunConfig) -> None:
                       + (f" (+{len(changed) - 8} more)" if len(changed) > 8 else "")
                       + ": the run continues with the new ones, so it is no longer what the uninterrupted "
                       "run would have done", stacklevel=3)
+
+
+def checkpoint_of(path: Path, what: str) -> Path | None:
+    """The trainer checkpoint a folder names, for commands that read a run's weights (`fp4rl export`,
+    `fp4rl generate --model`): a checkpoint (it holds the trainer state) is itself, a run directory
+    (checkpoints/ or metrics.jsonl, no config.json) its newest complete checkpoint; None for anything else
+    (a model folder). FileNotFoundError, naming `what` (the command), for a run directory with no complete
+    checkpoint yet."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        return None
+    if (path / _STATE_FILE).is_file():
+        return path
+    if (path / "config.json").is_file():
+        return None  # a model folder
+    if (path / CHECKPOINT_DIR).is_dir() or (path / METRICS_FILE).is_file():
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise FileNotFoundError(f"{what}: run directory {path} has no complete checkpoint yet (one is "
+                                    "written after the last step, or every trainer.checkpoint_every steps)")
+        return latest
+    return None
