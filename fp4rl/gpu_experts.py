@@ -212,6 +212,9 @@ ROUTER_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_ROUTER_MAX", "8"))
 # Triton grid's serial last program. FP4RL_MOE_ROUTER_CUDA=1; off until timed on a GPU
 # (bench/device_run107.sh).
 ROUTER_CUDA = os.environ.get("FP4RL_MOE_ROUTER_CUDA", "0") == "1"
+# ... up to this many tokens (its cluster's shared memory can hold back the experts' gate / up CTAs at batch
+# 8: the thirty-fifth session's 30B step 4.25 -> 4.34 ms there); FP4RL_MOE_ROUTER_CUDA_MAX
+ROUTER_CUDA_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_ROUTER_CUDA_MAX", "4"))
 
 
 class KernelMoeBlock(SparseMoeBlock):
@@ -268,13 +271,14 @@ class KernelMoeBlock(SparseMoeBlock):
         return self.plan.down(gu, offsets, tokens=n, silu=True, pairs=pairs, after_gate_up=True), pos, w, idx
 
     def _router_route(self, x: torch.Tensor, weight: torch.Tensor):
-        """The plain bf16 router and the route in one launch: the CUDA kernel (ROUTER_CUDA, where it runs
-        and its plan takes the router; a failure outside a graph capture turns it off with a warning) or the
-        Triton router_route on this block's own counter."""
+        """The plain bf16 router and the route in one launch: the CUDA kernel (ROUTER_CUDA, up to
+        ROUTER_CUDA_MAX_TOKENS tokens, where it runs and its plan takes the router; a failure outside a graph
+        capture turns it off with a warning) or the Triton router_route on this block's own counter."""
         from fp4rl.kernels import moe_route, moe_route_cuda
 
         n, h = x.shape
-        if (ROUTER_CUDA and moe_route_cuda.available(x.device) and moe_route_cuda.aligned(weight)
+        if (ROUTER_CUDA and n <= ROUTER_CUDA_MAX_TOKENS and moe_route_cuda.available(x.device)
+                and moe_route_cuda.aligned(weight)
                 and moe_route_cuda.plan(n, self.top_k, self.num_experts, h) is not None):
             try:
                 return moe_route_cuda.router_route(x, weight, self.top_k, self.norm_topk_prob,

@@ -260,6 +260,7 @@ def _with_and_without_router_cuda(block, x, router_route, monkeypatch):
     monkeypatch.setattr(moe_route_cuda, "router_route", router_route)
     monkeypatch.setattr(gpu_experts, "FUSED_ROUTER", True)
     monkeypatch.setattr(gpu_experts, "ROUTER_MAX_TOKENS", 8)
+    monkeypatch.setattr(gpu_experts, "ROUTER_CUDA_MAX_TOKENS", 8)
     monkeypatch.setitem(moe_route_cuda.STATE, "ok", None)
     with torch.inference_mode():
         monkeypatch.setattr(gpu_experts, "ROUTER_CUDA", True)
@@ -303,6 +304,33 @@ def test_kernel_moe_block_takes_the_cuda_router_route_where_it_runs(contract, mo
     assert torch.allclose(y.float(), y_triton.float(), rtol=2 ** -7, atol=1e-6)
     assert torch.equal(y_failed, y_triton) and torch.equal(y_after, y_triton)
     assert moe_route_cuda.STATE["ok"] is False
+
+
+def test_the_cuda_router_route_takes_only_up_to_its_token_bound(monkeypatch):
+    """ROUTER_CUDA_MAX_TOKENS: above it (where the kernel's cluster slowed the 30B's step) the Triton
+    router_route routes, with the same experts and output; at or below it the CUDA kernel does."""
+    from fp4rl.kernels import moe_route_cuda
+
+    block, x = _kernel_moe_block("nvfp4-w4a16", MOE)  # 3 tokens
+    calls = []
+
+    def fake(xx, w, k, norm, weight_dtype=None):
+        calls.append(xx.shape[0])
+        return moe_route_cuda.reference(xx, w, k, norm)
+
+    monkeypatch.setattr(moe_route_cuda, "available", lambda device=None: True)
+    runs = {}
+    for bound in (2, 3):
+        monkeypatch.setattr(moe_route_cuda, "router_route", fake)
+        monkeypatch.setattr(gpu_experts, "FUSED_ROUTER", True)
+        monkeypatch.setattr(gpu_experts, "ROUTER_MAX_TOKENS", 8)
+        monkeypatch.setattr(gpu_experts, "ROUTER_CUDA", True)
+        monkeypatch.setattr(gpu_experts, "ROUTER_CUDA_MAX_TOKENS", bound)
+        with torch.inference_mode():
+            runs[bound] = block(x)
+    assert calls == [3], calls  # bound 2: not called for 3 tokens; bound 3: called once
+    assert torch.equal(runs[2][1], runs[3][1])
+    assert torch.allclose(runs[2][0].float(), runs[3][0].float(), rtol=2 ** -7, atol=1e-6)
 
 
 @pytest.mark.gpu
