@@ -18,8 +18,9 @@ another expert, and routing replay records the choice made). On a GPU the kernel
 same device bit for bit (tests/test_moe_route.py, gpu marker: that assumes torch's exp and NVRTC's libdevice
 expf agree, which the test checks); on a CPU `reference` is checked against torch's route and grouping.
 
-Off by default until timed on a GPU: `gpu_experts.ROUTER_CUDA` (FP4RL_MOE_ROUTER_CUDA=1) makes KernelMoeBlock
-take it where `plan` fits, before the Triton router_route.
+`gpu_experts.ROUTER_CUDA` (on by default; FP4RL_MOE_ROUTER_CUDA=0 turns it off) makes KernelMoeBlock take
+it where `plan` fits, up to `gpu_experts.ROUTER_CUDA_MAX_TOKENS` tokens (1 by default: where the sampler's
+step was measured faster), before the Triton router_route.
 """
 
 from __future__ import annotations
