@@ -175,7 +175,8 @@ class MetricsLogger:
                 ) from e
             # one wandb run per fp4rl run: its id is kept in the run directory, so a resume continues it
             # (without an id, resume="allow" started a new wandb run at every resume). wandb keeps a run's
-            # steps increasing: the steps a resume redoes are logged to it again only from the last one on
+            # steps increasing and ignores, with a warning each, steps below the one it has: the steps a
+            # resume redoes that wandb already holds are not sent again (the resume is exact: the same values)
             id_file = self.run_dir / WANDB_ID_FILE
             run_id = id_file.read_text().strip() if id_file.is_file() else ""
             if not run_id:
@@ -189,6 +190,7 @@ class MetricsLogger:
                 config=config,
                 resume="allow",
             )
+            self._wandb_from = int(getattr(self._wandb, "step", 0) or 0)  # wandb's step counter now
 
     def log(self, step: int, metrics: dict) -> None:
         """Record the metrics of `step` (must be larger than every step logged before)."""
@@ -209,7 +211,7 @@ class MetricsLogger:
             for key, value in scalars.items():
                 self._tb.add_scalar(key, value, global_step=step)
             self._tb.flush()
-        if self._wandb is not None:
+        if self._wandb is not None and step >= self._wandb_from:
             self._wandb.log(scalars, step=step)
 
     def close(self) -> None:

@@ -248,7 +248,11 @@ def test_wandb_resumes_its_own_run(tmp_path, monkeypatch):
     calls = []
 
     class Run:
+        step = 0  # wandb's counter: the last step logged (a resumed run starts at its run's)
+
         def log(self, metrics, step):
+            assert step >= Run.step, "wandb ignores a step below its counter, with a warning"
+            Run.step = step
             calls.append(("log", step))
 
         def finish(self):
@@ -258,11 +262,15 @@ def test_wandb_resumes_its_own_run(tmp_path, monkeypatch):
     fake.init = lambda **kw: calls.append(("init", kw["id"], kw["resume"])) or Run()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     with MetricsLogger(tmp_path / "run", tensorboard=False, wandb=True) as logger:
-        logger.log(1, {"a": 1.0})
+        for step in (1, 2, 3):
+            logger.log(step, {"a": float(step)})
+    # killed after step 3, resumed from the checkpoint of step 1: steps 2 and 3 are redone; wandb has up to 3
     with MetricsLogger(tmp_path / "run", tensorboard=False, wandb=True, resume_step=1) as logger:
-        logger.log(2, {"a": 2.0})
-    first, second = calls[0], calls[2]
+        for step in (2, 3, 4):
+            logger.log(step, {"a": float(step)})
+    first, second = calls[0], calls[4]
     assert first[0] == second[0] == "init" and first[1] == second[1] and first[2] == "allow"
+    assert [c[1] for c in calls if c[0] == "log"] == [1, 2, 3, 3, 4]
     assert (tmp_path / "run" / metrics_module.WANDB_ID_FILE).read_text().strip() == first[1]
 
 
