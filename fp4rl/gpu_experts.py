@@ -209,13 +209,12 @@ FUSED_ROUTER = os.environ.get("FP4RL_MOE_ROUTER", "1") != "0"
 ROUTER_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_ROUTER_MAX", "8"))
 # Within that bound, the router + route as one CUDA cluster launch (fp4rl.kernels.moe_route_cuda) where its
 # plan takes the router, instead of the Triton router_route: the route in warp-wide reductions, without the
-# Triton grid's serial last program. Qwen3-30B-A3B W4A16 at batch 1: 2.13 -> 1.97 ms a step (2.23x -> 2.41x
-# BF16, thirty-fifth session, twice); at batch 8 4.25 -> 4.34 ms (its cluster's shared memory can hold back
-# the experts' gate / up CTAs). FP4RL_MOE_ROUTER_CUDA=0 turns it off.
+# Triton grid's serial last program. Qwen3-30B-A3B W4A16, step ms at batch 1 / 2 / 4 / 8: 1.961 / 2.503 /
+# 3.081 / 4.252 against 2.115 / 2.642 / 3.151 / 4.236 (thirty-sixth session, bench/device_run109.sh): 2.20x ->
+# 2.38x BF16 at batch 1, even at 8. FP4RL_MOE_ROUTER_CUDA=0 turns it off.
 ROUTER_CUDA = os.environ.get("FP4RL_MOE_ROUTER_CUDA", "1") != "0"
-# ... up to this many tokens: where it was measured faster in the sampler (bench/device_run109.sh sweeps batch
-# 1 / 2 / 4 / 8); FP4RL_MOE_ROUTER_CUDA_MAX
-ROUTER_CUDA_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_ROUTER_CUDA_MAX", "1"))
+# ... up to this many tokens, where it was faster; FP4RL_MOE_ROUTER_CUDA_MAX
+ROUTER_CUDA_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_ROUTER_CUDA_MAX", "4"))
 
 
 class KernelMoeBlock(SparseMoeBlock):

@@ -307,7 +307,7 @@ def test_kernel_moe_block_takes_the_cuda_router_route_where_it_runs(contract, mo
 
 
 def test_the_cuda_router_route_takes_only_up_to_its_token_bound(monkeypatch):
-    """ROUTER_CUDA_MAX_TOKENS: above it (where the kernel's cluster slowed the 30B's step) the Triton
+    """ROUTER_CUDA_MAX_TOKENS: above it (where the kernel no longer made the 30B's step faster) the Triton
     router_route routes, with the same experts and output; at or below it the CUDA kernel does."""
     from fp4rl.kernels import moe_route_cuda
 

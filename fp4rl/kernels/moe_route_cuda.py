@@ -19,7 +19,7 @@ same device bit for bit (tests/test_moe_route.py, gpu marker: that assumes torch
 expf agree, which the test checks); on a CPU `reference` is checked against torch's route and grouping.
 
 `gpu_experts.ROUTER_CUDA` (on by default; FP4RL_MOE_ROUTER_CUDA=0 turns it off) makes KernelMoeBlock take
-it where `plan` fits, up to `gpu_experts.ROUTER_CUDA_MAX_TOKENS` tokens (1 by default: where the sampler's
+it where `plan` fits, up to `gpu_experts.ROUTER_CUDA_MAX_TOKENS` tokens (4 by default: where the sampler's
 step was measured faster), before the Triton router_route.
 """
 
