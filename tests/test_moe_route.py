@@ -319,12 +319,12 @@ def test_the_cuda_router_route_takes_only_up_to_its_token_bound(monkeypatch):
         return moe_route_cuda.reference(xx, w, k, norm)
 
     monkeypatch.setattr(moe_route_cuda, "available", lambda device=None: True)
+    monkeypatch.setattr(moe_route_cuda, "router_route", fake)
+    monkeypatch.setattr(gpu_experts, "FUSED_ROUTER", True)
+    monkeypatch.setattr(gpu_experts, "ROUTER_MAX_TOKENS", 8)
+    monkeypatch.setattr(gpu_experts, "ROUTER_CUDA", True)
     runs = {}
     for bound in (2, 3):
-        monkeypatch.setattr(moe_route_cuda, "router_route", fake)
-        monkeypatch.setattr(gpu_experts, "FUSED_ROUTER", True)
-        monkeypatch.setattr(gpu_experts, "ROUTER_MAX_TOKENS", 8)
-        monkeypatch.setattr(gpu_experts, "ROUTER_CUDA", True)
         monkeypatch.setattr(gpu_experts, "ROUTER_CUDA_MAX_TOKENS", bound)
         with torch.inference_mode():
             runs[bound] = block(x)
