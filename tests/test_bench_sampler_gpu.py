@@ -117,7 +117,8 @@ def test_arms_summary_of_recorded_runs(tmp_path):
     import json
 
     failed = tmp_path / "failed.json"  # an arm whose model build failed: no rows, its error
-    failed.write_text(json.dumps({"rows": [], "profiles": [{"batch": 1, "error": "RuntimeError('x')"}],
+    failed.write_text(json.dumps({"rows": [], "profiles": [{"batch": 1, "error": "RuntimeError('x')"},
+                                               {"batch": 8, "chain": {"error": "RuntimeError('no kernel')"}}],
                                   "errors": [{"shape": "qwen3-8b", "stage": "build", "error": "OOM"}]}))
     text = arms_summary([data / "sampler104_defaults.json", tmp_path / "lost.json",
                          data / "sampler103_gfill3_stamps.json", failed])
@@ -129,3 +130,21 @@ def test_arms_summary_of_recorded_runs(tmp_path):
     assert "ctas 384.00" in gate_up and "exit 7.49" in gate_up
     assert "failed error {'shape': 'qwen3-8b', 'stage': 'build', 'error': 'OOM'}" in lines
     assert "failed profile batch 1 error RuntimeError('x')" in lines
+    assert "failed chain batch 8 error RuntimeError('no kernel')" in lines
+
+
+def test_arms_summary_prints_the_replay_chain():
+    """The thirtieth session's replay chain of the 30B (device_run92): the span a step, then each kernel's
+    advance and duration per call with its calls a step, largest advance first (device_run92 printed it by
+    hand)."""
+    from pathlib import Path
+
+    from fp4rl.benchmarks.sampler_gpu_report import arms_summary
+
+    recorded = Path(__file__).parents[1] / "bench" / "data" / "s30" / "sampler92.json"
+    lines = arms_summary([recorded]).splitlines()
+    head = lines.index(next(x for x in lines if x.startswith("sampler92 chain batch 1 ")))
+    assert "span 2135.2 us, busy 2122.7, idle 12.5 a step" in lines[head]
+    assert lines[head + 1].split() == ["5.60", "us", "8.42", "us", "192", "w4a16_mma16"]
+    assert lines[head + 2].split() == ["6.16", "us", "7.82", "us", "48", "_router_route_kernel"]
+    assert any(x.startswith("sampler92 chain batch 8 span 4156.1 us") for x in lines)

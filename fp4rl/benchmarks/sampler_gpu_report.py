@@ -76,8 +76,9 @@ def arms_summary(paths) -> str:
     """The lines a device script prints after its arms (`python3 -m fp4rl.benchmarks.sampler_gpu_report
     FILE.json ...`): per results file its errors (a build or precision that failed), its rows' step /
     graph-replay times, tokens/s or error, its checks (graph replay against eager), and its profiles' errors
-    and in-kernel stamps (`--mma16-stamps`) by kind of launch. A file that is missing (an arm that timed
-    out before writing it) is named, not fatal."""
+    and in-kernel stamps (`--mma16-stamps`) by kind of launch, and the graph replay's chain
+    (`--profile-batch`: decode_timing.replay_chain, each kernel's advance of the step per call). A file
+    that is missing (an arm that timed out before writing it) is named, not fatal."""
     import json
     from pathlib import Path
 
@@ -101,6 +102,17 @@ def arms_summary(paths) -> str:
         for p in d.get("profiles", []):
             if "error" in p:
                 lines.append(f"{name} profile batch {p.get('batch')} error {p['error']}")
+            c = p.get("chain") or {}
+            if "error" in c:
+                lines.append(f"{name} chain batch {p['batch']} error {c['error']}")
+            elif c:
+                lines.append(f"{name} chain batch {p['batch']} span {c['span_us']:.1f} us, busy "
+                             f"{c['busy_us']:.1f}, idle {c['idle_us']:.1f} a step; advance / call, "
+                             "duration / call, calls a step:")
+                for k in c.get("top", []):
+                    calls = k["calls_per_step"]
+                    lines.append(f"  {k['advance_us_per_step'] / calls:7.2f} us "
+                                 f"{k['us_per_step'] / calls:7.2f} us {calls:5.0f}  {k['name'][:80]}")
             s = p.get("stamps") or {}
             if not s:
                 continue
