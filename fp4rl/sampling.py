@@ -87,7 +87,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     vocabulary."""
     logits = logits.float()
     # a NaN or +inf logit, or a row of -inf: no distribution to draw from (checked on the CPU only: on CUDA
-    # it would cost a host sync per step; the NaN logprobs are refused there by loop.make_batch)
+    # it would cost a host sync per step; the NaN logprobs are refused there by rollout.make_batch)
     bad = ~torch.isfinite(logits.amax(-1)) if logits.device.type == "cpu" else None
     if bad is not None and bool(bad.any()):
         rows = bad.nonzero().flatten().tolist()
