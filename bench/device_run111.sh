@@ -1,18 +1,20 @@
 #!/bin/bash
-# Prepared in the thirty-seventh session (no device lent) for the next one. With the CUDA router + route the
-# default up to 4 tokens (thirty-sixth session, 30B batch 1 at 1.96 ms, 2.38x), where the 30B's batch-1 step
-# goes now: the graph replay's chain (each kernel's advance per call: the thirtieth session's was mma16 5.6 us,
-# router_route 6.2, add_rmsnorm 2.8, attention 5.1, q/k-norm + RoPE 1.6) and the in-kernel stamps, at batch 1,
-# each in a fresh process; then the 8B FILL 3 (device_run105 b's arms) if the time is there. Up to ~560 s.
+# Prepared in the thirty-seventh session (no device lent) for the next one. The one-launch q/k-norm + RoPE +
+# BF16-cache write + attention (kernels.attention.decode_attention_rope, FP4RL_ATTN_ROPE=1, off by default):
+# the thirtieth session's replay chain put q/k-norm + RoPE at 1.6 us a layer of the 30B's batch-1 step
+# (2.5x needs ~2 us a layer less). Its GPU tests first (the kernel against qk_norm_rope + decode_attention,
+# the engine's fused step with it, graphs on), then Qwen3-30B-A3B at batch 1 / 8: the defaults, ATTN_ROPE,
+# and ATTN_ROPE with PDL on the attention launch (kind "attn", off by default), each in a fresh process.
+# Up to ~560 s. If ATTN_ROPE wins at both batches: make it the default (gpu_decode.ATTN_ROPE), then the 8B.
 source bench/sampler_arm.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+timeout 150 python3 -m pytest -q -m "gpu or not gpu" tests/test_attention_rope.py \
+  tests/test_gpu_decode_fused.py -k "one_launch or repeated or bad_inputs" > $OUT/tests111.log 2>&1
+echo "tests exit $? at ${SECONDS}s"; tail -3 $OUT/tests111.log
 ARM_SHAPE=qwen3-30b-a3b:48 ARM_PREFIX=sampler111
-arm chain 150 1,8 "--profile-batch=1" X=0
-arm stamps 140 1 "--profile-batch=1 --mma16-stamps" X=0
-if [ $SECONDS -lt 330 ]; then
-  ARM_SHAPE=qwen3-8b:36 ARM_PREFIX=sampler111_8b
-  arm defaults 110 1,8 "--profile-batch=" X=0
-  arm fill3 $((555 - SECONDS)) 1,8 "--profile-batch=" FP4RL_MMA16_FILL=3
+arm defaults 140 1,8 "--profile-batch=" X=0
+arm rope 140 1,8 "--profile-batch=" FP4RL_ATTN_ROPE=1
+if [ $SECONDS -lt 440 ]; then
+  arm rope_pdl $((555 - SECONDS)) 1,8 "--profile-batch=" FP4RL_ATTN_ROPE=1 FP4RL_PDL_OFF=mma,wide
 fi
-python3 -m fp4rl.benchmarks.sampler_gpu_report $OUT/sampler111*.json
-for f in $OUT/sampler111_*stamps*.json.gz; do [ -e "$f" ] && python3 -m fp4rl.benchmarks.stamps "$f"; done
+python3 -m fp4rl.benchmarks.sampler_gpu_report $OUT/sampler111_*.json

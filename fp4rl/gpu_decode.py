@@ -88,6 +88,10 @@ BF16_ATTENTION = os.environ.get("FP4RL_BF16_ATTENTION", "1") != "0"
 # the fused step writes an NVFP4 cache in its q/k-norm + RoPE kernel (quantized per (row, head) there: the
 # bytes of store_kv) instead of store_kv's quantize and scatter launches (FP4RL_FUSED_KV=0 for A/B)
 FUSED_KV_FP4 = os.environ.get("FP4RL_FUSED_KV", "1") != "0"
+# the fused step's q/k-norm + RoPE, BF16-cache write and attention in one launch
+# (kernels.attention.decode_attention_rope) instead of qk_norm_rope, then the attention kernel; off until an
+# H200 A/B times it (FP4RL_ATTN_ROPE=1; bench/device_run111.sh)
+ATTN_ROPE = os.environ.get("FP4RL_ATTN_ROPE", "0") == "1"
 
 
 def _pow2(v: int) -> int:
@@ -204,6 +208,7 @@ class DecodeEngine:
         self.pool = None
         self.counts = {"replays": 0, "eager_steps": 0, "captures": 0}
         self.attention_error: str | None = None  # why the BF16-cache attention kernel was given up, if it was
+        self.attn_rope_error: str | None = None  # why the one-launch q/k-norm + RoPE + attention was given up
         self.guidance = 0.0  # TRACE: the deep fraction whose guidance every forward records (0: none)
         self.sink = None  # its gpu_trace.GuideSink
         self._step_guidance = None  # the last decode step's (take_guidance)
@@ -445,6 +450,10 @@ class DecodeEngine:
         if hasattr(attn, "q_norm"):
             qw, kw, eps = attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps
         i, c = attn.layer_idx, self.static
+        if c.kind == "bf16" and ATTN_ROPE and ctx.mask is None and self.attn_rope_error is None:
+            y = self._attend_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps, c, i, ctx, bb)
+            if y is not None:  # (None: it cannot run here, the two kernels below from now on)
+                return attn.o_proj(y.reshape(bb, 1, -1))[:, 0]
         if c.kind == "bf16":  # k and v go straight to their cache slot
             q, _ = fused.qk_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps, k_cache=c.k[i], v_cache=c.v[i],
                                       slot=ctx.slot)  # [bb, H, 1, D]
@@ -459,6 +468,23 @@ class DecodeEngine:
             v = qkv[:, (hq + hkv) * d:].view(bb, hkv, 1, d)
             y = self._attend_quantized(c, i, q, k, v, ctx, bb)
         return attn.o_proj(y.reshape(bb, 1, -1))[:, 0]
+
+    def _attend_rope(self, qkv, cos, sin, hq, hkv, d, qw, kw, eps, c, i, ctx, bb):
+        """q/k-norm + RoPE, the BF16 cache write and the attention in one launch (ATTN_ROPE) -> [bb, H, D];
+        None (and `attn_rope_error`, a warning: the two kernels from now on) where it cannot run here."""
+        from fp4rl.kernels.attention import decode_attention_rope
+
+        try:
+            return decode_attention_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps, c.k[i], c.v[i], ctx.slot,
+                                         starts=ctx.starts)
+        except Exception as exc:  # noqa: BLE001 - compile / launch failure here: the two kernels from now on
+            if qkv.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise  # the eager warm-up runs before each capture; a failure here fails the capture
+            self.attn_rope_error = f"{type(exc).__name__}: {str(exc)[:300]}"
+            warnings.warn(f"the one-launch q/k-norm + RoPE + attention kernel failed "
+                          f"({self.attn_rope_error}); running qk_norm_rope and the attention kernel from now "
+                          "on", stacklevel=2)
+            return None
 
     def _context(self, bb: int) -> SimpleNamespace:
         ctx = SimpleNamespace(lengths=self.lengths[:bb], starts=self.starts[:bb], slot=self.slot, mask=None)

@@ -152,6 +152,49 @@ def test_bf16_attention_kernel_failure_falls_back_to_sdpa(monkeypatch):
     assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("config", [DENSE, dict(DENSE, model_type="llama", qk_norm=False)])
+def test_one_launch_rope_attention_in_the_fused_step(config, monkeypatch):
+    """gpu_decode.ATTN_ROPE: the fused step's q/k-norm + RoPE, BF16 cache write and attention as one launch
+    (attention.decode_attention_rope) instead of qk_norm_rope and the attention kernel: it runs in every layer
+    of every decode step, qk_norm_rope in none, and the logits are the two kernels' up to the new token's
+    score (an fp32 sum, not the MMA's) and, with q/k-norm, its one-ulp order; greedy tokens equal. A launch
+    that fails here is given up once, with a warning and `attn_rope_error`: the two kernels' logits."""
+    from fp4rl.kernels import fused
+
+    s = Sampler(tiny(config, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
+                eos_token_ids=[], kernels=True)
+    forced = torch.randint(0, V, (len(PROMPTS), 3), generator=torch.Generator().manual_seed(6))
+    calls = {"rope": 0, "one": 0}
+    real_rope, real_one = fused.qk_norm_rope, attention.decode_attention_rope
+
+    def count(name, real):
+        return lambda *a, **kw: calls.__setitem__(name, calls[name] + 1) or real(*a, **kw)
+
+    monkeypatch.setattr(fused, "qk_norm_rope", count("rope", real_rope))
+    monkeypatch.setattr(attention, "decode_attention_rope", count("one", real_one))
+    ref = teacher_forced_logits(s, forced)
+    assert calls["rope"] and not calls["one"]
+    calls.update(rope=0, one=0)
+    monkeypatch.setattr(gpu_decode, "ATTN_ROPE", True)
+    s.engine.reset_graphs()
+    got = teacher_forced_logits(s, forced)
+    layers = config["num_hidden_layers"]
+    assert calls["one"] and calls["one"] % layers == 0 and not calls["rope"], calls
+    err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    assert err < 2e-2, err
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+    def broken(*a, **kw):
+        raise RuntimeError("out of resources: shared memory")
+
+    monkeypatch.setattr(attention, "decode_attention_rope", broken)
+    s.engine.reset_graphs()
+    with pytest.warns(UserWarning, match="qk_norm_rope and the attention kernel from now on"):
+        fallback = teacher_forced_logits(s, forced)
+    assert "shared memory" in s.engine.attn_rope_error and s.engine.graph_error is None
+    assert torch.equal(fallback, ref)
+
+
 def test_fused_step_falls_back_per_layer():
     """A layer whose q/k/v are not one fused group (here: unfused linears) runs its attention modules; the
     norms and the MLP stay fused, and the step still computes the module step."""

@@ -208,6 +208,56 @@ def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, 
     return out
 
 
+def _bf16_settings(b, hkv, t_cap, d, device, num_splits, block_t, num_warps, num_stages, min_chunk):
+    """The BF16 path's (num_splits, block_t, num_warps, num_stages, min_chunk): BF16_TUNE's where not
+    given."""
+    num_warps = num_warps or BF16_TUNE["num_warps"]
+    num_stages = num_stages or BF16_TUNE["num_stages"]
+    if INTERPRET:
+        num_splits, block_t = num_splits or 2, block_t or 16
+    num_splits = num_splits or _splits_bf16(b, hkv, t_cap, device)
+    if block_t is None:
+        block_t = min(BF16_TUNE["block_t"], max(16, triton.next_power_of_2(t_cap)))
+        if not INTERPRET and device.type == "cuda":  # fewer stages, then smaller tiles, where smem is short
+            block_t, num_stages = _fit_bf16_smem(d, block_t, num_stages, device)
+    if min_chunk is None:
+        min_chunk = 0 if INTERPRET else BF16_TUNE["min_chunk"]
+    return num_splits, block_t, num_warps, num_stages, min_chunk
+
+
+def _launch_triton(q, q_strides, lengths, starts, k, v, ks, vs, kg, vg, kg_strides, out, *, g, sm_scale,
+                   num_splits, block_t, num_warps, num_stages, min_chunk, fp4, bf16, rope=None):
+    """Launch _decode_attn_kernel over grid (B Hkv, num_splits) into out [B, Hq, D]; q_strides: (row, head) of
+    q, or of the q|k|v rows with rope = (cos, sin, q_weight | None, k_weight | None, slot, eps)."""
+    b, hkv, d = out.shape[0], k.shape[1], out.shape[2]
+    gp = max(16, triton.next_power_of_2(g))
+    part, ml, lock = _WORKSPACE.get(q.device, b * hkv * num_splits, gp, d, b * hkv)
+    if rope is None:
+        rope_args, has_norm = (q, q, q, q, lengths, 0, 1.0, 0.0), False
+    else:
+        cos, sin, qw, kw, slot, eps = rope
+        has_norm = qw is not None
+        rope_args = (cos, sin, qw if has_norm else cos, kw if has_norm else cos, slot, cos.stride(0), 1.0 / d,
+                     eps)
+    nsp = triton.next_power_of_2(num_splits)
+    use_pdl = pdl.triton_flag(q.device, "attn")  # (False off CUDA)
+    name = "bf16 rope" if rope is not None else "nvfp4" if fp4 else "bf16" if bf16 else "fp8"
+    COMPILED["decode_attn " + name] = _decode_attn_kernel[(b * hkv, num_splits)](
+        q, k, ks, kg, v, vs, vg, lengths, starts if starts is not None else lengths, out,
+        part, ml, lock,
+        hkv, sm_scale * math.log2(math.e),
+        q_strides[0], q_strides[1], k.stride(0), k.stride(1), k.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2),
+        kg_strides[0], kg_strides[1], v.stride(0), v.stride(1), v.stride(2),
+        vs.stride(0), vs.stride(1), vs.stride(2), kg_strides[2], kg_strides[3],
+        out.stride(0), out.stride(1), *rope_args,
+        G=g, GP=gp, D=d, FP4=fp4, NUM_SPLITS=num_splits, BT=block_t,
+        USE_ASM=ASM["on"], INTERP=INTERPRET, HAS_START=starts is not None,
+        BF16=bf16, MIN_CHUNK=min_chunk, NSP=nsp, PDL=use_pdl, ROPE=rope is not None, HAS_NORM=has_norm,
+        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if use_pdl else {}),
+    )
+
+
 def _uses_asm(*args, k_scale=None, **kwargs) -> bool:
     """Only an NVFP4 cache (k_scale given) unpacks E2M1 codes with the PTX routine."""
     return k_scale is not None
@@ -241,7 +291,6 @@ def decode_attention(q, lengths, k, v, k_global=None, v_global=None, *, k_scale=
     b, hq, d = q.shape
     hkv, t_cap = k.shape[1], k.shape[2]
     g = hq // hkv
-    gp = max(16, triton.next_power_of_2(g))
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
     use_gluon = (kernel in (None, "gluon") and fp4 and GLUON["on"] and q.is_cuda and d == 128 and g <= 8
@@ -267,21 +316,14 @@ def decode_attention(q, lengths, k, v, k_global=None, v_global=None, *, k_scale=
             warnings.warn(f"Gluon NVFP4 attention disabled ({GLUON['error']}); using the Triton kernel",
                           stacklevel=2)
     if bf16:
-        num_warps = num_warps or BF16_TUNE["num_warps"]
-        num_stages = num_stages or BF16_TUNE["num_stages"]
-    num_warps, num_stages = num_warps or 4, num_stages or 3
-    if INTERPRET:
-        num_splits, block_t = num_splits or 2, block_t or 16
-    if bf16:
-        num_splits = num_splits or _splits_bf16(b, hkv, t_cap, q.device)
-        if block_t is None:
-            block_t = min(BF16_TUNE["block_t"], max(16, triton.next_power_of_2(t_cap)))
-            if not INTERPRET and q.is_cuda:  # fewer stages, then smaller tiles, where shared memory is short
-                block_t, num_stages = _fit_bf16_smem(d, block_t, num_stages, q.device)
-        if min_chunk is None:
-            min_chunk = 0 if INTERPRET else BF16_TUNE["min_chunk"]
-    num_splits = num_splits or _splits(b, hkv, t_cap, q.device)
-    block_t = block_t or 128  # measured best at 4K and 32K context on the H200 (bench/gpu_kernels.md)
+        num_splits, block_t, num_warps, num_stages, min_chunk = _bf16_settings(
+            b, hkv, t_cap, d, q.device, num_splits, block_t, num_warps, num_stages, min_chunk)
+    else:
+        num_warps, num_stages = num_warps or 4, num_stages or 3
+        if INTERPRET:
+            num_splits, block_t = num_splits or 2, block_t or 16
+        num_splits = num_splits or _splits(b, hkv, t_cap, q.device)
+        block_t = block_t or 128  # measured best at 4K and 32K context on the H200 (bench/gpu_kernels.md)
     min_chunk = -(-(min_chunk or 0) // block_t) * block_t
     if fp4:
         k, v = k.view(torch.uint8), v.view(torch.uint8)
@@ -294,25 +336,83 @@ def decode_attention(q, lengths, k, v, k_global=None, v_global=None, *, k_scale=
     else:
         kg_strides = (k_global.stride(0), k_global.stride(1), v_global.stride(0), v_global.stride(1))
     out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=q.device)
-    part, ml, lock = _WORKSPACE.get(q.device, b * hkv * num_splits, gp, d, b * hkv)
     lengths = lengths.to(device=q.device, dtype=torch.int32)
     if starts is not None:
         starts = starts.to(device=q.device, dtype=torch.int32)
-    nsp = triton.next_power_of_2(num_splits)
-    use_pdl = pdl.triton_flag(q.device, "attn")  # (False off CUDA)
-    COMPILED["decode_attn " + ("nvfp4" if fp4 else "bf16" if bf16 else "fp8")] = _decode_attn_kernel[
-        (b * hkv, num_splits)](
-        q, k, ks, k_global, v, vs, v_global, lengths, starts if starts is not None else lengths, out,
-        part, ml, lock,
-        hkv, sm_scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        ks.stride(0), ks.stride(1), ks.stride(2),
-        kg_strides[0], kg_strides[1], v.stride(0), v.stride(1), v.stride(2),
-        vs.stride(0), vs.stride(1), vs.stride(2), kg_strides[2], kg_strides[3],
-        out.stride(0), out.stride(1),
-        G=g, GP=gp, D=d, FP4=fp4, NUM_SPLITS=num_splits, BT=block_t,
-        USE_ASM=ASM["on"], INTERP=INTERPRET, HAS_START=starts is not None,
-        BF16=bf16, MIN_CHUNK=min_chunk, NSP=nsp, PDL=use_pdl,
-        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if use_pdl else {}),
-    )
+    _launch_triton(q, (q.stride(0), q.stride(1)), lengths, starts, k, v, ks, vs, k_global, v_global,
+                   kg_strides, out, g=g, sm_scale=sm_scale, num_splits=num_splits, block_t=block_t,
+                   num_warps=num_warps, num_stages=num_stages, min_chunk=min_chunk, fp4=fp4, bf16=bf16)
+    return out
+
+
+def decode_attention_rope(qkv, cos, sin, n_heads: int, n_kv_heads: int, head_dim: int, q_weight, k_weight,
+                          eps: float, k_cache, v_cache, slot, *, starts=None, sm_scale=None, num_splits=None,
+                          block_t=None, num_warps=None, num_stages=None, min_chunk=None):
+    """The decode step's q/k-norm + RoPE, KV write and attention over a BF16 cache in one launch: what
+    fused.qk_norm_rope(qkv, ..., k_cache=, v_cache=, slot=) and then decode_attention(q, slot + 1, k, v)
+    compute, out [R, Hq, D] bfloat16.
+
+    qkv [R, (H + 2 H_kv) D] bfloat16: the fused q|k|v projection of one new token per row; cos / sin [R, D]
+    bfloat16 (the step's RoPE rows); q_weight / k_weight: the q_norm / k_norm weights [D] (both or neither)
+    with their epsilon; k_cache / v_cache [B >= R, H_kv, T, D] bfloat16 (one layer of the engine's cache);
+    slot [1] long on the device: the new token's slot, where its k and v are written. Row b attends to the
+    cache's tokens [starts[b], slot) and the new token (the decode engine's lengths are slot + 1 for every
+    row); no host sync, so a graph captured once serves every step. Bit-equal to the two kernels without the
+    norm; with it q and k within qk_norm_rope's one-ulp claim (the norm's fp32 sum in another order), and the
+    new token's score is an fp32 sum rather than the MMA's (fp4rl.kernels.attention.triton_decode)."""
+    d = head_dim
+    if qkv.dtype != torch.bfloat16 or qkv.ndim != 2 or qkv.shape[1] != (n_heads + 2 * n_kv_heads) * d \
+            or qkv.stride(1) != 1:
+        raise ValueError(f"decode_attention_rope: qkv must be bfloat16 [R, (H + 2 H_kv) D] = [R, "
+                         f"{(n_heads + 2 * n_kv_heads) * d}] with contiguous rows (the fused q|k|v "
+                         f"projection), got {qkv.dtype} {tuple(qkv.shape)}")
+    r = qkv.shape[0]
+    if d < 16 or d & (d - 1) or n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise ValueError(f"decode_attention_rope: head_dim must be a power of two >= 16 and the {n_heads} "
+                         f"query heads a multiple of the {n_kv_heads} KV heads, got head_dim {d}; use "
+                         "qk_norm_rope and decode_attention (or SDPA)")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != (r, d) or t.dtype != torch.bfloat16 or t.stride(1) != 1 \
+                or t.device != qkv.device:
+            raise ValueError(f"decode_attention_rope: {name} must be bfloat16 [{r}, {d}] with contiguous "
+                             f"rows on {qkv.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if cos.stride() != sin.stride():
+        raise ValueError(f"decode_attention_rope: cos and sin need one layout, got strides {cos.stride()} "
+                         f"and {sin.stride()}")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("decode_attention_rope: pass both q_weight and k_weight (q/k-norm) or neither")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w is not None and (w.numel() != d or not w.is_contiguous() or w.device != qkv.device):
+            raise ValueError(f"decode_attention_rope: {name} must be a contiguous [{d}] weight on "
+                             f"{qkv.device}, got {tuple(w.shape)} on {w.device}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.bfloat16 or t.ndim != 4 or t.shape[0] < r or t.shape[1] != n_kv_heads \
+                or t.shape[3] != d or t.stride(3) != 1 or t.device != qkv.device:
+            raise ValueError(f"decode_attention_rope: {name} must be bfloat16 [B >= {r}, {n_kv_heads}, T, "
+                             f"{d}] on {qkv.device} (one layer of a BF16 cache), got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"decode_attention_rope: k_cache {tuple(k_cache.shape)} and v_cache "
+                         f"{tuple(v_cache.shape)} differ")
+    if not isinstance(slot, torch.Tensor) or slot.dtype != torch.long or slot.numel() != 1 \
+            or slot.device != qkv.device:
+        raise ValueError(f"decode_attention_rope: slot must be a [1] torch.long tensor on {qkv.device} (the "
+                         "new token's cache slot)")
+    if starts is not None and tuple(starts.shape) != (r,):
+        raise ValueError(f"decode_attention_rope: starts must be int32 [R={r}], got {tuple(starts.shape)}")
+    k, v = k_cache[:r], v_cache[:r]
+    hkv, t_cap = n_kv_heads, k.shape[2]
+    num_splits, block_t, num_warps, num_stages, min_chunk = _bf16_settings(
+        r, hkv, t_cap, d, qkv.device, num_splits, block_t, num_warps, num_stages, min_chunk)
+    min_chunk = -(-(min_chunk or 0) // block_t) * block_t
+    out = torch.empty(r, n_heads, d, dtype=torch.bfloat16, device=qkv.device)
+    if starts is not None:
+        starts = starts.to(device=qkv.device, dtype=torch.int32)
+    if r:
+        # (lengths: unused, every row's length is slot + 1; the scales' pointers: unused by a BF16 cache)
+        _launch_triton(qkv, (qkv.stride(0), d), slot, starts, k, v, k, v, k, v, (0, 0, 0, 0), out,
+                       g=n_heads // hkv, sm_scale=sm_scale or 1.0 / math.sqrt(d), num_splits=num_splits,
+                       block_t=block_t, num_warps=num_warps, num_stages=num_stages, min_chunk=min_chunk,
+                       fp4=False, bf16=True,
+                       rope=(cos, sin, q_weight, k_weight, slot, float(eps)))
     return out

@@ -18,6 +18,14 @@ are scaled by g_tok / max(g_tok over the tile) so that small scales do not fall 
 subnormals. The BF16 cache (no scales) feeds q and K, then the bfloat16 probabilities and V,
 straight to the MMA, as flash attention does.
 
+With ``ROPE`` (BF16 cache only; ``decode_attention_rope``) the kernel also does the decode step's q/k-norm +
+RoPE of the new token, reading the fused q|k|v projection instead of q: each program normalises and rotates
+its query heads (`_rope_rows`, qk_norm_rope's arithmetic: bit-equal without the norm, within its one-ulp
+norm-order claim with it), split 0 writes the new token's k and v into the cache slot, and the split that
+owns the slot attends to the cache before it and adds the new token from registers (one more online-softmax
+step, its score summed in fp32 rather than by the MMA), so no program reads the slot another one writes and
+one launch does what qk_norm_rope and the attention did in two.
+
 The FP8 and BF16 caches are constexpr branches of the same kernel (their loops share the split, the
 online softmax and the merge), not kernels of their own. On CUDA the NVFP4 cache goes to the Gluon
 kernel (fp4rl.kernels.attention.gluon_decode) when it applies; this one is its fallback and the one
@@ -38,6 +46,38 @@ except ImportError:
 
 
 @triton.jit
+def _bf(v):
+    """float32 rounded to bfloat16 (RNE) and back, in integer arithmetic (the CPU interpreter's cast
+    truncates): fp4rl.kernels.fused._bf16's rounding."""
+    b = v.to(tl.int32, bitcast=True)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(v != v, v, r)
+
+
+@triton.jit
+def _rope_rows(src, rows, rmask, cs, sn, w_ptr, inv_d, eps, D: tl.constexpr, HAS_NORM: tl.constexpr):
+    """q/k-norm (HAS_NORM: rstd over the head, times w_ptr's [D] weight) and RoPE of head rows `rows` of one
+    token's q|k|v row `src` (head h at src + h D), cos / sin rows cs / sn: [R, D] float32 holding bfloat16
+    values, as fused.qk_norm_rope computes them. rotate_half is the partner column (d + D/2) mod D, negated
+    in the first half, so the full-width tile needs no concatenation."""
+    d = tl.arange(0, D)
+    half: tl.constexpr = D // 2
+    p = (d + half) % D
+    xa = tl.load(src + rows[:, None] * D + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    xb = tl.load(src + rows[:, None] * D + p[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.math.rsqrt(tl.sum(xa * xa, 1) * inv_d + eps)
+        wa = tl.load(w_ptr + d).to(tl.float32)
+        wb = tl.load(w_ptr + p).to(tl.float32)
+        xa = _bf(wa[None, :] * _bf(xa * rstd[:, None]))
+        xb = _bf(wb[None, :] * _bf(xb * rstd[:, None]))
+    c = tl.load(cs + d).to(tl.float32)
+    s = tl.load(sn + d).to(tl.float32)
+    sign = tl.where(d < half, -1.0, 1.0)
+    return _bf(_bf(xa * c[None, :]) + _bf((xb * sign[None, :]) * s[None, :]))
+
+
+@triton.jit
 def _decode_attn_kernel(
     q_ptr, k_ptr, ks_ptr, kg_ptr, v_ptr, vs_ptr, vg_ptr, len_ptr, start_ptr, out_ptr,
     part_ptr, ml_ptr, lock_ptr,
@@ -45,9 +85,11 @@ def _decode_attn_kernel(
     stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_ksb, stride_ksh, stride_kst,
     stride_kgb, stride_kgh, stride_vb, stride_vh, stride_vt, stride_vsb, stride_vsh, stride_vst,
     stride_vgb, stride_vgh, stride_ob, stride_oh,
+    cos_ptr, sin_ptr, qw_ptr, kw_ptr, slot_ptr, stride_cs, inv_d, eps,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BT: tl.constexpr, USE_ASM: tl.constexpr, INTERP: tl.constexpr, HAS_START: tl.constexpr = False,
     BF16: tl.constexpr = False, MIN_CHUNK: tl.constexpr = 0, NSP: tl.constexpr = 1, PDL: tl.constexpr = False,
+    ROPE: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch (fp4rl.kernels.pdl, kind "attn"): the next kernel may launch now;
         tlcuda.gdc_launch_dependents()  # wait for q, the lengths and the new token's K / V before any read
@@ -57,7 +99,11 @@ def _decode_attn_kernel(
     split = tl.program_id(1)
     b = bh // Hkv
     hk = bh % Hkv
-    length = tl.load(len_ptr + b)
+    if ROPE:  # the new token sits at the slot, the last one attended: length = slot + 1 for every row
+        slot = tl.load(slot_ptr).to(tl.int32)
+        length = slot + 1
+    else:
+        length = tl.load(len_ptr + b)
     if HAS_START:  # tokens [start, length) are valid (a left-padded sequence)
         start = tl.minimum(tl.load(start_ptr + b), length)
     else:
@@ -72,8 +118,20 @@ def _decode_attn_kernel(
 
     heads = hk * G + tl.arange(0, GP)  # [GP] query heads sharing this KV head
     hmask = tl.arange(0, GP) < G
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + tl.arange(0, D)[None, :],
-                mask=hmask[:, None], other=0.0)  # [GP, D]
+    if ROPE:  # q_ptr: the q|k|v row of each token (H = Hkv G query heads, then Hkv k heads, Hkv v heads)
+        row = q_ptr + b.to(tl.int64) * stride_qb
+        cs = cos_ptr + b.to(tl.int64) * stride_cs
+        sn = sin_ptr + b.to(tl.int64) * stride_cs
+        q = _rope_rows(row, heads, hmask, cs, sn, qw_ptr, inv_d, eps, D, HAS_NORM).to(tl.bfloat16)  # [GP, D]
+        one = tl.arange(0, 1)
+        dnew = one[:, None] * 0 + tl.arange(0, D)[None, :]  # [1, D]: the new token's k and v of this KV head
+        k_new = _rope_rows(row, Hkv * G + hk + one, one == 0, cs, sn, kw_ptr, inv_d, eps, D, HAS_NORM)
+        v_new = tl.load(row + (Hkv * G + Hkv + hk) * D + dnew)
+        t_end = tl.minimum(t_hi, slot)  # the loop reads the cache before the slot; the new token: below
+    else:
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + tl.arange(0, D)[None, :],
+                    mask=hmask[:, None], other=0.0)  # [GP, D]
+        t_end = t_hi
     k_base = k_ptr + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = v_ptr + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     kg_base = kg_ptr + b.to(tl.int64) * stride_kgb + hk.to(tl.int64) * stride_kgh
@@ -93,9 +151,9 @@ def _decode_attn_kernel(
         q16 = q.to(tl.float16)  # FP8 -> FP16 is one hardware conversion per 2 values; FP8 -> BF16 is not
         acc = tl.zeros((GP, D), tl.float32)
 
-    for t0 in range(t_lo, t_hi, BT):
+    for t0 in range(t_lo, t_end, BT):
         t = t0 + tl.arange(0, BT)  # [BT]
-        tmask = t < t_hi
+        tmask = t < t_end
         if BF16:  # K and V tiles (the compiler pipelines both: cp.async, num_stages - 1 tiles ahead)
             kt = tl.load(k_base + t[:, None] * stride_kt + tl.arange(0, D)[None, :], mask=tmask[:, None],
                          other=0.0)  # [BT, D] bfloat16
@@ -138,6 +196,19 @@ def _decode_attn_kernel(
             pv_acc = dot_acc(pv, vt, tl.zeros((GP, D), tl.float32), INTERP)
             acc = acc * alpha[:, None] + pv_acc * v_max
         m_i = m_new
+
+    if ROPE:
+        if split == 0:  # the new token's k and v into the cache slot (read from here on by later steps)
+            tl.store(k_base + slot.to(tl.int64) * stride_kt + dnew, k_new.to(k_ptr.dtype.element_ty))
+            tl.store(v_base + slot.to(tl.int64) * stride_vt + dnew, v_new)
+        if (t_lo <= slot) & (slot < t_hi):  # this split owns the slot: the new token, one online-softmax step
+            s_new = tl.sum(q.to(tl.float32) * k_new, 1) * sm_scale_log2  # [GP]
+            m_new = tl.maximum(m_i, s_new)
+            alpha = tl.exp2(m_i - m_new)
+            p_new = tl.exp2(s_new - m_new)
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha[:, None] + p_new.to(tl.bfloat16).to(tl.float32)[:, None] * v_new.to(tl.float32)
+            m_i = m_new
 
     r = tl.arange(0, GP)
     dcol = tl.arange(0, D)
