@@ -240,7 +240,8 @@ def _launch_triton(q, q_strides, lengths, starts, k, v, ks, vs, kg, vg, kg_strid
         rope_args = (cos, sin, qw if has_norm else cos, kw if has_norm else cos, slot, cos.stride(0), 1.0 / d,
                      eps)
     nsp = triton.next_power_of_2(num_splits)
-    use_pdl = pdl.triton_flag(q.device, "attn")  # (False off CUDA)
+    # (the ROPE variant waits before its first access, as the qk_norm_rope launch it replaces: its kind)
+    use_pdl = pdl.triton_flag(q.device, "attn" if rope is None else "triton")  # (False off CUDA)
     name = "bf16 rope" if rope is not None else "nvfp4" if fp4 else "bf16" if bf16 else "fp8"
     COMPILED["decode_attn " + name] = _decode_attn_kernel[(b * hkv, num_splits)](
         q, k, ks, kg, v, vs, vg, lengths, starts if starts is not None else lengths, out,
@@ -357,9 +358,11 @@ def decode_attention_rope(qkv, cos, sin, n_heads: int, n_kv_heads: int, head_dim
     with their epsilon; k_cache / v_cache [B >= R, H_kv, T, D] bfloat16 (one layer of the engine's cache);
     slot [1] long on the device: the new token's slot, where its k and v are written. Row b attends to the
     cache's tokens [starts[b], slot) and the new token (the decode engine's lengths are slot + 1 for every
-    row); no host sync, so a graph captured once serves every step. Bit-equal to the two kernels without the
-    norm; with it q and k within qk_norm_rope's one-ulp claim (the norm's fp32 sum in another order), and the
-    new token's score is an fp32 sum rather than the MMA's (fp4rl.kernels.attention.triton_decode)."""
+    row); no host sync, so a graph captured once serves every step. q and the cache it writes are bit-equal
+    to the two kernels' without the norm; with it within qk_norm_rope's one-ulp claim (the norm's fp32 sum in
+    another order, and on CUDA its FMA contraction); the output differs from theirs by the new token's score,
+    an fp32 sum rather than the MMA's (fp4rl.kernels.attention.triton_decode). PDL kind "triton" (that of the
+    qk_norm_rope launch it replaces): it waits before its first read."""
     d = head_dim
     if qkv.dtype != torch.bfloat16 or qkv.ndim != 2 or qkv.shape[1] != (n_heads + 2 * n_kv_heads) * d \
             or qkv.stride(1) != 1:
@@ -399,7 +402,8 @@ def decode_attention_rope(qkv, cos, sin, n_heads: int, n_kv_heads: int, head_dim
         raise ValueError(f"decode_attention_rope: slot must be a [1] torch.long tensor on {qkv.device} (the "
                          "new token's cache slot)")
     if starts is not None and tuple(starts.shape) != (r,):
-        raise ValueError(f"decode_attention_rope: starts must be int32 [R={r}], got {tuple(starts.shape)}")
+        raise ValueError(f"decode_attention_rope: starts must be [R={r}] (int32 on the device), got "
+                         f"{tuple(starts.shape)}")
     k, v = k_cache[:r], v_cache[:r]
     hkv, t_cap = n_kv_heads, k.shape[2]
     num_splits, block_t, num_warps, num_stages, min_chunk = _bf16_settings(

@@ -38,20 +38,12 @@ import triton
 import triton.language as tl
 
 from fp4rl.kernels._common import dot_acc, load_unpacked
+from fp4rl.kernels.fused import _bf16 as _bf
 
 try:  # griddepcontrol (programmatic dependent launch); traced only when the kernel's PDL constexpr is on
     from triton.language.extra import cuda as tlcuda
 except ImportError:
     tlcuda = None
-
-
-@triton.jit
-def _bf(v):
-    """float32 rounded to bfloat16 (RNE) and back, in integer arithmetic (the CPU interpreter's cast
-    truncates): fp4rl.kernels.fused._bf16's rounding."""
-    b = v.to(tl.int32, bitcast=True)
-    r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    return tl.where(v != v, v, r)
 
 
 @triton.jit
