@@ -92,6 +92,11 @@ FUSED_KV_FP4 = os.environ.get("FP4RL_FUSED_KV", "1") != "0"
 # (kernels.attention.decode_attention_rope) instead of qk_norm_rope, then the attention kernel; off until an
 # H200 A/B times it (FP4RL_ATTN_ROPE=1; bench/device_run111.sh)
 ATTN_ROPE = os.environ.get("FP4RL_ATTN_ROPE", "0") == "1"
+# an MoE layer's post-attention residual add + RMSNorm inside the CUDA router + route's launch
+# (KernelMoeBlock.norm_routed_parts, moe_route_cuda.norm_router_route) instead of fused.add_rmsnorm's launch
+# before it, where that launch takes the layer (W4A16 experts, up to gpu_experts.ROUTER_CUDA_MAX_TOKENS rows);
+# off until an H200 A/B times it (FP4RL_MOE_ROUTER_NORM=1; bench/device_run111.sh)
+ROUTER_NORM = os.environ.get("FP4RL_MOE_ROUTER_NORM", "0") == "1"
 
 
 def _pow2(v: int) -> int:
@@ -416,15 +421,23 @@ class DecodeEngine:
                 h = self._attention(layer.self_attn, n[:, None], cos[:, None, None], sin[:, None, None], ctx,
                                     bb)[:, 0]
             norm = layer.post_attention_layernorm
-            x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.post_quant,
-                                         write_y=p.post_quant is None or _records(p.gate_up))
+            fold = (layer.is_moe and FUSED_COMBINE and bb <= COMBINE_MAX_TOKENS
+                    and isinstance(layer.mlp, KernelMoeBlock))
+            pre = None
+            if ROUTER_NORM and fold and p.post_quant is None:  # the norm inside the router's launch
+                pre = layer.mlp.norm_routed_parts(x, h, norm)
+            if pre is not None:
+                x, n, parts = pre
+            else:
+                x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.post_quant,
+                                             write_y=p.post_quant is None or _records(p.gate_up))
             if p.gate_up is not None:
                 a, aq = fused.silu_mul(p.gate_up.run(n, nq), quant=p.down.quant,
                                        write_y=p.down.quant is None or _records(p.down))
                 h = p.down.run(a, aq)  # [bb, H]
             elif layer.is_moe:
-                fold = FUSED_COMBINE and bb <= COMBINE_MAX_TOKENS and isinstance(layer.mlp, KernelMoeBlock)
-                parts = layer.mlp.routed_parts(n) if fold else None
+                if pre is None:
+                    parts = layer.mlp.routed_parts(n) if fold else None
                 if parts is None:
                     h, experts = layer.mlp(n[:, None])  # experts [bb, 1, k]
                     chosen.append(experts)

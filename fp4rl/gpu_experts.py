@@ -255,13 +255,59 @@ class KernelMoeBlock(SparseMoeBlock):
                 or not (x.is_cuda or INTERPRET) or not moe_route.fits(n, self.top_k, self.num_experts)):
             return None
         gate = self.gate  # a plain bf16 router: its GEMM runs in the route kernel's launch
-        if (FUSED_ROUTER and n <= ROUTER_MAX_TOKENS and type(gate) in (nn.Linear, PrepackedLinear)
-                and gate.bias is None
-                and gate.weight.dtype == x.dtype and gate.weight.stride(-1) == 1):
+        if self._plain_router(x):
             _, idx, w, rows, pos, offsets = self._router_route(x, gate.weight)
         else:
             idx, w, rows, pos, offsets = moe_route.route(gate(x), self.top_k, self.norm_topk_prob,
                                                          weight_dtype=x.dtype)
+        return self._experts(x, idx, w, rows, pos, offsets)
+
+    def _plain_router(self, x: torch.Tensor) -> bool:
+        """Whether the router is a plain bf16 GEMM that runs inside the route's launch (FUSED_ROUTER, up to
+        ROUTER_MAX_TOKENS tokens)."""
+        gate = self.gate
+        return (FUSED_ROUTER and x.shape[0] <= ROUTER_MAX_TOKENS
+                and type(gate) in (nn.Linear, PrepackedLinear) and gate.bias is None
+                and gate.weight.dtype == x.dtype and gate.weight.stride(-1) == 1)
+
+    def _cuda_router(self, x: torch.Tensor) -> bool:
+        """Whether the router + route of x runs as the CUDA cluster launch (ROUTER_CUDA, up to
+        ROUTER_CUDA_MAX_TOKENS tokens, where it runs here and its plan takes the router)."""
+        from fp4rl.kernels import moe_route_cuda
+
+        n, h = x.shape
+        return (ROUTER_CUDA and n <= ROUTER_CUDA_MAX_TOKENS and moe_route_cuda.available(x.device)
+                and moe_route_cuda.aligned(self.gate.weight)
+                and moe_route_cuda.plan(n, self.top_k, self.num_experts, h) is not None)
+
+    def norm_routed_parts(self, x: torch.Tensor, h: torch.Tensor, norm):
+        """The decode step's residual add + RMSNorm `norm` of x + h and the router + route in one CUDA launch
+        (moe_route_cuda.norm_router_route), then the routed experts: (x', y, routed_parts' tuple), y =
+        norm(x'); or None where that launch does not take this call (the caller runs fused.add_rmsnorm and
+        routed_parts; a failure outside a graph capture turns the CUDA router off with a warning)."""
+        from fp4rl.kernels import moe_route, moe_route_cuda
+        from fp4rl.kernels._common import INTERPRET
+
+        n = x.shape[0]
+        w = norm.weight
+        if (not FUSED_ROUTE or self.plan is None or x.dtype != KERNEL_DTYPE or not (x.is_cuda or INTERPRET)
+                or not moe_route.fits(n, self.top_k, self.num_experts) or not self._plain_router(x)
+                or not self._cuda_router(x) or w.dtype != x.dtype or not w.is_contiguous()
+                or w.data_ptr() % 16):
+            return None
+        try:
+            xs, y, _, idx, tw, rows, pos, offsets = moe_route_cuda.norm_router_route(
+                x, h, w, norm.eps, self.gate.weight, self.top_k, self.norm_topk_prob, weight_dtype=x.dtype)
+        except Exception as exc:  # noqa: BLE001 - compile / launch failure here: the two launches from now on
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise  # the eager warm-up runs before each capture; a failure here fails the capture
+            moe_route_cuda.disable(exc)
+            return None
+        return xs, y, self._experts(y, idx, tw, rows, pos, offsets)
+
+    def _experts(self, x, idx, w, rows, pos, offsets):
+        """routed_parts' experts of the routed tokens x: (d, pos, w, idx)."""
+        n = x.shape[0]
         pairs = pos.view(n, self.top_k)  # the sorted row of each (token, slot): TRACE's guidance order
         if FUSED_GATHER:  # [n k, 2I]: x[rows], the sorted rows
             gu = self.plan.gate_up(x, offsets, tokens=n, rows=rows, pairs=pairs)
@@ -276,10 +322,7 @@ class KernelMoeBlock(SparseMoeBlock):
         capture turns it off with a warning) or the Triton router_route on this block's own counter."""
         from fp4rl.kernels import moe_route, moe_route_cuda
 
-        n, h = x.shape
-        if (ROUTER_CUDA and n <= ROUTER_CUDA_MAX_TOKENS and moe_route_cuda.available(x.device)
-                and moe_route_cuda.aligned(weight)
-                and moe_route_cuda.plan(n, self.top_k, self.num_experts, h) is not None):
+        if self._cuda_router(x):
             try:
                 return moe_route_cuda.router_route(x, weight, self.top_k, self.norm_topk_prob,
                                                    weight_dtype=x.dtype)

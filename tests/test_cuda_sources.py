@@ -400,19 +400,39 @@ _ROUTER_PLANS = [(1, 8, 128, 2048), (8, 8, 128, 2048), (8, 4, 60, 2048), (2, 2, 
 
 
 @pytest.mark.parametrize("t,k,e,h", _ROUTER_PLANS)
-@pytest.mark.parametrize("norm,asy", [(True, 0), (False, 0), (True, 1)])
-def test_moe_router_route_compiles_without_spills(t, k, e, h, norm, asy):
+@pytest.mark.parametrize("norm,asy,prenorm", [(True, 0, 0), (False, 0, 0), (True, 1, 0), (True, 0, 1)])
+def test_moe_router_route_compiles_without_spills(t, k, e, h, norm, asy, prenorm):
     """Spill-free; the static shared memory ptxas reports is at most moe_route_cuda.static_smem_bytes (the
     launcher adds it to the dynamic part to decide the opt-in past 48 KB), and the two fit one CTA (the
-    largest plan here: 128 KB of dynamic shared memory)."""
+    largest plan here: 128 KB of dynamic shared memory, 200 KB with PRENORM's h rows and norm weight)."""
     from fp4rl.kernels import moe_route_cuda
 
-    cfg = dict(moe_route_cuda.plan(t, k, e, h), ASYNC=asy)
+    cfg = dict(moe_route_cuda.plan(t, k, e, h), ASYNC=asy, PRENORM=prenorm)
     log = compile_log(moe_route_cuda.source(cfg, norm), "sm_90")
     assert spills(log) == {"moe_router_route": (0, 0)}, log
     static = int(re.search(r"(\d+) bytes smem", log).group(1))
     assert moe_route_cuda.static_smem_bytes(cfg) - 32 < static <= moe_route_cuda.static_smem_bytes(cfg), log
     assert moe_route_cuda.smem_bytes(cfg) + static <= gemv_cuda.SMEM_MAX
+
+
+@pytest.mark.parametrize("t,k,e,h", _ROUTER_PLANS[:3])
+def test_moe_router_route_prenorm_reads_its_weights_before_the_wait_and_the_rows_after(t, k, e, h):
+    """PRENORM (norm_router_route): before griddepcontrol.wait the router rows and the norm weight go to
+    shared memory (LDGSTS: EPW x NCH + ceil(NCH 32 / 256) per thread) and nothing else is read from global
+    memory (xr and hr are the previous kernels' outputs); their copies, CTA 0's stores of x' and y and the
+    cluster barrier come after it."""
+    from fp4rl.kernels import moe_route_cuda
+
+    cfg = dict(moe_route_cuda.plan(t, k, e, h), ASYNC=0, PRENORM=1)
+    ops = _sass_ops(moe_route_cuda.source(cfg, True))
+    wait = ops.index("ACQBULK")
+    before = [op for op in ops[:wait] if op.startswith(("LDG", "LD.", "UBLKCP", "UTMALDG", "STG"))]
+    weights = cfg["EPW"] * cfg["NCH"] + -(-cfg["NCH"] * 32 // 256)  # router rows, norm weight
+    assert before.count("LDGSTS.E.BYPASS.128") == weights, before
+    assert not [op for op in before if not op.startswith(("LDGSTS", "LDGDEPBAR"))], before
+    after = ops[wait:]
+    assert after.count("LDGSTS.E.BYPASS.128") >= 2 and "UCGABAR_WAIT" in after
+    assert after.count("STG.E.128") >= 2  # x' and y, 16 bytes a store
 
 
 @pytest.mark.parametrize("asy", [0, 1])

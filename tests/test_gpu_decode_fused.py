@@ -195,6 +195,51 @@ def test_one_launch_rope_attention_in_the_fused_step(config, monkeypatch):
     assert torch.equal(fallback, ref)
 
 
+@pytest.mark.parametrize("config", [MOE, SHARED_MOE])
+def test_router_norm_in_the_fused_step(config, monkeypatch):
+    """gpu_decode.ROUTER_NORM: an MoE layer's post-attention add + RMSNorm runs inside the CUDA router +
+    route's launch (KernelMoeBlock.norm_routed_parts; on a CPU moe_route_cuda's references stand in for them):
+    one fused.add_rmsnorm launch fewer per MoE layer and step, the logits those of the two launches up to the
+    norm's order (a bf16 ulp of y), greedy tokens equal; a shared expert takes the same y."""
+    from fp4rl import gpu_experts
+    from fp4rl.kernels import fused, moe_route_cuda
+
+    monkeypatch.setattr(moe_route_cuda, "available",
+                        lambda device=None: moe_route_cuda.STATE["ok"] is not False)
+    monkeypatch.setitem(moe_route_cuda.STATE, "ok", None)
+    calls = {"norm": 0, "route": 0}
+
+    def norm_route(*a, **kw):
+        calls["route"] += 1
+        return moe_route_cuda.norm_reference(*a[:7])
+
+    monkeypatch.setattr(moe_route_cuda, "norm_router_route", norm_route)
+    monkeypatch.setattr(moe_route_cuda, "router_route",
+                        lambda xx, w, k, nrm, weight_dtype=None: moe_route_cuda.reference(xx, w, k, nrm))
+    for name, value in (("FUSED_ROUTER", True), ("ROUTER_MAX_TOKENS", 8), ("ROUTER_CUDA", True),
+                        ("ROUTER_CUDA_MAX_TOKENS", 8)):
+        monkeypatch.setattr(gpu_experts, name, value)
+    real = fused.add_rmsnorm
+    monkeypatch.setattr(fused, "add_rmsnorm", lambda *a, **kw: calls.__setitem__("norm", calls["norm"] + 1)
+                        or real(*a, **kw))
+    s = Sampler(tiny(config, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
+                eos_token_ids=[], kernels=True)
+    forced = torch.randint(0, V, (len(PROMPTS), 2), generator=torch.Generator().manual_seed(8))
+    ref = teacher_forced_logits(s, forced)
+    norms_off = calls["norm"]
+    assert calls["route"] == 0 and norms_off
+    calls.update(norm=0)
+    monkeypatch.setattr(gpu_decode, "ROUTER_NORM", True)
+    s.engine.reset_graphs()
+    got = teacher_forced_logits(s, forced)
+    layers = config["num_hidden_layers"]
+    steps = norms_off // (2 * layers + 1)
+    assert calls["route"] == steps * layers and calls["norm"] == steps * (layers + 1), (calls, norms_off)
+    err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    assert err < 2e-2, err
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
 def test_fused_step_falls_back_per_layer():
     """A layer whose q/k/v are not one fused group (here: unfused linears) runs its attention modules; the
     norms and the MLP stay fused, and the step still computes the module step."""

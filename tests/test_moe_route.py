@@ -496,6 +496,140 @@ def test_cuda_router_route_plan_and_refusals():
         moe_route_cuda.router_route(x, wr[:, :32], 2, True)
 
 
+def _scalar_sumsq(xs, t):
+    """One row's PRENORM sum of squares scalar by scalar in numpy float32 (moe_router_route.cu's order): lane
+    l of warp w adds its chunks c = l + 32 i (i = w, w + 8, .. ascending, 8 squares each in order), the xor
+    butterfly adds the lanes, the warps' sums are added in warp order."""
+    import numpy as np
+
+    row = xs[t].float().cpu().numpy().astype(np.float32)
+    nch = -(-row.size // 256)
+    row = np.concatenate([row, np.zeros(256 * nch - row.size, np.float32)])
+    total = None
+    for w in range(8):
+        lanes = []
+        for lane in range(32):
+            acc = np.float32(0)
+            for i in range(w, nch, 8):
+                for el in range(8):
+                    v = row[8 * (lane + 32 * i) + el]
+                    acc = np.float32(acc + np.float32(v * v))
+            lanes.append(acc)
+        for m in (16, 8, 4, 2, 1):
+            lanes = [np.float32(lanes[lane] + lanes[lane ^ m]) for lane in range(32)]
+        total = lanes[0] if total is None else np.float32(total + lanes[0])
+    return float(total)
+
+
+@pytest.mark.parametrize("t,h", [(1, 2048), (4, 2048), (3, 296), (2, 4096), (1, 64)])
+def test_cuda_prenorm_reference_is_the_residual_add_and_rmsnorm(t, h):
+    """moe_route_cuda.prenorm_reference (the PRENORM build's arithmetic, which the GPU test holds the kernel
+    to): x' = bf16(x + h) exactly; its sum of squares in the kernel's lane / warp order (a scalar emulation of
+    two rows); y within a bf16 ulp of fp4rl.model's RMSNorm of x' (the sum's order, IEEE sqrt and division
+    instead of rsqrt) and equal in >= 98% of the elements."""
+    from fp4rl.kernels import moe_route_cuda
+    from fp4rl.model import RMSNorm
+
+    g = torch.Generator().manual_seed(t * 13 + h)
+    x = (torch.randn(t, h, generator=g) * 2).bfloat16().to(DEV)
+    hh = torch.randn(t, h, generator=g).bfloat16().to(DEV)
+    norm = RMSNorm(h, 1e-6).bfloat16().to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(h, generator=g) + 0.5)
+    xs, y = moe_route_cuda.prenorm_reference(x, hh, norm.weight, 1e-6)
+    assert torch.equal(xs, (x.float() + hh.float()).bfloat16())
+    sums = moe_route_cuda._sumsq(xs)
+    for row in {0, t - 1}:
+        assert _scalar_sumsq(xs, row) == float(sums[row]), row
+    with torch.no_grad():
+        ref = norm(xs)
+    a, b = y.view(torch.int16).int(), ref.view(torch.int16).int()
+    assert int((a - b).abs().max()) <= 1 and (y == ref).float().mean().item() >= 0.98
+
+
+def test_kernel_moe_block_norm_routed_parts_is_add_rmsnorm_then_routed_parts(monkeypatch):
+    """KernelMoeBlock.norm_routed_parts (the step's post-attention add + RMSNorm inside the CUDA router's
+    launch; on a CPU moe_route_cuda.norm_reference stands in for the kernel): x' and y are add_rmsnorm's up to
+    the norm's order, the experts and the expert outputs those of add_rmsnorm then routed_parts; where the
+    CUDA router does not take the call (above its token bound) it returns None; a kernel failure turns the
+    CUDA router off with a warning and returns None."""
+    from fp4rl.kernels import fused, moe_route_cuda
+
+    block, x = _kernel_moe_block("nvfp4-w4a16", MOE)
+    x = x[:, 0]
+    hh = (x * 0.5 + 0.25).bfloat16()
+    from fp4rl.model import RMSNorm
+
+    norm = RMSNorm(x.shape[1], 1e-6).bfloat16().to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(x.shape[1], generator=torch.Generator().manual_seed(3)) + 0.5)
+    calls = []
+
+    def fake(xx, h, w, eps, wr, k, nrm, weight_dtype=None):
+        calls.append((tuple(xx.shape), eps, k, nrm))
+        return moe_route_cuda.norm_reference(xx, h, w, eps, wr, k, nrm)
+
+    monkeypatch.setattr(moe_route_cuda, "available",
+                        lambda device=None: moe_route_cuda.STATE["ok"] is not False)
+    monkeypatch.setattr(moe_route_cuda, "norm_router_route", fake)
+    monkeypatch.setattr(moe_route_cuda, "router_route",
+                        lambda xx, w, k, nrm, weight_dtype=None: moe_route_cuda.reference(xx, w, k, nrm))
+    monkeypatch.setitem(moe_route_cuda.STATE, "ok", None)
+    for name, value in (("FUSED_ROUTER", True), ("ROUTER_MAX_TOKENS", 8), ("ROUTER_CUDA", True),
+                        ("ROUTER_CUDA_MAX_TOKENS", 8)):
+        monkeypatch.setattr(gpu_experts, name, value)
+    with torch.inference_mode():
+        xs, y, (d, pos, w, idx) = block.norm_routed_parts(x, hh, norm)
+        xs2, y2, _ = fused.add_rmsnorm(x, hh, norm.weight, norm.eps)
+        d2, pos2, w2, idx2 = block.routed_parts(y2)
+        assert calls == [((3, 64), 1e-6, 2, True)]
+        assert torch.equal(xs, xs2)
+        assert int((y.view(torch.int16).int() - y2.view(torch.int16).int()).abs().max()) <= 1
+        assert torch.equal(idx, idx2) and torch.equal(pos, pos2)
+        assert torch.allclose(d.float(), d2.float(), rtol=2 ** -6, atol=1e-3)
+        monkeypatch.setattr(gpu_experts, "ROUTER_CUDA_MAX_TOKENS", 2)  # 3 tokens: not the CUDA launch
+        assert block.norm_routed_parts(x, hh, norm) is None and len(calls) == 1
+        monkeypatch.setattr(gpu_experts, "ROUTER_CUDA_MAX_TOKENS", 8)
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("no cluster launch here")
+
+        monkeypatch.setattr(moe_route_cuda, "norm_router_route", broken)
+        with pytest.warns(UserWarning, match="no cluster launch here"):
+            assert block.norm_routed_parts(x, hh, norm) is None
+        assert moe_route_cuda.STATE["ok"] is False and block.norm_routed_parts(x, hh, norm) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e,k,h", [(1, 128, 8, 2048), (4, 128, 8, 2048), (8, 128, 8, 2048), (3, 60, 4, 296),
+                                     (2, 64, 4, 4096)])
+def test_gpu_cuda_norm_router_route_is_its_reference_bit_for_bit(t, e, k, h):
+    """The PRENORM kernel against moe_route_cuda.norm_reference on the same GPU (torch's sqrt and division
+    there are IEEE, as the kernel's __fsqrt_rn / __fdiv_rn): x', y and every route output equal, for two
+    inputs in a row (a call that wrote nothing would leave the first one's outputs), the second's h a
+    strided view."""
+    from fp4rl.kernels import moe_route_cuda
+
+    if not moe_route_cuda.available():
+        pytest.skip("needs an sm_90 GPU and NVRTC")
+    x0, wr = _router_operands(t, e, h, seed=t + e + h)
+    g = torch.Generator().manual_seed(h)
+    h0 = (torch.randn(t, h, generator=g) * 0.5).bfloat16().to("cuda")
+    nw = (torch.rand(h, generator=g) + 0.5).bfloat16().to("cuda")
+    wide = torch.zeros(t, h + 64, dtype=torch.bfloat16, device="cuda")
+    for i, sign in enumerate((1.0, -0.5)):
+        x, hh = (x0 * sign).bfloat16(), (h0 * sign).bfloat16()
+        hv = hh if i == 0 else wide[:, :h].copy_(hh)
+        got = moe_route_cuda.norm_router_route(x, hv, nw, 1e-6, wr, k, True)
+        want = moe_route_cuda.norm_reference(x, hh, nw, 1e-6, wr, k, True)
+        for name, a, b in zip(("x'", "y", "logits", "idx", "w", "rows", "pos", "offsets"), got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            same = torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()) \
+                if a.is_floating_point() else torch.equal(a, b)
+            assert same, (name, a, b)
+        check_route_outputs(got[2], k, True, got[3:])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("asy", [False, True], ids=["cluster-barrier", "st-async"])
 @pytest.mark.parametrize("t,e,k,h,norm", [(1, 128, 8, 2048, True), (8, 128, 8, 2048, True),

@@ -18,6 +18,11 @@ another expert, and routing replay records the choice made). On a GPU the kernel
 same device bit for bit (tests/test_moe_route.py, gpu marker: that assumes torch's exp and NVRTC's libdevice
 expf agree, which the test checks); on a CPU `reference` is checked against torch's route and grouping.
 
+`norm_router_route` runs the decode step's residual add + RMSNorm before the router in the same launch (the
+.cu's PRENORM build: every CTA normalises the token rows itself, CTA 0 writes x' and y), so the post-attention
+fused.add_rmsnorm launch goes away (`gpu_decode.ROUTER_NORM`, FP4RL_MOE_ROUTER_NORM=1, off until timed);
+`prenorm_reference` is its arithmetic (an IEEE sqrt and division for rstd, the sum in the kernel's order).
+
 `gpu_experts.ROUTER_CUDA` (on by default; FP4RL_MOE_ROUTER_CUDA=0 turns it off) makes KernelMoeBlock take
 it where `plan` fits, up to `gpu_experts.ROUTER_CUDA_MAX_TOKENS` tokens (4 by default: where the sampler's
 step was measured faster), before the Triton router_route.
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
+import struct
 import warnings
 from pathlib import Path
 
@@ -64,14 +70,16 @@ def plan(tokens: int, top_k: int, experts: int, hidden: int) -> dict | None:
 
 def smem_bytes(cfg: dict) -> int:
     """The launch's dynamic shared memory: the warps' router rows and x, in 16-byte chunks (the .cu's
-    W_CHUNKS + X_CHUNKS)."""
-    return 16 * 32 * cfg["NCH"] * (WARPS * cfg["EPW"] + cfg["T"])
+    W_CHUNKS + X_CHUNKS); PRENORM: also the h rows and the norm weight."""
+    extra = cfg.get("PRENORM", 0) * (cfg["T"] + 1)
+    return 16 * 32 * cfg["NCH"] * (WARPS * cfg["EPW"] + cfg["T"] + extra)
 
 
 def static_smem_bytes(cfg: dict) -> int:
     """The kernel's static shared memory (at most: each array to 16 bytes): every expert's logit per token
-    (lg), the chosen ids, and with ASYNC the mbarrier."""
-    arrays = sum(-(-4 * cfg["T"] * n // 16) * 16 for n in (cfg["CL"] * WARPS * cfg["EPW"], cfg["K"]))
+    (lg), the chosen ids, with ASYNC the mbarrier, with PRENORM the warps' sums of squares."""
+    sizes = (cfg["CL"] * WARPS * cfg["EPW"], cfg["K"]) + ((WARPS,) if cfg.get("PRENORM", 0) else ())
+    arrays = sum(-(-4 * cfg["T"] * n // 16) * 16 for n in sizes)
     return arrays + 16 * cfg.get("ASYNC", 0)
 
 
@@ -105,53 +113,142 @@ def aligned(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
 
 
+def _check(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, weight_dtype, what: str) -> dict:
+    """The build of a launch for x [T, H] and gate_weight [E, H] (ValueError / TypeError naming `what`)."""
+    if x.ndim != 2 or gate_weight.ndim != 2 or x.shape[1] != gate_weight.shape[1]:
+        raise ValueError(f"{what}: x must be [T, H] and gate_weight [E, H], got {tuple(x.shape)} and "
+                         f"{tuple(gate_weight.shape)}")
+    if x.dtype != torch.bfloat16 or gate_weight.dtype != torch.bfloat16:
+        raise TypeError(f"{what}: x and gate_weight must be bfloat16, got {x.dtype} and {gate_weight.dtype}")
+    if (weight_dtype or torch.bfloat16) != torch.bfloat16:
+        raise TypeError(f"{what}: the top-k weights are bfloat16, got weight_dtype {weight_dtype}; use "
+                        "moe_route.router_route")
+    if not x.is_cuda or x.device != gate_weight.device:
+        raise ValueError(f"{what}: x and gate_weight must be on one CUDA device, got {x.device} and "
+                         f"{gate_weight.device}")
+    t, h = x.shape
+    e = gate_weight.shape[0]
+    cfg = plan(t, top_k, e, h)
+    if cfg is None:
+        raise ValueError(f"{what}: {t} tokens, top {top_k} of {e} experts, hidden {h} is outside the kernel "
+                         f"(1-{MAX_TOKENS} tokens, top_k <= {MAX_TOP_K}, hidden % 8 == 0, ceil(E / "
+                         f"{MAX_CLUSTER * WARPS}) x ceil(H / 256) <= {MAX_WORDS}); use "
+                         "moe_route.router_route")
+    if not aligned(gate_weight):
+        raise ValueError(f"{what}: gate_weight rows must be 16-byte aligned with unit column stride (pass "
+                         ".contiguous())")
+    return cfg
+
+
+def _f32_bits(v: float) -> int:
+    """v rounded to float32 (RNE, as torch's conversion) as its bit pattern, a signed 32-bit int (how the
+    kernel takes its float parameters through pdl.launch, which passes ints)."""
+    return struct.unpack("<i", struct.pack("<f", v))[0]
+
+
+def _launch(cfg: dict, x, gate_weight, top_k: int, norm: bool, prenorm=None):
+    """Launch the build `cfg` (PRENORM when prenorm = (h, norm_weight, x', y, eps) is given) -> the route's
+    outputs (logits, idx, w, rows, pos, offsets)."""
+    from fp4rl.kernels.moe_route import _route_outputs
+
+    t, h = x.shape
+    e = gate_weight.shape[0]
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    logits = torch.empty(t, e, dtype=torch.bfloat16, device=x.device)
+    idx, w, rows, pos, offsets = _route_outputs(t, top_k, e, torch.bfloat16, x.device)
+    cfg = dict(cfg, ASYNC=int(ASYNC_LOGITS), PRENORM=int(prenorm is not None))
+    kern = _kernel(tuple(sorted(cfg.items())) + (bool(norm),), dev)
+    smem = smem_bytes(cfg)
+    if prenorm is None:
+        extra = [x, x, logits, logits, x.stride(0), 0, 0]  # (unused without PRENORM)
+    else:
+        hh, nw, xo, yo, eps = prenorm
+        extra = [hh, nw, xo, yo, hh.stride(0), _f32_bits(1.0 / h), _f32_bits(eps)]
+    with torch.cuda.device(dev):
+        # past 48 KB of dynamic + static shared memory the launch needs the opt-in (the static part counts)
+        gemv_cuda._set_smem(kern, smem + static_smem_bytes(cfg))
+        pdl.launch(kern, (cfg["CL"], 1, 1), (WARPS * 32, 1, 1),
+                   [x, gate_weight, logits, idx, w, rows, pos, offsets, x.stride(0), gate_weight.stride(0),
+                    *extra], smem, torch.cuda.current_stream(dev), pdl.weights_flag(dev, "route"))
+    STATE["ok"] = True
+    return logits, idx, w, rows, pos, offsets
+
+
 def router_route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm: bool,
                  weight_dtype: torch.dtype | None = None):
     """logits = x [T, H] @ gate_weight [E, H].T (bf16), then the route of the T tokens: (logits, idx, w, rows,
     pos, offsets) as `moe_route.router_route`. bfloat16 operands and weights; no host sync. Inside
     `pdl.step()` the launch carries PDL (kind "route") and reads the router weight before waiting for the
     kernel before it."""
-    if x.ndim != 2 or gate_weight.ndim != 2 or x.shape[1] != gate_weight.shape[1]:
-        raise ValueError(f"router_route (CUDA): x must be [T, H] and gate_weight [E, H], got "
-                         f"{tuple(x.shape)} and {tuple(gate_weight.shape)}")
-    if x.dtype != torch.bfloat16 or gate_weight.dtype != torch.bfloat16:
-        raise TypeError(f"router_route (CUDA): x and gate_weight must be bfloat16, got {x.dtype} and "
-                        f"{gate_weight.dtype}")
-    if (weight_dtype or torch.bfloat16) != torch.bfloat16:
-        raise TypeError(f"router_route (CUDA): the top-k weights are bfloat16, got weight_dtype "
-                        f"{weight_dtype}; use moe_route.router_route")
-    if not x.is_cuda or x.device != gate_weight.device:
-        raise ValueError(f"router_route (CUDA): x and gate_weight must be on one CUDA device, got {x.device} "
-                         f"and {gate_weight.device}")
-    t, h = x.shape
-    e = gate_weight.shape[0]
-    cfg = plan(t, top_k, e, h)
-    if cfg is None:
-        raise ValueError(f"router_route (CUDA): {t} tokens, top {top_k} of {e} experts, hidden {h} is "
-                         f"outside the kernel (1-{MAX_TOKENS} tokens, top_k <= {MAX_TOP_K}, hidden % 8 == 0, "
-                         f"ceil(E / {MAX_CLUSTER * WARPS}) x ceil(H / 256) <= {MAX_WORDS}); use "
-                         "moe_route.router_route")
+    cfg = _check(x, gate_weight, top_k, weight_dtype, "router_route (CUDA)")
     if not aligned(x):  # cp.async reads 16-byte chunks of each row
         x = x.clone(memory_format=torch.contiguous_format)
-    if not aligned(gate_weight):
-        raise ValueError("router_route (CUDA): gate_weight rows must be 16-byte aligned with unit column "
-                         "stride (pass .contiguous())")
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    from fp4rl.kernels.moe_route import _route_outputs
+    return _launch(cfg, x, gate_weight, top_k, norm)
 
-    logits = torch.empty(t, e, dtype=torch.bfloat16, device=x.device)
-    idx, w, rows, pos, offsets = _route_outputs(t, top_k, e, torch.bfloat16, x.device)
-    cfg["ASYNC"] = int(ASYNC_LOGITS)
-    kern = _kernel(tuple(sorted(cfg.items())) + (bool(norm),), dev)
-    smem = smem_bytes(cfg)
-    with torch.cuda.device(dev):
-        # past 48 KB of dynamic + static shared memory the launch needs the opt-in (the static part counts)
-        gemv_cuda._set_smem(kern, smem + static_smem_bytes(cfg))
-        pdl.launch(kern, (cfg["CL"], 1, 1), (WARPS * 32, 1, 1),
-                   [x, gate_weight, logits, idx, w, rows, pos, offsets, x.stride(0), gate_weight.stride(0)],
-                   smem, torch.cuda.current_stream(dev), pdl.weights_flag(dev, "route"))
-    STATE["ok"] = True
-    return logits, idx, w, rows, pos, offsets
+
+def norm_router_route(x: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      gate_weight: torch.Tensor, top_k: int, norm: bool,
+                      weight_dtype: torch.dtype | None = None):
+    """The decode step's residual add + RMSNorm, then router_route of its output, in one launch: x' = bf16(x +
+    h), y = bf16(norm_weight * bf16(x' * rstd)) with rstd = 1 / sqrt(sum(x'^2) / H + eps) (IEEE, the sum in
+    the kernel's order: `prenorm_reference`), then the route of y. x, h [T, H] bfloat16 (the residual and the
+    attention's output), norm_weight [H] bfloat16 (the post-attention RMSNorm's; read before the PDL wait, as
+    the router weight: it does not change during a step). Returns (x', y, logits, idx, w, rows, pos,
+    offsets), x' and y new contiguous [T, H] tensors."""
+    what = "norm_router_route (CUDA)"
+    cfg = _check(x, gate_weight, top_k, weight_dtype, what)
+    t, hd = x.shape
+    if h.shape != x.shape or h.dtype != torch.bfloat16 or h.device != x.device:
+        raise ValueError(f"{what}: h must be bfloat16 {tuple(x.shape)} on {x.device} (x's), got {h.dtype} "
+                         f"{tuple(h.shape)} on {h.device}")
+    if norm_weight.numel() != hd or norm_weight.dtype != torch.bfloat16 or norm_weight.device != x.device \
+            or not norm_weight.is_contiguous() or norm_weight.data_ptr() % 16:
+        raise ValueError(f"{what}: norm_weight must be the RMSNorm's contiguous, 16-byte aligned bfloat16 "
+                         f"[{hd}] weight on {x.device}, got {norm_weight.dtype} {tuple(norm_weight.shape)}")
+    x = x if aligned(x) else x.clone(memory_format=torch.contiguous_format)
+    h = h if aligned(h) else h.clone(memory_format=torch.contiguous_format)
+    xo = torch.empty(t, hd, dtype=torch.bfloat16, device=x.device)
+    yo = torch.empty(t, hd, dtype=torch.bfloat16, device=x.device)
+    return (xo, yo, *_launch(cfg, x, gate_weight, top_k, norm, prenorm=(h, norm_weight, xo, yo, eps)))
+
+
+def _sumsq(xs: torch.Tensor) -> torch.Tensor:
+    """The PRENORM build's fp32 sum of squares of each row of xs [T, H] (bf16 values) in its order: lane l of
+    warp w adds its chunks c = l + 32 i, i = w, w + 8, .. ascending, the 8 exact squares of a chunk in order;
+    the warp's xor butterfly adds the lanes; the 8 warps' sums are added in warp order."""
+    t, hd = xs.shape
+    nch = -(-hd // 256)
+    pad = torch.zeros(t, 256 * nch, device=xs.device)
+    pad[:, :hd] = xs.float()
+    sq = (pad * pad).view(t, nch, 32, 8)  # exact squares, [t, i, lane, element]
+    total = None
+    for w in range(WARPS):
+        acc = torch.zeros(t, 32, device=xs.device)
+        for i in range(w, nch, WARPS):
+            for el in range(8):
+                acc = acc + sq[:, i, :, el]
+        part = _butterfly(acc, torch.add)[:, 0]
+        total = part if total is None else total + part
+    return total
+
+
+def prenorm_reference(x: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, eps: float):
+    """The PRENORM build's x' and y in torch ops (each op one IEEE rounding; any device): x' = bf16(x + h),
+    rstd = 1 / sqrt(_sumsq(x') * float32(1 / H) + float32(eps)) (IEEE sqrt and division), y = bf16(w *
+    bf16(x' * rstd))."""
+    hd = x.shape[1]
+    xs = (x.float() + h.float()).bfloat16()  # [t, H]
+    inv_h = torch.tensor(1.0 / hd, dtype=torch.float32, device=x.device)
+    eps32 = torch.tensor(eps, dtype=torch.float32, device=x.device)
+    rstd = 1.0 / torch.sqrt(_sumsq(xs) * inv_h + eps32)  # [t]
+    y = (norm_weight.float() * (xs.float() * rstd[:, None]).bfloat16().float()).bfloat16()
+    return xs, y
+
+
+def norm_reference(x, h, norm_weight, eps: float, gate_weight, top_k: int, norm: bool):
+    """norm_router_route's outputs in torch ops: prenorm_reference, then `reference` of y."""
+    xs, y = prenorm_reference(x, h, norm_weight, eps)
+    return (xs, y, *reference(y, gate_weight, top_k, norm))
 
 
 def _butterfly(v: torch.Tensor, op) -> torch.Tensor:

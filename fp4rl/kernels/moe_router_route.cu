@@ -2,7 +2,13 @@
 // logits = bf16(x[T, H] @ Wr[E, H]^T), softmax, top-K, weights, and the stable grouping of the T*K (token,
 // slot) pairs by expert (fp4rl/kernels/moe_route_cuda.py; the arithmetic is moe_route_cuda.reference's).
 //
-// Compiled at run time by NVRTC (moe_route_cuda.source prepends the #defines: T, E, H, K, NORM, EPW, NCH, CL).
+// Compiled at run time by NVRTC (moe_route_cuda.source prepends the #defines: T, E, H, K, NORM, EPW, NCH, CL,
+// and PRENORM).
+// PRENORM 1: x is first the residual add + RMSNorm of the decode step (fused.add_rmsnorm's job): x' = bf16(xr
+// + hr), y = bf16(w * bf16(x' * rstd)), rstd = 1 / sqrt(sum(x'^2) / H + eps) (IEEE sqrt and division), the
+// sum in a fixed order (lane: its chunks i = warp + 8 j ascending, 8 exact squares each in order; the warp's
+// butterfly; the warps' sums in warp order); every CTA computes y for its own router rows, CTA 0 also writes
+// x' and y. One launch instead of add_rmsnorm's and this one's (moe_route_cuda.norm_router_route).
 // Why not the Triton router_route: its grid's last program routes alone, after a global counter and a
 // round trip through the partial sums, with a CTA barrier per reduction (~4.5 us of its ~6-7 us at one token,
 // bench/gpu_kernels.md, sixteenth and thirtieth sessions). Here:
@@ -24,6 +30,9 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 
 #define WARPS 8
+#ifndef PRENORM
+#define PRENORM 0
+#endif
 #ifndef ASYNC
 // 1: the logits reach CTA 0 by st.async, each completing bytes on an mbarrier of CTA 0 that only CTA 0 waits
 // on, instead of st.shared::cluster and a cluster barrier (whose release is a MEMBAR.ALL.GPU on the path)
@@ -66,15 +75,45 @@ __device__ __forceinline__ float dot8(float acc, const uint4& a, const uint4& b)
     return acc;
 }
 
+// x' = bf16(a + b) of a chunk's 8 bf16 pairs (fp32 add, one rounding, then RNE to bf16)
+__device__ __forceinline__ uint4 add8(const uint4& a, const uint4& b) {
+    const u32 av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+    u32 o[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        o[k] = (u32)to_bf16(__fadd_rn(lo(av[k]), lo(bv[k])))
+               | ((u32)to_bf16(__fadd_rn(hi(av[k]), hi(bv[k]))) << 16);
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// acc + the 8 squares of a chunk in element order (a bf16 square is exact in fp32: one rounding, of the add)
+__device__ __forceinline__ float sq8(float acc, const uint4& a) { return dot8(acc, a, a); }
+
+// y = bf16(w * bf16(x' * rstd)) of a chunk (each product rounded: no FMA)
+__device__ __forceinline__ uint4 norm8(const uint4& a, const uint4& w, float rstd) {
+    const u32 av[4] = {a.x, a.y, a.z, a.w}, wv[4] = {w.x, w.y, w.z, w.w};
+    u32 o[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float l = __uint_as_float((u32)to_bf16(__fmul_rn(lo(av[k]), rstd)) << 16);
+        const float h = __uint_as_float((u32)to_bf16(__fmul_rn(hi(av[k]), rstd)) << 16);
+        o[k] = (u32)to_bf16(__fmul_rn(lo(wv[k]), l)) | ((u32)to_bf16(__fmul_rn(hi(wv[k]), h)) << 16);
+    }
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // dynamic shared memory: the warps' router rows [WARPS][EPW][NCH][32 lanes] then x [T][NCH][32] (16-byte chunks,
-// chunk c = lane + 32 i of a row at [i][lane]; zeros past H / 8)
+// chunk c = lane + 32 i of a row at [i][lane]; zeros past H / 8); PRENORM: then hr [T][NCH][32] and the norm
+// weight [NCH][32] (x holds xr, then x', then y)
 #define W_CHUNKS (WARPS * EPW * NCH * 32)
 #define X_CHUNKS (T * NCH * 32)
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) __cluster_dims__(CL, 1, 1)
 moe_router_route(const u16* x, const u16* __restrict__ wr, u16* __restrict__ logits,
                  long long* __restrict__ idx, u16* __restrict__ wout, int* __restrict__ rows,
-                 int* __restrict__ pos, int* __restrict__ offs, int stride_x, int stride_w) {
+                 int* __restrict__ pos, int* __restrict__ offs, int stride_x, int stride_w,
+                 const u16* hr, const u16* __restrict__ nw, u16* __restrict__ xo, u16* __restrict__ yo,
+                 int stride_h, int inv_h_bits, int eps_bits) {  // (fp32 bit patterns: the launcher passes ints)
     extern __shared__ __align__(16) uint4 chunks[];
     __shared__ float lg[T][CL * WARPS * EPW];  // CTA 0: every expert's logit (as the bf16 value)
     __shared__ int ids[T * K];                  // CTA 0: the chosen experts, pair p = t K + j
@@ -113,19 +152,75 @@ moe_router_route(const u16* x, const u16* __restrict__ wr, u16* __restrict__ log
                        ok ? (const void*)(wr + (long long)(e0 + j) * stride_w + 8 * c) : (const void*)wr,
                        ok ? 16 : 0);
         }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    // x (the previous kernel's output), once per CTA
     uint4* xsm = chunks + W_CHUNKS;
     const u32 x_at = smem_u32(xsm);
+#if PRENORM
+    uint4* hsm = xsm + X_CHUNKS;
+    uint4* nsm = hsm + X_CHUNKS;
+#pragma unroll
+    for (int r = 0; r < (NCH * 32 + WARPS * 32 - 1) / (WARPS * 32); ++r) {  // the norm weight: read-only too
+        const int c = (int)threadIdx.x + WARPS * 32 * r;
+        const bool ok = c < H / 8;
+        if (c < NCH * 32)
+            cp_async16(smem_u32(nsm + c), ok ? (const void*)(nw + 8 * c) : (const void*)nw, ok ? 16 : 0);
+    }
+#endif
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    // x (the previous kernel's output; PRENORM: the residual xr and the attention's hr), once per CTA
     for (int q = threadIdx.x; q < X_CHUNKS; q += WARPS * 32) {
         const int t = q / (NCH * 32), c = q % (NCH * 32);
         const bool ok = c < H / 8;
         cp_async16(x_at + 16u * (u32)q, ok ? (const void*)(x + (long long)t * stride_x + 8 * c) : (const void*)x,
                    ok ? 16 : 0);
+#if PRENORM
+        cp_async16(smem_u32(hsm + q), ok ? (const void*)(hr + (long long)t * stride_h + 8 * c) : (const void*)hr,
+                   ok ? 16 : 0);
+#endif
     }
     asm volatile("cp.async.commit_group;\ncp.async.wait_all;" ::: "memory");
     __syncthreads();
+#if PRENORM
+    {
+        // x' = bf16(xr + hr) in place, its sum of squares per token in the order of the header, then y in place;
+        // a chunk (t, i, lane) belongs to warp i % WARPS throughout
+        __shared__ float part[T][WARPS];
+        float ss[T];
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            ss[t] = 0.f;
+            for (int i = warp; i < NCH; i += WARPS) {
+                const int q = (t * NCH + i) * 32 + lane;
+                const uint4 s = add8(xsm[q], hsm[q]);
+                xsm[q] = s;
+                ss[t] = sq8(ss[t], s);
+            }
+#pragma unroll
+            for (int m = 16; m >= 1; m >>= 1) ss[t] += __shfl_xor_sync(0xffffffffu, ss[t], m);
+            if (lane == 0) part[t][warp] = ss[t];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            float tot = part[t][0];
+#pragma unroll
+            for (int w = 1; w < WARPS; ++w) tot = __fadd_rn(tot, part[t][w]);
+            const float rstd = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fmul_rn(tot, __int_as_float(inv_h_bits)),
+                                                                   __int_as_float(eps_bits))));
+            for (int i = warp; i < NCH; i += WARPS) {
+                const int q = (t * NCH + i) * 32 + lane, c = lane + 32 * i;
+                const uint4 s = xsm[q];
+                const uint4 y = norm8(s, nsm[c], rstd);
+                xsm[q] = y;
+                if (rank == 0 && c < H / 8) {
+                    *(uint4*)(xo + (long long)t * H + 8 * c) = s;
+                    *(uint4*)(yo + (long long)t * H + 8 * c) = y;
+                }
+            }
+        }
+        __syncthreads();
+    }
+#endif
     float acc[EPW][T];
 #pragma unroll
     for (int j = 0; j < EPW; ++j)
