@@ -94,7 +94,8 @@ FUSED_KV_FP4 = os.environ.get("FP4RL_FUSED_KV", "1") != "0"
 ATTN_ROPE = os.environ.get("FP4RL_ATTN_ROPE", "0") == "1"
 # an MoE layer's post-attention residual add + RMSNorm inside the CUDA router + route's launch
 # (KernelMoeBlock.norm_routed_parts, moe_route_cuda.norm_router_route) instead of fused.add_rmsnorm's launch
-# before it, where that launch takes the layer (W4A16 experts, up to gpu_experts.ROUTER_CUDA_MAX_TOKENS rows);
+# before it, where that launch takes the layer (up to gpu_experts.ROUTER_CUDA_MAX_TOKENS rows, W4A16 or BF16
+# activations into the experts: a W4A4 expert quantizes y inside its grouped GEMM);
 # off until an H200 A/B times it (FP4RL_MOE_ROUTER_NORM=1; bench/device_run111.sh)
 ROUTER_NORM = os.environ.get("FP4RL_MOE_ROUTER_NORM", "0") == "1"
 
@@ -427,7 +428,7 @@ class DecodeEngine:
             if ROUTER_NORM and fold and p.post_quant is None:  # the norm inside the router's launch
                 pre = layer.mlp.norm_routed_parts(x, h, norm)
             if pre is not None:
-                x, n, parts = pre
+                (x, n, parts), nq = pre, None
             else:
                 x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.post_quant,
                                              write_y=p.post_quant is None or _records(p.gate_up))

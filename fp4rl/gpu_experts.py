@@ -284,7 +284,8 @@ class KernelMoeBlock(SparseMoeBlock):
         """The decode step's residual add + RMSNorm `norm` of x + h and the router + route in one CUDA launch
         (moe_route_cuda.norm_router_route), then the routed experts: (x', y, routed_parts' tuple), y =
         norm(x'); or None where that launch does not take this call (the caller runs fused.add_rmsnorm and
-        routed_parts; a failure outside a graph capture turns the CUDA router off with a warning)."""
+        routed_parts; a failure outside a graph capture turns this launch off with a warning, not the CUDA
+        router + route)."""
         from fp4rl.kernels import moe_route, moe_route_cuda
         from fp4rl.kernels._common import INTERPRET
 
@@ -292,7 +293,8 @@ class KernelMoeBlock(SparseMoeBlock):
         w = norm.weight
         if (not FUSED_ROUTE or self.plan is None or x.dtype != KERNEL_DTYPE or not (x.is_cuda or INTERPRET)
                 or not moe_route.fits(n, self.top_k, self.num_experts) or not self._plain_router(x)
-                or not self._cuda_router(x) or w.dtype != x.dtype or not w.is_contiguous()
+                or not self._cuda_router(x) or not moe_route_cuda.norm_available(x.device)
+                or h.shape != x.shape or h.dtype != x.dtype or w.dtype != x.dtype or not w.is_contiguous()
                 or w.data_ptr() % 16):
             return None
         try:
@@ -301,7 +303,7 @@ class KernelMoeBlock(SparseMoeBlock):
         except Exception as exc:  # noqa: BLE001 - compile / launch failure here: the two launches from now on
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise  # the eager warm-up runs before each capture; a failure here fails the capture
-            moe_route_cuda.disable(exc)
+            moe_route_cuda.disable_norm(exc)  # (router_route, the default, stays on)
             return None
         return xs, y, self._experts(y, idx, tw, rows, pos, offsets)
 

@@ -216,8 +216,8 @@ def test_stamps_taken_earlier_compile(name, cfg, grouped, at):
     assert moved != _ptx(head + plain, "sm_90")
 
 
-def _sass_ops(src: str, arch: str = "sm_90") -> list[str]:
-    """The opcodes of src's cubin in program order (NVRTC here, nvdisasm from the triton wheel)."""
+def _sass_text(src: str, arch: str = "sm_90") -> str:
+    """nvdisasm's listing of src's cubin (NVRTC here, nvdisasm from the triton wheel)."""
     import subprocess
     import tempfile
 
@@ -228,8 +228,20 @@ def _sass_ops(src: str, arch: str = "sm_90") -> list[str]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
-    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]+)", text)
+        return subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+_SASS_INSN = r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]+)([^;]*);"
+
+
+def _sass_ops(src: str, arch: str = "sm_90") -> list[str]:
+    """The opcodes of src's cubin in program order."""
+    return [op for op, _ in re.findall(_SASS_INSN, _sass_text(src, arch))]
+
+
+def _sass_insns(src: str, arch: str = "sm_90") -> list[tuple[str, str]]:
+    """(opcode, operands) of src's cubin's instructions in program order."""
+    return [(op, args.strip()) for op, args in re.findall(_SASS_INSN, _sass_text(src, arch))]
 
 
 @pytest.mark.parametrize("extra", [{}, {"LDVOL": 1}], ids=["default", "ldvol"])
@@ -424,8 +436,15 @@ def test_moe_router_route_prenorm_reads_its_weights_before_the_wait_and_the_rows
     from fp4rl.kernels import moe_route_cuda
 
     cfg = dict(moe_route_cuda.plan(t, k, e, h), ASYNC=0, PRENORM=1)
-    ops = _sass_ops(moe_route_cuda.source(cfg, True))
+    insns = _sass_insns(moe_route_cuda.source(cfg, True))
+    ops = [op for op, _ in insns]
     wait = ops.index("ACQBULK")
+    # after the wait: every copy waited for (DEPBAR to 0 outstanding groups), then the block barriers of the
+    # norm (rows staged, the warps' sums, y in place) before the cluster barrier's wait
+    cluster = ops.index("UCGABAR_WAIT", wait)
+    depbar = next(i for i in range(wait, cluster) if ops[i] == "DEPBAR.LE")
+    assert insns[depbar][1].replace(" ", "").endswith(",0x0"), insns[depbar]
+    assert ops[depbar:cluster].count("BAR.SYNC.DEFER_BLOCKING") == 3, ops[depbar:cluster]
     before = [op for op in ops[:wait] if op.startswith(("LDG", "LD.", "UBLKCP", "UTMALDG", "STG"))]
     weights = cfg["EPW"] * cfg["NCH"] + -(-cfg["NCH"] * 32 // 256)  # router rows, norm weight
     assert before.count("LDGSTS.E.BYPASS.128") == weights, before

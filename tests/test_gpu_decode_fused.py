@@ -207,6 +207,7 @@ def test_router_norm_in_the_fused_step(config, monkeypatch):
     monkeypatch.setattr(moe_route_cuda, "available",
                         lambda device=None: moe_route_cuda.STATE["ok"] is not False)
     monkeypatch.setitem(moe_route_cuda.STATE, "ok", None)
+    monkeypatch.setitem(moe_route_cuda.NORM_STATE, "ok", None)
     calls = {"norm": 0, "route": 0}
 
     def norm_route(*a, **kw):
@@ -395,3 +396,35 @@ def test_gpu_fused_step_under_graphs(config, contract, kv):
         s.engine.set_fused(False)
         b = s.generate(PROMPTS, params)
         assert [x.completion_ids for x in a] == [y.completion_ids for y in b]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", [("ATTN_ROPE",), ("ROUTER_NORM",), ("ATTN_ROPE", "ROUTER_NORM")])
+def test_gpu_one_launch_rope_and_router_norm_under_graphs(flags, monkeypatch):
+    """On the GPU, the kernels themselves (nothing stands in): gpu_decode.ATTN_ROPE / ROUTER_NORM under graph
+    replays with PDL decode the greedy tokens of the same engine without them, the logits within 2e-2, and
+    neither fell back (attn_rope_error None, moe_route_cuda.NORM_STATE ok). 3 rows: within the CUDA router's
+    token bound."""
+    from fp4rl.kernels import moe_route_cuda
+
+    if "ROUTER_NORM" in flags and not moe_route_cuda.available():
+        pytest.skip("needs an sm_90 GPU and NVRTC")
+    s = Sampler(tiny(MOE, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
+                eos_token_ids=[])
+    forced = torch.randint(0, V, (len(PROMPTS), 3), generator=torch.Generator().manual_seed(9))
+    params = SamplingParams(n=1, greedy=True, max_new_tokens=8)
+    ref = teacher_forced_logits(s, forced)
+    a = s.generate(PROMPTS, params)
+    for name in flags:
+        monkeypatch.setattr(gpu_decode, name, True)
+    s.engine.reset_graphs()
+    got = teacher_forced_logits(s, forced)
+    b = s.generate(PROMPTS, params)
+    assert s.engine.graph_error is None and s.engine.attn_rope_error is None
+    assert s.engine.counts["replays"] > 0
+    if "ROUTER_NORM" in flags:
+        assert moe_route_cuda.NORM_STATE["ok"] is True, moe_route_cuda.NORM_STATE
+    err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    print(f"{flags}: max relative logit difference {err:.2e}")
+    assert err < 2e-2, err
+    assert [x.completion_ids for x in a] == [y.completion_ids for y in b]

@@ -551,8 +551,8 @@ def test_kernel_moe_block_norm_routed_parts_is_add_rmsnorm_then_routed_parts(mon
     """KernelMoeBlock.norm_routed_parts (the step's post-attention add + RMSNorm inside the CUDA router's
     launch; on a CPU moe_route_cuda.norm_reference stands in for the kernel): x' and y are add_rmsnorm's up to
     the norm's order, the experts and the expert outputs those of add_rmsnorm then routed_parts; where the
-    CUDA router does not take the call (above its token bound) it returns None; a kernel failure turns the
-    CUDA router off with a warning and returns None."""
+    CUDA router does not take the call (above its token bound, h of another dtype) it returns None; a kernel
+    failure turns this launch off with a warning and returns None, the CUDA router + route alone stays on."""
     from fp4rl.kernels import fused, moe_route_cuda
 
     block, x = _kernel_moe_block("nvfp4-w4a16", MOE)
@@ -575,10 +575,12 @@ def test_kernel_moe_block_norm_routed_parts_is_add_rmsnorm_then_routed_parts(mon
     monkeypatch.setattr(moe_route_cuda, "router_route",
                         lambda xx, w, k, nrm, weight_dtype=None: moe_route_cuda.reference(xx, w, k, nrm))
     monkeypatch.setitem(moe_route_cuda.STATE, "ok", None)
+    monkeypatch.setitem(moe_route_cuda.NORM_STATE, "ok", None)
     for name, value in (("FUSED_ROUTER", True), ("ROUTER_MAX_TOKENS", 8), ("ROUTER_CUDA", True),
                         ("ROUTER_CUDA_MAX_TOKENS", 8)):
         monkeypatch.setattr(gpu_experts, name, value)
     with torch.inference_mode():
+        assert block.norm_routed_parts(x, hh.float(), norm) is None and not calls  # h not x's dtype
         xs, y, (d, pos, w, idx) = block.norm_routed_parts(x, hh, norm)
         xs2, y2, _ = fused.add_rmsnorm(x, hh, norm.weight, norm.eps)
         d2, pos2, w2, idx2 = block.routed_parts(y2)
@@ -597,13 +599,16 @@ def test_kernel_moe_block_norm_routed_parts_is_add_rmsnorm_then_routed_parts(mon
         monkeypatch.setattr(moe_route_cuda, "norm_router_route", broken)
         with pytest.warns(UserWarning, match="no cluster launch here"):
             assert block.norm_routed_parts(x, hh, norm) is None
-        assert moe_route_cuda.STATE["ok"] is False and block.norm_routed_parts(x, hh, norm) is None
+        assert moe_route_cuda.NORM_STATE["ok"] is False and block.norm_routed_parts(x, hh, norm) is None
+        assert moe_route_cuda.STATE["ok"] is not False  # the router + route alone stays on
+        assert block.routed_parts(y2) is not None
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("asy", [False, True], ids=["cluster-barrier", "st-async"])
 @pytest.mark.parametrize("t,e,k,h", [(1, 128, 8, 2048), (4, 128, 8, 2048), (8, 128, 8, 2048), (3, 60, 4, 296),
                                      (2, 64, 4, 4096)])
-def test_gpu_cuda_norm_router_route_is_its_reference_bit_for_bit(t, e, k, h):
+def test_gpu_cuda_norm_router_route_is_its_reference_bit_for_bit(t, e, k, h, asy, monkeypatch):
     """The PRENORM kernel against moe_route_cuda.norm_reference on the same GPU (torch's sqrt and division
     there are IEEE, as the kernel's __fsqrt_rn / __fdiv_rn): x', y and every route output equal, for two
     inputs in a row (a call that wrote nothing would leave the first one's outputs), the second's h a
@@ -612,6 +617,7 @@ def test_gpu_cuda_norm_router_route_is_its_reference_bit_for_bit(t, e, k, h):
 
     if not moe_route_cuda.available():
         pytest.skip("needs an sm_90 GPU and NVRTC")
+    monkeypatch.setattr(moe_route_cuda, "ASYNC_LOGITS", asy)
     x0, wr = _router_operands(t, e, h, seed=t + e + h)
     g = torch.Generator().manual_seed(h)
     h0 = (torch.randn(t, h, generator=g) * 0.5).bfloat16().to("cuda")

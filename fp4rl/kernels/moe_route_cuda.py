@@ -52,6 +52,8 @@ MAX_WORDS = 16  # 16-byte chunks of router weight a lane copies and reads (EPW x
 ASYNC_LOGITS = os.environ.get("FP4RL_MOE_ROUTER_CUDA_ASYNC", "0") == "1"
 # ok False: it failed here once (compile or launch); the Triton router_route from then on
 STATE = {"ok": None, "error": None}
+# the same for the PRENORM build alone (norm_router_route): its failure leaves router_route on
+NORM_STATE = {"ok": None, "error": None}
 
 
 def plan(tokens: int, top_k: int, experts: int, hidden: int) -> dict | None:
@@ -91,6 +93,17 @@ def source(cfg: dict, norm: bool) -> str:
 def available(device=None) -> bool:
     """gemv_cuda.hopper_nvrtc (clusters, redux.sync, griddepcontrol, NVRTC), and no failure here before."""
     return STATE["ok"] is not False and gemv_cuda.hopper_nvrtc(device)
+
+
+def norm_available(device=None) -> bool:
+    """`available`, and the PRENORM build has not failed here before."""
+    return NORM_STATE["ok"] is not False and available(device)
+
+
+def disable_norm(exc: Exception) -> None:
+    NORM_STATE["ok"], NORM_STATE["error"] = False, repr(exc)[:300]
+    warnings.warn(f"CUDA residual add + RMSNorm inside the MoE router's launch disabled "
+                  f"({NORM_STATE['error']}); using fused.add_rmsnorm before the router", stacklevel=3)
 
 
 def disable(exc: Exception) -> None:
@@ -209,13 +222,17 @@ def norm_router_route(x: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tenso
     h = h if aligned(h) else h.clone(memory_format=torch.contiguous_format)
     xo = torch.empty(t, hd, dtype=torch.bfloat16, device=x.device)
     yo = torch.empty(t, hd, dtype=torch.bfloat16, device=x.device)
-    return (xo, yo, *_launch(cfg, x, gate_weight, top_k, norm, prenorm=(h, norm_weight, xo, yo, eps)))
+    out = (xo, yo, *_launch(cfg, x, gate_weight, top_k, norm, prenorm=(h, norm_weight, xo, yo, eps)))
+    NORM_STATE["ok"] = True
+    return out
 
 
 def _sumsq(xs: torch.Tensor) -> torch.Tensor:
     """The PRENORM build's fp32 sum of squares of each row of xs [T, H] (bf16 values) in its order: lane l of
     warp w adds its chunks c = l + 32 i, i = w, w + 8, .. ascending, the 8 exact squares of a chunk in order;
-    the warp's xor butterfly adds the lanes; the 8 warps' sums are added in warp order."""
+    the warp's xor butterfly adds the lanes; the 8 warps' sums are added in warp order. (A bf16 square is
+    exact in fp32 down to |x'| ~ 2^-66; below, the kernel's fmaf and this rounded product can part, as for
+    `reference`'s products.)"""
     t, hd = xs.shape
     nch = -(-hd // 256)
     pad = torch.zeros(t, 256 * nch, device=xs.device)
