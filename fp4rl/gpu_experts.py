@@ -211,7 +211,7 @@ ROUTER_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_ROUTER_MAX", "8"))
 # plan takes the router, instead of the Triton router_route: the route in warp-wide reductions, without the
 # Triton grid's serial last program. Qwen3-30B-A3B W4A16, step ms at batch 1 / 2 / 4 / 8: 1.961 / 2.503 /
 # 3.081 / 4.252 against 2.115 / 2.642 / 3.151 / 4.236 (thirty-sixth session, bench/device_run109.sh): 2.20x ->
-# 2.38x BF16 at batch 1, even at 8. FP4RL_MOE_ROUTER_CUDA=0 turns it off.
+# 2.37x BF16 at batch 1, even at 8. FP4RL_MOE_ROUTER_CUDA=0 turns it off.
 ROUTER_CUDA = os.environ.get("FP4RL_MOE_ROUTER_CUDA", "1") != "0"
 # ... up to this many tokens, where it was faster; FP4RL_MOE_ROUTER_CUDA_MAX
 ROUTER_CUDA_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_ROUTER_CUDA_MAX", "4"))

@@ -148,3 +148,26 @@ def test_arms_summary_prints_the_replay_chain():
     assert lines[head + 1].split() == ["5.60", "us", "8.42", "us", "192", "w4a16_mma16"]
     assert lines[head + 2].split() == ["6.16", "us", "7.82", "us", "48", "_router_route_kernel"]
     assert any(x.startswith("sampler92 chain batch 8 span 4156.1 us") for x in lines)
+
+
+def test_arms_summary_compares_the_arms_step_by_step():
+    """The thirty-sixth session's three arms (device_run109): per batch each arm's step against the first
+    (+7.8% for the Triton route at batch 1) and BF16's step over each NVFP4 arm's, from the unrounded steps
+    (4.6578 / 1.9612 = 2.3750: 2.37x, not the 2.38x of the rounded figures); a batch only one arm ran is left
+    out, and so is a row with an error."""
+    import json
+    from pathlib import Path
+
+    from fp4rl.benchmarks.sampler_gpu_report import arms_summary, compare
+
+    data = Path(__file__).parents[1] / "bench" / "data" / "s36"
+    files = [data / f"sampler109_{arm}.json" for arm in ("router_cuda", "triton_route", "bf16")]
+    lines = [x for x in arms_summary(files).splitlines() if " step ms: " in x]
+    assert len(lines) == 4
+    assert lines[0].startswith("qwen3-30b-a3b batch 1 step ms: sampler109_router_cuda 1.961, "
+                               "sampler109_triton_route 2.115 (+7.8%), sampler109_bf16 4.658")
+    assert lines[0].endswith("BF16 / arm: sampler109_router_cuda 2.37x, sampler109_triton_route 2.20x")
+    assert lines[3].startswith("qwen3-30b-a3b batch 8 ") and "(-0.4%)" in lines[3] and "2.79x" in lines[3]
+    rows = json.loads(files[0].read_text())["rows"]
+    alone = compare({"a": rows[:1], "b": [dict(rows[0], batch=16), dict(rows[1], error="OOM")]})
+    assert alone == [], alone

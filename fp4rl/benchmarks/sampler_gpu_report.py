@@ -78,11 +78,13 @@ def arms_summary(paths) -> str:
     graph-replay times, tokens/s or error, its checks (graph replay against eager), and its profiles' errors
     and in-kernel stamps (`--mma16-stamps`) by kind of launch, and the graph replay's chain
     (`--profile-batch`: decode_timing.replay_chain, each kernel's advance of the step per call). A file
-    that is missing (an arm that timed out before writing it) is named, not fatal."""
+    that is missing (an arm that timed out before writing it) is named, not fatal. Last, `compare`'s lines
+    over the files' rows."""
     import json
     from pathlib import Path
 
     lines = []
+    arms = {}
     for path in paths:
         name = Path(path).name.removesuffix(".json")
         try:
@@ -90,6 +92,7 @@ def arms_summary(paths) -> str:
         except (OSError, ValueError) as exc:
             lines.append(f"{name}: no results ({exc})")
             continue
+        arms[name] = d.get("rows", [])
         for err in d.get("errors", []):  # a build or a precision that failed before any row
             lines.append(f"{name} error {err}")
         for r in d.get("rows", []):
@@ -121,7 +124,37 @@ def arms_summary(paths) -> str:
             for kind, k in (s.get("kinds") or {}).items():
                 lines.append(f"  {kind:22s} " + " ".join(f"{key} {v:.2f}" if isinstance(v, float) else
                                                        f"{key} {v}" for key, v in k.items()))
-    return "\n".join(lines)
+    return "\n".join(lines + compare(arms))
+
+
+def compare(arms: dict) -> list[str]:
+    """Per shape and batch, the arms' step ms side by side (arms: {name: rows}, in order): each against the
+    first arm that has the batch (+x.x%: slower), and where an arm ran BF16 (preset bf16) the BF16 step over
+    each NVFP4 arm's (the speedup the issue's targets name). Rows with an error are left out."""
+    by_key: dict = {}
+    for name, rows in arms.items():
+        for r in rows:
+            if "error" not in r and r.get("step_ms"):
+                by_key.setdefault((r.get("shape"), r["batch"]), []).append((name, r))
+    lines = []
+    for (shape, batch), got in sorted(by_key.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        if len(got) < 2:
+            continue
+        nvfp4 = [(n, r) for n, r in got if r.get("preset") != "bf16"]
+        bf16 = next((r for n, r in got if r.get("preset") == "bf16"), None)
+        first = nvfp4[0][1]["step_ms"] if nvfp4 else None
+        parts = []
+        for n, r in got:
+            text = f"{n} {r['step_ms']:.3f}"
+            if r.get("preset") != "bf16" and first and r is not nvfp4[0][1]:
+                text += f" ({100 * (r['step_ms'] / first - 1):+.1f}%)"
+            parts.append(text)
+        line = f"{shape} batch {batch} step ms: " + ", ".join(parts)
+        if bf16 is not None and nvfp4:
+            line += "; BF16 / arm: " + ", ".join(f"{n} {bf16['step_ms'] / r['step_ms']:.2f}x"
+                                                 for n, r in nvfp4)
+        lines.append(line)
+    return lines
 
 
 if __name__ == "__main__":
