@@ -11,6 +11,10 @@ experts, inside the CTA (KW warps per n-tile: ``in_cta_split``): the same bits f
 the cluster's barriers. The .cu file says how (layout, fragments). The routed experts' launches (one launch
 over a stack of expert weights, rows sorted by expert) are fp4rl.kernels.gemv_cuda_grouped's.
 
+``launch_prenorm`` (the .cu's PRENORM build) takes the decode step's residual add + RMSNorm into the GEMM's x
+staging (fp4rl.kernels.prenorm's arithmetic): one launch instead of fused.add_rmsnorm's and the GEMM's where
+x is staged whole (one row; a few rows where the in-CTA split fits: ``prenorm_plan``).
+
 Arithmetic: the bf16 operands (e2m1 * block_scale, exact) times x in the tensor core with FP32
 accumulation, the FP32 global scale once on the sum, one bfloat16 rounding: the same products as
 fp4rl.kernels.gemm / gemv (within FP32 summation order).
@@ -31,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from fp4rl.kernels import pdl
+from fp4rl.kernels import pdl, prenorm
 from fp4rl.kernels.gemv import _MOVES, _permute_words, swizzle
 
 _SOURCE = Path(__file__).with_name("gemv_mma16.cu")
@@ -67,6 +71,8 @@ DENSE_FILL = int(os.environ.get("FP4RL_MMA16_FILL", "2"))
 # device index -> the int64 buffer that kernels compiled there append their in-kernel stamps to (diagnostics
 # only: set_stamp_buffer, from fp4rl.benchmarks.stamps; gemv_mma16.cu: STAMP_BUF)
 STAMPS: dict = {}
+# the PRENORM build (launch_prenorm): ok False once it failed here (the step then runs add_rmsnorm + launch)
+PN_STATE = {"ok": None, "error": None}
 
 
 def _row_scale_key(cfg: dict, per_row: bool) -> dict:
@@ -108,6 +114,18 @@ def disable_wide(exc: Exception) -> None:
     STATE["wide"] = False
     warnings.warn(f"CUDA wgmma W4A16 configuration disabled ({repr(exc)[:300]}); 17+ rows use the Triton "
                   "kernels", stacklevel=3)
+
+
+def prenorm_available(device=None) -> bool:
+    """`available`, and the PRENORM build has not failed here before."""
+    return PN_STATE["ok"] is not False and available(device)
+
+
+def disable_prenorm(exc: Exception) -> None:
+    """The PRENORM build failed here: off for good (fused.add_rmsnorm + `launch` instead); the rest stays."""
+    PN_STATE["ok"], PN_STATE["error"] = False, repr(exc)[:300]
+    warnings.warn("CUDA residual add + RMSNorm inside the mma16 GEMM's launch disabled "
+                  f"({PN_STATE['error']}); using fused.add_rmsnorm before the GEMM", stacklevel=3)
 
 
 def disable(exc: Exception) -> None:
@@ -238,6 +256,7 @@ def set_in_cta_split(on: bool) -> None:
     global IN_CTA_SPLIT
     IN_CTA_SPLIT = bool(on)
     _plan.cache_clear()
+    _plan_prenorm.cache_clear()
     from fp4rl.kernels import gemv_cuda_grouped  # (it imports this module)
 
     gemv_cuda_grouped._plan_grouped.cache_clear()
@@ -293,6 +312,31 @@ def choose(n: int, k: int, m: int, sms: int) -> dict:
         raise ValueError(f"{m} rows of K={k} do not fit the mma16 kernel's shared memory "
                          f"({smem_bytes(cfg, k, m)} B)")
     return cfg
+
+
+PRENORM_MAX_ROWS = 8  # prenorm_plan: rows up to one MMA group
+
+
+def prenorm_plan(n: int, k: int, m: int, sms: int) -> dict | None:
+    """The PRENORM build for an N x K weight and m rows, or None where it does not apply: ``choose``'s
+    configuration with the whole K staged in each CTA (its cluster split moved inside the CTA, as
+    ``in_cta_split``: the same bits), at most PRENORM_MAX_ROWS rows, and two CTAs per SM with hr's rows and
+    the norm weight in shared memory too. None also where the in-CTA split is turned off
+    (set_in_cta_split)."""
+    if not supports(n, k) or not 1 <= m <= PRENORM_MAX_ROWS:
+        return None
+    try:
+        cfg = choose(n, k, m, sms)
+    except ValueError:
+        return None
+    if cfg.get("XSTREAM") or cfg.get("WGMMA"):
+        return None
+    if cfg["SPLIT"] > 1:
+        if not IN_CTA_SPLIT:
+            return None
+        cfg = dict(cfg, SPLIT=1, KW=cfg["SPLIT"])
+    cfg = dict(cfg, PRENORM=1)
+    return cfg if smem_bytes(cfg, k, m) <= SMEM_LIMIT else None
 
 
 WIDE_MG = 16  # the wgmma configuration: up to 128 rows of x per CTA (m64n128k16), more rows in grid z blocks
@@ -384,8 +428,9 @@ def smem_bytes(cfg: dict, k: int, m: int = 8) -> int:
             xb += 2 * WARPS * 16 * 256
     elif cfg.get("XSTREAM"):  # x in 128-k chunks through a ring of DEPTH stages
         xb = (cfg["DEPTH"] * xrows * 136 * 2 + 127) // 128 * 128
-    else:
-        xb = (xrows * (per * 128 + 8) * 2 + 127) // 128 * 128
+    else:  # (PRENORM: then hr's rows, as x's without the zero row, and the norm weight)
+        pn = (xrows - 1) * (k + 8) * 2 + 2 * k if cfg.get("PRENORM") else 0
+        xb = (xrows * (per * 128 + 8) * 2 + pn + 127) // 128 * 128
     ring = WARPS * cfg["DEPTH"] * cfg["NT"] * STAGE_BYTES
     # the split-K partials (rows padded by 4 floats): one set per CTA (cluster) or per k range (KW)
     parts = cfg.get("KW", 1) if cfg.get("KW", 1) > 1 else 1 if cfg["SPLIT"] > 1 else 0
@@ -420,7 +465,8 @@ def source(cfg: dict, wg_row: bool, xg_row: bool = False, grouped: bool = False)
     if cfg.get("WGMMA"):
         head += _wgmma_source(cfg["MG"])
     cluster = f"__cluster_dims__(1, {cfg['SPLIT']}, 1)" if cfg["SPLIT"] > 1 else ""
-    return head + f"#define CLUSTER {cluster}\n" + _SOURCE.read_text()
+    pn = prenorm.header() if cfg.get("PRENORM") else ""
+    return head + f"#define CLUSTER {cluster}\n" + pn + _SOURCE.read_text()
 
 
 @functools.cache
@@ -443,6 +489,11 @@ def _kernel(key: tuple, device_index: int):
 @functools.cache
 def _plan(n: int, k: int, m: int, device_index: int) -> dict:
     return choose(n, k, m, torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+@functools.cache
+def _plan_prenorm(n: int, k: int, m: int, device_index: int) -> dict | None:
+    return prenorm_plan(n, k, m, torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
 @functools.cache
@@ -524,3 +575,43 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
                    torch.cuda.current_stream(dev), pdl.gemm_flag(dev, _pdl_kind(cfg, m)))
     STATE["ok"] = True
     return y
+
+
+def launch_prenorm(x2: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, eps: float, wc: Mma16Weight,
+                   global_scale: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The decode step's residual add + RMSNorm, then ``launch`` on its output, in one launch (the PRENORM
+    build): x' = bf16(x2 + h), y = bf16(norm_weight * bf16(x' * rstd)) with rstd = 1 / sqrt(sum(x'^2) / K +
+    eps) (fp4rl.kernels.prenorm.reference's bits), y [M, N] = y @ DQ(W).T into `y`. x2 (the residual) and h
+    (the layer output to add) bfloat16 [M, K]; norm_weight the RMSNorm's bfloat16 [K] (read before the PDL
+    wait, as the GEMM's weights: it does not change during a step). Returns (x', y), x' a new contiguous
+    [M, K], or None where ``prenorm_plan`` has no build for these rows (the caller runs add_rmsnorm and
+    ``launch``)."""
+    what = "gemv_cuda.launch_prenorm"
+    m, k = x2.shape
+    if k != wc.k:
+        raise ValueError(f"{what}: x has K={k}, the weight {wc.k}")
+    if x2.dtype != torch.bfloat16 or y.dtype != torch.bfloat16:
+        raise TypeError(f"{what}: takes bfloat16 x and y")
+    if tuple(y.shape) != (m, wc.n) or y.stride(1) != 1 or y.device != x2.device:
+        raise ValueError(f"{what}: y must be [{m}, {wc.n}] with unit column stride on x's device, got "
+                         f"{tuple(y.shape)} stride {y.stride()} on {y.device}")
+    prenorm.check(x2, h, norm_weight, what)
+    dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+    cfg = _plan_prenorm(wc.n, wc.k, m, dev)
+    if cfg is None:
+        return None
+    x2, g, _ = _operands(x2, global_scale, None, (1, wc.n), f"1 or N={wc.n}")
+    h, _, _ = _operands(h, global_scale, None, (1, wc.n), f"1 or N={wc.n}")
+    key = _row_scale_key(cfg, g.numel() > 1)
+    kern = _kernel(tuple(sorted(key.items())) + (g.numel() > 1, False, False), dev)
+    xo = torch.empty(m, k, dtype=torch.bfloat16, device=x2.device)
+    smem = smem_bytes(cfg, k, m)
+    nb = -(-wc.n // block_rows(cfg))
+    with torch.cuda.device(dev):
+        _set_smem(kern, smem + 4 * 8 * cfg["MG"] * WARPS)  # (the row sums' static array counts too)
+        pdl.launch(kern, (nb, 1, 1), (WARPS * 32, 1, 1),
+                   [x2, wc.wt, wc.st, g, g, y, m, wc.n, k, x2.stride(0), y.stride(0), g, 0, g,
+                    h, norm_weight, xo, h.stride(0), prenorm.f32_bits(1.0 / k), prenorm.f32_bits(eps)],
+                   smem, torch.cuda.current_stream(dev), pdl.gemm_flag(dev, _pdl_kind(cfg, m)))
+    PN_STATE["ok"] = True
+    return xo, y

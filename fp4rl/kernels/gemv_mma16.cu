@@ -11,6 +11,12 @@
 // [K, 2K), row stride stride_xm) and the GEMM's x is a = bf16(bf16(silu(gate)) * up), computed by the x
 // staging (fused.silu_mul's arithmetic, bit for bit: libdevice expf, IEEE division, RNE roundings) instead
 // of a separate silu_mul launch before the down projection.
+// PRENORM (dense W4A16, x staged whole: SPLIT 1, KW any, no XSTREAM / WGMMA / XG_ROW): the GEMM's x is the
+// decode step's residual add + RMSNorm of x (the residual) and hr (the layer output to add), computed by the x
+// staging (prenorm.cuh; fp4rl.kernels.prenorm.reference's bits: x' = bf16(x + hr), y = bf16(w * bf16(x' *
+// rstd)), the sum of squares in its fixed lane / warp order) instead of a separate fused.add_rmsnorm launch;
+// CTA 0 writes x' (the next residual) to xo. The norm weight is copied to shared memory before
+// griddepcontrol.wait (read-only during a decode step, as the weights).
 // XG_ROW: x is a dequantized NVFP4 activation without its per-row global scale (W4A4 emulation: x =
 // e2m1 * block_scale, exact in bf16); xg[m] multiplies row m's sum with the weight's global scale.
 //
@@ -93,6 +99,15 @@ typedef unsigned long long u64;
 #if SILU && (!GROUPED || XG_ROW || GATHER || XSTREAM)
 #error "SILU is for GROUPED W4A16 with the staged x slice (no XG_ROW, GATHER or XSTREAM)"
 #endif
+#ifndef PRENORM
+#define PRENORM 0
+#endif
+#if PRENORM
+#define PN_ARGS , const u16* __restrict__ hr, const u16* __restrict__ nw, u16* __restrict__ xo, int stride_h, \
+                int inv_h_bits, int eps_bits
+#else
+#define PN_ARGS
+#endif
 // the row of x that row m of this CTA's rows reads (only evaluated for m < M)
 #if GATHER
 #define XROW(m) ld_routing(xrows + (m))
@@ -144,6 +159,9 @@ typedef unsigned long long u64;
 #endif
 #if KW > 1 && (SPLIT > 1 || XSTREAM || WGMMA || (WARPS % KW))
 #error "KW (in-CTA split-K) needs SPLIT 1, the staged x slice (no XSTREAM, no WGMMA) and KW dividing WARPS"
+#endif
+#if PRENORM && (SPLIT > 1 || XSTREAM || WGMMA || GROUPED || XG_ROW || SILU || WARPS != 8)
+#error "PRENORM needs a dense W4A16 build that stages x whole (SPLIT 1, no XSTREAM, WGMMA, GROUPED, XG_ROW, SILU)"
 #endif
 #ifndef GSR
 #define GSR 0  // KW > 1 with per-row global scales (WG_ROW): each thread's row scale read early too (below)
@@ -381,7 +399,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) CLUSTER
 w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4* __restrict__ st,
             const float* __restrict__ wg, const float* __restrict__ xg, u16* __restrict__ y, int M, int N,
             int K, int stride_xm, int stride_ym, const int* __restrict__ offs, int E,
-            const int* __restrict__ xrows) {
+            const int* __restrict__ xrows PN_ARGS) {
     extern __shared__ __align__(16) unsigned char smem[];
 #ifdef STAMP_BUF
     u64 stamp_t[5] = {0, 0, 0, 0, 0};
@@ -509,8 +527,16 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // bytes of one x stage (XSTREAM) or of the whole slice; WGMMA: all 8 MG rows of a 128-k step as core
     // matrices (8 rows x 16 B): block kb (k 16 kb..), row group ng, half kh at kb * MG * 256 + ng * 256 + kh * 128
     const int XSTAGE = WGMMA ? XROWS * 256 : (XR + 1) * XS * 2;
+#if PRENORM
+    // PRENORM: then hr's rows [XR][XS] (x' is formed in x's) and the norm weight [K] (gemv_cuda.smem_bytes)
+    u16* hs = xs + (XR + 1) * XS;
+    u16* nsm = hs + XR * XS;
+    const int PN_BYTES = XR * XS * 2 + K * 2;
+#else
+    const int PN_BYTES = 0;
+#endif
     unsigned char* ring = reinterpret_cast<unsigned char*>(xs)
-                          + (((XSTREAM ? DEPTH : 1) * XSTAGE + (ASH ? 2 * ABUF : 0) + 127) & ~127)
+                          + (((XSTREAM ? DEPTH : 1) * XSTAGE + PN_BYTES + (ASH ? 2 * ABUF : 0) + 127) & ~127)
                           + warp * (DEPTH * NT * STAGE_BYTES);
     const u32 ring_s = smem_u32(ring);
 
@@ -654,6 +680,10 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     for (int d = 0; d < DEPTH - 1; ++d) issue_w(ws0 + d, d);
     if (ASH) cp_async_commit();
 #else
+#if PRENORM
+    // the norm weight (read-only during a decode step) before the wait: in the first weight step's group
+    for (int c = threadIdx.x; c < K / 8; c += WARPS * 32) cp_async16(smem_u32(nsm + 8 * c), nw + 8 * c, 16);
+#endif
 #pragma unroll
     for (int d = 0; d < DEPTH; ++d) issue(ws0 + d, d);
 #endif
@@ -708,6 +738,14 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             }
             *reinterpret_cast<uint4*>(xs + m * XS + kc) = a;
         }
+#elif PRENORM
+        // the residual's rows to x's place, hr's to theirs (the whole K: kbase 0, kend K); the norm below
+        for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : (XR + 1) * cw); c += WARPS * 32) {
+            const int m = c / cw, kc = (c - m * cw) * 8;
+            const bool in = m < M;
+            cp_async16(smem_u32(xs + m * XS + kc), in ? x + (u64)m * stride_xm + kc : x, in ? 16 : 0);
+            if (in) cp_async16(smem_u32(hs + m * XS + kc), hr + (u64)m * stride_h + kc, 16);
+        }
 #else
         for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : (XR + 1) * cw); c += WARPS * 32) {
             const int m = c / cw, kc = (c - m * cw) * 8;
@@ -726,6 +764,47 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #endif
     cp_async_wait<0>();
     __syncthreads();
+#if PRENORM
+    {
+        // x' = bf16(x + hr) in x's place and each row's sum of squares in fp4rl.kernels.prenorm's order (lane:
+        // its chunks 8 (lane + 32 i), i = warp, warp + 8, .. ascending; the warp's xor butterfly; the warps' sums
+        // in warp order), then y = bf16(w * bf16(x' * rstd)) in place; CTA 0 writes x'
+        __shared__ float pn_part[XROWS][WARPS];
+        const int nch = (K + 255) >> 8;
+        for (int t = 0; t < XR; ++t) {
+            float ss = 0.f;
+            for (int i = warp; i < nch; i += WARPS) {
+                const int kc = 8 * (lane + 32 * i);
+                if (kc < K) {
+                    uint4* px = reinterpret_cast<uint4*>(xs + t * XS + kc);
+                    const uint4 v = pn_add8(*px, *reinterpret_cast<const uint4*>(hs + t * XS + kc));
+                    *px = v;
+                    ss = pn_sq8(ss, v);
+                }
+            }
+#pragma unroll
+            for (int o = 16; o >= 1; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            if (lane == 0) pn_part[t][warp] = ss;
+        }
+        __syncthreads();
+        for (int t = 0; t < XR; ++t) {
+            float tot = pn_part[t][0];
+#pragma unroll
+            for (int w = 1; w < WARPS; ++w) tot = __fadd_rn(tot, pn_part[t][w]);
+            const float rstd = pn_rstd(tot, __int_as_float(inv_h_bits), __int_as_float(eps_bits));
+            for (int i = warp; i < nch; i += WARPS) {
+                const int kc = 8 * (lane + 32 * i);
+                if (kc < K) {
+                    uint4* px = reinterpret_cast<uint4*>(xs + t * XS + kc);
+                    const uint4 v = *px;
+                    *px = pn_norm8(v, *reinterpret_cast<const uint4*>(nsm + kc), rstd);
+                    if (blockIdx.x == 0) *reinterpret_cast<uint4*>(xo + (u64)t * K + kc) = v;
+                }
+            }
+        }
+        __syncthreads();
+    }
+#endif
 #endif
 #if STAMP_AT == 0 || (STAMP_AT == 2 && XSTREAM)
     STAMP(2);

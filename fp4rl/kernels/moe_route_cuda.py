@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import functools
 import os
-import struct
 import warnings
 from pathlib import Path
 
 import torch
 
-from fp4rl.kernels import gemv_cuda, pdl
+from fp4rl.kernels import gemv_cuda, pdl, prenorm
+from fp4rl.kernels.prenorm import butterfly as _butterfly
+from fp4rl.kernels.prenorm import reference as prenorm_reference  # (the PRENORM build's arithmetic)
 
 _SOURCE = Path(__file__).with_name("moe_router_route.cu")
 WARPS = 8
@@ -87,7 +88,8 @@ def static_smem_bytes(cfg: dict) -> int:
 
 def source(cfg: dict, norm: bool) -> str:
     defs = {**cfg, "NORM": int(norm)}
-    return "".join(f"#define {key} {val}\n" for key, val in defs.items()) + _SOURCE.read_text()
+    return ("".join(f"#define {key} {val}\n" for key, val in defs.items()) + prenorm.header()
+            + _SOURCE.read_text())
 
 
 def available(device=None) -> bool:
@@ -153,14 +155,8 @@ def _check(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, weight_dtype,
     return cfg
 
 
-def _f32_bits(v: float) -> int:
-    """v rounded to float32 (RNE, as torch's conversion) as its bit pattern, a signed 32-bit int (how the
-    kernel takes its float parameters through pdl.launch, which passes ints)."""
-    return struct.unpack("<i", struct.pack("<f", v))[0]
-
-
-def _launch(cfg: dict, x, gate_weight, top_k: int, norm: bool, prenorm=None):
-    """Launch the build `cfg` (PRENORM when prenorm = (h, norm_weight, x', y, eps) is given) -> the route's
+def _launch(cfg: dict, x, gate_weight, top_k: int, norm: bool, pre=None):
+    """Launch the build `cfg` (PRENORM when pre = (h, norm_weight, x', y, eps) is given) -> the route's
     outputs (logits, idx, w, rows, pos, offsets)."""
     from fp4rl.kernels.moe_route import _route_outputs
 
@@ -169,14 +165,14 @@ def _launch(cfg: dict, x, gate_weight, top_k: int, norm: bool, prenorm=None):
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     logits = torch.empty(t, e, dtype=torch.bfloat16, device=x.device)
     idx, w, rows, pos, offsets = _route_outputs(t, top_k, e, torch.bfloat16, x.device)
-    cfg = dict(cfg, ASYNC=int(ASYNC_LOGITS), PRENORM=int(prenorm is not None))
+    cfg = dict(cfg, ASYNC=int(ASYNC_LOGITS), PRENORM=int(pre is not None))
     kern = _kernel(tuple(sorted(cfg.items())) + (bool(norm),), dev)
     smem = smem_bytes(cfg)
-    if prenorm is None:
+    if pre is None:
         extra = [x, x, logits, logits, x.stride(0), 0, 0]  # (unused without PRENORM)
     else:
-        hh, nw, xo, yo, eps = prenorm
-        extra = [hh, nw, xo, yo, hh.stride(0), _f32_bits(1.0 / h), _f32_bits(eps)]
+        hh, nw, xo, yo, eps = pre
+        extra = [hh, nw, xo, yo, hh.stride(0), prenorm.f32_bits(1.0 / h), prenorm.f32_bits(eps)]
     with torch.cuda.device(dev):
         # past 48 KB of dynamic + static shared memory the launch needs the opt-in (the static part counts)
         gemv_cuda._set_smem(kern, smem + static_smem_bytes(cfg))
@@ -211,69 +207,20 @@ def norm_router_route(x: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tenso
     what = "norm_router_route (CUDA)"
     cfg = _check(x, gate_weight, top_k, weight_dtype, what)
     t, hd = x.shape
-    if h.shape != x.shape or h.dtype != torch.bfloat16 or h.device != x.device:
-        raise ValueError(f"{what}: h must be bfloat16 {tuple(x.shape)} on {x.device} (x's), got {h.dtype} "
-                         f"{tuple(h.shape)} on {h.device}")
-    if norm_weight.numel() != hd or norm_weight.dtype != torch.bfloat16 or norm_weight.device != x.device \
-            or not norm_weight.is_contiguous() or norm_weight.data_ptr() % 16:
-        raise ValueError(f"{what}: norm_weight must be the RMSNorm's contiguous, 16-byte aligned bfloat16 "
-                         f"[{hd}] weight on {x.device}, got {norm_weight.dtype} {tuple(norm_weight.shape)}")
+    prenorm.check(x, h, norm_weight, what)
     x = x if aligned(x) else x.clone(memory_format=torch.contiguous_format)
     h = h if aligned(h) else h.clone(memory_format=torch.contiguous_format)
     xo = torch.empty(t, hd, dtype=torch.bfloat16, device=x.device)
     yo = torch.empty(t, hd, dtype=torch.bfloat16, device=x.device)
-    out = (xo, yo, *_launch(cfg, x, gate_weight, top_k, norm, prenorm=(h, norm_weight, xo, yo, eps)))
+    out = (xo, yo, *_launch(cfg, x, gate_weight, top_k, norm, pre=(h, norm_weight, xo, yo, eps)))
     NORM_STATE["ok"] = True
     return out
-
-
-def _sumsq(xs: torch.Tensor) -> torch.Tensor:
-    """The PRENORM build's fp32 sum of squares of each row of xs [T, H] (bf16 values) in its order: lane l of
-    warp w adds its chunks c = l + 32 i, i = w, w + 8, .. ascending, the 8 exact squares of a chunk in order;
-    the warp's xor butterfly adds the lanes; the 8 warps' sums are added in warp order. (A bf16 square is
-    exact in fp32 down to |x'| ~ 2^-66; below, the kernel's fmaf and this rounded product can part, as for
-    `reference`'s products.)"""
-    t, hd = xs.shape
-    nch = -(-hd // 256)
-    pad = torch.zeros(t, 256 * nch, device=xs.device)
-    pad[:, :hd] = xs.float()
-    sq = (pad * pad).view(t, nch, 32, 8)  # exact squares, [t, i, lane, element]
-    total = None
-    for w in range(WARPS):
-        acc = torch.zeros(t, 32, device=xs.device)
-        for i in range(w, nch, WARPS):
-            for el in range(8):
-                acc = acc + sq[:, i, :, el]
-        part = _butterfly(acc, torch.add)[:, 0]
-        total = part if total is None else total + part
-    return total
-
-
-def prenorm_reference(x: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, eps: float):
-    """The PRENORM build's x' and y in torch ops (each op one IEEE rounding; any device): x' = bf16(x + h),
-    rstd = 1 / sqrt(_sumsq(x') * float32(1 / H) + float32(eps)) (IEEE sqrt and division), y = bf16(w *
-    bf16(x' * rstd))."""
-    hd = x.shape[1]
-    xs = (x.float() + h.float()).bfloat16()  # [t, H]
-    inv_h = torch.tensor(1.0 / hd, dtype=torch.float32, device=x.device)
-    eps32 = torch.tensor(eps, dtype=torch.float32, device=x.device)
-    rstd = 1.0 / torch.sqrt(_sumsq(xs) * inv_h + eps32)  # [t]
-    y = (norm_weight.float() * (xs.float() * rstd[:, None]).bfloat16().float()).bfloat16()
-    return xs, y
 
 
 def norm_reference(x, h, norm_weight, eps: float, gate_weight, top_k: int, norm: bool):
     """norm_router_route's outputs in torch ops: prenorm_reference, then `reference` of y."""
     xs, y = prenorm_reference(x, h, norm_weight, eps)
     return (xs, y, *reference(y, gate_weight, top_k, norm))
-
-
-def _butterfly(v: torch.Tensor, op) -> torch.Tensor:
-    """A warp's xor butterfly over the last dim (32 lanes): v[l] = op(v[l], v[l ^ m]) for m = 16 .. 1."""
-    lanes = torch.arange(32, device=v.device)
-    for m in (16, 8, 4, 2, 1):
-        v = op(v, v[..., lanes ^ m])
-    return v
 
 
 def _sums(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:

@@ -51,57 +51,6 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_byt
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
-__device__ __forceinline__ float lo(u32 v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float hi(u32 v) { return __uint_as_float(v & 0xFFFF0000u); }
-
-// fp32 -> bf16 bits, round to nearest even; a NaN as 0x7FC0 (c10::BFloat16's on the host; the GPU's
-// __float2bfloat16 may give another NaN)
-__device__ __forceinline__ u16 to_bf16(float f) {
-    const u32 u = __float_as_uint(f);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u16)0x7FC0u;
-    return (u16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-// acc + the 8 exact products of a chunk, in element order (an exact product: fmaf = one rounding of the add)
-__device__ __forceinline__ float dot8(float acc, const uint4& a, const uint4& b) {
-    acc = fmaf(lo(a.x), lo(b.x), acc);
-    acc = fmaf(hi(a.x), hi(b.x), acc);
-    acc = fmaf(lo(a.y), lo(b.y), acc);
-    acc = fmaf(hi(a.y), hi(b.y), acc);
-    acc = fmaf(lo(a.z), lo(b.z), acc);
-    acc = fmaf(hi(a.z), hi(b.z), acc);
-    acc = fmaf(lo(a.w), lo(b.w), acc);
-    acc = fmaf(hi(a.w), hi(b.w), acc);
-    return acc;
-}
-
-// x' = bf16(a + b) of a chunk's 8 bf16 pairs (fp32 add, one rounding, then RNE to bf16)
-__device__ __forceinline__ uint4 add8(const uint4& a, const uint4& b) {
-    const u32 av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-    u32 o[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-        o[k] = (u32)to_bf16(__fadd_rn(lo(av[k]), lo(bv[k])))
-               | ((u32)to_bf16(__fadd_rn(hi(av[k]), hi(bv[k]))) << 16);
-    return make_uint4(o[0], o[1], o[2], o[3]);
-}
-
-// acc + the 8 squares of a chunk in element order (a bf16 square is exact in fp32: one rounding, of the add)
-__device__ __forceinline__ float sq8(float acc, const uint4& a) { return dot8(acc, a, a); }
-
-// y = bf16(w * bf16(x' * rstd)) of a chunk (each product rounded: no FMA)
-__device__ __forceinline__ uint4 norm8(const uint4& a, const uint4& w, float rstd) {
-    const u32 av[4] = {a.x, a.y, a.z, a.w}, wv[4] = {w.x, w.y, w.z, w.w};
-    u32 o[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const float l = __uint_as_float((u32)to_bf16(__fmul_rn(lo(av[k]), rstd)) << 16);
-        const float h = __uint_as_float((u32)to_bf16(__fmul_rn(hi(av[k]), rstd)) << 16);
-        o[k] = (u32)to_bf16(__fmul_rn(lo(wv[k]), l)) | ((u32)to_bf16(__fmul_rn(hi(wv[k]), h)) << 16);
-    }
-    return make_uint4(o[0], o[1], o[2], o[3]);
-}
-
 // dynamic shared memory: the warps' router rows [WARPS][EPW][NCH][32 lanes] then x [T][NCH][32] (16-byte chunks,
 // chunk c = lane + 32 i of a row at [i][lane]; zeros past H / 8); PRENORM: then hr [T][NCH][32] and the norm
 // weight [NCH][32] (x holds xr, then x', then y)
@@ -191,9 +140,9 @@ moe_router_route(const u16* x, const u16* __restrict__ wr, u16* __restrict__ log
             ss[t] = 0.f;
             for (int i = warp; i < NCH; i += WARPS) {
                 const int q = (t * NCH + i) * 32 + lane;
-                const uint4 s = add8(xsm[q], hsm[q]);
+                const uint4 s = pn_add8(xsm[q], hsm[q]);
                 xsm[q] = s;
-                ss[t] = sq8(ss[t], s);
+                ss[t] = pn_sq8(ss[t], s);
             }
 #pragma unroll
             for (int m = 16; m >= 1; m >>= 1) ss[t] += __shfl_xor_sync(0xffffffffu, ss[t], m);
@@ -205,12 +154,11 @@ moe_router_route(const u16* x, const u16* __restrict__ wr, u16* __restrict__ log
             float tot = part[t][0];
 #pragma unroll
             for (int w = 1; w < WARPS; ++w) tot = __fadd_rn(tot, part[t][w]);
-            const float rstd = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fmul_rn(tot, __int_as_float(inv_h_bits)),
-                                                                   __int_as_float(eps_bits))));
+            const float rstd = pn_rstd(tot, __int_as_float(inv_h_bits), __int_as_float(eps_bits));
             for (int i = warp; i < NCH; i += WARPS) {
                 const int q = (t * NCH + i) * 32 + lane, c = lane + 32 * i;
                 const uint4 s = xsm[q];
-                const uint4 y = norm8(s, nsm[c], rstd);
+                const uint4 y = pn_norm8(s, nsm[c], rstd);
                 xsm[q] = y;
                 if (rank == 0 && c < H / 8) {
                     *(uint4*)(xo + (long long)t * H + 8 * c) = s;
@@ -232,7 +180,7 @@ moe_router_route(const u16* x, const u16* __restrict__ wr, u16* __restrict__ log
         for (int i = 0; i < NCH; ++i) {
             const uint4 xv = xsm[(t * NCH + i) * 32 + lane];
 #pragma unroll
-            for (int j = 0; j < EPW; ++j) acc[j][t] = dot8(acc[j][t], xv, wsm[(j * NCH + i) * 32 + lane]);
+            for (int j = 0; j < EPW; ++j) acc[j][t] = pn_dot8(acc[j][t], xv, wsm[(j * NCH + i) * 32 + lane]);
         }
     // the lanes' sums by xor butterfly; each logit rounded once, kept as the bf16 value
 #pragma unroll
@@ -261,7 +209,7 @@ moe_router_route(const u16* x, const u16* __restrict__ wr, u16* __restrict__ log
             u32 ra;  // lg[t][e] in CTA 0
             asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(ra)
                          : "r"(lg0 + 4u * (u32)(t * CL * WARPS * EPW + e0 + j)));
-            const u32 v = (u32)to_bf16(acc[j][t]) << 16;
+            const u32 v = (u32)pn_bf16(acc[j][t]) << 16;
 #if ASYNC
             asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
                          :: "r"(ra), "r"(v), "r"(rbar) : "memory");
@@ -283,7 +231,7 @@ moe_router_route(const u16* x, const u16* __restrict__ wr, u16* __restrict__ log
     for (int j = 0; j < EPW; ++j)
 #pragma unroll
         for (int t = 0; t < T; ++t)
-            if (lane == (j * T + t) % 32 && e0 + j < E) logits[t * E + e0 + j] = to_bf16(acc[j][t]);
+            if (lane == (j * T + t) % 32 && e0 + j < E) logits[t * E + e0 + j] = pn_bf16(acc[j][t]);
     if (rank != 0) return;
     if (warp < T) {
         const int t = warp;
@@ -342,7 +290,7 @@ moe_router_route(const u16* x, const u16* __restrict__ wr, u16* __restrict__ log
         if (lane < K) {
             float wv = NORM ? __fdiv_rn(mine, total) : mine;
             if (bad) wv = __int_as_float(0x7FC00000);
-            wout[t * K + lane] = to_bf16(wv);
+            wout[t * K + lane] = pn_bf16(wv);
             idx[t * K + lane] = (long long)chosen;
             ids[t * K + lane] = chosen;
         }
