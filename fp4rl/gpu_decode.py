@@ -32,7 +32,10 @@ sampler's own model copy. What it changes, and what it computes:
   its h), up to COMBINE_MAX_TOKENS rows: four launches per MoE MLP (router GEMM, route, gate/up, down) where
   the torch path takes ~20
   (`FUSED_COMBINE` / FP4RL_MOE_COMBINE=0, and gpu_experts' FUSED_ROUTER (up to ROUTER_MAX_TOKENS) /
-  FUSED_GATHER, gemm.FUSED_SILU for A/B).
+  FUSED_GATHER, gemm.FUSED_SILU for A/B). Two flags, off until timed, fold an add + RMSNorm into the launch
+  that consumes it (fp4rl.kernels.prenorm's arithmetic): ROUTER_NORM (an MoE layer's post-attention norm in
+  the CUDA router + route), DENSE_NORM (a dense layer's two in its W4A16 q/k/v and gate/up mma16 GEMMs: the
+  sites' `norm_run`, gpu_linear.prenorm_gemm).
 - CUDA graphs: one graph per batch bucket (powers of two up to B_cap; and per TRACE guidance fraction,
   `set_guidance`: a guided step also records guidance, fp4rl/gpu_trace.py), captured on first use
   after an eager warm-up step on a side stream (Triton compiles and the GEMM tuner runs there,
@@ -98,6 +101,11 @@ ATTN_ROPE = os.environ.get("FP4RL_ATTN_ROPE", "0") == "1"
 # activations into the experts: a W4A4 expert quantizes y inside its grouped GEMM);
 # off until an H200 A/B times it (FP4RL_MOE_ROUTER_NORM=1; bench/device_run111.sh)
 ROUTER_NORM = os.environ.get("FP4RL_MOE_ROUTER_NORM", "0") == "1"
+# the residual add + RMSNorm before a dense W4A16 q/k/v or gate/up inside its mma16 GEMM's launch (the site's
+# norm_run: gpu_linear.prenorm_gemm, gemv_cuda.launch_prenorm) instead of fused.add_rmsnorm's launch: two
+# launches fewer a dense layer (one where the input norm folds an MoE combine: that one stays); off until an
+# H200 A/B times it (FP4RL_DENSE_NORM=1; bench/device_run114.sh)
+DENSE_NORM = os.environ.get("FP4RL_DENSE_NORM", "0") == "1"
 
 
 def _pow2(v: int) -> int:
@@ -114,10 +122,11 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 class _Site:
     """A linear or fused group as the fused step calls it: run(x2 [M, K] bf16, xq=None) -> y [M, N]; quant:
-    the activation quantizer's settings when it takes a Q(x) made by the producer (W4A4), else None."""
+    the activation quantizer's settings when it takes a Q(x) made by the producer (W4A4), else None;
+    norm_run(x, h, norm) -> (x + h, run(norm(x + h))) in one launch or None (kernel linears: DENSE_NORM)."""
 
-    def __init__(self, run, quant: dict | None = None):
-        self.run, self.quant = run, quant
+    def __init__(self, run, quant: dict | None = None, norm_run=None):
+        self.run, self.quant, self.norm_run = run, quant, norm_run
 
 
 def _records(site: _Site | None) -> bool:
@@ -125,6 +134,16 @@ def _records(site: _Site | None) -> bool:
     the Q(x) its producer makes)."""
     owner = getattr(getattr(site, "run", None), "__self__", None)
     return getattr(owner, "trace_guide", None) is not None
+
+
+def _dense_norm(site: _Site | None, quant: dict | None, x, h, norm, moe: dict):
+    """DENSE_NORM: (x + h, the site's output on norm(x + h)) from one launch (site.norm_run), or None where
+    it does not apply (flag off, no residual to add, a MoE combine to fold, a W4A4 or recording site) or the
+    kernel does not take the call: then add_rmsnorm and site.run."""
+    if (not DENSE_NORM or site is None or site.norm_run is None or h is None or moe or quant is not None
+            or _records(site)):
+        return None
+    return site.norm_run(x, h, norm)
 
 
 def _quant_of(m: PackedNVFP4Linear) -> dict | None:
@@ -148,7 +167,7 @@ def linear_site(mods: list) -> _Site | None:
         if group is None or list(group.members) != list(mods):
             return None
         if isinstance(group, KernelFusedGroup):
-            return _Site(group.run, _quant_of(group.members[0]))
+            return _Site(group.run, _quant_of(group.members[0]), group.norm_run)
         if not group.packed and group._weight is not None and group._weight.dtype == KERNEL_DTYPE:
             return _Site(_dense_group_run(group))
         return None
@@ -156,7 +175,7 @@ def linear_site(mods: list) -> _Site | None:
     if group is not None:
         return None
     if isinstance(m, KernelPackedLinear):
-        return _Site(m.run, _quant_of(m))
+        return _Site(m.run, _quant_of(m), m.norm_run)
     return _Site(_module_run(m))
 
 
@@ -412,28 +431,37 @@ class DecodeEngine:
         h, chosen, moe = None, [], {}
         for layer, p in zip(m.layers, self.plans):
             norm = layer.input_layernorm
-            # (TRACE: a guided W4A4 site records its Q(x)'s guidance, and needs x too: its amax)
-            x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.in_quant,
-                                         write_y=p.in_quant is None or _records(p.qkv), **moe)
+            qkv = _dense_norm(p.qkv, p.in_quant, x, h, norm, moe)  # (DENSE_NORM: the norm in the GEMM)
+            if qkv is not None:
+                x, qkv = qkv
+            else:
+                # (TRACE: a guided W4A4 site records its Q(x)'s guidance, and needs x too: its amax)
+                x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.in_quant,
+                                             write_y=p.in_quant is None or _records(p.qkv), **moe)
+                qkv = p.qkv.run(n, nq) if p.qkv is not None else None
             moe = {}
-            if p.qkv is not None:
-                h = self._attention_fused(layer.self_attn, p.qkv.run(n, nq), cos, sin, ctx, bb)
+            if qkv is not None:
+                h = self._attention_fused(layer.self_attn, qkv, cos, sin, ctx, bb)
             else:
                 h = self._attention(layer.self_attn, n[:, None], cos[:, None, None], sin[:, None, None], ctx,
                                     bb)[:, 0]
             norm = layer.post_attention_layernorm
             fold = (layer.is_moe and FUSED_COMBINE and bb <= COMBINE_MAX_TOKENS
                     and isinstance(layer.mlp, KernelMoeBlock))
-            pre = None
+            pre = gu = None
             if ROUTER_NORM and fold and p.post_quant is None:  # the norm inside the router's launch
                 pre = layer.mlp.norm_routed_parts(x, h, norm)
+            elif p.gate_up is not None:  # (DENSE_NORM: the norm inside the gate/up GEMM's launch)
+                gu = _dense_norm(p.gate_up, p.post_quant, x, h, norm, {})
             if pre is not None:
                 (x, n, parts), nq = pre, None
+            elif gu is not None:
+                x, gu = gu
             else:
                 x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.post_quant,
                                              write_y=p.post_quant is None or _records(p.gate_up))
             if p.gate_up is not None:
-                a, aq = fused.silu_mul(p.gate_up.run(n, nq), quant=p.down.quant,
+                a, aq = fused.silu_mul(gu if gu is not None else p.gate_up.run(n, nq), quant=p.down.quant,
                                        write_y=p.down.quant is None or _records(p.down))
                 h = p.down.run(a, aq)  # [bb, H]
             elif layer.is_moe:

@@ -28,6 +28,9 @@ inside its CUDA-graph decode step.
   taken. Rebuilt in place like the decode copies. Routed experts keep the grouped kernels: on an H200 their
   4-bit grouped GEMM ran 1.54-1.92x `torch._grouped_mm` at 16-512 rows over 8 experts and the tuner kept it
   over a dense copy at every row count (bench/RESULTS.md, twenty-second session).
+- The residual add + RMSNorm before a dense W4A16 linear or group inside its mma16 launch (`norm_run`,
+  `prenorm_gemm`: gemv_cuda.launch_prenorm, where the kernel stages x whole; the fused step's
+  `gpu_decode.DENSE_NORM`).
 - BF16 weights (lm_head, embeddings, BF16 layers) stay on cuBLAS.
 """
 
@@ -94,6 +97,39 @@ def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, 
         xq = gemm.quantize_activations(x2, scale_rule=input_kwargs["scale_rule"], err=input_kwargs["err"])
     return gemm.gemm(None, weight, xq=xq, offsets=offsets, tune=TUNE, config=config, tokens=tokens,
                      offsets_settled=offsets_settled)
+
+
+def prenorm_gemm(owner, data, scale, g, mode: str, x2: torch.Tensor, h: torch.Tensor, norm: nn.Module):
+    """(x', y) = the decode step's residual add + RMSNorm (x' = x2 + h, then `norm`) and the owner's GEMM of
+    its output in one launch (gemv_cuda.launch_prenorm on the owner's mma16 decode copy; the norm's arithmetic
+    is fp4rl.kernels.prenorm's), or None where that launch does not take the call: W4A4 (its Q(x) comes from
+    the norm kernel), TRACE recording, no mma16 copy (no Hopper / NVRTC, a shape it does not take, a stale
+    copy inside a capture), rows or shared memory past gemv_cuda.prenorm_plan. A kernel failure turns it off
+    for the process with a warning (gemv_cuda.disable_prenorm) and returns None: the caller runs add_rmsnorm
+    and the GEMM."""
+    from fp4rl.kernels import gemv_cuda
+
+    if (mode != "w4a16" or owner.trace_guide is not None or x2.dtype != KERNEL_DTYPE
+            or h.dtype != KERNEL_DTYPE or not MMA16 or not gemv_cuda.prenorm_available(x2.device)):
+        return None
+    copy = mma16_copy(owner._swz(), data, scale)
+    if copy is None:
+        return None
+    y = torch.empty(x2.shape[0], copy.n, dtype=KERNEL_DTYPE, device=x2.device)
+    try:
+        return gemv_cuda.launch_prenorm(x2, h, norm.weight, norm.eps, copy, g, y)
+    except ValueError:  # operands it does not take (e.g. a norm weight not 16-byte aligned): this call only
+        return None
+    except RuntimeError as exc:  # NVRTC or the driver refused it
+        gemv_cuda.disable_prenorm(exc)
+        return None
+
+
+def mma16_copy(cache: _DecodeCopy, data: torch.Tensor, scale: torch.Tensor):
+    """The cache's mma16 copy (gemv_cuda.Mma16Weight) of the weight, up to date, or None (a gemv32 copy or
+    none)."""
+    copy = cache.get(data, scale)
+    return None if copy is None or isinstance(copy, torch.Tensor) else copy
 
 
 class _DecodeCopy:
@@ -351,6 +387,14 @@ class KernelPackedLinear(PackedNVFP4Linear):
         y = packed_gemm(x2, w, "w4a4", self.input_kwargs, xq=xq)
         return y if self.bias is None else y + self.bias
 
+    def norm_run(self, x2: torch.Tensor, h: torch.Tensor, norm: nn.Module):
+        """(x2 + h, run(norm(x2 + h))) in one launch where `prenorm_gemm` takes it, else None."""
+        out = prenorm_gemm(self, self.weight_data, self.weight_block_scale, self.weight_global_scale,
+                           self.mode, x2, h, norm)
+        if out is None or self.bias is None:
+            return out
+        return out[0], out[1] + self.bias
+
     def _weight_for(self, x2, xq, mode: str):
         """The weight with the copies this call may run on: the decode copy where one serves these rows, and
         the dense copy at dense_rows rows and more."""
@@ -419,6 +463,13 @@ class KernelFusedGroup(FusedGroup):
         w = _with_dense(_with_copy(w, copy), dense)
         y = packed_gemm(x2, w, m0.mode, m0.input_kwargs, xq=xq)
         return y if self.bias_cat is None else y + self.bias_cat
+
+    def norm_run(self, x2: torch.Tensor, h: torch.Tensor, norm: nn.Module):
+        """(x2 + h, run(norm(x2 + h))) in one launch where `prenorm_gemm` takes it, else None."""
+        out = prenorm_gemm(self, self.data, self.scale, self.g_rows, self.members[0].mode, x2, h, norm)
+        if out is None or self.bias_cat is None:
+            return out
+        return out[0], out[1] + self.bias_cat
 
     def __call__(self, member: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != KERNEL_DTYPE:

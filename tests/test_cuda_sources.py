@@ -492,3 +492,66 @@ def test_moe_router_route_uses_accurate_expf_and_ieee_division():
     assert "expf(l[s] - mx)" in src and "__expf" not in src and "__fdiv_rn(l[s], sum)" in src
     launcher = Path(moe_route_cuda.__file__).read_text()
     assert "fast_math" not in launcher and "fast-math" not in launcher and "ftz" not in launcher
+
+
+def _prenorm_plans():
+    """The PRENORM builds prenorm_plan makes for Qwen3-8B's q/k/v and gate/up, 30B-A3B's q/k/v, a 4096-wide
+    weight and an odd K (640: the last lanes' chunks past K), at 1-8 rows, with per-row (fused groups) and
+    per-tensor global scales."""
+    for n, k in ((6144, 4096), (24576, 4096), (4096, 4096), (5120, 2048), (144, 640)):
+        seen = set()
+        for m in range(1, 9):
+            cfg = gemv_cuda.prenorm_plan(n, k, m, 132)
+            if cfg is not None and tuple(sorted(cfg.items())) not in seen:
+                seen.add(tuple(sorted(cfg.items())))
+                for wg_row in (True, False):
+                    yield f"{n}x{k} m{m} wg_row {wg_row}", gemv_cuda._row_scale_key(cfg, wg_row), wg_row
+
+
+@pytest.mark.parametrize("name,cfg,wg_row", list(_prenorm_plans()),
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_gemm_prenorm_builds_compile_without_spills(name, cfg, wg_row):
+    """Spill-free, and the row sums' static array is all the static shared memory (the launcher adds its 4 x 8
+    MG x 8 bytes to the dynamic size when it opts in past 48 KB)."""
+    log = compile_log(gemv_cuda.source(cfg, wg_row), "sm_90")
+    assert spills(log) == {"w4a16_mma16": (0, 0)}, f"{name}:\n{log[:2000]}"
+    static = re.search(r"(\d+) bytes smem", log)
+    assert static and int(static.group(1)) <= 4 * 8 * cfg["MG"] * 8, log
+
+
+@pytest.mark.parametrize("n,k,m", [(6144, 4096, 1), (24576, 4096, 1), (5120, 2048, 1), (6144, 4096, 4)])
+def test_gemm_prenorm_reads_only_weights_before_the_wait_and_writes_x_prime_in_16_bytes(n, k, m):
+    """PRENORM: before griddepcontrol.wait (ACQBULK) the SASS copies the first weight steps and the norm
+    weight to shared memory (LDGSTS) and reads at most the weight's one global scale (LDG.E.CONSTANT, GSE /
+    GSR); the residual's and hr's rows (the previous kernels' outputs) are copied after it, every copy is
+    waited for (DEPBAR to 0 groups), then three block barriers (rows staged; the warps' sums; y in place)
+    before the first multiply, and CTA 0's x' goes out in 16-byte stores (STG.E.128) between the last two."""
+    cfg = gemv_cuda._row_scale_key(gemv_cuda.prenorm_plan(n, k, m, 132), True)
+    insns = _sass_insns(gemv_cuda.source(cfg, True))
+    ops = [op for op, _ in insns]
+    wait = ops.index("ACQBULK")
+    before = [op for op in ops[:wait] if op.startswith(("LDG", "LD.", "UBLKCP", "UTMALDG", "STG"))]
+    assert before.count("LDG.E.CONSTANT") <= 1, before
+    assert not [op for op in before if not op.startswith(("LDGSTS", "LDGDEPBAR", "LDG.E.CONSTANT"))], before
+    weights = cfg["DEPTH"] * cfg["NT"] * 3  # two 16-byte copies of weight words and one of scales a step
+    assert sum(op.startswith("LDGSTS") for op in before) > weights, before  # and the norm weight's
+    first_mma = next(i for i in range(wait, len(ops)) if ops[i].startswith("HMMA"))
+    depbar = next(i for i in range(wait, first_mma) if ops[i] == "DEPBAR.LE")
+    assert insns[depbar][1].replace(" ", "").endswith(",0x0"), insns[depbar]
+    assert any(op.startswith("LDGSTS") for op in ops[wait:depbar])  # the rows, after the wait
+    bars = [i for i in range(depbar, first_mma) if ops[i] == "BAR.SYNC.DEFER_BLOCKING"]
+    assert len(bars) == 3, ops[depbar:first_mma]
+    stores = [i for i in range(depbar, first_mma) if ops[i].startswith("STG")]
+    assert stores and all(ops[i] == "STG.E.128" and bars[1] < i < bars[2] for i in stores), \
+        [ops[i] for i in stores]
+
+
+def test_gemm_prenorm_is_refused_where_x_is_not_staged_whole():
+    """PRENORM compiles only for a dense W4A16 build that stages x's whole K: not with a cluster split of K,
+    x streamed in chunks, the wgmma build, routed experts, W4A4's x scales or SiLU staging."""
+    base = dict(NT=1, MG=1, SPLIT=1, DEPTH=2, PRENORM=1)
+    for cfg, args in ((dict(base, SPLIT=2), (False,)), (dict(base, MG=2, XSTREAM=1), (False,)),
+                      (dict(base, KW=2), (False, False, True)), (dict(base, KW=2), (False, True))):
+        log = _compile_error(gemv_cuda.source(cfg, *args))
+        assert "PRENORM needs a dense W4A16 build" in log, (cfg, args)
+    assert _compile(gemv_cuda.source(dict(base, KW=2), False), "sm_90")[0] == 0

@@ -428,3 +428,104 @@ def test_gpu_one_launch_rope_and_router_norm_under_graphs(flags, monkeypatch):
     print(f"{flags}: max relative logit difference {err:.2e}")
     assert err < 2e-2, err
     assert [x.completion_ids for x in a] == [y.completion_ids for y in b]
+
+
+QWEN2_WIDE = dict(WIDE, model_type="qwen2", qk_norm=False, qkv_bias=True)  # (q/k/v biases)
+
+
+@pytest.mark.parametrize("config", [WIDE, QWEN2_WIDE])
+def test_dense_norm_in_the_fused_step(config, monkeypatch):
+    """gpu_decode.DENSE_NORM: a dense layer's residual add + RMSNorm runs inside its q/k/v and gate/up GEMMs'
+    launches (the sites' norm_run: gpu_linear.prenorm_gemm -> gemv_cuda.launch_prenorm; on a CPU
+    prenorm.reference and the mma16 copy's emulated weight stand in for the kernel): per step
+    fused.add_rmsnorm runs twice (layer 0's input norm, which adds nothing, and the final norm) instead of 2 L
+    + 1 times, each GEMM's launch gets the residual, the layer output and its norm, the logits are those of
+    the separate launches up to the norm's order (a bf16 ulp of y) and the GEMM's (fp64 here), greedy tokens
+    equal, biases added. A failing launch turns it off with a warning: the step runs add_rmsnorm + the GEMM
+    again (the same logits as with the flag off, bit for bit on the CPU)."""
+    from fp4rl.kernels import fused, gemv_cuda, prenorm
+
+    monkeypatch.setattr(gemv_cuda, "prenorm_available",
+                        lambda device=None: gemv_cuda.PN_STATE["ok"] is not False)
+    monkeypatch.setitem(gemv_cuda.PN_STATE, "ok", None)
+    monkeypatch.setattr(gpu_linear, "mma16_copy", lambda cache, data, scale: gemv_cuda.relayout(data, scale))
+    calls = {"norm": 0, "gemm": 0}
+
+    def launch_prenorm(x2, h, norm_weight, eps, wc, g, y):
+        calls["gemm"] += 1
+        assert x2.shape == h.shape and norm_weight.numel() == wc.k == x2.shape[1] and y.shape[1] == wc.n
+        xs, yn = prenorm.reference(x2, h, norm_weight, eps)
+        w = gemv_cuda.emulate_weight(wc) * 256.0 * g.double().reshape(-1, 1)  # DQ(W) (global scale per row)
+        y.copy_((yn.double() @ w.t()).to(y.dtype))
+        gemv_cuda.PN_STATE["ok"] = True
+        return xs, y
+
+    monkeypatch.setattr(gemv_cuda, "launch_prenorm", launch_prenorm)
+    real = fused.add_rmsnorm
+    monkeypatch.setattr(fused, "add_rmsnorm", lambda *a, **kw: calls.__setitem__("norm", calls["norm"] + 1)
+                        or real(*a, **kw))
+    s = Sampler(tiny(config, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
+                eos_token_ids=[], kernels=True)
+    forced = torch.randint(0, V, (len(PROMPTS), 2), generator=torch.Generator().manual_seed(8))
+    ref = teacher_forced_logits(s, forced)
+    norms_off = calls["norm"]
+    layers = config["num_hidden_layers"]
+    steps = norms_off // (2 * layers + 1)
+    assert calls["gemm"] == 0 and steps and norms_off == steps * (2 * layers + 1)
+    calls.update(norm=0)
+    monkeypatch.setattr(gpu_decode, "DENSE_NORM", True)
+    s.engine.reset_graphs()
+    got = teacher_forced_logits(s, forced)
+    assert calls["gemm"] == steps * (2 * layers - 1) and calls["norm"] == steps * 2, calls
+    err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    assert 0 < err < 2e-2, err
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+    def broken(*a, **kw):
+        raise RuntimeError("NVRTC says no")
+
+    monkeypatch.setattr(gemv_cuda, "launch_prenorm", broken)
+    calls.update(norm=0)
+    s.engine.reset_graphs()
+    with pytest.warns(UserWarning, match="inside the mma16 GEMM's launch disabled"):
+        fallback = teacher_forced_logits(s, forced)
+    assert gemv_cuda.PN_STATE["ok"] is False and calls["norm"] == norms_off
+    assert torch.equal(fallback, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_dense_norm_under_graphs(monkeypatch):
+    """On the GPU, the PRENORM GEMM itself (nothing stands in): gpu_decode.DENSE_NORM under graph replays with
+    PDL decodes the greedy tokens of the same engine without it, the logits within 2e-2; every dense layer's
+    q/k/v and gate/up but layer 0's q/k/v took the one-launch path (counted at capture) and it never fell
+    back."""
+    from fp4rl.kernels import gemv_cuda
+
+    if not gemv_cuda.available():
+        pytest.skip("needs an sm_90 GPU and NVRTC")
+    taken = []
+    real = gemv_cuda.launch_prenorm
+
+    def counted(*a, **kw):
+        out = real(*a, **kw)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(gemv_cuda, "launch_prenorm", counted)
+    s = Sampler(tiny(WIDE, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
+                eos_token_ids=[])
+    forced = torch.randint(0, V, (len(PROMPTS), 3), generator=torch.Generator().manual_seed(9))
+    params = SamplingParams(n=1, greedy=True, max_new_tokens=8)
+    ref = teacher_forced_logits(s, forced)
+    a = s.generate(PROMPTS, params)
+    monkeypatch.setattr(gpu_decode, "DENSE_NORM", True)
+    s.engine.reset_graphs()
+    got = teacher_forced_logits(s, forced)
+    b = s.generate(PROMPTS, params)
+    assert s.engine.graph_error is None and s.engine.counts["replays"] > 0
+    assert taken and all(taken) and gemv_cuda.PN_STATE["ok"] is True, (taken, gemv_cuda.PN_STATE)
+    assert len(taken) % (2 * WIDE["num_hidden_layers"] - 1) == 0, len(taken)
+    err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    print(f"DENSE_NORM: max relative logit difference {err:.2e}")
+    assert err < 2e-2, err
+    assert [x.completion_ids for x in a] == [y.completion_ids for y in b]

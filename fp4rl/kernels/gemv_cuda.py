@@ -429,7 +429,7 @@ def smem_bytes(cfg: dict, k: int, m: int = 8) -> int:
     elif cfg.get("XSTREAM"):  # x in 128-k chunks through a ring of DEPTH stages
         xb = (cfg["DEPTH"] * xrows * 136 * 2 + 127) // 128 * 128
     else:  # (PRENORM: then hr's rows, as x's without the zero row, and the norm weight)
-        pn = (xrows - 1) * (k + 8) * 2 + 2 * k if cfg.get("PRENORM") else 0
+        pn = (xrows - 1) * (per * 128 + 8) * 2 + 2 * k if cfg.get("PRENORM") else 0
         xb = (xrows * (per * 128 + 8) * 2 + pn + 127) // 128 * 128
     ring = WARPS * cfg["DEPTH"] * cfg["NT"] * STAGE_BYTES
     # the split-K partials (rows padded by 4 floats): one set per CTA (cluster) or per k range (KW)
@@ -583,8 +583,9 @@ def launch_prenorm(x2: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor,
     build): x' = bf16(x2 + h), y = bf16(norm_weight * bf16(x' * rstd)) with rstd = 1 / sqrt(sum(x'^2) / K +
     eps) (fp4rl.kernels.prenorm.reference's bits), y [M, N] = y @ DQ(W).T into `y`. x2 (the residual) and h
     (the layer output to add) bfloat16 [M, K]; norm_weight the RMSNorm's bfloat16 [K] (read before the PDL
-    wait, as the GEMM's weights: it does not change during a step). Returns (x', y), x' a new contiguous
-    [M, K], or None where ``prenorm_plan`` has no build for these rows (the caller runs add_rmsnorm and
+    wait, as the GEMM's weights: nothing writes a norm weight inside pdl.step(), and a step's first kernel
+    has no PDL, so a weight sync before the step has landed). Returns (x', y), x' a new contiguous [M, K], or
+    None where ``prenorm_plan`` has no build for these rows (the caller runs add_rmsnorm and
     ``launch``)."""
     what = "gemv_cuda.launch_prenorm"
     m, k = x2.shape
@@ -601,7 +602,8 @@ def launch_prenorm(x2: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor,
     if cfg is None:
         return None
     x2, g, _ = _operands(x2, global_scale, None, (1, wc.n), f"1 or N={wc.n}")
-    h, _, _ = _operands(h, global_scale, None, (1, wc.n), f"1 or N={wc.n}")
+    if h.stride(1) != 1 or h.stride(0) % 8 or h.data_ptr() % 16:  # 16-byte rows for cp.async, as x2's
+        h = h.clone(memory_format=torch.contiguous_format)
     key = _row_scale_key(cfg, g.numel() > 1)
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > 1, False, False), dev)
     xo = torch.empty(m, k, dtype=torch.bfloat16, device=x2.device)

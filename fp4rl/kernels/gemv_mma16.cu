@@ -798,7 +798,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                     uint4* px = reinterpret_cast<uint4*>(xs + t * XS + kc);
                     const uint4 v = *px;
                     *px = pn_norm8(v, *reinterpret_cast<const uint4*>(nsm + kc), rstd);
-                    if (blockIdx.x == 0) *reinterpret_cast<uint4*>(xo + (u64)t * K + kc) = v;
+                    if (blockIdx.x == 0) pn_st16(xo + (u64)t * K + kc, v);
                 }
             }
         }

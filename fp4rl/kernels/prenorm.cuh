@@ -60,3 +60,10 @@ __device__ __forceinline__ uint4 pn_norm8(const uint4& a, const uint4& w, float 
 __device__ __forceinline__ float pn_rstd(float sum, float inv_h, float eps) {
     return __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fmul_rn(sum, inv_h), eps)));
 }
+
+// one 16-byte global store (st.global.v4: NVVM split a plain uint4 store of a value read from shared memory
+// into four 32-bit ones in the GEMM's build)
+__device__ __forceinline__ void pn_st16(void* p, const uint4& v) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
