@@ -4,14 +4,15 @@
 # x staged whole: one row, 2-4 rows where the in-CTA split fits): two launches fewer a Qwen3-8B layer (72 a step;
 # add_rmsnorm's ~2.8 us of advance each in the thirtieth session's chain: up to ~0.2 ms of the ~2.1 ms step at
 # batch 1), none in the 30B (its input norm folds the MoE combine; its post-attention one is ROUTER_NORM's).
-# First the GPU tests (the kernel against prenorm.reference + launch bit for bit, the engine under graphs), then
+# It also folds an MoE layer's input norm with the previous layer's combine (PRENORM 2; the 30B: device_run115).
+# First the GPU tests (both builds against prenorm.reference + launch bit for bit, the engine under graphs), then
 # Qwen3-8B at batch 1 / 8: the defaults, DENSE_NORM, DENSE_NORM with ATTN_ROPE, and BF16 for the ratios if the
 # time is there; each arm a fresh process with its graph-vs-eager check. Up to ~590 s. A flag that wins at batch
 # 1 and does not lose at 8: the default.
 source bench/sampler_arm.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 timeout 150 python3 -m pytest -q -m "gpu or not gpu" tests/test_gemv_cuda.py tests/test_gpu_decode_fused.py \
-  tests/test_prenorm.py -k "prenorm or dense_norm" > $OUT/tests114.log 2>&1
+  tests/test_prenorm.py tests/test_moe_route.py -k "prenorm or dense_norm" > $OUT/tests114.log 2>&1
 echo "tests exit $? at ${SECONDS}s"; tail -5 $OUT/tests114.log
 ARM_SHAPE=qwen3-8b:36 ARM_PREFIX=sampler114
 arm defaults 110 1,8 "--profile-batch=" X=0

@@ -103,8 +103,8 @@ ATTN_ROPE = os.environ.get("FP4RL_ATTN_ROPE", "0") == "1"
 ROUTER_NORM = os.environ.get("FP4RL_MOE_ROUTER_NORM", "0") == "1"
 # the residual add + RMSNorm before a dense W4A16 q/k/v or gate/up inside its mma16 GEMM's launch (the site's
 # norm_run: gpu_linear.prenorm_gemm, gemv_cuda.launch_prenorm) instead of fused.add_rmsnorm's launch: two
-# launches fewer a dense layer (one where the input norm folds an MoE combine: that one stays); off until an
-# H200 A/B times it (FP4RL_DENSE_NORM=1; bench/device_run114.sh)
+# launches fewer a dense layer, one an MoE layer (its input norm with the previous layer's combine folded in,
+# where it has no shared expert); off until an H200 A/B times it (FP4RL_DENSE_NORM=1; bench/device_run114.sh)
 DENSE_NORM = os.environ.get("FP4RL_DENSE_NORM", "0") == "1"
 
 
@@ -123,7 +123,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class _Site:
     """A linear or fused group as the fused step calls it: run(x2 [M, K] bf16, xq=None) -> y [M, N]; quant:
     the activation quantizer's settings when it takes a Q(x) made by the producer (W4A4), else None;
-    norm_run(x, h, norm) -> (x + h, run(norm(x + h))) in one launch or None (kernel linears: DENSE_NORM)."""
+    norm_run(x, h, norm, moe) -> (x', run(norm(x'))) in one launch, x' = x + h or x + the MoE combine of moe
+    = (d, pos, w), or None (kernel linears: DENSE_NORM)."""
 
     def __init__(self, run, quant: dict | None = None, norm_run=None):
         self.run, self.quant, self.norm_run = run, quant, norm_run
@@ -137,13 +138,14 @@ def _records(site: _Site | None) -> bool:
 
 
 def _dense_norm(site: _Site | None, quant: dict | None, x, h, norm, moe: dict):
-    """DENSE_NORM: (x + h, the site's output on norm(x + h)) from one launch (site.norm_run), or None where
-    it does not apply (flag off, no residual to add, a MoE combine to fold, a W4A4 or recording site) or the
+    """DENSE_NORM: (x', the site's output on norm(x')) from one launch (site.norm_run), x' = x + h or, with
+    the previous MoE layer's combine to fold (moe, h None: no shared expert), x + combine; None where it does
+    not apply (flag off, nothing to add, a combine and a shared expert's h, a W4A4 or recording site) or the
     kernel does not take the call: then add_rmsnorm and site.run."""
-    if (not DENSE_NORM or site is None or site.norm_run is None or h is None or moe or quant is not None
-            or _records(site)):
+    if (not DENSE_NORM or site is None or site.norm_run is None or quant is not None or _records(site)
+            or (h is None) == (not moe)):
         return None
-    return site.norm_run(x, h, norm)
+    return site.norm_run(x, h, norm, moe.get("moe"))
 
 
 def _quant_of(m: PackedNVFP4Linear) -> dict | None:

@@ -99,29 +99,30 @@ def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, 
                      offsets_settled=offsets_settled)
 
 
-def prenorm_gemm(owner, data, scale, g, mode: str, x2: torch.Tensor, h: torch.Tensor, norm: nn.Module):
-    """(x', y) = the decode step's residual add + RMSNorm (x' = x2 + h, then `norm`) and the owner's GEMM of
-    its output in one launch (gemv_cuda.launch_prenorm on the owner's mma16 decode copy; the norm's arithmetic
-    is fp4rl.kernels.prenorm's), or None where that launch does not take the call: W4A4 (its Q(x) comes from
-    the norm kernel), TRACE recording, no mma16 copy (no Hopper / NVRTC, a shape it does not take, a stale
-    copy inside a capture), rows or shared memory past gemv_cuda.prenorm_plan. A kernel failure turns it off
-    for the process with a warning (gemv_cuda.disable_prenorm) and returns None: the caller runs add_rmsnorm
-    and the GEMM."""
+def prenorm_gemm(owner, data, scale, g, mode: str, x2: torch.Tensor, h: torch.Tensor | None, norm: nn.Module,
+                 moe: tuple | None = None):
+    """(x', y) = the decode step's residual add + RMSNorm (x' = x2 + h, or x2 + moe_route.combine(*moe) with h
+    None; then `norm`) and the owner's GEMM of its output in one launch (gemv_cuda.launch_prenorm on the
+    owner's mma16 decode copy; the norm's arithmetic is fp4rl.kernels.prenorm's), or None where that launch
+    does not take the call: W4A4 (its Q(x) comes from the norm kernel), TRACE recording, no mma16 copy (no
+    Hopper / NVRTC, a shape it does not take, a stale copy inside a capture), rows or shared memory past
+    gemv_cuda.prenorm_plan. A kernel failure turns it off for the process with a warning
+    (gemv_cuda.disable_prenorm) and returns None: the caller runs add_rmsnorm and the GEMM."""
     from fp4rl.kernels import gemv_cuda
 
     if (mode != "w4a16" or owner.trace_guide is not None or x2.dtype != KERNEL_DTYPE
-            or h.dtype != KERNEL_DTYPE or not MMA16 or not gemv_cuda.prenorm_available(x2.device)):
+            or not MMA16 or not gemv_cuda.prenorm_available(x2.device, moe is not None)):
         return None
     copy = mma16_copy(owner._swz(), data, scale)
     if copy is None:
         return None
     y = torch.empty(x2.shape[0], copy.n, dtype=KERNEL_DTYPE, device=x2.device)
     try:
-        return gemv_cuda.launch_prenorm(x2, h, norm.weight, norm.eps, copy, g, y)
+        return gemv_cuda.launch_prenorm(x2, h, norm.weight, norm.eps, copy, g, y, moe=moe)
     except ValueError:  # operands it does not take (e.g. a norm weight not 16-byte aligned): this call only
         return None
     except RuntimeError as exc:  # NVRTC or the driver refused it
-        gemv_cuda.disable_prenorm(exc)
+        gemv_cuda.disable_prenorm(exc, moe is not None)
         return None
 
 
@@ -387,10 +388,11 @@ class KernelPackedLinear(PackedNVFP4Linear):
         y = packed_gemm(x2, w, "w4a4", self.input_kwargs, xq=xq)
         return y if self.bias is None else y + self.bias
 
-    def norm_run(self, x2: torch.Tensor, h: torch.Tensor, norm: nn.Module):
-        """(x2 + h, run(norm(x2 + h))) in one launch where `prenorm_gemm` takes it, else None."""
+    def norm_run(self, x2: torch.Tensor, h: torch.Tensor | None, norm: nn.Module, moe: tuple | None = None):
+        """(x', run(norm(x'))), x' = x2 + h (or + the MoE combine), in one launch where `prenorm_gemm` takes
+        it, else None."""
         out = prenorm_gemm(self, self.weight_data, self.weight_block_scale, self.weight_global_scale,
-                           self.mode, x2, h, norm)
+                           self.mode, x2, h, norm, moe)
         if out is None or self.bias is None:
             return out
         return out[0], out[1] + self.bias
@@ -464,9 +466,10 @@ class KernelFusedGroup(FusedGroup):
         y = packed_gemm(x2, w, m0.mode, m0.input_kwargs, xq=xq)
         return y if self.bias_cat is None else y + self.bias_cat
 
-    def norm_run(self, x2: torch.Tensor, h: torch.Tensor, norm: nn.Module):
-        """(x2 + h, run(norm(x2 + h))) in one launch where `prenorm_gemm` takes it, else None."""
-        out = prenorm_gemm(self, self.data, self.scale, self.g_rows, self.members[0].mode, x2, h, norm)
+    def norm_run(self, x2: torch.Tensor, h: torch.Tensor | None, norm: nn.Module, moe: tuple | None = None):
+        """(x', run(norm(x'))), x' = x2 + h (or + the MoE combine), in one launch where `prenorm_gemm` takes
+        it, else None."""
+        out = prenorm_gemm(self, self.data, self.scale, self.g_rows, self.members[0].mode, x2, h, norm, moe)
         if out is None or self.bias_cat is None:
             return out
         return out[0], out[1] + self.bias_cat

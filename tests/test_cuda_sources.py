@@ -497,26 +497,32 @@ def test_moe_router_route_uses_accurate_expf_and_ieee_division():
 def _prenorm_plans():
     """The PRENORM builds prenorm_plan makes for Qwen3-8B's q/k/v and gate/up, 30B-A3B's q/k/v, a 4096-wide
     weight and an odd K (640: the last lanes' chunks past K), at 1-8 rows, with per-row (fused groups) and
-    per-tensor global scales."""
-    for n, k in ((6144, 4096), (24576, 4096), (4096, 4096), (5120, 2048), (144, 640)):
+    per-tensor global scales; PRENORM 2 (the MoE combine, 8 experts a token, bf16 or fp32 weights) for
+    30B-A3B's q/k/v and the 8B-wide one."""
+    shapes = ((6144, 4096), (24576, 4096), (4096, 4096), (5120, 2048), (144, 640))
+    cases = [(n, k, 0, False) for n, k in shapes]
+    cases += [(5120, 2048, 8, False), (5120, 2048, 8, True), (6144, 4096, 8, False), (144, 640, 3, True)]
+    for n, k, ktop, f32 in cases:
         seen = set()
         for m in range(1, 9):
-            cfg = gemv_cuda.prenorm_plan(n, k, m, 132)
+            cfg = gemv_cuda.prenorm_plan(n, k, m, 132, ktop, f32)
             if cfg is not None and tuple(sorted(cfg.items())) not in seen:
                 seen.add(tuple(sorted(cfg.items())))
                 for wg_row in (True, False):
-                    yield f"{n}x{k} m{m} wg_row {wg_row}", gemv_cuda._row_scale_key(cfg, wg_row), wg_row
+                    yield (f"{n}x{k} m{m} ktop {ktop} f32 {f32} wg_row {wg_row}",
+                           gemv_cuda._row_scale_key(cfg, wg_row), wg_row)
 
 
 @pytest.mark.parametrize("name,cfg,wg_row", list(_prenorm_plans()),
                          ids=lambda v: v if isinstance(v, str) else "")
 def test_gemm_prenorm_builds_compile_without_spills(name, cfg, wg_row):
-    """Spill-free, and the row sums' static array is all the static shared memory (the launcher adds its 4 x 8
-    MG x 8 bytes to the dynamic size when it opts in past 48 KB)."""
+    """Spill-free, and the static shared memory is at most prenorm_static_bytes (the row sums; PRENORM 2: and
+    the experts' positions and weights), which the launcher adds to the dynamic size when it opts in past 48
+    KB."""
     log = compile_log(gemv_cuda.source(cfg, wg_row), "sm_90")
     assert spills(log) == {"w4a16_mma16": (0, 0)}, f"{name}:\n{log[:2000]}"
     static = re.search(r"(\d+) bytes smem", log)
-    assert static and int(static.group(1)) <= 4 * 8 * cfg["MG"] * 8, log
+    assert static and int(static.group(1)) <= gemv_cuda.prenorm_static_bytes(cfg), log
 
 
 @pytest.mark.parametrize("n,k,m", [(6144, 4096, 1), (24576, 4096, 1), (5120, 2048, 1), (6144, 4096, 4)])
@@ -555,3 +561,27 @@ def test_gemm_prenorm_is_refused_where_x_is_not_staged_whole():
         log = _compile_error(gemv_cuda.source(cfg, *args))
         assert "PRENORM needs a dense W4A16 build" in log, (cfg, args)
     assert _compile(gemv_cuda.source(dict(base, KW=2), False), "sm_90")[0] == 0
+
+
+@pytest.mark.parametrize("f32", [False, True])
+@pytest.mark.parametrize("n,k,m", [(5120, 2048, 1), (5120, 2048, 2)])
+def test_gemm_prenorm_combine_reads_the_route_after_the_wait_then_gathers(n, k, m, f32):
+    """PRENORM 2 (the MoE combine): before griddepcontrol.wait only the weights' and the norm weight's copies
+    (and the one global scale); after it the route's pos and weights come from L2 (LDG.E.STRONG.GPU, .U16 for
+    bf16 weights: ld.global.cg, not an L1 line of an earlier layer), a block barrier, then the gathers of the
+    experts' rows (LDGSTS), every copy waited for, and three barriers more before the first multiply."""
+    cfg = gemv_cuda._row_scale_key(gemv_cuda.prenorm_plan(n, k, m, 132, 8, f32), True)
+    insns = _sass_insns(gemv_cuda.source(cfg, True))
+    ops = [op for op, _ in insns]
+    wait = ops.index("ACQBULK")
+    before = [op for op in ops[:wait] if op.startswith(("LDG", "LD.", "UBLKCP", "UTMALDG", "STG"))]
+    assert not [op for op in before if not op.startswith(("LDGSTS", "LDGDEPBAR", "LDG.E.CONSTANT"))], before
+    first_mma = next(i for i in range(wait, len(ops)) if ops[i].startswith("HMMA"))
+    route = [i for i in range(wait, first_mma) if ops[i].startswith("LDG.E") and "STRONG.GPU" in ops[i]]
+    u16 = ["U16" in ops[i] for i in route]  # the bf16 weights' 2-byte loads; pos (and fp32 weights): 4 bytes
+    assert route and not all(u16) and any(u16) != f32, [ops[i] for i in route]
+    bars = [i for i in range(wait, first_mma) if ops[i] == "BAR.SYNC.DEFER_BLOCKING"]
+    assert len(bars) == 4 and route[-1] < bars[0], (route, bars)
+    gathers = [i for i in range(bars[0], bars[1]) if ops[i].startswith("LDGSTS")]
+    depbar = next(i for i in range(bars[0], bars[1]) if ops[i] == "DEPBAR.LE")
+    assert gathers and gathers[-1] < depbar and insns[depbar][1].replace(" ", "").endswith(",0x0")

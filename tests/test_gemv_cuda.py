@@ -509,6 +509,29 @@ def test_launch_prenorm_refuses_operands_it_cannot_read():
         gemv_cuda.launch_prenorm(x, x[:1], nw, 1e-6, wc, g, y)
     with pytest.raises(ValueError, match="norm_weight must be"):
         gemv_cuda.launch_prenorm(x, x, nw.float(), 1e-6, wc, g, y)
+    d = torch.zeros(2 * 4, 256, dtype=torch.bfloat16)
+    moe = (d, torch.arange(8, dtype=torch.int32), torch.ones(2, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="one of the two"):
+        gemv_cuda.launch_prenorm(x, x, nw, 1e-6, wc, g, y, moe=moe)
+    with pytest.raises(ValueError, match="one of the two"):
+        gemv_cuda.launch_prenorm(x, None, nw, 1e-6, wc, g, y)
+    with pytest.raises(ValueError, match="moe pos must be"):
+        gemv_cuda.launch_prenorm(x, None, nw, 1e-6, wc, g, y, moe=(d, moe[1].long(), moe[2]))
+
+
+def test_prenorm_plan_with_the_moe_combine():
+    """ktop > 0: PRENORM 2 with KTOP / MW_F32, the same K split as the plain plan, shared memory for ktop
+    expert rows per row of x instead of hr's one; Qwen3-30B-A3B's q/k/v (5120 x 2048, 8 experts a token) at
+    1-2 rows, none at 4 (8 x 4 expert rows of 2048 do not fit two CTAs per SM)."""
+    for m in (1, 2):
+        cfg = gemv_cuda.prenorm_plan(5120, 2048, m, 132, ktop=8, w_f32=True)
+        plain = gemv_cuda.prenorm_plan(5120, 2048, m, 132)
+        assert cfg == dict(plain, PRENORM=2, KTOP=8, MW_F32=1), cfg
+        rows = (8 - 1) * m * (2048 + 8) * 2
+        more = gemv_cuda.smem_bytes(cfg, 2048, m) - gemv_cuda.smem_bytes(plain, 2048, m)
+        assert rows <= more < rows + 128, (more, rows)
+        assert gemv_cuda.prenorm_static_bytes(cfg) == gemv_cuda.prenorm_static_bytes(plain) + 8 * 8 * 8
+    assert gemv_cuda.prenorm_plan(5120, 2048, 4, 132, ktop=8) is None
 
 
 @pytest.mark.gpu
@@ -549,3 +572,39 @@ def test_gpu_prenorm_is_add_rmsnorm_then_the_gemm_bit_for_bit(n, k):
                 gemv_cuda.launch_prenorm(xr[:1], hr[:1], nw, 1e-6, wc, gs, one)
                 assert torch.equal(one[0], got[0]), m
     assert planned and gemv_cuda.PN_STATE["ok"] is True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k,ktop", [(5120, 2048, 8), (144, 640, 3)])
+def test_gpu_prenorm_combine_is_add_rmsnorm_moe_then_the_gemm_bit_for_bit(n, k, ktop, w_dtype):
+    """PRENORM 2 against its definition on the same GPU: x' and the GEMM's output equal
+    prenorm.reference(moe=)'s x' and launch() on its y bit for bit at the rows it plans, the experts' rows in
+    a shuffled order (pos a permutation), d with a row stride; x' is fused.add_rmsnorm(moe=)'s x' too."""
+    from fp4rl.kernels import fused, prenorm
+
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    w, wc, wd, g, base = _gpu_case(n, k, {}, 8, seed=13)
+    gen = torch.Generator().manual_seed(14)
+    xr = (torch.randn(8, k, generator=gen) * 3).bfloat16().cuda()
+    nw = (torch.rand(k, generator=gen) + 0.5).bfloat16().cuda()
+    planned = 0
+    for m in range(1, 9):
+        if gemv_cuda.prenorm_plan(n, k, m, torch.cuda.get_device_properties(0).multi_processor_count, ktop,
+                                  w_dtype == torch.float32) is None:
+            continue
+        planned += 1
+        dwide = torch.randn(m * ktop, k + 32, generator=gen).bfloat16().cuda()
+        d = dwide[:, :k]
+        pos = torch.randperm(m * ktop, generator=gen).to(torch.int32).cuda()
+        wts = torch.softmax(torch.randn(m, ktop, generator=gen), -1).to(w_dtype).cuda()
+        xs_ref, y_ref = prenorm.reference(xr[:m], None, nw, 1e-6, moe=(d, pos, wts))
+        assert torch.equal(xs_ref, fused.add_rmsnorm(xr[:m], None, nw, 1e-6, moe=(d, pos, wts))[0])
+        want = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        gemv_cuda.launch(y_ref, wc, g, want)
+        got = torch.full_like(want, float("nan"))
+        out = gemv_cuda.launch_prenorm(xr[:m], None, nw, 1e-6, wc, g, got, moe=(d, pos, wts))
+        assert out is not None and torch.equal(out[0], xs_ref), m
+        assert torch.equal(got, want), (m, (got.float() - want.float()).abs().max().item())
+    assert planned and gemv_cuda.PN_STATE["moe_ok"] is True

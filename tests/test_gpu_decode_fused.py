@@ -11,6 +11,7 @@ from gpu_decode_cases import (  # (before fp4rl: it sets TRITON_INTERPRET withou
     MOE,
     PROMPTS,
     WIDE,
+    WIDE_MOE,
     V,
     teacher_forced_logits,
     tiny,
@@ -433,31 +434,36 @@ def test_gpu_one_launch_rope_and_router_norm_under_graphs(flags, monkeypatch):
 QWEN2_WIDE = dict(WIDE, model_type="qwen2", qk_norm=False, qkv_bias=True)  # (q/k/v biases)
 
 
-@pytest.mark.parametrize("config", [WIDE, QWEN2_WIDE])
+@pytest.mark.parametrize("config", [WIDE, QWEN2_WIDE, WIDE_MOE])
 def test_dense_norm_in_the_fused_step(config, monkeypatch):
-    """gpu_decode.DENSE_NORM: a dense layer's residual add + RMSNorm runs inside its q/k/v and gate/up GEMMs'
-    launches (the sites' norm_run: gpu_linear.prenorm_gemm -> gemv_cuda.launch_prenorm; on a CPU
-    prenorm.reference and the mma16 copy's emulated weight stand in for the kernel): per step
+    """gpu_decode.DENSE_NORM: a layer's residual add + RMSNorm runs inside its q/k/v and (dense) gate/up
+    GEMMs' launches (the sites' norm_run: gpu_linear.prenorm_gemm -> gemv_cuda.launch_prenorm; on a CPU
+    prenorm.reference and the mma16 copy's emulated weight stand in for the kernel). Dense layers: per step
     fused.add_rmsnorm runs twice (layer 0's input norm, which adds nothing, and the final norm) instead of 2 L
-    + 1 times, each GEMM's launch gets the residual, the layer output and its norm, the logits are those of
-    the separate launches up to the norm's order (a bf16 ulp of y) and the GEMM's (fp64 here), greedy tokens
+    + 1 times; MoE layers (no shared expert): each input norm but layer 0's takes the previous layer's combine
+    (moe = (d, pos, w), no h) into the q/k/v launch, L + 2 add_rmsnorm a step. The logits are those of the
+    separate launches up to the norm's order (a bf16 ulp of y) and the GEMM's (fp64 here), greedy tokens
     equal, biases added. A failing launch turns it off with a warning: the step runs add_rmsnorm + the GEMM
     again (the same logits as with the flag off, bit for bit on the CPU)."""
     from fp4rl.kernels import fused, gemv_cuda, prenorm
 
-    monkeypatch.setattr(gemv_cuda, "prenorm_available",
-                        lambda device=None: gemv_cuda.PN_STATE["ok"] is not False)
+    key = "moe_ok" if "num_experts" in config else "ok"  # (the build that runs: PRENORM 2 or 1)
+    monkeypatch.setattr(gemv_cuda, "prenorm_available", lambda device=None, moe=False:
+                        gemv_cuda.PN_STATE["moe_ok" if moe else "ok"] is not False)
     monkeypatch.setitem(gemv_cuda.PN_STATE, "ok", None)
+    monkeypatch.setitem(gemv_cuda.PN_STATE, "moe_ok", None)
     monkeypatch.setattr(gpu_linear, "mma16_copy", lambda cache, data, scale: gemv_cuda.relayout(data, scale))
-    calls = {"norm": 0, "gemm": 0}
+    calls = {"norm": 0, "gemm": 0, "moe": 0}
 
-    def launch_prenorm(x2, h, norm_weight, eps, wc, g, y):
+    def launch_prenorm(x2, h, norm_weight, eps, wc, g, y, moe=None):
         calls["gemm"] += 1
-        assert x2.shape == h.shape and norm_weight.numel() == wc.k == x2.shape[1] and y.shape[1] == wc.n
-        xs, yn = prenorm.reference(x2, h, norm_weight, eps)
+        calls["moe"] += moe is not None
+        assert (h is None) != (moe is None) and norm_weight.numel() == wc.k == x2.shape[1]
+        assert y.shape == (x2.shape[0], wc.n) and (h is None or h.shape == x2.shape)
+        xs, yn = prenorm.reference(x2, h, norm_weight, eps, moe=moe)
         w = gemv_cuda.emulate_weight(wc) * 256.0 * g.double().reshape(-1, 1)  # DQ(W) (global scale per row)
         y.copy_((yn.double() @ w.t()).to(y.dtype))
-        gemv_cuda.PN_STATE["ok"] = True
+        gemv_cuda.PN_STATE["moe_ok" if moe is not None else "ok"] = True
         return xs, y
 
     monkeypatch.setattr(gemv_cuda, "launch_prenorm", launch_prenorm)
@@ -476,7 +482,12 @@ def test_dense_norm_in_the_fused_step(config, monkeypatch):
     monkeypatch.setattr(gpu_decode, "DENSE_NORM", True)
     s.engine.reset_graphs()
     got = teacher_forced_logits(s, forced)
-    assert calls["gemm"] == steps * (2 * layers - 1) and calls["norm"] == steps * 2, calls
+    if "num_experts" in config:
+        assert calls["gemm"] == calls["moe"] == steps * (layers - 1), calls
+        assert calls["norm"] == steps * (layers + 2), calls
+    else:
+        assert calls["gemm"] == steps * (2 * layers - 1) and not calls["moe"], calls
+        assert calls["norm"] == steps * 2, calls
     err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
     assert 0 < err < 2e-2, err
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
@@ -489,16 +500,37 @@ def test_dense_norm_in_the_fused_step(config, monkeypatch):
     s.engine.reset_graphs()
     with pytest.warns(UserWarning, match="inside the mma16 GEMM's launch disabled"):
         fallback = teacher_forced_logits(s, forced)
-    assert gemv_cuda.PN_STATE["ok"] is False and calls["norm"] == norms_off
+    assert gemv_cuda.PN_STATE[key] is False and calls["norm"] == norms_off
     assert torch.equal(fallback, ref)
 
 
+def test_dense_norm_takes_one_thing_to_add(monkeypatch):
+    """_dense_norm folds an add + RMSNorm with one thing to add (h, or a combine without a shared expert's h):
+    nothing (layer 0) or both (a combine and a shared term) leave it to add_rmsnorm; so do the flag off, a
+    W4A4 site (its Q(x) comes from the norm kernel) and a site without norm_run."""
+    seen = []
+    site = gpu_decode._Site(lambda x2, xq=None: x2, None,
+                            lambda x, h, norm, moe: seen.append((h, moe)) or "ok")
+    x, h, moe = torch.zeros(1, 4), torch.ones(1, 4), {"moe": ("d", "pos", "w")}
+    monkeypatch.setattr(gpu_decode, "DENSE_NORM", True)
+    assert gpu_decode._dense_norm(site, None, x, h, "norm", {}) == "ok"
+    assert gpu_decode._dense_norm(site, None, x, None, "norm", moe) == "ok"
+    assert seen == [(h, None), (None, ("d", "pos", "w"))]
+    assert gpu_decode._dense_norm(site, None, x, None, "norm", {}) is None
+    assert gpu_decode._dense_norm(site, None, x, h, "norm", moe) is None
+    assert gpu_decode._dense_norm(site, {"scale_rule": "1x16"}, x, h, "norm", {}) is None
+    assert gpu_decode._dense_norm(gpu_decode._Site(site.run), None, x, h, "norm", {}) is None
+    monkeypatch.setattr(gpu_decode, "DENSE_NORM", False)
+    assert gpu_decode._dense_norm(site, None, x, h, "norm", {}) is None and len(seen) == 2
+
+
 @pytest.mark.gpu
-def test_gpu_dense_norm_under_graphs(monkeypatch):
+@pytest.mark.parametrize("config", [WIDE, WIDE_MOE])
+def test_gpu_dense_norm_under_graphs(config, monkeypatch):
     """On the GPU, the PRENORM GEMM itself (nothing stands in): gpu_decode.DENSE_NORM under graph replays with
     PDL decodes the greedy tokens of the same engine without it, the logits within 2e-2; every dense layer's
-    q/k/v and gate/up but layer 0's q/k/v took the one-launch path (counted at capture) and it never fell
-    back."""
+    q/k/v and gate/up but layer 0's q/k/v (MoE layers: each q/k/v but layer 0's, with the combine) took the
+    one-launch path (counted at capture) and it never fell back."""
     from fp4rl.kernels import gemv_cuda
 
     if not gemv_cuda.available():
@@ -512,7 +544,7 @@ def test_gpu_dense_norm_under_graphs(monkeypatch):
         return out
 
     monkeypatch.setattr(gemv_cuda, "launch_prenorm", counted)
-    s = Sampler(tiny(WIDE, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
+    s = Sampler(tiny(config, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
                 eos_token_ids=[])
     forced = torch.randint(0, V, (len(PROMPTS), 3), generator=torch.Generator().manual_seed(9))
     params = SamplingParams(n=1, greedy=True, max_new_tokens=8)
@@ -523,8 +555,10 @@ def test_gpu_dense_norm_under_graphs(monkeypatch):
     got = teacher_forced_logits(s, forced)
     b = s.generate(PROMPTS, params)
     assert s.engine.graph_error is None and s.engine.counts["replays"] > 0
-    assert taken and all(taken) and gemv_cuda.PN_STATE["ok"] is True, (taken, gemv_cuda.PN_STATE)
-    assert len(taken) % (2 * WIDE["num_hidden_layers"] - 1) == 0, len(taken)
+    key = "moe_ok" if "num_experts" in config else "ok"
+    assert taken and all(taken) and gemv_cuda.PN_STATE[key] is True, (taken, gemv_cuda.PN_STATE)
+    layers = config["num_hidden_layers"]
+    assert len(taken) % (layers - 1 if "num_experts" in config else 2 * layers - 1) == 0, len(taken)
     err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
     print(f"DENSE_NORM: max relative logit difference {err:.2e}")
     assert err < 2e-2, err

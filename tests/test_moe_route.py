@@ -174,6 +174,29 @@ def test_combine_is_the_weighted_sum_in_pair_order():
         moe_route.combine(d[:-1], pos, w)
 
 
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+def test_prenorm_combine_is_add_rmsnorm_with_the_moe_combine(w_dtype):
+    """prenorm.reference(moe=) (the PRENORM 2 GEMM's arithmetic): its combine is moe_route.combine's bits, its
+    x' = bf16(x + combine) fused.add_rmsnorm(moe=)'s bit for bit, its y within a bf16 ulp of add_rmsnorm's
+    (the sum of squares' order, IEEE sqrt and division) and equal in >= 98% of the elements."""
+    from fp4rl.kernels import fused, prenorm
+
+    t, k, h = 3, 8, 512
+    lg = _logits(t, 32, seed=7)
+    _, w, _, pos, _ = moe_route.route(lg, k, True)
+    w = w.to(w_dtype)
+    gen = torch.Generator().manual_seed(3)
+    d = torch.randn(t * k, h, generator=gen).bfloat16().to(DEV)
+    x = (torch.randn(t, h, generator=gen) * 3).bfloat16().to(DEV)
+    nw = (torch.rand(h, generator=gen) + 0.5).bfloat16().to(DEV)
+    assert torch.equal(prenorm.combine(d, pos, w), moe_route.combine(d, pos, w))
+    xs, y = prenorm.reference(x, None, nw, 1e-6, moe=(d, pos, w))
+    xo, yo, _ = fused.add_rmsnorm(x, None, nw, 1e-6, moe=(d, pos, w))
+    assert torch.equal(xs, xo)
+    a, b = y.view(torch.int16).int(), yo.view(torch.int16).int()
+    assert int((a - b).abs().max()) <= 1 and (y == yo).float().mean().item() >= 0.98
+
+
 MOE = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
            qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)

@@ -80,3 +80,23 @@ def test_check_refuses_what_the_builds_cannot_read():
         prenorm.check(x, x, w.float(), "t")
     with pytest.raises(ValueError, match="norm_weight must be"):
         prenorm.check(x, x, torch.ones(128, dtype=torch.bfloat16)[::2], "t")
+
+
+def test_check_moe_refuses_what_the_combine_build_cannot_read():
+    """check_moe: d [T k, H] bfloat16, pos [T k] int32 contiguous, w [T, k <= 16] bf16 / fp32 with unit column
+    stride; what it returns is what the launch passes (pos flattened)."""
+    t, k, hd = 2, 4, 64
+    x = torch.zeros(t, hd, dtype=torch.bfloat16)
+    nw = torch.ones(hd, dtype=torch.bfloat16)
+    d = torch.zeros(t * k, hd, dtype=torch.bfloat16)
+    pos = torch.arange(t * k, dtype=torch.int32)
+    w = torch.ones(t, k, dtype=torch.bfloat16)
+    dd, pp, ww = prenorm.check_moe(x, (d, pos.view(t, k), w), nw, "t")
+    assert dd is d and pp.shape == (t * k,) and ww is w
+    bad = [((d[:-1], pos, w), "moe d must be"), ((d.float(), pos, w), "moe d must be"),
+           ((d, pos.long(), w), "moe pos must be"), ((d, pos[:-1], w), "moe pos must be"),
+           ((d, pos, w.half()), "moe w must be"), ((d, pos, w.t().contiguous().t()), "moe w must be"),
+           ((d, pos, torch.ones(t, 17, dtype=torch.bfloat16)), "moe w must be"), ((d, pos), "moe must be")]
+    for moe, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            prenorm.check_moe(x, moe, nw, "t")

@@ -16,7 +16,11 @@
 // staging (prenorm.cuh; fp4rl.kernels.prenorm.reference's bits: x' = bf16(x + hr), y = bf16(w * bf16(x' *
 // rstd)), the sum of squares in its fixed lane / warp order) instead of a separate fused.add_rmsnorm launch;
 // CTA 0 writes x' (the next residual) to xo. The norm weight is copied to shared memory before
-// griddepcontrol.wait (read-only during a decode step, as the weights).
+// griddepcontrol.wait (read-only during a decode step, as the weights). PRENORM 2: what is added is the MoE
+// combine of the previous layer's routed experts instead of hr (fused.add_rmsnorm(moe=)'s job): x' = bf16(x +
+// bf16(sum_j w[t, j] * d[pos[t KTOP + j]])), the products rounded, added in j order from +0 (moe_route.combine's
+// bits); hr is d [T KTOP, K] (the experts' down projection, sorted rows), mpos / mw the route's pos [T KTOP] and
+// weights [T, KTOP] (MW_F32: fp32, else bf16), read after the wait from L2.
 // XG_ROW: x is a dequantized NVFP4 activation without its per-row global scale (W4A4 emulation: x =
 // e2m1 * block_scale, exact in bf16); xg[m] multiplies row m's sum with the weight's global scale.
 //
@@ -104,7 +108,7 @@ typedef unsigned long long u64;
 #endif
 #if PRENORM
 #define PN_ARGS , const u16* __restrict__ hr, const u16* __restrict__ nw, u16* __restrict__ xo, int stride_h, \
-                int inv_h_bits, int eps_bits
+                int inv_h_bits, int eps_bits, const int* mpos, const void* mw, int stride_mw
 #else
 #define PN_ARGS
 #endif
@@ -163,6 +167,16 @@ typedef unsigned long long u64;
 #if PRENORM && (SPLIT > 1 || XSTREAM || WGMMA || GROUPED || XG_ROW || SILU || WARPS != 8)
 #error "PRENORM needs a dense W4A16 build that stages x whole (SPLIT 1, no XSTREAM, WGMMA, GROUPED, XG_ROW, SILU)"
 #endif
+#ifndef KTOP
+#define KTOP 1  // PRENORM 2: the experts per token
+#endif
+#ifndef MW_F32
+#define MW_F32 0
+#endif
+#if PRENORM == 2 && (KTOP < 1 || KTOP > 16)
+#error "PRENORM 2 needs KTOP (the experts per token) in 1..16"
+#endif
+#define PN_ROWS (PRENORM == 2 ? KTOP : 1)  // rows of hr per row of x (PRENORM 2: the token's expert outputs)
 #ifndef GSR
 #define GSR 0  // KW > 1 with per-row global scales (WG_ROW): each thread's row scale read early too (below)
 #endif
@@ -528,10 +542,15 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // matrices (8 rows x 16 B): block kb (k 16 kb..), row group ng, half kh at kb * MG * 256 + ng * 256 + kh * 128
     const int XSTAGE = WGMMA ? XROWS * 256 : (XR + 1) * XS * 2;
 #if PRENORM
-    // PRENORM: then hr's rows [XR][XS] (x' is formed in x's) and the norm weight [K] (gemv_cuda.smem_bytes)
+    // PRENORM: then hr's rows [XR PN_ROWS][XS] (x' is formed in x's) and the norm weight [K]
+    // (gemv_cuda.smem_bytes)
     u16* hs = xs + (XR + 1) * XS;
-    u16* nsm = hs + XR * XS;
-    const int PN_BYTES = XR * XS * 2 + K * 2;
+    u16* nsm = hs + XR * PN_ROWS * XS;
+    const int PN_BYTES = XR * PN_ROWS * XS * 2 + K * 2;
+#if PRENORM == 2
+    __shared__ int pn_pos[XROWS * KTOP];  // the rows' expert positions (d's sorted rows) and weights
+    __shared__ float pn_w[XROWS * KTOP];
+#endif
 #else
     const int PN_BYTES = 0;
 #endif
@@ -738,6 +757,37 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             }
             *reinterpret_cast<uint4*>(xs + m * XS + kc) = a;
         }
+#elif PRENORM == 2
+        // the residual's rows to x's place; the route's pos and weights of the rows' KTOP experts to shared
+        // memory (loads from L2: the route wrote them; this SM's L1 may hold an earlier layer's), then each
+        // row's KTOP expert outputs (cp.async gathers of d's sorted rows). The norm below
+        for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : (XR + 1) * cw); c += WARPS * 32) {
+            const int m = c / cw, kc = (c - m * cw) * 8;
+            const bool in = m < M;
+            cp_async16(smem_u32(xs + m * XS + kc), in ? x + (u64)m * stride_xm + kc : x, in ? 16 : 0);
+        }
+        for (int q = threadIdx.x; q < XR * KTOP; q += WARPS * 32) {
+            const int t = q / KTOP, j = q - t * KTOP;
+            int pv;
+            asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(pv) : "l"(mpos + q) : "memory");
+            pn_pos[q] = pv;
+#if MW_F32
+            u32 wv;
+            asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(wv) : "l"((const float*)mw + (u64)t * stride_mw + j)
+                         : "memory");
+            pn_w[q] = __uint_as_float(wv);
+#else
+            u16 wv;
+            asm volatile("ld.global.cg.b16 %0, [%1];" : "=h"(wv) : "l"((const u16*)mw + (u64)t * stride_mw + j)
+                         : "memory");
+            pn_w[q] = __uint_as_float((u32)wv << 16);
+#endif
+        }
+        __syncthreads();
+        for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : XR * KTOP * cw); c += WARPS * 32) {
+            const int r = c / cw, kc = (c - r * cw) * 8;
+            cp_async16(smem_u32(hs + r * XS + kc), hr + (u64)pn_pos[r] * stride_h + kc, 16);
+        }
 #elif PRENORM
         // the residual's rows to x's place, hr's to theirs (the whole K: kbase 0, kend K); the norm below
         for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : (XR + 1) * cw); c += WARPS * 32) {
@@ -777,7 +827,16 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                 const int kc = 8 * (lane + 32 * i);
                 if (kc < K) {
                     uint4* px = reinterpret_cast<uint4*>(xs + t * XS + kc);
+#if PRENORM == 2
+                    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                    for (int j = 0; j < KTOP; ++j)
+                        pn_wsum8(acc, *reinterpret_cast<const uint4*>(hs + (t * KTOP + j) * XS + kc),
+                                 pn_w[t * KTOP + j]);
+                    const uint4 v = pn_add8(*px, pn_round8(acc));
+#else
                     const uint4 v = pn_add8(*px, *reinterpret_cast<const uint4*>(hs + t * XS + kc));
+#endif
                     *px = v;
                     ss = pn_sq8(ss, v);
                 }

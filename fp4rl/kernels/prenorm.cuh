@@ -67,3 +67,22 @@ __device__ __forceinline__ void pn_st16(void* p, const uint4& v) {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
 }
+
+// acc[e] += bf16 element e of d times w, the product rounded (no FMA): moe_route.combine's step for one expert
+__device__ __forceinline__ void pn_wsum8(float* acc, const uint4& d, float w) {
+    const unsigned int dv[4] = {d.x, d.y, d.z, d.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        acc[2 * k] = __fadd_rn(acc[2 * k], __fmul_rn(w, pn_lo(dv[k])));
+        acc[2 * k + 1] = __fadd_rn(acc[2 * k + 1], __fmul_rn(w, pn_hi(dv[k])));
+    }
+}
+
+// 8 fp32 -> the chunk of their bf16 roundings (RNE)
+__device__ __forceinline__ uint4 pn_round8(const float* acc) {
+    unsigned int o[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        o[k] = (unsigned int)pn_bf16(acc[2 * k]) | ((unsigned int)pn_bf16(acc[2 * k + 1]) << 16);
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}

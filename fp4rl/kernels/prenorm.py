@@ -63,12 +63,26 @@ def sumsq(xs: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def reference(x: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, eps: float):
+def combine(d: torch.Tensor, pos: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """moe_route.combine's bits in torch ops: r[t] = bf16(sum_j w[t, j] * d[pos[t k + j]]), each product
+    rounded to fp32, added in j order from +0."""
+    t, k = w.shape
+    rows = d[pos.long().reshape(t, k)].float()  # [t, k, H]
+    acc = torch.zeros(t, d.shape[1], device=d.device)
+    for j in range(k):
+        acc = acc + w[:, j:j + 1].float() * rows[:, j]
+    return acc.bfloat16()
+
+
+def reference(x: torch.Tensor, h: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+              moe: tuple | None = None):
     """The PRENORM builds' x' and y [T, H] in torch ops (each op one IEEE rounding; any device): x' = bf16(x +
-    h), rstd = 1 / sqrt(sumsq(x') * float32(1 / H) + float32(eps)) (IEEE sqrt and division), y = bf16(w *
-    bf16(x' * rstd))."""
+    h) (moe = (d, pos, w) with h None: bf16(x + combine(d, pos, w)), the GEMM's PRENORM 2), rstd = 1 /
+    sqrt(sumsq(x') * float32(1 / H) + float32(eps)) (IEEE sqrt and division), y = bf16(w * bf16(x' *
+    rstd))."""
     hd = x.shape[1]
-    xs = (x.float() + h.float()).bfloat16()  # [t, H]
+    add = combine(*moe) if moe is not None else h
+    xs = (x.float() + add.float()).bfloat16()  # [t, H]
     inv_h = torch.tensor(1.0 / hd, dtype=torch.float32, device=x.device)
     eps32 = torch.tensor(eps, dtype=torch.float32, device=x.device)
     rstd = 1.0 / torch.sqrt(sumsq(xs) * inv_h + eps32)  # [t]
@@ -87,3 +101,27 @@ def check(x: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, what: str
             or not norm_weight.is_contiguous() or norm_weight.data_ptr() % 16:
         raise ValueError(f"{what}: norm_weight must be the RMSNorm's contiguous, 16-byte aligned bfloat16 "
                          f"[{hd}] weight on {x.device}, got {norm_weight.dtype} {tuple(norm_weight.shape)}")
+
+
+def check_moe(x: torch.Tensor, moe, norm_weight: torch.Tensor, what: str):
+    """The MoE combine's operands a PRENORM 2 build takes -> (d, pos, w): d [T k, H] bfloat16 with unit column
+    stride, pos [T k] int32, w [T, k] bfloat16 or float32 with unit column stride, on x's device (x [T, H]);
+    the norm weight as `check` wants it."""
+    if not isinstance(moe, (tuple, list)) or len(moe) != 3 \
+            or not all(isinstance(v, torch.Tensor) for v in moe):
+        raise ValueError(f"{what}: moe must be the tensors (d, pos, w) of moe_route.combine")
+    check(x, x, norm_weight, what)
+    d, pos, w = moe
+    t, hd = x.shape
+    if w.ndim != 2 or w.shape[0] != t or not 1 <= w.shape[1] <= 16 or w.stride(1) != 1 \
+            or w.dtype not in (torch.bfloat16, torch.float32) or w.device != x.device:
+        raise ValueError(f"{what}: moe w must be bfloat16 / float32 [T={t}, k <= 16] with unit column stride "
+                         f"on {x.device}, got {w.dtype} {tuple(w.shape)} strides {w.stride()}")
+    k = w.shape[1]
+    if d.shape != (t * k, hd) or d.dtype != torch.bfloat16 or d.stride(1) != 1 or d.device != x.device:
+        raise ValueError(f"{what}: moe d must be bfloat16 [T k = {t * k}, H = {hd}] with unit column stride "
+                         f"on {x.device}, got {d.dtype} {tuple(d.shape)} strides {d.stride()}")
+    if pos.numel() != t * k or pos.dtype != torch.int32 or not pos.is_contiguous() or pos.device != x.device:
+        raise ValueError(f"{what}: moe pos must be contiguous int32 [T k = {t * k}] on {x.device}, got "
+                         f"{pos.dtype} {tuple(pos.shape)}")
+    return d, pos.reshape(-1), w
