@@ -196,6 +196,20 @@ def test_one_launch_rope_attention_in_the_fused_step(config, monkeypatch):
     assert torch.equal(fallback, ref)
 
 
+def _counting_norms(config, calls, monkeypatch):
+    """A W4A16 kernel sampler of `config` whose fused.add_rmsnorm launches count in calls["norm"], 2 forced
+    tokens a prompt, and its teacher-forced logits as they are (the reference for a flag's A/B)."""
+    from fp4rl.kernels import fused
+
+    real = fused.add_rmsnorm
+    monkeypatch.setattr(fused, "add_rmsnorm", lambda *a, **kw: calls.__setitem__("norm", calls["norm"] + 1)
+                        or real(*a, **kw))
+    s = Sampler(tiny(config, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
+                eos_token_ids=[], kernels=True)
+    forced = torch.randint(0, V, (len(PROMPTS), 2), generator=torch.Generator().manual_seed(8))
+    return s, forced, teacher_forced_logits(s, forced)
+
+
 @pytest.mark.parametrize("config", [MOE, SHARED_MOE])
 def test_router_norm_in_the_fused_step(config, monkeypatch):
     """gpu_decode.ROUTER_NORM: an MoE layer's post-attention add + RMSNorm runs inside the CUDA router +
@@ -203,7 +217,7 @@ def test_router_norm_in_the_fused_step(config, monkeypatch):
     one fused.add_rmsnorm launch fewer per MoE layer and step, the logits those of the two launches up to the
     norm's order (a bf16 ulp of y), greedy tokens equal; a shared expert takes the same y."""
     from fp4rl import gpu_experts
-    from fp4rl.kernels import fused, moe_route_cuda
+    from fp4rl.kernels import moe_route_cuda
 
     monkeypatch.setattr(moe_route_cuda, "available",
                         lambda device=None: moe_route_cuda.STATE["ok"] is not False)
@@ -221,13 +235,7 @@ def test_router_norm_in_the_fused_step(config, monkeypatch):
     for name, value in (("FUSED_ROUTER", True), ("ROUTER_MAX_TOKENS", 8), ("ROUTER_CUDA", True),
                         ("ROUTER_CUDA_MAX_TOKENS", 8)):
         monkeypatch.setattr(gpu_experts, name, value)
-    real = fused.add_rmsnorm
-    monkeypatch.setattr(fused, "add_rmsnorm", lambda *a, **kw: calls.__setitem__("norm", calls["norm"] + 1)
-                        or real(*a, **kw))
-    s = Sampler(tiny(config, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
-                eos_token_ids=[], kernels=True)
-    forced = torch.randint(0, V, (len(PROMPTS), 2), generator=torch.Generator().manual_seed(8))
-    ref = teacher_forced_logits(s, forced)
+    s, forced, ref = _counting_norms(config, calls, monkeypatch)
     norms_off = calls["norm"]
     assert calls["route"] == 0 and norms_off
     calls.update(norm=0)
@@ -410,25 +418,31 @@ def test_gpu_one_launch_rope_and_router_norm_under_graphs(flags, monkeypatch):
 
     if "ROUTER_NORM" in flags and not moe_route_cuda.available():
         pytest.skip("needs an sm_90 GPU and NVRTC")
-    s = Sampler(tiny(MOE, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
+    s = _gpu_flags_ab(MOE, flags, monkeypatch)
+    assert s.engine.attn_rope_error is None
+    if "ROUTER_NORM" in flags:
+        assert moe_route_cuda.NORM_STATE["ok"] is True, moe_route_cuda.NORM_STATE
+
+
+def _gpu_flags_ab(config, flags, monkeypatch):
+    """The W4A16 engine of `config` with gpu_decode's `flags` on against itself without them, under graph
+    replays (3 forced tokens a prompt, then 8 greedy ones): the logits within 2e-2, the greedy tokens equal,
+    no capture failure. Returns the sampler (flags on)."""
+    s = Sampler(tiny(config, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
                 eos_token_ids=[])
     forced = torch.randint(0, V, (len(PROMPTS), 3), generator=torch.Generator().manual_seed(9))
     params = SamplingParams(n=1, greedy=True, max_new_tokens=8)
-    ref = teacher_forced_logits(s, forced)
-    a = s.generate(PROMPTS, params)
+    ref, a = teacher_forced_logits(s, forced), s.generate(PROMPTS, params)
     for name in flags:
         monkeypatch.setattr(gpu_decode, name, True)
     s.engine.reset_graphs()
-    got = teacher_forced_logits(s, forced)
-    b = s.generate(PROMPTS, params)
-    assert s.engine.graph_error is None and s.engine.attn_rope_error is None
-    assert s.engine.counts["replays"] > 0
-    if "ROUTER_NORM" in flags:
-        assert moe_route_cuda.NORM_STATE["ok"] is True, moe_route_cuda.NORM_STATE
+    got, b = teacher_forced_logits(s, forced), s.generate(PROMPTS, params)
+    assert s.engine.graph_error is None and s.engine.counts["replays"] > 0
     err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
     print(f"{flags}: max relative logit difference {err:.2e}")
     assert err < 2e-2, err
     assert [x.completion_ids for x in a] == [y.completion_ids for y in b]
+    return s
 
 
 QWEN2_WIDE = dict(WIDE, model_type="qwen2", qk_norm=False, qkv_bias=True)  # (q/k/v biases)
@@ -445,7 +459,7 @@ def test_dense_norm_in_the_fused_step(config, monkeypatch):
     separate launches up to the norm's order (a bf16 ulp of y) and the GEMM's (fp64 here), greedy tokens
     equal, biases added. A failing launch turns it off with a warning: the step runs add_rmsnorm + the GEMM
     again (the same logits as with the flag off, bit for bit on the CPU)."""
-    from fp4rl.kernels import fused, gemv_cuda, prenorm
+    from fp4rl.kernels import gemv_cuda, prenorm
 
     if DEV != "cpu":  # (the stand-in's relayout would run inside the graph capture)
         pytest.skip("on a GPU the kernel itself runs: test_gpu_dense_norm_under_graphs")
@@ -469,13 +483,7 @@ def test_dense_norm_in_the_fused_step(config, monkeypatch):
         return xs, y
 
     monkeypatch.setattr(gemv_cuda, "launch_prenorm", launch_prenorm)
-    real = fused.add_rmsnorm
-    monkeypatch.setattr(fused, "add_rmsnorm", lambda *a, **kw: calls.__setitem__("norm", calls["norm"] + 1)
-                        or real(*a, **kw))
-    s = Sampler(tiny(config, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
-                eos_token_ids=[], kernels=True)
-    forced = torch.randint(0, V, (len(PROMPTS), 2), generator=torch.Generator().manual_seed(8))
-    ref = teacher_forced_logits(s, forced)
+    s, forced, ref = _counting_norms(config, calls, monkeypatch)
     norms_off = calls["norm"]
     layers = config["num_hidden_layers"]
     steps = norms_off // (2 * layers + 1)
@@ -546,22 +554,8 @@ def test_gpu_dense_norm_under_graphs(config, monkeypatch):
         return out
 
     monkeypatch.setattr(gemv_cuda, "launch_prenorm", counted)
-    s = Sampler(tiny(config, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
-                eos_token_ids=[])
-    forced = torch.randint(0, V, (len(PROMPTS), 3), generator=torch.Generator().manual_seed(9))
-    params = SamplingParams(n=1, greedy=True, max_new_tokens=8)
-    ref = teacher_forced_logits(s, forced)
-    a = s.generate(PROMPTS, params)
-    monkeypatch.setattr(gpu_decode, "DENSE_NORM", True)
-    s.engine.reset_graphs()
-    got = teacher_forced_logits(s, forced)
-    b = s.generate(PROMPTS, params)
-    assert s.engine.graph_error is None and s.engine.counts["replays"] > 0
+    _gpu_flags_ab(config, ("DENSE_NORM",), monkeypatch)
     key = "moe_ok" if "num_experts" in config else "ok"
     assert taken and all(taken) and gemv_cuda.PN_STATE[key] is True, (taken, gemv_cuda.PN_STATE)
     layers = config["num_hidden_layers"]
     assert len(taken) % (layers - 1 if "num_experts" in config else 2 * layers - 1) == 0, len(taken)
-    err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
-    print(f"DENSE_NORM: max relative logit difference {err:.2e}")
-    assert err < 2e-2, err
-    assert [x.completion_ids for x in a] == [y.completion_ids for y in b]

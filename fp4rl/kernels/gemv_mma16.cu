@@ -758,6 +758,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             *reinterpret_cast<uint4*>(xs + m * XS + kc) = a;
         }
 #elif PRENORM == 2
+        (void)kbase, (void)kend;  // (the whole K: 0 and K)
         // the residual's rows to x's place; the route's pos and weights of the rows' KTOP experts to shared
         // memory (loads from L2: the route wrote them; this SM's L1 may hold an earlier layer's), then each
         // row's KTOP expert outputs (cp.async gathers of d's sorted rows). The norm below
@@ -789,6 +790,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             cp_async16(smem_u32(hs + r * XS + kc), hr + (u64)pn_pos[r] * stride_h + kc, 16);
         }
 #elif PRENORM
+        (void)kbase, (void)kend;
         // the residual's rows to x's place, hr's to theirs (the whole K: kbase 0, kend K); the norm below
         for (int c = threadIdx.x; c < ((TIMING & 1) ? 0 : (XR + 1) * cw); c += WARPS * 32) {
             const int m = c / cw, kc = (c - m * cw) * 8;
@@ -841,16 +843,12 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                     ss = pn_sq8(ss, v);
                 }
             }
-#pragma unroll
-            for (int o = 16; o >= 1; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            ss = pn_warp_sum(ss);
             if (lane == 0) pn_part[t][warp] = ss;
         }
         __syncthreads();
         for (int t = 0; t < XR; ++t) {
-            float tot = pn_part[t][0];
-#pragma unroll
-            for (int w = 1; w < WARPS; ++w) tot = __fadd_rn(tot, pn_part[t][w]);
-            const float rstd = pn_rstd(tot, __int_as_float(inv_h_bits), __int_as_float(eps_bits));
+            const float rstd = pn_rstd(pn_part[t], inv_h_bits, eps_bits);
             for (int i = warp; i < nch; i += WARPS) {
                 const int kc = 8 * (lane + 32 * i);
                 if (kc < K) {

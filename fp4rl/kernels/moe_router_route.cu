@@ -144,17 +144,13 @@ moe_router_route(const u16* x, const u16* __restrict__ wr, u16* __restrict__ log
                 xsm[q] = s;
                 ss[t] = pn_sq8(ss[t], s);
             }
-#pragma unroll
-            for (int m = 16; m >= 1; m >>= 1) ss[t] += __shfl_xor_sync(0xffffffffu, ss[t], m);
+            ss[t] = pn_warp_sum(ss[t]);
             if (lane == 0) part[t][warp] = ss[t];
         }
         __syncthreads();
 #pragma unroll
         for (int t = 0; t < T; ++t) {
-            float tot = part[t][0];
-#pragma unroll
-            for (int w = 1; w < WARPS; ++w) tot = __fadd_rn(tot, part[t][w]);
-            const float rstd = pn_rstd(tot, __int_as_float(inv_h_bits), __int_as_float(eps_bits));
+            const float rstd = pn_rstd(part[t], inv_h_bits, eps_bits);
             for (int i = warp; i < NCH; i += WARPS) {
                 const int q = (t * NCH + i) * 32 + lane, c = lane + 32 * i;
                 const uint4 s = xsm[q];

@@ -56,9 +56,21 @@ __device__ __forceinline__ uint4 pn_norm8(const uint4& a, const uint4& w, float 
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-// rstd = 1 / sqrt(sum * inv_h + eps), IEEE square root and division (torch's on the reference's side)
-__device__ __forceinline__ float pn_rstd(float sum, float inv_h, float eps) {
-    return __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fmul_rn(sum, inv_h), eps)));
+// the warp's xor butterfly (16, 8, 4, 2, 1) of a lane's sum: every lane ends with the same bits
+__device__ __forceinline__ float pn_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// rstd = 1 / sqrt(sum * inv_h + eps) of a row from its 8 warps' sums (added in warp order), IEEE square root
+// and division (torch's on the reference's side); inv_h and eps as their float32 bit patterns
+__device__ __forceinline__ float pn_rstd(const float* part, int inv_h_bits, int eps_bits) {
+    float sum = part[0];
+#pragma unroll
+    for (int w = 1; w < 8; ++w) sum = __fadd_rn(sum, part[w]);
+    return __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fmul_rn(sum, __int_as_float(inv_h_bits)),
+                                               __int_as_float(eps_bits))));
 }
 
 // one 16-byte global store (st.global.v4: NVVM split a plain uint4 store of a value read from shared memory
