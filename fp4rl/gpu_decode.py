@@ -34,8 +34,10 @@ sampler's own model copy. What it changes, and what it computes:
   (`FUSED_COMBINE` / FP4RL_MOE_COMBINE=0, and gpu_experts' FUSED_ROUTER (up to ROUTER_MAX_TOKENS) /
   FUSED_GATHER, gemm.FUSED_SILU for A/B). Two flags, off until timed, fold an add + RMSNorm into the launch
   that consumes it (fp4rl.kernels.prenorm's arithmetic): ROUTER_NORM (an MoE layer's post-attention norm in
-  the CUDA router + route), DENSE_NORM (a dense layer's two in its W4A16 q/k/v and gate/up mma16 GEMMs: the
-  sites' `norm_run`, gpu_linear.prenorm_gemm).
+  the CUDA router + route), DENSE_NORM (a dense layer's two in its W4A16 q/k/v and gate/up mma16 GEMMs, an
+  MoE layer's input one with the previous combine in its q/k/v GEMM: the sites' `norm_run`,
+  gpu_linear.prenorm_gemm). With either on, every add_rmsnorm of the step sums in those builds' order
+  (`prenorm_order`), so a norm gives the same bits folded or not (batch buckets the builds do not plan).
 - CUDA graphs: one graph per batch bucket (powers of two up to B_cap; and per TRACE guidance fraction,
   `set_guidance`: a guided step also records guidance, fp4rl/gpu_trace.py), captured on first use
   after an eager warm-up step on a side stream (Triton compiles and the GEMM tuner runs there,
@@ -431,6 +433,9 @@ class DecodeEngine:
         cos, sin = m.rope_tables(self.positions[:bb], x.dtype)  # [bb, D]
         ctx = self._context(bb)
         h, chosen, moe = None, [], {}
+        # with a norm folded into another launch (ROUTER_NORM / DENSE_NORM) every norm of the step sums in
+        # the PRENORM builds' order: the same bits whether a bucket's norm is folded or not
+        order = {"prenorm_order": True} if ROUTER_NORM or DENSE_NORM else {}
         for layer, p in zip(m.layers, self.plans):
             norm = layer.input_layernorm
             qkv = _dense_norm(p.qkv, p.in_quant, x, h, norm, moe)  # (DENSE_NORM: the norm in the GEMM)
@@ -439,7 +444,7 @@ class DecodeEngine:
             else:
                 # (TRACE: a guided W4A4 site records its Q(x)'s guidance, and needs x too: its amax)
                 x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.in_quant,
-                                             write_y=p.in_quant is None or _records(p.qkv), **moe)
+                                             write_y=p.in_quant is None or _records(p.qkv), **moe, **order)
                 qkv = p.qkv.run(n, nq) if p.qkv is not None else None
             moe = {}
             if qkv is not None:
@@ -461,7 +466,7 @@ class DecodeEngine:
                 x, gu = gu
             else:
                 x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.post_quant,
-                                             write_y=p.post_quant is None or _records(p.gate_up))
+                                             write_y=p.post_quant is None or _records(p.gate_up), **order)
             if p.gate_up is not None:
                 a, aq = fused.silu_mul(gu if gu is not None else p.gate_up.run(n, nq), quant=p.down.quant,
                                        write_y=p.down.quant is None or _records(p.down))
@@ -480,7 +485,7 @@ class DecodeEngine:
                     h = layer.mlp.shared(n)
             else:
                 h = layer.mlp(n[:, None])[:, 0]
-        _, n, _ = fused.add_rmsnorm(x, h, m.norm.weight, m.norm.eps, **moe)
+        _, n, _ = fused.add_rmsnorm(x, h, m.norm.weight, m.norm.eps, **moe, **order)
         return self.model.lm_head(n), chosen  # [bb, V]
 
     def _attention_fused(self, attn, qkv, cos, sin, ctx, bb: int) -> torch.Tensor:

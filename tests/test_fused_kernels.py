@@ -94,6 +94,70 @@ def test_add_rmsnorm_is_the_residual_add_and_rmsnorm(r, k, block):
         assert_norm_close(y2, norm(x))
 
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _pn_sumsq_probe(x_ptr, h_ptr, out_ptr, K, stride_x, stride_h):
+    row = tl.program_id(0).to(tl.int64)
+    tot = fused._pn_sumsq(x_ptr, h_ptr, row, K, stride_x, stride_h, True, x_ptr, x_ptr, x_ptr, 0, 0, 0,
+                          False, 1)
+    tl.store(out_ptr + row, tot)
+
+
+@pytest.mark.parametrize("k", [64, 296, 2048, 2176, 4096])
+def test_prenorm_order_sum_is_prenorm_sumsq_in_fp32(k):
+    """fused._pn_sumsq (add_rmsnorm's prenorm_order statistics) returns prenorm.sumsq's fp32 sum bit for bit
+    on rows whose magnitudes span 2^-3 .. 2^3, where the fp32 sum depends on the order (it is not the exactly
+    rounded sum: the check that the lane, element, butterfly and warp orders are the builds')."""
+    from fp4rl.kernels import prenorm
+
+    g = _gen(11)
+    rows = 16
+    mag = torch.exp2(torch.randint(-3, 4, (rows, k), generator=g).float())
+    x = (torch.randn(rows, k, generator=g) * mag).bfloat16().to(DEV)
+    h = (torch.randn(rows, k, generator=g) * mag).bfloat16().to(DEV)
+    out = torch.empty(rows, dtype=torch.float32, device=DEV)
+    _pn_sumsq_probe[(rows,)](x, h, out, k, x.stride(0), h.stride(0))
+    want = prenorm.sumsq((x.float() + h.float()).bfloat16())
+    assert torch.equal(out, want), (out - want)
+    exact = (x.float() + h.float()).bfloat16().double().pow(2).sum(1).float()  # the sum rounded once
+    assert not torch.equal(exact, want) or k <= 64
+
+
+@pytest.mark.parametrize("r,k", [(1, 64), (3, 296), (2, 2048), (1, 2176), (2, 4096)])
+def test_add_rmsnorm_in_prenorm_order_is_the_prenorm_builds_bit_for_bit(r, k):
+    """prenorm_order=True: x' and y are fp4rl.kernels.prenorm.reference's bits (the CUDA PRENORM builds' sum
+    order, IEEE sqrt and division), with h, with the MoE combine (h None), with both (a shared expert's term:
+    x' as without the order, y from it), across K that fill 2048-column blocks partly (64, 296, 2176) or
+    wholly; its Q(y) is the quantizer's bytes for that y; and the order moves y by at most one bf16 ulp from
+    the default's."""
+    from fp4rl.kernels import moe_route, prenorm
+
+    x, h, norm = _bf16((r, k), 6, 3.0), _bf16((r, k), 7), _norm(k, 8)
+    xo, y, _ = fused.add_rmsnorm(x, h, norm.weight, norm.eps, prenorm_order=True)
+    xs, yr = prenorm.reference(x, h, norm.weight, norm.eps)
+    assert torch.equal(xo, xs) and torch.equal(y, yr)
+    _, y_default, _ = fused.add_rmsnorm(x, h, norm.weight, norm.eps)
+    assert int((y.view(torch.int16).int() - y_default.view(torch.int16).int()).abs().max()) <= 1
+    top = 4
+    lg = torch.randn(r, 16, generator=_gen(9)).to(DEV)
+    _, w, _, pos, _ = moe_route.route(lg, top, True)
+    d = _bf16((r * top, k), 10)
+    xo, y, _ = fused.add_rmsnorm(x, None, norm.weight, norm.eps, moe=(d, pos, w), prenorm_order=True)
+    xs, yr = prenorm.reference(x, None, norm.weight, norm.eps, moe=(d, pos, w))
+    assert torch.equal(xo, xs) and torch.equal(y, yr)
+    xo, y, _ = fused.add_rmsnorm(x, h, norm.weight, norm.eps, moe=(d, pos, w), prenorm_order=True)
+    assert torch.equal(xo, fused.add_rmsnorm(x, h, norm.weight, norm.eps, moe=(d, pos, w))[0])
+    assert torch.equal(y, prenorm.reference(xo, torch.zeros_like(xo), norm.weight, norm.eps)[1])
+    if k % 16 == 0:  # (the quantizer's blocks)
+        quant = QUANTS[1]
+        _, y, xq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=quant, prenorm_order=True)
+        assert torch.equal(y, prenorm.reference(x, h, norm.weight, norm.eps)[1])
+        assert_bytes(xq, y, quant)
+
+
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("r,k,block", [(3, 80, None), (2, 96, 32)])
 def test_add_rmsnorm_quantizes_its_output_byte_for_byte(r, k, block, quant):

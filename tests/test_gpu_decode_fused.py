@@ -3,6 +3,8 @@ MLP or MoE combine in few launches per layer) against its module step, the same 
 logits, the NVFP4 cache bytes, the MoE combine folded in, per-layer fallbacks, every supported
 architecture, CUDA graphs on a GPU. On a machine without CUDA the kernels run in Triton's interpreter."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from gpu_decode_cases import (  # (before fp4rl: it sets TRITON_INTERPRET without CUDA)
@@ -197,13 +199,20 @@ def test_one_launch_rope_attention_in_the_fused_step(config, monkeypatch):
 
 
 def _counting_norms(config, calls, monkeypatch):
-    """A W4A16 kernel sampler of `config` whose fused.add_rmsnorm launches count in calls["norm"], 2 forced
-    tokens a prompt, and its teacher-forced logits as they are (the reference for a flag's A/B)."""
+    """A W4A16 kernel sampler of `config` whose fused.add_rmsnorm launches count in calls["norm"] (those in
+    the PRENORM order in calls["pn"] too), 2 forced tokens a prompt, and its teacher-forced logits as they are
+    (the reference for a flag's A/B)."""
     from fp4rl.kernels import fused
 
     real = fused.add_rmsnorm
-    monkeypatch.setattr(fused, "add_rmsnorm", lambda *a, **kw: calls.__setitem__("norm", calls["norm"] + 1)
-                        or real(*a, **kw))
+    calls.update(norm=0, pn=0)
+
+    def counted(*a, **kw):
+        calls["norm"] += 1
+        calls["pn"] += bool(kw.get("prenorm_order"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(fused, "add_rmsnorm", counted)
     s = Sampler(tiny(config, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
                 eos_token_ids=[], kernels=True)
     forced = torch.randint(0, V, (len(PROMPTS), 2), generator=torch.Generator().manual_seed(8))
@@ -215,7 +224,9 @@ def test_router_norm_in_the_fused_step(config, monkeypatch):
     """gpu_decode.ROUTER_NORM: an MoE layer's post-attention add + RMSNorm runs inside the CUDA router +
     route's launch (KernelMoeBlock.norm_routed_parts; on a CPU moe_route_cuda's references stand in for them):
     one fused.add_rmsnorm launch fewer per MoE layer and step, the logits those of the two launches up to the
-    norm's order (a bf16 ulp of y), greedy tokens equal; a shared expert takes the same y."""
+    norm's order (a bf16 ulp of y), greedy tokens equal; a shared expert takes the same y. With the flag on
+    every norm of the step sums in the PRENORM order, so where the fold does not run (here: it failed, and
+    turned itself off with a warning) the logits are the folded step's bit for bit."""
     from fp4rl import gpu_experts
     from fp4rl.kernels import moe_route_cuda
 
@@ -237,7 +248,7 @@ def test_router_norm_in_the_fused_step(config, monkeypatch):
         monkeypatch.setattr(gpu_experts, name, value)
     s, forced, ref = _counting_norms(config, calls, monkeypatch)
     norms_off = calls["norm"]
-    assert calls["route"] == 0 and norms_off
+    assert calls["route"] == 0 and norms_off and calls["pn"] == 0
     calls.update(norm=0)
     monkeypatch.setattr(gpu_decode, "ROUTER_NORM", True)
     s.engine.reset_graphs()
@@ -245,9 +256,19 @@ def test_router_norm_in_the_fused_step(config, monkeypatch):
     layers = config["num_hidden_layers"]
     steps = norms_off // (2 * layers + 1)
     assert calls["route"] == steps * layers and calls["norm"] == steps * (layers + 1), (calls, norms_off)
+    assert calls["pn"] == calls["norm"]  # every norm left in the step sums in the PRENORM order
     err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
     assert err < 2e-2, err
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+    def broken(*a, **kw):
+        raise RuntimeError("NVRTC says no")
+
+    monkeypatch.setattr(moe_route_cuda, "norm_router_route", broken)
+    s.engine.reset_graphs()
+    with pytest.warns(UserWarning, match="inside the MoE router's launch disabled"):
+        declined = teacher_forced_logits(s, forced)
+    assert moe_route_cuda.NORM_STATE["ok"] is False and torch.equal(declined, got)
 
 
 def test_fused_step_falls_back_per_layer():
@@ -452,13 +473,14 @@ QWEN2_WIDE = dict(WIDE, model_type="qwen2", qk_norm=False, qkv_bias=True)  # (q/
 def test_dense_norm_in_the_fused_step(config, monkeypatch):
     """gpu_decode.DENSE_NORM: a layer's residual add + RMSNorm runs inside its q/k/v and (dense) gate/up
     GEMMs' launches (the sites' norm_run: gpu_linear.prenorm_gemm -> gemv_cuda.launch_prenorm; on a CPU
-    prenorm.reference and the mma16 copy's emulated weight stand in for the kernel). Dense layers: per step
-    fused.add_rmsnorm runs twice (layer 0's input norm, which adds nothing, and the final norm) instead of 2 L
-    + 1 times; MoE layers (no shared expert): each input norm but layer 0's takes the previous layer's combine
-    (moe = (d, pos, w), no h) into the q/k/v launch, L + 2 add_rmsnorm a step. The logits are those of the
-    separate launches up to the norm's order (a bf16 ulp of y) and the GEMM's (fp64 here), greedy tokens
-    equal, biases added. A failing launch turns it off with a warning: the step runs add_rmsnorm + the GEMM
-    again (the same logits as with the flag off, bit for bit on the CPU)."""
+    prenorm.reference and the GEMM the site runs otherwise, on the mma16 copy's bytes, stand in for the
+    kernel). Dense layers: per step fused.add_rmsnorm runs twice (layer 0's input norm, which adds nothing,
+    and the final norm) instead of 2 L + 1 times; MoE layers (no shared expert): each input norm but layer 0's
+    takes the previous layer's combine (moe = (d, pos, w), no h) into the q/k/v launch, L + 2 add_rmsnorm a
+    step. The logits are the flag-off step's up to the norm's order (a bf16 ulp of y), greedy tokens equal,
+    biases added. With the flag on every norm of the step sums in the PRENORM order, so where the fold does
+    not run (here: a failing launch, which turns it off with a warning) the logits are the folded step's bit
+    for bit."""
     from fp4rl.kernels import gemv_cuda, prenorm
 
     if DEV != "cpu":  # (the stand-in's relayout would run inside the graph capture)
@@ -477,8 +499,9 @@ def test_dense_norm_in_the_fused_step(config, monkeypatch):
         assert (h is None) != (moe is None) and norm_weight.numel() == wc.k == x2.shape[1]
         assert y.shape == (x2.shape[0], wc.n) and (h is None or h.shape == x2.shape)
         xs, yn = prenorm.reference(x2, h, norm_weight, eps, moe=moe)
-        w = gemv_cuda.emulate_weight(wc) * 256.0 * g.double().reshape(-1, 1)  # DQ(W) (global scale per row)
-        y.copy_((yn.double() @ w.t()).to(y.dtype))
+        data, block_scale = gemv_cuda.unrelayout(wc)  # the site's packed bytes again
+        w = SimpleNamespace(data=data, block_scale=block_scale, global_scale=g)
+        y.copy_(gpu_linear.packed_gemm(yn, w, "w4a16", {}))
         gemv_cuda.PN_STATE["moe_ok" if moe is not None else "ok"] = True
         return xs, y
 
@@ -487,8 +510,8 @@ def test_dense_norm_in_the_fused_step(config, monkeypatch):
     norms_off = calls["norm"]
     layers = config["num_hidden_layers"]
     steps = norms_off // (2 * layers + 1)
-    assert calls["gemm"] == 0 and steps and norms_off == steps * (2 * layers + 1)
-    calls.update(norm=0)
+    assert calls["gemm"] == 0 and steps and norms_off == steps * (2 * layers + 1) and calls["pn"] == 0
+    calls.update(norm=0, pn=0)
     monkeypatch.setattr(gpu_decode, "DENSE_NORM", True)
     s.engine.reset_graphs()
     got = teacher_forced_logits(s, forced)
@@ -498,8 +521,9 @@ def test_dense_norm_in_the_fused_step(config, monkeypatch):
     else:
         assert calls["gemm"] == steps * (2 * layers - 1) and not calls["moe"], calls
         assert calls["norm"] == steps * 2, calls
+    assert calls["pn"] == calls["norm"]  # every norm left in the step sums in the PRENORM order
     err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
-    assert 0 < err < 2e-2, err
+    assert err < 2e-2, err
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
     def broken(*a, **kw):
@@ -511,7 +535,7 @@ def test_dense_norm_in_the_fused_step(config, monkeypatch):
     with pytest.warns(UserWarning, match="inside the mma16 GEMM's launch disabled"):
         fallback = teacher_forced_logits(s, forced)
     assert gemv_cuda.PN_STATE[key] is False and calls["norm"] == norms_off
-    assert torch.equal(fallback, ref)
+    assert torch.equal(fallback, got)
 
 
 def test_dense_norm_takes_one_thing_to_add(monkeypatch):

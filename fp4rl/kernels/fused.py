@@ -26,6 +26,9 @@ Where these are bit for bit the unfused path's, and where not:
   (tests/test_fused_kernels.py): y within one bfloat16 ulp of torch's RMSNorm, equal in >= 98% of the
   elements (q/k-norm + RoPE: within 2^-6 relative after the rotation, equal in >= 95%); the decode
   step's CPU tests (tests/test_gpu_decode.py) see no difference at all in the logits.
+- add_rmsnorm(prenorm_order=True): rstd as the CUDA PRENORM builds compute it (fp4rl.kernels.prenorm: the
+  sum of squares in their lane / warp order, IEEE sqrt and division), so x' and y are prenorm.reference's
+  bits; the decode step uses it for every norm when some are folded into those builds.
 - SiLU: on the GPU expf is libdevice's (what torch's CUDA kernel calls) and the division is IEEE, so
   it is torch's result; in the CPU interpreter exp is numpy's, which may differ from torch's CPU exp
   in the last fp32 bit (1 bf16 ulp, rarely).
@@ -170,6 +173,63 @@ def _normed(x_ptr, h_ptr, w_ptr, row, cols, mask, stride_x, stride_h, rstd, HAS_
 
 
 @triton.jit
+def _pn_sumsq(x_ptr, h_ptr, row, K, stride_x, stride_h, HAS_RES: tl.constexpr,
+              md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk,
+              HAS_MOE: tl.constexpr, K_TOP: tl.constexpr):
+    """The fp32 sum of squares of a row's x' as the CUDA PRENORM builds add it (fp4rl.kernels.prenorm.sumsq):
+    8 warps x 32 lanes, lane l of warp w adds the 8 squares of its chunks c = l + 32 (w + 8 j), j ascending,
+    elements in order (a [8, 32, 8] tile is 2048 consecutive columns: block j); then the warp's xor butterfly
+    (pairs l, l + 16, then l, l + 8, ...) and the 8 warps' sums in warp order."""
+    wi = tl.arange(0, 8)
+    off = 8 * (tl.arange(0, 32)[None, :, None] + 32 * wi[:, None, None]) + tl.arange(0, 8)[None, None, :]
+    acc = tl.zeros((8, 32), tl.float32)
+    for c0 in range(0, K, 2048):
+        cols = c0 + off
+        xs = _residual(x_ptr, h_ptr, row, cols, cols < K, stride_x, stride_h, HAS_RES,
+                       md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk, HAS_MOE, K_TOP)
+        sq = xs * xs  # exact (bf16 values)
+        ev, od = tl.split(tl.reshape(sq, (8, 32, 4, 2)))  # elements 2k, 2k + 1
+        e04, e26 = tl.split(tl.reshape(ev, (8, 32, 2, 2)))  # 4p, 4p + 2
+        e15, e37 = tl.split(tl.reshape(od, (8, 32, 2, 2)))  # 4p + 1, 4p + 3
+        e0, e4 = tl.split(e04)
+        e2, e6 = tl.split(e26)
+        e1, e5 = tl.split(e15)
+        e3, e7 = tl.split(e37)
+        acc = acc + e0
+        acc = acc + e1
+        acc = acc + e2
+        acc = acc + e3
+        acc = acc + e4
+        acc = acc + e5
+        acc = acc + e6
+        acc = acc + e7
+    lo, hi = tl.split(tl.permute(tl.reshape(acc, (8, 2, 16)), (0, 2, 1)))  # lanes l, l + 16
+    v = lo + hi
+    lo, hi = tl.split(tl.permute(tl.reshape(v, (8, 2, 8)), (0, 2, 1)))
+    v = lo + hi
+    lo, hi = tl.split(tl.permute(tl.reshape(v, (8, 2, 4)), (0, 2, 1)))
+    v = lo + hi
+    lo, hi = tl.split(tl.permute(tl.reshape(v, (8, 2, 2)), (0, 2, 1)))
+    v = lo + hi
+    lo, hi = tl.split(v)  # [8]: each warp's sum
+    part = lo + hi
+    tot = tl.sum(tl.where(wi == 0, part, 0.0), 0)
+    for w in tl.static_range(1, 8):
+        tot = tot + tl.sum(tl.where(wi == w, part, 0.0), 0)
+    return tot
+
+
+@triton.jit
+def _pn_rstd(x_ptr, h_ptr, row, K, stride_x, stride_h, inv_k, eps, HAS_RES: tl.constexpr,
+             md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk,
+             HAS_MOE: tl.constexpr, K_TOP: tl.constexpr):
+    """rstd of a row as the CUDA PRENORM builds compute it: _pn_sumsq, then IEEE sqrt and division."""
+    tot = _pn_sumsq(x_ptr, h_ptr, row, K, stride_x, stride_h, HAS_RES,
+                    md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk, HAS_MOE, K_TOP)
+    return tl.math.div_rn(1.0, tl.math.sqrt_rn(tot * inv_k + eps))
+
+
+@triton.jit
 def _silu_up(gu_ptr, row, cols, mask, stride_gu, I, LIBDEVICE: tl.constexpr):
     """y = bf16(bf16(silu(g)) * u) of one chunk (float32); g, u: columns [0, I) and [I, 2I)."""
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
@@ -215,7 +275,7 @@ def _add_rmsnorm_kernel(
     K, stride_x, stride_h, stride_xo, stride_y, stride_md, stride_mwt, stride_mwk, inv_k, eps,
     HAS_RES: tl.constexpr, WRITE_Y: tl.constexpr, QUANT: tl.constexpr, RULE46: tl.constexpr,
     MAE: tl.constexpr, BC: tl.constexpr, QBC: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr,
-    HAS_MOE: tl.constexpr, K_TOP: tl.constexpr,
+    HAS_MOE: tl.constexpr, K_TOP: tl.constexpr, PN_ORDER: tl.constexpr,
 ):
     """Program (row, chunk): the row's statistics over the whole row (sum of x'^2; with QUANT the amax of
     y), then its own columns [chunk * CH, chunk * CH + CH) of x' = x + h (HAS_MOE: x + r, r the MoE
@@ -227,13 +287,17 @@ def _add_rmsnorm_kernel(
         tlcuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    acc = tl.zeros((BC,), tl.float32)
-    for c0 in range(0, K, BC):  # the same loop in every program: the same rstd, bit for bit
-        cols = c0 + tl.arange(0, BC)
-        xs = _residual(x_ptr, h_ptr, row, cols, cols < K, stride_x, stride_h, HAS_RES,
-                       md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk, HAS_MOE, K_TOP)
-        acc += xs * xs
-    rstd = tl.math.rsqrt(tl.sum(acc, 0) * inv_k + eps)
+    if PN_ORDER:  # the CUDA PRENORM builds' rstd (prenorm.reference's bits)
+        rstd = _pn_rstd(x_ptr, h_ptr, row, K, stride_x, stride_h, inv_k, eps, HAS_RES,
+                        md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk, HAS_MOE, K_TOP)
+    else:
+        acc = tl.zeros((BC,), tl.float32)
+        for c0 in range(0, K, BC):  # the same loop in every program: the same rstd, bit for bit
+            cols = c0 + tl.arange(0, BC)
+            xs = _residual(x_ptr, h_ptr, row, cols, cols < K, stride_x, stride_h, HAS_RES,
+                           md_ptr, mpos_ptr, mw_ptr, stride_md, stride_mwt, stride_mwk, HAS_MOE, K_TOP)
+            acc += xs * xs
+        rstd = tl.math.rsqrt(tl.sum(acc, 0) * inv_k + eps)
     if QUANT:
         amax_acc = tl.zeros((BC,), tl.int32)
         for c0 in range(0, K, BC):
@@ -402,7 +466,7 @@ def _moe_args(moe, x: torch.Tensor):
 
 def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
                 quant: dict | None = None, write_y: bool = True, block: int | None = None,
-                chunk: int | None = None, moe: tuple | None = None):
+                chunk: int | None = None, moe: tuple | None = None, prenorm_order: bool = False):
     """x' = x + h (h None: x' = x) and y = RMSNorm(x') * weight, x/h [R, K]; with quant (the activation
     quantizer's scale_rule/err) also Q(y) per row. Returns (x', y or None, (data, block_scale,
     global_scale [R]) or None). block: the tile width of the kernel's loops (tests; default from K);
@@ -411,7 +475,12 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, e
 
     moe = (d [R k, K] bf16, pos [R k] int32, w [R, k] bf16 or fp32) folds moe_route.combine into the residual:
     x' = x + r with r = combine(d, pos, w) (bf16, combine's bits) or, with h too, r = bf16(combine + h) (a
-    shared expert's term); the same bits as add_rmsnorm(x, combine(d, pos, w) [+ h], ...) in one launch."""
+    shared expert's term); the same bits as add_rmsnorm(x, combine(d, pos, w) [+ h], ...) in one launch.
+
+    prenorm_order: rstd as the CUDA PRENORM builds compute it (the sum of squares in
+    fp4rl.kernels.prenorm.sumsq's order, IEEE sqrt and division): x' and y are then prenorm.reference's bits,
+    so a step that folds some of its norms into those builds (gpu_decode's ROUTER_NORM / DENSE_NORM) gives the
+    same bits wherever a norm runs here instead (the buckets those builds do not take)."""
     _rows(x, "x")
     if h is not None:
         _rows(h, "h")
@@ -442,6 +511,7 @@ def add_rmsnorm(x: torch.Tensor, h: torch.Tensor | None, weight: torch.Tensor, e
             1.0 / k, eps,
             HAS_RES=h is not None, WRITE_Y=write_y or quant is None, QUANT=quant is not None,
             RULE46=rule46, MAE=mae, BC=bc, QBC=qbc, CH=ch, HAS_MOE=moe is not None, K_TOP=k_top,
+            PN_ORDER=bool(prenorm_order),
             num_warps=4 if k <= 4096 else 8, enable_fp_fusion=False, **_launch_opts(x.device))
     if xq is not None:
         xq = (xq[0], xq[1].view(torch.float8_e4m3fn), xq[2])
