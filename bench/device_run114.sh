@@ -12,7 +12,8 @@
 source bench/sampler_arm.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 timeout 150 python3 -m pytest -q -m "gpu or not gpu" tests/test_gemv_cuda.py tests/test_gpu_decode_fused.py \
-  tests/test_prenorm.py tests/test_moe_route.py -k "prenorm or dense_norm or norm_router" > $OUT/tests114.log 2>&1
+  tests/test_prenorm.py tests/test_moe_route.py tests/test_fused_kernels.py -k "prenorm or dense_norm or norm_router" \
+  > $OUT/tests114.log 2>&1
 echo "tests exit $? at ${SECONDS}s"; tail -5 $OUT/tests114.log
 ARM_SHAPE=qwen3-8b:36 ARM_PREFIX=sampler114
 arm defaults 110 1,8 "--profile-batch=" X=0
