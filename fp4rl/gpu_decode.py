@@ -32,10 +32,10 @@ sampler's own model copy. What it changes, and what it computes:
   its h), up to COMBINE_MAX_TOKENS rows: four launches per MoE MLP (router GEMM, route, gate/up, down) where
   the torch path takes ~20
   (`FUSED_COMBINE` / FP4RL_MOE_COMBINE=0, and gpu_experts' FUSED_ROUTER (up to ROUTER_MAX_TOKENS) /
-  FUSED_GATHER, gemm.FUSED_SILU for A/B). Two flags, off until timed, fold an add + RMSNorm into the launch
-  that consumes it (fp4rl.kernels.prenorm's arithmetic): ROUTER_NORM (an MoE layer's post-attention norm in
-  the CUDA router + route), DENSE_NORM (a dense layer's two in its W4A16 q/k/v and gate/up mma16 GEMMs, an
-  MoE layer's input one with the previous combine in its q/k/v GEMM: the sites' `norm_run`,
+  FUSED_GATHER, gemm.FUSED_SILU for A/B). Two flags, off (slower when timed), fold an add + RMSNorm into the
+  launch that consumes it (fp4rl.kernels.prenorm's arithmetic): ROUTER_NORM (an MoE layer's post-attention
+  norm in the CUDA router + route), DENSE_NORM (a dense layer's two in its W4A16 q/k/v and gate/up mma16
+  GEMMs, an MoE layer's input one with the previous combine in its q/k/v GEMM: the sites' `norm_run`,
   gpu_linear.prenorm_gemm). With either on, every add_rmsnorm of the step sums in those builds' order
   (`prenorm_order`), so a norm gives the same bits folded or not (batch buckets the builds do not plan).
 - CUDA graphs: one graph per batch bucket (powers of two up to B_cap; and per TRACE guidance fraction,
@@ -94,19 +94,20 @@ BF16_ATTENTION = os.environ.get("FP4RL_BF16_ATTENTION", "1") != "0"
 # bytes of store_kv) instead of store_kv's quantize and scatter launches (FP4RL_FUSED_KV=0 for A/B)
 FUSED_KV_FP4 = os.environ.get("FP4RL_FUSED_KV", "1") != "0"
 # the fused step's q/k-norm + RoPE, BF16-cache write and attention in one launch
-# (kernels.attention.decode_attention_rope) instead of qk_norm_rope, then the attention kernel; off until an
-# H200 A/B times it (FP4RL_ATTN_ROPE=1; bench/device_run111.sh)
+# (kernels.attention.decode_attention_rope) instead of qk_norm_rope, then the attention kernel; off: 2.8%
+# slower at batch 1 on an H100 (FP4RL_ATTN_ROPE=1; bench/RESULTS.md, thirty-eighth session)
 ATTN_ROPE = os.environ.get("FP4RL_ATTN_ROPE", "0") == "1"
 # an MoE layer's post-attention residual add + RMSNorm inside the CUDA router + route's launch
 # (KernelMoeBlock.norm_routed_parts, moe_route_cuda.norm_router_route) instead of fused.add_rmsnorm's launch
 # before it, where that launch takes the layer (up to gpu_experts.ROUTER_CUDA_MAX_TOKENS rows, W4A16 or BF16
 # activations into the experts: a W4A4 expert quantizes y inside its grouped GEMM);
-# off until an H200 A/B times it (FP4RL_MOE_ROUTER_NORM=1; bench/device_run111.sh)
+# off: no faster at batch 1 on an H100 (FP4RL_MOE_ROUTER_NORM=1; bench/RESULTS.md, thirty-eighth session)
 ROUTER_NORM = os.environ.get("FP4RL_MOE_ROUTER_NORM", "0") == "1"
 # the residual add + RMSNorm before a dense W4A16 q/k/v or gate/up inside its mma16 GEMM's launch (the site's
 # norm_run: gpu_linear.prenorm_gemm, gemv_cuda.launch_prenorm) instead of fused.add_rmsnorm's launch: two
 # launches fewer a dense layer, one an MoE layer (its input norm with the previous layer's combine folded in,
-# where it has no shared expert); off until an H200 A/B times it (FP4RL_DENSE_NORM=1; bench/device_run114.sh)
+# where it has no shared expert); off: 3-6% slower at batch 1 on an H100, the norm costing more inside each
+# GEMM CTA than the launch it removes (FP4RL_DENSE_NORM=1; bench/RESULTS.md, thirty-eighth session)
 DENSE_NORM = os.environ.get("FP4RL_DENSE_NORM", "0") == "1"
 
 
