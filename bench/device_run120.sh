@@ -1,6 +1,7 @@
 #!/bin/bash
-# Thirty-eighth session: the PRENORM mma16 GEMM under ncu against the plain launch (bench/prenorm_ncu.py: Qwen3-8B's
-# gate/up and q/k/v at one row, isolated launches): duration, stall reasons, occupancy. ~150 s.
+# Prepared in the thirty-eighth session (not run: its device time was spent): the PRENORM mma16 GEMM under ncu
+# against the plain launch (bench/prenorm_ncu.py: Qwen3-8B's gate/up and q/k/v at one row, isolated launches):
+# duration, stall reasons, occupancy. ~150 s.
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 timeout 170 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \

@@ -1,6 +1,6 @@
 """The PRENORM mma16 GEMM under ncu against the plain launch (bench/device_run120.sh): Qwen3-8B's gate/up
-(24576 x 4096) and q/k/v (6144 x 4096) at one row, a few launches each: plain, then PRENORM (the residual add +
-RMSNorm in the x staging). Isolated launches (no graph, no PDL chain): what the kernel itself costs."""
+(24576 x 4096) and q/k/v (6144 x 4096) at one row, a few launches each: plain, then PRENORM (the residual add
++ RMSNorm in the x staging). Isolated launches (no graph, no PDL chain): what the kernel itself costs."""
 import sys
 
 import torch
