@@ -32,6 +32,25 @@ def _first_gemm_candidate(monkeypatch):
 
 
 
+def assert_close_logits(got, ref):
+    """A flag's logits against the engine's without it: within 2e-2 relative per position, the same argmax."""
+    err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    assert err < 2e-2, err
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def _after_a_failing_launch(s, forced, monkeypatch, module, name, error, warning):
+    """Teacher-forced logits after module.name starts raising RuntimeError(error): the step must warn
+    (`warning`) and go on without that launch."""
+    def broken(*a, **kw):
+        raise RuntimeError(error)
+
+    monkeypatch.setattr(module, name, broken)
+    s.engine.reset_graphs()
+    with pytest.warns(UserWarning, match=warning):
+        return teacher_forced_logits(s, forced)
+
+
 def fused_vs_module_logits(s, steps, seed):
     """Teacher-forced logits [P, steps + 1, V] of the sampler's engine with the fused step, then with the
     module step (the same engine, the same weights)."""
@@ -183,17 +202,11 @@ def test_one_launch_rope_attention_in_the_fused_step(config, monkeypatch):
     got = teacher_forced_logits(s, forced)
     layers = config["num_hidden_layers"]
     assert calls["one"] and calls["one"] % layers == 0 and not calls["rope"], calls
-    err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
-    assert err < 2e-2, err
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert_close_logits(got, ref)
 
-    def broken(*a, **kw):
-        raise RuntimeError("out of resources: shared memory")
-
-    monkeypatch.setattr(attention, "decode_attention_rope", broken)
-    s.engine.reset_graphs()
-    with pytest.warns(UserWarning, match="qk_norm_rope and the attention kernel from now on"):
-        fallback = teacher_forced_logits(s, forced)
+    fallback = _after_a_failing_launch(s, forced, monkeypatch, attention, "decode_attention_rope",
+                                       "out of resources: shared memory",
+                                       "qk_norm_rope and the attention kernel from now on")
     assert "shared memory" in s.engine.attn_rope_error and s.engine.graph_error is None
     assert torch.equal(fallback, ref)
 
@@ -259,17 +272,10 @@ def test_router_norm_in_the_fused_step(config, monkeypatch):
     steps = norms_off // (2 * layers + 1)
     assert calls["route"] == steps * layers and calls["norm"] == steps * (layers + 1), (calls, norms_off)
     assert calls["pn"] == calls["norm"]  # every norm left in the step sums in the PRENORM order
-    err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
-    assert err < 2e-2, err
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert_close_logits(got, ref)
 
-    def broken(*a, **kw):
-        raise RuntimeError("NVRTC says no")
-
-    monkeypatch.setattr(moe_route_cuda, "norm_router_route", broken)
-    s.engine.reset_graphs()
-    with pytest.warns(UserWarning, match="inside the MoE router's launch disabled"):
-        declined = teacher_forced_logits(s, forced)
+    declined = _after_a_failing_launch(s, forced, monkeypatch, moe_route_cuda, "norm_router_route",
+                                       "NVRTC says no", "inside the MoE router's launch disabled")
     assert moe_route_cuda.NORM_STATE["ok"] is False and torch.equal(declined, got)
 
 
@@ -531,18 +537,11 @@ def test_dense_norm_in_the_fused_step(config, monkeypatch):
         assert calls["gemm"] == steps * (2 * layers - 1) and not calls["moe"], calls
         assert calls["norm"] == steps * 2, calls
     assert calls["pn"] == calls["norm"]  # every norm left in the step sums in the PRENORM order
-    err = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
-    assert err < 2e-2, err
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert_close_logits(got, ref)
 
-    def broken(*a, **kw):
-        raise RuntimeError("NVRTC says no")
-
-    monkeypatch.setattr(gemv_cuda, "launch_prenorm", broken)
     calls.update(norm=0)
-    s.engine.reset_graphs()
-    with pytest.warns(UserWarning, match="inside the mma16 GEMM's launch disabled"):
-        fallback = teacher_forced_logits(s, forced)
+    fallback = _after_a_failing_launch(s, forced, monkeypatch, gemv_cuda, "launch_prenorm", "NVRTC says no",
+                                       "inside the mma16 GEMM's launch disabled")
     assert gemv_cuda.PN_STATE[key] is False and calls["norm"] == norms_off
     assert torch.equal(fallback, got)
 
