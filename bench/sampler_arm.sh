@@ -8,7 +8,7 @@ arm() {
   local name=$1 limit=$2 batch=$3 extra=$4
   shift 4
   env "$@" timeout "$limit" python3 -m fp4rl.benchmarks.sampler_gpu --shapes "$ARM_SHAPE" \
-    --presets nvfp4-w4a16 --w4a16-last 0 --batch "$batch" --kv bf16 --repeats 2 --tokens 8,40 \
+    --presets nvfp4-w4a16 --w4a16-last 0 --batch "$batch" --kv bf16 --repeats 3 --tokens 8,40 \
     --offload-trainer on $extra --out "$OUT/${ARM_PREFIX}_$name.json" > "$OUT/${ARM_PREFIX}_$name.log" 2>&1
   echo "$name exit $? at ${SECONDS}s"; grep '^| qwen\|rror' "$OUT/${ARM_PREFIX}_$name.log" | cut -c1-200
 }

@@ -4,7 +4,7 @@ the weight bytes a decode step reads with a BF16 or an NVFP4 head."""
 import pytest
 import torch
 
-from fp4rl.benchmarks import sampler_gpu
+from fp4rl.benchmarks import sampler_gpu, sampler_gpu_report
 
 
 def test_lm_head_settings():
@@ -171,3 +171,12 @@ def test_arms_summary_compares_the_arms_step_by_step():
     rows = json.loads(files[0].read_text())["rows"]
     alone = compare({"a": rows[:1], "b": [dict(rows[0], batch=16), dict(rows[1], error="OOM")]})
     assert alone == [], alone
+
+
+def test_noisy_rows_are_flagged():
+    # session 38's ROUTER_NORM arm on an H100: two generates at 1.23 and 1.83 ms a step around a 1.16 ms
+    # graph replay; their median (the mean of two) read 1.53 ms, +26% against the defaults
+    assert sampler_gpu_report.noisy(1.530, 1164.5, [1.227, 1.833])
+    assert not sampler_gpu_report.noisy(1.218, 1152.8, [1.219, 1.217])  # the defaults' arm
+    assert sampler_gpu_report.noisy(1.0, 1152.8, [1.0, 1.0])  # faster than its own replay
+    assert not sampler_gpu_report.noisy(1.3, None, [1.3, 1.35])  # no replay (eager), cadences within 10%

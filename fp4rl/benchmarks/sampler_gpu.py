@@ -14,7 +14,8 @@ call that compiles, tunes and captures). Sampling, the host's per-step work and 
 setup stay out. (Until the thirteenth session the figure was batch * (N2 - N1) / median(t(N2) - t(N1)) over
 whole generates: a 48-layer model's generate wall time scattered by +-40 ms, which at batch 1 read steps from
 0.6 to 4 ms around a 2.4 ms replay; that figure is still reported, as `wall_tok_s`.) A row whose step reads
-below 0.95x its own graph replay is marked noisy (* after tok/s). `graph us` is one replay of the captured
+below 0.95x its own graph replay, or whose generates' cadences differ by more than 10%, is marked noisy
+(* after tok/s; `noisy`). `graph us` is one replay of the captured
 decode step alone (CUDA events): the GPU time of a step without sampling or host work.
 
 Speed-up limits beside each ratio: weight bytes a decode step must read in BF16 over those of the
@@ -53,7 +54,7 @@ from fp4rl.benchmarks.decode_timing import (
     replay_us,
     timed_generate,
 )
-from fp4rl.benchmarks.sampler_gpu_report import markdown
+from fp4rl.benchmarks.sampler_gpu_report import markdown, noisy
 from fp4rl.kvcache import KV_CACHE_KINDS
 
 SHAPES = {
@@ -246,8 +247,7 @@ def measure_row(sampler, contract, row: dict, prompts, args, env, results, base)
                cadence_ms=[c * 1e3 for c in cadence], warm_s=t_warm, pair_diffs_s=diffs,
                graph_us=replay_us(sampler, batch), bytes_built=nbytes["built"], bytes_full=nbytes["full"],
                graph_error=sampler.engine.graph_error, counts=dict(sampler.engine.counts))
-    # a step faster than its own graph replay cannot be: flagged (a * in the table)
-    row["noisy"] = bool(row["graph_us"] and row["step_ms"] < 0.95 * row["graph_us"] / 1e3)
+    row["noisy"] = noisy(row["step_ms"], row["graph_us"], row["cadence_ms"])
     ref = results.get("bf16_bytes", {}).get(f"{shape}/{batch}")
     if ref:
         row["limit_built"] = ref["built"] / nbytes["built"]

@@ -127,10 +127,24 @@ def arms_summary(paths) -> str:
     return "\n".join(lines + compare(arms))
 
 
+NOISY_SPREAD = 1.1  # the slowest generate's cadence over the fastest one's above which a row is flagged
+
+
+def noisy(step_ms: float, graph_us: float | None, cadence_ms: list[float]) -> bool:
+    """Whether a row's figure cannot be trusted (a * in the table): its step reads faster than its own graph
+    replay, which cannot be, or its generates' cadences scatter by more than NOISY_SPREAD (a host hiccup
+    in one of them: with two repeats the median is their mean, so one disturbed generate moves the figure;
+    session 38's ROUTER_NORM arm read 1.23 and 1.83 ms around a 1.16 ms replay)."""
+    if graph_us and step_ms < 0.95 * graph_us / 1e3:
+        return True
+    return bool(cadence_ms) and max(cadence_ms) > NOISY_SPREAD * min(cadence_ms)
+
+
 def compare(arms: dict) -> list[str]:
     """Per shape and batch, the arms' step ms side by side (arms: {name: rows}, in order): each against the
     first arm that has the batch (+x.x%: slower), and where an arm ran BF16 (preset bf16) the BF16 step over
-    each NVFP4 arm's (the speedup the issue's targets name). Rows with an error are left out."""
+    each NVFP4 arm's (the speedup the issue's targets name); * after a noisy step (`noisy`, from the row's own
+    cadences, so older records are judged too). Rows with an error are left out."""
     by_key: dict = {}
     for name, rows in arms.items():
         for r in rows:
@@ -145,7 +159,8 @@ def compare(arms: dict) -> list[str]:
         first = nvfp4[0][1]["step_ms"] if nvfp4 else None
         parts = []
         for n, r in got:
-            text = f"{n} {r['step_ms']:.3f}"
+            flag = noisy(r["step_ms"], r.get("graph_us"), r.get("cadence_ms", []))
+            text = f"{n} {r['step_ms']:.3f}" + "*" * flag
             if r.get("preset") != "bf16" and first and r is not nvfp4[0][1]:
                 text += f" ({100 * (r['step_ms'] / first - 1):+.1f}%)"
             parts.append(text)
