@@ -6,7 +6,7 @@ import sys
 import torch
 
 sys.path.insert(0, ".")
-from fp4rl.kernels import gemv_cuda  # noqa: E402
+from fp4rl.kernels import gemv_cuda, gemv_cuda_prenorm  # noqa: E402
 from fp4rl.nvfp4 import reference  # noqa: E402
 
 for n, k in ((24576, 4096), (6144, 4096)):
@@ -20,5 +20,5 @@ for n, k in ((24576, 4096), (6144, 4096)):
     for _ in range(3):
         gemv_cuda.launch(x, wc, g, y)
     for _ in range(3):
-        assert gemv_cuda.launch_prenorm(x, h, nw, 1e-6, wc, g, y) is not None
+        assert gemv_cuda_prenorm.launch_prenorm(x, h, nw, 1e-6, wc, g, y) is not None
 torch.cuda.synchronize()

@@ -104,10 +104,10 @@ ATTN_ROPE = os.environ.get("FP4RL_ATTN_ROPE", "0") == "1"
 # off: no faster at batch 1 on an H100 (FP4RL_MOE_ROUTER_NORM=1; bench/RESULTS.md, thirty-eighth session)
 ROUTER_NORM = os.environ.get("FP4RL_MOE_ROUTER_NORM", "0") == "1"
 # the residual add + RMSNorm before a dense W4A16 q/k/v or gate/up inside its mma16 GEMM's launch (the site's
-# norm_run: gpu_linear.prenorm_gemm, gemv_cuda.launch_prenorm) instead of fused.add_rmsnorm's launch: two
-# launches fewer a dense layer, one an MoE layer (its input norm with the previous layer's combine folded in,
-# where it has no shared expert); off: 3-6% slower at batch 1 on an H100, the norm costing more inside each
-# GEMM CTA than the launch it removes (FP4RL_DENSE_NORM=1; bench/RESULTS.md, thirty-eighth session)
+# norm_run: gpu_linear.prenorm_gemm, gemv_cuda_prenorm.launch_prenorm) instead of fused.add_rmsnorm's launch:
+# two launches fewer a dense layer, one an MoE layer (its input norm with the previous layer's combine folded
+# in, where it has no shared expert); off: 3-6% slower at batch 1 on an H100, the norm costing more inside
+# each GEMM CTA than the launch it removes (FP4RL_DENSE_NORM=1; bench/RESULTS.md, thirty-eighth session)
 DENSE_NORM = os.environ.get("FP4RL_DENSE_NORM", "0") == "1"
 
 

@@ -29,7 +29,7 @@ inside its CUDA-graph decode step.
   4-bit grouped GEMM ran 1.54-1.92x `torch._grouped_mm` at 16-512 rows over 8 experts and the tuner kept it
   over a dense copy at every row count (bench/RESULTS.md, twenty-second session).
 - The residual add + RMSNorm before a dense W4A16 linear or group inside its mma16 launch (`norm_run`,
-  `prenorm_gemm`: gemv_cuda.launch_prenorm, where the kernel stages x whole; the fused step's
+  `prenorm_gemm`: gemv_cuda_prenorm.launch_prenorm, where the kernel stages x whole; the fused step's
   `gpu_decode.DENSE_NORM`).
 - BF16 weights (lm_head, embeddings, BF16 layers) stay on cuBLAS.
 """
@@ -102,27 +102,27 @@ def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, 
 def prenorm_gemm(owner, data, scale, g, mode: str, x2: torch.Tensor, h: torch.Tensor | None, norm: nn.Module,
                  moe: tuple | None = None):
     """(x', y) = the decode step's residual add + RMSNorm (x' = x2 + h, or x2 + moe_route.combine(*moe) with h
-    None; then `norm`) and the owner's GEMM of its output in one launch (gemv_cuda.launch_prenorm on the
-    owner's mma16 decode copy; the norm's arithmetic is fp4rl.kernels.prenorm's), or None where that launch
-    does not take the call: W4A4 (its Q(x) comes from the norm kernel), TRACE recording, no mma16 copy (no
-    Hopper / NVRTC, a shape it does not take, a stale copy inside a capture), rows or shared memory past
-    gemv_cuda.prenorm_plan. A kernel failure turns it off for the process with a warning
-    (gemv_cuda.disable_prenorm) and returns None: the caller runs add_rmsnorm and the GEMM."""
-    from fp4rl.kernels import gemv_cuda
+    None; then `norm`) and the owner's GEMM of its output in one launch (gemv_cuda_prenorm.launch_prenorm on
+    the owner's mma16 decode copy; the norm's arithmetic is fp4rl.kernels.prenorm's), or None where that
+    launch does not take the call: W4A4 (its Q(x) comes from the norm kernel), TRACE recording, no mma16 copy
+    (no Hopper / NVRTC, a shape it does not take, a stale copy inside a capture), rows or shared memory past
+    gemv_cuda_prenorm.prenorm_plan. A kernel failure turns it off for the process with a warning
+    (gemv_cuda_prenorm.disable_prenorm) and returns None: the caller runs add_rmsnorm and the GEMM."""
+    from fp4rl.kernels import gemv_cuda_prenorm
 
     if (mode != "w4a16" or owner.trace_guide is not None or x2.dtype != KERNEL_DTYPE
-            or not MMA16 or not gemv_cuda.prenorm_available(x2.device, moe is not None)):
+            or not MMA16 or not gemv_cuda_prenorm.prenorm_available(x2.device, moe is not None)):
         return None
     copy = mma16_copy(owner._swz(), data, scale)
     if copy is None:
         return None
     y = torch.empty(x2.shape[0], copy.n, dtype=KERNEL_DTYPE, device=x2.device)
     try:
-        return gemv_cuda.launch_prenorm(x2, h, norm.weight, norm.eps, copy, g, y, moe=moe)
+        return gemv_cuda_prenorm.launch_prenorm(x2, h, norm.weight, norm.eps, copy, g, y, moe=moe)
     except ValueError:  # operands it does not take (e.g. a norm weight not 16-byte aligned): this call only
         return None
     except RuntimeError as exc:  # NVRTC or the driver refused it
-        gemv_cuda.disable_prenorm(exc, moe is not None)
+        gemv_cuda_prenorm.disable_prenorm(exc, moe is not None)
         return None
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4rl.kernels import gemv_cuda
+from fp4rl.kernels import gemv_cuda, gemv_cuda_prenorm
 from fp4rl.kernels.gemv_cuda_grouped import choose_grouped
 from fp4rl.kernels.quantize import cuda as qc
 
@@ -505,7 +505,7 @@ def _prenorm_plans():
     for n, k, ktop, f32 in cases:
         seen = set()
         for m in range(1, 9):
-            cfg = gemv_cuda.prenorm_plan(n, k, m, 132, ktop, f32)
+            cfg = gemv_cuda_prenorm.prenorm_plan(n, k, m, 132, ktop, f32)
             if cfg is not None and tuple(sorted(cfg.items())) not in seen:
                 seen.add(tuple(sorted(cfg.items())))
                 for wg_row in (True, False):
@@ -522,7 +522,7 @@ def test_gemm_prenorm_builds_compile_without_spills(name, cfg, wg_row):
     log = compile_log(gemv_cuda.source(cfg, wg_row), "sm_90")
     assert spills(log) == {"w4a16_mma16": (0, 0)}, f"{name}:\n{log[:2000]}"
     static = re.search(r"(\d+) bytes smem", log)
-    assert static and int(static.group(1)) <= gemv_cuda.prenorm_static_bytes(cfg), log
+    assert static and int(static.group(1)) <= gemv_cuda_prenorm.prenorm_static_bytes(cfg), log
 
 
 @pytest.mark.parametrize("n,k,m", [(6144, 4096, 1), (24576, 4096, 1), (5120, 2048, 1), (6144, 4096, 4)])
@@ -532,7 +532,7 @@ def test_gemm_prenorm_reads_only_weights_before_the_wait_and_writes_x_prime_in_1
     GSR); the residual's and hr's rows (the previous kernels' outputs) are copied after it, every copy is
     waited for (DEPBAR to 0 groups), then three block barriers (rows staged; the warps' sums; y in place)
     before the first multiply, and CTA 0's x' goes out in 16-byte stores (STG.E.128) between the last two."""
-    cfg = gemv_cuda._row_scale_key(gemv_cuda.prenorm_plan(n, k, m, 132), True)
+    cfg = gemv_cuda._row_scale_key(gemv_cuda_prenorm.prenorm_plan(n, k, m, 132), True)
     insns = _sass_insns(gemv_cuda.source(cfg, True))
     ops = [op for op, _ in insns]
     wait = ops.index("ACQBULK")
@@ -570,7 +570,7 @@ def test_gemm_prenorm_combine_reads_the_route_after_the_wait_then_gathers(n, k, 
     (and the one global scale); after it the route's pos and weights come from L2 (LDG.E.STRONG.GPU, .U16 for
     bf16 weights: ld.global.cg, not an L1 line of an earlier layer), a block barrier, then the gathers of the
     experts' rows (LDGSTS), every copy waited for, and three barriers more before the first multiply."""
-    cfg = gemv_cuda._row_scale_key(gemv_cuda.prenorm_plan(n, k, m, 132, 8, f32), True)
+    cfg = gemv_cuda._row_scale_key(gemv_cuda_prenorm.prenorm_plan(n, k, m, 132, 8, f32), True)
     insns = _sass_insns(gemv_cuda.source(cfg, True))
     ops = [op for op, _ in insns]
     wait = ops.index("ACQBULK")

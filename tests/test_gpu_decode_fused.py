@@ -487,8 +487,8 @@ QWEN2_WIDE = dict(WIDE, model_type="qwen2", qk_norm=False, qkv_bias=True)  # (q/
 @pytest.mark.parametrize("config", [WIDE, QWEN2_WIDE, WIDE_MOE])
 def test_dense_norm_in_the_fused_step(config, monkeypatch):
     """gpu_decode.DENSE_NORM: a layer's residual add + RMSNorm runs inside its q/k/v and (dense) gate/up
-    GEMMs' launches (the sites' norm_run: gpu_linear.prenorm_gemm -> gemv_cuda.launch_prenorm; on a CPU
-    prenorm.reference and the GEMM the site runs otherwise, on the mma16 copy's bytes, stand in for the
+    GEMMs' launches (the sites' norm_run: gpu_linear.prenorm_gemm -> gemv_cuda_prenorm.launch_prenorm; on a
+    CPU prenorm.reference and the GEMM the site runs otherwise, on the mma16 copy's bytes, stand in for the
     kernel). Dense layers: per step fused.add_rmsnorm runs twice (layer 0's input norm, which adds nothing,
     and the final norm) instead of 2 L + 1 times; MoE layers (no shared expert): each input norm but layer 0's
     takes the previous layer's combine (moe = (d, pos, w), no h) into the q/k/v launch, L + 2 add_rmsnorm a
@@ -496,15 +496,15 @@ def test_dense_norm_in_the_fused_step(config, monkeypatch):
     biases added. With the flag on every norm of the step sums in the PRENORM order, so where the fold does
     not run (here: a failing launch, which turns it off with a warning) the logits are the folded step's bit
     for bit."""
-    from fp4rl.kernels import gemv_cuda, prenorm
+    from fp4rl.kernels import gemv_cuda, gemv_cuda_prenorm, prenorm
 
     if DEV != "cpu":  # (the stand-in's relayout would run inside the graph capture)
         pytest.skip("on a GPU the kernel itself runs: test_gpu_dense_norm_under_graphs")
     key = "moe_ok" if "num_experts" in config else "ok"  # (the build that runs: PRENORM 2 or 1)
-    monkeypatch.setattr(gemv_cuda, "prenorm_available", lambda device=None, moe=False:
-                        gemv_cuda.PN_STATE["moe_ok" if moe else "ok"] is not False)
-    monkeypatch.setitem(gemv_cuda.PN_STATE, "ok", None)
-    monkeypatch.setitem(gemv_cuda.PN_STATE, "moe_ok", None)
+    monkeypatch.setattr(gemv_cuda_prenorm, "prenorm_available", lambda device=None, moe=False:
+                        gemv_cuda_prenorm.PN_STATE["moe_ok" if moe else "ok"] is not False)
+    monkeypatch.setitem(gemv_cuda_prenorm.PN_STATE, "ok", None)
+    monkeypatch.setitem(gemv_cuda_prenorm.PN_STATE, "moe_ok", None)
     monkeypatch.setattr(gpu_linear, "mma16_copy", lambda cache, data, scale: gemv_cuda.relayout(data, scale))
     calls = {"norm": 0, "gemm": 0, "moe": 0}
 
@@ -517,10 +517,10 @@ def test_dense_norm_in_the_fused_step(config, monkeypatch):
         data, block_scale = gemv_cuda.unrelayout(wc)  # the site's packed bytes again
         w = SimpleNamespace(data=data, block_scale=block_scale, global_scale=g)
         y.copy_(gpu_linear.packed_gemm(yn, w, "w4a16", {}))
-        gemv_cuda.PN_STATE["moe_ok" if moe is not None else "ok"] = True
+        gemv_cuda_prenorm.PN_STATE["moe_ok" if moe is not None else "ok"] = True
         return xs, y
 
-    monkeypatch.setattr(gemv_cuda, "launch_prenorm", launch_prenorm)
+    monkeypatch.setattr(gemv_cuda_prenorm, "launch_prenorm", launch_prenorm)
     s, forced, ref = _counting_norms(config, calls, monkeypatch)
     norms_off = calls["norm"]
     layers = config["num_hidden_layers"]
@@ -540,9 +540,9 @@ def test_dense_norm_in_the_fused_step(config, monkeypatch):
     assert_close_logits(got, ref)
 
     calls.update(norm=0)
-    fallback = _after_a_failing_launch(s, forced, monkeypatch, gemv_cuda, "launch_prenorm", "NVRTC says no",
-                                       "inside the mma16 GEMM's launch disabled")
-    assert gemv_cuda.PN_STATE[key] is False and calls["norm"] == norms_off
+    fallback = _after_a_failing_launch(s, forced, monkeypatch, gemv_cuda_prenorm, "launch_prenorm",
+                                       "NVRTC says no", "inside the mma16 GEMM's launch disabled")
+    assert gemv_cuda_prenorm.PN_STATE[key] is False and calls["norm"] == norms_off
     assert torch.equal(fallback, got)
 
 
@@ -573,21 +573,22 @@ def test_gpu_dense_norm_under_graphs(config, monkeypatch):
     PDL decodes the greedy tokens of the same engine without it, the logits within 2e-2; every dense layer's
     q/k/v and gate/up but layer 0's q/k/v (MoE layers: each q/k/v but layer 0's, with the combine) took the
     one-launch path (counted at capture) and it never fell back."""
-    from fp4rl.kernels import gemv_cuda
+    from fp4rl.kernels import gemv_cuda, gemv_cuda_prenorm
 
     if not gemv_cuda.available():
         pytest.skip("needs an sm_90 GPU and NVRTC")
     taken = []
-    real = gemv_cuda.launch_prenorm
+    real = gemv_cuda_prenorm.launch_prenorm
 
     def counted(*a, **kw):
         out = real(*a, **kw)
         taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(gemv_cuda, "launch_prenorm", counted)
+    monkeypatch.setattr(gemv_cuda_prenorm, "launch_prenorm", counted)
     _gpu_flags_ab(config, ("DENSE_NORM",), monkeypatch)
     key = "moe_ok" if "num_experts" in config else "ok"
-    assert taken and all(taken) and gemv_cuda.PN_STATE[key] is True, (taken, gemv_cuda.PN_STATE)
+    state = gemv_cuda_prenorm.PN_STATE
+    assert taken and all(taken) and state[key] is True, (taken, state)
     layers = config["num_hidden_layers"]
     assert len(taken) % (layers - 1 if "num_experts" in config else 2 * layers - 1) == 0, len(taken)

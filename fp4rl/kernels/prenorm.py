@@ -2,8 +2,8 @@
 x' = bf16(x + h), y = bf16(w * bf16(x' * rstd)), rstd = 1 / sqrt(sum(x'^2) / H + eps) (IEEE sqrt and
 division), the sum of squares in one fixed order (below). Two CUDA builds take it in (each compiled with
 `HEADER`, the per-chunk arithmetic they share): the MoE router + route (`moe_route_cuda.norm_router_route`,
-the router's PRENORM build) and the dense mma16 GEMM (`gemv_cuda.launch_prenorm`, its PRENORM build). Either
-one launch replaces fused.add_rmsnorm's and its own.
+the router's PRENORM build) and the dense mma16 GEMM (`gemv_cuda_prenorm.launch_prenorm`, its PRENORM
+build). Either one launch replaces fused.add_rmsnorm's and its own.
 
 `reference` is that arithmetic in torch ops (any device); on a GPU each kernel equals it bit for bit (GPU
 tests), on a CPU it is held to fp4rl.model's RMSNorm (within a bf16 ulp) and to a scalar emulation of the
