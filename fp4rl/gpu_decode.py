@@ -17,27 +17,26 @@ sampler's own model copy. What it changes, and what it computes:
   all T_cap slots with a mask).
 - Fused decode step (`FUSED`, `DecodeEngine(fused=...)`, `set_fused` for A/B): the elementwise work between
   the GEMMs runs as fp4rl.kernels.fused kernels, four per layer plus one for the final norm: residual add +
-  RMSNorm before attention and before the MLP, q/k-norm + RoPE + the write of k/v into the BF16 or NVFP4
-  cache slot (FP8 caches keep `store_kv`), SiLU(gate) * up. Where the consumer is a W4A4 linear or fused group
+  RMSNorm before attention and before the MLP, q/k-norm + RoPE + the write of k/v into the BF16 or NVFP4 cache
+  slot (FP8 caches keep `store_kv`), SiLU(gate) * up. Where the consumer is a W4A4 linear or fused group
   (q/k/v, gate/up, down_proj), the producer kernel also quantizes its output per token with the shared
   quantizer's own helpers (the bytes of `kernels.quantize` for the same input) and the GEMM takes that Q(x)
-  (`packed_gemm(..., xq=)`, `gemm.gemm`'s pre-quantized entry); o_proj (after attention) still quantizes
-  its input itself. Same arithmetic as the modules, bit for bit except the norms' rstd (fp32 sum of squares
-  added in another order, Triton's rsqrt: y can move by one bfloat16 ulp, see fused.py). `fused_plans`
-  decides per layer: q/k/v that are not one fused group, MoE and unfused MLPs run their modules on the
-  norm's bf16 output (a layer that falls back launches fewer fused kernels). An MoE layer on the route
-  kernels (`KernelMoeBlock.routed_parts`: router GEMM, route kernel, gate/up's GEMM with the gather inside,
-  down's with SiLU * up inside at decode sizes) hands its expert outputs to the next residual add
-  + RMSNorm, which does the weighted combine itself (`fused.add_rmsnorm(moe=)`; a shared expert's term is
-  its h), up to COMBINE_MAX_TOKENS rows: four launches per MoE MLP (router GEMM, route, gate/up, down) where
-  the torch path takes ~20
-  (`FUSED_COMBINE` / FP4RL_MOE_COMBINE=0, and gpu_experts' FUSED_ROUTER (up to ROUTER_MAX_TOKENS) /
-  FUSED_GATHER, gemm.FUSED_SILU for A/B). Two flags, off (slower when timed), fold an add + RMSNorm into the
-  launch that consumes it (fp4rl.kernels.prenorm's arithmetic): ROUTER_NORM (an MoE layer's post-attention
-  norm in the CUDA router + route), DENSE_NORM (a dense layer's two in its W4A16 q/k/v and gate/up mma16
-  GEMMs, an MoE layer's input one with the previous combine in its q/k/v GEMM: the sites' `norm_run`,
-  gpu_linear.prenorm_gemm). With either on, every add_rmsnorm of the step sums in those builds' order
-  (`prenorm_order`), so a norm gives the same bits folded or not (batch buckets the builds do not plan).
+  (`packed_gemm(..., xq=)`, `gemm.gemm`'s pre-quantized entry); o_proj (after attention) still quantizes its
+  input itself. Same arithmetic as the modules, bit for bit except the norms' rstd (fp32 sum of squares added
+  in another order, Triton's rsqrt: y can move by one bfloat16 ulp, see fused.py). `fused_plans`
+  (fp4rl/decode_plan.py) decides per layer: q/k/v that are not one fused group, MoE and unfused MLPs run their
+  modules on the norm's bf16 output (a layer that falls back launches fewer fused kernels). An MoE layer on
+  the route kernels (`KernelMoeBlock.routed_parts`: router GEMM, route kernel, gate/up's GEMM with the gather
+  inside, down's with SiLU * up inside at decode sizes) hands its expert outputs to the next residual add +
+  RMSNorm, which does the weighted combine itself (`fused.add_rmsnorm(moe=)`; a shared expert's term is its
+  h), up to COMBINE_MAX_TOKENS rows: four launches per MoE MLP (router GEMM, route, gate/up, down) where the
+  torch path takes ~20 (`FUSED_COMBINE` / FP4RL_MOE_COMBINE=0, and gpu_experts' FUSED_ROUTER (up to
+  ROUTER_MAX_TOKENS) / FUSED_GATHER, gemm.FUSED_SILU for A/B). Two flags, off (slower when timed), fold an add
+  + RMSNorm into the launch that consumes it (fp4rl.kernels.prenorm's arithmetic): ROUTER_NORM (an MoE layer's
+  post-attention norm in the CUDA router + route), DENSE_NORM (a dense layer's two in its W4A16 q/k/v and
+  gate/up mma16 GEMMs, an MoE layer's input one with the previous combine in its q/k/v GEMM: the sites'
+  `norm_run`, gpu_linear.prenorm_gemm). With either on, every add_rmsnorm of the step sums in those builds'
+  order (`prenorm_order`), so a norm gives the same bits folded or not (batch buckets the builds do not plan).
 - CUDA graphs: one graph per batch bucket (powers of two up to B_cap; and per TRACE guidance fraction,
   `set_guidance`: a guided step also records guidance, fp4rl/gpu_trace.py), captured on first use
   after an eager warm-up step on a side stream (Triton compiles and the GEMM tuner runs there,
@@ -59,9 +58,9 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from fp4rl.batch import ROUTING_DTYPE
+from fp4rl.decode_plan import _records, _Site, fused_plans
 from fp4rl.gpu_experts import KernelMoeBlock  # noqa: F401  (re-exported for callers of gpu_decode)
 from fp4rl.gpu_linear import (  # noqa: F401  (the engine's modules; re-exported for callers of gpu_decode)
     KERNEL_DTYPE,
@@ -75,8 +74,7 @@ from fp4rl.gpu_linear import (  # noqa: F401  (the engine's modules; re-exported
 )
 from fp4rl.kernels import pdl
 from fp4rl.kvcache import _write, make_kv_cache
-from fp4rl.model import MLP, CausalLM, ModelConfig, rotate_half
-from fp4rl.packed import FusedGroup, PackedNVFP4Linear
+from fp4rl.model import CausalLM, ModelConfig, rotate_half
 
 SLOT_ALIGN = 64  # T_cap is rounded up to this
 FUSED = True  # new engines run the fused decode step (fp4rl.kernels.fused); DecodeEngine.set_fused for A/B
@@ -120,24 +118,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# The fused step's plan: which linears take a fused producer's output
-
-
-class _Site:
-    """A linear or fused group as the fused step calls it: run(x2 [M, K] bf16, xq=None) -> y [M, N]; quant:
-    the activation quantizer's settings when it takes a Q(x) made by the producer (W4A4), else None;
-    norm_run(x, h, norm, moe) -> (x', run(norm(x'))) in one launch, x' = x + h or x + the MoE combine of moe
-    = (d, pos, w), or None (kernel linears: DENSE_NORM)."""
-
-    def __init__(self, run, quant: dict | None = None, norm_run=None):
-        self.run, self.quant, self.norm_run = run, quant, norm_run
-
-
-def _records(site: _Site | None) -> bool:
-    """Whether the site's module records TRACE guidance now (a gpu_trace.Guide on it: it needs x, not only
-    the Q(x) its producer makes)."""
-    owner = getattr(getattr(site, "run", None), "__self__", None)
-    return getattr(owner, "trace_guide", None) is not None
+# The fused step's DENSE_NORM fold (the plan itself: fp4rl.decode_plan)
 
 
 def _dense_norm(site: _Site | None, quant: dict | None, x, h, norm, moe: dict):
@@ -150,66 +131,6 @@ def _dense_norm(site: _Site | None, quant: dict | None, x, h, norm, moe: dict):
         return None
     return site.norm_run(x, h, norm, moe.get("moe"))
 
-
-def _quant_of(m: PackedNVFP4Linear) -> dict | None:
-    kw = m.input_kwargs
-    return dict(scale_rule=kw["scale_rule"], err=kw["err"]) if m.mode == "w4a4" else None
-
-
-def _dense_group_run(group: FusedGroup):
-    return lambda x2, xq=None: F.linear(x2, group._weight, group._bias)
-
-
-def _module_run(m: nn.Module):
-    return lambda x2, xq=None: m(x2)
-
-
-def linear_site(mods: list) -> _Site | None:
-    """The site computing mods (one module, or the members of one fused group, in order), or None where
-    the fused step cannot call it on a [M, K] input (then the layer runs its modules)."""
-    group = getattr(mods[0], "group", None)
-    if len(mods) > 1:
-        if group is None or list(group.members) != list(mods):
-            return None
-        if isinstance(group, KernelFusedGroup):
-            return _Site(group.run, _quant_of(group.members[0]), group.norm_run)
-        if not group.packed and group._weight is not None and group._weight.dtype == KERNEL_DTYPE:
-            return _Site(_dense_group_run(group))
-        return None
-    m = mods[0]
-    if group is not None:
-        return None
-    if isinstance(m, KernelPackedLinear):
-        return _Site(m.run, _quant_of(m), m.norm_run)
-    return _Site(_module_run(m))
-
-
-def fused_plans(model: CausalLM) -> list | None:
-    """Per decoder layer: the q/k/v site (None: the layer's attention runs its modules), the gate/up and
-    down sites of a dense MLP (None: MoE or unfused), and which norm outputs are quantized for their
-    consumer. None when the fused kernels do not cover the model at all (norm weights not bf16)."""
-    m = model.model
-    norms = [m.norm] + [n for layer in m.layers
-                        for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    if any(n.weight.dtype != KERNEL_DTYPE for n in norms):
-        return None
-    plans = []
-    for layer in m.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        p = SimpleNamespace(qkv=None, gate_up=None, down=None, in_quant=None, post_quant=None)
-        qk_ok = not hasattr(attn, "q_norm") or (
-            attn.q_norm.weight.dtype == KERNEL_DTYPE and attn.k_norm.weight.dtype == KERNEL_DTYPE
-            and attn.q_norm.eps == attn.k_norm.eps)
-        qkv = linear_site([attn.q_proj, attn.k_proj, attn.v_proj])
-        if qkv is not None and qk_ok:
-            p.qkv, p.in_quant = qkv, qkv.quant
-        if not layer.is_moe and isinstance(mlp, MLP):
-            gate_up = linear_site([mlp.gate_proj, mlp.up_proj])
-            down = linear_site([mlp.down_proj])
-            if gate_up is not None and down is not None:
-                p.gate_up, p.down, p.post_quant = gate_up, down, gate_up.quant
-        plans.append(p)
-    return plans
 
 
 # ----------------------------------------------------------------------------------------------
