@@ -16,8 +16,8 @@ grep -i "disabled\|failed" $OUT/sampler116_all3.log | sort | uniq -c | head
 arm bf16 140 1,8 "--profile-batch= --presets bf16" X=0
 python3 -m fp4rl.benchmarks.sampler_gpu_report $OUT/sampler116_*.json
 if [ $SECONDS -lt 560 ]; then
-  timeout $((585 - SECONDS)) python3 -m pytest -q -m "gpu or not gpu" tests/test_gemv_cuda.py \
-    tests/test_gpu_decode_fused.py tests/test_moe_route.py tests/test_fused_kernels.py tests/test_attention_rope.py \
+  timeout $((585 - SECONDS)) python3 -m pytest -q -m "gpu or not gpu" tests/test_gemv_cuda_prenorm.py \
+    tests/test_gpu_decode_fused.py tests/test_moe_route_cuda.py tests/test_fused_kernels.py tests/test_attention_rope.py \
     -k "prenorm or dense_norm or norm_router or router_norm or one_launch or repeated or bad_inputs" \
     > $OUT/tests116.log 2>&1
   echo "tests exit $? at ${SECONDS}s"; grep -E "passed|failed|FAILED|Error" $OUT/tests116.log | tail -12

@@ -15,8 +15,9 @@ fp32 summation orders are the kernel's own (written out by `reference`, which ru
 torch ops on any device): a logit can differ from cuBLAS's or the Triton kernel's in its last bf16 bit, a
 probability from torch's softmax in its last fp32 bit (then only an exact or one-bit near tie can choose
 another expert, and routing replay records the choice made). On a GPU the kernel equals `reference` on the
-same device bit for bit (tests/test_moe_route.py, gpu marker: that assumes torch's exp and NVRTC's libdevice
-expf agree, which the test checks); on a CPU `reference` is checked against torch's route and grouping.
+same device bit for bit (tests/test_moe_route_cuda.py, gpu marker: that assumes torch's exp and NVRTC's
+libdevice expf agree, which the test checks); on a CPU `reference` is checked against torch's route and
+grouping.
 
 `norm_router_route` runs the decode step's residual add + RMSNorm before the router in the same launch (the
 .cu's PRENORM build: every CTA normalises the token rows itself, CTA 0 writes x' and y), so the post-attention
