@@ -12,7 +12,7 @@ ARM_SHAPE=qwen3-30b-a3b:$depth ARM_PREFIX=sampler121_30b
 arm defaults 220 1 "--profile-batch= --lm-head bf16,w4a16" X=0
 arm bf16 150 1 "--profile-batch= --presets bf16" X=0
 python3 -m fp4rl.benchmarks.sampler_gpu_report $OUT/sampler121_*.json
-left=$((585 - SECONDS))
+left=$((${CAP:-585} - SECONDS))
 if [ $left -gt 60 ]; then
   timeout $left ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \
       --section LaunchStats --section MemoryWorkloadAnalysis -k regex:w4a16 --launch-count 12 \
