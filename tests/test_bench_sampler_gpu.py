@@ -180,3 +180,17 @@ def test_noisy_rows_are_flagged():
     assert not sampler_gpu_report.noisy(1.218, 1152.8, [1.219, 1.217])  # the defaults' arm
     assert sampler_gpu_report.noisy(1.0, 1152.8, [1.0, 1.0])  # faster than its own replay
     assert not sampler_gpu_report.noisy(1.3, None, [1.3, 1.35])  # no replay (eager), cadences within 10%
+
+
+def test_the_table_and_the_comparison_mark_a_noisy_row_from_its_cadences():
+    """A recorded row is judged by its own cadences (its stored flag was computed by the older rule): the
+    table puts * after its tok/s, the arms' comparison after its step."""
+    row = {"shape": "qwen3-30b-a3b", "layers": 24, "full_layers": 48, "precision": "nvfp4-w4a16 all linears",
+           "preset": "nvfp4-w4a16", "kv": "bf16", "batch": 1, "tok_s": 653.5, "step_ms": 1.530,
+           "graph_us": 1164.5, "cadence_ms": [1.227, 1.833], "noisy": False}
+    calm = dict(row, step_ms=1.218, tok_s=821.1, graph_us=1152.8, cadence_ms=[1.219, 1.217])
+    table = sampler_gpu_report.markdown({"rows": [row], "profiles": []})
+    assert "| 654* |" in table
+    assert "| 821 |" in sampler_gpu_report.markdown({"rows": [calm], "profiles": []})
+    line = sampler_gpu_report.compare({"defaults": [calm], "router_norm": [row]})[0]
+    assert "defaults 1.218," in line and "router_norm 1.530* (+25.6%)" in line

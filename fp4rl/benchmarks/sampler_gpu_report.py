@@ -46,8 +46,9 @@ def markdown(results) -> str:
         if base.get(key) == "eager" and r["preset"] != "bf16":
             vs += " (BF16 eager)"
         graph_ms = r["graph_us"] / 1e3 if r.get("graph_us") else None
+        flag = noisy(r["step_ms"], r.get("graph_us"), r.get("cadence_ms", []))  # (older records judged too)
         lines.append(f"| {r['shape']} ({r['layers']}/{r['full_layers']}) | {_label(r)} | {r['kv']} | "
-                     f"{r['batch']} | {_mode(r)} | {_f(r['tok_s'], '{:.0f}')}{'*' * bool(r.get('noisy'))} "
+                     f"{r['batch']} | {_mode(r)} | {_f(r['tok_s'], '{:.0f}')}{'*' * flag} "
                      f"| {vs} | {lim} | "
                      f"{_f(r['step_ms'])} | {_f(graph_ms)} | {_f(r.get('floor_tok_s'), '{:.0f}')} |")
     for p in results["profiles"]:
