@@ -132,7 +132,6 @@ def _dense_norm(site: _Site | None, quant: dict | None, x, h, norm, moe: dict):
     return site.norm_run(x, h, norm, moe.get("moe"))
 
 
-
 # ----------------------------------------------------------------------------------------------
 # The decode engine
 

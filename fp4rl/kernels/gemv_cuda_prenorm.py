@@ -5,8 +5,8 @@ fused.add_rmsnorm's and the GEMM's where x is staged whole (one row; a few rows 
 
 Used by the decode step's FP4RL_DENSE_NORM (gpu_linear.prenorm_gemm), off by default: on an H100 the norm
 cost more inside each consumer CTA than the add_rmsnorm launch it removed (bench/RESULTS.md, thirty-eighth
-session).
-Each kind has its own failure switch (``PN_STATE``: ok / moe_ok); the step then runs add_rmsnorm + ``launch``.
+session). Each kind has its own failure switch (``PN_STATE``: ok / moe_ok); the step then runs add_rmsnorm +
+``launch``.
 """
 
 from __future__ import annotations
