@@ -153,6 +153,7 @@ class DecodeEngine:
         self.plans = fused_plans(model)  # None: the fused step does not cover this model
         self.fused = (FUSED if fused is None else fused) and self.plans is not None
         self.static = None  # the SamplerKVCache all generate calls write into
+        self.rope = None  # RoPE's (cos, sin) rows by position, [P, 2, D] (_rope_table)
         self.graphs: dict[tuple, tuple] = {}  # graph_key -> (CUDAGraph, outputs, workspaces kept alive)
         self.graph_error: str | None = None
         self.pool = None
@@ -185,6 +186,7 @@ class DecodeEngine:
             self.starts = torch.zeros(b_cap, dtype=torch.int32, device=dev)
             self.lengths = torch.ones(b_cap, dtype=torch.int32, device=dev)
             self.slot = torch.zeros(1, dtype=torch.long, device=dev)
+            self._rope_table(t_cap)
         for r in self.refreshable:  # weight sync may have written new global scales
             r.refresh()
         view = copy.copy(self.static)
@@ -192,6 +194,23 @@ class DecodeEngine:
         view.length = 0
         view.select = lambda idx, view=view: self._select(view, idx)
         return view
+
+    def _rope_table(self, t_cap: int) -> None:
+        """RoPE's (cos, sin) for every position a step can see, [P, 2, D] in the activations' dtype, so a
+        step gathers its rows in one launch instead of computing them (seven launches: the cast, the angles,
+        the cat, cos, sin, two casts). P covers the cache's slots (a position counts a row's real tokens, so
+        it is below the slots) and the model's max_position_embeddings. Built on the device by
+        model.rope_tables itself: elementwise, so each row has the bits the per-step computation gives."""
+        m = self.model.model
+        p = max(t_cap, int(self.config.max_position_embeddings or 0))
+        if self.rope is None or self.rope.shape[0] < p:
+            cos, sin = m.rope_tables(torch.arange(p, device=self.device), m.embed_tokens.weight.dtype)
+            self.rope = torch.stack((cos, sin), dim=1)  # [P, 2, D]
+
+    def _rope_rows(self, bb: int):
+        """This step's RoPE rows: (cos, sin), each [bb, D] (views of one gathered [bb, 2, D])."""
+        cs = self.rope.index_select(0, self.positions[:bb])
+        return cs[:, 0], cs[:, 1]
 
     def _narrow(self, view, rows: int) -> None:
         for name in self.static.buffer_names:
@@ -351,7 +370,7 @@ class DecodeEngine:
 
         m = self.model.model
         x = m.embed_tokens(self.tokens[:bb])  # [bb, H]
-        cos, sin = m.rope_tables(self.positions[:bb], x.dtype)  # [bb, D]
+        cos, sin = self._rope_rows(bb)  # [bb, D] each
         ctx = self._context(bb)
         h, chosen, moe = None, [], {}
         # with a norm folded into another launch (ROUTER_NORM / DENSE_NORM) every norm of the step sums in
@@ -477,8 +496,8 @@ class DecodeEngine:
         """The decode step through the model's modules (the unfused path)."""
         m = self.model.model
         x = m.embed_tokens(self.tokens[:bb])[:, None]  # [bb, 1, H]
-        cos, sin = m.rope_tables(self.positions[:bb, None], x.dtype)  # [bb, 1, D]
-        cos, sin = cos[:, None], sin[:, None]  # [bb, 1, 1, D]
+        cos, sin = self._rope_rows(bb)  # [bb, D] each
+        cos, sin = cos[:, None, None], sin[:, None, None]  # [bb, 1, 1, D]
         ctx = self._context(bb)
         chosen = []
         for layer in m.layers:

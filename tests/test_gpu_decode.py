@@ -290,6 +290,24 @@ def test_decode_kv_write_is_the_cache_quantizer_byte_for_byte():
         assert torch.equal(getattr(a, name)[0].view(torch.uint8), getattr(b, name)[0].view(torch.uint8)), name
 
 
+def test_engine_rope_rows_are_the_models_tables():
+    """A step gathers RoPE's rows from the engine's table: the bits model.rope_tables gives at those
+    positions, for every position of the cache's slots and of max_position_embeddings, grown with the
+    cache."""
+    engine = Sampler(tiny(DENSE, "bf16"), device=DEV, kernels=True, dtype=torch.bfloat16).engine
+    m = engine.model.model
+    for total in (40, 100):  # within, then past max_position_embeddings (64)
+        engine.new_cache("bf16", 3, 3, total)
+        p = max(engine.static.max_len, DENSE["max_position_embeddings"])
+        assert engine.rope.shape == (p, 2, DENSE["head_dim"]) and engine.rope.dtype == torch.bfloat16
+        pos = torch.tensor([0, 37, p - 1], device=DEV)
+        engine.positions[:3].copy_(pos)
+        cos, sin = engine._rope_rows(3)
+        want_cos, want_sin = m.rope_tables(pos, torch.bfloat16)
+        assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+        assert not torch.equal(cos, sin)
+
+
 def test_kernels_need_bfloat16():
     with pytest.raises(ValueError, match="bfloat16"):
         Sampler(tiny(DENSE, "nvfp4-w4a16").float(), device=DEV, kernels=True)
