@@ -72,7 +72,8 @@ from fp4rl.gpu_linear import (  # noqa: F401  (the engine's modules; re-exported
     kernel_ready,
     packed_gemm,
 )
-from fp4rl.kernels import pdl
+from fp4rl.kernels import pdl, step_inputs
+from fp4rl.kernels._common import INTERPRET
 from fp4rl.kvcache import _write, make_kv_cache
 from fp4rl.model import CausalLM, ModelConfig, rotate_half
 
@@ -235,11 +236,9 @@ class DecodeEngine:
         if slots != view.length + 1 or slots > self.static.max_len or b != view.batch_size:
             raise ValueError(f"decode: mask covers {slots} slots for a cache of {view.length} used, "
                              f"{self.static.max_len} slots, {view.batch_size} rows (got {b} tokens)")
-        self.tokens[:b].copy_(tokens.reshape(-1))
-        self.positions[:b].copy_(positions.reshape(-1))
-        self.starts[:b].copy_(slots - mask.sum(-1))
-        self.lengths.fill_(slots)
-        self.slot.fill_(slots - 1)
+        # the step's inputs into the static buffers: one launch on the kernels' devices, seven in torch
+        inputs = step_inputs.write if self.device.type == "cuda" or INTERPRET else step_inputs.reference
+        inputs(tokens, positions, mask, self.tokens, self.positions, self.starts, self.lengths, self.slot)
         bucket = self.bucket(b)
         key = self.graph_key(bucket)
         out = None
