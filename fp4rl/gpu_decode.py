@@ -154,7 +154,7 @@ class DecodeEngine:
         self.plans = fused_plans(model)  # None: the fused step does not cover this model
         self.fused = (FUSED if fused is None else fused) and self.plans is not None
         self.static = None  # the SamplerKVCache all generate calls write into
-        self.rope = None  # RoPE's (cos, sin) rows by position, [P, 2, D] (_rope_table)
+        self.rope = None  # RoPE's (cos, sin) rows by position, [T_cap, 2, D] (_rope_table)
         self.graphs: dict[tuple, tuple] = {}  # graph_key -> (CUDAGraph, outputs, workspaces kept alive)
         self.graph_error: str | None = None
         self.pool = None
@@ -197,16 +197,15 @@ class DecodeEngine:
         return view
 
     def _rope_table(self, t_cap: int) -> None:
-        """RoPE's (cos, sin) for every position a step can see, [P, 2, D] in the activations' dtype, so a
+        """RoPE's (cos, sin) for every position a step can see, [t_cap, 2, D] in the activations' dtype, so a
         step gathers its rows in one launch instead of computing them (seven launches: the cast, the angles,
-        the cat, cos, sin, two casts). P covers the cache's slots (a position counts a row's real tokens, so
-        it is below the slots) and the model's max_position_embeddings. Built on the device by
-        model.rope_tables itself: elementwise, so each row has the bits the per-step computation gives."""
-        m = self.model.model
-        p = max(t_cap, int(self.config.max_position_embeddings or 0))
-        if self.rope is None or self.rope.shape[0] < p:
-            cos, sin = m.rope_tables(torch.arange(p, device=self.device), m.embed_tokens.weight.dtype)
-            self.rope = torch.stack((cos, sin), dim=1)  # [P, 2, D]
+        the cat, cos, sin, two casts). A position counts its row's real tokens, so it is below the cache's
+        slots (decode's contract). Built on the device by model.rope_tables itself: elementwise, so each row
+        has the bits the per-step computation gives."""
+        if self.rope is None or self.rope.shape[0] < t_cap:
+            m = self.model.model
+            cos, sin = m.rope_tables(torch.arange(t_cap, device=self.device), m.embed_tokens.weight.dtype)
+            self.rope = torch.stack((cos, sin), dim=1)  # [t_cap, 2, D]
 
     def _rope_rows(self, bb: int):
         """This step's RoPE rows: (cos, sin), each [bb, D] (views of one gathered [bb, 2, D])."""
@@ -231,7 +230,8 @@ class DecodeEngine:
     def decode(self, view, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
         """Next-token logits [b, V] and the experts chosen ([L_moe, b, 1, k] ROUTING_DTYPE, stacked inside
         the step's graph; None without MoE layers) for one new token per row; mask [b, length + 1] is the
-        sampler's (left padding, then real tokens)."""
+        sampler's (left padding, then real tokens); positions [b] count each row's real tokens before this
+        one, so they are below length + 1 (the RoPE table covers the cache's slots)."""
         b, slots = tokens.numel(), mask.shape[1]
         if slots != view.length + 1 or slots > self.static.max_len or b != view.batch_size:
             raise ValueError(f"decode: mask covers {slots} slots for a cache of {view.length} used, "

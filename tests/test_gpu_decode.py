@@ -292,13 +292,12 @@ def test_decode_kv_write_is_the_cache_quantizer_byte_for_byte():
 
 def test_engine_rope_rows_are_the_models_tables():
     """A step gathers RoPE's rows from the engine's table: the bits model.rope_tables gives at those
-    positions, for every position of the cache's slots and of max_position_embeddings, grown with the
-    cache."""
+    positions, for every slot of the cache, the table grown with the cache."""
     engine = Sampler(tiny(DENSE, "bf16"), device=DEV, kernels=True, dtype=torch.bfloat16).engine
     m = engine.model.model
-    for total in (40, 100):  # within, then past max_position_embeddings (64)
+    for total in (40, 100):  # a cache of 64 slots, then one of 128
         engine.new_cache("bf16", 3, 3, total)
-        p = max(engine.static.max_len, DENSE["max_position_embeddings"])
+        p = engine.static.max_len
         assert engine.rope.shape == (p, 2, DENSE["head_dim"]) and engine.rope.dtype == torch.bfloat16
         pos = torch.tensor([0, 37, p - 1], device=DEV)
         engine.positions[:3].copy_(pos)

@@ -21,8 +21,8 @@ def _buffers(cap):
 
 
 @pytest.mark.parametrize("b,cap,slots,total,dtype", [
-    (1, 1, 5, 5, torch.long), (3, 4, 1500, 2100, torch.long), (2, 8, 40, 64, torch.bool),
-    (4, 4, 1024, 1024, torch.int32)])
+    (1, 1, 5, 5, torch.long), (1, 2, 1, 1, torch.long), (3, 4, 1500, 2100, torch.long),
+    (2, 8, 40, 64, torch.bool), (4, 4, 1024, 1024, torch.int32)])
 def test_one_launch_writes_what_the_torch_ops_write(b, cap, slots, total, dtype):
     g = torch.Generator().manual_seed(slots)
     full = torch.zeros(b, total, dtype=torch.long)
@@ -48,8 +48,14 @@ def test_bad_inputs_are_refused():
         step_inputs.write(two[:1], two, mask, *_buffers(4))
     with pytest.raises(ValueError, match="unit column stride"):
         step_inputs.write(two, two, torch.ones(6, 2, dtype=torch.long, device=DEV).t(), *_buffers(4))
-    with pytest.raises(ValueError, match="static buffers"):
+    with pytest.raises(ValueError, match="out_tokens holds 1 rows, this step needs 2"):
         step_inputs.write(two, two, mask, *_buffers(1))
+    short = list(_buffers(4))
+    short[1] = short[1][:1]
+    with pytest.raises(ValueError, match="out_positions holds 1 rows"):
+        step_inputs.write(two, two, mask, *short)
+    with pytest.raises(ValueError, match="tokens on meta"):
+        step_inputs.write(two.to("meta"), two, mask, *_buffers(4))
     bad = list(_buffers(4))
     bad[2] = bad[2].long()
     with pytest.raises(ValueError, match="out_starts must be contiguous torch.int32"):

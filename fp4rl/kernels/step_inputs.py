@@ -16,7 +16,7 @@ import triton.language as tl
 BLOCK = 1024  # mask columns a program sums at a time
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots", "b"])  # (a 1 would become a constant: one kernel for every step)
 def _step_inputs_kernel(tok_ptr, tok_stride, pos_ptr, pos_stride, mask_ptr, mask_stride, slots, b,
                         tokens_ptr, positions_ptr, starts_ptr, lengths_ptr, slot_ptr, BLOCK: tl.constexpr):
     r = tl.program_id(0)  # one program per static row: every row's length is the step's slots
@@ -48,8 +48,16 @@ def write(tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, out
                          f"of {b} rows; pass one token and one position per mask row")
     if mask.stride(1) != 1 and slots > 1:
         raise ValueError(f"step_inputs: the mask needs unit column stride, got strides {mask.stride()}")
-    if b > out_tokens.numel() or out_lengths.numel() < b:
-        raise ValueError(f"step_inputs: {b} rows for static buffers of {out_tokens.numel()}")
+    for name, t in (("tokens", tokens), ("positions", positions)):
+        if t.device != mask.device:
+            raise ValueError(f"step_inputs: {name} on {t.device}, the mask on {mask.device}; pass both on "
+                             "the engine's device")
+    sizes = (("out_tokens", out_tokens, b), ("out_positions", out_positions, b),
+             ("out_starts", out_starts, b), ("out_lengths", out_lengths, b), ("out_slot", out_slot, 1))
+    for name, t, need in sizes:
+        if t.numel() < need:
+            raise ValueError(f"step_inputs: {name} holds {t.numel()} rows, this step needs {need}; grow the "
+                             "engine's static buffers (new_cache) first")
     outs = (("out_tokens", out_tokens, torch.int64), ("out_positions", out_positions, torch.int64),
             ("out_starts", out_starts, torch.int32), ("out_lengths", out_lengths, torch.int32),
             ("out_slot", out_slot, torch.int64))
