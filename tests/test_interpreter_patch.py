@@ -30,15 +30,15 @@ def _stats_kernel(x_ptr, out_ptr, N: tl.constexpr):
 
 
 def test_the_patch_is_installed_and_skips(monkeypatch):
-    """One launch of 5 programs, each calling 5 jit helpers (_square, sum, max, cumsum, min): Triton alone
-    patches the language for each of those 25 calls (4 scans each), the patch for the launch and once for
-    the standard library's other module."""
+    """One launch of 5 programs, each calling jit helpers (_square, sum, max, cumsum, min): Triton alone scans
+    the language for each call (141 scans in all); with the patch, the launch's scans and those of the first
+    standard-library helper (whose module sees triton.language.core as well) are left."""
     assert interpreter._patch_lang.__module__ == "conftest"
     scans = []
     scan = interpreter._patch_builtin
     monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a: (scans.append(a[0]), scan(*a))[1])
     _stats_kernel[(5,)](torch.randn(5, 16), torch.empty(5, 3), N=16)
-    assert 0 < len(scans) <= 8, len(scans)
+    assert 0 < len(scans) < 20, len(scans)  # (7-10 here, by what earlier tests imported; 141 without it)
 
 
 def test_helpers_inside_launches_compute_and_the_language_is_restored():
