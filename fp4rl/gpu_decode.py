@@ -155,6 +155,9 @@ class DecodeEngine:
         self.fused = (FUSED if fused is None else fused) and self.plans is not None
         self.static = None  # the SamplerKVCache all generate calls write into
         self.rope = None  # RoPE's (cos, sin) rows by position, [T_cap, 2, D] (_rope_table)
+        # the step's inputs into the static buffers: one launch where the kernels run, else seven torch ops
+        kernels = self.device.type == "cuda" or INTERPRET
+        self._write_inputs = step_inputs.write if kernels else step_inputs.reference
         self.graphs: dict[tuple, tuple] = {}  # graph_key -> (CUDAGraph, outputs, workspaces kept alive)
         self.graph_error: str | None = None
         self.pool = None
@@ -236,9 +239,8 @@ class DecodeEngine:
         if slots != view.length + 1 or slots > self.static.max_len or b != view.batch_size:
             raise ValueError(f"decode: mask covers {slots} slots for a cache of {view.length} used, "
                              f"{self.static.max_len} slots, {view.batch_size} rows (got {b} tokens)")
-        # the step's inputs into the static buffers: one launch on the kernels' devices, seven in torch
-        inputs = step_inputs.write if self.device.type == "cuda" or INTERPRET else step_inputs.reference
-        inputs(tokens, positions, mask, self.tokens, self.positions, self.starts, self.lengths, self.slot)
+        self._write_inputs(tokens, positions, mask, self.tokens, self.positions, self.starts, self.lengths,
+                           self.slot)
         bucket = self.bucket(b)
         key = self.graph_key(bucket)
         out = None

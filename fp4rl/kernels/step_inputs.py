@@ -52,19 +52,16 @@ def write(tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, out
         if t.device != mask.device:
             raise ValueError(f"step_inputs: {name} on {t.device}, the mask on {mask.device}; pass both on "
                              "the engine's device")
-    sizes = (("out_tokens", out_tokens, b), ("out_positions", out_positions, b),
-             ("out_starts", out_starts, b), ("out_lengths", out_lengths, b), ("out_slot", out_slot, 1))
-    for name, t, need in sizes:
-        if t.numel() < need:
-            raise ValueError(f"step_inputs: {name} holds {t.numel()} rows, this step needs {need}; grow the "
-                             "engine's static buffers (new_cache) first")
-    outs = (("out_tokens", out_tokens, torch.int64), ("out_positions", out_positions, torch.int64),
-            ("out_starts", out_starts, torch.int32), ("out_lengths", out_lengths, torch.int32),
-            ("out_slot", out_slot, torch.int64))
-    for name, t, dtype in outs:
+    outs = (("out_tokens", out_tokens, torch.int64, b), ("out_positions", out_positions, torch.int64, b),
+            ("out_starts", out_starts, torch.int32, b), ("out_lengths", out_lengths, torch.int32, b),
+            ("out_slot", out_slot, torch.int64, 1))
+    for name, t, dtype, need in outs:
         if t.dtype != dtype or not t.is_contiguous() or t.device != mask.device:
             raise ValueError(f"step_inputs: {name} must be contiguous {dtype} on {mask.device}, got "
                              f"{t.dtype} on {t.device}")
+        if t.numel() < need:
+            raise ValueError(f"step_inputs: {name} holds {t.numel()} rows, this step needs {need}; grow the "
+                             "engine's static buffers (new_cache) first")
     m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     tok, pos = tokens.reshape(-1), positions.reshape(-1)  # (views where they can be: any stride)
     grid = (out_lengths.numel(),)
