@@ -158,6 +158,8 @@ class DecodeEngine:
         # the step's inputs into the static buffers: one launch where the kernels run, else seven torch ops
         kernels = self.device.type == "cuda" or INTERPRET
         self._write_inputs = step_inputs.write if kernels else step_inputs.reference
+        self._record = step_inputs.record if kernels else step_inputs.record_reference
+        self.route = None  # the routing record [L_moe, b_cap, t_cap, k] the steps write (see routing)
         self.graphs: dict[tuple, tuple] = {}  # graph_key -> (CUDAGraph, outputs, workspaces kept alive)
         self.graph_error: str | None = None
         self.pool = None
@@ -190,6 +192,12 @@ class DecodeEngine:
             self.starts = torch.zeros(b_cap, dtype=torch.int32, device=dev)
             self.lengths = torch.ones(b_cap, dtype=torch.int32, device=dev)
             self.slot = torch.zeros(1, dtype=torch.long, device=dev)
+            self.rows = torch.full((b_cap,), -1, dtype=torch.long, device=dev)  # the record's row per row
+            self.route = None
+            if self.config.moe_layers:  # (int16: 2 B per layer and expert of a slot; its KV takes ~100x more)
+                k = self.config.num_experts_per_tok
+                self.route = torch.zeros(len(self.config.moe_layers), b_cap, t_cap, k, dtype=ROUTING_DTYPE,
+                                         device=dev)
             self._rope_table(t_cap)
         for r in self.refreshable:  # weight sync may have written new global scales
             r.refresh()
@@ -197,6 +205,21 @@ class DecodeEngine:
         self._narrow(view, rows)
         view.length = 0
         view.select = lambda idx, view=view: self._select(view, idx)
+        return view
+
+    def routing(self, rows: int, total: int) -> torch.Tensor | None:
+        """The routing record of a generate of `rows` rows and `total` slots, zeroed: [L_moe, rows, total,
+        k] ROUTING_DTYPE, a view of the engine's buffer (None without MoE layers; after new_cache, which
+        sizes it). decode(..., rows=r) writes each step's experts into it at [:, r[i], positions[i]] inside
+        the step: valid until the next new_cache."""
+        if self.route is None:
+            return None
+        if rows > self.route.shape[1] or total > self.route.shape[2]:
+            raise ValueError(f"routing: {rows} rows of {total} slots for a cache of {self.route.shape[1]} "
+                             f"rows of {self.route.shape[2]} slots; call new_cache with the generate's sizes "
+                             "first")
+        view = self.route[:, :rows, :total]
+        view.zero_()
         return view
 
     def _rope_table(self, t_cap: int) -> None:
@@ -230,17 +253,23 @@ class DecodeEngine:
         self._narrow(view, b)
 
     # -- one decode step ---------------------------------------------------------------------------
-    def decode(self, view, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+    def decode(self, view, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+               rows: torch.Tensor | None = None, advance: bool = False):
         """Next-token logits [b, V] and the experts chosen ([L_moe, b, 1, k] ROUTING_DTYPE, stacked inside
         the step's graph; None without MoE layers) for one new token per row; mask [b, length + 1] is the
-        sampler's (left padding, then real tokens); positions [b] count each row's real tokens before this
-        one, so they are below length + 1 (the RoPE table covers the cache's slots)."""
+        sampler's (left padding, then real tokens), its last column (the new token's slot) set to 1 here;
+        positions [b] count each row's real tokens before this one, so they are below length + 1 (the RoPE
+        table covers the cache's slots). rows [b] (int64): the step records its experts in `routing`'s view
+        at [:, rows[i], positions[i]], inside the step. advance: positions += 1 in place (the next step's).
+        (With the kernels the inputs, the mask's column and the advance are one launch: step_inputs.)"""
         b, slots = tokens.numel(), mask.shape[1]
         if slots != view.length + 1 or slots > self.static.max_len or b != view.batch_size:
             raise ValueError(f"decode: mask covers {slots} slots for a cache of {view.length} used, "
                              f"{self.static.max_len} slots, {view.batch_size} rows (got {b} tokens)")
+        if rows is not None and self.route is None:
+            raise ValueError("decode: rows given for a model without MoE layers (no routing to record)")
         self._write_inputs(tokens, positions, mask, self.tokens, self.positions, self.starts, self.lengths,
-                           self.slot)
+                           self.slot, self.rows, rows, advance)
         bucket = self.bucket(b)
         key = self.graph_key(bucket)
         out = None
@@ -356,11 +385,14 @@ class DecodeEngine:
             self.sink.take()  # (left by a forward whose guidance nobody took)
         with pdl.step():  # programmatic dependent launches between the step's kernels (kernels/pdl.py)
             logits, chosen = self._step_fused(bb) if self.fused else self._step_modules(bb)
-            # one [L_moe, bb, 1, k] tensor in the routing record's dtype: the sampler records it with one
-            # index_put (no stacking of L_moe views, no cast) on the host every step
+            # one [L_moe, bb, 1, k] tensor in the routing record's dtype, written into the routing record at
+            # each row's (rows, position) by one launch inside the step (rows -1: nothing recorded)
+            stacked = torch.stack(chosen).to(ROUTING_DTYPE) if chosen else None
+            if stacked is not None:
+                self._record(stacked, self.rows[:bb], self.positions[:bb], self.route)
             # TRACE: the step's guidance packed into one tensor (a graph output; one copy to the host)
             guidance = gpu_trace.pack(self.sink.take()) if self.sink is not None else None
-            return logits, torch.stack(chosen).to(ROUTING_DTYPE) if chosen else None, guidance
+            return logits, stacked, guidance
 
     def _step_fused(self, bb: int):
         """_step_modules' arithmetic in fused kernels (fp4rl.kernels.fused): per layer one residual-add +

@@ -411,7 +411,10 @@ class Sampler:
         routing = None
         if self.num_moe_layers:
             k = self.config.num_experts_per_tok
-            routing = torch.zeros(self.num_moe_layers, B, total, k, dtype=ROUTING_DTYPE, device=dev)
+            if self.engine is not None:  # the engine's record, which its steps write inside their graphs
+                routing = self.engine.routing(B, total)
+            else:
+                routing = torch.zeros(self.num_moe_layers, B, total, k, dtype=ROUTING_DTYPE, device=dev)
             prefill = torch.stack(chosen)  # [L_moe, P, T_p, k]
             for r in range(B):
                 L = lens[r // n]
@@ -437,14 +440,13 @@ class Sampler:
             for k, g in rec.take().items():
                 guide_steps[k].append(g)
 
-        tokens, lp = self._next_tokens(logits, params, generator)  # [b], [b]
+        tokens = self._next_tokens(logits, params, generator, logprobs, active_t, 0)  # [b]
         for step in range(new):
-            logprobs[active_t, step] = lp
             host, ready = _to_host(tokens)
             logits = None
             if lookahead and step < new - 1:
-                logits = self._decode_step(cache, tokens, positions, mask, T_p + step, routing, active_t)
-                positions = positions + 1
+                logits, positions = self._decode_step(cache, tokens, positions, mask, T_p + step, routing,
+                                                      active_t)
                 if rec is not None:  # the rows fed (those finishing now ran one step too many: dropped below)
                     fed(active)
             if ready is not None:
@@ -475,11 +477,11 @@ class Sampler:
                     logits = logits[idx]
                 active = [active[i] for i in keep]
             if logits is None:
-                logits = self._decode_step(cache, tokens, positions, mask, T_p + step, routing, active_t)
-                positions = positions + 1
+                logits, positions = self._decode_step(cache, tokens, positions, mask, T_p + step, routing,
+                                                      active_t)
                 if rec is not None:  # the rows fed: token `step` of each active row
                     fed(active)
-            tokens, lp = self._next_tokens(logits, params, generator)
+            tokens = self._next_tokens(logits, params, generator, logprobs, active_t, step + 1)
 
         logprobs = logprobs.cpu()
         guide_dec, dec_rows = {}, []
@@ -508,20 +510,32 @@ class Sampler:
         return out
 
     def _decode_step(self, cache, tokens, positions, mask, slot: int, routing, rows):
-        """Logits [b, V] of one decode step: `tokens` [b] at `positions` [b] go to cache slot `slot` (the
-        mask's column, set here); the experts chosen are recorded for the original rows `rows` [b]."""
-        mask[:, slot] = 1
+        """(logits [b, V], the next step's positions) of one decode step: `tokens` [b] at `positions` [b] go
+        to cache slot `slot` (the mask's column, set here); the experts chosen are recorded in `routing` for
+        the original rows `rows` [b]. The engine does all of it in its step (one launch before its graph,
+        the record inside it, the positions advanced in place)."""
         if self.engine is not None:  # kernels on the static cache, a CUDA graph replay per step
-            logits, chosen = self.engine.decode(cache, tokens, positions, mask[:, :slot + 1])
-        else:
-            h, chosen = self.model.model(tokens[:, None], positions[:, None], mask[:, :slot + 1], cache, None)
-            logits = self.model.lm_head(h[:, -1])  # [b, V]
-            chosen = torch.stack(chosen) if chosen else None  # [L_moe, b, 1, k], as the engine returns it
+            logits, _ = self.engine.decode(cache, tokens, positions, mask[:, :slot + 1],
+                                           rows=None if routing is None else rows, advance=True)
+            return logits, positions
+        mask[:, slot] = 1
+        h, chosen = self.model.model(tokens[:, None], positions[:, None], mask[:, :slot + 1], cache, None)
+        logits = self.model.lm_head(h[:, -1])  # [b, V]
         if routing is not None:
-            routing[:, rows, positions] = chosen[:, :, 0].to(ROUTING_DTYPE)  # [L_moe, b, k]
-        return logits
+            routing[:, rows, positions] = torch.stack(chosen)[:, :, 0].to(ROUTING_DTYPE)  # [L_moe, b, k]
+        return logits, positions + 1
 
-    def _next_tokens(self, logits: torch.Tensor, params: SamplingParams, generator):
+    def _next_tokens(self, logits: torch.Tensor, params: SamplingParams, generator, logprobs, rows,
+                     col: int) -> torch.Tensor:
+        """The next tokens [b] from logits [b, V]; their logprobs go to logprobs[rows, col] (by the GPU
+        head's own launch where it runs)."""
+        tokens, lp = self._sample(logits, params, generator, (logprobs, rows, col))
+        if lp is not None:
+            logprobs[rows, col] = lp
+        return tokens
+
+    def _sample(self, logits, params, generator, record):
+        """(tokens, logprobs) or, where the GPU head wrote `record` itself, (tokens, None)."""
         if self.fast_head and (params.greedy or (params.top_k == 0 and params.top_p == 1.0)):
             if logits.device.type == "cpu" and not (self.engine is not None and _interpreting()):
                 out = cpu_head.sample_head(logits, params.greedy, params.temperature, generator)
@@ -529,7 +543,10 @@ class Sampler:
                 from fp4rl.kernels import sample_head
 
                 try:
-                    out = sample_head.sample_head(logits, params.greedy, params.temperature, generator)
+                    out = sample_head.sample_head(logits, params.greedy, params.temperature, generator,
+                                                  record)
+                    if out is not None:
+                        return out[0], None
                 except (ValueError, TypeError):
                     raise
                 except Exception as exc:  # noqa: BLE001 - Triton cannot build or run it here: torch's ops

@@ -51,6 +51,25 @@ def test_strided_rows_and_ties():
     assert torch.equal(tok, ref_tok)
 
 
+@pytest.mark.parametrize("greedy", [True, False])
+def test_the_logprobs_recorded_into_the_samplers_table(greedy):
+    """record=(table, rows, col): the pick kernel also writes each row's logprob at table[rows[i], col] (the
+    sampler's per-step record, no index_put), and nothing else of the table."""
+    logits = (torch.randn(3, 9001, generator=torch.Generator().manual_seed(5)) * 2).to(DEV)
+    table = torch.full((6, 4), -5.0, device=DEV)
+    rows = torch.tensor([4, 0, 2], device=DEV)
+    tok, lp = sample_head.sample_head(logits, greedy, 0.8, _gen(1), (table, rows, 3))
+    again, lp2 = sample_head.sample_head(logits, greedy, 0.8, _gen(1))  # the same draws without the record
+    assert torch.equal(tok, again) and torch.equal(lp, lp2)
+    want = torch.full((6, 4), -5.0, device=DEV)
+    want[rows, 3] = lp
+    assert torch.equal(table, want)
+    for bad, what in (((table.double(), rows, 0), "float32"), ((table, rows[:2], 0), "rows"),
+                      ((table, rows, 4), "column 4"), ((table.t(), rows, 0), "unit column stride")):
+        with pytest.raises(ValueError, match=what):
+            sample_head.sample_head(logits, greedy, 0.8, _gen(1), bad)
+
+
 def test_draws_follow_the_softmax():
     p = torch.tensor([0.05, 0.1, 0.0, 0.25, 0.6])
     logits = p.log().expand(N_DRAWS, 5).contiguous().to(DEV)  # log 0 = -inf: never drawn

@@ -102,8 +102,9 @@ def _sum_kernel(z_ptr, pm_ptr, p32_ptr, p64_ptr, V, NS, stride_z, t, SCALE: tl.c
     tl.store(p64_ptr + row * NS + j, s64)
 
 
-@triton.jit
-def _pick_kernel(z_ptr, u_ptr, pm_ptr, pa_ptr, pb_ptr, p32_ptr, p64_ptr, tok_ptr, lp_ptr, V, NS, stride_z, t,
+@triton.jit(do_not_specialize=["rec_col"])  # (the step: one kernel for every column)
+def _pick_kernel(z_ptr, u_ptr, pm_ptr, pa_ptr, pb_ptr, p32_ptr, p64_ptr, tok_ptr, lp_ptr, rec_ptr,
+                 rec_rows_ptr, rec_stride, rec_col, V, NS, stride_z, t, RECORD: tl.constexpr,
                  GREEDY: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
                  NSP: tl.constexpr, LIBDEVICE: tl.constexpr):
     """Program row: the token (the first maximum, or the inverse CDF at u * total) and its logprob."""
@@ -143,12 +144,16 @@ def _pick_kernel(z_ptr, u_ptr, pm_ptr, pa_ptr, pb_ptr, p32_ptr, p64_ptr, tok_ptr
     lp = tl.where(bad > 0, float("nan"), lp)
     tl.store(tok_ptr + row, tok.to(tl.int64))
     tl.store(lp_ptr + row, lp)
+    if RECORD:  # the sampler's logprob table: rec[rows[row], col]
+        tl.store(rec_ptr + tl.load(rec_rows_ptr + row) * rec_stride + rec_col, lp)
 
 
-def sample_head(logits: torch.Tensor, greedy: bool, temperature: float,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def sample_head(logits: torch.Tensor, greedy: bool, temperature: float, generator: torch.Generator | None,
+                record: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(tokens int64 [B], logprobs float32 [B]) from logits [B, V] (BF16 or FP32, on CUDA or under
-    TRITON_INTERPRET=1), or None where the kernel does not apply (the caller uses the torch code)."""
+    TRITON_INTERPRET=1), or None where the kernel does not apply (the caller uses the torch code). record:
+    (table float32 [R, C], rows int64 [B], col): the logprobs are also written to table[rows, col] by the
+    same launch (the sampler's per-step record, without an index_put)."""
     if logits.ndim != 2 or logits.dtype not in (torch.bfloat16, torch.float32) \
             or not (logits.is_cuda or (INTERPRET and logits.device.type == "cpu")):
         return None
@@ -157,12 +162,13 @@ def sample_head(logits: torch.Tensor, greedy: bool, temperature: float,
     u = None
     if not greedy and logits.shape[0] and logits.shape[1]:
         u = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64, device=logits.device)
-    return choose(logits, u, temperature)
+    return choose(logits, u, temperature, record)
 
 
-def choose(logits: torch.Tensor, u: torch.Tensor | None, temperature: float = 1.0):
+def choose(logits: torch.Tensor, u: torch.Tensor | None, temperature: float = 1.0,
+           record: tuple | None = None):
     """The kernels of `sample_head` with the uniforms given: u float64 [B] in [0, 1) (inverse CDF at u), or
-    None (greedy; temperature is then ignored, as torch's greedy path ignores it)."""
+    None (greedy; temperature is then ignored, as torch's greedy path ignores it); record as sample_head's."""
     if logits.shape[1] == 0:
         raise ValueError("sample_head: logits have an empty vocabulary (V = 0)")
     z = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -170,6 +176,15 @@ def choose(logits: torch.Tensor, u: torch.Tensor | None, temperature: float = 1.
     dev = z.device
     tokens = torch.empty(b, dtype=torch.int64, device=dev)
     logprobs = torch.empty(b, dtype=torch.float32, device=dev)
+    if record is not None:
+        table, rows, col = record
+        if table.dtype != torch.float32 or table.ndim != 2 or table.stride(1) != 1 or table.device != dev \
+                or rows.dtype != torch.int64 or rows.shape != (b,) or not rows.is_contiguous() \
+                or rows.device != dev or not 0 <= col < table.shape[1]:
+            raise ValueError(f"sample_head: record needs a float32 [R, C] table with unit column stride, "
+                             f"contiguous int64 rows [{b}] and a column in [0, C), all on {dev}; got "
+                             f"{table.dtype} {tuple(table.shape)}, rows {rows.dtype} {tuple(rows.shape)}, "
+                             f"column {col}")
     if b == 0:
         return tokens, logprobs
     greedy = u is None
@@ -190,6 +205,8 @@ def choose(logits: torch.Tensor, u: torch.Tensor | None, temperature: float = 1.
     _sum_kernel[(b, ns)](z, pm, p32, p64, v, ns, z.stride(0), t, SCALE=scale, BLOCK=BLOCK, SLICE=SLICE,
                          NSP=nsp, LIBDEVICE=lib, num_warps=WARPS)
     uu = logprobs if greedy else u  # a pointer the greedy kernel never reads
-    _pick_kernel[(b,)](z, uu, pm, pa, pb, p32, p64, tokens, logprobs, v, ns, z.stride(0), t, GREEDY=greedy,
-                       SCALE=scale, BLOCK=BLOCK, SLICE=SLICE, NSP=nsp, LIBDEVICE=lib, num_warps=WARPS)
+    table, rows, col = record if record is not None else (logprobs, tokens, 0)  # (unread without RECORD)
+    _pick_kernel[(b,)](z, uu, pm, pa, pb, p32, p64, tokens, logprobs, table, rows, table.stride(0), col, v,
+                       ns, z.stride(0), t, RECORD=record is not None, GREEDY=greedy, SCALE=scale, BLOCK=BLOCK,
+                       SLICE=SLICE, NSP=nsp, LIBDEVICE=lib, num_warps=WARPS)
     return tokens, logprobs
