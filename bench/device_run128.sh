@@ -4,11 +4,11 @@
 # into the sampling head's pick kernel: four launches fewer between two replays). 1) Their tests on CUDA (the
 # kernels against torch, the engine's steps, graphs against eager, routing and logprobs against the eager
 # sampler). 2) Qwen3-30B-A3B at batch 1, BF16 / defaults / NVFP4 lm_head, each a fresh process (48 layers on
-# an H200, 24 on an H100), as long as END (seconds) allows.
+# an H200, 24 on an H100), as long as END (seconds) allows. `--no-tests`: 2) only.
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader
 SECONDS=0
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_step_inputs.py \
+[ "$1" != --no-tests ] && timeout 150 python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_step_inputs.py \
     tests/test_sample_head.py tests/test_gpu_decode.py \
     -k "step_inputs or one_launch or bad_inputs or record or routing or kernel_decode_steps or graphs_replay or compaction or sampler_with_kernels or same_tokens" \
     2>&1 | tail -4

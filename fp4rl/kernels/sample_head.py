@@ -41,6 +41,7 @@ from fp4rl.kernels.fused import _exp, _libdevice_for, libdevice
 BLOCK = 2048  # logits per program step
 SLICE = 8192  # logits per program of the first two kernels (a multiple of BLOCK)
 WARPS = 4
+MERGED = False  # one kernel for the slices' maxima and sums (each slice's sums relative to its own maximum)
 
 
 @triton.jit
@@ -102,11 +103,45 @@ def _sum_kernel(z_ptr, pm_ptr, p32_ptr, p64_ptr, V, NS, stride_z, t, SCALE: tl.c
     tl.store(p64_ptr + row * NS + j, s64)
 
 
+@triton.jit
+def _slice_kernel(z_ptr, pm_ptr, pa_ptr, pb_ptr, p32_ptr, p64_ptr, V, NS, stride_z, t, SCALE: tl.constexpr,
+                  BLOCK: tl.constexpr, SLICE: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Program (row, j): _max_kernel's three figures of slice j, then its sums of exp(z - m_j) with m_j the
+    slice's own maximum (the pick kernel scales them by exp(m_j - m)): one launch instead of two."""
+    row, j = tl.program_id(0), tl.program_id(1)
+    z_ptr += row.to(tl.int64) * stride_z
+    offs = tl.arange(0, BLOCK)
+    m = tl.full([], float("-inf"), tl.float32)
+    best = tl.full([], 0, tl.int32) + j * SLICE
+    bad = tl.full([], 0, tl.int32)
+    for start in range(j * SLICE, (j + 1) * SLICE, BLOCK):
+        idx = start + offs
+        x = _scaled(z_ptr, idx, V, t, SCALE)
+        bad += tl.sum(((x != x) | (x == float("inf"))).to(tl.int32), 0)
+        cm = tl.max(x, 0)
+        ci = tl.min(tl.where(x == cm, idx, V), 0)
+        best = tl.where(cm > m, ci, best)
+        m = tl.maximum(m, cm)
+    mm = tl.where(m == float("-inf"), 0.0, m)  # a slice without mass: its sums are 0, not NaN
+    s32 = tl.full([], 0.0, tl.float32)
+    s64 = tl.full([], 0.0, tl.float64)
+    for start in range(j * SLICE, (j + 1) * SLICE, BLOCK):  # (the slice again: from L1 / L2)
+        idx = start + offs
+        e = tl.where(idx < V, _exp(_scaled(z_ptr, idx, V, t, SCALE) - mm, LIBDEVICE), 0.0)
+        s32 += tl.sum(e, 0)
+        s64 += tl.sum(e.to(tl.float64), 0)
+    tl.store(pm_ptr + row * NS + j, m)
+    tl.store(pa_ptr + row * NS + j, best)
+    tl.store(pb_ptr + row * NS + j, bad)
+    tl.store(p32_ptr + row * NS + j, s32)
+    tl.store(p64_ptr + row * NS + j, s64)
+
+
 @triton.jit(do_not_specialize=["rec_col"])  # (the step: one kernel for every column)
 def _pick_kernel(z_ptr, u_ptr, pm_ptr, pa_ptr, pb_ptr, p32_ptr, p64_ptr, tok_ptr, lp_ptr, rec_ptr,
                  rec_rows_ptr, rec_stride, rec_col, V, NS, stride_z, t, RECORD: tl.constexpr,
-                 GREEDY: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
-                 NSP: tl.constexpr, LIBDEVICE: tl.constexpr):
+                 MERGED: tl.constexpr, GREEDY: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                 SLICE: tl.constexpr, NSP: tl.constexpr, LIBDEVICE: tl.constexpr):
     """Program row: the token (the first maximum, or the inverse CDF at u * total) and its logprob."""
     row = tl.program_id(0)
     z_ptr += row.to(tl.int64) * stride_z
@@ -115,11 +150,16 @@ def _pick_kernel(z_ptr, u_ptr, pm_ptr, pa_ptr, pb_ptr, p32_ptr, p64_ptr, tok_ptr
     pm = tl.load(pm_ptr + row * NS + jj, mask=jm, other=float("-inf"))
     m = tl.max(pm, 0)
     bad = tl.sum(tl.load(pb_ptr + row * NS + jj, mask=jm, other=0), 0) + (m == float("-inf")).to(tl.int32)
-    s32 = tl.sum(tl.load(p32_ptr + row * NS + jj, mask=jm, other=0.0), 0)
+    p32 = tl.load(p32_ptr + row * NS + jj, mask=jm, other=0.0)
+    if MERGED:  # each slice's sums are relative to its own maximum
+        p32 = p32 * _exp(pm - m, LIBDEVICE)
+    s32 = tl.sum(p32, 0)
     first_j = tl.min(tl.where(jm & (pm == m), jj, NS), 0)  # slices in order: the first maximum
     tok = tl.load(pa_ptr + row * NS + tl.minimum(first_j, NS - 1))
     if not GREEDY:
         p64 = tl.load(p64_ptr + row * NS + jj, mask=jm, other=0.0)
+        if MERGED:
+            p64 = p64 * tl.exp((pm - m).to(tl.float64))
         cum = tl.cumsum(p64, 0)  # running sum of the slices, in order
         total = tl.max(tl.where(jm, cum, 0.0), 0)
         target = tl.load(u_ptr + row) * total
@@ -200,13 +240,17 @@ def choose(logits: torch.Tensor, u: torch.Tensor | None, temperature: float = 1.
     p32 = torch.empty(b, ns, dtype=torch.float32, device=dev)
     p64 = torch.empty(b, ns, dtype=torch.float64, device=dev)
     lib = _libdevice_for(dev)
-    _max_kernel[(b, ns)](z, pm, pa, pb, v, ns, z.stride(0), t, SCALE=scale, BLOCK=BLOCK, SLICE=SLICE,
-                         num_warps=WARPS)
-    _sum_kernel[(b, ns)](z, pm, p32, p64, v, ns, z.stride(0), t, SCALE=scale, BLOCK=BLOCK, SLICE=SLICE,
-                         NSP=nsp, LIBDEVICE=lib, num_warps=WARPS)
+    if MERGED:
+        _slice_kernel[(b, ns)](z, pm, pa, pb, p32, p64, v, ns, z.stride(0), t, SCALE=scale, BLOCK=BLOCK,
+                               SLICE=SLICE, LIBDEVICE=lib, num_warps=WARPS)
+    else:
+        _max_kernel[(b, ns)](z, pm, pa, pb, v, ns, z.stride(0), t, SCALE=scale, BLOCK=BLOCK, SLICE=SLICE,
+                             num_warps=WARPS)
+        _sum_kernel[(b, ns)](z, pm, p32, p64, v, ns, z.stride(0), t, SCALE=scale, BLOCK=BLOCK, SLICE=SLICE,
+                             NSP=nsp, LIBDEVICE=lib, num_warps=WARPS)
     uu = logprobs if greedy else u  # a pointer the greedy kernel never reads
     table, rows, col = record if record is not None else (logprobs, tokens, 0)  # (unread without RECORD)
     _pick_kernel[(b,)](z, uu, pm, pa, pb, p32, p64, tokens, logprobs, table, rows, table.stride(0), col, v,
-                       ns, z.stride(0), t, RECORD=record is not None, GREEDY=greedy, SCALE=scale, BLOCK=BLOCK,
-                       SLICE=SLICE, NSP=nsp, LIBDEVICE=lib, num_warps=WARPS)
+                       ns, z.stride(0), t, RECORD=record is not None, MERGED=MERGED, GREEDY=greedy,
+                       SCALE=scale, BLOCK=BLOCK, SLICE=SLICE, NSP=nsp, LIBDEVICE=lib, num_warps=WARPS)
     return tokens, logprobs
