@@ -210,8 +210,8 @@ class DecodeEngine:
     def routing(self, rows: int, total: int) -> torch.Tensor | None:
         """The routing record of a generate of `rows` rows and `total` slots, zeroed: [L_moe, rows, total,
         k] ROUTING_DTYPE, a view of the engine's buffer (None without MoE layers; after new_cache, which
-        sizes it). decode(..., rows=r) writes each step's experts into it at [:, r[i], positions[i]] inside
-        the step: valid until the next new_cache."""
+        sizes it). decode(..., rows=r) writes each step's experts into it at [:, r[i], positions[i]] (one
+        launch): valid until the next new_cache."""
         if self.route is None:
             return None
         if rows > self.route.shape[1] or total > self.route.shape[2]:
@@ -259,9 +259,10 @@ class DecodeEngine:
         the step's graph; None without MoE layers) for one new token per row; mask [b, length + 1] is the
         sampler's (left padding, then real tokens), its last column (the new token's slot) set to 1 here;
         positions [b] count each row's real tokens before this one, so they are below length + 1 (the RoPE
-        table covers the cache's slots). rows [b] (int64): the step records its experts in `routing`'s view
-        at [:, rows[i], positions[i]], inside the step. advance: positions += 1 in place (the next step's).
-        (With the kernels the inputs, the mask's column and the advance are one launch: step_inputs.)"""
+        table covers the cache's slots). rows [b] (int64): the experts are recorded in `routing`'s view at
+        [:, rows[i], positions[i]] (one launch after the step). advance: positions += 1 in place (the next
+        step's). (With the kernels the inputs, the mask's column and the advance are one launch:
+        step_inputs.)"""
         b, slots = tokens.numel(), mask.shape[1]
         if slots != view.length + 1 or slots > self.static.max_len or b != view.batch_size:
             raise ValueError(f"decode: mask covers {slots} slots for a cache of {view.length} used, "
@@ -283,6 +284,8 @@ class DecodeEngine:
             self.counts["eager_steps"] += 1
         view.length = slots
         logits, chosen, guidance = out
+        if rows is not None:  # rows[i] -1 past b: nothing recorded for a bucket's padding rows
+            self._record(chosen, self.rows[:bucket], self.positions[:bucket], self.route)
         self._step_guidance = None if guidance is None else (*guidance, b)
         return logits[:b], None if chosen is None else chosen[:, :b]
 
@@ -385,11 +388,10 @@ class DecodeEngine:
             self.sink.take()  # (left by a forward whose guidance nobody took)
         with pdl.step():  # programmatic dependent launches between the step's kernels (kernels/pdl.py)
             logits, chosen = self._step_fused(bb) if self.fused else self._step_modules(bb)
-            # one [L_moe, bb, 1, k] tensor in the routing record's dtype, written into the routing record at
-            # each row's (rows, position) by one launch inside the step (rows -1: nothing recorded)
+            # one [L_moe, bb, 1, k] tensor in the routing record's dtype: decode writes it into the routing
+            # record with one launch after the step (not inside the graph: with it there the 30B's replay
+            # measured slower, bench/RESULTS.md, forty-first session)
             stacked = torch.stack(chosen).to(ROUTING_DTYPE) if chosen else None
-            if stacked is not None:
-                self._record(stacked, self.rows[:bb], self.positions[:bb], self.route)
             # TRACE: the step's guidance packed into one tensor (a graph output; one copy to the host)
             guidance = gpu_trace.pack(self.sink.take()) if self.sink is not None else None
             return logits, stacked, guidance

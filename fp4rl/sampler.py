@@ -512,8 +512,8 @@ class Sampler:
     def _decode_step(self, cache, tokens, positions, mask, slot: int, routing, rows):
         """(logits [b, V], the next step's positions) of one decode step: `tokens` [b] at `positions` [b] go
         to cache slot `slot` (the mask's column, set here); the experts chosen are recorded in `routing` for
-        the original rows `rows` [b]. The engine does all of it in its step (one launch before its graph,
-        the record inside it, the positions advanced in place)."""
+        the original rows `rows` [b]. The engine does all of it (one launch before its graph, which also
+        advances the positions in place, and one after it for the record)."""
         if self.engine is not None:  # kernels on the static cache, a CUDA graph replay per step
             logits, _ = self.engine.decode(cache, tokens, positions, mask[:, :slot + 1],
                                            rows=None if routing is None else rows, advance=True)

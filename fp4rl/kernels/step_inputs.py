@@ -1,4 +1,4 @@
-"""A decode step's inputs in one launch, and its routing record inside the step.
+"""A decode step's inputs in one launch, and its routing record in one.
 
 Before each CUDA-graph replay the decode engine writes what the step reads into its static buffers: the
 rows' tokens and RoPE positions, the first real slot of each row (slots - the row's real tokens, from the
@@ -9,7 +9,7 @@ with it; here it is one program per static row, which also does the sampler's ow
 new column set to 1 and the positions advanced by one in place (two more launches).
 
 `record` writes the step's experts into the sampler's routing record, routing[l, rows[i], positions[i]] =
-chosen[l, i, 0], inside the step (its graph) instead of an index_put after it.
+chosen[l, i, 0], in one launch after the step, where rows[i] = -1 marks a bucket's padding rows.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _record_kernel(chosen_ptr, c_layer, c_row, rows_ptr, pos_ptr, out_ptr, o_lay
 
 def record(chosen: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
     """out[l, rows[i], positions[i], :] = chosen[l, i, 0, :] for every batch row i whose rows[i] >= 0, in one
-    launch (the step's routing record, inside its graph). chosen [L, bb, 1, k] contiguous; rows / positions
+    launch (the step's routing record). chosen [L, bb, 1, k] contiguous; rows / positions
     int64 [bb] (rows -1: no record); out [L, R, T, k] of chosen's dtype, unit stride in k. A row or position
     outside out's R rows / T slots records nothing (the engine's buffers cover its cache's)."""
     L, bb, _, k = chosen.shape
