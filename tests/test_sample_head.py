@@ -26,10 +26,20 @@ def _gen(seed):
     return torch.Generator(DEV).manual_seed(seed)
 
 
+@pytest.fixture(params=["merged, slices of 2048", "three kernels, slices of 8192"])
+def layout(request, monkeypatch):
+    """The head's default (one slice kernel, slices of 2048) and its A/B alternative (MERGED = False: maxima,
+    then sums relative to the row's maximum, over slices of 8192)."""
+    if request.param.startswith("three"):
+        monkeypatch.setattr(sample_head, "MERGED", False)
+        monkeypatch.setattr(sample_head, "SLICE", 8192)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("v", [37, 4096, 9001, 17000])  # 1, 2 and 3 slices of 8192, chunks of 2048
+@pytest.mark.parametrize("v", [37, 4096, 9001, 17000])  # 1 to 9 slices of 2048 (1 to 3 of 8192)
 @pytest.mark.parametrize("greedy,temperature", [(True, 1.0), (False, 1.0), (False, 0.6)])
-def test_same_tokens_and_logprobs_as_torch(dtype, v, greedy, temperature):
+def test_same_tokens_and_logprobs_as_torch(dtype, v, greedy, temperature, layout):
     logits = (torch.randn(5, v, generator=torch.Generator().manual_seed(v)) * 3).to(dtype).to(DEV)
     tok, lp = sample_head.sample_head(logits, greedy, temperature, _gen(3))
     ref_tok, ref_lp = sample_next(logits, SamplingParams(greedy=greedy, temperature=temperature), _gen(3))
@@ -38,7 +48,7 @@ def test_same_tokens_and_logprobs_as_torch(dtype, v, greedy, temperature):
     assert torch.allclose(lp, ref_lp, rtol=0, atol=2e-6)
 
 
-def test_strided_rows_and_ties():
+def test_strided_rows_and_ties(layout):
     wide = torch.randn(4, 300, generator=torch.Generator().manual_seed(1)).to(DEV)
     logits = wide[:, :250]  # row stride 300
     logits[1, 10] = logits[1, 200] = logits[1].max() + 1  # a tie for the max: the first index wins
@@ -70,7 +80,7 @@ def test_the_logprobs_recorded_into_the_samplers_table(greedy):
             sample_head.sample_head(logits, greedy, 0.8, _gen(1), bad)
 
 
-def test_draws_follow_the_softmax():
+def test_draws_follow_the_softmax(layout):
     p = torch.tensor([0.05, 0.1, 0.0, 0.25, 0.6])
     logits = p.log().expand(N_DRAWS, 5).contiguous().to(DEV)  # log 0 = -inf: never drawn
     tok, lp = sample_head.sample_head(logits, False, 1.0, _gen(11))
@@ -86,13 +96,14 @@ def test_draws_follow_the_softmax():
     assert bool(((counts - q.double()).abs() <= 5 * (q * (1 - q) / N_DRAWS).sqrt().double() + 1e-12).all())
 
 
-def test_a_token_without_mass_is_never_drawn_at_a_rounding_boundary():
+def test_a_token_without_mass_is_never_drawn_at_a_rounding_boundary(layout):
     """u * total landing on the float64 rounding of the mass before a slice (u = 2^-53, a draw torch.rand can
     make): the scan of the next slice must not take its first token, whose logit is -inf."""
     v = 8192 + 64
     logits = torch.full((1, v), float("-inf"))
     logits[0, 100] = math.log(1.2 * 2.0 ** -53)  # slice 0: all its mass, ~1.2 float64 ulps of the total
-    logits[0, 8192 + 5] = 0.0  # slice 1: the maximum; 8192..8196 have no mass
+    logits[0, 8192 + 5] = 0.0  # the slice from 8192 (after 1 of 8192 or 3 empty of 2048): the maximum;
+    # 8192..8196 have no mass
     logits[0, 8192 + 9] = math.log(0.5)
     logits = logits.to(DEV)
     for u in (2.0 ** -53, 0.0, 1.0 - 2.0 ** -53, 0.5):
@@ -103,7 +114,7 @@ def test_a_token_without_mass_is_never_drawn_at_a_rounding_boundary():
         sample_head.choose(logits, torch.tensor([0.5], device=DEV))
 
 
-def test_non_finite_rows_get_nan_logprobs_and_tokens_in_range():
+def test_non_finite_rows_get_nan_logprobs_and_tokens_in_range(layout):
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2)).to(DEV)
     logits[1, 7] = float("nan")
     logits[2, 3] = float("inf")

@@ -1,4 +1,4 @@
-"""The sampler's token choice on the GPU in three small kernels per decode step (cpu_head.py's CUDA side).
+"""The sampler's token choice on the GPU in two small kernels per decode step (cpu_head.py's CUDA side).
 
 `sample_head(logits, greedy, temperature, generator)` returns the tokens [B] (int64) and their logprobs
 [B] (fp32, under log_softmax(logits / T)) for greedy decoding or plain temperature sampling (no top-k /
@@ -7,26 +7,29 @@ for this: a float copy, softmax, a float64 copy, its cumulative sum (a row scan 
 step of Qwen3-30B-A3B's 151936-token vocabulary at batch 8-32 on an H200, more than the MoE route and
 combine of every layer together; bench/RESULTS.md), searchsorted, logsumexp and the gathers.
 
-Three kernels, the first two over (row, slice of SLICE logits), the row's logits staying in L2:
-1. per slice: the maximum of z = logits (/ T: IEEE division; torch's CUDA kernel multiplies by 1/T, so z can
-   differ in its last bit), the first index of that maximum, and the count of NaN / +inf values;
-2. per slice, with m the row's maximum (from 1.): sum exp(z - m) in fp32 (the logsumexp: logprob = z_token -
-   m - log S) and in float64;
-3. per row: the token, greedy: the first maximum over the slices in order; sampling: the inverse CDF, the
-   first i whose running float64 sum of exp(z_i - m) exceeds u * S64 (the slice from the running sum of the
-   slices' sums, then a scan of that slice alone), u ~ U[0, 1) drawn from `generator` as
-   torch.rand(B, dtype=float64) (the draws of the torch path: a seed gives the same tokens). A token whose
-   exponential is 0 (a -inf logit, or underflow) is never drawn; a scan that finds no crossing for float64
-   rounding takes the slice's last token with mass.
+Two kernels, the first over (row, slice of SLICE logits), the row's logits staying in L2:
+1. per slice: the maximum m_j of z = logits (/ T: IEEE division; torch's CUDA kernel multiplies by 1/T, so z
+   can differ in its last bit), the first index of that maximum, the count of NaN / +inf values, then (the
+   slice again, from L1 / L2) sum exp(z - m_j) in fp32 and in float64;
+2. per row, with m the row's maximum: the slices' sums scaled by exp(m_j - m) (S, the logsumexp: logprob =
+   z_token - m - log S), then the token, greedy: the first maximum over the slices in order; sampling: the
+   inverse CDF, the first i whose running float64 sum of exp(z_i - m) exceeds u * S64 (the slice from the
+   running sum of the slices' scaled sums, then a scan of that slice alone), u ~ U[0, 1) drawn from
+   `generator` as torch.rand(B, dtype=float64) (the draws of the torch path: a seed gives the same
+   tokens). A token whose exponential is 0 (a -inf logit, or underflow) is never drawn; a scan that finds no
+   crossing for float64 rounding takes the slice's last token with mass.
 A single program per row (first version) took ~115 us per step on the H200 at any batch: one SM streaming
-the 151936 logits three times.
+the 151936 logits three times. Three kernels over slices of 8192 (the max, then the sums with the row's m,
+then the pick; MERGED = False keeps them) took 13.6 / 14.4 / 18.5 / 41.1 us of GPU time at batch 1 / 8 / 32 /
+128 on the H200 (temperature 1, V = 151936), the two over slices of 2048 5.9 / 7.5 / 12.9 / 34.1: fewer
+sequential chunks per program and one launch less (bench/sample_head_slices.py, bench/RESULTS.md).
 
 Against sample_next (which also scans the unnormalized exponentials, as the C head does): the same
 distribution and, for the same u, the same token unless u * total falls within rounding of a CDF step (the
-float64 sums in another order, an exponential or z one fp32 ulp apart); logprobs within fp32 rounding (another
-summation order; expf and logf are libdevice's on the GPU, as torch's). A row with a NaN or an infinite
-logit gets a NaN logprob (its token is in range but meaningless), which grpo_loss refuses with an error
-naming the token.
+float64 sums in another order, an exponential or z one fp32 ulp apart, a slice's sum scaled by
+exp(m_j - m)); logprobs within fp32 rounding (another summation order; expf and logf are libdevice's on the
+GPU, as torch's). A row with a NaN or an infinite logit gets a NaN logprob (its token is in range but
+meaningless), which grpo_loss refuses with an error naming the token.
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ from fp4rl.kernels._common import INTERPRET
 from fp4rl.kernels.fused import _exp, _libdevice_for, libdevice
 
 BLOCK = 2048  # logits per program step
-SLICE = 8192  # logits per program of the first two kernels (a multiple of BLOCK)
+SLICE = 2048  # logits per program of the slice kernel(s) (a multiple of BLOCK)
 WARPS = 4
-MERGED = False  # one kernel for the slices' maxima and sums (each slice's sums relative to its own maximum)
+MERGED = True  # one kernel for the slices' maxima and sums (each slice's sums relative to its own maximum);
+# False: _max_kernel, then _sum_kernel relative to the row's maximum (three launches; for A/B timing)
 
 
 @triton.jit
