@@ -194,7 +194,7 @@ class DecodeEngine:
             self.slot = torch.zeros(1, dtype=torch.long, device=dev)
             self.rows = torch.full((b_cap,), -1, dtype=torch.long, device=dev)  # the record's row per row
             self.route = None
-            if self.config.moe_layers:  # (int16: 2 B per layer and expert of a slot; its KV takes ~100x more)
+            if self.config.moe_layers:  # (int16: 2 B per layer and expert of a slot; its KV ~36-100x more)
                 k = self.config.num_experts_per_tok
                 self.route = torch.zeros(len(self.config.moe_layers), b_cap, t_cap, k, dtype=ROUTING_DTYPE,
                                          device=dev)

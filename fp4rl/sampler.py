@@ -411,7 +411,7 @@ class Sampler:
         routing = None
         if self.num_moe_layers:
             k = self.config.num_experts_per_tok
-            if self.engine is not None:  # the engine's record, which its steps write inside their graphs
+            if self.engine is not None:  # the engine's record, written by one launch after each step's graph
                 routing = self.engine.routing(B, total)
             else:
                 routing = torch.zeros(self.num_moe_layers, B, total, k, dtype=ROUTING_DTYPE, device=dev)

@@ -62,7 +62,7 @@ def test_strided_rows_and_ties(layout):
 
 
 @pytest.mark.parametrize("greedy", [True, False])
-def test_the_logprobs_recorded_into_the_samplers_table(greedy):
+def test_the_logprobs_recorded_into_the_samplers_table(greedy, layout):
     """record=(table, rows, col): the pick kernel also writes each row's logprob at table[rows[i], col] (the
     sampler's per-step record, no index_put), and nothing else of the table."""
     logits = (torch.randn(3, 9001, generator=torch.Generator().manual_seed(5)) * 2).to(DEV)
@@ -114,15 +114,19 @@ def test_a_token_without_mass_is_never_drawn_at_a_rounding_boundary(layout):
         sample_head.choose(logits, torch.tensor([0.5], device=DEV))
 
 
-def test_non_finite_rows_get_nan_logprobs_and_tokens_in_range(layout):
-    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2)).to(DEV)
-    logits[1, 7] = float("nan")
-    logits[2, 3] = float("inf")
+@pytest.mark.parametrize("v,bad", [(50, 7), (9001, 4100)])  # one slice; a later slice of several
+def test_non_finite_rows_get_nan_logprobs_and_tokens_in_range(layout, v, bad):
+    logits = torch.randn(5, v, generator=torch.Generator().manual_seed(2)).to(DEV)
+    logits[1, bad] = float("nan")
+    logits[2, bad - 4] = float("inf")
     logits[3] = float("-inf")
+    logits[4, : v // 2] = float("-inf")  # the first slices without mass: the row's sums come from the rest
     for greedy in (True, False):
         tok, lp = sample_head.sample_head(logits, greedy, 1.0, _gen(0))
-        assert bool(lp[1:].isnan().all()) and bool(lp[0].isfinite())
-        assert bool(((tok >= 0) & (tok < 50)).all())
+        assert bool(lp[1:4].isnan().all()) and bool(lp[0].isfinite()) and bool(lp[4].isfinite())
+        assert bool(((tok >= 0) & (tok < v)).all()) and int(tok[4]) >= v // 2
+        ref = torch.log_softmax(logits.float(), -1)  # the finite rows' logprobs of the tokens drawn
+        assert torch.allclose(lp[[0, 4]], ref[[0, 4], tok[[0, 4]]], rtol=0, atol=2e-6)
 
 
 def test_what_it_does_not_take():

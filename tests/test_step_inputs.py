@@ -32,7 +32,7 @@ def test_one_launch_writes_what_the_torch_ops_write(b, cap, slots, total, dtype,
     full[:, slots - 1] = torch.randint(0, 2, (b,), generator=g)  # the new slot: set already, or not
     tokens = torch.randint(0, 50000, (b, 3), generator=g).to(DEV)[:, 1]  # a strided column (teacher forcing)
     pos0 = torch.randint(0, slots, (b, 2), generator=g)
-    rows = torch.randperm(b + 3, generator=g)[:b].to(DEV) if with_rows else None
+    rows = torch.randperm(2 * b + 3, generator=g)[:2 * b].to(DEV)[::2] if with_rows else None  # strided
     masks, pos, got, want = [], [], _buffers(cap), _buffers(cap)
     for fn, out in ((step_inputs.write, got), (step_inputs.reference, want)):
         masks.append(full.to(dtype).to(DEV, copy=True))  # (each its own: both write it)

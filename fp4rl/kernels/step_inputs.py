@@ -123,7 +123,7 @@ def _record_kernel(chosen_ptr, c_layer, c_row, rows_ptr, pos_ptr, out_ptr, o_lay
     row = tl.load(rows_ptr + i)
     pos = tl.load(pos_ptr + i)
     if (row >= 0) & (row < n_rows) & (pos >= 0) & (pos < n_pos):  # -1: a bucket's padding row
-        ll = tl.arange(0, LP)[:, None]
+        ll = tl.arange(0, LP)[:, None].to(tl.int64)  # (layer offsets past 2^31 elements)
         kk = tl.arange(0, KP)[None, :]
         m = (ll < L) & (kk < K)
         got = tl.load(chosen_ptr + ll * c_layer + i * c_row + kk, mask=m)
