@@ -65,11 +65,8 @@ def _scaled(z_ptr, idx, V, t, SCALE: tl.constexpr):
 
 
 @triton.jit
-def _max_kernel(z_ptr, pm_ptr, pa_ptr, pb_ptr, V, NS, stride_z, t, SCALE: tl.constexpr, BLOCK: tl.constexpr,
-                SLICE: tl.constexpr):
-    """Program (row, j): the maximum of slice j of the row's z, its first index, its non-finite count."""
-    row, j = tl.program_id(0), tl.program_id(1)
-    z_ptr += row.to(tl.int64) * stride_z
+def _slice_max(z_ptr, j, V, t, SCALE: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr):
+    """(maximum, its first index, non-finite count) of slice j of a row's z."""
     offs = tl.arange(0, BLOCK)
     m = tl.full([], float("-inf"), tl.float32)
     best = tl.full([], 0, tl.int32) + j * SLICE
@@ -82,6 +79,30 @@ def _max_kernel(z_ptr, pm_ptr, pa_ptr, pb_ptr, V, NS, stride_z, t, SCALE: tl.con
         ci = tl.min(tl.where(x == cm, idx, V), 0)  # first index of the chunk's max
         best = tl.where(cm > m, ci, best)
         m = tl.maximum(m, cm)
+    return m, best, bad
+
+
+@triton.jit
+def _slice_sums(z_ptr, j, m, V, t, SCALE: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr,
+                LIBDEVICE: tl.constexpr):
+    """(fp32, float64) sums of exp(z - m) over slice j of a row's z."""
+    offs = tl.arange(0, BLOCK)
+    s32 = tl.full([], 0.0, tl.float32)
+    s64 = tl.full([], 0.0, tl.float64)
+    for start in range(j * SLICE, (j + 1) * SLICE, BLOCK):
+        idx = start + offs
+        e = tl.where(idx < V, _exp(_scaled(z_ptr, idx, V, t, SCALE) - m, LIBDEVICE), 0.0)
+        s32 += tl.sum(e, 0)
+        s64 += tl.sum(e.to(tl.float64), 0)
+    return s32, s64
+
+
+@triton.jit
+def _max_kernel(z_ptr, pm_ptr, pa_ptr, pb_ptr, V, NS, stride_z, t, SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                SLICE: tl.constexpr):
+    """Program (row, j): the maximum of slice j of the row's z, its first index, its non-finite count."""
+    row, j = tl.program_id(0), tl.program_id(1)
+    m, best, bad = _slice_max(z_ptr + row.to(tl.int64) * stride_z, j, V, t, SCALE, BLOCK, SLICE)
     tl.store(pm_ptr + row * NS + j, m)
     tl.store(pa_ptr + row * NS + j, best)
     tl.store(pb_ptr + row * NS + j, bad)
@@ -92,17 +113,9 @@ def _sum_kernel(z_ptr, pm_ptr, p32_ptr, p64_ptr, V, NS, stride_z, t, SCALE: tl.c
                 SLICE: tl.constexpr, NSP: tl.constexpr, LIBDEVICE: tl.constexpr):
     """Program (row, j): sum over slice j of exp(z - m), m the row's maximum, in fp32 and float64."""
     row, j = tl.program_id(0), tl.program_id(1)
-    z_ptr += row.to(tl.int64) * stride_z
     jj = tl.arange(0, NSP)
     m = tl.max(tl.load(pm_ptr + row * NS + jj, mask=jj < NS, other=float("-inf")), 0)
-    offs = tl.arange(0, BLOCK)
-    s32 = tl.full([], 0.0, tl.float32)
-    s64 = tl.full([], 0.0, tl.float64)
-    for start in range(j * SLICE, (j + 1) * SLICE, BLOCK):
-        idx = start + offs
-        e = tl.where(idx < V, _exp(_scaled(z_ptr, idx, V, t, SCALE) - m, LIBDEVICE), 0.0)
-        s32 += tl.sum(e, 0)
-        s64 += tl.sum(e.to(tl.float64), 0)
+    s32, s64 = _slice_sums(z_ptr + row.to(tl.int64) * stride_z, j, m, V, t, SCALE, BLOCK, SLICE, LIBDEVICE)
     tl.store(p32_ptr + row * NS + j, s32)
     tl.store(p64_ptr + row * NS + j, s64)
 
@@ -114,26 +127,9 @@ def _slice_kernel(z_ptr, pm_ptr, pa_ptr, pb_ptr, p32_ptr, p64_ptr, V, NS, stride
     slice's own maximum (the pick kernel scales them by exp(m_j - m)): one launch instead of two."""
     row, j = tl.program_id(0), tl.program_id(1)
     z_ptr += row.to(tl.int64) * stride_z
-    offs = tl.arange(0, BLOCK)
-    m = tl.full([], float("-inf"), tl.float32)
-    best = tl.full([], 0, tl.int32) + j * SLICE
-    bad = tl.full([], 0, tl.int32)
-    for start in range(j * SLICE, (j + 1) * SLICE, BLOCK):
-        idx = start + offs
-        x = _scaled(z_ptr, idx, V, t, SCALE)
-        bad += tl.sum(((x != x) | (x == float("inf"))).to(tl.int32), 0)
-        cm = tl.max(x, 0)
-        ci = tl.min(tl.where(x == cm, idx, V), 0)
-        best = tl.where(cm > m, ci, best)
-        m = tl.maximum(m, cm)
+    m, best, bad = _slice_max(z_ptr, j, V, t, SCALE, BLOCK, SLICE)
     mm = tl.where(m == float("-inf"), 0.0, m)  # a slice without mass: its sums are 0, not NaN
-    s32 = tl.full([], 0.0, tl.float32)
-    s64 = tl.full([], 0.0, tl.float64)
-    for start in range(j * SLICE, (j + 1) * SLICE, BLOCK):  # (the slice again: from L1 / L2)
-        idx = start + offs
-        e = tl.where(idx < V, _exp(_scaled(z_ptr, idx, V, t, SCALE) - mm, LIBDEVICE), 0.0)
-        s32 += tl.sum(e, 0)
-        s64 += tl.sum(e.to(tl.float64), 0)
+    s32, s64 = _slice_sums(z_ptr, j, mm, V, t, SCALE, BLOCK, SLICE, LIBDEVICE)  # (the slice again: L1 / L2)
     tl.store(pm_ptr + row * NS + j, m)
     tl.store(pa_ptr + row * NS + j, best)
     tl.store(pb_ptr + row * NS + j, bad)
