@@ -7,4 +7,4 @@
 export PYTHONUNBUFFERED=1
 SECONDS=0
 timeout 60 python3 bench/graph_tail.py --out $OUT/graph_tail.json 2>&1 | grep -v Warn
-END=${END:-585} PREFIX=sampler132_30b bash bench/device_run128.sh --no-tests
+END=${END:-520} PREFIX=sampler132_30b bash bench/device_run128.sh --no-tests
