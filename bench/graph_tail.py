@@ -12,7 +12,6 @@ events around 50 back-to-back replays, median of 7 rounds) and its excess over t
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -20,28 +19,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from fp4rl.kernels import step_inputs  # noqa: E402
 
-
-def replay_us(fn, reps: int, rounds: int) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    out = []
-    for _ in range(rounds):
-        g.replay()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / reps)
-    return statistics.median(out)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sample_head_slices import graph_us  # noqa: E402
 
 
 def main() -> int:
@@ -74,7 +53,7 @@ def main() -> int:
              "Triton record + gemm": lambda: (record(), gemm()), "Triton record alone": record}
     rows_out = []
     for name, fn in cases.items():
-        us = replay_us(fn, args.reps, args.rounds)
+        us = graph_us(fn, per_graph=1, rounds=args.rounds, replays=args.reps)
         rows_out.append({"graph": name, "replay_us": us})
         print(json.dumps({"graph": name, "replay_us": round(us, 2),
                           "over_gemm_us": round(us - rows_out[0]["replay_us"], 2)}), flush=True)
