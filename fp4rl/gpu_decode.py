@@ -10,16 +10,16 @@ sampler's own model copy. What it changes, and what it computes:
   `generate` calls; prefill writes it through prefix views, the n-fold copy of a prompt's rows and
   the compaction of finished rows are done in place. A decode step writes its token's K/V at one
   slot (NVFP4: quantized per (row, head), byte-identical to the CPU cache's quantizer, by the fused step's
-  q/k-norm + RoPE kernel, `FUSED_KV_FP4`, else by `store_kv`'s `kernels.quantize`; FP8: the cache's own
-  torch quantizer) and attends with `kernels.attention.decode_attention` over
+  q/k-norm + RoPE kernel, `FUSED_KV_FP4`, else by `kernels.quantize` in fp4rl.decode_kv.store_kv; FP8: the
+  cache's own torch quantizer) and attends with `kernels.attention.decode_attention` over
   [first real token, slot] of each row (left padding skipped); so does the BF16 cache (the kernel's bf16
   branch, head_dim a power of two >= 16; else, or with `BF16_ATTENTION` / FP4RL_BF16_ATTENTION=0: SDPA over
   all T_cap slots with a mask).
 - Fused decode step (`FUSED`, `DecodeEngine(fused=...)`, `set_fused` for A/B): the elementwise work between
   the GEMMs runs as fp4rl.kernels.fused kernels, four per layer plus one for the final norm: residual add +
   RMSNorm before attention and before the MLP, q/k-norm + RoPE + the write of k/v into the BF16 or NVFP4 cache
-  slot (FP8 caches keep `store_kv`), SiLU(gate) * up. Where the consumer is a W4A4 linear or fused group
-  (q/k/v, gate/up, down_proj), the producer kernel also quantizes its output per token with the shared
+  slot (FP8 caches keep `decode_kv.store_kv`), SiLU(gate) * up. Where the consumer is a W4A4 linear or fused
+  group (q/k/v, gate/up, down_proj), the producer kernel also quantizes its output per token with the shared
   quantizer's own helpers (the bytes of `kernels.quantize` for the same input) and the GEMM takes that Q(x)
   (`packed_gemm(..., xq=)`, `gemm.gemm`'s pre-quantized entry); o_proj (after attention) still quantizes its
   input itself. Same arithmetic as the modules, bit for bit except the norms' rstd (fp32 sum of squares added
@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from fp4rl.batch import ROUTING_DTYPE
+from fp4rl.decode_kv import attend_nvfp4, attend_quantized
 from fp4rl.decode_plan import _records, _Site, fused_plans
 from fp4rl.gpu_experts import KernelMoeBlock  # noqa: F401  (re-exported for callers of gpu_decode)
 from fp4rl.gpu_linear import (  # noqa: F401  (the engine's modules; re-exported for callers of gpu_decode)
@@ -74,7 +75,7 @@ from fp4rl.gpu_linear import (  # noqa: F401  (the engine's modules; re-exported
 )
 from fp4rl.kernels import pdl, step_inputs
 from fp4rl.kernels._common import INTERPRET
-from fp4rl.kvcache import _write, make_kv_cache
+from fp4rl.kvcache import make_kv_cache
 from fp4rl.model import CausalLM, ModelConfig, rotate_half
 
 SLOT_ALIGN = 64  # T_cap is rounded up to this
@@ -90,7 +91,7 @@ COMBINE_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_COMBINE_MAX", "8"))  # (FP4RL
 # not by SDPA over all T_cap slots with a mask (FP4RL_BF16_ATTENTION=0)
 BF16_ATTENTION = os.environ.get("FP4RL_BF16_ATTENTION", "1") != "0"
 # the fused step writes an NVFP4 cache in its q/k-norm + RoPE kernel (quantized per (row, head) there: the
-# bytes of store_kv) instead of store_kv's quantize and scatter launches (FP4RL_FUSED_KV=0 for A/B)
+# bytes of decode_kv.store_kv) instead of its quantize and scatter launches (FP4RL_FUSED_KV=0 for A/B)
 FUSED_KV_FP4 = os.environ.get("FP4RL_FUSED_KV", "1") != "0"
 # the fused step's q/k-norm + RoPE, BF16-cache write and attention in one launch
 # (kernels.attention.decode_attention_rope) instead of qk_norm_rope, then the attention kernel; off: 2.8%
@@ -486,11 +487,11 @@ class DecodeEngine:
             bufs = tuple(getattr(c, name)[i] for name in c.buffer_names)  # k then v: data, scales, global
             q, _ = fused.qk_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps, slot=ctx.slot, fp4_cache=bufs,
                                       fp4_quant=c.quantize_kwargs)
-            y = self._attend_nvfp4(c, i, q, ctx, bb)
+            y = attend_nvfp4(c, i, q, ctx, bb)
         else:
             q, k = fused.qk_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps)
             v = qkv[:, (hq + hkv) * d:].view(bb, hkv, 1, d)
-            y = self._attend_quantized(c, i, q, k, v, ctx, bb)
+            y = attend_quantized(c, i, q, k, v, ctx, bb)
         return attn.o_proj(y.reshape(bb, 1, -1))[:, 0]
 
     def _attend_rope(self, qkv, cos, sin, hq, hkv, d, qw, kw, eps, c, i, ctx, bb):
@@ -564,7 +565,7 @@ class DecodeEngine:
             c.v[i][:bb].index_copy_(2, ctx.slot, v.to(c.v[i].dtype))
             y = self._attend_bf16(c, i, q, ctx, bb, attn.n_rep)
         else:
-            y = self._attend_quantized(c, i, q, k, v, ctx, bb)
+            y = attend_quantized(c, i, q, k, v, ctx, bb)
         return attn.o_proj(y.reshape(bb, 1, -1))
 
     def _attend_bf16(self, c, i: int, q, ctx, bb: int, n_rep: int) -> torch.Tensor:
@@ -587,46 +588,3 @@ class DecodeEngine:
                 ctx.mask = self._bf16_mask(ctx)
         return F.scaled_dot_product_attention(q, c.k[i][:bb], c.v[i][:bb], attn_mask=ctx.mask,
                                               enable_gqa=n_rep > 1)[:, :, 0]
-
-    @staticmethod
-    def _attend_nvfp4(c, i: int, q, ctx, bb: int) -> torch.Tensor:
-        """q [bb, H, 1, D] over layer i of an NVFP4 cache (its slot already written) -> [bb, H, D]."""
-        from fp4rl.kernels.attention import decode_attention
-
-        return decode_attention(q[:, :, 0], ctx.lengths, c.k_data[i][:bb], c.v_data[i][:bb],
-                                c.k_global_scale[i][:bb, :, :, 0], c.v_global_scale[i][:bb, :, :, 0],
-                                k_scale=c.k_block_scale[i][:bb], v_scale=c.v_block_scale[i][:bb],
-                                starts=ctx.starts)
-
-    @staticmethod
-    def _attend_quantized(c, i: int, q, k, v, ctx, bb: int) -> torch.Tensor:
-        """Write k/v [bb, H_kv, 1, D] into an FP8 / NVFP4 cache, attend with q [bb, H, 1, D] -> [bb, H, D]."""
-        from fp4rl.kernels.attention import decode_attention
-
-        store_kv(c, i, k, v, ctx.slot, bb)
-        if c.kind == "nvfp4":
-            return DecodeEngine._attend_nvfp4(c, i, q, ctx, bb)
-        return decode_attention(q[:, :, 0], ctx.lengths, c.k[i][:bb], c.v[i][:bb],
-                                c.k_scale[i][:bb, :, :, 0], c.v_scale[i][:bb, :, :, 0], starts=ctx.starts)
-
-
-def store_kv(cache, layer: int, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, bb: int) -> None:
-    """Write one token's K/V [bb, H_kv, 1, D] at `slot` ([1] long) of an FP8 or NVFP4 cache's first
-    bb rows, quantized as the cache's own `update` quantizes (NVFP4: the Triton quantizer, byte-
-    identical to the reference; FP8: the cache's torch quantizer). No host sync."""
-    if hasattr(cache, "k_data"):
-        from fp4rl.kernels.quantize import quantize_2d
-
-        kw = cache.quantize_kwargs
-        for name, t in (("k", k), ("v", v)):
-            b, h, _, d = t.shape
-            data, scale, g = quantize_2d(t.reshape(-1, d), per_row=True, scale_rule=kw["scale_rule"],
-                                         err=kw["err"], check_finite=False)
-            _write(getattr(cache, f"{name}_data")[layer][:bb], slot, data.view(b, h, 1, d // 2))
-            _write(getattr(cache, f"{name}_block_scale")[layer][:bb], slot, scale.view(b, h, 1, d // 16))
-            _write(getattr(cache, f"{name}_global_scale")[layer][:bb], slot, g.view(b, h, 1, 1))
-    else:
-        for codes, scales, t in ((cache.k, cache.k_scale, k), (cache.v, cache.v_scale, v)):
-            q, s = cache.quantize(t)
-            _write(codes[layer][:bb], slot, q)
-            _write(scales[layer][:bb], slot, s)

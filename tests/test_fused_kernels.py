@@ -316,9 +316,9 @@ FP4_NAMES = ("k_data", "k_block_scale", "k_global_scale", "v_data", "v_block_sca
 @pytest.mark.parametrize("d,quant", [(32, QUANTS[0]), (64, QUANTS[1]), (128, QUANTS[2])])
 def test_qk_norm_rope_writes_the_nvfp4_cache_slot(d, quant):
     """The NVFP4 cache written by qk_norm_rope itself (k after q/k-norm + RoPE, v as projected) holds the
-    bytes gpu_decode.store_kv writes (quantize_2d per (row, head): the cache's own quantizer), at the slot
+    bytes decode_kv.store_kv writes (quantize_2d per (row, head): the cache's own quantizer), at the slot
     only; a zero head and heads 1000x apart in scale included."""
-    from fp4rl.gpu_decode import store_kv
+    from fp4rl.decode_kv import store_kv
 
     r, h, hkv, t, slot = 3, 4, 2, 7, 5
     qkv = _bf16((r, (h + 2 * hkv) * d), 21, 3.0)

@@ -19,7 +19,7 @@ from gpu_decode_cases import (  # (before fp4rl: it sets TRITON_INTERPRET withou
     tiny,
 )
 
-from fp4rl import gpu_decode, gpu_linear  # noqa: E402
+from fp4rl import decode_kv, gpu_decode, gpu_linear  # noqa: E402
 from fp4rl.kernels import attention, gemm, gemv_cuda  # noqa: E402
 from fp4rl.kvcache import NVFP4KVCache  # noqa: E402
 from fp4rl.model import ModelConfig  # noqa: E402
@@ -285,7 +285,7 @@ def test_decode_kv_write_is_the_cache_quantizer_byte_for_byte():
     slot = torch.tensor([5], device=DEV)
     a.length = 5
     a.update(0, k, v, slot)  # the CPU path: fp4rl.nvfp4.quantize, 4/6 MSE, one scale per (row, head, slot)
-    gpu_decode.store_kv(b, 0, k, v, slot, 2)
+    decode_kv.store_kv(b, 0, k, v, slot, 2)
     for name in a.buffer_names:
         assert torch.equal(getattr(a, name)[0].view(torch.uint8), getattr(b, name)[0].view(torch.uint8)), name
 

@@ -3,7 +3,7 @@
 (row, head), q heads then k heads; a k head also moves its v head into the cache slot of a BF16 cache;
 an NVFP4 cache's k and v heads (v heads in programs of their own) are quantized per (row, head) with the
 shared quantizer's helpers (the bytes of `quantize_2d(per_row=True)`, i.e. of the cache's own quantizer
-and of `gpu_decode.store_kv`)."""
+and of `decode_kv.store_kv`)."""
 
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
                              "v_cache)")
         if not fp4_cache_fits(d):
             raise ValueError(f"qk_norm_rope: an NVFP4 cache write needs head_dim / 2 a power of two >= 16, "
-                             f"got head_dim {d}; write the cache with gpu_decode.store_kv")
+                             f"got head_dim {d}; write the cache with decode_kv.store_kv")
         rule46, mae = _quant_flags(fp4_quant or {})
         if len(fp4_cache) != 6:
             raise ValueError("qk_norm_rope: fp4_cache is (k_data, k_block_scale, k_global_scale, v_data, "
