@@ -6,5 +6,5 @@
 # (48 layers on an H200, 24 on an H100), as long as END allows.
 export PYTHONUNBUFFERED=1
 SECONDS=0
-timeout 60 python3 bench/graph_tail.py --out $OUT/graph_tail.json 2>&1 | grep -v Warn
-END=${END:-520} PREFIX=sampler132_30b bash bench/device_run128.sh --no-tests
+timeout 80 python3 bench/graph_tail.py --out $OUT/graph_tail.json 2>&1 | grep -v Warn
+END=${END:-500} PREFIX=sampler132_30b bash bench/device_run128.sh --no-tests
