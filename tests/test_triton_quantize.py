@@ -82,6 +82,28 @@ def test_matches_reference(kind, dtype, rule, err, scope, tile):
     _same(tq.quantize(x, **kw), reference.quantize(x, **kw))
 
 
+@pytest.mark.parametrize("nbc,blocks", [(8, 128), (8, 256), (2, 32), (1, 16)])
+def test_16x16_tiles_by_program_shape(nbc, blocks, monkeypatch):
+    """The 16x16 kernel at the GPU's program shapes (8 tiles wide, 128 / 256 blocks) and narrower ones, on
+    rows that leave a program's columns or tile rows partly masked: the reference's bytes in every mode."""
+    import fp4rl.kernels.quantize as kq
+
+    monkeypatch.setitem(kq.TILE16, "nbc", nbc)
+    monkeypatch.setitem(kq.TILE16, "blocks", blocks)
+    for kind, dtype in (("wide", torch.bfloat16), ("grid", torch.float32), ("zero", torch.float32)):
+        x = _data(kind, (48, 80), dtype, seed=nbc)
+        for kw in (dict(), dict(scale_rule="4/6"), dict(scale_rule="4/6", err="mae"),
+                   dict(scale_rule="4/6", amax=torch.tensor(3.0, device=DEV)),
+                   dict(scale_rule="4/6", global_scale=torch.tensor(0.002, device=DEV))):
+            _same(tq.quantize(x, tile=(16, 16), **kw), reference.quantize(x, tile=(16, 16), **kw))
+    x = _data("wide", (32, 48), torch.float32)
+    x[3, 5], x[17, 1], x[30, 40] = float("nan"), float("inf"), -float("inf")
+    kw = dict(tile=(16, 16), scale_rule="4/6", allow_nonfinite=True)
+    _same(tq.quantize(x, **kw), reference.quantize(x, **kw))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        tq.quantize(x, tile=(16, 16))
+
+
 def test_4over6_really_picks_both():
     x = _data("wide", (16, 64), torch.float32, seed=3)
     q = tq.quantize(x, scale_rule="4/6")

@@ -60,6 +60,7 @@ from fp4rl.kernels.quantize.blocks import (  # noqa: F401
     _quantize_blocks,
     _quantize_flat_kernel,
     _quantize_rows_kernel,
+    _quantize_tile16_kernel,
     _store_blocks,
 )
 from fp4rl.kernels.quantize.gluon_blocks import gl, gluon  # noqa: F401
@@ -97,9 +98,11 @@ def _configs(k: int, tile16: bool, rule46: bool, row_pass: bool):
 
 
 # The one-block-per-thread kernels (the default); BLOCKS["on"] = False selects the older [R, NB, 16] tiles
-# (still used for 16x16 tiles, stochastic rounding and per-row scales of rows longer than
+# (still used for stochastic rounding and per-row scales of rows longer than
 # ROWS_MAX_BLOCKS blocks).
 BLOCKS = {"on": True}
+# 16x16 tiles: tiles across a program and blocks per program (None: the defaults of _launch_tile16)
+TILE16 = {"nbc": None, "blocks": None}
 GLUON_BLOCKS = {"on": True, "error": None}  # Gluon versions of the rule-6 block kernels on CUDA
 ROWS_MAX_BLOCKS = 512
 
@@ -160,6 +163,21 @@ def _launch_cuda(x, data, scale, g, given, flag, src, per_row_given, rule46, err
         _cuda.disable(exc)
         return False, None
     return True, parts
+
+
+def _launch_tile16(x, data, scale, g, given, parts, n_part, src, rule46, err, allow_nf, scale_rule):
+    """16x16 tiles on the one-block-per-thread kernel: 128 blocks a program (4/6: one per thread), 256 for
+    rule 6 (two per thread), 8 tiles wide (fewer on narrower rows)."""
+    r, k = x.shape
+    nb_row = k // 16
+    nbc = min(TILE16["nbc"] or (32 if INTERPRET else 8), triton.next_power_of_2(nb_row))
+    n = TILE16["blocks"] or (512 if INTERPRET else 128 if rule46 else 256)
+    bt = max(1, n // (16 * nbc))
+    grid = (triton.cdiv(r, 16 * bt), triton.cdiv(nb_row, nbc))
+    COMPILED[f"quantize tile16 src{src} {scale_rule} {err}"] = _quantize_tile16_kernel[grid](
+        x, data, scale, g, given, parts if parts is not None else g, n_part, r, nb_row,
+        SCALE_SRC=src, RULE46=rule46, MAE=err == "mae", ALLOW_NF=allow_nf, BT=bt, NBC=nbc, PMAX=PMAX,
+        num_warps=4, enable_fp_fusion=False)
 
 
 def _launch_tiles(x, data, scale, g, given, flag, parts, n_part, src, per_row_given, rule46, err, allow_nf,
@@ -239,7 +257,10 @@ def quantize_2d(
     if not done:
         if src == 0:
             parts, n_part = amax_partials(x)
-        if BLOCKS["on"] and not tile16 and not stochastic and (src != 1 or k // 16 <= ROWS_MAX_BLOCKS):
+        if BLOCKS["on"] and tile16 and not stochastic:
+            _launch_tile16(x, data, scale, g, given, parts, n_part, src, rule46, err, allow_nonfinite,
+                           scale_rule)
+        elif BLOCKS["on"] and not tile16 and not stochastic and (src != 1 or k // 16 <= ROWS_MAX_BLOCKS):
             _launch_blocks(x, data, scale, g, given, flag, parts, n_part, src, per_row_given, rule46,
                            err == "mae", allow_nonfinite, scale_rule, err)
         else:

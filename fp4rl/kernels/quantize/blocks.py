@@ -69,14 +69,50 @@ def _error_2d(ev, s, xb, g, err_amax, N: tl.constexpr, IMPOSED_G: tl.constexpr, 
 
 
 @triton.jit
+def _tile_max(v, N: tl.constexpr, NBC: tl.constexpr):
+    """[N] per-block values of 16x16 tiles (block i = (tile row t, row r, column c), i = (16 t + r) NBC + c)
+    -> each tile's max over its 16 rows, broadcast back to [N] (max is exact in any order)."""
+    BT: tl.constexpr = N // (16 * NBC)
+    t = tl.max(tl.reshape(v, (BT, 16, NBC)), 1)
+    return tl.reshape(tl.broadcast_to(t[:, None, :], (BT, 16, NBC)), (N,))
+
+
+
+@triton.jit
+def _tile_sum(v, N: tl.constexpr, NBC: tl.constexpr):
+    """[N] row errors of 16x16 tiles (laid out as in _tile_max) -> each tile's sum, broadcast back to [N], in
+    TransformerEngine's warp-reduction order: rows r + r+8, then r + r+4, r + r+2, r + r+1. Each level is a
+    sum over an axis of two (one addition, exact whatever the order)."""
+    BT: tl.constexpr = N // (16 * NBC)
+    t = tl.sum(tl.reshape(v, (BT, 2, 8, NBC)), 1)  # [BT, 8, NBC]: row j + row j+8
+    t = tl.sum(tl.reshape(t, (BT, 2, 4, NBC)), 1)
+    t = tl.sum(tl.reshape(t, (BT, 2, 2, NBC)), 1)
+    t = tl.sum(tl.reshape(t, (BT, 2, NBC)), 1)  # [BT, NBC]
+    return tl.reshape(tl.broadcast_to(t[:, None, :], (BT, 16, NBC)), (N,))
+
+
+
+@triton.jit
 def _quantize_blocks(xb, s_enc, s_dec, g, amax, N: tl.constexpr, IMPOSED_G: tl.constexpr,
                      RULE46: tl.constexpr, MAE: tl.constexpr, ALLOW_NF: tl.constexpr):
     """Blocks xb [N, 16] (float32) -> (codes [N, 16] int32, block scales [N] as float32 E4M3 values).
     s_enc, s_dec, g, amax: [N] (per block)."""
+    return _quantize_blocks_tiled(xb, s_enc, s_dec, g, amax, N, IMPOSED_G, RULE46, MAE, ALLOW_NF, 0)
+
+
+
+@triton.jit
+def _quantize_blocks_tiled(xb, s_enc, s_dec, g, amax, N: tl.constexpr, IMPOSED_G: tl.constexpr,
+                           RULE46: tl.constexpr, MAE: tl.constexpr, ALLOW_NF: tl.constexpr,
+                           NBC: tl.constexpr):
+    """_quantize_blocks; NBC > 0: the blocks are 16x16 tiles' rows, NBC tiles wide (laid out as _tile_max
+    says), one scale per tile from its max and (4/6) its summed error."""
     a = tl.abs(xb)
     if ALLOW_NF:
         a = tl.where(a < float("inf"), a, 0.0)
     bamax = tl.max(a, 1)  # [N]
+    if NBC > 0:
+        bamax = _tile_max(bamax, N, NBC)
     if RULE46:
         base = tl.math.div_rn(bamax, _like(bamax, 6.0)) * s_enc
         s6 = _e4m3_round(base)
@@ -93,6 +129,9 @@ def _quantize_blocks(xb, s_enc, s_dec, g, amax, N: tl.constexpr, IMPOSED_G: tl.c
         enc4 = tl.minimum(tl.math.div_rn(_like(s4, 1.0), s4 * s_dec), FLT_MAX)
         err4 = _error_2d(_round_e2m1_v(xb * enc4[:, None], ALLOW_NF)[1], s4, xb, g, amax, N, IMPOSED_G, MAE,
                          fast)
+        if NBC > 0:
+            err6 = _tile_sum(err6, N, NBC)
+            err4 = _tile_sum(err4, N, NBC)
         pick4 = err4 < err6
         s = tl.where(pick4, s4, s6)
         codes = _round_e2m1(xb * tl.where(pick4, enc4, enc6)[:, None], xb, False, ALLOW_NF)
@@ -196,3 +235,39 @@ def _quantize_rows_kernel(
     codes, s = _quantize_blocks(x, s_enc, s_dec, g, amax, N, False, RULE46, MAE, ALLOW_NF)
     _store_blocks(d_ptr, s_ptr, blk, bmask, codes, s, N)
 
+
+
+
+@triton.jit
+def _quantize_tile16_kernel(
+    x_ptr, d_ptr, s_ptr, g_ptr, given_ptr, part_ptr, n_part, R, nb_row,
+    SCALE_SRC: tl.constexpr,  # 0: tensor amax from partials, 2: given amax, 3: given g
+    RULE46: tl.constexpr, MAE: tl.constexpr, ALLOW_NF: tl.constexpr,
+    BT: tl.constexpr, NBC: tl.constexpr, PMAX: tl.constexpr,
+):
+    """16x16 tiles (one scale per tile; per-tensor or imposed global scale), one 16-element block per thread:
+    BT tile rows (16 BT rows of x) by NBC tile columns per program; the tiles' max and 4/6 error are reduced
+    over [N] per-block values only (_tile_max, _tile_sum), so no thread redoes another's elements."""
+    N: tl.constexpr = BT * 16 * NBC
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    i = tl.arange(0, N)
+    row = pid_r * (16 * BT) + i // NBC
+    col = pid_c * NBC + i % NBC
+    bmask = (row < R) & (col < nb_row)
+    blk = row * nb_row + col
+    x = tl.load(x_ptr + blk.to(tl.int64)[:, None] * 16 + tl.arange(0, 16)[None, :], mask=bmask[:, None],
+                other=0.0).to(tl.float32)
+    if SCALE_SRC == 0:
+        p = tl.arange(0, PMAX)
+        amax = tl.max(tl.load(part_ptr + p, mask=p < n_part, other=0), 0).to(tl.float32, bitcast=True)
+    else:
+        amax = tl.load(given_ptr)
+    s_enc, s_dec, g = _global_from_amax(amax, RULE46, SCALE_SRC)
+    amax = tl.broadcast_to(amax, (N,))
+    codes, s = _quantize_blocks_tiled(x, tl.broadcast_to(s_enc, (N,)), tl.broadcast_to(s_dec, (N,)),
+                                      tl.broadcast_to(g, (N,)), amax, N, SCALE_SRC == 3, RULE46, MAE,
+                                      ALLOW_NF, NBC)
+    _store_blocks(d_ptr, s_ptr, blk, bmask, codes, s, N)
+    if (pid_r == 0) & (pid_c == 0):
+        tl.store(g_ptr, g)
