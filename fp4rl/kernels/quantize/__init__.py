@@ -17,9 +17,9 @@ is compiled with ``enable_fp_fusion=False``, so a*b+c stays two roundings):
 Modules, one kernel family each (this package re-exports all their names):
     arith.py         shared @triton.jit arithmetic: E4M3/E2M1 rounding, x / 1536, the ordered sum16
     amax.py          the per-tensor amax pass (integer max over bit patterns, NaN/Inf flag)
-    blocks.py        one block per thread, [N, 16] tiles: the default Triton kernels
+    blocks.py        one block per thread, [N, 16] tiles: the default Triton kernels (16x16 tiles too)
     gluon_blocks.py  the same in Gluon (explicit layouts), rule 6 on CUDA
-    tiles.py         [R, NB, 16] tiles: 16x16 tiles, stochastic rounding, very long rows
+    tiles.py         [R, NB, 16] tiles: stochastic rounding (16x16 too), very long rows
     quant.cu, cuda.py  CUDA C++ (NVRTC): 1x16 round-to-nearest on bfloat16/float32, the default on CUDA
     __init__.py      quantize_2d: picks the kernel, launches it, checks for NaN/Inf
 

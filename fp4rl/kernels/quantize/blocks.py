@@ -7,8 +7,9 @@ threads, and all of a program's loads are issued before the first use (one pass;
 bound of the [R, NB, 16] tile kernel was latency, not issue). Same arithmetic, same order, so
 the same bytes as the reference. ``_quantize_flat_kernel`` takes a per-tensor or imposed scale
 (blocks of the flat tensor); ``_quantize_rows_kernel`` holds whole rows to compute per-row
-scales in one pass. ``_quantize_blocks``, ``_global_from_amax`` are shared with the Gluon
-versions (fp4rl.kernels.quantize.gluon_blocks).
+scales in one pass; ``_quantize_tile16_kernel`` takes 16x16 tiles (one scale per tile: the tiles'
+max and 4/6 error reduced over per-block values). ``_quantize_blocks``, ``_global_from_amax`` are
+shared with the Gluon versions (fp4rl.kernels.quantize.gluon_blocks).
 
 4/6 error: the division x / 1536 is replaced by the FMA-corrected reciprocal ``_div1536``
 (exact for every float32) while the program's amaxes keep every product in range, IEEE

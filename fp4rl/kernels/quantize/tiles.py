@@ -1,12 +1,13 @@
 """The [R, NB, 16] tile kernel: NVFP4 quantization of a BR x BC tile, 16-element blocks along
 the last axis.
 
-The older of the two kernel families, still the one for 16x16 tiles (one block scale per 16x16
-tile: the block amax and the 4/6 error are reduced over 16 rows too, in TE's warp-reduction
-order), stochastic rounding (one Philox uniform per element from ``tl.rand(seed, index)``,
-shared by the two 4/6 candidates like the reference's draw) and per-row scales of rows longer
-than ``ROWS_MAX_BLOCKS`` blocks. Per-row scales are computed in the kernel (each program reads
-its rows twice: once for the row amax, once to quantize; the second read hits L1/L2); a
+The older of the two kernel families, still the one for stochastic rounding (one Philox uniform per
+element from ``tl.rand(seed, index)``, shared by the two 4/6 candidates like the reference's draw), with
+16x16 tiles too (one block scale per 16x16 tile: the block amax and the 4/6 error reduced over 16 rows, in
+TE's warp-reduction order; without stochastic rounding 16x16 tiles go to blocks.py's
+``_quantize_tile16_kernel``), and for per-row scales of rows longer than ``ROWS_MAX_BLOCKS`` blocks.
+Per-row scales are computed in the kernel (each program reads its rows twice: once for the row amax, once
+to quantize; the second read hits L1/L2); a
 per-tensor amax comes from fp4rl.kernels.quantize.amax as partials.
 """
 
