@@ -104,6 +104,38 @@ def test_16x16_tiles_by_program_shape(nbc, blocks, monkeypatch):
         tq.quantize(x, tile=(16, 16))
 
 
+def _tree_order_tile():
+    """A 16x16 tile whose 4/6 pick depends on the order of its 16-row error tree (u = 2^-30, ulp(0.25) = 32u;
+    amax 6, rule 4/6: S_enc 256, s6 256, s4 384, every decode exact). Row 1 (four 1.0) costs only 4: 0.25; row
+    2 (4.5) only 6: 0.25; rows 3 (2^-13) and 4 (5 2^-15) 16u and 25u to both, at ties and near-ties of
+    ulp(0.25). TE's order (rows r + r+8 first): err4 = 0.25 + 32u < err6 = 0.25 + 64u, 4 wins; rows (2j,
+    2j+1) first: the other way round."""
+    x = torch.zeros(16, 16)
+    x[0, 0] = 6.0
+    x[1, :4] = 1.0
+    x[2, 0] = 4.5
+    x[3, 0] = 2.0 ** -13
+    x[4, 0] = 5 * 2.0 ** -15
+    return x
+
+
+@pytest.mark.parametrize("nbc,blocks", [(None, None), (8, 128), (1, 16), (4, 64)])
+@pytest.mark.parametrize("k", [16, 64])
+def test_16x16_tile_tree_order(nbc, blocks, k, monkeypatch):
+    """The 16 rows' errors are summed in TE's tree order: this tile's pick flips under any other pairing."""
+    import fp4rl.kernels.quantize as kq
+
+    monkeypatch.setitem(kq.TILE16, "nbc", nbc)
+    monkeypatch.setitem(kq.TILE16, "blocks", blocks)
+    x = torch.cat([_tree_order_tile()] * (k // 16), 1)
+    x = torch.cat([x, x * 0.5], 0).to(DEV)  # a second tile row (every error scales by 1/4: still exact)
+    for kw in (dict(tile=(16, 16), scale_rule="4/6"),
+               dict(tile=(16, 16), scale_rule="4/6", global_scale=torch.tensor(2.0 ** -8, device=DEV))):
+        ref = reference.quantize(x, **kw)
+        assert ref.block_scale.float()[0, 0].item() == 384.0  # the reference picks 4 here
+        _same(tq.quantize(x, **kw), ref)
+
+
 def test_4over6_really_picks_both():
     x = _data("wide", (16, 64), torch.float32, seed=3)
     q = tq.quantize(x, scale_rule="4/6")
@@ -174,6 +206,16 @@ def test_quantize_2d_rejects_bad_shapes():
         quantize_2d(torch.zeros(4, 24, device=DEV))
     with pytest.raises(ValueError, match="16x16"):
         quantize_2d(torch.zeros(8, 32, device=DEV), tile16=True)
+    with pytest.raises(ValueError, match="16x16"):  # one imposed value per row: not a per-tensor scale
+        quantize_2d(torch.ones(16, 32, device=DEV), tile16=True, amax=torch.ones(16, device=DEV))
+
+
+def test_tile16_program_shape_must_be_powers_of_two(monkeypatch):
+    import fp4rl.kernels.quantize as kq
+
+    monkeypatch.setitem(kq.TILE16, "blocks", 384)
+    with pytest.raises(ValueError, match="powers of two"):
+        quantize_2d(torch.ones(16, 32, device=DEV), tile16=True)
 
 
 @pytest.mark.gpu

@@ -172,6 +172,8 @@ def _launch_tile16(x, data, scale, g, given, parts, n_part, src, rule46, err, al
     nb_row = k // 16
     nbc = min(TILE16["nbc"] or (32 if INTERPRET else 8), triton.next_power_of_2(nb_row))
     n = TILE16["blocks"] or (512 if INTERPRET else 128 if rule46 else 256)
+    if n & (n - 1) or nbc & (nbc - 1):
+        raise ValueError(f"TILE16: blocks ({n}) and tiles across (nbc, {nbc}) must be powers of two")
     bt = max(1, n // (16 * nbc))
     grid = (triton.cdiv(r, 16 * bt), triton.cdiv(nb_row, nbc))
     COMPILED[f"quantize tile16 src{src} {scale_rule} {err}"] = _quantize_tile16_kernel[grid](
@@ -220,8 +222,10 @@ def quantize_2d(
     """
     if x.ndim != 2 or x.shape[1] % 16:
         raise ValueError(f"quantize_2d needs x [R, K] with K a multiple of 16, got {tuple(x.shape)}")
-    if tile16 and (per_row or x.shape[0] % 16):
-        raise ValueError("16x16 tiles need a per-tensor scale and a row count that is a multiple of 16")
+    imposed_rows = any(t is not None and t.numel() > 1 for t in (amax, global_scale))
+    if tile16 and (per_row or imposed_rows or x.shape[0] % 16):
+        raise ValueError("16x16 tiles need a per-tensor scale (one imposed amax / global_scale value at "
+                         "most) and a row count that is a multiple of 16")
     x = x.contiguous()
     r, k = x.shape
     dev = x.device

@@ -83,7 +83,7 @@ def _tile_max(v, N: tl.constexpr, NBC: tl.constexpr):
 def _tile_sum(v, N: tl.constexpr, NBC: tl.constexpr):
     """[N] row errors of 16x16 tiles (laid out as in _tile_max) -> each tile's sum, broadcast back to [N], in
     TransformerEngine's warp-reduction order: rows r + r+8, then r + r+4, r + r+2, r + r+1. Each level is a
-    sum over an axis of two (one addition, exact whatever the order)."""
+    sum over an axis of two: one rounded addition, the same bits whichever operand comes first."""
     BT: tl.constexpr = N // (16 * NBC)
     t = tl.sum(tl.reshape(v, (BT, 2, 8, NBC)), 1)  # [BT, 8, NBC]: row j + row j+8
     t = tl.sum(tl.reshape(t, (BT, 2, 4, NBC)), 1)
@@ -218,8 +218,8 @@ def _quantize_rows_kernel(
     row = pid * BR + i // NBP
     col = i % NBP
     bmask = (col < nb_row) & (row < R)
-    blk = row * nb_row + col
-    x = tl.load(x_ptr + blk.to(tl.int64)[:, None] * 16 + tl.arange(0, 16)[None, :], mask=bmask[:, None],
+    blk = row.to(tl.int64) * nb_row + col  # (int64: past 2^31 blocks)
+    x = tl.load(x_ptr + blk[:, None] * 16 + tl.arange(0, 16)[None, :], mask=bmask[:, None],
                 other=0.0).to(tl.float32)
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     raw = tl.max(tl.reshape(tl.max(bits, 1), (BR, NBP)), 1)  # [BR]
@@ -256,8 +256,8 @@ def _quantize_tile16_kernel(
     row = pid_r * (16 * BT) + i // NBC
     col = pid_c * NBC + i % NBC
     bmask = (row < R) & (col < nb_row)
-    blk = row * nb_row + col
-    x = tl.load(x_ptr + blk.to(tl.int64)[:, None] * 16 + tl.arange(0, 16)[None, :], mask=bmask[:, None],
+    blk = row.to(tl.int64) * nb_row + col  # (int64: past 2^31 blocks)
+    x = tl.load(x_ptr + blk[:, None] * 16 + tl.arange(0, 16)[None, :], mask=bmask[:, None],
                 other=0.0).to(tl.float32)
     if SCALE_SRC == 0:
         p = tl.arange(0, PMAX)
