@@ -218,8 +218,8 @@ def _quantize_rows_kernel(
     row = pid * BR + i // NBP
     col = i % NBP
     bmask = (col < nb_row) & (row < R)
-    blk = row.to(tl.int64) * nb_row + col  # (int64: past 2^31 blocks)
-    x = tl.load(x_ptr + blk[:, None] * 16 + tl.arange(0, 16)[None, :], mask=bmask[:, None],
+    blk = row * nb_row + col
+    x = tl.load(x_ptr + blk.to(tl.int64)[:, None] * 16 + tl.arange(0, 16)[None, :], mask=bmask[:, None],
                 other=0.0).to(tl.float32)
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     raw = tl.max(tl.reshape(tl.max(bits, 1), (BR, NBP)), 1)  # [BR]
