@@ -20,9 +20,10 @@ Two kernels, the first over (row, slice of SLICE logits), the row's logits stayi
    crossing for float64 rounding takes the slice's last token with mass.
 A single program per row (first version) took ~115 us per step on the H200 at any batch: one SM streaming
 the 151936 logits three times. Three kernels over slices of 8192 (the max, then the sums with the row's m,
-then the pick; MERGED = False keeps them) took 13.6 / 14.4 / 18.5 / 41.1 us of GPU time at batch 1 / 8 / 32 /
-128 on the H200 (temperature 1, V = 151936), the two over slices of 2048 5.9 / 7.5 / 12.9 / 34.1: fewer
-sequential chunks per program and one launch less (bench/sample_head_slices.py, bench/RESULTS.md).
+then the pick; MERGED = False keeps them) took 13.6 / 14.4 / 18.5 / 41.1 us of kernel time (profiler) at
+batch 1 / 8 / 32 / 128 on the H200 (temperature 1, V = 151936), the two over slices of 2048 5.9 / 7.5 / 12.9 /
+34.1: fewer sequential chunks per program and one launch less (bench/sample_head_slices.py; in a CUDA graph,
+bench/RESULTS.md).
 
 Against sample_next (which also scans the unnormalized exponentials, as the C head does): the same
 distribution and, for the same u, the same token unless u * total falls within rounding of a CDF step (the
