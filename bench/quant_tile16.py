@@ -49,8 +49,10 @@ def main() -> int:
         if not blocks:
             before[key] = out
         elif key in before:
-            row["same_bytes_as_tiles_kernel"] = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                                                    for a, b in zip(out, before[key]))
+            # reshape(-1): the global scale is a 0-dim float32, which view(uint8) refuses
+            row["same_bytes_as_tiles_kernel"] = all(
+                torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+                for a, b in zip(out, before[key]))
         rows.append(row)
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         return out
