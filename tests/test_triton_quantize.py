@@ -82,14 +82,27 @@ def test_matches_reference(kind, dtype, rule, err, scope, tile):
     _same(tq.quantize(x, **kw), reference.quantize(x, **kw))
 
 
+TILE16_MODES = [1, 2, 3] if torch.cuda.is_available() else [1, 2]  # 3: warp shuffles, compiled only
+
+
+@pytest.mark.parametrize("mode", TILE16_MODES)
 @pytest.mark.parametrize("nbc,blocks", [(8, 128), (8, 256), (2, 32), (1, 16)])
-def test_16x16_tiles_by_program_shape(nbc, blocks, monkeypatch):
+def test_16x16_tiles_by_program_shape(nbc, blocks, mode, monkeypatch):
     """The 16x16 kernel at the GPU's program shapes (8 tiles wide, 128 / 256 blocks) and narrower ones, on
-    rows that leave a program's columns or tile rows partly masked: the reference's bytes in every mode."""
+    rows that leave a program's columns or tile rows partly masked, in each layout (1: row-major, 2:
+    tile-major, 3: tile-major with warp-shuffle reductions): the reference's bytes in every mode."""
     import fp4rl.kernels.quantize as kq
 
     monkeypatch.setitem(kq.TILE16, "nbc", nbc)
     monkeypatch.setitem(kq.TILE16, "blocks", blocks)
+    monkeypatch.setitem(kq.TILE16, "mode", mode)
+    if mode == 3:  # bfloat16 only: the shuffles' lanes are those of a 16-bit x's layout
+        x = _data("wide", (48, 80), torch.bfloat16, seed=nbc)
+        for kw in (dict(), dict(scale_rule="4/6"), dict(scale_rule="4/6", err="mae"),
+                   dict(scale_rule="4/6", amax=torch.tensor(3.0, device=DEV)),
+                   dict(scale_rule="4/6", global_scale=torch.tensor(0.002, device=DEV))):
+            _same(tq.quantize(x, tile=(16, 16), **kw), reference.quantize(x, tile=(16, 16), **kw))
+        return
     for kind, dtype in (("wide", torch.bfloat16), ("grid", torch.float32), ("zero", torch.float32)):
         x = _data(kind, (48, 80), dtype, seed=nbc)
         for kw in (dict(), dict(scale_rule="4/6"), dict(scale_rule="4/6", err="mae"),
@@ -119,16 +132,22 @@ def _tree_order_tile():
     return x
 
 
+@pytest.mark.parametrize("mode", TILE16_MODES)
 @pytest.mark.parametrize("nbc,blocks", [(None, None), (8, 128), (1, 16), (4, 64)])
 @pytest.mark.parametrize("k", [16, 64])
-def test_16x16_tile_tree_order(nbc, blocks, k, monkeypatch):
-    """The 16 rows' errors are summed in TE's tree order: this tile's pick flips under any other pairing."""
+def test_16x16_tile_tree_order(nbc, blocks, k, mode, monkeypatch):
+    """The 16 rows' errors are summed in TE's tree order, in each layout (mode 3: by warp shuffles, on
+    bfloat16, where every value of this tile is exact): this tile's pick flips under any other pairing."""
     import fp4rl.kernels.quantize as kq
 
     monkeypatch.setitem(kq.TILE16, "nbc", nbc)
     monkeypatch.setitem(kq.TILE16, "blocks", blocks)
+    monkeypatch.setitem(kq.TILE16, "mode", mode)
     x = torch.cat([_tree_order_tile()] * (k // 16), 1)
-    x = torch.cat([x, x * 0.5], 0).to(DEV)  # a second tile row (every error scales by 1/4: still exact)
+    x = torch.cat([x, x * 0.5], 0).to(DEV)
+    if mode == 3:
+        assert torch.equal(x.bfloat16().float(), x)
+        x = x.bfloat16()  # a second tile row (every error scales by 1/4: still exact)
     for kw in (dict(tile=(16, 16), scale_rule="4/6"),
                dict(tile=(16, 16), scale_rule="4/6", global_scale=torch.tensor(2.0 ** -8, device=DEV))):
         ref = reference.quantize(x, **kw)
@@ -216,6 +235,43 @@ def test_tile16_program_shape_must_be_powers_of_two(monkeypatch):
     monkeypatch.setitem(kq.TILE16, "blocks", 384)
     with pytest.raises(ValueError, match="powers of two"):
         quantize_2d(torch.ones(16, 32, device=DEV), tile16=True)
+
+
+@pytest.mark.parametrize("mode", [0, 4, "3"] + ([] if torch.cuda.is_available() else [3]))
+def test_tile16_mode_must_exist(mode, monkeypatch):
+    """An unknown TILE16 mode, or the shuffles (3) where no GPU compiles them, is refused by name."""
+    import fp4rl.kernels.quantize as kq
+
+    monkeypatch.setitem(kq.TILE16, "mode", mode)
+    with pytest.raises(ValueError, match="TILE16.'mode'.*use 1, 2"):
+        quantize_2d(torch.ones(16, 32, device=DEV), tile16=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_tile16_shuffles_chosen_where_the_probe_passes(monkeypatch):
+    """On CUDA a 16-bit, 16-byte aligned x takes the warp-shuffle build (its probe passes with Triton's
+    layout); float32 x, and a bfloat16 x at an address 2 bytes off, keep the reshape tree. Bytes as the
+    reference's in each case."""
+    import fp4rl.kernels.quantize as kq
+
+    monkeypatch.setattr(kq, "TILE16_SHFL", {})
+    kq.COMPILED.clear()
+    x = _data("wide", (256, 512), torch.bfloat16, seed=5)
+    kw = dict(tile=(16, 16), scale_rule="4/6")
+    _same(tq.quantize(x, **kw), reference.quantize(x, **kw))
+    assert any(v for v in kq.TILE16_SHFL.values()), kq.TILE16_SHFL
+    assert any(name.endswith("mode3") for name in kq.COMPILED), list(kq.COMPILED)
+    kq.COMPILED.clear()
+    xf = x.float()
+    _same(tq.quantize(xf, **kw), reference.quantize(xf, **kw))
+    assert not any(name.endswith("mode3") for name in kq.COMPILED), list(kq.COMPILED)
+    kq.COMPILED.clear()
+    off = torch.empty(x.numel() + 1, dtype=torch.bfloat16, device=DEV)[1:].view(x.shape)
+    off.copy_(x)
+    assert off.data_ptr() % 16
+    _same(tq.quantize(off, **kw), reference.quantize(x, **kw))
+    assert not any(name.endswith("mode3") for name in kq.COMPILED), list(kq.COMPILED)
 
 
 @pytest.mark.gpu

@@ -101,8 +101,11 @@ def _configs(k: int, tile16: bool, rule46: bool, row_pass: bool):
 # (still used for stochastic rounding and per-row scales of rows longer than
 # ROWS_MAX_BLOCKS blocks).
 BLOCKS = {"on": True}
-# 16x16 tiles: tiles across a program and blocks per program (None: the defaults of _launch_tile16)
-TILE16 = {"nbc": None, "blocks": None}
+# 16x16 tiles: tiles across a program, blocks per program (None: the defaults of _launch_tile16) and the
+# tiles' layout and reductions ("mode", None: _launch_tile16's choice; 1: row-major by reshapes, 2:
+# tile-major by reshapes, 3: tile-major by warp shuffles, compiled only, where _tile16_shfl_ok's probe passed)
+TILE16 = {"nbc": None, "blocks": None, "mode": None}
+TILE16_SHFL: dict = {}  # (device, dtype, constexprs) -> did the shuffles' probe give the tree's bytes
 GLUON_BLOCKS = {"on": True, "error": None}  # Gluon versions of the rule-6 block kernels on CUDA
 ROWS_MAX_BLOCKS = 512
 
@@ -165,9 +168,55 @@ def _launch_cuda(x, data, scale, g, given, flag, src, per_row_given, rule46, err
     return True, parts
 
 
+def _tile16_run(x, data, scale, g, given, parts, n_part, src, rule46, mae, allow_nf, bt, nbc, mode):
+    r, nb_row = x.shape[0], x.shape[1] // 16
+    grid = (triton.cdiv(r, 16 * bt), triton.cdiv(nb_row, nbc))
+    return _quantize_tile16_kernel[grid](
+        x, data, scale, g, given, parts if parts is not None else g, n_part, r, nb_row,
+        SCALE_SRC=src, RULE46=rule46, MAE=mae, ALLOW_NF=allow_nf, BT=bt, NBC=nbc, PMAX=PMAX, TMODE=mode,
+        num_warps=4, enable_fp_fusion=False)
+
+
+def _tile16_shfl_ok(x, src, rule46, mae, allow_nf, bt, nbc) -> bool:
+    """Whether the warp-shuffle build (TMODE 3) gives the reshape tree's bytes (TMODE 1) for this dtype
+    and program shape on x's device. The shuffles assume the compiler's layout (row r of a tile in lanes
+    2r, 2r + 1 of one warp: 16-bit x, 16-byte aligned), which Triton does not promise; one probe launch of
+    each build on a tensor of magnitudes 2^-20..2^20 answers it, once per key (both launch synchronously
+    here, so never during a CUDA graph capture: the caller takes mode 1 then)."""
+    key = (x.device, x.dtype, src, rule46, mae, allow_nf, bt, nbc)
+    if key not in TILE16_SHFL:
+        gen = torch.Generator(device=x.device).manual_seed(0)
+        rows, cols = 16 * bt * 2, 16 * nbc * 3
+        mag = torch.logspace(-20, 20, rows * cols, base=2.0, device=x.device)
+        mag = mag[torch.randperm(mag.numel(), generator=gen, device=x.device)].reshape(rows, cols)
+        p = (torch.randn(rows, cols, generator=gen, device=x.device) * mag).to(x.dtype)
+        given = p.float().abs().amax().reshape(1)
+        if src == 3:  # an imposed decode-direction g
+            given = given / 2688.0
+        p_parts, p_n = amax_partials(p) if src == 0 else (None, 0)
+        outs = []
+        for mode in (1, 3):
+            d = torch.empty(rows, cols // 2, dtype=torch.uint8, device=x.device)
+            s = torch.empty(rows, cols // 16, dtype=torch.uint8, device=x.device)
+            gg = torch.empty(1, dtype=torch.float32, device=x.device)
+            try:
+                _tile16_run(p, d, s, gg, given, p_parts, p_n, src, rule46, mae, allow_nf, bt, nbc, mode)
+            except Exception as exc:  # noqa: BLE001  (inline PTX refused here: the reshape tree stays)
+                import warnings
+
+                warnings.warn(f"16x16 quantize: warp-shuffle build failed ({repr(exc)[:200]}); using the "
+                              "reshape tree", stacklevel=4)
+                TILE16_SHFL[key] = False
+                return False
+            outs.append((d, s, gg))
+        TILE16_SHFL[key] = all(torch.equal(a, b) for a, b in zip(*outs))
+    return TILE16_SHFL[key]
+
+
 def _launch_tile16(x, data, scale, g, given, parts, n_part, src, rule46, err, allow_nf, scale_rule):
     """16x16 tiles on the one-block-per-thread kernel: 128 blocks a program (4/6: one per thread), 256 for
-    rule 6 (two per thread), 8 tiles wide (fewer on narrower rows)."""
+    rule 6 (two per thread), 8 tiles wide (fewer on narrower rows). On CUDA, 16-bit x at a 16-byte aligned
+    address takes the tile-major build with warp-shuffle reductions where its probe passed."""
     r, k = x.shape
     nb_row = k // 16
     nbc = min(TILE16["nbc"] or (32 if INTERPRET else 8), triton.next_power_of_2(nb_row))
@@ -175,11 +224,18 @@ def _launch_tile16(x, data, scale, g, given, parts, n_part, src, rule46, err, al
     if n & (n - 1) or nbc & (nbc - 1):
         raise ValueError(f"TILE16: blocks ({n}) and tiles across (nbc, {nbc}) must be powers of two")
     bt = max(1, n // (16 * nbc))
-    grid = (triton.cdiv(r, 16 * bt), triton.cdiv(nb_row, nbc))
-    COMPILED[f"quantize tile16 src{src} {scale_rule} {err}"] = _quantize_tile16_kernel[grid](
-        x, data, scale, g, given, parts if parts is not None else g, n_part, r, nb_row,
-        SCALE_SRC=src, RULE46=rule46, MAE=err == "mae", ALLOW_NF=allow_nf, BT=bt, NBC=nbc, PMAX=PMAX,
-        num_warps=4, enable_fp_fusion=False)
+    mode = TILE16["mode"]
+    mae = err == "mae"
+    if mode is None:
+        mode = 1
+        if (x.is_cuda and not INTERPRET and x.element_size() == 2 and x.data_ptr() % 16 == 0
+                and not torch.cuda.is_current_stream_capturing()
+                and _tile16_shfl_ok(x, src, rule46, mae, allow_nf, bt, nbc)):
+            mode = 3
+    if mode not in (1, 2, 3) or (mode == 3 and INTERPRET):
+        raise ValueError(f"TILE16['mode'] = {mode!r}: use 1, 2 or (compiled only) 3")
+    COMPILED[f"quantize tile16 src{src} {scale_rule} {err} mode{mode}"] = _tile16_run(
+        x, data, scale, g, given, parts, n_part, src, rule46, mae, allow_nf, bt, nbc, mode)
 
 
 def _launch_tiles(x, data, scale, g, given, flag, parts, n_part, src, per_row_given, rule46, err, allow_nf,
