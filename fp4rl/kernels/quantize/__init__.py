@@ -177,46 +177,73 @@ def _tile16_run(x, data, scale, g, given, parts, n_part, src, rule46, mae, allow
         num_warps=4, enable_fp_fusion=False)
 
 
-def _tile16_shfl_ok(x, src, rule46, mae, allow_nf, bt, nbc) -> bool:
-    """Whether the warp-shuffle build (TMODE 3) gives the reshape tree's bytes (TMODE 1) for this dtype
-    and program shape on x's device. The shuffles assume the compiler's layout (row r of a tile in lanes
-    2r, 2r + 1 of one warp: 16-bit x, 16-byte aligned), which Triton does not promise; one probe launch of
-    each build on a tensor of magnitudes 2^-20..2^20 answers it, once per key (both launch synchronously
-    here, so never during a CUDA graph capture: the caller takes mode 1 then)."""
-    key = (x.device, x.dtype, src, rule46, mae, allow_nf, bt, nbc)
-    if key not in TILE16_SHFL:
-        gen = torch.Generator(device=x.device).manual_seed(0)
-        rows, cols = 16 * bt * 2, 16 * nbc * 3
-        mag = torch.logspace(-20, 20, rows * cols, base=2.0, device=x.device)
-        mag = mag[torch.randperm(mag.numel(), generator=gen, device=x.device)].reshape(rows, cols)
-        p = (torch.randn(rows, cols, generator=gen, device=x.device) * mag).to(x.dtype)
-        given = p.float().abs().amax().reshape(1)
-        if src == 3:  # an imposed decode-direction g
-            given = given / 2688.0
-        p_parts, p_n = amax_partials(p) if src == 0 else (None, 0)
-        outs = []
-        for mode in (1, 3):
-            d = torch.empty(rows, cols // 2, dtype=torch.uint8, device=x.device)
-            s = torch.empty(rows, cols // 16, dtype=torch.uint8, device=x.device)
-            gg = torch.empty(1, dtype=torch.float32, device=x.device)
-            try:
-                _tile16_run(p, d, s, gg, given, p_parts, p_n, src, rule46, mae, allow_nf, bt, nbc, mode)
-            except Exception as exc:  # noqa: BLE001  (inline PTX refused here: the reshape tree stays)
-                import warnings
+def _tile16_probe_inputs(dtype, device, src, bt, nbc, nb_row):
+    """The probe's two tensors for _tile16_shfl_ok, with given amax / g for src 2 / 3: random values of
+    magnitudes 2^-e..2^e (e 20 for bfloat16, 10 for float16: finite), and tiles whose 4/6 pick flips under any
+    other order of the 16-row error tree (amax 6, exact in both dtypes; as tests/test_triton_quantize.py's).
+    Their width matches the real launch's specialization of nb_row (1, a multiple of 16, or neither)."""
+    nbp = 1 if nb_row == 1 else -(-2 * nbc // 16) * 16 if nb_row % 16 == 0 else 2 * nbc + 1
+    rows, cols = 32 * bt, 16 * nbp
+    gen = torch.Generator(device=device).manual_seed(0)
+    e = 20.0 if dtype == torch.bfloat16 else 10.0
+    mag = torch.logspace(-e, e, rows * cols, base=2.0, device=device)
+    mag = mag[torch.randperm(mag.numel(), generator=gen, device=device)].reshape(rows, cols)
+    rand = (torch.randn(rows, cols, generator=gen, device=device) * mag).to(dtype)
+    tile = torch.zeros(16, 16, device=device)
+    tile[0, 0], tile[2, 0], tile[3, 0], tile[4, 0] = 6.0, 4.5, 2.0 ** -13, 5 * 2.0 ** -15
+    tile[1, :4] = 1.0
+    half = torch.tensor([1.0, 0.5], device=device).repeat(rows // 32).repeat_interleave(16)[:, None]
+    tree = (tile.repeat(rows // 16, nbp) * half).to(dtype)
+    out = []
+    for p in (rand, tree):
+        amax = p.float().abs().amax().reshape(1)
+        given = amax / 1536.0 if src == 3 else amax  # src 3: a decode-direction g (2^-8 for the tree)
+        out.append((p, given))
+    return out
 
-                warnings.warn(f"16x16 quantize: warp-shuffle build failed ({repr(exc)[:200]}); using the "
-                              "reshape tree", stacklevel=4)
-                TILE16_SHFL[key] = False
-                return False
-            outs.append((d, s, gg))
-        TILE16_SHFL[key] = all(torch.equal(a, b) for a, b in zip(*outs))
+
+def _tile16_key(x, src, rule46, mae, allow_nf, bt, nbc, nb_row):
+    return (x.device, x.dtype, src, rule46, mae, allow_nf, bt, nbc, nb_row == 1, nb_row % 16 == 0)
+
+
+def _tile16_shfl_ok(x, key, src, rule46, mae, allow_nf, bt, nbc, nb_row) -> bool:
+    """Whether the warp-shuffle build (TMODE 3) gives the reshape tree's bytes (TMODE 1) for this key (dtype,
+    modes, program shape, nb_row's specialization) on x's device. The shuffles assume the compiler's layout
+    (row r of a tile in lanes 2r, 2r + 1 of one warp: 16-bit x, 16-byte aligned; Triton 3.6 lays the [N]
+    values out so, 3.9 not the error sums'), which Triton does not promise: one probe launch of each build
+    on _tile16_probe_inputs' two tensors answers it (a wrong lane mapping changes the random one's scales,
+    a wrong tree order the crafted tiles' picks), once per key. Both launches are synchronous: never
+    during a CUDA graph capture (the caller decides then)."""
+    if key not in TILE16_SHFL:
+        ok = True
+        for p, given in _tile16_probe_inputs(x.dtype, x.device, src, bt, nbc, nb_row):
+            rows, cols = p.shape
+            p_parts, p_n = amax_partials(p) if src == 0 else (None, 0)
+            outs = []
+            for mode in (1, 3):
+                d = torch.empty(rows, cols // 2, dtype=torch.uint8, device=x.device)
+                s = torch.empty(rows, cols // 16, dtype=torch.uint8, device=x.device)
+                gg = torch.empty(1, dtype=torch.float32, device=x.device)
+                try:
+                    _tile16_run(p, d, s, gg, given, p_parts, p_n, src, rule46, mae, allow_nf, bt, nbc, mode)
+                except Exception as exc:  # noqa: BLE001  (inline PTX refused here: the reshape tree stays)
+                    import warnings
+
+                    warnings.warn(f"16x16 quantize: warp-shuffle build failed ({repr(exc)[:200]}); using the "
+                                  "reshape tree", stacklevel=4)
+                    TILE16_SHFL[key] = False
+                    return False
+                outs.append((d, s, gg))
+            ok = ok and all(torch.equal(a, b) for a, b in zip(*outs))
+        TILE16_SHFL[key] = ok
     return TILE16_SHFL[key]
 
 
 def _launch_tile16(x, data, scale, g, given, parts, n_part, src, rule46, err, allow_nf, scale_rule):
     """16x16 tiles on the one-block-per-thread kernel: 128 blocks a program (4/6: one per thread), 256 for
     rule 6 (two per thread), 8 tiles wide (fewer on narrower rows). On CUDA, 16-bit x at a 16-byte aligned
-    address takes the tile-major build with warp-shuffle reductions where its probe passed."""
+    address takes the tile-major build with warp-shuffle reductions where its probe passed (a CUDA graph
+    capture takes it only where the probe already ran)."""
     r, k = x.shape
     nb_row = k // 16
     nbc = min(TILE16["nbc"] or (32 if INTERPRET else 8), triton.next_power_of_2(nb_row))
@@ -226,14 +253,25 @@ def _launch_tile16(x, data, scale, g, given, parts, n_part, src, rule46, err, al
     bt = max(1, n // (16 * nbc))
     mode = TILE16["mode"]
     mae = err == "mae"
-    if mode is None:
-        mode = 1
-        if (x.is_cuda and not INTERPRET and x.element_size() == 2 and x.data_ptr() % 16 == 0
-                and not torch.cuda.is_current_stream_capturing()
-                and _tile16_shfl_ok(x, src, rule46, mae, allow_nf, bt, nbc)):
-            mode = 3
-    if mode not in (1, 2, 3) or (mode == 3 and INTERPRET):
+    if mode not in (None, 1, 2, 3) or (mode == 3 and INTERPRET):
         raise ValueError(f"TILE16['mode'] = {mode!r}: use 1, 2 or (compiled only) 3")
+    shfl_fits = x.is_cuda and not INTERPRET and x.element_size() == 2 and x.data_ptr() % 16 == 0
+    if mode == 3 and not shfl_fits:
+        raise ValueError(f"TILE16['mode'] = 3 needs a 16-bit x at a 16-byte aligned address on CUDA, got "
+                         f"{x.dtype} at {x.data_ptr() % 16} bytes past one: use mode None (the dispatcher "
+                         "picks) or 1")
+    if mode in (None, 3) and shfl_fits:
+        key = _tile16_key(x, src, rule46, mae, allow_nf, bt, nbc, nb_row)
+        ok = TILE16_SHFL.get(key)
+        if ok is None and not torch.cuda.is_current_stream_capturing():
+            ok = _tile16_shfl_ok(x, key, src, rule46, mae, allow_nf, bt, nbc, nb_row)
+        if mode == 3 and not ok:
+            raise ValueError("TILE16['mode'] = 3: the warp-shuffle build's probe gave other bytes than the "
+                             f"reshape tree here (Triton {triton.__version__}'s layout)" if ok is False else
+                             "TILE16['mode'] = 3: not probed yet and a CUDA graph is being captured: run "
+                             "one quantize of this kind outside the capture first")
+        mode = 3 if ok else 1
+    mode = mode or 1
     COMPILED[f"quantize tile16 src{src} {scale_rule} {err} mode{mode}"] = _tile16_run(
         x, data, scale, g, given, parts, n_part, src, rule46, mae, allow_nf, bt, nbc, mode)
 
