@@ -1,5 +1,5 @@
 #!/bin/bash
-# Forty-fourth session: the 16x16 quantize's tile reductions by warp shuffles (TMODE 3: tile-major blocks, a
+# Forty-fourth session, run at fd991c4 (TMODE 3 was reverted after this run: no faster). The 16x16 quantize's tile reductions by warp shuffles (TMODE 3: tile-major blocks, a
 # tile's 16 rows in one warp's lanes, shfl.sync.bfly 16/8/4/2; 12 barriers in the sm_90 build against 57).
 # 1) Its tests on CUDA: bytes against the reference in modes 1 / 2 / 3 (program shapes, the tree-order tile,
 # large shapes on the dispatcher's choice), the probe's choice by dtype and alignment. 2) bench/quant_tile16.py:

@@ -2,9 +2,8 @@
 instruction mix of the old tiles kernel (tiles.py, [R, NB, 16]) at its 16x16 configuration (16 rows x 128
 columns, 8 warps) against the one-block-per-thread kernel that replaces it (blocks.py
 _quantize_tile16_kernel: 8 tiles wide, 128 blocks for 4/6, 256 for rule 6, 4 warps) and the 1x16 4/6 block
-kernel (_quantize_flat_kernel); the tile16 kernel in its three TMODEs (forty-fourth session). Static counts
-(instructions in the binary, not executed ones). Run with the Triton the device has (3.6):
-PYTHONPATH=/tmp/t36/site python bench/quant_tile16_sass.py
+kernel (_quantize_flat_kernel). Static counts (instructions in the binary, not executed ones). Run with the
+Triton the device has (3.6): PYTHONPATH=/tmp/t36/site python bench/quant_tile16_sass.py
 """
 
 import os
@@ -32,12 +31,10 @@ def main() -> int:
                    ALLOW_NF=False, BR=16, BC=128 if rule46 else 256, PMAX=1024)
         print(summary(compile_sm90(_quantize_kernel, TYPES, old, num_warps=8, num_stages=1),
                       f"16x16 rule {rule}, tiles kernel (before)"), flush=True)
-        for mode, how in ((1, "row-major, reshapes"), (2, "tile-major, reshapes"),
-                          (3, "tile-major, shuffles")):
-            new = dict(SCALE_SRC=0, RULE46=rule46, MAE=False, ALLOW_NF=False, BT=1 if rule46 else 2, NBC=8,
-                       PMAX=1024, TMODE=mode)
-            print(summary(compile_sm90(_quantize_tile16_kernel, TYPES, new, num_warps=4, num_stages=1),
-                          f"16x16 rule {rule}, tile16 kernel, TMODE {mode} ({how})"), flush=True)
+        new = dict(SCALE_SRC=0, RULE46=rule46, MAE=False, ALLOW_NF=False, BT=1 if rule46 else 2, NBC=8,
+                   PMAX=1024)
+        print(summary(compile_sm90(_quantize_tile16_kernel, TYPES, new, num_warps=4, num_stages=1),
+                      f"16x16 rule {rule}, tile16 kernel"), flush=True)
     flat = dict(SCALE_SRC=0, PER_ROW=False, RULE46=True, MAE=False, ALLOW_NF=False, N=128, PMAX=1024)
     print(summary(compile_sm90(_quantize_flat_kernel, TYPES, flat, num_warps=4, num_stages=1),
                   "1x16 rule 4/6, block kernel"), flush=True)

@@ -82,39 +82,14 @@ def test_matches_reference(kind, dtype, rule, err, scope, tile):
     _same(tq.quantize(x, **kw), reference.quantize(x, **kw))
 
 
-TILE16_MODES = [1, 2, 3] if torch.cuda.is_available() else [1, 2]  # 3: warp shuffles, compiled only
-
-
-def _mode3(x, **kw):
-    """tq.quantize with TILE16 mode 3 forced (set by the caller), skipped where its probe refuses the
-    shuffles (another Triton's layout: the dispatcher then takes mode 1, test_gpu_tile16_... checks)."""
-    try:
-        return tq.quantize(x, **kw)
-    except ValueError as exc:
-        if "probe gave other bytes" in str(exc):
-            pytest.skip(str(exc))
-        raise
-
-
-@pytest.mark.parametrize("mode", TILE16_MODES)
 @pytest.mark.parametrize("nbc,blocks", [(8, 128), (8, 256), (2, 32), (1, 16)])
-def test_16x16_tiles_by_program_shape(nbc, blocks, mode, monkeypatch):
+def test_16x16_tiles_by_program_shape(nbc, blocks, monkeypatch):
     """The 16x16 kernel at the GPU's program shapes (8 tiles wide, 128 / 256 blocks) and narrower ones, on
-    rows that leave a program's columns or tile rows partly masked, in each layout (1: row-major, 2:
-    tile-major, 3: tile-major with warp-shuffle reductions): the reference's bytes in every mode."""
+    rows that leave a program's columns or tile rows partly masked: the reference's bytes in every mode."""
     import fp4rl.kernels.quantize as kq
 
     monkeypatch.setitem(kq.TILE16, "nbc", nbc)
     monkeypatch.setitem(kq.TILE16, "blocks", blocks)
-    monkeypatch.setitem(kq.TILE16, "mode", mode)
-    if mode == 3:  # 16-bit x only: the shuffles' lanes are those of a 16-bit x's layout
-        for dtype in (torch.bfloat16, torch.float16):
-            x = _data("wide", (48, 80), torch.float32, seed=nbc).clamp(-6e4, 6e4).to(dtype)
-            for kw in (dict(), dict(scale_rule="4/6"), dict(scale_rule="4/6", err="mae"),
-                       dict(scale_rule="4/6", amax=torch.tensor(3.0, device=DEV)),
-                       dict(scale_rule="4/6", global_scale=torch.tensor(0.002, device=DEV))):
-                _same(_mode3(x, tile=(16, 16), **kw), reference.quantize(x, tile=(16, 16), **kw))
-        return
     for kind, dtype in (("wide", torch.bfloat16), ("grid", torch.float32), ("zero", torch.float32)):
         x = _data(kind, (48, 80), dtype, seed=nbc)
         for kw in (dict(), dict(scale_rule="4/6"), dict(scale_rule="4/6", err="mae"),
@@ -144,27 +119,21 @@ def _tree_order_tile():
     return x
 
 
-@pytest.mark.parametrize("mode", TILE16_MODES)
 @pytest.mark.parametrize("nbc,blocks", [(None, None), (8, 128), (1, 16), (4, 64)])
 @pytest.mark.parametrize("k", [16, 64])
-def test_16x16_tile_tree_order(nbc, blocks, k, mode, monkeypatch):
-    """The 16 rows' errors are summed in TE's tree order, in each layout (mode 3: by warp shuffles, on
-    bfloat16, where every value of this tile is exact): this tile's pick flips under any other pairing."""
+def test_16x16_tile_tree_order(nbc, blocks, k, monkeypatch):
+    """The 16 rows' errors are summed in TE's tree order: this tile's pick flips under any other pairing."""
     import fp4rl.kernels.quantize as kq
 
     monkeypatch.setitem(kq.TILE16, "nbc", nbc)
     monkeypatch.setitem(kq.TILE16, "blocks", blocks)
-    monkeypatch.setitem(kq.TILE16, "mode", mode)
     x = torch.cat([_tree_order_tile()] * (k // 16), 1)
-    x = torch.cat([x, x * 0.5], 0).to(DEV)
-    if mode == 3:
-        assert torch.equal(x.bfloat16().float(), x)
-        x = x.bfloat16()  # a second tile row (every error scales by 1/4: still exact)
+    x = torch.cat([x, x * 0.5], 0).to(DEV)  # a second tile row (every error scales by 1/4: still exact)
     for kw in (dict(tile=(16, 16), scale_rule="4/6"),
                dict(tile=(16, 16), scale_rule="4/6", global_scale=torch.tensor(2.0 ** -8, device=DEV))):
         ref = reference.quantize(x, **kw)
         assert ref.block_scale.float()[0, 0].item() == 384.0  # the reference picks 4 here
-        _same(_mode3(x, **kw) if mode == 3 else tq.quantize(x, **kw), ref)
+        _same(tq.quantize(x, **kw), ref)
 
 
 def test_4over6_really_picks_both():
@@ -247,57 +216,6 @@ def test_tile16_program_shape_must_be_powers_of_two(monkeypatch):
     monkeypatch.setitem(kq.TILE16, "blocks", 384)
     with pytest.raises(ValueError, match="powers of two"):
         quantize_2d(torch.ones(16, 32, device=DEV), tile16=True)
-
-
-@pytest.mark.parametrize("mode", [0, 4, "3"] + ([] if torch.cuda.is_available() else [3]))
-def test_tile16_mode_must_exist(mode, monkeypatch):
-    """An unknown TILE16 mode, or the shuffles (3) where no GPU compiles them, is refused by name."""
-    import fp4rl.kernels.quantize as kq
-
-    monkeypatch.setitem(kq.TILE16, "mode", mode)
-    with pytest.raises(ValueError, match="TILE16.'mode'.*use 1, 2"):
-        quantize_2d(torch.ones(16, 32, device=DEV), tile16=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_tile16_shuffles_chosen_where_the_probe_passes(monkeypatch):
-    """On CUDA a 16-bit, 16-byte aligned x takes the warp-shuffle build where its probe passes (always with
-    Triton 3.6, whose layout was checked offline: bench/quant_tile16_sass.py); float32 x, a bfloat16 x at an
-    address 2 bytes off, and any x where the probe failed keep the reshape tree. Forced mode 3 on float32 is
-    refused by name. Bytes as the reference's in each case."""
-    import triton
-
-    import fp4rl.kernels.quantize as kq
-
-    monkeypatch.setattr(kq, "TILE16_SHFL", {})
-    kq.COMPILED.clear()
-    x = _data("wide", (256, 512), torch.bfloat16, seed=5)
-    kw = dict(tile=(16, 16), scale_rule="4/6")
-    _same(tq.quantize(x, **kw), reference.quantize(x, **kw))
-    assert len(kq.TILE16_SHFL) == 1, kq.TILE16_SHFL
-    probed = next(iter(kq.TILE16_SHFL.values()))
-    if triton.__version__.startswith("3.6"):
-        assert probed, "the shuffles' probe failed with Triton 3.6"
-    assert any(name.endswith("mode3" if probed else "mode1") for name in kq.COMPILED), list(kq.COMPILED)
-    kq.COMPILED.clear()
-    xf = x.float()
-    _same(tq.quantize(xf, **kw), reference.quantize(xf, **kw))
-    assert not any(name.endswith("mode3") for name in kq.COMPILED), list(kq.COMPILED)
-    kq.COMPILED.clear()
-    off = torch.empty(x.numel() + 1, dtype=torch.bfloat16, device=DEV)[1:].view(x.shape)
-    off.copy_(x)
-    assert off.data_ptr() % 16
-    _same(tq.quantize(off, **kw), reference.quantize(x, **kw))
-    assert not any(name.endswith("mode3") for name in kq.COMPILED), list(kq.COMPILED)
-    kq.COMPILED.clear()  # a failed probe: the reshape tree, same bytes
-    monkeypatch.setattr(kq, "_tile16_shfl_ok", lambda *a, **k: False)
-    monkeypatch.setattr(kq, "TILE16_SHFL", {})
-    _same(tq.quantize(x, **kw), reference.quantize(x, **kw))
-    assert not any(name.endswith("mode3") for name in kq.COMPILED), list(kq.COMPILED)
-    monkeypatch.setitem(kq.TILE16, "mode", 3)
-    with pytest.raises(ValueError, match="16-bit x at a 16-byte aligned"):
-        tq.quantize(xf, **kw)
 
 
 @pytest.mark.gpu

@@ -101,11 +101,8 @@ def _configs(k: int, tile16: bool, rule46: bool, row_pass: bool):
 # (still used for stochastic rounding and per-row scales of rows longer than
 # ROWS_MAX_BLOCKS blocks).
 BLOCKS = {"on": True}
-# 16x16 tiles: tiles across a program, blocks per program (None: the defaults of _launch_tile16) and the
-# tiles' layout and reductions ("mode", None: _launch_tile16's choice; 1: row-major by reshapes, 2:
-# tile-major by reshapes, 3: tile-major by warp shuffles, compiled only, where _tile16_shfl_ok's probe passed)
-TILE16 = {"nbc": None, "blocks": None, "mode": None}
-TILE16_SHFL: dict = {}  # (device, dtype, constexprs) -> did the shuffles' probe give the tree's bytes
+# 16x16 tiles: tiles across a program and blocks per program (None: the defaults of _launch_tile16)
+TILE16 = {"nbc": None, "blocks": None}
 GLUON_BLOCKS = {"on": True, "error": None}  # Gluon versions of the rule-6 block kernels on CUDA
 ROWS_MAX_BLOCKS = 512
 
@@ -168,82 +165,9 @@ def _launch_cuda(x, data, scale, g, given, flag, src, per_row_given, rule46, err
     return True, parts
 
 
-def _tile16_run(x, data, scale, g, given, parts, n_part, src, rule46, mae, allow_nf, bt, nbc, mode):
-    r, nb_row = x.shape[0], x.shape[1] // 16
-    grid = (triton.cdiv(r, 16 * bt), triton.cdiv(nb_row, nbc))
-    return _quantize_tile16_kernel[grid](
-        x, data, scale, g, given, parts if parts is not None else g, n_part, r, nb_row,
-        SCALE_SRC=src, RULE46=rule46, MAE=mae, ALLOW_NF=allow_nf, BT=bt, NBC=nbc, PMAX=PMAX, TMODE=mode,
-        num_warps=4, enable_fp_fusion=False)
-
-
-def _tile16_probe_inputs(dtype, device, src, bt, nbc, nb_row):
-    """The probe's two tensors for _tile16_shfl_ok, with given amax / g for src 2 / 3: random values of
-    magnitudes 2^-e..2^e (e 20 for bfloat16, 10 for float16: finite), and tiles whose 4/6 pick flips under any
-    other order of the 16-row error tree (amax 6, exact in both dtypes; as tests/test_triton_quantize.py's).
-    Their width matches the real launch's specialization of nb_row (1, a multiple of 16, or neither)."""
-    nbp = 1 if nb_row == 1 else -(-2 * nbc // 16) * 16 if nb_row % 16 == 0 else 2 * nbc + 1
-    rows, cols = 32 * bt, 16 * nbp
-    gen = torch.Generator(device=device).manual_seed(0)
-    e = 20.0 if dtype == torch.bfloat16 else 10.0
-    mag = torch.logspace(-e, e, rows * cols, base=2.0, device=device)
-    mag = mag[torch.randperm(mag.numel(), generator=gen, device=device)].reshape(rows, cols)
-    rand = (torch.randn(rows, cols, generator=gen, device=device) * mag).to(dtype)
-    tile = torch.zeros(16, 16, device=device)
-    tile[0, 0], tile[2, 0], tile[3, 0], tile[4, 0] = 6.0, 4.5, 2.0 ** -13, 5 * 2.0 ** -15
-    tile[1, :4] = 1.0
-    half = torch.tensor([1.0, 0.5], device=device).repeat(rows // 32).repeat_interleave(16)[:, None]
-    tree = (tile.repeat(rows // 16, nbp) * half).to(dtype)
-    out = []
-    for p in (rand, tree):
-        amax = p.float().abs().amax().reshape(1)
-        given = amax / 1536.0 if src == 3 else amax  # src 3: a decode-direction g (2^-8 for the tree)
-        out.append((p, given))
-    return out
-
-
-def _tile16_key(x, src, rule46, mae, allow_nf, bt, nbc, nb_row):
-    return (x.device, x.dtype, src, rule46, mae, allow_nf, bt, nbc, nb_row == 1, nb_row % 16 == 0)
-
-
-def _tile16_shfl_ok(x, key, src, rule46, mae, allow_nf, bt, nbc, nb_row) -> bool:
-    """Whether the warp-shuffle build (TMODE 3) gives the reshape tree's bytes (TMODE 1) for this key (dtype,
-    modes, program shape, nb_row's specialization) on x's device. The shuffles assume the compiler's layout
-    (row r of a tile in lanes 2r, 2r + 1 of one warp: 16-bit x, 16-byte aligned; Triton 3.6 lays the [N]
-    values out so, 3.9 not the error sums'), which Triton does not promise: one probe launch of each build
-    on _tile16_probe_inputs' two tensors answers it (a wrong lane mapping changes the random one's scales,
-    a wrong tree order the crafted tiles' picks), once per key. Both launches are synchronous: never
-    during a CUDA graph capture (the caller decides then)."""
-    if key not in TILE16_SHFL:
-        ok = True
-        for p, given in _tile16_probe_inputs(x.dtype, x.device, src, bt, nbc, nb_row):
-            rows, cols = p.shape
-            p_parts, p_n = amax_partials(p) if src == 0 else (None, 0)
-            outs = []
-            for mode in (1, 3):
-                d = torch.empty(rows, cols // 2, dtype=torch.uint8, device=x.device)
-                s = torch.empty(rows, cols // 16, dtype=torch.uint8, device=x.device)
-                gg = torch.empty(1, dtype=torch.float32, device=x.device)
-                try:
-                    _tile16_run(p, d, s, gg, given, p_parts, p_n, src, rule46, mae, allow_nf, bt, nbc, mode)
-                except Exception as exc:  # noqa: BLE001  (inline PTX refused here: the reshape tree stays)
-                    import warnings
-
-                    warnings.warn(f"16x16 quantize: warp-shuffle build failed ({repr(exc)[:200]}); using the "
-                                  "reshape tree", stacklevel=4)
-                    TILE16_SHFL[key] = False
-                    return False
-                outs.append((d, s, gg))
-            ok = ok and all(torch.equal(a, b) for a, b in zip(*outs))
-        TILE16_SHFL[key] = ok
-    return TILE16_SHFL[key]
-
-
 def _launch_tile16(x, data, scale, g, given, parts, n_part, src, rule46, err, allow_nf, scale_rule):
     """16x16 tiles on the one-block-per-thread kernel: 128 blocks a program (4/6: one per thread), 256 for
-    rule 6 (two per thread), 8 tiles wide (fewer on narrower rows). On CUDA, 16-bit x at a 16-byte aligned
-    address takes the tile-major build with warp-shuffle reductions where its probe passed (a CUDA graph
-    capture takes it only where the probe already ran)."""
+    rule 6 (two per thread), 8 tiles wide (fewer on narrower rows)."""
     r, k = x.shape
     nb_row = k // 16
     nbc = min(TILE16["nbc"] or (32 if INTERPRET else 8), triton.next_power_of_2(nb_row))
@@ -251,29 +175,11 @@ def _launch_tile16(x, data, scale, g, given, parts, n_part, src, rule46, err, al
     if n & (n - 1) or nbc & (nbc - 1):
         raise ValueError(f"TILE16: blocks ({n}) and tiles across (nbc, {nbc}) must be powers of two")
     bt = max(1, n // (16 * nbc))
-    mode = TILE16["mode"]
-    mae = err == "mae"
-    if mode not in (None, 1, 2, 3) or (mode == 3 and INTERPRET):
-        raise ValueError(f"TILE16['mode'] = {mode!r}: use 1, 2 or (compiled only) 3")
-    shfl_fits = x.is_cuda and not INTERPRET and x.element_size() == 2 and x.data_ptr() % 16 == 0
-    if mode == 3 and not shfl_fits:
-        raise ValueError(f"TILE16['mode'] = 3 needs a 16-bit x at a 16-byte aligned address on CUDA, got "
-                         f"{x.dtype} at {x.data_ptr() % 16} bytes past one: use mode None (the dispatcher "
-                         "picks) or 1")
-    if mode in (None, 3) and shfl_fits:
-        key = _tile16_key(x, src, rule46, mae, allow_nf, bt, nbc, nb_row)
-        ok = TILE16_SHFL.get(key)
-        if ok is None and not torch.cuda.is_current_stream_capturing():
-            ok = _tile16_shfl_ok(x, key, src, rule46, mae, allow_nf, bt, nbc, nb_row)
-        if mode == 3 and not ok:
-            raise ValueError("TILE16['mode'] = 3: the warp-shuffle build's probe gave other bytes than the "
-                             f"reshape tree here (Triton {triton.__version__}'s layout)" if ok is False else
-                             "TILE16['mode'] = 3: not probed yet and a CUDA graph is being captured: run "
-                             "one quantize of this kind outside the capture first")
-        mode = 3 if ok else 1
-    mode = mode or 1
-    COMPILED[f"quantize tile16 src{src} {scale_rule} {err} mode{mode}"] = _tile16_run(
-        x, data, scale, g, given, parts, n_part, src, rule46, mae, allow_nf, bt, nbc, mode)
+    grid = (triton.cdiv(r, 16 * bt), triton.cdiv(nb_row, nbc))
+    COMPILED[f"quantize tile16 src{src} {scale_rule} {err}"] = _quantize_tile16_kernel[grid](
+        x, data, scale, g, given, parts if parts is not None else g, n_part, r, nb_row,
+        SCALE_SRC=src, RULE46=rule46, MAE=err == "mae", ALLOW_NF=allow_nf, BT=bt, NBC=nbc, PMAX=PMAX,
+        num_warps=4, enable_fp_fusion=False)
 
 
 def _launch_tiles(x, data, scale, g, given, flag, parts, n_part, src, per_row_given, rule46, err, allow_nf,

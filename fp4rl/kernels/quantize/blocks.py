@@ -94,88 +94,26 @@ def _tile_sum(v, N: tl.constexpr, NBC: tl.constexpr):
 
 
 @triton.jit
-def _bfly(v, M: tl.constexpr):
-    """Each element of the float32 v from the lane laneid ^ M of the same warp (shfl.sync.bfly, the whole warp
-    converged). Which lanes hold which elements is the compiler's layout: only _tile16_shfl_ok's probe (a
-    launch against the tree's bytes) lets a caller use this."""
-    b = v.to(tl.int32, bitcast=True)
-    if M == 16:
-        b = tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 16, 31, 0xffffffff;", "=r,r", [b],
-                                      dtype=tl.int32, is_pure=True, pack=1)
-    elif M == 8:
-        b = tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 8, 31, 0xffffffff;", "=r,r", [b],
-                                      dtype=tl.int32, is_pure=True, pack=1)
-    elif M == 4:
-        b = tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 4, 31, 0xffffffff;", "=r,r", [b],
-                                      dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        tl.static_assert(M == 2, "_bfly: lane masks 16, 8, 4, 2")
-        b = tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 2, 31, 0xffffffff;", "=r,r", [b],
-                                      dtype=tl.int32, is_pure=True, pack=1)
-    return b.to(tl.float32, bitcast=True)
-
-
-
-@triton.jit
-def _tile_max_t(v, N: tl.constexpr, SHFL: tl.constexpr):
-    """_tile_max for tile-major [N] (block i = (tile q, row r), i = 16 q + r). SHFL: by warp shuffles, for the
-    layout where row r of a tile sits in lanes 2r and 2r + 1 of one warp (16-bit x: 8 elements a lane, two
-    lanes a block), so row r ^ m is m lanes x 2 away; max is exact in any order."""
-    if SHFL:
-        v = tl.maximum(v, _bfly(v, 16))
-        v = tl.maximum(v, _bfly(v, 8))
-        v = tl.maximum(v, _bfly(v, 4))
-        return tl.maximum(v, _bfly(v, 2))
-    else:
-        t = tl.max(tl.reshape(v, (N // 16, 16)), 1)
-        return tl.reshape(tl.broadcast_to(t[:, None], (N // 16, 16)), (N,))
-
-
-
-@triton.jit
-def _tile_sum_t(v, N: tl.constexpr, SHFL: tl.constexpr):
-    """_tile_sum for tile-major [N] (as _tile_max_t): rows r + r+8, then r + r+4, r + r+2, r + r+1. With
-    SHFL a butterfly: after the lane step of row distance m every row holds its pair's sum, the same bits as
-    the tree's (one rounded addition of the same two values)."""
-    if SHFL:
-        v = v + _bfly(v, 16)
-        v = v + _bfly(v, 8)
-        v = v + _bfly(v, 4)
-        return v + _bfly(v, 2)
-    else:
-        Q: tl.constexpr = N // 16
-        t = tl.sum(tl.reshape(v, (Q, 2, 8)), 1)  # [Q, 8]: row j + row j+8
-        t = tl.sum(tl.reshape(t, (Q, 2, 4)), 1)
-        t = tl.sum(tl.reshape(t, (Q, 2, 2)), 1)
-        t = tl.sum(tl.reshape(t, (Q, 2)), 1)  # [Q]
-        return tl.reshape(tl.broadcast_to(t[:, None], (Q, 16)), (N,))
-
-
-
-@triton.jit
 def _quantize_blocks(xb, s_enc, s_dec, g, amax, N: tl.constexpr, IMPOSED_G: tl.constexpr,
                      RULE46: tl.constexpr, MAE: tl.constexpr, ALLOW_NF: tl.constexpr):
     """Blocks xb [N, 16] (float32) -> (codes [N, 16] int32, block scales [N] as float32 E4M3 values).
     s_enc, s_dec, g, amax: [N] (per block)."""
-    return _quantize_blocks_tiled(xb, s_enc, s_dec, g, amax, N, IMPOSED_G, RULE46, MAE, ALLOW_NF, 0, 0)
+    return _quantize_blocks_tiled(xb, s_enc, s_dec, g, amax, N, IMPOSED_G, RULE46, MAE, ALLOW_NF, 0)
 
 
 
 @triton.jit
 def _quantize_blocks_tiled(xb, s_enc, s_dec, g, amax, N: tl.constexpr, IMPOSED_G: tl.constexpr,
                            RULE46: tl.constexpr, MAE: tl.constexpr, ALLOW_NF: tl.constexpr,
-                           NBC: tl.constexpr, TMODE: tl.constexpr):
-    """_quantize_blocks; TMODE > 0: the blocks are 16x16 tiles' rows, one scale per tile from its max and
-    (4/6) its summed error. TMODE 1: NBC tiles wide, laid out as _tile_max says; 2: tile-major (as
-    _tile_max_t), reduced by reshapes; 3: tile-major, reduced by warp shuffles."""
+                           NBC: tl.constexpr):
+    """_quantize_blocks; NBC > 0: the blocks are 16x16 tiles' rows, NBC tiles wide (laid out as _tile_max
+    says), one scale per tile from its max and (4/6) its summed error."""
     a = tl.abs(xb)
     if ALLOW_NF:
         a = tl.where(a < float("inf"), a, 0.0)
     bamax = tl.max(a, 1)  # [N]
-    if TMODE == 1:
+    if NBC > 0:
         bamax = _tile_max(bamax, N, NBC)
-    elif TMODE > 1:
-        bamax = _tile_max_t(bamax, N, TMODE == 3)
     if RULE46:
         base = tl.math.div_rn(bamax, _like(bamax, 6.0)) * s_enc
         s6 = _e4m3_round(base)
@@ -192,12 +130,9 @@ def _quantize_blocks_tiled(xb, s_enc, s_dec, g, amax, N: tl.constexpr, IMPOSED_G
         enc4 = tl.minimum(tl.math.div_rn(_like(s4, 1.0), s4 * s_dec), FLT_MAX)
         err4 = _error_2d(_round_e2m1_v(xb * enc4[:, None], ALLOW_NF)[1], s4, xb, g, amax, N, IMPOSED_G, MAE,
                          fast)
-        if TMODE == 1:
+        if NBC > 0:
             err6 = _tile_sum(err6, N, NBC)
             err4 = _tile_sum(err4, N, NBC)
-        elif TMODE > 1:
-            err6 = _tile_sum_t(err6, N, TMODE == 3)
-            err4 = _tile_sum_t(err4, N, TMODE == 3)
         pick4 = err4 < err6
         s = tl.where(pick4, s4, s6)
         codes = _round_e2m1(xb * tl.where(pick4, enc4, enc6)[:, None], xb, False, ALLOW_NF)
@@ -309,24 +244,17 @@ def _quantize_tile16_kernel(
     x_ptr, d_ptr, s_ptr, g_ptr, given_ptr, part_ptr, n_part, R, nb_row,
     SCALE_SRC: tl.constexpr,  # 0: tensor amax from partials, 2: given amax, 3: given g
     RULE46: tl.constexpr, MAE: tl.constexpr, ALLOW_NF: tl.constexpr,
-    BT: tl.constexpr, NBC: tl.constexpr, PMAX: tl.constexpr, TMODE: tl.constexpr,
+    BT: tl.constexpr, NBC: tl.constexpr, PMAX: tl.constexpr,
 ):
     """16x16 tiles (one scale per tile; per-tensor or imposed global scale), one 16-element block per thread:
     BT tile rows (16 BT rows of x) by NBC tile columns per program; the tiles' max and 4/6 error are reduced
-    over [N] per-block values only (_tile_max, _tile_sum), so no thread redoes another's elements. TMODE 1:
-    block i is (tile row, row r, tile column) = i // (16 NBC), i // NBC % 16, i % NBC; 2 and 3: tile-major,
-    i = 16 q + r with tile q = (tile row q // NBC, tile column q % NBC), the tiles' reductions by reshapes (2)
-    or warp shuffles (3, compiled only: the interpreter has no inline PTX)."""
+    over [N] per-block values only (_tile_max, _tile_sum), so no thread redoes another's elements."""
     N: tl.constexpr = BT * 16 * NBC
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     i = tl.arange(0, N)
-    if TMODE == 1:
-        row = pid_r * (16 * BT) + i // NBC
-        col = pid_c * NBC + i % NBC
-    else:
-        row = pid_r * (16 * BT) + (i // (16 * NBC)) * 16 + i % 16
-        col = pid_c * NBC + (i // 16) % NBC
+    row = pid_r * (16 * BT) + i // NBC
+    col = pid_c * NBC + i % NBC
     bmask = (row < R) & (col < nb_row)
     blk = row.to(tl.int64) * nb_row + col  # (int64: past 2^31 blocks)
     x = tl.load(x_ptr + blk[:, None] * 16 + tl.arange(0, 16)[None, :], mask=bmask[:, None],
@@ -340,7 +268,7 @@ def _quantize_tile16_kernel(
     amax = tl.broadcast_to(amax, (N,))
     codes, s = _quantize_blocks_tiled(x, tl.broadcast_to(s_enc, (N,)), tl.broadcast_to(s_dec, (N,)),
                                       tl.broadcast_to(g, (N,)), amax, N, SCALE_SRC == 3, RULE46, MAE,
-                                      ALLOW_NF, NBC, TMODE)
+                                      ALLOW_NF, NBC)
     _store_blocks(d_ptr, s_ptr, blk, bmask, codes, s, N)
     if (pid_r == 0) & (pid_c == 0):
         tl.store(g_ptr, g)
