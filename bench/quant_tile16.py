@@ -1,14 +1,14 @@
-"""The 16x16 quantize on its new kernel against the tiles kernel it replaces. The tiles kernel took 42.9 ms
-for 16x16 4/6 against 357 us for 16x16 rule 6 on 32768x4096 bfloat16 (third session; 45.0 ms against 261 us in
-the seventh; bench/RESULTS.md): compiled for sm_90 (Triton 3.6) its 4/6 build has 1050 FADDs and 263
-shared-memory loads, the [R, NB, 16] reshapes of the 16-row error tree making every thread redo others' sums.
-The new kernel (blocks.py _quantize_tile16_kernel: one block per thread, the tiles' max and error tree
-over [N] per-block values) has 108 FADDs, like the 1x16 4/6 block kernel.
+"""The 16x16 quantize on the CUDA C++ kernel (quant.cu nvfp4_quant_tile16, forty-fourth session: a half-warp
+a tile, the tile's max and 4/6 error tree by xor shuffles) against the Triton one-block-per-thread kernel
+(blocks.py _quantize_tile16_kernel), which took 0.560 ms for 16x16 4/6 on 32768x4096 bfloat16 on an H100 in
+the forty-fourth session, as long as the Triton 1x16 4/6 kernel (0.554 ms) and 2.2x the CUDA C++ 1x16 one
+(0.252 ms).
 
 Times fp4rl.kernels.quantize.quantize_2d on the GPU (triton.testing.do_bench, median ms, TB/s counting x read
-once and the codes and scales written): 16x16 rule 6 and 4/6 (mse) on both kernels (BLOCKS off: the tiles
-kernel), the new one at other program shapes (TILE16), with an imposed global scale, and 1x16 4/6 (the default
-path) for comparison. Every 16x16 row's bytes are compared with the tiles kernel's for the same rule.
+once and the codes and scales written), each case with the CUDA C++ kernels on and off
+(fp4rl.kernels.quantize.cuda.STATE): 16x16 rule 6 and 4/6 (mse, mae), 4/6 with an imposed global scale (no
+amax pass), and 1x16 4/6 and rule 6 for comparison. Every CUDA row's bytes are compared with the Triton
+row's of the same case.
 
     python3 bench/quant_tile16.py [--rows 32768] [--cols 4096] [--out FILE.json]
 """
@@ -23,6 +23,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 import fp4rl.kernels.quantize as q  # noqa: E402
+from fp4rl.kernels.quantize import cuda as qc  # noqa: E402
 
 
 def main() -> int:
@@ -34,39 +35,36 @@ def main() -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(args.rows, args.cols, device="cuda", generator=g, dtype=torch.bfloat16)
     nbytes = x.numel() * 2 + x.numel() // 2 + x.numel() // 16
-    rows, before = [], {}
-
-    def run(name, blocks=True, nbc=None, nblk=None, **kw):
-        q.BLOCKS["on"], q.TILE16["nbc"], q.TILE16["blocks"] = blocks, nbc, nblk
-        try:
-            out = q.quantize_2d(x, **kw)
-            ms = triton.testing.do_bench(lambda: q.quantize_2d(x, check_finite=False, **kw), warmup=5, rep=60)
-        finally:
-            q.BLOCKS["on"], q.TILE16["nbc"], q.TILE16["blocks"] = True, None, None
-        row = {"case": name, "ms": ms, "TB/s": nbytes / ms / 1e9}
-        # the tiles kernel's bytes for the same rule and scale source (an imposed g is another source)
-        key = (kw.get("scale_rule", "6"), kw.get("tile16", False), "global_scale" in kw)
-        if not blocks:
-            before[key] = out
-        elif key in before:
-            # reshape(-1): the global scale is a 0-dim float32, which view(uint8) refuses
-            row["same_bytes_as_tiles_kernel"] = all(
-                torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-                for a, b in zip(out, before[key]))
-        rows.append(row)
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-        return out
-
-    run("16x16 rule 6, tiles kernel (before)", blocks=False, tile16=True)
-    run("16x16 rule 6, tile16 kernel", tile16=True)
-    run("16x16 4/6 mse, tiles kernel (before)", blocks=False, tile16=True, scale_rule="4/6")
-    out = run("16x16 4/6 mse, tile16 kernel", tile16=True, scale_rule="4/6")
-    for nbc, nblk in ((8, 256), (16, 128), (4, 128), (16, 256)):
-        run(f"16x16 4/6 mse, tile16 kernel, {nbc} tiles x {nblk} blocks", nbc=nbc, nblk=nblk, tile16=True,
-            scale_rule="4/6")
-    run("16x16 4/6 mse, tile16 kernel, imposed global scale", tile16=True, scale_rule="4/6",
-        global_scale=out[2].reshape(()).clone())
-    run("1x16 4/6 mse (default path)", scale_rule="4/6")
+    rows = []
+    g46 = torch.tensor(float(x.float().abs().amax()) / 1536.0, device="cuda")
+    cases = [("16x16 rule 6", dict(tile16=True)),
+             ("16x16 4/6 mse", dict(tile16=True, scale_rule="4/6")),
+             ("16x16 4/6 mae", dict(tile16=True, scale_rule="4/6", err="mae")),
+             ("16x16 4/6 mse, imposed global scale", dict(tile16=True, scale_rule="4/6", global_scale=g46)),
+             ("1x16 4/6 mse", dict(scale_rule="4/6")),
+             ("1x16 rule 6", dict())]
+    for name, kw in cases:
+        outs = {}
+        for cuda in (False, True):
+            qc.STATE["on"] = cuda
+            try:
+                outs[cuda] = q.quantize_2d(x, **kw)
+                ms = triton.testing.do_bench(lambda kw=kw: q.quantize_2d(x, check_finite=False, **kw),
+                                             warmup=5, rep=60)
+            finally:
+                qc.STATE["on"] = True
+            assert qc.STATE["error"] is None, qc.STATE["error"]
+            row = {"case": name, "kernel": "CUDA C++" if cuda else "Triton", "ms": ms,
+                   "TB/s": nbytes / ms / 1e9}
+            if cuda:
+                # reshape(-1): the global scale is a 0-dim float32, which view(uint8) refuses
+                row["same_bytes_as_triton"] = all(
+                    torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+                    for a, b in zip(outs[True], outs[False]))
+                row["speedup_vs_triton"] = rows[-1]["ms"] / ms
+            rows.append(row)
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
+                  flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(), "shape": [args.rows, args.cols], "rows": rows},

@@ -167,6 +167,53 @@ def test_gpu_cuda_matches_reference(cuda_on, monkeypatch, rule, err, fast46, dty
         _check(x, scale_rule=rule, err=err, amax=zero)  # imposed amax 0: S_enc = 1, as TE
 
 
+def _check_tile(x, **kw):
+    """16x16 tiles through quantize_2d against the reference (per-tensor or imposed scale)."""
+    d, s, g = kq.quantize_2d(x, tile16=True, check_finite=False, **kw)
+    q = reference.quantize(x, tile=(16, 16), **kw)
+    assert torch.equal(d, q.data), f"{(d != q.data).sum().item()} code bytes differ ({kw})"
+    su, qu = s.view(torch.uint8), q.block_scale.view(torch.uint8)
+    assert torch.equal(su, qu), f"{(su != qu).sum().item()} block scales differ ({kw})"
+    assert torch.equal(g.reshape(-1), q.global_scale.reshape(-1).to(g.device)), f"global scales differ ({kw})"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_cuda_tile16_matches_reference(cuda_on, dtype):
+    """16x16 tiles on the CUDA kernel (a half-warp a tile; the tile's max and 4/6 error tree by shuffles):
+    rules 6 and 4/6 (mse, mae), the tensor's amax, an imposed amax and an imposed g, against the reference;
+    odd and even block columns (a warp's second tile past the last column), the division-free and the IEEE
+    4/6 errors ("rows": amaxes past 2^100; "edges"), NaN / Inf with allow_nonfinite (and refused without), and
+    TE's tree order: a tile whose 4/6 pick flips under any other pairing of its rows."""
+    for shape in [(16, 16), (48, 80), (64, 4096), (32, 4112), (4096, 2048)]:
+        for kind in ("wide", "grid", "rows", "edges"):
+            x = _x(shape, dtype, kind, seed=shape[0] + shape[1])
+            assert qc.usable(x)
+            for rule, err in (("6", "mse"), ("4/6", "mse"), ("4/6", "mae")):
+                _check_tile(x, scale_rule=rule, err=err)
+                _check_tile(x, scale_rule=rule, err=err, amax=x.float().abs().amax() * 0.75)
+                gsc = (x.float().abs().amax() / 2688.0).clamp(min=1e-30)
+                _check_tile(x, scale_rule=rule, err=err, global_scale=gsc)
+    x = _x((64, 256), dtype, "wide", seed=3)
+    x[3, 5], x[7, 1], x[9, 30] = float("nan"), float("inf"), -float("inf")
+    x[16:32, 32:48] = float("nan")  # a whole NaN tile
+    for rule in ("6", "4/6"):
+        _check_tile(x, scale_rule=rule, allow_nonfinite=True)
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            kq.quantize_2d(x, tile16=True, scale_rule=rule)
+    # u = 2^-30: row 1 (four 1.0) costs only 4 0.25, row 2 (4.5) only 6 0.25, rows 3 and 4 16u and 25u to
+    # both; TE's order gives err4 = 0.25 + 32u < err6 = 0.25 + 64u, rows (2j, 2j+1) first the other way round
+    t = torch.zeros(16, 16)
+    t[0, 0], t[2, 0], t[3, 0], t[4, 0] = 6.0, 4.5, 2.0 ** -13, 5 * 2.0 ** -15
+    t[1, :4] = 1.0
+    x = torch.cat([torch.cat([t] * 3, 1), torch.cat([t] * 3, 1) * 0.5], 0).to(dtype).cuda()
+    for kw in (dict(), dict(global_scale=torch.tensor(2.0 ** -8, device="cuda"))):
+        assert reference.quantize(x, tile=(16, 16), scale_rule="4/6", **kw).block_scale.float()[0, 0] == 384.0
+        _check_tile(x, scale_rule="4/6", **kw)
+    assert any(name == "nvfp4_quant_tile16" for name, _, _ in qc._KERNELS), list(qc._KERNELS)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("min_blocks", [None, 0])

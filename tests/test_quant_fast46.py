@@ -53,6 +53,7 @@ static inline unsigned __vcmpltu2(unsigned a, unsigned b) {
   return ((a & 0xFFFFu) < (b & 0xFFFFu) ? 0xFFFFu : 0u) | ((a >> 16) < (b >> 16) ? 0xFFFF0000u : 0u);
 }
 static inline unsigned __reduce_max_sync(unsigned, unsigned v) { return v; }
+template <class T> static inline T __shfl_xor_sync(unsigned, T v, int) { return v; }  // (the tile kernel)
 static inline unsigned __byte_perm(unsigned a, unsigned b, unsigned s) {  // CUDA's default mode
   unsigned long long v = ((unsigned long long)b << 32) | a;
   unsigned r = 0;

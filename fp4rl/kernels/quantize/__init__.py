@@ -20,12 +20,12 @@ Modules, one kernel family each (this package re-exports all their names):
     blocks.py        one block per thread, [N, 16] tiles: the default Triton kernels (16x16 tiles too)
     gluon_blocks.py  the same in Gluon (explicit layouts), rule 6 on CUDA
     tiles.py         [R, NB, 16] tiles: stochastic rounding (16x16 too), very long rows
-    quant.cu, cuda.py  CUDA C++ (NVRTC): 1x16 round-to-nearest on bfloat16/float32, the default on CUDA
+    quant.cu, cuda.py  CUDA C++ (NVRTC): round to nearest on bf16 / fp32 (1x16, 16x16), the default on CUDA
     __init__.py      quantize_2d: picks the kernel, launches it, checks for NaN/Inf
 
 Two launches for a per-tensor scale (the amax pass, then the quantize pass), one for per-row
 scales (the kernel takes the row amax itself). On CUDA the CUDA C++ kernels take every 1x16
-round-to-nearest mode of bfloat16 and float32 input (2-3x fewer instructions per element than
+and 16x16 round-to-nearest mode of bfloat16 and float32 input (2-3x fewer instructions per element than
 the Triton ones; if they fail to build they switch off and the Triton kernels take over).
 The module-level switches ``BLOCKS``, ``GLUON_BLOCKS`` and ``ROWS_MAX_BLOCKS`` (benchmarks flip
 them) live here, next to the code that reads them. Stochastic rounding is unbiased, not
@@ -150,13 +150,13 @@ def _launch_blocks(x, data, scale, g, given, flag, parts, n_part, src, per_row_g
             num_warps=nblk // (32 if rule46 else 64), enable_fp_fusion=False)
 
 
-def _launch_cuda(x, data, scale, g, given, flag, src, per_row_given, rule46, err, allow_nf):
+def _launch_cuda(x, data, scale, g, given, flag, src, per_row_given, rule46, err, allow_nf, tile16=False):
     """The CUDA kernels (fp4rl.kernels.quantize.cuda): (True, the amax parts or None), or (False, None) if
     they failed here (they are then switched off and the caller takes the Triton kernels)."""
     try:
         parts = _cuda.amax_parts(x) if src == 0 else None
         _cuda.quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, err == "mae",
-                       allow_nf)
+                       allow_nf, tile16)
     except _cuda.NotReady:  # first use inside a graph capture: Triton for this call only
         return False, None
     except Exception as exc:  # noqa: BLE001  (NVRTC or the launch failed: the Triton kernels take over)
@@ -255,9 +255,9 @@ def quantize_2d(
     rule46 = scale_rule == "4/6"
     done = False
     rows_fit = src != 1 or k // 16 <= _cuda.rows_max_blocks(x.dtype)
-    if _cuda.usable(x) and not tile16 and not stochastic and rows_fit:
+    if _cuda.usable(x) and not stochastic and rows_fit:  # (16x16 tiles: src 0, 2 or 3, checked above)
         done, parts = _launch_cuda(x, data, scale, g, given, flag, src, per_row_given, rule46, err,
-                                   allow_nonfinite)
+                                   allow_nonfinite, tile16)
     if not done:
         if src == 0:
             parts, n_part = amax_partials(x)

@@ -1,15 +1,17 @@
 """The CUDA C++ quantize kernels (quant.cu), compiled by NVRTC at run time: 1x16 blocks, round to nearest,
-rule 6 and 4/6, per-tensor, per-row and imposed scales, bfloat16 and float32 input; the same bytes as
-fp4rl.nvfp4.reference (GPU-tested against it).
+rule 6 and 4/6, per-tensor, per-row and imposed scales, bfloat16 and float32 input, and 16x16 tiles with a
+per-tensor or imposed scale; the same bytes as fp4rl.nvfp4.reference (GPU-tested against it).
 
-``quantize_2d`` takes them on CUDA for those modes (16x16 tiles, stochastic rounding, float16 input and
-rows longer than ``ROWS_MAX_BLOCKS`` blocks stay on the Triton kernels). If NVRTC or the launch fails here,
+``quantize_2d`` takes them on CUDA for those modes (stochastic rounding, float16 input and rows longer than
+``ROWS_MAX_BLOCKS`` blocks stay on the Triton kernels). If NVRTC or the launch fails here,
 they switch off with a warning and the Triton kernels take over (``STATE["error"]`` keeps why);
 ``FP4RL_QUANT_CUDA=0`` switches them off from the start.
 
 Launch shapes: the flat kernel (per-tensor or imposed scales) is grid-stride, one 16-element block per
 thread per step, 256 threads per CTA, about 16 CTAs per SM. The row kernel (per-row scales in one pass)
-gives each row TPR threads (a power of two) holding BPT blocks each, TPR x BPT >= blocks per row.
+gives each row TPR threads (a power of two) holding BPT blocks each, TPR x BPT >= blocks per row. The
+tile kernel is grid-stride over warps, a warp two 16x16 tiles side by side (a half-warp a tile, a lane a row's
+block), 256 threads per CTA.
 """
 
 from __future__ import annotations
@@ -220,12 +222,25 @@ def amax_parts(x: torch.Tensor) -> torch.Tensor:
     return parts
 
 
-def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, mae, allow_nf) -> None:
-    """Fill data / scale / g (and flag, src 1) for x [R, K] as quantize_2d's Triton launch would."""
+def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, mae, allow_nf,
+             tile16=False) -> None:
+    """Fill data / scale / g (and flag, src 1) for x [R, K] as quantize_2d's Triton launch would. tile16:
+    16x16 tiles (R a multiple of 16; src 0, 2 or 3 with one value: the caller checks)."""
     r, k = x.shape
     nb_row = k // 16
     n_blk = r * nb_row
     if n_blk == 0:
+        return
+    if tile16:
+        if r % 16 or src == 1 or per_row_given:
+            raise ValueError(f"16x16 tiles need rows in multiples of 16 and one scale, got {r} rows, "
+                             f"src {src}")
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        n_warps = (r // 16) * -(-nb_row // 2)
+        grid = max(1, min(-(-n_warps // 8), sms * 16))
+        key = flat_config(x.dtype, rule46, mae, allow_nf, src, False, 0)
+        _launch("nvfp4_quant_tile16", key, x, (grid, 1, 1), (256, 1, 1),
+                [x, data, scale, g, given, parts if parts is not None else g, r // 16, nb_row])
         return
     fast46 = FAST46 if n_blk >= FAST46_MIN_BLOCKS else 0
     if src == 1:

@@ -1,4 +1,4 @@
-// NVFP4 quantize in CUDA C++ (1x16 blocks, round to nearest): the reference's arithmetic
+// NVFP4 quantize in CUDA C++ (1x16 blocks and 16x16 tiles, round to nearest): the reference's arithmetic
 // (fp4rl/nvfp4/reference.py, TransformerEngine's order), so the same bytes, in fewer instructions per
 // element than the Triton kernels (which are issue-bound at ~22-35 per element on an H200).
 //
@@ -614,6 +614,82 @@ extern "C" __global__ void __launch_bounds__(256, MINB) nvfp4_quant_flat(
     sc_out[b] = (unsigned char)sbits;
   }
 }
+
+#if !GIVEN_ROWS
+// 16x16 tiles (one E4M3 scale per 16 rows x 16 columns, so per 16 blocks of a block column; per-tensor or
+// imposed scale): a half-warp per tile, lane r (of 16) holding row r's block, a warp two tiles side by side.
+// The tile's max and (4/6) its two candidates' errors are reduced across the 16 lanes by xor shuffles with
+// lane distance 8, 4, 2, 1: TransformerEngine's order, the reference's tree (rows r + r+8, then r + r+4,
+// r + r+2, r + r+1), each step one rounded addition of the same two values. Each block's own error is the
+// left-to-right sum over its 16 elements (candidate_error); every candidate error is exact (no decide46:
+// its bound is per block).
+__device__ __forceinline__ float tile_sum(float v) {
+#pragma unroll
+  for (int m = 8; m > 0; m >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, m));
+  return v;
+}
+
+__device__ __forceinline__ u32 tile_max(u32 v) {  // over float32 bit patterns of values >= 0
+#pragma unroll
+  for (int m = 8; m > 0; m >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, m));
+  return v;
+}
+
+extern "C" __global__ void __launch_bounds__(256, MINB) nvfp4_quant_tile16(
+    const void* __restrict__ x, uint2* __restrict__ d, unsigned char* __restrict__ sc_out, float* __restrict__ g_out,
+    const float* __restrict__ given, const int* __restrict__ parts, int n_tr, int nb_row) {
+#if SRC == 0
+  const Scales sc = scales_from(__int_as_float(parts[0]));
+#else
+  const Scales sc = scales_from(given[0]);
+#endif
+  if (blockIdx.x == 0 && threadIdx.x == 0) g_out[0] = sc.g;
+  const int lane = threadIdx.x & 31;
+  const int pairs = (nb_row + 1) >> 1;  // tile pairs per tile row
+  const long long n_warps = (long long)n_tr * pairs;
+  // w is the same for the warp's 32 lanes, so every shuffle below has all of them (a half past the last
+  // block column reduces zeros among its own 16 lanes and stores nothing)
+  for (long long w = ((long long)blockIdx.x * 256 + threadIdx.x) >> 5; w < n_warps; w += (long long)gridDim.x * 8) {
+    const long long tr = w / pairs;
+    const int col = (int)(w - tr * pairs) * 2 + (lane >> 4);
+    const bool live = col < nb_row;
+    const long long b = (tr * 16 + (lane & 15)) * nb_row + col;
+    Raw r = {};
+    u32 bmax = 0;
+    if (live) {
+      u32 raw, fin;
+      load_block(x, b, r);
+      block_max_bits(r, raw, fin, bmax);
+    }
+    const float tmax = __uint_as_float(tile_max(bmax));
+    uint2 codes;
+    u32 sbits;
+#if RULE46
+    const float base = __fmul_rn(__fdiv_rn(tmax, 6.0f), sc.enc);
+    const float s6 = e4m3_round(base), s4 = e4m3_round(__fmul_rn(base, 1.5f));
+    const float enc6 = enc_for(s6, sc), enc4 = enc_for(s4, sc);
+    float e6, e4;
+    if (sc.fast) {
+      e6 = candidate_error<true>(r, s6, enc6, sc);
+      e4 = candidate_error<true>(r, s4, enc4, sc);
+    } else {
+      errors_ieee(r, s6, enc6, s4, enc4, sc, &e6, &e4);
+    }
+    const bool pick4 = tile_sum(e4) < tile_sum(e6);
+    codes = codes_of(r, pick4 ? enc4 : enc6);
+    sbits = e4m3_bits(pick4 ? s4 : s6);
+#else
+    const float s = e4m3_round(__fmul_rn(tmax, __fmul_rn(sc.enc, ONE_SIXTH_F)));
+    codes = codes_of(r, enc_for(s, sc));
+    sbits = e4m3_bits(s);
+#endif
+    if (live) {
+      d[b] = codes;
+      sc_out[b] = (unsigned char)sbits;
+    }
+  }
+}
+#endif
 
 #else
 // per-row scales in one pass (SRC 1): TPR threads per row (CTA / TPR rows per CTA), each holding BPT blocks
