@@ -635,7 +635,10 @@ __device__ __forceinline__ u32 tile_max(u32 v) {  // over float32 bit patterns o
   return v;
 }
 
-extern "C" __global__ void __launch_bounds__(256, MINB) nvfp4_quant_tile16(
+#ifndef TILE_MINB  // CTAs of 256 threads per SM the tile kernel's registers allow (64 registers for bfloat16;
+#define TILE_MINB (IN_F32 ? 1 : 4)  // float32 4/6 takes 80-96): its own, not the flat kernel's MINB (rule 6 at
+#endif                              // 32 registers spilled); tests/test_cuda_sources.py checks every build
+extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
     const void* __restrict__ x, uint2* __restrict__ d, unsigned char* __restrict__ sc_out, float* __restrict__ g_out,
     const float* __restrict__ given, const int* __restrict__ parts, int n_tr, int nb_row) {
 #if SRC == 0
