@@ -46,13 +46,13 @@ def main() -> int:
     for name, kw in cases:
         outs = {}
         for cuda in (False, True):
-            qc.STATE["on"] = cuda
+            qc.STATE["on"] = qc.TILE16_RULE6 = cuda  # (16x16 rule 6 takes the tile kernel only when asked)
             try:
                 outs[cuda] = q.quantize_2d(x, **kw)
                 ms = triton.testing.do_bench(lambda kw=kw: q.quantize_2d(x, check_finite=False, **kw),
                                              warmup=5, rep=60)
             finally:
-                qc.STATE["on"] = True
+                qc.STATE["on"], qc.TILE16_RULE6 = True, False
             assert qc.STATE["error"] is None, qc.STATE["error"]
             row = {"case": name, "kernel": "CUDA C++" if cuda else "Triton", "ms": ms,
                    "TB/s": nbytes / ms / 1e9}

@@ -211,8 +211,10 @@ def test_quantize_2d_rejects_bad_shapes():
 
 
 def test_tile16_program_shape_must_be_powers_of_two(monkeypatch):
+    """(The Triton kernel's TILE16 settings: with the CUDA kernels off, which take 16x16 4/6 on a GPU.)"""
     import fp4rl.kernels.quantize as kq
 
+    monkeypatch.setitem(quant_cuda.STATE, "on", False)
     monkeypatch.setitem(kq.TILE16, "blocks", 384)
     with pytest.raises(ValueError, match="powers of two"):
         quantize_2d(torch.ones(16, 32, device=DEV), tile16=True)

@@ -255,7 +255,8 @@ def quantize_2d(
     rule46 = scale_rule == "4/6"
     done = False
     rows_fit = src != 1 or k // 16 <= _cuda.rows_max_blocks(x.dtype)
-    if _cuda.usable(x) and not stochastic and rows_fit:  # (16x16 tiles: src 0, 2 or 3, checked above)
+    tile_fits = not tile16 or rule46 or _cuda.TILE16_RULE6  # (16x16 tiles: src 0, 2 or 3, checked above)
+    if _cuda.usable(x) and not stochastic and rows_fit and tile_fits:
         done, parts = _launch_cuda(x, data, scale, g, given, flag, src, per_row_given, rule46, err,
                                    allow_nonfinite, tile16)
     if not done:

@@ -77,6 +77,10 @@ MIN_BLOCKS_RELOAD = 4
 # (3.5 vs 3.9 us), even at 256 and 512 rows, decide46 faster from 1024 rows (11.8 vs 12.5 us; 4096x4096 34.4
 # vs 39.1; bench/RESULTS.md, twenty-sixth session)
 FAST46_MIN_BLOCKS = int(os.environ.get("FP4RL_QUANT_FAST46_MIN_BLOCKS", str(1 << 17)))
+# 16x16 tiles with rule 6 on the tile kernel: off, the Triton kernel is faster there (H100, 32768x4096 bf16:
+# 0.256 against 0.319 ms; rule 4/6 0.561 -> 0.398 ms on the tile kernel; bench/RESULTS.md, forty-fourth
+# session). Tests and benchmarks switch it on.
+TILE16_RULE6 = False
 
 
 def usable(x: torch.Tensor) -> bool:
