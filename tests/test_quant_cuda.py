@@ -179,15 +179,20 @@ def _check_tile(x, **kw):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tile_fast46", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype):
+def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fast46):
     """16x16 tiles on the CUDA kernel (a half-warp a tile; the tile's max and 4/6 error tree by shuffles):
     rules 6 and 4/6 (mse, mae), the tensor's amax, an imposed amax and an imposed g, against the reference;
     odd and even block columns (a warp's second tile past the last column), the division-free and the IEEE
     4/6 errors ("rows": amaxes past 2^100; "edges"), NaN / Inf with allow_nonfinite (and refused without), and
     TE's tree order: a tile whose 4/6 pick flips under any other pairing of its rows. Rule 6 too (off by
-    default: slower than Triton there)."""
+    default: slower than Triton there). tile_fast46: 4/6 decided per tile by the summed bound (FAST46 3) at
+    every size."""
     monkeypatch.setattr(qc, "TILE16_RULE6", True)
+    monkeypatch.setattr(qc, "TILE16_FAST46", tile_fast46)
+    monkeypatch.setattr(qc, "FAST46", 3)
+    monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0 if tile_fast46 else 1 << 40)
     for shape in [(16, 16), (48, 80), (64, 4096), (32, 4112), (4096, 2048)]:
         for kind in ("wide", "grid", "rows", "edges"):
             x = _x(shape, dtype, kind, seed=shape[0] + shape[1])

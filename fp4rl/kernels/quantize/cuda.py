@@ -81,6 +81,11 @@ FAST46_MIN_BLOCKS = int(os.environ.get("FP4RL_QUANT_FAST46_MIN_BLOCKS", str(1 <<
 # 0.256 against 0.319 ms; rule 4/6 0.561 -> 0.398 ms on the tile kernel; bench/RESULTS.md, forty-fourth
 # session). Tests and benchmarks switch it on.
 TILE16_RULE6 = False
+# 16x16 tiles with rule 4/6: decide46 per tile (quant.cu tile46_decide: lean46's cheap errors and bounds
+# summed over the tile, the exact errors only where they cannot tell) from FAST46_MIN_BLOCKS blocks, with
+# FAST46 3. Off until timed and byte-checked on a GPU (its arithmetic is checked on the CPU:
+# tests/test_quant_fast46.py); FP4RL_QUANT_TILE_FAST46=1 or setting this turns it on.
+TILE16_FAST46 = os.environ.get("FP4RL_QUANT_TILE_FAST46", "0") == "1"
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -235,6 +240,7 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
     n_blk = r * nb_row
     if n_blk == 0:
         return
+    fast46 = FAST46 if n_blk >= FAST46_MIN_BLOCKS else 0
     if tile16:
         if r % 16 or src == 1 or per_row_given:
             raise ValueError(f"16x16 tiles need rows in multiples of 16 and one scale, got {r} rows, "
@@ -242,11 +248,11 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         n_warps = (r // 16) * -(-nb_row // 2)
         grid = max(1, min(-(-n_warps // 8), sms * 16))
-        key = flat_config(x.dtype, rule46, mae, allow_nf, src, False, 0)
+        tile_fast = TILE16_FAST46 and rule46 and fast46 == 3
+        key = flat_config(x.dtype, rule46, mae, allow_nf, src, False, 3 if tile_fast else 0)
         _launch("nvfp4_quant_tile16", key, x, (grid, 1, 1), (256, 1, 1),
                 [x, data, scale, g, given, parts if parts is not None else g, r // 16, nb_row])
         return
-    fast46 = FAST46 if n_blk >= FAST46_MIN_BLOCKS else 0
     if src == 1:
         bpt = ROWS_BPT["4/6" if rule46 else "6"] or rows_bpt(n_blk, x.device)
         reload = rule46 and fast46 == 3 and RELOAD46 and x.dtype == torch.bfloat16

@@ -465,18 +465,10 @@ __device__ __forceinline__ u32 signs8(const Raw& r, int h) {
 }
 #endif
 
-__device__ __forceinline__ bool lean46(const Raw& r, const Scales& sc, float bamax, uint2& codes, u32& sbits) {
-  const float base = __fmul_rn(div6(bamax), sc.enc);
-  float s6 = e4m3_normal(base), s4 = e4m3_normal(__fmul_rn(base, 1.5f));
-  if (base < 0.015625f) {  // a subnormal E4M3 scale (a block far below the amax): the general rounding
-    s6 = e4m3_round(base);
-    s4 = e4m3_round(__fmul_rn(base, 1.5f));
-  }
-  const float enc6 = rcp_lean(__fmul_rn(s6, sc.dec)), enc4 = rcp_lean(__fmul_rn(s4, sc.dec));  // enc_for's
-  const float xm6 = __fmul_rn(bamax, enc6), xm4 = __fmul_rn(bamax, enc4);  // max |z| (Xmax: * (1 + 2^-20))
-  if (!(sc.fast && bamax >= 9.094947017729282e-13f && bamax <= 1.099511627776e12f && s6 >= 0.001953125f &&
-        xm6 < 7.0f && enc4 >= 3.0517578125e-05f))  // 2^-40, 2^40, 2^-9 (s4 >= s6: so xm4 <= xm6), 2^-15
-    return false;
+// lean46's pass over a block at encode factors enc6, enc4 (max |z| < 7 and enc4 >= 2^-15: the caller's guards):
+// both candidates' cheap errors E (two chains, added at the end) and both candidates' codes
+__device__ __forceinline__ void lean46_pass(const Raw& r, float enc6, float enc4, float& e6, float& e4, uint2& c6o,
+                                            uint2& c4o) {
   float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // [6, 4][even, odd elements]
   u32 c6[2], c4[2];                                  // the candidates' code words, 8 elements each
   const u32 bias = BIAS * 0x11111111u;
@@ -501,19 +493,43 @@ __device__ __forceinline__ bool lean46(const Raw& r, const Scales& sc, float bam
     c6[h] = (lo6 >> 9) + w6 + sg6 - bias;
     c4[h] = (lo4 >> 9) + w4 + sg4 - bias;
   }
-  const float e6 = __fadd_rn(acc[0][0], acc[0][1]), e4 = __fadd_rn(acc[1][0], acc[1][1]);
+  e6 = __fadd_rn(acc[0][0], acc[0][1]);
+  e4 = __fadd_rn(acc[1][0], acc[1][1]);
+  c6o = make_uint2(c6[0], c6[1]);
+  c4o = make_uint2(c4[0], c4[1]);
+}
+
+// lean46's bound B on |e_ref / sigma^2 - E| (MAE: e_ref / sigma) for a block of cheap error e and max |z| xm
+__device__ __forceinline__ float lean46_bound(float xm, float e) {
+  const float U = 5.9604644775390625e-08f, xs = 1.00000095367431640625f;  // 2^-24, 1 + 2^-20
+#if MAE
+  return U * (400.0f * xs * xm + 70.0f * e + 1.0f);
+#else
+  return U * (133.34f * xs * xm * (e + 2.25f) + 70.0f * e + 1.0f);
+#endif
+}
+
+__device__ __forceinline__ bool lean46(const Raw& r, const Scales& sc, float bamax, uint2& codes, u32& sbits) {
+  const float base = __fmul_rn(div6(bamax), sc.enc);
+  float s6 = e4m3_normal(base), s4 = e4m3_normal(__fmul_rn(base, 1.5f));
+  if (base < 0.015625f) {  // a subnormal E4M3 scale (a block far below the amax): the general rounding
+    s6 = e4m3_round(base);
+    s4 = e4m3_round(__fmul_rn(base, 1.5f));
+  }
+  const float enc6 = rcp_lean(__fmul_rn(s6, sc.dec)), enc4 = rcp_lean(__fmul_rn(s4, sc.dec));  // enc_for's
+  const float xm6 = __fmul_rn(bamax, enc6), xm4 = __fmul_rn(bamax, enc4);  // max |z| (Xmax: * (1 + 2^-20))
+  if (!(sc.fast && bamax >= 9.094947017729282e-13f && bamax <= 1.099511627776e12f && s6 >= 0.001953125f &&
+        xm6 < 7.0f && enc4 >= 3.0517578125e-05f))  // 2^-40, 2^40, 2^-9 (s4 >= s6: so xm4 <= xm6), 2^-15
+    return false;
+  float e6, e4;
+  uint2 c6, c4;
+  lean46_pass(r, enc6, enc4, e6, e4, c6, c4);
   if (!(e6 <= 16.5f && e4 <= 16.5f)) return false;  // NaN or Inf in the block
   bool pick4 = false, known = false;
   {
     const float w6 = MAE ? s6 : s6 * s6, w4 = MAE ? s4 : s4 * s4;  // exact: 4 significant bits
     const float c = 1.0000019073486328125f;  // 1 + 2^-19: the float roundings of these products (< 5u)
-    const float U = 5.9604644775390625e-08f, xs = 1.00000095367431640625f;  // 2^-24, 1 + 2^-20
-#if MAE
-    const float b6 = U * (400.0f * xs * xm6 + 70.0f * e6 + 1.0f), b4 = U * (400.0f * xs * xm4 + 70.0f * e4 + 1.0f);
-#else
-    const float b6 = U * (133.34f * xs * xm6 * (e6 + 2.25f) + 70.0f * e6 + 1.0f);
-    const float b4 = U * (133.34f * xs * xm4 * (e4 + 2.25f) + 70.0f * e4 + 1.0f);
-#endif
+    const float b6 = lean46_bound(xm6, e6), b4 = lean46_bound(xm4, e4);
     if (w4 * (e4 + b4) * c < w6 * (e6 - b6)) { pick4 = true; known = true; }
     else if (w6 * (e6 + b6) * c < w4 * (e4 - b4)) { known = true; }
   }
@@ -528,11 +544,51 @@ __device__ __forceinline__ bool lean46(const Raw& r, const Scales& sc, float bam
     errors_exact(r, s6, enc6, s4, enc4, sc, &x6, &x4);
     pick4 = x4 < x6;
   }
-  codes = pick4 ? make_uint2(c4[0], c4[1]) : make_uint2(c6[0], c6[1]);
+  codes = pick4 ? c4 : c6;
   const float ps = pick4 ? s4 : s6;
   sbits = (__float_as_uint(ps) >> 20) - 960u;  // normal E4M3: ((exponent - 120) << 3) | mantissa
   if (ps < 0.015625f) sbits = e4m3_bits(ps);
   return true;
+}
+
+// 16x16 tiles (nvfp4_quant_tile16, FAST46 3): decide46 per tile. The tile's 16 blocks share s6, s4 and so
+// sigma, so the tile's reference error over sigma^2 (MAE: sigma) is the tree sum of its blocks' and lies
+// within the sum of their lean46 bounds of the sum of their cheap errors, widened for the sums' roundings:
+// the reference's tree and the shuffles' here (4 levels each: relative 4u on sums of nonnegative terms). With
+// E, B the computed sums, the true tile value lies in [E - B', (E + B)(1 + 9u)], B' = B + 2^-17 (E + B)
+// (2^-17 = 128u covers 8u (E + B) and the roundings of B' itself); the comparison then takes lean46's form
+// with its 2^-19 for the products. The guards are lean46's at the tile's scales: the tile's max in
+// 2^-40..2^40 (sigma >= tmax / 9 >= 2^-43.2: a block far below the tile's max has tiny X and its terms'
+// absolute errors, ~2^-149, stay far inside the bound's constant u), s6 >= 2^-9, max |z| < 7 over the tile,
+// enc4 >= 2^-15; and each block's E <= 16.5 (no NaN / Inf). Tests: tests/test_quant_fast46.py runs this on
+// the CPU tile by tile against the reference, near ties included.
+__device__ __forceinline__ bool tile46_guards(const Scales& sc, float tmax, float s6, float enc6, float enc4) {
+  return sc.fast && tmax >= 9.094947017729282e-13f && tmax <= 1.099511627776e12f && s6 >= 0.001953125f &&
+         __fmul_rn(tmax, enc6) < 7.0f && enc4 >= 3.0517578125e-05f;
+}
+
+// one block of a tile: lean46's pass at the tile's factors, its bounds; false for a NaN / Inf block
+__device__ __forceinline__ bool tile46_block(const Raw& r, float bamax, float enc6, float enc4, float& e6,
+                                             float& e4, float& b6, float& b4, uint2& c6, uint2& c4) {
+  lean46_pass(r, enc6, enc4, e6, e4, c6, c4);
+  const float xs = 1.00000095367431640625f;  // max |z| of the block: bamax * enc, rounded (lean46's Xmax)
+  b6 = lean46_bound(__fmul_rn(bamax, enc6) * xs, e6);
+  b4 = lean46_bound(__fmul_rn(bamax, enc4) * xs, e4);
+  return e6 <= 16.5f && e4 <= 16.5f;
+}
+
+// the tile's choice from its summed cheap errors E and bounds B: 1 (4), 0 (6), -1 (the bound cannot tell)
+__device__ __forceinline__ int tile46_decide(float s6, float s4, float E6, float E4, float B6, float B4) {
+  const float w6 = MAE ? s6 : s6 * s6, w4 = MAE ? s4 : s4 * s4;  // exact: 4 significant bits
+  const float c = 1.0000019073486328125f, t = 7.62939453125e-06f;  // 1 + 2^-19, 2^-17
+  const float v6 = B6 + t * (E6 + B6), v4 = B4 + t * (E4 + B4);
+  int pick = -1;
+  if (w4 * (E4 + v4) * c < w6 * (E6 - v6)) pick = 1;
+  else if (w6 * (E6 + v6) * c < w4 * (E4 - v4)) pick = 0;
+#ifdef HOST_COUNT
+  HOST_COUNT(pick >= 0);
+#endif
+  return pick;
 }
 #endif
 #endif
@@ -621,8 +677,8 @@ extern "C" __global__ void __launch_bounds__(256, MINB) nvfp4_quant_flat(
 // The tile's max and (4/6) its two candidates' errors are reduced across the 16 lanes by xor shuffles with
 // lane distance 8, 4, 2, 1: TransformerEngine's order, the reference's tree (rows r + r+8, then r + r+4,
 // r + r+2, r + r+1), each step one rounded addition of the same two values. Each block's own error is the
-// left-to-right sum over its 16 elements (candidate_error); every candidate error is exact (no decide46:
-// its bound is per block).
+// left-to-right sum over its 16 elements (candidate_error); FAST46 3 decides most tiles from lean46's
+// cheaper errors and bounds summed over the tile (tile46_decide), the exact errors only where they cannot.
 __device__ __forceinline__ float tile_sum(float v) {
 #pragma unroll
   for (int m = 8; m > 0; m >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, m));
@@ -635,9 +691,19 @@ __device__ __forceinline__ u32 tile_max(u32 v) {  // over float32 bit patterns o
   return v;
 }
 
-#ifndef TILE_MINB  // CTAs of 256 threads per SM the tile kernel's registers allow (64 registers for bfloat16;
-#define TILE_MINB (IN_F32 ? 1 : 4)  // float32 4/6 takes 80-96): its own, not the flat kernel's MINB (rule 6 at
-#endif                              // 32 registers spilled); tests/test_cuda_sources.py checks every build
+__device__ __forceinline__ bool tile_all(bool p) {
+  int v = p;
+#pragma unroll
+  for (int m = 8; m > 0; m >>= 1) v &= __shfl_xor_sync(0xFFFFFFFFu, v, m);
+  return v != 0;
+}
+
+// CTAs of 256 threads per SM the tile kernel's registers allow: its own, not the flat kernel's MINB (rule 6
+// at 32 registers spilled): 64 registers for bfloat16, none for float32 (4/6 takes 80-96);
+// tests/test_cuda_sources.py checks every build
+#ifndef TILE_MINB
+#define TILE_MINB (IN_F32 ? 1 : 4)
+#endif
 extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
     const void* __restrict__ x, uint2* __restrict__ d, unsigned char* __restrict__ sc_out, float* __restrict__ g_out,
     const float* __restrict__ given, const int* __restrict__ parts, int n_tr, int nb_row) {
@@ -671,16 +737,38 @@ extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
     const float base = __fmul_rn(__fdiv_rn(tmax, 6.0f), sc.enc);
     const float s6 = e4m3_round(base), s4 = e4m3_round(__fmul_rn(base, 1.5f));
     const float enc6 = enc_for(s6, sc), enc4 = enc_for(s4, sc);
-    float e6, e4;
-    if (sc.fast) {
-      e6 = candidate_error<true>(r, s6, enc6, sc);
-      e4 = candidate_error<true>(r, s4, enc4, sc);
-    } else {
-      errors_ieee(r, s6, enc6, s4, enc4, sc, &e6, &e4);
+    int pick = -1;  // 1: 4, 0: 6, -1: not known yet
+#if FAST46 == 3
+    // decide46 per tile (tile46_decide): lean46's pass over every block at the tile's factors, the cheap
+    // errors and their bounds summed over the tile
+    uint2 c6, c4;
+    float l6, l4, b6, b4;
+    const bool lean = tile_all(tile46_guards(sc, tmax, s6, enc6, enc4) &
+                               tile46_block(r, __uint_as_float(bmax), enc6, enc4, l6, l4, b6, b4, c6, c4));
+    const float E6 = tile_sum(l6), E4 = tile_sum(l4), B6 = tile_sum(b6), B4 = tile_sum(b4);
+    if (lean) pick = tile46_decide(s6, s4, E6, E4, B6, B4);
+#endif
+    if (__any_sync(0xFFFFFFFFu, pick < 0)) {  // a tile of the warp not decided: the exact errors (every lane)
+      float e6, e4;
+      if (sc.fast) {
+#if FAST46 == 3  // out of line, as lean46's (inline, the per-tile decide46 build spilled)
+        errors_exact(r, s6, enc6, s4, enc4, sc, &e6, &e4);
+#else
+        e6 = candidate_error<true>(r, s6, enc6, sc);
+        e4 = candidate_error<true>(r, s4, enc4, sc);
+#endif
+      } else {
+        errors_ieee(r, s6, enc6, s4, enc4, sc, &e6, &e4);
+      }
+      const bool pick4 = tile_sum(e4) < tile_sum(e6);
+      if (pick < 0) pick = pick4;
     }
-    const bool pick4 = tile_sum(e4) < tile_sum(e6);
-    codes = codes_of(r, pick4 ? enc4 : enc6);
-    sbits = e4m3_bits(pick4 ? s4 : s6);
+#if FAST46 == 3
+    codes = lean ? (pick ? c4 : c6) : codes_of(r, pick ? enc4 : enc6);  // (lean46's codes: codes_of's there)
+#else
+    codes = codes_of(r, pick ? enc4 : enc6);
+#endif
+    sbits = e4m3_bits(pick ? s4 : s6);
 #else
     const float s = e4m3_round(__fmul_rn(tmax, __fmul_rn(sc.enc, ONE_SIXTH_F)));
     codes = codes_of(r, enc_for(s, sc));
