@@ -417,6 +417,35 @@ def test_fast46_from_its_size_with_its_register_caps(monkeypatch):
     assert "RELOAD" not in calls[-1][1] and calls[-1][1]["BPT"] == 2
 
 
+def test_tile16_launch_plan(monkeypatch):
+    """16x16 tiles: the tile kernel (two tiles a warp, 8 warps a CTA, grid-stride) with the exact 4/6 errors,
+    or decide46 per tile (FAST46 3) with TILE16_FAST46 from FAST46_MIN_BLOCKS blocks; rows not in 16s and
+    per-row scales refused by name. Launches recorded, not run (no GPU needed)."""
+    from types import SimpleNamespace
+
+    calls = []
+    monkeypatch.setattr(qc, "_launch", lambda name, key, x, grid, block, args: calls.append(
+        (name, dict(key), grid, args)))
+    sm = SimpleNamespace(multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: sm)
+    monkeypatch.setattr(qc, "FAST46", 3)
+    x = torch.zeros(4096, 4112, dtype=torch.bfloat16)  # 257 block columns: 129 tile pairs a tile row
+    for fast, want in ((False, 0), (True, 3)):
+        monkeypatch.setattr(qc, "TILE16_FAST46", fast)
+        qc.quantize(x, None, None, None, None, None, None, 0, False, True, False, False, True)
+        name, key, grid, args = calls[-1]
+        assert name == "nvfp4_quant_tile16" and key["FAST46"] == want and key["SRC"] == 0
+        assert grid == (min(-(-256 * 129 // 8), 132 * 16), 1, 1) and args[-2:] == [256, 257]
+    qc.quantize(x[:64], None, None, None, None, None, None, 3, False, True, False, False, True)
+    assert calls[-1][1]["FAST46"] == 0  # below FAST46_MIN_BLOCKS: the exact errors
+    qc.quantize(x, None, None, None, None, None, None, 0, False, False, False, False, True)
+    assert calls[-1][1]["FAST46"] == 0 and calls[-1][1]["RULE46"] == 0
+    with pytest.raises(ValueError, match="multiples of 16 and one scale"):
+        qc.quantize(x[:40], None, None, None, None, None, None, 0, False, True, False, False, True)
+    with pytest.raises(ValueError, match="multiples of 16 and one scale"):
+        qc.quantize(x, None, None, None, None, None, None, 1, False, True, False, False, True)
+
+
 def test_fast46_env_is_checked(monkeypatch):
     monkeypatch.setenv("FP4RL_QUANT_FAST46", "4")
     with pytest.raises(ValueError, match="FP4RL_QUANT_FAST46='4': use 3"):
