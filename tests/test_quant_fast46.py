@@ -130,6 +130,7 @@ extern "C" long long quantize_tiles_host(const void* x, int n_tr, int nb_row, fl
                              c4[i]);
       bfly(l6); bfly(l4); bfly(b6); bfly(b4);
       int pick = lean ? tile46_decide(s6, s4, l6[0], l4[0], b6[0], b4[0]) : -1;
+      if (tmax == 0.0f) pick = 0;
       if (pick < 0) {
         float e6[16], e4[16];
         for (int i = 0; i < 16; ++i) {
@@ -634,6 +635,36 @@ def test_tile_near_ties_found_by_bisection(build, mae, src):
                  != tile_scale_bytes(x, b.view(torch.float32), v, mae, src)).all())
     known = check_tiles(build, torch.cat([xa, xb]), v, mae, src)
     assert known < 0.5 * 2 * m  # most of them left to the exact errors
+
+
+@pytest.mark.parametrize("mae,src", PARAMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiles_on_both_grids_moved_by_ulps(build, mae, src, dtype):
+    """Exact ties: every value on both candidates' grids ({1.5, 3, 6} sigma6 = {1, 2, 4} sigma4, s4 = 1.5
+    s6), moved by a few ulps, some blocks tiny or zero; both candidates decode to the same values, so the
+    reference keeps 6; the cheap errors are of the order of their own rounding, so only B (not the relative
+    margins) keeps these tiles from a wrong 4 (with B = 0, float32 tiles take 4; a helper's review case)."""
+    g = torch.Generator().manual_seed(11)
+    n = 256
+    vals = torch.tensor([0.0, 1.5, 3.0, 6.0])
+    x = vals[torch.randint(0, 4, (n, 16, 16), generator=g)]
+    x = x * torch.where(torch.rand(n, 16, 16, generator=g) < 0.5, -1.0, 1.0)
+    x[:, 0, 0] = 6.0
+    x = x.to(dtype)
+    ulp = torch.randint(-3, 4, (n, 16, 16), generator=g, dtype=torch.int32)
+    bits = x.view(torch.int16).to(torch.int32) if dtype == torch.bfloat16 else x.view(torch.int32)
+    moved = torch.where(x != 0, bits + ulp, bits)
+    moved[:, 0, 0] = bits[:, 0, 0]
+    x = moved.to(torch.int16).view(torch.bfloat16) if dtype == torch.bfloat16 else moved.view(torch.float32)
+    tiny = torch.rand(n, 16, generator=g) < 0.25
+    x = torch.where(tiny[:, :, None], x * 2.0 ** -30, x)
+    x = x * 2.0 ** torch.randint(-20, 21, (n, 1, 1), generator=g).to(dtype)
+    # tiles side by side: [16, 16 n]
+    x = x.permute(1, 0, 2).reshape(16, 16 * n).contiguous()
+    # global amax = each tile's own: one tile column at a time
+    for j in range(n):
+        t = x[:, 16 * j:16 * (j + 1)].contiguous()
+        check_tiles(build, t, _v(t, src), mae, src)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -571,9 +571,8 @@ __device__ __forceinline__ bool tile46_guards(const Scales& sc, float tmax, floa
 __device__ __forceinline__ bool tile46_block(const Raw& r, float bamax, float enc6, float enc4, float& e6,
                                              float& e4, float& b6, float& b4, uint2& c6, uint2& c4) {
   lean46_pass(r, enc6, enc4, e6, e4, c6, c4);
-  const float xs = 1.00000095367431640625f;  // max |z| of the block: bamax * enc, rounded (lean46's Xmax)
-  b6 = lean46_bound(__fmul_rn(bamax, enc6) * xs, e6);
-  b4 = lean46_bound(__fmul_rn(bamax, enc4) * xs, e4);
+  b6 = lean46_bound(__fmul_rn(bamax, enc6), e6);  // (lean46_bound widens max |z| to Xmax itself)
+  b4 = lean46_bound(__fmul_rn(bamax, enc4), e4);
   return e6 <= 16.5f && e4 <= 16.5f;
 }
 
@@ -747,6 +746,10 @@ extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
                                tile46_block(r, __uint_as_float(bmax), enc6, enc4, l6, l4, b6, b4, c6, c4));
     const float E6 = tile_sum(l6), E4 = tile_sum(l4), B6 = tile_sum(b6), B4 = tile_sum(b4);
     if (lean) pick = tile46_decide(s6, s4, E6, E4, B6, B4);
+    // an all-zero (or all-NaN with allow_nonfinite) tile, and the dead half past the last column: s6 = s4 = 0,
+    // so both candidates' errors are the same and the reference keeps 6 (without this, the tile's guard fails
+    // and sends the warp's other tile to the exact errors too)
+    if (tmax == 0.0f) pick = 0;
 #endif
     if (__any_sync(0xFFFFFFFFu, pick < 0)) {  // a tile of the warp not decided: the exact errors (every lane)
       float e6, e4;
