@@ -119,9 +119,8 @@ extern "C" long long quantize_tiles_host(const void* x, int n_tr, int nb_row, fl
         tm = max(tm, bm[i]);
       }
       const float tmax = __uint_as_float(tm);
-      const float base = __fmul_rn(__fdiv_rn(tmax, 6.0f), sc.enc);
-      const float s6 = e4m3_round(base), s4 = e4m3_round(__fmul_rn(base, 1.5f));
-      const float enc6 = enc_for(s6, sc), enc4 = enc_for(s4, sc);
+      float s6, s4, enc6, enc4;
+      candidates46(sc, tmax, s6, s4, enc6, enc4);
       uint2 c6[16], c4[16];
       float l6[16], l4[16], b6[16], b4[16];
       bool lean = tile46_guards(sc, tmax, s6, enc6, enc4);

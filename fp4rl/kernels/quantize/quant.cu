@@ -325,13 +325,23 @@ __device__ __forceinline__ bool decide46(float e6, float e4, float s6, float s4,
 }
 
 #if RULE46
+// rule 4/6's two candidates for a block (or tile) of max amax: scales s6 = e4m3((amax / 6) S_enc), s4 =
+// e4m3(1.5 that), and their encode factors (IEEE, as the reference)
+__device__ __forceinline__ void candidates46(const Scales& sc, float amax, float& s6, float& s4, float& enc6,
+                                             float& enc4) {
+  const float base = __fmul_rn(__fdiv_rn(amax, 6.0f), sc.enc);
+  s6 = e4m3_round(base);
+  s4 = e4m3_round(__fmul_rn(base, 1.5f));
+  enc6 = enc_for(s6, sc);
+  enc4 = enc_for(s4, sc);
+}
+
 // rule 4/6, one block: codes (8 bytes) and the E4M3 scale bits. The error of each candidate, then the codes of
 // the winner only (its encode factor, so the same codes as the candidate's); FAST46 2 (and FAST46 3's blocks
 // that lean46 leaves): both candidates' codes from decide46's pass, the winner's kept.
 __device__ __forceinline__ void quantize46(const Raw& r, const Scales& sc, float bamax, uint2& codes, u32& sbits) {
-  float base = __fmul_rn(__fdiv_rn(bamax, 6.0f), sc.enc);
-  float s6 = e4m3_round(base), s4 = e4m3_round(__fmul_rn(base, 1.5f));
-  float enc6 = enc_for(s6, sc), enc4 = enc_for(s4, sc);
+  float s6, s4, enc6, enc4;
+  candidates46(sc, bamax, s6, s4, enc6, enc4);
   float e6, e4;
   bool pick4;
 #if GENERAL46
@@ -640,17 +650,24 @@ extern "C" __global__ void __launch_bounds__(256) nvfp4_amax(const void* __restr
 }
 
 #if SRC != 1
-// blocks of the flat tensor (a block never straddles a row: K % 16 == 0), grid-stride; SRC 0, 2, 3
-extern "C" __global__ void __launch_bounds__(256, MINB) nvfp4_quant_flat(
-    const void* __restrict__ x, uint2* __restrict__ d, unsigned char* __restrict__ sc_out, float* __restrict__ g_out,
-    const float* __restrict__ given, const int* __restrict__ parts, int n_blk, int nb_row) {
-#if !GIVEN_ROWS
+// the tensor's scales (SRC 0: from nvfp4_amax's parts; 2 / 3: the imposed amax or g), g stored once
+__device__ __forceinline__ Scales tensor_scales(const float* __restrict__ given, const int* __restrict__ parts,
+                                                float* __restrict__ g_out) {
 #if SRC == 0
   const Scales sc = scales_from(__int_as_float(parts[0]));
 #else
   const Scales sc = scales_from(given[0]);
 #endif
   if (blockIdx.x == 0 && threadIdx.x == 0) g_out[0] = sc.g;
+  return sc;
+}
+
+// blocks of the flat tensor (a block never straddles a row: K % 16 == 0), grid-stride; SRC 0, 2, 3
+extern "C" __global__ void __launch_bounds__(256, MINB) nvfp4_quant_flat(
+    const void* __restrict__ x, uint2* __restrict__ d, unsigned char* __restrict__ sc_out, float* __restrict__ g_out,
+    const float* __restrict__ given, const int* __restrict__ parts, int n_blk, int nb_row) {
+#if !GIVEN_ROWS
+  const Scales sc = tensor_scales(given, parts, g_out);
 #endif
   for (int b = blockIdx.x * 256 + threadIdx.x; b < n_blk; b += gridDim.x * 256) {
     Raw r;
@@ -706,12 +723,7 @@ __device__ __forceinline__ bool tile_all(bool p) {
 extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
     const void* __restrict__ x, uint2* __restrict__ d, unsigned char* __restrict__ sc_out, float* __restrict__ g_out,
     const float* __restrict__ given, const int* __restrict__ parts, int n_tr, int nb_row) {
-#if SRC == 0
-  const Scales sc = scales_from(__int_as_float(parts[0]));
-#else
-  const Scales sc = scales_from(given[0]);
-#endif
-  if (blockIdx.x == 0 && threadIdx.x == 0) g_out[0] = sc.g;
+  const Scales sc = tensor_scales(given, parts, g_out);
   const int lane = threadIdx.x & 31;
   const int pairs = (nb_row + 1) >> 1;  // tile pairs per tile row
   const long long n_warps = (long long)n_tr * pairs;
@@ -733,9 +745,8 @@ extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
     uint2 codes;
     u32 sbits;
 #if RULE46
-    const float base = __fmul_rn(__fdiv_rn(tmax, 6.0f), sc.enc);
-    const float s6 = e4m3_round(base), s4 = e4m3_round(__fmul_rn(base, 1.5f));
-    const float enc6 = enc_for(s6, sc), enc4 = enc_for(s4, sc);
+    float s6, s4, enc6, enc4;
+    candidates46(sc, tmax, s6, s4, enc6, enc4);
     int pick = -1;  // 1: 4, 0: 6, -1: not known yet
 #if FAST46 == 3
     // decide46 per tile (tile46_decide): lean46's pass over every block at the tile's factors, the cheap
