@@ -84,7 +84,7 @@ TILE16_RULE6 = False
 # 16x16 tiles with rule 4/6: decide46 per tile (quant.cu tile46_decide: lean46's cheap errors and bounds
 # summed over the tile, the exact errors only where they cannot tell) from FAST46_MIN_BLOCKS blocks, with
 # FAST46 3. Off until timed and byte-checked on a GPU (its arithmetic is checked on the CPU:
-# tests/test_quant_fast46.py); FP4RL_QUANT_TILE_FAST46=1 or setting this turns it on.
+# tests/test_quant_tile46.py); FP4RL_QUANT_TILE_FAST46=1 or setting this turns it on.
 TILE16_FAST46 = os.environ.get("FP4RL_QUANT_TILE_FAST46", "0") == "1"
 
 

@@ -570,7 +570,7 @@ __device__ __forceinline__ bool lean46(const Raw& r, const Scales& sc, float bam
 // with its 2^-19 for the products. The guards are lean46's at the tile's scales: the tile's max in
 // 2^-40..2^40 (sigma >= tmax / 9 >= 2^-43.2: a block far below the tile's max has tiny X and its terms'
 // absolute errors, ~2^-149, stay far inside the bound's constant u), s6 >= 2^-9, max |z| < 7 over the tile,
-// enc4 >= 2^-15; and each block's E <= 16.5 (no NaN / Inf). Tests: tests/test_quant_fast46.py runs this on
+// enc4 >= 2^-15; and each block's E <= 16.5 (no NaN / Inf). Tests: tests/test_quant_tile46.py runs this on
 // the CPU tile by tile against the reference, near ties included.
 __device__ __forceinline__ bool tile46_guards(const Scales& sc, float tmax, float s6, float enc6, float enc4) {
   return sc.fast && tmax >= 9.094947017729282e-13f && tmax <= 1.099511627776e12f && s6 >= 0.001953125f &&
