@@ -7,8 +7,10 @@ the forty-fourth session, as long as the Triton 1x16 4/6 kernel (0.554 ms) and 2
 Times fp4rl.kernels.quantize.quantize_2d on the GPU (triton.testing.do_bench, median ms, TB/s counting x read
 once and the codes and scales written), each case with the CUDA C++ kernels on and off
 (fp4rl.kernels.quantize.cuda.STATE): 16x16 rule 6 and 4/6 (mse, mae), 4/6 with an imposed global scale (no
-amax pass), 4/6 decided per tile by the summed bound (cuda.TILE16_FAST46), and 1x16 4/6 and rule 6 for
-comparison. Every CUDA row's bytes are compared with the Triton row's of the same case.
+amax pass), 4/6 decided per tile by the summed bound (cuda.TILE16_FAST46), rule 6 on the strip kernel
+(nvfp4_quant_strip16, forty-fifth session: a warp 16 rows x 512 contiguous bytes) and on the tile kernel,
+and 1x16 4/6 and rule 6 for comparison. Every CUDA row's bytes are compared with the Triton row's of the same
+case.
 
     python3 bench/quant_tile16.py [--rows 32768] [--cols 4096] [--out FILE.json]
 """
@@ -38,6 +40,8 @@ def main() -> int:
     rows = []
     g46 = torch.tensor(float(x.float().abs().amax()) / 1536.0, device="cuda")
     cases = [("16x16 rule 6", dict(tile16=True)),
+             ("16x16 rule 6, tile kernel", dict(tile16=True)),
+             ("16x16 rule 6, imposed global scale", dict(tile16=True, global_scale=g46 * 1536 / 2688)),
              ("16x16 4/6 mse", dict(tile16=True, scale_rule="4/6")),
              ("16x16 4/6 mse, decide46 per tile", dict(tile16=True, scale_rule="4/6")),
              ("16x16 4/6 mae, decide46 per tile", dict(tile16=True, scale_rule="4/6", err="mae")),
@@ -50,12 +54,13 @@ def main() -> int:
         for cuda in (False, True):
             qc.STATE["on"] = qc.TILE16_RULE6 = cuda  # (16x16 rule 6 takes the tile kernel only when asked)
             qc.TILE16_FAST46 = cuda and "decide46" in name
+            qc.STRIP16 = "tile kernel" not in name  # (rule 6: the strip kernel unless named)
             try:
                 outs[cuda] = q.quantize_2d(x, **kw)
                 ms = triton.testing.do_bench(lambda kw=kw: q.quantize_2d(x, check_finite=False, **kw),
                                              warmup=5, rep=60)
             finally:
-                qc.STATE["on"], qc.TILE16_RULE6, qc.TILE16_FAST46 = True, False, False
+                qc.STATE["on"], qc.TILE16_RULE6, qc.TILE16_FAST46, qc.STRIP16 = True, False, False, True
             assert qc.STATE["error"] is None, qc.STATE["error"]
             row = {"case": name, "kernel": "CUDA C++" if cuda else "Triton", "ms": ms,
                    "TB/s": nbytes / ms / 1e9}

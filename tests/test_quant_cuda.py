@@ -187,8 +187,9 @@ def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fas
     odd and even block columns (a warp's second tile past the last column), the division-free and the IEEE
     4/6 errors ("rows": amaxes past 2^100; "edges"), NaN / Inf with allow_nonfinite (and refused without), and
     TE's tree order: a tile whose 4/6 pick flips under any other pairing of its rows. Rule 6 too (off by
-    default: slower than Triton there). tile_fast46: 4/6 decided per tile by the summed bound (FAST46 3) at
-    every size."""
+    default: slower than Triton there), on the strip kernel (a warp 16 rows x 16 or 8 block columns, a block
+    split over 2 or 4 lanes: block columns past the last in a warp, NaN / Inf in half a block) and on the tile
+    kernel. tile_fast46: 4/6 decided per tile by the summed bound (FAST46 3) at every size."""
     monkeypatch.setattr(qc, "TILE16_RULE6", True)
     monkeypatch.setattr(qc, "TILE16_FAST46", tile_fast46)
     monkeypatch.setattr(qc, "FAST46", 3)
@@ -197,7 +198,9 @@ def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fas
         for kind in ("wide", "grid", "rows", "edges"):
             x = _x(shape, dtype, kind, seed=shape[0] + shape[1])
             assert qc.usable(x)
-            for rule, err in (("6", "mse"), ("4/6", "mse"), ("4/6", "mae")):
+            for rule, err, strip in (("6", "mse", True), ("6", "mse", False), ("4/6", "mse", True),
+                                     ("4/6", "mae", True)):
+                monkeypatch.setattr(qc, "STRIP16", strip)
                 _check_tile(x, scale_rule=rule, err=err)
                 _check_tile(x, scale_rule=rule, err=err, amax=x.float().abs().amax() * 0.75)
                 gsc = (x.float().abs().amax() / 2688.0).clamp(min=1e-30)
@@ -205,10 +208,23 @@ def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fas
     x = _x((64, 256), dtype, "wide", seed=3)
     x[3, 5], x[7, 1], x[9, 30] = float("nan"), float("inf"), -float("inf")
     x[16:32, 32:48] = float("nan")  # a whole NaN tile
-    for rule in ("6", "4/6"):
+    x[33, 64:72], x[40, 88:96] = float("nan"), float("nan")  # NaN half blocks (the strip kernel: a lane's)
+    for rule, strip in (("6", True), ("6", False), ("4/6", True)):
+        monkeypatch.setattr(qc, "STRIP16", strip)
         _check_tile(x, scale_rule=rule, allow_nonfinite=True)
         with pytest.raises(ValueError, match="NaN or Inf"):
             kq.quantize_2d(x, tile16=True, scale_rule=rule)
+    # unchecked NaN / Inf without allow_nonfinite (the engine's calls): a block's max over its non-NaN values,
+    # NaN for an all-NaN block; the strip kernel's bytes as the tile kernel's, its scales as Triton's
+    outs = []
+    for strip, on in ((True, True), (False, True), (True, False)):
+        monkeypatch.setattr(qc, "STRIP16", strip)
+        monkeypatch.setitem(qc.STATE, "on", on)
+        outs.append(kq.quantize_2d(x, tile16=True, check_finite=False))
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(outs[0][:2], outs[1][:2]))
+    assert torch.equal(outs[0][1].view(torch.uint8), outs[2][1].view(torch.uint8))
+    monkeypatch.setitem(qc.STATE, "on", True)
     # u = 2^-30: row 1 (four 1.0) costs only 4 0.25, row 2 (4.5) only 6 0.25, rows 3 and 4 16u and 25u to
     # both; TE's order gives err4 = 0.25 + 32u < err6 = 0.25 + 64u, rows (2j, 2j+1) first the other way round
     t = torch.zeros(16, 16)
@@ -218,7 +234,8 @@ def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fas
     for kw in (dict(), dict(global_scale=torch.tensor(2.0 ** -8, device="cuda"))):
         assert reference.quantize(x, tile=(16, 16), scale_rule="4/6", **kw).block_scale.float()[0, 0] == 384.0
         _check_tile(x, scale_rule="4/6", **kw)
-    assert any(name == "nvfp4_quant_tile16" for name, _, _ in qc._KERNELS), list(qc._KERNELS)
+    built = {name for name, _, _ in qc._KERNELS}
+    assert {"nvfp4_quant_tile16", "nvfp4_quant_strip16"} <= built, built
 
 
 @pytest.mark.gpu
@@ -419,7 +436,8 @@ def test_fast46_from_its_size_with_its_register_caps(monkeypatch):
 
 def test_tile16_launch_plan(monkeypatch):
     """16x16 tiles: the tile kernel (two tiles a warp, 8 warps a CTA, grid-stride) with the exact 4/6 errors,
-    or decide46 per tile (FAST46 3) with TILE16_FAST46 from FAST46_MIN_BLOCKS blocks; rows not in 16s and
+    or decide46 per tile (FAST46 3) with TILE16_FAST46 from FAST46_MIN_BLOCKS blocks; rule 6 on the strip
+    kernel (STRIP16) or the tile kernel; rows not in 16s and
     per-row scales refused by name. Launches recorded, not run (no GPU needed)."""
     from types import SimpleNamespace
 
@@ -438,8 +456,17 @@ def test_tile16_launch_plan(monkeypatch):
         assert grid == (min(-(-256 * 129 // 8), 132 * 16), 1, 1) and args[-2:] == [256, 257]
     qc.quantize(x[:64], None, None, None, None, None, None, 3, False, True, False, False, True)
     assert calls[-1][1]["FAST46"] == 0  # below FAST46_MIN_BLOCKS: the exact errors
+    monkeypatch.setattr(qc, "STRIP16", False)
     qc.quantize(x, None, None, None, None, None, None, 0, False, False, False, False, True)
+    assert calls[-1][0] == "nvfp4_quant_tile16"
     assert calls[-1][1]["FAST46"] == 0 and calls[-1][1]["RULE46"] == 0
+    # rule 6 on the strip kernel: 16 block columns a warp (bfloat16; float32 8), 17 strips a tile row here
+    monkeypatch.setattr(qc, "STRIP16", True)
+    for dtype, per in ((torch.bfloat16, 16), (torch.float32, 8)):
+        qc.quantize(x.to(dtype), None, None, None, None, None, None, 2, False, False, False, True, True)
+        name, key, grid, args = calls[-1]
+        assert name == "nvfp4_quant_strip16" and key["RULE46"] == 0 and key["NONFINITE"] == 1
+        assert grid == (min(-(-256 * -(-257 // per) // 8), 132 * 8), 1, 1) and args[-2:] == [256, 257]
     with pytest.raises(ValueError, match="multiples of 16 and one scale"):
         qc.quantize(x[:40], None, None, None, None, None, None, 0, False, True, False, False, True)
     with pytest.raises(ValueError, match="multiples of 16 and one scale"):

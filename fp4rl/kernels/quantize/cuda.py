@@ -11,7 +11,8 @@ Launch shapes: the flat kernel (per-tensor or imposed scales) is grid-stride, on
 thread per step, 256 threads per CTA, about 16 CTAs per SM. The row kernel (per-row scales in one pass)
 gives each row TPR threads (a power of two) holding BPT blocks each, TPR x BPT >= blocks per row. The
 tile kernel is grid-stride over warps, a warp two 16x16 tiles side by side (a half-warp a tile, a lane a row's
-block), 256 threads per CTA.
+block), 256 threads per CTA; with rule 6 the strip kernel (STRIP16) takes 16x16 tiles instead: a warp 16 rows
+x 16 bfloat16 (8 float32) block columns, a lane 16 bytes of each of the 16 rows.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ FAST46_MIN_BLOCKS = int(os.environ.get("FP4RL_QUANT_FAST46_MIN_BLOCKS", str(1 <<
 # 0.256 against 0.319 ms; rule 4/6 0.561 -> 0.398 ms on the tile kernel; bench/RESULTS.md, forty-fourth
 # session). Tests and benchmarks switch it on.
 TILE16_RULE6 = False
+# 16x16 rule 6 on CUDA (TILE16_RULE6): the strip kernel (nvfp4_quant_strip16: a warp 16 rows x 512 contiguous
+# bytes, 16 bytes a lane a row held in registers), else the tile kernel. (Its register cap is quant.cu's
+# STRIP_MINB; it shares the flat kernel's compile key, as the tile kernel does.)
+STRIP16 = True
 # 16x16 tiles with rule 4/6: decide46 per tile (quant.cu tile46_decide: lean46's cheap errors and bounds
 # summed over the tile, the exact errors only where they cannot tell) from FAST46_MIN_BLOCKS blocks, with
 # FAST46 3. Off until timed and byte-checked on a GPU (its arithmetic is checked on the CPU:
@@ -204,6 +209,9 @@ def flat_config(dtype, rule46: bool, mae: bool, allow_nf: bool, src: int, given_
     return _defs(dtype, rule46, mae, allow_nf, src, given_rows, fast46=fast46, MINB=minb)
 
 
+_EPL = {torch.bfloat16: 8, torch.float32: 4}  # values a lane a row in the strip kernel (16 bytes)
+
+
 def _dev(x):
     return x.device.index if x.device.index is not None else torch.cuda.current_device()
 
@@ -246,6 +254,13 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
             raise ValueError(f"16x16 tiles need rows in multiples of 16 and one scale, got {r} rows, "
                              f"src {src}")
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        if not rule46 and STRIP16:
+            key = flat_config(x.dtype, False, False, allow_nf, src, False, 0)
+            n_warps = (r // 16) * -(-nb_row // (32 * _EPL[x.dtype] // 16))
+            grid = max(1, min(-(-n_warps // 8), sms * 8))
+            _launch("nvfp4_quant_strip16", key, x, (grid, 1, 1), (256, 1, 1),
+                    [x, data, scale, g, given, parts if parts is not None else g, r // 16, nb_row])
+            return
         n_warps = (r // 16) * -(-nb_row // 2)
         grid = max(1, min(-(-n_warps // 8), sms * 16))
         tile_fast = TILE16_FAST46 and rule46 and fast46 == 3

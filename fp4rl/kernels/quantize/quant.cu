@@ -794,6 +794,121 @@ extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
     }
   }
 }
+
+#if !RULE46
+// 16x16 tiles with rule 6 (nvfp4_quant_strip16): a warp a strip of 16 rows x SPW block columns, LPB lanes a
+// block (bfloat16: 2 lanes of 8 values, float32: 4 of 4; 16 bytes a lane a row), so that each load is one
+// row's 512 contiguous bytes across the warp (the tile kernel's warp reads 16 rows x 64 B, which made its rule
+// 6 slower than the Triton kernel's). The lane holds its 16 rows (16 x 16 B); the tile's max is the lane's max
+// over them, then over the block's LPB lanes (xor shuffles inside the aligned group); codes are stored a row
+// at a time (the lane's 8 or 4 nibbles: the block's element 8j + i, or 4j + i, in nibble i of lane j's part),
+// the scale byte by the block's first lane. No per-element work crosses lanes, so any split gives the same
+// bytes as one thread a block.
+#define EPL (IN_F32 ? 4 : 8)  // values a lane a row
+#define LPB (16 / EPL)        // lanes a block
+#define SPW (32 / LPB)        // block columns a warp
+// CTAs of 256 threads per SM the strip kernel's registers allow: 16 rows x 16 B held a lane (64 registers) and
+// the rest take 128 (bfloat16; float32 spilled 8 B at 2, more at 3); tests/test_cuda_sources.py checks builds
+#ifndef STRIP_MINB
+#define STRIP_MINB (IN_F32 ? 1 : 2)
+#endif
+
+__device__ __forceinline__ float lane_elem(const uint4& q, int i) {  // the lane's value i as float32
+  const u32 w = (i >> (IN_F32 ? 0 : 1)) == 0 ? q.x : (i >> (IN_F32 ? 0 : 1)) == 1 ? q.y
+              : (i >> (IN_F32 ? 0 : 1)) == 2 ? q.z : q.w;
+#if IN_F32
+  return __uint_as_float(w);
+#else
+  return __uint_as_float((i & 1) ? (w & 0xFFFF0000u) : (w << 16));
+#endif
+}
+
+__device__ __forceinline__ u32 lane_raw_bits(const uint4& q) {  // max |x| bit patterns, NaN / Inf included
+#if IN_F32
+  return max(max(q.x & 0x7FFFFFFFu, q.y & 0x7FFFFFFFu), max(q.z & 0x7FFFFFFFu, q.w & 0x7FFFFFFFu));
+#else
+  const u32 m = __vmaxu2(__vmaxu2(q.x & 0x7FFF7FFFu, q.y & 0x7FFF7FFFu), __vmaxu2(q.z & 0x7FFF7FFFu,
+                                                                                 q.w & 0x7FFF7FFFu));
+  return max(m & 0xFFFFu, m >> 16) << 16;
+#endif
+}
+
+// block_max_bits' bmax for a block split over LPB lanes (every lane of the warp calls it: shuffles): the
+// finite max with NONFINITE, else the max over the non-NaN values (Inf included), NaN bits when all 16 are NaN
+__device__ __forceinline__ u32 split_bmax_bits(const uint4& q) {
+  u32 f = 0, nn = 0, any = 0;
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const u32 b = __float_as_uint(lane_elem(q, i)) & 0x7FFFFFFFu;
+    f = max(f, b >= 0x7F800000u ? 0u : b);
+    nn = max(nn, b > 0x7F800000u ? 0u : b);
+    any |= b <= 0x7F800000u;
+  }
+#pragma unroll
+  for (int m = 1; m < LPB; m <<= 1) {
+    f = max(f, __shfl_xor_sync(0xFFFFFFFFu, f, m));
+    nn = max(nn, __shfl_xor_sync(0xFFFFFFFFu, nn, m));
+    any |= __shfl_xor_sync(0xFFFFFFFFu, any, m);
+  }
+  return NONFINITE ? f : (any ? nn : 0x7FC00000u);
+}
+
+__device__ __forceinline__ u32 lane_codes(const uint4& q, float enc) {  // the lane's EPL codes, packed
+  u32 w = 0;
+  float unused;
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) w += e2m1(__fmul_rn(lane_elem(q, i), enc), unused) << (4 * i);
+  return w - BIAS * (IN_F32 ? 0x1111u : 0x11111111u);
+}
+
+extern "C" __global__ void __launch_bounds__(256, STRIP_MINB) nvfp4_quant_strip16(
+    const void* __restrict__ x, void* __restrict__ d, unsigned char* __restrict__ sc_out, float* __restrict__ g_out,
+    const float* __restrict__ given, const int* __restrict__ parts, int n_tr, int nb_row) {
+  const Scales sc = tensor_scales(given, parts, g_out);
+  const int lane = threadIdx.x & 31, j = lane % LPB;
+  const int strips = (nb_row + SPW - 1) / SPW;  // a tile row's strips
+  const long long n_warps = (long long)n_tr * strips;
+  const uint4* __restrict__ xq = reinterpret_cast<const uint4*>(x);
+  const long long row_q = (long long)nb_row * LPB;  // 16-byte words a row
+  // w is the same for the warp's 32 lanes, so every shuffle below has all of them (lanes past the last block
+  // column hold zeros and store nothing)
+  for (long long w = ((long long)blockIdx.x * 256 + threadIdx.x) >> 5; w < n_warps; w += (long long)gridDim.x * 8) {
+    const long long tr = w / strips;
+    const int col = (int)(w - tr * strips) * SPW + lane / LPB;
+    const bool live = col < nb_row;
+    const long long b0 = tr * 16 * nb_row + col;  // the tile's row-0 block
+    uint4 v[16];
+    u32 m = 0;
+#pragma unroll
+    for (int r = 0; r < 16; ++r)
+      v[r] = live ? __ldg(xq + (b0 + (long long)r * nb_row) * LPB + j) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int r = 0; r < 16; ++r) m = max(m, lane_raw_bits(v[r]));
+#pragma unroll
+    for (int k = 1; k < LPB; k <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, k));
+    if (__any_sync(0xFFFFFFFFu, m >= 0x7F800000u)) {  // NaN / Inf in a tile of the warp: per block, as bmax
+      m = 0;
+#pragma unroll
+      for (int r = 0; r < 16; ++r) m = max(m, split_bmax_bits(v[r]));
+    }
+    const float s = e4m3_round(__fmul_rn(__uint_as_float(m), __fmul_rn(sc.enc, ONE_SIXTH_F)));
+    const float enc = enc_for(s, sc);
+    const unsigned char sbits = (unsigned char)e4m3_bits(s);
+    if (live) {
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        const long long b = b0 + (long long)r * nb_row;
+#if IN_F32
+        reinterpret_cast<unsigned short*>(d)[b * LPB + j] = (unsigned short)lane_codes(v[r], enc);
+#else
+        reinterpret_cast<u32*>(d)[b * LPB + j] = lane_codes(v[r], enc);
+#endif
+        if (j == 0) sc_out[b] = sbits;
+      }
+    }
+  }
+}
+#endif
 #endif
 
 #else
