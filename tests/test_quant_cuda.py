@@ -198,9 +198,10 @@ def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fas
         for kind in ("wide", "grid", "rows", "edges"):
             x = _x(shape, dtype, kind, seed=shape[0] + shape[1])
             assert qc.usable(x)
-            for rule, err, strip in (("6", "mse", True), ("6", "mse", False), ("4/6", "mse", True),
-                                     ("4/6", "mae", True)):
+            for rule, err, strip in (("6", "mse", True), ("6", "mse", False), ("4/6", "mse", False),
+                                     ("4/6", "mae", False), ("4/6", "mse", True), ("4/6", "mae", True)):
                 monkeypatch.setattr(qc, "STRIP16", strip)
+                monkeypatch.setattr(qc, "STRIP16_46", strip and not tile_fast46)  # (4/6 strip: bfloat16)
                 _check_tile(x, scale_rule=rule, err=err)
                 _check_tile(x, scale_rule=rule, err=err, amax=x.float().abs().amax() * 0.75)
                 gsc = (x.float().abs().amax() / 2688.0).clamp(min=1e-30)
@@ -209,8 +210,9 @@ def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fas
     x[3, 5], x[7, 1], x[9, 30] = float("nan"), float("inf"), -float("inf")
     x[16:32, 32:48] = float("nan")  # a whole NaN tile
     x[33, 64:72], x[40, 88:96] = float("nan"), float("nan")  # NaN half blocks (the strip kernel: a lane's)
-    for rule, strip in (("6", True), ("6", False), ("4/6", True)):
+    for rule, strip in (("6", True), ("6", False), ("4/6", True), ("4/6", False)):
         monkeypatch.setattr(qc, "STRIP16", strip)
+        monkeypatch.setattr(qc, "STRIP16_46", strip)
         _check_tile(x, scale_rule=rule, allow_nonfinite=True)
         with pytest.raises(ValueError, match="NaN or Inf"):
             kq.quantize_2d(x, tile16=True, scale_rule=rule)
@@ -233,7 +235,9 @@ def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fas
     x = torch.cat([torch.cat([t] * 3, 1), torch.cat([t] * 3, 1) * 0.5], 0).to(dtype).cuda()
     for kw in (dict(), dict(global_scale=torch.tensor(2.0 ** -8, device="cuda"))):
         assert reference.quantize(x, tile=(16, 16), scale_rule="4/6", **kw).block_scale.float()[0, 0] == 384.0
-        _check_tile(x, scale_rule="4/6", **kw)
+        for strip in (False, True):
+            monkeypatch.setattr(qc, "STRIP16_46", strip)
+            _check_tile(x, scale_rule="4/6", **kw)
     built = {name for name, _, _ in qc._KERNELS}
     assert {"nvfp4_quant_tile16", "nvfp4_quant_strip16"} <= built, built
 
