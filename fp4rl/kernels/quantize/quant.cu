@@ -937,7 +937,7 @@ extern "C" __global__ void __launch_bounds__(256, STRIP_MINB) nvfp4_quant_strip1
     u32 m = 0;
 #pragma unroll
     for (int r = 0; r < 16; ++r)
-      v[r] = live ? __ldg(xq + (b0 + (long long)r * nb_row) * LPB + j) : make_uint4(0u, 0u, 0u, 0u);
+      v[r] = live ? __ldg(xq + (b0 + (long long)r * nb_row) * LPB + j) : uint4{0u, 0u, 0u, 0u};
 #pragma unroll
     for (int r = 0; r < 16; ++r) m = max(m, lane_raw_bits(v[r]));
 #pragma unroll
