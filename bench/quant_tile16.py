@@ -45,6 +45,8 @@ def main() -> int:
              ("16x16 4/6 mse", dict(tile16=True, scale_rule="4/6")),
              ("16x16 4/6 mse, decide46 per tile", dict(tile16=True, scale_rule="4/6")),
              ("16x16 4/6 mse, strip kernel", dict(tile16=True, scale_rule="4/6")),
+             ("16x16 4/6 mse, strip kernel reading rows again", dict(tile16=True, scale_rule="4/6")),
+             ("16x16 rule 6, strip kernel reading rows again", dict(tile16=True)),
              ("16x16 4/6 mae, decide46 per tile", dict(tile16=True, scale_rule="4/6", err="mae")),
              ("16x16 4/6 mae", dict(tile16=True, scale_rule="4/6", err="mae")),
              ("16x16 4/6 mse, imposed global scale", dict(tile16=True, scale_rule="4/6", global_scale=g46)),
@@ -57,13 +59,14 @@ def main() -> int:
             qc.TILE16_FAST46 = cuda and "decide46" in name
             qc.STRIP16 = "tile kernel" not in name  # (rule 6: the strip kernel unless named)
             qc.STRIP16_46 = cuda and "strip kernel" in name
+            qc.STRIP16_RELOAD = "reading rows again" in name
             try:
                 outs[cuda] = q.quantize_2d(x, **kw)
                 ms = triton.testing.do_bench(lambda kw=kw: q.quantize_2d(x, check_finite=False, **kw),
                                              warmup=5, rep=60)
             finally:
                 qc.STATE["on"], qc.TILE16_RULE6, qc.TILE16_FAST46, qc.STRIP16 = True, False, False, True
-                qc.STRIP16_46 = False
+                qc.STRIP16_46 = qc.STRIP16_RELOAD = False
             assert qc.STATE["error"] is None, qc.STATE["error"]
             row = {"case": name, "kernel": "CUDA C++" if cuda else "Triton", "ms": ms,
                    "TB/s": nbytes / ms / 1e9}

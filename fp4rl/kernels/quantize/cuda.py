@@ -89,6 +89,9 @@ STRIP16 = True
 # 16x16 rule 4/6 (bfloat16) on the strip kernel, the block's error summed over its 2 lanes in order and the
 # tile's tree inside a lane: off until timed (255 registers: one CTA per SM)
 STRIP16_46 = False
+# the strip kernel reading its rows again (from L1 / L2) for the errors and the codes instead of holding them
+# (quant.cu STRIP_RELOAD: 64-80 registers instead of 128 / 255): off until timed
+STRIP16_RELOAD = False
 # 16x16 tiles with rule 4/6: decide46 per tile (quant.cu tile46_decide: lean46's cheap errors and bounds
 # summed over the tile, the exact errors only where they cannot tell) from FAST46_MIN_BLOCKS blocks, with
 # FAST46 3. Off until timed and byte-checked on a GPU (its arithmetic is checked on the CPU:
@@ -259,6 +262,8 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         if (not rule46 and STRIP16) or (rule46 and STRIP16_46 and x.dtype == torch.bfloat16):
             key = flat_config(x.dtype, rule46, rule46 and mae, allow_nf, src, False, 0)
+            if STRIP16_RELOAD:
+                key = tuple(sorted(dict(key, STRIP_RELOAD=1).items()))
             n_warps = (r // 16) * -(-nb_row // (32 * _EPL[x.dtype] // 16))
             grid = max(1, min(-(-n_warps // 8), sms * 8))
             _launch("nvfp4_quant_strip16", key, x, (grid, 1, 1), (256, 1, 1),

@@ -810,8 +810,14 @@ extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
 // CTAs of 256 threads per SM the strip kernel's registers allow: 16 rows x 16 B held a lane (64 registers) and
 // the rest take 128 (bfloat16; float32 spilled 8 B at 2, more at 3); tests/test_cuda_sources.py checks builds
 // (rule 4/6, bfloat16 only: 255 registers, 1; at 128 it spilled ~1 KB)
+// STRIP_RELOAD 1: the rows are read again (from L1 / L2: the warp read them for the max) for the 4/6 errors and
+// for the codes instead of held: 64 registers (4 CTAs per SM; 4/6 80, float32 128: fewer spilled) instead of
+// 128 / 255
+#ifndef STRIP_RELOAD
+#define STRIP_RELOAD 0
+#endif
 #ifndef STRIP_MINB
-#define STRIP_MINB (IN_F32 || RULE46 ? 1 : 2)
+#define STRIP_MINB (STRIP_RELOAD ? (IN_F32 ? 2 : RULE46 ? 3 : 4) : IN_F32 || RULE46 ? 1 : 2)
 #endif
 
 __device__ __forceinline__ float lane_elem(const uint4& q, int i) {  // the lane's value i as float32
@@ -894,14 +900,16 @@ __device__ __forceinline__ float split_error(const uint4& q, float s, float enc,
 
 // whether the tile takes scale 4: both candidates' errors summed over the 16 rows in TE's tree (rows r +
 // r+8, then r + r+4, r + r+2, r + r+1: the tile kernel's butterfly, here inside lane 1), lane 1's answer
-template <bool FAST>
-__device__ __forceinline__ bool strip_pick4(const uint4 (&v)[16], float s6, float enc6, float s4, float enc4,
+// (row(r): the lane's 16 bytes of the tile's row r, held or read again)
+template <bool FAST, class Row>
+__device__ __forceinline__ bool strip_pick4(const Row& row, float s6, float enc6, float s4, float enc4,
                                             const Scales& sc, int j) {
   float a6[8], a4[8];
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
-    a6[r] = __fadd_rn(split_error<FAST>(v[r], s6, enc6, sc, j), split_error<FAST>(v[r + 8], s6, enc6, sc, j));
-    a4[r] = __fadd_rn(split_error<FAST>(v[r], s4, enc4, sc, j), split_error<FAST>(v[r + 8], s4, enc4, sc, j));
+    const uint4 lo = row(r), hi = row(r + 8);
+    a6[r] = __fadd_rn(split_error<FAST>(lo, s6, enc6, sc, j), split_error<FAST>(hi, s6, enc6, sc, j));
+    a4[r] = __fadd_rn(split_error<FAST>(lo, s4, enc4, sc, j), split_error<FAST>(hi, s4, enc4, sc, j));
   }
 #pragma unroll
   for (int m = 4; m > 0; m >>= 1) {
@@ -933,25 +941,38 @@ extern "C" __global__ void __launch_bounds__(256, STRIP_MINB) nvfp4_quant_strip1
     const int col = (int)(w - tr * strips) * SPW + lane / LPB;
     const bool live = col < nb_row;
     const long long b0 = tr * 16 * nb_row + col;  // the tile's row-0 block
-    uint4 v[16];
+    const uint4* p0 = xq + b0 * LPB + j;
     u32 m = 0;
+#if STRIP_RELOAD
+    const auto row = [&](int r) { return live ? __ldg(p0 + r * row_q) : uint4{0u, 0u, 0u, 0u}; };
 #pragma unroll
-    for (int r = 0; r < 16; ++r)
-      v[r] = live ? __ldg(xq + (b0 + (long long)r * nb_row) * LPB + j) : uint4{0u, 0u, 0u, 0u};
+    for (int h = 0; h < 16; h += 8) {  // 8 rows' loads in flight at a time
+      uint4 t[8];
+#pragma unroll
+      for (int r = 0; r < 8; ++r) t[r] = row(h + r);
+#pragma unroll
+      for (int r = 0; r < 8; ++r) m = max(m, lane_raw_bits(t[r]));
+    }
+#else
+    uint4 v[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) v[r] = live ? __ldg(p0 + r * row_q) : uint4{0u, 0u, 0u, 0u};
 #pragma unroll
     for (int r = 0; r < 16; ++r) m = max(m, lane_raw_bits(v[r]));
+    const auto row = [&](int r) { return v[r]; };
+#endif
 #pragma unroll
     for (int k = 1; k < LPB; k <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, k));
     if (__any_sync(0xFFFFFFFFu, m >= 0x7F800000u)) {  // NaN / Inf in a tile of the warp: per block, as bmax
       m = 0;
 #pragma unroll
-      for (int r = 0; r < 16; ++r) m = max(m, split_bmax_bits(v[r]));
+      for (int r = 0; r < 16; ++r) m = max(m, split_bmax_bits(row(r)));
     }
 #if RULE46
     float s6, s4, enc6, enc4;
     candidates46(sc, __uint_as_float(m), s6, s4, enc6, enc4);
-    const bool pick4 = sc.fast ? strip_pick4<true>(v, s6, enc6, s4, enc4, sc, j)
-                               : strip_pick4<false>(v, s6, enc6, s4, enc4, sc, j);
+    const bool pick4 = sc.fast ? strip_pick4<true>(row, s6, enc6, s4, enc4, sc, j)
+                               : strip_pick4<false>(row, s6, enc6, s4, enc4, sc, j);
     const float s = pick4 ? s4 : s6, enc = pick4 ? enc4 : enc6;
 #else
     const float s = e4m3_round(__fmul_rn(__uint_as_float(m), __fmul_rn(sc.enc, ONE_SIXTH_F)));
@@ -963,9 +984,9 @@ extern "C" __global__ void __launch_bounds__(256, STRIP_MINB) nvfp4_quant_strip1
       for (int r = 0; r < 16; ++r) {
         const long long b = b0 + (long long)r * nb_row;
 #if IN_F32
-        reinterpret_cast<unsigned short*>(d)[b * LPB + j] = (unsigned short)lane_codes(v[r], enc);
+        reinterpret_cast<unsigned short*>(d)[b * LPB + j] = (unsigned short)lane_codes(row(r), enc);
 #else
-        reinterpret_cast<u32*>(d)[b * LPB + j] = lane_codes(v[r], enc);
+        reinterpret_cast<u32*>(d)[b * LPB + j] = lane_codes(row(r), enc);
 #endif
         if (j == 0) sc_out[b] = sbits;
       }
