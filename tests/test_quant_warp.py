@@ -1,0 +1,271 @@
+"""quant.cu's 16x16 kernels themselves (nvfp4_quant_strip16, nvfp4_quant_tile16) run on the CPU by a warp
+emulator, against fp4rl.nvfp4.reference: the kernel file compiled by g++ with tests/test_quant_fast46.py's
+shim for the CUDA intrinsics, except that a warp's 32 lanes are 32 host threads, `threadIdx` is per thread,
+and `__shfl_xor_sync` / `__any_sync` exchange values between the lanes at a barrier. A CTA's 8 warps run one
+after another (the kernels share nothing between warps), one CTA (grid-stride loops cover every tile).
+
+What this checks that the GPU tests (tests/test_quant_cuda.py) also do, without a GPU in CI: every lane calls
+every shuffle (a lane that skipped one would pair the wrong exchanges: a wrong byte or a timeout here), the
+strip kernel's block split over 2 / 4 lanes (the 4/6 error continued from lane 0's sum), its tile tree inside
+a lane, the tile kernel's butterflies, block columns past the last in a warp, NaN / Inf."""
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from fp4rl.kernels.quantize import cuda as qc
+from fp4rl.nvfp4 import reference
+from tests.test_quant_fast46 import SHIM
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (the kernel source as C++)")
+
+
+def _warp_shim() -> str:
+    """SHIM with warp-level exchanges between host threads (a lane's value posted, a barrier, the partner's
+    read, a barrier) and a per-thread threadIdx."""
+    swaps = {
+        "template <class T> static inline T __shfl_xor_sync(unsigned, T v, int) { return v; }"
+        "  // (the tile kernel)": "",
+        "static inline int __any_sync(unsigned, int p) { return p; }": "",
+        "static Dim3 threadIdx, blockIdx, gridDim;":
+            "static thread_local Dim3 threadIdx;\nstatic Dim3 blockIdx, gridDim;",
+    }
+    s = SHIM
+    for old, new in swaps.items():
+        assert s.count(old) == 1, old
+        s = s.replace(old, new)
+    head = r"""
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+"""
+    return head + s + r"""
+#ifndef WARP_WAIT_S
+#define WARP_WAIT_S 20
+#endif
+static std::mutex g_mu;
+static std::condition_variable g_cv;
+static int g_waiting = 0, g_gen = 0, g_stuck = 0, g_diverged = 0;
+static unsigned long long g_slot[32], g_site[32];
+static thread_local unsigned long long t_seq;  // this lane's exchanges so far
+static void warp_barrier() {  // all 32 lanes, or give up after WARP_WAIT_S (a lane that missed a shuffle)
+  std::unique_lock<std::mutex> lk(g_mu);
+  if (g_stuck) return;
+  const int gen = g_gen;
+  if (++g_waiting == 32) { g_waiting = 0; ++g_gen; g_cv.notify_all(); return; }
+  if (!g_cv.wait_for(lk, std::chrono::seconds(WARP_WAIT_S), [&] { return g_gen != gen; })) {
+    g_stuck = 1;
+    g_cv.notify_all();
+  }
+}
+// every lane at the same exchange: its call site (return address: the functions are not inlined) and count
+static void same_exchange(const void* site) {
+  const int lane = threadIdx.x & 31;
+  g_site[lane] = (unsigned long long)site * 0x9E3779B97F4A7C15ull + t_seq++;
+  warp_barrier();
+  for (int i = 0; i < 32; ++i) g_diverged |= g_site[i] != g_site[lane];
+  warp_barrier();
+}
+template <class T> __attribute__((noinline)) static T __shfl_xor_sync(unsigned, T v, int m) {
+  same_exchange(__builtin_return_address(0));
+  const int lane = threadIdx.x & 31;
+  unsigned long long u = 0;
+  memcpy(&u, &v, sizeof(T));
+  g_slot[lane] = u;
+  warp_barrier();
+  const unsigned long long o = g_slot[lane ^ m];
+  warp_barrier();
+  T r;
+  memcpy(&r, &o, sizeof(T));
+  return r;
+}
+__attribute__((noinline)) static int __any_sync(unsigned, int p) {
+  same_exchange(__builtin_return_address(0));
+  g_slot[threadIdx.x & 31] = p != 0;
+  warp_barrier();
+  int any = 0;
+  for (int i = 0; i < 32; ++i) any |= (int)g_slot[i];
+  warp_barrier();
+  return any;
+}
+"""
+
+
+HARNESS = r"""
+// kernel 0: nvfp4_quant_strip16, 1: nvfp4_quant_tile16; one CTA of 256 threads as 8 warps in turn; returns 1
+// if a barrier timed out, 2 if the lanes of a warp met at different exchanges
+extern "C" int run_cta(int kernel, const void* x, void* d, unsigned char* sc, float* g, const float* given,
+                       const int* parts, int n_tr, int nb_row) {
+  g_stuck = g_diverged = 0;
+  gridDim.x = 1;
+  blockIdx.x = 0;
+  for (int wi = 0; wi < 8 && !g_stuck; ++wi) {
+    std::vector<std::thread> lanes;
+    for (int lane = 0; lane < 32; ++lane)
+      lanes.emplace_back([=] {
+        threadIdx.x = wi * 32 + lane;
+#if !RULE46 || !IN_F32
+        if (kernel == 0) nvfp4_quant_strip16(x, d, sc, g, given, parts, n_tr, nb_row);
+#endif
+        if (kernel == 1) nvfp4_quant_tile16(x, (uint2*)d, sc, g, given, parts, n_tr, nb_row);
+      });
+    for (auto& t : lanes) t.join();
+  }
+  return g_stuck ? 1 : g_diverged ? 2 : 0;
+}
+"""
+
+_BUILT: dict = {}
+
+
+def _lib(root, defs: dict):
+    text = _warp_shim() + qc.source(defs) + HARNESS
+    key = hashlib.sha1(text.encode()).hexdigest()[:16]  # (a new file for a new source: dlopen keeps old ones)
+    if key not in _BUILT:
+        cpp = root / f"w_{key}.cpp"
+        cpp.write_text(text)
+        so = root / f"w_{key}.so"
+        cmd = ["g++", "-O1", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
+               "-pthread",               "-w", "-o", str(so), str(cpp)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-3000:]
+        lib = ctypes.CDLL(str(so))
+        lib.run_cta.restype = ctypes.c_int
+        lib.run_cta.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_int]
+        _BUILT[key] = lib
+    return _BUILT[key]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("warp")
+
+
+def run_kernel(root, x, kernel, rule46=False, mae=False, g=None, nf=False, reload=False, fast46=0, **extra):
+    """x [16 n, 16 m] through the emulated kernel: (codes uint8 [rows, cols / 2], scale bytes, g); the
+    tensor's amax (SRC 0) or an imposed decode-direction g (SRC 3)."""
+    x = x.contiguous()
+    src = 0 if g is None else 3
+    defs = dict(qc.flat_config(x.dtype, rule46, mae, nf, src, False, fast46 if rule46 else 0))
+    if reload:
+        defs["STRIP_RELOAD"] = 1
+    defs.update(extra)
+    lib = _lib(root, defs)
+    r, k = x.shape
+    data = torch.full((r, k // 2), 0xAB, dtype=torch.uint8)
+    sc = torch.full((r, k // 16), 0xAB, dtype=torch.uint8)
+    g_out = torch.zeros(1)
+    xf = x.float().abs()
+    fin = xf[torch.isfinite(xf)]
+    parts = torch.tensor([float(fin.max()) if fin.numel() else 0.0, 0.0]).view(torch.int32)
+    given = torch.tensor([0.0 if g is None else g])
+    stuck = lib.run_cta(kernel, x.data_ptr(), data.data_ptr(), sc.data_ptr(), g_out.data_ptr(),
+                        given.data_ptr(), parts.data_ptr(), r // 16, k // 16)
+    assert stuck != 1, "a warp barrier timed out: a lane missed a shuffle"
+    assert stuck != 2, "the lanes of a warp met at different shuffles"
+    return data, sc, g_out
+
+
+def check(root, x, kernel, rule46=False, mae=False, g=None, nf=False, reload=False, fast46=0, **extra):
+    data, sc, g_out = run_kernel(root, x, kernel, rule46, mae, g, nf, reload, fast46, **extra)
+    kw = dict(scale_rule="4/6" if rule46 else "6", err="mae" if mae else "mse", allow_nonfinite=nf,
+              tile=(16, 16))
+    if g is not None:
+        kw["global_scale"] = torch.tensor(g)
+    q = reference.quantize(x, **kw)
+    bad_d = (data != q.data).any(1)
+    bad_s = sc != q.block_scale.view(torch.uint8)
+    assert not bad_d.any(), f"code rows differ: {bad_d.nonzero().flatten()[:8].tolist()}"
+    assert not bad_s.any(), f"scale bytes differ at {bad_s.nonzero()[:8].tolist()}"
+    assert g_out[0] == q.global_scale.reshape(-1)[0]
+
+
+def tiles(shape, dtype, seed):
+    """Random rows over 8 decades, a tile of E2M1 grid points and ties, a zero tile, a tiny tile."""
+    gen = torch.Generator().manual_seed(seed)
+    r, k = shape
+    x = torch.randn(shape, generator=gen)
+    x = x * torch.logspace(-4, 4, r)[torch.randperm(r, generator=gen)][:, None]
+    v = torch.arange(-48, 49, dtype=torch.float32) * 0.125
+    x[:16, :16] = v[torch.randint(0, v.numel(), (16, 16), generator=gen)]
+    if r >= 32:
+        x[16:32, :16] = 0.0
+    if k >= 32:
+        x[:16, 16:32] *= 2.0 ** -20
+    return x.to(dtype)
+
+
+# name: (kernel, STRIP_RELOAD, FAST46 for 4/6: 3 is the tile kernel's decide46 per tile)
+KERNELS = {"strip": (0, False, 0), "strip reload": (0, True, 0), "tile": (1, False, 0),
+           "tile decide46": (1, False, 3)}
+# (rule 4/6, MAE, SRC 3): rule 6 and 4/6 with the tensor's amax, 4/6 MAE with an imposed g
+RULES = [(False, False, False), (True, False, False), (True, True, True)]
+
+
+# (the strip kernel's 4/6 is bfloat16's only; decide46 is rule 4/6's)
+CASES = [(name, rule, dtype) for name, (kernel, _, fast46) in KERNELS.items() for rule in RULES
+         for dtype in (torch.bfloat16, torch.float32)
+         if not (kernel == 0 and rule[0] and dtype == torch.float32) and not (fast46 and not rule[0])]
+
+
+@pytest.mark.parametrize("name,rule,dtype", CASES)
+def test_kernels_match_the_reference(root, name, rule, dtype):
+    """Shapes whose block columns end inside a warp: 5 (both kernels), 17 (the bfloat16 strip's 16 a warp,
+    plus one) and 9 (float32's 8 plus one)."""
+    kernel, reload, fast46 = KERNELS[name]
+    rule46, mae, src3 = rule
+    shapes = [(48, 80), (32, 272)] if dtype == torch.bfloat16 else [(48, 80), (32, 144)]
+    for i, shape in enumerate(shapes):
+        x = tiles(shape, dtype, seed=i)
+        g = float(x.float().abs().max()) / (1536.0 if rule46 else 2688.0) * 0.75 if src3 else None
+        check(root, x, kernel, rule46, mae, g, reload=reload, fast46=fast46)
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+@pytest.mark.parametrize("rule46", [False, True])
+def test_nonfinite(root, name, rule46):
+    """allow_nonfinite: NaN -> 0, +-Inf -> +-6, scales from the finite values; a NaN half block (one lane's
+    in the strip kernel), a whole NaN block, a whole NaN tile."""
+    kernel, reload, fast46 = KERNELS[name]
+    x = tiles((48, 80), torch.float32, seed=5)
+    x[3, 5], x[7, 1], x[9, 30] = float("nan"), float("inf"), -float("inf")
+    x[20, 40:48] = float("nan")
+    x[33, 48:64] = float("nan")
+    x[16:32, 64:80] = float("nan")
+    check(root, x.bfloat16(), kernel, rule46, nf=True, reload=reload, fast46=fast46 if rule46 else 0)
+
+
+def test_tree_order(root):
+    """A tile whose 4/6 pick flips under any pairing of its rows but TE's (rows r + r+8 first: the tile
+    kernel's butterfly, the strip kernel's tree inside a lane): u = 2^-30, row 1 (four 1.0) costs only 4
+    0.25, row 2 (4.5) only 6 0.25, rows 3 and 4 16u and 25u to both."""
+    t = torch.zeros(16, 16)
+    t[0, 0], t[2, 0], t[3, 0], t[4, 0] = 6.0, 4.5, 2.0 ** -13, 5 * 2.0 ** -15
+    t[1, :4] = 1.0
+    x = torch.cat([torch.cat([t] * 3, 1), torch.cat([t] * 3, 1) * 0.5], 0).bfloat16()
+    assert reference.quantize(x, tile=(16, 16), scale_rule="4/6").block_scale.float()[0, 0] == 384.0
+    for kernel, reload, fast46 in KERNELS.values():
+        check(root, x, kernel, True, reload=reload, fast46=fast46)
+        check(root, x, kernel, True, g=2.0 ** -8, reload=reload, fast46=fast46)
+
+
+def test_a_lane_that_misses_a_shuffle_is_caught(root, monkeypatch):
+    """The emulator itself: a kernel whose lanes past the last column skip the tile max's shuffle (the bug
+    the kernels' comments rule out) is caught: its lanes meet at different exchanges (which here still pair
+    the right values: only the live lanes read each other's)."""
+    src = qc._SOURCE.read_text()
+    old = "    for (int k = 1; k < LPB; k <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, k));"
+    assert src.count(old) == 1
+    bad = src.replace(old, "    if (live)\n" + old)
+    x = tiles((16, 80), torch.bfloat16, seed=1)  # 5 block columns: 22 of 32 lanes dead
+    check(root, x, 0, WARP_WAIT_S=2)  # (the kernel as it is passes)
+    monkeypatch.setattr(qc, "source", lambda defs: "".join(f"#define {k} {v}\n" for k, v in defs.items())
+                        + bad)
+    with pytest.raises(AssertionError, match="different shuffles|barrier timed out"):
+        check(root, x, 0, WARP_WAIT_S=2)
