@@ -52,6 +52,7 @@ def main() -> int:
              ("16x16 4/6 mse, imposed global scale", dict(tile16=True, scale_rule="4/6", global_scale=g46)),
              ("1x16 4/6 mse", dict(scale_rule="4/6")),
              ("1x16 rule 6", dict())]
+    default = dict(fast46=qc.TILE16_FAST46)
     for name, kw in cases:
         outs = {}
         for cuda in (False, True):
@@ -65,7 +66,8 @@ def main() -> int:
                 ms = triton.testing.do_bench(lambda kw=kw: q.quantize_2d(x, check_finite=False, **kw),
                                              warmup=5, rep=60)
             finally:
-                qc.STATE["on"], qc.TILE16_RULE6, qc.TILE16_FAST46, qc.STRIP16 = True, False, False, True
+                qc.STATE["on"], qc.TILE16_RULE6, qc.STRIP16 = True, False, True
+                qc.TILE16_FAST46 = default["fast46"]
                 qc.STRIP16_46 = qc.STRIP16_RELOAD = False
             assert qc.STATE["error"] is None, qc.STATE["error"]
             row = {"case": name, "kernel": "CUDA C++" if cuda else "Triton", "ms": ms,
