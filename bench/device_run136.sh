@@ -4,7 +4,7 @@
 # and Triton; 16x16 4/6 decided per tile (cuda.TILE16_FAST46, off by default) against the exact tile kernel
 # (0.398 ms on an H100 in the forty-fourth session); 1x16 re-timed. Bytes compared with Triton's in every
 # row. 2) The tile / strip GPU tests (tests/test_quant_cuda.py -k tile16: both settings, every rule and scale
-# source against the reference, NaN / Inf). 3) The strip kernel for 4/6 (cuda.STRIP16_46) and reading its rows
+# source against the reference, NaN / Inf). 3) The strip kernel for 4/6 (cuda.STRIP16_46, since removed) and reading its rows
 # again (cuda.STRIP16_RELOAD) in the same bench and tests.
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader

@@ -795,7 +795,7 @@ extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
   }
 }
 
-#if !RULE46 || !IN_F32
+#if !RULE46
 // 16x16 tiles with rule 6 (nvfp4_quant_strip16): a warp a strip of 16 rows x SPW block columns, LPB lanes a
 // block (bfloat16: 2 lanes of 8 values, float32: 4 of 4; 16 bytes a lane a row), so that each load is one
 // row's 512 contiguous bytes across the warp (the tile kernel's warp reads 16 rows x 64 B, which made its rule
@@ -803,21 +803,21 @@ extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
 // over them, then over the block's LPB lanes (xor shuffles inside the aligned group); codes are stored a row
 // at a time (the lane's 8 or 4 nibbles: the block's element 8j + i, or 4j + i, in nibble i of lane j's part),
 // the scale byte by the block's first lane. No per-element work crosses lanes, so any split gives the same
-// bytes as one thread a block.
+// bytes as one thread a block. (Rule 4/6 on this layout, a block's error continued from lane 0's sum by lane 1
+// and the tile's tree inside a lane, took 0.47-0.49 ms against the tile kernel's 0.395 on an H100: removed,
+// bench/RESULTS.md, forty-fifth session.)
 #define EPL (IN_F32 ? 4 : 8)  // values a lane a row
 #define LPB (16 / EPL)        // lanes a block
 #define SPW (32 / LPB)        // block columns a warp
 // CTAs of 256 threads per SM the strip kernel's registers allow: 16 rows x 16 B held a lane (64 registers) and
 // the rest take 128 (bfloat16; float32 spilled 8 B at 2, more at 3); tests/test_cuda_sources.py checks builds
-// (rule 4/6, bfloat16 only: 255 registers, 1; at 128 it spilled ~1 KB)
-// STRIP_RELOAD 1: the rows are read again (from L1 / L2: the warp read them for the max) for the 4/6 errors and
-// for the codes instead of held: 64 registers (4 CTAs per SM; 4/6 80, float32 128: fewer spilled) instead of
-// 128 / 255
+// STRIP_RELOAD 1: the rows are read again (from L1 / L2: the warp read them for the max) for the codes instead
+// of held: 64 registers (4 CTAs per SM; float32 128: fewer spilled) instead of 128
 #ifndef STRIP_RELOAD
 #define STRIP_RELOAD 0
 #endif
 #ifndef STRIP_MINB
-#define STRIP_MINB (STRIP_RELOAD ? (IN_F32 ? 2 : RULE46 ? 3 : 4) : IN_F32 || RULE46 ? 1 : 2)
+#define STRIP_MINB (STRIP_RELOAD ? (IN_F32 ? 2 : 4) : IN_F32 ? 1 : 2)
 #endif
 
 __device__ __forceinline__ float lane_elem(const uint4& q, int i) {  // the lane's value i as float32
@@ -868,62 +868,6 @@ __device__ __forceinline__ u32 lane_codes(const uint4& q, float enc) {  // the l
   return w - BIAS * (IN_F32 ? 0x1111u : 0x11111111u);
 }
 
-#if RULE46
-// rule 4/6 (bfloat16: a block is 2 lanes' halves): the block's error for one candidate, the reference's
-// left-to-right sum over its 16 elements: lane 0 sums its 8 terms, lane 1 continues from lane 0's sum (both
-// lanes run both chains; lane 1's result is the block's)
-template <bool FAST>
-__device__ __forceinline__ float split_error(const uint4& q, float s, float enc, const Scales& sc, int j) {
-  float t[EPL];
-#pragma unroll
-  for (int i = 0; i < EPL; ++i) {
-    const float x = lane_elem(q, i);
-    float ev;
-    e2m1_mag(fminf(fabsf(__fmul_rn(x, enc)), 6.0f), ev);
-    const float v = __fmul_rn(ev, s);
-#if SRC == 3
-    const float dq = __fmul_rn(v, sc.err);
-#else
-    const float dq = FAST ? div1536(__fmul_rn(v, sc.err)) : __fdiv_rn(__fmul_rn(v, sc.err), 1536.0f);
-#endif
-    const float d = __fadd_rn(dq, -fabsf(x));
-    t[i] = MAE ? fabsf(d) : __fmul_rn(d, d);
-  }
-  float a = t[0];
-#pragma unroll
-  for (int i = 1; i < EPL; ++i) a = __fadd_rn(a, t[i]);
-  float b = __shfl_xor_sync(0xFFFFFFFFu, a, 1);
-#pragma unroll
-  for (int i = 0; i < EPL; ++i) b = __fadd_rn(b, t[i]);
-  return j ? b : a;
-}
-
-// whether the tile takes scale 4: both candidates' errors summed over the 16 rows in TE's tree (rows r +
-// r+8, then r + r+4, r + r+2, r + r+1: the tile kernel's butterfly, here inside lane 1), lane 1's answer
-// (row(r): the lane's 16 bytes of the tile's row r, held or read again)
-template <bool FAST, class Row>
-__device__ __forceinline__ bool strip_pick4(const Row& row, float s6, float enc6, float s4, float enc4,
-                                            const Scales& sc, int j) {
-  float a6[8], a4[8];
-#pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    const uint4 lo = row(r), hi = row(r + 8);
-    a6[r] = __fadd_rn(split_error<FAST>(lo, s6, enc6, sc, j), split_error<FAST>(hi, s6, enc6, sc, j));
-    a4[r] = __fadd_rn(split_error<FAST>(lo, s4, enc4, sc, j), split_error<FAST>(hi, s4, enc4, sc, j));
-  }
-#pragma unroll
-  for (int m = 4; m > 0; m >>= 1) {
-#pragma unroll
-    for (int r = 0; r < m; ++r) {
-      a6[r] = __fadd_rn(a6[r], a6[r + m]);
-      a4[r] = __fadd_rn(a4[r], a4[r + m]);
-    }
-  }
-  const int mine = a4[0] < a6[0];
-  const int other = __shfl_xor_sync(0xFFFFFFFFu, mine, 1);
-  return (j ? mine : other) != 0;
-}
-#endif
 
 extern "C" __global__ void __launch_bounds__(256, STRIP_MINB) nvfp4_quant_strip16(
     const void* __restrict__ x, void* __restrict__ d, unsigned char* __restrict__ sc_out, float* __restrict__ g_out,
@@ -968,16 +912,8 @@ extern "C" __global__ void __launch_bounds__(256, STRIP_MINB) nvfp4_quant_strip1
 #pragma unroll
       for (int r = 0; r < 16; ++r) m = max(m, split_bmax_bits(row(r)));
     }
-#if RULE46
-    float s6, s4, enc6, enc4;
-    candidates46(sc, __uint_as_float(m), s6, s4, enc6, enc4);
-    const bool pick4 = sc.fast ? strip_pick4<true>(row, s6, enc6, s4, enc4, sc, j)
-                               : strip_pick4<false>(row, s6, enc6, s4, enc4, sc, j);
-    const float s = pick4 ? s4 : s6, enc = pick4 ? enc4 : enc6;
-#else
     const float s = e4m3_round(__fmul_rn(__uint_as_float(m), __fmul_rn(sc.enc, ONE_SIXTH_F)));
     const float enc = enc_for(s, sc);
-#endif
     const unsigned char sbits = (unsigned char)e4m3_bits(s);
     if (live) {
 #pragma unroll
