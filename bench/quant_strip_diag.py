@@ -79,6 +79,28 @@ def main() -> int:
                     rows.append(row)
                     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
                           flush=True)
+    # the strip kernel's launch alone (qc.quantize into preallocated outputs: no Python around it), rule 6
+    r, k = x.shape
+    data = torch.empty(r, k // 2, dtype=torch.uint8, device="cuda")
+    scale = torch.empty(r, k // 16, dtype=torch.uint8, device="cuda")
+    g_out = torch.empty(1, device="cuda")
+    given = {3: (amax / 2688).reshape(1), 2: amax.reshape(1)}
+    for src in (2, 3):
+        for reload in (False, True):
+            _set(strip=True, reload=reload)
+
+            def fn(src=src):
+                qc.quantize(x, data, scale, g_out, given[src], None, None, src, False, False, False, False,
+                            True)
+            try:
+                row = dict(rule="6", source=f"launch only, src {src}",
+                           kernel="strip" + (" reload" if reload else ""),
+                           do_bench_ms=triton.testing.do_bench(fn, warmup=5, rep=60), events_ms=_events(fn))
+            finally:
+                _set()
+            rows.append(row)
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
+                  flush=True)
     _set(strip=True)
     kw = dict(tile16=True, check_finite=False, global_scale=amax / 2688)
     for _ in range(2):
