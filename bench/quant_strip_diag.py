@@ -1,8 +1,9 @@
 """Why 16x16 rule 6 with an imposed global scale took 0.475 ms on the strip kernel (quant.cu
 nvfp4_quant_strip16) against 0.220 ms with the tensor's amax, which adds an amax pass (forty-fifth session,
-bench/device_run136.sh on an H100): the strip / strip reading rows again / tile kernels and Triton for each
-scale source (the tensor's amax, an imposed amax, an imposed g), timed by triton.testing.do_bench (median) and
-by CUDA events around 50 back-to-back calls (mean), and the profiler's kernel list for a few calls.
+bench/device_run136.sh on an H100; it was that run's noise: 0.128 ms here): the strip and tile kernels and
+Triton for each scale source (the tensor's amax, an imposed amax, an imposed g), timed by
+triton.testing.do_bench (median) and by CUDA events around 50 back-to-back calls (mean), the strip kernel's
+launch alone, and the profiler's kernel list for a few calls.
 
     python3 bench/quant_strip_diag.py [--rows 32768] [--cols 4096] [--out FILE.json]
 """
@@ -19,12 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import fp4rl.kernels.quantize as q  # noqa: E402
 from fp4rl.kernels.quantize import cuda as qc  # noqa: E402
 
-ARMS = {"Triton": dict(on=False), "strip": dict(strip=True), "strip reload": dict(strip=True, reload=True),
-        "tile": dict(strip=False)}
+ARMS = {"Triton": dict(on=False), "strip": dict(strip=True), "tile": dict(strip=False)}
 
 
-def _set(on=True, strip=True, reload=False, fast46=False):
-    qc.STATE["on"], qc.TILE16_RULE6, qc.STRIP16, qc.STRIP16_RELOAD = on, on, strip, reload
+def _set(on=True, strip=True, fast46=False):
+    qc.STATE["on"], qc.TILE16_RULE6, qc.STRIP16 = on, on, strip
     qc.TILE16_FAST46 = fast46
 
 
@@ -86,21 +86,17 @@ def main() -> int:
     g_out = torch.empty(1, device="cuda")
     given = {3: (amax / 2688).reshape(1), 2: amax.reshape(1)}
     for src in (2, 3):
-        for reload in (False, True):
-            _set(strip=True, reload=reload)
+        _set(strip=True)
 
-            def fn(src=src):
-                qc.quantize(x, data, scale, g_out, given[src], None, None, src, False, False, False, False,
-                            True)
-            try:
-                row = dict(rule="6", source=f"launch only, src {src}",
-                           kernel="strip" + (" reload" if reload else ""),
-                           do_bench_ms=triton.testing.do_bench(fn, warmup=5, rep=60), events_ms=_events(fn))
-            finally:
-                _set()
-            rows.append(row)
-            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
-                  flush=True)
+        def fn(src=src):
+            qc.quantize(x, data, scale, g_out, given[src], None, None, src, False, False, False, False, True)
+        try:
+            row = dict(rule="6", source=f"launch only, src {src}", kernel="strip",
+                       do_bench_ms=triton.testing.do_bench(fn, warmup=5, rep=60), events_ms=_events(fn))
+        finally:
+            _set()
+        rows.append(row)
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     _set(strip=True)
     kw = dict(tile16=True, check_finite=False, global_scale=amax / 2688)
     for _ in range(2):

@@ -44,7 +44,6 @@ def main() -> int:
              ("16x16 rule 6, imposed global scale", dict(tile16=True, global_scale=g46 * 1536 / 2688)),
              ("16x16 4/6 mse", dict(tile16=True, scale_rule="4/6")),
              ("16x16 4/6 mse, decide46 per tile", dict(tile16=True, scale_rule="4/6")),
-             ("16x16 rule 6, strip kernel reading rows again", dict(tile16=True)),
              ("16x16 4/6 mae, decide46 per tile", dict(tile16=True, scale_rule="4/6", err="mae")),
              ("16x16 4/6 mae", dict(tile16=True, scale_rule="4/6", err="mae")),
              ("16x16 4/6 mse, imposed global scale", dict(tile16=True, scale_rule="4/6", global_scale=g46)),
@@ -57,7 +56,6 @@ def main() -> int:
             qc.STATE["on"] = qc.TILE16_RULE6 = cuda  # (16x16 rule 6 takes the tile kernel only when asked)
             qc.TILE16_FAST46 = cuda and "decide46" in name
             qc.STRIP16 = "tile kernel" not in name  # (rule 6: the strip kernel unless named)
-            qc.STRIP16_RELOAD = "reading rows again" in name
             try:
                 outs[cuda] = q.quantize_2d(x, **kw)
                 ms = triton.testing.do_bench(lambda kw=kw: q.quantize_2d(x, check_finite=False, **kw),
@@ -65,7 +63,6 @@ def main() -> int:
             finally:
                 qc.STATE["on"], qc.TILE16_RULE6, qc.STRIP16 = True, False, True
                 qc.TILE16_FAST46 = default["fast46"]
-                qc.STRIP16_RELOAD = False
             assert qc.STATE["error"] is None, qc.STATE["error"]
             row = {"case": name, "kernel": "CUDA C++" if cuda else "Triton", "ms": ms,
                    "TB/s": nbytes / ms / 1e9}

@@ -100,9 +100,6 @@ def _quant_configs():
                 for fast46 in ((3, 2, 0) if rule46 else (0,)):
                     key = qc.flat_config(dtype, rule46, mae, nf, src, given_rows, fast46)
                     yield f"flat {dtype} {rule46} src{src} fast46 {fast46}", key
-                if not given_rows:  # the 16x16 strip kernel reading its rows twice (cuda.STRIP16_RELOAD)
-                    key = dict(qc.flat_config(dtype, rule46, mae, nf, src, False, 0), STRIP_RELOAD=1)
-                    yield f"strip reload {dtype} {rule46} src{src}", tuple(sorted(key.items()))
 
 
 @pytest.mark.parametrize("name,key", list(_quant_configs()), ids=lambda v: v if isinstance(v, str) else "")

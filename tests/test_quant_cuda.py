@@ -189,8 +189,8 @@ def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fas
     TE's tree order: a tile whose 4/6 pick flips under any other pairing of its rows. Rule 6 too (off by
     default: slower than Triton there), on the strip kernel (a warp 16 rows x 16 or 8 block columns, a block
     split over 2 or 4 lanes: block columns past the last in a warp, NaN / Inf in half a block) and on the tile
-    kernel. tile_fast46: the tile kernel's 4/6 decided per tile by the summed bound (FAST46 3) at every size,
-    and the strip kernel reading its rows again (STRIP16_RELOAD)."""
+    kernel. tile_fast46: the tile kernel's 4/6 decided per tile by the summed bound (FAST46 3) at every
+    size."""
     monkeypatch.setattr(qc, "TILE16_RULE6", True)
     monkeypatch.setattr(qc, "TILE16_FAST46", tile_fast46)
     monkeypatch.setattr(qc, "FAST46", 3)
@@ -202,7 +202,6 @@ def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fas
             for rule, err, strip in (("6", "mse", True), ("6", "mse", False), ("4/6", "mse", False),
                                      ("4/6", "mae", False)):
                 monkeypatch.setattr(qc, "STRIP16", strip)
-                monkeypatch.setattr(qc, "STRIP16_RELOAD", tile_fast46)
                 _check_tile(x, scale_rule=rule, err=err)
                 _check_tile(x, scale_rule=rule, err=err, amax=x.float().abs().amax() * 0.75)
                 gsc = (x.float().abs().amax() / 2688.0).clamp(min=1e-30)
@@ -213,7 +212,6 @@ def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fas
     x[33, 64:72], x[40, 88:96] = float("nan"), float("nan")  # NaN half blocks (the strip kernel: a lane's)
     for rule, strip in (("6", True), ("6", False), ("4/6", False)):
         monkeypatch.setattr(qc, "STRIP16", strip)
-        monkeypatch.setattr(qc, "STRIP16_RELOAD", tile_fast46)
         _check_tile(x, scale_rule=rule, allow_nonfinite=True)
         with pytest.raises(ValueError, match="NaN or Inf"):
             kq.quantize_2d(x, tile16=True, scale_rule=rule)

@@ -147,14 +147,12 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("warp")
 
 
-def run_kernel(root, x, kernel, rule46=False, mae=False, g=None, nf=False, reload=False, fast46=0, **extra):
+def run_kernel(root, x, kernel, rule46=False, mae=False, g=None, nf=False, fast46=0, **extra):
     """x [16 n, 16 m] through the emulated kernel: (codes uint8 [rows, cols / 2], scale bytes, g); the
     tensor's amax (SRC 0) or an imposed decode-direction g (SRC 3)."""
     x = x.contiguous()
     src = 0 if g is None else 3
     defs = dict(qc.flat_config(x.dtype, rule46, mae, nf, src, False, fast46 if rule46 else 0))
-    if reload:
-        defs["STRIP_RELOAD"] = 1
     defs.update(extra)
     lib = _lib(root, defs)
     r, k = x.shape
@@ -172,8 +170,8 @@ def run_kernel(root, x, kernel, rule46=False, mae=False, g=None, nf=False, reloa
     return data, sc, g_out
 
 
-def check(root, x, kernel, rule46=False, mae=False, g=None, nf=False, reload=False, fast46=0, **extra):
-    data, sc, g_out = run_kernel(root, x, kernel, rule46, mae, g, nf, reload, fast46, **extra)
+def check(root, x, kernel, rule46=False, mae=False, g=None, nf=False, fast46=0, **extra):
+    data, sc, g_out = run_kernel(root, x, kernel, rule46, mae, g, nf, fast46, **extra)
     kw = dict(scale_rule="4/6" if rule46 else "6", err="mae" if mae else "mse", allow_nonfinite=nf,
               tile=(16, 16))
     if g is not None:
@@ -201,10 +199,9 @@ def tiles(shape, dtype, seed):
     return x.to(dtype)
 
 
-# name: (kernel, STRIP_RELOAD, FAST46 for 4/6: 3 is the tile kernel's decide46 per tile); the strip kernel
-# takes rule 6 only
-KERNELS = {"strip": (0, False, 0), "strip reload": (0, True, 0), "tile": (1, False, 0),
-           "tile decide46": (1, False, 3)}
+# name: (kernel, compile keys added, FAST46 for 4/6: 3 is the tile kernel's decide46 per tile); the strip
+# kernel takes rule 6 only
+KERNELS = {"strip": (0, {}, 0), "tile": (1, {}, 0), "tile decide46": (1, {}, 3)}
 # (rule 4/6, MAE, SRC 3): rules 6 and 4/6 with the tensor's amax, rule 6 and 4/6 MAE with an imposed g
 RULES = [(False, False, False), (False, False, True), (True, False, False), (True, True, True)]
 
@@ -221,13 +218,13 @@ CASES = [(name, rule, dtype) for name, (kernel, _, fast46) in KERNELS.items() fo
 def test_kernels_match_the_reference(root, name, rule, dtype):
     """Shapes whose block columns end inside a warp: 5 (both kernels), 17 (the bfloat16 strip's 16 a warp,
     plus one) and 9 (float32's 8 plus one)."""
-    kernel, reload, fast46 = KERNELS[name]
+    kernel, extra, fast46 = KERNELS[name]
     rule46, mae, src3 = rule
     shapes = [(48, 80), (32, 272)] if dtype == torch.bfloat16 else [(48, 80), (32, 144)]
     for i, shape in enumerate(shapes):
         x = tiles(shape, dtype, seed=i)
         g = float(x.float().abs().max()) / (1536.0 if rule46 else 2688.0) * 0.75 if src3 else None
-        check(root, x, kernel, rule46, mae, g, reload=reload, fast46=fast46)
+        check(root, x, kernel, rule46, mae, g, fast46=fast46, **extra)
 
 
 @pytest.mark.parametrize("name,rule46", [(n, r) for n, (k, _, f) in KERNELS.items() for r in (False, True)
@@ -235,13 +232,13 @@ def test_kernels_match_the_reference(root, name, rule, dtype):
 def test_nonfinite(root, name, rule46):
     """allow_nonfinite: NaN -> 0, +-Inf -> +-6, scales from the finite values; a NaN half block (one lane's
     in the strip kernel), a whole NaN block, a whole NaN tile."""
-    kernel, reload, fast46 = KERNELS[name]
+    kernel, extra, fast46 = KERNELS[name]
     x = tiles((48, 80), torch.float32, seed=5)
     x[3, 5], x[7, 1], x[9, 30] = float("nan"), float("inf"), -float("inf")
     x[20, 40:48] = float("nan")
     x[33, 48:64] = float("nan")
     x[16:32, 64:80] = float("nan")
-    check(root, x.bfloat16(), kernel, rule46, nf=True, reload=reload, fast46=fast46 if rule46 else 0)
+    check(root, x.bfloat16(), kernel, rule46, nf=True, fast46=fast46 if rule46 else 0, **extra)
 
 
 def test_tree_order(root):

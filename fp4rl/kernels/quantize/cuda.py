@@ -78,17 +78,13 @@ MIN_BLOCKS_RELOAD = 4
 # (3.5 vs 3.9 us), even at 256 and 512 rows, decide46 faster from 1024 rows (11.8 vs 12.5 us; 4096x4096 34.4
 # vs 39.1; bench/RESULTS.md, twenty-sixth session)
 FAST46_MIN_BLOCKS = int(os.environ.get("FP4RL_QUANT_FAST46_MIN_BLOCKS", str(1 << 17)))
-# 16x16 tiles with rule 6 on the tile kernel: off, the Triton kernel is faster there (H100, 32768x4096 bf16:
-# 0.256 against 0.319 ms; rule 4/6 0.561 -> 0.398 ms on the tile kernel; bench/RESULTS.md, forty-fourth
-# session). Tests and benchmarks switch it on.
-TILE16_RULE6 = False
-# 16x16 rule 6 on CUDA (TILE16_RULE6): the strip kernel (nvfp4_quant_strip16: a warp 16 rows x 512 contiguous
-# bytes, 16 bytes a lane a row held in registers), else the tile kernel. (Its register cap is quant.cu's
-# STRIP_MINB; it shares the flat kernel's compile key, as the tile kernel does.)
+# 16x16 tiles with rule 6 on CUDA, the strip kernel (STRIP16; nvfp4_quant_strip16: a warp 16 rows x 512
+# contiguous bytes, 16 bytes a lane a row held in registers; its register cap is quant.cu's STRIP_MINB, its
+# compile key the flat kernel's): on an H100, 32768x4096 bf16, 0.257 -> 0.222 ms with the tensor's amax
+# (Triton), 0.162 -> 0.128 with an imposed g; the tile kernel (STRIP16 False) took 0.320 (bench/RESULTS.md,
+# forty-fifth session). False: the Triton kernel.
+TILE16_RULE6 = True
 STRIP16 = True
-# the strip kernel reading its rows again (from L1 / L2) for the codes instead of holding them (quant.cu
-# STRIP_RELOAD: 64 registers instead of 128): off, 0.254 against 0.220 ms held (H100, 32768x4096 bf16)
-STRIP16_RELOAD = False
 # 16x16 tiles with rule 4/6: decide46 per tile (quant.cu tile46_decide: lean46's cheap errors and bounds
 # summed over the tile, the exact errors only where they cannot tell) from FAST46_MIN_BLOCKS blocks, with
 # FAST46 3: on an H100, 32768x4096 bf16 0.395 -> 0.339 ms (mse; mae 0.382 -> 0.339), the same bytes
@@ -261,8 +257,6 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         if not rule46 and STRIP16:
             key = flat_config(x.dtype, False, False, allow_nf, src, False, 0)
-            if STRIP16_RELOAD:
-                key = tuple(sorted(dict(key, STRIP_RELOAD=1).items()))
             n_warps = (r // 16) * -(-nb_row // (32 * _EPL[x.dtype] // 16))
             grid = max(1, min(-(-n_warps // 8), sms * 8))
             _launch("nvfp4_quant_strip16", key, x, (grid, 1, 1), (256, 1, 1),

@@ -810,14 +810,11 @@ extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
 #define LPB (16 / EPL)        // lanes a block
 #define SPW (32 / LPB)        // block columns a warp
 // CTAs of 256 threads per SM the strip kernel's registers allow: 16 rows x 16 B held a lane (64 registers) and
-// the rest take 128 (bfloat16; float32 spilled 8 B at 2, more at 3); tests/test_cuda_sources.py checks builds
-// STRIP_RELOAD 1: the rows are read again (from L1 / L2: the warp read them for the max) for the codes instead
-// of held: 64 registers (4 CTAs per SM; float32 128: fewer spilled) instead of 128
-#ifndef STRIP_RELOAD
-#define STRIP_RELOAD 0
-#endif
+// the rest take 128 (bfloat16; float32 spilled 8 B at 2, more at 3); tests/test_cuda_sources.py checks builds.
+// (Reading the rows again for the codes instead, from L1 / L2 at 64 registers and 4 CTAs an SM, took 0.159 ms
+// against 0.124 held on 32768x4096 on an H100: removed, bench/RESULTS.md, forty-fifth session.)
 #ifndef STRIP_MINB
-#define STRIP_MINB (STRIP_RELOAD ? (IN_F32 ? 2 : 4) : IN_F32 ? 1 : 2)
+#define STRIP_MINB (IN_F32 ? 1 : 2)
 #endif
 
 __device__ __forceinline__ float lane_elem(const uint4& q, int i) {  // the lane's value i as float32
@@ -887,30 +884,17 @@ extern "C" __global__ void __launch_bounds__(256, STRIP_MINB) nvfp4_quant_strip1
     const long long b0 = tr * 16 * nb_row + col;  // the tile's row-0 block
     const uint4* p0 = xq + b0 * LPB + j;
     u32 m = 0;
-#if STRIP_RELOAD
-    const auto row = [&](int r) { return live ? __ldg(p0 + r * row_q) : uint4{0u, 0u, 0u, 0u}; };
-#pragma unroll
-    for (int h = 0; h < 16; h += 8) {  // 8 rows' loads in flight at a time
-      uint4 t[8];
-#pragma unroll
-      for (int r = 0; r < 8; ++r) t[r] = row(h + r);
-#pragma unroll
-      for (int r = 0; r < 8; ++r) m = max(m, lane_raw_bits(t[r]));
-    }
-#else
     uint4 v[16];
 #pragma unroll
     for (int r = 0; r < 16; ++r) v[r] = live ? __ldg(p0 + r * row_q) : uint4{0u, 0u, 0u, 0u};
 #pragma unroll
     for (int r = 0; r < 16; ++r) m = max(m, lane_raw_bits(v[r]));
-    const auto row = [&](int r) { return v[r]; };
-#endif
 #pragma unroll
     for (int k = 1; k < LPB; k <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, k));
     if (__any_sync(0xFFFFFFFFu, m >= 0x7F800000u)) {  // NaN / Inf in a tile of the warp: per block, as bmax
       m = 0;
 #pragma unroll
-      for (int r = 0; r < 16; ++r) m = max(m, split_bmax_bits(row(r)));
+      for (int r = 0; r < 16; ++r) m = max(m, split_bmax_bits(v[r]));
     }
     const float s = e4m3_round(__fmul_rn(__uint_as_float(m), __fmul_rn(sc.enc, ONE_SIXTH_F)));
     const float enc = enc_for(s, sc);
@@ -920,9 +904,9 @@ extern "C" __global__ void __launch_bounds__(256, STRIP_MINB) nvfp4_quant_strip1
       for (int r = 0; r < 16; ++r) {
         const long long b = b0 + (long long)r * nb_row;
 #if IN_F32
-        reinterpret_cast<unsigned short*>(d)[b * LPB + j] = (unsigned short)lane_codes(row(r), enc);
+        reinterpret_cast<unsigned short*>(d)[b * LPB + j] = (unsigned short)lane_codes(v[r], enc);
 #else
-        reinterpret_cast<u32*>(d)[b * LPB + j] = lane_codes(row(r), enc);
+        reinterpret_cast<u32*>(d)[b * LPB + j] = lane_codes(v[r], enc);
 #endif
         if (j == 0) sc_out[b] = sbits;
       }
