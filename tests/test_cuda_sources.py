@@ -100,6 +100,10 @@ def _quant_configs():
                 for fast46 in ((3, 2, 0) if rule46 else (0,)):
                     key = qc.flat_config(dtype, rule46, mae, nf, src, given_rows, fast46)
                     yield f"flat {dtype} {rule46} src{src} fast46 {fast46}", key
+                    if not given_rows:  # the 16x16 tile kernel with 2 and 4 tile pairs a warp (cuda.TILE16_U)
+                        for u in (2, 4):
+                            yield (f"tile {dtype} {rule46} src{src} fast46 {fast46} x{u}",
+                                   tuple(sorted(dict(key, TILE_U=u).items())))
 
 
 @pytest.mark.parametrize("name,key", list(_quant_configs()), ids=lambda v: v if isinstance(v, str) else "")

@@ -201,7 +201,9 @@ def tiles(shape, dtype, seed):
 
 # name: (kernel, compile keys added, FAST46 for 4/6: 3 is the tile kernel's decide46 per tile); the strip
 # kernel takes rule 6 only
-KERNELS = {"strip": (0, {}, 0), "tile": (1, {}, 0), "tile decide46": (1, {}, 3)}
+KERNELS = {"strip": (0, {}, 0), "tile": (1, {}, 0), "tile decide46": (1, {}, 3),
+           "tile 2 pairs a warp": (1, {"TILE_U": 2}, 0),
+           "tile decide46 4 pairs a warp": (1, {"TILE_U": 4}, 3)}
 # (rule 4/6, MAE, SRC 3): rules 6 and 4/6 with the tensor's amax, rule 6 and 4/6 MAE with an imposed g
 RULES = [(False, False, False), (False, False, True), (True, False, False), (True, True, True)]
 
@@ -217,7 +219,8 @@ CASES = [(name, rule, dtype) for name, (kernel, _, fast46) in KERNELS.items() fo
 @pytest.mark.parametrize("name,rule,dtype", CASES)
 def test_kernels_match_the_reference(root, name, rule, dtype):
     """Shapes whose block columns end inside a warp: 5 (both kernels), 17 (the bfloat16 strip's 16 a warp,
-    plus one) and 9 (float32's 8 plus one)."""
+    plus one) and 9 (float32's 8 plus one); the tile kernel with 2 or 4 tile pairs a warp (TILE_U), some past
+    the last (48x80: 9 pairs)."""
     kernel, extra, fast46 = KERNELS[name]
     rule46, mae, src3 = rule
     shapes = [(48, 80), (32, 272)] if dtype == torch.bfloat16 else [(48, 80), (32, 144)]

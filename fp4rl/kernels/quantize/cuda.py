@@ -85,6 +85,9 @@ FAST46_MIN_BLOCKS = int(os.environ.get("FP4RL_QUANT_FAST46_MIN_BLOCKS", str(1 <<
 # forty-fifth session). False: the Triton kernel.
 TILE16_RULE6 = True
 STRIP16 = True
+# tile pairs a warp of the tile kernel at a time, their loads issued together (quant.cu TILE_U: 1, 2 or 4;
+# 64 / 80 / 128 registers for bfloat16 4/6): 1 until timed
+TILE16_U = 1
 # 16x16 tiles with rule 4/6: decide46 per tile (quant.cu tile46_decide: lean46's cheap errors and bounds
 # summed over the tile, the exact errors only where they cannot tell) from FAST46_MIN_BLOCKS blocks, with
 # FAST46 3: on an H100, 32768x4096 bf16 0.395 -> 0.339 ms (mse; mae 0.382 -> 0.339), the same bytes
@@ -262,10 +265,14 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
             _launch("nvfp4_quant_strip16", key, x, (grid, 1, 1), (256, 1, 1),
                     [x, data, scale, g, given, parts if parts is not None else g, r // 16, nb_row])
             return
+        if TILE16_U not in (1, 2, 4):
+            raise ValueError(f"cuda.TILE16_U = {TILE16_U!r}: use 1, 2 or 4 tile pairs a warp")
         n_warps = (r // 16) * -(-nb_row // 2)
-        grid = max(1, min(-(-n_warps // 8), sms * 16))
+        grid = max(1, min(-(-n_warps // (8 * TILE16_U)), sms * 16))
         tile_fast = TILE16_FAST46 and rule46 and fast46 == 3
         key = flat_config(x.dtype, rule46, mae, allow_nf, src, False, 3 if tile_fast else 0)
+        if TILE16_U != 1:
+            key = tuple(sorted(dict(key, TILE_U=TILE16_U).items()))
         _launch("nvfp4_quant_tile16", key, x, (grid, 1, 1), (256, 1, 1),
                 [x, data, scale, g, given, parts if parts is not None else g, r // 16, nb_row])
         return

@@ -717,9 +717,72 @@ __device__ __forceinline__ bool tile_all(bool p) {
 // CTAs of 256 threads per SM the tile kernel's registers allow: its own, not the flat kernel's MINB (rule 6
 // at 32 registers spilled): 64 registers for bfloat16, none for float32 (4/6 takes 80-96);
 // tests/test_cuda_sources.py checks every build
-#ifndef TILE_MINB
-#define TILE_MINB (IN_F32 ? 1 : 4)
+// TILE_U tile pairs a warp at a time: their loads issued together, then each pair's work (more bytes in flight
+// a warp: the kernel is memory-bound at rule 6)
+#ifndef TILE_U
+#define TILE_U 1
 #endif
+#ifndef TILE_MINB
+#define TILE_MINB (IN_F32 ? 1 : TILE_U == 1 ? 4 : TILE_U == 2 ? 3 : 2)
+#endif
+
+// one tile pair after its loads: lane r (of each half-warp) holds row r's block r, its max bmax; every lane of
+// the warp calls it (shuffles)
+__device__ __forceinline__ void tile_pair(const Raw& r, u32 bmax, bool live, long long b, const Scales& sc,
+                                          uint2* __restrict__ d, unsigned char* __restrict__ sc_out) {
+  const float tmax = __uint_as_float(tile_max(bmax));
+  uint2 codes;
+  u32 sbits;
+#if RULE46
+  float s6, s4, enc6, enc4;
+  candidates46(sc, tmax, s6, s4, enc6, enc4);
+  int pick = -1;  // 1: 4, 0: 6, -1: not known yet
+#if FAST46 == 3
+  // decide46 per tile (tile46_decide): lean46's pass over every block at the tile's factors, the cheap
+  // errors and their bounds summed over the tile
+  uint2 c6, c4;
+  float l6, l4, b6, b4;
+  const bool lean = tile_all(tile46_guards(sc, tmax, s6, enc6, enc4) &
+                             tile46_block(r, __uint_as_float(bmax), enc6, enc4, l6, l4, b6, b4, c6, c4));
+  const float E6 = tile_sum(l6), E4 = tile_sum(l4), B6 = tile_sum(b6), B4 = tile_sum(b4);
+  if (lean) pick = tile46_decide(s6, s4, E6, E4, B6, B4);
+  // an all-zero (or all-NaN with allow_nonfinite) tile, and the dead half past the last column: s6 = s4 = 0,
+  // so both candidates' errors are the same and the reference keeps 6 (without this, the tile's guard fails
+  // and sends the warp's other tile to the exact errors too)
+  if (tmax == 0.0f) pick = 0;
+#endif
+  if (__any_sync(0xFFFFFFFFu, pick < 0)) {  // a tile of the warp not decided: the exact errors (every lane)
+    float e6, e4;
+    if (sc.fast) {
+#if FAST46 == 3  // out of line, as lean46's (inline, the per-tile decide46 build spilled)
+      errors_exact(r, s6, enc6, s4, enc4, sc, &e6, &e4);
+#else
+      e6 = candidate_error<true>(r, s6, enc6, sc);
+      e4 = candidate_error<true>(r, s4, enc4, sc);
+#endif
+    } else {
+      errors_ieee(r, s6, enc6, s4, enc4, sc, &e6, &e4);
+    }
+    const bool pick4 = tile_sum(e4) < tile_sum(e6);
+    if (pick < 0) pick = pick4;
+  }
+#if FAST46 == 3
+  codes = lean ? (pick ? c4 : c6) : codes_of(r, pick ? enc4 : enc6);  // (lean46's codes: codes_of's there)
+#else
+  codes = codes_of(r, pick ? enc4 : enc6);
+#endif
+  sbits = e4m3_bits(pick ? s4 : s6);
+#else
+  const float s = e4m3_round(__fmul_rn(tmax, __fmul_rn(sc.enc, ONE_SIXTH_F)));
+  codes = codes_of(r, enc_for(s, sc));
+  sbits = e4m3_bits(s);
+#endif
+  if (live) {
+    d[b] = codes;
+    sc_out[b] = (unsigned char)sbits;
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
     const void* __restrict__ x, uint2* __restrict__ d, unsigned char* __restrict__ sc_out, float* __restrict__ g_out,
     const float* __restrict__ given, const int* __restrict__ parts, int n_tr, int nb_row) {
@@ -727,71 +790,34 @@ extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
   const int lane = threadIdx.x & 31;
   const int pairs = (nb_row + 1) >> 1;  // tile pairs per tile row
   const long long n_warps = (long long)n_tr * pairs;
-  // w is the same for the warp's 32 lanes, so every shuffle below has all of them (a half past the last
-  // block column reduces zeros among its own 16 lanes and stores nothing)
-  for (long long w = ((long long)blockIdx.x * 256 + threadIdx.x) >> 5; w < n_warps; w += (long long)gridDim.x * 8) {
-    const long long tr = w / pairs;
-    const int col = (int)(w - tr * pairs) * 2 + (lane >> 4);
-    const bool live = col < nb_row;
-    const long long b = (tr * 16 + (lane & 15)) * nb_row + col;
-    Raw r = {};
-    u32 bmax = 0;
-    if (live) {
-      u32 raw, fin;
-      load_block(x, b, r);
-      block_max_bits(r, raw, fin, bmax);
+  // w0 (and so every w) is the same for the warp's 32 lanes, so every shuffle has all of them (a half past the
+  // last block column, or a pair past the last, reduces zeros among its own 16 lanes and stores nothing)
+  for (long long w0 = (((long long)blockIdx.x * 256 + threadIdx.x) >> 5) * TILE_U; w0 < n_warps;
+       w0 += (long long)gridDim.x * 8 * TILE_U) {
+    Raw r[TILE_U];
+    u32 bmax[TILE_U];
+    bool live[TILE_U];
+    long long b[TILE_U];
+#pragma unroll
+    for (int u = 0; u < TILE_U; ++u) {
+      const long long w = w0 + u;
+      const long long tr = w / pairs;
+      const int col = (int)(w - tr * pairs) * 2 + (lane >> 4);
+      live[u] = w < n_warps && col < nb_row;
+      b[u] = (tr * 16 + (lane & 15)) * nb_row + col;
+      r[u] = Raw{};
+      if (live[u]) load_block(x, b[u], r[u]);
     }
-    const float tmax = __uint_as_float(tile_max(bmax));
-    uint2 codes;
-    u32 sbits;
-#if RULE46
-    float s6, s4, enc6, enc4;
-    candidates46(sc, tmax, s6, s4, enc6, enc4);
-    int pick = -1;  // 1: 4, 0: 6, -1: not known yet
-#if FAST46 == 3
-    // decide46 per tile (tile46_decide): lean46's pass over every block at the tile's factors, the cheap
-    // errors and their bounds summed over the tile
-    uint2 c6, c4;
-    float l6, l4, b6, b4;
-    const bool lean = tile_all(tile46_guards(sc, tmax, s6, enc6, enc4) &
-                               tile46_block(r, __uint_as_float(bmax), enc6, enc4, l6, l4, b6, b4, c6, c4));
-    const float E6 = tile_sum(l6), E4 = tile_sum(l4), B6 = tile_sum(b6), B4 = tile_sum(b4);
-    if (lean) pick = tile46_decide(s6, s4, E6, E4, B6, B4);
-    // an all-zero (or all-NaN with allow_nonfinite) tile, and the dead half past the last column: s6 = s4 = 0,
-    // so both candidates' errors are the same and the reference keeps 6 (without this, the tile's guard fails
-    // and sends the warp's other tile to the exact errors too)
-    if (tmax == 0.0f) pick = 0;
-#endif
-    if (__any_sync(0xFFFFFFFFu, pick < 0)) {  // a tile of the warp not decided: the exact errors (every lane)
-      float e6, e4;
-      if (sc.fast) {
-#if FAST46 == 3  // out of line, as lean46's (inline, the per-tile decide46 build spilled)
-        errors_exact(r, s6, enc6, s4, enc4, sc, &e6, &e4);
-#else
-        e6 = candidate_error<true>(r, s6, enc6, sc);
-        e4 = candidate_error<true>(r, s4, enc4, sc);
-#endif
-      } else {
-        errors_ieee(r, s6, enc6, s4, enc4, sc, &e6, &e4);
+#pragma unroll
+    for (int u = 0; u < TILE_U; ++u) {
+      bmax[u] = 0;
+      if (live[u]) {
+        u32 raw, fin;
+        block_max_bits(r[u], raw, fin, bmax[u]);
       }
-      const bool pick4 = tile_sum(e4) < tile_sum(e6);
-      if (pick < 0) pick = pick4;
     }
-#if FAST46 == 3
-    codes = lean ? (pick ? c4 : c6) : codes_of(r, pick ? enc4 : enc6);  // (lean46's codes: codes_of's there)
-#else
-    codes = codes_of(r, pick ? enc4 : enc6);
-#endif
-    sbits = e4m3_bits(pick ? s4 : s6);
-#else
-    const float s = e4m3_round(__fmul_rn(tmax, __fmul_rn(sc.enc, ONE_SIXTH_F)));
-    codes = codes_of(r, enc_for(s, sc));
-    sbits = e4m3_bits(s);
-#endif
-    if (live) {
-      d[b] = codes;
-      sc_out[b] = (unsigned char)sbits;
-    }
+#pragma unroll
+    for (int u = 0; u < TILE_U; ++u) tile_pair(r[u], bmax[u], live[u], b[u], sc, d, sc_out);
   }
 }
 
