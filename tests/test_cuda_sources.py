@@ -104,6 +104,9 @@ def _quant_configs():
                         for u in (2, 4):
                             yield (f"tile {dtype} {rule46} src{src} fast46 {fast46} x{u}",
                                    tuple(sorted(dict(key, TILE_U=u).items())))
+                            if u == 2 or dtype == torch.bfloat16:  # staged through shared memory
+                                yield (f"tile {dtype} {rule46} src{src} fast46 {fast46} x{u} staged",
+                                       tuple(sorted(dict(key, TILE_U=u, TILE_SMEM=1).items())))
 
 
 @pytest.mark.parametrize("name,key", list(_quant_configs()), ids=lambda v: v if isinstance(v, str) else "")

@@ -190,10 +190,11 @@ def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fas
     default: slower than Triton there), on the strip kernel (a warp 16 rows x 16 or 8 block columns, a block
     split over 2 or 4 lanes: block columns past the last in a warp, NaN / Inf in half a block) and on the tile
     kernel. tile_fast46: the tile kernel's 4/6 decided per tile by the summed bound (FAST46 3) at every
-    size, and 4 tile pairs a warp (TILE16_U)."""
+    size, and 4 tile pairs a warp (TILE16_U), staged through shared memory where they fit (TILE16_SMEM)."""
     monkeypatch.setattr(qc, "TILE16_RULE6", True)
     monkeypatch.setattr(qc, "TILE16_FAST46", tile_fast46)
     monkeypatch.setattr(qc, "TILE16_U", 4 if tile_fast46 else 1)
+    monkeypatch.setattr(qc, "TILE16_SMEM", tile_fast46)  # (staged where the pairs are a multiple of 4)
     monkeypatch.setattr(qc, "FAST46", 3)
     monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0 if tile_fast46 else 1 << 40)
     for shape in [(16, 16), (48, 80), (64, 4096), (32, 4112), (4096, 2048)]:
@@ -475,6 +476,15 @@ def test_tile16_launch_plan(monkeypatch):
     name, key, grid, args = calls[-1]
     assert name == "nvfp4_quant_tile16" and key["TILE_U"] == 4
     assert grid == (min(-(-256 * 129 // 32), 132 * 16), 1, 1)
+    # staged through shared memory where a tile row's pairs (129 here) are a multiple of TILE16_U
+    monkeypatch.setattr(qc, "TILE16_SMEM", True)
+    qc.quantize(x, None, None, None, None, None, None, 0, False, True, False, False, True)
+    assert "TILE_SMEM" not in calls[-1][1]
+    qc.quantize(x[:, :4096], None, None, None, None, None, None, 0, False, True, False, False, True)
+    assert calls[-1][1]["TILE_SMEM"] == 1 and calls[-1][1]["TILE_U"] == 4
+    qc.quantize(x[:, :4096].float(), None, None, None, None, None, None, 0, False, True, False, False, True)
+    assert "TILE_SMEM" not in calls[-1][1]  # (float32 at 4 pairs: over 48 KB of shared memory)
+    monkeypatch.setattr(qc, "TILE16_SMEM", False)
     monkeypatch.setattr(qc, "TILE16_U", 3)
     with pytest.raises(ValueError, match="TILE16_U"):
         qc.quantize(x, None, None, None, None, None, None, 0, False, True, False, False, True)

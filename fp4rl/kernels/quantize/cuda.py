@@ -88,6 +88,10 @@ STRIP16 = True
 # tile pairs a warp of the tile kernel at a time, their loads issued together (quant.cu TILE_U: 1, 2 or 4;
 # 64 / 80 / 128 registers for bfloat16 4/6): 1 until timed
 TILE16_U = 1
+# with TILE16_U 2 or 4: each warp stages its 16 rows x 2U blocks through shared memory with coalesced loads
+# (quant.cu TILE_SMEM), where a tile row's pairs are a multiple of TILE16_U (float32 at 2 only: 48 KB of
+# static shared memory a CTA); off until timed
+TILE16_SMEM = False
 # 16x16 tiles with rule 4/6: decide46 per tile (quant.cu tile46_decide: lean46's cheap errors and bounds
 # summed over the tile, the exact errors only where they cannot tell) from FAST46_MIN_BLOCKS blocks, with
 # FAST46 3: on an H100, 32768x4096 bf16 0.395 -> 0.339 ms (mse; mae 0.382 -> 0.339), the same bytes
@@ -272,7 +276,9 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
         tile_fast = TILE16_FAST46 and rule46 and fast46 == 3
         key = flat_config(x.dtype, rule46, mae, allow_nf, src, False, 3 if tile_fast else 0)
         if TILE16_U != 1:
-            key = tuple(sorted(dict(key, TILE_U=TILE16_U).items()))
+            smem = (TILE16_SMEM and -(-nb_row // 2) % TILE16_U == 0
+                    and (x.dtype == torch.bfloat16 or TILE16_U == 2))
+            key = tuple(sorted(dict(key, TILE_U=TILE16_U, **({"TILE_SMEM": 1} if smem else {})).items()))
         _launch("nvfp4_quant_tile16", key, x, (grid, 1, 1), (256, 1, 1),
                 [x, data, scale, g, given, parts if parts is not None else g, r // 16, nb_row])
         return

@@ -722,9 +722,18 @@ __device__ __forceinline__ bool tile_all(bool p) {
 #ifndef TILE_U
 #define TILE_U 1
 #endif
-#ifndef TILE_MINB
-#define TILE_MINB (IN_F32 ? 1 : TILE_U == 1 ? 4 : TILE_U == 2 ? 3 : 2)
+#ifndef TILE_SMEM
+#define TILE_SMEM 0
 #endif
+// (bfloat16 4/6 staged at 4 pairs spilled at 128 registers: 1)
+#ifndef TILE_MINB
+#define TILE_MINB (IN_F32 ? 1 : TILE_U == 1 ? 4 : TILE_U == 2 ? 3 : TILE_SMEM && RULE46 ? 1 : 2)
+#endif
+// TILE_SMEM 1 (with TILE_U 2 or 4; the launcher sends it only where a tile row's pairs are a multiple of
+// TILE_U, so a warp's U pairs are adjacent in one tile row): the warp stages its 16 rows x 2U blocks through
+// its own shared memory, each load instruction covering rows' 2U x 32 (fp32 64) contiguous bytes, instead of
+// each lane reading its block (16 rows x 64 B a warp instruction); rows padded by 16 B (no bank conflicts
+// when lane r reads row r)
 
 // one tile pair after its loads: lane r (of each half-warp) holds row r's block r, its max bmax; every lane of
 // the warp calls it (shuffles)
@@ -798,6 +807,25 @@ extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
     u32 bmax[TILE_U];
     bool live[TILE_U];
     long long b[TILE_U];
+#if TILE_SMEM
+    constexpr int QB = IN_F32 ? 4 : 2;            // 16-byte words a block
+    constexpr int QR = 2 * TILE_U * QB;           // words of a row's segment
+    constexpr int PITCH = QR + 1;                 // words a staged row (one of padding)
+    __shared__ uint4 stage[8][16 * PITCH];
+    uint4* st = stage[threadIdx.x >> 5];
+    {
+      const long long tr = w0 / pairs;
+      const int col0 = (int)(w0 - tr * pairs) * 2;  // the segment's first block column
+      const uint4* xq = reinterpret_cast<const uint4*>(x);
+#pragma unroll
+      for (int i = lane; i < 16 * QR; i += 32) {
+        const int rr = i / QR, c = i - rr * QR;
+        st[rr * PITCH + c] = col0 + c / QB < nb_row
+            ? __ldg(xq + ((tr * 16 + rr) * nb_row + col0) * QB + c) : uint4{0u, 0u, 0u, 0u};
+      }
+    }
+    __syncwarp();
+#endif
 #pragma unroll
     for (int u = 0; u < TILE_U; ++u) {
       const long long w = w0 + u;
@@ -806,8 +834,17 @@ extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
       live[u] = w < n_warps && col < nb_row;
       b[u] = (tr * 16 + (lane & 15)) * nb_row + col;
       r[u] = Raw{};
+#if TILE_SMEM
+      const uint4* src = st + (lane & 15) * PITCH + (2 * u + (lane >> 4)) * QB;
+#pragma unroll
+      for (int k = 0; k < QB; ++k) r[u].q[k] = src[k];
+#else
       if (live[u]) load_block(x, b[u], r[u]);
+#endif
     }
+#if TILE_SMEM
+    __syncwarp();  // (the next segment's stores after every lane's reads)
+#endif
 #pragma unroll
     for (int u = 0; u < TILE_U; ++u) {
       bmax[u] = 0;
