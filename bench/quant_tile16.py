@@ -45,6 +45,7 @@ def main() -> int:
              ("16x16 4/6 mse", dict(tile16=True, scale_rule="4/6")),
              ("16x16 4/6 mse, decide46 per tile", dict(tile16=True, scale_rule="4/6")),
              ("16x16 4/6 mae, decide46 per tile", dict(tile16=True, scale_rule="4/6", err="mae")),
+             ("16x16 4/6 mse, decide46 per tile, 1 pair a warp", dict(tile16=True, scale_rule="4/6")),
              ("16x16 4/6 mse, decide46 per tile, 2 pairs a warp", dict(tile16=True, scale_rule="4/6")),
              ("16x16 4/6 mse, decide46 per tile, 4 pairs a warp", dict(tile16=True, scale_rule="4/6")),
              ("16x16 4/6 mse, decide46 per tile, 2 pairs a warp, staged",
@@ -58,22 +59,25 @@ def main() -> int:
              ("16x16 4/6 mse, imposed global scale", dict(tile16=True, scale_rule="4/6", global_scale=g46)),
              ("1x16 4/6 mse", dict(scale_rule="4/6")),
              ("1x16 rule 6", dict())]
-    default = dict(fast46=qc.TILE16_FAST46)
+    default = dict(fast46=qc.TILE16_FAST46, u=qc.TILE16_U, smem=qc.TILE16_SMEM)
     for name, kw in cases:
         outs = {}
         for cuda in (False, True):
             qc.STATE["on"] = qc.TILE16_RULE6 = cuda  # (16x16 rule 6 takes the tile kernel only when asked)
             qc.TILE16_FAST46 = cuda and "decide46" in name
             qc.STRIP16 = "tile kernel" not in name  # (rule 6: the strip kernel unless named)
-            qc.TILE16_U = 4 if "4 pairs" in name else 2 if "2 pairs" in name else 1
-            qc.TILE16_SMEM = "staged" in name
+            # (the tile kernel's pairs a warp and staging: as named, else the defaults)
+            qc.TILE16_U = 4 if "4 pairs" in name else 2 if "2 pairs" in name else 1 if "1 pair" in name \
+                else default["u"]
+            qc.TILE16_SMEM = "staged" in name if "pair" in name else default["smem"]
             try:
                 outs[cuda] = q.quantize_2d(x, **kw)
                 ms = triton.testing.do_bench(lambda kw=kw: q.quantize_2d(x, check_finite=False, **kw),
                                              warmup=5, rep=60)
             finally:
                 qc.STATE["on"], qc.TILE16_RULE6, qc.STRIP16 = True, False, True
-                qc.TILE16_FAST46, qc.TILE16_U, qc.TILE16_SMEM = default["fast46"], 1, False
+                qc.TILE16_FAST46, qc.TILE16_U = default["fast46"], default["u"]
+                qc.TILE16_SMEM = default["smem"]
             assert qc.STATE["error"] is None, qc.STATE["error"]
             row = {"case": name, "kernel": "CUDA C++" if cuda else "Triton", "ms": ms,
                    "TB/s": nbytes / ms / 1e9}

@@ -190,11 +190,12 @@ def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fas
     default: slower than Triton there), on the strip kernel (a warp 16 rows x 16 or 8 block columns, a block
     split over 2 or 4 lanes: block columns past the last in a warp, NaN / Inf in half a block) and on the tile
     kernel. tile_fast46: the tile kernel's 4/6 decided per tile by the summed bound (FAST46 3) at every
-    size, and 4 tile pairs a warp (TILE16_U), staged through shared memory where they fit (TILE16_SMEM)."""
+    size with 2 tile pairs a warp staged through shared memory where they fit (the defaults: TILE16_U,
+    TILE16_SMEM), else the exact errors at 4 pairs a warp, not staged."""
     monkeypatch.setattr(qc, "TILE16_RULE6", True)
     monkeypatch.setattr(qc, "TILE16_FAST46", tile_fast46)
-    monkeypatch.setattr(qc, "TILE16_U", 4 if tile_fast46 else 1)
-    monkeypatch.setattr(qc, "TILE16_SMEM", tile_fast46)  # (staged where the pairs are a multiple of 4)
+    monkeypatch.setattr(qc, "TILE16_U", 2 if tile_fast46 else 4)
+    monkeypatch.setattr(qc, "TILE16_SMEM", tile_fast46)  # (staged where the pairs are a multiple of 2)
     monkeypatch.setattr(qc, "FAST46", 3)
     monkeypatch.setattr(qc, "FAST46_MIN_BLOCKS", 0 if tile_fast46 else 1 << 40)
     for shape in [(16, 16), (48, 80), (64, 4096), (32, 4112), (4096, 2048)]:
@@ -450,6 +451,8 @@ def test_tile16_launch_plan(monkeypatch):
     sm = SimpleNamespace(multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: sm)
     monkeypatch.setattr(qc, "FAST46", 3)
+    assert (qc.TILE16_U, qc.TILE16_SMEM) == (2, True)  # the defaults (below: one pair a warp first)
+    monkeypatch.setattr(qc, "TILE16_U", 1)
     x = torch.zeros(4096, 4112, dtype=torch.bfloat16)  # 257 block columns: 129 tile pairs a tile row
     for fast, want in ((False, 0), (True, 3)):
         monkeypatch.setattr(qc, "TILE16_FAST46", fast)

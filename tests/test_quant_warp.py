@@ -206,7 +206,8 @@ KERNELS = {"strip": (0, {}, 0), "tile": (1, {}, 0), "tile decide46": (1, {}, 3),
            "tile 2 pairs a warp": (1, {"TILE_U": 2}, 0),
            "tile decide46 4 pairs a warp": (1, {"TILE_U": 4}, 3),
            "tile 2 pairs staged": (1, {"TILE_U": 2, "TILE_SMEM": 1}, 0),
-           "tile decide46 4 pairs staged": (1, {"TILE_U": 4, "TILE_SMEM": 1}, 3)}
+           "tile decide46 4 pairs staged": (1, {"TILE_U": 4, "TILE_SMEM": 1}, 3),
+           "tile decide46 2 pairs staged (the default)": (1, {"TILE_U": 2, "TILE_SMEM": 1}, 3)}
 # (rule 4/6, MAE, SRC 3): rules 6 and 4/6 with the tensor's amax, rule 6 and 4/6 MAE with an imposed g
 RULES = [(False, False, False), (False, False, True), (True, False, False), (True, True, True)]
 

@@ -86,12 +86,13 @@ FAST46_MIN_BLOCKS = int(os.environ.get("FP4RL_QUANT_FAST46_MIN_BLOCKS", str(1 <<
 TILE16_RULE6 = True
 STRIP16 = True
 # tile pairs a warp of the tile kernel at a time, their loads issued together (quant.cu TILE_U: 1, 2 or 4;
-# 64 / 80 / 128 registers for bfloat16 4/6): 1 until timed
-TILE16_U = 1
-# with TILE16_U 2 or 4: each warp stages its 16 rows x 2U blocks through shared memory with coalesced loads
-# (quant.cu TILE_SMEM), where a tile row's pairs are a multiple of TILE16_U (float32 at 2 only: 48 KB of
-# static shared memory a CTA); off until timed
-TILE16_SMEM = False
+# 64 / 80 / 128 registers for bfloat16 4/6), and with TILE16_SMEM staged through the warp's shared memory with
+# coalesced loads (TILE_SMEM) where a tile row's pairs are a multiple of TILE16_U (float32 at 2 only: 48 KB of
+# static shared memory a CTA). 16x16 4/6 decided per tile on an H100, medians of three: 32768x4096 bf16 0.341
+# (1) -> 0.334 (2) -> 0.322 ms (2 staged), 0.353 at 4; 8192x14336 0.299 -> 0.293 -> 0.288, 0.313 at 4
+# (bench/RESULTS.md, forty-fifth session)
+TILE16_U = 2
+TILE16_SMEM = True
 # 16x16 tiles with rule 4/6: decide46 per tile (quant.cu tile46_decide: lean46's cheap errors and bounds
 # summed over the tile, the exact errors only where they cannot tell) from FAST46_MIN_BLOCKS blocks, with
 # FAST46 3: on an H100, 32768x4096 bf16 0.395 -> 0.339 ms (mse; mae 0.382 -> 0.339), the same bytes
