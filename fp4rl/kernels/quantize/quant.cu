@@ -714,18 +714,17 @@ __device__ __forceinline__ bool tile_all(bool p) {
   return v != 0;
 }
 
-// CTAs of 256 threads per SM the tile kernel's registers allow: its own, not the flat kernel's MINB (rule 6
-// at 32 registers spilled): 64 registers for bfloat16, none for float32 (4/6 takes 80-96);
-// tests/test_cuda_sources.py checks every build
 // TILE_U tile pairs a warp at a time: their loads issued together, then each pair's work (more bytes in flight
-// a warp: the kernel is memory-bound at rule 6)
+// a warp); cuda.TILE16_U picks 2, staged (TILE_SMEM, below)
 #ifndef TILE_U
 #define TILE_U 1
 #endif
 #ifndef TILE_SMEM
 #define TILE_SMEM 0
 #endif
-// (bfloat16 4/6 staged at 4 pairs spilled at 128 registers: 1)
+// CTAs of 256 threads per SM the tile kernel's registers allow: its own, not the flat kernel's MINB (rule 6
+// at 32 registers spilled): 64 / 80 / 128 registers for bfloat16 at 1 / 2 / 4 pairs (4 staged with rule 4/6
+// spilled at 128: 1), none for float32 (4/6 takes 80-168); tests/test_cuda_sources.py checks every build
 #ifndef TILE_MINB
 #define TILE_MINB (IN_F32 ? 1 : TILE_U == 1 ? 4 : TILE_U == 2 ? 3 : TILE_SMEM && RULE46 ? 1 : 2)
 #endif
@@ -735,8 +734,8 @@ __device__ __forceinline__ bool tile_all(bool p) {
 // each lane reading its block (16 rows x 64 B a warp instruction); rows padded by 16 B (no bank conflicts
 // when lane r reads row r)
 
-// one tile pair after its loads: lane r (of each half-warp) holds row r's block r, its max bmax; every lane of
-// the warp calls it (shuffles)
+// one tile pair after its loads: lane r of each half-warp holds row r's block of its tile, the block's max
+// bmax; every lane of the warp calls it (shuffles)
 __device__ __forceinline__ void tile_pair(const Raw& r, u32 bmax, bool live, long long b, const Scales& sc,
                                           uint2* __restrict__ d, unsigned char* __restrict__ sc_out) {
   const float tmax = __uint_as_float(tile_max(bmax));
