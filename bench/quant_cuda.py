@@ -70,7 +70,7 @@ def force_minb(minb):
     def swap(key):
         return key if minb is None else tuple(sorted({**dict(key), "MINB": minb}.items()))
     qc.rows_config = lambda *a: (lambda t: (t[0], t[1], swap(t[2])))(ROWS_CONFIG(*a))
-    qc.flat_config = lambda *a: swap(FLAT_CONFIG(*a))
+    qc.flat_config = lambda *a, **k: swap(FLAT_CONFIG(*a, **k))
 
 
 def main():

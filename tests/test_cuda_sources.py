@@ -103,10 +103,11 @@ def _quant_configs():
                     if not given_rows:  # the 16x16 tile kernel with 2 and 4 tile pairs a warp (cuda.TILE16_U)
                         for u in (2, 4):
                             yield (f"tile {dtype} {rule46} src{src} fast46 {fast46} x{u}",
-                                   tuple(sorted(dict(key, TILE_U=u).items())))
+                                   qc.flat_config(dtype, rule46, mae, nf, src, False, fast46, TILE_U=u))
                             if u == 2 or dtype == torch.bfloat16:  # staged through shared memory
                                 yield (f"tile {dtype} {rule46} src{src} fast46 {fast46} x{u} staged",
-                                       tuple(sorted(dict(key, TILE_U=u, TILE_SMEM=1).items())))
+                                       qc.flat_config(dtype, rule46, mae, nf, src, False, fast46, TILE_U=u,
+                                                      TILE_SMEM=1))
 
 
 @pytest.mark.parametrize("name,key", list(_quant_configs()), ids=lambda v: v if isinstance(v, str) else "")

@@ -212,13 +212,14 @@ def rows_config(dtype, rule46: bool, mae: bool, allow_nf: bool, nb_row: int, bpt
 
 
 def flat_config(dtype, rule46: bool, mae: bool, allow_nf: bool, src: int, given_rows: bool,
-                fast46=None) -> tuple:
-    """Compile key of the flat kernel (per-tensor or imposed scales)."""
+                fast46=None, **extra) -> tuple:
+    """Compile key of the flat kernel (per-tensor or imposed scales), which the 16x16 kernels share (extra:
+    their own defines, TILE_U, TILE_SMEM)."""
     minb = _MIN_BLOCKS[(rule46, 1)] if dtype == torch.bfloat16 else 1
-    return _defs(dtype, rule46, mae, allow_nf, src, given_rows, fast46=fast46, MINB=minb)
+    return _defs(dtype, rule46, mae, allow_nf, src, given_rows, fast46=fast46, MINB=minb, **extra)
 
 
-_EPL = {torch.bfloat16: 8, torch.float32: 4}  # values a lane a row in the strip kernel (16 bytes)
+_STRIP_COLS = {torch.bfloat16: 16, torch.float32: 8}  # block columns a warp, the strip kernel (quant.cu SPW)
 
 
 def _dev(x):
@@ -265,7 +266,7 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         if not rule46 and STRIP16:
             key = flat_config(x.dtype, False, False, allow_nf, src, False, 0)
-            n_warps = (r // 16) * -(-nb_row // (32 * _EPL[x.dtype] // 16))
+            n_warps = (r // 16) * -(-nb_row // _STRIP_COLS[x.dtype])
             grid = max(1, min(-(-n_warps // 8), sms * 8))
             _launch("nvfp4_quant_strip16", key, x, (grid, 1, 1), (256, 1, 1),
                     [x, data, scale, g, given, parts if parts is not None else g, r // 16, nb_row])
@@ -275,11 +276,13 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
         n_warps = (r // 16) * -(-nb_row // 2)
         grid = max(1, min(-(-n_warps // (8 * TILE16_U)), sms * 16))
         tile_fast = TILE16_FAST46 and rule46 and fast46 == 3
-        key = flat_config(x.dtype, rule46, mae, allow_nf, src, False, 3 if tile_fast else 0)
+        extra = {}
         if TILE16_U != 1:
-            smem = (TILE16_SMEM and -(-nb_row // 2) % TILE16_U == 0
-                    and (x.dtype == torch.bfloat16 or TILE16_U == 2))
-            key = tuple(sorted(dict(key, TILE_U=TILE16_U, **({"TILE_SMEM": 1} if smem else {})).items()))
+            extra["TILE_U"] = TILE16_U
+            pairs_fit = -(-nb_row // 2) % TILE16_U == 0  # (a warp's pairs in one tile row)
+            if TILE16_SMEM and pairs_fit and (x.dtype == torch.bfloat16 or TILE16_U == 2):
+                extra["TILE_SMEM"] = 1
+        key = flat_config(x.dtype, rule46, mae, allow_nf, src, False, 3 if tile_fast else 0, **extra)
         _launch("nvfp4_quant_tile16", key, x, (grid, 1, 1), (256, 1, 1),
                 [x, data, scale, g, given, parts if parts is not None else g, r // 16, nb_row])
         return

@@ -61,19 +61,26 @@ __device__ __forceinline__ void load_block(const void* __restrict__ x, long long
 #endif
 }
 
+__device__ __forceinline__ u32 word4(const uint4& q, int w) {  // w-th 32-bit word (0-3) of 16 bytes
+  return w == 0 ? q.x : w == 1 ? q.y : w == 2 ? q.z : q.w;
+}
+
 __device__ __forceinline__ u32 word(const Raw& r, int w) {  // w-th 32-bit word of the block
-  const uint4& q = r.q[w >> 2];
-  return (w & 3) == 0 ? q.x : (w & 3) == 1 ? q.y : (w & 3) == 2 ? q.z : q.w;
+  return word4(r.q[w >> 2], w & 3);
+}
+
+// value i of a run of input values as float32, given the 32-bit word that holds it (bfloat16: two a word)
+__device__ __forceinline__ float value_in(u32 w, int i) {
+#if IN_F32
+  return __uint_as_float(w);
+#else
+  return __uint_as_float((i & 1) ? (w & 0xFFFF0000u) : (w << 16));
+#endif
 }
 
 // element i of the block as float32
 __device__ __forceinline__ float elem(const Raw& r, int i) {
-#if IN_F32
-  return __uint_as_float(word(r, i));
-#else
-  u32 w = word(r, i >> 1);
-  return __uint_as_float((i & 1) ? (w & 0xFFFF0000u) : (w << 16));
-#endif
+  return value_in(word(r, IN_F32 ? i : i >> 1), i);
 }
 
 // max |x| over the block as float32 bit patterns: raw (NaN/Inf included), fin (the finite values: the row and
@@ -880,13 +887,7 @@ extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
 #endif
 
 __device__ __forceinline__ float lane_elem(const uint4& q, int i) {  // the lane's value i as float32
-  const u32 w = (i >> (IN_F32 ? 0 : 1)) == 0 ? q.x : (i >> (IN_F32 ? 0 : 1)) == 1 ? q.y
-              : (i >> (IN_F32 ? 0 : 1)) == 2 ? q.z : q.w;
-#if IN_F32
-  return __uint_as_float(w);
-#else
-  return __uint_as_float((i & 1) ? (w & 0xFFFF0000u) : (w << 16));
-#endif
+  return value_in(word4(q, IN_F32 ? i : i >> 1), i);
 }
 
 __device__ __forceinline__ u32 lane_raw_bits(const uint4& q) {  // max |x| bit patterns, NaN / Inf included
@@ -926,7 +927,6 @@ __device__ __forceinline__ u32 lane_codes(const uint4& q, float enc) {  // the l
   for (int i = 0; i < EPL; ++i) w += e2m1(__fmul_rn(lane_elem(q, i), enc), unused) << (4 * i);
   return w - BIAS * (IN_F32 ? 0x1111u : 0x11111111u);
 }
-
 
 extern "C" __global__ void __launch_bounds__(256, STRIP_MINB) nvfp4_quant_strip16(
     const void* __restrict__ x, void* __restrict__ d, unsigned char* __restrict__ sc_out, float* __restrict__ g_out,
