@@ -11,10 +11,12 @@ codes and scales written), each case with the CUDA C++ kernels on and off
 amax pass), 4/6 decided per tile by the summed bound (cuda.TILE16_FAST46), rule 6 on the strip kernel
 (nvfp4_quant_strip16, forty-fifth session: a warp 16 rows x 512 contiguous bytes) and on the tile kernel,
 the tile kernel at 1, 2 or 4 tile pairs a warp, staged through shared memory or not (cuda.TILE16_U,
-cuda.TILE16_SMEM), and 1x16 4/6 and rule 6 for comparison. Every CUDA row's bytes are compared with the
+cuda.TILE16_SMEM), 4/6 decided per tile on the strip kernel (cuda.STRIP16_46, forty-sixth session), and
+1x16 4/6 and rule 6 for comparison. Every CUDA row's bytes are compared with the
 Triton row's of the same case.
 
-    python3 bench/quant_tile16.py [--rows 32768] [--cols 4096] [--repeats 3] [--out FILE.json]
+    python3 bench/quant_tile16.py [--rows 32768] [--cols 4096] [--repeats 3] [--cases 'PART|...']
+        [--out FILE.json]
 """
 
 import argparse
@@ -37,6 +39,8 @@ def main() -> int:
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every case (medians)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cases", default="",
+                    help="parts of case names, |-separated: only the cases whose names contain one")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(args.rows, args.cols, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -49,6 +53,13 @@ def main() -> int:
              ("16x16 4/6 mse", dict(tile16=True, scale_rule="4/6")),
              ("16x16 4/6 mse, decide46 per tile", dict(tile16=True, scale_rule="4/6")),
              ("16x16 4/6 mae, decide46 per tile", dict(tile16=True, scale_rule="4/6", err="mae")),
+             ("16x16 4/6 mse, decide46 per tile, strip kernel", dict(tile16=True, scale_rule="4/6")),
+             ("16x16 4/6 mae, decide46 per tile, strip kernel",
+              dict(tile16=True, scale_rule="4/6", err="mae")),
+             ("16x16 4/6 mse, decide46 per tile, strip kernel, imposed global scale",
+              dict(tile16=True, scale_rule="4/6", global_scale=g46)),
+             ("16x16 4/6 mse, decide46 per tile, imposed global scale",
+              dict(tile16=True, scale_rule="4/6", global_scale=g46)),
              ("16x16 4/6 mse, decide46 per tile, 1 pair a warp", dict(tile16=True, scale_rule="4/6")),
              ("16x16 4/6 mse, decide46 per tile, 2 pairs a warp", dict(tile16=True, scale_rule="4/6")),
              ("16x16 4/6 mse, decide46 per tile, 4 pairs a warp", dict(tile16=True, scale_rule="4/6")),
@@ -63,14 +74,17 @@ def main() -> int:
              ("16x16 4/6 mse, imposed global scale", dict(tile16=True, scale_rule="4/6", global_scale=g46)),
              ("1x16 4/6 mse", dict(scale_rule="4/6")),
              ("1x16 rule 6", dict())]
+    if args.cases:
+        cases = [c for c in cases if any(p in c[0] for p in args.cases.split("|"))]
     default = dict(on=qc.STATE["on"], rule6=qc.TILE16_RULE6, strip=qc.STRIP16, fast46=qc.TILE16_FAST46,
-                   u=qc.TILE16_U, smem=qc.TILE16_SMEM)
+                   u=qc.TILE16_U, smem=qc.TILE16_SMEM, strip46=qc.STRIP16_46)
 
     def arm(name, kw, cuda):
         """(the outputs, do_bench's median ms) of one case with the CUDA kernels on or off."""
         qc.STATE["on"] = qc.TILE16_RULE6 = cuda
         qc.TILE16_FAST46 = cuda and "decide46" in name
         qc.STRIP16 = "tile kernel" not in name  # (rule 6: the strip kernel unless named)
+        qc.STRIP16_46 = "strip kernel" in name  # (4/6: as named)
         # (the tile kernel's pairs a warp and staging: as named, else the defaults)
         qc.TILE16_U = 4 if "4 pairs" in name else 2 if "2 pairs" in name else 1 if "1 pair" in name \
             else default["u"]
@@ -81,6 +95,7 @@ def main() -> int:
         finally:
             qc.STATE["on"], qc.TILE16_RULE6, qc.STRIP16 = default["on"], default["rule6"], default["strip"]
             qc.TILE16_FAST46, qc.TILE16_U, qc.TILE16_SMEM = default["fast46"], default["u"], default["smem"]
+            qc.STRIP16_46 = default["strip46"]
         assert qc.STATE["error"] is None, qc.STATE["error"]
         return out, ms
 

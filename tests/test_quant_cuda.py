@@ -189,9 +189,10 @@ def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fas
     TE's tree order: a tile whose 4/6 pick flips under any other pairing of its rows. Rule 6 too (off by
     default: slower than Triton there), on the strip kernel (a warp 16 rows x 16 or 8 block columns, a block
     split over 2 or 4 lanes: block columns past the last in a warp, NaN / Inf in half a block) and on the tile
-    kernel. tile_fast46: the tile kernel's 4/6 decided per tile by the summed bound (FAST46 3) at every
-    size with 2 tile pairs a warp staged through shared memory where they fit (the defaults: TILE16_U,
-    TILE16_SMEM), else the exact errors at 4 pairs a warp, not staged."""
+    kernel. tile_fast46: 4/6 decided per tile at every size, on the tile kernel (the summed block bounds,
+    FAST46 3) and for bfloat16 on the strip kernel too (STRIP16_46: the lanes' bounds), the tile kernel with
+    2 tile pairs a warp staged through shared memory where they fit (the defaults: TILE16_U, TILE16_SMEM),
+    else the exact errors at 4 pairs a warp, not staged."""
     monkeypatch.setattr(qc, "TILE16_RULE6", True)
     monkeypatch.setattr(qc, "TILE16_FAST46", tile_fast46)
     monkeypatch.setattr(qc, "TILE16_U", 2 if tile_fast46 else 4)
@@ -203,8 +204,9 @@ def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fas
             x = _x(shape, dtype, kind, seed=shape[0] + shape[1])
             assert qc.usable(x)
             for rule, err, strip in (("6", "mse", True), ("6", "mse", False), ("4/6", "mse", False),
-                                     ("4/6", "mae", False)):
+                                     ("4/6", "mae", False), ("4/6", "mse", True), ("4/6", "mae", True)):
                 monkeypatch.setattr(qc, "STRIP16", strip)
+                monkeypatch.setattr(qc, "STRIP16_46", strip)  # (4/6 decided per tile on bfloat16)
                 _check_tile(x, scale_rule=rule, err=err)
                 _check_tile(x, scale_rule=rule, err=err, amax=x.float().abs().amax() * 0.75)
                 gsc = (x.float().abs().amax() / 2688.0).clamp(min=1e-30)
@@ -213,14 +215,16 @@ def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fas
     x[3, 5], x[7, 1], x[9, 30] = float("nan"), float("inf"), -float("inf")
     x[16:32, 32:48] = float("nan")  # a whole NaN tile
     x[33, 64:72], x[40, 88:96] = float("nan"), float("nan")  # NaN half blocks (the strip kernel: a lane's)
-    for rule, strip in (("6", True), ("6", False), ("4/6", False)):
+    for rule, strip in (("6", True), ("6", False), ("4/6", False), ("4/6", True)):
         monkeypatch.setattr(qc, "STRIP16", strip)
+        monkeypatch.setattr(qc, "STRIP16_46", strip)
         _check_tile(x, scale_rule=rule, allow_nonfinite=True)
         with pytest.raises(ValueError, match="NaN or Inf"):
             kq.quantize_2d(x, tile16=True, scale_rule=rule)
     # unchecked NaN / Inf without allow_nonfinite (the engine's calls): a block's max over its non-NaN values,
     # NaN for an all-NaN block; the strip kernel's bytes as the tile kernel's, its scales as Triton's
     outs = []
+    monkeypatch.setattr(qc, "STRIP16_46", False)
     for strip, on in ((True, True), (False, True), (True, False)):
         monkeypatch.setattr(qc, "STRIP16", strip)
         monkeypatch.setitem(qc.STATE, "on", on)
@@ -237,7 +241,9 @@ def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fas
     x = torch.cat([torch.cat([t] * 3, 1), torch.cat([t] * 3, 1) * 0.5], 0).to(dtype).cuda()
     for kw in (dict(), dict(global_scale=torch.tensor(2.0 ** -8, device="cuda"))):
         assert reference.quantize(x, tile=(16, 16), scale_rule="4/6", **kw).block_scale.float()[0, 0] == 384.0
-        _check_tile(x, scale_rule="4/6", **kw)
+        for strip in (False, True):
+            monkeypatch.setattr(qc, "STRIP16_46", strip)
+            _check_tile(x, scale_rule="4/6", **kw)
     built = {name for name, _, _ in qc._KERNELS}
     assert {"nvfp4_quant_tile16", "nvfp4_quant_strip16"} <= built, built
 

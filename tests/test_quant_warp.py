@@ -19,7 +19,7 @@ import torch
 
 from fp4rl.kernels.quantize import cuda as qc
 from fp4rl.nvfp4 import reference
-from tests.test_quant_fast46 import SHIM
+from tests.test_quant_fast46 import SHIM, adjacent_flips
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (the kernel source as C++)")
 
@@ -33,12 +33,15 @@ def _warp_shim() -> str:
         "static inline int __any_sync(unsigned, int p) { return p; }": "",
         "static Dim3 threadIdx, blockIdx, gridDim;":
             "static thread_local Dim3 threadIdx;\nstatic Dim3 blockIdx, gridDim;",
+        # (every lane counts)
+        "static long long g_known, g_lean;": "static std::atomic<long long> g_known, g_lean;",
     }
     s = SHIM
     for old, new in swaps.items():
         assert s.count(old) == 1, old
         s = s.replace(old, new)
     head = r"""
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -111,7 +114,7 @@ extern "C" int run_cta(int kernel, const void* x, void* d, unsigned char* sc, fl
     for (int lane = 0; lane < 32; ++lane)
       lanes.emplace_back([=] {
         threadIdx.x = wi * 32 + lane;
-#if !RULE46
+#if !RULE46 || (FAST46 == 3 && !IN_F32)
         if (kernel == 0) nvfp4_quant_strip16(x, d, sc, g, given, parts, n_tr, nb_row);
 #endif
         if (kernel == 1) nvfp4_quant_tile16(x, (uint2*)d, sc, g, given, parts, n_tr, nb_row);
@@ -120,25 +123,33 @@ extern "C" int run_cta(int kernel, const void* x, void* d, unsigned char* sc, fl
   }
   return g_stuck ? 1 : g_diverged ? 2 : 0;
 }
+// tile46_decide's decided calls since the last call (a lane each: 2 a tile in the strip kernel, 16 in the
+// tile kernel)
+extern "C" long long known_count() { return g_known.exchange(0); }
 """
 
 _BUILT: dict = {}
 
 
 def _lib(root, defs: dict):
-    text = _warp_shim() + qc.source(defs) + HARNESS
+    # (WARP_WAIT_S before the shim, which reads it)
+    wait = f"#define WARP_WAIT_S {defs['WARP_WAIT_S']}\n" if "WARP_WAIT_S" in defs else ""
+    text = wait + _warp_shim() + qc.source(defs) + HARNESS
     key = hashlib.sha1(text.encode()).hexdigest()[:16]  # (a new file for a new source: dlopen keeps old ones)
     if key not in _BUILT:
         cpp = root / f"w_{key}.cpp"
         cpp.write_text(text)
         so = root / f"w_{key}.so"
+        # (no jump threading: it copies a shuffle's call into the paths a branch before it splits, which
+        # the check of its call site would take for lanes at different exchanges)
         cmd = ["g++", "-O1", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
-               "-pthread",               "-w", "-o", str(so), str(cpp)]
+               "-pthread", "-fno-thread-jumps", "-fno-tree-dominator-opts", "-w", "-o", str(so), str(cpp)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         assert res.returncode == 0, res.stderr[-3000:]
         lib = ctypes.CDLL(str(so))
         lib.run_cta.restype = ctypes.c_int
         lib.run_cta.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int, ctypes.c_int]
+        lib.known_count.restype = ctypes.c_longlong
         _BUILT[key] = lib
     return _BUILT[key]
 
@@ -168,6 +179,7 @@ def run_kernel(root, x, kernel, rule46=False, mae=False, g=None, nf=False, fast4
                         given.data_ptr(), parts.data_ptr(), r // 16, k // 16)
     assert stuck != 1, "a warp barrier timed out: a lane missed a shuffle"
     assert stuck != 2, "the lanes of a warp met at different shuffles"
+    run_kernel.known = lib.known_count()
     return data, sc, g_out
 
 
@@ -183,6 +195,7 @@ def check(root, x, kernel, rule46=False, mae=False, g=None, nf=False, fast46=0, 
     assert not bad_d.any(), f"code rows differ: {bad_d.nonzero().flatten()[:8].tolist()}"
     assert not bad_s.any(), f"scale bytes differ at {bad_s.nonzero()[:8].tolist()}"
     assert g_out[0] == q.global_scale.reshape(-1)[0]
+    return run_kernel.known
 
 
 def tiles(shape, dtype, seed):
@@ -200,9 +213,9 @@ def tiles(shape, dtype, seed):
     return x.to(dtype)
 
 
-# name: (kernel, compile keys added, FAST46 for 4/6: 3 is the tile kernel's decide46 per tile); the strip
-# kernel takes rule 6 only
-KERNELS = {"strip": (0, {}, 0), "tile": (1, {}, 0), "tile decide46": (1, {}, 3),
+# name: (kernel, compile keys added, FAST46 for 4/6: 3 is decide46 per tile); the strip kernel takes rule 6,
+# and rule 4/6 decided per tile on bfloat16
+KERNELS = {"strip": (0, {}, 0), "strip decide46": (0, {}, 3), "tile": (1, {}, 0), "tile decide46": (1, {}, 3),
            "tile 2 pairs a warp": (1, {"TILE_U": 2}, 0),
            "tile decide46 4 pairs a warp": (1, {"TILE_U": 4}, 3),
            "tile 2 pairs staged": (1, {"TILE_U": 2, "TILE_SMEM": 1}, 0),
@@ -212,13 +225,14 @@ KERNELS = {"strip": (0, {}, 0), "tile": (1, {}, 0), "tile decide46": (1, {}, 3),
 RULES = [(False, False, False), (False, False, True), (True, False, False), (True, True, True)]
 
 
-def _fits(kernel: int, fast46: int, rule46: bool) -> bool:
-    return (kernel == 1 or not rule46) and (rule46 or not fast46)
+def _fits(kernel: int, fast46: int, rule46: bool, dtype=torch.bfloat16) -> bool:
+    strip46 = fast46 == 3 and dtype == torch.bfloat16
+    return (kernel == 1 or not rule46 or strip46) and (rule46 or not fast46)
 
 
 # (staged 4 pairs a warp: bfloat16 only, float32's 67 KB of shared memory is over a CTA's static 48 KB)
 CASES = [(name, rule, dtype) for name, (kernel, extra, fast46) in KERNELS.items() for rule in RULES
-         for dtype in (torch.bfloat16, torch.float32) if _fits(kernel, fast46, rule[0])
+         for dtype in (torch.bfloat16, torch.float32) if _fits(kernel, fast46, rule[0], dtype)
          and not (extra.get("TILE_SMEM") and extra["TILE_U"] == 4 and dtype == torch.float32)]
 
 
@@ -257,16 +271,119 @@ def test_nonfinite(root, name, rule46):
 
 def test_tree_order(root):
     """A tile whose 4/6 pick flips under any pairing of its rows but TE's (rows r + r+8 first: the tile
-    kernel's butterfly), with the exact errors and decided per tile: u = 2^-30, row 1 (four 1.0) costs only 4
-    0.25, row 2 (4.5) only 6 0.25, rows 3 and 4 16u and 25u to both."""
+    kernel's butterfly, the strip kernel's tree inside a lane), with the exact errors and decided per tile:
+    u = 2^-30, row 1 (four 1.0) costs only 4 0.25, row 2 (4.5) only 6 0.25, rows 3 and 4 16u and 25u to
+    both."""
     t = torch.zeros(16, 16)
     t[0, 0], t[2, 0], t[3, 0], t[4, 0] = 6.0, 4.5, 2.0 ** -13, 5 * 2.0 ** -15
     t[1, :4] = 1.0
     x = torch.cat([torch.cat([t] * 3, 1), torch.cat([t] * 3, 1) * 0.5], 0).bfloat16()
     assert reference.quantize(x, tile=(16, 16), scale_rule="4/6").block_scale.float()[0, 0] == 384.0
-    for fast46 in (0, 3):
-        check(root, x, 1, True, fast46=fast46)
-        check(root, x, 1, True, g=2.0 ** -8, fast46=fast46)
+    for kernel, fast46 in ((1, 0), (1, 3), (0, 3)):
+        check(root, x, kernel, True, fast46=fast46)
+        check(root, x, kernel, True, g=2.0 ** -8, fast46=fast46)
+
+
+def test_strip_decide46_decides_ordinary_tiles(root):
+    """The strip kernel's lane bound is tight enough to matter: random tiles over 8 decades (tiles(), which
+    also has grid-point ties, a zero tile, a tiny one) are nearly all decided by it, not by the exact errors;
+    the bytes are the reference's."""
+    x = tiles((64, 256), torch.bfloat16, seed=7)
+    n_tiles = x.numel() // 256
+    for mae, g in ((False, None), (True, float(x.float().abs().max()) / 1536.0)):
+        assert check(root, x, 0, True, mae, g, fast46=3) // 2 >= n_tiles - 4  # (2 lanes a tile call it)
+
+
+def strip_near_ties(mae: bool, src: int, n: int = 256, seed: int = 0):
+    """bfloat16 16x16 tiles on both sides of a flip of the reference's 4/6 choice: rows 0..7 near 6's grid,
+    rows 8..15 near 4's, element (0, 0) the tile's max (6 times a power of two); rows 8..15 scaled by t,
+    bisected over bfloat16 t to a flip (a step of t moves 128 values: a coarse gap), then element (15, 15)
+    alone set to values in (0.02, 0.98) of the max, bisected to adjacent bfloat16 values (a gap of one
+    element's ulp). Returns ([16, 16 x 2m] tiles side by side, g or None)."""
+    gen = torch.Generator().manual_seed(seed)
+    grid = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
+    x = torch.zeros(n, 16, 16)
+    x[:, :8, :2] = grid[torch.randint(0, 6, (n, 8, 2), generator=gen)]
+    x[:, 8:, :] = grid[torch.randint(0, 6, (n, 8, 16), generator=gen)] * 1.5
+    x = x * torch.where(torch.rand(n, 16, 16, generator=gen) < 0.5, -1.0, 1.0)
+    x = (x * (1 + 0.05 * torch.randn(n, 16, 16, generator=gen))).clamp(-5.9, 5.9)
+    x[:, 0, 0] = 6.0
+    x = (x * 2.0 ** torch.randint(-6, 7, (n, 1, 1), generator=gen).float()).bfloat16()
+    top = x[:, 0, 0].float()
+    v = float(top.max()) if src == 0 else float(top.max()) / 1536.0
+    kw = dict(scale_rule="4/6", err="mae" if mae else "mse", tile=(16, 16))
+    kw["amax" if src == 0 else "global_scale"] = torch.tensor(v)
+
+    def scale_of(x):  # [n, 16, 16] -> each tile's scale byte
+        return reference.quantize(x.reshape(-1, 16), **kw).block_scale.view(torch.uint8)[::16, 0]
+
+    def rows_scaled(x, t):
+        xt = x.clone()
+        xt[:, 8:] *= t[:, None, None]
+        return xt
+
+    def elem_set(x, t):
+        xt = x.clone()
+        xt[:, 15, 15] = t
+        return xt
+
+    pts = [torch.full((n,), float(f)).bfloat16() for f in torch.linspace(0.02, 0.98, 49)]
+    keep, a, _ = adjacent_flips(x, pts, lambda x, t: scale_of(rows_scaled(x, t)), torch.bfloat16)
+    x, top = rows_scaled(x[keep], a), top[keep]
+    pts = [(f * top).bfloat16() for f in torch.linspace(0.02, 0.98, 49)]
+    keep, a, b = adjacent_flips(x, pts, lambda x, t: scale_of(elem_set(x, t)), torch.bfloat16)
+    x = torch.cat([elem_set(x[keep], a), elem_set(x[keep], b)])
+    assert x.shape[0] >= 100, x.shape  # most tiles flip somewhere in both scans
+    assert bool((scale_of(x[: x.shape[0] // 2]) != scale_of(x[x.shape[0] // 2:])).all())
+    return x.permute(1, 0, 2).reshape(16, -1).contiguous(), None if src == 0 else v
+
+
+def both_grids(n: int = 128, seed: int = 11) -> torch.Tensor:
+    """bfloat16 16x16 tiles side by side [16, 16 n] of values on both candidates' grids ({1.5, 3, 6} sigma6 =
+    {1, 2, 4} sigma4, the tile's max 6) moved by up to 3 ulps: both candidates decode alike, the reference's
+    errors tie and it keeps 6, while the cheap errors differ by their roundings (as in
+    tests/test_quant_tile46.py)."""
+    gen = torch.Generator().manual_seed(seed)
+    vals = torch.tensor([0.0, 1.5, 3.0, 6.0])
+    x = vals[torch.randint(0, 4, (n, 16, 16), generator=gen)]
+    x = x * torch.where(torch.rand(n, 16, 16, generator=gen) < 0.5, -1.0, 1.0)
+    x[:, 0, 0] = 6.0
+    bits = x.bfloat16().view(torch.int16).to(torch.int32)
+    ulps = torch.randint(-3, 4, (n, 16, 16), generator=gen, dtype=torch.int32)
+    moved = torch.where(x != 0, bits + ulps, bits)
+    moved[:, 0, 0] = bits[:, 0, 0]
+    return moved.to(torch.int16).view(torch.bfloat16).permute(1, 0, 2).reshape(16, -1).contiguous()
+
+
+@pytest.mark.parametrize("mae,src", [(False, 0), (True, 3)])
+def test_strip_decide46_near_ties(root, mae, src):
+    """The strip kernel's 4/6 decided per tile from lane sums (quant.cu strip_decide46) on tiles one bfloat16
+    ulp of one element from a flip of the reference's choice, and on tiles whose candidates tie: the
+    reference's bytes, with many near ties and every tie left to the exact errors."""
+    x, g = strip_near_ties(mae, src)
+    known = check(root, x, 0, True, mae, g, fast46=3) // 2
+    assert known < 0.9 * (x.shape[1] // 16), known
+    x = both_grids()
+    g = None if src == 0 else 6.0 / 1536.0
+    assert check(root, x, 0, True, mae, g, fast46=3) == 0
+
+
+def test_strip_decide46_without_a_margin_is_caught(root, monkeypatch):
+    """The tied tiles above catch a strip kernel that decides by its cheap errors alone (no bound, no
+    widening, no slack for the products): rounding noise then picks 4 for tiles the reference keeps at 6."""
+    src = qc._SOURCE.read_text()
+    swaps = {"  return U * (1132.0f * xs * xm * r + 88.0f * e + 16.0f);": "  return 0.0f * r;",
+             "const float c = 1.0000019073486328125f, t = 7.62939453125e-06f;  // 1 + 2^-19, 2^-17":
+                 "const float c = 1.0f;",
+             "const float v6 = B6 + t * (E6 + B6), v4 = B4 + t * (E4 + B4);":
+                 "const float v6 = 0.0f, v4 = 0.0f;"}
+    for old, new in swaps.items():
+        assert src.count(old) == 1, old
+        src = src.replace(old, new)
+    monkeypatch.setattr(qc, "source",
+                        lambda defs: "".join(f"#define {k} {v}\n" for k, v in defs.items()) + src)
+    with pytest.raises(AssertionError, match="differ"):
+        check(root, both_grids(), 0, True, fast46=3)
 
 
 def test_a_lane_that_misses_a_shuffle_is_caught(root, monkeypatch):

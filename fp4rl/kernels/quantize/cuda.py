@@ -100,6 +100,10 @@ TILE16_SMEM = True
 # tests/test_quant_tile46.py, the kernel under a warp emulator in tests/test_quant_warp.py).
 # FP4RL_QUANT_TILE_FAST46=0 turns it off.
 TILE16_FAST46 = os.environ.get("FP4RL_QUANT_TILE_FAST46", "1") != "0"
+# 16x16 rule 4/6 decided per tile (TILE16_FAST46) on the strip kernel for bfloat16 (quant.cu strip_decide46:
+# each lane's cheap errors over its 16 rows' halves and a Cauchy-Schwarz bound, the exact errors in the
+# reference's order only for a warp with a tile the bound leaves, its rows read again): off until timed
+STRIP16_46 = False
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -264,8 +268,10 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
             raise ValueError(f"16x16 tiles need rows in multiples of 16 and one scale, got {r} rows, "
                              f"src {src}")
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        if not rule46 and STRIP16:
-            key = flat_config(x.dtype, False, False, allow_nf, src, False, 0)
+        tile_fast = TILE16_FAST46 and rule46 and fast46 == 3
+        strip46 = tile_fast and STRIP16_46 and x.dtype == torch.bfloat16
+        if (not rule46 and STRIP16) or strip46:
+            key = flat_config(x.dtype, rule46, rule46 and mae, allow_nf, src, False, 3 if rule46 else 0)
             n_warps = (r // 16) * -(-nb_row // _STRIP_COLS[x.dtype])
             grid = max(1, min(-(-n_warps // 8), sms * 8))
             _launch("nvfp4_quant_strip16", key, x, (grid, 1, 1), (256, 1, 1),
@@ -275,7 +281,6 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
             raise ValueError(f"cuda.TILE16_U = {TILE16_U!r}: use 1, 2 or 4 tile pairs a warp")
         n_warps = (r // 16) * -(-nb_row // 2)
         grid = max(1, min(-(-n_warps // (8 * TILE16_U)), sms * 16))
-        tile_fast = TILE16_FAST46 and rule46 and fast46 == 3
         extra = {}
         if TILE16_U != 1:
             extra["TILE_U"] = TILE16_U

@@ -440,13 +440,19 @@ __device__ __forceinline__ float e4m3_normal(float v) {  // e4m3_round for v >= 
   return __int_as_float((b + 0x7FFFF + ((b >> 20) & 1)) & -1048576);
 }
 
-// one element of one candidate: the error term into acc, code + BIAS (its sign apart) into the word it goes to
-__device__ __forceinline__ void lean_elem(float z, int k, float& acc, u32& lo, u32& w) {
+// one element of one candidate (|z| < 7): ev - |z| (ev: |z|'s E2M1 value), t for its code
+__device__ __forceinline__ float lean_diff(float z, float& t) {
   const float a = fabsf(z);  // (an operand modifier below; the mask takes z's exponent without it)
   const float m = __uint_as_float(max(__float_as_uint(z) & 0x7F800000u, 0x3F800000u));
-  const float t = __fmaf_rn(m, 4194304.0f, a);    // a + 2^(e + 22), one rounding: e2m1_mag's t
+  t = __fmaf_rn(m, 4194304.0f, a);                // a + 2^(e + 22), one rounding: e2m1_mag's t
   const float ev = __fmaf_rn(-m, 4194304.0f, t);  // exact
-  const float d = __fadd_rn(ev, -a);
+  return __fadd_rn(ev, -a);
+}
+
+// one element of one candidate: the error term into acc, code + BIAS (its sign apart) into the word it goes to
+__device__ __forceinline__ void lean_elem(float z, int k, float& acc, u32& lo, u32& w) {
+  float t;
+  const float d = lean_diff(z, t);
   acc = MAE ? __fadd_rn(acc, fabsf(d)) : __fmaf_rn(d, d, acc);
   const u32 tb = __float_as_uint(t);
   const u32 v = tb + (tb >> 22);
@@ -864,7 +870,7 @@ extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
   }
 }
 
-#if !RULE46
+#if !RULE46 || (FAST46 == 3 && !IN_F32)
 // 16x16 tiles with rule 6 (nvfp4_quant_strip16): a warp a strip of 16 rows x SPW block columns, LPB lanes a
 // block (bfloat16: 2 lanes of 8 values, float32: 4 of 4; 16 bytes a lane a row), so that each load is one
 // row's 512 contiguous bytes across the warp (the tile kernel's warp reads 16 rows x 64 B, which made its rule
@@ -872,9 +878,11 @@ extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
 // over them, then over the block's LPB lanes (xor shuffles inside the aligned group); codes are stored a row
 // at a time (the lane's 8 or 4 nibbles: the block's element 8j + i, or 4j + i, in nibble i of lane j's part),
 // the scale byte by the block's first lane. No per-element work crosses lanes, so any split gives the same
-// bytes as one thread a block. (Rule 4/6 on this layout, a block's error continued from lane 0's sum by lane 1
-// and the tile's tree inside a lane, took 0.47-0.49 ms against the tile kernel's 0.395 on an H100: removed,
-// bench/RESULTS.md, forty-fifth session.)
+// bytes as one thread a block. Rule 4/6 (bfloat16, FAST46 3): decide46 per tile from each lane's cheap errors
+// and bound (strip_decide46 below), the exact errors in the reference's order only for a warp with a tile
+// that bound leaves (strip_exact_pick4). (Rule 4/6 with the exact errors for every tile, a block's error
+// continued from lane 0's sum by lane 1 and the tile's tree inside a lane, took 0.47-0.49 ms against the tile
+// kernel's 0.395 on an H100: removed, bench/RESULTS.md, forty-fifth session.)
 #define EPL (IN_F32 ? 4 : 8)  // values a lane a row
 #define LPB (16 / EPL)        // lanes a block
 #define SPW (32 / LPB)        // block columns a warp
@@ -928,6 +936,158 @@ __device__ __forceinline__ u32 lane_codes(const uint4& q, float enc) {  // the l
   return w - BIAS * (IN_F32 ? 0x1111u : 0x11111111u);
 }
 
+// one row's part of a block: the lane's codes, the scale byte from the block's first lane
+__device__ __forceinline__ void strip_store(void* __restrict__ d, unsigned char* __restrict__ sc_out, long long b,
+                                            int j, const uint4& q, float enc, unsigned char sbits) {
+#if IN_F32
+  reinterpret_cast<unsigned short*>(d)[b * LPB + j] = (unsigned short)lane_codes(q, enc);
+#else
+  reinterpret_cast<u32*>(d)[b * LPB + j] = lane_codes(q, enc);
+#endif
+  if (j == 0) sc_out[b] = sbits;
+}
+
+#if RULE46
+// Rule 4/6 on the strip layout (bfloat16: lane j of a block's two holds elements 8j..8j+7 of its 16 rows).
+// decide46 per tile from lane sums: the tile's reference error over sigma^2 (MAE: sigma) is within
+// B_0 + B_1 (widened by tile46_decide) of E_0 + E_1, E_j lane j's cheap error (lean_diff's terms: per row a
+// chain of 8, the rows' sums chained, then the lanes' sum) and B_j its bound:
+// - decide46's analysis (above) holds per element: with eps_i <= 6.04u X_i, the tile's two error sums differ
+//   by at most 24.2u sum X_i |R_i| + 44u E (MAE: 12.1u sum X_i + 44u E) plus O(u^2 X^2) terms, 44u for the
+//   roundings a term meets on sums of nonnegative terms: the reference's 20 (the square, a chain of 16, a tree
+//   of 4) and the lanes' 24 (the square in the FMA, a chain of 8, one of 16 rows, the lanes' sum);
+// - over a lane's 128 elements (Cauchy-Schwarz, where decide46 takes a block's 16): sum X |R| <= Xm sqrt(128)
+//   sqrt(sum R^2) <= 11.32 Xm sqrt(E_j) (1 + 2^-20) + 774u Xm^2, Xm = the lane's max |z| widened to cover
+//   max X (as lean46_bound's);
+// - each term doubled, as decide46's: B_j = u (1132 Xm sqrt(E_j) + 88 E_j + 16) (MAE: u (3200 Xm + 88 E_j +
+//   16)); 1132 = 400 sqrt(8), decide46's block coefficient over 8 blocks' worth of elements, 3200 = 8 x 400
+//   (derived: 548 and 3098), the 16 covering 16 rows' O(u^2 Xm^2) terms (37500 u^2 Xm^2 < 0.12u at Xm < 7)
+//   and the squares below the normal range. sqrt(E) as E rsqrt(E) (the hardware's: relative 2^-21, inside
+//   the doubling; a flushed subnormal E gives Inf and the exact errors).
+// Guards: tile46_guards (the tile kernel's) at the tile's scales; a warp with NaN / Inf takes the exact errors.
+__device__ __forceinline__ void strip_cheap46(const uint4 (&v)[16], float enc6, float enc4, float& e6, float& e4) {
+  e6 = e4 = 0.0f;
+#pragma unroll
+  for (int r = 0; r < 16; ++r) {
+    float a6 = 0.0f, a4 = 0.0f, t;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      const float x = lane_elem(v[r], i);
+      const float d6 = lean_diff(__fmul_rn(x, enc6), t), d4 = lean_diff(__fmul_rn(x, enc4), t);
+      a6 = MAE ? __fadd_rn(a6, fabsf(d6)) : __fmaf_rn(d6, d6, a6);
+      a4 = MAE ? __fadd_rn(a4, fabsf(d4)) : __fmaf_rn(d4, d4, a4);
+    }
+    e6 = __fadd_rn(e6, a6);
+    e4 = __fadd_rn(e4, a4);
+  }
+}
+
+__device__ __forceinline__ float strip_bound(float xm, float e) {  // B_j for the lane's max |z| xm, error e
+  const float U = 5.9604644775390625e-08f, xs = 1.00000095367431640625f;  // 2^-24, 1 + 2^-20
+#if MAE
+  return U * (3200.0f * xs * xm + 88.0f * e + 16.0f);
+#else
+  const float r = e > 0.0f ? e * rsqrtf(e) : 0.0f;
+  return U * (1132.0f * xs * xm * r + 88.0f * e + 16.0f);
+#endif
+}
+
+// the tile's choice decided by the lane sums: 1 (4), 0 (6), -1 (the exact errors); every lane calls it (shuffles
+// with its block's other lane). lane_max: max |x| over the lane's 16 rows, tmax the tile's.
+__device__ __forceinline__ int strip_decide46(const uint4 (&v)[16], const Scales& sc, float lane_max, float tmax,
+                                              float s6, float s4, float enc6, float enc4) {
+  float e6, e4;
+  strip_cheap46(v, enc6, enc4, e6, e4);
+  float b6 = strip_bound(__fmul_rn(lane_max, enc6), e6), b4 = strip_bound(__fmul_rn(lane_max, enc4), e4);
+  e6 = __fadd_rn(e6, __shfl_xor_sync(0xFFFFFFFFu, e6, 1));  // (a + b on one lane, b + a on the other: equal)
+  e4 = __fadd_rn(e4, __shfl_xor_sync(0xFFFFFFFFu, e4, 1));
+  b6 = __fadd_rn(b6, __shfl_xor_sync(0xFFFFFFFFu, b6, 1));
+  b4 = __fadd_rn(b4, __shfl_xor_sync(0xFFFFFFFFu, b4, 1));
+  return tile46_guards(sc, tmax, s6, enc6, enc4) ? tile46_decide(s6, s4, e6, e4, b6, b4) : -1;
+}
+
+// one block's error for one candidate in the reference's order (the left-to-right sum over its 16 elements):
+// lane 0 sums its 8 terms, lane 1 continues from lane 0's sum; lane 1's result is the block's
+template <bool FAST>
+__device__ __forceinline__ float split_error(const uint4& q, float s, float enc, const Scales& sc, int j) {
+  float t[EPL];
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const float x = lane_elem(q, i);
+    float ev;
+    e2m1_mag(fminf(fabsf(__fmul_rn(x, enc)), 6.0f), ev);
+    const float v = __fmul_rn(ev, s);
+#if SRC == 3
+    const float dq = __fmul_rn(v, sc.err);
+#else
+    const float dq = FAST ? div1536(__fmul_rn(v, sc.err)) : __fdiv_rn(__fmul_rn(v, sc.err), 1536.0f);
+#endif
+    const float d = __fadd_rn(dq, -fabsf(x));
+    t[i] = MAE ? fabsf(d) : __fmul_rn(d, d);
+  }
+  float a = t[0];
+#pragma unroll
+  for (int i = 1; i < EPL; ++i) a = __fadd_rn(a, t[i]);
+  float b = __shfl_xor_sync(0xFFFFFFFFu, a, 1);
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) b = __fadd_rn(b, t[i]);
+  return j ? b : a;
+}
+
+__device__ __forceinline__ uint4 strip_row(const uint4* __restrict__ p0, long long row_q, bool live, int r) {
+  const uint4 z = {0u, 0u, 0u, 0u};
+  return live ? __ldg(p0 + r * row_q) : z;
+}
+
+// one candidate's tile error in the reference's order: the block errors summed over the 16 rows in TE's tree
+// (rows r + r+8, then r + r+4, r + r+2, r + r+1: the tile kernel's butterfly, here inside lane 1); lane 1's
+// is the tile's
+template <bool FAST>
+__device__ __forceinline__ float strip_tile_error(const uint4* __restrict__ p0, long long row_q, bool live, float s,
+                                                  float enc, const Scales& sc, int j) {
+  float a[8];
+#pragma unroll
+  for (int r = 0; r < 8; ++r)
+    a[r] = __fadd_rn(split_error<FAST>(strip_row(p0, row_q, live, r), s, enc, sc, j),
+                     split_error<FAST>(strip_row(p0, row_q, live, r + 8), s, enc, sc, j));
+#pragma unroll
+  for (int m = 4; m > 0; m >>= 1) {
+#pragma unroll
+    for (int r = 0; r < m; ++r) a[r] = __fadd_rn(a[r], a[r + m]);
+  }
+  return a[0];
+}
+
+// a warp with a tile the bound left (or NaN / Inf, or amaxes outside decide46's range): each undecided tile's
+// pick by its exact errors (lane 1's, shared with lane 0), then the tile's codes and scale bytes, the rows
+// read again (from L1 / L2): the held rows are dead here (the caller goes on to its next strip), so this path
+// takes their registers (128 without spills; out of line, the call's saves spilled 32-52 B). Every lane calls
+// it (shuffles).
+__device__ __forceinline__ void strip_exact(const uint4* __restrict__ p0, long long row_q, bool live, int pick,
+                                         float s6, float enc6, float s4, float enc4, const Scales sc, int j,
+                                         void* __restrict__ d, unsigned char* __restrict__ sc_out, long long b0,
+                                         int nb_row) {
+  float e6, e4;
+  if (sc.fast) {  // (the same for every lane)
+    e6 = strip_tile_error<true>(p0, row_q, live, s6, enc6, sc, j);
+    e4 = strip_tile_error<true>(p0, row_q, live, s4, enc4, sc, j);
+  } else {
+    e6 = strip_tile_error<false>(p0, row_q, live, s6, enc6, sc, j);
+    e4 = strip_tile_error<false>(p0, row_q, live, s4, enc4, sc, j);
+  }
+  const int mine = e4 < e6;
+  const int other = __shfl_xor_sync(0xFFFFFFFFu, mine, 1);
+  if (pick < 0) pick = j ? mine : other;
+  const float enc = pick ? enc4 : enc6;
+  const unsigned char sbits = (unsigned char)e4m3_bits(pick ? s4 : s6);
+  if (live) {
+#pragma unroll 4
+    for (int r = 0; r < 16; ++r)
+      strip_store(d, sc_out, b0 + (long long)r * nb_row, j, strip_row(p0, row_q, true, r), enc, sbits);
+  }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(256, STRIP_MINB) nvfp4_quant_strip16(
     const void* __restrict__ x, void* __restrict__ d, unsigned char* __restrict__ sc_out, float* __restrict__ g_out,
     const float* __restrict__ given, const int* __restrict__ parts, int n_tr, int nb_row) {
@@ -951,27 +1111,36 @@ extern "C" __global__ void __launch_bounds__(256, STRIP_MINB) nvfp4_quant_strip1
     for (int r = 0; r < 16; ++r) v[r] = live ? __ldg(p0 + r * row_q) : uint4{0u, 0u, 0u, 0u};
 #pragma unroll
     for (int r = 0; r < 16; ++r) m = max(m, lane_raw_bits(v[r]));
+#if RULE46
+    const float lane_max = __uint_as_float(m);
+#endif
 #pragma unroll
     for (int k = 1; k < LPB; k <<= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, k));
-    if (__any_sync(0xFFFFFFFFu, m >= 0x7F800000u)) {  // NaN / Inf in a tile of the warp: per block, as bmax
+    const bool nonfinite = __any_sync(0xFFFFFFFFu, m >= 0x7F800000u);
+    if (nonfinite) {  // NaN / Inf in a tile of the warp: per block, as bmax
       m = 0;
 #pragma unroll
       for (int r = 0; r < 16; ++r) m = max(m, split_bmax_bits(v[r]));
     }
+#if RULE46
+    const float tmax = __uint_as_float(m);
+    float s6, s4, enc6, enc4;
+    candidates46(sc, tmax, s6, s4, enc6, enc4);
+    int pick = nonfinite ? -1 : strip_decide46(v, sc, lane_max, tmax, s6, s4, enc6, enc4);  // (warp-uniform)
+    if (tmax == 0.0f) pick = 0;  // a zero tile or past the last column: the candidates tie, the reference keeps 6
+    if (__any_sync(0xFFFFFFFFu, pick < 0)) {  // a tile of the warp not decided: the exact errors (every lane)
+      strip_exact(p0, row_q, live, pick, s6, enc6, s4, enc4, sc, j, d, sc_out, b0, nb_row);
+      continue;
+    }
+    const float s = pick ? s4 : s6, enc = pick ? enc4 : enc6;
+#else
     const float s = e4m3_round(__fmul_rn(__uint_as_float(m), __fmul_rn(sc.enc, ONE_SIXTH_F)));
     const float enc = enc_for(s, sc);
+#endif
     const unsigned char sbits = (unsigned char)e4m3_bits(s);
     if (live) {
 #pragma unroll
-      for (int r = 0; r < 16; ++r) {
-        const long long b = b0 + (long long)r * nb_row;
-#if IN_F32
-        reinterpret_cast<unsigned short*>(d)[b * LPB + j] = (unsigned short)lane_codes(v[r], enc);
-#else
-        reinterpret_cast<u32*>(d)[b * LPB + j] = lane_codes(v[r], enc);
-#endif
-        if (j == 0) sc_out[b] = sbits;
-      }
+      for (int r = 0; r < 16; ++r) strip_store(d, sc_out, b0 + (long long)r * nb_row, j, v[r], enc, sbits);
     }
   }
 }
