@@ -269,6 +269,16 @@ def test_nonfinite(root, name, rule46):
     check(root, x.bfloat16(), kernel, rule46, nf=True, fast46=fast46 if rule46 else 0, **extra)
 
 
+@pytest.mark.parametrize("scale", [2.0 ** 110, 2.0 ** -100])
+def test_amax_outside_the_bound_range(root, scale):
+    """Rule 4/6 with a tensor amax past 2^100 or below 2^-70 (sc.fast false): every tile by the exact errors
+    with IEEE division, on the strip and the tile kernels decided per tile."""
+    x = (tiles((32, 272), torch.float32, seed=3) * scale).bfloat16()
+    for kernel in (0, 1):
+        for mae in (False, True):
+            assert check(root, x, kernel, True, mae, fast46=3) == 0
+
+
 def test_tree_order(root):
     """A tile whose 4/6 pick flips under any pairing of its rows but TE's (rows r + r+8 first: the tile
     kernel's butterfly, the strip kernel's tree inside a lane), with the exact errors and decided per tile:

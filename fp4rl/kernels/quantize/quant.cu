@@ -479,9 +479,8 @@ __device__ __forceinline__ u32 lt0_bf16x2(u32 w) {
 #endif
 }
 
-__device__ __forceinline__ u32 signs8(const Raw& r, int h) {
-  const u32 m0 = lt0_bf16x2(word(r, 4 * h)), m1 = lt0_bf16x2(word(r, 4 * h + 1));
-  const u32 m2 = lt0_bf16x2(word(r, 4 * h + 2)), m3 = lt0_bf16x2(word(r, 4 * h + 3));
+__device__ __forceinline__ u32 signs8(const uint4& q) {  // the 8 values of 16 bytes
+  const u32 m0 = lt0_bf16x2(q.x), m1 = lt0_bf16x2(q.y), m2 = lt0_bf16x2(q.z), m3 = lt0_bf16x2(q.w);
   const u32 e = __byte_perm(m0, m1, 0x7531), f = __byte_perm(m2, m3, 0x7531);
   const u32 ev = __byte_perm(e, f, 0x6420), od = __byte_perm(e, f, 0x7531);
   return (ev & 0x08080808u) | (od & 0x80808080u);
@@ -511,7 +510,7 @@ __device__ __forceinline__ void lean46_pass(const Raw& r, float enc6, float enc4
       lean_elem(z4, k, acc[1][i & 1], lo4, w4);
     }
 #if !IN_F32
-    sg4 = sg6 = signs8(r, h);
+    sg4 = sg6 = signs8(r.q[h]);
 #endif
     c6[h] = (lo6 >> 9) + w6 + sg6 - bias;
     c4[h] = (lo4 >> 9) + w4 + sg4 - bias;
@@ -936,13 +935,13 @@ __device__ __forceinline__ u32 lane_codes(const uint4& q, float enc) {  // the l
   return w - BIAS * (IN_F32 ? 0x1111u : 0x11111111u);
 }
 
-// one row's part of a block: the lane's codes, the scale byte from the block's first lane
+// one row's part of a block: the lane's codes (lane_codes' word), the scale byte from the block's first lane
 __device__ __forceinline__ void strip_store(void* __restrict__ d, unsigned char* __restrict__ sc_out, long long b,
-                                            int j, const uint4& q, float enc, unsigned char sbits) {
+                                            int j, u32 codes, unsigned char sbits) {
 #if IN_F32
-  reinterpret_cast<unsigned short*>(d)[b * LPB + j] = (unsigned short)lane_codes(q, enc);
+  reinterpret_cast<unsigned short*>(d)[b * LPB + j] = (unsigned short)codes;
 #else
-  reinterpret_cast<u32*>(d)[b * LPB + j] = lane_codes(q, enc);
+  reinterpret_cast<u32*>(d)[b * LPB + j] = codes;
 #endif
   if (j == 0) sc_out[b] = sbits;
 }
@@ -965,18 +964,24 @@ __device__ __forceinline__ void strip_store(void* __restrict__ d, unsigned char*
 //   and the squares below the normal range. sqrt(E) as E rsqrt(E) (the hardware's: relative 2^-21, inside
 //   the doubling; a flushed subnormal E gives Inf and the exact errors).
 // Guards: tile46_guards (the tile kernel's) at the tile's scales; a warp with NaN / Inf takes the exact errors.
-__device__ __forceinline__ void strip_cheap46(const uint4 (&v)[16], float enc6, float enc4, float& e6, float& e4) {
+// the lane's pass at both candidates' factors (lean46_pass's per row, its guards: the tile's): cheap errors
+// e6, e4 and the lane's code words c6, c4 of its 16 rows (lane_codes' for these guards)
+__device__ __forceinline__ void strip_pass46(const uint4 (&v)[16], float enc6, float enc4, float& e6, float& e4,
+                                             u32 (&c6)[16], u32 (&c4)[16]) {
   e6 = e4 = 0.0f;
 #pragma unroll
   for (int r = 0; r < 16; ++r) {
-    float a6 = 0.0f, a4 = 0.0f, t;
+    float a6 = 0.0f, a4 = 0.0f;
+    u32 lo6 = 0u, w6 = 0u, lo4 = 0u, w4 = 0u;
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const float x = lane_elem(v[r], i);
-      const float d6 = lean_diff(__fmul_rn(x, enc6), t), d4 = lean_diff(__fmul_rn(x, enc4), t);
-      a6 = MAE ? __fadd_rn(a6, fabsf(d6)) : __fmaf_rn(d6, d6, a6);
-      a4 = MAE ? __fadd_rn(a4, fabsf(d4)) : __fmaf_rn(d4, d4, a4);
+    for (int k = 0; k < EPL; ++k) {
+      const float x = lane_elem(v[r], k);
+      lean_elem(__fmul_rn(x, enc6), k, a6, lo6, w6);
+      lean_elem(__fmul_rn(x, enc4), k, a4, lo4, w4);
     }
+    const u32 sg = signs8(v[r]);
+    c6[r] = (lo6 >> 9) + w6 + sg - BIAS * 0x11111111u;
+    c4[r] = (lo4 >> 9) + w4 + sg - BIAS * 0x11111111u;
     e6 = __fadd_rn(e6, a6);
     e4 = __fadd_rn(e4, a4);
   }
@@ -992,18 +997,35 @@ __device__ __forceinline__ float strip_bound(float xm, float e) {  // B_j for th
 #endif
 }
 
-// the tile's choice decided by the lane sums: 1 (4), 0 (6), -1 (the exact errors); every lane calls it (shuffles
-// with its block's other lane). lane_max: max |x| over the lane's 16 rows, tmax the tile's.
-__device__ __forceinline__ int strip_decide46(const uint4 (&v)[16], const Scales& sc, float lane_max, float tmax,
-                                              float s6, float s4, float enc6, float enc4) {
+// the tile's candidate scales and encode factors by lean46's formulas (div6, e4m3_normal, rcp_lean: no
+// division calls on the common path), and whether tile46_guards hold, where those are candidates46's values
+__device__ __forceinline__ bool strip_candidates(const Scales& sc, float tmax, float& s6, float& s4, float& enc6,
+                                                 float& enc4) {
+  const float base = __fmul_rn(div6(tmax), sc.enc);
+  s6 = e4m3_normal(base);
+  s4 = e4m3_normal(__fmul_rn(base, 1.5f));
+  if (base < 0.015625f) {  // a subnormal E4M3 scale: the general rounding
+    s6 = e4m3_round(base);
+    s4 = e4m3_round(__fmul_rn(base, 1.5f));
+  }
+  enc6 = rcp_lean(__fmul_rn(s6, sc.dec));
+  enc4 = rcp_lean(__fmul_rn(s4, sc.dec));
+  return tile46_guards(sc, tmax, s6, enc6, enc4);
+}
+
+// the tile's choice decided by the lane sums: 1 (4), 0 (6), -1 (the exact errors), and both candidates' codes
+// (the winner's where it decides); every lane calls it (shuffles with its block's other lane). lane_max: max
+// |x| over the lane's 16 rows; lean: strip_candidates' guards.
+__device__ __forceinline__ int strip_decide46(const uint4 (&v)[16], float lane_max, bool lean, float s6, float s4,
+                                              float enc6, float enc4, u32 (&c6)[16], u32 (&c4)[16]) {
   float e6, e4;
-  strip_cheap46(v, enc6, enc4, e6, e4);
+  strip_pass46(v, enc6, enc4, e6, e4, c6, c4);
   float b6 = strip_bound(__fmul_rn(lane_max, enc6), e6), b4 = strip_bound(__fmul_rn(lane_max, enc4), e4);
   e6 = __fadd_rn(e6, __shfl_xor_sync(0xFFFFFFFFu, e6, 1));  // (a + b on one lane, b + a on the other: equal)
   e4 = __fadd_rn(e4, __shfl_xor_sync(0xFFFFFFFFu, e4, 1));
   b6 = __fadd_rn(b6, __shfl_xor_sync(0xFFFFFFFFu, b6, 1));
   b4 = __fadd_rn(b4, __shfl_xor_sync(0xFFFFFFFFu, b4, 1));
-  return tile46_guards(sc, tmax, s6, enc6, enc4) ? tile46_decide(s6, s4, e6, e4, b6, b4) : -1;
+  return lean ? tile46_decide(s6, s4, e6, e4, b6, b4) : -1;
 }
 
 // one block's error for one candidate in the reference's order (the left-to-right sum over its 16 elements):
@@ -1039,23 +1061,36 @@ __device__ __forceinline__ uint4 strip_row(const uint4* __restrict__ p0, long lo
   return live ? __ldg(p0 + r * row_q) : z;
 }
 
-// one candidate's tile error in the reference's order: the block errors summed over the 16 rows in TE's tree
-// (rows r + r+8, then r + r+4, r + r+2, r + r+1: the tile kernel's butterfly, here inside lane 1); lane 1's
-// is the tile's
+// both candidates' tile errors in the reference's order: the block errors summed over the 16 rows in TE's tree
+// (rows r + r+8, then r + r+4, r + r+2, r + r+1: the tile kernel's butterfly, here inside lane 1; lane 1's
+// sums are the tile's). A rolled loop (this path's registers fit beside the kernel's): the pairs a_r = row r +
+// row r+8 in the order r = 0, 4, 2, 6, 1, 5, 3, 7 (i's 3 bits reversed), where the tree's pairs are
+// consecutive, so each pair's sum joins the one before it as a binary counter carries (one pending partial
+// sum a level).
 template <bool FAST>
-__device__ __forceinline__ float strip_tile_error(const uint4* __restrict__ p0, long long row_q, bool live, float s,
-                                                  float enc, const Scales& sc, int j) {
-  float a[8];
+__device__ __forceinline__ void strip_tile_errors(const uint4* __restrict__ p0, long long row_q, bool live,
+                                                  float s6, float enc6, float s4, float enc4, const Scales& sc, int j,
+                                                  float& e6, float& e4) {
+  float p6[3], p4[3];  // the pending partial sum of level 1, 2, 3
+#pragma unroll 1
+  for (int i = 0; i < 8; ++i) {
+    const int r = ((i & 1) << 2) | (i & 2) | ((i >> 2) & 1);
+    const uint4 q0 = strip_row(p0, row_q, live, r), q1 = strip_row(p0, row_q, live, r + 8);
+    float t6 = __fadd_rn(split_error<FAST>(q0, s6, enc6, sc, j), split_error<FAST>(q1, s6, enc6, sc, j));
+    float t4 = __fadd_rn(split_error<FAST>(q0, s4, enc4, sc, j), split_error<FAST>(q1, s4, enc4, sc, j));
 #pragma unroll
-  for (int r = 0; r < 8; ++r)
-    a[r] = __fadd_rn(split_error<FAST>(strip_row(p0, row_q, live, r), s, enc, sc, j),
-                     split_error<FAST>(strip_row(p0, row_q, live, r + 8), s, enc, sc, j));
-#pragma unroll
-  for (int m = 4; m > 0; m >>= 1) {
-#pragma unroll
-    for (int r = 0; r < m; ++r) a[r] = __fadd_rn(a[r], a[r + m]);
+    for (int l = 0; l < 3; ++l) {
+      if (!((i >> l) & 1)) {
+        p6[l] = t6;
+        p4[l] = t4;
+        break;
+      }
+      t6 = __fadd_rn(p6[l], t6);
+      t4 = __fadd_rn(p4[l], t4);
+    }
+    e6 = t6;  // (after i = 7: the root)
+    e4 = t4;
   }
-  return a[0];
 }
 
 // a warp with a tile the bound left (or NaN / Inf, or amaxes outside decide46's range): each undecided tile's
@@ -1064,17 +1099,14 @@ __device__ __forceinline__ float strip_tile_error(const uint4* __restrict__ p0, 
 // takes their registers (128 without spills; out of line, the call's saves spilled 32-52 B). Every lane calls
 // it (shuffles).
 __device__ __forceinline__ void strip_exact(const uint4* __restrict__ p0, long long row_q, bool live, int pick,
-                                         float s6, float enc6, float s4, float enc4, const Scales sc, int j,
-                                         void* __restrict__ d, unsigned char* __restrict__ sc_out, long long b0,
-                                         int nb_row) {
-  float e6, e4;
-  if (sc.fast) {  // (the same for every lane)
-    e6 = strip_tile_error<true>(p0, row_q, live, s6, enc6, sc, j);
-    e4 = strip_tile_error<true>(p0, row_q, live, s4, enc4, sc, j);
-  } else {
-    e6 = strip_tile_error<false>(p0, row_q, live, s6, enc6, sc, j);
-    e4 = strip_tile_error<false>(p0, row_q, live, s4, enc4, sc, j);
-  }
+                                            float tmax, const Scales& sc, int j, void* __restrict__ d,
+                                            unsigned char* __restrict__ sc_out, long long b0, int nb_row) {
+  float s6, s4, enc6, enc4, e6, e4;
+  candidates46(sc, tmax, s6, s4, enc6, enc4);
+  if (sc.fast)  // (the same for every lane)
+    strip_tile_errors<true>(p0, row_q, live, s6, enc6, s4, enc4, sc, j, e6, e4);
+  else
+    strip_tile_errors<false>(p0, row_q, live, s6, enc6, s4, enc4, sc, j, e6, e4);
   const int mine = e4 < e6;
   const int other = __shfl_xor_sync(0xFFFFFFFFu, mine, 1);
   if (pick < 0) pick = j ? mine : other;
@@ -1083,7 +1115,8 @@ __device__ __forceinline__ void strip_exact(const uint4* __restrict__ p0, long l
   if (live) {
 #pragma unroll 4
     for (int r = 0; r < 16; ++r)
-      strip_store(d, sc_out, b0 + (long long)r * nb_row, j, strip_row(p0, row_q, true, r), enc, sbits);
+      strip_store(d, sc_out, b0 + (long long)r * nb_row, j, lane_codes(strip_row(p0, row_q, true, r), enc),
+                  sbits);
   }
 }
 #endif
@@ -1125,23 +1158,32 @@ extern "C" __global__ void __launch_bounds__(256, STRIP_MINB) nvfp4_quant_strip1
 #if RULE46
     const float tmax = __uint_as_float(m);
     float s6, s4, enc6, enc4;
-    candidates46(sc, tmax, s6, s4, enc6, enc4);
-    int pick = nonfinite ? -1 : strip_decide46(v, sc, lane_max, tmax, s6, s4, enc6, enc4);  // (warp-uniform)
-    if (tmax == 0.0f) pick = 0;  // a zero tile or past the last column: the candidates tie, the reference keeps 6
+    const bool lean = strip_candidates(sc, tmax, s6, s4, enc6, enc4);
+    u32 c6[16], c4[16];
+    int pick = nonfinite ? -1 : strip_decide46(v, lane_max, lean, s6, s4, enc6, enc4, c6, c4);  // (uniform)
+    // a zero tile or past the last column: the candidates tie (zero codes, scale 0), the reference keeps 6
+    const bool zero = tmax == 0.0f;
+    if (zero) pick = 0;
     if (__any_sync(0xFFFFFFFFu, pick < 0)) {  // a tile of the warp not decided: the exact errors (every lane)
-      strip_exact(p0, row_q, live, pick, s6, enc6, s4, enc4, sc, j, d, sc_out, b0, nb_row);
+      strip_exact(p0, row_q, live, pick, tmax, sc, j, d, sc_out, b0, nb_row);
       continue;
     }
-    const float s = pick ? s4 : s6, enc = pick ? enc4 : enc6;
+    const unsigned char sbits = zero ? 0 : (unsigned char)e4m3_bits(pick ? s4 : s6);
+    if (live) {
+#pragma unroll
+      for (int r = 0; r < 16; ++r)
+        strip_store(d, sc_out, b0 + (long long)r * nb_row, j, zero ? 0u : pick ? c4[r] : c6[r], sbits);
+    }
 #else
     const float s = e4m3_round(__fmul_rn(__uint_as_float(m), __fmul_rn(sc.enc, ONE_SIXTH_F)));
     const float enc = enc_for(s, sc);
-#endif
     const unsigned char sbits = (unsigned char)e4m3_bits(s);
     if (live) {
 #pragma unroll
-      for (int r = 0; r < 16; ++r) strip_store(d, sc_out, b0 + (long long)r * nb_row, j, v[r], enc, sbits);
+      for (int r = 0; r < 16; ++r) strip_store(d, sc_out, b0 + (long long)r * nb_row, j, lane_codes(v[r], enc),
+                                               sbits);
     }
+#endif
   }
 }
 #endif
