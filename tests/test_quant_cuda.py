@@ -447,8 +447,10 @@ def test_fast46_from_its_size_with_its_register_caps(monkeypatch):
 def test_tile16_launch_plan(monkeypatch):
     """16x16 tiles: the tile kernel (two tiles a warp, 8 warps a CTA, grid-stride) with the exact 4/6 errors,
     or decide46 per tile (FAST46 3) with TILE16_FAST46 from FAST46_MIN_BLOCKS blocks; rule 6 on the strip
-    kernel (STRIP16) or the tile kernel; rows not in 16s and
-    per-row scales refused by name. Launches recorded, not run (no GPU needed)."""
+    kernel (STRIP16) or the tile kernel; 4/6 decided per tile on the strip kernel for bfloat16 (STRIP16_46,
+    the default: float32, the exact errors below FAST46_MIN_BLOCKS and TILE16_FAST46 off take the tile
+    kernel); rows not in 16s and per-row scales refused by name. Launches recorded, not run (no GPU
+    needed)."""
     from types import SimpleNamespace
 
     calls = []
@@ -457,9 +459,23 @@ def test_tile16_launch_plan(monkeypatch):
     sm = SimpleNamespace(multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: sm)
     monkeypatch.setattr(qc, "FAST46", 3)
-    assert (qc.TILE16_U, qc.TILE16_SMEM) == (2, True)  # the defaults (below: one pair a warp first)
-    monkeypatch.setattr(qc, "TILE16_U", 1)
+    assert (qc.TILE16_U, qc.TILE16_SMEM, qc.STRIP16_46) == (2, True, True)  # the defaults
     x = torch.zeros(4096, 4112, dtype=torch.bfloat16)  # 257 block columns: 129 tile pairs a tile row
+    for mae in (False, True):  # 4/6 decided per tile, bfloat16: the strip kernel, 17 strips a tile row
+        monkeypatch.setattr(qc, "TILE16_FAST46", True)
+        qc.quantize(x, None, None, None, None, None, None, 3, False, True, mae, False, True)
+        name, key, grid, args = calls[-1]
+        assert name == "nvfp4_quant_strip16" and (key["RULE46"], key["FAST46"], key["MAE"]) == (1, 3, mae)
+        assert key["SRC"] == 3 and grid == (min(-(-256 * 17 // 8), 132 * 8), 1, 1) and args[-2:] == [256, 257]
+        qc.quantize(x.float(), None, None, None, None, None, None, 3, False, True, mae, False, True)
+        assert calls[-1][0] == "nvfp4_quant_tile16" and calls[-1][1]["FAST46"] == 3  # (float32)
+        qc.quantize(x[:64], None, None, None, None, None, None, 3, False, True, mae, False, True)
+        assert calls[-1][0] == "nvfp4_quant_tile16" and calls[-1][1]["FAST46"] == 0  # (few blocks: exact)
+        monkeypatch.setattr(qc, "TILE16_FAST46", False)
+        qc.quantize(x, None, None, None, None, None, None, 3, False, True, mae, False, True)
+        assert calls[-1][0] == "nvfp4_quant_tile16" and calls[-1][1]["FAST46"] == 0
+    monkeypatch.setattr(qc, "STRIP16_46", False)  # (below: the tile kernel, one pair a warp first)
+    monkeypatch.setattr(qc, "TILE16_U", 1)
     for fast, want in ((False, 0), (True, 3)):
         monkeypatch.setattr(qc, "TILE16_FAST46", fast)
         qc.quantize(x, None, None, None, None, None, None, 0, False, True, False, False, True)

@@ -101,9 +101,12 @@ TILE16_SMEM = True
 # FP4RL_QUANT_TILE_FAST46=0 turns it off.
 TILE16_FAST46 = os.environ.get("FP4RL_QUANT_TILE_FAST46", "1") != "0"
 # 16x16 rule 4/6 decided per tile (TILE16_FAST46) on the strip kernel for bfloat16 (quant.cu strip_decide46:
-# each lane's cheap errors over its 16 rows' halves and a Cauchy-Schwarz bound, the exact errors in the
-# reference's order only for a warp with a tile the bound leaves, its rows read again): off until timed
-STRIP16_46 = False
+# each lane's cheap errors and codes over its 16 rows' halves in one pass and a Cauchy-Schwarz bound, the
+# exact errors in the reference's order only for a warp with a tile the bound leaves, its rows read again).
+# On an H100, bf16, medians of three against the tile kernel: 32768x4096 mse 0.328 -> 0.275 ms, mae 0.328 ->
+# 0.257, imposed g 0.227 -> 0.173; 8192x14336 mse 0.289 -> 0.246 (bench/RESULTS.md, forty-sixth session).
+# FP4RL_QUANT_STRIP46=0 turns it off (the tile kernel).
+STRIP16_46 = os.environ.get("FP4RL_QUANT_STRIP46", "1") != "0"
 
 
 def usable(x: torch.Tensor) -> bool:
