@@ -269,6 +269,23 @@ def test_nonfinite(root, name, rule46):
     check(root, x.bfloat16(), kernel, rule46, nf=True, fast46=fast46 if rule46 else 0, **extra)
 
 
+@pytest.mark.parametrize("mae", [False, True])
+def test_strip_decide46_unchecked_nonfinite_as_the_tile_kernel(root, mae):
+    """NaN / Inf without allow_nonfinite (the engine's unchecked calls, which the reference refuses): the
+    strip kernel's 4/6 gives the tile kernel's bytes (a tile's max over its non-NaN values, Inf included; NaN
+    for an all-NaN block or tile)."""
+    x = tiles((48, 256), torch.float32, seed=6)
+    x[3, 5], x[7, 1], x[9, 30] = float("nan"), float("inf"), -float("inf")
+    x[20, 40:48] = float("nan")
+    x[16:32, 64:80] = float("nan")
+    x[40, 96:112] = float("inf")
+    x = x.bfloat16()
+    strip = run_kernel(root, x, 0, True, mae, fast46=3)
+    tile = run_kernel(root, x, 1, True, mae, fast46=3)
+    for a, b in zip(strip, tile):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("scale", [2.0 ** 110, 2.0 ** -100])
 def test_amax_outside_the_bound_range(root, scale):
     """Rule 4/6 with a tensor amax past 2^100 or below 2^-70 (sc.fast false): every tile by the exact errors
