@@ -5,7 +5,7 @@ counted by a build that adds one atomic per such warp, its bytes unchanged) and 
 path (a build that skips it: wrong bytes, time only), each against the kernel as it is. Launches the strip
 kernel directly (fp4rl.kernels.quantize.cuda._launch), do_bench medians over --repeats interleaved rounds.
 
-    python3 bench/quant_strip46_diag.py [--rows 32768] [--cols 4096] [--repeats 3] [--out FILE.json]
+    python3 bench/quant_strip46_diag.py [--rows 32768] [--cols 4096] [--repeats 3] [--out FILE.json] [--once]
 """
 
 import argparse
@@ -40,6 +40,8 @@ def main() -> int:
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--once", action="store_true",
+                    help="each build (mse, then mae) launched twice and nothing else: for ncu")
     args = ap.parse_args()
     qc.source = _diag_source
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -61,6 +63,12 @@ def main() -> int:
         qc._launch("nvfp4_quant_strip16", key, x, grid, (256, 1, 1),
                    [x, data, scale, g_out, g, counter, r // 16, nb_row])
 
+    if args.once:
+        for mae in (False, True):
+            launch(mae, 0)
+            launch(mae, 0)
+        torch.cuda.synchronize()
+        return 0
     rows, times = [], {}
     for mae in (False, True):
         counter.zero_()
