@@ -58,6 +58,14 @@ def main() -> int:
               dict(tile16=True, scale_rule="4/6", err="mae")),
              ("16x16 4/6 mse, decide46 per tile, strip kernel, imposed global scale",
               dict(tile16=True, scale_rule="4/6", global_scale=g46)),
+             ("16x16 4/6 mse, decide46 per tile, strip kernel, 2 CTAs an SM",
+              dict(tile16=True, scale_rule="4/6")),
+             ("16x16 4/6 mse, decide46 per tile, strip kernel, 4 CTAs an SM",
+              dict(tile16=True, scale_rule="4/6")),
+             ("16x16 4/6 mse, decide46 per tile, strip kernel, 16 CTAs an SM",
+              dict(tile16=True, scale_rule="4/6")),
+             ("16x16 rule 6, 2 CTAs an SM", dict(tile16=True)),
+             ("16x16 rule 6, 4 CTAs an SM", dict(tile16=True)),
              ("16x16 4/6 mse, decide46 per tile, imposed global scale",
               dict(tile16=True, scale_rule="4/6", global_scale=g46)),
              ("16x16 4/6 mse, decide46 per tile, 1 pair a warp", dict(tile16=True, scale_rule="4/6")),
@@ -77,7 +85,8 @@ def main() -> int:
     if args.cases:
         cases = [c for c in cases if any(p in c[0] for p in args.cases.split("|"))]
     default = dict(on=qc.STATE["on"], rule6=qc.TILE16_RULE6, strip=qc.STRIP16, fast46=qc.TILE16_FAST46,
-                   u=qc.TILE16_U, smem=qc.TILE16_SMEM, strip46=qc.STRIP16_46)
+                   u=qc.TILE16_U, smem=qc.TILE16_SMEM, strip46=qc.STRIP16_46,
+                   ctas=qc.STRIP16_CTAS_PER_SM)
 
     def arm(name, kw, cuda):
         """(the outputs, do_bench's median ms) of one case with the CUDA kernels on or off."""
@@ -85,6 +94,8 @@ def main() -> int:
         qc.TILE16_FAST46 = cuda and "decide46" in name
         qc.STRIP16 = "tile kernel" not in name  # (rule 6: the strip kernel unless named)
         qc.STRIP16_46 = "strip kernel" in name  # (4/6: as named)
+        qc.STRIP16_CTAS_PER_SM = int(name.split(" CTAs")[0].rsplit(" ", 1)[1]) if " CTAs an SM" in name \
+            else default["ctas"]
         # (the tile kernel's pairs a warp and staging: as named, else the defaults)
         qc.TILE16_U = 4 if "4 pairs" in name else 2 if "2 pairs" in name else 1 if "1 pair" in name \
             else default["u"]
@@ -95,7 +106,7 @@ def main() -> int:
         finally:
             qc.STATE["on"], qc.TILE16_RULE6, qc.STRIP16 = default["on"], default["rule6"], default["strip"]
             qc.TILE16_FAST46, qc.TILE16_U, qc.TILE16_SMEM = default["fast46"], default["u"], default["smem"]
-            qc.STRIP16_46 = default["strip46"]
+            qc.STRIP16_46, qc.STRIP16_CTAS_PER_SM = default["strip46"], default["ctas"]
         assert qc.STATE["error"] is None, qc.STATE["error"]
         return out, ms
 

@@ -107,6 +107,9 @@ TILE16_FAST46 = os.environ.get("FP4RL_QUANT_TILE_FAST46", "1") != "0"
 # 0.257, imposed g 0.227 -> 0.173; 8192x14336 mse 0.289 -> 0.246 (bench/RESULTS.md, forty-sixth session).
 # FP4RL_QUANT_STRIP46=0 turns it off (the tile kernel).
 STRIP16_46 = os.environ.get("FP4RL_QUANT_STRIP46", "1") != "0"
+# the strip kernel's grid: at most this many CTAs per SM (2 fit at once: 4 waves at 8), each looping over
+# strips
+STRIP16_CTAS_PER_SM = 8
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -276,7 +279,7 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
         if (not rule46 and STRIP16) or strip46:
             key = flat_config(x.dtype, rule46, rule46 and mae, allow_nf, src, False, 3 if rule46 else 0)
             n_warps = (r // 16) * -(-nb_row // _STRIP_COLS[x.dtype])
-            grid = max(1, min(-(-n_warps // 8), sms * 8))
+            grid = max(1, min(-(-n_warps // 8), sms * STRIP16_CTAS_PER_SM))
             _launch("nvfp4_quant_strip16", key, x, (grid, 1, 1), (256, 1, 1),
                     [x, data, scale, g, given, parts if parts is not None else g, r // 16, nb_row])
             return
