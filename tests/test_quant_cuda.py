@@ -466,7 +466,11 @@ def test_tile16_launch_plan(monkeypatch):
         qc.quantize(x, None, None, None, None, None, None, 3, False, True, mae, False, True)
         name, key, grid, args = calls[-1]
         assert name == "nvfp4_quant_strip16" and (key["RULE46"], key["FAST46"], key["MAE"]) == (1, 3, mae)
-        assert key["SRC"] == 3 and grid == (min(-(-256 * 17 // 8), 132 * 8), 1, 1) and args[-2:] == [256, 257]
+        assert key["SRC"] == 3 and grid == (-(-256 * 17 // 8), 1, 1) and args[-2:] == [256, 257]
+        monkeypatch.setattr(qc, "STRIP16_CTAS_PER_SM", 2)  # (the grid's cap: then each CTA loops)
+        qc.quantize(x, None, None, None, None, None, None, 3, False, True, mae, False, True)
+        assert calls[-1][2] == (132 * 2, 1, 1)
+        monkeypatch.setattr(qc, "STRIP16_CTAS_PER_SM", 32)
         qc.quantize(x.float(), None, None, None, None, None, None, 3, False, True, mae, False, True)
         assert calls[-1][0] == "nvfp4_quant_tile16" and calls[-1][1]["FAST46"] == 3  # (float32)
         qc.quantize(x[:64], None, None, None, None, None, None, 3, False, True, mae, False, True)
@@ -494,7 +498,7 @@ def test_tile16_launch_plan(monkeypatch):
         qc.quantize(x.to(dtype), None, None, None, None, None, None, 2, False, False, False, True, True)
         name, key, grid, args = calls[-1]
         assert name == "nvfp4_quant_strip16" and key["RULE46"] == 0 and key["NONFINITE"] == 1
-        assert grid == (min(-(-256 * -(-257 // per) // 8), 132 * 8), 1, 1) and args[-2:] == [256, 257]
+        assert grid == (-(-256 * -(-257 // per) // 8), 1, 1) and args[-2:] == [256, 257]
     # 4 tile pairs a warp (TILE_U): a quarter of the CTAs, the compile key says so; 3 is refused
     monkeypatch.setattr(qc, "TILE16_U", 4)
     qc.quantize(x, None, None, None, None, None, None, 0, False, True, False, False, True)

@@ -107,9 +107,12 @@ TILE16_FAST46 = os.environ.get("FP4RL_QUANT_TILE_FAST46", "1") != "0"
 # 0.257, imposed g 0.227 -> 0.173; 8192x14336 mse 0.289 -> 0.246 (bench/RESULTS.md, forty-sixth session).
 # FP4RL_QUANT_STRIP46=0 turns it off (the tile kernel).
 STRIP16_46 = os.environ.get("FP4RL_QUANT_STRIP46", "1") != "0"
-# the strip kernel's grid: at most this many CTAs per SM (2 fit at once: 4 waves at 8), each looping over
-# strips
-STRIP16_CTAS_PER_SM = 8
+# the strip kernel's grid: at most this many CTAs per SM (2 fit at once), each looping over strips past that.
+# On an H100, 32768x4096 bf16 (a strip a warp: 31 CTAs an SM), medians of three: 16x16 4/6 mse 0.274 ms at 8
+# (4 waves), 0.261 at 16, 0.258 at 32 or 64 (0.303 at 2: one wave, each CTA looping); with an imposed g
+# 0.174 -> 0.160 (2.15 TB/s); rule 6 0.223 -> 0.218, imposed g 0.1276 -> 0.1234 (bench/RESULTS.md,
+# forty-sixth session)
+STRIP16_CTAS_PER_SM = 32
 
 
 def usable(x: torch.Tensor) -> bool:
