@@ -113,6 +113,10 @@ STRIP16_46 = os.environ.get("FP4RL_QUANT_STRIP46", "1") != "0"
 # 0.174 -> 0.160 (2.15 TB/s); rule 6 0.223 -> 0.218, imposed g 0.1276 -> 0.1234 (bench/RESULTS.md,
 # forty-sixth session)
 STRIP16_CTAS_PER_SM = 32
+# the grid caps of the per-tensor amax pass (nvfp4_amax, 512 blocks a CTA at least) and of the flat 1x16
+# kernel (nvfp4_quant_flat, a block a thread), CTAs an SM; both grid-stride past them
+AMAX_CTAS_PER_SM = 8
+FLAT_CTAS_PER_SM = 16
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -257,7 +261,7 @@ def amax_parts(x: torch.Tensor) -> torch.Tensor:
     n_blk = x.numel() // 16
     parts = torch.zeros(2, 1, dtype=torch.int32, device=x.device)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    grid = max(1, min(-(-n_blk // 512), sms * 8))
+    grid = max(1, min(-(-n_blk // 512), sms * AMAX_CTAS_PER_SM))
     _launch("nvfp4_amax", _defs(x.dtype), x, (grid, 1, 1), (256, 1, 1), [x, parts, n_blk])
     return parts
 
@@ -312,7 +316,7 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
                 [x, data, scale, g, flag, r, nb_row])
         return
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    grid = max(1, min(-(-n_blk // 256), sms * 16))
+    grid = max(1, min(-(-n_blk // 256), sms * FLAT_CTAS_PER_SM))
     key = flat_config(x.dtype, rule46, mae, allow_nf, src, per_row_given, fast46)
     _launch("nvfp4_quant_flat", key, x, (grid, 1, 1), (256, 1, 1),
             [x, data, scale, g, given, parts if parts is not None else g, n_blk, nb_row])
