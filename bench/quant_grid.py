@@ -1,6 +1,7 @@
 """The grid caps of the per-tensor quantize's two launches (forty-sixth session, after the strip kernel gained
 6% from a larger cap): the amax pass alone (fp4rl.kernels.quantize.cuda.amax_parts) at AMAX_CTAS_PER_SM caps,
-and 1x16 quantize_2d (rule 6 and 4/6 mse, the tensor's amax and an imposed g) at FLAT_CTAS_PER_SM caps, bf16;
+and 1x16 quantize_2d (rule 6 and 4/6 mse, the tensor's amax and an imposed g) at FLAT_CTAS_PER_SM /
+FLAT46_CTAS_PER_SM caps, bf16;
 do_bench medians over --repeats interleaved rounds, each case's bytes checked against the default cap's.
 
     python3 bench/quant_grid.py [--rows 32768] [--cols 4096] [--repeats 3] [--out FILE.json]
@@ -37,7 +38,7 @@ def main() -> int:
     cases = {"amax pass": None, "1x16 rule 6": dict(), "1x16 rule 6, imposed g": dict(global_scale=g6),
              "1x16 4/6 mse": dict(scale_rule="4/6"),
              "1x16 4/6 mse, imposed g": dict(scale_rule="4/6", global_scale=g46)}
-    default = (qc.AMAX_CTAS_PER_SM, qc.FLAT_CTAS_PER_SM)
+    default = (qc.AMAX_CTAS_PER_SM, qc.FLAT_CTAS_PER_SM, qc.FLAT46_CTAS_PER_SM)
     times, same, ref = {}, {}, {}
     for _ in range(args.repeats):
         for name, kw in cases.items():
@@ -46,13 +47,13 @@ def main() -> int:
                     qc.AMAX_CTAS_PER_SM = cap
                     fn = lambda: qc.amax_parts(x)  # noqa: E731
                 else:
-                    qc.FLAT_CTAS_PER_SM = cap
+                    qc.FLAT_CTAS_PER_SM = qc.FLAT46_CTAS_PER_SM = cap
                     fn = lambda kw=kw: q.quantize_2d(x, check_finite=False, **kw)  # noqa: E731
                 try:
                     out = fn()
                     ms = triton.testing.do_bench(fn, warmup=5, rep=60)
                 finally:
-                    qc.AMAX_CTAS_PER_SM, qc.FLAT_CTAS_PER_SM = default
+                    qc.AMAX_CTAS_PER_SM, qc.FLAT_CTAS_PER_SM, qc.FLAT46_CTAS_PER_SM = default
                 assert qc.STATE["error"] is None, qc.STATE["error"]
                 outs = [out] if kw is None else [t.reshape(-1).view(torch.uint8) for t in out]
                 ref.setdefault(name, outs)

@@ -444,6 +444,25 @@ def test_fast46_from_its_size_with_its_register_caps(monkeypatch):
     assert "RELOAD" not in calls[-1][1] and calls[-1][1]["BPT"] == 2
 
 
+def test_flat_grid_caps(monkeypatch):
+    """The flat 1x16 kernel's grid: a CTA per 256 blocks up to FLAT_CTAS_PER_SM (rule 6) or FLAT46_CTAS_PER_SM
+    (rule 4/6) CTAs an SM, then grid-striding; the amax pass up to AMAX_CTAS_PER_SM. Launches recorded, not
+    run (no GPU needed)."""
+    from types import SimpleNamespace
+
+    calls = []
+    monkeypatch.setattr(qc, "_launch", lambda name, key, x, grid, *a: calls.append((name, grid)))
+    sm = SimpleNamespace(multi_processor_count=2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: sm)
+    x = torch.zeros(1024, 4096, dtype=torch.bfloat16)  # 262144 blocks: 1024 CTAs uncapped
+    for rule46, cap in ((False, qc.FLAT_CTAS_PER_SM), (True, qc.FLAT46_CTAS_PER_SM)):
+        qc.quantize(x, None, None, None, None, None, None, 3, False, rule46, False, False)
+        assert calls[-1] == ("nvfp4_quant_flat", (2 * cap, 1, 1))
+    qc.quantize(x[:16], None, None, None, None, None, None, 3, False, False, False, False)
+    assert calls[-1] == ("nvfp4_quant_flat", (16, 1, 1))  # (4096 blocks: under the cap)
+    assert (qc.FLAT_CTAS_PER_SM, qc.FLAT46_CTAS_PER_SM) == (64, 16)
+
+
 def test_tile16_launch_plan(monkeypatch):
     """16x16 tiles: the tile kernel (two tiles a warp, 8 warps a CTA, grid-stride) with the exact 4/6 errors,
     or decide46 per tile (FAST46 3) with TILE16_FAST46 from FAST46_MIN_BLOCKS blocks; rule 6 on the strip

@@ -114,9 +114,13 @@ STRIP16_46 = os.environ.get("FP4RL_QUANT_STRIP46", "1") != "0"
 # forty-sixth session)
 STRIP16_CTAS_PER_SM = 32
 # the grid caps of the per-tensor amax pass (nvfp4_amax, 512 blocks a CTA at least) and of the flat 1x16
-# kernel (nvfp4_quant_flat, a block a thread), CTAs an SM; both grid-stride past them
+# kernel (nvfp4_quant_flat, a block a thread; rule 6, rule 4/6), CTAs an SM; both grid-stride past them. On
+# an H100, 32768x4096 bf16, medians of three (bench/quant_grid.py, forty-sixth session): the amax pass 0.100
+# ms at 4-256; rule 6 with an imposed g 0.1275 at 16 -> 0.121 at 64 (2.85 TB/s), with the tensor's amax 0.217
+# -> 0.215; rule 4/6 best at 16-32 (imposed g 0.156; 0.179 at 256)
 AMAX_CTAS_PER_SM = 8
-FLAT_CTAS_PER_SM = 16
+FLAT_CTAS_PER_SM = 64
+FLAT46_CTAS_PER_SM = 16
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -316,7 +320,7 @@ def quantize(x, data, scale, g, given, flag, parts, src, per_row_given, rule46, 
                 [x, data, scale, g, flag, r, nb_row])
         return
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    grid = max(1, min(-(-n_blk // 256), sms * FLAT_CTAS_PER_SM))
+    grid = max(1, min(-(-n_blk // 256), sms * (FLAT46_CTAS_PER_SM if rule46 else FLAT_CTAS_PER_SM)))
     key = flat_config(x.dtype, rule46, mae, allow_nf, src, per_row_given, fast46)
     _launch("nvfp4_quant_flat", key, x, (grid, 1, 1), (256, 1, 1),
             [x, data, scale, g, given, parts if parts is not None else g, n_blk, nb_row])
