@@ -286,6 +286,24 @@ def test_strip_decide46_unchecked_nonfinite_as_the_tile_kernel(root, mae):
         assert torch.equal(a, b)
 
 
+def test_strip_decide46_tiles_of_zeros_and_nonfinite(root):
+    """Tiles whose finite max is 0 but that hold +-Inf or NaN (a helper's review case: the strip kernel's zero
+    tile stored code 0 for them): allow_nonfinite gives +-Inf the codes of +-6 (the reference's bytes), and
+    unchecked the tile kernel's bytes; a lone 16x16 tensor (the warp's other tiles past the last column) and a
+    zero strip beside ordinary rows."""
+    a = torch.zeros(16, 16)
+    a[0, 0], a[5, 9], a[9, 3] = float("inf"), -float("inf"), float("nan")
+    b = torch.zeros(32, 256)
+    b[16:] = torch.randn(16, 256, generator=torch.Generator().manual_seed(8))
+    b[3, 40], b[7, 200], b[12, 100] = float("inf"), float("nan"), -float("inf")
+    for x in (a.bfloat16(), b.bfloat16()):
+        for mae in (False, True):
+            check(root, x, 0, True, mae, nf=True, fast46=3)
+            for got, want in zip(run_kernel(root, x, 0, True, mae, fast46=3),
+                                 run_kernel(root, x, 1, True, mae, fast46=3)):
+                assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("scale", [2.0 ** 110, 2.0 ** -100])
 def test_amax_outside_the_bound_range(root, scale):
     """Rule 4/6 with a tensor amax past 2^100 or below 2^-70 (sc.fast false): every tile by the exact errors

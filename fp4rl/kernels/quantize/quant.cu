@@ -879,7 +879,7 @@ extern "C" __global__ void __launch_bounds__(256, TILE_MINB) nvfp4_quant_tile16(
 // the scale byte by the block's first lane. No per-element work crosses lanes, so any split gives the same
 // bytes as one thread a block. Rule 4/6 (bfloat16, FAST46 3): decide46 per tile from each lane's cheap errors
 // and bound (strip_decide46 below), the exact errors in the reference's order only for a warp with a tile
-// that bound leaves (strip_exact_pick4). (Rule 4/6 with the exact errors for every tile, a block's error
+// that bound leaves (strip_exact). (Rule 4/6 with the exact errors for every tile, a block's error
 // continued from lane 0's sum by lane 1 and the tile's tree inside a lane, took 0.47-0.49 ms against the tile
 // kernel's 0.395 on an H100: removed, bench/RESULTS.md, forty-fifth session.)
 #define EPL (IN_F32 ? 4 : 8)  // values a lane a row
@@ -1164,7 +1164,9 @@ extern "C" __global__ void __launch_bounds__(256, STRIP_MINB) nvfp4_quant_strip1
     // a zero tile or past the last column: the candidates tie (zero codes, scale 0), the reference keeps 6
     const bool zero = tmax == 0.0f;
     if (zero) pick = 0;
-    if (__any_sync(0xFFFFFFFFu, pick < 0)) {  // a tile of the warp not decided: the exact errors (every lane)
+    // a tile of the warp not decided, or NaN / Inf in the warp (a tile of zeros and NaN / Inf has the max 0 but
+    // not zero codes: +-Inf -> +-6 with NONFINITE, NaN -> 6 without): the exact path (every lane)
+    if (nonfinite || __any_sync(0xFFFFFFFFu, pick < 0)) {
       strip_exact(p0, row_q, live, pick, tmax, sc, j, d, sc_out, b0, nb_row);
       continue;
     }
