@@ -215,10 +215,13 @@ def test_gpu_cuda_tile16_matches_reference(cuda_on, monkeypatch, dtype, tile_fas
     x[3, 5], x[7, 1], x[9, 30] = float("nan"), float("inf"), -float("inf")
     x[16:32, 32:48] = float("nan")  # a whole NaN tile
     x[33, 64:72], x[40, 88:96] = float("nan"), float("nan")  # NaN half blocks (the strip kernel: a lane's)
+    z = torch.zeros(16, 16, dtype=dtype, device="cuda")  # a tile of zeros and +-Inf: its finite max is 0
+    z[0, 0], z[5, 9] = float("inf"), -float("inf")
     for rule, strip in (("6", True), ("6", False), ("4/6", False), ("4/6", True)):
         monkeypatch.setattr(qc, "STRIP16", strip)
         monkeypatch.setattr(qc, "STRIP16_46", strip)
         _check_tile(x, scale_rule=rule, allow_nonfinite=True)
+        _check_tile(z, scale_rule=rule, allow_nonfinite=True)
         with pytest.raises(ValueError, match="NaN or Inf"):
             kq.quantize_2d(x, tile16=True, scale_rule=rule)
     # unchecked NaN / Inf without allow_nonfinite (the engine's calls): a block's max over its non-NaN values,
