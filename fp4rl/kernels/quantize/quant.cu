@@ -219,24 +219,29 @@ __device__ __forceinline__ uint2 codes_of(const Raw& r, float enc) {
   return make_uint2(w0 - BIAS * 0x11111111u, w1 - BIAS * 0x11111111u);
 }
 
-// one 4/6 candidate's error: the sum, left to right, of (decoded - x)^2 or |decoded - x| over the block,
-// decoded = ((value * s) * amax) / 1536 (SRC 3: (value * s) * g); the division division-free when FAST
+// one element's term of a 4/6 candidate's error: (decoded - x)^2 or |decoded - x|, decoded = ((value * s) *
+// amax) / 1536 (SRC 3: (value * s) * g); the division division-free when FAST
+template <bool FAST>
+__device__ __forceinline__ float error_term(float x, float s, float enc, const Scales& sc) {
+  float ev;
+  e2m1_mag(fminf(fabsf(__fmul_rn(x, enc)), 6.0f), ev);
+  const float v = __fmul_rn(ev, s);
+#if SRC == 3
+  const float dq = __fmul_rn(v, sc.err);
+#else
+  const float dq = FAST ? div1536(__fmul_rn(v, sc.err)) : __fdiv_rn(__fmul_rn(v, sc.err), 1536.0f);
+#endif
+  const float d = __fadd_rn(dq, -fabsf(x));
+  return MAE ? fabsf(d) : __fmul_rn(d, d);
+}
+
+// one 4/6 candidate's error: the sum, left to right, of its terms over the block
 template <bool FAST>
 __device__ __forceinline__ float candidate_error(const Raw& r, float s, float enc, const Scales& sc) {
   float err = 0.0f;
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    float x = elem(r, i);
-    float ev;
-    e2m1_mag(fminf(fabsf(__fmul_rn(x, enc)), 6.0f), ev);
-    float v = __fmul_rn(ev, s);
-#if SRC == 3
-    float dq = __fmul_rn(v, sc.err);
-#else
-    float dq = FAST ? div1536(__fmul_rn(v, sc.err)) : __fdiv_rn(__fmul_rn(v, sc.err), 1536.0f);
-#endif
-    float d = __fadd_rn(dq, -fabsf(x));
-    float e = MAE ? fabsf(d) : __fmul_rn(d, d);
+    const float e = error_term<FAST>(elem(r, i), s, enc, sc);
     err = i == 0 ? e : __fadd_rn(err, e);
   }
   return err;
@@ -531,14 +536,24 @@ __device__ __forceinline__ float lean46_bound(float xm, float e) {
 #endif
 }
 
-__device__ __forceinline__ bool lean46(const Raw& r, const Scales& sc, float bamax, uint2& codes, u32& sbits) {
-  const float base = __fmul_rn(div6(bamax), sc.enc);
-  float s6 = e4m3_normal(base), s4 = e4m3_normal(__fmul_rn(base, 1.5f));
+// candidates46's scales and encode factors for a block (or tile) of max amax where lean46's guards hold, by
+// formulas without division calls: div6, the normal-range E4M3 rounding, rcp_lean
+__device__ __forceinline__ void lean_candidates(const Scales& sc, float amax, float& s6, float& s4, float& enc6,
+                                                float& enc4) {
+  const float base = __fmul_rn(div6(amax), sc.enc);
+  s6 = e4m3_normal(base);
+  s4 = e4m3_normal(__fmul_rn(base, 1.5f));
   if (base < 0.015625f) {  // a subnormal E4M3 scale (a block far below the amax): the general rounding
     s6 = e4m3_round(base);
     s4 = e4m3_round(__fmul_rn(base, 1.5f));
   }
-  const float enc6 = rcp_lean(__fmul_rn(s6, sc.dec)), enc4 = rcp_lean(__fmul_rn(s4, sc.dec));  // enc_for's
+  enc6 = rcp_lean(__fmul_rn(s6, sc.dec));  // enc_for's
+  enc4 = rcp_lean(__fmul_rn(s4, sc.dec));
+}
+
+__device__ __forceinline__ bool lean46(const Raw& r, const Scales& sc, float bamax, uint2& codes, u32& sbits) {
+  float s6, s4, enc6, enc4;
+  lean_candidates(sc, bamax, s6, s4, enc6, enc4);
   const float xm6 = __fmul_rn(bamax, enc6), xm4 = __fmul_rn(bamax, enc4);  // max |z| (Xmax: * (1 + 2^-20))
   if (!(sc.fast && bamax >= 9.094947017729282e-13f && bamax <= 1.099511627776e12f && s6 >= 0.001953125f &&
         xm6 < 7.0f && enc4 >= 3.0517578125e-05f))  // 2^-40, 2^40, 2^-9 (s4 >= s6: so xm4 <= xm6), 2^-15
@@ -997,25 +1012,9 @@ __device__ __forceinline__ float strip_bound(float xm, float e) {  // B_j for th
 #endif
 }
 
-// the tile's candidate scales and encode factors by lean46's formulas (div6, e4m3_normal, rcp_lean: no
-// division calls on the common path), and whether tile46_guards hold, where those are candidates46's values
-__device__ __forceinline__ bool strip_candidates(const Scales& sc, float tmax, float& s6, float& s4, float& enc6,
-                                                 float& enc4) {
-  const float base = __fmul_rn(div6(tmax), sc.enc);
-  s6 = e4m3_normal(base);
-  s4 = e4m3_normal(__fmul_rn(base, 1.5f));
-  if (base < 0.015625f) {  // a subnormal E4M3 scale: the general rounding
-    s6 = e4m3_round(base);
-    s4 = e4m3_round(__fmul_rn(base, 1.5f));
-  }
-  enc6 = rcp_lean(__fmul_rn(s6, sc.dec));
-  enc4 = rcp_lean(__fmul_rn(s4, sc.dec));
-  return tile46_guards(sc, tmax, s6, enc6, enc4);
-}
-
 // the tile's choice decided by the lane sums: 1 (4), 0 (6), -1 (the exact errors), and both candidates' codes
 // (the winner's where it decides); every lane calls it (shuffles with its block's other lane). lane_max: max
-// |x| over the lane's 16 rows; lean: strip_candidates' guards.
+// |x| over the lane's 16 rows; lean: tile46_guards at the tile's scales.
 __device__ __forceinline__ int strip_decide46(const uint4 (&v)[16], float lane_max, bool lean, float s6, float s4,
                                               float enc6, float enc4, u32 (&c6)[16], u32 (&c4)[16]) {
   float e6, e4;
@@ -1034,19 +1033,7 @@ template <bool FAST>
 __device__ __forceinline__ float split_error(const uint4& q, float s, float enc, const Scales& sc, int j) {
   float t[EPL];
 #pragma unroll
-  for (int i = 0; i < EPL; ++i) {
-    const float x = lane_elem(q, i);
-    float ev;
-    e2m1_mag(fminf(fabsf(__fmul_rn(x, enc)), 6.0f), ev);
-    const float v = __fmul_rn(ev, s);
-#if SRC == 3
-    const float dq = __fmul_rn(v, sc.err);
-#else
-    const float dq = FAST ? div1536(__fmul_rn(v, sc.err)) : __fdiv_rn(__fmul_rn(v, sc.err), 1536.0f);
-#endif
-    const float d = __fadd_rn(dq, -fabsf(x));
-    t[i] = MAE ? fabsf(d) : __fmul_rn(d, d);
-  }
+  for (int i = 0; i < EPL; ++i) t[i] = error_term<FAST>(lane_elem(q, i), s, enc, sc);
   float a = t[0];
 #pragma unroll
   for (int i = 1; i < EPL; ++i) a = __fadd_rn(a, t[i]);
@@ -1158,7 +1145,8 @@ extern "C" __global__ void __launch_bounds__(256, STRIP_MINB) nvfp4_quant_strip1
 #if RULE46
     const float tmax = __uint_as_float(m);
     float s6, s4, enc6, enc4;
-    const bool lean = strip_candidates(sc, tmax, s6, s4, enc6, enc4);
+    lean_candidates(sc, tmax, s6, s4, enc6, enc4);  // (no division calls on the common path)
+    const bool lean = tile46_guards(sc, tmax, s6, enc6, enc4);  // (where these are candidates46's values)
     u32 c6[16], c4[16];
     int pick = nonfinite ? -1 : strip_decide46(v, lane_max, lean, s6, s4, enc6, enc4, c6, c4);  // (uniform)
     // a zero tile or past the last column: the candidates tie (zero codes, scale 0), the reference keeps 6
