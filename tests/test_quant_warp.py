@@ -20,6 +20,7 @@ import torch
 from fp4rl.kernels.quantize import cuda as qc
 from fp4rl.nvfp4 import reference
 from tests.test_quant_fast46 import SHIM, adjacent_flips
+from tests.test_quant_tile46 import scaled_rows, tile_scale_bytes
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (the kernel source as C++)")
 
@@ -356,16 +357,9 @@ def strip_near_ties(mae: bool, src: int, n: int = 256, seed: int = 0):
     x = (x * 2.0 ** torch.randint(-6, 7, (n, 1, 1), generator=gen).float()).bfloat16()
     top = x[:, 0, 0].float()
     v = float(top.max()) if src == 0 else float(top.max()) / 1536.0
-    kw = dict(scale_rule="4/6", err="mae" if mae else "mse", tile=(16, 16))
-    kw["amax" if src == 0 else "global_scale"] = torch.tensor(v)
 
     def scale_of(x):  # [n, 16, 16] -> each tile's scale byte
-        return reference.quantize(x.reshape(-1, 16), **kw).block_scale.view(torch.uint8)[::16, 0]
-
-    def rows_scaled(x, t):
-        xt = x.clone()
-        xt[:, 8:] *= t[:, None, None]
-        return xt
+        return tile_scale_bytes(x, torch.ones(x.shape[0], dtype=x.dtype), v, mae, src)
 
     def elem_set(x, t):
         xt = x.clone()
@@ -373,8 +367,8 @@ def strip_near_ties(mae: bool, src: int, n: int = 256, seed: int = 0):
         return xt
 
     pts = [torch.full((n,), float(f)).bfloat16() for f in torch.linspace(0.02, 0.98, 49)]
-    keep, a, _ = adjacent_flips(x, pts, lambda x, t: scale_of(rows_scaled(x, t)), torch.bfloat16)
-    x, top = rows_scaled(x[keep], a), top[keep]
+    keep, a, _ = adjacent_flips(x, pts, lambda x, t: tile_scale_bytes(x, t, v, mae, src), torch.bfloat16)
+    x, top = scaled_rows(x[keep], a).reshape(-1, 16, 16), top[keep]
     pts = [(f * top).bfloat16() for f in torch.linspace(0.02, 0.98, 49)]
     keep, a, b = adjacent_flips(x, pts, lambda x, t: scale_of(elem_set(x, t)), torch.bfloat16)
     x = torch.cat([elem_set(x[keep], a), elem_set(x[keep], b)])
