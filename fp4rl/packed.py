@@ -177,11 +177,14 @@ class PackedNVFP4Linear(nn.Module):
 
     @classmethod
     def from_trainer(cls, m: NVFP4Linear, *, dtype: torch.dtype, device, cache_dequantized: bool):
-        """A packed copy of a trainer NVFP4Linear: the bytes of its cached Q(W), its bias in `dtype`."""
-        q = m.quantized_weight()
-        q = NVFP4Tensor(**{**vars(q), "data": q.data.to(device, copy=True),
-                           "block_scale": q.block_scale.to(device, copy=True),
-                           "global_scale": q.global_scale.to(device, copy=True)})
+        """A packed copy of a trainer NVFP4Linear: the bytes of its cached Q(W), its bias in `dtype`. A
+        trainer on another device (host memory) without a current Q(W) is quantized on `device`, uncached
+        (the same bytes): the sampler's device never holds the master weights."""
+        q = m.quantized_weight(device=device)
+        if q is m._qweight:  # the trainer's cache: copy it, the sampler shares nothing with the trainer
+            q = NVFP4Tensor(**{**vars(q), "data": q.data.to(device, copy=True),
+                               "block_scale": q.block_scale.to(device, copy=True),
+                               "global_scale": q.global_scale.to(device, copy=True)})
         bias = None if m.bias is None else m.bias.detach().to(device=device, dtype=dtype, copy=True)
         return cls(q, bias, m.mode, m.input_kwargs, cache_dequantized=cache_dequantized)
 
@@ -513,6 +516,7 @@ def build_sampler_model(model: CausalLM, *, dtype: torch.dtype, device, cache_de
     state = {k: v.detach().to(device=device, dtype=dtype, copy=True)
              for k, v in model.state_dict().items() if k not in skip}
     missing, unexpected = copy.load_state_dict(state, strict=False, assign=True)
+    del state  # the model holds them now: fuse_linears' members become views of one buffer, the rest is freed
     missing = [k for k in missing if k not in skip and not _inside(k, quantized)]
     if missing or unexpected:
         raise ValueError(f"Sampler: the trainer model's tensors do not match a {model.config.model_type} "

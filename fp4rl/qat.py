@@ -155,29 +155,46 @@ class NVFP4Linear(nn.Module):
             "diverged or was given a damaged checkpoint: lower trainer.lr or set trainer.grad_clip > 0, and "
             "resume from a checkpoint before the step that produced them (fp4rl train --resume)")
 
-    def quantized_weight(self) -> NVFP4Tensor:
+    def quantized_weight(self, device=None) -> NVFP4Tensor:
         """Q(W), cached until the weight changes (in place, or a new tensor/storage). Built outside inference
         mode even under torch.inference_mode(): a cache of inference tensors made by an evaluation would be
-        saved for backward by the next training step, which autograd refuses."""
+        saved for backward by the next training step, which autograd refuses.
+
+        device: where Q(W) is wanted. If the master weight lives elsewhere (a trainer held in host memory, a
+        sampler on a GPU) and no cached Q(W) is current, the group's weights are copied there one at a time
+        and quantized there, nothing cached: the same bytes as the cache would hold (the quantizer is
+        bit-exact across devices), without the master weights on that device. A current cache is returned
+        where it is (the caller copies it)."""
         weights = [m.weight for m in self.scale_group]
         key = [(w._version, w.data_ptr(), w.dtype, w.device, tuple(w.shape)) for w in weights]
-        if self._qweight is None or self._qweight_key != key or self._qweight.data.is_inference():
-            with torch.inference_mode(False), torch.no_grad(), \
-                    torch.autocast(self.weight.device.type, enabled=False):
-                amax = None
-                if len(weights) > 1:  # one global scale for the group: its amax
-                    amax = torch.stack([w.detach().abs().amax().float() for w in weights]).amax()
-                    if not bool(torch.isfinite(amax)):
-                        bad = [m.module_name or "?" for m in self.scale_group
-                               if not bool(torch.isfinite(m.weight).all())]
-                        raise self._nonfinite(f"fused group's weights (one global scale; non-finite: "
-                                              f"{', '.join(bad)})", f"their amax is {amax.item()}")
-                try:
-                    self._qweight = quantize(self.weight.detach(), amax=amax, **self.weight_kwargs)
-                except NonFiniteError as exc:
-                    raise self._nonfinite("weight", exc) from None
+        current = self._qweight is not None and self._qweight_key == key
+        if device is not None and not current:
+            device = torch.empty(0, device=device).device  # "cuda" -> "cuda:<current>"
+            if device != self.weight.device:
+                return self._quantize_group(weights, device)
+        if not current or self._qweight.data.is_inference():
+            self._qweight = self._quantize_group(weights, None)
             self._qweight_key = key
         return self._qweight
+
+    def _quantize_group(self, weights: list[torch.Tensor], device) -> NVFP4Tensor:
+        """Q(W) of this linear with its scale group's global scale; each weight copied to `device` first
+        (None: where it is)."""
+        on = (lambda w: w.detach().to(device)) if device is not None else (lambda w: w.detach())
+        dev_type = (device if device is not None else self.weight.device).type
+        with torch.inference_mode(False), torch.no_grad(), torch.autocast(dev_type, enabled=False):
+            amax = None
+            if len(weights) > 1:  # one global scale for the group: its amax
+                amax = torch.stack([on(w).abs().amax().float() for w in weights]).amax()
+                if not bool(torch.isfinite(amax)):
+                    bad = [m.module_name or "?" for m in self.scale_group
+                           if not bool(torch.isfinite(m.weight).all())]
+                    raise self._nonfinite(f"fused group's weights (one global scale; non-finite: "
+                                          f"{', '.join(bad)})", f"their amax is {amax.item()}")
+            try:
+                return quantize(on(self.weight), amax=amax, **self.weight_kwargs)
+            except NonFiniteError as exc:
+                raise self._nonfinite("weight", exc) from None
 
     def quantize_input(self, x: torch.Tensor) -> NVFP4Tensor:
         """Q(x) of activations x: [M, K], one global scale per token (row). Override this for

@@ -25,3 +25,32 @@ def test_nvfp4_gemm_is_refused_at_build_time_without_the_kernel(monkeypatch):
     copy = build_sampler_model(model, nvfp4_gemm=False, **kw)  # the fix named works
     assert copy(torch.tensor([[1, 2, 3]])).isfinite().all()
     assert not Sampler(model, eos_token_ids=[], dtype=torch.bfloat16).nvfp4_gemm  # the default: off here
+
+
+@pytest.mark.gpu
+def test_a_cuda_copy_of_a_host_trainer_quantizes_on_the_gpu_to_the_trainer_bytes():
+    """A sampler on the GPU built from a trainer in host memory (a 30B's BF16 trainer does not fit beside
+    its sampler on an 80 GB card): each weight is quantized on the GPU, uncached, to the bytes of the
+    trainer's own Q(W) (fused groups' shared global scale, experts), and the trainer's caches stay empty."""
+    from rl_fixtures import tiny_model
+
+    from fp4rl.packed import PackedNVFP4Linear
+    from fp4rl.precision import PrecisionContract
+    from fp4rl.qat import NVFP4Linear, convert, invalidate
+
+    trainer = convert(tiny_model(moe=True), PrecisionContract("nvfp4-w4a16"))
+    with torch.no_grad():
+        trainer.model.layers[0].self_attn.v_proj.weight.mul_(7)
+    invalidate(trainer)
+    copy = build_sampler_model(trainer, dtype=torch.bfloat16, device="cuda", cache_dequantized=False,
+                               fuse=True)
+    linears = dict(trainer.named_modules())
+    assert all(m._qweight is None for m in linears.values() if isinstance(m, NVFP4Linear))
+    packed = {n: m for n, m in copy.named_modules() if isinstance(m, PackedNVFP4Linear)}
+    assert packed and any(".experts." in n for n in packed)
+    for name, m in packed.items():
+        q, ref = m.quantized_weight(), linears[name].quantized_weight()  # ref: quantized on the CPU
+        assert q.data.is_cuda
+        for f in ("data", "block_scale", "global_scale"):
+            assert torch.equal(getattr(q, f).cpu().reshape(-1).view(torch.uint8),
+                               getattr(ref, f).reshape(-1).view(torch.uint8)), (name, f)

@@ -358,6 +358,34 @@ def test_fused_groups_share_one_weight_global_scale():
                       quantize(attn.q_proj.weight.detach(), **W4A4.weight_quantize_kwargs()))
 
 
+def test_quantized_weight_for_another_device_is_the_cached_bytes():
+    """quantized_weight(device=) for a sampler on another device than the master weights: a current cache
+    is returned as is; without one, the group's weights are quantized where asked, uncached, to the bytes
+    the cache holds (fused q/k/v and gate/up with one global scale, experts, plain linears). On a CPU-only
+    machine the device is the weights' own; the GPU test in test_packed.py takes the copy to CUDA."""
+    from rl_fixtures import tiny_model
+
+    model = convert(tiny_model(moe=True), W4A4)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    assert any(len(m.scale_group) == 3 for m in linears.values())
+    assert any(len(m.scale_group) == 2 for m in linears.values())
+    with torch.no_grad():
+        model.model.layers[0].self_attn.v_proj.weight.mul_(7)  # the group's amax is not q's own
+    fresh = {n: m._quantize_group([g.weight for g in m.scale_group], torch.device("cpu"))
+             for n, m in linears.items()}
+    assert all(m._qweight is None for m in linears.values())  # nothing cached by the uncached path
+    for n, m in linears.items():
+        cached = m.quantized_weight(device="cpu")
+        assert cached is m._qweight and m.quantized_weight(device=torch.device("cpu")) is cached
+        assert same_bytes(fresh[n], cached), n
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        attn.k_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"layers.0.self_attn.q_proj: its fused group's weights "
+                                         r".*non-finite: model.layers.0.self_attn.k_proj"):
+        attn.q_proj._quantize_group([g.weight for g in attn.q_proj.scale_group], torch.device("cpu"))
+
+
 def test_non_finite_weights_and_activations_name_the_linear():
     """A NaN reaching a quantized linear (a diverged update, a damaged checkpoint) is named: which linear,
     weight or input activation, and what to do; a fused group names the member that holds it."""

@@ -128,10 +128,11 @@ def add_arguments(parser):
     parser.add_argument("--fusion", default="on", help="'on', 'off' or 'on,off': the engine's fused decode "
                         "step (fp4rl.kernels.fused) or the module step, each row measured with each")
     parser.add_argument("--offload-trainer", default="auto", choices=("auto", "on", "off"),
-                        help="move the trainer's BF16 weights to host memory while the BF16 sampler (a "
-                        "second BF16 copy) is built and measured; auto: when two copies would not fit the "
-                        "free GPU memory (a full-depth Qwen3-30B-A3B: 2 x 61 GB); on: always, and after an "
-                        "NVFP4 sampler's build too (long contexts at large batch: room for the KV cache)")
+                        help="move the trainer's BF16 weights to host memory while a sampler is built "
+                        "and measured (the BF16 sampler copies each tensor to the GPU; an NVFP4 one "
+                        "quantizes each weight on the GPU, a weight at a time); auto: when two BF16 copies "
+                        "would not fit the free GPU memory (a full-depth Qwen3-30B-A3B: 2 x 61 GB on an 80 GB"
+                        " card); on: always (long contexts at large batch: room for the KV cache)")
     parser.add_argument("--mma16-stamps", action="store_true", help="diagnostics: the CUDA mma16 GEMMs stamp "
                         "their CTAs' progress in the graph (fp4rl.benchmarks.stamps), reported with each "
                         "profiled row ('stamps'); slows them a little, so time the rows without it")
@@ -269,9 +270,8 @@ def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, 
     rules = (("lm_head", lm_head),) if lm_head != "bf16" else ()
     contract = PrecisionContract(preset, bf16_last_fraction=frac, rules=rules)
     convert(trainer, contract)
-    offload = preset == "bf16" and device.type == "cuda" and offload_wanted(trainer, args.offload_trainer,
-                                                                             device)
-    if offload:  # the sampler copies every tensor to the GPU itself
+    offload = device.type == "cuda" and offload_wanted(trainer, args.offload_trainer, device)
+    if offload:  # the sampler copies (BF16) or quantizes (NVFP4) every weight on the GPU itself
         trainer.to("cpu")
         torch.cuda.empty_cache()
     try:
@@ -282,13 +282,14 @@ def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, 
         raise
     finally:
         gc.collect()
-        if device.type == "cuda":  # back on the GPU if it was moved (here or after the build): a no-op if not
+        if device.type == "cuda":  # back on the GPU if it was moved: a no-op if not
             torch.cuda.empty_cache()
             trainer.to(device)
 
 
 def offload_wanted(trainer: nn.Module, mode: str, device) -> bool:
-    """Whether to move the trainer to host memory for the BF16 sampler (--offload-trainer)."""
+    """Whether to move the trainer to host memory while a sampler is built and measured
+    (--offload-trainer)."""
     if mode != "auto":
         return mode == "on"
     tensors = {t.data_ptr(): t for t in [*trainer.parameters(), *trainer.buffers()]}  # tied weights once
@@ -317,16 +318,11 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
         from fp4rl.qat import invalidate
 
         invalidate(trainer)  # the trainer's cached Q(W) (the sampler has its copy): free for later builds
-    moved = not offload and device.type == "cuda" and args.offload_trainer == "on"
-    if moved:  # an NVFP4 sampler is built on the GPU from the trainer's Q(W); measured without the trainer
-        trainer.to("cpu")
-        torch.cuda.empty_cache()
     mem = sampler.memory()
     results["builds"].append({"shape": shape, "precision": label, "build_s": time.perf_counter() - t0,
                               "packed_vs_bf16": mem["packed_vs_bf16"], "packed_bytes": mem["packed_bytes"],
                               "dense_rows": dense_rows, "dense_copy_bytes": mem["dense_copy_bytes"],
-                              "trainer_offloaded": "before the build" if offload else
-                              "after the build" if moved else False})
+                              "trainer_offloaded": "before the build" if offload else False})
     from fp4rl.kernels import pdl
 
     fusions = [f == "on" for f in args.fusion.split(",")]
