@@ -395,10 +395,7 @@ def fuse_linears(model: nn.Module) -> list[FusedGroup]:
     # the parents only: a list of every module would keep each replaced nn.Linear, and with it its unfused
     # weight, alive beside the fused buffer until the end (a 30B's BF16 experts: +36 GiB at the peak)
     for module in [m for m in model.modules() if isinstance(m, Attention | MLP)]:
-        names = ("q_proj", "k_proj", "v_proj") if isinstance(module, Attention) else \
-            ("gate_proj", "up_proj") if isinstance(module, MLP) else None
-        if names is None:
-            continue
+        names = ("q_proj", "k_proj", "v_proj") if isinstance(module, Attention) else ("gate_proj", "up_proj")
         members = [getattr(module, n) for n in names]
         if not _fusable(members):
             continue

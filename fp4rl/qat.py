@@ -171,6 +171,7 @@ class NVFP4Linear(nn.Module):
         if device is not None and not current:
             device = torch.empty(0, device=device).device  # "cuda" -> "cuda:<current>"
             if device != self.weight.device:
+                self._qweight = self._qweight_key = None  # stale, and it may hold memory on another device
                 return self._quantize_group(weights, device)
         if not current or self._qweight.data.is_inference():
             self._qweight = self._quantize_group(weights, None)

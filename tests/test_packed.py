@@ -35,6 +35,7 @@ def test_fusing_frees_each_groups_unfused_weights_as_it_goes(monkeypatch):
 
     from rl_fixtures import tiny_model
 
+    from fp4rl.model import CausalLM
     from fp4rl.packed import FusedGroup, fuse_linears
 
     model = tiny_model(moe=True)
@@ -43,14 +44,30 @@ def test_fusing_frees_each_groups_unfused_weights_as_it_goes(monkeypatch):
 
     def counting_init(self, members):
         alive.append(sum(r() is not None for r in refs))  # earlier groups' unfused weights still alive
-        refs.extend(weakref.ref(m.weight) for m in members)
+        for m in members:
+            refs.append(weakref.ref(m.weight))
+            if m.weight.data_ptr() in loaded:  # the state dict's tensor behind the Parameter (assign=True)
+                refs.append(loaded[m.weight.data_ptr()])
         init(self, members)
 
+    loaded, load = {}, CausalLM.load_state_dict
+
+    def recording_load(self, state, *args, **kwargs):
+        loaded.update({t.data_ptr(): weakref.ref(t) for t in state.values()})
+        return load(self, state, *args, **kwargs)
+
     monkeypatch.setattr(FusedGroup, "__init__", counting_init)
+    monkeypatch.setattr(CausalLM, "load_state_dict", recording_load)
     groups = fuse_linears(model)
     assert len(groups) > 4 and any(len(g.members) == 2 for g in groups)
     assert max(alive) <= 1, alive  # at most the loop's last member of the group before
     assert model(torch.tensor([[1, 2, 3]])).isfinite().all()
+    # the sampler's BF16 copy fuses its own tensors: the state dict it loaded them from must not hold them
+    refs.clear()
+    alive.clear()
+    copy = build_sampler_model(model, dtype=torch.bfloat16, device="cpu", cache_dequantized=False, fuse=True)
+    assert loaded and len(alive) == len(groups) and max(alive) <= 1, alive
+    assert copy(torch.tensor([[1, 2, 3]])).isfinite().all()
 
 @pytest.mark.gpu
 def test_a_cuda_copy_of_a_host_trainer_quantizes_on_the_gpu_to_the_trainer_bytes():

@@ -386,6 +386,30 @@ def test_quantized_weight_for_another_device_is_the_cached_bytes():
         attn.q_proj._quantize_group([g.weight for g in attn.q_proj.scale_group], torch.device("cpu"))
 
 
+def test_quantized_weight_elsewhere_quantizes_there_uncached(monkeypatch):
+    """The branch a CPU-only machine cannot reach with real tensors: a device other than the weights' ('meta'
+    stands in for a GPU; _quantize_group recorded) -> the group quantized there, nothing cached, a stale cache
+    dropped; a current cache is returned wherever it lives, nothing quantized."""
+    from rl_fixtures import tiny_model
+
+    model = convert(tiny_model(), W4A4)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    cached = q_proj.quantized_weight()
+    calls, sentinel = [], object()
+    monkeypatch.setattr(NVFP4Linear, "_quantize_group",
+                        lambda self, ws, dev: calls.append((ws, dev)) or sentinel)
+    assert q_proj.quantized_weight(device="meta") is cached and not calls  # current: returned as is
+    with torch.no_grad():
+        q_proj.weight.add_(0.01)  # the cache is stale now
+    assert q_proj.quantized_weight(device="meta") is sentinel
+    (weights, dev), = calls
+    assert dev == torch.device("meta")
+    assert [w is m.weight for w, m in zip(weights, q_proj.scale_group)] == [True] * 3
+    assert q_proj._qweight is None and q_proj._qweight_key is None  # dropped, not replaced
+    assert q_proj.quantized_weight() is sentinel and len(calls) == 2  # the weights' own device: cached again
+    assert q_proj._qweight is sentinel
+
+
 def test_non_finite_weights_and_activations_name_the_linear():
     """A NaN reaching a quantized linear (a diverged update, a damaged checkpoint) is named: which linear,
     weight or input activation, and what to do; a fused group names the member that holds it."""
