@@ -260,9 +260,11 @@ def measure_row(sampler, contract, row: dict, prompts, args, env, results, base)
 
 
 def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, args, env, results, base,
-                      lm_head: str = "bf16", dense_rows: int = 0):
+                      lm_head: str = "bf16", dense_rows: int = 0, restore: bool = True):
     """Every (KV, batch) row of one precision preset, plus its graph check and profiles; lm_head 'w4a16':
-    with the rule ('lm_head', 'w4a16') added to the preset."""
+    with the rule ('lm_head', 'w4a16') added to the preset. restore: a trainer moved to host memory goes
+    back to the GPU afterwards (False for the shape's last arm: the trainer is dropped next, and a full-depth
+    30B's 57 GiB would cross PCIe for nothing)."""
     from fp4rl.precision import PrecisionContract
     from fp4rl.qat import convert
 
@@ -282,7 +284,7 @@ def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, 
         raise
     finally:
         gc.collect()
-        if device.type == "cuda":  # back on the GPU if it was moved: a no-op if not
+        if device.type == "cuda" and restore:  # back on the GPU if it was moved: a no-op if not
             torch.cuda.empty_cache()
             trainer.to(device)
 
@@ -473,12 +475,12 @@ def run(args) -> int:
                     [(arm[0] + ("" if h == "bf16" else f", lm_head {h.upper()}")
                       + (f", dense copy >= {d} rows" if d else ""), *arm[1:], h, d)
                      for h in heads for d in dense]
-        for label, preset, frac, head, dense_rows in rows:
-            if wanted and preset not in wanted:
-                continue
+        rows = [r for r in rows if not wanted or r[1] in wanted]
+        for i, (label, preset, frac, head, dense_rows) in enumerate(rows):
             try:
                 for _ in measure_precision(trainer, shape, layers, full_layers, label, preset, frac, args,
-                                           env, results, base, lm_head=head, dense_rows=dense_rows):
+                                           env, results, base, lm_head=head, dense_rows=dense_rows,
+                                           restore=i < len(rows) - 1):
                     save()
             except Exception as exc:  # noqa: BLE001
                 results["errors"].append({"shape": shape, "precision": label, "error": repr(exc)[:400]})
