@@ -119,7 +119,8 @@ def test_arms_summary_of_recorded_runs(tmp_path):
     failed = tmp_path / "failed.json"  # an arm whose model build failed: no rows, its error
     failed.write_text(json.dumps({"rows": [], "profiles": [{"batch": 1, "error": "RuntimeError('x')"},
                                                {"batch": 8, "chain": {"error": "RuntimeError('no kernel')"}}],
-                                  "errors": [{"shape": "qwen3-8b", "stage": "build", "error": "OOM"}]}))
+                                  "errors": [{"shape": "qwen3-8b", "stage": "build", "error": "OOM"}],
+                                  "builds": [{"build_s": 53.62, "gpu_gib": 36.41, "gpu_peak_gib": 38.2}]}))
     text = arms_summary([data / "sampler104_defaults.json", tmp_path / "lost.json",
                          data / "sampler103_gfill3_stamps.json", failed])
     lines = text.splitlines()
@@ -131,6 +132,8 @@ def test_arms_summary_of_recorded_runs(tmp_path):
     assert "failed error {'shape': 'qwen3-8b', 'stage': 'build', 'error': 'OOM'}" in lines
     assert "failed profile batch 1 error RuntimeError('x')" in lines
     assert "failed chain batch 8 error RuntimeError('no kernel')" in lines
+    assert "failed build 53.6 s: GPU 36.41 GiB after it, 38.20 GiB at its peak" in lines
+    assert not any(" build " in line for line in lines if line.startswith("sampler104"))  # older records
 
 
 def test_arms_summary_prints_the_replay_chain():

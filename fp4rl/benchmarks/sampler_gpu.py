@@ -30,6 +30,9 @@ RMSNorm, q/k-norm + RoPE + KV write, SiLU * up, W4A4 activations quantized by th
 the module step, on the same sampler (the graphs are recaptured in between); each row's `vs BF16` is
 against BF16 with the same setting. `--pdl on,off` likewise: programmatic dependent launch between the
 step's kernels (fp4rl.kernels.pdl; the graphs are recaptured when it changes).
+
+GPU memory (CUDA): each build records the GiB allocated after it and its peak (`gpu_gib`, `gpu_peak_gib`),
+each row its own peak (warm-up, capture, the generates) and what stays allocated after it.
 """
 
 from __future__ import annotations
@@ -257,6 +260,18 @@ def measure_row(sampler, contract, row: dict, prompts, args, env, results, base)
         row["vs_bf16"] = tok_s / base[key]
     if env["copy_bw"]:
         row["floor_tok_s"] = batch * env["copy_bw"] / nbytes["built"]
+    row.update(gpu_memory(sampler.device))
+
+
+def gpu_memory(device) -> dict:
+    """{'gpu_gib': GiB allocated now, 'gpu_peak_gib': the peak since the last call} on CUDA ({} elsewhere);
+    starts the next peak."""
+    if device.type != "cuda":
+        return {}
+    out = {"gpu_gib": torch.cuda.memory_allocated(device) / 2**30,
+           "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+    torch.cuda.reset_peak_memory_stats(device)
+    return out
 
 
 def measure_precision(trainer, shape, layers, full_layers, label, preset, frac, args, env, results, base,
@@ -312,6 +327,7 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
     prof_kvs = [k for k in args.profile_kv.split(",") if k]
     host_batches = [int(b) for b in args.host_batch.split(",") if b]
     check_kv = "nvfp4" if "nvfp4" in kvs else kvs[-1]
+    gpu_memory(device)  # the build's peak from here
     t0 = time.perf_counter()
     sampler = Sampler(trainer, device=device, dtype=torch.bfloat16, eos_token_ids=[],
                       max_seq_len=args.prompt + n2 + 8, kernels=True, cuda_graphs=not args.no_graphs,
@@ -324,7 +340,8 @@ def _measure(trainer, contract, shape, layers, full_layers, label, preset, frac,
     results["builds"].append({"shape": shape, "precision": label, "build_s": time.perf_counter() - t0,
                               "packed_vs_bf16": mem["packed_vs_bf16"], "packed_bytes": mem["packed_bytes"],
                               "dense_rows": dense_rows, "dense_copy_bytes": mem["dense_copy_bytes"],
-                              "trainer_offloaded": "before the build" if offload else False})
+                              "trainer_offloaded": "before the build" if offload else False,
+                              **gpu_memory(device)})
     from fp4rl.kernels import pdl
 
     fusions = [f == "on" for f in args.fusion.split(",")]

@@ -75,12 +75,12 @@ def markdown(results) -> str:
 
 def arms_summary(paths) -> str:
     """The lines a device script prints after its arms (`python3 -m fp4rl.benchmarks.sampler_gpu_report
-    FILE.json ...`): per results file its errors (a build or precision that failed), its rows' step /
-    graph-replay times, tokens/s or error, its checks (graph replay against eager), and its profiles' errors
-    and in-kernel stamps (`--mma16-stamps`) by kind of launch, and the graph replay's chain
-    (`--profile-batch`: decode_timing.replay_chain, each kernel's advance of the step per call). A file
-    that is missing (an arm that timed out before writing it) is named, not fatal. Last, `compare`'s lines
-    over the files' rows."""
+    FILE.json ...`): per results file its errors (a build or precision that failed), its builds' GPU memory,
+    its rows' step / graph-replay times, tokens/s, memory peak or error, its checks (graph replay against
+    eager), and its profiles' errors and in-kernel stamps (`--mma16-stamps`) by kind of launch, and the graph
+    replay's chain (`--profile-batch`: decode_timing.replay_chain, each kernel's advance of the step per
+    call). A file that is missing (an arm that timed out before writing it) is named, not fatal. Last,
+    `compare`'s lines over the files' rows."""
     import json
     from pathlib import Path
 
@@ -96,8 +96,13 @@ def arms_summary(paths) -> str:
         arms[name] = d.get("rows", [])
         for err in d.get("errors", []):  # a build or a precision that failed before any row
             lines.append(f"{name} error {err}")
+        for b in d.get("builds", []):
+            if "gpu_peak_gib" in b:  # (recorded since the forty-seventh session)
+                lines.append(f"{name} build {b['build_s']:.1f} s: GPU {b['gpu_gib']:.2f} GiB after it, "
+                             f"{b['gpu_peak_gib']:.2f} GiB at its peak")
         for r in d.get("rows", []):
-            keep = {k: r[k] for k in ("step_ms", "graph_us", "tok_s", "error") if k in r}
+            keep = {k: r[k] for k in ("step_ms", "graph_us", "tok_s", "gpu_peak_gib", "error")
+                    if k in r}
             lines.append(f"{name} batch {r['batch']} {keep}")
         checks = [{k: c[k] for k in ("batch", "tokens_equal", "max_logprob_diff", "error") if k in c}
                   for c in d.get("checks", [])]
