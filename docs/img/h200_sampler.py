@@ -1,4 +1,5 @@
-"""Draw docs/img/h200_sampler.png from the sampler benchmark's JSON (fp4rl.benchmarks.sampler_gpu --out).
+"""Draw docs/img/h200_sampler.png from the sampler benchmark's JSON (fp4rl.benchmarks.sampler_gpu --out); each
+panel's title names the GPU its files were measured on.
 
     .venv/bin/python docs/img/h200_sampler.py bench/data/s14/sampler53_8b_final2.json \
         bench/data/s14/sampler53_30b_final2.json [--out FILE.png]
@@ -39,7 +40,10 @@ def rows_of(path, label=""):
     """The bf16-KV rows of a JSON, one per (shape, precision, batch): the one nearest the default setting;
     each with "run": the label (its BF16 rows are the baseline of its other rows)."""
     with open(path) as fh:
-        rows = [r for r in json.load(fh)["rows"] if "error" not in r and r.get("kv") == "bf16"]
+        data = json.load(fh)
+    gpu = data.get("env", {}).get("gpu", "H200")
+    gpu = next((g for g in ("H200", "H100") if g in gpu), gpu)  # "NVIDIA H100 80GB HBM3" -> "H100"
+    rows = [{**r, "gpu": gpu} for r in data["rows"] if "error" not in r and r.get("kv") == "bf16"]
     best = {}
     for r in rows:
         key = (r["shape"], r["precision"], r["batch"])
@@ -69,14 +73,17 @@ def main(paths, out, tok_only=False):
             ax.plot(b, tok, "o-", color=f"C{i}", label=f"{prec}: tok/s")
             if not tok_only:
                 ax.plot(b, rep, "s--", color=f"C{i}", alpha=0.6, label=f"{prec}: graph replay")
-                ax.plot(b, [r["limit_built"] for r in pr], ":", color=f"C{i}", alpha=0.5,
+                limit = [r.get("limit_built") or base[run, r["batch"]]["bytes_built"] / r["bytes_built"]
+                         for r in pr]  # (arms in separate processes: from the rows' byte counts)
+                ax.plot(b, limit, ":", color=f"C{i}", alpha=0.5,
                         label=f"{prec}: byte limit")
             for r, t, g in zip(pr, tok, rep):
                 print(f"{shape} {prec} batch {r['batch']}: {t:.2f}x tok/s, {g:.2f}x graph replay")
         ax.axhline(2.5, color="k", lw=0.8, ls="-.", label="target 2.5x")
         ax.axhline(1.0, color="gray", lw=0.6)
         layers = rows[0]["layers"], rows[0]["full_layers"]
-        ax.set(title=f"{shape} ({layers[0]}/{layers[1]} layers), H200", xlabel="batch (sequences)",
+        gpus = "/".join(sorted({r["gpu"] for r in rows}))
+        ax.set(title=f"{shape} ({layers[0]}/{layers[1]} layers), {gpus}", xlabel="batch (sequences)",
                ylabel="speed vs BF16, same engine", xscale="log", ylim=(0, 3.5))
         ticks = sorted({b for _, b in base})
         ax.set_xticks(ticks, [str(v) for v in ticks])
