@@ -8,13 +8,16 @@ the peak since the previous stage, and the model copy's own tensors (parameters,
 import argparse
 import gc
 import json
+import os
+import sys
 
 import torch
 
-from fp4rl import packed
-from fp4rl import sampler as sampler_mod
-from fp4rl.benchmarks.decode_timing import timed_generate
-from fp4rl.benchmarks.sampler_gpu import SHAPES, build_trainer
+sys.path.insert(0, os.getcwd())  # run from the repository root, as the other bench scripts
+from fp4rl import packed  # noqa: E402
+from fp4rl import sampler as sampler_mod  # noqa: E402
+from fp4rl.benchmarks.decode_timing import timed_generate  # noqa: E402
+from fp4rl.benchmarks.sampler_gpu import SHAPES, build_trainer  # noqa: E402
 
 GIB = 2.0 ** 30
 

@@ -69,6 +69,7 @@ def test_fusing_frees_each_groups_unfused_weights_as_it_goes(monkeypatch):
     assert loaded and len(alive) == len(groups) and max(alive) <= 1, alive
     assert copy(torch.tensor([[1, 2, 3]])).isfinite().all()
 
+
 @pytest.mark.gpu
 def test_a_cuda_copy_of_a_host_trainer_quantizes_on_the_gpu_to_the_trainer_bytes():
     """A sampler on the GPU built from a trainer in host memory (a 30B's BF16 trainer does not fit beside
