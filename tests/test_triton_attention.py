@@ -328,6 +328,22 @@ def test_bf16_split_rule(monkeypatch):
         assert n == 1 or t // n >= tune["split_tokens"]
 
 
+def test_bf16_tile_rule():
+    """The BF16 path's context tile: 128 tokens (no larger than the cache) while the grid fits one wave of one
+    CTA a multiprocessor; 32 past it (139 KB of shared memory a CTA at 128 x 3 stages: a grid of more programs
+    than multiprocessors runs in waves). On 132 multiprocessors: Qwen3-8B's 8 KV heads at batch 16 / 17 / 32
+    / 64; Qwen3-30B-A3B's 4 at batch 32 / 33 / 34 / 64; splits count as programs."""
+    rule = attention._bf16_block
+    assert attention.BF16_TUNE["block_t"] == 128 and attention.BF16_TUNE["wide_block_t"] == 32
+    assert [rule(b, 8, 1, 192, 132) for b in (1, 8, 16, 17, 32, 64)] == [128, 128, 128, 32, 32, 32]
+    assert [rule(b, 4, 1, 4096, 132) for b in (1, 32, 33, 34, 64)] == [128, 128, 128, 32, 32]
+    assert rule(1, 4, 16, 4096, 132) == 128  # _splits_bf16's 16 splits at batch 1: 64 programs
+    assert rule(1, 4, 64, 32768, 132) == 32  # a caller's 64 splits: 256 programs
+    assert rule(4, 8, 8, 4096, 132) == 32 and rule(4, 8, 4, 4096, 132) == 128
+    assert rule(1, 4, 1, 40, 132) == 64 and rule(64, 8, 1, 16, 132) == 16  # never above the cache
+    assert rule(17, 8, 1, 192, 144) == 128  # more multiprocessors, one wave again
+
+
 # ---- BF16 cache on the GPU, real shapes (Qwen3-30B-A3B: 32 query heads, 4 KV heads, head_dim 128)
 
 def _gpu_bf16(b, t_cap, lengths, starts, seed):
@@ -356,7 +372,8 @@ def _gpu_lengths(b, t_cap, seed):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("b,t_cap", [(1, 64), (8, 64), (32, 64), (1, 512), (8, 512), (32, 512), (1, 4096),
-                                     (8, 4096), (32, 4096), (1, 32768), (8, 32768), (32, 32768)])
+                                     (8, 4096), (32, 4096), (1, 32768), (8, 32768), (32, 32768),
+                                     (48, 192), (48, 4096)])  # 48 x 4 programs: 32-token tiles
 def test_gpu_bf16_cache(b, t_cap):
     lengths, starts = _gpu_lengths(b, t_cap, seed=b * 1000 + t_cap)
     q, k, v, lens, st = _gpu_bf16(b, t_cap, lengths, starts, seed=b + t_cap)

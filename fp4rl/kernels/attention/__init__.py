@@ -27,6 +27,7 @@ object for the process (CUDA graphs capture its buffers). ``GLUON`` switches the
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -150,8 +151,26 @@ def _fit_bf16_smem(d: int, block_t: int, num_stages: int, device) -> tuple[int, 
 
 # The BF16 path's launch settings, measured on the H200 (bench/attention_bf16.py): 128-token tiles (64 when
 # the cache holds <= 64 slots), 4 warps, 3 stages; splits by _splits_bf16; >= min_chunk tokens a split.
+# wide_block_t: the tile when the grid has more programs than multiprocessors (_bf16_block;
+# FP4RL_ATTN_WIDE_TILE=128 for the 128-token tile there, as before the forty-eighth session).
 BF16_TUNE = {"block_t": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 1, "split_tokens": 256,
-             "min_chunk": 256}
+             "min_chunk": 256, "wide_block_t": int(os.environ.get("FP4RL_ATTN_WIDE_TILE", "32"))}
+
+
+def _bf16_block(b: int, hkv: int, num_splits: int, t_cap: int, sms: int) -> int:
+    """The BF16 path's context tile: BF16_TUNE's block_t (no larger than the cache), or wide_block_t when the
+    grid (b x hkv x num_splits programs) has more programs than the device has multiprocessors. The 128-token
+    tile pipelined 3 deep takes 139 KB of shared memory, one CTA a multiprocessor, so such a grid runs in two
+    or more waves; 32-token tiles take 38 KB (five resident). Measured on an H100 (forty-eighth session,
+    bench/data/s48/attn151_*.json, graph replay, us): Qwen3-8B heads (32 / 8) at batch 32, contexts 192 /
+    512 / 1K / 4K: 15.8 / 28.2 / 48.4 / 174.9 -> 12.2 / 27.1 / 48.7 / 174.8; batch 64: 29.1 / 51.3 / 93.4 /
+    342.7 -> 22.1 / 48.7 / 90.9 / 345.4; Qwen3-30B-A3B heads (32 / 4) at batch 64: 15.5 / 50.1 / 175.5 ->
+    12.2 / 49.2 / 175.5. Grids within one wave keep the 128-token tile (32-token tiles there: up to 1.3x
+    slower at 4K, e.g. batch 16 x 8 heads 89.7 -> 104.9 us)."""
+    block_t = min(BF16_TUNE["block_t"], max(16, triton.next_power_of_2(t_cap)))
+    if b * hkv * num_splits > sms:
+        block_t = min(block_t, BF16_TUNE["wide_block_t"])
+    return block_t
 
 
 GLUON = {"on": gluon is not None and not INTERPRET, "error": None}
@@ -219,6 +238,8 @@ def _bf16_settings(b, hkv, t_cap, d, device, num_splits, block_t, num_warps, num
     if block_t is None:
         block_t = min(BF16_TUNE["block_t"], max(16, triton.next_power_of_2(t_cap)))
         if not INTERPRET and device.type == "cuda":  # fewer stages, then smaller tiles, where smem is short
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            block_t = _bf16_block(b, hkv, num_splits, t_cap, sms)
             block_t, num_stages = _fit_bf16_smem(d, block_t, num_stages, device)
     if min_chunk is None:
         min_chunk = 0 if INTERPRET else BF16_TUNE["min_chunk"]
