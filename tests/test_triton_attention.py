@@ -330,18 +330,22 @@ def test_bf16_split_rule(monkeypatch):
 
 def test_bf16_tile_rule():
     """The BF16 path's context tile: 128 tokens (no larger than the cache) while the grid fits one wave of one
-    CTA a multiprocessor; 32 past it (139 KB of shared memory a CTA at 128 x 3 stages: a grid of more programs
-    than multiprocessors runs in waves). On 132 multiprocessors: Qwen3-8B's 8 KV heads at batch 16 / 17 / 32
-    / 64; Qwen3-30B-A3B's 4 at batch 32 / 33 / 34 / 64; splits count as programs."""
+    CTA a multiprocessor; 32 past it, up to five programs a multiprocessor (139 KB of shared memory a CTA at
+    128 x 3 stages, 38 KB at 32 x 3: one wave of either); 128 again past that, where 32-token tiles take waves
+    of their own. On 132 multiprocessors: Qwen3-8B's 8 KV heads at batch 16 / 17 / 32 / 64 / 82 / 83 / 128;
+    Qwen3-30B-A3B's 4 at batch 32 / 33 / 34 / 64 / 128 / 256; splits count as programs."""
     rule = attention._bf16_block
-    assert attention.BF16_TUNE["block_t"] == 128 and attention.BF16_TUNE["wide_block_t"] == 32
-    assert [rule(b, 8, 1, 192, 132) for b in (1, 8, 16, 17, 32, 64)] == [128, 128, 128, 32, 32, 32]
-    assert [rule(b, 4, 1, 4096, 132) for b in (1, 32, 33, 34, 64)] == [128, 128, 128, 32, 32]
+    tune = attention.BF16_TUNE
+    assert tune["block_t"] == 128 and tune["wide_block_t"] == 32 and tune["wide_programs_per_sm"] == 5
+    eight = [rule(b, 8, 1, 192, 132) for b in (1, 8, 16, 17, 32, 64, 82, 83, 128)]
+    assert eight == [128] * 3 + [32] * 4 + [128] * 2
+    assert [rule(b, 4, 1, 4096, 132) for b in (1, 32, 33, 34, 64, 128, 256)] == [128] * 3 + [32] * 3 + [128]
     assert rule(1, 4, 16, 4096, 132) == 128  # _splits_bf16's 16 splits at batch 1: 64 programs
     assert rule(1, 4, 64, 32768, 132) == 32  # a caller's 64 splits: 256 programs
     assert rule(4, 8, 8, 4096, 132) == 32 and rule(4, 8, 4, 4096, 132) == 128
     assert rule(1, 4, 1, 40, 132) == 64 and rule(64, 8, 1, 16, 132) == 16  # never above the cache
     assert rule(17, 8, 1, 192, 144) == 128  # more multiprocessors, one wave again
+    assert rule(83, 8, 1, 192, 144) == 32 and rule(91, 8, 1, 192, 144) == 128
 
 
 # ---- BF16 cache on the GPU, real shapes (Qwen3-30B-A3B: 32 query heads, 4 KV heads, head_dim 128)

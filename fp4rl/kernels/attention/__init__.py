@@ -151,24 +151,30 @@ def _fit_bf16_smem(d: int, block_t: int, num_stages: int, device) -> tuple[int, 
 
 # The BF16 path's launch settings, measured on the H200 (bench/attention_bf16.py): 128-token tiles (64 when
 # the cache holds <= 64 slots), 4 warps, 3 stages; splits by _splits_bf16; >= min_chunk tokens a split.
-# wide_block_t: the tile when the grid has more programs than multiprocessors (_bf16_block;
-# FP4RL_ATTN_WIDE_TILE=128 for the 128-token tile there, as before the forty-eighth session).
+# wide_block_t: the tile when the grid has more programs than multiprocessors but fits one wave of that tile's
+# CTAs, wide_programs_per_sm a multiprocessor (_bf16_block; FP4RL_ATTN_WIDE_TILE=128 for the 128-token tile
+# there, as before the forty-eighth session).
 BF16_TUNE = {"block_t": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 1, "split_tokens": 256,
-             "min_chunk": 256, "wide_block_t": int(os.environ.get("FP4RL_ATTN_WIDE_TILE", "32"))}
+             "min_chunk": 256, "wide_block_t": int(os.environ.get("FP4RL_ATTN_WIDE_TILE", "32")),
+             "wide_programs_per_sm": 5}
 
 
 def _bf16_block(b: int, hkv: int, num_splits: int, t_cap: int, sms: int) -> int:
     """The BF16 path's context tile: BF16_TUNE's block_t (no larger than the cache), or wide_block_t when the
-    grid (b x hkv x num_splits programs) has more programs than the device has multiprocessors. The 128-token
-    tile pipelined 3 deep takes 139 KB of shared memory, one CTA a multiprocessor, so such a grid runs in two
-    or more waves; 32-token tiles take 38 KB (five resident). Measured on an H100 (forty-eighth session,
-    bench/data/s48/attn151_*.json, graph replay, us): Qwen3-8B heads (32 / 8) at batch 32, contexts 192 /
-    512 / 1K / 4K: 15.8 / 28.2 / 48.4 / 174.9 -> 12.2 / 27.1 / 48.7 / 174.8; batch 64: 29.1 / 51.3 / 93.4 /
-    342.7 -> 22.1 / 48.7 / 90.9 / 345.4; Qwen3-30B-A3B heads (32 / 4) at batch 64: 15.5 / 50.1 / 175.5 ->
-    12.2 / 49.2 / 175.5. Grids within one wave keep the 128-token tile (32-token tiles there: up to 1.3x
-    slower at 4K, e.g. batch 16 x 8 heads 89.7 -> 104.9 us)."""
+    grid (b x hkv x num_splits programs) has more programs than the device has multiprocessors and at most
+    wide_programs_per_sm times as many. The 128-token tile pipelined 3 deep takes 139 KB of shared memory, one
+    CTA a multiprocessor, so such a grid runs in two or more waves; 32-token tiles take 38 KB, five resident,
+    so it runs in one. Measured on an H100 (forty-eighth session, bench/data/s48/attn151_*.json and
+    attn153_*.json, graph replay, us, 128-token -> 32-token tiles): Qwen3-8B heads (32 / 8) at batch 32,
+    contexts 192 / 512 / 1K / 4K: 15.8 / 28.2 / 48.4 / 174.9 -> 12.2 / 27.1 / 48.7 / 174.8; batch 64: 29.1 /
+    51.3 / 93.4 / 342.7 -> 22.1 / 48.7 / 90.9 / 345.4; Qwen3-30B-A3B heads (32 / 4) at batch 64: 15.5 / 50.1 /
+    175.5 -> 12.2 / 49.2 / 175.5, batch 128 at 512 / 2K: 52.8 / 177.6 -> 48.3 / 176.1; rows of 256 tokens in
+    a 2048-slot cache, the 8B's heads at batch 32 / 64: 12.8 / 30.9 -> 10.7 / 27.4. Past five programs a
+    multiprocessor 32-token tiles take two or more waves of their own and lose at long rows (1024 programs at
+    2K: the 30B's heads at batch 256 344-346 -> 386-398, the 8B's at batch 128 341-345 -> 355-359); within one
+    wave of 128-token tiles they lose up to 1.3x at 4K (batch 16 x 8 heads 89.7 -> 104.9)."""
     block_t = min(BF16_TUNE["block_t"], max(16, triton.next_power_of_2(t_cap)))
-    if b * hkv * num_splits > sms:
+    if sms < b * hkv * num_splits <= BF16_TUNE["wide_programs_per_sm"] * sms:
         block_t = min(block_t, BF16_TUNE["wide_block_t"])
     return block_t
 
