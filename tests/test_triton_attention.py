@@ -328,7 +328,7 @@ def test_bf16_split_rule(monkeypatch):
         assert n == 1 or t // n >= tune["split_tokens"]
 
 
-def test_bf16_tile_rule():
+def test_bf16_tile_rule(monkeypatch):
     """The BF16 path's context tile: 128 tokens (no larger than the cache) while the grid fits one wave of one
     CTA a multiprocessor; 32 past it, up to five programs a multiprocessor (139 KB of shared memory a CTA at
     128 x 3 stages, 38 KB at 32 x 3: one wave of either); 128 again past that, where 32-token tiles take waves
@@ -336,7 +336,8 @@ def test_bf16_tile_rule():
     Qwen3-30B-A3B's 4 at batch 32 / 33 / 34 / 64 / 128 / 256; splits count as programs."""
     rule = attention._bf16_block
     tune = attention.BF16_TUNE
-    assert tune["block_t"] == 128 and tune["wide_block_t"] == 32 and tune["wide_programs_per_sm"] == 5
+    assert tune["block_t"] == 128 and tune["wide_programs_per_sm"] == 5
+    monkeypatch.setitem(tune, "wide_block_t", 32)  # the default (FP4RL_ATTN_WIDE_TILE may be set)
     eight = [rule(b, 8, 1, 192, 132) for b in (1, 8, 16, 17, 32, 64, 82, 83, 128)]
     assert eight == [128] * 3 + [32] * 4 + [128] * 2
     assert [rule(b, 4, 1, 4096, 132) for b in (1, 32, 33, 34, 64, 128, 256)] == [128] * 3 + [32] * 3 + [128]
@@ -346,6 +347,54 @@ def test_bf16_tile_rule():
     assert rule(1, 4, 1, 40, 132) == 64 and rule(64, 8, 1, 16, 132) == 16  # never above the cache
     assert rule(17, 8, 1, 192, 144) == 128  # more multiprocessors, one wave again
     assert rule(83, 8, 1, 192, 144) == 32 and rule(91, 8, 1, 192, 144) == 128
+    assert rule(165, 4, 1, 4096, 132) == 32 and rule(166, 4, 1, 4096, 132) == 128  # 660 = 5 x 132 programs
+    assert rule(48, 4, 1, 4096, 132, wide_per_sm=1) == 128 and rule(48, 4, 1, 4096, 132, wide_per_sm=2) == 32
+
+
+def test_bf16_settings_take_the_tile_rule(monkeypatch):
+    """The launch settings of a CUDA device take _bf16_block's tile, bounded by the wide tile's CTAs its
+    shared memory holds: 5 on an H100 / H200 at head_dim 128 (228 KB a multiprocessor), 3 at head_dim 256,
+    2 on a 100 KB multiprocessor (whose 99 KB a block also takes 2 stages of 128-token tiles:
+    _fit_bf16_smem)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setitem(attention.BF16_TUNE, "wide_block_t", 32)
+    monkeypatch.setattr(attention, "INTERPRET", False)
+    hopper = SimpleNamespace(multi_processor_count=132, shared_memory_per_block_optin=232448,
+                             shared_memory_per_multiprocessor=233472)
+    ada = SimpleNamespace(multi_processor_count=132, shared_memory_per_block_optin=101376,
+                          shared_memory_per_multiprocessor=102400)
+    props = {"p": hopper}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props["p"])
+    dev = torch.device("cuda")
+
+    def settings(b, hkv, t_cap, d=128, splits=None):
+        return attention._bf16_settings(b, hkv, t_cap, d, dev, splits, None, None, None, None)
+
+    assert attention._wide_per_sm(128, 3, dev) == 5 and attention._wide_per_sm(256, 3, dev) == 3
+    assert settings(48, 4, 4096) == (1, 32, 4, 3, 256)  # 192 programs: one wave of 32-token tiles
+    assert settings(32, 4, 4096) == (1, 128, 4, 3, 256)  # 128 programs: one wave of 128-token tiles
+    assert settings(165, 4, 4096)[1] == 32 and settings(166, 4, 4096)[1] == 128
+    assert settings(4, 8, 4096, splits=8)[1] == 32  # a caller's splits count as programs
+    assert settings(1, 4, 40)[1] == 64  # never above the cache
+    assert settings(48, 4, 4096, d=256)[1] == 32 and settings(100, 4, 4096, d=256)[1] == 128  # 3 a multiproc.
+    props["p"] = ada
+    assert attention._wide_per_sm(128, 3, dev) == 2
+    assert settings(48, 4, 4096) == (1, 32, 4, 3, 256) and settings(67, 4, 4096)[1] == 128
+    assert settings(32, 4, 4096) == (1, 128, 4, 2, 256)  # the 99 KB block: 2 stages
+
+
+@pytest.mark.parametrize("value", ["0", "8", "48", "256", "-32", "32.0", "abc", ""])
+def test_bf16_wide_tile_from_the_environment(value, monkeypatch):
+    """FP4RL_ATTN_WIDE_TILE: 16-128 and a power of two, else an error naming the variable at import."""
+    monkeypatch.setenv("FP4RL_ATTN_WIDE_TILE", value)
+    with pytest.raises(ValueError, match="FP4RL_ATTN_WIDE_TILE"):
+        attention._env_tile("FP4RL_ATTN_WIDE_TILE", 32)
+    for ok in ("16", "32", " 64 ", "128"):
+        monkeypatch.setenv("FP4RL_ATTN_WIDE_TILE", ok)
+        assert attention._env_tile("FP4RL_ATTN_WIDE_TILE", 32) == int(ok)
+    monkeypatch.delenv("FP4RL_ATTN_WIDE_TILE")
+    assert attention._env_tile("FP4RL_ATTN_WIDE_TILE", 32) == 32
 
 
 # ---- BF16 cache on the GPU, real shapes (Qwen3-30B-A3B: 32 query heads, 4 KV heads, head_dim 128)
@@ -396,7 +445,7 @@ def test_gpu_bf16_cache(b, t_cap):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("b,t_cap", [(8, 256), (32, 4096), (1, 32768)])
+@pytest.mark.parametrize("b,t_cap", [(8, 256), (32, 4096), (1, 32768), (48, 256)])  # 48 x 4: 32-token tiles
 @pytest.mark.parametrize("attn_pdl", [False, True])
 def test_gpu_bf16_cache_graph_replay(b, t_cap, attn_pdl, monkeypatch):
     """Captured once in a CUDA graph, replayed with new lengths / starts / q written into the same buffers:

@@ -149,17 +149,40 @@ def _fit_bf16_smem(d: int, block_t: int, num_stages: int, device) -> tuple[int, 
     return block_t, num_stages
 
 
+def _env_tile(name: str, default: int) -> int:
+    """A context tile from the environment: 16, 32, 64 or 128 tokens (the kernel's tile is a power of two, its
+    dots need >= 16), else a ValueError that names the variable."""
+    raw = os.environ.get(name, str(default)).strip()
+    tile = int(raw) if raw.isdigit() else 0
+    if not 16 <= tile <= 128 or tile & (tile - 1):
+        raise ValueError(f"{name}={raw!r}: the BF16 attention's context tile must be 16, 32, 64 or 128 "
+                         f"tokens (unset it for the default, {default})")
+    return tile
+
+
 # The BF16 path's launch settings, measured on the H200 (bench/attention_bf16.py): 128-token tiles (64 when
 # the cache holds <= 64 slots), 4 warps, 3 stages; splits by _splits_bf16; >= min_chunk tokens a split.
 # wide_block_t: the tile when the grid has more programs than multiprocessors but fits one wave of that tile's
-# CTAs, wide_programs_per_sm a multiprocessor (_bf16_block; FP4RL_ATTN_WIDE_TILE=128 for the 128-token tile
-# there, as before the forty-eighth session).
+# CTAs, at most wide_programs_per_sm a multiprocessor and as many as its shared memory holds (_bf16_block,
+# _wide_per_sm; FP4RL_ATTN_WIDE_TILE=128 for the 128-token tile there, as before the forty-eighth session).
 BF16_TUNE = {"block_t": 128, "num_warps": 4, "num_stages": 3, "programs_per_sm": 1, "split_tokens": 256,
-             "min_chunk": 256, "wide_block_t": int(os.environ.get("FP4RL_ATTN_WIDE_TILE", "32")),
+             "min_chunk": 256, "wide_block_t": _env_tile("FP4RL_ATTN_WIDE_TILE", 32),
              "wide_programs_per_sm": 5}
 
 
-def _bf16_block(b: int, hkv: int, num_splits: int, t_cap: int, sms: int) -> int:
+def _wide_per_sm(d: int, num_stages: int, device) -> int:
+    """CTAs of the wide tile (BF16_TUNE's wide_block_t) resident a multiprocessor by shared memory, at most
+    wide_programs_per_sm (measured on the H100 at head_dim 128: 5, 38 KB each of 228 KB); fewer at head_dim
+    256 or on a ~100 KB multiprocessor (sm_86 / 89 / 120)."""
+    props = torch.cuda.get_device_properties(device)
+    smem = (getattr(props, "shared_memory_per_multiprocessor", 0)
+            or getattr(props, "shared_memory_per_block_optin", 0) or 101376)
+    per_cta = bf16_smem_bytes(d, BF16_TUNE["wide_block_t"], num_stages) + 1024  # + the reserved 1 KB a CTA
+    return max(1, min(BF16_TUNE["wide_programs_per_sm"], smem // per_cta))
+
+
+def _bf16_block(b: int, hkv: int, num_splits: int, t_cap: int, sms: int,
+                wide_per_sm: int | None = None) -> int:
     """The BF16 path's context tile: BF16_TUNE's block_t (no larger than the cache), or wide_block_t when the
     grid (b x hkv x num_splits programs) has more programs than the device has multiprocessors and at most
     wide_programs_per_sm times as many. The 128-token tile pipelined 3 deep takes 139 KB of shared memory, one
@@ -172,9 +195,12 @@ def _bf16_block(b: int, hkv: int, num_splits: int, t_cap: int, sms: int) -> int:
     a 2048-slot cache, the 8B's heads at batch 32 / 64: 12.8 / 30.9 -> 10.7 / 27.4. Past five programs a
     multiprocessor 32-token tiles take two or more waves of their own and lose at long rows (1024 programs at
     2K: the 30B's heads at batch 256 344-346 -> 386-398, the 8B's at batch 128 341-345 -> 355-359); within one
-    wave of 128-token tiles they lose up to 1.3x at 4K (batch 16 x 8 heads 89.7 -> 104.9)."""
+    wave of 128-token tiles they lose up to 1.34x (batch 1 x 4 KV heads at 1K: 8.5 -> 11.4; 1.23x at 4K, 13.4
+    -> 16.5). wide_per_sm: the wide tile's CTAs resident a multiprocessor (_wide_per_sm; default BF16_TUNE's
+    wide_programs_per_sm)."""
     block_t = min(BF16_TUNE["block_t"], max(16, triton.next_power_of_2(t_cap)))
-    if sms < b * hkv * num_splits <= BF16_TUNE["wide_programs_per_sm"] * sms:
+    per_sm = BF16_TUNE["wide_programs_per_sm"] if wide_per_sm is None else wide_per_sm
+    if sms < b * hkv * num_splits <= per_sm * sms:
         block_t = min(block_t, BF16_TUNE["wide_block_t"])
     return block_t
 
@@ -242,11 +268,12 @@ def _bf16_settings(b, hkv, t_cap, d, device, num_splits, block_t, num_warps, num
         num_splits, block_t = num_splits or 2, block_t or 16
     num_splits = num_splits or _splits_bf16(b, hkv, t_cap, device)
     if block_t is None:
-        block_t = min(BF16_TUNE["block_t"], max(16, triton.next_power_of_2(t_cap)))
         if not INTERPRET and device.type == "cuda":  # fewer stages, then smaller tiles, where smem is short
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-            block_t = _bf16_block(b, hkv, num_splits, t_cap, sms)
+            block_t = _bf16_block(b, hkv, num_splits, t_cap, sms, _wide_per_sm(d, num_stages, device))
             block_t, num_stages = _fit_bf16_smem(d, block_t, num_stages, device)
+        else:
+            block_t = min(BF16_TUNE["block_t"], max(16, triton.next_power_of_2(t_cap)))
     if min_chunk is None:
         min_chunk = 0 if INTERPRET else BF16_TUNE["min_chunk"]
     return num_splits, block_t, num_warps, num_stages, min_chunk
