@@ -12,3 +12,14 @@ arm() {
     --offload-trainer on $extra --out "$OUT/${ARM_PREFIX}_$name.json" > "$OUT/${ARM_PREFIX}_$name.log" 2>&1
   echo "$name exit $? at ${SECONDS}s"; grep '^| qwen\|rror' "$OUT/${ARM_PREFIX}_$name.log" | cut -c1-200
 }
+# The device returns at most 8 files from $OUT (device_run152 lost its 8B arms' 8 files): when the script that
+# sourced this exits with more, they are packed into $OUT/out.tgz (`tar xzf out.tgz` here).
+pack_out() {
+  [ -n "$OUT" ] && [ -d "$OUT" ] || return 0
+  local n
+  n=$(find "$OUT" -type f | wc -l)
+  [ "$n" -gt 8 ] || return 0
+  tar czf /tmp/out_pack.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/out_pack.tgz "$OUT/out.tgz" \
+    && echo "packed $n files into \$OUT/out.tgz"
+}
+trap pack_out EXIT
