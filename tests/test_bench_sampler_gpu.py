@@ -176,6 +176,28 @@ def test_arms_summary_compares_the_arms_step_by_step():
     assert alone == [], alone
 
 
+def test_each_nvfp4_arm_takes_the_bf16_arm_of_its_variant():
+    """The forty-eighth session's device_run152: BF16 and the defaults each with the new attention tile and
+    with FP4RL_ATTN_WIDE_TILE=128 (arms '*_t128'). Each NVFP4 arm's speedup is over the BF16 arm of the same
+    variant: defaults_t128 6.805 / 4.317 = 1.58x against bf16_t128 (the first BF16 arm would give 1.54x); an
+    arm with no BF16 twin takes the first BF16 arm."""
+    from fp4rl.benchmarks.sampler_gpu_report import _variant, compare
+
+    def row(step, preset="nvfp4-w4a16"):
+        return [{"shape": "qwen3-8b", "batch": 32, "step_ms": step, "preset": preset,
+                 "cadence_ms": [step] * 3}]
+
+    arms = {"sampler152_8b_bf16": row(6.653, "bf16"), "sampler152_8b_bf16_t128": row(6.805, "bf16"),
+            "sampler152_8b_defaults": row(4.178), "sampler152_8b_defaults_t128": row(4.317),
+            "sampler152_8b_fill3": row(4.329)}
+    names = list(arms)
+    assert [_variant(n, names) for n in names] == ["", "t128", "", "t128", ""]
+    assert _variant("s_a", ["s_a", "s_b"]) == "" and _variant("x_head_w", ["x_head_w", "x_bf16"]) == "w"
+    line = compare(arms)[0]
+    assert line.endswith("BF16 / arm: sampler152_8b_defaults 1.59x, sampler152_8b_defaults_t128 1.58x (vs "
+                         "sampler152_8b_bf16_t128), sampler152_8b_fill3 1.54x"), line
+
+
 def test_noisy_rows_are_flagged():
     # session 38's ROUTER_NORM arm on an H100: two generates at 1.23 and 1.83 ms a step around a 1.16 ms
     # graph replay; their median (the mean of two) read 1.53 ms, +26% against the defaults

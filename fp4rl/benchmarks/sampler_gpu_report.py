@@ -146,11 +146,25 @@ def noisy(step_ms: float, graph_us: float | None, cadence_ms: list[float]) -> bo
     return bool(cadence_ms) and max(cadence_ms) > NOISY_SPREAD * min(cadence_ms)
 
 
+def _variant(name: str, names) -> str:
+    """What follows an arm's first word once the arms' common prefix is gone: 'sampler152_8b_defaults_t128'
+    among 'sampler152_8b_*' -> 't128'; '' for 'sampler152_8b_defaults' (the arm's variant, by which an NVFP4
+    arm finds its BF16 arm in `compare`)."""
+    import os
+
+    prefix = os.path.commonprefix(list(names))
+    prefix = prefix[:prefix.rfind("_") + 1]  # whole words only
+    rest = name[len(prefix):]
+    return rest.split("_", 1)[1] if "_" in rest else ""
+
+
 def compare(arms: dict) -> list[str]:
     """Per shape and batch, the arms' step ms side by side (arms: {name: rows}, in order): each against the
     first arm that has the batch (+x.x%: slower), and where an arm ran BF16 (preset bf16) the BF16 step over
-    each NVFP4 arm's (the speedup the issue's targets name); * after a noisy step (`noisy`, from the row's own
-    cadences, so older records are judged too). Rows with an error are left out."""
+    each NVFP4 arm's (the speedup the issue's targets name): over the BF16 arm of the same variant where there
+    is one (`_variant`: 'defaults_t128' against 'bf16_t128', named after the ratio), else the first BF16 arm;
+    * after a noisy step (`noisy`, from the row's own cadences, so older records are judged too). Rows with an
+    error are left out."""
     by_key: dict = {}
     for name, rows in arms.items():
         for r in rows:
@@ -161,7 +175,8 @@ def compare(arms: dict) -> list[str]:
         if len(got) < 2:
             continue
         nvfp4 = [(n, r) for n, r in got if r.get("preset") != "bf16"]
-        bf16 = next((r for n, r in got if r.get("preset") == "bf16"), None)
+        bf16s = [(n, r) for n, r in got if r.get("preset") == "bf16"]
+        bf16 = bf16s[0][1] if bf16s else None
         first = nvfp4[0][1]["step_ms"] if nvfp4 else None
         parts = []
         for n, r in got:
@@ -172,8 +187,14 @@ def compare(arms: dict) -> list[str]:
             parts.append(text)
         line = f"{shape} batch {batch} step ms: " + ", ".join(parts)
         if bf16 is not None and nvfp4:
-            line += "; BF16 / arm: " + ", ".join(f"{n} {bf16['step_ms'] / r['step_ms']:.2f}x"
-                                                 for n, r in nvfp4)
+            names = list(arms)
+            ratios = []
+            for n, r in nvfp4:
+                same = [(bn, br) for bn, br in bf16s[1:] if _variant(bn, names) == _variant(n, names) != ""]
+                base = same[0][1] if same else bf16
+                vs = f" (vs {same[0][0]})" if same else ""
+                ratios.append(f"{n} {base['step_ms'] / r['step_ms']:.2f}x{vs}")
+            line += "; BF16 / arm: " + ", ".join(ratios)
         lines.append(line)
     return lines
 
