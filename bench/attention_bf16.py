@@ -3,7 +3,11 @@ branch) against torch SDPA exactly as fp4rl.gpu_decode calls it (additive mask o
 enable_gqa), Qwen3-30B-A3B's heads (32 query, 4 KV, head_dim 128) by default.
 
     python3 bench/attention_bf16.py [--batch 1,8,32] [--context 64,512,4096,32768] [--tcap N] [--heads 32,4]
-        [--d 128] [--variants default,bt64-sp8] [--rounds 7] [--kernel-info] [--out FILE.json]
+        [--d 128] [--variants default,bt64-sp8] [--rounds 7] [--kernel-info] [--kv bf16|fp8] [--out FILE.json]
+
+--kv fp8 times the same kernel's FP8 branch over an FP8 cache (attention.quantize_kv_fp8: codes and a float32
+scale per token and head; 'default' is then `_splits` and 128-token tiles), SDPA and the float32 reference
+over its dequantized values.
 
 Per (batch, context): T_cap = the context rounded up to 64 (or --tcap, to time short rows in a large cache),
 every row holds `context` tokens (starts 0). Both are timed under CUDA graph replay (bench/gemm_fixed.timed:
@@ -105,11 +109,19 @@ def warm_clocks(ms=20.0):
             return
 
 
-def run_shape(batch, context, t_cap, hq, hkv, d, variants, rounds, l2):
+def run_shape(batch, context, t_cap, hq, hkv, d, variants, rounds, l2, kv="bf16"):
     g = torch.Generator(device="cuda").manual_seed(batch * 100003 + context)
     q = torch.randn(batch, hq, d, device="cuda", generator=g).bfloat16()
     k0 = (torch.randn(batch, hkv, t_cap, d, device="cuda", generator=g) * 2).bfloat16()
     v0 = torch.randn(batch, hkv, t_cap, d, device="cuda", generator=g).bfloat16()
+    if kv == "fp8":  # our kernel reads the FP8 cache; SDPA and the reference its dequantized values
+        k8, kg = attention.quantize_kv_fp8(k0)
+        v8, vg = attention.quantize_kv_fp8(v0)
+        ours = (k8, v8, kg, vg)
+        k0 = (k8.float() * kg[..., None]).bfloat16()
+        v0 = (v8.float() * vg[..., None]).bfloat16()
+    else:
+        ours = (k0, v0, None, None)
     lengths = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     starts = torch.zeros(batch, dtype=torch.int32, device="cuda")
     mask = additive_mask(lengths, starts, t_cap, k0.dtype)
@@ -124,27 +136,31 @@ def run_shape(batch, context, t_cap, hq, hkv, d, variants, rounds, l2):
     check(f"SDPA itself, batch {batch} context {context}", sdpa_out, ref, sdpa_out)
     outs, info = {}, {}
     for name, kw in variants.items():
-        outs[name] = attention.decode_attention(q, lengths, k0, v0, None, None, starts=starts, **kw)
+        outs[name] = attention.decode_attention(q, lengths, *ours, starts=starts, **kw)
         check(f"{name}, batch {batch} context {context}", outs[name], ref, sdpa_out)
-        info[name] = kernel_info(attention.COMPILED.get("decode_attn bf16"))
+        info[name] = kernel_info(attention.COMPILED.get(f"decode_attn {kv}"))
     nbytes = 2 * k0.numel() * k0.element_size()  # K and V, every slot (SDPA reads all T_cap)
-    read = 2 * batch * hkv * context * d * 2  # what our kernel reads
+    per_token = d * 2 if kv == "bf16" else d + 4  # FP8: the codes and a float32 scale
+    read = 2 * batch * hkv * context * per_token  # what our kernel reads
     copies = max(1, min(1024, -(-3 * l2 // nbytes)))
     caches = [(k0, v0)] + [(k0.clone(), v0.clone()) for _ in range(copies - 1)]
+    mine = [ours] + [tuple(None if t is None else t.clone() for t in ours) for _ in range(copies - 1)]
     reps = max(copies, 8)
-    row = {"batch": batch, "context": context, "t_cap": t_cap, "hq": hq, "hkv": hkv, "d": d, "copies": copies,
-           "splits_default": attention._splits_bf16(batch, hkv, t_cap, q.device), "mb_read": read / 1e6}
+    split_rule = attention._splits_bf16 if kv == "bf16" else attention._splits
+    row = {"batch": batch, "context": context, "t_cap": t_cap, "hq": hq, "hkv": hkv, "d": d, "kv": kv,
+           "copies": copies, "splits_default": split_rule(batch, hkv, t_cap, q.device), "mb_read": read / 1e6}
     warm_clocks()
     row["sdpa_us"] = timed(lambda r: sdpa(*caches[r % copies]), reps, rounds)
     for name, kw in variants.items():
         warm_clocks()
-        us = timed(lambda r, kw=kw: attention.decode_attention(q, lengths, *caches[r % copies], None, None,
-                                                               starts=starts, **kw), reps, rounds)
+        us = timed(lambda r, kw=kw: attention.decode_attention(q, lengths, *mine[r % copies], starts=starts,
+                                                               **kw), reps, rounds)
         row[f"{name}_us"] = us
         row[f"{name}_tbps"] = read / us / 1e6
         row[f"{name}_rel_err"] = check(name, outs[name], ref, sdpa_out)
         row[f"{name}_kernel"] = info[name]
     caches.clear()
+    mine.clear()
     torch.cuda.empty_cache()
     return row
 
@@ -159,6 +175,8 @@ def main():
     ap.add_argument("--variants", default="default")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--kernel-info", action="store_true", help="print registers, spills, shared memory")
+    ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8"),
+                    help="the cache our kernel reads (fp8: SDPA and the reference on its dequantized values)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "attention_bf16.json"))
     args = ap.parse_args()
     hq, hkv = (int(x) for x in args.heads.split(","))
@@ -182,7 +200,7 @@ def main():
             t_cap = args.tcap or -(-context // 64) * 64
             if t_cap < context:
                 raise SystemExit(f"--tcap {t_cap} < context {context}")
-            row = run_shape(batch, context, t_cap, hq, hkv, args.d, variants, args.rounds, l2)
+            row = run_shape(batch, context, t_cap, hq, hkv, args.d, variants, args.rounds, l2, args.kv)
             out["rows"].append(row)
             vals = ([f"{row[f'{n}_us']:.1f}" for n in variants]
                     + [f"{row['sdpa_us'] / row[f'{n}_us']:.2f}" for n in variants]
