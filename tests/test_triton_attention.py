@@ -349,6 +349,7 @@ def test_bf16_tile_rule(monkeypatch):
     assert rule(83, 8, 1, 192, 144) == 32 and rule(91, 8, 1, 192, 144) == 128
     assert rule(165, 4, 1, 4096, 132) == 32 and rule(166, 4, 1, 4096, 132) == 128  # 660 = 5 x 132 programs
     assert rule(48, 4, 1, 4096, 132, wide_per_sm=1) == 128 and rule(48, 4, 1, 4096, 132, wide_per_sm=2) == 32
+    assert rule(64, 8, 1, 192, None) == 128 and rule(1, 4, 1, 40, None) == 64  # no CUDA device: the base tile
 
 
 def test_bf16_settings_take_the_tile_rule(monkeypatch):

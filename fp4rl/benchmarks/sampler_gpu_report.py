@@ -165,6 +165,7 @@ def compare(arms: dict) -> list[str]:
     is one (`_variant`: 'defaults_t128' against 'bf16_t128', named after the ratio), else the first BF16 arm;
     * after a noisy step (`noisy`, from the row's own cadences, so older records are judged too). Rows with an
     error are left out."""
+    variant = {n: _variant(n, arms) for n in arms}
     by_key: dict = {}
     for name, rows in arms.items():
         for r in rows:
@@ -187,10 +188,9 @@ def compare(arms: dict) -> list[str]:
             parts.append(text)
         line = f"{shape} batch {batch} step ms: " + ", ".join(parts)
         if bf16 is not None and nvfp4:
-            names = list(arms)
             ratios = []
             for n, r in nvfp4:
-                same = [(bn, br) for bn, br in bf16s[1:] if _variant(bn, names) == _variant(n, names) != ""]
+                same = [(bn, br) for bn, br in bf16s[1:] if variant[bn] == variant[n] != ""]
                 base = same[0][1] if same else bf16
                 vs = f" (vs {same[0][0]})" if same else ""
                 ratios.append(f"{n} {base['step_ms'] / r['step_ms']:.2f}x{vs}")

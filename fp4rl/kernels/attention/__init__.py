@@ -181,7 +181,7 @@ def _wide_per_sm(d: int, num_stages: int, device) -> int:
     return max(1, min(BF16_TUNE["wide_programs_per_sm"], smem // per_cta))
 
 
-def _bf16_block(b: int, hkv: int, num_splits: int, t_cap: int, sms: int,
+def _bf16_block(b: int, hkv: int, num_splits: int, t_cap: int, sms: int | None,
                 wide_per_sm: int | None = None) -> int:
     """The BF16 path's context tile: BF16_TUNE's block_t (no larger than the cache), or wide_block_t when the
     grid (b x hkv x num_splits programs) has more programs than the device has multiprocessors and at most
@@ -197,10 +197,10 @@ def _bf16_block(b: int, hkv: int, num_splits: int, t_cap: int, sms: int,
     2K: the 30B's heads at batch 256 344-346 -> 386-398, the 8B's at batch 128 341-345 -> 355-359); within one
     wave of 128-token tiles they lose up to 1.34x (batch 1 x 4 KV heads at 1K: 8.5 -> 11.4; 1.23x at 4K, 13.4
     -> 16.5). wide_per_sm: the wide tile's CTAs resident a multiprocessor (_wide_per_sm; default BF16_TUNE's
-    wide_programs_per_sm)."""
+    wide_programs_per_sm). sms None (no CUDA device): the base tile only."""
     block_t = min(BF16_TUNE["block_t"], max(16, triton.next_power_of_2(t_cap)))
     per_sm = BF16_TUNE["wide_programs_per_sm"] if wide_per_sm is None else wide_per_sm
-    if sms < b * hkv * num_splits <= per_sm * sms:
+    if sms is not None and sms < b * hkv * num_splits <= per_sm * sms:
         block_t = min(block_t, BF16_TUNE["wide_block_t"])
     return block_t
 
@@ -268,12 +268,12 @@ def _bf16_settings(b, hkv, t_cap, d, device, num_splits, block_t, num_warps, num
         num_splits, block_t = num_splits or 2, block_t or 16
     num_splits = num_splits or _splits_bf16(b, hkv, t_cap, device)
     if block_t is None:
-        if not INTERPRET and device.type == "cuda":  # fewer stages, then smaller tiles, where smem is short
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            block_t = _bf16_block(b, hkv, num_splits, t_cap, sms, _wide_per_sm(d, num_stages, device))
+        cuda = not INTERPRET and device.type == "cuda"
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else None
+        per_sm = _wide_per_sm(d, num_stages, device) if cuda else None
+        block_t = _bf16_block(b, hkv, num_splits, t_cap, sms, per_sm)
+        if cuda:  # fewer stages, then smaller tiles, where smem is short
             block_t, num_stages = _fit_bf16_smem(d, block_t, num_stages, device)
-        else:
-            block_t = min(BF16_TUNE["block_t"], max(16, triton.next_power_of_2(t_cap)))
     if min_chunk is None:
         min_chunk = 0 if INTERPRET else BF16_TUNE["min_chunk"]
     return num_splits, block_t, num_warps, num_stages, min_chunk
