@@ -1,11 +1,15 @@
 """Eighteenth session: the NVFP4 decode attention's context splits at rollout-sized contexts, one process.
 
-CASES="b:hkv:t,..." [SPLITS=2,4,...] [ROUNDS=2] python3 bench/attn_splits.py  (writes $OUT/attn_splits.json)
+CASES="b:hkv:t,..." [SPLITS=2,4,...] [WARPS=4,2,...] [ROUNDS=2] python3 bench/attn_splits.py  (writes
+$OUT/attn_splits.json)
 
 For each case (batch b, 32 query heads over hkv KV heads, d 128, every sequence at context t = the cache's
 capacity): the dispatcher's split count (`_splits_gluon`, what the sampler runs) and each count of SPLITS,
 timed as bench/attn_s8.py does (CUDA-graph replay over operand copies beyond the L2, ROUNDS interleaved
 rounds, medians), each output checked against the float32 reference on the dequantized cache.
+WARPS (forty-ninth session): warps a CTA besides the dispatcher's 4 (the keys "n" for 4 warps, "n/w" for w
+warps), for the wave check at batch 32-128, where 4-warp CTAs (three resident a multiprocessor) can run in
+more than one wave.
 """
 
 import json
@@ -28,6 +32,7 @@ CASES = os.environ.get("CASES", "1:8:1024,1:8:2048,1:8:4096,1:8:8192,1:8:16384,1
                                 "8:8:4096,32:8:1024,32:8:4096,32:4:1024,32:4:4096")
 SPLITS = [int(s) for s in os.environ.get("SPLITS", "1,2,3,4,6,8,12,16,24,32").split(",")]
 ROUNDS = int(os.environ.get("ROUNDS", "2"))
+WARPS = [int(w) for w in os.environ.get("WARPS", "4").split(",")]
 
 
 def main():
@@ -43,22 +48,26 @@ def main():
         floor = (x.fp4_bytes + 2 * x.q.nbytes) / (bw["tb_s"] * 1e12) * 1e6
 
         def call(s, n, x=x):
+            n, w = n if isinstance(n, tuple) else (n, 4)
             (kd, ks, kg), (vd, vs, vg) = s
             return A.decode_attention(x.q, x.lengths, kd, vd, kg, vg, k_scale=ks, v_scale=vs, kernel="gluon",
-                                      num_splits=n)
+                                      num_splits=n, num_warps=w)
 
         splits = sorted({n for n in SPLITS if t // (n * 4) >= 16} | {chosen})
+        splits += [(n, w) for w in WARPS if w != 4 for n in SPLITS if t // (n * w) >= 16]
         errs = {n: rel(call(x.sets4[0], n), x.ref) for n in splits}
         times = {n: [] for n in splits}
         for _ in range(ROUNDS):
             for n in splits:
                 times[n].append(gk.time_calls([lambda s=s, n=n: call(s, n) for s in x.sets4], min_calls=8))
         us = {n: statistics.median(v) for n, v in times.items()}
+        us = {(f"{n[0]}/{n[1]}" if isinstance(n, tuple) else n): v for n, v in us.items()}
+        errs = {(f"{n[0]}/{n[1]}" if isinstance(n, tuple) else n): v for n, v in errs.items()}
         best = min(us, key=us.get)
         row = {"b": b, "hkv": hkv, "t": t, "chosen": chosen, "best": best, "floor_us": floor,
                "us": us, "rel_err": errs}
         res["cases"].append(row)
-        print(f"b {b:2d} hkv {hkv} t {t:5d}: chosen {chosen:2d} {us[chosen]:6.1f} us, best {best:2d} "
+        print(f"b {b:3d} hkv {hkv} t {t:5d}: chosen {chosen:2d} {us[chosen]:6.1f} us, best {best!s:>4} "
               f"{us[best]:6.1f} us (floor {floor:.1f}) | " + " ".join(f"{n}:{v:.1f}" for n, v in us.items()),
               flush=True)
         assert max(errs.values()) < 5e-3, errs
