@@ -157,3 +157,17 @@ def test_bad_inputs_name_the_problem():
         call(qkv, cos, sin, h, hkv, d, qw, kw, 1e-6, k, v, s.int())
     with pytest.raises(ValueError, match=r"starts must be \[R=2\]"):
         call(qkv, cos, sin, h, hkv, d, qw, kw, 1e-6, k, v, s, starts=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="num_splits=-1"):  # an empty grid: no write, no output
+        call(qkv, cos, sin, h, hkv, d, qw, kw, 1e-6, k, v, s, num_splits=-1)
+    with pytest.raises(ValueError, match="block_t=24"):
+        call(qkv, cos, sin, h, hkv, d, qw, kw, 1e-6, k, v, s, block_t=24)
+
+
+def test_zero_sm_scale_is_honoured():
+    """sm_scale=0.0 is a scale (every score 0: the mean of v over the row's tokens), not 1/sqrt(D)."""
+    r, h, hkv, d, t_cap, slot = 1, 4, 2, 32, 16, 9
+    qkv, cos, sin, _, k, v = _case(r, h, hkv, d, t_cap, slot, False, seed=5)
+    out = attention.decode_attention_rope(qkv, cos, sin, h, hkv, d, None, None, 1e-6, k, v,
+                                          torch.tensor([slot], device=DEV), sm_scale=0.0)
+    mean = v[0, :, :slot + 1].float().mean(1).repeat_interleave(h // hkv, 0)  # [H, D], v as written
+    assert (out[0].float() - mean).abs().max().item() < 2e-2

@@ -93,6 +93,40 @@ def test_bad_inputs():
         attention.decode_attention(q, lengths, k8, k8, kg, kg)
 
 
+def test_bad_cache_operands_name_the_problem():
+    """FP8 / NVFP4 operands the kernel would misread (wrong dtypes, shapes, strides, head dims) and launch
+    overrides it cannot take: an error that names them, not a silently wrong output."""
+    q, k, v, lengths = _case(2, 4, 2, 20, 32, [20, 7])
+    call = attention.decode_attention
+    k8, kg = attention.quantize_kv_fp8(k)
+    kd, ks, kg4 = attention.quantize_kv_nvfp4(k)
+    with pytest.raises(TypeError, match="float8_e4m3fn k and v"):  # FP8 codes as raw bytes
+        call(q, lengths, k8.view(torch.uint8), k8.view(torch.uint8), kg, kg)
+    with pytest.raises(ValueError, match="float32"):
+        call(q, lengths, k8, k8, kg.bfloat16(), kg.bfloat16())
+    with pytest.raises(ValueError, match="float32"):
+        call(q, lengths, kd, kd, kg4, kg4, k_scale=ks.float(), v_scale=ks.float())
+    with pytest.raises(ValueError, match=r"\[B, Hkv, T, D/16\]"):  # scales of another capacity
+        call(q, lengths, kd, kd, kg4, kg4, k_scale=ks[:, :, :1], v_scale=ks[:, :, :1])
+    kst = ks.transpose(-1, -2).contiguous().transpose(-1, -2)
+    with pytest.raises(ValueError, match="k_scale's last dim must be contiguous"):
+        call(q, lengths, kd, kd, kg4, kg4, k_scale=kst, v_scale=ks)
+    with pytest.raises(ValueError, match=r"D/2 = 16"):  # unpacked codes
+        call(q, lengths, kd.repeat(1, 1, 1, 2), kd.repeat(1, 1, 1, 2), kg4, kg4, k_scale=ks, v_scale=ks)
+    q96, k96 = torch.zeros(2, 4, 96, dtype=torch.bfloat16), torch.zeros(2, 2, 20, 96)
+    k96_8, kg96 = attention.quantize_kv_fp8(k96)
+    with pytest.raises(ValueError, match="power of two >= 32"):
+        call(q96.to(DEV), lengths, k96_8.to(DEV), k96_8.to(DEV), kg96.to(DEV), kg96.to(DEV))
+    with pytest.raises(ValueError, match="positive multiple of KV heads"):
+        call(q, lengths, k8[:, :0], k8[:, :0], kg[:, :0], kg[:, :0])
+    for kw, text in (({"num_splits": 0}, "num_splits=0"), ({"num_splits": -1}, "num_splits=-1"),
+                     ({"block_t": 24}, "block_t=24"), ({"block_t": 8}, "block_t=8"),
+                     ({"num_warps": 3}, "num_warps=3"), ({"min_chunk": -16}, "min_chunk=-16"),
+                     ({"kernel": "cuda"}, "kernel='cuda'")):
+        with pytest.raises(ValueError, match=text):
+            call(q, lengths, k8, k8, kg, kg, **kw)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_long_context_repeated():

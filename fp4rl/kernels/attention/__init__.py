@@ -72,35 +72,71 @@ class _Workspace:
 _WORKSPACE = _Workspace()
 
 
-def _check_cache(q, lengths, k, v, kg, vg, fp4: bool):
-    """The operands of decode_attention; kg = vg = None: a BF16 cache (bf16 k, v; D a power of 2 >= 16)."""
+def _check_cache(q, lengths, k, v, kg, vg, ks=None, vs=None):
+    """The operands of decode_attention; kg = vg = None: a BF16 cache (bf16 k, v; D a power of 2 >= 16);
+    ks / vs given: an NVFP4 cache (packed uint8 codes [B, Hkv, T, D/2], E4M3 block scales [B, Hkv, T, D/16]);
+    else FP8 (float8_e4m3fn codes [B, Hkv, T, D]). FP8 and NVFP4 take D a power of 2 >= 32 and float32
+    per-token scales [B, Hkv, T]."""
     b, hq, d = q.shape
-    bf16 = kg is None
+    bf16, fp4 = kg is None, ks is not None
+    kind = "a BF16" if bf16 else "an NVFP4" if fp4 else "an FP8"
     if q.dtype != torch.bfloat16:
         raise TypeError(f"q must be bfloat16 [B, Hq, D], got {q.dtype}")
     if bf16 and (k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16):
         raise TypeError(f"a BF16 cache needs bfloat16 k and v, got {k.dtype} and {v.dtype}")
+    want = torch.uint8 if fp4 else torch.float8_e4m3fn
+    if not bf16 and (k.dtype != want or v.dtype != want):
+        raise TypeError(f"{kind} cache needs {want} k and v (the codes{', two E2M1 a byte' if fp4 else ''}), "
+                        f"got {k.dtype} and {v.dtype}")
     if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b:
         raise ValueError(f"k/v cache must be [B, Hkv, T, {'D/2' if fp4 else 'D'}] and equal; got "
                          f"{tuple(k.shape)}, {tuple(v.shape)} for q {tuple(q.shape)}")
     hkv = k.shape[1]
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    if bf16 and (k.shape[3] != d or d & (d - 1) or d < 16):
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a positive multiple of KV heads ({hkv})")
+    pow2 = d >= (16 if bf16 else 32) and not d & (d - 1)
+    if bf16 and (k.shape[3] != d or not pow2):
         raise ValueError(f"head_dim mismatch: q has D={d}, the cache last dim is {k.shape[3]} (D must be a "
                          "power of two >= 16; other head dims: attend a BF16 cache with SDPA, as the decode "
                          "engine does)")
-    if not bf16 and (k.shape[3] * (2 if fp4 else 1) != d or d % 32):
-        raise ValueError(f"head_dim mismatch: q has D={d}, the cache last dim is {k.shape[3]}")
-    if not bf16 and (kg.shape != k.shape[:3] or vg.shape != k.shape[:3]):
-        raise ValueError(f"per-token scales must be [B, Hkv, T] = {tuple(k.shape[:3])}, got "
-                         f"{tuple(kg.shape)}, {tuple(vg.shape)}")
+    if not bf16 and (k.shape[3] * (2 if fp4 else 1) != d or not pow2):
+        last = f"D/2 = {d // 2}" if fp4 else f"D = {d}"
+        raise ValueError(f"{kind} cache's last dim must be {last} for q's head_dim D={d}, got {k.shape[3]}; "
+                         "the kernel takes D a power of two >= 32 (other head dims: a BF16 cache with SDPA)")
+    if not bf16:
+        for name, t in (("k_global", kg), ("v_global", vg)):
+            if t.shape != k.shape[:3] or t.dtype != torch.float32:
+                raise ValueError(f"per-token scales must be float32 [B, Hkv, T] = {tuple(k.shape[:3])}, got "
+                                 f"{name} {t.dtype} {tuple(t.shape)}")
+    if fp4:
+        for name, t in (("k_scale", ks), ("v_scale", vs)):
+            if t.shape != (*k.shape[:3], d // 16) or t.dtype not in (torch.float8_e4m3fn, torch.uint8):
+                raise ValueError(f"NVFP4 block scales must be float8_e4m3fn [B, Hkv, T, D/16] = "
+                                 f"{(*k.shape[:3], d // 16)}, got {name} {t.dtype} {tuple(t.shape)}")
     if lengths.shape != (b,):
         raise ValueError(f"lengths must be int32 [B={b}], got {tuple(lengths.shape)}")
     named = (("k", k), ("v", v), ("q", q)) + (() if bf16 else (("k_global", kg), ("v_global", vg)))
+    named += (("k_scale", ks), ("v_scale", vs)) if fp4 else ()
     for name, t in named:
         if t.stride(-1) != 1:
             raise ValueError(f"{name}'s last dim must be contiguous")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: the cache and q must share a device")
+
+
+def _check_launch(num_splits, block_t, num_warps, num_stages, min_chunk, kernel=None):
+    """decode_attention's launch overrides: None (the dispatcher's choice) or values the kernels can take."""
+    if kernel not in (None, "gluon", "triton"):
+        raise ValueError(f"kernel={kernel!r}: use None (the dispatcher's choice), 'gluon' or 'triton'")
+    for name, val, lo in (("num_splits", num_splits, 1), ("num_warps", num_warps, 1),
+                          ("num_stages", num_stages, 1), ("min_chunk", min_chunk, 0)):
+        if val is not None and (not isinstance(val, int) or isinstance(val, bool) or val < lo):
+            raise ValueError(f"{name}={val!r}: must be an int >= {lo}, or None for the dispatcher's choice")
+    if num_warps is not None and num_warps & (num_warps - 1):
+        raise ValueError(f"num_warps={num_warps}: must be a power of two")
+    if block_t is not None and (not isinstance(block_t, int) or block_t < 16 or block_t & (block_t - 1)):
+        raise ValueError(f"block_t={block_t!r}: the context tile must be a power of two >= 16 (its dots need "
+                         "16), or None for the dispatcher's choice")
 
 
 def _splits(b: int, hkv: int, t: int, device) -> int:
@@ -342,7 +378,8 @@ def decode_attention(q, lengths, k, v, k_global=None, v_global=None, *, k_scale=
         raise ValueError("a BF16 cache has no scales: k_scale/v_scale (NVFP4) need k_global/v_global too")
     if not bf16 and (k.dtype == torch.bfloat16 or v.dtype == torch.bfloat16):
         raise ValueError("a BF16 cache takes no scales: decode_attention(q, lengths, k, v, None, None)")
-    _check_cache(q, lengths, k, v, k_global, v_global, fp4)
+    _check_cache(q, lengths, k, v, k_global, v_global, k_scale, v_scale)
+    _check_launch(num_splits, block_t, num_warps, num_stages, min_chunk, kernel)
     b, hq, d = q.shape
     hkv, t_cap = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -458,6 +495,8 @@ def decode_attention_rope(qkv, cos, sin, n_heads: int, n_kv_heads: int, head_dim
     if starts is not None and tuple(starts.shape) != (r,):
         raise ValueError(f"decode_attention_rope: starts must be [R={r}] (int32 on the device), got "
                          f"{tuple(starts.shape)}")
+    _check_launch(num_splits, block_t, num_warps, num_stages, min_chunk)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     k, v = k_cache[:r], v_cache[:r]
     hkv, t_cap = n_kv_heads, k.shape[2]
     num_splits, block_t, num_warps, num_stages, min_chunk = _bf16_settings(
@@ -469,7 +508,7 @@ def decode_attention_rope(qkv, cos, sin, n_heads: int, n_kv_heads: int, head_dim
     if r:
         # (lengths: unused, every row's length is slot + 1; the scales' pointers: unused by a BF16 cache)
         _launch_triton(qkv, (qkv.stride(0), d), slot, starts, k, v, k, v, k, v, (0, 0, 0, 0), out,
-                       g=n_heads // hkv, sm_scale=sm_scale or 1.0 / math.sqrt(d), num_splits=num_splits,
+                       g=n_heads // hkv, sm_scale=scale, num_splits=num_splits,
                        block_t=block_t, num_warps=num_warps, num_stages=num_stages, min_chunk=min_chunk,
                        fp4=False, bf16=True,
                        rope=(cos, sin, q_weight, k_weight, slot, float(eps)))

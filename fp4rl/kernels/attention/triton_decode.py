@@ -15,7 +15,11 @@ rounding (p * g_tok), again one multiply per token rather than per element. The 
 computed in FP16 (q converted once; |q| must stay below 65504), because Hopper converts FP8
 to FP16 in one instruction per two values and to BF16 only through FP32; its probabilities
 are scaled by g_tok / max(g_tok over the tile) so that small scales do not fall into FP16
-subnormals. The BF16 cache (no scales) feeds q and K, then the bfloat16 probabilities and V,
+subnormals. Its limit: a token whose V scale is below ~6e-8 of the largest in its tile (FP16's smallest
+subnormal) contributes nothing, and near it little precision (measured in the forty-ninth session: a token
+holding nearly all of a head's attention at a V scale 1e-7 of its tile's largest, 9.9% error; at 3e-8, the
+head's output 0; NVFP4 keeps 0.5% there), which real caches' per-token V ranges do not approach.
+The BF16 cache (no scales) feeds q and K, then the bfloat16 probabilities and V,
 straight to the MMA, as flash attention does.
 
 With ``ROPE`` (BF16 cache only; ``decode_attention_rope``) the kernel also does the decode step's q/k-norm +
