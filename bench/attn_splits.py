@@ -7,9 +7,9 @@ For each case (batch b, 32 query heads over hkv KV heads, d 128, every sequence 
 capacity): the dispatcher's split count (`_splits_gluon`, what the sampler runs) and each count of SPLITS,
 timed as bench/attn_s8.py does (CUDA-graph replay over operand copies beyond the L2, ROUNDS interleaved
 rounds, medians), each output checked against the float32 reference on the dequantized cache.
-WARPS (forty-ninth session): warps a CTA besides the dispatcher's 4 (the keys "n" for 4 warps, "n/w" for w
-warps), for the wave check at batch 32-128, where 4-warp CTAs (three resident a multiprocessor) can run in
-more than one wave.
+WARPS (forty-ninth session): warps a CTA besides 4 (the keys "n" for 4 warps, "n/w" for w warps), for the
+wave check at batch 32-128, where 4-warp CTAs (three resident a multiprocessor) can run in more than one
+wave; "auto": the dispatcher's splits and warps (`_warps_gluon`).
 """
 
 import json
@@ -48,13 +48,13 @@ def main():
         floor = (x.fp4_bytes + 2 * x.q.nbytes) / (bw["tb_s"] * 1e12) * 1e6
 
         def call(s, n, x=x):
-            n, w = n if isinstance(n, tuple) else (n, 4)
+            n, w = n if isinstance(n, tuple) else (None, None) if n == "auto" else (n, 4)
             (kd, ks, kg), (vd, vs, vg) = s
             return A.decode_attention(x.q, x.lengths, kd, vd, kg, vg, k_scale=ks, v_scale=vs, kernel="gluon",
                                       num_splits=n, num_warps=w)
 
         splits = sorted({n for n in SPLITS if t // (n * 4) >= 16} | {chosen})
-        splits += [(n, w) for w in WARPS if w != 4 for n in SPLITS if t // (n * w) >= 16]
+        splits += [(n, w) for w in WARPS if w != 4 for n in SPLITS if t // (n * w) >= 16] + ["auto"]
         errs = {n: rel(call(x.sets4[0], n), x.ref) for n in splits}
         times = {n: [] for n in splits}
         for _ in range(ROUNDS):

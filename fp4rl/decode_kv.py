@@ -2,8 +2,9 @@
 
 The engine (fp4rl.gpu_decode) calls these where the fused q/k-norm + RoPE kernel does not write the cache
 itself: `store_kv` quantizes and writes one slot as the cache's own `update` would, `attend_quantized`
-writes and attends, `attend_nvfp4` attends over an NVFP4 cache whose slot is already written. Every call
-runs on the engine's first bb rows, with the step's context (`ctx`: lengths, starts, slot).
+writes and attends, `attend_nvfp4` / `attend_fp8` attend over an NVFP4 / FP8 cache whose slot is already
+written. Every call runs on the engine's first bb rows, with the step's context (`ctx`: lengths, starts,
+slot).
 """
 
 from __future__ import annotations
@@ -23,15 +24,20 @@ def attend_nvfp4(c, i: int, q, ctx, bb: int) -> torch.Tensor:
                             starts=ctx.starts)
 
 
-def attend_quantized(c, i: int, q, k, v, ctx, bb: int) -> torch.Tensor:
-    """Write k/v [bb, H_kv, 1, D] into an FP8 / NVFP4 cache, attend with q [bb, H, 1, D] -> [bb, H, D]."""
+def attend_fp8(c, i: int, q, ctx, bb: int) -> torch.Tensor:
+    """q [bb, H, 1, D] over layer i of an FP8 cache (its slot already written) -> [bb, H, D]."""
     from fp4rl.kernels.attention import decode_attention
 
+    return decode_attention(q[:, :, 0], ctx.lengths, c.k[i][:bb], c.v[i][:bb],
+                            c.k_scale[i][:bb, :, :, 0], c.v_scale[i][:bb, :, :, 0], starts=ctx.starts)
+
+
+def attend_quantized(c, i: int, q, k, v, ctx, bb: int) -> torch.Tensor:
+    """Write k/v [bb, H_kv, 1, D] into an FP8 / NVFP4 cache, attend with q [bb, H, 1, D] -> [bb, H, D]."""
     store_kv(c, i, k, v, ctx.slot, bb)
     if c.kind == "nvfp4":
         return attend_nvfp4(c, i, q, ctx, bb)
-    return decode_attention(q[:, :, 0], ctx.lengths, c.k[i][:bb], c.v[i][:bb],
-                            c.k_scale[i][:bb, :, :, 0], c.v_scale[i][:bb, :, :, 0], starts=ctx.starts)
+    return attend_fp8(c, i, q, ctx, bb)
 
 
 def store_kv(cache, layer: int, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor, bb: int) -> None:

@@ -10,11 +10,11 @@ sampler's own model copy. What it changes, and what it computes:
   `generate` calls; prefill writes it through prefix views, the n-fold copy of a prompt's rows and
   the compaction of finished rows are done in place. A decode step writes its token's K/V at one
   slot (NVFP4: quantized per (row, head), byte-identical to the CPU cache's quantizer, by the fused step's
-  q/k-norm + RoPE kernel, `FUSED_KV_FP4`, else by `kernels.quantize` in fp4rl.decode_kv.store_kv; FP8: the
-  cache's own torch quantizer) and attends with `kernels.attention.decode_attention` over
-  [first real token, slot] of each row (left padding skipped); so does the BF16 cache (the kernel's bf16
-  branch, head_dim a power of two >= 16; else, or with `BF16_ATTENTION` / FP4RL_BF16_ATTENTION=0: SDPA over
-  all T_cap slots with a mask).
+  q/k-norm + RoPE kernel, `FUSED_KV_FP4`, else by `kernels.quantize` in fp4rl.decode_kv.store_kv; FP8: by
+  that kernel too, with the bytes of the cache's own torch quantizer, which store_kv runs otherwise) and
+  attends with `kernels.attention.decode_attention` over [first real token, slot] of each row (left
+  padding skipped); so does the BF16 cache (the kernel's bf16 branch, head_dim a power of two >= 16; else,
+  or with `BF16_ATTENTION` / FP4RL_BF16_ATTENTION=0: SDPA over all T_cap slots with a mask).
 - Fused decode step (`FUSED`, `DecodeEngine(fused=...)`, `set_fused` for A/B): the elementwise work between
   the GEMMs runs as fp4rl.kernels.fused kernels, four per layer plus one for the final norm: residual add +
   RMSNorm before attention and before the MLP, q/k-norm + RoPE + the write of k/v into the BF16 or NVFP4 cache
@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from fp4rl.batch import ROUTING_DTYPE
-from fp4rl.decode_kv import attend_nvfp4, attend_quantized
+from fp4rl.decode_kv import attend_fp8, attend_nvfp4, attend_quantized
 from fp4rl.decode_plan import _records, _Site, fused_plans
 from fp4rl.gpu_experts import KernelMoeBlock  # noqa: F401  (re-exported for callers of gpu_decode)
 from fp4rl.gpu_linear import (  # noqa: F401  (the engine's modules; re-exported for callers of gpu_decode)
@@ -90,8 +90,10 @@ COMBINE_MAX_TOKENS = int(os.environ.get("FP4RL_MOE_COMBINE_MAX", "8"))  # (FP4RL
 # a BF16 cache is read by the Triton decode kernel (kernels.attention: [start, length) of each row only),
 # not by SDPA over all T_cap slots with a mask (FP4RL_BF16_ATTENTION=0)
 BF16_ATTENTION = os.environ.get("FP4RL_BF16_ATTENTION", "1") != "0"
-# the fused step writes an NVFP4 cache in its q/k-norm + RoPE kernel (quantized per (row, head) there: the
-# bytes of decode_kv.store_kv) instead of its quantize and scatter launches (FP4RL_FUSED_KV=0 for A/B)
+# the fused step writes an NVFP4 or FP8 cache in its q/k-norm + RoPE kernel (quantized per (row, head) there:
+# the bytes of decode_kv.store_kv) instead of its quantize and scatter launches (FP4RL_FUSED_KV=0 for A/B; the
+# FP8 cache's torch quantizer and writes are ~26 small launches a layer: with them Qwen3-8B at 4K context,
+# batch 1, was 41% slower than with the BF16 cache on an H100, forty-ninth session)
 FUSED_KV_FP4 = os.environ.get("FP4RL_FUSED_KV", "1") != "0"
 # the fused step's q/k-norm + RoPE, BF16-cache write and attention in one launch
 # (kernels.attention.decode_attention_rope) instead of qk_norm_rope, then the attention kernel; off: 2.8%
@@ -488,6 +490,10 @@ class DecodeEngine:
             q, _ = fused.qk_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps, slot=ctx.slot, fp4_cache=bufs,
                                       fp4_quant=c.quantize_kwargs)
             y = attend_nvfp4(c, i, q, ctx, bb)
+        elif c.kind == "fp8" and FUSED_KV_FP4:  # quantized into the slot there (FP8KVCache.quantize's bytes)
+            q, _ = fused.qk_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps, slot=ctx.slot,
+                                      fp8_cache=(c.k[i], c.k_scale[i], c.v[i], c.v_scale[i]))
+            y = attend_fp8(c, i, q, ctx, bb)
         else:
             q, k = fused.qk_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps)
             v = qkv[:, (hq + hkv) * d:].view(bb, hkv, 1, d)

@@ -340,6 +340,91 @@ def test_qk_norm_rope_writes_the_nvfp4_cache_slot(d, quant):
         assert torch.equal(a, b), n
 
 
+@triton.jit
+def _e4m3_probe(x_ptr, y_ptr, N: tl.constexpr):
+    from fp4rl.kernels.fused_rope import _e4m3_bits
+
+    i = tl.arange(0, N)
+    tl.store(y_ptr + i, _e4m3_bits(tl.load(x_ptr + i)).to(tl.uint8))
+
+
+def test_e4m3_bits_are_torch_float8_conversion():
+    """_e4m3_bits (the FP8 cache write's rounding) against torch's float32 -> float8_e4m3fn on every code's
+    value, every midpoint between neighbours and one float32 ulp either side of it (ties to even), signed
+    zeros, subnormals and random values: the same bytes."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    codes = codes[torch.isfinite(codes)].unique()
+    mids = (codes[1:] + codes[:-1]) / 2
+    g = torch.Generator().manual_seed(0)
+    vals = torch.cat([codes, mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1),
+                      torch.tensor([0.0, -0.0, 2.0 ** -10, -(2.0 ** -10), 2.0 ** -12, 448.0, -448.0]),
+                      torch.randn(20000, generator=g) * 40, torch.randn(4000, generator=g) * 3e-3])
+    vals = vals.clamp(-448, 448)
+    n = triton.next_power_of_2(vals.numel())
+    x = torch.zeros(n)
+    x[:vals.numel()] = vals
+    x = x.to(DEV)
+    y = torch.empty(n, dtype=torch.uint8, device=DEV)
+    _e4m3_probe[(1,)](x, y, N=n)
+    assert torch.equal(y, x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def _random_fp8_cache(hkv, t, d, seed):
+    """An FP8KVCache's buffers of one layer, 4 rows (random codes and scales: a write must change only its
+    slot), with the cache's own quantize (what decode_kv.store_kv calls)."""
+    from types import SimpleNamespace
+
+    from fp4rl.kvcache import FP8KVCache
+
+    g = _gen(seed)
+    ns = SimpleNamespace(quantize=FP8KVCache.quantize)
+    for x in "kv":
+        setattr(ns, x, [torch.randint(0, 120, (4, hkv, t, d), generator=g, dtype=torch.uint8)
+                        .view(torch.float8_e4m3fn).to(DEV)])
+        setattr(ns, f"{x}_scale", [torch.rand(4, hkv, t, 1, generator=g).to(DEV)])
+    return ns
+
+
+FP8_NAMES = ("k", "k_scale", "v", "v_scale")
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_qk_norm_rope_writes_the_fp8_cache_slot(d):
+    """The FP8 cache written by qk_norm_rope itself (k after q/k-norm + RoPE, v as projected) holds the bytes
+    and scales decode_kv.store_kv writes (FP8KVCache.quantize per (row, head)), at the slot only; a zero head,
+    a tiny one (subnormal codes) and heads 1000x apart in scale included."""
+    from fp4rl.decode_kv import store_kv
+
+    r, h, hkv, t, slot = 3, 4, 2, 7, 5
+    qkv = _bf16((r, (h + 2 * hkv) * d), 31, 3.0)
+    qkv[1, (h + hkv) * d:(h + hkv + 1) * d] = 0  # row 1's first v head: all zeros
+    qkv[2, h * d:(h + 1) * d] *= 1e-3  # row 2's first k head: small
+    # row 0's second v head: its scale at the 2^-126 floor (normal bfloat16 values: Triton's interpreter
+    # converts bfloat16 subnormals inexactly, the GPU exactly)
+    tiny = (torch.rand(d, generator=_gen(35)) + 0.5) * torch.sign(torch.randn(d, generator=_gen(36))) * 1e-36
+    qkv[0, (h + hkv + 1) * d:(h + hkv + 2) * d] = tiny.bfloat16().to(DEV)
+    cos, sin = _rope_tables(torch.tensor([4, 9, 2], device=DEV), d)
+    qn, kn = _norm(d, 32), _norm(d, 33)
+    s = torch.tensor([slot], device=DEV)
+    want, got = _random_fp8_cache(hkv, t, d, 34), _random_fp8_cache(hkv, t, d, 34)
+    q_ref, k_ref = fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, qn.weight, kn.weight, 1e-6)
+    store_kv(want, 0, k_ref, qkv[:, (h + hkv) * d:].reshape(r, hkv, 1, d), s, r)
+    q, none = fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, qn.weight, kn.weight, 1e-6, slot=s,
+                                 fp8_cache=tuple(getattr(got, n)[0] for n in FP8_NAMES))
+    assert none is None and torch.equal(q, q_ref)
+    for n in FP8_NAMES:
+        a, b = getattr(want, n)[0], getattr(got, n)[0]
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b), n
+    with pytest.raises(ValueError, match="fp8_cache must be"):  # scales of another capacity
+        bufs = [getattr(got, n)[0] for n in FP8_NAMES]
+        bufs[1] = bufs[1][:, :, :3]
+        fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, None, None, 1e-6, slot=s, fp8_cache=tuple(bufs))
+    with pytest.raises(ValueError, match="fp8_cache and slot"):
+        fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, None, None, 1e-6, fp8_cache=tuple(bufs))
+
+
 def test_qk_norm_rope_nvfp4_cache_refusals():
     h, hkv, d, t = 4, 2, 32, 7
     qkv = _bf16((2, (h + 2 * hkv) * d), 25)

@@ -40,18 +40,51 @@ def _kv_fp4_store(x1, x2, r_flat, D, d_ptr, s_ptr, g_ptr, BH: tl.constexpr, RULE
 
 
 @triton.jit
+def _e4m3_bits(v):
+    """The E4M3 (fn) codes of float32 v, |v| <= 448, rounded to nearest even, as int32: the bytes of torch's
+    v.to(torch.float8_e4m3fn). Integer arithmetic (and one exact float add for the subnormals), so Triton's
+    interpreter gives the GPU's bits (its own float8 conversion rounds ties away, and misrounds others)."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.abs(v)
+    ab = a.to(tl.int32, bitcast=True)
+    # normal range (|v| >= 2^-6): the top 3 mantissa bits rounded to nearest even, exponent rebiased 127 -> 7
+    normal = ((ab + 0x7FFFF + ((ab >> 20) & 1)) >> 20) - 960
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)  # subnormals: multiples of 2^-9, RNE
+    return tl.where(a < 0.015625, sub, normal) | sign
+
+
+@triton.jit
+def _kv_fp8_store(x1, x2, m, i, half, c_ptr, c_off, s_ptr, s_off):
+    """One head vector x = (x1 | x2) (float32 halves) into an FP8 cache slot as fp4rl.kvcache.FP8KVCache's
+    quantize writes it: scale = max(amax / 448, 2^-126) (1 for a zero vector), codes = E4M3(clamp(x / scale,
+    +-448)) at c_ptr + c_off (uint8 view of the codes), the scale at s_ptr + s_off (IEEE divisions)."""
+    amax = tl.max(tl.maximum(tl.abs(x1), tl.abs(x2)), 0)
+    scale = tl.math.div_rn(tl.zeros_like(x1) + amax, tl.zeros_like(x1) + 448.0)
+    scale = tl.where(amax > 0, tl.maximum(scale, 1.1754943508222875e-38), 1.0)
+    y1 = tl.minimum(tl.maximum(tl.math.div_rn(x1, scale), -448.0), 448.0)
+    y2 = tl.minimum(tl.maximum(tl.math.div_rn(x2, scale), -448.0), 448.0)
+    tl.store(c_ptr + c_off + i, _e4m3_bits(y1).to(tl.uint8), mask=m)
+    tl.store(c_ptr + c_off + half + i, _e4m3_bits(y2).to(tl.uint8), mask=m)
+    tl.store(s_ptr + s_off + i * 0, scale, mask=i == 0)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
     kd_ptr, ks_ptr, kg_ptr, vd_ptr, vs_ptr, vg_ptr,
     H, HKV, D, T, stride_qkv, stride_cs, stride_qb, stride_kb, stride_kh, stride_kt, inv_d, eps,
     HAS_NORM: tl.constexpr, TO_CACHE: tl.constexpr, TO_FP4: tl.constexpr, RULE46: tl.constexpr,
-    MAE: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr,
+    MAE: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr, TO_FP8: tl.constexpr = False,
 ):
     """Program (row, head): q heads 0..H-1, then k heads (each also moves its v head into a BF16 cache or
     output). The head's two halves x1 = x[:D/2], x2 = x[D/2:] are loaded apart, so rotate_half is (-x2, x1).
     TO_FP4: k and v go into an NVFP4 cache [B, H_kv, T, ...] at the slot, quantized per (row, head) (BH =
     D / 2); there the v heads are programs H + H_kv .. H + 2 H_kv - 1 (two quantizations one after another
-    in the k programs made them the step's longest: 4.0 vs 2.0 us a call at one row on the H200)."""
+    in the k programs made them the step's longest: 4.0 vs 2.0 us a call at one row on the H200).
+    TO_FP8: k and v go into an FP8 cache at the slot (codes through kd_ptr / vd_ptr, uint8 views with the
+    strides stride_k*, per-token scales through kg_ptr / vg_ptr, contiguous [B, H_kv, T, 1]); the v heads are
+    programs of their own as for NVFP4."""
     if PDL:  # programmatic dependent launch: let the next kernel launch, then wait for our inputs
         tlcuda.gdc_launch_dependents()
         tlcuda.gdc_wait()
@@ -60,7 +93,15 @@ def _qk_norm_rope_kernel(
     half = D // 2
     i = tl.arange(0, BH)
     m = i < half
-    if TO_FP4 and head >= H + HKV:  # a v head of the NVFP4 cache: quantized as it is (no norm, no RoPE)
+    if TO_FP8 and head >= H + HKV:  # a v head of the FP8 cache: quantized as it is
+        j = head - H - HKV
+        vsrc = qkv_ptr + row * stride_qkv + head * D
+        v1 = tl.load(vsrc + i, mask=m, other=0.0).to(tl.float32)
+        v2 = tl.load(vsrc + half + i, mask=m, other=0.0).to(tl.float32)
+        slot = tl.load(slot_ptr)
+        _kv_fp8_store(v1, v2, m, i, half, vd_ptr, row * stride_kb + j * stride_kh + slot * stride_kt, vg_ptr,
+                      (row * HKV + j) * T + slot)
+    elif TO_FP4 and head >= H + HKV:  # a v head of the NVFP4 cache: quantized as it is (no norm, no RoPE)
         j = head - H - HKV
         vsrc = qkv_ptr + row * stride_qkv + head * D
         v1 = tl.load(vsrc + i).to(tl.float32)
@@ -94,6 +135,11 @@ def _qk_norm_rope_kernel(
             dst = q_ptr + row * stride_qb + head * D
             tl.store(dst + i, o1.to(q_ptr.dtype.element_ty), mask=m)
             tl.store(dst + half + i, o2.to(q_ptr.dtype.element_ty), mask=m)
+        elif TO_FP8:  # the FP8 cache's k codes and scale at the slot; v heads: programs of their own
+            j = head - H
+            slot = tl.load(slot_ptr)
+            _kv_fp8_store(o1, o2, m, i, half, kd_ptr, row * stride_kb + j * stride_kh + slot * stride_kt,
+                          kg_ptr, (row * HKV + j) * T + slot)
         elif TO_FP4:  # the NVFP4 cache: one flat row per (row, head, slot); v heads: programs of their own
             j = head - H
             r_flat = (row * HKV + j) * T + tl.load(slot_ptr)
@@ -124,7 +170,7 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
                  head_dim: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, *,
                  k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
                  slot: torch.Tensor | None = None, fp4_cache: tuple | None = None,
-                 fp4_quant: dict | None = None):
+                 fp4_quant: dict | None = None, fp8_cache: tuple | None = None):
     """q/k-norm (when weights are given; eps: the norms' epsilon, required since it is per model: Qwen3 1e-6,
     Llama 1e-5) and RoPE of one token per row, qkv [R, (H + 2 H_kv) D] = the fused q|k|v projection, cos/sin
     [R, D] of qkv's dtype (bf16, the step's tables). With k_cache/v_cache ([B >= R, H_kv, T, D] bf16) and
@@ -133,7 +179,11 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
     KV cache ([B >= R, H_kv, T, D/2] uint8, [.., D/16] float8_e4m3fn, [.., 1] float32, contiguous) and
     slot, k (after the norm and RoPE) and v are quantized per (row, head) with fp4_quant's scale_rule / err
     (quantize_2d(per_row=True)'s bytes, i.e. the cache's own quantizer) into that slot and (q, None) is
-    returned (head_dim: ``fp4_cache_fits``); otherwise (q, k) with q [R, H, 1, D], k [R, H_kv, 1, D]."""
+    returned (head_dim: ``fp4_cache_fits``); with fp8_cache = (k_codes, k_scale, v_codes, v_scale), one layer
+    of an FP8 KV cache ([B >= R, H_kv, T, D] float8_e4m3fn with a contiguous last dim, k's and v's strides
+    equal; [B, H_kv, T, 1] float32, contiguous) and slot, k and v are quantized per (row, head) as
+    fp4rl.kvcache.FP8KVCache.quantize does (its bytes and scales, as decode_kv.store_kv writes them) into
+    that slot and (q, None) is returned; otherwise (q, k) with q [R, H, 1, D], k [R, H_kv, 1, D]."""
     _rows(qkv, "qkv")
     r = qkv.shape[0]
     d = head_dim
@@ -160,6 +210,7 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
     q = torch.empty(r, n_heads, 1, d, dtype=qkv.dtype, device=qkv.device)
     to_cache = k_cache is not None
     to_fp4 = fp4_cache is not None
+    to_fp8 = fp8_cache is not None
     rule46 = mae = False
     fp4_args = (q,) * 6
     t_cap = 0
@@ -185,8 +236,28 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
                                  f"{qkv.device}, got {tuple(t.shape)} {t.dtype}")
         t_cap = lead[2]
         fp4_args = tuple(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in fp4_cache)
-    if (to_cache or to_fp4) and slot is not None and (slot.dtype != torch.long or slot.numel() != 1
-                                                      or slot.device != qkv.device):
+    if to_fp8:
+        if to_cache or to_fp4 or slot is None:
+            raise ValueError("qk_norm_rope: an FP8 cache write takes fp8_cache and slot (no k_cache / "
+                             "v_cache / fp4_cache)")
+        if len(fp8_cache) != 4:
+            raise ValueError("qk_norm_rope: fp8_cache is (k_codes, k_scale, v_codes, v_scale) of one layer")
+        kc, ksc, vc, vsc = fp8_cache
+        lead = tuple(kc.shape[:3])
+        ok = (kc.ndim == 4 and kc.shape == vc.shape and kc.stride() == vc.stride() and kc.stride(-1) == 1
+              and tuple(kc.shape[1:2]) + tuple(kc.shape[3:]) == (n_kv_heads, d) and lead[0] >= r
+              and kc.dtype == vc.dtype == torch.float8_e4m3fn)
+        for t in (ksc, vsc):
+            ok = ok and tuple(t.shape) == (*lead, 1) and t.dtype == torch.float32 and t.is_contiguous()
+        if not ok or any(t.device != qkv.device for t in fp8_cache):
+            raise ValueError(f"qk_norm_rope: fp8_cache must be k / v codes float8_e4m3fn [B >= {r}, "
+                             f"{n_kv_heads}, T, {d}] (one layout, contiguous last dim) and their float32 "
+                             f"scales [B, {n_kv_heads}, T, 1] (contiguous) on {qkv.device}, got "
+                             f"{[(tuple(t.shape), t.dtype) for t in fp8_cache]}")
+        t_cap = lead[2]
+        fp4_args = (kc.view(torch.uint8), q, ksc, vc.view(torch.uint8), q, vsc)
+    if (to_cache or to_fp4 or to_fp8) and slot is not None and (slot.dtype != torch.long or slot.numel() != 1
+                                                                or slot.device != qkv.device):
         raise ValueError(f"qk_norm_rope: slot must be a [1] torch.long tensor on {qkv.device} (the cache "
                          f"slot to write), got {slot.dtype} {tuple(slot.shape)} on {slot.device}")
     if to_cache:
@@ -201,17 +272,20 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
     elif to_fp4:
         k_out = v_out = q  # unused
         kb = kh = kt = 0
+    elif to_fp8:
+        k_out = v_out = q  # unused
+        kb, kh, kt = fp8_cache[0].stride(0), fp8_cache[0].stride(1), fp8_cache[0].stride(2)
     else:
         k_out = torch.empty(r, n_kv_heads, 1, d, dtype=qkv.dtype, device=qkv.device)
         v_out = k_out
         kb, kh, kt = k_out.stride(0), k_out.stride(1), 0
     if r:
-        grid = (r, n_heads + (2 if to_fp4 else 1) * n_kv_heads)
+        grid = (r, n_heads + (2 if to_fp4 or to_fp8 else 1) * n_kv_heads)
         COMPILED["fused qk_norm_rope"] = _qk_norm_rope_kernel[grid](
             qkv, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos, q, k_out, v_out,
             slot if slot is not None else q, *fp4_args, n_heads, n_kv_heads, d, t_cap, qkv.stride(0),
             cos.stride(0), q.stride(0),
             kb, kh, kt, 1.0 / d, eps, HAS_NORM=has_norm, TO_CACHE=to_cache, TO_FP4=to_fp4, RULE46=rule46,
-            MAE=mae, BH=max(16, triton.next_power_of_2(d // 2)), num_warps=1, enable_fp_fusion=False,
-            **_launch_opts(qkv.device))
-    return q, (None if to_cache or to_fp4 else k_out)
+            MAE=mae, BH=max(16, triton.next_power_of_2(d // 2)), TO_FP8=to_fp8, num_warps=1,
+            enable_fp_fusion=False, **_launch_opts(qkv.device))
+    return q, (None if to_cache or to_fp4 or to_fp8 else k_out)

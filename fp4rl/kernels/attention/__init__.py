@@ -140,10 +140,31 @@ def _check_launch(num_splits, block_t, num_warps, num_stages, min_chunk, kernel=
 
 
 def _splits(b: int, hkv: int, t: int, device) -> int:
-    """Splits of the context so that ~4 programs per multiprocessor stream the cache."""
+    """Splits of the context so that ~4 programs per multiprocessor stream the cache (the NVFP4 cache's Triton
+    kernel, where the Gluon one does not run)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     n = 1
     while n < 64 and b * hkv * n < 4 * sms and t // (2 * n) >= 128:
+        n *= 2
+    return n
+
+
+# The FP8 cache's launch: its 128-token tiles x 3 stages take 255 registers a thread at 4 warps (and 75776 B
+# of shared memory), two CTAs a multiprocessor (bench/attention_bf16.py --kernel-info on an H100)
+FP8_TUNE = {"programs_per_sm": 2}
+
+
+def _splits_fp8(b: int, hkv: int, t: int, device) -> int:
+    """Context splits for the FP8 cache: they double while the doubled grid stays within the resident CTAs
+    (FP8_TUNE's programs_per_sm a multiprocessor) and each split keeps >= 128 tokens a half. `_splits`,
+    which it replaced, aimed at 4 programs a multiprocessor and so ran 2-4 waves of 2 resident CTAs. Measured
+    on an H100 (forty-ninth session, bench/data/s49/attn156_fp8_8b.json, Qwen3-8B heads, us, the old count ->
+    one split): batch 32 at 1K / 4K 45.6 / 117.4 (4 splits) -> 33.1 / 107.7; batch 64 73.3 / 220.3 (2) ->
+    62.0 / 205.6; batch 8 at 1K / 4K 18.1 / 52.3 (8 / 16 splits) -> 16.5 / 41.2 at 2 splits. Batch 1 keeps
+    its count (32 at 4K with 8 KV heads)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    n, grid = 1, FP8_TUNE["programs_per_sm"] * sms
+    while n < 64 and b * hkv * 2 * n <= grid and t // (2 * n) >= 128:
         n *= 2
     return n
 
@@ -244,6 +265,19 @@ def _bf16_block(b: int, hkv: int, num_splits: int, t_cap: int, sms: int | None,
 GLUON = {"on": gluon is not None and not INTERPRET, "error": None}
 
 
+def _env_warps(name: str) -> int:
+    """Warps a CTA of the Gluon kernel from the environment: unset or empty for the rule (0), else 2, 4 or 8;
+    anything else a ValueError that names the variable."""
+    raw = os.environ.get(name, "").strip()
+    if raw not in ("", "2", "4", "8"):
+        raise ValueError(f"{name}={raw!r}: the Gluon NVFP4 attention takes 2, 4 or 8 warps a CTA (unset it "
+                         "for the dispatcher's rule, _warps_gluon)")
+    return int(raw or 0)
+
+
+GLUON_WARPS = _env_warps("FP4RL_GLUON_WARPS")
+
+
 # Context splits the short-context rule picks from (what bench/attn_splits.py measured on the H200)
 GLUON_SPLIT_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -267,6 +301,22 @@ def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int
         return n
     fit = min(math.sqrt(t / (6 * max(1, g))), min(2, per_sm) * sms // bh, t // (64 * num_warps))
     return max([s for s in GLUON_SPLIT_LADDER if s <= fit] or [1])
+
+
+def _warps_gluon(b: int, hkv: int, device, maxnreg: int | None) -> int:
+    """Warps a CTA of the Gluon kernel: 2 where one split per (batch, KV head) is more CTAs than one wave of
+    4-warp CTAs holds (3 a multiprocessor at 168 registers) but no more than one wave of 2-warp CTAs (6), else
+    4. Measured on an H100 (forty-ninth session, bench/attn_splits.py WARPS, bench/data/s49/
+    attn156_nvfp4.json, us, 4 warps -> 2): Qwen3-8B heads (8 KV) at batch 64, 1K / 4K 49.7 / 153.2 -> 39.0 /
+    124.5; the 30B's (4 KV) at batch 128, 2K 82.5 -> 67.1; within one wave of 4-warp CTAs (batch 32 x 8 KV
+    heads) and past one of 2-warp CTAs (batch 128 x 8) even or slower. FP4RL_GLUON_WARPS=2 / 4 / 8: that
+    many always (A/B; checked at import)."""
+    if GLUON_WARPS:
+        return GLUON_WARPS
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    per_warp = 65536 // (32 * (maxnreg or 168))  # resident warps a multiprocessor, by registers
+    bh = b * hkv
+    return 2 if (per_warp // 4) * sms < bh <= (per_warp // 2) * sms else 4
 
 
 def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, num_splits, num_warps,
@@ -396,9 +446,9 @@ def decode_attention(q, lengths, k, v, k_global=None, v_global=None, *, k_scale=
         lengths_i = lengths.to(device=q.device, dtype=torch.int32)
         starts_i = None if starts is None else starts.to(device=q.device, dtype=torch.int32)
         try:
+            warps = num_warps or _warps_gluon(b, hkv, q.device, _maxnreg)
             return _decode_attention_gluon(q, lengths_i, starts_i, k, v, k_global, v_global, k_scale, v_scale,
-                                           sm_scale, num_splits, num_warps or 4, _mode, _pf,
-                                           _maxnreg, _dbg)
+                                           sm_scale, num_splits, warps, _mode, _pf, _maxnreg, _dbg)
         except Exception as exc:  # noqa: BLE001  (Gluon failed to compile or launch here)
             if kernel == "gluon":
                 raise
@@ -414,7 +464,7 @@ def decode_attention(q, lengths, k, v, k_global=None, v_global=None, *, k_scale=
         num_warps, num_stages = num_warps or 4, num_stages or 3
         if INTERPRET:
             num_splits, block_t = num_splits or 2, block_t or 16
-        num_splits = num_splits or _splits(b, hkv, t_cap, q.device)
+        num_splits = num_splits or (_splits if fp4 else _splits_fp8)(b, hkv, t_cap, q.device)
         block_t = block_t or 128  # measured best at 4K and 32K context on the H200 (bench/gpu_kernels.md)
     min_chunk = -(-(min_chunk or 0) // block_t) * block_t
     if fp4:
