@@ -97,7 +97,10 @@ class FP8KVCache(SamplerKVCache):
         vector's zeros 0 / 0 = NaN (its values, all below 2^-126 * 2^-9 then, store as 0)."""
         x = x.float()
         amax = x.abs().amax(-1, keepdim=True)  # [..., 1]
-        scale = torch.where(amax > 0, (amax / E4M3_MAX).clamp(min=_FP32_TINY), torch.ones_like(amax))
+        # amax / 448 as an IEEE division on every device: CUDA's tensor / python-scalar multiplies by the
+        # rounded reciprocal (1-ulp different scales from the CPU's), a 0-dim tensor divisor does not
+        scale = torch.where(amax > 0, (amax / amax.new_tensor(E4M3_MAX)).clamp(min=_FP32_TINY),
+                            torch.ones_like(amax))
         return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):

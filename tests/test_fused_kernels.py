@@ -140,6 +140,8 @@ def test_add_rmsnorm_is_the_residual_add_and_rmsnorm(r, k, block):
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from fp4rl.kernels.fused_rope import _e4m3_bits  # noqa: E402
+
 
 @triton.jit
 def _pn_sumsq_probe(x_ptr, h_ptr, out_ptr, K, stride_x, stride_h):
@@ -342,8 +344,6 @@ def test_qk_norm_rope_writes_the_nvfp4_cache_slot(d, quant):
 
 @triton.jit
 def _e4m3_probe(x_ptr, y_ptr, N: tl.constexpr):
-    from fp4rl.kernels.fused_rope import _e4m3_bits
-
     i = tl.arange(0, N)
     tl.store(y_ptr + i, _e4m3_bits(tl.load(x_ptr + i)).to(tl.uint8))
 
