@@ -158,10 +158,10 @@ def _splits_fp8(b: int, hkv: int, t: int, device) -> int:
     """Context splits for the FP8 cache: they double while the doubled grid stays within the resident CTAs
     (FP8_TUNE's programs_per_sm a multiprocessor) and each split keeps >= 128 tokens a half. `_splits`,
     which it replaced, aimed at 4 programs a multiprocessor and so ran 2-4 waves of 2 resident CTAs. Measured
-    on an H100 (forty-ninth session, bench/data/s49/attn156_fp8_8b.json, Qwen3-8B heads, us, the old count ->
-    one split): batch 32 at 1K / 4K 45.6 / 117.4 (4 splits) -> 33.1 / 107.7; batch 64 73.3 / 220.3 (2) ->
-    62.0 / 205.6; batch 8 at 1K / 4K 18.1 / 52.3 (8 / 16 splits) -> 16.5 / 41.2 at 2 splits. Batch 1 keeps
-    its count (32 at 4K with 8 KV heads)."""
+    on an H100 (forty-ninth session, bench/data/s49/attn158_fp8_8b.json, Qwen3-8B heads, us, the old count ->
+    this rule's): batch 8 at 1K / 4K 19.1 / 51.7 (8 / 16 splits) -> 15.1 / 34.3 (4); batch 32 47.3 / 117.7 (4)
+    -> 32.6 / 103.2 (1); batch 64 76.2 / 208.0 (2) -> 58.2 / 206.9 (1). Batch 1 keeps its count (32 at 4K with
+    8 KV heads: 17.3 us; 16 splits measured 15.0, 8 splits 16.6 at 4K but 8.9 against 8.4 at 1K)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     n, grid = 1, FP8_TUNE["programs_per_sm"] * sms
     while n < 64 and b * hkv * 2 * n <= grid and t // (2 * n) >= 128:
