@@ -315,6 +315,15 @@ def _random_fp4_cache(hkv, t, d, quant, seed):
 FP4_NAMES = ("k_data", "k_block_scale", "k_global_scale", "v_data", "v_block_scale", "v_global_scale")
 
 
+def _assert_same_bytes(want, got, names):
+    """Layer 0 of each named cache buffer: the same bytes in both caches (float8 compared as its bytes)."""
+    for n in names:
+        a, b = getattr(want, n)[0], getattr(got, n)[0]
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b), n
+
+
 @pytest.mark.parametrize("d,quant", [(32, QUANTS[0]), (64, QUANTS[1]), (128, QUANTS[2])])
 def test_qk_norm_rope_writes_the_nvfp4_cache_slot(d, quant):
     """The NVFP4 cache written by qk_norm_rope itself (k after q/k-norm + RoPE, v as projected) holds the
@@ -335,11 +344,7 @@ def test_qk_norm_rope_writes_the_nvfp4_cache_slot(d, quant):
     q, none = fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, qn.weight, kn.weight, 1e-6, slot=s,
                                  fp4_cache=tuple(getattr(got, n)[0] for n in FP4_NAMES), fp4_quant=quant)
     assert none is None and torch.equal(q, q_ref)
-    for n in FP4_NAMES:
-        a, b = getattr(want, n)[0], getattr(got, n)[0]
-        if a.dtype == torch.float8_e4m3fn:
-            a, b = a.view(torch.uint8), b.view(torch.uint8)
-        assert torch.equal(a, b), n
+    _assert_same_bytes(want, got, FP4_NAMES)
 
 
 @triton.jit
@@ -412,11 +417,7 @@ def test_qk_norm_rope_writes_the_fp8_cache_slot(d):
     q, none = fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, qn.weight, kn.weight, 1e-6, slot=s,
                                  fp8_cache=tuple(getattr(got, n)[0] for n in FP8_NAMES))
     assert none is None and torch.equal(q, q_ref)
-    for n in FP8_NAMES:
-        a, b = getattr(want, n)[0], getattr(got, n)[0]
-        if a.dtype == torch.float8_e4m3fn:
-            a, b = a.view(torch.uint8), b.view(torch.uint8)
-        assert torch.equal(a, b), n
+    _assert_same_bytes(want, got, FP8_NAMES)
     with pytest.raises(ValueError, match="fp8_cache must be"):  # scales of another capacity
         bufs = [getattr(got, n)[0] for n in FP8_NAMES]
         bufs[1] = bufs[1][:, :, :3]
