@@ -17,8 +17,8 @@ sampler's own model copy. What it changes, and what it computes:
   or with `BF16_ATTENTION` / FP4RL_BF16_ATTENTION=0: SDPA over all T_cap slots with a mask).
 - Fused decode step (`FUSED`, `DecodeEngine(fused=...)`, `set_fused` for A/B): the elementwise work between
   the GEMMs runs as fp4rl.kernels.fused kernels, four per layer plus one for the final norm: residual add +
-  RMSNorm before attention and before the MLP, q/k-norm + RoPE + the write of k/v into the BF16 or NVFP4 cache
-  slot (FP8 caches keep `decode_kv.store_kv`), SiLU(gate) * up. Where the consumer is a W4A4 linear or fused
+  RMSNorm before attention and before the MLP, q/k-norm + RoPE + the write of k/v into the BF16, NVFP4 or FP8
+  cache slot, SiLU(gate) * up. Where the consumer is a W4A4 linear or fused
   group (q/k/v, gate/up, down_proj), the producer kernel also quantizes its output per token with the shared
   quantizer's own helpers (the bytes of `kernels.quantize` for the same input) and the GEMM takes that Q(x)
   (`packed_gemm(..., xq=)`, `gemm.gemm`'s pre-quantized entry); o_proj (after attention) still quantizes its

@@ -98,8 +98,9 @@ class FP8KVCache(SamplerKVCache):
         x = x.float()
         amax = x.abs().amax(-1, keepdim=True)  # [..., 1]
         # amax / 448 as an IEEE division on every device: CUDA's tensor / python-scalar multiplies by the
-        # rounded reciprocal (1-ulp different scales from the CPU's), a 0-dim tensor divisor does not
-        scale = torch.where(amax > 0, (amax / amax.new_tensor(E4M3_MAX)).clamp(min=_FP32_TINY),
+        # rounded reciprocal (1-ulp different scales from the CPU's), a tensor divisor does not (filled on the
+        # device: no host copy, so a CUDA graph can capture it)
+        scale = torch.where(amax > 0, (amax / torch.full_like(amax, E4M3_MAX)).clamp(min=_FP32_TINY),
                             torch.ones_like(amax))
         return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 

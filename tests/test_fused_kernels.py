@@ -426,6 +426,31 @@ def test_qk_norm_rope_writes_the_fp8_cache_slot(d):
         fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, None, None, 1e-6, fp8_cache=tuple(bufs))
 
 
+def test_qk_norm_rope_fp8_cache_nan_and_inf_as_the_cache_quantizer():
+    """Non-finite k / v reach the FP8 cache as FP8KVCache.quantize stores them (a NaN: scale 1 and NaN codes,
+    not hidden behind the finite values' scale; an inf: scale inf, inf / inf a NaN code): they stay
+    visible."""
+    from fp4rl.decode_kv import store_kv
+
+    r, h, hkv, d, t, slot = 3, 4, 2, 32, 6, 2
+    qkv = _bf16((r, (h + 2 * hkv) * d), 41, 2.0)
+    qkv[0, (h + hkv) * d + 3] = float("nan")  # row 0, v head 0
+    qkv[1, (h + hkv + 1) * d + 7] = float("inf")  # row 1, v head 1
+    qkv[2, (h + hkv) * d + 1] = -float("nan")  # row 2, v head 0: a negative NaN
+    qkv[2, h * d + 5] = float("nan")  # row 2, k head 0 (through RoPE)
+    cos, sin = _rope_tables(torch.tensor([1, 5, 3], device=DEV), d)
+    s = torch.tensor([slot], device=DEV)
+    want, got = _random_fp8_cache(hkv, t, d, 42), _random_fp8_cache(hkv, t, d, 42)
+    _, k_ref = fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, None, None, 1e-6)
+    store_kv(want, 0, k_ref, qkv[:, (h + hkv) * d:].reshape(r, hkv, 1, d), s, r)
+    fused.qk_norm_rope(qkv, cos, sin, h, hkv, d, None, None, 1e-6, slot=s,
+                       fp8_cache=tuple(getattr(got, n)[0] for n in FP8_NAMES))
+    assert got.v_scale[0][0, 0, slot, 0].item() == 1.0
+    assert got.v_scale[0][1, 1, slot, 0].item() == float("inf")
+    assert got.v[0][0, 0, slot].float().isnan().sum().item() == 1  # the NaN itself, the rest finite
+    _assert_same_bytes(want, got, FP8_NAMES)
+
+
 def test_qk_norm_rope_nvfp4_cache_refusals():
     h, hkv, d, t = 4, 2, 32, 7
     qkv = _bf16((2, (h + 2 * hkv) * d), 25)

@@ -60,13 +60,24 @@ def _kv_fp8_store(x1, x2, m, i, half, c_ptr, c_off, s_ptr, s_off):
     quantize writes it: scale = max(amax / 448, 2^-126) (1 for a zero vector), codes = E4M3(clamp(x / scale,
     +-448)) at c_ptr + c_off (uint8 view of the codes), the scale at s_ptr + s_off (IEEE divisions)."""
     amax = tl.max(tl.maximum(tl.abs(x1), tl.abs(x2)), 0)
+    # a NaN makes torch's amax NaN, so its scale 1 (NaN > 0 is false); Triton's max may skip NaNs: found apart
+    has_nan = tl.max(((x1 != x1) | (x2 != x2)).to(tl.int32), 0) > 0
     scale = tl.math.div_rn(tl.zeros_like(x1) + amax, tl.zeros_like(x1) + 448.0)
     scale = tl.where(amax > 0, tl.maximum(scale, 1.1754943508222875e-38), 1.0)
-    y1 = tl.minimum(tl.maximum(tl.math.div_rn(x1, scale), -448.0), 448.0)
-    y2 = tl.minimum(tl.maximum(tl.math.div_rn(x2, scale), -448.0), 448.0)
-    tl.store(c_ptr + c_off + i, _e4m3_bits(y1).to(tl.uint8), mask=m)
-    tl.store(c_ptr + c_off + half + i, _e4m3_bits(y2).to(tl.uint8), mask=m)
+    scale = tl.where(has_nan, 1.0, scale)
+    r1, r2 = tl.math.div_rn(x1, scale), tl.math.div_rn(x2, scale)
+    tl.store(c_ptr + c_off + i, _e4m3_code(r1).to(tl.uint8), mask=m)
+    tl.store(c_ptr + c_off + half + i, _e4m3_code(r2).to(tl.uint8), mask=m)
     tl.store(s_ptr + s_off + i * 0, scale, mask=i == 0)
+
+
+@triton.jit
+def _e4m3_code(r):
+    """torch's clamp(r, -448, 448).to(float8_e4m3fn) as int32 codes: a NaN (a NaN input, or inf / inf under
+    an infinite scale) keeps its sign bit over 0x7F, as torch's conversion does (the sign the device's
+    division gave it); Triton's maximum / minimum may not propagate NaNs, so they are picked out first."""
+    code = _e4m3_bits(tl.minimum(tl.maximum(r, -448.0), 448.0))
+    return tl.where(r != r, ((r.to(tl.int32, bitcast=True) >> 24) & 0x80) | 0x7F, code)
 
 
 @triton.jit
