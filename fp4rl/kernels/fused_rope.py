@@ -81,6 +81,20 @@ def _e4m3_code(r):
 
 
 @triton.jit
+def _kv_quant_store(x1, x2, m, i, half, row, j, slot, HKV, T, D, d_ptr, s_ptr, g_ptr, stride_b, stride_h,
+                    stride_t, BH: tl.constexpr, RULE46: tl.constexpr, MAE: tl.constexpr,
+                    TO_FP8: tl.constexpr):
+    """Head j of row `row` (x = (x1 | x2), float32 halves) into slot `slot` of an FP8 cache (codes at the
+    strides stride_*, scales contiguous [B, H_kv, T, 1]) or an NVFP4 one (one flat row per (row, head, slot);
+    s_ptr: its block scales)."""
+    if TO_FP8:
+        _kv_fp8_store(x1, x2, m, i, half, d_ptr, row * stride_b + j * stride_h + slot * stride_t, g_ptr,
+                      (row * HKV + j) * T + slot)
+    else:
+        _kv_fp4_store(x1, x2, (row * HKV + j) * T + slot, D, d_ptr, s_ptr, g_ptr, BH, RULE46, MAE)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
     kd_ptr, ks_ptr, kg_ptr, vd_ptr, vs_ptr, vg_ptr,
@@ -104,21 +118,12 @@ def _qk_norm_rope_kernel(
     half = D // 2
     i = tl.arange(0, BH)
     m = i < half
-    if TO_FP8 and head >= H + HKV:  # a v head of the FP8 cache: quantized as it is
-        j = head - H - HKV
+    if (TO_FP4 or TO_FP8) and head >= H + HKV:  # a v head of a quantized cache: as it is (no norm, no RoPE)
         vsrc = qkv_ptr + row * stride_qkv + head * D
         v1 = tl.load(vsrc + i, mask=m, other=0.0).to(tl.float32)
         v2 = tl.load(vsrc + half + i, mask=m, other=0.0).to(tl.float32)
-        slot = tl.load(slot_ptr)
-        _kv_fp8_store(v1, v2, m, i, half, vd_ptr, row * stride_kb + j * stride_kh + slot * stride_kt, vg_ptr,
-                      (row * HKV + j) * T + slot)
-    elif TO_FP4 and head >= H + HKV:  # a v head of the NVFP4 cache: quantized as it is (no norm, no RoPE)
-        j = head - H - HKV
-        vsrc = qkv_ptr + row * stride_qkv + head * D
-        v1 = tl.load(vsrc + i).to(tl.float32)
-        v2 = tl.load(vsrc + half + i).to(tl.float32)
-        _kv_fp4_store(v1, v2, (row * HKV + j) * T + tl.load(slot_ptr), D, vd_ptr, vs_ptr, vg_ptr, BH,
-                      RULE46, MAE)
+        _kv_quant_store(v1, v2, m, i, half, row, head - H - HKV, tl.load(slot_ptr), HKV, T, D, vd_ptr, vs_ptr,
+                        vg_ptr, stride_kb, stride_kh, stride_kt, BH, RULE46, MAE, TO_FP8)
     else:
         is_q = head < H
         src = qkv_ptr + row * stride_qkv + head * D
@@ -146,15 +151,9 @@ def _qk_norm_rope_kernel(
             dst = q_ptr + row * stride_qb + head * D
             tl.store(dst + i, o1.to(q_ptr.dtype.element_ty), mask=m)
             tl.store(dst + half + i, o2.to(q_ptr.dtype.element_ty), mask=m)
-        elif TO_FP8:  # the FP8 cache's k codes and scale at the slot; v heads: programs of their own
-            j = head - H
-            slot = tl.load(slot_ptr)
-            _kv_fp8_store(o1, o2, m, i, half, kd_ptr, row * stride_kb + j * stride_kh + slot * stride_kt,
-                          kg_ptr, (row * HKV + j) * T + slot)
-        elif TO_FP4:  # the NVFP4 cache: one flat row per (row, head, slot); v heads: programs of their own
-            j = head - H
-            r_flat = (row * HKV + j) * T + tl.load(slot_ptr)
-            _kv_fp4_store(o1, o2, r_flat, D, kd_ptr, ks_ptr, kg_ptr, BH, RULE46, MAE)
+        elif TO_FP4 or TO_FP8:  # k into the quantized cache's slot; v heads: programs of their own
+            _kv_quant_store(o1, o2, m, i, half, row, head - H, tl.load(slot_ptr), HKV, T, D, kd_ptr, ks_ptr,
+                            kg_ptr, stride_kb, stride_kh, stride_kt, BH, RULE46, MAE, TO_FP8)
         else:
             j = head - H
             if TO_CACHE:  # the bf16 cache [B, H_kv, T, D]: slot `slot` of this row and head
@@ -223,7 +222,7 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
     to_fp4 = fp4_cache is not None
     to_fp8 = fp8_cache is not None
     rule46 = mae = False
-    fp4_args = (q,) * 6
+    cache_args = (q,) * 6
     t_cap = 0
     if to_fp4:
         if to_cache or slot is None:
@@ -246,7 +245,7 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
                                  f"{n_kv_heads}, T, D/2 | D/16 | 1] uint8 / float8_e4m3fn / float32 on "
                                  f"{qkv.device}, got {tuple(t.shape)} {t.dtype}")
         t_cap = lead[2]
-        fp4_args = tuple(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in fp4_cache)
+        cache_args = tuple(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in fp4_cache)
     if to_fp8:
         if to_cache or to_fp4 or slot is None:
             raise ValueError("qk_norm_rope: an FP8 cache write takes fp8_cache and slot (no k_cache / "
@@ -266,7 +265,7 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
                              f"scales [B, {n_kv_heads}, T, 1] (contiguous) on {qkv.device}, got "
                              f"{[(tuple(t.shape), t.dtype) for t in fp8_cache]}")
         t_cap = lead[2]
-        fp4_args = (kc.view(torch.uint8), q, ksc, vc.view(torch.uint8), q, vsc)
+        cache_args = (kc.view(torch.uint8), q, ksc, vc.view(torch.uint8), q, vsc)
     if (to_cache or to_fp4 or to_fp8) and slot is not None and (slot.dtype != torch.long or slot.numel() != 1
                                                                 or slot.device != qkv.device):
         raise ValueError(f"qk_norm_rope: slot must be a [1] torch.long tensor on {qkv.device} (the cache "
@@ -294,7 +293,7 @@ def qk_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head
         grid = (r, n_heads + (2 if to_fp4 or to_fp8 else 1) * n_kv_heads)
         COMPILED["fused qk_norm_rope"] = _qk_norm_rope_kernel[grid](
             qkv, cos, sin, q_weight if has_norm else cos, k_weight if has_norm else cos, q, k_out, v_out,
-            slot if slot is not None else q, *fp4_args, n_heads, n_kv_heads, d, t_cap, qkv.stride(0),
+            slot if slot is not None else q, *cache_args, n_heads, n_kv_heads, d, t_cap, qkv.stride(0),
             cos.stride(0), q.stride(0),
             kb, kh, kt, 1.0 / d, eps, HAS_NORM=has_norm, TO_CACHE=to_cache, TO_FP4=to_fp4, RULE46=rule46,
             MAE=mae, BH=max(16, triton.next_power_of_2(d // 2)), TO_FP8=to_fp8, num_warps=1,
