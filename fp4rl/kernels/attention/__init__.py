@@ -163,8 +163,14 @@ def _splits_fp8(b: int, hkv: int, t: int, device) -> int:
     -> 32.6 / 103.2 (1); batch 64 76.2 / 208.0 (2) -> 58.2 / 206.9 (1). Batch 1 keeps its count (32 at 4K with
     8 KV heads: 17.3 us; 16 splits measured 15.0, 8 splits 16.6 at 4K but 8.9 against 8.4 at 1K)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    n, grid = 1, FP8_TUNE["programs_per_sm"] * sms
-    while n < 64 and b * hkv * 2 * n <= grid and t // (2 * n) >= 128:
+    return _splits_in_wave(b * hkv, t, FP8_TUNE["programs_per_sm"] * sms, 128)
+
+
+def _splits_in_wave(bh: int, t: int, grid: int, half_tokens: int) -> int:
+    """The splits of `_splits_fp8` and `_splits_bf16`: doubled (up to 64) while bh x the doubled count stays
+    within `grid` resident CTAs and each half of a split keeps >= half_tokens of the capacity t."""
+    n = 1
+    while n < 64 and bh * 2 * n <= grid and t // (2 * n) >= half_tokens:
         n *= 2
     return n
 
@@ -178,10 +184,7 @@ def _splits_bf16(b: int, hkv: int, t: int, device) -> int:
     (bench/attention_bf16.py, where these were the best or within 5% of it). A short sequence in a long
     cache keeps fewer active splits (min_chunk), the others return at once."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    n, grid, tokens = 1, BF16_TUNE["programs_per_sm"] * sms, BF16_TUNE["split_tokens"]
-    while n < 64 and b * hkv * 2 * n <= grid and t // (2 * n) >= tokens:
-        n *= 2
-    return n
+    return _splits_in_wave(b * hkv, t, BF16_TUNE["programs_per_sm"] * sms, BF16_TUNE["split_tokens"])
 
 
 def bf16_smem_bytes(d: int, block_t: int, num_stages: int) -> int:
