@@ -7,7 +7,7 @@
 source bench/sampler_arm.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 SECONDS=0
-timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_attention.py -k "gpu_bf16" 2>&1 | tail -2
+timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_bf16.py -k "gpu_bf16" 2>&1 | tail -2
 echo "tests at ${SECONDS}s"
 ARM_SHAPE=qwen3-8b:36 ARM_PREFIX=sampler152_8b
 arm bf16 90 1,8,32,64 "--profile-batch= --presets bf16" X=0

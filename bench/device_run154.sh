@@ -6,7 +6,7 @@
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 SECONDS=0
-timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_attention.py -k "gpu_bf16" 2>&1 | tail -1
+timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_bf16.py -k "gpu_bf16" 2>&1 | tail -1
 for h in "32,4 --batch 256 --context 2048" "32,8 --batch 128 --context 2048" "32,8 --batch 64 --context 192"; do
   timeout 60 python3 bench/attention_bf16.py --heads $h --variants default,bt128,bt32 --rounds 7 \
       --out /tmp/a154.json 2>&1 | grep "^| [0-9]"
