@@ -146,9 +146,10 @@ def run_shape(batch, context, t_cap, hq, hkv, d, variants, rounds, l2, kv="bf16"
     caches = [(k0, v0)] + [(k0.clone(), v0.clone()) for _ in range(copies - 1)]
     mine = [ours] + [tuple(None if t is None else t.clone() for t in ours) for _ in range(copies - 1)]
     reps = max(copies, 8)
-    split_rule = attention._splits_bf16 if kv == "bf16" else attention._splits_fp8
+    splits = (attention._splits_bf16(batch, hkv, t_cap, q.device) if kv == "bf16"
+              else attention._splits_fp8(batch, hkv, t_cap, q.device, hq // hkv))
     row = {"batch": batch, "context": context, "t_cap": t_cap, "hq": hq, "hkv": hkv, "d": d, "kv": kv,
-           "copies": copies, "splits_default": split_rule(batch, hkv, t_cap, q.device), "mb_read": read / 1e6}
+           "copies": copies, "splits_default": splits, "mb_read": read / 1e6}
     warm_clocks()
     row["sdpa_us"] = timed(lambda r: sdpa(*caches[r % copies]), reps, rounds)
     for name, kw in variants.items():

@@ -149,21 +149,42 @@ def _splits(b: int, hkv: int, t: int, device) -> int:
     return n
 
 
+def _env_split_cost(name: str, default: int) -> int:
+    """The FP8 splits' merge-cost factor c from the environment (an int >= 0; 0: no capacity cap, the
+    forty-ninth session's rule), else a ValueError that names the variable."""
+    raw = os.environ.get(name, str(default)).strip()
+    if not raw.isdigit():
+        raise ValueError(f"{name}={raw!r}: the FP8 attention's split-cost factor is an int >= 0 (0 turns the "
+                         f"capacity cap off; unset it for the default, {default})")
+    return int(raw)
+
+
 # The FP8 cache's launch: its 128-token tiles x 3 stages take 255 registers a thread at 4 warps (and 75776 B
-# of shared memory), two CTAs a multiprocessor (bench/attention_bf16.py --kernel-info on an H100)
-FP8_TUNE = {"programs_per_sm": 2}
+# of shared memory), two CTAs a multiprocessor (bench/attention_bf16.py --kernel-info on an H100).
+# split_cost: c of the capacity cap sqrt(t / (c g)) on the splits (FP4RL_FP8_SPLIT_COST, for A/B).
+FP8_TUNE = {"programs_per_sm": 2, "split_cost": _env_split_cost("FP4RL_FP8_SPLIT_COST", 4)}
 
 
-def _splits_fp8(b: int, hkv: int, t: int, device) -> int:
-    """Context splits for the FP8 cache: they double while the doubled grid stays within the resident CTAs
-    (FP8_TUNE's programs_per_sm a multiprocessor) and each split keeps >= 128 tokens a half. `_splits`,
-    which it replaced, aimed at 4 programs a multiprocessor and so ran 2-4 waves of 2 resident CTAs. Measured
-    on an H100 (forty-ninth session, bench/data/s49/attn158_fp8_8b.json, Qwen3-8B heads, us, the old count ->
-    this rule's): batch 8 at 1K / 4K 19.1 / 51.7 (8 / 16 splits) -> 15.1 / 34.3 (4); batch 32 47.3 / 117.7 (4)
-    -> 32.6 / 103.2 (1); batch 64 76.2 / 208.0 (2) -> 58.2 / 206.9 (1). Batch 1 keeps its count (32 at 4K with
-    8 KV heads: 17.3 us; 16 splits measured 15.0, 8 splits 16.6 at 4K but 8.9 against 8.4 at 1K)."""
+def _splits_fp8(b: int, hkv: int, t: int, device, g: int = 4) -> int:
+    """Context splits for the FP8 cache, g query heads a KV head: they double while the doubled grid stays
+    within the resident CTAs (FP8_TUNE's programs_per_sm a multiprocessor), each split keeps >= 128 tokens a
+    half, and the count stays <= sqrt(t / (c g)) (c = FP8_TUNE's split_cost). The cap is the count that
+    balances the stream (t / n tokens a split) against the merge of n partials of g heads; it binds at small
+    batches only, where the grid leaves room: batch 1 with 8 KV heads (g 4) takes 8 splits at 1K and 16 at
+    4K, where the grid rule alone took 8 and 32 (H100, forty-ninth session, bench/data/s49/
+    attn158_fp8_8b.json: 8 splits 8.9 us at 1K; at 4K 32 splits 17.3-18.4 us, 16 splits 15.0).
+    Past batch 1 the grid rule binds first: `_splits`, which it replaced, aimed at 4 programs a
+    multiprocessor and so ran 2-4 waves of 2 resident CTAs. Measured on an H100 (same file, us, the old
+    count -> this rule's): batch 8 at 1K / 4K 19.1 / 51.7 (8 / 16 splits) -> 15.1 / 34.3 (4); batch 32 47.3
+    / 117.7 (4) -> 32.6 / 103.2 (1); batch 64 76.2 / 208.0 (2) -> 58.2 / 206.9 (1)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return _splits_in_wave(b * hkv, t, FP8_TUNE["programs_per_sm"] * sms, 128)
+    n = _splits_in_wave(b * hkv, t, FP8_TUNE["programs_per_sm"] * sms, 128)
+    c = FP8_TUNE["split_cost"]
+    if c:
+        cap = math.sqrt(t / (c * max(1, g)))
+        while n > 1 and n > cap:
+            n //= 2
+    return n
 
 
 def _splits_in_wave(bh: int, t: int, grid: int, half_tokens: int) -> int:
@@ -467,7 +488,8 @@ def decode_attention(q, lengths, k, v, k_global=None, v_global=None, *, k_scale=
         num_warps, num_stages = num_warps or 4, num_stages or 3
         if INTERPRET:
             num_splits, block_t = num_splits or 2, block_t or 16
-        num_splits = num_splits or (_splits if fp4 else _splits_fp8)(b, hkv, t_cap, q.device)
+        num_splits = num_splits or (_splits(b, hkv, t_cap, q.device) if fp4
+                                    else _splits_fp8(b, hkv, t_cap, q.device, g))
         block_t = block_t or 128  # measured best at 4K and 32K context on the H200 (bench/gpu_kernels.md)
     min_chunk = -(-(min_chunk or 0) // block_t) * block_t
     if fp4:
