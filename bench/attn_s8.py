@@ -46,6 +46,7 @@ VARIANTS = {  # _mode: gluon_ptx mode bits (default 20 = 16 vote + 4 two S chain
     "nocap": {"_maxnreg": None},  # the registers ptxas picks (default: capped at 168, 12 warps / SM)
     "w2_reg144": {"num_warps": 2, "_maxnreg": 144}, "w2_reg128": {"num_warps": 2, "_maxnreg": 128},
     "no_stream": {"_dbg": 1}, "merge_one": {"_dbg": 2},  # timing only: no token loop / merge of one slot
+    "counter1": {"_dbg": 8},  # one split through the split counter and its fence anyway (A/B)
 }
 ROUNDS = int(os.environ.get("ROUNDS", "2"))  # interleaved timing rounds
 TIMING_ONLY = {"no_unpack", "no_stream", "merge_one", "no_unpack_tile_max"}

@@ -157,6 +157,10 @@ def gemm_free_dequant(parts):
     (3, 16, 4, 1024, [1024, 17, 0], None, 1.0),  # an empty and a short sequence
     (2, 8, 1, 2048, [2048, 333], None, 30.0),  # 8 query heads per KV head, large q
     (2, 32, 8, 2048, [2048, 1500], [100, 7], 1.0),  # left padding
+    # one split (a short cache; a grid past the SMs): the CTA merges its warps' partials without the counter
+    (4, 32, 8, 192, [192, 5, 0, 100], [0, 0, 0, 30], 1.0),
+    (40, 32, 8, 1024, [1024 - 25 * i for i in range(40)], None, 1.0),
+    (56, 32, 8, 256, [256 - 4 * i for i in range(56)], None, 1.0),  # 2-warp CTAs (_warps_gluon), one split
 ])
 def test_gpu_gluon_kernel(b, hq, hkv, t, lengths, starts, qscale):
     """The Gluon kernel (default for NVFP4, head_dim 128 on sm_90) against float64 attention; V scales over
@@ -183,6 +187,10 @@ def test_gpu_gluon_kernel(b, hq, hkv, t, lengths, starts, qscale):
     out = run()
     assert _rel(out, ref) < TOL
     assert torch.equal(out, run())
+    if t <= 256 or b * hkv > 132:
+        warps = attention._warps_gluon(b, hkv, q.device, 168)
+        assert attention._splits_gluon(b, hkv, t, warps, q.device, 168, hq // hkv) == 1, \
+            "the case no longer covers the one-split merge"
     if 0 in lengths:
         assert torch.equal(out[lengths.index(0)], torch.zeros_like(out[0]))
 

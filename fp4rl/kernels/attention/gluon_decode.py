@@ -163,16 +163,22 @@ if gluon is not None:
         mlp = ml_ptr + slot * 80 + gl.where(kind == 1, 16 + 8 * g5, 8 * (kind // 2)) + 2 * c5 + e1
         gl.store(mlp, st, mask=(kind == 1) | ((kind != 3) & (g5 == 0)), cache_modifier=".cg")
         gl.thread_barrier()
-        if DBG & 4:  # timing experiment: no fence (wrong memory ordering)
-            done = gl.atomic_add(lock_ptr + bh, 1, sem="relaxed", scope="gpu")
+        if (NUM_SPLITS == 1) and ((DBG & 8) == 0):
+            # one split: this CTA holds every partial of its (b, kv head), and the barrier above already
+            # orders its warps' global stores before their loads in the merge, so no counter, no gpu-scope
+            # fence and no lock reset (DBG & 8: the counter anyway, for timing)
+            _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, NW, NW)
         else:
-            done = gl.atomic_add(lock_ptr + bh, 1, sem="acq_rel", scope="gpu")
-        if done == NUM_SPLITS - 1:
-            if DBG & 2:  # timing experiment: merge one slot only (wrong output)
-                _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, 1, NW)
+            if DBG & 4:  # timing experiment: no fence (wrong memory ordering)
+                done = gl.atomic_add(lock_ptr + bh, 1, sem="relaxed", scope="gpu")
             else:
-                _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, NUM_SPLITS * NW, NW)
-            gl.atomic_xchg(lock_ptr + bh, 0)
+                done = gl.atomic_add(lock_ptr + bh, 1, sem="acq_rel", scope="gpu")
+            if done == NUM_SPLITS - 1:
+                if DBG & 2:  # timing experiment: merge one slot only (wrong output)
+                    _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, 1, NW)
+                else:
+                    _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, NUM_SPLITS * NW, NW)
+                gl.atomic_xchg(lock_ptr + bh, 0)
 
 
     @gluon.jit
