@@ -95,7 +95,7 @@ def test_default_kinds(monkeypatch):
     from fp4rl.kernels.gemv_cuda import _pdl_kind
 
     monkeypatch.delenv("FP4RL_PDL_OFF", raising=False)
-    assert pdl.env_kinds_off() == pdl.DEFAULT_OFF == {"mma", "wide", "attn"}
+    assert pdl.env_kinds_off() == pdl.DEFAULT_OFF == {"mma", "wide", "attn", "gluon"}
     kinds = (_pdl_kind({"NT": 1}, 1), _pdl_kind({"NT": 1}, 2), _pdl_kind({"WGMMA": 1}, 1))
     assert kinds == ("gemv", "mma", "wide")
     monkeypatch.setenv("FP4RL_PDL_OFF", "")  # set but empty: every kind

@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (decoration time)
 
-from fp4rl.kernels import attention  # noqa: E402
+from fp4rl.kernels import attention, pdl  # noqa: E402
 from fp4rl.nvfp4 import reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -187,6 +187,13 @@ def test_gpu_gluon_kernel(b, hq, hkv, t, lengths, starts, qscale):
     out = run()
     assert _rel(out, ref) < TOL
     assert torch.equal(out, run())
+    off = pdl.kinds_off()
+    pdl.set_kinds_off(off - {"gluon"})  # launched with PDL (griddepcontrol at the kernel's start): same bytes
+    try:
+        assert pdl.triton_flag(q.device, "gluon") == pdl.triton_supported()
+        assert torch.equal(out, run())
+    finally:
+        pdl.set_kinds_off(off)
     if t <= 256 or b * hkv > 132:
         warps = attention._warps_gluon(b, hkv, q.device, 168)
         assert attention._splits_gluon(b, hkv, t, warps, q.device, 168, hq // hkv) == 1, \

@@ -16,12 +16,13 @@ attribute and the kernels' ``griddepcontrol`` instructions are no-ops.
 
 Which launches carry it (``KINDS``): by default the fused Triton kernels, the grouped (routed-expert) GEMM and
 the dense CUDA GEMM at one row ("gemv"), the CUDA MoE router + route ("route"), not the dense GEMM at 2-16
-rows ("mma"), its wgmma configuration ("wide") or the Triton decode attention ("attn": no faster in the 30B
-step, thirty-first session): ``DEFAULT_OFF``. Measured on the H200 at full depth, W4A16 (bench/RESULTS.md,
-"sampler on H200", fourteenth session): PDL on the dense GEMM cost Qwen3-8B's step 0.75 ms of 5.15 at batch 32
-and 0.18 ms of 3.1 at batch 8, and Qwen3-30B-A3B's 0.23 ms of 7.7 at batch 32, while at batch 1 it saved
-0.04-0.09 ms and PDL on the Triton kernels saved 0.30 ms of 2.7 (Qwen3-30B-A3B). ``FP4RL_PDL_OFF``
-(comma-separated kinds, empty for none) or ``set_kinds_off`` chooses another set.
+rows ("mma"), its wgmma configuration ("wide"), the Triton decode attention ("attn": no faster in the 30B
+step, thirty-first session) or the Gluon NVFP4 decode attention ("gluon", fiftieth session): ``DEFAULT_OFF``.
+Measured on the H200 at full depth, W4A16 (bench/RESULTS.md, "sampler on H200", fourteenth session): PDL on
+the dense GEMM cost Qwen3-8B's step 0.75 ms of 5.15 at batch 32 and 0.18 ms of 3.1 at batch 8, and
+Qwen3-30B-A3B's 0.23 ms of 7.7 at batch 32, while at batch 1 it saved 0.04-0.09 ms and PDL on the Triton
+kernels saved 0.30 ms of 2.7 (Qwen3-30B-A3B). ``FP4RL_PDL_OFF`` (comma-separated kinds, empty for none) or
+``set_kinds_off`` chooses another set.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ import torch
 # the kinds of PDL launch: the dense CUDA GEMM's mma.sync configurations at 1 row ("gemv") and at 2-16 rows
 # ("mma"), its wgmma configuration (17+ rows), its grouped (routed-expert) launches, the fused Triton kernels,
 # the Triton decode attention ("attn": BF16 and FP8 caches, and NVFP4 where the Gluon kernel does not take
-# it), the CUDA MoE router + route (moe_route_cuda: "route", which reads the router weight before its wait)
-KINDS = ("gemv", "mma", "wide", "grouped", "triton", "attn", "route")
-DEFAULT_OFF = frozenset({"mma", "wide", "attn"})
+# it), the CUDA MoE router + route (moe_route_cuda: "route", which reads the router weight before its wait),
+# the Gluon NVFP4 decode attention ("gluon": off by default until measured in the step, fiftieth session)
+KINDS = ("gemv", "mma", "wide", "grouped", "triton", "attn", "route", "gluon")
+DEFAULT_OFF = frozenset({"mma", "wide", "attn", "gluon"})
 
 
 def _kinds(names, what: str) -> frozenset:
@@ -135,8 +137,8 @@ def weights_flag(device, kind: str) -> bool:
 
 
 def triton_flag(device, kind: str = "triton") -> bool:
-    """The `PDL` constexpr (and `launch_pdl`) for a Triton kernel of `kind` ("triton" or "attn") launched on
-    `device`."""
+    """The `PDL` constexpr (and `launch_pdl`) for a Triton kernel of `kind` ("triton", "attn" or "gluon")
+    launched on `device`."""
     return kind not in _STATE["off"] and enabled(device) and triton_supported()
 
 

@@ -355,6 +355,7 @@ def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, 
     n_slots = b * hkv * num_splits * num_warps
     part, ml, lock = _WORKSPACE.get(q.device, n_slots, 8, 128, b * hkv, ml_cols=80)
     out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=q.device)
+    use_pdl = pdl.triton_flag(q.device, "gluon")
     COMPILED["decode_attn nvfp4 gluon"] = _decode_attn_fp4_gluon[(b * hkv, num_splits)](
         q, kw, ks16, kg, vw, vs8, vg, lengths, starts if starts is not None else lengths, out,
         part, ml, lock,
@@ -364,7 +365,8 @@ def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, 
         vw.stride(0), vw.stride(1), vw.stride(2), vs8.stride(0), vs8.stride(1), vs8.stride(2),
         vg.stride(0), vg.stride(1), out.stride(0), out.stride(1),
         G=g, NUM_SPLITS=num_splits, HAS_START=starts is not None, ASM=_ATTN_ASM[mode], CON=_ATTN_CON, PF=pf,
-        DBG=dbg, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+        DBG=dbg, PDL=use_pdl, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
 

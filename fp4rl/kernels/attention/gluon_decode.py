@@ -60,11 +60,17 @@ if gluon is not None:
         stride_kst: gl.constexpr, stride_kgb, stride_kgh, stride_vb, stride_vh, stride_vt: gl.constexpr,
         stride_vsb, stride_vsh, stride_vst: gl.constexpr, stride_vgb, stride_vgh, stride_ob, stride_oh,
         G: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_START: gl.constexpr, ASM: gl.constexpr,
-        CON: gl.constexpr, PF: gl.constexpr = 3, DBG: gl.constexpr = 0,
+        CON: gl.constexpr, PF: gl.constexpr = 3, DBG: gl.constexpr = 0, PDL: gl.constexpr = False,
     ):
         """kw/vw: int32 words [B, Hkv, T, 16] (D = 128); ks int16 [B, Hkv, T, 4] (scale byte pairs),
         vs uint8 [B, Hkv, T, 8]. Partials: one slot per (b, kv head, split, warp): acc [8 queries, 128]
         in part, (m [8], M [8], l [8 lanes, 8 queries]) in ml."""
+        if PDL:  # programmatic dependent launch (fp4rl.kernels.pdl, kind "gluon"): the next kernel may launch
+            # now; q, the lengths and the new token's K / V come from the kernels before: wait before any read
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
         NW: gl.constexpr = gl.num_warps()
         R: gl.constexpr = 8 * NW
         L5: gl.constexpr = gl.BlockedLayout([1, 1, 2, 2, 2], [8, 4, 1, 1, 1], [NW, 1, 1, 1, 1],
