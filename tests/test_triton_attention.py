@@ -258,6 +258,7 @@ def test_fp8_split_rule(monkeypatch):
     FP8_TUNE's split_cost 0 is the grid rule alone."""
     props = type("Props", (), {"multi_processor_count": 132})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setitem(attention.FP8_TUNE, "split_cost", 4)  # the default, whatever the environment says
     dev = torch.device("cuda")
     cases = [(1, 8, 4096, 4), (1, 8, 1024, 4), (1, 4, 4096, 8), (1, 8, 16384, 4), (1, 8, 2048, 4),
              (8, 8, 4096, 4), (8, 8, 1024, 4), (16, 8, 4096, 4), (32, 8, 1024, 4), (32, 8, 4096, 4),
@@ -278,7 +279,9 @@ def test_fp8_split_cost_from_the_environment(monkeypatch):
     assert attention._env_split_cost("FP4RL_FP8_SPLIT_COST", 4) == 0
     monkeypatch.delenv("FP4RL_FP8_SPLIT_COST")
     assert attention._env_split_cost("FP4RL_FP8_SPLIT_COST", 4) == 4
-    for bad in ("-1", "2.5", "many"):
+    monkeypatch.setenv("FP4RL_FP8_SPLIT_COST", " ")  # set but empty: the default
+    assert attention._env_split_cost("FP4RL_FP8_SPLIT_COST", 4) == 4
+    for bad in ("-1", "2.5", "many", "+4", "\u00b2"):  # "²" passes str.isdigit but not int()
         monkeypatch.setenv("FP4RL_FP8_SPLIT_COST", bad)
         with pytest.raises(ValueError, match="FP4RL_FP8_SPLIT_COST"):
             attention._env_split_cost("FP4RL_FP8_SPLIT_COST", 4)

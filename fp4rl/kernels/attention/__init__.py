@@ -19,7 +19,8 @@ Modules (this package re-exports all their names):
 
 Both kernels split the context (flash-decoding) and merge the splits in the last program of each
 (b, kv head) (in the Triton kernel, unless a single split holds every token: that one writes the
-output): ``_WORKSPACE`` holds their partial results and the per-(b, kv head) counters, one
+output; in the Gluon kernel, a single split merges its warps' partials after a CTA barrier, without the
+counter): ``_WORKSPACE`` holds their partial results and the per-(b, kv head) counters, one
 object for the process (CUDA graphs capture its buffers). ``GLUON`` switches the Gluon kernel off
 (after a failed compile, or by hand).
 """
@@ -152,8 +153,8 @@ def _splits(b: int, hkv: int, t: int, device) -> int:
 def _env_split_cost(name: str, default: int) -> int:
     """The FP8 splits' merge-cost factor c from the environment (an int >= 0; 0: no capacity cap, the
     forty-ninth session's rule), else a ValueError that names the variable."""
-    raw = os.environ.get(name, str(default)).strip()
-    if not raw.isdigit():
+    raw = os.environ.get(name, "").strip() or str(default)  # set but empty: the default, as unset
+    if not (raw.isascii() and raw.isdigit()):
         raise ValueError(f"{name}={raw!r}: the FP8 attention's split-cost factor is an int >= 0 (0 turns the "
                          f"capacity cap off; unset it for the default, {default})")
     return int(raw)
@@ -234,7 +235,7 @@ def _env_tile(name: str, default: int) -> int:
     """A context tile from the environment: 16, 32, 64 or 128 tokens (the kernel's tile is a power of two, its
     dots need >= 16), else a ValueError that names the variable."""
     raw = os.environ.get(name, str(default)).strip()
-    tile = int(raw) if raw.isdigit() else 0
+    tile = int(raw) if raw.isascii() and raw.isdigit() else 0
     if not 16 <= tile <= 128 or tile & (tile - 1):
         raise ValueError(f"{name}={raw!r}: the BF16 attention's context tile must be 16, 32, 64 or 128 "
                          f"tokens (unset it for the default, {default})")

@@ -4,7 +4,8 @@ KV head).
 A decode-attention kernel for the NVFP4 cache written per lane in Gluon, with the tensor cores fed
 straight from registers (mma.sync.m16n8k16, FP16 operands), no shared memory and no barrier in its
 loop. One warp streams 16 tokens per step; a CTA's warps take interleaved steps of one split and each
-publishes its own partial result (merged by the last program of the (b, kv head), as in the Triton kernel).
+publishes its own partial result (merged by the last program of the (b, kv head) to finish, as in the Triton
+kernel; with one split, by the CTA itself after a barrier, without the counter).
 
 The arithmetic of a step (the E2M1 -> FP16 unpack, the two MMA products, the online softmax with
 the V scale in the exponent) is one inline-PTX block per step: fp4rl.kernels.attention.gluon_ptx
@@ -169,10 +170,11 @@ if gluon is not None:
         mlp = ml_ptr + slot * 80 + gl.where(kind == 1, 16 + 8 * g5, 8 * (kind // 2)) + 2 * c5 + e1
         gl.store(mlp, st, mask=(kind == 1) | ((kind != 3) & (g5 == 0)), cache_modifier=".cg")
         gl.thread_barrier()
-        if (NUM_SPLITS == 1) and ((DBG & 8) == 0):
+        if (NUM_SPLITS == 1) and ((DBG & 14) == 0):
             # one split: this CTA holds every partial of its (b, kv head), and the barrier above already
             # orders its warps' global stores before their loads in the merge, so no counter, no gpu-scope
-            # fence and no lock reset (DBG & 8: the counter anyway, for timing)
+            # fence and no lock reset (DBG & 8: the counter anyway, for timing; DBG 2 / 4 time the counter's
+            # path at any split count)
             _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, NW, NW)
         else:
             if DBG & 4:  # timing experiment: no fence (wrong memory ordering)
