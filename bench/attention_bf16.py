@@ -147,7 +147,7 @@ def run_shape(batch, context, t_cap, hq, hkv, d, variants, rounds, l2, kv="bf16"
     mine = [ours] + [tuple(None if t is None else t.clone() for t in ours) for _ in range(copies - 1)]
     reps = max(copies, 8)
     splits = (attention._splits_bf16(batch, hkv, t_cap, q.device) if kv == "bf16"
-              else attention._splits_fp8(batch, hkv, t_cap, q.device, hq // hkv))
+              else attention._splits_fp8(batch, hkv, t_cap, q.device))
     row = {"batch": batch, "context": context, "t_cap": t_cap, "hq": hq, "hkv": hkv, "d": d, "kv": kv,
            "copies": copies, "splits_default": splits, "mb_read": read / 1e6}
     warm_clocks()
