@@ -172,8 +172,8 @@ def _splits_fp8(b: int, hkv: int, t: int, device) -> int:
     stays <= sqrt(t / c) (c = FP8_TUNE's split_cost, 16), which balances the stream (t / n tokens a split)
     against the merge of n partials. The cap binds at small batches only, where the grid leaves room: at
     batch 1 it takes 8 splits at 1K-2K, 16 at 4K-8K, 32 at 16K, where the grid rule alone took 8 at 1K and
-    32 from 4K up. Measured on an H100 (fiftieth session, bench/data/s50/attn159_fp8_g4.json, g8.json, us at
-    2 / 4 / 8 / 16 / 32 splits): Qwen3-8B heads (8 KV) at 4K 39.0 / 24.5 / 16.6 / 15.1 / 19.2, at 16K
+    32-64 from 4K up. Measured on an H100 (fiftieth session, bench/data/s50/attn159_fp8_g4.json, g8.json,
+    us at 2 / 4 / 8 / 16 / 32 splits): Qwen3-8B heads (8 KV) at 4K 39.0 / 24.5 / 16.6 / 15.1 / 19.2, at 16K
     137.3 / 75.0 / 45.7 / 28.4 / 29.0; the 30B's (4 KV) at 4K 41.9 / 22.7 / 15.6 / 13.6 / 17.1, at 16K
     137.2 / 75.2 / 40.5 / 27.6 / 24.0; the best count did not depend on the query heads a KV head (4 or 8).
     The 8B's sampler at 4K, batch 1: 3.165 -> 3.140 ms a step (same call, bench/data/s50/sampler160_*).
