@@ -10,11 +10,12 @@ scale per token and head; 'default' is then `_splits` and 128-token tiles), SDPA
 over its dequantized values.
 
 Per (batch, context): T_cap = the context rounded up to 64 (or --tcap, to time short rows in a large cache),
-every row holds `context` tokens (starts 0). Both are timed under CUDA graph replay (bench/gemm_fixed.timed:
-reps calls captured in one graph, the median of --rounds replays, us per call), clocks warmed before each
-timing, over rotated copies of the cache (>= 3x L2 in all, at most 1024 copies) so that K and V come from
-HBM as in a 48-layer decode step. Before any timing every variant's output is checked against float32
-attention and against SDPA's own output: a mismatch stops the run (exit status 1), it is not timed.
+every row holds `context` tokens (starts 0). Both are timed under CUDA graph replay (`interleaved`: reps
+calls captured in one graph per variant, --rounds rounds replaying every graph once in a rotated order after
+warming the clocks, the median, us per call), over rotated copies of the cache (>= 3x L2 in all, at most 1024
+copies) so that K and V come from HBM as in a 48-layer decode step. Before any timing every variant's output
+is checked against float32 attention and against SDPA's own output: a mismatch stops the run (exit status 1),
+it is not timed.
 
 --variants: our kernel's launch settings, '-'-joined tokens: bt<block_t>, w<num_warps>, s<num_stages>,
 sp<num_splits>, mc<min_chunk>; 'default' = the dispatcher's choice (attention.BF16_TUNE,
@@ -25,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 
 import torch
@@ -32,7 +34,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gemm_fixed import timed  # noqa: E402  (graph replay of reps calls, median of rounds)
 
 from fp4rl.kernels import attention  # noqa: E402
 
@@ -109,6 +110,37 @@ def warm_clocks(ms=20.0):
             return
 
 
+def interleaved(calls: dict, reps: int, rounds: int) -> dict:
+    """Microseconds per call of each fn(r) in `calls`: reps calls r = 0..reps-1 captured in one CUDA graph per
+    entry, then `rounds` rounds that replay every graph once, in an order rotated each round, after the clocks
+    are warmed; the median per entry. (Timing one entry's rounds after another's, as bench/gemm_fixed.timed
+    does, put ~1 us on some entries by their place in the list: the fiftieth session's FP8 sweep timed its
+    first variant 8.6 us and the same launch 9.9 us a few entries later.)"""
+    graphs, keep = {}, []
+    for name, fn in calls.items():
+        fn(0)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for r in range(reps):
+                fn(r)
+        g.replay()
+        graphs[name] = g
+        keep.append(dict(attention._WORKSPACE.bufs))  # this graph's split workspaces, if a later one grows
+    torch.cuda.synchronize()
+    names, ts = list(graphs), {name: [] for name in graphs}
+    for i in range(rounds):
+        warm_clocks()
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graphs[name].replay()
+            b.record()
+            torch.cuda.synchronize()
+            ts[name].append(a.elapsed_time(b) * 1e3 / reps)
+    return {name: statistics.median(v) for name, v in ts.items()}
+
+
 def run_shape(batch, context, t_cap, hq, hkv, d, variants, rounds, l2, kv="bf16"):
     g = torch.Generator(device="cuda").manual_seed(batch * 100003 + context)
     q = torch.randn(batch, hq, d, device="cuda", generator=g).bfloat16()
@@ -150,12 +182,14 @@ def run_shape(batch, context, t_cap, hq, hkv, d, variants, rounds, l2, kv="bf16"
               else attention._splits_fp8(batch, hkv, t_cap, q.device))
     row = {"batch": batch, "context": context, "t_cap": t_cap, "hq": hq, "hkv": hkv, "d": d, "kv": kv,
            "copies": copies, "splits_default": splits, "mb_read": read / 1e6}
-    warm_clocks()
-    row["sdpa_us"] = timed(lambda r: sdpa(*caches[r % copies]), reps, rounds)
+    calls = {"sdpa": lambda r: sdpa(*caches[r % copies])}
     for name, kw in variants.items():
-        warm_clocks()
-        us = timed(lambda r, kw=kw: attention.decode_attention(q, lengths, *mine[r % copies], starts=starts,
-                                                               **kw), reps, rounds)
+        calls[name] = (lambda r, kw=kw: attention.decode_attention(q, lengths, *mine[r % copies],
+                                                                   starts=starts, **kw))
+    times = interleaved(calls, reps, rounds)
+    row["sdpa_us"] = times["sdpa"]
+    for name in variants:
+        us = times[name]
         row[f"{name}_us"] = us
         row[f"{name}_tbps"] = read / us / 1e6
         row[f"{name}_rel_err"] = check(name, outs[name], ref, sdpa_out)
