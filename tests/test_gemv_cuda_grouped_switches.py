@@ -274,6 +274,8 @@ extern "C" __global__ void late_write(const int* src, int* dst, int n, int spin)
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="EARLY reads a late route's stale offsets (H200, thirty-fifth "
+                   "session; H100, fiftieth): why FP4RL_MMA16_EARLY is refused. A pass: EARLY became sound.")
 def test_gpu_early_find_waits_for_a_route_that_writes_late(monkeypatch):
     """The offsets written by a PDL kernel in the route's place that lets the next kernel start at once and
     writes ~50 us later. With the gate / up between letting the down projection start only once past its
@@ -329,3 +331,17 @@ def test_gpu_early_find_waits_for_a_route_that_writes_late(monkeypatch):
         else:
             stale += not torch.equal(got, want)
     assert stale > 0, "the down projection never read stale offsets behind a trigger at the gate / up's start"
+
+
+def test_early_find_is_refused_from_the_environment(monkeypatch):
+    """FP4RL_MMA16_EARLY (the unsound EARLY build of the experts' down projection) is refused with an error
+    that names it; unset or 0 leaves it off."""
+    for ok in ("", "0", " 0 "):
+        monkeypatch.setenv("FP4RL_MMA16_EARLY", ok)
+        assert gemv_cuda_grouped._early_from_env() is False
+    monkeypatch.delenv("FP4RL_MMA16_EARLY")
+    assert gemv_cuda_grouped._early_from_env() is False and gemv_cuda_grouped.EARLY_FIND is False
+    for bad in ("1", "yes"):
+        monkeypatch.setenv("FP4RL_MMA16_EARLY", bad)
+        with pytest.raises(ValueError, match="FP4RL_MMA16_EARLY.*unset it"):
+            gemv_cuda_grouped._early_from_env()

@@ -50,11 +50,25 @@ LD_VOLATILE = os.environ.get("FP4RL_MMA16_LDVOL", "0") != "0"
 # 3.55 alone) to 384 over 4 warps' parts of K (30B W4A16 at batch 1 2.149 -> 2.121 ms; other bits, the KW 4
 # sums: bench/RESULTS.md, sampler, thirty-third session); 2 for the previous plan
 GROUPED_FILL = int(os.environ.get("FP4RL_MMA16_GFILL", "3"))
-# launches told that their offsets were final before the previous kernel passed its wait
-# (``launch_grouped(offsets_settled=True)``: the experts' down projection right after their gate / up) find
-# their expert and issue their first weight steps before griddepcontrol.wait (gemv_mma16.cu EARLY; the same
-# bits; being measured, bench/device_run106.sh)
-EARLY_FIND = os.environ.get("FP4RL_MMA16_EARLY", "0") != "0"
+# EARLY (gemv_mma16.cu): launches told that their offsets were final before the previous kernel passed its
+# wait (``launch_grouped(offsets_settled=True)``: the experts' down projection right after their gate / up)
+# find their expert and issue their first weight steps before griddepcontrol.wait. Unsound and slower: behind
+# a route whose writes land late it reads the previous routing's offsets (test_gpu_early_find_waits_for_a_
+# route_that_writes_late fails on an H200, thirty-fifth session, and an H100, fiftieth) and the 30B's step
+# measured 2.134 -> 2.308 ms at batch 1 (bench/RESULTS.md, thirty-fifth session). Off, and FP4RL_MMA16_EARLY
+# refused; the build stays for its SASS and GPU tests (which set EARLY_FIND themselves).
+
+
+def _early_from_env() -> bool:
+    raw = os.environ.get("FP4RL_MMA16_EARLY", "").strip()
+    if raw not in ("", "0"):
+        raise ValueError(f"FP4RL_MMA16_EARLY={raw!r}: the EARLY build of the experts' down projection reads "
+                         "the routing's offsets before its wait and can see the previous routing's (a late "
+                         "route), and it measured slower (bench/RESULTS.md, thirty-fifth session): unset it")
+    return False
+
+
+EARLY_FIND = _early_from_env()
 # where the routed experts' launches without SiLU staging (the gate / up; also a down projection whose SiLU
 # ran apart: past MMA16_SILU_MAX_TOKENS, W4A4) let the next kernel start (gemv_mma16.cu TRIGGER): None keeps
 # gemv_cuda.TRIGGER (2: after the weight stream); 3: once past their wait,
