@@ -1,8 +1,8 @@
 #!/bin/bash
 # Prepared in the fiftieth session for the next: the GPU-marked tests device_run162's 390 s did not reach
 # (test_packed, test_quant_cuda, test_stamps, test_triton_attention, test_triton_gemm, test_triton_quantize),
-# failures and errors by name (-v: each test's outcome as it ends, so a timeout keeps them). tests/test_nvfp4_oracles.py needs the `fouroversix` oracle package, which the
-# device image lacks. Up to ~560 s.
+# failures and errors by name (-v: each test's outcome as it ends, so a timeout keeps them).
+# tests/test_nvfp4_oracles.py needs the `fouroversix` oracle package, which the device image lacks. Up to ~560 s.
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 SECONDS=0
