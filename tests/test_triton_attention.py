@@ -253,23 +253,26 @@ def test_gluon_warps_from_the_environment(value, monkeypatch):
 def test_fp8_split_rule(monkeypatch):
     """The FP8 cache's splits double while the doubled grid fits two CTAs a multiprocessor (264 on 132): one
     split from batch 32 x 8 KV heads up (the old rule's 4 / 2 there: 8-27% slower on an H100), 4 at batch 8
-    (the old rule's 8 / 16 at 1K / 4K); at batch 1 the capacity cap sqrt(t / 16) binds: 8 at 1K-2K, 16 at
-    4K-8K (the grid rule's 32 measured 19.2 us at 4K against 15.1), 32 at 16K, for 4 or 8 KV heads alike.
-    FP8_TUNE's split_cost 0 is the grid rule alone."""
+    and 4K (the old rule's 16); where that leaves splits under 512 tokens, within one CTA a multiprocessor
+    (batch 8 at 1K: 2, not 4; batch 2 at 4K: 8, not 16; batch 4 at 1K-2K: 4, not 8: each the measured best);
+    at batch 1 the capacity cap sqrt(t / 16) binds: 8 at 1K-2K, 16 at 4K-8K (the grid rule's 32 measured 19.2
+    us at 4K against 15.1), 32 at 16K, for 4 or 8 KV heads alike. FP8_TUNE's split_cost 0 drops the cap."""
     props = type("Props", (), {"multi_processor_count": 132})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     monkeypatch.setitem(attention.FP8_TUNE, "split_cost", 16)  # the default, whatever the environment says
     dev = torch.device("cuda")
     want = {(1, 8, 4096): 16, (1, 8, 1024): 8, (1, 4, 4096): 16, (1, 8, 16384): 32, (1, 8, 2048): 8,
-            (1, 4, 8192): 16, (1, 4, 1024): 8, (2, 8, 4096): 16, (8, 8, 4096): 4, (8, 8, 1024): 4,
-            (16, 8, 4096): 2, (32, 8, 1024): 1, (32, 8, 4096): 1, (64, 8, 4096): 1, (32, 4, 4096): 2,
-            (8, 8, 192): 1, (1, 8, 64): 1, (1, 8, 0): 1}
+            (1, 4, 8192): 16, (1, 4, 1024): 8, (2, 8, 4096): 8, (2, 8, 8192): 16, (4, 8, 1024): 4,
+            (4, 8, 2048): 4, (4, 8, 4096): 8, (8, 8, 4096): 4, (8, 8, 1024): 2, (16, 8, 4096): 2,
+            (32, 8, 1024): 1, (32, 8, 4096): 1, (64, 8, 4096): 1, (32, 4, 4096): 2, (8, 8, 192): 1,
+            (1, 8, 64): 1, (1, 8, 0): 1}
     got = {c: attention._splits_fp8(*c, dev) for c in want}
     assert got == want
     for (b, h, t), n in got.items():
-        assert n == 1 or (b * h * n <= 2 * 132 and n * n * 16 <= t and t // n >= 128)
-    monkeypatch.setitem(attention.FP8_TUNE, "split_cost", 0)  # the grid rule alone
-    assert [attention._splits_fp8(*c, dev) for c in list(want)[:4]] == [32, 8, 32, 32]
+        assert n == 1 or (b * h * n <= 2 * 132 and n * n * 16 <= t and t // n >= 128
+                          and (t // n >= 512 or b * h * n <= 132))
+    monkeypatch.setitem(attention.FP8_TUNE, "split_cost", 0)  # the grid rules alone
+    assert [attention._splits_fp8(*c, dev) for c in list(want)[:4]] == [16, 8, 32, 32]
 
 
 def test_fp8_split_cost_from_the_environment(monkeypatch):

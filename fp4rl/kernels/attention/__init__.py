@@ -151,8 +151,8 @@ def _splits(b: int, hkv: int, t: int, device) -> int:
 
 
 def _env_split_cost(name: str, default: int) -> int:
-    """The FP8 splits' merge-cost factor c from the environment (an int >= 0, tokens; 0: no capacity cap,
-    the forty-ninth session's rule), else a ValueError that names the variable."""
+    """The FP8 splits' merge-cost factor c from the environment (an int >= 0, tokens; 0: no capacity cap),
+    else a ValueError that names the variable."""
     raw = os.environ.get(name, "").strip() or str(default)  # set but empty: the default, as unset
     if not (raw.isascii() and raw.isdigit()):
         raise ValueError(f"{name}={raw!r}: the FP8 attention's split-cost factor is an int >= 0 (0 turns the "
@@ -162,28 +162,35 @@ def _env_split_cost(name: str, default: int) -> int:
 
 # The FP8 cache's launch: its 128-token tiles x 3 stages take 255 registers a thread at 4 warps (and 75776 B
 # of shared memory), two CTAs a multiprocessor (bench/attention_bf16.py --kernel-info on an H100).
-# split_cost: c of the capacity cap sqrt(t / c) on the splits (FP4RL_FP8_SPLIT_COST, for A/B; 0: no cap).
-FP8_TUNE = {"programs_per_sm": 2, "split_cost": _env_split_cost("FP4RL_FP8_SPLIT_COST", 16)}
+# split_cost: c of the capacity cap sqrt(t / c) on the splits (FP4RL_FP8_SPLIT_COST, for A/B; 0: no cap);
+# long_split: the tokens a split needs to be worth a second resident CTA a multiprocessor.
+FP8_TUNE = {"programs_per_sm": 2, "split_cost": _env_split_cost("FP4RL_FP8_SPLIT_COST", 16),
+            "long_split": 512}
 
 
 def _splits_fp8(b: int, hkv: int, t: int, device) -> int:
-    """Context splits for the FP8 cache: they double while the doubled grid stays within the resident CTAs
-    (FP8_TUNE's programs_per_sm a multiprocessor) and each split keeps >= 128 tokens a half, and the count
-    stays <= sqrt(t / c) (c = FP8_TUNE's split_cost, 16), which balances the stream (t / n tokens a split)
-    against the merge of n partials. The cap binds at small batches only, where the grid leaves room: at
-    batch 1 it takes 8 splits at 1K-2K, 16 at 4K-8K, 32 at 16K, where the grid rule alone took 8 at 1K and
-    32-64 from 4K up. Measured on an H100 (fiftieth session, bench/data/s50/attn159_fp8_g4.json, g8.json,
-    us at 2 / 4 / 8 / 16 / 32 splits): Qwen3-8B heads (8 KV) at 4K 39.0 / 24.5 / 16.6 / 15.1 / 19.2, at 16K
-    137.3 / 75.0 / 45.7 / 28.4 / 29.0; the 30B's (4 KV) at 4K 41.9 / 22.7 / 15.6 / 13.6 / 17.1, at 16K
-    137.2 / 75.2 / 40.5 / 27.6 / 24.0; the best count did not depend on the query heads a KV head (4 or 8).
-    The 8B's sampler at 4K, batch 1: 3.165 -> 3.140 ms a step (same call, bench/data/s50/sampler160_*).
-    Past batch 1 the grid rule binds first: `_splits`, which it replaced, aimed at 4 programs a
-    multiprocessor and so ran 2-4 waves of 2 resident CTAs. Measured on an H100 (forty-ninth session,
-    bench/data/s49/attn158_fp8_8b.json, us, the old count -> this rule's): batch 8 at 1K / 4K 19.1 / 51.7
-    (8 / 16 splits) -> 15.1 / 34.3 (4); batch 32 47.3 / 117.7 (4) -> 32.6 / 103.2 (1); batch 64 76.2 /
-    208.0 (2) -> 58.2 / 206.9 (1)."""
+    """Context splits for the FP8 cache. They double while the doubled grid stays within the resident CTAs
+    (FP8_TUNE's programs_per_sm a multiprocessor) and each split keeps >= 128 tokens a half; where that leaves
+    splits shorter than long_split (512 tokens), only while it stays within one CTA a multiprocessor; and the
+    count stays <= sqrt(t / c) (c = split_cost, 16), which balances the stream (t / n tokens a split) against
+    the merge of n partials. Measured on an H100 (bench/data/s50/attn159_fp8_g4.json, g8.json at batch 1-4,
+    1K-16K; bench/data/s49/attn158_fp8_8b.json at batch 8-64, 1K and 4K; 28 shapes, Qwen3-8B's heads and the
+    30B's): the rule picks the fastest count of 1-64 (powers of two) at every shape but one (batch 1, 8 KV
+    heads, 16K: 32 splits 29.0 us, 16 splits 28.4).
+    - The cap binds at batch 1: 8 splits at 1K-2K, 16 at 4K-8K, 32 at 16K, where the grid rule alone took 8 at
+      1K and 32-64 from 4K up (us at 2 / 4 / 8 / 16 / 32 splits: 8B heads at 4K 39.0 / 24.5 / 16.6 / 15.1 /
+      19.2, at 16K 137.3 / 75.0 / 45.7 / 28.4 / 29.0; the 30B's at 4K 41.9 / 22.7 / 15.6 / 13.6 / 17.1, at 16K
+      137.2 / 75.2 / 40.5 / 27.6 / 24.0: the best count did not depend on the query heads a KV head). The
+      8B's sampler at 4K, batch 1: 3.165 -> 3.140 ms a step (same call, bench/data/s50/sampler160_*).
+    - One CTA a multiprocessor for short splits, at batch 2-8: batch 2 at 4K 16 -> 8 splits (19.3 -> 18.1
+      us), batch 4 at 1K / 2K 8 -> 4 (13.0 -> 12.6 / 17.7 -> 16.3), batch 8 at 1K 4 -> 2 (16.5 -> 15.6).
+    - `_splits`, which the grid rule replaced (forty-ninth session), aimed at 4 programs a multiprocessor and
+      so ran 2-4 waves of 2 resident CTAs: batch 8 at 1K / 4K 19.1 / 51.7 us (8 / 16 splits) -> 15.1 / 34.3
+      (4); batch 32 47.3 / 117.7 (4) -> 32.6 / 103.2 (1); batch 64 76.2 / 208.0 (2) -> 58.2 / 206.9 (1)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     n = _splits_in_wave(b * hkv, t, FP8_TUNE["programs_per_sm"] * sms, 128)
+    if t // n < FP8_TUNE["long_split"]:
+        n = min(n, _splits_in_wave(b * hkv, t, sms, 128))
     c = FP8_TUNE["split_cost"]
     while c and n > 1 and n * n * c > t:
         n //= 2
