@@ -6,7 +6,7 @@ enable_gqa), Qwen3-30B-A3B's heads (32 query, 4 KV, head_dim 128) by default.
         [--d 128] [--variants default,bt64-sp8] [--rounds 7] [--kernel-info] [--kv bf16|fp8] [--out FILE.json]
 
 --kv fp8 times the same kernel's FP8 branch over an FP8 cache (attention.quantize_kv_fp8: codes and a float32
-scale per token and head; 'default' is then `_splits` and 128-token tiles), SDPA and the float32 reference
+scale per token and head; 'default' is then `_splits_fp8` and 128-token tiles), SDPA and the float32 reference
 over its dequantized values.
 
 Per (batch, context): T_cap = the context rounded up to 64 (or --tcap, to time short rows in a large cache),
@@ -217,8 +217,8 @@ def main():
     hq, hkv = (int(x) for x in args.heads.split(","))
     variants = {name: parse_variant(name) for name in args.variants.split(",")}
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tune": dict(attention.BF16_TUNE),
-           "rows": []}
+    tune = attention.BF16_TUNE if args.kv == "bf16" else attention.FP8_TUNE
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tune": dict(tune), "rows": []}
     try:
         import triton
 

@@ -274,7 +274,8 @@ extern "C" __global__ void late_write(const int* src, int* dst, int n, int spin)
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="EARLY reads a late route's stale offsets (H200, thirty-fifth "
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="EARLY reads a late route's stale offsets (H200, thirty-fifth "
                    "session; H100, fiftieth): why FP4RL_MMA16_EARLY is refused. A pass: EARLY became sound.")
 def test_gpu_early_find_waits_for_a_route_that_writes_late(monkeypatch):
     """The offsets written by a PDL kernel in the route's place that lets the next kernel start at once and

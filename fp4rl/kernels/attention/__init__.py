@@ -173,15 +173,17 @@ def _splits_fp8(b: int, hkv: int, t: int, device) -> int:
     (FP8_TUNE's programs_per_sm a multiprocessor) and each split keeps >= 128 tokens a half; where that leaves
     splits shorter than long_split (512 tokens), only while it stays within one CTA a multiprocessor; and the
     count stays <= sqrt(t / c) (c = split_cost, 16), which balances the stream (t / n tokens a split) against
-    the merge of n partials. Measured on an H100 (bench/data/s50/attn159_fp8_g4.json, g8.json at batch 1-4,
-    1K-16K; bench/data/s49/attn158_fp8_8b.json at batch 8-64, 1K and 4K; 28 shapes, Qwen3-8B's heads and the
-    30B's): the rule picks the fastest count of 1-64 (powers of two) at every shape but one (batch 1, 8 KV
-    heads, 16K: 32 splits 29.0 us, 16 splits 28.4).
-    - The cap binds at batch 1: 8 splits at 1K-2K, 16 at 4K-8K, 32 at 16K, where the grid rule alone took 8 at
-      1K and 32-64 from 4K up (us at 2 / 4 / 8 / 16 / 32 splits: 8B heads at 4K 39.0 / 24.5 / 16.6 / 15.1 /
-      19.2, at 16K 137.3 / 75.0 / 45.7 / 28.4 / 29.0; the 30B's at 4K 41.9 / 22.7 / 15.6 / 13.6 / 17.1, at 16K
-      137.2 / 75.2 / 40.5 / 27.6 / 24.0: the best count did not depend on the query heads a KV head). The
-      8B's sampler at 4K, batch 1: 3.165 -> 3.140 ms a step (same call, bench/data/s50/sampler160_*).
+    the merge of n partials. Measured on an H100 (bench/data/s50/attn159_fp8_g4.json, g8.json: batch 1-4,
+    1K-16K, 2-64 splits; bench/data/s49/attn158_fp8_8b.json: batch 8-64, 1K and 4K, 1-32 splits; 26 shapes of
+    Qwen3-8B's heads and the 30B's): the rule's count is the fastest there, or within 0.4% of it, at 25; the
+    miss is batch 1 x 8 KV heads at 16K (32 splits 29.0 us, 16 splits 28.4; the 30B's 4 KV heads are fastest
+    at 32 there, 24.0 against 27.6).
+    - Batch 1: 8 splits at 1K-2K, 16 at 4K-8K, 32 at 16K, where the grid rule alone took 8 at 1K and 32-64
+      from 4K up (us at 2 / 4 / 8 / 16 / 32 splits: 8B heads at 4K 39.0 / 24.5 / 16.6 / 15.1 / 19.2; the 30B's
+      at 4K 41.9 / 22.7 / 15.6 / 13.6 / 17.1). The one-CTA rule gives most of these by itself; the cap binds
+      at 2K (8 KV heads) and at 2K-8K with 4 KV heads. The 8B's sampler at 4K, batch 1, 32 -> 16 splits:
+      3.165 -> 3.140 ms a step (same call, bench/data/s50/sampler160_*, before the one-CTA rule, when
+      FP4RL_FP8_SPLIT_COST=0 still gave 32 there).
     - One CTA a multiprocessor for short splits, at batch 2-8: batch 2 at 4K 16 -> 8 splits (19.3 -> 18.1
       us), batch 4 at 1K / 2K 8 -> 4 (13.0 -> 12.6 / 17.7 -> 16.3), batch 8 at 1K 4 -> 2 (16.5 -> 15.6).
     - `_splits`, which the grid rule replaced (forty-ninth session), aimed at 4 programs a multiprocessor and
