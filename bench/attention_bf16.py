@@ -35,6 +35,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from gemm_fixed import capture  # noqa: E402  (fn(0), then reps calls captured in one CUDA graph)
+
 from fp4rl.kernels import attention  # noqa: E402
 
 KEYS = {"bt": "block_t", "w": "num_warps", "s": "num_stages", "sp": "num_splits", "mc": "min_chunk"}
@@ -118,16 +120,8 @@ def interleaved(calls: dict, reps: int, rounds: int) -> dict:
     first variant 8.6 us and the same launch 9.9 us a few entries later.)"""
     graphs, keep = {}, []
     for name, fn in calls.items():
-        fn(0)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for r in range(reps):
-                fn(r)
-        g.replay()
-        graphs[name] = g
+        graphs[name] = capture(fn, reps)
         keep.append(dict(attention._WORKSPACE.bufs))  # this graph's split workspaces, if a later one grows
-    torch.cuda.synchronize()
     names, ts = list(graphs), {name: [] for name in graphs}
     for i in range(rounds):
         warm_clocks()

@@ -30,9 +30,9 @@ extern "C" __global__ void __cluster_dims__(1, 8, 1) empty_c(int a) {
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
 
 
-def timed(fn, reps, rounds=None):
-    """Microseconds per call of fn(r): reps calls r = 0..reps-1 captured in one CUDA graph, the median over
-    `rounds` (default ROUNDS) replays."""
+def capture(fn, reps):
+    """fn(0) once (compiles, sizes workspaces), then reps calls r = 0..reps-1 captured in one CUDA graph,
+    replayed once; the graph."""
     fn(0)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -41,6 +41,13 @@ def timed(fn, reps, rounds=None):
             fn(r)
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def timed(fn, reps, rounds=None):
+    """Microseconds per call of fn(r): reps calls r = 0..reps-1 captured in one CUDA graph, the median over
+    `rounds` (default ROUNDS) replays."""
+    g = capture(fn, reps)
     ts = []
     for _ in range(rounds or ROUNDS):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
