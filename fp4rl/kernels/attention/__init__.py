@@ -173,22 +173,11 @@ def _splits_fp8(b: int, hkv: int, t: int, device) -> int:
     (FP8_TUNE's programs_per_sm a multiprocessor) and each split keeps >= 128 tokens a half; where that leaves
     splits shorter than long_split (512 tokens), only while it stays within one CTA a multiprocessor; and the
     count stays <= sqrt(t / c) (c = split_cost, 16), which balances the stream (t / n tokens a split) against
-    the merge of n partials. Measured on an H100 (bench/data/s50/attn159_fp8_g4.json, g8.json: batch 1-4,
-    1K-16K, 2-64 splits; bench/data/s49/attn158_fp8_8b.json: batch 8-64, 1K and 4K, 1-32 splits; 26 shapes of
-    Qwen3-8B's heads and the 30B's): the rule's count is the fastest there, or within 0.4% of it, at 25; the
-    miss is batch 1 x 8 KV heads at 16K (32 splits 29.0 us, 16 splits 28.4; the 30B's 4 KV heads are fastest
-    at 32 there, 24.0 against 27.6).
-    - Batch 1: 8 splits at 1K-2K, 16 at 4K-8K, 32 at 16K, where the grid rule alone took 8 at 1K and 32-64
-      from 4K up (us at 2 / 4 / 8 / 16 / 32 splits: 8B heads at 4K 39.0 / 24.5 / 16.6 / 15.1 / 19.2; the 30B's
-      at 4K 41.9 / 22.7 / 15.6 / 13.6 / 17.1). The one-CTA rule gives most of these by itself; the cap binds
-      at 2K (8 KV heads) and at 2K-8K with 4 KV heads. The 8B's sampler at 4K, batch 1, 32 -> 16 splits:
-      3.165 -> 3.140 ms a step (same call, bench/data/s50/sampler160_*, before the one-CTA rule, when
-      FP4RL_FP8_SPLIT_COST=0 still gave 32 there).
-    - One CTA a multiprocessor for short splits, at batch 2-8: batch 2 at 4K 16 -> 8 splits (19.3 -> 18.1
-      us), batch 4 at 1K / 2K 8 -> 4 (13.0 -> 12.6 / 17.7 -> 16.3), batch 8 at 1K 4 -> 2 (16.5 -> 15.6).
-    - `_splits`, which the grid rule replaced (forty-ninth session), aimed at 4 programs a multiprocessor and
-      so ran 2-4 waves of 2 resident CTAs: batch 8 at 1K / 4K 19.1 / 51.7 us (8 / 16 splits) -> 15.1 / 34.3
-      (4); batch 32 47.3 / 117.7 (4) -> 32.6 / 103.2 (1); batch 64 76.2 / 208.0 (2) -> 58.2 / 206.9 (1)."""
+    the merge of n partials. Over 26 shapes timed on an H100 (batch 1-64, 1K-16K, Qwen3-8B's and the 30B's
+    heads; bench/RESULTS.md, "sampler on H200", forty-ninth and fiftieth sessions) its count is the fastest,
+    or within 0.4% of it, at 25 (the miss: batch 1 x 8 KV heads at 16K, 32 splits 29.0 us, 16 splits 28.4).
+    E.g. batch 1, 8 KV heads at 4K: 16 splits 15.1 us where the grid rule alone took 32 (19.2); batch 4 at
+    2K: 4 splits 16.3 against 8's 17.7; batch 32 at 4K: 1 split 103.2 against `_splits`' 4 (117.7)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     n = _splits_in_wave(b * hkv, t, FP8_TUNE["programs_per_sm"] * sms, 128)
     if t // n < FP8_TUNE["long_split"]:
