@@ -259,7 +259,8 @@ def test_fp8_split_rule(monkeypatch):
     us at 4K against 15.1), 32 at 16K, for 4 or 8 KV heads alike. FP8_TUNE's split_cost 0 drops the cap."""
     props = type("Props", (), {"multi_processor_count": 132})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    monkeypatch.setitem(attention.FP8_TUNE, "split_cost", 16)  # the default, whatever the environment says
+    monkeypatch.setitem(attention.FP8_TUNE, "split_cost", 16)  # the defaults, whatever the environment says
+    monkeypatch.setitem(attention.FP8_TUNE, "long_split", 512)
     dev = torch.device("cuda")
     want = {(1, 8, 4096): 16, (1, 8, 1024): 8, (1, 4, 4096): 16, (1, 8, 16384): 32, (1, 8, 2048): 8,
             (1, 4, 8192): 16, (1, 4, 1024): 8, (2, 8, 4096): 8, (2, 8, 8192): 16, (4, 8, 1024): 4,
@@ -271,8 +272,13 @@ def test_fp8_split_rule(monkeypatch):
     for (b, h, t), n in got.items():
         assert n == 1 or (b * h * n <= 2 * 132 and n * n * 16 <= t and t // n >= 128
                           and (t // n >= 512 or b * h * n <= 132))
+    monkeypatch.setitem(attention.FP8_TUNE, "long_split", 0)  # the two-CTA grid rule and the cap
+    assert [attention._splits_fp8(*c, dev) for c in ((8, 8, 1024), (2, 8, 4096), (4, 8, 2048))] == [4, 16, 8]
+    monkeypatch.setitem(attention.FP8_TUNE, "long_split", 512)
     monkeypatch.setitem(attention.FP8_TUNE, "split_cost", 0)  # the grid rules alone
     assert [attention._splits_fp8(*c, dev) for c in list(want)[:4]] == [16, 8, 32, 32]
+    monkeypatch.setitem(attention.FP8_TUNE, "long_split", 0)  # the two-CTA grid rule alone
+    assert [attention._splits_fp8(*c, dev) for c in list(want)[:4]] == [32, 8, 32, 32]
 
 
 def test_fp8_split_cost_from_the_environment(monkeypatch):
@@ -286,6 +292,12 @@ def test_fp8_split_cost_from_the_environment(monkeypatch):
         monkeypatch.setenv("FP4RL_FP8_SPLIT_COST", bad)
         with pytest.raises(ValueError, match="FP4RL_FP8_SPLIT_COST"):
             attention._env_split_cost("FP4RL_FP8_SPLIT_COST", 16)
+    monkeypatch.setenv("FP4RL_FP8_LONG_SPLIT", "0")
+    knob = ("FP4RL_FP8_LONG_SPLIT", 512, "long-split length", "the one-CTA rule")
+    assert attention._env_split_cost(*knob) == 0
+    monkeypatch.setenv("FP4RL_FP8_LONG_SPLIT", "half")
+    with pytest.raises(ValueError, match="FP4RL_FP8_LONG_SPLIT='half'.*long-split length.*one-CTA rule"):
+        attention._env_split_cost(*knob)
 
 
 def test_ptx_fallback_only_for_the_nvfp4_cache(monkeypatch):

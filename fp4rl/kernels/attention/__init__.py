@@ -150,22 +150,25 @@ def _splits(b: int, hkv: int, t: int, device) -> int:
     return n
 
 
-def _env_split_cost(name: str, default: int) -> int:
-    """The FP8 splits' merge-cost factor c from the environment (an int >= 0, tokens; 0: no capacity cap),
-    else a ValueError that names the variable."""
+def _env_split_cost(name: str, default: int, what: str = "split-cost factor",
+                    zero: str = "the capacity cap") -> int:
+    """An FP8 split knob from the environment (an int >= 0, tokens; 0 turns `zero` off): the merge-cost factor
+    c by default; else a ValueError that names the variable."""
     raw = os.environ.get(name, "").strip() or str(default)  # set but empty: the default, as unset
     if not (raw.isascii() and raw.isdigit()):
-        raise ValueError(f"{name}={raw!r}: the FP8 attention's split-cost factor is an int >= 0 (0 turns the "
-                         f"capacity cap off; unset it for the default, {default})")
+        raise ValueError(f"{name}={raw!r}: the FP8 attention's {what} is an int >= 0 (0 turns {zero} off; "
+                         f"unset it for the default, {default})")
     return int(raw)
 
 
 # The FP8 cache's launch: its 128-token tiles x 3 stages take 255 registers a thread at 4 warps (and 75776 B
 # of shared memory), two CTAs a multiprocessor (bench/attention_bf16.py --kernel-info on an H100).
 # split_cost: c of the capacity cap sqrt(t / c) on the splits (FP4RL_FP8_SPLIT_COST, for A/B; 0: no cap);
-# long_split: the tokens a split needs to be worth a second resident CTA a multiprocessor.
+# long_split: the tokens a split needs to be worth a second resident CTA a multiprocessor
+# (FP4RL_FP8_LONG_SPLIT, for A/B; 0: the two-CTA grid rule alone).
 FP8_TUNE = {"programs_per_sm": 2, "split_cost": _env_split_cost("FP4RL_FP8_SPLIT_COST", 16),
-            "long_split": 512}
+            "long_split": _env_split_cost("FP4RL_FP8_LONG_SPLIT", 512, "long-split length",
+                                          "the one-CTA rule")}
 
 
 def _splits_fp8(b: int, hkv: int, t: int, device) -> int:
