@@ -76,7 +76,7 @@ class _PackedExperts:
         self.gu_g.copy_(torch.cat([g[:, None].expand(e, i), u[:, None].expand(e, i)], 1))
         self.d_g.copy_(torch.stack([m.weight_global_scale.float().reshape(()) for m in self.downs]))
 
-    def _run(self, which: int, x, offsets, tokens, rows=None, silu=False, pairs=None, settled=False):
+    def _run(self, which: int, x, offsets, tokens, rows=None, silu=False, pairs=None):
         data, scale, g = ((self.gu_data, self.gu_scale, self.gu_g) if which == 0
                           else (self.d_data, self.d_scale, self.d_g))
         w = SimpleNamespace(data=data, block_scale=scale, global_scale=g)
@@ -91,7 +91,7 @@ class _PackedExperts:
             rows, silu = None, False
         # (through the module: the linears and the experts share one packed_gemm, one point to wrap)
         return gpu_linear.packed_gemm(None if xq is not None else x, w, self.mode, self.input_kwargs, offsets,
-                                      xq=xq, tokens=tokens, rows=rows, silu=silu, offsets_settled=settled)
+                                      xq=xq, tokens=tokens, rows=rows, silu=silu)
 
     def _guided(self, which: int, key: str, x, rows, silu, pairs):
         """(x, Q(x)) of the sorted rows after writing the guidance of key (gpu_trace module doc)."""
@@ -124,13 +124,11 @@ class _PackedExperts:
         return self._run(0, xs, offsets, tokens, rows, pairs=pairs)
 
     def down(self, a, offsets, tokens: int | None = None, silu: bool = False,
-             pairs: torch.Tensor | None = None, after_gate_up: bool = False):
+             pairs: torch.Tensor | None = None):
         """[M, H] for the sorted rows a [M, I]; silu: a is gate_up's [M, 2I] and the input is
         bf16(bf16(silu(gate)) * up) (fused.silu_mul's bits; W4A16: in the grouped kernel's x staging where it
-        runs, gemm.gemm(silu=); W4A4: silu_mul quantizes it in the same launch). pairs: as gate_up's.
-        after_gate_up: gate_up ran just before on these offsets, unchanged since (gemm.gemm's
-        offsets_settled)."""
-        return self._run(1, a, offsets, tokens, silu=silu, pairs=pairs, settled=after_gate_up)
+        runs, gemm.gemm(silu=); W4A4: silu_mul quantizes it in the same launch). pairs: as gate_up's."""
+        return self._run(1, a, offsets, tokens, silu=silu, pairs=pairs)
 
 
 class _DenseExperts:
@@ -160,8 +158,7 @@ class _DenseExperts:
             xs = xs.index_select(0, rows)
         return torch._grouped_mm(xs, self.gu_t, offs=offsets[1:])
 
-    def down(self, a, offsets, tokens: int | None = None, silu: bool = False, pairs=None,
-             after_gate_up: bool = False):  # (after_gate_up: the packed plan's; cuBLAS has no use for it)
+    def down(self, a, offsets, tokens: int | None = None, silu: bool = False, pairs=None):
         if silu:
             from fp4rl.kernels import fused
 
@@ -316,7 +313,7 @@ class KernelMoeBlock(SparseMoeBlock):
         else:
             gu = self.plan.gate_up(x.index_select(0, rows), offsets, tokens=n, pairs=pairs)
         # down_proj of bf16(bf16(silu(gate)) * up) (torch's bits on the GPU), the SiLU fused where it can be
-        return self.plan.down(gu, offsets, tokens=n, silu=True, pairs=pairs, after_gate_up=True), pos, w, idx
+        return self.plan.down(gu, offsets, tokens=n, silu=True, pairs=pairs), pos, w, idx
 
     def _router_route(self, x: torch.Tensor, weight: torch.Tensor):
         """The plain bf16 router and the route in one launch: the CUDA kernel (ROUTER_CUDA, up to
@@ -353,7 +350,6 @@ class KernelMoeBlock(SparseMoeBlock):
             pairs = pairs.view(n, k)
         gu = self.plan.gate_up(xs, offsets, tokens=n, pairs=pairs)  # [n k, 2I]
         i = gu.shape[-1] // 2
-        d = self.plan.down(F.silu(gu[:, :i]) * gu[:, i:], offsets, tokens=n, pairs=pairs,
-                           after_gate_up=True)  # [n k, H]
+        d = self.plan.down(F.silu(gu[:, :i]) * gu[:, i:], offsets, tokens=n, pairs=pairs)  # [n k, H]
         out = torch.empty_like(d).index_copy_(0, order, d).view(n, k, -1)  # back to (token, slot) order
         return (out.float() * topk_weight.float()[..., None]).sum(1).to(x.dtype)

@@ -59,13 +59,13 @@ MMA16 = os.environ.get("FP4RL_MMA16", "1") != "0"  # the CUDA mma16 copy where i
 
 def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, offsets=None,
                 xq=None, tokens: int | None = None, rows: torch.Tensor | None = None,
-                silu: bool = False, offsets_settled: bool = False) -> torch.Tensor:
+                silu: bool = False) -> torch.Tensor:
     """x2 [M, K] bfloat16 @ DQ(weight).T (weight: .data/.block_scale/.global_scale), W4A16 or W4A4
     (x quantized per token with the contract's settings first, or xq: that Q(x) already made by a fused
     producer, (data, block_scale, global_scale [M])); offsets: grouped experts, tokens: the batch's tokens
     (gemm.gemm); rows (grouped): int32 [M], x2 holds the tokens and sorted row r is x2[rows[r]]; silu: x2 is
     [M, 2K] gate | up and the GEMM's input is fused.silu_mul(x2) (W4A16: gemm.gemm(silu=); W4A4: silu_mul
-    quantizes its output in the same launch); offsets_settled: gemm.gemm's (the experts' down projection)."""
+    quantizes its output in the same launch)."""
     from fp4rl.kernels import fused, gemm, gemm_tune
 
     if silu and (rows is not None or xq is not None or x2 is None):
@@ -92,11 +92,10 @@ def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, 
         config = gemm_tune.FALLBACK  # (a weight with its mma16 copy: the wgmma build, WIDE, up to 512 rows)
     if mode == "w4a16":
         return gemm.gemm(x2, weight, offsets=offsets, tune=TUNE, config=config, tokens=tokens, rows=rows,
-                         silu=silu, offsets_settled=offsets_settled)
+                         silu=silu)
     if xq is None:
         xq = gemm.quantize_activations(x2, scale_rule=input_kwargs["scale_rule"], err=input_kwargs["err"])
-    return gemm.gemm(None, weight, xq=xq, offsets=offsets, tune=TUNE, config=config, tokens=tokens,
-                     offsets_settled=offsets_settled)
+    return gemm.gemm(None, weight, xq=xq, offsets=offsets, tune=TUNE, config=config, tokens=tokens)
 
 
 def prenorm_gemm(owner, data, scale, g, mode: str, x2: torch.Tensor, h: torch.Tensor | None, norm: nn.Module,

@@ -157,9 +157,6 @@ def _gemm_configs():
                                              "SLOTTABLE": 4, "LDVOL": 1}, "sm_90"
     yield "grouped silu ldvol 2048x768", {**choose_grouped(2048, 768, 8, sms), "SILU": 1,
                                           "SLOTTABLE": 4, "LDVOL": 1}, "sm_90"
-    # the expert found and the first weight steps issued before the wait (EARLY: the down projection)
-    yield "grouped silu early 2048x768", {**choose_grouped(2048, 768, 8, sms), "SILU": 1, "SLOTTABLE": 4,
-                                          "EARLY": 1}, "sm_90"
     # the gate / up letting the next launch start once past its wait (TRIGGER 3: FP4RL_MMA16_GTRIGGER=3)
     yield "grouped gather trigger3 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1,
                                                 "SLOTTABLE": 4, "TRIGGER": 3}, "sm_90"
@@ -275,40 +272,9 @@ def test_grouped_builds_load_nothing_before_the_wait(name, cfg, wg_row, xg_row, 
     assert not any(op.startswith("CCTL") for op in ops[:wait]), f"{name} {extra}: a prefetch before the wait"
 
 
-@pytest.mark.parametrize("name,cfg,wg_row,xg_row", [
-    ("silu", {**choose_grouped(2048, 768, 8, 132), "SILU": 1, "SLOTTABLE": 4}, False, False),
-    ("silu, 64 slots", {**choose_grouped(2048, 768, 64, 132), "SILU": 1, "SLOTTABLE": 4}, False, False),
-    ("plain, per-row scales", {**choose_grouped(1536, 2048, 8, 132), "SLOTTABLE": 4, "GSR": 1}, True, False),
-    ("plain, per-expert scale", {**choose_grouped(1536, 2048, 8, 132), "SLOTTABLE": 4}, False, False),
-    ("w4a4", {**choose_grouped(1536, 2048, 8, 132), "SLOTTABLE": 4}, False, True),
-], ids=lambda v: v if isinstance(v, str) else "")
-def test_early_builds_read_only_offsets_scales_and_weights_before_the_wait(name, cfg, wg_row, xg_row):
-    """EARLY (launch_grouped(offsets_settled=True)): before griddepcontrol.wait (ACQBULK) the SASS reads the
-    offsets from L2 (LDG.E.STRONG.GPU: ld.global.cg, not an L1 line of an earlier layer), at most one
-    read-only global scale (the weight's, or the thread's row scale with GSR: LDG.E.CONSTANT) and issues
-    the first DEPTH weight steps (DEPTH x NT x 3 LDGSTS: two 16-byte copies of weight words, one of scales);
-    x, the previous kernel's output (its copies or 16-byte loads), and W4A4's per-row x scales only after
-    the wait."""
-    ops = _sass_ops(gemv_cuda.source({**cfg, "EARLY": 1}, wg_row, xg_row, True))
-    wait = ops.index("ACQBULK")
-    loads = [op for op in ops[:wait] if op.startswith(("LDG", "LD.", "UBLKCP", "UTMALDG"))]
-    assert "LDG.E.STRONG.GPU" in loads, (name, loads)
-    assert sum(op.startswith("LDGSTS") for op in loads) == cfg["DEPTH"] * cfg["NT"] * 3, (name, loads)
-    assert loads.count("LDG.E.CONSTANT") <= 1, (name, loads)
-    assert not [op for op in loads if op.startswith(("LD.", "UBLKCP", "UTMA")) or (
-        op.startswith("LDG.") and op not in ("LDG.E.STRONG.GPU", "LDG.E.CONSTANT")
-        and not op.startswith(("LDGSTS", "LDGDEPBAR")))], (name, loads)
-    after = ops[wait:]
-    if cfg.get("SILU"):
-        assert any(op.startswith("LDG.E.128") for op in after), name  # gate | up, after the wait
-    if xg_row:
-        assert "LDG.E.CONSTANT" in after, name  # the rows' x scales, after the wait
-
-
 @pytest.mark.parametrize("name,cfg,wg_row,grouped", [
     ("gate / up", {**choose_grouped(1536, 2048, 8, 132), "GATHER": 1, "SLOTTABLE": 4}, True, True),
-    ("down, early", {**choose_grouped(2048, 768, 8, 132), "SILU": 1, "SLOTTABLE": 4, "EARLY": 1}, False,
-     True),
+    ("down", {**choose_grouped(2048, 768, 8, 132), "SILU": 1, "SLOTTABLE": 4}, False, True),
     ("dense one row", gemv_cuda.choose(5120, 2048, 1, 132), True, False),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_where_each_trigger_goes(name, cfg, wg_row, grouped):
@@ -339,11 +305,6 @@ def test_gate_up_trigger_1_is_refused():
     run = subprocess.run([sys.executable, "-c", "import fp4rl.kernels.gemv_cuda_grouped"], env=env,
                          capture_output=True, text=True)
     assert run.returncode != 0 and "FP4RL_MMA16_GTRIGGER=1" in run.stderr and "offsets" in run.stderr
-
-
-def test_early_find_needs_grouped():
-    cfg = dict(gemv_cuda.choose(5120, 2048, 1, 132), EARLY=1)
-    assert "EARLY is for GROUPED" in _compile_error(gemv_cuda.source(cfg, False, False, False))
 
 
 def test_row_scales_early_need_the_in_cta_split():

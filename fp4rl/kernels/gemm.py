@@ -88,14 +88,6 @@ WIDE_MIN_N_ABOVE_32 = 8192
 FUSED_SILU = os.environ.get("FP4RL_MOE_SILU", "1") != "0"
 MMA16_SILU_MAX_TOKENS = 8
 
-# per (device, stream): the offsets (data_ptr) of the last grouped gemm call if the grouped mma16 kernel ran
-# it. A grouped call that claims offsets_settled (the down projection right after its gate / up) is passed on
-# to that kernel as settled only if the grouped gemm call just before it on the stream ran there on the same
-# offsets: that launch waited for the offsets' writer before it let any later kernel start (its trigger comes
-# after its wait), so launches between the two that are not grouped gemm calls do not matter.
-_LAST_GROUPED_MMA16: dict[tuple[int, int], int] = {}
-
-
 # The other rows up to WIDE_TUNE_MAX_ROWS (33-64 on narrower weights, 65-512) offer the wgmma configuration to
 # the tuner as its first candidate (gemm_tune.WIDE; taken untimed when tuning is off): with one running x
 # pointer per thread (XPRE 2) it beat the tuned Triton kernels there on the H200 (bench/RESULTS.md,
@@ -173,15 +165,8 @@ def _disable_fused_silu(exc: Exception) -> None:
                   "fused.silu_mul first from now on", stacklevel=3)
 
 
-def _stream_key(offsets: torch.Tensor) -> tuple[int, int] | None:
-    """(device, stream) of a grouped call on CUDA (_LAST_GROUPED_MMA16's key); None elsewhere."""
-    if not offsets.is_cuda:
-        return None
-    return offsets.device.index, torch.cuda.current_stream(offsets.device).cuda_stream
-
-
 def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, tokens: int | None = None,
-         rows=None, silu: bool = False, offsets_settled: bool = False):
+         rows=None, silu: bool = False):
     """Core entry: y [M, N] = x @ DQ(W).T on packed NVFP4 weights.
 
     x: bfloat16 [M, K] (W4A16), or None with xq = (data uint8 [M, K/2], block_scale [M, K/16],
@@ -205,10 +190,6 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
     experts' down projection). The grouped mma16 kernel computes it while staging x (FUSED_SILU, tokens <=
     MMA16_SILU_MAX_TOKENS, not with rows); every other path runs fused.silu_mul first (the same bits). With
     rows, x [T, 2K] holds the tokens' gate | up (silu_mul, then the gather).
-    offsets_settled (grouped): the offsets are the ones the previous grouped call ran on, unchanged since (the
-    experts' down projection after their gate / up); where that call and this one both run on the grouped
-    mma16 kernel, this one reads the offsets before waiting for the previous kernel
-    (gemv_cuda_grouped.EARLY_FIND). Ignored otherwise.
     """
     grouped = offsets is not None
     if silu and (x is None or xq is not None):
@@ -241,17 +222,12 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
         m = x2.shape[0] if rows is None else rows.numel()
     if silu and (rows is not None or not FUSED_SILU or tokens is None or tokens > MMA16_SILU_MAX_TOKENS):
         x2, silu = _fused.silu_mul(x2)[0], False  # silu_mul first, then as without silu
-    settled, stream_key = False, None
     if grouped:
         offsets = offsets.to(torch.int32).contiguous()
         if offsets.numel() != e + 1:
             raise ValueError(
                 f"offsets must have E+1={e + 1} entries (expert starts and the end), got {offsets.numel()}"
             )
-        stream_key = _stream_key(offsets)
-        if stream_key is not None:
-            last = _LAST_GROUPED_MMA16.pop(stream_key, None)
-            settled = offsets_settled and last == offsets.data_ptr()
     dense = getattr(weight, "dense", None)  # DQ(W) in bfloat16, kept by the caller: _tune.DENSE
     if dense is not None:
         want = (e, n, 2 * kh) if grouped else (n, 2 * kh)
@@ -268,10 +244,7 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
             raise ValueError(f"weight.mma16 is not a stacked copy of {e} experts of {n}x{2 * kh}")
         xin, x_scale = _mma16_input(x2, xq)
         try:
-            _mma16_grouped.launch_grouped(xin, m16, wg, offsets, y, x_scale=x_scale, x_rows=rows, x_silu=silu,
-                                          offsets_settled=settled)
-            if stream_key is not None:
-                _LAST_GROUPED_MMA16[stream_key] = offsets.data_ptr()
+            _mma16_grouped.launch_grouped(xin, m16, wg, offsets, y, x_scale=x_scale, x_rows=rows, x_silu=silu)
             return y
         except ValueError:  # this K slice does not fit its shared memory: the Triton kernels below
             pass

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from fp4rl.kernels import gemv_cuda, pdl
+from fp4rl.kernels import pdl
 from fp4rl.kernels.gemv_cuda import (
     SMEM_CTA_RESERVED,
     SMEM_MAX,
@@ -50,31 +50,30 @@ LD_VOLATILE = os.environ.get("FP4RL_MMA16_LDVOL", "0") != "0"
 # 3.55 alone) to 384 over 4 warps' parts of K (30B W4A16 at batch 1 2.149 -> 2.121 ms; other bits, the KW 4
 # sums: bench/RESULTS.md, sampler, thirty-third session); 2 for the previous plan
 GROUPED_FILL = int(os.environ.get("FP4RL_MMA16_GFILL", "3"))
-# EARLY (gemv_mma16.cu): launches told that their offsets were final before the previous kernel passed its
-# wait (``launch_grouped(offsets_settled=True)``: the experts' down projection right after their gate / up)
-# find their expert and issue their first weight steps before griddepcontrol.wait. Unsound and slower: behind
-# a route whose writes land late it reads the previous routing's offsets (test_gpu_early_find_waits_for_a_
-# route_that_writes_late fails on an H200, thirty-fifth session, and an H100, fiftieth) and the 30B's step
-# measured 2.134 -> 2.308 ms at batch 1 (bench/RESULTS.md, thirty-fifth session). Off, and FP4RL_MMA16_EARLY
-# refused; the build stays for its SASS and GPU tests (which set EARLY_FIND themselves).
+# EARLY, measured and removed: the experts' down projection finding its expert (reading the offsets) and
+# issuing its first weight steps before griddepcontrol.wait, told by its caller that the gate / up before it
+# had waited for the offsets' writer. Unsound: behind a route whose writes land late it read the previous
+# routing's offsets (its GPU test failed on an H200, thirty-fifth session, and an H100, fiftieth); and slower:
+# the 30B W4A16 step 2.134 -> 2.308 ms at batch 1 (bench/RESULTS.md, thirty-fifth session). Its switch
+# FP4RL_MMA16_EARLY is refused rather than ignored.
 
 
-def _early_from_env() -> bool:
+def _refuse_early() -> None:
     raw = os.environ.get("FP4RL_MMA16_EARLY", "").strip()
     if raw not in ("", "0"):
-        raise ValueError(f"FP4RL_MMA16_EARLY={raw!r}: the EARLY build of the experts' down projection reads "
-                         "the routing's offsets before its wait and can see the previous routing's (a late "
-                         "route), and it measured slower (bench/RESULTS.md, thirty-fifth session): unset it")
-    return False
+        raise ValueError(f"FP4RL_MMA16_EARLY={raw!r}: the EARLY build of the experts' down projection was "
+                         "removed (it read the routing's offsets before its wait and could see the previous "
+                         "routing's, and it measured slower: bench/RESULTS.md, thirty-fifth session): "
+                         "unset it")
 
 
-EARLY_FIND = _early_from_env()
+_refuse_early()
 # where the routed experts' launches without SiLU staging (the gate / up; also a down projection whose SiLU
 # ran apart: past MMA16_SILU_MAX_TOKENS, W4A4) let the next kernel start (gemv_mma16.cu TRIGGER): None keeps
-# gemv_cuda.TRIGGER (2: after the weight stream); 3: once past their wait,
-# so that an EARLY down projection finds its expert and streams its first weights while the gate / up still
-# runs (a CTA of each fits an SM beside three gate / up CTAs at one token). 1 (at the start) is refused: it
-# would let the down projection start before the offsets' writer finished. Being measured (device_run106).
+# gemv_cuda.TRIGGER (2: after the weight stream); 3: once past their wait, so that the down projection's CTAs
+# start while the gate / up still streams (measured only with the removed EARLY build: slower, thirty-fifth
+# session). 1 (at the start) is refused: it would let the down projection start before the offsets' writer
+# finished.
 _GT = os.environ.get("FP4RL_MMA16_GTRIGGER", "").strip()
 if _GT not in ("", "0", "2", "3"):
     raise ValueError(f"FP4RL_MMA16_GTRIGGER={_GT}: use 0 (at exit), 2 (after the weight stream) or 3 (after "
@@ -141,7 +140,7 @@ def _grouped_plan(n: int, k: int, slots: int, sms: int, mg: int, fill: int) -> d
 def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, offsets: torch.Tensor,
                    y: torch.Tensor, x_scale: torch.Tensor | None = None,
                    x_rows: torch.Tensor | None = None, x_silu: bool = False,
-                   cfg: dict | None = None, offsets_settled: bool = False) -> torch.Tensor:
+                   cfg: dict | None = None) -> torch.Tensor:
     """Routed experts: y [M, N] = x2 [M, K] (rows sorted by expert; offsets int32 [E + 1], rows
     offsets[e]:offsets[e+1] go to expert e) @ DQ(W_e).T with the stacked copy of `relayout_stack`.
     global_scale fp32 [E, N] (per output row) or [E] (per expert). x_scale fp32 [M]: W4A4 as in `launch`.
@@ -155,12 +154,7 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
     No host sync: each CTA finds its (expert, chunk of 8 x MG rows) from the offsets (graph-capturable; any
     routing: an expert with r rows takes ceil(r / (8 MG)) chunks, each streaming its weights; MG from the
     average rows per expert, ``grouped_mg``).
-    cfg: a configuration other than ``choose_grouped``'s (benchmarks).
-    offsets_settled: an earlier kernel on this stream passed its own wait only once the offsets were final,
-    and let the kernels after it start only then (an mma16 launch with gemv_cuda.TRIGGER != 1, as the gate /
-    up launch_grouped on the same offsets before the down projection is: gemm.gemm tracks it).
-    With EARLY_FIND the CTAs then read the offsets and issue their first weight steps before waiting for the
-    previous kernel, whose output (x) they read after it. Claiming it otherwise reads stale offsets."""
+    cfg: a configuration other than ``choose_grouped``'s (benchmarks)."""
     if x2.ndim != 2:
         raise ValueError(f"x2 must be 2-D [M, K], got {tuple(x2.shape)}")
     m, k = x2.shape
@@ -206,8 +200,6 @@ def launch_grouped(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor
         key = {**key, "SLOTTABLE": table}
     if LD_VOLATILE:
         key = {**key, "LDVOL": 1}
-    if offsets_settled and EARLY_FIND and gemv_cuda.TRIGGER != 1:
-        key = {**key, "EARLY": 1}
     if GATE_UP_TRIGGER is not None and not x_silu:
         key = {**key, "TRIGGER": GATE_UP_TRIGGER}
     key = _row_scale_key(key, g.numel() > e)

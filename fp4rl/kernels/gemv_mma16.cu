@@ -91,12 +91,6 @@ typedef unsigned long long u64;
 #if LDVOL && !GROUPED
 #error "LDVOL is for GROUPED"
 #endif
-#ifndef EARLY
-#define EARLY 0  // GROUPED: the expert found and its first weight steps issued before griddepcontrol.wait (below)
-#endif
-#if EARLY && !GROUPED
-#error "EARLY is for GROUPED"
-#endif
 #ifndef SLOTTABLE
 #define SLOTTABLE 0  // GROUPED: the first 32 SLOTTABLE experts' offsets read in one round trip (below); 0: 32 a trip
 #endif
@@ -226,19 +220,13 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_byt
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes)
                  : "memory");
 }
-// an int the route wrote (the offsets, x_rows): read after griddepcontrol.wait, or before it in EARLY builds
-// (below). A const __restrict__ read compiles to ld.global.nc, which the compiler may move above the wait's
-// asm: it did in a dry-prologue build (33d8ec2) and an L2-prefetch build (e14c14c). LDVOL: a volatile asm load
-// keeps it after the wait; the default builds keep their SASS (tests/test_cuda_sources.py checks that their
-// loads stay after the wait) until a device call shows LDVOL costs nothing.
+// an int the route wrote (the offsets, x_rows): read after griddepcontrol.wait. A const __restrict__ read
+// compiles to ld.global.nc, which the compiler may move above the wait's asm: it did in a dry-prologue build
+// (33d8ec2) and an L2-prefetch build (e14c14c). LDVOL: a volatile asm load keeps it after the wait; the default
+// builds keep their SASS (tests/test_cuda_sources.py checks that their loads stay after the wait) until a
+// device call shows LDVOL costs nothing.
 __device__ __forceinline__ int ld_routing(const int* p) {
-#if EARLY
-    // EARLY: read before the wait, from L2 (.cg: this SM's L1 may hold an earlier layer's offsets), in an asm
-    // volatile so that it stays where it is written
-    int v;
-    asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-#elif LDVOL
+#if LDVOL
     int v;
     asm volatile("ld.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
@@ -448,16 +436,12 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // before this one: wait first). Slot blockIdx.z serves one chunk of up to XROWS rows of one expert
     // (any number of rows per expert: more chunks); slots past the last chunk exit. wt / st / wg are stacks
     // over experts ([E][N/16]... tiles; wg [E][N] or [E]).
-    // EARLY (gemv_cuda_grouped.launch_grouped(offsets_settled=True)): the offsets were final before the
-    // previous kernel passed its own wait, and that kernel lets this grid start only after it (its trigger
-    // comes later: gemv_cuda.TRIGGER != 1), so they are read now, without waiting for the previous kernel,
-    // and the first weight steps go out before the wait below as in the dense builds; x (the previous
-    // kernel's output) after it. The experts' down projection after their gate / up on the same routing.
-#if !EARLY
+    // (An EARLY build that read the offsets and issued the first weight steps before this wait was measured
+    // and removed: unsound behind a route whose writes land late, and slower; bench/RESULTS.md, thirty-fifth
+    // session.)
     asm volatile("griddepcontrol.wait;" ::: "memory");
     STAMP(1);
     if (TRIGGER == 3) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
     // slot z -> (expert, chunk of 8 MG rows): expert i owns ceil(rows_i / XROWS) consecutive slots
     // warp-uniform: every warp finds the same expert. The offsets of the first 32 SLOTTABLE experts are loaded
     // at once, before any is used: one L2 round trip for the search (SLOTTABLE 0: one per 32 experts); lane l
@@ -721,7 +705,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #endif
     // PDL: the first DEPTH weight steps above do not depend on the previous kernel; x (its output) does
     asm volatile("griddepcontrol.wait;" ::: "memory");
-#if !GROUPED || EARLY
+#if !GROUPED
     STAMP(1);
     if (TRIGGER == 3) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
