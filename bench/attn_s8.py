@@ -1,6 +1,6 @@
 """Eighth session: where the Gluon NVFP4 decode attention stands against its knobs, one process.
 
-[BATCH=8] [HKV=8] python3 bench/attn_s8.py [context] [variant,...]
+[BATCH=8] [HKV=8] python3 bench/attn_s8.py [context] [variant,...]  (variant: a name, or names joined by +)
 (writes $OUT/attn_s8_<context>_b<batch>_h<hkv>.json)
 
 Batch 8 (BATCH), 32 query heads over 8 KV heads (HKV), d 128 at one context (default 32768) against torch
@@ -47,6 +47,8 @@ VARIANTS = {  # _mode: gluon_ptx mode bits (default 20 = 16 vote + 4 two S chain
     "w2_reg144": {"num_warps": 2, "_maxnreg": 144}, "w2_reg128": {"num_warps": 2, "_maxnreg": 128},
     "no_stream": {"_dbg": 1}, "merge_one": {"_dbg": 2},  # timing only: no token loop / merge of one slot
     "counter1": {"_dbg": 8},  # one split through the split counter and its fence anyway (A/B)
+    "warp_slots": {"_dbg": 16},  # every warp publishes its own partial (the fiftieth session's merge; A/B)
+    "cta_all": {"_dbg": 32},  # a CTA's warps merged in the CTA at every split count (default: at one split)
 }
 ROUNDS = int(os.environ.get("ROUNDS", "2"))  # interleaved timing rounds
 TIMING_ONLY = {"no_unpack", "no_stream", "merge_one", "no_unpack_tile_max"}
@@ -74,7 +76,10 @@ def main():
     rows, bad, times = {}, {}, {}
     out_default = None
     for name in names:
-        kw = VARIANTS[name]
+        kw = {}
+        for part in name.split("+"):  # "cta_all+splits16": both knobs (DBG bits OR together)
+            for key, val in VARIANTS[part].items():
+                kw[key] = kw.get(key, 0) | val if key == "_dbg" else val
         try:
             o = call(sets4[0], kw)
             torch.cuda.synchronize()

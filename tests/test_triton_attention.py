@@ -187,6 +187,15 @@ def test_gpu_gluon_kernel(b, hq, hkv, t, lengths, starts, qscale):
     out = run()
     assert _rel(out, ref) < TOL
     assert torch.equal(out, run())
+    # where a CTA's warps merge (gluon_decode._cta_merge_from_env): every warp publishing its own partial
+    # (DBG 16) and the CTA merging them at every split count (DBG 32), at 4, 2 and 8 warps a CTA, agree with
+    # the default to rounding (another summation order)
+    for dbg, warps in ((16, None), (32, None), (32, 2), (32, 8), (0, 8)):
+        other = attention.decode_attention(q, lens, kd, vd, kg, vg, k_scale=ks, v_scale=vs, starts=st,
+                                           kernel="gluon", num_warps=warps, _dbg=dbg)
+        assert _rel(other, ref) < TOL and _rel(out, other) < 1e-3, (dbg, warps)
+        if 0 in lengths:
+            assert torch.equal(other[lengths.index(0)], torch.zeros_like(other[0])), (dbg, warps)
     off = pdl.kinds_off()
     pdl.set_kinds_off(off - {"gluon"})  # launched with PDL (griddepcontrol at the kernel's start): same bytes
     try:
@@ -200,6 +209,20 @@ def test_gpu_gluon_kernel(b, hq, hkv, t, lengths, starts, qscale):
             "the case no longer covers the one-split merge"
     if 0 in lengths:
         assert torch.equal(out[lengths.index(0)], torch.zeros_like(out[0]))
+
+
+def test_gluon_cta_merge_from_the_environment(monkeypatch):
+    from fp4rl.kernels.attention import gluon_decode
+
+    for ok, want in (("", 0), (" 1", 0), ("0", 16), ("2", 32)):
+        monkeypatch.setenv("FP4RL_GLUON_CTA_MERGE", ok)
+        assert gluon_decode._cta_merge_from_env() == want
+    monkeypatch.delenv("FP4RL_GLUON_CTA_MERGE")
+    assert gluon_decode._cta_merge_from_env() == 0
+    for bad in ("3", "yes", "off"):
+        monkeypatch.setenv("FP4RL_GLUON_CTA_MERGE", bad)
+        with pytest.raises(ValueError, match="FP4RL_GLUON_CTA_MERGE.*use 1"):
+            gluon_decode._cta_merge_from_env()
 
 
 def test_gluon_split_rule(monkeypatch):

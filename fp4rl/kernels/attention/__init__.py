@@ -43,6 +43,7 @@ from fp4rl.kernels._common import (  # noqa: F401
     load_unpacked,
     with_asm_fallback,
 )
+from fp4rl.kernels.attention import gluon_decode
 from fp4rl.kernels.attention.cache_formats import quantize_kv_fp8, quantize_kv_nvfp4  # noqa: F401
 from fp4rl.kernels.attention.gluon_decode import gl, gluon  # noqa: F401
 from fp4rl.kernels.attention.gluon_ptx import _ATTN_ASM, _ATTN_CON, _ATTN_MSK, _attn_asm, _attn_unpack  # noqa: F401
@@ -369,8 +370,8 @@ def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, 
         vw.stride(0), vw.stride(1), vw.stride(2), vs8.stride(0), vs8.stride(1), vs8.stride(2),
         vg.stride(0), vg.stride(1), out.stride(0), out.stride(1),
         G=g, NUM_SPLITS=num_splits, HAS_START=starts is not None, ASM=_ATTN_ASM[mode], CON=_ATTN_CON, PF=pf,
-        DBG=dbg, PDL=use_pdl, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
-        **({"launch_pdl": True} if use_pdl else {}),
+        DBG=dbg | gluon_decode.MERGE_DBG, PDL=use_pdl, num_warps=num_warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}), **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
 

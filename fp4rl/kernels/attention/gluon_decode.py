@@ -3,9 +3,9 @@ KV head).
 
 A decode-attention kernel for the NVFP4 cache written per lane in Gluon, with the tensor cores fed
 straight from registers (mma.sync.m16n8k16, FP16 operands), no shared memory and no barrier in its
-loop. One warp streams 16 tokens per step; a CTA's warps take interleaved steps of one split and each
-publishes its own partial result (merged by the last program of the (b, kv head) to finish, as in the Triton
-kernel; with one split, by the CTA itself after a barrier, without the counter).
+loop. One warp streams 16 tokens per step; a CTA's warps take interleaved steps of one split, then merge
+their partials in the CTA through shared memory (``_cta_merge``): with one split that is the output; with
+more, one partial a CTA, merged by the last program of the (b, kv head) to finish, as in the Triton kernel.
 
 The arithmetic of a step (the E2M1 -> FP16 unpack, the two MMA products, the online softmax with
 the V scale in the exponent) is one inline-PTX block per step: fp4rl.kernels.attention.gluon_ptx
@@ -18,6 +18,8 @@ dispatcher falls back to the Triton kernel, with a warning, if it fails to compi
 
 from __future__ import annotations
 
+import os
+
 import triton
 
 try:  # Gluon (Triton's explicit-layout dialect) is experimental: its API moves between releases
@@ -25,6 +27,23 @@ try:  # Gluon (Triton's explicit-layout dialect) is experimental: its API moves 
     from triton.experimental.gluon import language as gl
 except Exception:  # noqa: BLE001
     gluon = gl = None
+
+
+
+def _cta_merge_from_env() -> int:
+    """FP4RL_GLUON_CTA_MERGE, where a CTA's warps merge their partials in the CTA (``_cta_merge``)
+    rather than each publishing its own (``_warp_publish``): 1 (default) at one split; 2 at every split
+    count; 0 never (the fiftieth session's path). Returned as the DBG bits the launch ORs in (16: never;
+    32: always)."""
+    raw = os.environ.get("FP4RL_GLUON_CTA_MERGE", "").strip()
+    if raw not in ("", "0", "1", "2"):
+        raise ValueError(f"FP4RL_GLUON_CTA_MERGE={raw!r}: use 1 (a CTA's warps merged in the CTA at one "
+                         "split, the default), 2 (at every split count) or 0 (each warp publishes its own), "
+                         "or unset it")
+    return {"0": 16, "2": 32}.get(raw, 0)
+
+
+MERGE_DBG = _cta_merge_from_env()  # ORed into the launch's DBG
 
 if gluon is not None:
     from fp4rl.kernels.attention.gluon_stream import _stream
@@ -64,8 +83,9 @@ if gluon is not None:
         CON: gl.constexpr, PF: gl.constexpr = 3, DBG: gl.constexpr = 0, PDL: gl.constexpr = False,
     ):
         """kw/vw: int32 words [B, Hkv, T, 16] (D = 128); ks int16 [B, Hkv, T, 4] (scale byte pairs),
-        vs uint8 [B, Hkv, T, 8]. Partials: one slot per (b, kv head, split, warp): acc [8 queries, 128]
-        in part, (m [8], M [8], l [8 lanes, 8 queries]) in ml."""
+        vs uint8 [B, Hkv, T, 8]. Partials: one slot per (b, kv head, split, warp), or per (b, kv head,
+        split) where the CTA merges its warps (``_cta_merge``): acc [8 queries, 128] in part, (m [8], M [8],
+        l [8 lanes, 8 queries]) in ml."""
         if PDL:  # programmatic dependent launch (fp4rl.kernels.pdl, kind "gluon"): the next kernel may launch
             # now; q, the lengths and the new token's K / V come from the kernels before: wait before any read
             gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
@@ -157,6 +177,118 @@ if gluon is not None:
             t_lo, t_hi, w5, g5, c5, e2, e3, e1, stride_kt, stride_vt, stride_kst, stride_vst, kqs, zf,
             big, qa, qb, st, acc0, acc1, acc2, acc3, pf_off, pf_tok, pf_t0, DBG)
 
+        if ((DBG & 16) == 0) and ((NUM_SPLITS == 1) or ((DBG & 32) != 0)):
+            _cta_merge(acc0, acc1, acc2, acc3, st, part_ptr, ml_ptr, lock_ptr, out_ptr, bh, split, b, hk,
+                       stride_ob, stride_oh, G, NUM_SPLITS, NW, DBG)
+        else:
+            _warp_publish(acc0, acc1, acc2, acc3, st, g5, c5, w5, e2, e3, e1, part_ptr, ml_ptr, lock_ptr,
+                          out_ptr, bh, split, b, hk, stride_ob, stride_oh, G, NUM_SPLITS, NW, DBG)
+
+    @gluon.jit
+    def _ax6(n: gl.constexpr, dim: gl.constexpr, L6: gl.constexpr):
+        """arange(0, n) along dim of the 6-D layout L6, expanded to 6 dims."""
+        if dim < 5:
+            x = gl.expand_dims(_ax(n, dim, gl.SliceLayout(5, L6)), 5)
+        else:
+            S: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0,
+                                             gl.SliceLayout(0, L6)))))
+            x = gl.arange(0, n, layout=S)
+            for _ in gl.static_range(5):
+                x = gl.expand_dims(x, 0)
+        return x
+
+    @gluon.jit
+    def _pick(x, MAX: gl.constexpr):
+        """x [warp, g, c, e2, e3, e1] masked to one (e2, e3) -> [warp, g, c, 1, 1, e1] (max, else sum)."""
+        if MAX:
+            x = gl.max(gl.max(x, 4), 3)
+        else:
+            x = gl.sum(gl.sum(x, 4), 3)
+        return gl.expand_dims(gl.expand_dims(x, 3), 4)
+
+    @gluon.jit
+    def _cta_merge(acc0, acc1, acc2, acc3, st, part_ptr, ml_ptr, lock_ptr, out_ptr, bh, split, b, hk,
+                   stride_ob, stride_oh, G: gl.constexpr, NUM_SPLITS: gl.constexpr, NW: gl.constexpr,
+                   DBG: gl.constexpr):
+        """The CTA's warps' partials merged as `_merge` merges slots, through shared memory: each warp stores
+        its accumulators and state, one barrier, then warp T sums accumulator T over the warps (every operand
+        of a sum in the lane's own registers). One split: the output, without a global round trip. More: one
+        slot per CTA in the warps' format (acc register-major, m / M per query, l per lane), so the last CTA
+        of the (b, kv head) to finish merges NUM_SPLITS slots, not NUM_SPLITS x NW."""
+        # [T, warp, g, c, e2, e3, e1]: a lane (g, c) of warp T holds every warp's (e2, e3, e1) of tensor T
+        LT: gl.constexpr = gl.BlockedLayout([1, NW, 1, 1, 2, 2, 2], [1, 1, 8, 4, 1, 1, 1],
+                                            [NW, 1, 1, 1, 1, 1, 1], [6, 5, 4, 3, 2, 1, 0])
+        SW: gl.constexpr = gl.SliceLayout(0, LT)  # [warp, g, c, e2, e3, e1], every warp's copy
+        SO: gl.constexpr = gl.SliceLayout(1, LT)  # [T, g, c, e2, e3, e1], the sums
+        SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [5, 4, 3, 2, 1, 0])
+        acc_s = gl.allocate_shared_memory(gl.float32, [4 * NW, 8, 4, 2, 2, 2], SH)  # [T x warp, g, c, ...]
+        st_s = gl.allocate_shared_memory(gl.float32, [NW, 8, 4, 2, 2, 2], SH)
+        # one store (four into the same buffer would each take a barrier): rows T x NW + warp
+        a4 = gl.join(gl.join(acc0, acc1), gl.join(acc2, acc3))  # [R, 4, 2, 2, 2, T & 1, T >> 1]
+        a4 = gl.permute(a4, [6, 5, 0, 1, 2, 3, 4])  # [T >> 1, T & 1, R, 4, 2, 2, 2]
+        acc_s.store(gl.reshape(a4, [4 * NW, 8, 4, 2, 2, 2]))
+        st_s.store(gl.reshape(st, [NW, 8, 4, 2, 2, 2]))
+        gl.thread_barrier()
+        acc = acc_s.reshape([4, NW, 8, 4, 2, 2, 2]).load(LT)
+        st6 = st_s.load(SW)
+        NEG: gl.constexpr = float("-inf")
+        e2 = _ax6(2, 3, SW)
+        e3 = _ax6(2, 4, SW)
+        # state per lane (query 2c + e1): m at (e2, e3) = (0, 0), M at (1, 0), l at (0, 1)
+        m_w = _pick(gl.where((e2 == 0) & (e3 == 0), st6, NEG), True)  # [warp, g, c, 1, 1, e1]
+        big_w = _pick(gl.where((e2 == 1) & (e3 == 0), st6, NEG), True)
+        l_w = _pick(gl.where((e2 == 0) & (e3 == 1), st6, 0.0), False)
+        m_cta = gl.max(m_w, 0)  # [8, 4, 1, 1, 2]; published as is (-inf: no token), as a warp's m
+        big_mx = gl.max(big_w, 0)
+        mx = gl.where(m_cta == NEG, 0.0, m_cta)
+        big_mx = gl.where(big_mx == NEG, 0.0, big_mx)
+        lg = gl.sum(l_w * gl.exp2(m_w - gl.expand_dims(mx, 0)), 0)  # lane g's share of l: [8, 4, 1, 1, 2]
+        sa = gl.expand_dims(gl.exp2(big_w - gl.expand_dims(big_mx, 0)), 0)  # [1, warp, g, c, 1, 1, e1]
+        num = gl.sum(acc * sa, 1)  # [T, g, c, e2, e3, e1]: head dim 16 g + 4 T + e2 + 2 e3, query 2 c + e1
+        t = _ax6(4, 0, SO)
+        g = _ax6(8, 1, SO)
+        c = _ax6(4, 2, SO)
+        f2 = _ax6(2, 3, SO)
+        f3 = _ax6(2, 4, SO)
+        f1 = _ax6(2, 5, SO)
+        if (NUM_SPLITS == 1) and ((DBG & 14) == 0):
+            den = gl.expand_dims(gl.sum(lg, 0), 0)  # [1, 4, 1, 1, 2]
+            f = gl.exp2(big_mx - mx + 14.0) / gl.where(den == 0.0, 1.0, den)  # [8, 4, 1, 1, 2]
+            f = gl.expand_dims(gl.convert_layout(f, gl.SliceLayout(0, SO)), 0)
+            q = 2 * c + f1
+            optr = out_ptr + b * stride_ob + (hk * G + q) * stride_oh + 16 * g + 4 * t + f2 + 2 * f3
+            om = (q < G) & (t >= 0) & (g >= 0) & (f2 >= 0) & (f3 >= 0)  # [4, 8, 4, 2, 2, 2], as num
+            gl.store(optr, (num * f).to(gl.bfloat16), mask=om)
+        else:
+            slot = bh * NUM_SPLITS + split
+            gl.store(part_ptr + slot * 1024 + t * 256 + (f2 * 4 + f3 * 2 + f1) * 32 + 4 * g + c, num,
+                     cache_modifier=".cg")
+            SS: gl.constexpr = gl.SliceLayout(0, SW)  # [g, c, 1, 1, e1]
+            gs = _ax(8, 0, SS)
+            qs = 2 * _ax(4, 1, SS) + _ax(2, 4, SS)
+            mlp = ml_ptr + slot * 80 + qs + 0 * gs  # [8, 4, 1, 1, 2], as the statistics
+            gl.store(mlp, m_cta, mask=gs == 0, cache_modifier=".cg")
+            gl.store(mlp + 8, big_mx, mask=gs == 0, cache_modifier=".cg")
+            gl.store(mlp + 16 + 8 * gs, lg, cache_modifier=".cg")
+            gl.thread_barrier()
+            if DBG & 4:  # timing experiment: no fence (wrong memory ordering)
+                done = gl.atomic_add(lock_ptr + bh, 1, sem="relaxed", scope="gpu")
+            else:
+                done = gl.atomic_add(lock_ptr + bh, 1, sem="acq_rel", scope="gpu")
+            if done == NUM_SPLITS - 1:
+                if DBG & 2:  # timing experiment: merge one slot only (wrong output)
+                    _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, 1, NW)
+                else:
+                    _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, NUM_SPLITS, NW)
+                gl.atomic_xchg(lock_ptr + bh, 0)
+
+    @gluon.jit
+    def _warp_publish(acc0, acc1, acc2, acc3, st, g5, c5, w5, e2, e3, e1, part_ptr, ml_ptr, lock_ptr, out_ptr,
+                      bh, split, b, hk, stride_ob, stride_oh, G: gl.constexpr, NUM_SPLITS: gl.constexpr,
+                      NW: gl.constexpr, DBG: gl.constexpr):
+        """Every warp publishes its own partial, merged by the last CTA to finish (NUM_SPLITS x NW slots;
+        at one split only with DBG 16 or a counter-path DBG bit: then by the CTA itself after a barrier, the
+        fiftieth session's path)."""
         # ---- publish this warp's partial. acc tensor T, element (e2, e3, e1): query 2c + e1,
         # head dim 16 g + 4 T + e2 + 2 e3; state: m, M per query (equal in the 8 lanes g), l per lane
         slot = (bh * NUM_SPLITS + split) * NW + w5  # [R, 1, 1, 1, 1]
