@@ -48,10 +48,22 @@ VARIANTS = {  # _mode: gluon_ptx mode bits (default 20 = 16 vote + 4 two S chain
     "no_stream": {"_dbg": 1}, "merge_one": {"_dbg": 2},  # timing only: no token loop / merge of one slot
     "counter1": {"_dbg": 8},  # one split through the split counter and its fence anyway (A/B)
     "warp_slots": {"_dbg": 16},  # every warp publishes its own partial (the fiftieth session's merge; A/B)
-    "cta_all": {"_dbg": 32},  # a CTA's warps merged in the CTA at every split count (default: at one split)
+    # a CTA's warps merged in the CTA at every split count: the default since the fifty-first session (which
+    # timed it as a variant: then the CTA merged only at one split by default); with FP4RL_GLUON_CTA_MERGE=1
+    # in the environment, the variant against the one-split-only merge
+    "cta_all": {"_dbg": 32},
 }
 ROUNDS = int(os.environ.get("ROUNDS", "2"))  # interleaved timing rounds
 TIMING_ONLY = {"no_unpack", "no_stream", "merge_one", "no_unpack_tile_max"}
+
+
+def knobs(name: str) -> dict:
+    """A variant's knobs; "cta_all+splits16": both (DBG bits OR together)."""
+    kw = {}
+    for part in name.split("+"):
+        for key, val in VARIANTS[part].items():
+            kw[key] = kw.get(key, 0) | val if key == "_dbg" else val
+    return kw
 
 
 def main():
@@ -76,10 +88,7 @@ def main():
     rows, bad, times = {}, {}, {}
     out_default = None
     for name in names:
-        kw = {}
-        for part in name.split("+"):  # "cta_all+splits16": both knobs (DBG bits OR together)
-            for key, val in VARIANTS[part].items():
-                kw[key] = kw.get(key, 0) | val if key == "_dbg" else val
+        kw = knobs(name)
         try:
             o = call(sets4[0], kw)
             torch.cuda.synchronize()
@@ -99,22 +108,23 @@ def main():
         for name in names:
             if name in bad:
                 continue
+            kw_name = knobs(name)
             try:
                 times.setdefault(name, []).append(gk.time_calls(
-                    [lambda s=s, kw=VARIANTS[name]: call(s, kw) for s in sets4], min_calls=8))
+                    [lambda s=s, kw=kw_name: call(s, kw) for s in sets4], min_calls=8))
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
                 bad[name] = repr(exc)[:300]
     sdpa = statistics.median(times["sdpa_bf16"])
     res = {"env": gk._env(), "argv": sys.argv, "copy": bw, "context": t, "floor_us": floor, "sdpa_us": sdpa,
-           "variants": {n: VARIANTS[n] for n in names}, "rows": [], "errors": bad}
+           "variants": {n: knobs(n) for n in names}, "rows": [], "errors": bad}
     print(f"\ncontext {t}, batch {b}, {hq}/{hkv} heads: SDPA BF16 {sdpa:.1f} us, floor {floor:.1f} us\n")
     print(f"medians of {ROUNDS} interleaved rounds (min, max in brackets)")
     print("| variant | knobs | us | x SDPA | rel err | = default |")
     print("|---|---|---|---|---|---|")
     for name in names:
         if name not in times:
-            print(f"| {name} | {VARIANTS[name]} | error: {bad.get(name, '')[:80]} | | | |")
+            print(f"| {name} | {knobs(name)} | error: {bad.get(name, '')[:80]} | | | |")
             continue
         us = statistics.median(times[name])
         row = {"variant": name, "us": us, "us_rounds": times[name], "speedup": sdpa / us,
@@ -123,7 +133,7 @@ def main():
         eq = row.get("equal_default", "")
         note = " (timing only)" if name in TIMING_ONLY else ""
         lo, hi = min(times[name]), max(times[name])
-        print(f"| {name}{note} | {VARIANTS[name]} | {us:.1f} [{lo:.1f}, {hi:.1f}] | "
+        print(f"| {name}{note} | {knobs(name)} | {us:.1f} [{lo:.1f}, {hi:.1f}] | "
               f"{sdpa / us:.2f} | "
               f"{row.get('rel_err', 0):.2e} | {eq} |")
     with open(os.path.join(out_dir, f"attn_s8_{t}_b{b}_h{hkv}.json"), "w") as fh:

@@ -315,13 +315,15 @@ def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int
     """Context splits per (batch, KV head), g query heads per KV head. Long contexts (>= 512 tokens per warp
     when the grid fills every resident warp slot, 12 per multiprocessor at <= 168 registers) take that many:
     the stream is the cost (batch 8, 8 KV heads: 6 splits from 16K up, the eighth session's best). Shorter
-    ones trade the stream (t / n tokens per warp) against the merge of n x num_warps partials in the last
-    CTA of each (batch, head), whose cost grows with g: n = sqrt(t / (6 g)) down the ladder
+    ones trade the stream (t / n tokens per warp) against the merge in the last CTA of each (batch, head),
+    whose cost grows with g: n = sqrt(t / (6 g)) down the ladder
     GLUON_SPLIT_LADDER, at most two CTAs per multiprocessor, >= 64 tokens per warp (fitted on the H200 at
     batch 1-32, 4 and 8 KV heads, 1K-16K, bench/attn_splits.py, eighteenth session: batch 1, 4 KV heads at
     16K 39.6 -> 21.2 us, at 4K 14.2 -> 12.5; 8 KV heads at 4K 11.4 -> 10.9; batch 1 at 32K: 32). t is the
     cache's capacity, not the sequences' lengths (read on the device: no host sync, so a graph captured once
-    serves every step): a 32K cache holding 4K sequences gets 32K's count."""
+    serves every step): a 32K cache holding 4K sequences gets 32K's count. Fitted when that merge took n x
+    num_warps partials; since the CTA merge it takes n, and more splits pay (batch 1 at 4K, H100: 16 splits
+    9.2 / 9.8 us for 8 / 4 KV heads against this rule's 12 / 8 at 10.5 / 10.7): to be refitted."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     per_sm = 65536 // (32 * (maxnreg or 168)) // num_warps  # resident CTAs per multiprocessor
     bh = max(1, b * hkv)

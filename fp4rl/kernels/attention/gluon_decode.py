@@ -31,16 +31,17 @@ except Exception:  # noqa: BLE001
 
 
 def _cta_merge_from_env() -> int:
-    """FP4RL_GLUON_CTA_MERGE, where a CTA's warps merge their partials in the CTA (``_cta_merge``)
-    rather than each publishing its own (``_warp_publish``): 1 (default) at one split; 2 at every split
-    count; 0 never (the fiftieth session's path). Returned as the DBG bits the launch ORs in (16: never;
-    32: always)."""
+    """FP4RL_GLUON_CTA_MERGE, where a CTA's warps merge their partials in the CTA (``_cta_merge``) rather
+    than each publishing its own (``_warp_publish``): 2 (default) at every split count; 1 at one split
+    only; 0 never (the fiftieth session's path). Returned as the DBG bits the launch ORs in (32: every
+    split count; 16: never). Measured on an H100 (bench/RESULTS.md, fifty-first session): faster at every
+    shape timed, one split or many."""
     raw = os.environ.get("FP4RL_GLUON_CTA_MERGE", "").strip()
     if raw not in ("", "0", "1", "2"):
-        raise ValueError(f"FP4RL_GLUON_CTA_MERGE={raw!r}: use 1 (a CTA's warps merged in the CTA at one "
-                         "split, the default), 2 (at every split count) or 0 (each warp publishes its own), "
-                         "or unset it")
-    return {"0": 16, "2": 32}.get(raw, 0)
+        raise ValueError(f"FP4RL_GLUON_CTA_MERGE={raw!r}: use 2 (a CTA's warps merged in the CTA at every "
+                         "split count, the default), 1 (at one split only) or 0 (each warp publishes its "
+                         "own), or unset it")
+    return {"0": 16, "1": 0}.get(raw, 32)
 
 
 MERGE_DBG = _cta_merge_from_env()  # ORed into the launch's DBG
@@ -177,6 +178,8 @@ if gluon is not None:
             t_lo, t_hi, w5, g5, c5, e2, e3, e1, stride_kt, stride_vt, stride_kst, stride_vst, kqs, zf,
             big, qa, qb, st, acc0, acc1, acc2, acc3, pf_off, pf_tok, pf_t0, DBG)
 
+        # where the warps' partials merge (MERGE_DBG): in the CTA at one split, and at every split count
+        # with DBG 32 (the dispatcher's default); DBG 16: each warp publishes its own
         if ((DBG & 16) == 0) and ((NUM_SPLITS == 1) or ((DBG & 32) != 0)):
             _cta_merge(acc0, acc1, acc2, acc3, st, part_ptr, ml_ptr, lock_ptr, out_ptr, bh, split, b, hk,
                        stride_ob, stride_oh, G, NUM_SPLITS, NW, DBG)
