@@ -274,16 +274,8 @@ if gluon is not None:
             gl.store(mlp + 8, big_mx, mask=gs == 0, cache_modifier=".cg")
             gl.store(mlp + 16 + 8 * gs, lg, cache_modifier=".cg")
             gl.thread_barrier()
-            if DBG & 4:  # timing experiment: no fence (wrong memory ordering)
-                done = gl.atomic_add(lock_ptr + bh, 1, sem="relaxed", scope="gpu")
-            else:
-                done = gl.atomic_add(lock_ptr + bh, 1, sem="acq_rel", scope="gpu")
-            if done == NUM_SPLITS - 1:
-                if DBG & 2:  # timing experiment: merge one slot only (wrong output)
-                    _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, 1, NW)
-                else:
-                    _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, NUM_SPLITS, NW)
-                gl.atomic_xchg(lock_ptr + bh, 0)
+            _count_and_merge(part_ptr, ml_ptr, lock_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G,
+                             NUM_SPLITS, NUM_SPLITS, NW, DBG)
 
     @gluon.jit
     def _warp_publish(acc0, acc1, acc2, acc3, st, g5, c5, w5, e2, e3, e1, part_ptr, ml_ptr, lock_ptr, out_ptr,
@@ -312,16 +304,25 @@ if gluon is not None:
             # path at any split count)
             _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, NW, NW)
         else:
-            if DBG & 4:  # timing experiment: no fence (wrong memory ordering)
-                done = gl.atomic_add(lock_ptr + bh, 1, sem="relaxed", scope="gpu")
+            _count_and_merge(part_ptr, ml_ptr, lock_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G,
+                             NUM_SPLITS, NUM_SPLITS * NW, NW, DBG)
+
+    @gluon.jit
+    def _count_and_merge(part_ptr, ml_ptr, lock_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh,
+                         G: gl.constexpr, NUM_SPLITS: gl.constexpr, NS: gl.constexpr, NW: gl.constexpr,
+                         DBG: gl.constexpr):
+        """After the CTA's barrier behind its published slots: the split counter of (b, kv head) (a gpu-scope
+        acq_rel atomic); the last of its NUM_SPLITS CTAs merges the NS slots and resets the counter."""
+        if DBG & 4:  # timing experiment: no fence (wrong memory ordering)
+            done = gl.atomic_add(lock_ptr + bh, 1, sem="relaxed", scope="gpu")
+        else:
+            done = gl.atomic_add(lock_ptr + bh, 1, sem="acq_rel", scope="gpu")
+        if done == NUM_SPLITS - 1:
+            if DBG & 2:  # timing experiment: merge one slot only (wrong output)
+                _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, 1, NW)
             else:
-                done = gl.atomic_add(lock_ptr + bh, 1, sem="acq_rel", scope="gpu")
-            if done == NUM_SPLITS - 1:
-                if DBG & 2:  # timing experiment: merge one slot only (wrong output)
-                    _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, 1, NW)
-                else:
-                    _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, NUM_SPLITS * NW, NW)
-                gl.atomic_xchg(lock_ptr + bh, 0)
+                _merge(part_ptr, ml_ptr, out_ptr, bh, b, hk, stride_ob, stride_oh, G, NS, NW)
+            gl.atomic_xchg(lock_ptr + bh, 0)
 
 
     @gluon.jit
