@@ -189,8 +189,9 @@ def test_gpu_gluon_kernel(b, hq, hkv, t, lengths, starts, qscale):
     assert torch.equal(out, run())
     # where a CTA's warps merge (gluon_decode._cta_merge_from_env; the default: in the CTA at every split
     # count): every warp publishing its own partial (DBG 16), and the CTA merge at 2 and 8 warps a CTA,
-    # agree with the default to rounding (another summation order); GPU-run on an H100 in the fifty-first
-    # session with the CTA merge at one split by default, these DBG 32 cases then (all passed)
+    # agree with the default to rounding (another summation order). GPU-run on an H100 in the fifty-first
+    # session (the CTA merge then at one split by default) as DBG 16 and DBG 32 at the dispatcher's warps, 32
+    # at 2 and 8 warps, and 0 at 8: all passed; (16, 2) was added after that call
     for dbg, warps in ((16, None), (16, 2), (32, 2), (32, 8)):
         other = attention.decode_attention(q, lens, kd, vd, kg, vg, k_scale=ks, v_scale=vs, starts=st,
                                            kernel="gluon", num_warps=warps, _dbg=dbg)

@@ -4,8 +4,10 @@ KV head).
 A decode-attention kernel for the NVFP4 cache written per lane in Gluon, with the tensor cores fed
 straight from registers (mma.sync.m16n8k16, FP16 operands), no shared memory and no barrier in its
 loop. One warp streams 16 tokens per step; a CTA's warps take interleaved steps of one split, then merge
-their partials in the CTA through shared memory (``_cta_merge``): with one split that is the output; with
-more, one partial a CTA, merged by the last program of the (b, kv head) to finish, as in the Triton kernel.
+their partials in the CTA through shared memory (``_cta_merge``; by default: FP4RL_GLUON_CTA_MERGE=0 has
+each warp publish its own, ``_warp_publish``; =1 merges in the CTA at one split only): with one split that
+is the output; with more, one partial a CTA, merged by the last program of the (b, kv head) to finish, as in
+the Triton kernel.
 
 The arithmetic of a step (the E2M1 -> FP16 unpack, the two MMA products, the online softmax with
 the V scale in the exponent) is one inline-PTX block per step: fp4rl.kernels.attention.gluon_ptx
@@ -213,12 +215,15 @@ if gluon is not None:
     def _cta_merge(acc0, acc1, acc2, acc3, st, part_ptr, ml_ptr, lock_ptr, out_ptr, bh, split, b, hk,
                    stride_ob, stride_oh, G: gl.constexpr, NUM_SPLITS: gl.constexpr, NW: gl.constexpr,
                    DBG: gl.constexpr):
-        """The CTA's warps' partials merged as `_merge` merges slots, through shared memory: each warp stores
-        its accumulators and state, one barrier, then warp T sums accumulator T over the warps (every operand
-        of a sum in the lane's own registers). One split: the output, without a global round trip. More: one
-        slot per CTA in the warps' format (acc register-major, m / M per query, l per lane), so the last CTA
-        of the (b, kv head) to finish merges NUM_SPLITS slots, not NUM_SPLITS x NW."""
+        """The CTA's warps' partials merged as `_merge` merges slots, through shared memory: the warps store
+        their accumulators (one store) and state, one barrier, then each accumulator T is summed over the
+        warps with every operand of a sum in the lane's own registers (at 4 warps warp T holds tensor T; at
+        2 each warp two; at 8 each tensor is in two warps). One split: the output, without a global round
+        trip. More (or a counter-path DBG bit 2 / 4 / 8 at one split): one slot per CTA in the warps' format
+        (acc register-major, m / M per query, l per lane), a second barrier, then `_count_and_merge`: the
+        last CTA of the (b, kv head) to finish merges NUM_SPLITS slots, not NUM_SPLITS x NW."""
         # [T, warp, g, c, e2, e3, e1]: a lane (g, c) of warp T holds every warp's (e2, e3, e1) of tensor T
+        # (4 warps; 2: warp T also T + 2; 8: warps T and T + 4 alike)
         LT: gl.constexpr = gl.BlockedLayout([1, NW, 1, 1, 2, 2, 2], [1, 1, 8, 4, 1, 1, 1],
                                             [NW, 1, 1, 1, 1, 1, 1], [6, 5, 4, 3, 2, 1, 0])
         SW: gl.constexpr = gl.SliceLayout(0, LT)  # [warp, g, c, e2, e3, e1], every warp's copy
@@ -281,9 +286,10 @@ if gluon is not None:
     def _warp_publish(acc0, acc1, acc2, acc3, st, g5, c5, w5, e2, e3, e1, part_ptr, ml_ptr, lock_ptr, out_ptr,
                       bh, split, b, hk, stride_ob, stride_oh, G: gl.constexpr, NUM_SPLITS: gl.constexpr,
                       NW: gl.constexpr, DBG: gl.constexpr):
-        """Every warp publishes its own partial, merged by the last CTA to finish (NUM_SPLITS x NW slots;
-        at one split only with DBG 16 or a counter-path DBG bit: then by the CTA itself after a barrier, the
-        fiftieth session's path)."""
+        """Each warp publishes its own partial (DBG 16: FP4RL_GLUON_CTA_MERGE=0; past one split also without
+        DBG 32: =1). The last CTA to finish merges the NUM_SPLITS x NW slots; at one split the CTA merges its
+        own NW after the barrier, without the counter (the fiftieth session's path), unless a counter-path DBG
+        bit (2 / 4 / 8) sends it through `_count_and_merge`."""
         # ---- publish this warp's partial. acc tensor T, element (e2, e3, e1): query 2c + e1,
         # head dim 16 g + 4 T + e2 + 2 e3; state: m, M per query (equal in the 8 lanes g), l per lane
         slot = (bh * NUM_SPLITS + split) * NW + w5  # [R, 1, 1, 1, 1]
