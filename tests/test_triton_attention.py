@@ -308,21 +308,21 @@ def test_fp8_split_rule(monkeypatch):
 
 def test_fp8_split_cost_from_the_environment(monkeypatch):
     monkeypatch.setenv("FP4RL_FP8_SPLIT_COST", "0")
-    assert attention._env_split_cost("FP4RL_FP8_SPLIT_COST", 16) == 0
+    assert attention._env_fp8_knob("FP4RL_FP8_SPLIT_COST", 16) == 0
     monkeypatch.delenv("FP4RL_FP8_SPLIT_COST")
-    assert attention._env_split_cost("FP4RL_FP8_SPLIT_COST", 16) == 16
+    assert attention._env_fp8_knob("FP4RL_FP8_SPLIT_COST", 16) == 16
     monkeypatch.setenv("FP4RL_FP8_SPLIT_COST", " ")  # set but empty: the default
-    assert attention._env_split_cost("FP4RL_FP8_SPLIT_COST", 16) == 16
+    assert attention._env_fp8_knob("FP4RL_FP8_SPLIT_COST", 16) == 16
     for bad in ("-1", "2.5", "many", "+4", "\u00b2"):  # "²" passes str.isdigit but not int()
         monkeypatch.setenv("FP4RL_FP8_SPLIT_COST", bad)
         with pytest.raises(ValueError, match="FP4RL_FP8_SPLIT_COST"):
-            attention._env_split_cost("FP4RL_FP8_SPLIT_COST", 16)
+            attention._env_fp8_knob("FP4RL_FP8_SPLIT_COST", 16)
     monkeypatch.setenv("FP4RL_FP8_LONG_SPLIT", "0")
     knob = ("FP4RL_FP8_LONG_SPLIT", 512, "long-split length", "the one-CTA rule")
-    assert attention._env_split_cost(*knob) == 0
+    assert attention._env_fp8_knob(*knob) == 0
     monkeypatch.setenv("FP4RL_FP8_LONG_SPLIT", "half")
     with pytest.raises(ValueError, match="FP4RL_FP8_LONG_SPLIT='half'.*long-split length.*one-CTA rule"):
-        attention._env_split_cost(*knob)
+        attention._env_fp8_knob(*knob)
 
 
 def test_ptx_fallback_only_for_the_nvfp4_cache(monkeypatch):

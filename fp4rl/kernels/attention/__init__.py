@@ -151,10 +151,10 @@ def _splits(b: int, hkv: int, t: int, device) -> int:
     return n
 
 
-def _env_split_cost(name: str, default: int, what: str = "split-cost factor",
+def _env_fp8_knob(name: str, default: int, what: str = "split-cost factor",
                     zero: str = "the capacity cap") -> int:
-    """An FP8 split knob from the environment (an int >= 0, tokens; 0 turns `zero` off): the merge-cost factor
-    c by default; else a ValueError that names the variable."""
+    """An FP8 split knob from the environment (an int >= 0, tokens; 0 turns `zero` off; `what` names it in
+    the error), else a ValueError that names the variable."""
     raw = os.environ.get(name, "").strip() or str(default)  # set but empty: the default, as unset
     if not (raw.isascii() and raw.isdigit()):
         raise ValueError(f"{name}={raw!r}: the FP8 attention's {what} is an int >= 0 (0 turns {zero} off; "
@@ -167,8 +167,8 @@ def _env_split_cost(name: str, default: int, what: str = "split-cost factor",
 # split_cost: c of the capacity cap sqrt(t / c) on the splits (FP4RL_FP8_SPLIT_COST, for A/B; 0: no cap);
 # long_split: the tokens a split needs to be worth a second resident CTA a multiprocessor
 # (FP4RL_FP8_LONG_SPLIT, for A/B; 0: the two-CTA grid rule alone).
-FP8_TUNE = {"programs_per_sm": 2, "split_cost": _env_split_cost("FP4RL_FP8_SPLIT_COST", 16),
-            "long_split": _env_split_cost("FP4RL_FP8_LONG_SPLIT", 512, "long-split length",
+FP8_TUNE = {"programs_per_sm": 2, "split_cost": _env_fp8_knob("FP4RL_FP8_SPLIT_COST", 16),
+            "long_split": _env_fp8_knob("FP4RL_FP8_LONG_SPLIT", 512, "long-split length",
                                           "the one-CTA rule")}
 
 

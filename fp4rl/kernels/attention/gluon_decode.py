@@ -4,10 +4,10 @@ KV head).
 A decode-attention kernel for the NVFP4 cache written per lane in Gluon, with the tensor cores fed
 straight from registers (mma.sync.m16n8k16, FP16 operands), no shared memory and no barrier in its
 loop. One warp streams 16 tokens per step; a CTA's warps take interleaved steps of one split, then merge
-their partials in the CTA through shared memory (``_cta_merge``; by default: FP4RL_GLUON_CTA_MERGE=0 has
-each warp publish its own, ``_warp_publish``; =1 merges in the CTA at one split only): with one split that
-is the output; with more, one partial a CTA, merged by the last program of the (b, kv head) to finish, as in
-the Triton kernel.
+their partials in the CTA through shared memory (``_cta_merge``): with one split that is the output; with
+more, one partial a CTA, merged by the last program of the (b, kv head) to finish, as in the Triton kernel.
+(FP4RL_GLUON_CTA_MERGE=0 has each warp publish its own instead, ``_warp_publish``; =1 merges in the CTA at
+one split only.)
 
 The arithmetic of a step (the E2M1 -> FP16 unpack, the two MMA products, the online softmax with
 the V scale in the exponent) is one inline-PTX block per step: fp4rl.kernels.attention.gluon_ptx
@@ -29,7 +29,6 @@ try:  # Gluon (Triton's explicit-layout dialect) is experimental: its API moves 
     from triton.experimental.gluon import language as gl
 except Exception:  # noqa: BLE001
     gluon = gl = None
-
 
 
 def _cta_merge_from_env() -> int:
