@@ -227,23 +227,40 @@ def test_gluon_cta_merge_from_the_environment(monkeypatch):
             gluon_decode._cta_merge_from_env()
 
 
-def test_gluon_split_rule(monkeypatch):
-    """The dispatcher's split counts on a 132-multiprocessor H200 are the ones measured best there, or within
-    6% of it (bench/RESULTS.md, eighth and eighteenth sessions): batch 8 with 8 KV heads 6 splits from 16K up
-    and 4 below, batch 1 at 32K 32; batch 1 with 4 KV heads (8 query heads each) 8 / 12 / 16 at 4K / 8K / 16K
-    (the rule before took 16 / 32 / 64: 14.2 / 19.0 / 39.6 us against 12.5 / 17.1 / 21.2)."""
+CASES_SPLITS = [(8, 8, 2048), (8, 8, 4096), (8, 8, 8192), (8, 8, 16384), (8, 8, 32768), (1, 8, 32768),
+                (1, 8, 4096), (1, 8, 1024), (32, 8, 32768), (32, 8, 4096), (1, 4, 2048), (1, 4, 4096),
+                (1, 4, 8192), (1, 4, 16384), (8, 4, 4096), (8, 4, 16384), (32, 4, 4096)]
+
+
+@pytest.mark.parametrize("rule", [2, 1])
+def test_gluon_split_rule(rule, monkeypatch):
+    """The dispatcher's split counts on a 132-multiprocessor GPU. Rule 2 (the default, fifty-second session,
+    with the warps merged in the CTA; H100, bench/data/s52/attn_splits.json, us): one CTA a multiprocessor up
+    to 256 tokens a warp, two past it: batch 1 with 8 KV heads 8 / 16 / 16 / 32 at 1K / 4K / 16K / 32K (7.3 /
+    9.1 / 15.6 / 23.9, each the best; rule 1's 4 / 12 / 24 / 32: 7.6 / 10.3 / 17.0 / 23.9), with 4 KV heads 16
+    at 4K and 32 at 16K (9.6 / 13.9 against rule 1's 8 / 16: 10.4 / 15.4), batch 8 x 8 KV heads 4 at 4K and
+    16K (21.9 / 63.9; rule 1's 4 / 6: 21.9 / 67.2), batch 8 x 4 KV heads 4 at 4K, 8 at 16K (15.4 / 37.6; rule
+    1's 8 / 8: 16.9 / 37.6). Rule 1 (FP4RL_GLUON_SPLIT_RULE=1, the eighteenth session's, fitted on the H200
+    when the last CTA merged splits x warps partials) keeps its counts for A/B."""
     props = type("Props", (), {"multi_processor_count": 132})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    got = {(b, h, t): attention._splits_gluon(b, h, t, 4, "cuda", 168, 32 // h)
-           for b, h, t in [(8, 8, 2048), (8, 8, 4096), (8, 8, 8192), (8, 8, 16384), (8, 8, 32768),
-                           (1, 8, 32768), (1, 8, 4096), (1, 8, 1024), (32, 8, 32768), (32, 8, 4096),
-                           (1, 4, 4096), (1, 4, 8192), (1, 4, 16384), (8, 4, 16384), (32, 4, 4096)]}
-    assert got == {(8, 8, 2048): 4, (8, 8, 4096): 4, (8, 8, 8192): 4, (8, 8, 16384): 6, (8, 8, 32768): 6,
-                   (1, 8, 32768): 32, (1, 8, 4096): 12, (1, 8, 1024): 4, (32, 8, 32768): 1, (32, 8, 4096): 1,
-                   (1, 4, 4096): 8, (1, 4, 8192): 12, (1, 4, 16384): 16, (8, 4, 16384): 8, (32, 4, 4096): 2}
-    for (b, h, t), n in got.items():  # every warp keeps >= 64 tokens, the grid fits the resident CTAs
-        assert n == 1 or t // (n * 4) >= 64
-        assert b * h * n <= 3 * 132 or n == 1
+    monkeypatch.setattr(attention, "GLUON_SPLIT_RULE", rule)
+    got = {(b, h, t): attention._splits_gluon(b, h, t, 4, "cuda", 168, 32 // h) for b, h, t in CASES_SPLITS}
+    want = {2: [2, 4, 4, 4, 4, 32, 16, 8, 1, 1, 8, 16, 16, 32, 4, 8, 2],
+            1: [4, 4, 4, 6, 6, 32, 12, 4, 1, 1, 6, 8, 12, 16, 8, 8, 2]}[rule]
+    assert got == dict(zip(CASES_SPLITS, want))
+    for (b, h, t), n in got.items():  # >= 32 tokens a warp (rule 1: 64), the grid fits the resident CTAs
+        assert n == 1 or t // (n * 4) >= 32 * (3 - rule)
+        assert b * h * n <= (2 if rule == 2 else 3) * 132 or n == 1
+
+
+@pytest.mark.parametrize("value", ["0", "3", "old", "2.0"])
+def test_gluon_split_rule_from_the_environment(value, monkeypatch):
+    monkeypatch.setenv("FP4RL_GLUON_SPLIT_RULE", value)
+    with pytest.raises(ValueError, match="FP4RL_GLUON_SPLIT_RULE.*2, 1"):
+        attention._env_gluon("FP4RL_GLUON_SPLIT_RULE", ("2", "1"), "the split rule", "2", 2)
+    monkeypatch.setenv("FP4RL_GLUON_SPLIT_RULE", "")
+    assert attention._env_gluon("FP4RL_GLUON_SPLIT_RULE", ("2", "1"), "the split rule", "2", 2) == 2
 
 
 def test_gluon_warps_rule(monkeypatch):
@@ -270,9 +287,9 @@ def test_gluon_warps_rule(monkeypatch):
 def test_gluon_warps_from_the_environment(value, monkeypatch):
     monkeypatch.setenv("FP4RL_GLUON_WARPS", value)
     with pytest.raises(ValueError, match="FP4RL_GLUON_WARPS"):
-        attention._env_warps("FP4RL_GLUON_WARPS")
+        attention._env_gluon("FP4RL_GLUON_WARPS")
     monkeypatch.setenv("FP4RL_GLUON_WARPS", "2")
-    assert attention._env_warps("FP4RL_GLUON_WARPS") == 2
+    assert attention._env_gluon("FP4RL_GLUON_WARPS") == 2
 
 
 def test_fp8_split_rule(monkeypatch):

@@ -294,44 +294,46 @@ def _bf16_block(b: int, hkv: int, num_splits: int, t_cap: int, sms: int | None,
 GLUON = {"on": gluon is not None and not INTERPRET, "error": None}
 
 
-def _env_warps(name: str) -> int:
-    """Warps a CTA of the Gluon kernel from the environment: unset or empty for the rule (0), else 2, 4 or 8;
+def _env_gluon(name: str, takes: tuple = ("2", "4", "8"), what: str = "warps a CTA",
+               unset: str = "the dispatcher's rule, _warps_gluon", default: int = 0) -> int:
+    """A Gluon attention knob from the environment: unset or empty for `default`, else one of `takes`;
     anything else a ValueError that names the variable."""
     raw = os.environ.get(name, "").strip()
-    if raw not in ("", "2", "4", "8"):
-        raise ValueError(f"{name}={raw!r}: the Gluon NVFP4 attention takes 2, 4 or 8 warps a CTA (unset it "
-                         "for the dispatcher's rule, _warps_gluon)")
-    return int(raw or 0)
+    if raw not in ("", *takes):
+        raise ValueError(f"{name}={raw!r}: the Gluon NVFP4 attention takes {', '.join(takes)} ({what}; unset "
+                         f"it for {unset})")
+    return int(raw or default)
 
 
-GLUON_WARPS = _env_warps("FP4RL_GLUON_WARPS")
-
-
-# Context splits the short-context rule picks from (what bench/attn_splits.py measured on the H200)
+GLUON_WARPS = _env_gluon("FP4RL_GLUON_WARPS")
+GLUON_SPLIT_RULE = _env_gluon("FP4RL_GLUON_SPLIT_RULE", ("2", "1"), "the split rule: the fifty-second "
+                              "session's, the eighteenth's for A/B", "2", 2)
 GLUON_SPLIT_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int | None, g: int = 4) -> int:
-    """Context splits per (batch, KV head), g query heads per KV head. Long contexts (>= 512 tokens per warp
-    when the grid fills every resident warp slot, 12 per multiprocessor at <= 168 registers) take that many:
-    the stream is the cost (batch 8, 8 KV heads: 6 splits from 16K up, the eighth session's best). Shorter
-    ones trade the stream (t / n tokens per warp) against the merge in the last CTA of each (batch, head),
-    whose cost grows with g: n = sqrt(t / (6 g)) down the ladder
-    GLUON_SPLIT_LADDER, at most two CTAs per multiprocessor, >= 64 tokens per warp (fitted on the H200 at
-    batch 1-32, 4 and 8 KV heads, 1K-16K, bench/attn_splits.py, eighteenth session: batch 1, 4 KV heads at
-    16K 39.6 -> 21.2 us, at 4K 14.2 -> 12.5; 8 KV heads at 4K 11.4 -> 10.9; batch 1 at 32K: 32). t is the
-    cache's capacity, not the sequences' lengths (read on the device: no host sync, so a graph captured once
-    serves every step): a 32K cache holding 4K sequences gets 32K's count. Fitted when that merge took n x
-    num_warps partials; since the CTA merge it takes n, and more splits pay (batch 1 at 4K, H100: 16 splits
-    9.2 / 9.8 us for 8 / 4 KV heads against this rule's 12 / 8 at 10.5 / 10.7): to be refitted."""
+    """Context splits per (batch, KV head), g query heads per KV head, t the cache's capacity (not the
+    lengths, which live on the device: one captured graph serves every step). With the warps merged in the
+    CTA, one CTA a multiprocessor pays until a warp streams 256 tokens: n = the largest of GLUON_SPLIT_LADDER
+    with b x hkv x n <= SMs, n <= sqrt(t / 2g), >= 32 tokens a warp; doubled where that keeps >= 256 tokens a
+    warp and <= two CTAs a multiprocessor. H100, fifty-second session (bench/attn_splits.py, bench/data/s52):
+    the best count or within 2% in all 18 cases (batch 1-8, 4 / 8 KV heads, 1K-32K), where the eighteenth
+    session's rule (FP4RL_GLUON_SPLIT_RULE=1, for A/B) was up to 16% off (batch 1, 4 KV heads at 2K 9.9
+    against 8.5 us)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     per_sm = 65536 // (32 * (maxnreg or 168)) // num_warps  # resident CTAs per multiprocessor
     bh = max(1, b * hkv)
     n = max(1, min(64, per_sm * sms // bh))
-    if t // (n * num_warps) >= 512:
+    if GLUON_SPLIT_RULE == 1 and t // (n * num_warps) >= 512:  # rule 1: long contexts fill every resident CTA
         return n
-    fit = min(math.sqrt(t / (6 * max(1, g))), min(2, per_sm) * sms // bh, t // (64 * num_warps))
-    return max([s for s in GLUON_SPLIT_LADDER if s <= fit] or [1])
+    if GLUON_SPLIT_RULE == 1:
+        fit = min(math.sqrt(t / (6 * max(1, g))), min(2, per_sm) * sms // bh, t // (64 * num_warps))
+        return max([s for s in GLUON_SPLIT_LADDER if s <= fit] or [1])
+    fit = min(sms // bh, math.sqrt(t / (2 * max(1, g))), t // (32 * num_warps))
+    n = max([s for s in GLUON_SPLIT_LADDER if s <= fit] or [1])
+    if 2 * n <= 64 and 2 * n * bh <= min(2, per_sm) * sms and t // (2 * n * num_warps) >= 256:
+        n *= 2
+    return n
 
 
 def _warps_gluon(b: int, hkv: int, device, maxnreg: int | None) -> int:
