@@ -227,7 +227,8 @@ def test_gluon_cta_merge_from_the_environment(monkeypatch):
             gluon_decode._cta_merge_from_env()
 
 
-CASES_SPLITS = [(8, 8, 2048), (8, 8, 4096), (8, 8, 8192), (8, 8, 16384), (8, 8, 32768), (1, 8, 32768),
+CASES_SPLITS = [(24, 8, 4096), (24, 8, 1024), (8, 8, 2048), (8, 8, 4096), (8, 8, 8192), (8, 8, 16384),
+                (8, 8, 32768), (1, 8, 32768),
                 (1, 8, 4096), (1, 8, 1024), (32, 8, 32768), (32, 8, 4096), (1, 4, 2048), (1, 4, 4096),
                 (1, 4, 8192), (1, 4, 16384), (8, 4, 4096), (8, 4, 16384), (32, 4, 4096)]
 
@@ -246,12 +247,12 @@ def test_gluon_split_rule(rule, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     monkeypatch.setattr(attention, "GLUON_SPLIT_RULE", rule)
     got = {(b, h, t): attention._splits_gluon(b, h, t, 4, "cuda", 168, 32 // h) for b, h, t in CASES_SPLITS}
-    want = {2: [2, 4, 4, 4, 4, 32, 16, 8, 1, 1, 8, 16, 16, 32, 4, 8, 2],
-            1: [4, 4, 4, 6, 6, 32, 12, 4, 1, 1, 6, 8, 12, 16, 8, 8, 2]}[rule]
+    want = {2: [2, 1, 2, 4, 4, 4, 4, 32, 16, 8, 1, 1, 8, 16, 16, 32, 4, 8, 2],
+            1: [2, 1, 4, 4, 4, 6, 6, 32, 12, 4, 1, 1, 6, 8, 12, 16, 8, 8, 2]}[rule]
     assert got == dict(zip(CASES_SPLITS, want))
     for (b, h, t), n in got.items():  # >= 32 tokens a warp (rule 1: 64), the grid fits the resident CTAs
         assert n == 1 or t // (n * 4) >= 32 * (3 - rule)
-        assert b * h * n <= (2 if rule == 2 else 3) * 132 or n == 1
+        assert b * h * n <= 3 * 132 or n == 1
 
 
 @pytest.mark.parametrize("value", ["0", "3", "old", "2.0"])

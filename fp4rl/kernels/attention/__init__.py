@@ -316,7 +316,7 @@ def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int
     lengths, which live on the device: one captured graph serves every step). With the warps merged in the
     CTA, one CTA a multiprocessor pays until a warp streams 256 tokens: n = the largest of GLUON_SPLIT_LADDER
     with b x hkv x n <= SMs, n <= sqrt(t / 2g), >= 32 tokens a warp; doubled where that keeps >= 256 tokens a
-    warp and <= two CTAs a multiprocessor. H100, fifty-second session (bench/attn_splits.py, bench/data/s52):
+    warp and fits the resident CTAs. H100, fifty-second session (bench/attn_splits.py, bench/data/s52):
     the best count or within 2% in all 18 cases (batch 1-8, 4 / 8 KV heads, 1K-32K), where the eighteenth
     session's rule (FP4RL_GLUON_SPLIT_RULE=1, for A/B) was up to 16% off (batch 1, 4 KV heads at 2K 9.9
     against 8.5 us)."""
@@ -331,7 +331,7 @@ def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int
         return max([s for s in GLUON_SPLIT_LADDER if s <= fit] or [1])
     fit = min(sms // bh, math.sqrt(t / (2 * max(1, g))), t // (32 * num_warps))
     n = max([s for s in GLUON_SPLIT_LADDER if s <= fit] or [1])
-    if 2 * n <= 64 and 2 * n * bh <= min(2, per_sm) * sms and t // (2 * n * num_warps) >= 256:
+    if 2 * n <= 64 and 2 * n * bh <= per_sm * sms and t // (2 * n * num_warps) >= 256:
         n *= 2
     return n
 
