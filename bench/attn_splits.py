@@ -1,10 +1,13 @@
 """Eighteenth session: the NVFP4 decode attention's context splits at rollout-sized contexts, one process.
 
-CASES="b:hkv:t,..." [SPLITS=2,4,...] [WARPS=4,2,...] [ROUNDS=2] python3 bench/attn_splits.py  (writes
+CASES="b:hkv:t[:length],..." [SPLITS=2,4,...] [WARPS=4,2,...] [ROUNDS=2] python3 bench/attn_splits.py  (writes
 $OUT/attn_splits.json)
 
 For each case (batch b, 32 query heads over hkv KV heads, d 128, every sequence at context t = the cache's
-capacity): the dispatcher's split count (`_splits_gluon`, what the sampler runs) and each count of SPLITS,
+capacity, or at `length` tokens of a t-slot cache, as in the sampler mid-decode: the kernel cuts a
+sequence's tokens into splits of whole 128-token blocks at 4 warps, so past a power of two fewer splits may
+hold tokens than the grid has): the dispatcher's split count (`_splits_gluon`, what the sampler runs) and
+each count of SPLITS,
 timed as bench/attn_s8.py does (CUDA-graph replay over operand copies beyond the L2, ROUNDS interleaved
 rounds, medians), each output checked against the float32 reference on the dequantized cache.
 WARPS (forty-ninth session): warps a CTA besides 4 (the keys "n" for 4 warps, "n/w" for w warps), for the
@@ -22,7 +25,7 @@ import torch
 
 sys.path.insert(0, ".")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attn9 import rel, timing_inputs  # noqa: E402
+from attn9 import dq, ref_attn, rel, timing_inputs  # noqa: E402
 
 import fp4rl.benchmarks.gpu_kernels as gk  # noqa: E402
 from fp4rl.kernels import attention as A  # noqa: E402
@@ -41,11 +44,14 @@ def main():
     print(f"copy {bw['tb_s']:.2f} TB/s", flush=True)
     res = {"env": gk._env(), "copy": bw, "cases": []}
     for case in CASES.split(","):
-        b, hkv, t = (int(v) for v in case.split(":"))
+        b, hkv, t, *ln = (int(v) for v in case.split(":"))
         torch.manual_seed(0)
         x = timing_inputs(b, t, 32, hkv, 128)
+        if ln:  # every sequence at ln[0] tokens of the t-slot cache (as the sampler mid-decode), not full
+            x.lengths.fill_(ln[0])
+            x.ref = ref_attn(x.q, dq(x.kq, 128), dq(x.vq, 128), x.lengths)
         chosen = A._splits_gluon(b, hkv, t, 4, x.q.device, 168, 32 // hkv)
-        floor = (x.fp4_bytes + 2 * x.q.nbytes) / (bw["tb_s"] * 1e12) * 1e6
+        floor = (x.fp4_bytes * int(x.lengths[0]) / t + 2 * x.q.nbytes) / (bw["tb_s"] * 1e12) * 1e6
 
         def call(s, n, x=x):
             n, w = n if isinstance(n, tuple) else (None, None) if n == "auto" else (n, 4)
@@ -64,16 +70,17 @@ def main():
         us = {(f"{n[0]}/{n[1]}" if isinstance(n, tuple) else n): v for n, v in us.items()}
         errs = {(f"{n[0]}/{n[1]}" if isinstance(n, tuple) else n): v for n, v in errs.items()}
         best = min(us, key=us.get)
-        row = {"b": b, "hkv": hkv, "t": t, "chosen": chosen, "best": best, "floor_us": floor,
-               "us": us, "rel_err": errs}
+        row = {"b": b, "hkv": hkv, "t": t, "length": int(x.lengths[0]), "chosen": chosen, "best": best,
+               "floor_us": floor, "us": us, "rel_err": errs}
         res["cases"].append(row)
-        print(f"b {b:3d} hkv {hkv} t {t:5d}: chosen {chosen:2d} {us[chosen]:6.1f} us, best {best!s:>4} "
-              f"{us[best]:6.1f} us (floor {floor:.1f}) | " + " ".join(f"{n}:{v:.1f}" for n, v in us.items()),
-              flush=True)
+        print(f"b {b:3d} hkv {hkv} t {t:5d} len {row['length']:5d}: chosen {chosen:2d} {us[chosen]:6.1f} us, "
+              f"best {best!s:>4} {us[best]:6.1f} us (floor {floor:.1f}) | "
+              + " ".join(f"{n}:{v:.1f}" for n, v in us.items()), flush=True)
         assert max(errs.values()) < 5e-3, errs
         torch.cuda.empty_cache()
-    with open(os.path.join(os.environ.get("OUT", "."), "attn_splits.json"), "w") as fh:
-        json.dump(res, fh, indent=1, default=str)
+        # written after each case: a timeout keeps the cases done
+        with open(os.path.join(os.environ.get("OUT", "."), "attn_splits.json"), "w") as fh:
+            json.dump(res, fh, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (decoration time)
 
 from fp4rl.kernels import attention, pdl  # noqa: E402
+from fp4rl.kernels.attention import launch_rules  # noqa: E402
 from fp4rl.nvfp4 import reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -205,7 +206,7 @@ def test_gpu_gluon_kernel(b, hq, hkv, t, lengths, starts, qscale):
         assert torch.equal(out, run())
     finally:
         pdl.set_kinds_off(off)
-    if t <= 256 or b * hkv > 132:
+    if t < 256 or b * hkv > 198 or (b * hkv > 66 and t < 2048):
         warps = attention._warps_gluon(b, hkv, q.device, 168)
         assert attention._splits_gluon(b, hkv, t, warps, q.device, 168, hq // hkv) == 1, \
             "the case no longer covers the one-split merge"
@@ -245,11 +246,15 @@ def test_gluon_split_rule(rule, monkeypatch):
     when the last CTA merged splits x warps partials) keeps its counts for A/B."""
     props = type("Props", (), {"multi_processor_count": 132})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    monkeypatch.setattr(attention, "GLUON_SPLIT_RULE", rule)
+    monkeypatch.setattr(launch_rules, "GLUON_SPLIT_RULE", rule)
     got = {(b, h, t): attention._splits_gluon(b, h, t, 4, "cuda", 168, 32 // h) for b, h, t in CASES_SPLITS}
     want = {2: [2, 1, 2, 4, 4, 4, 4, 32, 16, 8, 1, 1, 8, 16, 16, 32, 4, 8, 2],
-            1: [2, 1, 4, 4, 4, 6, 6, 32, 12, 4, 1, 1, 6, 8, 12, 16, 8, 8, 2]}[rule]
-    assert got == dict(zip(CASES_SPLITS, want))
+            1: [2, 1, 4, 4, 4, 6, 6, 32, 12, 4, 1, 1, 6, 8, 12, 16, 8, 8, 2]}
+    assert got == dict(zip(CASES_SPLITS, want[rule]))
+    # the warps publishing their own partials (FP4RL_GLUON_CTA_MERGE 0 / 1): rule 1's counts under either rule
+    own = {(b, h, t): attention._splits_gluon(b, h, t, 4, "cuda", 168, 32 // h, cta_merge=False)
+           for b, h, t in CASES_SPLITS}
+    assert own == dict(zip(CASES_SPLITS, want[1]))
     for (b, h, t), n in got.items():  # >= 32 tokens a warp (rule 1: 64), the grid fits the resident CTAs
         assert n == 1 or t // (n * 4) >= 32 * (3 - rule)
         assert b * h * n <= 3 * 132 or n == 1
@@ -258,10 +263,13 @@ def test_gluon_split_rule(rule, monkeypatch):
 @pytest.mark.parametrize("value", ["0", "3", "old", "2.0"])
 def test_gluon_split_rule_from_the_environment(value, monkeypatch):
     monkeypatch.setenv("FP4RL_GLUON_SPLIT_RULE", value)
-    with pytest.raises(ValueError, match="FP4RL_GLUON_SPLIT_RULE.*2, 1"):
-        attention._env_gluon("FP4RL_GLUON_SPLIT_RULE", ("2", "1"), "the split rule", "2", 2)
-    monkeypatch.setenv("FP4RL_GLUON_SPLIT_RULE", "")
-    assert attention._env_gluon("FP4RL_GLUON_SPLIT_RULE", ("2", "1"), "the split rule", "2", 2) == 2
+    with pytest.raises(ValueError, match="FP4RL_GLUON_SPLIT_RULE.*takes 2 or 1.*unset it for rule 2"):
+        launch_rules._split_rule_from_env()
+    for raw, want in (("", 2), (" 1 ", 1), ("2", 2)):
+        monkeypatch.setenv("FP4RL_GLUON_SPLIT_RULE", raw)
+        assert launch_rules._split_rule_from_env() == want
+    monkeypatch.delenv("FP4RL_GLUON_SPLIT_RULE")
+    assert launch_rules._split_rule_from_env() == 2
 
 
 def test_gluon_warps_rule(monkeypatch):
@@ -272,7 +280,7 @@ def test_gluon_warps_rule(monkeypatch):
     warps there: one."""
     props = type("Props", (), {"multi_processor_count": 132})()
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    monkeypatch.setattr(attention, "GLUON_WARPS", 0)
+    monkeypatch.setattr(launch_rules, "GLUON_WARPS", 0)
     warps = {(b, h): attention._warps_gluon(b, h, "cuda", 168)
              for b, h in [(1, 8), (32, 8), (49, 8), (50, 8), (64, 8), (99, 8), (100, 8), (128, 4), (128, 8)]}
     assert warps == {(1, 8): 4, (32, 8): 4, (49, 8): 4, (50, 8): 2, (64, 8): 2, (99, 8): 2, (100, 8): 4,
@@ -280,14 +288,14 @@ def test_gluon_warps_rule(monkeypatch):
     assert attention._warps_gluon(64, 8, "cuda", 128) == 4  # 128 registers: 4 CTAs of 4 warps, 528 hold 512
     for b, h, t in [(64, 8, 1024), (64, 8, 4096), (128, 4, 2048), (64, 8, 192)]:
         assert attention._splits_gluon(b, h, t, 2, "cuda", 168, 32 // h) == 1
-    monkeypatch.setattr(attention, "GLUON_WARPS", 4)
+    monkeypatch.setattr(launch_rules, "GLUON_WARPS", 4)
     assert attention._warps_gluon(64, 8, "cuda", 168) == 4
 
 
 @pytest.mark.parametrize("value", ["3", "16", "four", "0"])
 def test_gluon_warps_from_the_environment(value, monkeypatch):
     monkeypatch.setenv("FP4RL_GLUON_WARPS", value)
-    with pytest.raises(ValueError, match="FP4RL_GLUON_WARPS"):
+    with pytest.raises(ValueError, match="FP4RL_GLUON_WARPS.*takes 2, 4 or 8"):
         attention._env_gluon("FP4RL_GLUON_WARPS")
     monkeypatch.setenv("FP4RL_GLUON_WARPS", "2")
     assert attention._env_gluon("FP4RL_GLUON_WARPS") == 2
