@@ -52,6 +52,7 @@ VARIANTS = {  # _mode: gluon_ptx mode bits (default 20 = 16 vote + 4 two S chain
     # timed it as a variant: then the CTA merged only at one split by default); with FP4RL_GLUON_CTA_MERGE=1
     # in the environment, the variant against the one-split-only merge
     "cta_all": {"_dbg": 32},
+    "step_quantum": {"_dbg": 64},  # a split's tokens in whole 64-token steps, not pairs (fifty-second; A/B)
 }
 ROUNDS = int(os.environ.get("ROUNDS", "2"))  # interleaved timing rounds
 TIMING_ONLY = {"no_unpack", "no_stream", "merge_one", "no_unpack_tile_max"}

@@ -1,7 +1,7 @@
 """Eighteenth session: the NVFP4 decode attention's context splits at rollout-sized contexts, one process.
 
 CASES="b:hkv:t[:length],..." [SPLITS=2,4,...] [WARPS=4,2,...] [ROUNDS=2] python3 bench/attn_splits.py  (writes
-$OUT/attn_splits.json)
+$OUT/attn_splits$TAG.json; DBG=64: the kernel's splits in whole 64-token steps, A/B)
 
 For each case (batch b, 32 query heads over hkv KV heads, d 128, every sequence at context t = the cache's
 capacity, or at `length` tokens of a t-slot cache, as in the sampler mid-decode: the kernel cuts a
@@ -36,13 +36,15 @@ CASES = os.environ.get("CASES", "1:8:1024,1:8:2048,1:8:4096,1:8:8192,1:8:16384,1
 SPLITS = [int(s) for s in os.environ.get("SPLITS", "1,2,3,4,6,8,12,16,24,32").split(",")]
 ROUNDS = int(os.environ.get("ROUNDS", "2"))
 WARPS = [int(w) for w in os.environ.get("WARPS", "4").split(",")]
+DBG = int(os.environ.get("DBG", "0"))  # the Gluon kernel's DBG bits, every call (64: splits in whole steps)
+TAG = os.environ.get("TAG", "")  # the JSON's name: attn_splits{TAG}.json
 
 
 def main():
     gk.WARM_MS = 20.0
     bw = gk.copy_bandwidth()
     print(f"copy {bw['tb_s']:.2f} TB/s", flush=True)
-    res = {"env": gk._env(), "copy": bw, "cases": []}
+    res = {"env": gk._env(), "copy": bw, "dbg": DBG, "cases": []}
     for case in CASES.split(","):
         b, hkv, t, *ln = (int(v) for v in case.split(":"))
         torch.manual_seed(0)
@@ -57,7 +59,7 @@ def main():
             n, w = n if isinstance(n, tuple) else (None, None) if n == "auto" else (n, 4)
             (kd, ks, kg), (vd, vs, vg) = s
             return A.decode_attention(x.q, x.lengths, kd, vd, kg, vg, k_scale=ks, v_scale=vs, kernel="gluon",
-                                      num_splits=n, num_warps=w)
+                                      num_splits=n, num_warps=w, _dbg=DBG)
 
         splits = sorted({n for n in SPLITS if t // (n * 4) >= 16} | {chosen})
         splits += [(n, w) for w in WARPS if w != 4 for n in SPLITS if t // (n * w) >= 16] + ["auto"]
@@ -79,7 +81,7 @@ def main():
         assert max(errs.values()) < 5e-3, errs
         torch.cuda.empty_cache()
         # written after each case: a timeout keeps the cases done
-        with open(os.path.join(os.environ.get("OUT", "."), "attn_splits.json"), "w") as fh:
+        with open(os.path.join(os.environ.get("OUT", "."), f"attn_splits{TAG}.json"), "w") as fh:
             json.dump(res, fh, indent=1, default=str)
 
 
