@@ -29,6 +29,7 @@ from attn9 import dq, ref_attn, rel, timing_inputs  # noqa: E402
 
 import fp4rl.benchmarks.gpu_kernels as gk  # noqa: E402
 from fp4rl.kernels import attention as A  # noqa: E402
+from fp4rl.kernels.attention import gluon_decode  # noqa: E402
 
 CASES = os.environ.get("CASES", "1:8:1024,1:8:2048,1:8:4096,1:8:8192,1:8:16384,1:4:1024,1:4:2048,1:4:4096,"
                                 "1:4:8192,1:4:16384,8:4:1024,8:4:2048,8:4:4096,8:4:8192,8:4:16384,8:8:1024,"
@@ -50,9 +51,12 @@ def main():
         torch.manual_seed(0)
         x = timing_inputs(b, t, 32, hkv, 128)
         if ln:  # every sequence at ln[0] tokens of the t-slot cache (as the sampler mid-decode), not full
+            if not 0 <= ln[0] <= t:
+                raise ValueError(f"case {case}: the length must be within the cache's {t} slots")
             x.lengths.fill_(ln[0])
             x.ref = ref_attn(x.q, dq(x.kq, 128), dq(x.vq, 128), x.lengths)
-        chosen = A._splits_gluon(b, hkv, t, 4, x.q.device, 168, 32 // hkv)
+        merged = ((DBG | gluon_decode.MERGE_DBG) & 48) == 32  # the CTA merge at every split count
+        chosen = A._splits_gluon(b, hkv, t, 4, x.q.device, 168, 32 // hkv, merged)
         floor = (x.fp4_bytes * int(x.lengths[0]) / t + 2 * x.q.nbytes) / (bw["tb_s"] * 1e12) * 1e6
 
         def call(s, n, x=x):

@@ -193,10 +193,12 @@ def test_gpu_gluon_kernel(b, hq, hkv, t, lengths, starts, qscale):
     # agree with the default to rounding (another summation order). GPU-run on an H100 in the fifty-first
     # session (the CTA merge then at one split by default) as DBG 16 and DBG 32 at the dispatcher's warps, 32
     # at 2 and 8 warps, and 0 at 8: all passed; (16, 2) was added after that call
-    # DBG 64 (a split's tokens in whole steps, not pairs; fifty-second session, not yet GPU-run): at 5 splits
-    # and 4 warps the 1024- / 2048-token rows take 256 / 448 tokens a split (4 / 7 steps, an odd step in the
-    # ragged end), 17 / 333 / 1500 tokens fewer splits with tokens than the grid
-    for dbg, warps in ((16, None), (16, 2), (32, 2), (32, 8), (64, None), (96, 4), (96, 2)):
+    # DBG 64 (a split's tokens in whole steps, not pairs; fifty-second session, not yet GPU-run), with the CTA
+    # merge (96) and each warp publishing its own partial (80), at 5 splits: odd step counts, whose last step
+    # runs in the ragged end's masked path (4 warps: the 2048-token rows 7 steps a split, the 1500-token row
+    # from 7 five; 2 warps: the 1024-token row 7 steps of 32 tokens; 8 warps: the 1500-token row 3), and the
+    # short rows' splits without tokens
+    for dbg, warps in ((16, None), (16, 2), (32, 2), (32, 8), (80, None), (96, 4), (96, 2), (96, 8)):
         other = attention.decode_attention(q, lens, kd, vd, kg, vg, k_scale=ks, v_scale=vs, starts=st,
                                            kernel="gluon", num_warps=warps, _dbg=dbg,
                                            num_splits=5 if dbg & 64 and t > 256 else None)

@@ -10,7 +10,8 @@ Layouts (the kernels take strides; the last dim must be contiguous):
              k_global = v_global = None
     out      [B, Hq, D] bfloat16
 
-Modules (this package re-exports all their names):
+Modules (this package re-exports their functions and tables; the module-level switches a rule reads, e.g.
+launch_rules.GLUON_WARPS, are patched on launch_rules itself):
     cache_formats.py  the NVFP4 and FP8 cache formats (bytes per token) and their quantizers
     triton_decode.py  the Triton flash-decoding kernel: BF16 and FP8, and NVFP4's fallback and CPU path
     gluon_decode.py   the Gluon NVFP4 kernel: tensor cores fed from registers (CUDA default)

@@ -105,7 +105,7 @@ if gluon is not None:
         length = gl.load(len_ptr + b)
         STEP: gl.constexpr = 16 * NW
         # a split's tokens in whole pairs of steps; DBG 64 (A/B, to be timed): in whole steps, finer past a
-        # multiple of 2 STEP x NUM_SPLITS (at 4097-4224 tokens 16 splits run 13 CTAs, not 11); a split's odd
+        # multiple of 2 STEP x NUM_SPLITS (16 splits of 4097-4160 tokens run 13 CTAs, not 11); a split's odd
         # step then runs in the ragged end's masked path
         QUANT: gl.constexpr = 2 * STEP - ((DBG & 64) // 64) * STEP
         if HAS_START:

@@ -5,7 +5,8 @@ mask and zero-fill instructions per 16-token step; 504 -> 431 SASS instructions 
 105.5 us at 32K on an H200, bit-identical results): each lane keeps one 64-bit pointer per operand
 (K words, V words, K scale pairs, V scale bytes, the two per-token scales), bumped once per pair of
 steps; every load of a step is that pointer plus a compile-time offset (the immediate of the load).
-The steps whose 16 x num_warps tokens all lie below t_hi (all but at most two per split) load
+The steps whose 16 x num_warps tokens all lie below t_hi (all but at most two per split; with DBG 64 a
+split's odd last step too) load
 without masks (in the last iteration the look-ahead load of the next pair re-reads the current
 pair: no predicate, no zero fill); the ragged end runs in a short masked tail loop. K words: one
 16-byte load per token (inline ld.global.v4; the 5-D layout gives Triton only 8-byte vectors).
@@ -146,7 +147,8 @@ if gluon is not None:
             pkg += 2 * STEP
             pvg += 2 * STEP
             ppf += 2 * pf_inc
-        # the ragged end (at most two steps, only in a split that holds the end of the sequence)
+        # the ragged end (at most two steps: in a split that holds the end of the sequence, or with DBG 64 a
+        # split's odd last step)
         tk_k = g5 + 8 * e2  # [R, 1, 2, 1, 1]: token of the K rows of this lane
         tk_v = 2 * c5 + e3 + 8 * e2  # [R, 4, 2, 2, 1]: tokens of its V rows
         for i in range(n_main, n_steps):
