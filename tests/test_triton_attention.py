@@ -212,7 +212,7 @@ def test_gpu_gluon_kernel(b, hq, hkv, t, lengths, starts, qscale):
         assert torch.equal(out, run())
     finally:
         pdl.set_kinds_off(off)
-    if t < 256 or b * hkv > 198 or (b * hkv > 66 and t < 2048):
+    if t < 512 or b * hkv > 198 or (b * hkv > 132 and t < 2048):
         warps = attention._warps_gluon(b, hkv, q.device, 168)
         assert attention._splits_gluon(b, hkv, t, warps, q.device, 168, hq // hkv) == 1, \
             "the case no longer covers the one-split merge"
@@ -261,6 +261,10 @@ def test_gluon_split_rule(rule, monkeypatch):
     own = {(b, h, t): attention._splits_gluon(b, h, t, 4, "cuda", 168, 32 // h, cta_merge=False)
            for b, h, t in CASES_SPLITS}
     assert own == dict(zip(CASES_SPLITS, want[1]))
+    # below 1024 slots (no rule-2 measurement yet) rule 1's counts under either rule: one split under 512
+    short = {(b, h, t): attention._splits_gluon(b, h, t, 4, "cuda", 168, 32 // h)
+             for b in (1, 8) for h in (4, 8) for t in (192, 511, 512, 1023)}
+    assert short == {c: {192: 1, 511: 1, 512: 2, 1023: 3}[c[2]] for c in short}
     for (b, h, t), n in got.items():  # >= 32 tokens a warp (rule 1: 64), the grid fits the resident CTAs
         assert n == 1 or t // (n * 4) >= 32 * (3 - rule)
         assert b * h * n <= 3 * 132 or n == 1

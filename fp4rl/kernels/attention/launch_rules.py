@@ -199,12 +199,13 @@ def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int
     past a power of two two counts can run the same work (16 and 12 splits of 4097-4224 tokens: 11 CTAs).
 
     Rule 1 (FP4RL_GLUON_SPLIT_RULE=1, and whenever the warps publish their own partials, cta_merge False:
-    what it was fitted for, on the H200 in the eighteenth session): long contexts fill every resident CTA;
-    shorter ones n = sqrt(t / 6g) down the ladder, at most two CTAs a multiprocessor, >= 64 tokens a warp."""
+    what it was fitted for, on the H200 in the eighteenth session; and below 1024 slots, where rule 2 has no
+    measurement yet): long contexts fill every resident CTA; shorter ones n = sqrt(t / 6g) down the ladder, at
+    most two CTAs a multiprocessor, >= 64 tokens a warp (one split under 512 slots)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     per_sm = 65536 // (32 * (maxnreg or 168)) // num_warps  # resident CTAs per multiprocessor
     bh = max(1, b * hkv)
-    if GLUON_SPLIT_RULE == 1 or not cta_merge:
+    if GLUON_SPLIT_RULE == 1 or not cta_merge or t < 1024:
         n = max(1, min(64, per_sm * sms // bh))
         if t // (n * num_warps) >= 512:
             return n
