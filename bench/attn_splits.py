@@ -57,6 +57,7 @@ def main():
             x.ref = ref_attn(x.q, dq(x.kq, 128), dq(x.vq, 128), x.lengths)
         merged = ((DBG | gluon_decode.MERGE_DBG) & 48) == 32  # the CTA merge at every split count
         chosen = A._splits_gluon(b, hkv, t, 4, x.q.device, 168, 32 // hkv, merged)
+        rule1 = A._splits_gluon(b, hkv, t, 4, x.q.device, 168, 32 // hkv, False)  # rule 1's count, for A/B
         floor = (x.fp4_bytes * int(x.lengths[0]) / t + 2 * x.q.nbytes) / (bw["tb_s"] * 1e12) * 1e6
 
         def call(s, n, x=x):
@@ -65,7 +66,7 @@ def main():
             return A.decode_attention(x.q, x.lengths, kd, vd, kg, vg, k_scale=ks, v_scale=vs, kernel="gluon",
                                       num_splits=n, num_warps=w, _dbg=DBG)
 
-        splits = sorted({n for n in SPLITS if t // (n * 4) >= 16} | {chosen})
+        splits = sorted({n for n in SPLITS if t // (n * 4) >= 16} | {chosen, rule1})
         splits += [(n, w) for w in WARPS if w != 4 for n in SPLITS if t // (n * w) >= 16] + ["auto"]
         errs = {n: rel(call(x.sets4[0], n), x.ref) for n in splits}
         times = {n: [] for n in splits}
@@ -76,10 +77,11 @@ def main():
         us = {(f"{n[0]}/{n[1]}" if isinstance(n, tuple) else n): v for n, v in us.items()}
         errs = {(f"{n[0]}/{n[1]}" if isinstance(n, tuple) else n): v for n, v in errs.items()}
         best = min(us, key=us.get)
-        row = {"b": b, "hkv": hkv, "t": t, "length": int(x.lengths[0]), "chosen": chosen, "best": best,
-               "floor_us": floor, "us": us, "rel_err": errs}
+        row = {"b": b, "hkv": hkv, "t": t, "length": int(x.lengths[0]), "chosen": chosen, "rule1": rule1,
+               "best": best, "floor_us": floor, "us": us, "rel_err": errs}
         res["cases"].append(row)
-        print(f"b {b:3d} hkv {hkv} t {t:5d} len {row['length']:5d}: chosen {chosen:2d} {us[chosen]:6.1f} us, "
+        print(f"b {b:3d} hkv {hkv} t {t:5d} len {row['length']:5d}: chosen {chosen:2d} {us[chosen]:6.1f} us "
+              f"(rule 1: {rule1:2d} {us[rule1]:6.1f}), "
               f"best {best!s:>4} {us[best]:6.1f} us (floor {floor:.1f}) | "
               + " ".join(f"{n}:{v:.1f}" for n, v in us.items()), flush=True)
         assert max(errs.values()) < 5e-3, errs
