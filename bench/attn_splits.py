@@ -55,7 +55,7 @@ def main():
                 raise ValueError(f"case {case}: the length must be within the cache's {t} slots")
             x.lengths.fill_(ln[0])
             x.ref = ref_attn(x.q, dq(x.kq, 128), dq(x.vq, 128), x.lengths)
-        merged = ((DBG | gluon_decode.MERGE_DBG) & 48) == 32  # the CTA merge at every split count
+        merged = gluon_decode.cta_merge_every_split(DBG)
         chosen = A._splits_gluon(b, hkv, t, 4, x.q.device, 168, 32 // hkv, merged)
         rule1 = A._splits_gluon(b, hkv, t, 4, x.q.device, 168, 32 // hkv, False)  # rule 1's count, for A/B
         floor = (x.fp4_bytes * int(x.lengths[0]) / t + 2 * x.q.nbytes) / (bw["tb_s"] * 1e12) * 1e6

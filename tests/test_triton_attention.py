@@ -232,6 +232,11 @@ def test_gluon_cta_merge_from_the_environment(monkeypatch):
         monkeypatch.setenv("FP4RL_GLUON_CTA_MERGE", bad)
         with pytest.raises(ValueError, match="FP4RL_GLUON_CTA_MERGE.*use 2"):
             gluon_decode._cta_merge_from_env()
+    # the launch's merge (what picks the split rule): every split count only with DBG 32 and without 16
+    for merge_dbg, dbg, want in ((32, 0, True), (32, 64, True), (32, 16, False), (0, 0, False),
+                                 (16, 32, False), (0, 32, True)):
+        monkeypatch.setattr(gluon_decode, "MERGE_DBG", merge_dbg)
+        assert gluon_decode.cta_merge_every_split(dbg) is want, (merge_dbg, dbg)
 
 
 CASES_SPLITS = [(24, 8, 4096), (24, 8, 1024), (8, 8, 2048), (8, 8, 4096), (8, 8, 8192), (8, 8, 16384),

@@ -171,9 +171,8 @@ def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, 
     kw, vw = k.view(torch.int32), v.view(torch.int32)  # [B, Hkv, T, 16] words
     ks16 = ks.view(torch.int16)  # [B, Hkv, T, 4]: scale byte pairs (2c, 2c+1)
     vs8 = vs.view(torch.uint8)
-    dbg |= gluon_decode.MERGE_DBG
-    # the split rule for the CTA merge at every split count (DBG 32 without 16), else rule 1's
-    num_splits = num_splits or _splits_gluon(b, hkv, t_cap, num_warps, q.device, maxnreg, g, (dbg & 48) == 32)
+    num_splits = num_splits or _splits_gluon(b, hkv, t_cap, num_warps, q.device, maxnreg, g,
+                                             gluon_decode.cta_merge_every_split(dbg))
     n_slots = b * hkv * num_splits * num_warps
     part, ml, lock = _WORKSPACE.get(q.device, n_slots, 8, 128, b * hkv, ml_cols=80)
     out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=q.device)
@@ -187,7 +186,7 @@ def _decode_attention_gluon(q, lengths, starts, k, v, kg, vg, ks, vs, sm_scale, 
         vw.stride(0), vw.stride(1), vw.stride(2), vs8.stride(0), vs8.stride(1), vs8.stride(2),
         vg.stride(0), vg.stride(1), out.stride(0), out.stride(1),
         G=g, NUM_SPLITS=num_splits, HAS_START=starts is not None, ASM=_ATTN_ASM[mode], CON=_ATTN_CON, PF=pf,
-        DBG=dbg, PDL=use_pdl, num_warps=num_warps,
+        DBG=dbg | gluon_decode.MERGE_DBG, PDL=use_pdl, num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}), **({"launch_pdl": True} if use_pdl else {}),
     )
     return out

@@ -47,6 +47,12 @@ def _cta_merge_from_env() -> int:
 
 MERGE_DBG = _cta_merge_from_env()  # ORed into the launch's DBG
 
+
+def cta_merge_every_split(dbg: int) -> bool:
+    """Whether a launch with these DBG bits (MERGE_DBG ORed in) merges a CTA's warps in the CTA at every
+    split count (32 without 16), as the kernel's own test below (``_cta_merge`` or ``_warp_publish``)."""
+    return ((dbg | MERGE_DBG) & 48) == 32
+
 if gluon is not None:
     from fp4rl.kernels.attention.gluon_stream import _stream
 

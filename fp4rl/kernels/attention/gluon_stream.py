@@ -5,10 +5,10 @@ mask and zero-fill instructions per 16-token step; 504 -> 431 SASS instructions 
 105.5 us at 32K on an H200, bit-identical results): each lane keeps one 64-bit pointer per operand
 (K words, V words, K scale pairs, V scale bytes, the two per-token scales), bumped once per pair of
 steps; every load of a step is that pointer plus a compile-time offset (the immediate of the load).
-The steps whose 16 x num_warps tokens all lie below t_hi (all but at most two per split; with DBG 64 a
-split's odd last step too) load
+The steps whose 16 x num_warps tokens all lie below t_hi (all but at most two per split) load
 without masks (in the last iteration the look-ahead load of the next pair re-reads the current
-pair: no predicate, no zero fill); the ragged end runs in a short masked tail loop. K words: one
+pair: no predicate, no zero fill); the ragged end runs in a short masked tail loop, as does, with
+DBG 64, a split's odd last step. K words: one
 16-byte load per token (inline ld.global.v4; the 5-D layout gives Triton only 8-byte vectors).
 
 (One PTX block and one softmax update per pair of steps was also tried: 402 instructions per step,
