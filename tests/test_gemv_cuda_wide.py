@@ -215,3 +215,24 @@ def test_choose_wide_split_depends_on_the_band_of_rows_only():
     for n, k in ((14336, 4096), (4096, 14336), (6144, 4096), (4096, 4096)):
         for band in (range(1, 33), range(33, 65), range(65, 129), range(129, 1025)):
             assert len({gemv_cuda.choose_wide(n, k, m, 132)["SPLIT"] for m in band}) == 1, (n, k, band)
+
+
+def test_wide_nt_switch_forces_the_tiles_and_keeps_the_split(monkeypatch):
+    # FP4RL_WIDE_NT (A/B of NT 2 at 17-32 rows): the m64 tiles a warpgroup forced, the other keys the rule's
+    cases = [(n, k, m) for n, k in ((6144, 4096), (4096, 12288), (24576, 4096), (14336, 4096), (4096, 14336))
+             for m in (17, 24, 32, 64, 256)]
+    rule = {c: gemv_cuda.choose_wide(*c, 132) for c in cases}
+    assert {cfg["NT"] for c, cfg in rule.items() if c[2] <= 32} == {1}  # the rule: NT 1 for one row block
+    for forced in (1, 2):
+        monkeypatch.setattr(gemv_cuda, "WIDE_NT", forced)
+        for c in cases:
+            cfg = gemv_cuda.choose_wide(*c, 132)
+            assert cfg == dict(rule[c], NT=forced), c
+            assert gemv_cuda.smem_bytes(cfg, c[1], c[2]) <= gemv_cuda.SMEM_MAX
+    for raw, want in (("", 0), ("0", 0), (" 2 ", 2), ("1", 1)):
+        monkeypatch.setenv("FP4RL_WIDE_NT", raw)
+        assert gemv_cuda._wide_nt_from_env() == want
+    for bad in ("3", "two", "-1"):
+        monkeypatch.setenv("FP4RL_WIDE_NT", bad)
+        with pytest.raises(ValueError, match="FP4RL_WIDE_NT"):
+            gemv_cuda._wide_nt_from_env()

@@ -302,6 +302,18 @@ def choose(n: int, k: int, m: int, sms: int) -> dict:
 WIDE_MG = 16  # the wgmma configuration: up to 128 rows of x per CTA (m64n128k16), more rows in grid z blocks
 
 
+def _wide_nt_from_env() -> int:
+    """FP4RL_WIDE_NT (A/B): 0 or unset = choose_wide's rule for the m64 tiles a warpgroup; 1 or 2 = that many
+    at every row count (the split stays the rule's: as bench/mma16_sweep.py's `wide+nt2`)."""
+    raw = os.environ.get("FP4RL_WIDE_NT", "0").strip() or "0"
+    if raw not in ("0", "1", "2"):
+        raise ValueError(f"FP4RL_WIDE_NT={raw!r}: expected 0 (the rule), 1 or 2 (m64 tiles a warpgroup)")
+    return int(raw)
+
+
+WIDE_NT = _wide_nt_from_env()
+
+
 def wide_available(device=None) -> bool:
     """Whether the wgmma configuration (``choose_wide``) can run: sm_90 exactly (wgmma needs sm_90a), and it
     has not failed on this process (``disable_wide``)."""
@@ -357,7 +369,7 @@ def choose_wide(n: int, k: int, m: int, sms: int) -> dict:
         per_block = -(-m // zb)
         mg = -(-per_block // 8)
         nt = tiles(zb)
-    cfg = dict(NT=nt, MG=mg, SPLIT=split, DEPTH=2, XSTREAM=1, WGMMA=1, SWZ=1)
+    cfg = dict(NT=WIDE_NT or nt, MG=mg, SPLIT=split, DEPTH=2, XSTREAM=1, WGMMA=1, SWZ=1)
     if smem_bytes(cfg, k, m) > SMEM_MAX:  # cannot happen for the sizes above (<= 131 KB); kept as a guard
         raise ValueError(f"the wgmma configuration {cfg} does not fit shared memory")
     return cfg
