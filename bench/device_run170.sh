@@ -16,7 +16,7 @@ fi
 timeout ${T_W:-170} python3 bench/mma16_sweep.py --rows 24,32 \
   --variants wide,wide+nt2,wide+nt2+s2x,wide+nt2+sh,wide+nt2+xp2,wide+s2x,wide+sh \
   --shapes 6144x4096,4096x4096,24576x4096,4096x12288,14336x4096 --out $OUT/sweep170_32.json > $OUT/sweep170_32.log 2>&1
-echo "sweep32 exit $? at ${SECONDS}s"; grep -v '^\[' $OUT/sweep170_32.log | cut -c1-140 | tail -40
+echo "sweep32 exit $? at ${SECONDS}s"; grep -v '^\[' $OUT/sweep170_32.log | grep -v '^copy' | cut -c1-140 | tail -75
 ARM_SHAPE=qwen3-8b:36 ARM_PREFIX=sampler170_8b32
 for i in 1 2; do
   left=$((${END:-560} - SECONDS)); [ $left -gt 150 ] || break  # both arms of the pair fit

@@ -34,13 +34,13 @@ if [ "${wins:-0}" -ge 2 ]; then
     python3 -m fp4rl.benchmarks.sampler_gpu_report $OUT/sampler172_*.json
   fi
 else
-  left=$((${END:-330} - SECONDS - 50))
+  left=$((${END:-330} - SECONDS - 50)); left=$((left < 10 ? 10 : left))  # (timeout 0 would mean no limit)
   CASES="1:8:4160:4120,1:4:4160:4120,1:8:2112:2070,1:4:2112:2070,8:8:4160:4120,8:4:16448:16420,1:8:32832:32800,\
 1:8:65536,2:4:4096,4:8:16384,8:8:32768,12:8:4096,16:8:4096,24:8:2048,32:4:16384" \
   SPLITS=1,2,3,4,6,8,12,16,24,32,48,64 ROUNDS=3 timeout $((left > 120 ? 120 : left)) python3 bench/attn_splits.py \
     2>&1 | grep -v "^ \|^$" | tail -17
   echo "splits at ${SECONDS}s"
-  left=$((${END:-330} - SECONDS))
+  left=$((${END:-330} - SECONDS)); left=$((left < 10 ? 10 : left))
   DBG=64 TAG=_q64 CASES="1:8:4160:4120,1:4:4160:4120,1:8:2112:2070,1:4:2112:2070,8:8:4160:4120,8:4:16448:16420" \
   SPLITS=4,6,8,12,16,24,32 ROUNDS=3 timeout $((left > 60 ? 60 : left)) python3 bench/attn_splits.py 2>&1 \
     | grep -v "^ \|^$" | tail -8

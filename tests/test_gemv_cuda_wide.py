@@ -3,6 +3,10 @@ rows and where gemm.gemm sends them, on any device; on a Hopper GPU (-m gpu) aga
 (bf16 and W4A4 x, per-tensor and per-row scales, strided x) and its x staging / A-in-shared-memory variants
 bit for bit. The mma.sync configurations: tests/test_gemv_cuda.py."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from test_gemv_cuda import _gpu_case, _rel
@@ -217,6 +221,12 @@ def test_choose_wide_split_depends_on_the_band_of_rows_only():
             assert len({gemv_cuda.choose_wide(n, k, m, 132)["SPLIT"] for m in band}) == 1, (n, k, band)
 
 
+@pytest.fixture(autouse=True)
+def _the_rules_tiles(monkeypatch):
+    # the rule's NT whatever FP4RL_WIDE_NT the shell running the tests has set
+    monkeypatch.setattr(gemv_cuda, "WIDE_NT", 0)
+
+
 def test_wide_nt_switch_forces_the_tiles_and_keeps_the_split(monkeypatch):
     # FP4RL_WIDE_NT (A/B of NT 2 at 17-32 rows): the m64 tiles a warpgroup forced, the other keys the rule's
     cases = [(n, k, m) for n, k in ((6144, 4096), (4096, 12288), (24576, 4096), (14336, 4096), (4096, 14336))
@@ -236,3 +246,11 @@ def test_wide_nt_switch_forces_the_tiles_and_keeps_the_split(monkeypatch):
         monkeypatch.setenv("FP4RL_WIDE_NT", bad)
         with pytest.raises(ValueError, match="FP4RL_WIDE_NT"):
             gemv_cuda._wide_nt_from_env()
+    # the variable reaches the module in a fresh process (how the device scripts set it)
+    code = ("from fp4rl.kernels import gemv_cuda as g; "
+            "print(g.WIDE_NT, g.choose_wide(4096, 4096, 32, 132)['NT'])")
+    for raw, want in (("2", "2 2"), ("0", "0 1")):
+        env = {**os.environ, "FP4RL_WIDE_NT": raw}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             check=True)
+        assert out.stdout.split() == want.split(), out

@@ -332,7 +332,8 @@ def choose_wide(n: int, k: int, m: int, sms: int) -> dict:
     1.0-1.7x faster on weights of 4096-6144 rows, NT 2 1.25x faster on 14336 rows and up). Split-K by a cost
     model fitted on the H200 (bench/RESULTS.md, sixth session; within 2% of the best split on 28 shape x row
     cases): busy SM-time = max(1, CTAs / CTA slots) x steps per split x (2 + MG), plus 2 x SPLIT x MG x NT for
-    the cluster reduction. At 65-128 rows where that split is 4 or more: two row blocks, split 2 (below)."""
+    the cluster reduction. At 65-128 rows where that split is 4 or more: two row blocks, split 2 (below).
+    FP4RL_WIDE_NT (``WIDE_NT``, A/B) forces NT to 1 or 2 at every row count; the split stays the rule's."""
     if m < 1:
         raise ValueError(f"the wgmma configuration needs at least one row, got {m}")
     zb = -(-m // (8 * WIDE_MG))
