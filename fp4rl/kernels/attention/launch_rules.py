@@ -182,6 +182,7 @@ def _split_rule_from_env() -> int:
 GLUON_WARPS = _env_gluon("FP4RL_GLUON_WARPS")
 GLUON_SPLIT_RULE = _split_rule_from_env()
 GLUON_SPLIT_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+GLUON_RULE2_MIN_SLOTS = 512  # rule 2 from this cache capacity up (below it rule 1, unmeasured there)
 
 
 def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int | None, g: int = 4,
@@ -199,13 +200,18 @@ def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int
     past a power of two two counts can run the same work (16 and 12 splits of 4097-4224 tokens: 11 CTAs).
 
     Rule 1 (FP4RL_GLUON_SPLIT_RULE=1, and whenever the warps publish their own partials, cta_merge False:
-    what it was fitted for, on the H200 in the eighteenth session; and below 1024 slots, where rule 2 has no
-    measurement yet): long contexts fill every resident CTA; shorter ones n = sqrt(t / 6g) down the ladder, at
-    most two CTAs a multiprocessor, >= 64 tokens a warp (one split under 512 slots)."""
+    what it was fitted for, on the H200 in the eighteenth session; and below GLUON_RULE2_MIN_SLOTS, where
+    rule 2 has no measurement yet): long contexts fill every resident CTA; shorter ones n = sqrt(t / 6g) down
+    the ladder, at most two CTAs a multiprocessor, >= 64 tokens a warp (one split under 512 slots).
+
+    Rule 2 from 512 slots (fifty-fourth session; it started at 1024): out of sample on an H100
+    (bench/data/s54/attn_splits.json) batch 1 at 512 slots ran best at rule 2's 4 splits, 6.4 / 6.2 us (8 / 4
+    KV heads), against rule 1's 2: 7.2 / 6.8; over all 27 cases (batch 1-32, 512-64K slots, 7 at lengths past
+    the capacity) rule 2 took 1190.7 us against rule 1's 1210.9."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     per_sm = 65536 // (32 * (maxnreg or 168)) // num_warps  # resident CTAs per multiprocessor
     bh = max(1, b * hkv)
-    if GLUON_SPLIT_RULE == 1 or not cta_merge or t < 1024:
+    if GLUON_SPLIT_RULE == 1 or not cta_merge or t < GLUON_RULE2_MIN_SLOTS:
         n = max(1, min(64, per_sm * sms // bh))
         if t // (n * num_warps) >= 512:
             return n
