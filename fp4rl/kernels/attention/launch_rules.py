@@ -204,19 +204,32 @@ def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int
     rule 2 has no measurement yet): long contexts fill every resident CTA; shorter ones n = sqrt(t / 6g) down
     the ladder, at most two CTAs a multiprocessor, >= 64 tokens a warp (one split under 512 slots).
 
-    Rule 2 from 512 slots (fifty-fourth session; it started at 1024): out of sample on an H100
-    (bench/data/s54/attn_splits.json) batch 1 at 512 slots ran best at rule 2's 4 splits, 6.4 / 6.2 us (8 / 4
-    KV heads), against rule 1's 2: 7.2 / 6.8; over all 27 cases (batch 1-32, 512-64K slots, 7 at lengths past
-    the capacity) rule 2 took 1190.7 us against rule 1's 1210.9."""
+    Rule 2 from 512 slots (fifty-fourth session; it started at 1024), but below 1024 only where it takes more
+    splits than rule 1: out of sample on an H100 (bench/data/s54/attn_splits.json) batch 1 at 512 slots ran
+    best at rule 2's 4 splits, 6.4 / 6.2 us (8 / 4 KV heads), where rule 1's 2 took 7.2 / 6.8; at 512-1023
+    slots rule 2 would cut batch x KV heads of 67-132 to one split (rule 1: 2-3), not measured there yet.
+    Over those 27 cases (batch 1-32, 512-64K slots, 7 at lengths past the capacity's power of two) rule 2 at
+    the 1024 bound took 1190.7 us against rule 1's 1210.9."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     per_sm = 65536 // (32 * (maxnreg or 168)) // num_warps  # resident CTAs per multiprocessor
     bh = max(1, b * hkv)
     if GLUON_SPLIT_RULE == 1 or not cta_merge or t < GLUON_RULE2_MIN_SLOTS:
-        n = max(1, min(64, per_sm * sms // bh))
-        if t // (n * num_warps) >= 512:
-            return n
-        fit = min(math.sqrt(t / (6 * max(1, g))), min(2, per_sm) * sms // bh, t // (64 * num_warps))
-        return max([s for s in GLUON_SPLIT_LADDER if s <= fit] or [1])
+        return _rule1(bh, t, num_warps, g, sms, per_sm)
+    n = _rule2(bh, t, num_warps, g, sms, per_sm)
+    return max(n, _rule1(bh, t, num_warps, g, sms, per_sm)) if t < 1024 else n
+
+
+def _rule1(bh: int, t: int, num_warps: int, g: int, sms: int, per_sm: int) -> int:
+    """`_splits_gluon`'s rule 1 for b x hkv = bh."""
+    n = max(1, min(64, per_sm * sms // bh))
+    if t // (n * num_warps) >= 512:
+        return n
+    fit = min(math.sqrt(t / (6 * max(1, g))), min(2, per_sm) * sms // bh, t // (64 * num_warps))
+    return max([s for s in GLUON_SPLIT_LADDER if s <= fit] or [1])
+
+
+def _rule2(bh: int, t: int, num_warps: int, g: int, sms: int, per_sm: int) -> int:
+    """`_splits_gluon`'s rule 2 for b x hkv = bh."""
     fit = min(sms // bh, math.sqrt(t / (2 * max(1, g))), t // (32 * num_warps))
     n = max([s for s in GLUON_SPLIT_LADDER if s <= fit] or [1])
     if 2 * n <= 64 and 2 * n * bh <= per_sm * sms and t // (2 * n * num_warps) >= 256:
