@@ -8,6 +8,7 @@
 # rule 1's 2): a Qwen3-8B pair, Qwen3-30B-A3B at 24 layers, a second 8B pair, rule 2 (X=0) against
 # FP4RL_GLUON_SPLIT_RULE=1 in fresh processes. At 512-1023 slots the dispatcher takes the larger of the two
 # rules' counts (rule 2 alone would give batch x KV heads of 67-132 one split: 16:8:512 and 32:4:768 time both).
+# (So the call ran; after it, plain rule 2 from 512 slots: bench/RESULTS.md, fifty-fourth session.)
 # Up to END (default 360) seconds.
 source bench/sampler_arm.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader

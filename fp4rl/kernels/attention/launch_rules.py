@@ -182,7 +182,7 @@ def _split_rule_from_env() -> int:
 GLUON_WARPS = _env_gluon("FP4RL_GLUON_WARPS")
 GLUON_SPLIT_RULE = _split_rule_from_env()
 GLUON_SPLIT_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-GLUON_RULE2_MIN_SLOTS = 512  # rule 2 from this cache capacity up (below it rule 1, unmeasured there)
+GLUON_RULE2_MIN_SLOTS = 512  # rule 2 from this cache capacity up (below: rule 1's one split, measured faster)
 
 
 def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int | None, g: int = 4,
@@ -201,22 +201,23 @@ def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int
 
     Rule 1 (FP4RL_GLUON_SPLIT_RULE=1, and whenever the warps publish their own partials, cta_merge False:
     what it was fitted for, on the H200 in the eighteenth session; and below GLUON_RULE2_MIN_SLOTS, where
-    rule 2 has no measurement yet): long contexts fill every resident CTA; shorter ones n = sqrt(t / 6g) down
+    rule 2 measured slower): long contexts fill every resident CTA; shorter ones n = sqrt(t / 6g) down
     the ladder, at most two CTAs a multiprocessor, >= 64 tokens a warp (one split under 512 slots).
 
-    Rule 2 from 512 slots (fifty-fourth session; it started at 1024), but below 1024 only where it takes more
-    splits than rule 1: out of sample on an H100 (bench/data/s54/attn_splits.json) batch 1 at 512 slots ran
-    best at rule 2's 4 splits, 6.4 / 6.2 us (8 / 4 KV heads), where rule 1's 2 took 7.2 / 6.8; at 512-1023
-    slots rule 2 would cut batch x KV heads of 67-132 to one split (rule 1: 2-3), not measured there yet.
-    Over those 27 cases (batch 1-32, 512-64K slots, 7 at lengths past the capacity's power of two) rule 2 at
-    the 1024 bound took 1190.7 us against rule 1's 1210.9."""
+    Rule 2 from 512 slots (fifty-fourth session; it started at 1024), out of sample on an H100
+    (bench/data/s54): at 512-1023 slots 13 cases (batch 1-32, 4 / 8 KV heads) summed 112.0 us under rule 2
+    against 117.9 under rule 1 (110.3 the best counts): batch 1 at 512 slots 4 splits 6.4 / 6.2 us (8 / 4 KV
+    heads) where rule 1's 2 took 7.2 / 6.8, and one split where batch x KV heads pass 66 (batch 16 x 8 at 512:
+    9.0 against rule 1's 2, 10.8). Below 512 rule 2 lost (256 slots: 2 splits 5.6 / 5.9 against one, 4.9 /
+    5.6; six cases 40.4 against 39.6), so rule 1's one split stays there. Over the 27 cases at 512-64K slots
+    (7 at lengths past the capacity's power of two) rule 2 at the old 1024 bound took 1190.7 us, rule 1
+    1210.9."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     per_sm = 65536 // (32 * (maxnreg or 168)) // num_warps  # resident CTAs per multiprocessor
     bh = max(1, b * hkv)
     if GLUON_SPLIT_RULE == 1 or not cta_merge or t < GLUON_RULE2_MIN_SLOTS:
         return _rule1(bh, t, num_warps, g, sms, per_sm)
-    n = _rule2(bh, t, num_warps, g, sms, per_sm)
-    return max(n, _rule1(bh, t, num_warps, g, sms, per_sm)) if t < 1024 else n
+    return _rule2(bh, t, num_warps, g, sms, per_sm)
 
 
 def _rule1(bh: int, t: int, num_warps: int, g: int, sms: int, per_sm: int) -> int:
