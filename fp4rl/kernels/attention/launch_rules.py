@@ -182,7 +182,7 @@ def _split_rule_from_env() -> int:
 GLUON_WARPS = _env_gluon("FP4RL_GLUON_WARPS")
 GLUON_SPLIT_RULE = _split_rule_from_env()
 GLUON_SPLIT_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-GLUON_RULE2_MIN_SLOTS = 512  # rule 2 from this cache capacity up (below: rule 1's one split, measured faster)
+GLUON_RULE2_MIN_SLOTS = 512  # rule 2 from this capacity up (below: rule 1's one split, 2% faster summed)
 
 
 def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int | None, g: int = 4,
@@ -209,7 +209,7 @@ def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int
     against 117.9 under rule 1 (110.3 the best counts): batch 1 at 512 slots 4 splits 6.4 / 6.2 us (8 / 4 KV
     heads) where rule 1's 2 took 7.2 / 6.8, and one split where batch x KV heads pass 66 (batch 16 x 8 at 512:
     9.0 against rule 1's 2, 10.8). Below 512 rule 2 lost (256 slots: 2 splits 5.6 / 5.9 against one, 4.9 /
-    5.6; six cases 40.4 against 39.6), so rule 1's one split stays there. Over the 27 cases at 512-64K slots
+    5.6; six cases 40.5 against 39.6), so rule 1's one split stays there. Over the 27 cases at 512-64K slots
     (7 at lengths past the capacity's power of two) rule 2 at the old 1024 bound took 1190.7 us, rule 1
     1210.9."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
