@@ -216,21 +216,11 @@ def _splits_gluon(b: int, hkv: int, t: int, num_warps: int, device, maxnreg: int
     per_sm = 65536 // (32 * (maxnreg or 168)) // num_warps  # resident CTAs per multiprocessor
     bh = max(1, b * hkv)
     if GLUON_SPLIT_RULE == 1 or not cta_merge or t < GLUON_RULE2_MIN_SLOTS:
-        return _rule1(bh, t, num_warps, g, sms, per_sm)
-    return _rule2(bh, t, num_warps, g, sms, per_sm)
-
-
-def _rule1(bh: int, t: int, num_warps: int, g: int, sms: int, per_sm: int) -> int:
-    """`_splits_gluon`'s rule 1 for b x hkv = bh."""
-    n = max(1, min(64, per_sm * sms // bh))
-    if t // (n * num_warps) >= 512:
-        return n
-    fit = min(math.sqrt(t / (6 * max(1, g))), min(2, per_sm) * sms // bh, t // (64 * num_warps))
-    return max([s for s in GLUON_SPLIT_LADDER if s <= fit] or [1])
-
-
-def _rule2(bh: int, t: int, num_warps: int, g: int, sms: int, per_sm: int) -> int:
-    """`_splits_gluon`'s rule 2 for b x hkv = bh."""
+        n = max(1, min(64, per_sm * sms // bh))
+        if t // (n * num_warps) >= 512:
+            return n
+        fit = min(math.sqrt(t / (6 * max(1, g))), min(2, per_sm) * sms // bh, t // (64 * num_warps))
+        return max([s for s in GLUON_SPLIT_LADDER if s <= fit] or [1])
     fit = min(sms // bh, math.sqrt(t / (2 * max(1, g))), t // (32 * num_warps))
     n = max([s for s in GLUON_SPLIT_LADDER if s <= fit] or [1])
     if 2 * n <= 64 and 2 * n * bh <= per_sm * sms and t // (2 * n * num_warps) >= 256:
