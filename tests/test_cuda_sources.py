@@ -139,6 +139,14 @@ def _gemm_configs():
     for m, depth in ((128, 3), (512, 3), (64, 4)):  # ASH: the weights' A in shared memory (sweep variant)
         cfg = dict(gemv_cuda.choose_wide(4096, 14336, m, sms), NT=1, XPRE=2, ASH=1, DEPTH=depth)
         yield f"wgmma ash 4096x14336 m{m} d{depth}", cfg, "sm_90a"
+    # the warp-specialized build (WS, FP4RL_WIDE_WS: a producer warp and the bulk / tensor copy engine):
+    # MG 3 and 4 at splits 2-8, MG 8, 16 and 13 in row blocks, NT 2 at MG 8 (the most it takes), depths 2-6
+    for (n, k), m, depth in (((4096, 4096), 32, 4), ((24576, 4096), 32, 6), ((4096, 12288), 24, 4),
+                             ((4096, 14336), 64, 3), ((4096, 4096), 128, 2), ((4096, 4096), 300, 2)):
+        cfg = dict(gemv_cuda.choose_wide(n, k, m, sms), WS=1, DEPTH=depth)
+        yield f"wgmma ws {n}x{k} m{m} d{depth}", cfg, "sm_90a"
+    cfg = dict(gemv_cuda.choose_wide(24576, 4096, 64, sms), WS=1, DEPTH=3, NT=2)
+    yield "wgmma ws nt2 24576x4096 m64", cfg, "sm_90a"
     yield "grouped 2048x768", choose_grouped(2048, 768, 8, sms), "sm_90"
     yield "grouped gather 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1}, "sm_90"
     # the MoE down projection with SiLU(gate) * up in the x staging: 128 experts' 2048x768 at 1 token of top-8

@@ -74,6 +74,72 @@ def test_gpu_wide_a_in_shared_memory_gives_the_same_bits(n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(1008, 1280), (4096, 4096), (768, 14336)])
+def test_gpu_wide_warp_specialized_gives_the_same_bits(n, k):
+    """WS (FP4RL_WIDE_WS: a producer warp copies each step with the bulk / tensor copy engine into a ring of
+    mbarrier-guarded stages) against the plain wgmma build: the same multiplies in the same order, so the same
+    bits, at 17-300 rows (x's rows past M zero-filled by the tensor map, several row blocks), depths 2-6,
+    every split, W4A4's per-row x scales and per-row global scales, N not a multiple of the CTA's 128 rows, a
+    strided x; and chained in a CUDA graph with programmatic dependent launch."""
+    if not gemv_cuda.wide_available():
+        pytest.skip("needs an sm_90 GPU (wgmma) and torch.cuda._compile_kernel")
+    from fp4rl.kernels import pdl
+
+    w, wc, wd, g, base = _gpu_case(n, k, {}, 300, seed=19)
+    xs = torch.rand(300, device="cuda") + 0.5
+    gr = g.reshape(-1).expand(n) * torch.linspace(0.5, 2.0, n, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def both(x, cfg, depth, gs=g, x_scale=None):
+        ref = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device="cuda")
+        gemv_cuda.launch(x, wc, gs, ref, cfg=cfg, x_scale=x_scale)
+        y = torch.full_like(ref, float("nan"))
+        gemv_cuda.launch(x, wc, gs, y, cfg=dict(cfg, WS=1, DEPTH=depth), x_scale=x_scale)
+        return ref, y
+
+    for m, depths in ((17, (2, 4)), (32, (4, 6)), (100, (3,)), (300, (2,))):
+        plan = gemv_cuda.choose_wide(n, k, m, sms)
+        if plan["NT"] * plan["MG"] > gemv_cuda.WS_MAX_ACC:
+            plan = dict(plan, NT=1)
+        for split in sorted({1, plan["SPLIT"], 4}):
+            if (k // 128) < split:
+                continue
+            for depth in depths:
+                ref, y = both(base[:m], dict(plan, SPLIT=split), depth)
+                assert _rel(y, base[:m].double() @ wd.T) < 4e-3, (m, split, depth)
+                assert torch.equal(y, ref), (m, split, depth)
+        for gs, x_scale in ((g, xs[:m]), (gr, None)):  # W4A4's per-row x scales; per-row global scales
+            assert torch.equal(*both(base[:m], plan, depths[0], gs, x_scale)), (m, x_scale is None)
+    xp = torch.zeros(40, k + 64, dtype=torch.bfloat16, device="cuda")[:, :k]  # a strided x
+    xp.copy_(base[:40])
+    assert torch.equal(*both(xp, gemv_cuda.choose_wide(n, k, 40, sms), 4))
+    if n == k:  # two chained launches in a CUDA graph, each starting before the previous one ends (PDL)
+        x = base[:32].clone()
+        plan = gemv_cuda.choose_wide(n, k, 32, sms)
+        y1, y2 = (torch.empty(32, n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        r1, r2 = torch.empty_like(y1), torch.empty_like(y2)
+        gemv_cuda.launch(x, wc, g, r1, cfg=plan)
+        gemv_cuda.launch(r1, wc, g, r2, cfg=plan)
+        cfg = dict(plan, WS=1, DEPTH=4)
+        off = pdl.kinds_off()
+        pdl.set_kinds_off(())  # ("wide" launches go without PDL by default)
+        try:
+            with pdl.step():
+                gemv_cuda.launch(x, wc, g, y1, cfg=cfg)  # compiled, its tensor maps made, outside the capture
+                gemv_cuda.launch(y1, wc, g, y2, cfg=cfg)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    gemv_cuda.launch(x, wc, g, y1, cfg=cfg)
+                    gemv_cuda.launch(y1, wc, g, y2, cfg=cfg)
+        finally:
+            pdl.set_kinds_off(off)
+        y1.zero_(), y2.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y1, r1) and torch.equal(y2, r2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,k,kw", [(144, 384, {"scale_scope": "row"}), (1008, 1280, {}),
                                     (4096, 4096, {"scale_rule": "4/6"}), (768, 14336, {})])
 def test_gpu_wide_matches_reference(n, k, kw):

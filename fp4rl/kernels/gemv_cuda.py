@@ -314,6 +314,23 @@ def _wide_nt_from_env() -> int:
 WIDE_NT = _wide_nt_from_env()
 
 
+def _wide_ws_from_env() -> int:
+    """FP4RL_WIDE_WS (A/B): 0 or unset = the wgmma configuration as ``choose_wide`` makes it; N in 2..8 = its
+    warp-specialized build (gemv_mma16.cu WS: a producer warp copies the steps with the bulk / tensor copy
+    engine into a ring of N stages) at every row count."""
+    raw = os.environ.get("FP4RL_WIDE_WS", "0").strip() or "0"
+    if not raw.isdigit() or (raw != "0" and not 2 <= int(raw) <= 8):
+        raise ValueError(f"FP4RL_WIDE_WS={raw!r}: expected 0 (off) or a ring depth 2..8 (the "
+                         "warp-specialized wgmma build)")
+    return int(raw)
+
+
+WIDE_WS = _wide_ws_from_env()
+# the warp-specialized build's registers (288 threads a CTA): NT x MG up to 16 compiles without spills, NT 2
+# at MG 13 spilled 108 B; wider tiles keep the plain build
+WS_MAX_ACC = 16
+
+
 def wide_available(device=None) -> bool:
     """Whether the wgmma configuration (``choose_wide``) can run: sm_90 exactly (wgmma needs sm_90a), and it
     has not failed on this process (``disable_wide``)."""
@@ -371,6 +388,8 @@ def choose_wide(n: int, k: int, m: int, sms: int) -> dict:
         mg = -(-per_block // 8)
         nt = tiles(zb)
     cfg = dict(NT=WIDE_NT or nt, MG=mg, SPLIT=split, DEPTH=2, XSTREAM=1, WGMMA=1, SWZ=1)
+    if WIDE_WS and cfg["NT"] * cfg["MG"] <= WS_MAX_ACC:
+        cfg.update(WS=1, DEPTH=WIDE_WS)
     if smem_bytes(cfg, k, m) > SMEM_MAX:  # cannot happen for the sizes above (<= 131 KB); kept as a guard
         raise ValueError(f"the wgmma configuration {cfg} does not fit shared memory")
     return cfg
@@ -511,6 +530,45 @@ def _operands(x2, global_scale, x_scale, counts: tuple, what: str):
     return x2, g, xg
 
 
+class TensorMap(ctypes.Structure):
+    """A CUtensorMap: 128 opaque bytes, passed to a kernel by value (64-byte aligned there)."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+_TMAPS: dict = {}  # (address, rows, K, row stride, box rows) -> its TensorMap (eager launches encode once)
+
+
+def x_tensor_map(x2: torch.Tensor, box_rows: int) -> TensorMap:
+    """The tensor map through which the warp-specialized wgmma build (gemv_mma16.cu WS) copies x [M, K]
+    bfloat16 (unit column stride, 16-byte rows): boxes of 64 k x `box_rows` rows into the 128-byte swizzle of
+    its stages, rows past M read as zeros."""
+    m, k = x2.shape
+    key = (x2.data_ptr(), m, k, x2.stride(0), box_rows)
+    tm = _TMAPS.get(key)
+    if tm is not None:
+        return tm
+    if x2.stride(1) != 1 or (x2.stride(0) * 2) % 16 or x2.data_ptr() % 16 or not 1 <= box_rows <= 256:
+        raise ValueError(f"x {tuple(x2.shape)} stride {x2.stride()} (box {box_rows} rows) does not fit a "
+                         "tensor map: unit column stride, 16-byte aligned rows, at most 256 rows a box")
+    tm = TensorMap()
+    dims = (ctypes.c_uint64 * 2)(k, m)
+    strides = (ctypes.c_uint64 * 1)(x2.stride(0) * 2)
+    box = (ctypes.c_uint32 * 2)(64, box_rows)
+    elem = (ctypes.c_uint32 * 2)(1, 1)
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    # bfloat16 (9), no interleave (0), 128-byte swizzle (3), L2 promotion 256 B (3), out-of-bounds zeros (0)
+    rc = lib.cuTensorMapEncodeTiled(ctypes.byref(tm), 9, 2, ctypes.c_void_p(x2.data_ptr()), dims, strides,
+                                    box, elem, 0, 3, 3, 0)
+    if rc != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc} (x {tuple(x2.shape)} stride "
+                           f"{x2.stride()}, box 64 x {box_rows})")
+    if len(_TMAPS) >= 1024:
+        _TMAPS.clear()
+    _TMAPS[key] = tm
+    return tm
+
+
 def _pdl_kind(cfg: dict, m: int) -> str:
     """The kind of a dense launch for fp4rl.kernels.pdl (which kinds carry PDL is decided there)."""
     return "wide" if cfg.get("WGMMA") else "gemv" if m == 1 else "mma"
@@ -539,10 +597,13 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > 1, x_scale is not None, False), dev)
     smem = smem_bytes(cfg, wc.k, m)
     nb = -(-wc.n // block_rows(cfg))
+    args = [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), g, 0, g]
+    ws = cfg.get("WS", 0)
+    if ws:  # the warp-specialized build: one producer warp more, x through a tensor map
+        args.append(x_tensor_map(x2, 8 * cfg["MG"]))
     with torch.cuda.device(dev):
         _set_smem(kern, smem)
-        pdl.launch(kern, (nb, cfg["SPLIT"], zb), (WARPS * 32, 1, 1),
-                   [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), g, 0, g], smem,
+        pdl.launch(kern, (nb, cfg["SPLIT"], zb), ((WARPS + ws) * 32, 1, 1), args, smem,
                    torch.cuda.current_stream(dev), pdl.gemm_flag(dev, _pdl_kind(cfg, m)))
     STATE["ok"] = True
     return y

@@ -162,14 +162,18 @@ def launch(kern, grid: tuple, block: tuple, args: list, shared_mem: int, stream:
            pdl: bool) -> None:
     """Launch a kernel compiled by ``torch.cuda._compile_kernel`` (its ``.func``) through
     cuLaunchKernelEx, with the programmatic-stream-serialization attribute when `pdl`. Tensors are
-    passed as device pointers, Python ints as 32-bit ints (the kernels' int parameters)."""
+    passed as device pointers, Python ints as 32-bit ints (the kernels' int parameters), ctypes structures
+    by value (a CUtensorMap: gemv_cuda.x_tensor_map)."""
     keep = []
     ptrs = (ctypes.c_void_p * len(args))()
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             v = ctypes.c_void_p(a.data_ptr())
+        elif isinstance(a, ctypes.Structure):
+            v = a
         elif isinstance(a, bool) or not isinstance(a, int):
-            raise TypeError(f"kernel argument {i}: tensors and ints only, got {type(a).__name__}")
+            raise TypeError(f"kernel argument {i}: tensors, ints and ctypes structures only, got "
+                            f"{type(a).__name__}")
         else:
             if not -(2 ** 31) <= a < 2 ** 31:
                 raise ValueError(f"kernel argument {i} = {a} does not fit a 32-bit int")
