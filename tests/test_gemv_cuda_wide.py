@@ -289,8 +289,51 @@ def test_choose_wide_split_depends_on_the_band_of_rows_only():
 
 @pytest.fixture(autouse=True)
 def _the_rules_tiles(monkeypatch):
-    # the rule's NT whatever FP4RL_WIDE_NT the shell running the tests has set
+    # the rule's NT and build whatever FP4RL_WIDE_NT / FP4RL_WIDE_WS the shell running the tests has set
     monkeypatch.setattr(gemv_cuda, "WIDE_NT", 0)
+    monkeypatch.setattr(gemv_cuda, "WIDE_WS", 0)
+
+
+def test_wide_ws_switch_takes_the_warp_specialized_build_where_it_fits(monkeypatch):
+    # FP4RL_WIDE_WS (A/B): the rule's configuration with WS 1 at the switch's ring depth, except where its
+    # accumulators (NT x MG) would spill at 288 threads; the other keys stay the rule's
+    cases = [(n, k, m) for n, k in ((6144, 4096), (4096, 12288), (24576, 4096), (14336, 4096))
+             for m in (17, 24, 32, 64, 128, 300, 512)]
+    rule = {c: gemv_cuda.choose_wide(*c, 132) for c in cases}
+    assert not any("WS" in cfg for cfg in rule.values())
+    for depth in (2, 4, 6):
+        monkeypatch.setattr(gemv_cuda, "WIDE_WS", depth)
+        taken = 0
+        for c in cases:
+            cfg = gemv_cuda.choose_wide(*c, 132)
+            if rule[c]["NT"] * rule[c]["MG"] <= gemv_cuda.WS_MAX_ACC:
+                assert cfg == dict(rule[c], WS=1, DEPTH=cfg["DEPTH"]), c
+                # the switch's depth, or the deepest ring that fits one CTA's shared memory
+                assert cfg["DEPTH"] == depth or (
+                    2 <= cfg["DEPTH"] < depth
+                    and gemv_cuda.smem_bytes(dict(cfg, DEPTH=cfg["DEPTH"] + 1), c[1], c[2])
+                    > gemv_cuda.SMEM_MAX)
+                taken += 1
+            else:
+                assert cfg == rule[c], c
+            assert gemv_cuda.smem_bytes(cfg, c[1], c[2]) <= gemv_cuda.SMEM_MAX
+        assert taken >= len(cases) // 2  # (17-128 rows everywhere)
+    for raw, want in (("", 0), ("0", 0), (" 4 ", 4), ("2", 2), ("8", 8)):
+        monkeypatch.setenv("FP4RL_WIDE_WS", raw)
+        assert gemv_cuda._wide_ws_from_env() == want
+    for bad in ("1", "9", "four", "-2"):
+        monkeypatch.setenv("FP4RL_WIDE_WS", bad)
+        with pytest.raises(ValueError, match="FP4RL_WIDE_WS"):
+            gemv_cuda._wide_ws_from_env()
+
+
+def test_x_tensor_map_refuses_what_a_tensor_map_cannot_describe():
+    # checked before any driver call: x's rows must be 16-byte aligned with unit column stride, a box <= 256
+    x = torch.zeros(8, 264, dtype=torch.bfloat16)
+    odd = torch.zeros(8, 260, dtype=torch.bfloat16)[:, :256]  # rows 520 B apart
+    for bad, rows in ((x[:, :260:2], 8), (x[:, 4:260], 8), (odd, 8), (x[:, :256], 257)):
+        with pytest.raises(ValueError, match="tensor map"):
+            gemv_cuda.x_tensor_map(bad, rows)
 
 
 def test_wide_nt_switch_forces_the_tiles_and_keeps_the_split(monkeypatch):

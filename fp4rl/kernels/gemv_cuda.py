@@ -388,8 +388,9 @@ def choose_wide(n: int, k: int, m: int, sms: int) -> dict:
         mg = -(-per_block // 8)
         nt = tiles(zb)
     cfg = dict(NT=WIDE_NT or nt, MG=mg, SPLIT=split, DEPTH=2, XSTREAM=1, WGMMA=1, SWZ=1)
-    if WIDE_WS and cfg["NT"] * cfg["MG"] <= WS_MAX_ACC:
-        cfg.update(WS=1, DEPTH=WIDE_WS)
+    if WIDE_WS and cfg["NT"] * cfg["MG"] <= WS_MAX_ACC:  # (a ring as deep as the switch says, or as fits)
+        cfg.update(WS=1, DEPTH=max([d for d in range(2, WIDE_WS + 1)
+                                    if smem_bytes(dict(cfg, DEPTH=d), k, m) <= SMEM_MAX], default=2))
     if smem_bytes(cfg, k, m) > SMEM_MAX:  # cannot happen for the sizes above (<= 131 KB); kept as a guard
         raise ValueError(f"the wgmma configuration {cfg} does not fit shared memory")
     return cfg
