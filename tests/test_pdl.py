@@ -2,6 +2,8 @@
 (only inside a decode step, never right after a decode-copy rebuild), the switch, and the launcher's argument
 checks (before anything reaches the driver)."""
 
+import ctypes
+
 import pytest
 import torch
 
@@ -68,7 +70,9 @@ def test_off_on_a_cpu():
 
 def test_launch_checks_arguments_before_the_driver():
     stream = type("S", (), {"cuda_stream": 0})()
-    for bad, err in ((1.5, TypeError), (True, TypeError), (2 ** 31, ValueError), ("x", TypeError)):
+    # (ctypes structures go by value: a tensor map; a bare ctypes scalar is refused)
+    for bad, err in ((1.5, TypeError), (True, TypeError), (2 ** 31, ValueError), ("x", TypeError),
+                     (ctypes.c_int(3), TypeError)):
         with pytest.raises(err, match="kernel argument 1"):
             pdl.launch(object(), (1, 1, 1), (32, 1, 1), [torch.zeros(1), bad], 0, stream, pdl=False)
 
