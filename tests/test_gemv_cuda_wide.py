@@ -328,10 +328,12 @@ def test_wide_ws_switch_takes_the_warp_specialized_build_where_it_fits(monkeypat
 
 
 def test_x_tensor_map_refuses_what_a_tensor_map_cannot_describe():
-    # checked before any driver call: x's rows must be 16-byte aligned with unit column stride, a box <= 256
+    # checked before any driver call: x's rows must be 16-byte aligned, apart, with unit column stride; a box
+    # of at most 256 rows
     x = torch.zeros(8, 264, dtype=torch.bfloat16)
     odd = torch.zeros(8, 260, dtype=torch.bfloat16)[:, :256]  # rows 520 B apart
-    for bad, rows in ((x[:, :260:2], 8), (x[:, 4:260], 8), (odd, 8), (x[:, :256], 257)):
+    rows0 = torch.zeros(1, 256, dtype=torch.bfloat16).expand(8, 256)  # every row the same memory
+    for bad, rows in ((x[:, :260:2], 8), (x[:, 4:260], 8), (odd, 8), (x[:, :256], 257), (rows0, 8)):
         with pytest.raises(ValueError, match="tensor map"):
             gemv_cuda.x_tensor_map(bad, rows)
 

@@ -545,13 +545,15 @@ def x_tensor_map(x2: torch.Tensor, box_rows: int) -> TensorMap:
     bfloat16 (unit column stride, 16-byte rows): boxes of 64 k x `box_rows` rows into the 128-byte swizzle of
     its stages, rows past M read as zeros."""
     m, k = x2.shape
+    if (x2.stride(1) != 1 or x2.stride(0) < k or (x2.stride(0) * 2) % 16 or x2.data_ptr() % 16
+            or not 1 <= box_rows <= 256):
+        raise ValueError(f"x {tuple(x2.shape)} stride {x2.stride()} (box {box_rows} rows) does not fit a "
+                         "tensor map: unit column stride, 16-byte aligned rows that do not overlap, at most "
+                         "256 rows a box")
     key = (x2.data_ptr(), m, k, x2.stride(0), box_rows)
     tm = _TMAPS.get(key)
     if tm is not None:
         return tm
-    if x2.stride(1) != 1 or (x2.stride(0) * 2) % 16 or x2.data_ptr() % 16 or not 1 <= box_rows <= 256:
-        raise ValueError(f"x {tuple(x2.shape)} stride {x2.stride()} (box {box_rows} rows) does not fit a "
-                         "tensor map: unit column stride, 16-byte aligned rows, at most 256 rows a box")
     tm = TensorMap()
     dims = (ctypes.c_uint64 * 2)(k, m)
     strides = (ctypes.c_uint64 * 1)(x2.stride(0) * 2)

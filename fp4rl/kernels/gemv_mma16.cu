@@ -163,7 +163,7 @@ typedef unsigned long long u64;
 // order as the WGMMA build: the same bits.
 #define WS 0
 #endif
-#if WS && !(WGMMA && SWZ && XSTREAM && !ASH && !GROUPED && DEPTH >= 2)
+#if WS && (WS != 1 || !(WGMMA && SWZ && XSTREAM && !ASH && !GROUPED && DEPTH >= 2))
 #error "WS needs WGMMA, SWZ 1, XSTREAM, DEPTH >= 2, no ASH / GROUPED"
 #endif
 #ifndef KW
@@ -1114,7 +1114,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     bool ok[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) ok[j] = tile0 + j < ntiles;
-    const float gs_early = 0.f;  // (GSE is off: the epilogue reads the global scale)
+    const float gs_early = 0.f;  // (unused: GSE is off, the epilogue reads the global scale)
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int d = 0; d < DEPTH; ++d) {
@@ -1163,6 +1163,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         const int pro = min(DEPTH, nst);
         for (int i = 0; i < pro; ++i) issue_w(i, i);
         asm volatile("griddepcontrol.wait;" ::: "memory");
+        if (TRIGGER == 3) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
         for (int i = 0; i < pro; ++i) issue_x(i, i);
         u32 d = 0, ph = 0;  // step i's stage (i % DEPTH) and the parity of its previous use's release
         for (int i = DEPTH; i < nst; ++i) {
@@ -1173,6 +1174,9 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         }
     } else {
         asm volatile("griddepcontrol.wait;" ::: "memory");  // (y: written after the previous kernel)
+        STAMP(1);
+        if (TRIGGER == 3) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+        STAMP(2);
         const int g4 = lane >> 2;
         const unsigned char* wl = reinterpret_cast<const unsigned char*>(xs) + DEPTH * XSTAGE
                                   + warp * NT * STAGE_BYTES;
