@@ -2,7 +2,7 @@
 # Fifty-fifth session: the warp-specialized wgmma build (gemv_mma16.cu WS, FP4RL_WIDE_WS; the eighteenth
 # session's item 1 for the 8B's 32-row GEMMs, 2.9 ms of its batch-32 step). 1) one launch against the plain
 # build, bit for bit, under a 60 s limit (a hung mbarrier ring stops the call there); 2) its GPU test; 3) the
-# 8B's four shapes at 32 and 64 rows, the plain build against WS at ring depths 2 / 3 / 4 / 6, cuBLAS BF16 in
+# 8B's four shapes at 32 and 64 rows, the plain build against WS at ring depths 2 / 3 / 4 / 6 (and 4 with NT 2), cuBLAS BF16 in
 # the same run; 4) where a depth's 32-row sum beats the plain build's by more than 3%: the 8B at batch 32
 # (128-token prompts, BF16 KV) with it against without, fresh processes. Up to END (default 560) s.
 source bench/sampler_arm.sh
@@ -36,7 +36,7 @@ echo "smoke exit $rc at ${SECONDS}s"
 timeout 150 python3 -m pytest -q -m gpu tests/test_gemv_cuda_wide.py -k warp_specialized 2>&1 | tail -6
 echo "tests at ${SECONDS}s"
 timeout 200 python3 bench/mma16_sweep.py --rows 32,64 \
-  --variants wide,wide+ws1+d2,wide+ws1+d3,wide+ws1+d4,wide+ws1+d6 \
+  --variants wide,wide+ws1+d2,wide+ws1+d3,wide+ws1+d4,wide+ws1+d6,wide+ws1+d4+nt2 \
   --shapes 6144x4096,4096x4096,24576x4096,4096x12288 --out $OUT/sweep174.json > $OUT/sweep174.log 2>&1
 echo "sweep exit $? at ${SECONDS}s"; grep -v '^\[' $OUT/sweep174.log | grep -v '^copy' | cut -c1-150 | tail -45
 best=$(python3 - $OUT/sweep174.log <<'PY'
@@ -52,19 +52,21 @@ print({k: round(v, 1) for k, v in sums.items()}, file=sys.stderr)
 ws = {name: s for name, s in sums.items() if "ws1" in name}
 if ws and "wide" in sums:
     name = min(ws, key=ws.get)
-    print(re.search(r"d(\d)", name).group(1) if ws[name] < 0.97 * sums["wide"] else 0)
+    nt = 2 if "nt2" in name else 0
+    print(re.search(r"d(\d)", name).group(1) + f" {nt}" if ws[name] < 0.97 * sums["wide"] else "0 0")
 else:
-    print(0)
+    print("0 0")
 PY
 )
-echo "WS depth chosen for the sampler: ${best:-0}"
+read best nt <<< "$best"
+echo "WS depth chosen for the sampler: ${best:-0} (FP4RL_WIDE_NT=${nt:-0})"
 if [ "${best:-0}" -gt 0 ]; then
   ARM_SHAPE=qwen3-8b:36 ARM_PREFIX=sampler174_8b32
   left=$((${END:-560} - SECONDS))
   if [ $left -gt 150 ]; then
     arm plain $((left / 2 > 90 ? 90 : left / 2)) 32 "--profile-batch=" X=0
     left=$((${END:-560} - SECONDS))
-    arm ws $((left > 90 ? 90 : left)) 32 "--profile-batch=" FP4RL_WIDE_WS=$best
+    arm ws $((left > 90 ? 90 : left)) 32 "--profile-batch=" FP4RL_WIDE_WS=$best FP4RL_WIDE_NT=${nt:-0}
     python3 -m fp4rl.benchmarks.sampler_gpu_report $OUT/sampler174_*.json
   fi
 fi
