@@ -147,6 +147,12 @@ def _gemm_configs():
         yield f"wgmma ws {n}x{k} m{m} d{depth}", cfg, "sm_90a"
     cfg = dict(gemv_cuda.choose_wide(24576, 4096, 64, sms), WS=1, DEPTH=3, NT=2)
     yield "wgmma ws nt2 24576x4096 m64", cfg, "sm_90a"
+    # x shared by 2 / 4 n-blocks (XMC: a cluster XMC x SPLIT, x multicast), one split and several
+    for (n, k), m, xmc in (((24576, 4096), 32, 2), ((4096, 4096), 32, 2), ((6144, 4096), 32, 4),
+                           ((4096, 4096), 16 * 8, 4)):
+        cfg = dict(gemv_cuda.choose_wide(n, k, m, sms), WS=1, DEPTH=4, XMC=xmc)
+        if cfg["SPLIT"] * xmc <= 8:
+            yield f"wgmma ws xmc{xmc} {n}x{k} m{m}", cfg, "sm_90a"
     yield "grouped 2048x768", choose_grouped(2048, 768, 8, sms), "sm_90"
     yield "grouped gather 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1}, "sm_90"
     # the MoE down projection with SiLU(gate) * up in the x staging: 128 experts' 2048x768 at 1 token of top-8

@@ -326,6 +326,19 @@ def _wide_ws_from_env() -> int:
 
 
 WIDE_WS = _wide_ws_from_env()
+
+
+def _wide_xmc_from_env() -> int:
+    """FP4RL_WIDE_XMC (A/B, with FP4RL_WIDE_WS): 1 or unset = each CTA copies its own x; 2 or 4 = that many
+    neighbouring n-blocks share x's stages (gemv_mma16.cu XMC: each copies its share of the rows, multicast to
+    the group), where the rows and the cluster (XMC x SPLIT <= 8 CTAs) allow."""
+    raw = os.environ.get("FP4RL_WIDE_XMC", "1").strip() or "1"
+    if raw not in ("1", "2", "4"):
+        raise ValueError(f"FP4RL_WIDE_XMC={raw!r}: expected 1 (off), 2 or 4 (n-blocks sharing x's stages)")
+    return int(raw)
+
+
+WIDE_XMC = _wide_xmc_from_env()
 # the warp-specialized build's registers (288 threads a CTA): NT x MG up to 16 compiles without spills, NT 2
 # at MG 13 spilled 108 B; wider tiles keep the plain build
 WS_MAX_ACC = 16
@@ -391,6 +404,8 @@ def choose_wide(n: int, k: int, m: int, sms: int) -> dict:
     if WIDE_WS and cfg["NT"] * cfg["MG"] <= WS_MAX_ACC:  # (a ring as deep as the switch says, or as fits)
         cfg.update(WS=1, DEPTH=max([d for d in range(2, WIDE_WS + 1)
                                     if smem_bytes(dict(cfg, DEPTH=d), k, m) <= SMEM_MAX], default=2))
+        if WIDE_XMC > 1 and cfg["MG"] % WIDE_XMC == 0 and WIDE_XMC * cfg["SPLIT"] <= 8:
+            cfg["XMC"] = WIDE_XMC
     if smem_bytes(cfg, k, m) > SMEM_MAX:  # cannot happen for the sizes above (<= 131 KB); kept as a guard
         raise ValueError(f"the wgmma configuration {cfg} does not fit shared memory")
     return cfg
@@ -460,7 +475,8 @@ def source(cfg: dict, wg_row: bool, xg_row: bool = False, grouped: bool = False)
     head = "".join(f"#define {key} {val}\n" for key, val in defs.items())
     if cfg.get("WGMMA"):
         head += _wgmma_source(cfg["MG"])
-    cluster = f"__cluster_dims__(1, {cfg['SPLIT']}, 1)" if cfg["SPLIT"] > 1 else ""
+    xmc = cfg.get("XMC", 1)  # (WS: n-blocks sharing x's stages; a cluster of XMC x SPLIT CTAs)
+    cluster = f"__cluster_dims__({xmc}, {cfg['SPLIT']}, 1)" if cfg["SPLIT"] > 1 or xmc > 1 else ""
     pn = prenorm.header() if cfg.get("PRENORM") else ""
     return head + f"#define CLUSTER {cluster}\n" + pn + _SOURCE.read_text()
 
@@ -599,11 +615,12 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
     key = _row_scale_key(cfg, g.numel() > 1)
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > 1, x_scale is not None, False), dev)
     smem = smem_bytes(cfg, wc.k, m)
-    nb = -(-wc.n // block_rows(cfg))
+    xmc = cfg.get("XMC", 1)
+    nb = -(-wc.n // block_rows(cfg) // xmc) * xmc  # (XMC: whole groups; a CTA past N still shares x)
     args = [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), g, 0, g]
     ws = cfg.get("WS", 0)
     if ws:  # the warp-specialized build: one producer warp more, x through a tensor map
-        args.append(x_tensor_map(x2, 8 * cfg["MG"]))
+        args.append(x_tensor_map(x2, 8 * cfg["MG"] // xmc))  # (XMC: each CTA copies its share of the rows)
     with torch.cuda.device(dev):
         _set_smem(kern, smem)
         pdl.launch(kern, (nb, cfg["SPLIT"], zb), ((WARPS + ws) * 32, 1, 1), args, smem,
