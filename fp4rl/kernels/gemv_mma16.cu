@@ -163,6 +163,11 @@ typedef unsigned long long u64;
 // order as the WGMMA build: the same bits.
 #define WS 0
 #endif
+#ifndef WS_MINB
+// WS: CTAs per SM that ptxas must leave registers for (0: no bound). At 288 threads the unbounded build took 67-81
+// registers, 2-3 CTAs per SM against the plain build's 4 (its 60 at 256 threads): 4 caps it at 56.
+#define WS_MINB 0
+#endif
 #ifndef XMC
 // WS: x's stage shared by the XMC CTAs of neighbouring n-blocks (a cluster XMC x SPLIT): each producer copies
 // XROWS / XMC of the rows and multicasts them to all XMC CTAs (x's L2 reads divided by XMC); each consumer warp
@@ -475,7 +480,12 @@ __device__ __noinline__ void stamp_write(const u64* t, long long c0, int N, int 
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__((WARPS + WS) * 32) CLUSTER
+#if WS && WS_MINB
+#define LAUNCH_BOUNDS __launch_bounds__((WARPS + WS) * 32, WS_MINB)
+#else
+#define LAUNCH_BOUNDS __launch_bounds__((WARPS + WS) * 32)
+#endif
+extern "C" __global__ void LAUNCH_BOUNDS CLUSTER
 w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4* __restrict__ st,
             const float* __restrict__ wg, const float* __restrict__ xg, u16* __restrict__ y, int M, int N,
             int K, int stride_xm, int stride_ym, const int* __restrict__ offs, int E,
