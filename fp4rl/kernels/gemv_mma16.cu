@@ -1149,6 +1149,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #pragma unroll
     for (int j = 0; j < NT; ++j) ok[j] = tile0 + j < ntiles;
     const float gs_early = 0.f;  // (unused: GSE is off, the epilogue reads the global scale)
+    // the tensor map's descriptor fetched while the barriers are set up (its first copy would wait for it)
+    if (warp == WARPS && lane == 0) asm volatile("prefetch.tensormap [%0];" :: "l"(&tmap) : "memory");
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int d = 0; d < DEPTH; ++d) {
