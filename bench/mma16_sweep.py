@@ -35,7 +35,7 @@ def variant(name: str, base: dict) -> dict:
     pointer per thread, default above);
     wsN = WS N (wgmma: the warp-specialized build, a producer warp with the bulk / tensor copy engine; its
     ring depth is dN's); xmcN = XMC N (WS: N neighbouring n-blocks share x's stages, multicast); minbN =
-    WS_MINB N (WS: registers left for N CTAs per SM);
+    WS_MINB N (WS: registers left for N CTAs per SM); mbN = MINB N (the plain builds: the same bound);
     wgN = WGMMA N (with xs1) (combined with "+");
     kwN = KW N (in-CTA split-K: SPLIT 1); kw / cl: the chosen split moved inside the CTA (KW) / into a
     cluster (SPLIT);
@@ -60,7 +60,7 @@ def variant(name: str, base: dict) -> dict:
             continue
         keys = {"d": "DEPTH", "nt": "NT", "s": "SPLIT", "t": "TIMING", "tr": "TRIGGER", "xs": "XSTREAM",
                 "wg": "WGMMA", "mg": "MG", "wb": "WB", "sw": "SWZ", "gse": "GSE", "xp": "XPRE", "ash": "ASH",
-                "ws": "WS", "xmc": "XMC", "minb": "WS_MINB"}
+                "ws": "WS", "xmc": "XMC", "minb": "WS_MINB", "mb": "MINB"}
         prefix = part.rstrip("0123456789")
         if prefix not in keys or prefix == part:
             raise SystemExit(f"variant {name!r}: unknown part {part!r} (see mma16_sweep.variant)")

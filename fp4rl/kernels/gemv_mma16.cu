@@ -164,6 +164,9 @@ typedef unsigned long long u64;
 // rows on an H100 (bench/RESULTS.md, fifty-fifth session): an A/B build (gemv_cuda.WIDE_WS), not the default.
 #define WS 0
 #endif
+#ifndef MINB
+#define MINB 0  // the plain builds: CTAs per SM that ptxas must leave registers for (0: no bound; A/B)
+#endif
 #ifndef WS_MINB
 // WS: CTAs per SM that ptxas must leave registers for (0: no bound). At 288 threads the unbounded build took 67-81
 // registers, 2-3 CTAs per SM against the plain build's 4 (its 60 at 256 threads): 4 caps it at 56.
@@ -483,6 +486,8 @@ __device__ __noinline__ void stamp_write(const u64* t, long long c0, int N, int 
 
 #if WS && WS_MINB
 #define LAUNCH_BOUNDS __launch_bounds__((WARPS + WS) * 32, WS_MINB)
+#elif !WS && MINB
+#define LAUNCH_BOUNDS __launch_bounds__(WARPS * 32, MINB)
 #else
 #define LAUNCH_BOUNDS __launch_bounds__((WARPS + WS) * 32)
 #endif
