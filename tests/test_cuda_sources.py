@@ -147,6 +147,9 @@ def _gemm_configs():
         yield f"wgmma ws {n}x{k} m{m} d{depth}", cfg, "sm_90a"
     cfg = dict(gemv_cuda.choose_wide(24576, 4096, 64, sms), WS=1, DEPTH=3, NT=2)
     yield "wgmma ws nt2 24576x4096 m64", cfg, "sm_90a"
+    # the plain build's register bound (MINB, A/B): depth 3 at 4 CTAs a SM fits 64 registers without spills
+    cfg = dict(gemv_cuda.choose_wide(24576, 4096, 32, sms), DEPTH=3, MINB=4)
+    yield "wgmma mb4 d3 24576x4096 m32", cfg, "sm_90a"
     # x shared by 2 / 4 n-blocks (XMC: a cluster XMC x SPLIT, x multicast), one split and several
     for (n, k), m, xmc in (((24576, 4096), 32, 2), ((4096, 4096), 32, 2), ((6144, 4096), 32, 4),
                            ((4096, 4096), 16 * 8, 4)):
