@@ -415,6 +415,29 @@ __device__ __forceinline__ void word_mma(float (*acc)[4], u32 w, u32 s, const u3
 __device__ __forceinline__ u32 word_of(const uint4& v, int q) {
     return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
 }
+// one n-tile's step from its stage (1 KB of weight words, then 256 B of scales): the lane's 2 x 16 B of words and
+// its group's (g4 = lane / 4) 32 B of scales
+__device__ __forceinline__ void load_tile(const unsigned char* b, int lane, int g4, uint4 (&wv)[2],
+                                          uint4 (&sv)[2]) {
+    wv[0] = *reinterpret_cast<const uint4*>(b + lane * 16);
+    wv[1] = *reinterpret_cast<const uint4*>(b + 512 + lane * 16);
+    sv[0] = *reinterpret_cast<const uint4*>(b + 1024 + g4 * 32);
+    sv[1] = *reinterpret_cast<const uint4*>(b + 1024 + g4 * 32 + 16);
+}
+#if WGMMA
+// wgmma's register A of 16-k block blk of a loaded tile: the block's word unpacked, times the rows' block scales
+// (zeros for a tile past N in the plain build: issue_w zero-fills it)
+__device__ __forceinline__ void scaled_a(const uint4 (&wv)[2], const uint4 (&sv)[2], int blk, u32 (&a)[4]) {
+    const u32 w = word_of(wv[blk >> 2], blk & 3);
+    const u32 sw = word_of(sv[blk >> 2], blk & 3);
+    unpack(w, a[0], a[1], a[2], a[3]);
+    const u32 sg = dup_lo(sw), sg8 = dup_hi(sw);
+    a[0] = mul_bf16x2(a[0], sg);
+    a[1] = mul_bf16x2(a[1], sg8);
+    a[2] = mul_bf16x2(a[2], sg);
+    a[3] = mul_bf16x2(a[3], sg8);
+}
+#endif
 
 __device__ __forceinline__ u32 f2_to_bf16x2(float lo, float hi) {
     u32 d;
@@ -1053,13 +1076,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #endif
                 uint4 wv[NT][2], sv[NT][2];
 #pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    const unsigned char* b = ring + (d * NT + j) * STAGE_BYTES;
-                    wv[j][0] = *reinterpret_cast<const uint4*>(b + lane * 16);
-                    wv[j][1] = *reinterpret_cast<const uint4*>(b + 512 + lane * 16);
-                    sv[j][0] = *reinterpret_cast<const uint4*>(b + 1024 + g4 * 32);
-                    sv[j][1] = *reinterpret_cast<const uint4*>(b + 1024 + g4 * 32 + 16);
-                }
+                for (int j = 0; j < NT; ++j) load_tile(ring + (d * NT + j) * STAGE_BYTES, lane, g4, wv[j], sv[j]);
 #if XSTREAM
                 issue_w(sd + DEPTH - 1, (d + DEPTH - 1) % DEPTH);  // into step sd - 1's stages
                 issue_x(sd + DEPTH - 1, (d + DEPTH - 1) % DEPTH);
@@ -1079,17 +1096,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #pragma unroll
                         for (int bb = 0; bb < WB; ++bb) {
 #pragma unroll
-                            for (int j = 0; j < NT; ++j) {  // NT m64 tiles per warpgroup share each x block
-                                const int blk = b0 + bb;
-                                const u32 w = word_of(wv[j][blk >> 2], blk & 3);
-                                const u32 sw = word_of(sv[j][blk >> 2], blk & 3);
-                                unpack(w, a[bb][j][0], a[bb][j][1], a[bb][j][2], a[bb][j][3]);
-                                const u32 sg = dup_lo(sw), sg8 = dup_hi(sw);
-                                a[bb][j][0] = mul_bf16x2(a[bb][j][0], sg);  // zeros for a tile past N (issue_w)
-                                a[bb][j][1] = mul_bf16x2(a[bb][j][1], sg8);
-                                a[bb][j][2] = mul_bf16x2(a[bb][j][2], sg);
-                                a[bb][j][3] = mul_bf16x2(a[bb][j][3], sg8);
-                            }
+                            for (int j = 0; j < NT; ++j)  // NT m64 tiles per warpgroup share each x block
+                                scaled_a(wv[j], sv[j], b0 + bb, a[bb][j]);
                         }
                         wg_fence();
 #pragma unroll
@@ -1260,13 +1268,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                     // (a tile past N reads bytes never copied: its rows of acc are never stored)
                     uint4 wv[NT][2], sv[NT][2];
 #pragma unroll
-                    for (int j = 0; j < NT; ++j) {
-                        const unsigned char* b = wl + (d * TILES + j) * STAGE_BYTES;
-                        wv[j][0] = *reinterpret_cast<const uint4*>(b + lane * 16);
-                        wv[j][1] = *reinterpret_cast<const uint4*>(b + 512 + lane * 16);
-                        sv[j][0] = *reinterpret_cast<const uint4*>(b + 1024 + g4 * 32);
-                        sv[j][1] = *reinterpret_cast<const uint4*>(b + 1024 + g4 * 32 + 16);
-                    }
+                    for (int j = 0; j < NT; ++j) load_tile(wl + (d * TILES + j) * STAGE_BYTES, lane, g4, wv[j], sv[j]);
                     const u32 xb = xs0 + d * XSTAGE;
 #pragma unroll
                     for (int b0 = 0; b0 < 8; b0 += WB) {  // as the WGMMA build: batches of WB blocks
@@ -1274,17 +1276,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #pragma unroll
                         for (int bb = 0; bb < WB; ++bb) {
 #pragma unroll
-                            for (int j = 0; j < NT; ++j) {
-                                const int blk = b0 + bb;
-                                const u32 w = word_of(wv[j][blk >> 2], blk & 3);
-                                const u32 sw = word_of(sv[j][blk >> 2], blk & 3);
-                                unpack(w, a[bb][j][0], a[bb][j][1], a[bb][j][2], a[bb][j][3]);
-                                const u32 sg = dup_lo(sw), sg8 = dup_hi(sw);
-                                a[bb][j][0] = mul_bf16x2(a[bb][j][0], sg);
-                                a[bb][j][1] = mul_bf16x2(a[bb][j][1], sg8);
-                                a[bb][j][2] = mul_bf16x2(a[bb][j][2], sg);
-                                a[bb][j][3] = mul_bf16x2(a[bb][j][3], sg8);
-                            }
+                            for (int j = 0; j < NT; ++j) scaled_a(wv[j], sv[j], b0 + bb, a[bb][j]);
                         }
                         wg_fence();
 #pragma unroll
@@ -1399,7 +1391,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     __syncthreads();
     float* part = reinterpret_cast<float*>(smem);
 #pragma unroll
-    for (int j = 0; j < NT && warp < WARPS; ++j) {  // (WS: not the producer)
+    for (int j = 0; j < NT && (!WS || warp < WARPS); ++j) {  // (WS: not the producer)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int nl = (warp * NT + j) * 16 + g + 8 * hh;
@@ -1410,7 +1402,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         }
     }
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-    if (warp < WARPS) {  // (WS: not the producer; it only joins the cluster barriers)
+    if (!WS || warp < WARPS) {  // (WS: not the producer; it only joins the cluster barriers)
         u32 rank;  // this CTA's part of K (XMC: the cluster's y; its peers at the same x)
         asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
         const u32 rx = rank % XMC;
