@@ -313,6 +313,12 @@ __device__ __forceinline__ void acc_fence(float* d) {
 #pragma unroll
     for (int i = 0; i < NT * MG * 4; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
+// the accumulators zeroed and pinned there (not sunk into the path that skips the loop)
+__device__ __forceinline__ void acc_zero(float* d) {
+#pragma unroll
+    for (int i = 0; i < NT * MG * 4; ++i) d[i] = 0.f;
+    acc_fence(d);
+}
 // The shared-memory descriptor of 16-k block blk of a K-major tile of `rows` rows in the 128 B swizzle
 // ([k half][row][128 B], 1024 B aligned): the block's 32 B of each row at (blk % 4) * 32 in k half blk / 4;
 // SBO 1024 B (8 rows)
@@ -980,13 +986,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 
 #if WGMMA
     float acc[NT][MG][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int mg = 0; mg < MG; ++mg)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[j][mg][i] = 0.f;
-    acc_fence(&acc[0][0][0]);  // the zeros are defined here, not sunk into the path that skips the loop
+    acc_zero(&acc[0][0][0]);
 #else
     float acc[NT][MG][4], acc2[NT][MG][4];  // even and odd blocks: two independent MMA chains
 #pragma unroll
@@ -1184,13 +1184,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     }
     const int nst = ws1 - ws0;  // this CTA's steps (none past K's end)
     float acc[NT][MG][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int mg = 0; mg < MG; ++mg)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[j][mg][i] = 0.f;
-    acc_fence(&acc[0][0][0]);
+    acc_zero(&acc[0][0][0]);
     if (warp == WARPS) {
         // the producer: lane l < nok copies tile l's weight words and scales of each step, lane 0 expects the
         // stage's bytes and copies x's two halves (the box: 64 k x XROWS rows, from row blockIdx.z XROWS)
