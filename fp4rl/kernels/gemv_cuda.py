@@ -317,7 +317,7 @@ WIDE_NT = _wide_nt_from_env()
 def _wide_ws_from_env() -> int:
     """FP4RL_WIDE_WS (A/B): 0 or unset = the wgmma configuration as ``choose_wide`` makes it; N in 2..8 = its
     warp-specialized build (gemv_mma16.cu WS: a producer warp copies the steps with the bulk / tensor copy
-    engine into a ring of N stages) at every row count. Bit-identical, and 8-14% slower than the plain build
+    engine into a ring of N stages) at every row count. Bit-identical, and 8-16% slower than the plain build
     on Qwen3-8B's shapes at 32 rows (H100, bench/RESULTS.md, fifty-fifth session): off by default."""
     raw = os.environ.get("FP4RL_WIDE_WS", "0").strip() or "0"
     if not raw.isdigit() or (raw != "0" and not 2 <= int(raw) <= 8):

@@ -160,7 +160,7 @@ typedef unsigned long long u64;
 // the WARPS consumer warps wait on it, multiply the step, and each gives the stage back on its `empty` mbarrier
 // once its warpgroup's multiplies of the step are done. No CTA barrier, no per-thread copy instructions or
 // address arithmetic in the consumers' loop, and the warpgroups run apart. The same multiplies in the same
-// order as the WGMMA build: the same bits. Measured 8-14% slower than the WGMMA build on Qwen3-8B's shapes at 32
+// order as the WGMMA build: the same bits. Measured 8-16% slower than the WGMMA build on Qwen3-8B's shapes at 32
 // rows on an H100 (bench/RESULTS.md, fifty-fifth session): an A/B build (gemv_cuda.WIDE_WS), not the default.
 #define WS 0
 #endif
