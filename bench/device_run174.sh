@@ -5,6 +5,7 @@
 # 8B's four shapes at 32 and 64 rows, the plain build against WS at ring depths 2 / 3 / 4 / 6 (and 4 with NT 2, with x shared by 2 n-blocks: XMC 2), cuBLAS BF16 in
 # the same run; 4) where a depth's 32-row sum beats the plain build's by more than 3%: the 8B at batch 32
 # (128-token prompts, BF16 KV) with it against without, fresh processes. Up to END (default 560) s.
+# (XMC and FP4RL_WIDE_XMC were removed after this call: this script ran at 8d30411 and earlier.)
 source bench/sampler_arm.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 SECONDS=0

@@ -34,7 +34,7 @@ def variant(name: str, base: dict) -> dict:
     (wgmma: x's cp.async addresses per thread computed once: 1 per chunk, default at MG <= 4; 2 one running
     pointer per thread, default above);
     wsN = WS N (wgmma: the warp-specialized build, a producer warp with the bulk / tensor copy engine; its
-    ring depth is dN's); xmcN = XMC N (WS: N neighbouring n-blocks share x's stages, multicast); minbN =
+    ring depth is dN's); minbN =
     WS_MINB N (WS: registers left for N CTAs per SM); mbN = MINB N (the plain builds: the same bound);
     wgN = WGMMA N (with xs1) (combined with "+");
     kwN = KW N (in-CTA split-K: SPLIT 1); kw / cl: the chosen split moved inside the CTA (KW) / into a
@@ -60,7 +60,7 @@ def variant(name: str, base: dict) -> dict:
             continue
         keys = {"d": "DEPTH", "nt": "NT", "s": "SPLIT", "t": "TIMING", "tr": "TRIGGER", "xs": "XSTREAM",
                 "wg": "WGMMA", "mg": "MG", "wb": "WB", "sw": "SWZ", "gse": "GSE", "xp": "XPRE", "ash": "ASH",
-                "ws": "WS", "xmc": "XMC", "minb": "WS_MINB", "mb": "MINB"}
+                "ws": "WS", "minb": "WS_MINB", "mb": "MINB"}
         prefix = part.rstrip("0123456789")
         if prefix not in keys or prefix == part:
             raise SystemExit(f"variant {name!r}: unknown part {part!r} (see mma16_sweep.variant)")
@@ -87,8 +87,6 @@ def configs(names, base: dict | None, k: int, wide: dict | None = None):
             c.pop("KW", None)
         if (c, use_pdl) in seen or (k // 128) < gemv_cuda.ksplit(c):
             continue
-        if c.get("XMC", 1) > 1 and (c["MG"] % c["XMC"] or c["XMC"] * c["SPLIT"] > 8):
-            continue  # (XMC: whole 8-row shares, clusters of at most 8 CTAs)
         seen.append((c, use_pdl))
         yield name, c, use_pdl
 

@@ -150,12 +150,6 @@ def _gemm_configs():
     # the plain build's register bound (MINB, A/B): depth 3 at 4 CTAs a SM fits 64 registers without spills
     cfg = dict(gemv_cuda.choose_wide(24576, 4096, 32, sms), DEPTH=3, MINB=4)
     yield "wgmma mb4 d3 24576x4096 m32", cfg, "sm_90a"
-    # x shared by 2 / 4 n-blocks (XMC: a cluster XMC x SPLIT, x multicast), one split and several
-    for (n, k), m, xmc in (((24576, 4096), 32, 2), ((4096, 4096), 32, 2), ((6144, 4096), 32, 4),
-                           ((4096, 4096), 16 * 8, 4)):
-        cfg = dict(gemv_cuda.choose_wide(n, k, m, sms), WS=1, DEPTH=4, XMC=xmc)
-        if cfg["SPLIT"] * xmc <= 8:
-            yield f"wgmma ws xmc{xmc} {n}x{k} m{m}", cfg, "sm_90a"
     yield "grouped 2048x768", choose_grouped(2048, 768, 8, sms), "sm_90"
     yield "grouped gather 1536x2048", {**choose_grouped(1536, 2048, 8, sms), "GATHER": 1}, "sm_90"
     # the MoE down projection with SiLU(gate) * up in the x staging: 128 experts' 2048x768 at 1 token of top-8

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_gemv_cuda import _gpu_case, _rel
 
-from fp4rl.kernels import gemv_cuda
+from fp4rl.kernels import gemv_cuda, tensor_map
 
 
 @pytest.mark.gpu
@@ -80,8 +80,7 @@ def test_gpu_wide_warp_specialized_gives_the_same_bits(n, k):
     mbarrier-guarded stages) against the plain wgmma build: the same multiplies in the same order, so the same
     bits, at 17-300 rows (x's rows past M zero-filled by the tensor map, several row blocks), depths 2-6,
     every split, W4A4's per-row x scales and per-row global scales, N not a multiple of the CTA's 128 rows, a
-    strided x, x shared by 2 / 4 n-blocks (XMC); and chained in a CUDA graph with programmatic dependent
-    launch."""
+    strided x; and chained in a CUDA graph with programmatic dependent launch."""
     if not gemv_cuda.wide_available():
         pytest.skip("needs an sm_90 GPU (wgmma) and torch.cuda._compile_kernel")
     from fp4rl.kernels import pdl
@@ -93,8 +92,7 @@ def test_gpu_wide_warp_specialized_gives_the_same_bits(n, k):
 
     def both(x, cfg, depth, gs=g, x_scale=None):
         ref = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device="cuda")
-        plain = {key: v for key, v in cfg.items() if key != "XMC"}  # (XMC is a WS key)
-        gemv_cuda.launch(x, wc, gs, ref, cfg=plain, x_scale=x_scale)
+        gemv_cuda.launch(x, wc, gs, ref, cfg=cfg, x_scale=x_scale)
         y = torch.full_like(ref, float("nan"))
         gemv_cuda.launch(x, wc, gs, y, cfg=dict(cfg, WS=1, DEPTH=depth), x_scale=x_scale)
         return ref, y
@@ -112,14 +110,6 @@ def test_gpu_wide_warp_specialized_gives_the_same_bits(n, k):
                 assert torch.equal(y, ref), (m, split, depth)
         for gs, x_scale in ((g, xs[:m]), (gr, None)):  # W4A4's per-row x scales; per-row global scales
             assert torch.equal(*both(base[:m], plan, depths[0], gs, x_scale)), (m, x_scale is None)
-    # XMC: 2 / 4 neighbouring n-blocks share x's stages (multicast; N = 768 pads the grid to whole groups)
-    for m in (32, 64):
-        plan = gemv_cuda.choose_wide(n, k, m, sms)
-        for split in sorted({1, plan["SPLIT"]}):
-            for xmc in (2, 4):
-                if split * xmc <= 8 and plan["MG"] % xmc == 0 and (k // 128) >= split:
-                    ref, y = both(base[:m], dict(plan, SPLIT=split, XMC=xmc), 4)
-                    assert torch.equal(y, ref), (m, split, xmc)
     xp = torch.zeros(40, k + 64, dtype=torch.bfloat16, device="cuda")[:, :k]  # a strided x
     xp.copy_(base[:40])
     assert torch.equal(*both(xp, gemv_cuda.choose_wide(n, k, 40, sms), 4))
@@ -345,7 +335,7 @@ def test_x_tensor_map_refuses_what_a_tensor_map_cannot_describe():
     rows0 = torch.zeros(1, 256, dtype=torch.bfloat16).expand(8, 256)  # every row the same memory
     for bad, rows in ((x[:, :260:2], 8), (x[:, 4:260], 8), (odd, 8), (x[:, :256], 257), (rows0, 8)):
         with pytest.raises(ValueError, match="tensor map"):
-            gemv_cuda.x_tensor_map(bad, rows)
+            tensor_map.x_tensor_map(bad, rows)
 
 
 def test_wide_nt_switch_forces_the_tiles_and_keeps_the_split(monkeypatch):

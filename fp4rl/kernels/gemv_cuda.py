@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from fp4rl.kernels import pdl, prenorm
+from fp4rl.kernels import pdl, prenorm, tensor_map
 from fp4rl.kernels.gemv import _MOVES, _permute_words, swizzle
 
 _SOURCE = Path(__file__).with_name("gemv_mma16.cu")
@@ -302,13 +302,19 @@ def choose(n: int, k: int, m: int, sms: int) -> dict:
 WIDE_MG = 16  # the wgmma configuration: up to 128 rows of x per CTA (m64n128k16), more rows in grid z blocks
 
 
+def _env_choice(name: str, default: str, allowed: tuple, meaning: str) -> int:
+    """The int the A/B switch `name` holds (unset or blank: `default`); anything outside `allowed` raises,
+    naming what the values mean."""
+    raw = os.environ.get(name, default).strip() or default
+    if raw not in allowed:
+        raise ValueError(f"{name}={raw!r}: expected {meaning}")
+    return int(raw)
+
+
 def _wide_nt_from_env() -> int:
     """FP4RL_WIDE_NT (A/B): 0 or unset = choose_wide's rule for the m64 tiles a warpgroup; 1 or 2 = that many
     at every row count (the split stays the rule's: as bench/mma16_sweep.py's `wide+nt2`)."""
-    raw = os.environ.get("FP4RL_WIDE_NT", "0").strip() or "0"
-    if raw not in ("0", "1", "2"):
-        raise ValueError(f"FP4RL_WIDE_NT={raw!r}: expected 0 (the rule), 1 or 2 (m64 tiles a warpgroup)")
-    return int(raw)
+    return _env_choice("FP4RL_WIDE_NT", "0", ("0", "1", "2"), "0 (the rule), 1 or 2 (m64 tiles a warpgroup)")
 
 
 WIDE_NT = _wide_nt_from_env()
@@ -319,27 +325,11 @@ def _wide_ws_from_env() -> int:
     warp-specialized build (gemv_mma16.cu WS: a producer warp copies the steps with the bulk / tensor copy
     engine into a ring of N stages) at every row count. Bit-identical, and 8-16% slower than the plain build
     on Qwen3-8B's shapes at 32 rows (H100, bench/RESULTS.md, fifty-fifth session): off by default."""
-    raw = os.environ.get("FP4RL_WIDE_WS", "0").strip() or "0"
-    if not raw.isdigit() or (raw != "0" and not 2 <= int(raw) <= 8):
-        raise ValueError(f"FP4RL_WIDE_WS={raw!r}: expected 0 (off) or a ring depth 2..8 (the "
-                         "warp-specialized wgmma build)")
-    return int(raw)
+    return _env_choice("FP4RL_WIDE_WS", "0", ("0",) + tuple(map(str, range(2, 9))),
+                       "0 (off) or a ring depth 2..8 (the warp-specialized wgmma build)")
 
 
 WIDE_WS = _wide_ws_from_env()
-
-
-def _wide_xmc_from_env() -> int:
-    """FP4RL_WIDE_XMC (A/B, with FP4RL_WIDE_WS): 1 or unset = each CTA copies its own x; 2 or 4 = that many
-    neighbouring n-blocks share x's stages (gemv_mma16.cu XMC: each copies its share of the rows, multicast to
-    the group), where the rows and the cluster (XMC x SPLIT <= 8 CTAs) allow."""
-    raw = os.environ.get("FP4RL_WIDE_XMC", "1").strip() or "1"
-    if raw not in ("1", "2", "4"):
-        raise ValueError(f"FP4RL_WIDE_XMC={raw!r}: expected 1 (off), 2 or 4 (n-blocks sharing x's stages)")
-    return int(raw)
-
-
-WIDE_XMC = _wide_xmc_from_env()
 # the warp-specialized build's registers (288 threads a CTA): NT x MG up to 16 compiles without spills, NT 2
 # at MG 13 spilled 108 B; wider tiles keep the plain build
 WS_MAX_ACC = 16
@@ -405,8 +395,6 @@ def choose_wide(n: int, k: int, m: int, sms: int) -> dict:
     if WIDE_WS and cfg["NT"] * cfg["MG"] <= WS_MAX_ACC:  # (a ring as deep as the switch says, or as fits)
         cfg.update(WS=1, DEPTH=max([d for d in range(2, WIDE_WS + 1)
                                     if smem_bytes(dict(cfg, DEPTH=d), k, m) <= SMEM_MAX], default=2))
-        if WIDE_XMC > 1 and cfg["MG"] % WIDE_XMC == 0 and WIDE_XMC * cfg["SPLIT"] <= 8:
-            cfg["XMC"] = WIDE_XMC
     if smem_bytes(cfg, k, m) > SMEM_MAX:  # cannot happen for the sizes above (<= 131 KB); kept as a guard
         raise ValueError(f"the wgmma configuration {cfg} does not fit shared memory")
     return cfg
@@ -476,8 +464,7 @@ def source(cfg: dict, wg_row: bool, xg_row: bool = False, grouped: bool = False)
     head = "".join(f"#define {key} {val}\n" for key, val in defs.items())
     if cfg.get("WGMMA"):
         head += _wgmma_source(cfg["MG"])
-    xmc = cfg.get("XMC", 1)  # (WS: n-blocks sharing x's stages; a cluster of XMC x SPLIT CTAs)
-    cluster = f"__cluster_dims__({xmc}, {cfg['SPLIT']}, 1)" if cfg["SPLIT"] > 1 or xmc > 1 else ""
+    cluster = f"__cluster_dims__(1, {cfg['SPLIT']}, 1)" if cfg["SPLIT"] > 1 else ""
     pn = prenorm.header() if cfg.get("PRENORM") else ""
     return head + f"#define CLUSTER {cluster}\n" + pn + _SOURCE.read_text()
 
@@ -548,47 +535,6 @@ def _operands(x2, global_scale, x_scale, counts: tuple, what: str):
     return x2, g, xg
 
 
-class TensorMap(ctypes.Structure):
-    """A CUtensorMap: 128 opaque bytes, passed to a kernel by value (64-byte aligned there)."""
-
-    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
-
-
-_TMAPS: dict = {}  # (address, rows, K, row stride, box rows) -> its TensorMap (eager launches encode once)
-
-
-def x_tensor_map(x2: torch.Tensor, box_rows: int) -> TensorMap:
-    """The tensor map through which the warp-specialized wgmma build (gemv_mma16.cu WS) copies x [M, K]
-    bfloat16 (unit column stride, 16-byte rows): boxes of 64 k x `box_rows` rows into the 128-byte swizzle of
-    its stages, rows past M read as zeros."""
-    m, k = x2.shape
-    if (x2.stride(1) != 1 or x2.stride(0) < k or (x2.stride(0) * 2) % 16 or x2.data_ptr() % 16
-            or not 1 <= box_rows <= 256):
-        raise ValueError(f"x {tuple(x2.shape)} stride {x2.stride()} (box {box_rows} rows) does not fit a "
-                         "tensor map: unit column stride, 16-byte aligned rows that do not overlap, at most "
-                         "256 rows a box")
-    key = (x2.data_ptr(), m, k, x2.stride(0), box_rows)
-    tm = _TMAPS.get(key)
-    if tm is not None:
-        return tm
-    tm = TensorMap()
-    dims = (ctypes.c_uint64 * 2)(k, m)
-    strides = (ctypes.c_uint64 * 1)(x2.stride(0) * 2)
-    box = (ctypes.c_uint32 * 2)(64, box_rows)
-    elem = (ctypes.c_uint32 * 2)(1, 1)
-    lib = torch.cuda._utils._get_gpu_runtime_library()
-    # bfloat16 (9), no interleave (0), 128-byte swizzle (3), L2 promotion 256 B (3), out-of-bounds zeros (0)
-    rc = lib.cuTensorMapEncodeTiled(ctypes.byref(tm), 9, 2, ctypes.c_void_p(x2.data_ptr()), dims, strides,
-                                    box, elem, 0, 3, 3, 0)
-    if rc != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc} (x {tuple(x2.shape)} stride "
-                           f"{x2.stride()}, box 64 x {box_rows})")
-    if len(_TMAPS) >= 1024:
-        _TMAPS.clear()
-    _TMAPS[key] = tm
-    return tm
-
-
 def _pdl_kind(cfg: dict, m: int) -> str:
     """The kind of a dense launch for fp4rl.kernels.pdl (which kinds carry PDL is decided there)."""
     return "wide" if cfg.get("WGMMA") else "gemv" if m == 1 else "mma"
@@ -616,12 +562,11 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
     key = _row_scale_key(cfg, g.numel() > 1)
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > 1, x_scale is not None, False), dev)
     smem = smem_bytes(cfg, wc.k, m)
-    xmc = cfg.get("XMC", 1)
-    nb = -(-wc.n // block_rows(cfg) // xmc) * xmc  # (XMC: whole groups; a CTA past N still shares x)
+    nb = -(-wc.n // block_rows(cfg))
     args = [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), g, 0, g]
     ws = cfg.get("WS", 0)
     if ws:  # the warp-specialized build: one producer warp more, x through a tensor map
-        args.append(x_tensor_map(x2, 8 * cfg["MG"] // xmc))  # (XMC: each CTA copies its share of the rows)
+        args.append(tensor_map.x_tensor_map(x2, 8 * cfg["MG"]))
     with torch.cuda.device(dev):
         _set_smem(kern, smem)
         pdl.launch(kern, (nb, cfg["SPLIT"], zb), ((WARPS + ws) * 32, 1, 1), args, smem,

@@ -172,15 +172,6 @@ typedef unsigned long long u64;
 // registers, 2-3 CTAs per SM against the plain build's 4 (its 60 at 256 threads): 4 caps it at 56.
 #define WS_MINB 0
 #endif
-#ifndef XMC
-// WS: x's stage shared by the XMC CTAs of neighbouring n-blocks (a cluster XMC x SPLIT): each producer copies
-// XROWS / XMC of the rows and multicasts them to all XMC CTAs (x's L2 reads divided by XMC); each consumer warp
-// gives a stage back to every CTA of its group (a stage is refilled in all of them at once)
-#define XMC 1
-#endif
-#if XMC > 1 && (!WS || MG % XMC)
-#error "XMC needs WS and XROWS / XMC rows a multiple of 8 (MG % XMC == 0)"
-#endif
 #if WS && (WS != 1 || !(WGMMA && SWZ && XSTREAM && !ASH && !GROUPED && DEPTH >= 2))
 #error "WS needs WGMMA, SWZ 1, XSTREAM, DEPTH >= 2, no ASH / GROUPED"
 #endif
@@ -330,7 +321,7 @@ __device__ __forceinline__ unsigned long long swz_desc(u32 tile, int blk, int ro
 // depends on MG); d: 4 MG fp32 per thread, the same fragment order as MG m16n8 accumulators
 #endif
 #if WS
-// the CUtensorMap of x (128 opaque bytes, 64-byte aligned), passed by value (gemv_cuda.x_tensor_map)
+// the CUtensorMap of x (128 opaque bytes, 64-byte aligned), passed by value (tensor_map.x_tensor_map)
 struct __align__(64) TMap {
     u64 v[16];
 };
@@ -362,21 +353,6 @@ __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u3
 __device__ __forceinline__ void tma_2d(u32 dst, const void* map, int c0, int c1, u32 bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
                  "[%4];" :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
-}
-// the same, multicast to the cluster's CTAs in `mask` (the same offsets there; each one's barrier counted)
-__device__ __forceinline__ void tma_2d_mc(u32 dst, const void* map, int c0, int c1, u32 bar, u16 mask) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-                 " [%0], [%1, {%2, %3}], [%4], %5;" :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
-                 : "memory");
-}
-// an arrival on the barrier at the same offset in the cluster's CTA of rank `rank`
-__device__ __forceinline__ void mbar_arrive_rank(u32 bar, u32 rank) {
-    u32 ra;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(bar), "r"(rank));
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(ra) : "memory");
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 #else
 #define WS_ARGS
@@ -1169,19 +1145,11 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #pragma unroll
         for (int d = 0; d < DEPTH; ++d) {
             mbar_init(full0 + 8 * d, 1);       // the producer's arrival (with the stage's bytes to expect)
-            mbar_init(empty0 + 8 * d, WARPS * XMC);  // one arrival per consumer warp (of the XMC CTAs)
+            mbar_init(empty0 + 8 * d, WARPS);  // one arrival per consumer warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    // (XMC: the group's producers write into this CTA's stages and barriers once they are initialized)
-    if (XMC > 1) cluster_sync();
-    else __syncthreads();
-    // XMC: this CTA's place in its group (cluster ranks run along x first: rank = cx + XMC cy)
-    u32 cx = 0, cy = 0;
-    if (XMC > 1) {
-        asm("mov.u32 %0, %%cluster_ctaid.x;" : "=r"(cx));
-        asm("mov.u32 %0, %%cluster_ctaid.y;" : "=r"(cy));
-    }
+    __syncthreads();
     const int nst = ws1 - ws0;  // this CTA's steps (none past K's end)
     float acc[NT][MG][4];
     acc_zero(&acc[0][0][0]);
@@ -1207,16 +1175,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         auto issue_x = [&](int i, int d) {
             if (lane == 0) {
                 const int k = (ws0 + i) * 128;
-                if (XMC > 1) {  // rows cx XROWS / XMC .. of both halves, to the group's XMC CTAs
-                    constexpr int XSUB = XROWS / XMC;
-                    const u16 mask = (u16)(((1u << XMC) - 1u) << (cy * XMC));
-                    const u32 o = xs0 + d * XSTAGE + cx * XSUB * 128;
-                    tma_2d_mc(o, &tmap, k, xrow + cx * XSUB, full0 + 8 * d, mask);
-                    tma_2d_mc(o + XROWS * 128, &tmap, k + 64, xrow + cx * XSUB, full0 + 8 * d, mask);
-                } else {
-                    tma_2d(xs0 + d * XSTAGE, &tmap, k, xrow, full0 + 8 * d);
-                    tma_2d(xs0 + d * XSTAGE + XROWS * 128, &tmap, k + 64, xrow, full0 + 8 * d);
-                }
+                tma_2d(xs0 + d * XSTAGE, &tmap, k, xrow, full0 + 8 * d);
+                tma_2d(xs0 + d * XSTAGE + XROWS * 128, &tmap, k + 64, xrow, full0 + 8 * d);
             }
         };
         // PDL: the first DEPTH weight steps before the wait (nothing on the stream writes weights), x after
@@ -1227,7 +1187,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         for (int i = 0; i < pro; ++i) issue_x(i, i);
         u32 d = 0, ph = 0;  // step i's stage (i % DEPTH) and the parity of its previous use's release
         for (int i = DEPTH; i < nst; ++i) {
-            mbar_wait(empty0 + 8 * d, ph);  // every consumer warp (XMC: of the group) is done with step i - DEPTH
+            mbar_wait(empty0 + 8 * d, ph);  // every consumer warp is done with step i - DEPTH
             issue_w(i, d);
             issue_x(i, d);
             if (++d == DEPTH) d = 0, ph ^= 1;
@@ -1249,15 +1209,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                     // the previous step's multiplies are done (for the whole warpgroup): its stage goes back
                     wg_wait<0>();
                     acc_fence(&acc[0][0][0]);
-                    if (i0 + d > 0 && lane == 0) {
-                        const u32 e = empty0 + 8 * ((d + DEPTH - 1) % DEPTH);
-                        if (XMC > 1) {
-#pragma unroll
-                            for (int r = 0; r < XMC; ++r) mbar_arrive_rank(e, cy * XMC + r);
-                        } else {
-                            mbar_arrive(e);
-                        }
-                    }
+                    if (i0 + d > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((d + DEPTH - 1) % DEPTH));
                     mbar_wait(full0 + 8 * d, ph);  // this step's weights and x have landed
                     // (a tile past N reads bytes never copied: its rows of acc are never stored)
                     uint4 wv[NT][2], sv[NT][2];
@@ -1350,8 +1302,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         return;
     }
 #endif
-    // the producer (WS) has no outputs (XMC: it joins the group's last barrier)
-    if (WS && warp == WARPS && SPLIT == 1 && XMC == 1) return;
+    if (WS && warp == WARPS && SPLIT == 1) return;  // the producer (WS) has no outputs
     if (SPLIT == 1) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
@@ -1371,10 +1322,6 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                 }
             }
         }
-#if WS
-        // XMC: no CTA leaves while the group's consumers may still arrive on its barriers
-        if (XMC > 1) cluster_sync();
-#endif
         STAMP_EXIT();
         return;
     }
@@ -1397,10 +1344,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     }
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
     if (!WS || warp < WARPS) {  // (WS: not the producer; it only joins the cluster barriers)
-        u32 rank;  // this CTA's part of K (XMC: the cluster's y; its peers at the same x)
+        u32 rank;
         asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-        const u32 rx = rank % XMC;
-        rank /= XMC;
         const int cols = NB / SPLIT;
         const int total = XR * cols;
         const u32 base = smem_u32(part);
@@ -1418,7 +1363,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                     const int m = e / cols, nl = rank * cols + (e - m * cols);
                     u32 ra;
                     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra)
-                                 : "r"(base + (u32)(m * PS + nl) * 4), "r"(rx + XMC * r));
+                                 : "r"(base + (u32)(m * PS + nl) * 4), "r"(r));
                     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v[u]) : "r"(ra) : "memory");
                 }
             }

@@ -163,7 +163,7 @@ def launch(kern, grid: tuple, block: tuple, args: list, shared_mem: int, stream:
     """Launch a kernel compiled by ``torch.cuda._compile_kernel`` (its ``.func``) through
     cuLaunchKernelEx, with the programmatic-stream-serialization attribute when `pdl`. Tensors are
     passed as device pointers, Python ints as 32-bit ints (the kernels' int parameters), ctypes structures
-    by value (a CUtensorMap: gemv_cuda.x_tensor_map)."""
+    by value (a CUtensorMap: tensor_map.x_tensor_map)."""
     keep = []
     ptrs = (ctypes.c_void_p * len(args))()
     for i, a in enumerate(args):
