@@ -37,7 +37,7 @@ def variant(name: str, base: dict) -> dict:
     ring depth is dN's); minbN =
     WS_MINB N (WS: registers left for N CTAs per SM); mbN = MINB N (the plain builds: the same bound);
     wl1 = WL 1 (experiment: the weight copy re-laid so that each 8 n-tiles' step is one 10 KB run,
-    `interleave` below; N % 128 == 0);
+    `interleave` below; N % 128 == 0); wp4 = WARPS 4 (wgmma: one warpgroup, 64 NT weight rows, a CTA);
     wgN = WGMMA N (with xs1) (combined with "+");
     kwN = KW N (in-CTA split-K: SPLIT 1); kw / cl: the chosen split moved inside the CTA (KW) / into a
     cluster (SPLIT);
@@ -62,7 +62,7 @@ def variant(name: str, base: dict) -> dict:
             continue
         keys = {"d": "DEPTH", "nt": "NT", "s": "SPLIT", "t": "TIMING", "tr": "TRIGGER", "xs": "XSTREAM",
                 "wg": "WGMMA", "mg": "MG", "wb": "WB", "sw": "SWZ", "gse": "GSE", "xp": "XPRE", "ash": "ASH",
-                "ws": "WS", "minb": "WS_MINB", "mb": "MINB", "wl": "WL"}
+                "ws": "WS", "minb": "WS_MINB", "mb": "MINB", "wl": "WL", "wp": "WARPS"}
         prefix = part.rstrip("0123456789")
         if prefix not in keys or prefix == part:
             raise SystemExit(f"variant {name!r}: unknown part {part!r} (see mma16_sweep.variant)")

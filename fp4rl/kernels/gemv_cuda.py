@@ -232,7 +232,7 @@ def ksplit(cfg: dict) -> int:
 
 def block_rows(cfg: dict) -> int:
     """Weight rows (n) per CTA: WARPS / KW warps of NT 16-row tiles."""
-    return WARPS // cfg.get("KW", 1) * cfg["NT"] * 16
+    return cfg.get("WARPS", WARPS) // cfg.get("KW", 1) * cfg["NT"] * 16
 
 
 def set_in_cta_split(on: bool) -> None:
@@ -431,7 +431,7 @@ def smem_bytes(cfg: dict, k: int, m: int = 8) -> int:
             rows = (xrows - 1) * (cfg.get("KTOP", 1) if cfg["PRENORM"] == 2 else 1)
             pn = rows * (per * 128 + 8) * 2 + 2 * k
         xb = (xrows * (per * 128 + 8) * 2 + pn + 127) // 128 * 128
-    ring = WARPS * cfg["DEPTH"] * cfg["NT"] * STAGE_BYTES
+    ring = cfg.get("WARPS", WARPS) * cfg["DEPTH"] * cfg["NT"] * STAGE_BYTES
     # the split-K partials (rows padded by 4 floats): one set per CTA (cluster) or per k range (KW)
     parts = cfg.get("KW", 1) if cfg.get("KW", 1) > 1 else 1 if cfg["SPLIT"] > 1 else 0
     pb = parts * 8 * cfg["MG"] * (block_rows(cfg) + 4) * 4
@@ -569,7 +569,7 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
         args.append(tensor_map.x_tensor_map(x2, 8 * cfg["MG"]))
     with torch.cuda.device(dev):
         _set_smem(kern, smem)
-        pdl.launch(kern, (nb, cfg["SPLIT"], zb), ((WARPS + ws) * 32, 1, 1), args, smem,
+        pdl.launch(kern, (nb, cfg["SPLIT"], zb), ((cfg.get("WARPS", WARPS) + ws) * 32, 1, 1), args, smem,
                    torch.cuda.current_stream(dev), pdl.gemm_flag(dev, _pdl_kind(cfg, m)))
     STATE["ok"] = True
     return y

@@ -66,7 +66,12 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
 
-#define WARPS 8
+#ifndef WARPS
+#define WARPS 8  // warps per CTA; 4 (one warpgroup, 64 NT weight rows a CTA) for the plain wgmma build only
+#endif
+#if WARPS != 8 && (WARPS != 4 || !WGMMA || WS || ASH)
+#error "WARPS 4 is for the plain wgmma build (no WS, no ASH); every other build takes 8"
+#endif
 #ifndef TRIGGER
 #define TRIGGER 1  // where griddepcontrol.launch_dependents goes (see below)
 #endif
@@ -709,25 +714,26 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     // XSTREAM: the 128-k chunk of x for `step` (its rows, then the zero row) into x stage `stage`, by all
     // threads of the CTA (the chunk is read by every warp: a CTA barrier per step orders it)
 #if XPRE == 2
-    // XPRE 2 (WGMMA, SWZ): chunk c = tid + 256 i of a stage is row (tid >> 4) + 16 i, 16-byte column tid & 15,
-    // so a thread's chunks share their column and their swizzle (row % 8) and lie 16 rows (2 KB of the stage)
-    // apart: one running source pointer and one offset per thread. Rows past M read a row < M instead of zeros
+    // XPRE 2 (WGMMA, SWZ): chunk c = tid + 32 WARPS i of a stage is row (tid >> 4) + XRI i, 16-byte column
+    // tid & 15, so a thread's chunks share their column and their swizzle (row % 8) and lie XRI rows (16 at
+    // 8 warps: 2 KB of the stage) apart: one running source pointer and one offset per thread. Rows past M read a row < M instead of zeros
     // (the thread's last row < M, or row M - 1 if it has none): x^T's column m of the product only reaches
     // output row m, and rows >= M are never stored or reduced (no registers per chunk, no per-chunk predicate
     // on the bytes).
     constexpr int XC = (XROWS * 16 + WARPS * 32 - 1) / (WARPS * 32);  // chunks per thread and stage
+    constexpr int XRL = WARPS == 8 ? 4 : 3, XRI = 1 << XRL;  // rows between a thread's chunks (2 WARPS)
     const int xr0 = threadIdx.x >> 4, xq = threadIdx.x & 15;
-    const bool xlast = xr0 + 16 * (XC - 1) < XROWS;  // the thread's last chunk is in the stage (MG odd: half)
-    const int xnv = M > xr0 ? (M - xr0 + 15) >> 4 : 0;  // its chunks of rows < M
+    const bool xlast = xr0 + XRI * (XC - 1) < XROWS;  // the thread's last chunk is in the stage (MG odd: half)
+    const int xnv = M > xr0 ? (M - xr0 + XRI - 1) >> XRL : 0;  // its chunks of rows < M
     const u16* xsrc = x + (u64)min(xr0, M - 1) * stride_xm + xq * 8 + (u64)s0 * 128;  // running (from s0)
-    const u64 xrow16 = (u64)16 * stride_xm;
+    const u64 xrow16 = (u64)XRI * stride_xm;
     const u32 xdst = smem_u32(xs) + (xq >> 3) * (XROWS * 128) + xr0 * 128 + (((xq & 7) ^ (xr0 & 7)) << 4);
     auto issue_x = [&](int step, int stage) {
         if (!(TIMING & 1) && step < s1) {  // past the range: nothing (those stages are never multiplied)
             const u16* p = xsrc;
 #pragma unroll
             for (int i = 0; i < XC; ++i) {
-                if (i < XC - 1 || xlast) cp_async16(xdst + stage * XSTAGE + i * 2048, p, 16);
+                if (i < XC - 1 || xlast) cp_async16(xdst + stage * XSTAGE + i * (XRI * 128), p, 16);
                 if (i + 1 < xnv) p += xrow16;
             }
         }
