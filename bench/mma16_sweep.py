@@ -67,6 +67,8 @@ def variant(name: str, base: dict) -> dict:
         if prefix not in keys or prefix == part:
             raise SystemExit(f"variant {name!r}: unknown part {part!r} (see mma16_sweep.variant)")
         c[keys[prefix]] = int(part[len(prefix):])
+    if (c.get("WS") or c.get("ASH")) and "wp4" not in name.split("+"):
+        c.pop("WARPS", None)  # (the warp-specialized and A-in-shared-memory builds have 8 warps)
     return c
 
 

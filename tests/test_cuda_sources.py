@@ -129,6 +129,11 @@ def test_quantize_kernels_compile_before_hopper(arch):
             compile_log(qc.source(dict(key)), arch)
 
 
+def _eight_warps(cfg: dict) -> dict:
+    """A wgmma configuration in its 8-warp form (the WS and ASH builds take no WARPS 4)."""
+    return {key: v for key, v in cfg.items() if key != "WARPS"}
+
+
 def _gemm_configs():
     sms = 132
     for n, k in ((4096, 14336), (14336, 4096), (4096, 6144)):
@@ -137,16 +142,21 @@ def _gemm_configs():
         for m in (32, 64, 128, 256, 512):  # MG 4 (XPRE 1), 8 and 16 (XPRE 2), several row blocks (NT by fill)
             yield f"wgmma {n}x{k} m{m}", gemv_cuda.choose_wide(n, k, m, sms), "sm_90a"
     for m, depth in ((128, 3), (512, 3), (64, 4)):  # ASH: the weights' A in shared memory (sweep variant)
-        cfg = dict(gemv_cuda.choose_wide(4096, 14336, m, sms), NT=1, XPRE=2, ASH=1, DEPTH=depth)
+        cfg = dict(_eight_warps(gemv_cuda.choose_wide(4096, 14336, m, sms)), NT=1, XPRE=2, ASH=1, DEPTH=depth)
         yield f"wgmma ash 4096x14336 m{m} d{depth}", cfg, "sm_90a"
     # the warp-specialized build (WS, FP4RL_WIDE_WS: a producer warp and the bulk / tensor copy engine):
     # MG 3 and 4 at splits 2-8, MG 8, 16 and 13 in row blocks, NT 2 at MG 8 (the most it takes), depths 2-6
     for (n, k), m, depth in (((4096, 4096), 32, 4), ((24576, 4096), 32, 6), ((4096, 12288), 24, 4),
                              ((4096, 14336), 64, 3), ((4096, 4096), 128, 2), ((4096, 4096), 300, 2)):
-        cfg = dict(gemv_cuda.choose_wide(n, k, m, sms), WS=1, DEPTH=depth)
+        cfg = dict(_eight_warps(gemv_cuda.choose_wide(n, k, m, sms)), WS=1, DEPTH=depth)
         yield f"wgmma ws {n}x{k} m{m} d{depth}", cfg, "sm_90a"
     cfg = dict(gemv_cuda.choose_wide(24576, 4096, 64, sms), WS=1, DEPTH=3, NT=2)
     yield "wgmma ws nt2 24576x4096 m64", cfg, "sm_90a"
+    # one warpgroup a CTA (WARPS 4; the rule's 4096 x K above at 32 / 64 rows): MG 16 and 13 in row blocks,
+    # x's addresses per step (XPRE 0), a 3-deep ring
+    for m, extra in ((128, {}), (200, {}), (32, {"XPRE": 0}), (64, {"DEPTH": 3})):
+        cfg = dict(gemv_cuda.choose_wide(4096, 4096, m, sms), NT=1, WARPS=4, **extra)
+        yield f"wgmma warps4 4096x4096 m{m} {extra}", cfg, "sm_90a"
     # the plain build's register bound (MINB, A/B): depth 3 at 4 CTAs a SM fits 64 registers without spills
     cfg = dict(gemv_cuda.choose_wide(24576, 4096, 32, sms), DEPTH=3, MINB=4)
     yield "wgmma mb4 d3 24576x4096 m32", cfg, "sm_90a"
@@ -305,6 +315,14 @@ def test_where_each_trigger_goes(name, cfg, wg_row, grouped):
     assert wait < pre < first, name
     pre, _, _, last = where(2)
     assert pre > last, name
+
+
+def test_warps_4_is_refused_where_the_kernel_has_no_such_build():
+    # WARPS 4 (one warpgroup a CTA) only for the plain wgmma build: not with WS, ASH or the mma.sync builds
+    cfg = dict(gemv_cuda.choose_wide(4096, 4096, 32, 132), WARPS=4)
+    for bad, arch in ((dict(cfg, WS=1), "sm_90a"), (dict(cfg, ASH=1, DEPTH=3), "sm_90a"),
+                      ({**gemv_cuda.choose(4096, 4096, 8, 132), "WARPS": 4}, "sm_90")):
+        assert "WARPS 4 is for the plain wgmma build" in _compile_error(gemv_cuda.source(bad, False), arch)
 
 
 def test_gate_up_trigger_1_is_refused():

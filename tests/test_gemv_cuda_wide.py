@@ -58,6 +58,7 @@ def test_gpu_wide_a_in_shared_memory_gives_the_same_bits(n, k):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for m in (17, 64, 100, 128, 300):
         plan = dict(gemv_cuda.choose_wide(n, k, m, sms), NT=1, XPRE=2)
+        plan.pop("WARPS", None)  # (ASH is for the 8-warp build)
         for split in sorted({1, plan["SPLIT"]}):
             for x_scale in (None, xs[:m]):
                 ref = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
@@ -97,8 +98,13 @@ def test_gpu_wide_warp_specialized_gives_the_same_bits(n, k):
         gemv_cuda.launch(x, wc, gs, y, cfg=dict(cfg, WS=1, DEPTH=depth), x_scale=x_scale)
         return ref, y
 
-    for m, depths in ((17, (2, 4)), (32, (4, 6)), (100, (3,)), (300, (2,))):
+    def choose(m):  # the rule's configuration in its 8-warp form (WS is for that build)
         plan = gemv_cuda.choose_wide(n, k, m, sms)
+        plan.pop("WARPS", None)
+        return plan
+
+    for m, depths in ((17, (2, 4)), (32, (4, 6)), (100, (3,)), (300, (2,))):
+        plan = choose(m)
         if plan["NT"] * plan["MG"] > gemv_cuda.WS_MAX_ACC:
             plan = dict(plan, NT=1)
         for split in sorted({1, plan["SPLIT"], 4}):
@@ -112,10 +118,10 @@ def test_gpu_wide_warp_specialized_gives_the_same_bits(n, k):
             assert torch.equal(*both(base[:m], plan, depths[0], gs, x_scale)), (m, x_scale is None)
     xp = torch.zeros(40, k + 64, dtype=torch.bfloat16, device="cuda")[:, :k]  # a strided x
     xp.copy_(base[:40])
-    assert torch.equal(*both(xp, gemv_cuda.choose_wide(n, k, 40, sms), 4))
+    assert torch.equal(*both(xp, choose(40), 4))
     if n == k:  # two chained launches in a CUDA graph, each starting before the previous one ends (PDL)
         x = base[:32].clone()
-        plan = gemv_cuda.choose_wide(n, k, 32, sms)
+        plan = choose(32)
         y1, y2 = (torch.empty(32, n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
         r1, r2 = torch.empty_like(y1), torch.empty_like(y2)
         gemv_cuda.launch(x, wc, g, r1, cfg=plan)
@@ -137,6 +143,47 @@ def test_gpu_wide_warp_specialized_gives_the_same_bits(n, k):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y1, r1) and torch.equal(y2, r2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(1008, 1280), (4096, 4096), (768, 14336)])
+def test_gpu_wide_one_warpgroup_a_ctas_gives_the_same_bits(n, k):
+    """WARPS 4 (one warpgroup a CTA: 64 weight rows, twice the CTAs) against the 8-warp build: each m64 tile's
+    steps multiplied and its split's partials reduced in the same order, so the same bits, at 17-300 rows
+    (MG 3-16, several row blocks), XPRE 0-2, depths 2-3, every split, W4A4's per-row x scales and per-row
+    global scales, N not a multiple of 64 rows, a strided x; and the rule's launch (choose_wide's WARPS)."""
+    if not gemv_cuda.wide_available():
+        pytest.skip("needs an sm_90 GPU (wgmma) and torch.cuda._compile_kernel")
+    w, wc, wd, g, base = _gpu_case(n, k, {}, 300, seed=23)
+    xs = torch.rand(300, device="cuda") + 0.5
+    gr = g.reshape(-1).expand(n) * torch.linspace(0.5, 2.0, n, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def both(x, cfg, gs=g, x_scale=None):
+        cfg = {key: v for key, v in cfg.items() if key != "WARPS"}
+        ref = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device="cuda")
+        gemv_cuda.launch(x, wc, gs, ref, cfg=cfg, x_scale=x_scale)
+        y = torch.full_like(ref, float("nan"))
+        gemv_cuda.launch(x, wc, gs, y, cfg=dict(cfg, WARPS=4), x_scale=x_scale)
+        return ref, y
+
+    for m in (17, 32, 45, 64, 100, 300):
+        plan = dict(gemv_cuda.choose_wide(n, k, m, sms), NT=1)
+        for split in sorted({1, plan["SPLIT"], 4, 8}):
+            if (k // 128) < split:
+                continue
+            for extra in ({}, {"XPRE": 0}, {"XPRE": 2}, {"DEPTH": 3}):
+                ref, y = both(base[:m], dict(plan, SPLIT=split, **extra))
+                assert _rel(y, base[:m].double() @ wd.T) < 4e-3, (m, split, extra)
+                assert torch.equal(y, ref), (m, split, extra)
+        for gs, x_scale in ((g, xs[:m]), (gr, None)):  # W4A4's per-row x scales; per-row global scales
+            assert torch.equal(*both(base[:m], plan, gs, x_scale)), (m, x_scale is None)
+        y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        gemv_cuda.launch_wide(base[:m], wc, g, y)  # the rule (WARPS 4 where it takes it)
+        assert torch.equal(y, both(base[:m], plan)[0]), m
+    xp = torch.zeros(40, k + 64, dtype=torch.bfloat16, device="cuda")[:, :k]  # a strided x
+    xp.copy_(base[:40])
+    assert torch.equal(*both(xp, dict(gemv_cuda.choose_wide(n, k, 40, sms), NT=1)))
 
 
 @pytest.mark.gpu
@@ -292,6 +339,7 @@ def _the_rules_tiles(monkeypatch):
     # the rule's NT and build whatever FP4RL_WIDE_NT / FP4RL_WIDE_WS the shell running the tests has set
     monkeypatch.setattr(gemv_cuda, "WIDE_NT", 0)
     monkeypatch.setattr(gemv_cuda, "WIDE_WS", 0)
+    monkeypatch.setattr(gemv_cuda, "WIDE_WARPS", 0)
 
 
 def test_wide_ws_switch_takes_the_warp_specialized_build_where_it_fits(monkeypatch):
@@ -307,7 +355,8 @@ def test_wide_ws_switch_takes_the_warp_specialized_build_where_it_fits(monkeypat
         for c in cases:
             cfg = gemv_cuda.choose_wide(*c, 132)
             if rule[c]["NT"] * rule[c]["MG"] <= gemv_cuda.WS_MAX_ACC:
-                assert cfg == dict(rule[c], WS=1, DEPTH=cfg["DEPTH"]), c
+                eight = {key: v for key, v in rule[c].items() if key != "WARPS"}  # (WS: the 8-warp build)
+                assert cfg == dict(eight, WS=1, DEPTH=cfg["DEPTH"]), c
                 # the switch's depth, or the deepest ring that fits one CTA's shared memory
                 assert cfg["DEPTH"] == depth or (
                     2 <= cfg["DEPTH"] < depth
@@ -348,7 +397,9 @@ def test_wide_nt_switch_forces_the_tiles_and_keeps_the_split(monkeypatch):
         monkeypatch.setattr(gemv_cuda, "WIDE_NT", forced)
         for c in cases:
             cfg = gemv_cuda.choose_wide(*c, 132)
-            assert cfg == dict(rule[c], NT=forced), c
+            # (NT 2: the 8-warp build, WARPS 4 is taken with NT 1 only)
+            want = {key: v for key, v in rule[c].items() if key != "WARPS" or forced == 1}
+            assert cfg == dict(want, NT=forced), c
             assert gemv_cuda.smem_bytes(cfg, c[1], c[2]) <= gemv_cuda.SMEM_MAX
     for raw, want in (("", 0), ("0", 0), (" 2 ", 2), ("1", 1)):
         monkeypatch.setenv("FP4RL_WIDE_NT", raw)
@@ -365,3 +416,36 @@ def test_wide_nt_switch_forces_the_tiles_and_keeps_the_split(monkeypatch):
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                              check=True)
         assert out.stdout.split() == want.split(), out
+
+
+def test_wide_warps_rule_and_switch(monkeypatch):
+    # choose_wide's WARPS 4 (one warpgroup a CTA) where the 8-warp grid of one row block is at most two CTAs a
+    # SM, at 33-64 rows only on few n-blocks; the 8-warp build elsewhere (no key: its compile key unchanged)
+    want4 = {(4096, 4096, 17), (4096, 4096, 32), (4096, 4096, 64), (4096, 12288, 32), (4096, 14336, 64),
+             (6144, 4096, 32), (14336, 4096, 24), (5120, 2048, 32), (2048, 4096, 64)}
+    want8 = {(24576, 4096, 32), (6144, 4096, 33), (6144, 4096, 64), (14336, 4096, 48), (4096, 4096, 65),
+             (4096, 4096, 300), (151936, 4096, 32), (24576, 4096, 17)}
+    for c in want4 | want8:
+        cfg = gemv_cuda.choose_wide(*c, 132)
+        assert cfg.get("WARPS", 8) == (4 if c in want4 else 8), (c, cfg)
+        assert cfg.get("WARPS") in (None, 4)  # (8 is never written into the key)
+        if c in want4:  # the same split and tiles as the 8-warp build: the same bits
+            monkeypatch.setattr(gemv_cuda, "WIDE_WARPS", 8)
+            assert gemv_cuda.choose_wide(*c, 132) == {key: v for key, v in cfg.items() if key != "WARPS"}
+            monkeypatch.setattr(gemv_cuda, "WIDE_WARPS", 0)
+        assert gemv_cuda.block_rows(cfg) == 16 * cfg.get("WARPS", 8) * cfg["NT"]
+        assert gemv_cuda.smem_bytes(cfg, c[1], c[2]) <= gemv_cuda.SMEM_MAX
+    monkeypatch.setattr(gemv_cuda, "WIDE_WARPS", 4)  # forced: every NT 1 configuration, any rows
+    for c in want8:
+        cfg = gemv_cuda.choose_wide(*c, 132)
+        assert cfg.get("WARPS") == (4 if cfg["NT"] == 1 else None), (c, cfg)
+    monkeypatch.setattr(gemv_cuda, "WIDE_WS", 4)  # the warp-specialized build has 8 warps
+    assert "WARPS" not in gemv_cuda.choose_wide(4096, 4096, 32, 132)
+    for raw, want in (("", 0), ("0", 0), (" 4 ", 4), ("8", 8)):
+        monkeypatch.setenv("FP4RL_WIDE_WARPS", raw)
+        assert gemv_cuda._wide_warps_from_env() == want
+    for bad in ("2", "16", "four"):
+        monkeypatch.setenv("FP4RL_WIDE_WARPS", bad)
+        with pytest.raises(ValueError, match="FP4RL_WIDE_WARPS"):
+            gemv_cuda._wide_warps_from_env()
+

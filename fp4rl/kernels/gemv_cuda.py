@@ -330,6 +330,15 @@ def _wide_ws_from_env() -> int:
 
 
 WIDE_WS = _wide_ws_from_env()
+
+
+def _wide_warps_from_env() -> int:
+    """FP4RL_WIDE_WARPS (A/B): 0 or unset = ``choose_wide``'s rule for the warps a CTA; 4 or 8 = that many at
+    every row count (4: one warpgroup, 64 weight rows a CTA, for the plain build only; the same bits)."""
+    return _env_choice("FP4RL_WIDE_WARPS", "0", ("0", "4", "8"), "0 (the rule), 4 or 8 (warps a CTA)")
+
+
+WIDE_WARPS = _wide_warps_from_env()
 # the warp-specialized build's registers (288 threads a CTA): NT x MG up to 16 compiles without spills, NT 2
 # at MG 13 spilled 108 B; wider tiles keep the plain build
 WS_MAX_ACC = 16
@@ -392,6 +401,15 @@ def choose_wide(n: int, k: int, m: int, sms: int) -> dict:
         mg = -(-per_block // 8)
         nt = tiles(zb)
     cfg = dict(NT=WIDE_NT or nt, MG=mg, SPLIT=split, DEPTH=2, XSTREAM=1, WGMMA=1, SWZ=1)
+    # one warpgroup a CTA (WARPS 4: 64 weight rows, twice the CTAs, a 4-warp barrier a step) where the 8-warp
+    # grid of one row block is at most two CTAs a SM; at 33-64 rows only on weights of few n-blocks (N <= 4096
+    # on 132 SMs). H100, fifty-sixth session (bench/RESULTS.md): -9 to -16% on 4096 x K at 17-64 rows, -2 to
+    # -5% on 6144 / 14336 x 4096 at 17-32 rows, where 6144 / 14336 lost up to 3% at 48-64 rows and
+    # 24576 x 4096 (384 CTAs) lost up to 23%. Same split, same order of the sums per tile: the same bits.
+    few = zb == 1 and nblocks * split <= 2 * sms and (mg_band <= 4 or nblocks <= sms // 4)
+    warps = WIDE_WARPS or (4 if few else 8)
+    if warps == 4 and cfg["NT"] == 1 and not WIDE_WS:
+        cfg["WARPS"] = 4
     if WIDE_WS and cfg["NT"] * cfg["MG"] <= WS_MAX_ACC:  # (a ring as deep as the switch says, or as fits)
         cfg.update(WS=1, DEPTH=max([d for d in range(2, WIDE_WS + 1)
                                     if smem_bytes(dict(cfg, DEPTH=d), k, m) <= SMEM_MAX], default=2))
