@@ -422,8 +422,9 @@ def test_wide_warps_rule_and_switch(monkeypatch):
     # choose_wide's WARPS 4 (one warpgroup a CTA) where the 8-warp grid of one row block is at most two CTAs a
     # SM, at 33-64 rows only on few n-blocks; the 8-warp build elsewhere (no key: its compile key unchanged)
     want4 = {(4096, 4096, 17), (4096, 4096, 32), (4096, 4096, 64), (4096, 12288, 32), (4096, 14336, 64),
-             (6144, 4096, 32), (14336, 4096, 24), (5120, 2048, 32), (2048, 4096, 64)}
+             (6144, 4096, 32), (14336, 4096, 24), (5120, 2048, 32), (5120, 2048, 64), (2048, 4096, 64)}
     want8 = {(24576, 4096, 32), (6144, 4096, 33), (6144, 4096, 64), (14336, 4096, 48), (4096, 4096, 65),
+             (7168, 5120, 48), (5120, 17408, 32),
              (4096, 4096, 300), (151936, 4096, 32), (24576, 4096, 17)}
     for c in want4 | want8:
         cfg = gemv_cuda.choose_wide(*c, 132)

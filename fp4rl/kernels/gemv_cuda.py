@@ -402,11 +402,14 @@ def choose_wide(n: int, k: int, m: int, sms: int) -> dict:
         nt = tiles(zb)
     cfg = dict(NT=WIDE_NT or nt, MG=mg, SPLIT=split, DEPTH=2, XSTREAM=1, WGMMA=1, SWZ=1)
     # one warpgroup a CTA (WARPS 4: 64 weight rows, twice the CTAs, a 4-warp barrier a step) where the 8-warp
-    # grid of one row block is at most two CTAs a SM; at 33-64 rows only on weights of few n-blocks (N <= 4096
-    # on 132 SMs). H100, fifty-sixth session (bench/RESULTS.md): -9 to -16% on 4096 x K at 17-64 rows, -2 to
-    # -5% on 6144 / 14336 x 4096 at 17-32 rows, where 6144 / 14336 lost up to 3% at 48-64 rows and
-    # 24576 x 4096 (384 CTAs) lost up to 23%. Same split, same order of the sums per tile: the same bits.
-    few = zb == 1 and nblocks * split <= 2 * sms and (mg_band <= 4 or nblocks <= sms // 4)
+    # grid of one row block is at most two CTAs a SM; at 33-64 rows only on weights of few n-blocks (at most a
+    # third of the SMs: N <= 5120 on 132). H100, fifty-sixth session (bench/RESULTS.md): fitted on Qwen3-8B's
+    # shapes (-9 to -16% on 4096 x K at 17-64 rows, -2 to -5% on 6144 / 14336 x 4096 at 17-32 rows; they
+    # lost up to 3% at 48-64 rows, 24576 x 4096 up to 23%), then out of sample on seven other shapes: -3 to
+    # -14% where taken, never slower (the 33-64 bound moved from a quarter to a third of the SMs after it:
+    # 5120 x 2048 -11%).
+    # Same split, same order of the sums per tile: the same bits.
+    few = zb == 1 and nblocks * split <= 2 * sms and (mg_band <= 4 or 3 * nblocks <= sms)
     warps = WIDE_WARPS or (4 if few else 8)
     if warps == 4 and cfg["NT"] == 1 and not WIDE_WS:
         cfg["WARPS"] = 4
