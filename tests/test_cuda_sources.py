@@ -318,11 +318,17 @@ def test_where_each_trigger_goes(name, cfg, wg_row, grouped):
 
 
 def test_warps_4_is_refused_where_the_kernel_has_no_such_build():
-    # WARPS 4 (one warpgroup a CTA) only for the plain wgmma build: not with WS, ASH or the mma.sync builds
+    # WARPS 4 (64 weight rows a CTA) only for the plain dense builds: not with WS, ASH, the in-CTA split (KW),
+    # the routed experts (GROUPED) or the fused RMSNorm (PRENORM)
     cfg = dict(gemv_cuda.choose_wide(4096, 4096, 32, 132), WARPS=4)
-    for bad, arch in ((dict(cfg, WS=1), "sm_90a"), (dict(cfg, ASH=1, DEPTH=3), "sm_90a"),
-                      ({**gemv_cuda.choose(4096, 4096, 8, 132), "WARPS": 4}, "sm_90")):
-        assert "WARPS 4 is for the plain wgmma build" in _compile_error(gemv_cuda.source(bad, False), arch)
+    one = gemv_cuda.in_cta_split(gemv_cuda.choose(4096, 4096, 1, 132), 4096, 1)
+    assert one.get("KW", 1) > 1
+    for bad, arch, grouped in ((dict(cfg, WS=1), "sm_90a", False),
+                               (dict(cfg, ASH=1, DEPTH=3), "sm_90a", False),
+                               ({**one, "WARPS": 4}, "sm_90", False),
+                               ({**choose_grouped(2048, 768, 8, 132), "WARPS": 4}, "sm_90", True)):
+        log = _compile_error(gemv_cuda.source(bad, False, False, grouped), arch)
+        assert "WARPS 4 is for the plain dense builds" in log, bad
 
 
 def test_gate_up_trigger_1_is_refused():

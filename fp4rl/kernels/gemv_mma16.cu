@@ -67,10 +67,10 @@ typedef unsigned short u16;
 typedef unsigned long long u64;
 
 #ifndef WARPS
-#define WARPS 8  // warps per CTA; 4 (one warpgroup, 64 NT weight rows a CTA) for the plain wgmma build only
+#define WARPS 8  // warps per CTA; 4 (64 NT weight rows a CTA; wgmma: one warpgroup) for the plain dense builds
 #endif
-#if WARPS != 8 && (WARPS != 4 || !WGMMA || WS || ASH)
-#error "WARPS 4 is for the plain wgmma build (no WS, no ASH); every other build takes 8"
+#if WARPS != 8 && (WARPS != 4 || WS || ASH || KW > 1 || GROUPED || PRENORM)
+#error "WARPS 4 is for the plain dense builds (no WS, ASH, KW, GROUPED or PRENORM); the others take 8"
 #endif
 #ifndef TRIGGER
 #define TRIGGER 1  // where griddepcontrol.launch_dependents goes (see below)
