@@ -3,7 +3,8 @@
 # (the weight copy re-laid so that a CTA's 8 n-tiles of a 128-k step are one 8 KB run of words and one 2 KB run of
 # scales, bench/mma16_sweep.interleave, instead of 8 x 1 KB pieces S KB apart), with the full kernel and its bare
 # weight stream (TIMING 3: no x, no unpack / MMA; wrong results), on the 8B's four shapes at 1, 8 and 32 rows
-# (bench/gpu_kernels.md, fifty-fifth session, Next 1). Up to ~150 s.
+# (bench/gpu_kernels.md, fifty-fifth session, Next 1). Up to ~150 s. WL and the sweep's wl1 / interleave were
+# removed after this run (no change: bench/RESULTS.md, fifty-sixth session); they are in commit d5febdb.
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
 SECONDS=0
 timeout 200 python3 bench/mma16_sweep.py --rows 1,8,32 \

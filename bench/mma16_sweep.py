@@ -36,8 +36,8 @@ def variant(name: str, base: dict) -> dict:
     wsN = WS N (wgmma: the warp-specialized build, a producer warp with the bulk / tensor copy engine; its
     ring depth is dN's); minbN =
     WS_MINB N (WS: registers left for N CTAs per SM); mbN = MINB N (the plain builds: the same bound);
-    wl1 = WL 1 (experiment: the weight copy re-laid so that each 8 n-tiles' step is one 10 KB run,
-    `interleave` below; N % 128 == 0); wp4 = WARPS 4 (wgmma: one warpgroup, 64 NT weight rows, a CTA);
+    wpN = WARPS N (4: 64 NT weight rows a CTA, wgmma: one warpgroup; 8: the 8-warp build where the rule
+    takes 4; WS / ASH variants drop the rule's WARPS 4 unless wp4 is named);
     wgN = WGMMA N (with xs1) (combined with "+");
     kwN = KW N (in-CTA split-K: SPLIT 1); kw / cl: the chosen split moved inside the CTA (KW) / into a
     cluster (SPLIT);
@@ -62,7 +62,7 @@ def variant(name: str, base: dict) -> dict:
             continue
         keys = {"d": "DEPTH", "nt": "NT", "s": "SPLIT", "t": "TIMING", "tr": "TRIGGER", "xs": "XSTREAM",
                 "wg": "WGMMA", "mg": "MG", "wb": "WB", "sw": "SWZ", "gse": "GSE", "xp": "XPRE", "ash": "ASH",
-                "ws": "WS", "minb": "WS_MINB", "mb": "MINB", "wl": "WL", "wp": "WARPS"}
+                "ws": "WS", "minb": "WS_MINB", "mb": "MINB", "wp": "WARPS"}
         prefix = part.rstrip("0123456789")
         if prefix not in keys or prefix == part:
             raise SystemExit(f"variant {name!r}: unknown part {part!r} (see mma16_sweep.variant)")
@@ -93,17 +93,6 @@ def configs(names, base: dict | None, k: int, wide: dict | None = None):
             continue
         seen.append((c, use_pdl))
         yield name, c, use_pdl
-
-
-def interleave(wc: gemv_cuda.Mma16Weight) -> gemv_cuda.Mma16Weight:
-    """The WL 1 copy of an mma16 weight: wt / st [N/16][S][...] -> [N/128][S][8 tiles][...], so that the 8
-    n-tiles of a 128-row block are contiguous at each 128-k step (8 KB of words, 2 KB of scales)."""
-    nb, s = wc.n // 128, wc.k // 128
-    if wc.n % 128:
-        raise ValueError(f"WL 1 needs N % 128 == 0, got N={wc.n}")
-    wt = wc.wt.reshape(nb, 8, s, -1).transpose(1, 2).contiguous().reshape(wc.wt.shape)
-    st = wc.st.reshape(nb, 8, s, -1).transpose(1, 2).contiguous().reshape(wc.st.shape)
-    return gemv_cuda.Mma16Weight(wt=wt, st=st, n=wc.n, k=wc.k)
 
 
 def start():
@@ -138,7 +127,6 @@ def main():
         nf = copies_for(wc0.wt.nbytes + wc0.st.nbytes)
         wcs = [wc0] + [gemv_cuda.Mma16Weight(wt=wc0.wt.clone(), st=wc0.st.clone(), n=n, k=k)
                        for _ in range(nf - 1)]
-        wls = [interleave(w) for w in wcs] if n % 128 == 0 else None
         wbs = [w_bf16] + [w_bf16.clone() for _ in range(copies_for(w_bf16.nbytes) - 1)]
         floor_bytes = wq.data.nbytes + wq.block_scale.nbytes
         for m in map(int, a.rows.split(",")):
@@ -150,13 +138,10 @@ def main():
             wide = gemv_cuda.choose_wide(n, k, m, sms)
             for name, c, use_pdl in configs(a.variants.split(","), base, k, wide):
                 y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-                ws = wls if c.get("WL") else wcs
-                if ws is None:
-                    continue
                 try:
-                    err = _rel(call(x, ws[0], g, y, c, use_pdl), ref)
+                    err = _rel(call(x, wc0, g, y, c, use_pdl), ref)
                     us = time_calls([lambda w=w, c=c, x=x, y=y, g=g, p=use_pdl: call(x, w, g, y, c, p)
-                                     for w in ws])
+                                     for w in wcs])
                 except Exception as exc:  # noqa: BLE001
                     print(f"{n}x{k} m{m} {name} {c} FAILED {repr(exc)[:400]}", flush=True)
                     continue
@@ -183,7 +168,7 @@ def main():
                     print("gluon FAILED", repr(exc)[:300], flush=True)
                 del wsws
             del x
-        del wcs, wbs, wls
+        del wcs, wbs
         torch.cuda.empty_cache()
         print(f"[{time.time() - t_start:.0f} s]", flush=True)
     if a.out:

@@ -217,13 +217,6 @@ static_assert((WARPS * 32) % (WARPS / KW * NT * 16) == 0, "GSR: a thread's epilo
 #if WS && (GSE || TIMING)
 #error "WS takes no GSE or TIMING"
 #endif
-#ifndef WL
-#define WL 0  // weight layout experiment: 1 = each 8 n-tiles (128 rows) interleaved by step, [N/128][S][8][1 KB]
-#endif
-#if WL && (WS || GROUPED)
-#error "WL is for the plain dense builds"
-#endif
-#define WSTEP (WL ? 8 : 1)  // n-tiles between one step of a tile and its next
 // STAMP_BUF (diagnostics only, gemv_cuda.stamp_buffer; never in a normal build): thread 0 of every CTA records
 // %globaltimer at its start, after griddepcontrol.wait, once x is staged, after its weight stream and before it
 // leaves, and appends one record of 8 u64 to the buffer at STAMP_BUF (u64 [0] = records taken; gemv_cuda.stamps
@@ -664,14 +657,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     for (int j = 0; j < NT; ++j) {
         ok[j] = tile0 + j < ntiles;
         const u64 tile = ok[j] ? (u64)(tile0 + j) : 0;
-#if WL
-        const u64 tbase = (tile >> 3) * S * 8 + (tile & 7);  // the tile's step 0, in tiles
-        wp[j] = wt + tbase * 64 + lane;
-        sp[j] = st + tbase * 16 + (lane & 15);
-#else
         wp[j] = wt + (tile * S) * 64 + lane;
         sp[j] = st + (tile * S) * 16 + (lane & 15);
-#endif
     }
 #if XPRE
     // XPRE: running source pointers, one step further each call (the calls come in step order from ws0):
@@ -679,7 +666,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     const uint4* wrun[NT];
     const uint4* srun[NT];
 #pragma unroll
-    for (int j = 0; j < NT; ++j) wrun[j] = wp[j] + (u64)ws0 * (64 * WSTEP), srun[j] = sp[j] + (u64)ws0 * (16 * WSTEP);
+    for (int j = 0; j < NT; ++j) wrun[j] = wp[j] + (u64)ws0 * 64, srun[j] = sp[j] + (u64)ws0 * 16;
 #endif
     auto issue_w = [&](int step, int stage) {
         if (step < ws1) {
@@ -693,16 +680,16 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                     cp_async16(dst + 512 + lane * 16, wrun[j] + 32, nb);
                     if (lane < 16) cp_async16(dst + 1024 + lane * 16, srun[j], nb);
 #else
-                    cp_async16(dst + lane * 16, wp[j] + (u64)step * (64 * WSTEP), nb);
-                    cp_async16(dst + 512 + lane * 16, wp[j] + (u64)step * (64 * WSTEP) + 32, nb);
-                    if (lane < 16) cp_async16(dst + 1024 + lane * 16, sp[j] + (u64)step * (16 * WSTEP), nb);
+                    cp_async16(dst + lane * 16, wp[j] + (u64)step * 64, nb);
+                    cp_async16(dst + 512 + lane * 16, wp[j] + (u64)step * 64 + 32, nb);
+                    if (lane < 16) cp_async16(dst + 1024 + lane * 16, sp[j] + (u64)step * 16, nb);
 #endif
                 }
             }
         }
 #if XPRE
 #pragma unroll
-        for (int j = 0; j < NT; ++j) wrun[j] += 64 * WSTEP, srun[j] += 16 * WSTEP;
+        for (int j = 0; j < NT; ++j) wrun[j] += 64, srun[j] += 16;
 #endif
     };
 #if !XSTREAM
