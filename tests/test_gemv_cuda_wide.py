@@ -419,13 +419,14 @@ def test_wide_nt_switch_forces_the_tiles_and_keeps_the_split(monkeypatch):
 
 
 def test_wide_warps_rule_and_switch(monkeypatch):
-    # choose_wide's WARPS 4 (one warpgroup a CTA) where the 8-warp grid of one row block is at most three CTAs
+    # choose_wide's WARPS 4 (one warpgroup a CTA) where the 8-warp grid of one row block is at most 2.5 CTAs
     # a SM (17-32 rows) / two on few n-blocks (33-64); the 8-warp build elsewhere (no key: the key as it was)
     want4 = {(4096, 4096, 17), (4096, 4096, 32), (4096, 4096, 64), (4096, 12288, 32), (4096, 14336, 64),
              (6144, 4096, 32), (14336, 4096, 24), (5120, 2048, 32), (5120, 2048, 64), (2048, 4096, 64),
-             (19456, 2560, 32), (24576, 4096, 32), (12288, 4096, 17)}
-    want8 = {(24576, 4096, 33), (6144, 4096, 33), (6144, 4096, 64), (14336, 4096, 48), (4096, 4096, 65),
-             (7168, 5120, 48), (5120, 12288, 64), (19456, 2560, 64), (4096, 4096, 300), (151936, 4096, 32)}
+             (19456, 2560, 32), (19456, 2560, 17), (5120, 17408, 32)}
+    want8 = {(24576, 4096, 32), (12288, 4096, 17), (24576, 4096, 33), (6144, 4096, 33), (6144, 4096, 64),
+             (14336, 4096, 48), (4096, 4096, 65), (7168, 5120, 48), (5120, 12288, 64), (19456, 2560, 64),
+             (4096, 4096, 300), (151936, 4096, 32)}
     for c in want4 | want8:
         cfg = gemv_cuda.choose_wide(*c, 132)
         assert cfg.get("WARPS", 8) == (4 if c in want4 else 8), (c, cfg)
