@@ -37,7 +37,7 @@ def variant(name: str, base: dict) -> dict:
     ring depth is dN's); minbN =
     WS_MINB N (WS: registers left for N CTAs per SM); mbN = MINB N (the plain builds: the same bound);
     wpN = WARPS N (4: 64 NT weight rows a CTA, wgmma: one warpgroup; 8: the 8-warp build where the rule
-    takes 4; WS / ASH variants drop the rule's WARPS 4 unless wp4 is named);
+    takes 4; WS / ASH / NT 2 variants drop the rule's WARPS 4 unless wp4 is named);
     wgN = WGMMA N (with xs1) (combined with "+");
     kwN = KW N (in-CTA split-K: SPLIT 1); kw / cl: the chosen split moved inside the CTA (KW) / into a
     cluster (SPLIT);
@@ -67,8 +67,8 @@ def variant(name: str, base: dict) -> dict:
         if prefix not in keys or prefix == part:
             raise SystemExit(f"variant {name!r}: unknown part {part!r} (see mma16_sweep.variant)")
         c[keys[prefix]] = int(part[len(prefix):])
-    if (c.get("WS") or c.get("ASH")) and "wp4" not in name.split("+"):
-        c.pop("WARPS", None)  # (the warp-specialized and A-in-shared-memory builds have 8 warps)
+    if (c.get("WS") or c.get("ASH") or c.get("NT", 1) != 1) and "wp4" not in name.split("+"):
+        c.pop("WARPS", None)  # (WS, ASH and NT 2 variants of the rule: its 8-warp build unless wp4 is named)
     return c
 
 

@@ -152,11 +152,15 @@ def _gemm_configs():
         yield f"wgmma ws {n}x{k} m{m} d{depth}", cfg, "sm_90a"
     cfg = dict(gemv_cuda.choose_wide(24576, 4096, 64, sms), WS=1, DEPTH=3, NT=2)
     yield "wgmma ws nt2 24576x4096 m64", cfg, "sm_90a"
-    # one warpgroup a CTA (WARPS 4; the rule's 4096 x K above at 32 / 64 rows): MG 16 and 13 in row blocks,
-    # x's addresses per step (XPRE 0), a 3-deep ring
-    for m, extra in ((128, {}), (200, {}), (32, {"XPRE": 0}), (64, {"DEPTH": 3})):
-        cfg = dict(gemv_cuda.choose_wide(4096, 4096, m, sms), NT=1, WARPS=4, **extra)
-        yield f"wgmma warps4 4096x4096 m{m} {extra}", cfg, "sm_90a"
+    # one warpgroup a CTA (WARPS 4; the rule's 4096 x K above at 32 / 64 rows): MG 16 and 13 (an A/B key past
+    # 64 rows), x's addresses per step (XPRE 0), a 3-deep ring
+    for (n, k), m, extra in (((1008, 1280), 128, {}), ((4096, 4096), 200, {}),
+                             ((4096, 4096), 32, {"XPRE": 0}), ((4096, 4096), 64, {"DEPTH": 3})):
+        cfg = dict(gemv_cuda.choose_wide(n, k, m, sms), NT=1, WARPS=4, **extra)
+        yield f"wgmma warps4 {n}x{k} m{m} MG {cfg['MG']} {extra}", cfg, "sm_90a"
+    # WARPS 4 in the mma.sync builds (A/B key): the staged x slice and the streamed one (XSTREAM)
+    for (n, k), m in (((4096, 4096), 8), ((4096, 14336), 16), ((24576, 4096), 16)):
+        yield f"mma16 warps4 {n}x{k} m{m}", {**gemv_cuda.choose(n, k, m, sms), "WARPS": 4}, "sm_90"
     # the plain build's register bound (MINB, A/B): depth 3 at 4 CTAs a SM fits 64 registers without spills
     cfg = dict(gemv_cuda.choose_wide(24576, 4096, 32, sms), DEPTH=3, MINB=4)
     yield "wgmma mb4 d3 24576x4096 m32", cfg, "sm_90a"

@@ -258,6 +258,35 @@ def test_gpu_in_cta_split_gives_the_cluster_splits_bits(n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(144, 640), (1008, 1280), (4096, 4096)])
+def test_gpu_four_warps_a_cta_give_the_same_bits(n, k):
+    """WARPS 4 in the mma.sync builds (an A/B key, not in choose's rule: 64 weight rows a CTA) against the
+    8-warp build: each warp's n-tiles and the split's reduction unchanged, so the same bits, at 1-16 rows,
+    every split K's steps allow, the staged x slice and the streamed one (XSTREAM), per-row global scales and
+    W4A4's per-row x scales; N not a multiple of 64 rows."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    w, wc, wd, g, base = _gpu_case(n, k, {}, 16, seed=7)
+    gr = (g * torch.linspace(0.5, 2.0, n, device="cuda")).contiguous()
+    xs = torch.rand(16, device="cuda") + 0.5
+    for m in (1, 3, 8, 16):
+        x = base[:m]
+        for split in (1, 2, 4, 8):
+            if (k // 128) < split:
+                continue
+            for xstream in (0, 1):
+                eight = dict(NT=1, MG=1 if m <= 8 else 2, SPLIT=split, DEPTH=2, XSTREAM=xstream)
+                for gs, x_scale in ((g, None), (gr, None), (g, xs[:m])):
+                    a = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    b = torch.full_like(a, float("nan"))
+                    gemv_cuda.launch(x, wc, gs, a, cfg=eight, x_scale=x_scale)
+                    gemv_cuda.launch(x, wc, gs, b, cfg=dict(eight, WARPS=4), x_scale=x_scale)
+                    assert not b.isnan().any() and torch.equal(a, b), (m, split, xstream, gs.numel())
+                    if gs is g and x_scale is None:
+                        assert _rel(b, x.double() @ wd.T) < 4e-3, (m, split, xstream)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(144, 640), (2048, 4096)])
 def test_gpu_global_scale_read_early_gives_the_same_bits(n, k):
     """The weight's global scale read before the PDL wait (GSE, the KW builds' default) or in the epilogue:

@@ -150,8 +150,8 @@ def test_gpu_wide_warp_specialized_gives_the_same_bits(n, k):
 def test_gpu_wide_one_warpgroup_a_ctas_gives_the_same_bits(n, k):
     """WARPS 4 (one warpgroup a CTA: 64 weight rows, twice the CTAs) against the 8-warp build: each m64 tile's
     steps multiplied and its split's partials reduced in the same order, so the same bits, at 17-300 rows
-    (MG 3-16, several row blocks), XPRE 0-2, depths 2-3, every split, W4A4's per-row x scales and per-row
-    global scales, N not a multiple of 64 rows, a strided x; and the rule's launch (choose_wide's WARPS)."""
+    (MG 3-16: 1008 x 1280 at 128 rows; several row blocks), XPRE 0-2, depths 2-3, every split, W4A4's per-row
+    x scales and per-row global scales, N not a multiple of 64 rows, a strided x; and the rule's launch."""
     if not gemv_cuda.wide_available():
         pytest.skip("needs an sm_90 GPU (wgmma) and torch.cuda._compile_kernel")
     w, wc, wd, g, base = _gpu_case(n, k, {}, 300, seed=23)
@@ -167,7 +167,7 @@ def test_gpu_wide_one_warpgroup_a_ctas_gives_the_same_bits(n, k):
         gemv_cuda.launch(x, wc, gs, y, cfg=dict(cfg, WARPS=4), x_scale=x_scale)
         return ref, y
 
-    for m in (17, 32, 45, 64, 100, 300):
+    for m in (17, 32, 45, 64, 100, 128, 300):
         plan = dict(gemv_cuda.choose_wide(n, k, m, sms), NT=1)
         for split in sorted({1, plan["SPLIT"], 4, 8}):
             if (k // 128) < split:
@@ -426,7 +426,7 @@ def test_wide_warps_rule_and_switch(monkeypatch):
              (19456, 2560, 32), (19456, 2560, 17), (5120, 17408, 32)}
     want8 = {(24576, 4096, 32), (12288, 4096, 17), (24576, 4096, 33), (6144, 4096, 33), (6144, 4096, 64),
              (14336, 4096, 48), (4096, 4096, 65), (7168, 5120, 48), (5120, 12288, 64), (19456, 2560, 64),
-             (4096, 4096, 300), (151936, 4096, 32)}
+             (4096, 4096, 300), (151936, 4096, 32), (1008, 1280, 100), (1008, 1280, 128), (4096, 1024, 128)}
     for c in want4 | want8:
         cfg = gemv_cuda.choose_wide(*c, 132)
         assert cfg.get("WARPS", 8) == (4 if c in want4 else 8), (c, cfg)

@@ -403,17 +403,17 @@ def choose_wide(n: int, k: int, m: int, sms: int) -> dict:
     cfg = dict(NT=WIDE_NT or nt, MG=mg, SPLIT=split, DEPTH=2, XSTREAM=1, WGMMA=1, SWZ=1)
     # one warpgroup a CTA (WARPS 4: 64 weight rows, twice the CTAs, a 4-warp barrier a step) where the 8-warp
     # grid of one row block is at most 2.5 CTAs a SM at 17-32 rows; at 33-64 rows at most two, and only on
-    # weights of few n-blocks (at most a third of the SMs: N <= 5120 on 132). H100, fifty-sixth session
-    # (bench/RESULTS.md): first fitted on Qwen3-8B's shapes (two CTAs a SM in both bands, a quarter of the
-    # SMs), then out of sample on seven other shapes (-3 to -14% where taken, never slower), then refitted on
-    # those and 15 more wide / long shapes: at 17-32 rows WARPS 4 was 5-11% faster on 19456 x K (304 CTAs) and
-    # 12288 x K (384, not taken), within -2.1% to +1.8% on 24576 x K (384) and 5120 x 8192-17408 (320); the
-    # 8B's batch-24 / 32 step with its 24576 x 4096 at WARPS 4 too was no faster (-1.7 / -2.0% against 8 warps
-    # everywhere, where 8 on that shape gave -2.2 / -2.1%). At 33-64 rows WARPS 4 lost up to 28% past two CTAs
-    # a SM (24576 x K, 5120 x 12288-17408) and up to 7% on 6144-14336 x 4096-12288.
-    # Same split, same order of the sums per tile: the same bits.
-    few = zb == 1 and (2 * nblocks * split <= 5 * sms if mg_band <= 4
-                       else nblocks * split <= 2 * sms and 3 * nblocks <= sms)
+    # weights of few n-blocks (at most a third of the SMs: N <= 5632 on 132); never past 64 rows (not timed).
+    # H100, fifty-sixth session (bench/RESULTS.md): first fitted on Qwen3-8B's shapes (two CTAs a SM in both
+    # bands, a quarter of the SMs), then out of sample on seven other shapes (-3 to -14% where taken, never
+    # slower), then refitted on those and 15 more wide / long shapes: at 17-32 rows WARPS 4 was 5-11% faster:
+    # 19456 x K (304 CTAs) and 12288 x K (384, not taken), within -2.1% to +1.8% on 24576 x K (384) and
+    # 5120 x 8192-17408 (320, taken: up to 1.8% slower); the 8B's batch-24 / 32 step with its 24576 x 4096 at
+    # WARPS 4 too was no faster (-1.7 / -2.0% against 8 warps everywhere, where 8 on that shape gave -2.2 /
+    # -2.1%). At 33-64 rows WARPS 4 lost up to 28% past two CTAs a SM (24576 x K, 5120 x 12288-17408) and up
+    # to 7% on 6144-14336 x 4096-12288. Same split, same order of the sums per tile: the same bits.
+    few = m <= 64 and zb == 1 and (2 * nblocks * split <= 5 * sms if mg_band <= 4
+                                   else nblocks * split <= 2 * sms and 3 * nblocks <= sms)
     warps = WIDE_WARPS or (4 if few else 8)
     if warps == 4 and cfg["NT"] == 1 and not WIDE_WS:
         cfg["WARPS"] = 4
