@@ -230,9 +230,14 @@ def ksplit(cfg: dict) -> int:
     return cfg.get("KW", 1) * cfg["SPLIT"]
 
 
+def warps(cfg: dict) -> int:
+    """A CTA's warps in this configuration (WS's producer warp not counted): WARPS, or its WARPS key (4)."""
+    return cfg.get("WARPS", WARPS)
+
+
 def block_rows(cfg: dict) -> int:
-    """Weight rows (n) per CTA: WARPS / KW warps of NT 16-row tiles."""
-    return cfg.get("WARPS", WARPS) // cfg.get("KW", 1) * cfg["NT"] * 16
+    """Weight rows (n) per CTA: warps / KW of NT 16-row tiles."""
+    return warps(cfg) // cfg.get("KW", 1) * cfg["NT"] * 16
 
 
 def set_in_cta_split(on: bool) -> None:
@@ -401,21 +406,14 @@ def choose_wide(n: int, k: int, m: int, sms: int) -> dict:
         mg = -(-per_block // 8)
         nt = tiles(zb)
     cfg = dict(NT=WIDE_NT or nt, MG=mg, SPLIT=split, DEPTH=2, XSTREAM=1, WGMMA=1, SWZ=1)
-    # one warpgroup a CTA (WARPS 4: 64 weight rows, twice the CTAs, a 4-warp barrier a step) where the 8-warp
-    # grid of one row block is at most 2.5 CTAs a SM at 17-32 rows; at 33-64 rows at most two, and only on
-    # weights of few n-blocks (at most a third of the SMs: N <= 5632 on 132); never past 64 rows (not timed).
-    # H100, fifty-sixth session (bench/RESULTS.md): first fitted on Qwen3-8B's shapes (two CTAs a SM in both
-    # bands, a quarter of the SMs), then out of sample on seven other shapes (-3 to -14% where taken, never
-    # slower), then refitted on those and 15 more wide / long shapes: at 17-32 rows WARPS 4 was 5-11% faster:
-    # 19456 x K (304 CTAs) and 12288 x K (384, not taken), within -2.1% to +1.8% on 24576 x K (384) and
-    # 5120 x 8192-17408 (320, taken: up to 1.8% slower); the 8B's batch-24 / 32 step with its 24576 x 4096 at
-    # WARPS 4 too was no faster (-1.7 / -2.0% against 8 warps everywhere, where 8 on that shape gave -2.2 /
-    # -2.1%). At 33-64 rows WARPS 4 lost up to 28% past two CTAs a SM (24576 x K, 5120 x 12288-17408) and up
-    # to 7% on 6144-14336 x 4096-12288. Same split, same order of the sums per tile: the same bits.
+    # one warpgroup a CTA (WARPS 4: 64 weight rows, twice the CTAs at the same split: the same bits) where
+    # the 8-warp grid of one row block is at most 2.5 CTAs a SM at 17-32 rows, at most two at 33-64 rows on
+    # weights of few n-blocks (a third of the SMs); not timed past 64 rows. Fitted on three H100 sweeps (82
+    # shape x row cases, 28 of them first out of sample; bench/RESULTS.md, fifty-sixth session: -16% to +1.8%
+    # a call where taken).
     few = m <= 64 and zb == 1 and (2 * nblocks * split <= 5 * sms if mg_band <= 4
                                    else nblocks * split <= 2 * sms and 3 * nblocks <= sms)
-    warps = WIDE_WARPS or (4 if few else 8)
-    if warps == 4 and cfg["NT"] == 1 and not WIDE_WS:
+    if (WIDE_WARPS or (4 if few else 8)) == 4 and cfg["NT"] == 1 and not WIDE_WS:
         cfg["WARPS"] = 4
     if WIDE_WS and cfg["NT"] * cfg["MG"] <= WS_MAX_ACC:  # (a ring as deep as the switch says, or as fits)
         cfg.update(WS=1, DEPTH=max([d for d in range(2, WIDE_WS + 1)
@@ -456,7 +454,7 @@ def smem_bytes(cfg: dict, k: int, m: int = 8) -> int:
             rows = (xrows - 1) * (cfg.get("KTOP", 1) if cfg["PRENORM"] == 2 else 1)
             pn = rows * (per * 128 + 8) * 2 + 2 * k
         xb = (xrows * (per * 128 + 8) * 2 + pn + 127) // 128 * 128
-    ring = cfg.get("WARPS", WARPS) * cfg["DEPTH"] * cfg["NT"] * STAGE_BYTES
+    ring = warps(cfg) * cfg["DEPTH"] * cfg["NT"] * STAGE_BYTES
     # the split-K partials (rows padded by 4 floats): one set per CTA (cluster) or per k range (KW)
     parts = cfg.get("KW", 1) if cfg.get("KW", 1) > 1 else 1 if cfg["SPLIT"] > 1 else 0
     pb = parts * 8 * cfg["MG"] * (block_rows(cfg) + 4) * 4
@@ -594,7 +592,7 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
         args.append(tensor_map.x_tensor_map(x2, 8 * cfg["MG"]))
     with torch.cuda.device(dev):
         _set_smem(kern, smem)
-        pdl.launch(kern, (nb, cfg["SPLIT"], zb), ((cfg.get("WARPS", WARPS) + ws) * 32, 1, 1), args, smem,
+        pdl.launch(kern, (nb, cfg["SPLIT"], zb), ((warps(cfg) + ws) * 32, 1, 1), args, smem,
                    torch.cuda.current_stream(dev), pdl.gemm_flag(dev, _pdl_kind(cfg, m)))
     STATE["ok"] = True
     return y
