@@ -340,6 +340,7 @@ def _the_rules_tiles(monkeypatch):
     monkeypatch.setattr(gemv_cuda, "WIDE_NT", 0)
     monkeypatch.setattr(gemv_cuda, "WIDE_WS", 0)
     monkeypatch.setattr(gemv_cuda, "WIDE_WARPS", 0)
+    monkeypatch.setattr(gemv_cuda, "NARROW_FROM", gemv_cuda.NARROW_FROM_DEFAULT)
 
 
 def test_wide_ws_switch_takes_the_warp_specialized_build_where_it_fits(monkeypatch):
@@ -451,3 +452,68 @@ def test_wide_warps_rule_and_switch(monkeypatch):
         with pytest.raises(ValueError, match="FP4RL_WIDE_WARPS"):
             gemv_cuda._wide_warps_from_env()
 
+
+
+def test_choose_narrow_keeps_the_one_row_split(monkeypatch):
+    """choose_narrow: the mma.sync build below NARROW_FROM rows, the wgmma build (WARPS 4) from there to 16
+    rows with the split of K the one-row launch has (so the same sums), never at one row or past 16."""
+    for n, k in ((4096, 14336), (14336, 4096), (6144, 4096), (24576, 4096), (4096, 4096), (2048, 768),
+                 (16, 128), (5120, 2048), (1008, 1280)):
+        one = gemv_cuda.ksplit(gemv_cuda.choose(n, k, 1, 132))
+        for start in (0, 2, 9, 16):
+            monkeypatch.setattr(gemv_cuda, "NARROW_FROM", start)
+            for m in range(1, 17):
+                cfg = gemv_cuda.choose_narrow(n, k, m, 132)
+                assert gemv_cuda.ksplit(cfg) == one, (n, k, m, cfg)
+                if start and m >= max(2, start):
+                    assert cfg == dict(NT=1, MG=1 if m <= 8 else 2, SPLIT=one, DEPTH=2, XSTREAM=1, WGMMA=1,
+                                       SWZ=1, WARPS=4), (n, k, m)
+                    assert gemv_cuda.smem_bytes(cfg, k, m) <= gemv_cuda.SMEM_LIMIT
+                else:
+                    assert cfg == gemv_cuda.choose(n, k, m, 132)
+    with pytest.raises(ValueError, match="1-64 rows"):
+        gemv_cuda.choose_narrow(4096, 4096, 65, 132)
+    for raw, want in (("", gemv_cuda.NARROW_FROM_DEFAULT), ("0", 0), (" 2 ", 2), ("16", 16)):
+        monkeypatch.setenv("FP4RL_NARROW_WGMMA", raw)
+        assert gemv_cuda._narrow_from_env() == want
+    for bad in ("1", "17", "on"):
+        monkeypatch.setenv("FP4RL_NARROW_WGMMA", bad)
+        with pytest.raises(ValueError, match="FP4RL_NARROW_WGMMA"):
+            gemv_cuda._narrow_from_env()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(144, 640), (1008, 1280), (4096, 4096), (768, 14336), (6144, 4096)])
+def test_gpu_narrow_wgmma_gives_each_rows_bits_alone(n, k, monkeypatch):
+    """2-16 rows on the wgmma build (choose_narrow from 2 rows) give each row the bits it gets multiplied
+    alone (the one-row mma.sync launch, K split inside the CTA) and those of the mma.sync build at the same
+    rows: per-tensor and per-row global scales, W4A4's per-row x scales, 1-2 row groups, splits 1-8 (uneven
+    step ranges at K = 640)."""
+    if not gemv_cuda.wide_available():
+        pytest.skip("needs an sm_90 GPU (wgmma) and torch.cuda._compile_kernel")
+    w, wc, wd, g, base = _gpu_case(n, k, {}, 16, seed=17)
+    gr = (g * torch.linspace(0.5, 2.0, n, device="cuda")).contiguous()
+    xs = torch.rand(16, device="cuda") + 0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    monkeypatch.setattr(gemv_cuda, "NARROW_FROM", 2)
+    gemv_cuda._plan.cache_clear()
+    try:
+        for gs, x_scale in ((g, None), (gr, None), (g, xs)):
+            alone = torch.full((16, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+            for i in range(16):
+                gemv_cuda.launch(base[i:i + 1], wc, gs, alone[i:i + 1],
+                                 x_scale=None if x_scale is None else x_scale[i:i + 1])
+            assert not alone.isnan().any()
+            scale = (gs / g).double()[None, :] * (1 if x_scale is None else x_scale[:, None].double())
+            assert _rel(alone, (base.double() @ wd.T) * scale) < 4e-3
+            for m in (2, 3, 8, 9, 12, 16):
+                xsm = None if x_scale is None else x_scale[:m]
+                wide, sync = (torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                              for _ in range(2))
+                assert gemv_cuda._plan(n, k, m, 0).get("WGMMA") == 1
+                gemv_cuda.launch(base[:m], wc, gs, wide, x_scale=xsm)
+                gemv_cuda.launch(base[:m], wc, gs, sync, cfg=gemv_cuda.choose(n, k, m, sms), x_scale=xsm)
+                assert torch.equal(wide, alone[:m]), (m, gs.numel(), x_scale is None)
+                assert torch.equal(sync, alone[:m]), (m, gs.numel(), x_scale is None)
+    finally:
+        gemv_cuda._plan.cache_clear()

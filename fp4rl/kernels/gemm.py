@@ -276,7 +276,9 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
                     return _mma16.launch(xin, m16, g1, y, x_scale=x_scale)
                 return _mma16.launch_wide(xin, m16, g1, y, x_scale=x_scale)
             except RuntimeError as exc:  # NVRTC or the driver refused it: that configuration off for good
-                (_mma16.disable if narrow else _mma16.disable_wide)(exc)
+                # (1-16 rows may be on the wgmma build too: gemv_cuda.choose_narrow)
+                wgmma = not narrow or _mma16._plan(n, 2 * kh, m, xin.device.index).get("WGMMA")
+                (_mma16.disable_wide if wgmma else _mma16.disable)(exc)
 
     # the wgmma configuration as the tuner's first candidate for the rows of wide_candidate
     wide_tuned = (m16 is not None and not grouped and config is None

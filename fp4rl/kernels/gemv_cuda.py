@@ -114,6 +114,7 @@ def disable_wide(exc: Exception) -> None:
     """The wgmma configuration failed here (NVRTC or the driver refused sm_90a): off for good; the mma.sync
     configurations stay on."""
     STATE["wide"] = False
+    _plan.cache_clear()  # (1-16 rows: the mma.sync build again where choose_narrow took the wgmma one)
     warnings.warn(f"CUDA wgmma W4A16 configuration disabled ({repr(exc)[:300]}); 17+ rows use the Triton "
                   "kernels", stacklevel=3)
 
@@ -324,6 +325,30 @@ def choose_wide(n: int, k: int, m: int, sms: int) -> dict:
     return cfg
 
 
+def _narrow_from_env() -> int:
+    """FP4RL_NARROW_WGMMA (A/B): the fewest rows (2-16) that ``choose_narrow`` gives the wgmma build; 0 = the
+    mma.sync build at every row up to 16; unset or blank = NARROW_FROM_DEFAULT."""
+    return _env_choice("FP4RL_NARROW_WGMMA", str(NARROW_FROM_DEFAULT), ("0",) + tuple(map(str, range(2, 17))),
+                       "0 (mma.sync up to 16 rows) or 2..16 (the fewest rows the wgmma build takes)")
+
+
+NARROW_FROM_DEFAULT = 9
+NARROW_FROM = _narrow_from_env()
+
+
+def choose_narrow(n: int, k: int, m: int, sms: int) -> dict:
+    """The configuration of 1-16 rows on sm_90a: ``choose``'s mma.sync build, or from NARROW_FROM rows the
+    wgmma build with one warpgroup a CTA (WARPS 4) at choose's split of K. Both add each 128-k step's eight
+    k16 products in k order into FP32 and reduce the split in the same order, so a row's bits stay those of
+    the row multiplied alone (GPU test); the wgmma build streams the weights faster at 9-16 rows (H100,
+    bench/RESULTS.md, fifty-seventh session)."""
+    cfg = choose(n, k, m, sms)
+    if not NARROW_FROM or not max(2, NARROW_FROM) <= m <= 16:
+        return cfg
+    wide = dict(NT=1, MG=cfg["MG"], SPLIT=ksplit(cfg), DEPTH=2, XSTREAM=1, WGMMA=1, SWZ=1, WARPS=4)
+    return wide if smem_bytes(wide, k, m) <= SMEM_LIMIT else cfg
+
+
 def fits(n: int, k: int, m: int, sms: int) -> bool:
     """Whether the kernel takes an N x K weight with m rows on a GPU of `sms` SMs (shape and shared memory:
     very long K slices of many rows do not fit)."""
@@ -412,7 +437,8 @@ def _kernel(key: tuple, device_index: int):
 
 @functools.cache
 def _plan(n: int, k: int, m: int, device_index: int) -> dict:
-    return choose(n, k, m, torch.cuda.get_device_properties(device_index).multi_processor_count)
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return choose_narrow(n, k, m, sms) if wide_available(device_index) else choose(n, k, m, sms)
 
 
 @functools.cache
