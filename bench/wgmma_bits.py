@@ -6,13 +6,13 @@ mma.sync build, K split inside the CTA): the reference bits. Then the whole of x
 
   auto          choose(n, k, m) (mma.sync; up to 16 rows)
   wide          choose_wide(n, k, m) (the wgmma rule)
-  wide_s1[_w8][_d3]  choose_wide with the one-row split of K (ksplit of choose(n, k, 1)), WARPS 4 (or 8),
-                DEPTH 2 (or 3)
+  wide_s1[_w8][_d3]  choose_wide with the one-row split of K (ksplit of choose(n, k, 1)), WARPS 4 (or 8 with
+                --w8), DEPTH 2 (or 3)
 
 and reports, per configuration, how many of y's elements differ from the rows multiplied alone (0: the same
 bits) and its time (CUDA-graph replay over weight copies, as bench/mma16_sweep.py).
 
-  python3 bench/wgmma_bits.py [--shapes 4096x4096,...] [--rows 2,4,8,16,32] [--out FILE]
+  python3 bench/wgmma_bits.py [--shapes 4096x4096,...] [--rows 2,4,8,16,32] [--w8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from fp4rl.benchmarks.gpu_gemm import _nvfp4_weight  # noqa: E402
 from fp4rl.benchmarks.gpu_kernels import _env, copies_for, time_calls  # noqa: E402
 from fp4rl.kernels import gemv_cuda  # noqa: E402
 
+WARPS_TRIED = (4,)  # --w8: (4, 8)
+
 
 def variants(n: int, k: int, m: int, sms: int) -> list[tuple[str, dict]]:
     one = gemv_cuda.ksplit(gemv_cuda.choose(n, k, 1, sms))
@@ -40,7 +42,7 @@ def variants(n: int, k: int, m: int, sms: int) -> list[tuple[str, dict]]:
     out.append(("wide", wide))
     base = {key: v for key, v in wide.items() if key not in ("WARPS", "WS")}
     base.update(NT=1, SPLIT=one)
-    for warps in (4, 8):
+    for warps in WARPS_TRIED:
         for depth in (2, 3):
             c = dict(base, DEPTH=depth)
             if warps == 4:
@@ -54,10 +56,13 @@ def variants(n: int, k: int, m: int, sms: int) -> list[tuple[str, dict]]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4096x4096,6144x4096,24576x4096,4096x12288,14336x4096,4096x14336")
-    ap.add_argument("--rows", default="2,4,8,12,16,24,32,64")
+    ap.add_argument("--rows", default="2,4,8,12,16,32")
     ap.add_argument("--global-per-n", action="store_true", help="a global scale per weight row")
+    ap.add_argument("--w8", action="store_true", help="also the 8-warp build at the one-row split")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    global WARPS_TRIED
+    WARPS_TRIED = (4, 8) if a.w8 else (4,)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = {"env": _env(), "rows": []}
     torch.manual_seed(0)
