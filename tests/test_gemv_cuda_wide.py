@@ -484,11 +484,11 @@ def test_choose_narrow_keeps_the_one_row_split(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(144, 640), (1008, 1280), (4096, 4096), (768, 14336), (6144, 4096)])
-def test_gpu_narrow_wgmma_gives_each_rows_bits_alone(n, k, monkeypatch):
-    """2-16 rows on the wgmma build (choose_narrow from 2 rows) give each row the bits it gets multiplied
-    alone (the one-row mma.sync launch, K split inside the CTA) and those of the mma.sync build at the same
-    rows: per-tensor and per-row global scales, W4A4's per-row x scales, 1-2 row groups, splits 1-8 (uneven
-    step ranges at K = 640)."""
+def test_gpu_narrow_wgmma_rows_keep_their_bits_from_2_to_16(n, k, monkeypatch):
+    """2-16 rows on the wgmma build (choose_narrow from 2 rows): within bf16 GEMM error of the reference
+    (per-tensor and per-row global scales, W4A4's per-row x scales), each row's bits the same at every row
+    count 2-16 (1-2 row groups: n8 / n16 multiplies), and within one bf16 ulp of the mma.sync build at the
+    same split (each k16 step's adders round differently: a few elements in 10^4 differ, H100)."""
     if not gemv_cuda.wide_available():
         pytest.skip("needs an sm_90 GPU (wgmma) and torch.cuda._compile_kernel")
     w, wc, wd, g, base = _gpu_case(n, k, {}, 16, seed=17)
@@ -499,21 +499,20 @@ def test_gpu_narrow_wgmma_gives_each_rows_bits_alone(n, k, monkeypatch):
     gemv_cuda._plan.cache_clear()
     try:
         for gs, x_scale in ((g, None), (gr, None), (g, xs)):
-            alone = torch.full((16, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            for i in range(16):
-                gemv_cuda.launch(base[i:i + 1], wc, gs, alone[i:i + 1],
-                                 x_scale=None if x_scale is None else x_scale[i:i + 1])
-            assert not alone.isnan().any()
             scale = (gs / g).double()[None, :] * (1 if x_scale is None else x_scale[:, None].double())
-            assert _rel(alone, (base.double() @ wd.T) * scale) < 4e-3
-            for m in (2, 3, 8, 9, 12, 16):
+            ref = (base.double() @ wd.T) * scale
+            full = None
+            for m in (16, 2, 3, 8, 9, 12):
                 xsm = None if x_scale is None else x_scale[:m]
                 wide, sync = (torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                               for _ in range(2))
                 assert gemv_cuda._plan(n, k, m, 0).get("WGMMA") == 1
                 gemv_cuda.launch(base[:m], wc, gs, wide, x_scale=xsm)
                 gemv_cuda.launch(base[:m], wc, gs, sync, cfg=gemv_cuda.choose(n, k, m, sms), x_scale=xsm)
-                assert torch.equal(wide, alone[:m]), (m, gs.numel(), x_scale is None)
-                assert torch.equal(sync, alone[:m]), (m, gs.numel(), x_scale is None)
+                assert not wide.isnan().any() and _rel(wide, ref[:m]) < 4e-3, (m, gs.numel())
+                full = wide if full is None else full
+                assert torch.equal(wide, full[:m]), (m, gs.numel(), x_scale is None)
+                ulps = (wide.view(torch.int16).int() - sync.view(torch.int16).int()).abs()
+                assert int(ulps.max()) <= 1, (m, gs.numel(), x_scale is None)
     finally:
         gemv_cuda._plan.cache_clear()

@@ -332,19 +332,19 @@ def _narrow_from_env() -> int:
                        "0 (mma.sync up to 16 rows) or 2..16 (the fewest rows the wgmma build takes)")
 
 
-# 0 until choose_narrow's bits and speed are measured on a GPU (bench/device_run187.sh, device_run188.sh; the
-# fifty-sixth session's sweep had the wgmma build at the one-row split 3-30% faster at 4-16 rows on five of
-# Qwen3-8B's six shapes, 6144x4096 +4% at 4 rows)
-NARROW_FROM_DEFAULT = 0
+# from 2 rows: Qwen3-8B's decode step -1.4 / -2.8 / -6.0% at batch 4 / 8 / 16 (H100, bench/device_run188.sh;
+# per call: bench/wgmma_bits.py, bench/RESULTS.md, fifty-seventh session)
+NARROW_FROM_DEFAULT = 2
 NARROW_FROM = _narrow_from_env()
 
 
 def choose_narrow(n: int, k: int, m: int, sms: int) -> dict:
     """The configuration of 1-16 rows on sm_90a: ``choose``'s mma.sync build, or from NARROW_FROM rows the
     wgmma build with one warpgroup a CTA (WARPS 4) at choose's split of K. Both add each 128-k step's eight
-    k16 products in k order into FP32 and reduce the split in the same order: if the two instructions' adders
-    round alike, a row's bits stay those of the row multiplied alone (tests/test_gemv_cuda_wide.py's GPU test
-    checks it; not run on a GPU yet)."""
+    k16 products in k order into FP32 and reduce the split in the same order, but the two instructions' adders
+    do not round alike: a few elements in 10^4 differ by one bf16 ulp from the mma.sync build (and so from
+    the row multiplied alone; H100, bench/wgmma_bits.py). A row's bits do not depend on the other rows of 2-16
+    (tests/test_gemv_cuda_wide.py)."""
     cfg = choose(n, k, m, sms)
     if not NARROW_FROM or not max(2, NARROW_FROM) <= m <= 16:
         return cfg
