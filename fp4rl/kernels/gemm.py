@@ -258,8 +258,9 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
     if dense is not None and config == _tune.FALLBACK:  # the same product without the per-call dequantize
         config = _tune.DENSE
     if m16 is not None and not grouped and config is None and _mma16.available(device):
-        # the CUDA kernel (fp4rl.kernels.gemv_cuda): mma.sync for every row up to 16 on one MMA, its wgmma
-        # configuration for the rows of wide_rows (with a dense copy: the tuner weighs the two, below)
+        # the CUDA kernel (fp4rl.kernels.gemv_cuda): every row up to 16 with one split of K (mma.sync; its
+        # wgmma build from 2 rows on sm_90a: gemv_cuda.choose_narrow), its wgmma configuration for the rows of
+        # wide_rows (with a dense copy: the tuner weighs the two, below)
         narrow = m <= MMA16_MAX_ROWS and _mma16.fits(n, 2 * kh, m, _tune._sm_count(device))
         wide = (dense is None and not narrow and wide_rows(m, n) and _mma16.wide_available(device)
                 and _mma16.supports(n, 2 * kh))

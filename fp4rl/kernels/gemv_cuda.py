@@ -1,5 +1,6 @@
 """W4A16 skinny GEMM on Hopper in CUDA C++ (gemv_mma16.cu), compiled by NVRTC at run time: mma.sync for
-1-64 rows (``choose``), wgmma for any number of rows (``choose_wide``, sm_90a; gemm.gemm takes it at 17-64).
+1-64 rows (``choose``), wgmma for any number of rows (``choose_wide``, sm_90a; gemm.gemm takes it at 17-64,
+and at 2-16 rows with the one-row split of K: ``choose_narrow``).
 
 The kernel streams a re-laid-out copy of the packed weight (``Mma16Weight``: the same bytes per code plus
 bf16 block scales, made once per weight version by ``relayout``; the sampler keeps it in
