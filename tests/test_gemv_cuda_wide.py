@@ -465,12 +465,22 @@ def test_choose_narrow_keeps_the_one_row_split(monkeypatch):
             for m in range(1, 17):
                 cfg = gemv_cuda.choose_narrow(n, k, m, 132)
                 assert gemv_cuda.ksplit(cfg) == one, (n, k, m, cfg)
-                if start and m >= max(2, start):
-                    assert cfg == dict(NT=1, MG=1 if m <= 8 else 2, SPLIT=one, DEPTH=2, XSTREAM=1, WGMMA=1,
-                                       SWZ=1, WARPS=4), (n, k, m)
+                steps = -(-(k // 128) // one)
+                if start and m >= max(2, start) and not (m <= 8 and 4 < steps < 12):
+                    depth = 3 if m <= 8 and steps >= 12 else 2  # (a 3-deep ring: long slices, one row group)
+                    assert cfg == dict(NT=1, MG=1 if m <= 8 else 2, SPLIT=one, DEPTH=depth, XSTREAM=1,
+                                       WGMMA=1, SWZ=1, WARPS=4), (n, k, m)
                     assert gemv_cuda.smem_bytes(cfg, k, m) <= gemv_cuda.SMEM_LIMIT
                 else:
                     assert cfg == gemv_cuda.choose(n, k, m, 132)
+    # the rule on Qwen3-8B's shapes at 2-8 rows (H100 sweep): 4096x4096 (4 steps a CTA) depth 2, 6144x4096 (8)
+    # mma.sync, 24576x4096 / 4096x12288 (16 / 12) depth 3; at 9-16 rows depth 2 on all four
+    monkeypatch.setattr(gemv_cuda, "NARROW_FROM", 2)
+    shapes = ((4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288))
+    got = {c: gemv_cuda.choose_narrow(*c, 8, 132) for c in shapes}
+    got = {c: cfg["DEPTH"] if cfg.get("WGMMA") else None for c, cfg in got.items()}
+    assert got == {(4096, 4096): 2, (6144, 4096): None, (24576, 4096): 3, (4096, 12288): 3}
+    assert all(gemv_cuda.choose_narrow(n, 4096, 16, 132)["DEPTH"] == 2 for n in (4096, 6144, 24576))
     with pytest.raises(ValueError, match="1-64 rows"):
         gemv_cuda.choose_narrow(4096, 4096, 65, 132)
     for raw, want in (("", gemv_cuda.NARROW_FROM_DEFAULT), ("0", 0), (" 2 ", 2), ("16", 16)):
@@ -506,14 +516,22 @@ def test_gpu_narrow_wgmma_rows_keep_their_bits_from_2_to_16(n, k, monkeypatch):
                 xsm = None if x_scale is None else x_scale[:m]
                 wide, sync = (torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                               for _ in range(2))
-                assert gemv_cuda._plan(n, k, m, 0).get("WGMMA") == 1
-                gemv_cuda.launch(base[:m], wc, gs, wide, x_scale=xsm)
+                plan = gemv_cuda._plan(n, k, m, 0)
+                assert plan == gemv_cuda.choose_narrow(n, k, m, sms)
                 gemv_cuda.launch(base[:m], wc, gs, sync, cfg=gemv_cuda.choose(n, k, m, sms), x_scale=xsm)
-                assert not wide.isnan().any() and _rel(wide, ref[:m]) < 4e-3, (m, gs.numel())
-                full = wide if full is None else full
-                assert torch.equal(wide, full[:m]), (m, gs.numel(), x_scale is None)
-                # (rounding-level: a few elements in 10^4 one bf16 ulp apart on the H100)
-                assert (wide != sync).float().mean() < 0.01, (m, gs.numel())
-                assert _rel(wide, sync.double()) < 1e-4, (m, gs.numel())
+                for depth in (2, 3):  # (the rule's mma.sync rows too: the wgmma build at both ring depths)
+                    cfg = dict(NT=1, MG=plan["MG"], SPLIT=gemv_cuda.ksplit(plan), DEPTH=depth, XSTREAM=1,
+                               WGMMA=1, SWZ=1, WARPS=4)
+                    wide.fill_(float("nan"))
+                    gemv_cuda.launch(base[:m], wc, gs, wide, cfg=cfg, x_scale=xsm)
+                    assert not wide.isnan().any() and _rel(wide, ref[:m]) < 4e-3, (m, gs.numel())
+                    full = wide.clone() if full is None else full
+                    assert torch.equal(wide, full[:m]), (m, depth, gs.numel(), x_scale is None)
+                    # (rounding-level: a few elements in 10^4 one bf16 ulp apart on the H100)
+                    assert (wide != sync).float().mean() < 0.01, (m, gs.numel())
+                    assert _rel(wide, sync.double()) < 1e-4, (m, gs.numel())
+                if plan.get("WGMMA"):  # the default launch takes the rule's wgmma build: the same bits
+                    again = torch.full_like(wide, float("nan"))
+                    assert torch.equal(gemv_cuda.launch(base[:m], wc, gs, again, x_scale=xsm), wide)
     finally:
         gemv_cuda._plan.cache_clear()

@@ -333,8 +333,9 @@ def _narrow_from_env() -> int:
                        "0 (mma.sync up to 16 rows) or 2..16 (the fewest rows the wgmma build takes)")
 
 
-# from 2 rows: Qwen3-8B's decode step -1.4 / -2.8 / -6.0% at batch 4 / 8 / 16 (H100, bench/device_run188.sh;
-# per call: bench/wgmma_bits.py, bench/RESULTS.md, fifty-seventh session)
+# from 2 rows: Qwen3-8B's decode step -1.4 / -2.8 / -6.0% at batch 4 / 8 / 16 with every 2-16-row GEMM at
+# depth 2 (H100, bench/device_run188.sh); the 2-8-row rule below from the per-call sweep of 14 shapes in the
+# same session (bench/wgmma_bits.py; bench/RESULTS.md, fifty-seventh session), not timed in a step yet
 NARROW_FROM_DEFAULT = 2
 NARROW_FROM = _narrow_from_env()
 
@@ -349,7 +350,11 @@ def choose_narrow(n: int, k: int, m: int, sms: int) -> dict:
     cfg = choose(n, k, m, sms)
     if not NARROW_FROM or not max(2, NARROW_FROM) <= m <= 16:
         return cfg
-    wide = dict(NT=1, MG=cfg["MG"], SPLIT=ksplit(cfg), DEPTH=2, XSTREAM=1, WGMMA=1, SWZ=1, WARPS=4)
+    steps = -(-(k // 128) // ksplit(cfg))  # 128-k steps a CTA streams
+    if m <= 8 and 4 < steps < 12:  # (one row group: mma.sync where the wgmma build at depth 2 or 3 was
+        return cfg  # slower, 6144x4096 / 6144x2560 +1 to +8% a call; a 3-deep ring from 12 steps: -1 to -14%)
+    depth = 3 if m <= 8 and steps >= 12 else 2
+    wide = dict(NT=1, MG=cfg["MG"], SPLIT=ksplit(cfg), DEPTH=depth, XSTREAM=1, WGMMA=1, SWZ=1, WARPS=4)
     return wide if smem_bytes(wide, k, m) <= SMEM_LIMIT else cfg
 
 
