@@ -1,6 +1,7 @@
 #!/bin/bash
 # Fifty-seventh session, second: choose_narrow (2-16 rows on the wgmma build, WARPS 4, the one-row split) in the
-# 8B decode step: FP4RL_NARROW_WGMMA=2 (every 2-16-row GEMM) against 0 (mma.sync), fresh processes in pairs, at
+# 8B decode step: FP4RL_NARROW_WGMMA=2 (when run: every 2-16-row GEMM at depth 2; since: choose_narrow's rule from
+# 2 rows) against 0 (mma.sync), fresh processes in pairs, at
 # batch 4 / 8 / 16 (128-token prompts, BF16 KV, full depth), and BF16 weights at the same batches for the ratio.
 # Up to END (default 560) s.
 source bench/sampler_arm.sh
