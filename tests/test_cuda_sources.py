@@ -158,6 +158,9 @@ def _gemm_configs():
                              ((4096, 4096), 32, {"XPRE": 0}), ((4096, 4096), 64, {"DEPTH": 3})):
         cfg = dict(gemv_cuda.choose_wide(n, k, m, sms), NT=1, WARPS=4, **extra)
         yield f"wgmma warps4 {n}x{k} m{m} MG {cfg['MG']} {extra}", cfg, "sm_90a"
+    # 2-16 rows on the wgmma build (choose_narrow): one and two row groups, depth 2 and 3, clusters of 2-8
+    for (n, k), m in (((4096, 4096), 8), ((24576, 4096), 4), ((4096, 14336), 16)):
+        yield f"narrow {n}x{k} m{m}", gemv_cuda.choose_narrow(n, k, m, sms), "sm_90a"
     # WARPS 4 in the mma.sync builds (A/B key): the staged x slice and the streamed one (XSTREAM)
     for (n, k), m in (((4096, 4096), 8), ((4096, 14336), 16), ((24576, 4096), 16)):
         yield f"mma16 warps4 {n}x{k} m{m}", {**gemv_cuda.choose(n, k, m, sms), "WARPS": 4}, "sm_90"

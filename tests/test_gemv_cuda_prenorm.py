@@ -98,6 +98,12 @@ def test_prenorm_plan_with_the_moe_combine():
     assert prenorm_plan(5120, 2048, 4, 132, ktop=8) is None
 
 
+def _mma_sync(n, k, m):
+    """The mma.sync configuration of m rows (the PRENORM build's arithmetic; the default plan may take the
+    wgmma build at 2-16 rows, gemv_cuda.choose_narrow, which rounds a few elements differently)."""
+    return gemv_cuda.choose(n, k, m, torch.cuda.get_device_properties(0).multi_processor_count)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(6144, 4096), (5120, 2048), (24576, 4096), (144, 640)])
 def test_gpu_prenorm_is_add_rmsnorm_then_the_gemm_bit_for_bit(n, k):
@@ -125,7 +131,7 @@ def test_gpu_prenorm_is_add_rmsnorm_then_the_gemm_bit_for_bit(n, k):
         xs_ref, y_ref = prenorm.reference(xr[:m], hr[:m], nw, 1e-6)
         for gs in (g, gr):
             want = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            gemv_cuda.launch(y_ref, wc, gs, want)
+            gemv_cuda.launch(y_ref, wc, gs, want, cfg=_mma_sync(n, k, m))
             got = torch.full_like(want, float("nan"))
             out = launch_prenorm(xr[:m], hr[:m], nw, 1e-6, wc, gs, got)
             assert out is not None and out[1] is got
@@ -166,7 +172,7 @@ def test_gpu_prenorm_combine_is_add_rmsnorm_moe_then_the_gemm_bit_for_bit(n, k, 
         xs_ref, y_ref = prenorm.reference(xr[:m], None, nw, 1e-6, moe=(d, pos, wts))
         assert torch.equal(xs_ref, fused.add_rmsnorm(xr[:m], None, nw, 1e-6, moe=(d, pos, wts))[0])
         want = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-        gemv_cuda.launch(y_ref, wc, g, want)
+        gemv_cuda.launch(y_ref, wc, g, want, cfg=_mma_sync(n, k, m))
         got = torch.full_like(want, float("nan"))
         out = launch_prenorm(xr[:m], None, nw, 1e-6, wc, g, got, moe=(d, pos, wts))
         assert out is not None and torch.equal(out[0], xs_ref), m

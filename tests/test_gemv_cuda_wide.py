@@ -527,9 +527,10 @@ def test_gpu_narrow_wgmma_rows_keep_their_bits_from_2_to_16(n, k, monkeypatch):
                     assert not wide.isnan().any() and _rel(wide, ref[:m]) < 4e-3, (m, gs.numel())
                     full = wide.clone() if full is None else full
                     assert torch.equal(wide, full[:m]), (m, depth, gs.numel(), x_scale is None)
-                    # (rounding-level: a few elements in 10^4 one bf16 ulp apart on the H100)
-                    assert (wide != sync).float().mean() < 0.01, (m, gs.numel())
-                    assert _rel(wide, sync.double()) < 1e-4, (m, gs.numel())
+                    # (rounding flips: a few elements in 10^4 one bf16 ulp apart on the H100; a broken build
+                    # is off by ~1 relative)
+                    assert int((wide != sync).sum()) <= max(3, wide.numel() // 100), (m, gs.numel())
+                    assert _rel(wide, sync.double()) < 1e-3, (m, gs.numel())
                 if plan.get("WGMMA"):  # the default launch takes the rule's wgmma build: the same bits
                     again = torch.full_like(wide, float("nan"))
                     assert torch.equal(gemv_cuda.launch(base[:m], wc, gs, again, x_scale=xsm), wide)

@@ -152,13 +152,15 @@ def test_gpu_stamps_record_every_cta_in_order_and_keep_the_bits():
     n, k = 1008, 1280
     _, wc, _, g, base = _gpu_case(n, k, {}, 8, seed=5)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plain = {m: gemv_cuda.launch(base[:m], wc, g, torch.empty(m, n, dtype=torch.bfloat16, device="cuda"))
-             for m in (1, 8)}
+    cfgs = {1: None, 8: gemv_cuda.choose(n, k, 8, sms)}  # (8 rows: the mma.sync build, not choose_narrow's)
+    plain = {m: gemv_cuda.launch(base[:m], wc, g, torch.empty(m, n, dtype=torch.bfloat16, device="cuda"),
+                                 cfg=cfgs[m]) for m in (1, 8)}
     stamps.enable("cuda")
     try:
         for m in (1, 8):
             stamps.reset("cuda")
-            y = gemv_cuda.launch(base[:m], wc, g, torch.empty(m, n, dtype=torch.bfloat16, device="cuda"))
+            y = gemv_cuda.launch(base[:m], wc, g, torch.empty(m, n, dtype=torch.bfloat16, device="cuda"),
+                                 cfg=cfgs[m])
             torch.cuda.synchronize()
             assert torch.equal(y, plain[m])
             recs = stamps.read("cuda")

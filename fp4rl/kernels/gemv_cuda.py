@@ -117,7 +117,7 @@ def disable_wide(exc: Exception) -> None:
     STATE["wide"] = False
     _plan.cache_clear()  # (1-16 rows: the mma.sync build again where choose_narrow took the wgmma one)
     warnings.warn(f"CUDA wgmma W4A16 configuration disabled ({repr(exc)[:300]}); 17+ rows use the Triton "
-                  "kernels", stacklevel=3)
+                  "kernels, 2-16 the mma.sync build", stacklevel=3)
 
 
 def disable(exc: Exception) -> None:
@@ -345,8 +345,9 @@ def choose_narrow(n: int, k: int, m: int, sms: int) -> dict:
     wgmma build with one warpgroup a CTA (WARPS 4) at choose's split of K. Both add each 128-k step's eight
     k16 products in k order into FP32 and reduce the split in the same order, but the two instructions' adders
     do not round alike: a few elements in 10^4 differ by one bf16 ulp from the mma.sync build (and so from
-    the row multiplied alone; H100, bench/wgmma_bits.py). A row's bits do not depend on the other rows of 2-16
-    (tests/test_gemv_cuda_wide.py)."""
+    the row multiplied alone; H100, bench/wgmma_bits.py). A row's bits are the same at every row count of 2-16
+    on the same build (tests/test_gemv_cuda_wide.py); where 2-8 rows stay on mma.sync, 8 and 9-16 rows differ
+    by rounding."""
     cfg = choose(n, k, m, sms)
     if not NARROW_FROM or not max(2, NARROW_FROM) <= m <= 16:
         return cfg

@@ -50,8 +50,8 @@
 // SPLIT = KW: the same bits, without the cluster's barriers (gemv_cuda.in_cta_split chooses it).
 // A row's result does not depend on the other rows of x (up to 16 rows: SPLIT and the n-blocks depend on
 // N, K only; WGMMA: on N, K and the band of rows, gemv_cuda.choose_wide; 2-16 rows on WGMMA with the one-row
-// split, gemv_cuda.choose_narrow: within rounding of the one-row mma.sync launch, the adders of the two
-// instructions rounding differently).
+// split, gemv_cuda.choose_narrow: the same bits at every row count on that build, within rounding of the
+// one-row mma.sync launch, the adders of the two instructions rounding differently).
 // Programmatic dependent launch (fp4rl/kernels/pdl.py): launched with the attribute, the kernel may start
 // while the previous one runs; it issues its first DEPTH weight steps (which nothing on the stream writes
 // during a decode step), then griddepcontrol.wait, then stages x. Without the attribute both are no-ops.

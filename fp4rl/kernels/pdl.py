@@ -37,10 +37,11 @@ import os
 import torch
 
 # the kinds of PDL launch: the dense CUDA GEMM's mma.sync configurations at 1 row ("gemv") and at 2-16 rows
-# ("mma"), its wgmma configuration (17+ rows), its grouped (routed-expert) launches, the fused Triton kernels,
-# the Triton decode attention ("attn": BF16 and FP8 caches, and NVFP4 where the Gluon kernel does not take
-# it), the CUDA MoE router + route (moe_route_cuda: "route", which reads the router weight before its wait),
-# the Gluon NVFP4 decode attention ("gluon": off by default, no faster in the 8B's step at 4K context)
+# ("mma"), its wgmma configuration ("wide": 17+ rows, and 2-16 where gemv_cuda.choose_narrow takes it), its
+# grouped (routed-expert) launches, the fused Triton kernels, the Triton decode attention ("attn": BF16 and
+# FP8 caches, and NVFP4 where the Gluon kernel does not take it), the CUDA MoE router + route (moe_route_cuda:
+# "route", which reads the router weight before its wait), the Gluon NVFP4 decode attention ("gluon": off by
+# default, no faster in the 8B's step at 4K context)
 KINDS = ("gemv", "mma", "wide", "grouped", "triton", "attn", "route", "gluon")
 DEFAULT_OFF = frozenset({"mma", "wide", "attn", "gluon"})
 
