@@ -30,10 +30,8 @@ from fp4rl.benchmarks.gpu_gemm import _nvfp4_weight  # noqa: E402
 from fp4rl.benchmarks.gpu_kernels import _env, copies_for, time_calls  # noqa: E402
 from fp4rl.kernels import gemv_cuda  # noqa: E402
 
-WARPS_TRIED = (4,)  # --w8: (4, 8)
 
-
-def variants(n: int, k: int, m: int, sms: int) -> list[tuple[str, dict]]:
+def variants(n: int, k: int, m: int, sms: int, warps_tried=(4,)) -> list[tuple[str, dict]]:
     one = gemv_cuda.ksplit(gemv_cuda.choose(n, k, 1, sms))
     out = []
     if m <= 16:
@@ -42,7 +40,7 @@ def variants(n: int, k: int, m: int, sms: int) -> list[tuple[str, dict]]:
     out.append(("wide", wide))
     base = {key: v for key, v in wide.items() if key not in ("WARPS", "WS")}
     base.update(NT=1, SPLIT=one)
-    for warps in WARPS_TRIED:
+    for warps in warps_tried:
         for depth in (2, 3):
             c = dict(base, DEPTH=depth)
             if warps == 4:
@@ -61,8 +59,6 @@ def main():
     ap.add_argument("--w8", action="store_true", help="also the 8-warp build at the one-row split")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    global WARPS_TRIED
-    WARPS_TRIED = (4, 8) if a.w8 else (4,)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = {"env": _env(), "rows": []}
     torch.manual_seed(0)
@@ -80,7 +76,7 @@ def main():
             alone = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
             for i in range(m):
                 gemv_cuda.launch(x[i:i + 1], wc0, g, alone[i:i + 1])
-            for name, c in variants(n, k, m, sms):
+            for name, c in variants(n, k, m, sms, (4, 8) if a.w8 else (4,)):
                 y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
                 try:
                     gemv_cuda.launch(x, wc0, g, y, cfg=c)
