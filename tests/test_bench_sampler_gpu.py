@@ -219,3 +219,16 @@ def test_the_table_and_the_comparison_mark_a_noisy_row_from_its_cadences():
     assert "| 821 |" in sampler_gpu_report.markdown({"rows": [calm], "profiles": []})
     line = sampler_gpu_report.compare({"defaults": [calm], "router_norm": [row]})[0]
     assert "defaults 1.218," in line and "router_norm 1.530* (+25.6%)" in line
+
+
+@pytest.mark.parametrize("shape,params", [("qwen3-4b", 4_022_468_096), ("qwen3-8b", 8_190_735_360),
+                                          ("qwen3-14b", 14_768_307_200), ("qwen3-30b-a3b", 30_532_122_624)])
+def test_shapes_have_the_released_models_parameter_counts(shape, params):
+    """The benchmark's random-weight models have the released checkpoints' parameter counts (their safetensors
+    totals; Qwen3-4B ties its head to the embedding): a wrong width, head count or expert size shows here."""
+    from fp4rl.model import CausalLM, ModelConfig
+
+    with torch.device("meta"):
+        model = CausalLM(ModelConfig(**sampler_gpu.SHAPES[shape]))
+    model.tie_weights()
+    assert sum(p.numel() for p in model.parameters()) == params
