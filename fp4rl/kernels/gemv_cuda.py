@@ -347,7 +347,9 @@ def choose_narrow(n: int, k: int, m: int, sms: int) -> dict:
     do not round alike: a few elements in 10^4 differ by one bf16 ulp from the mma.sync build (and so from
     the row multiplied alone; H100, bench/wgmma_bits.py). A row's bits are the same at every row count of 2-16
     on the same build (tests/test_gemv_cuda_wide.py); where 2-8 rows stay on mma.sync, 8 and 9-16 rows differ
-    by rounding."""
+    by rounding. In the decode step against mma.sync at batch 4 / 8 / 16 (H100): Qwen3-8B -3.6 / -4.6 / -6.5%,
+    Qwen3-4B and Qwen3-14B within +0.2% at 4, -2.0 / -2.6% at 8, -6.9 / -14.5% at 16 (bench/RESULTS.md,
+    fifty-eighth session)."""
     cfg = choose(n, k, m, sms)
     if not NARROW_FROM or not max(2, NARROW_FROM) <= m <= 16:
         return cfg
