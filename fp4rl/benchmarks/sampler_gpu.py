@@ -82,13 +82,12 @@ SHAPES = {
                  moe_intermediate_size=32, norm_topk_prob=True),
 }
 # (label, preset, bf16_last_fraction): all-linears W4A16, and the recipe preset with its BF16 last layers
+_DENSE_PRECISIONS = [("bf16", "bf16", 0.15), ("nvfp4-w4a16 all linears", "nvfp4-w4a16", 0.0),
+                     ("nvfp4-linear W4A4, last 15% BF16", "nvfp4-linear", 0.15)]
 PRECISIONS = {
-    "qwen3-8b": [("bf16", "bf16", 0.15), ("nvfp4-w4a16 all linears", "nvfp4-w4a16", 0.0),
-                 ("nvfp4-linear W4A4, last 15% BF16", "nvfp4-linear", 0.15)],
-    "qwen3-4b": [("bf16", "bf16", 0.15), ("nvfp4-w4a16 all linears", "nvfp4-w4a16", 0.0),
-                 ("nvfp4-linear W4A4, last 15% BF16", "nvfp4-linear", 0.15)],
-    "qwen3-14b": [("bf16", "bf16", 0.15), ("nvfp4-w4a16 all linears", "nvfp4-w4a16", 0.0),
-                  ("nvfp4-linear W4A4, last 15% BF16", "nvfp4-linear", 0.15)],
+    "qwen3-8b": _DENSE_PRECISIONS,
+    "qwen3-4b": _DENSE_PRECISIONS,
+    "qwen3-14b": _DENSE_PRECISIONS,
     "qwen3-30b-a3b": [("bf16", "bf16", 0.15), ("nvfp4-w4a16 all linears", "nvfp4-w4a16", 0.0),
                       ("nvfp4-experts W4A4, last 15% BF16", "nvfp4-experts", 0.15)],
     "tiny": [("bf16", "bf16", 0.15), ("nvfp4-w4a16 all linears", "nvfp4-w4a16", 0.0),
