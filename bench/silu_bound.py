@@ -5,8 +5,10 @@ then has every kernel but the SiLU * up launch, and the down projection reads ro
 step time with an arm of the defaults in a fresh process (bench/device_run191.sh)."""
 import runpy
 import sys
+from pathlib import Path
 
-from fp4rl.kernels import fused
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (run as a script: the repository's fp4rl)
+from fp4rl.kernels import fused  # noqa: E402
 
 _original = fused.silu_mul
 

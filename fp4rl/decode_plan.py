@@ -19,10 +19,12 @@ class _Site:
     """A linear or fused group as the fused step calls it: run(x2 [M, K] bf16, xq=None) -> y [M, N]; quant:
     the activation quantizer's settings when it takes a Q(x) made by the producer (W4A4), else None;
     norm_run(x, h, norm, moe) -> (x', run(norm(x'))) in one launch, x' = x + h or x + the MoE combine of moe
-    = (d, pos, w), or None (kernel linears: DENSE_NORM)."""
+    = (d, pos, w), or None (kernel linears: DENSE_NORM); silu_run(x2) -> fused.silu_mul(run(x2))[0], the
+    dense MLP's gate | up and its SiLU * up in one launch where the kernel takes it, or None (only W4A16
+    kernel gate | up groups have it)."""
 
-    def __init__(self, run, quant: dict | None = None, norm_run=None):
-        self.run, self.quant, self.norm_run = run, quant, norm_run
+    def __init__(self, run, quant: dict | None = None, norm_run=None, silu_run=None):
+        self.run, self.quant, self.norm_run, self.silu_run = run, quant, norm_run, silu_run
 
 
 def _records(site: _Site | None) -> bool:
@@ -53,7 +55,8 @@ def linear_site(mods: list) -> _Site | None:
         if group is None or list(group.members) != list(mods):
             return None
         if isinstance(group, KernelFusedGroup):
-            return _Site(group.run, _quant_of(group.members[0]), group.norm_run)
+            return _Site(group.run, _quant_of(group.members[0]), group.norm_run,
+                         group.silu_run if group.takes_silu_out else None)
         if not group.packed and group._weight is not None and group._weight.dtype == KERNEL_DTYPE:
             return _Site(_dense_group_run(group))
         return None

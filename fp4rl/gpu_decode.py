@@ -18,7 +18,9 @@ sampler's own model copy. What it changes, and what it computes:
 - Fused decode step (`FUSED`, `DecodeEngine(fused=...)`, `set_fused` for A/B): the elementwise work between
   the GEMMs runs as fp4rl.kernels.fused kernels, four per layer plus one for the final norm: residual add +
   RMSNorm before attention and before the MLP, q/k-norm + RoPE + the write of k/v into the BF16, NVFP4 or FP8
-  cache slot, SiLU(gate) * up. Where the consumer is a W4A4 linear or fused
+  cache slot, SiLU(gate) * up (a W4A16 gate/up group computes that in its GEMM's epilogue where the mma16
+  launch has the GU_SILU build, `_Site.silu_run` / gemm.gemm(silu_out=True), FP4RL_GU_SILU=0 for A/B: three
+  per layer then, the same bits). Where the consumer is a W4A4 linear or fused
   group (q/k/v, gate/up, down_proj), the producer kernel also quantizes its output per token with the shared
   quantizer's own helpers (the bytes of `kernels.quantize` for the same input) and the GEMM takes that Q(x)
   (`packed_gemm(..., xq=)`, `gemm.gemm`'s pre-quantized entry); o_proj (after attention) still quantizes its
@@ -446,8 +448,11 @@ class DecodeEngine:
                 x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.post_quant,
                                              write_y=p.post_quant is None or _records(p.gate_up), **order)
             if p.gate_up is not None:
-                a, aq = fused.silu_mul(gu if gu is not None else p.gate_up.run(n, nq), quant=p.down.quant,
-                                       write_y=p.down.quant is None or _records(p.down))
+                if gu is None and p.down.quant is None and p.gate_up.silu_run is not None:
+                    a, aq = p.gate_up.silu_run(n), None  # SiLU * up in the gate/up launch (where taken)
+                else:
+                    a, aq = fused.silu_mul(gu if gu is not None else p.gate_up.run(n, nq), quant=p.down.quant,
+                                           write_y=p.down.quant is None or _records(p.down))
                 h = p.down.run(a, aq)  # [bb, H]
             elif layer.is_moe:
                 if pre is None:

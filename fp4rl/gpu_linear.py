@@ -59,14 +59,18 @@ MMA16 = os.environ.get("FP4RL_MMA16", "1") != "0"  # the CUDA mma16 copy where i
 
 def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, offsets=None,
                 xq=None, tokens: int | None = None, rows: torch.Tensor | None = None,
-                silu: bool = False) -> torch.Tensor:
+                silu: bool = False, silu_out: bool = False) -> torch.Tensor:
     """x2 [M, K] bfloat16 @ DQ(weight).T (weight: .data/.block_scale/.global_scale), W4A16 or W4A4
     (x quantized per token with the contract's settings first, or xq: that Q(x) already made by a fused
     producer, (data, block_scale, global_scale [M])); offsets: grouped experts, tokens: the batch's tokens
     (gemm.gemm); rows (grouped): int32 [M], x2 holds the tokens and sorted row r is x2[rows[r]]; silu: x2 is
     [M, 2K] gate | up and the GEMM's input is fused.silu_mul(x2) (W4A16: gemm.gemm(silu=); W4A4: silu_mul
-    quantizes its output in the same launch)."""
+    quantizes its output in the same launch); silu_out (W4A16, a fused gate | up weight): returns
+    fused.silu_mul(y)[0] [M, N/2] (gemm.gemm(silu_out=): in the GEMM's epilogue where its launch takes it)."""
     from fp4rl.kernels import fused, gemm, gemm_tune
+
+    if silu_out and (mode != "w4a16" or silu or rows is not None or xq is not None or offsets is not None):
+        raise ValueError("packed_gemm: silu_out is for a dense W4A16 gate | up weight with x2 only")
 
     if silu and (rows is not None or xq is not None or x2 is None):
         raise ValueError("packed_gemm: silu takes x2 = gate | up [M, 2K] only (no rows, no xq)")
@@ -92,7 +96,7 @@ def packed_gemm(x2: torch.Tensor | None, weight, mode: str, input_kwargs: dict, 
         config = gemm_tune.FALLBACK  # (a weight with its mma16 copy: the wgmma build, WIDE, up to 512 rows)
     if mode == "w4a16":
         return gemm.gemm(x2, weight, offsets=offsets, tune=TUNE, config=config, tokens=tokens, rows=rows,
-                         silu=silu)
+                         silu=silu, silu_out=silu_out)
     if xq is None:
         xq = gemm.quantize_activations(x2, scale_rule=input_kwargs["scale_rule"], err=input_kwargs["err"])
     return gemm.gemm(None, weight, xq=xq, offsets=offsets, tune=TUNE, config=config, tokens=tokens)
@@ -457,13 +461,30 @@ class KernelFusedGroup(FusedGroup):
         m0 = self.members[0]
         if self.trace_guide is not None and m0.mode == "w4a4":
             xq = self.trace_guide.quantized(x2, xq, m0.input_kwargs)
+        y = packed_gemm(x2, self._stacked(x2, xq), m0.mode, m0.input_kwargs, xq=xq)
+        return y if self.bias_cat is None else y + self.bias_cat
+
+    def _stacked(self, x2, xq):
+        """The stacked weight with the copies this call may run on (as KernelPackedLinear._weight_for)."""
         w = SimpleNamespace(data=self.data, block_scale=self.scale, global_scale=self.g_rows)
         dense = _dense_for(self, self.data, self.scale, self.g_rows,
                            x2.shape[0] if x2 is not None else xq[0].shape[0], self._g_key())
-        copy = _decode_copy(self._swz(), self.data, self.scale, m0.mode, x2, xq)
-        w = _with_dense(_with_copy(w, copy), dense)
-        y = packed_gemm(x2, w, m0.mode, m0.input_kwargs, xq=xq)
-        return y if self.bias_cat is None else y + self.bias_cat
+        copy = _decode_copy(self._swz(), self.data, self.scale, self.members[0].mode, x2, xq)
+        return _with_dense(_with_copy(w, copy), dense)
+
+    @property
+    def takes_silu_out(self) -> bool:
+        """Whether `silu_run` serves this group: a W4A16 gate | up pair (two members of equal width, no
+        bias)."""
+        return (len(self.members) == 2 and self.splits[0] == self.splits[1] and self.bias_cat is None
+                and self.members[0].mode == "w4a16")
+
+    def silu_run(self, x2: torch.Tensor) -> torch.Tensor:
+        """fused.silu_mul(run(x2))[0] [M, I] for a gate | up pair (`takes_silu_out`): in the GEMM's launch
+        where it takes it (gemm.gemm(silu_out=True)), the same bits."""
+        if not self.takes_silu_out:
+            raise ValueError("silu_run is for a W4A16 gate | up group (two members of equal width, no bias)")
+        return packed_gemm(x2, self._stacked(x2, None), "w4a16", self.members[0].input_kwargs, silu_out=True)
 
     def norm_run(self, x2: torch.Tensor, h: torch.Tensor | None, norm: nn.Module, moe: tuple | None = None):
         """(x', run(norm(x'))), x' = x2 + h (or + the MoE combine), in one launch where `prenorm_gemm` takes

@@ -196,13 +196,31 @@ def _gemm_configs():
                                                  "SLOTTABLE": 4}, "sm_90"
     yield "grouped silu slottable 2048x768", {**choose_grouped(2048, 768, 64, sms), "SILU": 1,
                                               "SLOTTABLE": 8}, "sm_90"
+    # the dense gate | up with SiLU * up in its epilogue (GU_SILU): Qwen3-8B / 14B at one row (in-CTA split),
+    # Qwen3-4B (the plain build), KW 4, 8 rows, two row groups with x streamed
+    for n, k in ((24576, 4096), (34816, 5120), (19456, 2560)):
+        yield f"mma16 gu_silu {n}x{k} m1", {**gemv_cuda.choose(n, k, 1, sms), "GU_SILU": 1}, "sm_90"
+    yield "mma16 gu_silu kw4 8192x2048 m1", {**gemv_cuda.choose(8192, 2048, 1, sms), "GU_SILU": 1}, "sm_90"
+    yield "mma16 gu_silu 2048x1280 m8", dict(NT=1, MG=1, SPLIT=1, DEPTH=2, GU_SILU=1), "sm_90"
+    # the cluster's ranks finishing gate / up pairs (mma.sync, FP4RL_NARROW_WGMMA=0) and the wgmma builds the
+    # gate | up gets at 2-64 rows (choose_narrow's one warpgroup, choose_wide's one and two)
+    yield "mma16 gu_silu cluster 24576x4096 m8", {**gemv_cuda.choose(24576, 4096, 8, sms), "GU_SILU": 1}, \
+        "sm_90"
+    for (n, k), m in (((24576, 4096), 4), ((19456, 2560), 8), ((34816, 5120), 16)):
+        yield f"narrow gu_silu {n}x{k} m{m}", {**gemv_cuda.choose_narrow(n, k, m, sms), "GU_SILU": 1}, \
+            "sm_90a"
+    for (n, k), m in (((24576, 4096), 32), ((19456, 2560), 24), ((34816, 5120), 64)):
+        yield f"wgmma gu_silu {n}x{k} m{m}", {**gemv_cuda.choose_wide(n, k, m, sms), "GU_SILU": 1}, "sm_90a"
+    yield "mma16 gu_silu xstream 2048x1280 m16", dict(NT=1, MG=2, SPLIT=1, DEPTH=2, XSTREAM=1, GU_SILU=1), \
+        "sm_90"
 
 
 @pytest.mark.parametrize("name,cfg,arch", list(_gemm_configs()),
                          ids=lambda v: v if isinstance(v, str) else "")
 def test_gemm_kernel_compiles_without_spills_or_serialized_wgmma(name, cfg, arch):
     w4a16_grouped = bool(cfg.get("GATHER", 0) or cfg.get("SILU", 0))  # builds for grouped W4A16 only
-    variants = ((False, False, name.startswith("grouped")), (True, not w4a16_grouped, w4a16_grouped))
+    w4a16 = w4a16_grouped or bool(cfg.get("GU_SILU", 0))  # (GU_SILU: dense W4A16)
+    variants = ((False, False, name.startswith("grouped")), (True, not w4a16, w4a16_grouped))
     for wg_row, xg_row, grouped in variants:
         log = compile_log(gemv_cuda.source(cfg, wg_row, xg_row, grouped), arch)
         assert "C7515" not in log, f"{name}: ptxas serialized the wgmma pipeline:\n{log[:2000]}"
@@ -376,6 +394,32 @@ def test_silu_needs_grouped_w4a16_with_staged_x():
                                        ({**cfg, "XSTREAM": 1}, False, False, True)):
         prog_log = _compile_error(gemv_cuda.source(c, wg_row, xg_row, grouped))
         assert "SILU is for GROUPED W4A16" in prog_log, c
+
+
+def test_gu_silu_needs_a_dense_w4a16_build_with_gate_up_pairs():
+    """GU_SILU (the gate | up pairs in the epilogue) compiles only for dense W4A16 with an even number of
+    n-tiles a CTA: not the warp-specialized build, W4A4 (XG_ROW), GSR, grouped or one n-tile a CTA (KW 8);
+    gemv_cuda.gu_silu_ok refuses the configurations among them."""
+    plain = dict(NT=1, MG=1, SPLIT=1, DEPTH=2, GU_SILU=1)
+    ws = dict(_eight_warps(gemv_cuda.choose_wide(24576, 4096, 32, 132)), WS=1, DEPTH=3, GU_SILU=1)
+    for c, wg_row, xg_row, grouped in ((ws, True, False, False), (plain, False, True, False),
+                                       (dict(plain, KW=2, GSR=1), True, False, False),
+                                       (plain, False, False, True), (dict(plain, KW=8), False, False, False)):
+        prog_log = _compile_error(gemv_cuda.source(c, wg_row, xg_row, grouped))
+        assert "GU_SILU needs a dense W4A16 build" in prog_log, c
+    assert not gemv_cuda.gu_silu_ok(ws, 24576) and not gemv_cuda.gu_silu_ok(dict(plain, KW=8), 24576)
+    compile_log(gemv_cuda.source(plain, True, False, False), "sm_90")
+
+
+def test_gu_silu_build_pairs_gate_and_up_tiles_in_each_cta():
+    """The GU_SILU source: each logical n-tile streams its physical tile through PTILE (gate's half of the
+    CTA's tiles, then up's from N / 2), the three epilogues (SPLIT 1, KW, the cluster) call silu_up1 on the
+    bf16-rounded pair and write column blockIdx.x NB / 2 + nl of y; the plain build keeps PTILE(lt) = lt."""
+    src = gemv_cuda.source(dict(NT=1, MG=1, SPLIT=1, DEPTH=2, GU_SILU=1), True)
+    assert "#define GU_SILU 1\n" in src and "(ntiles >> 1)" in src
+    assert src.count("to_bf16(silu_up1(") == 3 and src.count("blockIdx.x * (NB / 2) + nl") >= 4
+    assert "const u64 tile = ok[j] ? (u64)PTILE(tile0 + j) : 0;" in src
+    assert "#define PTILE(lt) (lt)" in src  # (the #else branch: every other build)
 
 
 def test_silu_build_uses_accurate_expf_and_ieee_division():

@@ -87,6 +87,11 @@ WIDE_MIN_N_ABOVE_32 = 8192
 # session). FP4RL_MOE_SILU=0: silu_mul first, always (A/B); also switched off if the SILU build fails.
 FUSED_SILU = os.environ.get("FP4RL_MOE_SILU", "1") != "0"
 MMA16_SILU_MAX_TOKENS = 8
+# gemm(silu_out=True) (the dense MLP's gate | up): SiLU(gate) * up computed by the mma16 launch's epilogue
+# (gemv_cuda GU_SILU) where its configuration takes it (gemv_cuda.gu_silu_ok: every mma.sync and wgmma
+# configuration the Qwen3 gate | up shapes get at 1-64 rows), instead of a fused.silu_mul launch after it (the
+# same bits). FP4RL_GU_SILU=0: silu_mul after the GEMM, always (A/B); also switched off if the build fails.
+FUSED_GU_SILU = os.environ.get("FP4RL_GU_SILU", "1") != "0"
 
 # The other rows up to WIDE_TUNE_MAX_ROWS (33-64 on narrower weights, 65-512) offer the wgmma configuration to
 # the tuner as its first candidate (gemm_tune.WIDE; taken untimed when tuning is off): with one running x
@@ -165,8 +170,44 @@ def _disable_fused_silu(exc: Exception) -> None:
                   "fused.silu_mul first from now on", stacklevel=3)
 
 
+def _disable_fused_gu_silu(exc: Exception) -> None:
+    global FUSED_GU_SILU
+    FUSED_GU_SILU = False
+    warnings.warn(f"the mma16 kernel's GU_SILU build failed ({repr(exc)[:300]}); gemm(silu_out=True) runs "
+                  "fused.silu_mul after the GEMM from now on", stacklevel=3)
+
+
+def _gemm_silu_out(x, weight, tune: bool, config):
+    """gemm(silu_out=True): the GU_SILU launch where it takes the call, else fused.silu_mul(gemm(...))."""
+    wd, _, wg = _weight_parts(weight, False)
+    n, kh = wd.shape[1], wd.shape[2]
+    if n % 2:
+        raise ValueError(f"gemm: silu_out=True needs a fused gate | up weight of an even N, got N={n}")
+    x2 = _check_x(x, 2 * kh)
+    m16 = getattr(weight, "mma16", None)
+    m = x2.shape[0]
+    if (FUSED_GU_SILU and m16 is not None and config is None and m >= 1 and _mma16.available(x2.device)
+            and (m16.n, m16.k) == (n, 2 * kh)):
+        # the launch gemm would make (1-16 rows: gemv_cuda's plan; the rows of wide_rows without a dense copy:
+        # the wgmma configuration), with the epilogue where that configuration has it
+        dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+        cfg = None
+        if m <= MMA16_MAX_ROWS and _mma16.fits(n, 2 * kh, m, _tune._sm_count(x2.device)):
+            cfg = _mma16._plan(n, 2 * kh, m, dev)
+        elif (getattr(weight, "dense", None) is None and wide_rows(m, n) and _mma16.wide_available(x2.device)
+              and _mma16.supports(n, 2 * kh)):
+            cfg = _mma16._plan_wide(n, 2 * kh, m, dev)
+        if cfg is not None and _mma16.gu_silu_ok(cfg, n):
+            y = torch.empty(m, n // 2, dtype=torch.bfloat16, device=x2.device)
+            try:
+                return _mma16.launch(x2, m16, wg[0] if wg.ndim == 2 else wg, y, cfg=cfg, silu_out=True)
+            except RuntimeError as exc:  # NVRTC or the driver refused the GU_SILU build: silu_mul from now on
+                _disable_fused_gu_silu(exc)
+    return _fused.silu_mul(gemm(x2, weight, tune=tune, config=config))[0]
+
+
 def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, tokens: int | None = None,
-         rows=None, silu: bool = False):
+         rows=None, silu: bool = False, silu_out: bool = False):
     """Core entry: y [M, N] = x @ DQ(W).T on packed NVFP4 weights.
 
     x: bfloat16 [M, K] (W4A16), or None with xq = (data uint8 [M, K/2], block_scale [M, K/16],
@@ -190,7 +231,17 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
     experts' down projection). The grouped mma16 kernel computes it while staging x (FUSED_SILU, tokens <=
     MMA16_SILU_MAX_TOKENS, not with rows); every other path runs fused.silu_mul first (the same bits). With
     rows, x [T, 2K] holds the tokens' gate | up (silu_mul, then the gather).
+    silu_out: dense W4A16 only, the weight a fused gate | up [2I, K] (gate rows first): returns
+    fused.silu_mul(y)[0] [M, I] = bf16(bf16(silu(y_gate)) * y_up), the dense MLP's input to its down
+    projection. The mma16 launch (1-16 rows, and the rows of wide_rows without a dense copy) computes it in
+    its epilogue where its configuration takes it (FUSED_GU_SILU, gemv_cuda.gu_silu_ok); every other path
+    runs fused.silu_mul on y (the same bits).
     """
+    if silu_out:
+        if x is None or xq is not None or offsets is not None or rows is not None or silu:
+            raise ValueError("gemm: silu_out=True is for a dense W4A16 gate | up weight: pass x [M, K] only "
+                             "(no xq, offsets, rows or silu)")
+        return _gemm_silu_out(x, weight, tune, config)
     grouped = offsets is not None
     if silu and (x is None or xq is not None):
         raise ValueError("gemm: silu=True is for W4A16: pass x = gate | up [M, 2K] (bfloat16), not xq")

@@ -13,7 +13,9 @@ the cluster's barriers. The .cu file says how (layout, fragments). The routed ex
 over a stack of expert weights, rows sorted by expert) are fp4rl.kernels.gemv_cuda_grouped's.
 
 The .cu's PRENORM build (the decode step's residual add + RMSNorm inside the x staging) is launched by
-fp4rl.kernels.gemv_cuda_prenorm; ``smem_bytes`` and ``source`` here know its layout and header.
+fp4rl.kernels.gemv_cuda_prenorm; ``smem_bytes`` and ``source`` here know its layout and header. Its
+GU_SILU build (``launch(silu_out=True)``, where ``gu_silu_ok``) finishes a fused gate | up GEMM with
+SiLU(gate) * up in the epilogue: y [M, N/2] = fused.silu_mul(the plain launch's y), bit for bit.
 
 Arithmetic: the bf16 operands (e2m1 * block_scale, exact) times x in the tensor core with FP32
 accumulation, the FP32 global scale once on the sum, one bfloat16 rounding: the same products as
@@ -361,6 +363,17 @@ def choose_narrow(n: int, k: int, m: int, sms: int) -> dict:
     return wide if smem_bytes(wide, k, m) <= SMEM_LIMIT else cfg
 
 
+def gu_silu_ok(cfg: dict, n: int) -> bool:
+    """Whether `cfg`'s build can compute the dense MLP's SiLU(gate) * up in its epilogue (GU_SILU) for a fused
+    gate | up weight of N = 2I rows: mma.sync or wgmma, not the warp-specialized build, with an even number of
+    n-tiles a CTA whose half (the CTA's gate rows) divides I and, with a cluster split, is a multiple of
+    SPLIT (each rank finishes whole gate / up pairs)."""
+    if cfg.get("WS") or n % 32:
+        return False
+    tiles, half = block_rows(cfg) // 16, block_rows(cfg) // 2
+    return tiles % 2 == 0 and (n // 2) % half == 0 and half % cfg["SPLIT"] == 0
+
+
 def fits(n: int, k: int, m: int, sms: int) -> bool:
     """Whether the kernel takes an N x K weight with m rows on a GPU of `sms` SMs (shape and shared memory:
     very long K slices of many rows do not fit)."""
@@ -394,7 +407,7 @@ def smem_bytes(cfg: dict, k: int, m: int = 8) -> int:
         xb = (xrows * (per * 128 + 8) * 2 + pn + 127) // 128 * 128
     ring = warps(cfg) * cfg["DEPTH"] * cfg["NT"] * STAGE_BYTES
     # the split-K partials (rows padded by 4 floats): one set per CTA (cluster) or per k range (KW)
-    parts = cfg.get("KW", 1) if cfg.get("KW", 1) > 1 else 1 if cfg["SPLIT"] > 1 else 0
+    parts = cfg.get("KW", 1) if cfg.get("KW", 1) > 1 else 1 if cfg["SPLIT"] > 1 or cfg.get("GU_SILU") else 0
     pb = parts * 8 * cfg["MG"] * (block_rows(cfg) + 4) * 4
     return max(xb + ring, pb)
 
@@ -503,25 +516,41 @@ def _pdl_kind(cfg: dict, m: int) -> str:
 
 
 def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: torch.Tensor,
-           cfg: dict | None = None, x_scale: torch.Tensor | None = None) -> torch.Tensor:
+           cfg: dict | None = None, x_scale: torch.Tensor | None = None,
+           silu_out: bool = False) -> torch.Tensor:
     """y [M, N] bfloat16 = x2 [M, K] bfloat16 @ DQ(W).T with W's mma16 copy; global_scale fp32 [1]
     or [N]. x_scale fp32 [M] (W4A4 emulation): x2 is e2m1 * block_scale of an NVFP4 activation and row m's
-    sum is multiplied by x_scale[m] and the weight's global scale before the one bfloat16 rounding."""
+    sum is multiplied by x_scale[m] and the weight's global scale before the one bfloat16 rounding.
+    silu_out (W4A16; the weight a fused gate | up of N = 2I rows, where ``gu_silu_ok`` takes the
+    configuration): y is [M, I] = fused.silu_mul(the plain launch's y)[0], bit for bit, made by the epilogue
+    (GU_SILU) instead of a silu_mul launch; a configuration it does not take is a ValueError."""
     m, k = x2.shape
     if k != wc.k:
         raise ValueError(f"x has K={k}, the weight {wc.k}")
     if x2.dtype != torch.bfloat16 or y.dtype != torch.bfloat16:
         raise TypeError("the mma16 kernel takes bfloat16 x and y")
-    if tuple(y.shape) != (m, wc.n) or y.stride(1) != 1 or y.device != x2.device:
-        raise ValueError(f"y must be [{m}, {wc.n}] with unit column stride on x's device, got "
+    n_out = wc.n // 2 if silu_out else wc.n
+    if tuple(y.shape) != (m, n_out) or y.stride(1) != 1 or y.device != x2.device:
+        raise ValueError(f"y must be [{m}, {n_out}] with unit column stride on x's device, got "
                          f"{tuple(y.shape)} stride {y.stride()} on {y.device}")
+    def no_gu_silu(c):
+        return ValueError(f"silu_out: configuration {c} of a {wc.n}x{wc.k} weight"
+                          f"{' with x_scale (W4A4)' if x_scale is not None else ''} has no GU_SILU build "
+                          "(gemv_cuda.gu_silu_ok); run the plain launch and fused.silu_mul")
+
+    if silu_out and (x_scale is not None or (cfg is not None and not gu_silu_ok(cfg, wc.n))):
+        raise no_gu_silu(cfg)
     x2, g, xg = _operands(x2, global_scale, x_scale, (1, wc.n), f"1 or N={wc.n}")
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     cfg = cfg or _plan(wc.n, wc.k, m, dev)
     if m > 8 * cfg["MG"] and not cfg.get("WGMMA"):
         raise ValueError(f"configuration {cfg} covers {8 * cfg['MG']} rows, x has {m}")
     zb = -(-m // (8 * cfg["MG"]))  # row blocks (WGMMA: any number; else 1)
-    key = _row_scale_key(cfg, g.numel() > 1)
+    if silu_out:
+        if not gu_silu_ok(cfg, wc.n):
+            raise no_gu_silu(cfg)
+        cfg = {**cfg, "GU_SILU": 1}
+    key = cfg if silu_out else _row_scale_key(cfg, g.numel() > 1)
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > 1, x_scale is not None, False), dev)
     smem = smem_bytes(cfg, wc.k, m)
     nb = -(-wc.n // block_rows(cfg))

@@ -11,6 +11,13 @@
 // [K, 2K), row stride stride_xm) and the GEMM's x is a = bf16(bf16(silu(gate)) * up), computed by the x
 // staging (fused.silu_mul's arithmetic, bit for bit: libdevice expf, IEEE division, RNE roundings) instead
 // of a separate silu_mul launch before the down projection.
+// GU_SILU (dense W4A16, mma.sync or wgmma; no WS, GSR or XG_ROW): the weight is a fused gate | up [2I, K] (gate
+// rows [0, I), up rows [I, 2I)) and y [M, I] is a = bf16(bf16(silu(g)) * u) of the GEMM's bf16 outputs g =
+// y_gate, u = y_up (fused.silu_mul's arithmetic on the plain launch's bits): the CTA's NB logical rows are its
+// NB / 2 gate rows, then the same NB / 2 rows of up (PTILE: which physical n-tile a logical one streams;
+// gemv_cuda.gu_silu_ok: NB / 2 divides I), and the epilogue (SPLIT 1 / KW: in shared memory; the cluster: the
+// rank that finishes a gate column finishes its up column too) writes a instead of y, so the dense MLP needs
+// no silu_mul launch between its two GEMMs.
 // PRENORM (dense W4A16, x staged whole: SPLIT 1, KW any, no XSTREAM / WGMMA / XG_ROW): the GEMM's x is the
 // decode step's residual add + RMSNorm of x (the residual) and hr (the layer output to add), computed by the x
 // staging (prenorm.cuh; fp4rl.kernels.prenorm.reference's bits: x' = bf16(x + hr), y = bf16(w * bf16(x' *
@@ -106,6 +113,9 @@ typedef unsigned long long u64;
 #endif
 #ifndef PRENORM
 #define PRENORM 0
+#endif
+#ifndef GU_SILU
+#define GU_SILU 0
 #endif
 #if PRENORM
 #define PN_ARGS , const u16* __restrict__ hr, const u16* __restrict__ nw, u16* __restrict__ xo, int stride_h, \
@@ -243,6 +253,19 @@ static_assert((WARPS * 32) % (WARPS / KW * NT * 16) == 0, "GSR: a thread's epilo
 #endif
 #define TW (WARPS / KW)  // warps per k range: TW x NT n-tiles per CTA
 #define NB (TW * NT * 16)
+#if GU_SILU && (WS || GSR || XG_ROW || GROUPED || PRENORM || SILU || (TW * NT) % 2 || (NB / 2) % SPLIT)
+#error "GU_SILU needs a dense W4A16 build with an even number of n-tiles a CTA, SPLIT dividing NB / 2 (no WS, GSR, XG_ROW)"
+#endif
+#if GU_SILU
+// logical n-tile lt -> the weight's n-tile: the first half of a CTA's TW NT tiles are gate's, the second half
+// the same rows' tiles of up (ntiles / 2 further)
+#define PTILE(lt)                                                                                    \
+    (((lt) % (TW * NT)) < (TW * NT) / 2                                                              \
+         ? ((lt) / (TW * NT)) * ((TW * NT) / 2) + (lt) % (TW * NT)                                   \
+         : (ntiles >> 1) + ((lt) / (TW * NT)) * ((TW * NT) / 2) + (lt) % (TW * NT) - (TW * NT) / 2)
+#else
+#define PTILE(lt) (lt)
+#endif
 #define XROWS (8 * MG)
 #define STAGE_BYTES 1280  // one n-tile and step: 1 KB of weight words + 256 B of scales
 
@@ -436,7 +459,7 @@ __device__ __forceinline__ u32 f2_to_bf16x2(float lo, float hi) {
 
 __device__ __forceinline__ u16 to_bf16(float v) { return (u16)(f2_to_bf16x2(v, 0.f) & 0xFFFFu); }
 
-#if SILU
+#if SILU || GU_SILU
 // g / d correctly rounded (= __fdiv_rn(g, d), IEEE) for d = 1 + expf(-g) >= 1, without div.rn's slow-path
 // branch (FCHK + call: it serializes the 8 divisions of a chunk). The fast path of div.rn's SASS, verbatim
 // (MUFU.RCP, then r1 = r + r (1 - d r), q0 = g r1, q = q0 + r1 (g - d q0)), is correctly rounded wherever
@@ -658,7 +681,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
         ok[j] = tile0 + j < ntiles;
-        const u64 tile = ok[j] ? (u64)(tile0 + j) : 0;
+        const u64 tile = ok[j] ? (u64)PTILE(tile0 + j) : 0;
         wp[j] = wt + (tile * S) * 64 + lane;
         sp[j] = st + (tile * S) * 16 + (lane & 15);
     }
@@ -1287,6 +1310,29 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                         part[(kw * XROWS + 8 * mg + 2 * t + c) * PS + (nw * NT + j) * 16 + g + 8 * hh] =
                             acc[j][mg][2 * hh + c];
         __syncthreads();
+#if GU_SILU
+        // logical columns nl (gate row blockIdx.x NB / 2 + nl) and nl + NB / 2 (the same row of up): y's bits
+        // for each, then a = bf16(bf16(silu(g)) * u) to column blockIdx.x NB / 2 + nl of y [M, N / 2]
+        for (int e = threadIdx.x; e < XR * (NB / 2); e += WARPS * 32) {
+            const int m = e / (NB / 2), nl = e - m * (NB / 2);
+            float gu[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float p[KW];
+#pragma unroll
+                for (int r = 0; r < KW; ++r) p[r] = part[(r * XROWS + m) * PS + nl + h * (NB / 2)];
+#pragma unroll
+                for (int off = 1; off < KW; off <<= 1)
+#pragma unroll
+                    for (int r = 0; r + off < KW; r += 2 * off) p[r] += p[r + off];
+                const int n = h * (N >> 1) + blockIdx.x * (NB / 2) + nl;  // the weight's row
+                gu[h] = __uint_as_float((u32)to_bf16(p[0] * (WG_ROW ? wg[n] * 256.f : gs)) << 16);
+            }
+            y[(u64)m * stride_ym + blockIdx.x * (NB / 2) + nl] = to_bf16(silu_up1(gu[0], gu[1]));
+        }
+        STAMP_EXIT();
+        return;
+#endif
         for (int e = threadIdx.x; e < XR * NB; e += WARPS * 32) {
             const int m = e / NB, nl = e - m * NB;
             const int n = blockIdx.x * NB + nl;
@@ -1311,6 +1357,40 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     }
 #endif
     if (WS && warp == WARPS && SPLIT == 1) return;  // the producer (WS) has no outputs
+#if GU_SILU
+    if (SPLIT == 1) {
+        // each warp's outputs with y's bits (fp32 holding the bf16) to shared memory [XR][PS] by logical
+        // column (x and the rings are no longer needed), then the gate / up pairs as in the KW epilogue above
+        constexpr int PS = NB + 4;
+        float* part = reinterpret_cast<float*>(smem);
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int n = PTILE(tile0 + j) * 16 + g + 8 * hh;  // the weight's row
+                const int nl = (warp * NT + j) * 16 + g + 8 * hh;  // the CTA's logical column
+                const float gn = WG_ROW ? wg[n] * 256.f : gs;
+#pragma unroll
+                for (int mg = 0; mg < MG; ++mg)
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int m = 8 * mg + 2 * t + c;
+                        if (ok[j] && m < XR)
+                            part[m * PS + nl] = __uint_as_float((u32)to_bf16(acc[j][mg][2 * hh + c] * gn) << 16);
+                    }
+            }
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < XR * (NB / 2); e += WARPS * 32) {
+            const int m = e / (NB / 2), nl = e - m * (NB / 2);
+            y[(u64)m * stride_ym + blockIdx.x * (NB / 2) + nl] =
+                to_bf16(silu_up1(part[m * PS + nl], part[m * PS + nl + NB / 2]));
+        }
+        STAMP_EXIT();
+        return;
+    }
+#endif
     if (SPLIT == 1) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
@@ -1354,25 +1434,29 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     if (!WS || warp < WARPS) {  // (WS: not the producer; it only joins the cluster barriers)
         u32 rank;
         asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-        const int cols = NB / SPLIT;
+        const int cols = (GU_SILU ? NB / 2 : NB) / SPLIT;  // (GU_SILU: the gate columns this rank finishes)
         const int total = XR * cols;
         const u32 base = smem_u32(part);
         const int r = threadIdx.x % SPLIT;  // the rank this thread reads
         constexpr int STEP = (WARPS * 32) / SPLIT, U = 4;  // U elements per thread in flight
         for (int e0 = 0; e0 < total; e0 += U * STEP) {  // uniform per warp: shuffles below
-            float v[U];
+            float v[U], vu[U];  // (vu: GU_SILU, the up column's)
             int es[U];
 #pragma unroll
             for (int u = 0; u < U; ++u) {  // the U remote loads first (independent), then the sums
                 const int e = e0 + u * STEP + (int)threadIdx.x / SPLIT;
                 es[u] = e;
-                v[u] = 0.f;
+                v[u] = vu[u] = 0.f;
                 if (e < total) {
                     const int m = e / cols, nl = rank * cols + (e - m * cols);
                     u32 ra;
                     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra)
                                  : "r"(base + (u32)(m * PS + nl) * 4), "r"(r));
                     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v[u]) : "r"(ra) : "memory");
+#if GU_SILU
+                    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(vu[u]) : "r"(ra + (NB / 2) * 4)
+                                 : "memory");
+#endif
                 }
             }
 #pragma unroll
@@ -1381,9 +1465,23 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                 for (int off = 1; off < SPLIT; off <<= 1) {  // fixed tree over ranks: deterministic
                     const float o = __shfl_down_sync(0xffffffffu, v[u], off);
                     if ((r & (2 * off - 1)) == 0) v[u] += o;
+#if GU_SILU
+                    const float ou = __shfl_down_sync(0xffffffffu, vu[u], off);
+                    if ((r & (2 * off - 1)) == 0) vu[u] += ou;
+#endif
                 }
                 const int e = es[u];
                 const int m = e / cols, nl = rank * cols + (e - m * cols);
+#if GU_SILU
+                if (r == 0 && e < total) {
+                    const int n = blockIdx.x * (NB / 2) + nl;  // gate's row (and y's column); up's: N / 2 further
+                    const float g0 = __uint_as_float((u32)to_bf16(v[u] * (WG_ROW ? wg[n] * 256.f : gs)) << 16);
+                    const float u0 =
+                        __uint_as_float((u32)to_bf16(vu[u] * (WG_ROW ? wg[(N >> 1) + n] * 256.f : gs)) << 16);
+                    y[(u64)m * stride_ym + n] = to_bf16(silu_up1(g0, u0));
+                }
+                continue;
+#endif
                 const int n = blockIdx.x * NB + nl;
                 if (r == 0 && e < total && n < N) {
                     const float gg = (WG_ROW ? wg[n] * 256.f : gs) * (XG_ROW ? xg[m] : 1.f);
