@@ -33,8 +33,10 @@ def test_the_qwen3_gate_up_at_one_row_takes_the_epilogue(n, k):
     cfg = gemv_cuda.choose(n, k, 1, SMS)
     assert gemv_cuda.gu_silu_ok(cfg, n), cfg
     fused_cfg = {**cfg, "GU_SILU": 1}
-    rows = gemv_cuda.block_rows(cfg)
-    assert gemv_cuda.smem_bytes(fused_cfg, k, 1) >= (rows + 4) * 4
+    # the epilogue's fp32 staging: [KW k ranges (1 without the in-CTA split)][8 MG rows][NB + 4 columns]
+    staging = cfg.get("KW", 1) * 8 * cfg["MG"] * (gemv_cuda.block_rows(cfg) + 4) * 4
+    assert gemv_cuda.smem_bytes(fused_cfg, k, 1) >= staging
+    assert gemv_cuda.smem_bytes(dict(fused_cfg, MG=8), k, 64) >= 8 * 8 * (gemv_cuda.block_rows(cfg) + 4) * 4
     assert gemv_cuda.smem_bytes(fused_cfg, k, 1) <= gemv_cuda.SMEM_LIMIT
 
 
@@ -46,6 +48,8 @@ def test_gu_silu_ok_refuses_what_the_epilogue_cannot_pair():
     assert gemv_cuda.gu_silu_ok(dict(plain, WGMMA=1, XSTREAM=1, SWZ=1, WARPS=4), 2048)  # 32 of each a CTA
     assert not gemv_cuda.gu_silu_ok(dict(plain, KW=8), 2048)  # one n-tile a CTA: no pair in it
     assert not gemv_cuda.gu_silu_ok(dict(plain, WGMMA=1, XSTREAM=1, SWZ=1, WS=1), 2048)  # (the WS build)
+    for key in ("GSR", "PRENORM", "SILU", "GROUPED"):  # builds the kernel's GU_SILU does not compile with
+        assert not gemv_cuda.gu_silu_ok(dict(plain, KW=2, **{key: 1}), 2048), key
     assert not gemv_cuda.gu_silu_ok(plain, 2048 + 32)  # I = 1040: 64 gate rows a CTA do not divide it
     assert not gemv_cuda.gu_silu_ok(plain, 48)  # N not a multiple of 32 (two whole n-tiles)
 
@@ -123,13 +127,15 @@ def test_the_fused_step_runs_gate_up_with_silu_out(monkeypatch):
 
 def _gpu_gate_up(i, k, seed):
     """A fused gate | up weight [2I, K] on the GPU (two quantized members), its mma16 copy, its global scale
-    as one value and per row (gate's and up's own scales, as KernelFusedGroup passes them)."""
+    as one value, per row as KernelFusedGroup passes them (gate's and up's own scales), and random per row
+    (every row its own: a row scale read from the wrong row shows)."""
     gate, up = _weight(i, k, seed=seed, device="cuda"), _weight(i, k, seed=seed + 1, device="cuda")
     data, scale = torch.cat([gate.data, up.data]), torch.cat([gate.block_scale, up.block_scale])
     wc = gemv_cuda.relayout(data, scale)
     g1 = gate.global_scale.float().reshape(1)
     g_rows = torch.cat([g1.expand(i), (up.global_scale.float().reshape(1) * 0.37).expand(i)]).contiguous()
-    return data, scale, wc, g1, g_rows
+    g_rand = (g1 * (torch.rand(2 * i, generator=torch.Generator().manual_seed(seed + 2)) + 0.5).cuda())
+    return data, scale, wc, g1, g_rows, g_rand.contiguous()
 
 
 # (configuration, rows): mma.sync plain (NT 1 / 2), in-CTA split (KW 2 / 4), two row groups (x staged /
@@ -159,7 +165,7 @@ def test_gpu_gu_silu_is_silu_mul_of_the_plain_launch(i, k):
     if not gemv_cuda.available():
         pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
     n = 2 * i
-    _, _, wc, g1, g_rows = _gpu_gate_up(i, k, seed=11)
+    _, _, wc, g1, g_rows, g_rand = _gpu_gate_up(i, k, seed=11)
     base = torch.randn(40, k, generator=torch.Generator().manual_seed(12)).bfloat16().cuda() * 2
     cases = _MMA + (_WGMMA if gemv_cuda.wide_available() else [])
     checked = 0
@@ -167,7 +173,7 @@ def test_gpu_gu_silu_is_silu_mul_of_the_plain_launch(i, k):
         assert gemv_cuda.gu_silu_ok(cfg, n), cfg
         for m in rows:
             x = base[:m]
-            for g in (g1, g_rows):
+            for g in (g1, g_rows, g_rand):
                 y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                 gemv_cuda.launch(x, wc, g, y, cfg=cfg)
                 want = fused.silu_mul(y)[0]
@@ -175,7 +181,7 @@ def test_gpu_gu_silu_is_silu_mul_of_the_plain_launch(i, k):
                 gemv_cuda.launch(x, wc, g, a, cfg=cfg, silu_out=True)
                 assert not y.isnan().any() and torch.equal(a, want), (cfg, m, g.numel())
                 checked += 1
-    assert checked == 2 * sum(len(rows) for _, rows in cases)
+    assert checked == 3 * sum(len(rows) for _, rows in cases)
     # the default plan at one row, eagerly and replayed in a CUDA graph
     x = base[:1]
     y = gemv_cuda.launch(x, wc, g_rows, torch.empty(1, n, dtype=torch.bfloat16, device="cuda"))
@@ -196,7 +202,7 @@ def test_gpu_gu_silu_on_the_qwen3_shapes(i, k):
     one-row launch with silu_out against fused.silu_mul of the plain one."""
     if not gemv_cuda.available():
         pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
-    _, _, wc, _, g_rows = _gpu_gate_up(i, k, seed=21)
+    _, _, wc, _, g_rows, _ = _gpu_gate_up(i, k, seed=21)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(22)).bfloat16().cuda()
     y = gemv_cuda.launch(x, wc, g_rows, torch.empty(1, 2 * i, dtype=torch.bfloat16, device="cuda"))
     a = torch.full((1, i), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -214,7 +220,7 @@ def test_gpu_gemm_silu_out_dispatch(monkeypatch):
     from types import SimpleNamespace
 
     i, k = 1024, 1280
-    data, scale, wc, _, g_rows = _gpu_gate_up(i, k, seed=31)
+    data, scale, wc, _, g_rows, _ = _gpu_gate_up(i, k, seed=31)
     w = SimpleNamespace(data=data, block_scale=scale, global_scale=g_rows, mma16=wc)
     fused_calls = []
     real = gemv_cuda.launch
@@ -229,6 +235,7 @@ def test_gpu_gemm_silu_out_dispatch(monkeypatch):
         plan = (gemv_cuda._plan(2 * i, k, m, 0) if m <= gemm.MMA16_MAX_ROWS
                 else gemv_cuda._plan_wide(2 * i, k, m, 0) if wide else None)
         assert (True in fused_calls) == (plan is not None and gemv_cuda.gu_silu_ok(plan, 2 * i)), m
+        assert m > 1 or True in fused_calls  # (one row: the epilogue, whatever the plan)
     x = torch.randn(1, k, device="cuda").bfloat16()
     want = fused.silu_mul(gemm.gemm(x, w, tune=False))[0]
     monkeypatch.setattr(gemm, "FUSED_GU_SILU", False)
@@ -252,12 +259,18 @@ def test_gpu_greedy_decoding_with_and_without_the_epilogue(monkeypatch):
     """One prompt (one row: the gate | up takes GU_SILU) decoded greedily under CUDA graphs with the epilogue
     and with FP4RL_GU_SILU off: the same tokens and log-probs."""
     monkeypatch.setattr(gpu_linear, "TUNE", False)
+    launched = []
+    real = gemv_cuda.launch
+    monkeypatch.setattr(gemv_cuda, "launch", lambda *a, **kw: launched.append(kw.get("silu_out", False))
+                        or real(*a, **kw))
     outs = []
     for on in (True, False):
         monkeypatch.setattr(gemm, "FUSED_GU_SILU", on)
+        launched.clear()
         s = Sampler(tiny(WIDE, "nvfp4-w4a16"), kv_cache="bf16", device="cuda", eos_token_ids=[])
         out = s.generate([[5, 17, 99, 3]], SamplingParams(greedy=True, max_new_tokens=8))
         assert s.engine.graph_error is None and s.engine.counts["replays"] > 0
+        assert (True in launched) == on  # the step's gate | up took the epilogue (or, off, never)
         outs.append(out)
     assert outs[0][0].completion_ids == outs[1][0].completion_ids
     assert outs[0][0].logprobs == outs[1][0].logprobs

@@ -368,8 +368,8 @@ def gu_silu_ok(cfg: dict, n: int) -> bool:
     gate | up weight of N = 2I rows: mma.sync or wgmma, not the warp-specialized build, with an even number of
     n-tiles a CTA whose half (the CTA's gate rows) divides I and, with a cluster split, is a multiple of
     SPLIT (each rank finishes whole gate / up pairs)."""
-    if cfg.get("WS") or n % 32:
-        return False
+    if any(cfg.get(key) for key in ("WS", "GSR", "PRENORM", "SILU", "GROUPED")) or n % 32:
+        return False  # (the builds the kernel's GU_SILU refuses to compile)
     tiles, half = block_rows(cfg) // 16, block_rows(cfg) // 2
     return tiles % 2 == 0 and (n // 2) % half == 0 and half % cfg["SPLIT"] == 0
 
@@ -534,9 +534,10 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
         raise ValueError(f"y must be [{m}, {n_out}] with unit column stride on x's device, got "
                          f"{tuple(y.shape)} stride {y.stride()} on {y.device}")
     def no_gu_silu(c):
-        return ValueError(f"silu_out: configuration {c} of a {wc.n}x{wc.k} weight"
-                          f"{' with x_scale (W4A4)' if x_scale is not None else ''} has no GU_SILU build "
-                          "(gemv_cuda.gu_silu_ok); run the plain launch and fused.silu_mul")
+        what = ("W4A4 (x_scale) has" if x_scale is not None
+                else f"configuration {c} of a {wc.n}x{wc.k} weight has")
+        return ValueError(f"silu_out: {what} no GU_SILU build (gemv_cuda.gu_silu_ok); run the plain launch "
+                          "and fused.silu_mul")
 
     if silu_out and (x_scale is not None or (cfg is not None and not gu_silu_ok(cfg, wc.n))):
         raise no_gu_silu(cfg)
