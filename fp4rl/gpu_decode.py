@@ -18,9 +18,8 @@ sampler's own model copy. What it changes, and what it computes:
 - Fused decode step (`FUSED`, `DecodeEngine(fused=...)`, `set_fused` for A/B): the elementwise work between
   the GEMMs runs as fp4rl.kernels.fused kernels, four per layer plus one for the final norm: residual add +
   RMSNorm before attention and before the MLP, q/k-norm + RoPE + the write of k/v into the BF16, NVFP4 or FP8
-  cache slot, SiLU(gate) * up (a W4A16 gate/up group computes that in its GEMM's epilogue where the mma16
-  launch has the GU_SILU build, `_Site.silu_run` / gemm.gemm(silu_out=True), FP4RL_GU_SILU=0 for A/B: three
-  per layer then, the same bits). Where the consumer is a W4A4 linear or fused
+  cache slot, SiLU(gate) * up (in a W4A16 gate/up group's GEMM epilogue where its mma16 launch has the GU_SILU
+  build: `_Site.silu_run`, FP4RL_GU_SILU=0 for A/B; same bits). Where the consumer is a W4A4 linear or fused
   group (q/k/v, gate/up, down_proj), the producer kernel also quantizes its output per token with the shared
   quantizer's own helpers (the bytes of `kernels.quantize` for the same input) and the GEMM takes that Q(x)
   (`packed_gemm(..., xq=)`, `gemm.gemm`'s pre-quantized entry); o_proj (after attention) still quantizes its

@@ -177,26 +177,31 @@ def _disable_fused_gu_silu(exc: Exception) -> None:
                   "fused.silu_mul after the GEMM from now on", stacklevel=3)
 
 
+def _mma16_config(m: int, n: int, k: int, dense, device) -> dict | None:
+    """The configuration gemm launches the CUDA mma16 kernel with (no config forced, the kernel available) for
+    m rows of a dense N x K weight: gemv_cuda's plan for every row up to 16 where it fits (mma.sync; its wgmma
+    build from 2 rows on sm_90a: gemv_cuda.choose_narrow), its wgmma configuration for the rows of wide_rows
+    without a dense copy (with one the tuner weighs the two); else None."""
+    if m <= MMA16_MAX_ROWS and _mma16.fits(n, k, m, _tune._sm_count(device)):
+        return _mma16._plan(n, k, m, _mma16.cuda_index(device))
+    if dense is None and wide_rows(m, n) and _mma16.wide_available(device) and _mma16.supports(n, k):
+        return _mma16._plan_wide(n, k, m, _mma16.cuda_index(device))
+    return None
+
+
 def _gemm_silu_out(x, weight, tune: bool, config):
-    """gemm(silu_out=True): the GU_SILU launch where it takes the call, else fused.silu_mul(gemm(...))."""
+    """gemm(silu_out=True): the GU_SILU launch where gemm's own mma16 launch takes the call and its
+    configuration has the epilogue, else fused.silu_mul(gemm(...))."""
     wd, _, wg = _weight_parts(weight, False)
     n, kh = wd.shape[1], wd.shape[2]
     if n % 2:
         raise ValueError(f"gemm: silu_out=True needs a fused gate | up weight of an even N, got N={n}")
     x2 = _check_x(x, 2 * kh)
     m16 = getattr(weight, "mma16", None)
-    m = x2.shape[0]
-    if (FUSED_GU_SILU and m16 is not None and config is None and m >= 1 and _mma16.available(x2.device)
+    if (FUSED_GU_SILU and m16 is not None and config is None and _mma16.available(x2.device)
             and (m16.n, m16.k) == (n, 2 * kh)):
-        # the launch gemm would make (1-16 rows: gemv_cuda's plan; the rows of wide_rows without a dense copy:
-        # the wgmma configuration), with the epilogue where that configuration has it
-        dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-        cfg = None
-        if m <= MMA16_MAX_ROWS and _mma16.fits(n, 2 * kh, m, _tune._sm_count(x2.device)):
-            cfg = _mma16._plan(n, 2 * kh, m, dev)
-        elif (getattr(weight, "dense", None) is None and wide_rows(m, n) and _mma16.wide_available(x2.device)
-              and _mma16.supports(n, 2 * kh)):
-            cfg = _mma16._plan_wide(n, 2 * kh, m, dev)
+        m = x2.shape[0]
+        cfg = _mma16_config(m, n, 2 * kh, getattr(weight, "dense", None), x2.device)
         if cfg is not None and _mma16.gu_silu_ok(cfg, n):
             y = torch.empty(m, n // 2, dtype=torch.bfloat16, device=x2.device)
             try:
@@ -309,13 +314,9 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
     if dense is not None and config == _tune.FALLBACK:  # the same product without the per-call dequantize
         config = _tune.DENSE
     if m16 is not None and not grouped and config is None and _mma16.available(device):
-        # the CUDA kernel (fp4rl.kernels.gemv_cuda): every row up to 16 with one split of K (mma.sync; its
-        # wgmma build from 2 rows on sm_90a: gemv_cuda.choose_narrow), its wgmma configuration for the rows of
-        # wide_rows (with a dense copy: the tuner weighs the two, below)
-        narrow = m <= MMA16_MAX_ROWS and _mma16.fits(n, 2 * kh, m, _tune._sm_count(device))
-        wide = (dense is None and not narrow and wide_rows(m, n) and _mma16.wide_available(device)
-                and _mma16.supports(n, 2 * kh))
-        if narrow or wide:
+        # the CUDA kernel (fp4rl.kernels.gemv_cuda) in the configuration of _mma16_config
+        cfg = _mma16_config(m, n, 2 * kh, dense, device)
+        if cfg is not None:
             if (m16.n, m16.k) != (n, 2 * kh):
                 raise ValueError(f"weight.mma16 is a copy of a {m16.n}x{m16.k} weight, the weight is "
                                  f"{n}x{2 * kh}")
@@ -324,13 +325,10 @@ def gemm(x, weight, *, xq=None, offsets=None, tune: bool = True, config=None, to
             # scale applied with the weight's to the FP32 sum
             xin, x_scale = _mma16_input(x2, xq)
             try:
-                if narrow:
-                    return _mma16.launch(xin, m16, g1, y, x_scale=x_scale)
-                return _mma16.launch_wide(xin, m16, g1, y, x_scale=x_scale)
+                return _mma16.launch(xin, m16, g1, y, cfg=cfg, x_scale=x_scale)
             except RuntimeError as exc:  # NVRTC or the driver refused it: that configuration off for good
                 # (1-16 rows may be on the wgmma build too: gemv_cuda.choose_narrow)
-                wgmma = not narrow or _mma16._plan(n, 2 * kh, m, xin.device.index).get("WGMMA")
-                (_mma16.disable_wide if wgmma else _mma16.disable)(exc)
+                (_mma16.disable_wide if cfg.get("WGMMA") else _mma16.disable)(exc)
 
     # the wgmma configuration as the tuner's first candidate for the rows of wide_candidate
     wide_tuned = (m16 is not None and not grouped and config is None

@@ -460,6 +460,12 @@ def _kernel(key: tuple, device_index: int):
         return torch.cuda._compile_kernel(src, "w4a16_mma16", nvcc_options=["-std=c++17"])
 
 
+def cuda_index(t) -> int:
+    """The CUDA device index of a tensor or torch.device (the current device for a plain "cuda")."""
+    d = getattr(t, "device", t)
+    return d.index if d.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def _plan(n: int, k: int, m: int, device_index: int) -> dict:
     sms = torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -474,8 +480,8 @@ def _plan_wide(n: int, k: int, m: int, device_index: int) -> dict:
 def launch_wide(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: torch.Tensor,
                 x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``launch`` with the wgmma configuration (any number of rows; sm_90a)."""
-    dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-    return launch(x2, wc, global_scale, y, cfg=_plan_wide(wc.n, wc.k, x2.shape[0], dev), x_scale=x_scale)
+    return launch(x2, wc, global_scale, y, cfg=_plan_wide(wc.n, wc.k, x2.shape[0], cuda_index(x2)),
+                  x_scale=x_scale)
 
 
 _SMEM_SET: dict = {}  # (kernel, device) -> the largest dynamic shared memory size set on it
@@ -533,24 +539,19 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
     if tuple(y.shape) != (m, n_out) or y.stride(1) != 1 or y.device != x2.device:
         raise ValueError(f"y must be [{m}, {n_out}] with unit column stride on x's device, got "
                          f"{tuple(y.shape)} stride {y.stride()} on {y.device}")
-    def no_gu_silu(c):
-        what = ("W4A4 (x_scale) has" if x_scale is not None
-                else f"configuration {c} of a {wc.n}x{wc.k} weight has")
-        return ValueError(f"silu_out: {what} no GU_SILU build (gemv_cuda.gu_silu_ok); run the plain launch "
-                          "and fused.silu_mul")
-
-    if silu_out and (x_scale is not None or (cfg is not None and not gu_silu_ok(cfg, wc.n))):
-        raise no_gu_silu(cfg)
     x2, g, xg = _operands(x2, global_scale, x_scale, (1, wc.n), f"1 or N={wc.n}")
-    dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-    cfg = cfg or _plan(wc.n, wc.k, m, dev)
+    cfg = cfg or _plan(wc.n, wc.k, m, cuda_index(x2))
     if m > 8 * cfg["MG"] and not cfg.get("WGMMA"):
         raise ValueError(f"configuration {cfg} covers {8 * cfg['MG']} rows, x has {m}")
     zb = -(-m // (8 * cfg["MG"]))  # row blocks (WGMMA: any number; else 1)
     if silu_out:
-        if not gu_silu_ok(cfg, wc.n):
-            raise no_gu_silu(cfg)
+        if x_scale is not None or not gu_silu_ok(cfg, wc.n):
+            what = ("W4A4 (x_scale)" if x_scale is not None
+                    else f"configuration {cfg} of a {wc.n}x{wc.k} weight")
+            raise ValueError(f"silu_out: {what} has no GU_SILU build (gemv_cuda.gu_silu_ok); run the plain "
+                             "launch and fused.silu_mul")
         cfg = {**cfg, "GU_SILU": 1}
+    dev = cuda_index(x2)
     key = cfg if silu_out else _row_scale_key(cfg, g.numel() > 1)
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > 1, x_scale is not None, False), dev)
     smem = smem_bytes(cfg, wc.k, m)

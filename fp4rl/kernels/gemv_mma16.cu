@@ -458,6 +458,8 @@ __device__ __forceinline__ u32 f2_to_bf16x2(float lo, float hi) {
 }
 
 __device__ __forceinline__ u16 to_bf16(float v) { return (u16)(f2_to_bf16x2(v, 0.f) & 0xFFFFu); }
+// v rounded to bfloat16, as a float (exact)
+__device__ __forceinline__ float bf16_float(float v) { return __uint_as_float((u32)to_bf16(v) << 16); }
 
 #if SILU || GU_SILU
 // g / d correctly rounded (= __fdiv_rn(g, d), IEEE) for d = 1 + expf(-g) >= 1, without div.rn's slow-path
@@ -483,7 +485,7 @@ __device__ __forceinline__ float silu_div(float g, float d) {
 // contracted or reassociated): s = bf16(g / (1 + expf(-g))), a = bf16(s * u). expf is libdevice's accurate
 // __nv_expf (NVRTC without -use_fast_math, as gemv_cuda compiles), the division IEEE (silu_div).
 __device__ __forceinline__ float silu_up1(float g, float u) {
-    const float s = __uint_as_float((u32)to_bf16(silu_div(g, __fadd_rn(1.f, expf(-g)))) << 16);
+    const float s = bf16_float(silu_div(g, __fadd_rn(1.f, expf(-g))));
     return __fmul_rn(s, u);
 }
 // 8 bf16 of gate and of up (16 B each) -> the 8 bf16 of a, in place (element 2i in the low half of word i)
@@ -1317,7 +1319,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             const int m = e / (NB / 2), nl = e - m * (NB / 2);
             float gu[2];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
+            for (int h = 0; h < 2; ++h) {  // (the partials' tree as below)
                 float p[KW];
 #pragma unroll
                 for (int r = 0; r < KW; ++r) p[r] = part[(r * XROWS + m) * PS + nl + h * (NB / 2)];
@@ -1326,7 +1328,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #pragma unroll
                     for (int r = 0; r + off < KW; r += 2 * off) p[r] += p[r + off];
                 const int n = h * (N >> 1) + blockIdx.x * (NB / 2) + nl;  // the weight's row
-                gu[h] = __uint_as_float((u32)to_bf16(p[0] * (WG_ROW ? wg[n] * 256.f : gs)) << 16);
+                gu[h] = bf16_float(p[0] * (WG_ROW ? wg[n] * 256.f : gs));
             }
             y[(u64)m * stride_ym + blockIdx.x * (NB / 2) + nl] = to_bf16(silu_up1(gu[0], gu[1]));
         }
@@ -1377,7 +1379,7 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
                     for (int c = 0; c < 2; ++c) {
                         const int m = 8 * mg + 2 * t + c;
                         if (ok[j] && m < XR)
-                            part[m * PS + nl] = __uint_as_float((u32)to_bf16(acc[j][mg][2 * hh + c] * gn) << 16);
+                            part[m * PS + nl] = bf16_float(acc[j][mg][2 * hh + c] * gn);
                     }
             }
         }
@@ -1475,9 +1477,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #if GU_SILU
                 if (r == 0 && e < total) {
                     const int n = blockIdx.x * (NB / 2) + nl;  // gate's row (and y's column); up's: N / 2 further
-                    const float g0 = __uint_as_float((u32)to_bf16(v[u] * (WG_ROW ? wg[n] * 256.f : gs)) << 16);
-                    const float u0 =
-                        __uint_as_float((u32)to_bf16(vu[u] * (WG_ROW ? wg[(N >> 1) + n] * 256.f : gs)) << 16);
+                    const float g0 = bf16_float(v[u] * (WG_ROW ? wg[n] * 256.f : gs));
+                    const float u0 = bf16_float(vu[u] * (WG_ROW ? wg[(N >> 1) + n] * 256.f : gs));
                     y[(u64)m * stride_ym + n] = to_bf16(silu_up1(g0, u0));
                 }
                 continue;
