@@ -21,10 +21,12 @@ class _Site:
     norm_run(x, h, norm, moe) -> (x', run(norm(x'))) in one launch, x' = x + h or x + the MoE combine of moe
     = (d, pos, w), or None (kernel linears: DENSE_NORM); silu_run(x2) -> fused.silu_mul(run(x2))[0], the
     dense MLP's gate | up and its SiLU * up in one launch where the kernel takes it, or None (only W4A16
-    kernel gate | up groups have it)."""
+    kernel gate | up groups have it); rn: the kernel linear or group whose rn_takes / rn_out / rn_in split the
+    residual add + RMSNorm over it and its neighbour (gpu_decode.RESNORM, fp4rl.kernels.resnorm), or None."""
 
-    def __init__(self, run, quant: dict | None = None, norm_run=None, silu_run=None):
+    def __init__(self, run, quant: dict | None = None, norm_run=None, silu_run=None, rn=None):
         self.run, self.quant, self.norm_run, self.silu_run = run, quant, norm_run, silu_run
+        self.rn = rn
 
 
 def _records(site: _Site | None) -> bool:
@@ -56,7 +58,7 @@ def linear_site(mods: list) -> _Site | None:
             return None
         if isinstance(group, KernelFusedGroup):
             return _Site(group.run, _quant_of(group.members[0]), group.norm_run,
-                         group.silu_run if group.takes_silu_out else None)
+                         group.silu_run if group.takes_silu_out else None, group)
         if not group.packed and group._weight is not None and group._weight.dtype == KERNEL_DTYPE:
             return _Site(_dense_group_run(group))
         return None
@@ -64,14 +66,15 @@ def linear_site(mods: list) -> _Site | None:
     if group is not None:
         return None
     if isinstance(m, KernelPackedLinear):
-        return _Site(m.run, _quant_of(m), m.norm_run)
+        return _Site(m.run, _quant_of(m), m.norm_run, rn=m)
     return _Site(_module_run(m))
 
 
 def fused_plans(model: CausalLM) -> list | None:
-    """Per decoder layer: the q/k/v site (None: the layer's attention runs its modules), the gate/up and
-    down sites of a dense MLP (None: MoE or unfused), and which norm outputs are quantized for their
-    consumer. None when the fused kernels do not cover the model at all (norm weights not bf16)."""
+    """Per decoder layer: the q/k/v site (None: the layer's attention runs its modules) and the o_proj site
+    after it, the gate/up and down sites of a dense MLP (None: MoE or unfused), and which norm outputs are
+    quantized for their consumer. None when the fused kernels do not cover the model at all (norm weights not
+    bf16)."""
     m = model.model
     norms = [m.norm] + [n for layer in m.layers
                         for n in (layer.input_layernorm, layer.post_attention_layernorm)]
@@ -80,13 +83,13 @@ def fused_plans(model: CausalLM) -> list | None:
     plans = []
     for layer in m.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        p = SimpleNamespace(qkv=None, gate_up=None, down=None, in_quant=None, post_quant=None)
+        p = SimpleNamespace(qkv=None, o=None, gate_up=None, down=None, in_quant=None, post_quant=None)
         qk_ok = not hasattr(attn, "q_norm") or (
             attn.q_norm.weight.dtype == KERNEL_DTYPE and attn.k_norm.weight.dtype == KERNEL_DTYPE
             and attn.q_norm.eps == attn.k_norm.eps)
         qkv = linear_site([attn.q_proj, attn.k_proj, attn.v_proj])
         if qkv is not None and qk_ok:
-            p.qkv, p.in_quant = qkv, qkv.quant
+            p.qkv, p.in_quant, p.o = qkv, qkv.quant, linear_site([attn.o_proj])
         if not layer.is_moe and isinstance(mlp, MLP):
             gate_up = linear_site([mlp.gate_proj, mlp.up_proj])
             down = linear_site([mlp.down_proj])

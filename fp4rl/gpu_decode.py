@@ -112,6 +112,12 @@ ROUTER_NORM = os.environ.get("FP4RL_MOE_ROUTER_NORM", "0") == "1"
 # in, where it has no shared expert); off: 3-6% slower at batch 1 on an H100, the norm costing more inside
 # each GEMM CTA than the launch it removes (FP4RL_DENSE_NORM=1; bench/RESULTS.md, thirty-eighth session)
 DENSE_NORM = os.environ.get("FP4RL_DENSE_NORM", "0") == "1"
+# the residual add + RMSNorm between two dense W4A16 GEMMs split over them (fp4rl.kernels.resnorm; the mma16
+# RN_OUT / RN_IN builds where both take the batch: the in-CTA split, one row on the Qwen3 shapes): o_proj /
+# down_proj's epilogue writes x', w * x' and tile sums of squares, the next q/k/v or gate / up multiplies its
+# sums by rstd; no add_rmsnorm launch between. Within bf16 rounding of the module step, not its bits
+# (FP4RL_RESNORM=1; off until measured)
+RESNORM = os.environ.get("FP4RL_RESNORM", "0") == "1"
 
 
 def _pow2(v: int) -> int:
@@ -120,6 +126,14 @@ def _pow2(v: int) -> int:
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _rn_pair(prod: _Site | None, cons: _Site | None, quant: dict | None, bb: int, device) -> bool:
+    """RESNORM: whether the norm between prod's GEMM and cons's runs split over the two launches (both kernel
+    sites take it at bb rows, the consumer W4A16 and not recording)."""
+    return (RESNORM and prod is not None and cons is not None and prod.rn is not None and cons.rn is not None
+            and quant is None and not _records(cons) and not _records(prod)
+            and prod.rn.rn_takes(bb, device) and cons.rn.rn_takes(bb, device))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -415,43 +429,64 @@ class DecodeEngine:
         # with a norm folded into another launch (ROUTER_NORM / DENSE_NORM) every norm of the step sums in
         # the PRENORM builds' order: the same bits whether a bucket's norm is folded or not
         order = {"prenorm_order": True} if ROUTER_NORM or DENSE_NORM else {}
-        for layer, p in zip(m.layers, self.plans):
+        pend = None  # RESNORM: (xt, ss), this layer's input norm split over the last down_proj and q/k/v
+        for li, (layer, p) in enumerate(zip(m.layers, self.plans)):
             norm = layer.input_layernorm
-            qkv = _dense_norm(p.qkv, p.in_quant, x, h, norm, moe)  # (DENSE_NORM: the norm in the GEMM)
-            if qkv is not None:
-                x, qkv = qkv
+            if pend is not None:  # the norm's second half in the q/k/v launch
+                qkv, pend = p.qkv.rn.rn_in(*pend, norm.eps), None
+            elif (qkv := _dense_norm(p.qkv, p.in_quant, x, h, norm, moe)) is not None:
+                x, qkv = qkv  # (DENSE_NORM: the norm in the GEMM)
             else:
                 # (TRACE: a guided W4A4 site records its Q(x)'s guidance, and needs x too: its amax)
                 x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.in_quant,
                                              write_y=p.in_quant is None or _records(p.qkv), **moe, **order)
                 qkv = p.qkv.run(n, nq) if p.qkv is not None else None
             moe = {}
+            norm = layer.post_attention_layernorm
+            rn = None  # RESNORM: (x', xt, ss) from o_proj's launch, the post-attention norm's first half
             if qkv is not None:
-                h = self._attention_fused(layer.self_attn, qkv, cos, sin, ctx, bb)
+                y = self._attention_fused(layer.self_attn, qkv, cos, sin, ctx, bb)  # [bb, H D], before o_proj
+                if p.gate_up is not None and _rn_pair(p.o, p.gate_up, p.post_quant, bb, y.device):
+                    rn = p.o.rn.rn_out(y, x, norm)  # (None: the kernel failed, add_rmsnorm from now on)
+                h = layer.self_attn.o_proj(y[:, None])[:, 0] if rn is None else None
             else:
                 h = self._attention(layer.self_attn, n[:, None], cos[:, None, None], sin[:, None, None], ctx,
                                     bb)[:, 0]
-            norm = layer.post_attention_layernorm
             fold = (layer.is_moe and FUSED_COMBINE and bb <= COMBINE_MAX_TOKENS
                     and isinstance(layer.mlp, KernelMoeBlock))
-            pre = gu = None
-            if ROUTER_NORM and fold and p.post_quant is None:  # the norm inside the router's launch
-                pre = layer.mlp.norm_routed_parts(x, h, norm)
-            elif p.gate_up is not None:  # (DENSE_NORM: the norm inside the gate/up GEMM's launch)
-                gu = _dense_norm(p.gate_up, p.post_quant, x, h, norm, {})
-            if pre is not None:
-                (x, n, parts), nq = pre, None
-            elif gu is not None:
-                x, gu = gu
-            else:
-                x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.post_quant,
-                                             write_y=p.post_quant is None or _records(p.gate_up), **order)
-            if p.gate_up is not None:
-                if gu is None and p.down.quant is None and p.gate_up.silu_run is not None:
-                    a, aq = p.gate_up.silu_run(n), None  # SiLU * up in the gate/up launch (where taken)
+            pre = gu = a = None
+            if rn is not None:  # the norm's second half in the gate/up launch (SiLU * up there too, if taken)
+                x, xt, ss = rn
+                if p.down.quant is None:
+                    a, aq = p.gate_up.rn.rn_in(xt, ss, norm.eps, silu_out=True), None
                 else:
+                    gu = p.gate_up.rn.rn_in(xt, ss, norm.eps)
+            else:
+                if ROUTER_NORM and fold and p.post_quant is None:  # the norm inside the router's launch
+                    pre = layer.mlp.norm_routed_parts(x, h, norm)
+                elif p.gate_up is not None:  # (DENSE_NORM: the norm inside the gate/up GEMM's launch)
+                    gu = _dense_norm(p.gate_up, p.post_quant, x, h, norm, {})
+                if pre is not None:
+                    (x, n, parts), nq = pre, None
+                elif gu is not None:
+                    x, gu = gu
+                else:
+                    x, n, nq = fused.add_rmsnorm(x, h, norm.weight, norm.eps, quant=p.post_quant,
+                                                 write_y=p.post_quant is None or _records(p.gate_up), **order)
+            if p.gate_up is not None:
+                if a is None and gu is None and p.down.quant is None and p.gate_up.silu_run is not None:
+                    a, aq = p.gate_up.silu_run(n), None  # SiLU * up in the gate/up launch (where taken)
+                elif a is None:
                     a, aq = fused.silu_mul(gu if gu is not None else p.gate_up.run(n, nq), quant=p.down.quant,
                                            write_y=p.down.quant is None or _records(p.down))
+                nxt = self.plans[li + 1] if li + 1 < len(self.plans) else None
+                if (aq is None and nxt is not None
+                        and _rn_pair(p.down, nxt.qkv, nxt.in_quant, bb, a.device)):
+                    rn = p.down.rn.rn_out(a, x, m.layers[li + 1].input_layernorm)  # next input norm's half
+                    if rn is not None:
+                        x, xt, ss = rn
+                        pend, h = (xt, ss), None
+                        continue
                 h = p.down.run(a, aq)  # [bb, H]
             elif layer.is_moe:
                 if pre is None:
@@ -471,7 +506,8 @@ class DecodeEngine:
         return self.model.lm_head(n), chosen  # [bb, V]
 
     def _attention_fused(self, attn, qkv, cos, sin, ctx, bb: int) -> torch.Tensor:
-        """Attention of one token per row from the fused q|k|v projection qkv [bb, (H + 2 H_kv) D]."""
+        """Attention of one token per row from the fused q|k|v projection qkv [bb, (H + 2 H_kv) D]: its output
+        [bb, H D], o_proj's input (the step runs o_proj: a RESNORM producer or the module)."""
         from fp4rl.kernels import fused
 
         d, cfg = attn.head_dim, self.config
@@ -484,7 +520,7 @@ class DecodeEngine:
         if c.kind == "bf16" and ATTN_ROPE and ctx.mask is None and self.attn_rope_error is None:
             y = self._attend_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps, c, i, ctx, bb)
             if y is not None:  # (None: it cannot run here, the two kernels below from now on)
-                return attn.o_proj(y.reshape(bb, 1, -1))[:, 0]
+                return y.reshape(bb, -1)
         if c.kind == "bf16":  # k and v go straight to their cache slot
             q, _ = fused.qk_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps, k_cache=c.k[i], v_cache=c.v[i],
                                       slot=ctx.slot)  # [bb, H, 1, D]
@@ -502,7 +538,7 @@ class DecodeEngine:
             q, k = fused.qk_norm_rope(qkv, cos, sin, hq, hkv, d, qw, kw, eps)
             v = qkv[:, (hq + hkv) * d:].view(bb, hkv, 1, d)
             y = attend_quantized(c, i, q, k, v, ctx, bb)
-        return attn.o_proj(y.reshape(bb, 1, -1))[:, 0]
+        return y.reshape(bb, -1)
 
     def _attend_rope(self, qkv, cos, sin, hq, hkv, d, qw, kw, eps, c, i, ctx, bb):
         """q/k-norm + RoPE, the BF16 cache write and the attention in one launch (ATTN_ROPE) -> [bb, H, D];

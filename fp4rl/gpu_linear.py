@@ -129,6 +129,93 @@ def prenorm_gemm(owner, data, scale, g, mode: str, x2: torch.Tensor, h: torch.Te
         return None
 
 
+# The residual add + RMSNorm split over the GEMMs around it (gpu_decode.RESNORM; fp4rl.kernels.resnorm): "ok"
+# False once a kernel failed (a warning; the step runs add_rmsnorm again); EMULATE: without the kernels (CPU
+# tests of the step's plumbing) the sites compute resnorm.produce / consume on their plain output instead
+RN_STATE = {"ok": True}
+RN_EMULATE = False
+
+
+def _rn_plan(owner, data, scale, rows: int, device):
+    """(mma16 copy, configuration) of an RN_OUT / RN_IN launch of the owner's W4A16 weight on `rows` rows, or
+    None where the kernel does not take it (W4A4, a bias, TRACE recording, no mma16 copy or Hopper NVRTC, a
+    dense copy at these rows, a configuration without the build: gemv_cuda.rn_ok)."""
+    from fp4rl.kernels import gemm, gemv_cuda
+
+    if (not RN_STATE["ok"] or not MMA16 or getattr(owner, "mode", None) == "w4a4" or device.type != "cuda"
+            or owner.trace_guide is not None or not gemv_cuda.available(device)):
+        return None
+    if owner.dense_rows and rows >= owner.dense_rows:
+        return None
+    copy = mma16_copy(owner._swz(), data, scale)
+    if copy is None:
+        return None
+    cfg = gemm._mma16_config(rows, copy.n, copy.k, None, device)
+    return (copy, cfg) if cfg is not None and gemv_cuda.rn_ok(cfg, copy.n) else None
+
+
+def _rn_failed(exc: Exception) -> None:
+    import warnings
+
+    RN_STATE["ok"] = False
+    warnings.warn(f"the mma16 RN_OUT / RN_IN build failed ({type(exc).__name__}: {str(exc)[:300]}); the "
+                  "decode step runs fused.add_rmsnorm between its GEMMs from now on", stacklevel=3)
+
+
+def rn_out_run(owner, data, scale, g, x2: torch.Tensor, res: torch.Tensor, norm: nn.Module):
+    """The producer's half of the split norm (resnorm.produce): (x', xt, ss) from the owner's GEMM of x2, the
+    residual res and the next norm; None where neither the kernel (_rn_plan) nor RN_EMULATE takes it (the
+    caller runs its plain path)."""
+    from fp4rl.kernels import gemv_cuda, resnorm
+
+    m = x2.shape[0]
+    plan = _rn_plan(owner, data, scale, m, x2.device)
+    if plan is not None:
+        copy, cfg = plan
+        n = copy.n
+        xo = torch.empty(m, n, dtype=KERNEL_DTYPE, device=x2.device)
+        xt = torch.empty(m, n, dtype=KERNEL_DTYPE, device=x2.device)
+        ss = torch.empty(m, n // 16, dtype=torch.float32, device=x2.device)
+        try:
+            gemv_cuda.launch(x2, copy, g, xt, cfg=cfg, rn_out=(res, xo, norm.weight, ss))
+            return xo, xt, ss
+        except RuntimeError as exc:
+            _rn_failed(exc)
+            return None
+    if RN_EMULATE:
+        return resnorm.produce(res, owner.run(x2), norm.weight)
+    return None
+
+
+def rn_in_run(owner, data, scale, g, xt: torch.Tensor, ss: torch.Tensor, eps: float, silu_out: bool = False):
+    """The consumer's half (resnorm.rstd, then y = bf16((acc g) rstd)) on the producer's xt and ss; silu_out:
+    fused.silu_mul of it (a gate | up group: in the same launch where GU_SILU takes the configuration).
+    Always returns y: where the kernel does not run (it failed here, or RN_EMULATE) resnorm.consume on the
+    plain GEMM of xt."""
+    from fp4rl.kernels import fused, gemv_cuda, resnorm
+
+    m = xt.shape[0]
+    plan = _rn_plan(owner, data, scale, m, xt.device)
+    if plan is not None:
+        copy, cfg = plan
+        both = silu_out and gemv_cuda.gu_silu_ok(cfg, copy.n)
+        y = torch.empty(m, copy.n // 2 if both else copy.n, dtype=KERNEL_DTYPE, device=xt.device)
+        try:
+            gemv_cuda.launch(xt, copy, g, y, cfg=cfg, silu_out=both, rn_in=(ss, eps))
+            return y if both or not silu_out else fused.silu_mul(y)[0]
+        except RuntimeError as exc:
+            _rn_failed(exc)
+    y = resnorm.consume(owner.run(xt), ss, eps)
+    return fused.silu_mul(y)[0] if silu_out else y
+
+
+def rn_takes(owner, data, scale, rows: int, device) -> bool:
+    """Whether the owner's rn_out_run / rn_in_run run the split at `rows` rows (the kernel, or RN_EMULATE)."""
+    if getattr(owner, "mode", "w4a16") != "w4a16" or owner.trace_guide is not None:
+        return False
+    return RN_EMULATE or _rn_plan(owner, data, scale, rows, device) is not None
+
+
 def mma16_copy(cache: _DecodeCopy, data: torch.Tensor, scale: torch.Tensor):
     """The cache's mma16 copy (gemv_cuda.Mma16Weight) of the weight, up to date, or None (a gemv32 copy or
     none)."""
@@ -400,6 +487,20 @@ class KernelPackedLinear(PackedNVFP4Linear):
             return out
         return out[0], out[1] + self.bias
 
+    def rn_takes(self, rows: int, device) -> bool:
+        """Whether rn_out / rn_in run the split residual add + RMSNorm here (no bias; gpu_linear.rn_takes)."""
+        return self.bias is None and rn_takes(self, self.weight_data, self.weight_block_scale, rows, device)
+
+    def rn_out(self, x2: torch.Tensor, res: torch.Tensor, norm: nn.Module):
+        """(x', xt, ss): this GEMM of x2 as the producer of the split norm (gpu_linear.rn_out_run)."""
+        return rn_out_run(self, self.weight_data, self.weight_block_scale, self.weight_global_scale, x2, res,
+                          norm)
+
+    def rn_in(self, xt: torch.Tensor, ss: torch.Tensor, eps: float):
+        """This GEMM as the consumer of the split norm (gpu_linear.rn_in_run)."""
+        return rn_in_run(self, self.weight_data, self.weight_block_scale, self.weight_global_scale, xt, ss,
+                         eps)
+
     def _weight_for(self, x2, xq, mode: str):
         """The weight with the copies this call may run on: the decode copy where one serves these rows, and
         the dense copy at dense_rows rows and more."""
@@ -485,6 +586,21 @@ class KernelFusedGroup(FusedGroup):
         if not self.takes_silu_out:
             raise ValueError("silu_run is for a W4A16 gate | up group (two members of equal width, no bias)")
         return packed_gemm(x2, self._stacked(x2, None), "w4a16", self.members[0].input_kwargs, silu_out=True)
+
+    @property
+    def mode(self) -> str:
+        return self.members[0].mode
+
+    def rn_takes(self, rows: int, device) -> bool:
+        """Whether rn_in runs the consumer's half of the split norm here (no bias; gpu_linear.rn_takes)."""
+        return self.bias_cat is None and rn_takes(self, self.data, self.scale, rows, device)
+
+    def rn_in(self, xt: torch.Tensor, ss: torch.Tensor, eps: float, silu_out: bool = False):
+        """The group as the consumer of the split norm (gpu_linear.rn_in_run); silu_out: a gate | up group's
+        fused.silu_mul of it (`takes_silu_out`)."""
+        if silu_out and not self.takes_silu_out:
+            raise ValueError("rn_in(silu_out=True) is for a W4A16 gate | up group (two members, equal width)")
+        return rn_in_run(self, self.data, self.scale, self.g_rows, xt, ss, eps, silu_out)
 
     def norm_run(self, x2: torch.Tensor, h: torch.Tensor | None, norm: nn.Module, moe: tuple | None = None):
         """(x', run(norm(x'))), x' = x2 + h (or + the MoE combine), in one launch where `prenorm_gemm` takes

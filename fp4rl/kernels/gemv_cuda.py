@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from fp4rl.kernels import pdl, prenorm, tensor_map
+from fp4rl.kernels import pdl, prenorm, resnorm, tensor_map
 from fp4rl.kernels.mma16_layout import (  # noqa: F401  (the weight copy, re-exported)
     Mma16Weight,
     _unpack_pairs,
@@ -374,6 +374,45 @@ def gu_silu_ok(cfg: dict, n: int) -> bool:
     return tiles % 2 == 0 and (n // 2) % half == 0 and half % cfg["SPLIT"] == 0
 
 
+def rn_ok(cfg: dict, n: int) -> bool:
+    """Whether the configuration has the RN_OUT / RN_IN builds (the residual add + RMSNorm split over two
+    GEMMs, fp4rl.kernels.resnorm) for an N-row weight: the in-CTA split (KW > 1: every dense Qwen3 GEMM at
+    one row), N a multiple of the CTA's rows (the producer's epilogue: one column a thread, every 16-column
+    tile whole in one CTA)."""
+    return (cfg.get("KW", 1) > 1 and cfg["SPLIT"] == 1 and not any(cfg.get(key) for key in (
+        "XSTREAM", "WGMMA", "WS", "PRENORM", "SILU", "GROUPED")) and n % block_rows(cfg) == 0)
+
+
+def _rn_check(what: str, t: torch.Tensor, dtype, shape: tuple, device, fix: str) -> None:
+    if t.dtype != dtype or tuple(t.shape) != shape or t.device != device or not t.is_contiguous():
+        raise ValueError(f"{what} must be a contiguous {dtype} {list(shape)} on {device}, got {t.dtype} "
+                         f"{list(t.shape)} on {t.device} (contiguous: {t.is_contiguous()}); {fix}")
+
+
+def _rn_args(m: int, n: int, k: int, y, rn_out, rn_in, dev) -> tuple[dict, list]:
+    """The RN_OUT / RN_IN compile keys and the kernel's trailing arguments (gemv_mma16.cu RN_ARGS)."""
+    if rn_out is not None:
+        res, xo, nw, ss = rn_out
+        if res.dtype != torch.bfloat16 or tuple(res.shape) != (m, n) or res.stride(1) != 1 \
+                or res.device != dev:
+            raise ValueError(f"rn_out: the residual must be bfloat16 [{m}, {n}] with unit column stride on "
+                             f"{dev}, got {res.dtype} {list(res.shape)} stride {res.stride()} on "
+                             f"{res.device}")
+        _rn_check("rn_out: xo (the next residual)", xo, torch.bfloat16, (m, n), dev, "pass a new tensor")
+        _rn_check("rn_out: the norm weight", nw, torch.bfloat16, (n,), dev, "pass the next RMSNorm's weight")
+        _rn_check("rn_out: ss (the tile sums)", ss, torch.float32, (m, n // 16), dev, "pass a new tensor")
+        if xo.data_ptr() in (res.data_ptr(), y.data_ptr()):
+            raise ValueError("rn_out: xo must not share storage with the residual or y (a thread reads its "
+                             "residual element after other CTAs may have written theirs)")
+        return {"RN_OUT": 1}, [res, xo, nw, ss, res.stride(0), 0, 0]
+    if rn_in is not None:
+        ss, eps = rn_in
+        _rn_check("rn_in: ss (the producer's tile sums)", ss, torch.float32, (m, k // 16), dev,
+                  "pass what the producer's rn_out wrote")
+        return {"RN_IN": 1}, [y, y, y, ss, 0, resnorm.f32_bits(1.0 / k), resnorm.f32_bits(eps)]
+    return {}, []
+
+
 def fits(n: int, k: int, m: int, sms: int) -> bool:
     """Whether the kernel takes an N x K weight with m rows on a GPU of `sms` SMs (shape and shared memory:
     very long K slices of many rows do not fit)."""
@@ -439,7 +478,7 @@ def source(cfg: dict, wg_row: bool, xg_row: bool = False, grouped: bool = False)
     if cfg.get("WGMMA"):
         head += _wgmma_source(cfg["MG"])
     cluster = f"__cluster_dims__(1, {cfg['SPLIT']}, 1)" if cfg["SPLIT"] > 1 else ""
-    pn = prenorm.header() if cfg.get("PRENORM") else ""
+    pn = prenorm.header() if cfg.get("PRENORM") or cfg.get("RN_OUT") or cfg.get("RN_IN") else ""
     return head + f"#define CLUSTER {cluster}\n" + pn + _SOURCE.read_text()
 
 
@@ -523,13 +562,17 @@ def _pdl_kind(cfg: dict, m: int) -> str:
 
 def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: torch.Tensor,
            cfg: dict | None = None, x_scale: torch.Tensor | None = None,
-           silu_out: bool = False) -> torch.Tensor:
+           silu_out: bool = False, rn_out: tuple | None = None, rn_in: tuple | None = None) -> torch.Tensor:
     """y [M, N] bfloat16 = x2 [M, K] bfloat16 @ DQ(W).T with W's mma16 copy; global_scale fp32 [1]
     or [N]. x_scale fp32 [M] (W4A4 emulation): x2 is e2m1 * block_scale of an NVFP4 activation and row m's
     sum is multiplied by x_scale[m] and the weight's global scale before the one bfloat16 rounding.
     silu_out (W4A16; the weight a fused gate | up of N = 2I rows, where ``gu_silu_ok`` takes the
     configuration): y is [M, I] = fused.silu_mul(the plain launch's y)[0], bit for bit, made by the epilogue
-    (GU_SILU) instead of a silu_mul launch; a configuration it does not take is a ValueError."""
+    (GU_SILU) instead of a silu_mul launch; a configuration it does not take is a ValueError.
+    rn_out = (r, xo, w, ss) (W4A16, where ``rn_ok`` takes the configuration; fp4rl.kernels.resnorm.produce):
+    the epilogue writes the next residual xo = bf16(r + y) [M, N], y's place gets xt = bf16(w * xo) and ss
+    [M, N / 16] fp32 the tiles' sums of squares. rn_in = (ss, eps) (W4A16, ``rn_ok``; silu_out too): y =
+    bf16((acc g) * rstd) with rstd from the producer's ss [M, K / 16] (resnorm.rstd)."""
     m, k = x2.shape
     if k != wc.k:
         raise ValueError(f"x has K={k}, the weight {wc.k}")
@@ -551,12 +594,19 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
             raise ValueError(f"silu_out: {what} has no GU_SILU build (gemv_cuda.gu_silu_ok); run the plain "
                              "launch and fused.silu_mul")
         cfg = {**cfg, "GU_SILU": 1}
+    both = rn_out is not None and (silu_out or rn_in is not None)
+    if (rn_out is not None or rn_in is not None) and (x_scale is not None or not rn_ok(cfg, wc.n) or both):
+            raise ValueError(f"rn_out / rn_in: configuration {cfg} of a {wc.n}x{wc.k} weight "
+                             f"{'(W4A4) ' if x_scale is not None else ''}has no RN build (gemv_cuda.rn_ok; "
+                             "rn_out without silu_out or rn_in); run fused.add_rmsnorm and the plain launch")
+    rn_key, rn_tail = _rn_args(m, wc.n, wc.k, y, rn_out, rn_in, x2.device)
+    cfg = {**cfg, **rn_key}
     dev = cuda_index(x2)
     key = cfg if silu_out else _row_scale_key(cfg, g.numel() > 1)
     kern = _kernel(tuple(sorted(key.items())) + (g.numel() > 1, x_scale is not None, False), dev)
     smem = smem_bytes(cfg, wc.k, m)
     nb = -(-wc.n // block_rows(cfg))
-    args = [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), g, 0, g]
+    args = [x2, wc.wt, wc.st, g, xg, y, m, wc.n, wc.k, x2.stride(0), y.stride(0), g, 0, g] + rn_tail
     ws = cfg.get("WS", 0)
     if ws:  # the warp-specialized build: one producer warp more, x through a tensor map
         args.append(tensor_map.x_tensor_map(x2, 8 * cfg["MG"]))

@@ -28,6 +28,16 @@
 // bf16(sum_j w[t, j] * d[pos[t KTOP + j]])), the products rounded, added in j order from +0 (moe_route.combine's
 // bits); hr is d [T KTOP, K] (the experts' down projection, sorted rows), mpos / mw the route's pos [T KTOP] and
 // weights [T, KTOP] (MW_F32: fp32, else bf16), read after the wait from L2.
+// RN_OUT / RN_IN (dense W4A16, the in-CTA split KW > 1; gemv_cuda.rn_ok): the decode step's residual add +
+// RMSNorm between two GEMMs, split over them so that no launch runs between (fp4rl.kernels.resnorm's
+// arithmetic). RN_OUT, the producer (o_proj, down_proj): its epilogue rounds y as the plain build does, then
+// writes the next residual x' = bf16(r + y) to xo, the next GEMM's input xt = bf16(w * x') (w: the next norm's
+// weight) in y's place, and per row and 16-column n-tile the fp32 sum of its 16 squares x'^2 to ss [M, N / 16]
+// (a fixed tree: the column pairs (c, c + 8), then xor 1, 2, 4). RN_IN, the consumer (q/k/v, gate | up, GU_SILU
+// too): after griddepcontrol.wait one warp a row adds the row's K / 16 tile sums of ss (lane l: l + 32 i
+// ascending, then the warp's xor butterfly), rstd = 1 / sqrt(sum * inv_k + eps) (IEEE), overlapped with the
+// stream; the epilogue multiplies each rounded-free sum by rstd: y = bf16((acc g) rstd). Not
+// fused.add_rmsnorm's bits (the norm's output is never rounded before the GEMM): gpu_decode's RESNORM flag.
 // XG_ROW: x is a dequantized NVFP4 activation without its per-row global scale (W4A4 emulation: x =
 // e2m1 * block_scale, exact in bf16); xg[m] multiplies row m's sum with the weight's global scale.
 //
@@ -116,6 +126,18 @@ typedef unsigned long long u64;
 #endif
 #ifndef GU_SILU
 #define GU_SILU 0
+#endif
+#ifndef RN_OUT
+#define RN_OUT 0
+#endif
+#ifndef RN_IN
+#define RN_IN 0
+#endif
+#if RN_OUT || RN_IN
+#define RN_ARGS , const u16* rn_res, u16* __restrict__ rn_xo, const u16* __restrict__ rn_w, float* rn_ss, \
+                int rn_stride_r, int rn_inv_bits, int rn_eps_bits
+#else
+#define RN_ARGS
 #endif
 #if PRENORM
 #define PN_ARGS , const u16* __restrict__ hr, const u16* __restrict__ nw, u16* __restrict__ xo, int stride_h, \
@@ -256,6 +278,12 @@ static_assert((WARPS * 32) % (WARPS / KW * NT * 16) == 0, "GSR: a thread's epilo
 #if GU_SILU && (WS || GSR || XG_ROW || GROUPED || PRENORM || SILU || (TW * NT) % 2 || (NB / 2) % SPLIT)
 #error "GU_SILU needs a dense W4A16 build with an even number of n-tiles a CTA, SPLIT dividing NB / 2 (no WS, GSR, XG_ROW)"
 #endif
+#if (RN_OUT || RN_IN) && (KW < 2 || SPLIT > 1 || WS || XG_ROW || GROUPED || PRENORM || SILU)
+#error "RN_OUT / RN_IN are for the dense W4A16 in-CTA split (KW > 1; no XG_ROW, GROUPED, PRENORM or SILU)"
+#endif
+#if RN_OUT && (GU_SILU || RN_IN)
+#error "RN_OUT writes x' and xt of a plain y: no GU_SILU or RN_IN with it"
+#endif
 #if GU_SILU
 // logical n-tile lt -> the weight's n-tile: the first half of a CTA's TW NT tiles are gate's, the second half
 // the same rows' tiles of up (ntiles / 2 further)
@@ -290,6 +318,19 @@ __device__ __forceinline__ int ld_routing(const int* p) {
     return *p;
 #endif
 }
+#if RN_OUT || RN_IN
+// what the previous kernels wrote (the residual, the tile sums): L2 loads kept after griddepcontrol.wait
+__device__ __forceinline__ float ld_bf16_cg(const u16* p) {
+    u16 v;
+    asm volatile("ld.global.cg.b16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+    return __uint_as_float((u32)v << 16);
+}
+__device__ __forceinline__ float ld_f32_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+#endif
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
@@ -532,7 +573,7 @@ extern "C" __global__ void LAUNCH_BOUNDS CLUSTER
 w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4* __restrict__ st,
             const float* __restrict__ wg, const float* __restrict__ xg, u16* __restrict__ y, int M, int N,
             int K, int stride_xm, int stride_ym, const int* __restrict__ offs, int E,
-            const int* __restrict__ xrows PN_ARGS WS_ARGS) {
+            const int* __restrict__ xrows PN_ARGS RN_ARGS WS_ARGS) {
     extern __shared__ __align__(16) unsigned char smem[];
 #ifdef STAMP_BUF
     u64 stamp_t[5] = {0, 0, 0, 0, 0};
@@ -836,6 +877,11 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     const int gsr_n = blockIdx.x * NB + (int)threadIdx.x % NB;
     const float gsr_early = gsr_n < N ? wg[gsr_n] * 256.f : 0.f;
 #endif
+#if RN_OUT
+    // RN_OUT: the next norm's weight at the one column thread t finishes in the epilogue (nl = t % NB: NB
+    // divides the 256 threads; gemv_cuda.launch checks N % NB == 0), read-only during a step: before the wait
+    const float rn_w_early = __uint_as_float((u32)rn_w[blockIdx.x * NB + (int)threadIdx.x % NB] << 16);
+#endif
     // PDL: the first DEPTH weight steps above do not depend on the previous kernel; x (its output) does
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #if !GROUPED
@@ -926,6 +972,36 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         cp_async_commit();
     }
 
+#if RN_OUT
+    // the residual element thread t adds in the epilogue (row t / NB, its column), read while x lands; the
+    // elements past the first 256 (more than 256 / NB rows) are read there
+    const float rn_r_early = (int)threadIdx.x < XR * NB
+        ? ld_bf16_cg(rn_res + (u64)(threadIdx.x / NB) * rn_stride_r + blockIdx.x * NB + threadIdx.x % NB) : 0.f;
+#endif
+#if RN_IN
+    // rstd of each row from the producer's K / 16 tile sums: one warp a row, lane l adding sums l + 32 i in
+    // ascending i (loaded 8 at a time before their adds), the warp's xor butterfly, IEEE sqrt and division;
+    // its loads are in flight with x's, its result waits in shared memory for the epilogue
+    __shared__ float rn_rstd[XROWS];
+    for (int m = warp; m < XR; m += WARPS) {
+        const int np = K >> 4;
+        float sum = 0.f;
+        for (int c0 = 0; c0 < np; c0 += 256) {
+            float v[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const int c = c0 + lane + 32 * i;
+                v[i] = c < np ? ld_f32_cg(rn_ss + (u64)m * np + c) : 0.f;
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) sum = __fadd_rn(sum, v[i]);
+        }
+        sum = pn_warp_sum(sum);
+        if (lane == 0)
+            rn_rstd[m] = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fmul_rn(sum, __int_as_float(rn_inv_bits)),
+                                                             __int_as_float(rn_eps_bits))));
+    }
+#endif
     // x and the first weight steps have landed for this thread, then for every thread. (Staging x by plain
     // loads so that this wait excludes the weight steps was slower: bench/RESULTS.md, seventeenth session.)
 #if STAMP_AT == 2
@@ -1328,9 +1404,50 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #pragma unroll
                     for (int r = 0; r + off < KW; r += 2 * off) p[r] += p[r + off];
                 const int n = h * (N >> 1) + blockIdx.x * (NB / 2) + nl;  // the weight's row
+#if RN_IN
+                gu[h] = bf16_float(__fmul_rn(p[0] * (WG_ROW ? wg[n] * 256.f : gs), rn_rstd[m]));
+#else
                 gu[h] = bf16_float(p[0] * (WG_ROW ? wg[n] * 256.f : gs));
+#endif
             }
             y[(u64)m * stride_ym + blockIdx.x * (NB / 2) + nl] = to_bf16(silu_up1(gu[0], gu[1]));
+        }
+        STAMP_EXIT();
+        return;
+#endif
+#if RN_OUT
+        // x' = bf16(r + y), xt = bf16(w x') in y's place, x' to xo; the squares' tree per row and n-tile
+        // (lanes 16 h + c hold its columns c: the pairs c, c + 8, then xor 1, 2, 4), lane c = 0 stores it.
+        // Warp-uniform (the shuffles): XR NB is a multiple of 16, a group of 16 lanes all in or all out
+        for (int e0 = warp * 32; e0 < XR * NB; e0 += WARPS * 32) {
+            const int e = e0 + lane;
+            const bool in = e < XR * NB;
+            const int m = in ? e / NB : 0, nl = in ? e - m * NB : 0;
+            const int n = blockIdx.x * NB + nl;
+            float q = 0.f;
+            if (in) {
+                float p[KW];
+#pragma unroll
+                for (int r = 0; r < KW; ++r) p[r] = part[(r * XROWS + m) * PS + nl];
+#pragma unroll
+                for (int off = 1; off < KW; off <<= 1)
+#pragma unroll
+                    for (int r = 0; r + off < KW; r += 2 * off) p[r] += p[r + off];
+#if GSR && WG_ROW
+                const float gg = gsr_early;
+#else
+                const float gg = WG_ROW ? wg[n] * 256.f : gs;
+#endif
+                const float r = e < WARPS * 32 ? rn_r_early : ld_bf16_cg(rn_res + (u64)m * rn_stride_r + n);
+                const float xp = bf16_float(__fadd_rn(r, bf16_float(p[0] * gg)));
+                rn_xo[(u64)m * N + n] = to_bf16(xp);
+                y[(u64)m * stride_ym + n] = to_bf16(__fmul_rn(rn_w_early, xp));
+                q = __fmul_rn(xp, xp);
+            }
+            q = __fadd_rn(q, __shfl_xor_sync(0xffffffffu, q, 8));
+#pragma unroll
+            for (int o = 1; o <= 4; o <<= 1) q = __fadd_rn(q, __shfl_xor_sync(0xffffffffu, q, o));
+            if (in && (lane & 15) == 0) rn_ss[(u64)m * (N >> 4) + (n >> 4)] = q;
         }
         STAMP_EXIT();
         return;
@@ -1351,7 +1468,11 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #else
                 const float gg = (WG_ROW ? wg[n] * 256.f : gs) * (XG_ROW ? xg[m] : 1.f);
 #endif
+#if RN_IN
+                y[(u64)m * stride_ym + n] = to_bf16(__fmul_rn(p[0] * gg, rn_rstd[m]));
+#else
                 y[(u64)m * stride_ym + n] = (u16)(f2_to_bf16x2(p[0] * gg, 0.f) & 0xFFFFu);
+#endif
             }
         }
         STAMP_EXIT();
