@@ -213,13 +213,24 @@ def _gemm_configs():
         yield f"wgmma gu_silu {n}x{k} m{m}", {**gemv_cuda.choose_wide(n, k, m, sms), "GU_SILU": 1}, "sm_90a"
     yield "mma16 gu_silu xstream 2048x1280 m16", dict(NT=1, MG=2, SPLIT=1, DEPTH=2, XSTREAM=1, GU_SILU=1), \
         "sm_90"
+    # the residual add + RMSNorm split over two GEMMs (RN_OUT / RN_IN): Qwen3-8B / 14B / 4B's o_proj and
+    # down_proj, q/k/v (GSR: its per-row scales) and gate | up (GU_SILU) at one row; KW 4 / 2 at 8 rows
+    for n, k in ((4096, 4096), (4096, 12288), (5120, 5120), (5120, 17408), (2560, 9728)):
+        yield f"mma16 rn_out {n}x{k} m1", {**gemv_cuda.choose(n, k, 1, sms), "RN_OUT": 1}, "sm_90"
+    for n, k in ((6144, 4096), (8192, 5120)):
+        yield f"mma16 rn_in gsr {n}x{k} m1", {**gemv_cuda.choose(n, k, 1, sms), "RN_IN": 1, "GSR": 1}, "sm_90"
+    for n, k in ((24576, 4096), (34816, 5120)):
+        yield f"mma16 rn_in gu_silu {n}x{k} m1", {**gemv_cuda.choose(n, k, 1, sms), "RN_IN": 1,
+                                                  "GU_SILU": 1}, "sm_90"
+    yield "mma16 rn_out kw4 2048x1024 m8", dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=4, RN_OUT=1), "sm_90"
+    yield "mma16 rn_in kw2 1024x512 m8", dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=2, RN_IN=1), "sm_90"
 
 
 @pytest.mark.parametrize("name,cfg,arch", list(_gemm_configs()),
                          ids=lambda v: v if isinstance(v, str) else "")
 def test_gemm_kernel_compiles_without_spills_or_serialized_wgmma(name, cfg, arch):
     w4a16_grouped = bool(cfg.get("GATHER", 0) or cfg.get("SILU", 0))  # builds for grouped W4A16 only
-    w4a16 = w4a16_grouped or bool(cfg.get("GU_SILU", 0))  # (GU_SILU: dense W4A16)
+    w4a16 = w4a16_grouped or any(cfg.get(key) for key in ("GU_SILU", "RN_OUT", "RN_IN"))  # (dense W4A16)
     variants = ((False, False, name.startswith("grouped")), (True, not w4a16, w4a16_grouped))
     for wg_row, xg_row, grouped in variants:
         log = compile_log(gemv_cuda.source(cfg, wg_row, xg_row, grouped), arch)
@@ -409,6 +420,36 @@ def test_gu_silu_needs_a_dense_w4a16_build_with_gate_up_pairs():
         assert "GU_SILU needs a dense W4A16 build" in prog_log, c
     assert not gemv_cuda.gu_silu_ok(ws, 24576) and not gemv_cuda.gu_silu_ok(dict(plain, KW=8), 24576)
     compile_log(gemv_cuda.source(plain, True, False, False), "sm_90")
+
+
+def test_rn_builds_need_the_dense_w4a16_in_cta_split():
+    """RN_OUT / RN_IN compile only for the in-CTA split of a dense W4A16 GEMM (not KW 1, the cluster, W4A4,
+    grouped), RN_OUT without GU_SILU or RN_IN; gemv_cuda.rn_ok refuses the same."""
+    kw = dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=4)
+    for c, xg_row, grouped in ((dict(kw, KW=1, RN_OUT=1), False, False), (dict(kw, KW=1, SPLIT=4, RN_IN=1),
+                                                                          False, False),
+                               (dict(kw, RN_IN=1), True, False), (dict(kw, RN_OUT=1), False, True)):
+        assert "RN_OUT / RN_IN are for the dense W4A16 in-CTA split" in _compile_error(
+            gemv_cuda.source(c, False, xg_row, grouped)), c
+    for extra in ({"GU_SILU": 1}, {"RN_IN": 1}):
+        assert "RN_OUT writes x' and xt of a plain y" in _compile_error(
+            gemv_cuda.source(dict(kw, RN_OUT=1, **extra), False)), extra
+    assert not gemv_cuda.rn_ok(dict(kw, KW=1), 1024) and gemv_cuda.rn_ok(kw, 1024)
+
+
+def test_rn_builds_read_what_the_previous_kernels_wrote_after_the_wait():
+    """RN_OUT reads the next norm's weight before griddepcontrol.wait (read-only in a step, as the weights)
+    and the residual after it, by ld.global.cg; RN_IN reads the tile sums after it, the same way; the plain
+    build has no such loads."""
+    cfg = gemv_cuda.choose(4096, 4096, 1, 132)
+    out = _ptx(gemv_cuda.source({**cfg, "RN_OUT": 1}, False), "sm_90")
+    wait = out.index("griddepcontrol.wait")
+    assert "ld.global.cg.b16" in out[wait:] and "ld.global.cg.b16" not in out[:wait]
+    assert re.search(r"ld\.global\.nc\.[ub]16", out[:wait]), "the norm weight is read before the wait"
+    cons = _ptx(gemv_cuda.source({**gemv_cuda.choose(6144, 4096, 1, 132), "RN_IN": 1}, False), "sm_90")
+    wait = cons.index("griddepcontrol.wait")
+    assert "ld.global.cg.f32" in cons[wait:] and "ld.global.cg" not in cons[:wait]
+    assert "ld.global.cg.f32" not in _ptx(gemv_cuda.source(cfg, False), "sm_90")
 
 
 def test_gu_silu_build_pairs_gate_and_up_tiles_in_each_cta():
