@@ -11,7 +11,15 @@ CUDA graph; decoding with RESNORM on and off."""
 import numpy as np
 import pytest
 import torch
-from gpu_decode_cases import DENSE, DEV, PROMPTS, V, teacher_forced_logits, tiny  # (first: TRITON_INTERPRET)
+from gpu_decode_cases import (  # (first: TRITON_INTERPRET)
+    DENSE,
+    DEV,
+    PROMPTS,
+    WIDE,
+    V,
+    teacher_forced_logits,
+    tiny,
+)
 
 from fp4rl import gpu_decode, gpu_linear  # noqa: E402
 from fp4rl.kernels import fused, gemv_cuda, resnorm  # noqa: E402
@@ -137,7 +145,8 @@ def test_the_fused_step_splits_the_norms(monkeypatch):
     as many q/k/v and gate | up consumers, no add_rmsnorm between; its logits within the norms' rounding of
     the unsplit step's; off, the unsplit step's bits."""
     monkeypatch.setattr(gpu_linear, "TUNE", False)
-    s = Sampler(tiny(RN_MODEL, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
+    cfg = RN_MODEL if DEV == "cuda" else WIDE  # (on CPU the stand-ins take any shape: the small model)
+    s = Sampler(tiny(cfg, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
                 eos_token_ids=[], kernels=True)
     forced = torch.randint(0, V, (len(PROMPTS), 2), generator=torch.Generator().manual_seed(9))
     base = teacher_forced_logits(s, forced)
@@ -153,7 +162,7 @@ def test_the_fused_step_splits_the_norms(monkeypatch):
     monkeypatch.setattr(gpu_decode, "RESNORM", True)
     s.engine.reset_graphs()
     split = teacher_forced_logits(s, forced)
-    layers = RN_MODEL["num_hidden_layers"]
+    layers = cfg["num_hidden_layers"]
     steps = calls["norm"] // 2  # the first and the last norm of each step still launch add_rmsnorm
     assert steps >= 2 and calls["norm"] == 2 * steps
     assert calls["out"] == (2 * layers - 1) * steps and calls["in"] == calls["out"]
