@@ -133,7 +133,7 @@ def _rn_pair(prod: _Site | None, cons: _Site | None, quant: dict | None, bb: int
     sites take it at bb rows, the consumer W4A16 and not recording)."""
     return (RESNORM and prod is not None and cons is not None and prod.rn is not None and cons.rn is not None
             and quant is None and not _records(cons) and not _records(prod)
-            and prod.rn.rn_takes(bb, device) and cons.rn.rn_takes(bb, device))
+            and prod.rn.rn_takes(bb, device, out=True) and cons.rn.rn_takes(bb, device, out=False))
 
 
 # ----------------------------------------------------------------------------------------------

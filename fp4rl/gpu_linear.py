@@ -136,9 +136,9 @@ RN_STATE = {"ok": True}
 RN_EMULATE = False
 
 
-def _rn_plan(owner, data, scale, rows: int, device):
-    """(mma16 copy, configuration) of an RN_OUT / RN_IN launch of the owner's W4A16 weight on `rows` rows, or
-    None where the kernel does not take it (W4A4, a bias, TRACE recording, no mma16 copy or Hopper NVRTC, a
+def _rn_plan(owner, data, scale, rows: int, device, out: bool):
+    """(mma16 copy, configuration) of an RN_OUT (out) / RN_IN launch of the owner's W4A16 weight on `rows`
+    rows, or None where the kernel does not take it (W4A4, TRACE recording, no mma16 copy or Hopper NVRTC, a
     dense copy at these rows, a configuration without the build: gemv_cuda.rn_ok)."""
     from fp4rl.kernels import gemm, gemv_cuda
 
@@ -151,7 +151,7 @@ def _rn_plan(owner, data, scale, rows: int, device):
     if copy is None:
         return None
     cfg = gemm._mma16_config(rows, copy.n, copy.k, None, device)
-    return (copy, cfg) if cfg is not None and gemv_cuda.rn_ok(cfg, copy.n) else None
+    return (copy, cfg) if cfg is not None and gemv_cuda.rn_ok(cfg, copy.n, out) else None
 
 
 def _rn_failed(exc: Exception) -> None:
@@ -169,7 +169,7 @@ def rn_out_run(owner, data, scale, g, x2: torch.Tensor, res: torch.Tensor, norm:
     from fp4rl.kernels import gemv_cuda, resnorm
 
     m = x2.shape[0]
-    plan = _rn_plan(owner, data, scale, m, x2.device)
+    plan = _rn_plan(owner, data, scale, m, x2.device, True)
     if plan is not None:
         copy, cfg = plan
         n = copy.n
@@ -195,7 +195,7 @@ def rn_in_run(owner, data, scale, g, xt: torch.Tensor, ss: torch.Tensor, eps: fl
     from fp4rl.kernels import fused, gemv_cuda, resnorm
 
     m = xt.shape[0]
-    plan = _rn_plan(owner, data, scale, m, xt.device)
+    plan = _rn_plan(owner, data, scale, m, xt.device, False)
     if plan is not None:
         copy, cfg = plan
         both = silu_out and gemv_cuda.gu_silu_ok(cfg, copy.n)
@@ -209,11 +209,12 @@ def rn_in_run(owner, data, scale, g, xt: torch.Tensor, ss: torch.Tensor, eps: fl
     return fused.silu_mul(y)[0] if silu_out else y
 
 
-def rn_takes(owner, data, scale, rows: int, device) -> bool:
-    """Whether the owner's rn_out_run / rn_in_run run the split at `rows` rows (the kernel, or RN_EMULATE)."""
+def rn_takes(owner, data, scale, rows: int, device, out: bool) -> bool:
+    """Whether the owner's rn_out_run (out) / rn_in_run run the split at `rows` rows (the kernel, or
+    RN_EMULATE)."""
     if getattr(owner, "mode", "w4a16") != "w4a16" or owner.trace_guide is not None:
         return False
-    return RN_EMULATE or _rn_plan(owner, data, scale, rows, device) is not None
+    return RN_EMULATE or _rn_plan(owner, data, scale, rows, device, out) is not None
 
 
 def mma16_copy(cache: _DecodeCopy, data: torch.Tensor, scale: torch.Tensor):
@@ -487,9 +488,11 @@ class KernelPackedLinear(PackedNVFP4Linear):
             return out
         return out[0], out[1] + self.bias
 
-    def rn_takes(self, rows: int, device) -> bool:
-        """Whether rn_out / rn_in run the split residual add + RMSNorm here (no bias; gpu_linear.rn_takes)."""
-        return self.bias is None and rn_takes(self, self.weight_data, self.weight_block_scale, rows, device)
+    def rn_takes(self, rows: int, device, out: bool) -> bool:
+        """Whether rn_out (out) / rn_in run the split residual add + RMSNorm here (no bias;
+        gpu_linear.rn_takes)."""
+        return self.bias is None and rn_takes(self, self.weight_data, self.weight_block_scale, rows, device,
+                                              out)
 
     def rn_out(self, x2: torch.Tensor, res: torch.Tensor, norm: nn.Module):
         """(x', xt, ss): this GEMM of x2 as the producer of the split norm (gpu_linear.rn_out_run)."""
@@ -591,9 +594,11 @@ class KernelFusedGroup(FusedGroup):
     def mode(self) -> str:
         return self.members[0].mode
 
-    def rn_takes(self, rows: int, device) -> bool:
-        """Whether rn_in runs the consumer's half of the split norm here (no bias; gpu_linear.rn_takes)."""
-        return self.bias_cat is None and rn_takes(self, self.data, self.scale, rows, device)
+    def rn_takes(self, rows: int, device, out: bool = False) -> bool:
+        """Whether rn_in runs the consumer's half of the split norm here (no bias; gpu_linear.rn_takes; a
+        group is never a producer: out False)."""
+        return (not out and self.bias_cat is None
+                and rn_takes(self, self.data, self.scale, rows, device, False))
 
     def rn_in(self, xt: torch.Tensor, ss: torch.Tensor, eps: float, silu_out: bool = False):
         """The group as the consumer of the split norm (gpu_linear.rn_in_run); silu_out: a gate | up group's

@@ -223,6 +223,10 @@ def _gemm_configs():
         yield f"mma16 rn_in gu_silu {n}x{k} m1", {**gemv_cuda.choose(n, k, 1, sms), "RN_IN": 1,
                                                   "GU_SILU": 1}, "sm_90"
     yield "mma16 rn_out kw4 2048x1024 m8", dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=4, RN_OUT=1), "sm_90"
+    # RN_IN on the plain build (Qwen3-4B's gate | up at one row), 16 rows (two row groups, x staged)
+    yield "mma16 rn_in gu_silu 19456x2560 m1", {**gemv_cuda.choose(19456, 2560, 1, sms), "RN_IN": 1,
+                                                 "GU_SILU": 1}, "sm_90"
+    yield "mma16 rn_in 1024x512 m16", dict(NT=1, MG=2, SPLIT=1, DEPTH=2, RN_IN=1), "sm_90"
     yield "mma16 rn_in kw2 1024x512 m8", dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=2, RN_IN=1), "sm_90"
 
 
@@ -423,18 +427,22 @@ def test_gu_silu_needs_a_dense_w4a16_build_with_gate_up_pairs():
 
 
 def test_rn_builds_need_the_dense_w4a16_in_cta_split():
-    """RN_OUT / RN_IN compile only for the in-CTA split of a dense W4A16 GEMM (not KW 1, the cluster, W4A4,
-    grouped), RN_OUT without GU_SILU or RN_IN; gemv_cuda.rn_ok refuses the same."""
+    """RN_OUT / RN_IN compile only for a dense W4A16 GEMM that stages x whole (not the cluster, x streamed,
+    W4A4, grouped), RN_OUT only on the in-CTA split and without GU_SILU or RN_IN; gemv_cuda.rn_ok refuses the
+    same."""
     kw = dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=4)
-    for c, xg_row, grouped in ((dict(kw, KW=1, RN_OUT=1), False, False), (dict(kw, KW=1, SPLIT=4, RN_IN=1),
-                                                                          False, False),
+    for c, xg_row, grouped in ((dict(kw, KW=1, SPLIT=4, RN_IN=1), False, False),
+                               (dict(kw, KW=1, MG=2, XSTREAM=1, RN_IN=1), False, False),
                                (dict(kw, RN_IN=1), True, False), (dict(kw, RN_OUT=1), False, True)):
-        assert "RN_OUT / RN_IN are for the dense W4A16 in-CTA split" in _compile_error(
+        assert "RN_OUT / RN_IN are for a dense W4A16 build that stages x whole" in _compile_error(
             gemv_cuda.source(c, False, xg_row, grouped)), c
+    log = _compile_error(gemv_cuda.source(dict(kw, KW=1, RN_OUT=1), False))
+    assert "RN_OUT is for the in-CTA split" in log
     for extra in ({"GU_SILU": 1}, {"RN_IN": 1}):
         assert "RN_OUT writes x' and xt of a plain y" in _compile_error(
             gemv_cuda.source(dict(kw, RN_OUT=1, **extra), False)), extra
     assert not gemv_cuda.rn_ok(dict(kw, KW=1), 1024) and gemv_cuda.rn_ok(kw, 1024)
+    assert gemv_cuda.rn_ok(dict(kw, KW=1), 1024, out=False)  # (RN_IN: the plain build too)
 
 
 def test_rn_builds_read_what_the_previous_kernels_wrote_after_the_wait():

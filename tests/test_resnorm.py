@@ -92,17 +92,19 @@ def test_sum_orders_are_the_kernels():
 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288), (6144, 4096), (24576, 4096), (5120, 5120),
-                                 (34816, 5120), (5120, 17408), (2560, 9728)])
+                                 (34816, 5120), (5120, 17408), (2560, 9728), (6144, 2560), (19456, 2560)])
 def test_the_qwen3_one_row_gemms_have_the_builds(n, k):
     """Qwen3-8B / 14B's four dense GEMMs and 4B's down_proj at one row are in-CTA split configurations the RN
-    builds take."""
-    assert gemv_cuda.rn_ok(gemv_cuda.choose(n, k, 1, 132), n)
+    builds take (producers and consumers); 4B's gate | up (the plain build) a consumer only."""
+    assert gemv_cuda.rn_ok(gemv_cuda.choose(n, k, 1, 132), n, out=n != 19456)
 
 
 def test_rn_ok_refuses_what_the_builds_do_not_cover():
     plain = dict(NT=1, MG=1, SPLIT=1, DEPTH=2)
     assert gemv_cuda.rn_ok(dict(plain, KW=4), 1024)
-    assert not gemv_cuda.rn_ok(plain, 1024)  # no in-CTA split
+    assert not gemv_cuda.rn_ok(plain, 1024)  # no in-CTA split: no producer build
+    assert gemv_cuda.rn_ok(plain, 1024, out=False) and gemv_cuda.rn_ok(dict(plain, MG=2), 1024, out=False)
+    assert not gemv_cuda.rn_ok(dict(plain, MG=2, XSTREAM=1), 1024, out=False)  # x streamed
     assert not gemv_cuda.rn_ok(dict(plain, SPLIT=4), 1024)  # the cluster
     assert not gemv_cuda.rn_ok(dict(plain, WGMMA=1, XSTREAM=1, SWZ=1, WARPS=4), 1024)
     assert not gemv_cuda.rn_ok(dict(plain, KW=4), 1024 + 16)  # N not a multiple of the CTA's 32 rows
@@ -221,6 +223,7 @@ def test_gpu_producer_is_resnorm_produce_of_the_plain_launch(n, k, cfg, m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k,cfg,m,silu", [(6144, 4096, None, 1, False), (24576, 4096, None, 1, True),
                                              (2048, 1024, dict(_KW, KW=4), 5, True),
+                                             (19456, 2560, None, 1, True), (2048, 1024, _KW, 3, False),
                                              (1024, 512, dict(_KW, KW=2), 8, False)])
 def test_gpu_consumer_is_the_plain_launch_times_rstd(n, k, cfg, m, silu):
     """RN_IN (and with GU_SILU): with tile sums that make rstd = 2 exactly (eps 0), y = 2 * the plain launch's

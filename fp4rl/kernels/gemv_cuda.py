@@ -374,13 +374,15 @@ def gu_silu_ok(cfg: dict, n: int) -> bool:
     return tiles % 2 == 0 and (n // 2) % half == 0 and half % cfg["SPLIT"] == 0
 
 
-def rn_ok(cfg: dict, n: int) -> bool:
-    """Whether the configuration has the RN_OUT / RN_IN builds (the residual add + RMSNorm split over two
-    GEMMs, fp4rl.kernels.resnorm) for an N-row weight: the in-CTA split (KW > 1: every dense Qwen3 GEMM at
-    one row), N a multiple of the CTA's rows (the producer's epilogue: one column a thread, every 16-column
-    tile whole in one CTA)."""
-    return (cfg.get("KW", 1) > 1 and cfg["SPLIT"] == 1 and not any(cfg.get(key) for key in (
-        "XSTREAM", "WGMMA", "WS", "PRENORM", "SILU", "GROUPED")) and n % block_rows(cfg) == 0)
+def rn_ok(cfg: dict, n: int, out: bool = True) -> bool:
+    """Whether the configuration has the RN_OUT (out) / RN_IN build (the residual add + RMSNorm split over two
+    GEMMs, fp4rl.kernels.resnorm) for an N-row weight: x staged whole (SPLIT 1: every dense Qwen3 GEMM at one
+    row); RN_OUT the in-CTA split (KW > 1) with N a multiple of the CTA's rows (its epilogue: one column a
+    thread, every 16-column tile whole in one CTA)."""
+    if cfg["SPLIT"] != 1 or any(cfg.get(key) for key in ("XSTREAM", "WGMMA", "WS", "PRENORM", "SILU",
+                                                         "GROUPED")):
+        return False
+    return not out or (cfg.get("KW", 1) > 1 and n % block_rows(cfg) == 0)
 
 
 def _rn_check(what: str, t: torch.Tensor, dtype, shape: tuple, device, fix: str) -> None:
@@ -595,10 +597,12 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
                              "launch and fused.silu_mul")
         cfg = {**cfg, "GU_SILU": 1}
     both = rn_out is not None and (silu_out or rn_in is not None)
-    if (rn_out is not None or rn_in is not None) and (x_scale is not None or not rn_ok(cfg, wc.n) or both):
-            raise ValueError(f"rn_out / rn_in: configuration {cfg} of a {wc.n}x{wc.k} weight "
-                             f"{'(W4A4) ' if x_scale is not None else ''}has no RN build (gemv_cuda.rn_ok; "
-                             "rn_out without silu_out or rn_in); run fused.add_rmsnorm and the plain launch")
+    if (rn_out is not None or rn_in is not None) and (
+            x_scale is not None or not rn_ok(cfg, wc.n, out=rn_out is not None) or both):
+        w4a4 = "(W4A4) " if x_scale is not None else ""
+        raise ValueError(f"rn_out / rn_in: configuration {cfg} of a {wc.n}x{wc.k} weight {w4a4}has no RN "
+                         "build (gemv_cuda.rn_ok; rn_out without silu_out or rn_in); run add_rmsnorm and "
+                         "the plain launch")
     rn_key, rn_tail = _rn_args(m, wc.n, wc.k, y, rn_out, rn_in, x2.device)
     cfg = {**cfg, **rn_key}
     dev = cuda_index(x2)

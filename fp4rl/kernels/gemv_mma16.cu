@@ -28,7 +28,8 @@
 // bf16(sum_j w[t, j] * d[pos[t KTOP + j]])), the products rounded, added in j order from +0 (moe_route.combine's
 // bits); hr is d [T KTOP, K] (the experts' down projection, sorted rows), mpos / mw the route's pos [T KTOP] and
 // weights [T, KTOP] (MW_F32: fp32, else bf16), read after the wait from L2.
-// RN_OUT / RN_IN (dense W4A16, the in-CTA split KW > 1; gemv_cuda.rn_ok): the decode step's residual add +
+// RN_OUT / RN_IN (dense W4A16, x staged whole: SPLIT 1; RN_OUT the in-CTA split KW > 1; gemv_cuda.rn_ok): the
+// decode step's residual add +
 // RMSNorm between two GEMMs, split over them so that no launch runs between (fp4rl.kernels.resnorm's
 // arithmetic). RN_OUT, the producer (o_proj, down_proj): its epilogue rounds y as the plain build does, then
 // writes the next residual x' = bf16(r + y) to xo, the next GEMM's input xt = bf16(w * x') (w: the next norm's
@@ -278,8 +279,11 @@ static_assert((WARPS * 32) % (WARPS / KW * NT * 16) == 0, "GSR: a thread's epilo
 #if GU_SILU && (WS || GSR || XG_ROW || GROUPED || PRENORM || SILU || (TW * NT) % 2 || (NB / 2) % SPLIT)
 #error "GU_SILU needs a dense W4A16 build with an even number of n-tiles a CTA, SPLIT dividing NB / 2 (no WS, GSR, XG_ROW)"
 #endif
-#if (RN_OUT || RN_IN) && (KW < 2 || SPLIT > 1 || WS || XG_ROW || GROUPED || PRENORM || SILU)
-#error "RN_OUT / RN_IN are for the dense W4A16 in-CTA split (KW > 1; no XG_ROW, GROUPED, PRENORM or SILU)"
+#if (RN_OUT || RN_IN) && (SPLIT > 1 || XSTREAM || WGMMA || WS || XG_ROW || GROUPED || PRENORM || SILU)
+#error "RN_OUT / RN_IN are for a dense W4A16 build that stages x whole (SPLIT 1; no XG_ROW, GROUPED, PRENORM or SILU)"
+#endif
+#if RN_OUT && KW < 2
+#error "RN_OUT is for the in-CTA split (KW > 1)"
 #endif
 #if RN_OUT && (GU_SILU || RN_IN)
 #error "RN_OUT writes x' and xt of a plain y: no GU_SILU or RN_IN with it"
@@ -1499,8 +1503,13 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         const int m = 8 * mg + 2 * t + c;
+#if RN_IN
+                        if (ok[j] && m < XR)
+                            part[m * PS + nl] = bf16_float(__fmul_rn(acc[j][mg][2 * hh + c] * gn, rn_rstd[m]));
+#else
                         if (ok[j] && m < XR)
                             part[m * PS + nl] = bf16_float(acc[j][mg][2 * hh + c] * gn);
+#endif
                     }
             }
         }
@@ -1527,8 +1536,12 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         const int m = 8 * mg + 2 * t + c;
+#if RN_IN
+                        if (m < M) y[(u64)m * stride_ym + n] = to_bf16(__fmul_rn(acc[j][mg][2 * hh + c] * gn, rn_rstd[m]));
+#else
                         if (m < M)
                             y[(u64)m * stride_ym + n] = to_bf16(acc[j][mg][2 * hh + c] * (XG_ROW ? gn * xg[m] : gn));
+#endif
                     }
                 }
             }
