@@ -38,6 +38,10 @@ sampler's own model copy. What it changes, and what it computes:
   gate/up mma16 GEMMs, an MoE layer's input one with the previous combine in its q/k/v GEMM: the sites'
   `norm_run`, gpu_linear.prenorm_gemm). With either on, every add_rmsnorm of the step sums in those builds'
   order (`prenorm_order`), so a norm gives the same bits folded or not (batch buckets the builds do not plan).
+  A third, RESNORM (FP4RL_RESNORM=1), splits a dense layer's add + RMSNorm over the W4A16 GEMMs on either side
+  instead (fp4rl.kernels.resnorm): o_proj / down_proj's epilogue writes x', w x' and tile sums of squares, the
+  next q/k/v or gate/up multiplies its sums by rstd, where both mma16 launches have the RN builds (x staged
+  whole: one row on the Qwen3 shapes); within bf16 rounding of the module step, not its bits.
 - CUDA graphs: one graph per batch bucket (powers of two up to B_cap; and per TRACE guidance fraction,
   `set_guidance`: a guided step also records guidance, fp4rl/gpu_trace.py), captured on first use
   after an eager warm-up step on a side stream (Triton compiles and the GEMM tuner runs there,
