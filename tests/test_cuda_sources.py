@@ -227,6 +227,13 @@ def _gemm_configs():
     yield "mma16 rn_in gu_silu 19456x2560 m1", {**gemv_cuda.choose(19456, 2560, 1, sms), "RN_IN": 1,
                                                  "GU_SILU": 1}, "sm_90"
     yield "mma16 rn_in 1024x512 m16", dict(NT=1, MG=2, SPLIT=1, DEPTH=2, RN_IN=1), "sm_90"
+    # RN_IN 2 (rstd after the stream, the sums copied with x): q/k/v, gate | up on the in-CTA split and plain
+    yield "mma16 rn_in2 gsr 6144x4096 m1", {**gemv_cuda.choose(6144, 4096, 1, sms), "RN_IN": 2, "GSR": 1}, \
+        "sm_90"
+    for n, k in ((24576, 4096), (19456, 2560)):
+        yield f"mma16 rn_in2 gu_silu {n}x{k} m1", {**gemv_cuda.choose(n, k, 1, sms), "RN_IN": 2,
+                                                   "GU_SILU": 1}, "sm_90"
+    yield "mma16 rn_in2 1024x512 m16", dict(NT=1, MG=2, SPLIT=1, DEPTH=2, RN_IN=2), "sm_90"
     yield "mma16 rn_in kw2 1024x512 m8", dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=2, RN_IN=1), "sm_90"
 
 

@@ -225,12 +225,15 @@ def test_gpu_producer_is_resnorm_produce_of_the_plain_launch(n, k, cfg, m):
                                              (2048, 1024, dict(_KW, KW=4), 5, True),
                                              (19456, 2560, None, 1, True), (2048, 1024, _KW, 3, False),
                                              (1024, 512, dict(_KW, KW=2), 8, False)])
-def test_gpu_consumer_is_the_plain_launch_times_rstd(n, k, cfg, m, silu):
+@pytest.mark.parametrize("at", [1, 2])
+def test_gpu_consumer_is_the_plain_launch_times_rstd(n, k, cfg, m, silu, at, monkeypatch):
     """RN_IN (and with GU_SILU): with tile sums that make rstd = 2 exactly (eps 0), y = 2 * the plain launch's
     y bit for bit (silu_mul of it with GU_SILU); with random sums (in a CUDA graph), y = bf16(y_plain *
-    resnorm.rstd) up to the one rounding y_plain carries (per-row global scales, as a fused q/k/v's)."""
+    resnorm.rstd) up to the one rounding y_plain carries (per-row global scales, as a fused q/k/v's). Both
+    places rstd is made (RN_IN 1: before the stream, from L2; 2: after it, from shared memory)."""
     if not gemv_cuda.available():
         pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    monkeypatch.setattr(gemv_cuda, "RN_IN_AT", at)
     w, wc = _gpu_weight(n, k, seed=n + 2 * k)
     x = _bf16((m, k), 8).cuda()
     g = (w.global_scale.float().reshape(1) * (0.5 + torch.rand(n, generator=torch.Generator().manual_seed(9))

@@ -374,6 +374,14 @@ def gu_silu_ok(cfg: dict, n: int) -> bool:
     return tiles % 2 == 0 and (n // 2) % half == 0 and half % cfg["SPLIT"] == 0
 
 
+# where an RN_IN consumer makes rstd (gemv_mma16.cu; the same bits): 1 one warp a row from L2 while x lands,
+# before the stream; 2 from the tile sums copied with x into shared memory, after the stream (FP4RL_RN_IN:
+# A/B)
+RN_IN_AT = int(os.environ.get("FP4RL_RN_IN", "1"))
+if RN_IN_AT not in (1, 2):
+    raise ValueError(f"FP4RL_RN_IN={RN_IN_AT}: use 1 (rstd before the stream) or 2 (after it)")
+
+
 def rn_ok(cfg: dict, n: int, out: bool = True) -> bool:
     """Whether the configuration has the RN_OUT (out) / RN_IN build (the residual add + RMSNorm split over two
     GEMMs, fp4rl.kernels.resnorm) for an N-row weight: x staged whole (SPLIT 1: every dense Qwen3 GEMM at one
@@ -411,7 +419,7 @@ def _rn_args(m: int, n: int, k: int, y, rn_out, rn_in, dev) -> tuple[dict, list]
         ss, eps = rn_in
         _rn_check("rn_in: ss (the producer's tile sums)", ss, torch.float32, (m, k // 16), dev,
                   "pass what the producer's rn_out wrote")
-        return {"RN_IN": 1}, [y, y, y, ss, 0, resnorm.f32_bits(1.0 / k), resnorm.f32_bits(eps)]
+        return {"RN_IN": RN_IN_AT}, [y, y, y, ss, 0, resnorm.f32_bits(1.0 / k), resnorm.f32_bits(eps)]
     return {}, []
 
 
@@ -445,6 +453,8 @@ def smem_bytes(cfg: dict, k: int, m: int = 8) -> int:
         if cfg.get("PRENORM"):  # hr's rows (PRENORM 2: KTOP expert rows a row of x) and the norm weight
             rows = (xrows - 1) * (cfg.get("KTOP", 1) if cfg["PRENORM"] == 2 else 1)
             pn = rows * (per * 128 + 8) * 2 + 2 * k
+        if cfg.get("RN_IN") == 2:  # the rows' tile sums (fp32 [rows, K / 16])
+            pn += (xrows - 1) * (k // 16) * 4
         xb = (xrows * (per * 128 + 8) * 2 + pn + 127) // 128 * 128
     ring = warps(cfg) * cfg["DEPTH"] * cfg["NT"] * STAGE_BYTES
     # the split-K partials (rows padded by 4 floats): one set per CTA (cluster) or per k range (KW)

@@ -714,9 +714,17 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #else
     const int PN_BYTES = 0;
 #endif
+#if RN_IN == 2
+    // RN_IN 2: the rows' tile sums [XR][K / 16] fp32 after x (and PN's) in shared memory, copied with x
+    float* rn_sm = reinterpret_cast<float*>(xs + (XR + 1) * XS);
+    const int RN_BYTES = XR * (K >> 4) * 4;
+#else
+    const int RN_BYTES = 0;
+#endif
 #if !WS
     unsigned char* ring = reinterpret_cast<unsigned char*>(xs)
-                          + (((XSTREAM ? DEPTH : 1) * XSTAGE + PN_BYTES + (ASH ? 2 * ABUF : 0) + 127) & ~127)
+                          + (((XSTREAM ? DEPTH : 1) * XSTAGE + PN_BYTES + RN_BYTES + (ASH ? 2 * ABUF : 0) + 127)
+                             & ~127)
                           + warp * (DEPTH * NT * STAGE_BYTES);
     const u32 ring_s = smem_u32(ring);
 
@@ -972,6 +980,10 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             const u16* src = in ? x + (u64)XROW(m) * stride_xm + kbase + kc : x;
             cp_async16(smem_u32(xs + m * XS + kc), src, in ? 16 : 0);
         }
+#if RN_IN == 2
+        // the rows' tile sums (contiguous [M, K / 16] fp32) in the same group as x
+        for (int c = threadIdx.x; c < XR * (K >> 6); c += WARPS * 32) cp_async16(smem_u32(rn_sm + 4 * c), rn_ss + 4 * c, 16);
+#endif
 #endif
         cp_async_commit();
     }
@@ -983,10 +995,13 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
         ? ld_bf16_cg(rn_res + (u64)(threadIdx.x / NB) * rn_stride_r + blockIdx.x * NB + threadIdx.x % NB) : 0.f;
 #endif
 #if RN_IN
+    __shared__ float rn_rstd[XROWS];
+#endif
+#if RN_IN == 1
     // rstd of each row from the producer's K / 16 tile sums: one warp a row, lane l adding sums l + 32 i in
     // ascending i (loaded 8 at a time before their adds), the warp's xor butterfly, IEEE sqrt and division;
-    // its loads are in flight with x's, its result waits in shared memory for the epilogue
-    __shared__ float rn_rstd[XROWS];
+    // its loads are in flight with x's, its result waits in shared memory for the epilogue (RN_IN 2: the sums
+    // come with x into shared memory and rstd is made after the stream, below)
     for (int m = warp; m < XR; m += WARPS) {
         const int np = K >> 4;
         float sum = 0.f;
@@ -1358,6 +1373,22 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #endif  // WS
     cp_async_wait<0>();  // no copy may still be in flight when shared memory is reused below
     STAMP(3);
+#if RN_IN == 2
+    // rstd from the tile sums that came with x (RN_IN 1's order), before the epilogue reuses shared memory:
+    // its first barrier (or this one) orders it before the outputs
+    for (int m = warp; m < XR; m += WARPS) {
+        const int np = K >> 4;
+        float sum = 0.f;
+        for (int c = lane; c < np; c += 32) sum = __fadd_rn(sum, rn_sm[m * np + c]);
+        sum = pn_warp_sum(sum);
+        if (lane == 0)
+            rn_rstd[m] = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fmul_rn(sum, __int_as_float(rn_inv_bits)),
+                                                             __int_as_float(rn_eps_bits))));
+    }
+#if KW == 1 && !GU_SILU
+    __syncthreads();  // (the plain epilogue has no barrier of its own)
+#endif
+#endif
     if (TRIGGER == 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #if !WGMMA
 #pragma unroll
