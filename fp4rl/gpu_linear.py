@@ -179,7 +179,9 @@ def rn_out_run(owner, data, scale, g, x2: torch.Tensor, res: torch.Tensor, norm:
         try:
             gemv_cuda.launch(x2, copy, g, xt, cfg=cfg, rn_out=(res, xo, norm.weight, ss))
             return xo, xt, ss
-        except RuntimeError as exc:
+        except (ValueError, TypeError):  # operands it does not take: this call runs unsplit
+            return None
+        except RuntimeError as exc:  # NVRTC or the driver refused it: unsplit from now on
             _rn_failed(exc)
             return None
     if RN_EMULATE:
@@ -203,6 +205,8 @@ def rn_in_run(owner, data, scale, g, xt: torch.Tensor, ss: torch.Tensor, eps: fl
         try:
             gemv_cuda.launch(xt, copy, g, y, cfg=cfg, silu_out=both, rn_in=(ss, eps))
             return y if both or not silu_out else fused.silu_mul(y)[0]
+        except (ValueError, TypeError):  # operands it does not take: this call on the plain GEMM below
+            pass
         except RuntimeError as exc:
             _rn_failed(exc)
     y = resnorm.consume(owner.run(xt), ss, eps)

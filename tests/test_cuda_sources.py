@@ -445,6 +445,8 @@ def test_rn_builds_need_the_dense_w4a16_in_cta_split():
             gemv_cuda.source(c, False, xg_row, grouped)), c
     log = _compile_error(gemv_cuda.source(dict(kw, KW=1, RN_OUT=1), False))
     assert "RN_OUT is for the in-CTA split" in log
+    log = _compile_error(gemv_cuda.source(dict(kw, KW=2, NT=3, RN_OUT=1), False))  # 192 rows a CTA
+    assert "RN_OUT: a thread's epilogue columns must be one" in log
     for extra in ({"GU_SILU": 1}, {"RN_IN": 1}):
         assert "RN_OUT writes x' and xt of a plain y" in _compile_error(
             gemv_cuda.source(dict(kw, RN_OUT=1, **extra), False)), extra

@@ -8,6 +8,7 @@ sites' torch stand-ins (gpu_linear.RN_EMULATE). The builds compile: tests/test_c
 consumer against the plain launch times rstd (bit for bit where rstd is a power of two), GU_SILU too, under a
 CUDA graph; decoding with RESNORM on and off."""
 
+import gpu_decode_cases
 import numpy as np
 import pytest
 import torch
@@ -110,6 +111,9 @@ def test_rn_ok_refuses_what_the_builds_do_not_cover():
     assert not gemv_cuda.rn_ok(dict(plain, KW=4), 1024 + 16)  # N not a multiple of the CTA's 32 rows
     for key in ("PRENORM", "SILU", "GROUPED"):
         assert not gemv_cuda.rn_ok(dict(plain, KW=2, **{key: 1}), 1024), key
+    # the producer's thread t finishes column t % NB only: NB (here 192 rows) must divide its 256 threads
+    assert not gemv_cuda.rn_ok(dict(plain, KW=2, NT=3), 768) and gemv_cuda.rn_ok(dict(plain, KW=2, NT=3), 768,
+                                                                                  out=False)
 
 
 def test_launch_refuses_bad_rn_operands():
@@ -133,12 +137,73 @@ def test_launch_refuses_bad_rn_operands():
         gemv_cuda.launch(x, wc, g, y, cfg=cfg, rn_out=(res, xo, nw[:256], ss))
     with pytest.raises(ValueError, match=r"ss \(the tile sums\) must be a contiguous torch.float32 \[2, 32"):
         gemv_cuda.launch(x, wc, g, y, cfg=cfg, rn_out=(res, xo, nw, ss.double()))
-    with pytest.raises(ValueError, match="must not share storage"):
+    with pytest.raises(ValueError, match="must not overlap"):
         gemv_cuda.launch(x, wc, g, y, cfg=cfg, rn_out=(res, res, nw, ss))
+    in_y = y.view(torch.float32).view(-1)[:64].view(2, 32)  # (ss over y's bytes)
+    with pytest.raises(ValueError, match="must not overlap"):
+        gemv_cuda.launch(x, wc, g, y, cfg=cfg, rn_out=(res, xo, nw, in_y))
     with pytest.raises(ValueError, match="the residual must be bfloat16"):
         gemv_cuda.launch(x, wc, g, y, cfg=cfg, rn_out=(res.float(), xo, nw, ss))
     with pytest.raises(ValueError, match=r"rn_in: ss .* must be a contiguous torch.float32 \[2, 32\]"):
         gemv_cuda.launch(x, wc, g, y, cfg=cfg, rn_in=(ss[:, :16], 1e-6))
+
+
+def _failing_kernels(monkeypatch, exc):
+    """The sites' RN plan as if the kernel took every call (while RN_STATE is ok), its launch raising exc."""
+    from types import SimpleNamespace
+
+    monkeypatch.setitem(gpu_linear.RN_STATE, "ok", True)
+    monkeypatch.setattr(gpu_linear, "_rn_plan", lambda owner, data, scale, rows, device, out: (
+        SimpleNamespace(n=data.shape[0], k=2 * data.shape[1]), dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=2))
+        if gpu_linear.RN_STATE["ok"] else None)
+
+    def launch(*a, **kw):
+        raise exc
+
+    monkeypatch.setattr(gemv_cuda, "launch", launch)
+
+
+def test_a_failing_kernel_falls_back(monkeypatch):
+    """A RuntimeError from the RN launch (NVRTC or the driver) turns the split off with a warning: rn_out_run
+    returns None (the caller runs unsplit) and rn_in_run gives resnorm.consume of the plain GEMM (the producer
+    already ran); a ValueError (operands the launch does not take) falls back for that call only."""
+    monkeypatch.setattr(gpu_linear, "TUNE", False)
+    s = Sampler(tiny(WIDE, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
+                eos_token_ids=[], kernels=True)
+    layer = s.engine.model.model.layers[0]
+    o, gu = layer.self_attn.o_proj, layer.mlp.gate_proj.group
+    x2, res = _bf16((1, 128), 11).to(DEV), _bf16((1, 128), 12).to(DEV)
+    xp, xt, ss = resnorm.produce(res, o.run(x2), layer.post_attention_layernorm.weight)
+    want = fused.silu_mul(resnorm.consume(gu.run(xt), ss, 1e-6))[0]
+    _failing_kernels(monkeypatch, ValueError("not these operands (test)"))
+    assert o.rn_out(x2, res, layer.post_attention_layernorm) is None and gpu_linear.RN_STATE["ok"]
+    assert torch.equal(gu.rn_in(xt, ss, 1e-6, silu_out=True), want) and gpu_linear.RN_STATE["ok"]
+    _failing_kernels(monkeypatch, RuntimeError("NVRTC refused RN_OUT (test)"))
+    with pytest.warns(UserWarning, match="RN_OUT / RN_IN build failed"):
+        assert o.rn_out(x2, res, layer.post_attention_layernorm) is None
+    assert not gpu_linear.RN_STATE["ok"] and not o.rn_takes(1, x2.device, out=True)
+    _failing_kernels(monkeypatch, RuntimeError("the driver refused RN_IN (test)"))
+    with pytest.warns(UserWarning, match="RN_OUT / RN_IN build failed"):
+        assert torch.equal(gu.rn_in(xt, ss, 1e-6, silu_out=True), want)
+    assert not gpu_linear.RN_STATE["ok"]
+
+
+def test_the_step_runs_unsplit_after_a_failing_kernel(monkeypatch):
+    """RESNORM on, the first RN launch of the step failing: the step warns, runs every norm unsplit from there
+    and decodes the unsplit step's bits."""
+    monkeypatch.setattr(gpu_linear, "TUNE", False)
+    s = Sampler(tiny(WIDE, "nvfp4-w4a16"), kv_cache="bf16", device=DEV, dtype=torch.bfloat16,
+                eos_token_ids=[], kernels=True)
+    forced = torch.randint(0, V, (1, 2), generator=torch.Generator().manual_seed(13))
+    prompts = PROMPTS[:1]
+    monkeypatch.setattr(gpu_decode_cases, "PROMPTS", prompts)
+    base = teacher_forced_logits(s, forced)
+    _failing_kernels(monkeypatch, RuntimeError("NVRTC refused RN_OUT (test)"))
+    monkeypatch.setattr(gpu_decode, "RESNORM", True)
+    s.engine.reset_graphs()
+    with pytest.warns(UserWarning, match="RN_OUT / RN_IN build failed"):
+        got = teacher_forced_logits(s, forced)
+    assert not gpu_linear.RN_STATE["ok"] and torch.equal(got, base)
 
 
 def test_the_fused_step_splits_the_norms(monkeypatch):
@@ -257,14 +322,44 @@ def test_gpu_consumer_is_the_plain_launch_times_rstd(n, k, cfg, m, silu, at, mon
     approx = (y.float() * rstd[:, None]).bfloat16()
     ulp = torch.exp2(torch.floor(torch.log2(approx.float().abs().clamp_min(1e-30))) - 7)
     assert ((got.float() - approx.float()).abs() <= ulp).all()
-    assert (got == approx).float().mean() > 0.6  # (the double rounding agrees on ~3 in 4: 0.73-0.74, H100)
+    agree = (got == approx).float().mean().item()
+    assert 0.6 < agree < 0.95, agree  # one rounding, not two (which would agree everywhere): 0.73-0.74, H100
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,cfg,silu", [(6144, 4096, None, False), (24576, 4096, None, True),
+                                          (19456, 2560, None, True), (2048, 1024, dict(_KW, KW=4), True),
+                                          (1024, 512, _KW, False)])
+@pytest.mark.parametrize("at", [1, 2])
+def test_gpu_consumer_rstd_bit_for_bit(n, k, cfg, silu, at, monkeypatch):
+    """With one-hot rows of x and power-of-two per-row global scales the plain launch's sums are exact, so
+    RN_IN's y = bf16((acc g) rstd) is bf16(y_plain * resnorm.rstd) bit for bit, rstd from random tile sums per
+    row (its sum order and row indexing; silu_mul of it with GU_SILU), 1-8 rows, both places rstd is made."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    monkeypatch.setattr(gemv_cuda, "RN_IN_AT", at)
+    _, wc = _gpu_weight(n, k, seed=n + 3 * k)
+    gen = torch.Generator().manual_seed(n + at)
+    g = torch.exp2(torch.randint(-3, 4, (n,), generator=gen).float()).cuda()
+    for m in ((1,) if cfg is None else (1, 3, 8)):
+        run_cfg = cfg or gemv_cuda._plan(n, k, m, 0)
+        x = torch.zeros(m, k, dtype=torch.bfloat16)
+        x[torch.arange(m), torch.randint(0, k, (m,), generator=gen)] = 1.0
+        x = x.cuda()
+        y = gemv_cuda.launch(x, wc, g, torch.empty(m, n, dtype=torch.bfloat16, device="cuda"), cfg=run_cfg)
+        scales = torch.exp2(torch.randint(-6, 6, (m, k // 16), generator=gen).float())
+        ss = (torch.rand(m, k // 16, generator=gen) * scales).cuda()
+        want = (y.float() * resnorm.rstd(ss, k, 1e-6)[:, None]).bfloat16()
+        got = torch.full((m, n // 2 if silu else n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        gemv_cuda.launch(x, wc, g, got, cfg=run_cfg, silu_out=silu, rn_in=(ss, 1e-6))
+        assert torch.equal(got, fused.silu_mul(want)[0] if silu else want), (m, at)
 
 
 @pytest.mark.gpu
 def test_gpu_greedy_decoding_with_the_split_norms(monkeypatch):
     """One prompt decoded greedily under CUDA graphs with RESNORM on (every norm but the first and last
-    split: the kernels take every GEMM of RN_MODEL at one row) and off: the kernels ran; log-probs within
-    0.05."""
+    split: the kernels take every GEMM of RN_MODEL at one row; 2L - 1 producer and as many consumer launches a
+    step) and off: the same tokens up to the first that parts, log-probs within 0.05 there."""
     monkeypatch.setattr(gpu_linear, "TUNE", False)
     launched = []
     real = gemv_cuda.launch
@@ -277,9 +372,14 @@ def test_gpu_greedy_decoding_with_the_split_norms(monkeypatch):
         s = Sampler(tiny(RN_MODEL, "nvfp4-w4a16"), kv_cache="bf16", device="cuda", eos_token_ids=[])
         out = s.generate([[5, 17, 99, 3]], SamplingParams(greedy=True, max_new_tokens=8))
         assert s.engine.graph_error is None and s.engine.counts["replays"] > 0
-        assert ("out" in launched and "in" in launched) == on, launched[:8]
+        pairs = launched.count("out")
+        per_step = 2 * RN_MODEL["num_hidden_layers"] - 1
+        assert (pairs > 0 and launched.count("in") == pairs and pairs % per_step == 0) == on, launched[:8]
         outs.append(out[0])
     assert gpu_linear.RN_STATE["ok"]
     a, b = outs
-    n = min(len(a.logprobs), len(b.logprobs))
-    assert max(abs(p - q) for p, q in zip(a.logprobs[:n], b.logprobs[:n])) < 0.05
+    same = 0  # the tokens before the first that parts (each chosen from the same context in both)
+    while same < min(len(a.completion_ids), len(b.completion_ids)) and \
+            a.completion_ids[same] == b.completion_ids[same]:
+        same += 1
+    assert same >= 1 and max(abs(p - q) for p, q in zip(a.logprobs[:same], b.logprobs[:same])) < 0.05

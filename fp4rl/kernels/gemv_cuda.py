@@ -377,9 +377,7 @@ def gu_silu_ok(cfg: dict, n: int) -> bool:
 # where an RN_IN consumer makes rstd (gemv_mma16.cu; the same bits): 1 one warp a row from L2 while x lands,
 # before the stream; 2 from the tile sums copied with x into shared memory, after the stream (FP4RL_RN_IN:
 # A/B)
-RN_IN_AT = int(os.environ.get("FP4RL_RN_IN", "1"))
-if RN_IN_AT not in (1, 2):
-    raise ValueError(f"FP4RL_RN_IN={RN_IN_AT}: use 1 (rstd before the stream) or 2 (after it)")
+RN_IN_AT = _env_choice("FP4RL_RN_IN", "1", ("1", "2"), "1 (rstd before the stream) or 2 (after it)")
 
 
 def rn_ok(cfg: dict, n: int, out: bool = True) -> bool:
@@ -390,13 +388,20 @@ def rn_ok(cfg: dict, n: int, out: bool = True) -> bool:
     if cfg["SPLIT"] != 1 or any(cfg.get(key) for key in ("XSTREAM", "WGMMA", "WS", "PRENORM", "SILU",
                                                          "GROUPED")):
         return False
-    return not out or (cfg.get("KW", 1) > 1 and n % block_rows(cfg) == 0)
+    nb = block_rows(cfg)  # (RN_OUT: a thread's columns are t % NB, so NB must divide the CTA's threads)
+    return not out or (cfg.get("KW", 1) > 1 and n % nb == 0 and (warps(cfg) * 32) % nb == 0)
 
 
 def _rn_check(what: str, t: torch.Tensor, dtype, shape: tuple, device, fix: str) -> None:
     if t.dtype != dtype or tuple(t.shape) != shape or t.device != device or not t.is_contiguous():
         raise ValueError(f"{what} must be a contiguous {dtype} {list(shape)} on {device}, got {t.dtype} "
                          f"{list(t.shape)} on {t.device} (contiguous: {t.is_contiguous()}); {fix}")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' byte ranges intersect."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _rn_args(m: int, n: int, k: int, y, rn_out, rn_in, dev) -> tuple[dict, list]:
@@ -411,14 +416,16 @@ def _rn_args(m: int, n: int, k: int, y, rn_out, rn_in, dev) -> tuple[dict, list]
         _rn_check("rn_out: xo (the next residual)", xo, torch.bfloat16, (m, n), dev, "pass a new tensor")
         _rn_check("rn_out: the norm weight", nw, torch.bfloat16, (n,), dev, "pass the next RMSNorm's weight")
         _rn_check("rn_out: ss (the tile sums)", ss, torch.float32, (m, n // 16), dev, "pass a new tensor")
-        if xo.data_ptr() in (res.data_ptr(), y.data_ptr()):
-            raise ValueError("rn_out: xo must not share storage with the residual or y (a thread reads its "
-                             "residual element after other CTAs may have written theirs)")
+        if _overlap(xo, res) or _overlap(xo, y) or _overlap(ss, y) or _overlap(ss, xo):
+            raise ValueError("rn_out: xo and ss must not overlap the residual, y or each other (the epilogue "
+                             "writes x', xt and the tile sums side by side); pass new tensors")
         return {"RN_OUT": 1}, [res, xo, nw, ss, res.stride(0), 0, 0]
     if rn_in is not None:
         ss, eps = rn_in
         _rn_check("rn_in: ss (the producer's tile sums)", ss, torch.float32, (m, k // 16), dev,
                   "pass what the producer's rn_out wrote")
+        if ss.data_ptr() % 16:  # (RN_IN 2 copies the rows with 16-byte cp.async)
+            raise ValueError("rn_in: ss must be 16-byte aligned (a fresh tensor is); pass the producer's own")
         return {"RN_IN": RN_IN_AT}, [y, y, y, ss, 0, resnorm.f32_bits(1.0 / k), resnorm.f32_bits(eps)]
     return {}, []
 

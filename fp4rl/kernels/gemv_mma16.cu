@@ -288,6 +288,9 @@ static_assert((WARPS * 32) % (WARPS / KW * NT * 16) == 0, "GSR: a thread's epilo
 #if RN_OUT && (GU_SILU || RN_IN)
 #error "RN_OUT writes x' and xt of a plain y: no GU_SILU or RN_IN with it"
 #endif
+#if RN_OUT
+static_assert((WARPS * 32) % (WARPS / KW * NT * 16) == 0, "RN_OUT: a thread's epilogue columns must be one");
+#endif
 #if GU_SILU
 // logical n-tile lt -> the weight's n-tile: the first half of a CTA's TW NT tiles are gate's, the second half
 // the same rows' tiles of up (ntiles / 2 further)
