@@ -469,6 +469,21 @@ def test_rn_builds_read_what_the_previous_kernels_wrote_after_the_wait():
     assert "ld.global.cg.f32" not in _ptx(gemv_cuda.source(cfg, False), "sm_90")
 
 
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288), (5120, 5120)])
+def test_rn_out_waits_for_the_residual_only_in_its_epilogue(n, k):
+    """RN_OUT's residual load (issued after the wait, while x lands) is first read after the weight stream's
+    last MMA: its first build converted it right after the staging barrier, so each CTA's first warp waited
+    an L2 round trip before streaming (the producer GEMMs of Qwen3-8B / 14B at one row)."""
+    insns = _sass_insns(gemv_cuda.source({**gemv_cuda.choose(n, k, 1, 132), "RN_OUT": 1}, False))
+    loads = [i for i, (op, _) in enumerate(insns) if op.startswith("LDG.E.U16.STRONG")]
+    assert loads, "the residual's ld.global.cg.b16"
+    reg = re.match(r"(R\d+),", insns[loads[0]][1]).group(1)
+    last_mma = max(i for i, (op, _) in enumerate(insns) if op.startswith("HMMA"))
+    reads = [i for i, (_, args) in enumerate(insns) if i > loads[0]
+             and re.search(rf"\b{reg}\b", args.split(",", 1)[1] if "," in args else "")]
+    assert reads and min(reads) > last_mma, (reg, loads[0], min(reads, default=None), last_mma)
+
+
 def test_gu_silu_build_pairs_gate_and_up_tiles_in_each_cta():
     """The GU_SILU source: each logical n-tile streams its physical tile through PTILE (gate's half of the
     CTA's tiles, then up's from N / 2), the three epilogues (SPLIT 1, KW, the cluster) call silu_up1 on the

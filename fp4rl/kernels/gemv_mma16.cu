@@ -326,12 +326,16 @@ __device__ __forceinline__ int ld_routing(const int* p) {
 #endif
 }
 #if RN_OUT || RN_IN
-// what the previous kernels wrote (the residual, the tile sums): L2 loads kept after griddepcontrol.wait
-__device__ __forceinline__ float ld_bf16_cg(const u16* p) {
+// what the previous kernels wrote (the residual, the tile sums): L2 loads kept after griddepcontrol.wait. The
+// residual's bits stay a u16 until the epilogue: converted where it is read (as a float at the load), ptxas
+// placed the conversion right after the staging barrier, and the warp waited there for the L2 round trip
+// before its stream (SASS of the first build)
+__device__ __forceinline__ u16 ld_u16_cg(const u16* p) {
     u16 v;
     asm volatile("ld.global.cg.b16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
-    return __uint_as_float((u32)v << 16);
+    return v;
 }
+__device__ __forceinline__ float bf16_bits_float(u16 v) { return __uint_as_float((u32)v << 16); }
 __device__ __forceinline__ float ld_f32_cg(const float* p) {
     float v;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
@@ -994,8 +998,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #if RN_OUT
     // the residual element thread t adds in the epilogue (row t / NB, its column), read while x lands; the
     // elements past the first 256 (more than 256 / NB rows) are read there
-    const float rn_r_early = (int)threadIdx.x < XR * NB
-        ? ld_bf16_cg(rn_res + (u64)(threadIdx.x / NB) * rn_stride_r + blockIdx.x * NB + threadIdx.x % NB) : 0.f;
+    const u16 rn_r_early = (int)threadIdx.x < XR * NB
+        ? ld_u16_cg(rn_res + (u64)(threadIdx.x / NB) * rn_stride_r + blockIdx.x * NB + threadIdx.x % NB) : 0;
 #endif
 #if RN_IN
     __shared__ float rn_rstd[XROWS];
@@ -1476,7 +1480,8 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #else
                 const float gg = WG_ROW ? wg[n] * 256.f : gs;
 #endif
-                const float r = e < WARPS * 32 ? rn_r_early : ld_bf16_cg(rn_res + (u64)m * rn_stride_r + n);
+                const float r = bf16_bits_float(e < WARPS * 32 ? rn_r_early
+                                                               : ld_u16_cg(rn_res + (u64)m * rn_stride_r + n));
                 const float xp = bf16_float(__fadd_rn(r, bf16_float(p[0] * gg)));
                 rn_xo[(u64)m * N + n] = to_bf16(xp);
                 y[(u64)m * stride_ym + n] = to_bf16(__fmul_rn(rn_w_early, xp));
