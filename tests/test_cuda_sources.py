@@ -234,6 +234,16 @@ def _gemm_configs():
         yield f"mma16 rn_in2 gu_silu {n}x{k} m1", {**gemv_cuda.choose(n, k, 1, sms), "RN_IN": 2,
                                                    "GU_SILU": 1}, "sm_90"
     yield "mma16 rn_in2 1024x512 m16", dict(NT=1, MG=2, SPLIT=1, DEPTH=2, RN_IN=2), "sm_90"
+    # GU_SILU's row scales read early (GSU): the three Qwen3 gate | ups at one row, with RN_IN 1 / 2, 8 rows
+    for n, k in ((24576, 4096), (34816, 5120), (19456, 2560)):
+        yield f"mma16 gu_silu gsu {n}x{k} m1", {**gemv_cuda.choose(n, k, 1, sms), "GU_SILU": 1, "GSU": 1}, \
+            "sm_90"
+    yield "mma16 gu_silu gsu rn_in 24576x4096 m1", {**gemv_cuda.choose(24576, 4096, 1, sms), "GU_SILU": 1,
+                                                     "GSU": 1, "RN_IN": 1}, "sm_90"
+    yield "mma16 gu_silu gsu rn_in2 19456x2560 m1", {**gemv_cuda.choose(19456, 2560, 1, sms), "GU_SILU": 1,
+                                                      "GSU": 1, "RN_IN": 2}, "sm_90"
+    yield "mma16 gu_silu gsu kw4 8192x2048 m8", dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=4, GU_SILU=1, GSU=1), \
+        "sm_90"
     yield "mma16 rn_in kw2 1024x512 m8", dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=2, RN_IN=1), "sm_90"
 
 
@@ -482,6 +492,24 @@ def test_rn_out_waits_for_the_residual_only_in_its_epilogue(n, k):
     reads = [i for i, (_, args) in enumerate(insns) if i > loads[0]
              and re.search(rf"\b{reg}\b", args.split(",", 1)[1] if "," in args else "")]
     assert reads and min(reads) > last_mma, (reg, loads[0], min(reads, default=None), last_mma)
+
+
+@pytest.mark.parametrize("n,k", [(24576, 4096), (34816, 5120), (19456, 2560)])
+def test_gu_silu_row_scales_early_leave_nothing_to_load_after_the_stream(n, k):
+    """The one-row GU_SILU gate | ups with per-row scales: the default build loads its gate / up row scales
+    after the last MMA (an L2 round trip on each CTA's tail); GSU reads them before the stream and loads
+    nothing there. GSU is refused where x is not staged whole (the cluster)."""
+    cfg = {**gemv_cuda.choose(n, k, 1, 132), "GU_SILU": 1}
+
+    def late_loads(c):
+        insns = _sass_insns(gemv_cuda.source(c, True))
+        last_mma = max(i for i, (op, _) in enumerate(insns) if op.startswith("HMMA"))
+        return [op for op, _ in insns[last_mma:] if op.startswith("LDG")]
+
+    assert late_loads(cfg) and not late_loads({**cfg, "GSU": 1})
+    assert gemv_cuda.gsu_ok(cfg) and not gemv_cuda.gsu_ok(dict(cfg, KW=1, SPLIT=2))
+    log = _compile_error(gemv_cuda.source(dict(NT=1, MG=1, SPLIT=2, DEPTH=2, GU_SILU=1, GSU=1), True))
+    assert "GSU is for GU_SILU builds with SPLIT 1" in log
 
 
 def test_gu_silu_build_pairs_gate_and_up_tiles_in_each_cta():

@@ -122,6 +122,33 @@ def test_the_fused_step_runs_gate_up_with_silu_out(monkeypatch):
         assert ((a - c).norm(dim=-1) / c.norm(dim=-1)).max().item() < 1e-2
 
 
+def test_row_scales_early_are_a_key_of_per_row_gate_ups_only(monkeypatch):
+    """With GU_SILU_EARLY (FP4RL_GU_SILU_GSR=1) a GU_SILU launch with per-row global scales compiles the GSU
+    build where gsu_ok takes the configuration; one global scale, the cluster, or the switch off: no GSU."""
+    w = _weight(256, 512)
+    wc = gemv_cuda.relayout(w.data, w.block_scale)
+    x = torch.zeros(1, 512, dtype=torch.bfloat16)
+    keys = []
+
+    class Compiled(Exception):
+        pass
+
+    def kernel(key, dev):
+        keys.append(dict(key[:-3]))
+        raise Compiled
+
+    monkeypatch.setattr(gemv_cuda, "_kernel", kernel)
+    monkeypatch.setattr(gemv_cuda, "cuda_index", lambda t: 0)
+    rows = torch.rand(256) + 0.5
+    plain, cluster = dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=2), dict(NT=1, MG=1, SPLIT=2, DEPTH=2)
+    for on, g, cfg, want in ((True, rows, plain, True), (True, w.global_scale, plain, False),
+                             (True, rows, cluster, False), (False, rows, plain, False)):
+        monkeypatch.setattr(gemv_cuda, "GU_SILU_EARLY", on)
+        with pytest.raises(Compiled):
+            gemv_cuda.launch(x, wc, g, torch.empty(1, 128, dtype=torch.bfloat16), cfg=cfg, silu_out=True)
+        assert bool(keys[-1].get("GSU")) == want, (on, g.numel(), cfg)
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 
 
@@ -274,3 +301,27 @@ def test_gpu_greedy_decoding_with_and_without_the_epilogue(monkeypatch):
         outs.append(out)
     assert outs[0][0].completion_ids == outs[1][0].completion_ids
     assert outs[0][0].logprobs == outs[1][0].logprobs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i,k", [(12288, 4096), (9728, 2560), (1024, 1280)])
+def test_gpu_gu_silu_row_scales_early_are_the_same_bits(i, k, monkeypatch):
+    """GSU (FP4RL_GU_SILU_GSR=1: the gate and up row scales read before the stream) gives the default GU_SILU
+    launch's bits: the one-row plans of Qwen3-8B's (in-CTA split) and 4B's (plain) gate | up, and the plain
+    and KW 2 / 4 builds at 1-8 rows, with the group's per-row scales and random ones."""
+    if not gemv_cuda.available():
+        pytest.skip("needs a Hopper GPU and torch.cuda._compile_kernel")
+    _, _, wc, _, g_rows, g_rand = _gpu_gate_up(i, k, seed=41)
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(42)).bfloat16().cuda()
+    small = [dict(NT=1, MG=1, SPLIT=1, DEPTH=2), dict(NT=1, MG=1, SPLIT=1, DEPTH=2, KW=2),
+             dict(NT=1, MG=1, SPLIT=1, DEPTH=3, KW=4)]
+    cfgs = [None] if i != 1024 else small
+    for cfg in cfgs:
+        for m in (1,) if cfg is None else (1, 5, 8):
+            for g in (g_rows, g_rand):
+                out = []
+                for on in (False, True):
+                    monkeypatch.setattr(gemv_cuda, "GU_SILU_EARLY", on)
+                    a = torch.full((m, i), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    out.append(gemv_cuda.launch(x[:m], wc, g, a, cfg=cfg, silu_out=True))
+                assert not out[0].isnan().any() and torch.equal(out[0], out[1]), (cfg, m)

@@ -69,6 +69,11 @@ DEPTH_ONE_ROW = int(os.environ.get("FP4RL_MMA16_DEPTH1", "0"))
 # of in the epilogue (gemv_mma16.cu GSR; the same bits; one of the three dependent L2 round trips taken out of
 # the decode GEMMs' paths in the thirty-second session, gemv_cuda_grouped has the other two; "0" for A/B)
 ROW_SCALE_EARLY = os.environ.get("FP4RL_MMA16_GSR", "1") != "0"
+# GU_SILU builds with per-row global scales (a fused gate | up) on the plain and in-CTA split epilogues: each
+# thread's gate and up row scales read before the stream (gemv_mma16.cu GSU; the same bits): their epilogue
+# read them after the last MMA, an L2 round trip on every CTA's tail (SASS, sixtieth session). Off until a GPU
+# has run its bit tests and timed it (FP4RL_GU_SILU_GSR=1)
+GU_SILU_EARLY = os.environ.get("FP4RL_GU_SILU_GSR", "0") == "1"
 # stamps builds only (fp4rl.benchmarks.stamps): where the third stamp is taken (gemv_mma16.cu STAMP_AT)
 STAMP_AT = int(os.environ.get("FP4RL_MMA16_STAMP_AT", "0"))
 # CTAs per SM that ``choose``'s split of K may fill (1-16 rows: the same split for all of them). 3 takes
@@ -374,6 +379,14 @@ def gu_silu_ok(cfg: dict, n: int) -> bool:
     return tiles % 2 == 0 and (n // 2) % half == 0 and half % cfg["SPLIT"] == 0
 
 
+def gsu_ok(cfg: dict) -> bool:
+    """Whether a GU_SILU configuration has the GSU build (its row scales read before the stream): SPLIT 1 with
+    x staged whole (the plain and in-CTA split epilogues), a thread's logical column one (the CTA's NB / 2
+    gate rows divide its threads)."""
+    return (cfg["SPLIT"] == 1 and not cfg.get("XSTREAM") and not cfg.get("WGMMA")
+            and (warps(cfg) * 32) % (block_rows(cfg) // 2) == 0)
+
+
 # where an RN_IN consumer makes rstd (gemv_mma16.cu; the same bits): 1 one warp a row from L2 while x lands,
 # before the stream; 2 from the tile sums copied with x into shared memory, after the stream (FP4RL_RN_IN:
 # A/B)
@@ -613,6 +626,8 @@ def launch(x2: torch.Tensor, wc: Mma16Weight, global_scale: torch.Tensor, y: tor
             raise ValueError(f"silu_out: {what} has no GU_SILU build (gemv_cuda.gu_silu_ok); run the plain "
                              "launch and fused.silu_mul")
         cfg = {**cfg, "GU_SILU": 1}
+        if GU_SILU_EARLY and g.numel() > 1 and gsu_ok(cfg):
+            cfg["GSU"] = 1
     both = rn_out is not None and (silu_out or rn_in is not None)
     if (rn_out is not None or rn_in is not None) and (
             x_scale is not None or not rn_ok(cfg, wc.n, out=rn_out is not None) or both):

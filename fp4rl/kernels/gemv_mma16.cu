@@ -291,6 +291,15 @@ static_assert((WARPS * 32) % (WARPS / KW * NT * 16) == 0, "GSR: a thread's epilo
 #if RN_OUT
 static_assert((WARPS * 32) % (WARPS / KW * NT * 16) == 0, "RN_OUT: a thread's epilogue columns must be one");
 #endif
+#ifndef GSU
+#define GSU 0  // GU_SILU with per-row global scales (WG_ROW): each thread's gate / up row scales read early (below)
+#endif
+#if GSU && !(GU_SILU && SPLIT == 1 && !XSTREAM && !WGMMA)
+#error "GSU is for GU_SILU builds with SPLIT 1 (the plain and in-CTA split epilogues)"
+#endif
+#if GSU && KW > 1
+static_assert((WARPS * 32) % (NB / 2) == 0, "GSU: a thread's GU_SILU epilogue column must be one");
+#endif
 #if GU_SILU
 // logical n-tile lt -> the weight's n-tile: the first half of a CTA's TW NT tiles are gate's, the second half
 // the same rows' tiles of up (ntiles / 2 further)
@@ -896,6 +905,21 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
     const int gsr_n = blockIdx.x * NB + (int)threadIdx.x % NB;
     const float gsr_early = gsr_n < N ? wg[gsr_n] * 256.f : 0.f;
 #endif
+#if GSU && WG_ROW && KW > 1
+    // GSU (gemv_cuda.GU_SILU_EARLY): thread t finishes logical column t % (NB / 2) in the in-CTA split's GU_SILU
+    // epilogue below: its gate row's and up row's scales read now (nothing writes them in a step), not after the
+    // stream (an L2 round trip on the CTA's tail, after its last MMA, in the SASS). The same multiplies
+    const int gsu_n = blockIdx.x * (NB / 2) + (int)threadIdx.x % (NB / 2);
+    const float gsu_g = wg[gsu_n] * 256.f, gsu_u = wg[(N >> 1) + gsu_n] * 256.f;
+#elif GSU && WG_ROW
+    // GSU, SPLIT 1: the lane's 2 NT weight rows of the GU_SILU epilogue (PTILE(tile0 + j) * 16 + g + 8 hh)
+    float gsu_r[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+            gsu_r[j][hh] = ok[j] ? wg[PTILE(tile0 + j) * 16 + (lane >> 2) + 8 * hh] * 256.f : 0.f;
+#endif
 #if RN_OUT
     // RN_OUT: the next norm's weight at the one column thread t finishes in the epilogue (nl = t % NB: NB
     // divides the 256 threads; gemv_cuda.launch checks N % NB == 0), read-only during a step: before the wait
@@ -1446,10 +1470,16 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
 #pragma unroll
                     for (int r = 0; r + off < KW; r += 2 * off) p[r] += p[r + off];
                 const int n = h * (N >> 1) + blockIdx.x * (NB / 2) + nl;  // the weight's row
-#if RN_IN
-                gu[h] = bf16_float(__fmul_rn(p[0] * (WG_ROW ? wg[n] * 256.f : gs), rn_rstd[m]));
+#if GSU && WG_ROW
+                const float sc = h ? gsu_u : gsu_g;  // (n = h N / 2 + blockIdx.x NB / 2 + t % (NB / 2))
+                (void)n;
 #else
-                gu[h] = bf16_float(p[0] * (WG_ROW ? wg[n] * 256.f : gs));
+                const float sc = WG_ROW ? wg[n] * 256.f : gs;
+#endif
+#if RN_IN
+                gu[h] = bf16_float(__fmul_rn(p[0] * sc, rn_rstd[m]));
+#else
+                gu[h] = bf16_float(p[0] * sc);
 #endif
             }
             y[(u64)m * stride_ym + blockIdx.x * (NB / 2) + nl] = to_bf16(silu_up1(gu[0], gu[1]));
@@ -1536,7 +1566,12 @@ w4a16_mma16(const u16* __restrict__ x, const uint4* __restrict__ wt, const uint4
             for (int hh = 0; hh < 2; ++hh) {
                 const int n = PTILE(tile0 + j) * 16 + g + 8 * hh;  // the weight's row
                 const int nl = (warp * NT + j) * 16 + g + 8 * hh;  // the CTA's logical column
+#if GSU && WG_ROW && KW == 1
+                const float gn = gsu_r[j][hh];
+                (void)n;
+#else
                 const float gn = WG_ROW ? wg[n] * 256.f : gs;
+#endif
 #pragma unroll
                 for (int mg = 0; mg < MG; ++mg)
 #pragma unroll
